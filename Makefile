@@ -1,0 +1,46 @@
+# Everything a fresh machine needs: a virtualenv with the project and its test/demo
+# dependencies, generated CSI stubs, and the Go tools the tests run against.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+TOOLS  := $(CURDIR)/.tools/bin
+STAMP  := $(VENV)/.installed
+STUBS  := protos/csi_pb2.py protos/csi_pb2_grpc.py
+
+CSI_SANITY     := $(TOOLS)/csi-sanity
+FAKE_GCS       := $(TOOLS)/fake-gcs-server
+CSI_TEST_PKG   := github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity@v5.4.0
+FAKE_GCS_PKG   := github.com/fsouza/fake-gcs-server@v1.55.1
+
+.PHONY: setup tools test demo bench clean
+
+setup: $(STAMP) $(STUBS)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev,client]'
+	touch $@
+
+$(STUBS): protos/csi.proto $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. protos/csi.proto
+
+tools: $(CSI_SANITY) $(FAKE_GCS)
+
+$(CSI_SANITY):
+	GOBIN=$(TOOLS) go install $(CSI_TEST_PKG)
+
+$(FAKE_GCS):
+	GOBIN=$(TOOLS) go install $(FAKE_GCS_PKG)
+
+test: setup tools
+	PATH=$(TOOLS):$$PATH $(BIN)/python -m pytest -q -p no:cacheprovider
+
+demo: setup
+	$(BIN)/python examples/demo.py
+
+bench: setup
+	$(BIN)/python -m tests.bench.ramdisk_throughput
+
+clean:
+	rm -rf $(VENV) .tools $(STUBS) protos/csi_pb2.pyi

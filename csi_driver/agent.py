@@ -1,0 +1,127 @@
+"""The node agent (``mtc node``): the CSI plugin plus the node's HTTP side, in one process.
+
+gRPC serves kubelet from its own thread pool; the asyncio loop runs the HTTP side (health,
+metrics) and the idle-ramdisk reaper.
+"""
+
+import asyncio
+import dataclasses
+import logging
+import signal
+import threading
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, Gauge, generate_latest
+
+from csi_driver.identity import IdentityServicer
+from csi_driver.node import NodeServicer
+from csi_driver.ramdisk import RamdiskManager, make_backend
+from csi_driver.server import start_csi_server
+
+log = logging.getLogger(__name__)
+
+RAMDISK_BYTES = Gauge("mtc_ramdisk_size_bytes", "Size limit of each job ramdisk on this node", ["namespace", "job"])
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeConfig:
+    """Settings of one node agent, built once from ``mtc node`` flags.
+
+    Attributes:
+      node_id: this node's name (Kubernetes node name).
+      root: data directory; job tmpfs mounts live below it.
+      csi_endpoint: ``unix:///path`` the CSI plugin serves on.
+      listen: ``HOST:PORT`` of the HTTP side.
+      driver_name: CSI driver name reported by ``GetPluginInfo``.
+      ramdisk_backend: ``tmpfs`` (real, needs root) or ``dir`` (data on disk).
+      default_size_bytes: ramdisk size when a volume sets none, bytes.
+      retention_seconds: an idle ramdisk (no pod) is released after this long, seconds.
+      topology: topology labels, e.g. ``{"topology.kubernetes.io/zone": "a"}``.
+      coordinator: the coordinator's base URL, or None.
+      backup: the backup tier URL (``gs://bucket/prefix`` or ``file:///path``), or None.
+      pod_address: the address pods on this node are reachable at, or None for JobSet DNS.
+    """
+
+    node_id: str
+    root: str
+    csi_endpoint: str
+    listen: str
+    driver_name: str
+    ramdisk_backend: str = "tmpfs"
+    default_size_bytes: int = 1 << 30
+    retention_seconds: float = 24 * 3600
+    topology: dict[str, str] = dataclasses.field(default_factory=dict)
+    coordinator: str | None = None
+    backup: str | None = None
+    pod_address: str | None = None
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        host, _, port = self.listen.rpartition(":")
+        return host, int(port)
+
+
+_REAP_INTERVAL_SECONDS = 30.0
+
+
+class NodeAgent:
+    """Owns the ramdisk manager and the servers of one node."""
+
+    def __init__(self, config: NodeConfig):
+        self.config = config
+        self.ready = threading.Event()
+        self.manager = RamdiskManager(config.root, make_backend(config.ramdisk_backend))
+
+    def _make_http_app(self) -> web.Application:
+        async def healthz(request: web.Request) -> web.Response:
+            status = 200 if self.ready.is_set() else 503
+            return web.json_response({"node": self.config.node_id, "ready": self.ready.is_set()}, status=status)
+
+        async def metrics(request: web.Request) -> web.Response:
+            RAMDISK_BYTES.clear()
+            for (namespace, job), disk in self.manager.ramdisks().items():
+                RAMDISK_BYTES.labels(namespace, job).set(disk.size_bytes)
+            return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+        app = web.Application()
+        app.add_routes([web.get("/healthz", healthz), web.get("/metrics", metrics)])
+        return app
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Serves until ``stop`` is set."""
+        identity = IdentityServicer(self.config.driver_name, self.ready)
+        node = NodeServicer(self.manager, self.config.node_id, self.config.topology, self.config.default_size_bytes)
+        csi_server = start_csi_server(self.config.csi_endpoint, identity, node)
+        runner = web.AppRunner(self._make_http_app())
+        await runner.setup()
+        try:
+            survivors = await asyncio.to_thread(self.manager.recover)
+            log.info("recovered %d ramdisk(s): %s", len(survivors), [f"{d.namespace}/{d.job}" for d in survivors])
+            await web.TCPSite(runner, *self.config.host_port).start()
+            self.ready.set()
+            log.info("node agent %s ready (HTTP on %s)", self.config.node_id, self.config.listen)
+            while not stop.is_set():
+                released = await asyncio.to_thread(self.manager.reap_idle, self.config.retention_seconds)
+                for key in released:
+                    log.info("released idle ramdisk %s/%s after %.0f s retention", *key, self.config.retention_seconds)
+                try:
+                    await asyncio.wait_for(stop.wait(), _REAP_INTERVAL_SECONDS)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            self.ready.clear()
+            csi_server.stop(grace=5).wait()
+            await runner.cleanup()
+
+
+def run_node(config: NodeConfig) -> None:
+    """Runs the agent in the foreground until SIGTERM or SIGINT."""
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await NodeAgent(config).run(stop)
+
+    asyncio.run(main())

@@ -1,0 +1,146 @@
+"""``mtc``: the one console script. Each subcommand parses its flags into typed values here."""
+
+import argparse
+import logging
+import sys
+
+import grpc
+
+from csi_driver import kubelet
+from csi_driver.agent import NodeConfig, run_node
+from csi_driver.identity import DEFAULT_DRIVER_NAME
+from csi_driver.quantity import parse_quantity
+from csi_driver.ramdisk import JobBusy, RamdiskManager, make_backend
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    return key, value
+
+
+def _quantity(text: str) -> int:
+    try:
+        return parse_quantity(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _add_node(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("node", help="run this node's agent: the CSI plugin and the HTTP side")
+    p.add_argument("--node-id", required=True, help="this node's name")
+    p.add_argument("--root", required=True, help="data directory; job ramdisks are mounted below it")
+    p.add_argument("--csi-endpoint", required=True, help="unix:///path/csi.sock")
+    p.add_argument("--listen", required=True, help="HOST:PORT of the HTTP side (health, metrics)")
+    p.add_argument("--coordinator", help="coordinator base URL")
+    p.add_argument("--backup", help="backup tier URL: gs://bucket/prefix or file:///path")
+    p.add_argument("--topology", type=_key_value, action="append", default=[], help="topology label KEY=VALUE")
+    p.add_argument("--pod-address", help="address pods on this node are reachable at (local runs, hostNetwork)")
+    p.add_argument("--driver-name", default=DEFAULT_DRIVER_NAME, help="CSI driver name (default %(default)s)")
+    p.add_argument("--ramdisk-backend", choices=["tmpfs", "dir"], default="tmpfs",
+                   help="tmpfs (RAM, needs root) or dir (unprivileged: data lives on disk)")
+    p.add_argument("--default-size", type=_quantity, default=parse_quantity("1Gi"),
+                   help="ramdisk size when a volume sets none (default 1Gi)")
+    p.add_argument("--retention-seconds", type=float, default=24 * 3600.0,
+                   help="release a job's ramdisk this long after its last pod unpublished (default one day)")
+
+
+def _run_node(args: argparse.Namespace) -> int:
+    run_node(
+        NodeConfig(
+            node_id=args.node_id,
+            root=args.root,
+            csi_endpoint=args.csi_endpoint,
+            listen=args.listen,
+            driver_name=args.driver_name,
+            ramdisk_backend=args.ramdisk_backend,
+            default_size_bytes=args.default_size,
+            retention_seconds=args.retention_seconds,
+            topology=dict(args.topology),
+            coordinator=args.coordinator,
+            backup=args.backup,
+            pod_address=args.pod_address,
+        )
+    )
+    return 0
+
+
+def _add_publish(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("publish", help="call NodePublishVolume as kubelet would (kubelet stand-in)")
+    p.add_argument("--csi-endpoint", required=True)
+    p.add_argument("--target", required=True, help="target_path to mount the ramdisk at")
+    p.add_argument("--pod", required=True, help="pod name, e.g. myjob-slice-0-1-abcde")
+    p.add_argument("--namespace", default="default")
+    p.add_argument("--pod-uid", help="pod UID (default: a fresh random UID)")
+    p.add_argument("--volume-id", help="default: kubelet-style csi-<sha256(podUID+volume)>")
+    p.add_argument("--attr", type=_key_value, action="append", default=[], help="volumeAttributes KEY=VALUE")
+    p = sub.add_parser("unpublish", help="call NodeUnpublishVolume as kubelet would (kubelet stand-in)")
+    p.add_argument("--csi-endpoint", required=True)
+    p.add_argument("--target", required=True)
+    p.add_argument("--volume-id", default="unknown", help="the plugin finds the volume by target path")
+
+
+def _run_publish(args: argparse.Namespace) -> int:
+    volume_id = kubelet.publish(
+        args.csi_endpoint, args.target, args.pod, args.namespace, args.pod_uid, args.volume_id, dict(args.attr)
+    )
+    print(f"published {volume_id} at {args.target}")
+    return 0
+
+
+def _run_unpublish(args: argparse.Namespace) -> int:
+    kubelet.unpublish(args.csi_endpoint, args.target, args.volume_id)
+    print(f"unpublished {args.target}")
+    return 0
+
+
+def _add_gc(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("gc", help="release job ramdisks on this node (deletes their checkpoints)")
+    p.add_argument("--root", required=True, help="the node agent's --root")
+    p.add_argument("--ramdisk-backend", choices=["tmpfs", "dir"], default="tmpfs")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--job", help="NAMESPACE/JOB to release")
+    which.add_argument("--idle", action="store_true", help="release every ramdisk no pod has published")
+    p.add_argument("--force", action="store_true", help="release even while pods have it published")
+
+
+def _run_gc(args: argparse.Namespace) -> int:
+    manager = RamdiskManager(args.root, make_backend(args.ramdisk_backend))
+    if args.idle:
+        for namespace, job in manager.reap_idle(retention_seconds=0):
+            print(f"released {namespace}/{job}")
+        return 0
+    namespace, sep, job = args.job.partition("/")
+    if not sep:
+        print(f"--job {args.job!r} must be NAMESPACE/JOB", file=sys.stderr)
+        return 2
+    try:
+        released = manager.release(namespace, job, force=args.force)
+    except JobBusy as err:
+        print(f"FAILED_PRECONDITION: {err}; pass --force to release anyway", file=sys.stderr)
+        return 1
+    print(f"released {args.job}" if released else f"no ramdisk for {args.job}")
+    return 0
+
+
+_COMMANDS = {"node": _run_node, "publish": _run_publish, "unpublish": _run_unpublish, "gc": _run_gc}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mtc", description="Multi-tier checkpointing for ML training on Kubernetes.")
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_node, _add_publish, _add_gc):
+        add(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return _COMMANDS[args.command](args)
+    except grpc.RpcError as err:
+        print(f"{err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

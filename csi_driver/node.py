@@ -1,0 +1,125 @@
+"""CSI Node service: a thin translation of kubelet's calls into ``RamdiskManager`` calls.
+
+Arguments are checked first, in spec order (capability, volume id, target path), each answering
+INVALID_ARGUMENT; manager errors map to one status code each.
+"""
+
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from csi_driver import ramdisk
+from csi_driver.ramdisk import RamdiskManager
+from csi_driver.volume_request import InvalidVolumeRequest, VolumeSpec, parse_volume_context
+from protos import csi_pb2, csi_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+_STATUS_OF = {
+    ramdisk.InsufficientMemory: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ramdisk.ShrinkBelowUsage: grpc.StatusCode.FAILED_PRECONDITION,
+    ramdisk.TargetInUse: grpc.StatusCode.ALREADY_EXISTS,
+}
+_NODE_RPC = csi_pb2.NodeServiceCapability.RPC
+
+
+def _rpc_capability(rpc_type: int) -> csi_pb2.NodeServiceCapability:
+    return csi_pb2.NodeServiceCapability(rpc={"type": rpc_type})
+
+
+class NodeServicer(csi_pb2_grpc.NodeServicer):
+    """Publishes job ramdisks into pods.
+
+    Args:
+      manager: owns the ramdisks.
+      node_id: this node's id (``--node-id``).
+      topology: accessible topology segments (``--topology KEY=VALUE``).
+      default_size_bytes: ramdisk size when the volume has no ``size`` attribute, bytes.
+      on_publish: called with (target_path, VolumeSpec) after each successful publish.
+      on_unpublish: called with target_path after each successful unpublish.
+    """
+
+    def __init__(
+        self,
+        manager: RamdiskManager,
+        node_id: str,
+        topology: dict[str, str],
+        default_size_bytes: int,
+        on_publish: Callable[[str, VolumeSpec], None] = lambda target, spec: None,
+        on_unpublish: Callable[[str], None] = lambda target: None,
+    ):
+        self._manager = manager
+        self._node_id = node_id
+        self._topology = topology
+        self._default_size_bytes = default_size_bytes
+        self._on_publish = on_publish
+        self._on_unpublish = on_unpublish
+
+    def NodePublishVolume(self, request, context: grpc.ServicerContext):
+        if not request.HasField("volume_capability"):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "volume_capability is required")
+        if not request.volume_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "volume_id is required")
+        if not request.target_path:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "target_path is required")
+        if request.volume_capability.HasField("block"):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "block access is not supported: the ramdisk is a filesystem")
+        try:
+            spec = parse_volume_context(dict(request.volume_context), self._default_size_bytes)
+            self._manager.publish(request.volume_id, request.target_path, spec, readonly=request.readonly)
+        except InvalidVolumeRequest as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except ramdisk.RamdiskError as err:
+            context.abort(_STATUS_OF[type(err)], str(err))
+        log.info("published %s/%s for pod %s at %s", spec.namespace, spec.job, spec.pod_name, request.target_path)
+        self._on_publish(request.target_path, spec)
+        return csi_pb2.NodePublishVolumeResponse()
+
+    def NodeUnpublishVolume(self, request, context: grpc.ServicerContext):
+        if not request.volume_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "volume_id is required")
+        if not request.target_path:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "target_path is required")
+        if self._manager.unpublish(request.target_path) is not None:
+            log.info("unpublished %s", request.target_path)
+            self._on_unpublish(request.target_path)
+        return csi_pb2.NodeUnpublishVolumeResponse()
+
+    def NodeGetCapabilities(self, request, context):
+        return csi_pb2.NodeGetCapabilitiesResponse(
+            capabilities=[_rpc_capability(_NODE_RPC.GET_VOLUME_STATS), _rpc_capability(_NODE_RPC.VOLUME_CONDITION)]
+        )
+
+    def NodeGetInfo(self, request, context):
+        return csi_pb2.NodeGetInfoResponse(
+            node_id=self._node_id,
+            accessible_topology=csi_pb2.Topology(segments=self._topology) if self._topology else None,
+        )
+
+    def NodeGetVolumeStats(self, request, context: grpc.ServicerContext):
+        if not request.volume_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "volume_id is required")
+        if not request.volume_path:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "volume_path is required")
+        found = self._manager.find_by_target(request.volume_path)
+        if found is None or found[1].volume_id != request.volume_id:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"volume {request.volume_id} is not published at {request.volume_path}")
+        disk = found[0]
+        if not self._manager.is_healthy(disk):
+            return csi_pb2.NodeGetVolumeStatsResponse(
+                volume_condition={"abnormal": True, "message": f"ramdisk {disk.path} is no longer mounted"}
+            )
+        usage = self._manager.usage(disk)
+        unit = csi_pb2.VolumeUsage.Unit
+        return csi_pb2.NodeGetVolumeStatsResponse(
+            usage=[
+                csi_pb2.VolumeUsage(
+                    unit=unit.BYTES, total=usage.total_bytes, used=usage.used_bytes, available=usage.available_bytes
+                ),
+                csi_pb2.VolumeUsage(
+                    unit=unit.INODES, total=usage.total_inodes, used=usage.used_inodes, available=usage.available_inodes
+                ),
+            ],
+            volume_condition={"abnormal": False, "message": "ramdisk mounted"},
+        )

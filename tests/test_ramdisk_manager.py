@@ -1,0 +1,93 @@
+"""RamdiskManager without a socket: recovery from the mount table, retention, and parsing."""
+
+import os
+
+import pytest
+
+from csi_driver import mounts
+from csi_driver.quantity import parse_quantity
+from csi_driver.ramdisk import JobBusy, RamdiskManager, TmpfsBackend, make_backend
+from csi_driver.volume_request import InvalidVolumeRequest, parse_volume_context
+from examples.local_cluster import unmount_all_below
+from tests.conftest import requires_root
+
+
+def spec(job="train", pod="p", size=8 << 20, **extra):
+    context = {"csi.storage.k8s.io/pod.name": pod, "job": job, "size": str(size), **extra}
+    return parse_volume_context(context, default_size_bytes=1 << 20)
+
+
+@pytest.fixture
+def tmpfs_manager(tmp_path):
+    yield RamdiskManager(str(tmp_path / "root"), TmpfsBackend())
+    unmount_all_below(str(tmp_path))
+
+
+@requires_root
+def test_recover_adopts_tmpfs_missing_from_state_and_drops_vanished_ones(tmp_path, tmpfs_manager):
+    tmpfs_manager.publish("v1", str(tmp_path / "t1"), spec("kept"))
+    gone = tmpfs_manager.publish("v2", str(tmp_path / "t2"), spec("gone"))
+    # A crash between mount and state save: the tmpfs exists, the state file does not know it.
+    orphan = os.path.join(tmpfs_manager.root, "jobs", "default", "orphan")
+    os.makedirs(orphan)
+    mounts.mount_tmpfs(orphan, 4 << 20)
+    # A node reboot lost one ramdisk (and the pod's bind on it).
+    mounts.unmount(str(tmp_path / "t2"))
+    mounts.unmount(gone.path)
+
+    survivors = {(d.namespace, d.job): d for d in RamdiskManager(tmpfs_manager.root, TmpfsBackend()).recover()}
+    assert set(survivors) == {("default", "kept"), ("default", "orphan")}
+    assert survivors[("default", "orphan")].size_bytes == 4 << 20
+    assert survivors[("default", "orphan")].idle_since is not None
+    assert list(survivors[("default", "kept")].publications) == [str(tmp_path / "t1")]
+
+
+@requires_root
+def test_retention_releases_only_idle_ramdisks_past_ttl(tmp_path, tmpfs_manager):
+    tmpfs_manager.publish("v1", str(tmp_path / "busy"), spec("busy"))
+    tmpfs_manager.publish("v2", str(tmp_path / "idle"), spec("idle"))
+    idle = tmpfs_manager.unpublish(str(tmp_path / "idle"))
+    assert tmpfs_manager.reap_idle(retention_seconds=3600) == []
+    released = tmpfs_manager.reap_idle(retention_seconds=3600, now=idle.idle_since + 3601)
+    assert released == [("default", "idle")]
+    assert mounts.find_mount(idle.path) is None
+    with pytest.raises(JobBusy):
+        tmpfs_manager.release("default", "busy")
+
+
+def test_jobset_pod_name_gives_job_slice_and_worker():
+    parsed = parse_volume_context(
+        {"csi.storage.k8s.io/pod.name": "llama-slice-1-3-x7k2p", "csi.storage.k8s.io/pod.namespace": "ml", "nodes": "8", "slices": "2"},
+        default_size_bytes=1 << 30,
+    )
+    assert (parsed.job, parsed.slice_index, parsed.worker_index) == ("llama-slice", 1, 3)
+    assert (parsed.namespace, parsed.nodes, parsed.slices, parsed.size_bytes) == ("ml", 8, 2, 1 << 30)
+    assert parsed.jax_coordinator_port == 8476
+
+
+@pytest.mark.parametrize(
+    "extra, named",
+    [({"jaxCoordinatorPort": "70000"}, "jaxCoordinatorPort"), ({"slices": "0"}, "slices"), ({"size": "0"}, "size")],
+)
+def test_invalid_attributes_name_the_attribute(extra, named):
+    with pytest.raises(InvalidVolumeRequest, match=named):
+        spec(**extra)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("512Mi", 512 << 20), ("2Gi", 2 << 30), ("60000Mi", 60000 << 20), ("1G", 10**9), ("1e9", 10**9), ("1.5Ki", 1536), ("7", 7)],
+)
+def test_parse_quantity(text, expected):
+    assert parse_quantity(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "-1Gi", "1.5", "12XB", "Gi"])
+def test_parse_quantity_rejects(text):
+    with pytest.raises(ValueError):
+        parse_quantity(text)
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(ValueError, match="tmpfs or dir"):
+        make_backend("zfs")
