@@ -37,7 +37,7 @@ test: setup tools
 	PATH=$(TOOLS):$$PATH $(BIN)/python -m pytest -q -p no:cacheprovider
 
 demo: setup
-	$(BIN)/python examples/demo.py
+	$(BIN)/python -m examples.demo
 
 bench: setup
 	$(BIN)/python -m tests.bench.ramdisk_throughput

@@ -1,0 +1,125 @@
+"""Ramdisk throughput: a published checkpoint volume against a raw tmpfs, in the same run.
+
+Measures sequential write (a 1 GiB file in 8 MiB blocks; open, fsync and close included) and
+sequential read of that file, through the target path that a real ``mtc node`` agent bind-mounts
+for a pod (``kubelet.publish``), and through a plain ``mount -t tmpfs`` of the same size.
+
+The raw tmpfs is the physical limit: both paths end in the same kernel page-cache copy to and
+from RAM, and the published volume only adds a bind mount and the agent's bookkeeping on top.
+So ours/raw near 1.0 means the driver costs nothing on the data path; the goal is >= 0.95.
+Paths alternate (and swap order each repetition) so machine noise hits both alike; medians
+are reported. Run as root: ``python -m tests.bench.ramdisk_throughput``.
+"""
+
+import contextlib
+import mmap
+import os
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+
+from csi_driver import kubelet
+from examples.local_cluster import NodeAgentProcess, unmount_all_below
+
+GiB = 1 << 30
+MiB = 1 << 20
+VOLUME_SIZE = 2560 * MiB
+FILE_SIZE = GiB
+BLOCK = 8 * MiB
+REPETITIONS = 5
+GOAL = 0.95
+
+
+def free_listen_address() -> str:
+    """A loopback HOST:PORT the kernel reports free."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def write_file(path: str, block: memoryview) -> float:
+    """Writes FILE_SIZE bytes of ``block`` repeated to ``path``; returns seconds incl. fsync and close."""
+    start = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for _ in range(FILE_SIZE // len(block)):
+            written = 0
+            while written < len(block):
+                written += os.write(fd, block[written:])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - start
+
+
+def read_file(path: str, block: memoryview) -> float:
+    """Reads ``path`` to its end into ``block``; returns seconds incl. open and close."""
+    start = time.perf_counter()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        total = 0
+        while n := os.readv(fd, [block]):
+            total += n
+    finally:
+        os.close(fd)
+    elapsed = time.perf_counter() - start
+    if total != FILE_SIZE:
+        raise RuntimeError(f"read {total} bytes of {path}, expected {FILE_SIZE}")
+    return elapsed
+
+
+def measure(dirs: dict[str, str]) -> dict[tuple[str, str], list[float]]:
+    """GiB/s per (path name, operation) over REPETITIONS, alternating paths and their order."""
+    buffer = mmap.mmap(-1, BLOCK)  # page-aligned, reused for every write and read
+    buffer.write(os.urandom(BLOCK))
+    block = memoryview(buffer)
+    rates: dict[tuple[str, str], list[float]] = {}
+    names = list(dirs)
+    for rep in range(REPETITIONS):
+        for name in names if rep % 2 == 0 else names[::-1]:
+            path = os.path.join(dirs[name], "bench.bin")
+            rates.setdefault((name, "write"), []).append(FILE_SIZE / GiB / write_file(path, block))
+            rates.setdefault((name, "read"), []).append(FILE_SIZE / GiB / read_file(path, block))
+            os.unlink(path)
+    block.release()
+    buffer.close()
+    return rates
+
+
+def report(rates: dict[tuple[str, str], list[float]]) -> None:
+    print(f"{'operation':<10}{'ours GiB/s':>12}{'raw GiB/s':>12}{'ours/raw':>10}  goal")
+    for op in ("write", "read"):
+        ours, raw = statistics.median(rates["ours", op]), statistics.median(rates["raw", op])
+        ratio = ours / raw
+        verdict = "PASS" if ratio >= GOAL else "BELOW"
+        print(f"{op:<10}{ours:>12.2f}{raw:>12.2f}{ratio:>10.3f}  >= {GOAL} {verdict}")
+    print(f"(median of {REPETITIONS}; {FILE_SIZE // MiB} MiB file, {BLOCK // MiB} MiB blocks, "
+          f"{VOLUME_SIZE // MiB} MiB volumes)")
+
+
+def main() -> None:
+    with contextlib.ExitStack() as cleanup:
+        workdir = tempfile.mkdtemp(prefix="mtc-bench-")
+        # Registered first, so it runs last: whatever is still mounted below workdir goes.
+        cleanup.callback(subprocess.run, ["rm", "-rf", "--one-file-system", workdir], check=False)
+        cleanup.callback(unmount_all_below, workdir)
+
+        agent = NodeAgentProcess("bench", os.path.join(workdir, "agent"), free_listen_address(), "tmpfs")
+        cleanup.callback(agent.stop)
+        agent.start()
+        target = os.path.join(workdir, "pods", "bench-pod", "volumes", "ramdisk")
+        volume_id = kubelet.publish(agent.endpoint, target, "bench-pod",
+                                    attributes={"job": "bench", "size": str(VOLUME_SIZE)})
+        cleanup.callback(kubelet.unpublish, agent.endpoint, target, volume_id)
+
+        raw = os.path.join(workdir, "raw")
+        os.mkdir(raw)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={VOLUME_SIZE}", "mtc-bench-raw", raw], check=True)
+
+        report(measure({"ours": target, "raw": raw}))
+
+
+if __name__ == "__main__":
+    main()
