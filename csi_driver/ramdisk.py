@@ -26,12 +26,11 @@ import psutil
 from csi_driver import mounts
 from csi_driver.quantity import format_bytes, parse_quantity
 from csi_driver.volume_request import VolumeSpec
+from replicator.orbax_protocol import JAX_INIT_INFO_FILE
 
 log = logging.getLogger(__name__)
 
 CLIENT_DIR = "client"
-# A stale jax-init-info.txt would hand a new incarnation the previous one's rank.
-JAX_INIT_INFO_FILE = "jax-init-info.txt"
 _STATE_FILE = "state.json"
 _LOCK_FILE = ".lock"
 _TMPFS_SOURCE = "mtc-ramdisk"

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from csi_driver import kubelet, mounts
-from csi_driver.ramdisk import JAX_INIT_INFO_FILE
+from replicator.orbax_protocol import JAX_INIT_INFO_FILE
 from protos import csi_pb2, csi_pb2_grpc
 from tests.conftest import requires_root
 

@@ -1,0 +1,188 @@
+"""Pure decisions of the coordinator: rank assignment and restore planning.
+
+No I/O: inputs are what node agents reported, outputs are plans, so this can be tested with
+thousands of fake nodes.
+"""
+
+import dataclasses
+import enum
+from collections.abc import Iterable, Mapping
+
+
+@dataclasses.dataclass(frozen=True)
+class PodSlot:
+    """A live, published pod of a job.
+
+    Attributes:
+      pod_uid: the pod's UID.
+      node_id: the node it runs on.
+      slice_index: JobSet job index, or None.
+      worker_index: JobSet pod index within the slice, or None.
+      published_at: unix seconds of its NodePublishVolume.
+    """
+
+    pod_uid: str
+    node_id: str
+    slice_index: int | None
+    worker_index: int | None
+    published_at: float
+
+
+class Tier(enum.IntEnum):
+    """Restore sources, fastest first."""
+
+    LOCAL = 0  # the node's own ramdisk
+    PEER_CLOSE = 1  # another node in the same topology block
+    PEER_DISTANT = 2  # another node elsewhere
+    BACKUP = 3  # object storage
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCopy:
+    """A committed, checksummed copy of one rank's data for one step, held somewhere.
+
+    Attributes:
+      step: the training step.
+      rank: the node rank whose data it is.
+      holder: node id holding it (or ``"backup"`` for object storage).
+      backup: True when ``holder`` is the object-storage tier.
+    """
+
+    step: int
+    rank: int
+    holder: str
+    backup: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where a rank can restore a step from."""
+
+    tier: Tier
+    holder: str
+    data_rank: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RestorePlan:
+    """The step every rank restores and, per rank, its sources in preference order.
+
+    ``step`` is None when no step is restorable: every rank starts fresh (Orbax's ``s0`` marker).
+    """
+
+    step: int | None
+    sources: Mapping[int, tuple[Source, ...]]
+
+
+def select_pods(pods: Iterable[PodSlot], nodes: int) -> list[PodSlot] | None:
+    """The pods that form the incarnation: the newest ``nodes`` pods, or None while fewer are live.
+
+    Older pods drop out: they belong to a previous incarnation whose unpublish has not arrived yet.
+    """
+    newest = sorted(pods, key=lambda p: (-p.published_at, p.pod_uid))[:nodes]
+    return newest if len(newest) == nodes else None
+
+
+def assign_ranks(
+    pods: list[PodSlot],
+    nodes: int,
+    slices: int,
+    newest_held: Mapping[str, Mapping[int, int]],
+    kept: Mapping[str, int] | None = None,
+) -> dict[str, int]:
+    """Gives each pod of a complete incarnation a distinct rank in ``range(nodes)``.
+
+    Order of preference: a rank the pod already has (``kept``, e.g. after a coordinator restart);
+    then the rank whose newest data the pod's node holds (newest step first); then the initial
+    rank ``slice * nodes_per_slice + worker``; then any free rank.
+
+    Args:
+      pods: exactly ``nodes`` pods (see ``select_pods``).
+      nodes: the job's node count.
+      slices: the job's slice count; ``nodes`` is a multiple of it.
+      newest_held: node id -> {rank: newest committed step of that rank's own data on the node}.
+      kept: pod uid -> rank already assigned to it.
+
+    Returns:
+      pod uid -> rank.
+
+    Raises:
+      ValueError: ``len(pods) != nodes``.
+    """
+    if len(pods) != nodes:
+        raise ValueError(f"an incarnation needs {nodes} pods, got {len(pods)}")
+    ranks: dict[str, int] = {}
+    taken: set[int] = set()
+
+    def give(pod_uid: str, rank: int) -> None:
+        if pod_uid not in ranks and rank not in taken and 0 <= rank < nodes:
+            ranks[pod_uid] = rank
+            taken.add(rank)
+
+    for pod in pods:
+        if kept and pod.pod_uid in kept:
+            give(pod.pod_uid, kept[pod.pod_uid])
+    local_data = sorted(
+        ((step, rank, pod.pod_uid) for pod in pods for rank, step in newest_held.get(pod.node_id, {}).items()),
+        key=lambda item: (-item[0], item[1], item[2]),
+    )
+    for _, rank, pod_uid in local_data:
+        give(pod_uid, rank)
+    per_slice = nodes // slices
+    for pod in pods:
+        if pod.slice_index is not None and pod.worker_index is not None and pod.worker_index < per_slice:
+            give(pod.pod_uid, pod.slice_index * per_slice + pod.worker_index)
+    free = iter(sorted(set(range(nodes)) - taken))
+    for pod in sorted(pods, key=lambda p: (p.slice_index or 0, p.worker_index or 0, p.pod_uid)):
+        if pod.pod_uid not in ranks:
+            give(pod.pod_uid, next(free))
+    return ranks
+
+
+def plan_restore(
+    nodes: int,
+    node_of_rank: Mapping[int, str],
+    copies: Iterable[StepCopy],
+    block_of: Mapping[str, str] | None = None,
+    usable_tiers: frozenset[Tier] = frozenset(Tier),
+) -> RestorePlan:
+    """Picks the newest step that every rank can restore, and each rank's sources.
+
+    A step qualifies only if each rank ``0..nodes-1`` has at least one copy reachable through
+    ``usable_tiers`` from the node it is assigned to; otherwise an older step is tried.
+
+    Args:
+      nodes: the job's node count.
+      node_of_rank: rank -> node id of this incarnation.
+      copies: every verified copy the cluster reported.
+      block_of: node id -> topology block, to tell close peers from distant ones.
+      usable_tiers: tiers the restore may use.
+
+    Returns:
+      The plan; ``step`` is None when nothing qualifies.
+    """
+    block_of = block_of or {}
+    by_step: dict[int, dict[int, list[StepCopy]]] = {}
+    for copy in copies:
+        by_step.setdefault(copy.step, {}).setdefault(copy.rank, []).append(copy)
+    for step in sorted(by_step, reverse=True):
+        sources = {rank: _ranked_sources(by_step[step].get(rank, []), node_of_rank[rank], block_of, usable_tiers) for rank in range(nodes)}
+        if all(sources.values()):
+            return RestorePlan(step, sources)
+    return RestorePlan(None, {rank: () for rank in range(nodes)})
+
+
+def _tier(copy: StepCopy, target: str, block_of: Mapping[str, str]) -> Tier:
+    if copy.backup:
+        return Tier.BACKUP
+    if copy.holder == target:
+        return Tier.LOCAL
+    same_block = block_of.get(copy.holder) is not None and block_of.get(copy.holder) == block_of.get(target)
+    return Tier.PEER_CLOSE if same_block else Tier.PEER_DISTANT
+
+
+def _ranked_sources(
+    copies: list[StepCopy], target: str, block_of: Mapping[str, str], usable: frozenset[Tier]
+) -> tuple[Source, ...]:
+    ranked = sorted((_tier(c, target, block_of), c.holder, c.rank) for c in copies)
+    return tuple(Source(tier, holder, rank) for tier, holder, rank in ranked if tier in usable)

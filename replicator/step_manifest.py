@@ -1,0 +1,84 @@
+"""Per-file checksums of a committed step: what every tier verifies before data reaches Orbax.
+
+A manifest is JSON ``{"step": S, "rank": R, "files": {"<relative posix path>": [size, "<crc32c hex>"]}}``;
+CRC32C is the checksum GCS uses, so one value serves the peer and the backup tiers.
+"""
+
+import dataclasses
+import json
+import os
+
+import google_crc32c
+
+_CHUNK_BYTES = 4 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class StepManifest:
+    """Checksums of one rank's data for one step.
+
+    Attributes:
+      step: the training step.
+      rank: the node rank whose data the directory holds.
+      files: relative posix path -> (size bytes, CRC32C as 8 hex digits).
+    """
+
+    step: int
+    rank: int
+    files: dict[str, tuple[int, str]]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(size for size, _ in self.files.values())
+
+    def to_json(self) -> str:
+        return json.dumps({"step": self.step, "rank": self.rank, "files": self.files}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "StepManifest":
+        raw = json.loads(text)
+        return cls(int(raw["step"]), int(raw["rank"]), {p: (int(s), str(c)) for p, (s, c) in raw["files"].items()})
+
+
+def file_crc32c(path: str) -> str:
+    """CRC32C of a file's bytes, as 8 lowercase hex digits; reads in 4 MiB chunks."""
+    checksum = google_crc32c.Checksum()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK_BYTES):
+            checksum.update(chunk)
+    return checksum.digest().hex()
+
+
+def _walk_files(step_dir: str):
+    for directory, _, names in os.walk(step_dir):
+        for name in names:
+            path = os.path.join(directory, name)
+            yield os.path.relpath(path, step_dir).replace(os.sep, "/"), path
+
+
+def build_manifest(step_dir: str, step: int, rank: int) -> StepManifest:
+    """Checksums every regular file under ``step_dir``.
+
+    Raises:
+      OSError: a file vanished or could not be read.
+    """
+    return StepManifest(step, rank, {rel: (os.path.getsize(p), file_crc32c(p)) for rel, p in sorted(_walk_files(step_dir))})
+
+
+def verify_step(step_dir: str, manifest: StepManifest) -> list[str]:
+    """Compares ``step_dir`` with ``manifest``.
+
+    Returns:
+      One line per problem (missing, unexpected, wrong size, checksum mismatch); empty when intact.
+    """
+    found = dict(_walk_files(step_dir))
+    problems = [f"unexpected file {rel}" for rel in sorted(set(found) - set(manifest.files))]
+    for rel, (size, crc) in sorted(manifest.files.items()):
+        path = found.get(rel)
+        if path is None:
+            problems.append(f"missing file {rel}")
+        elif os.path.getsize(path) != size:
+            problems.append(f"{rel}: {os.path.getsize(path)} bytes, expected {size}")
+        elif file_crc32c(path) != crc:
+            problems.append(f"{rel}: crc32c mismatch")
+    return problems
