@@ -5,9 +5,11 @@ metrics) and the idle-ramdisk reaper.
 """
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import signal
+import socket
 import threading
 
 from aiohttp import web
@@ -17,6 +19,7 @@ from csi_driver.identity import IdentityServicer
 from csi_driver.node import NodeServicer
 from csi_driver.ramdisk import RamdiskManager, make_backend
 from csi_driver.server import start_csi_server
+from replicator.node_replicator import NodeReplicator
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +63,14 @@ class NodeConfig:
         host, _, port = self.listen.rpartition(":")
         return host, int(port)
 
+    @property
+    def url(self) -> str:
+        """The HTTP base URL peers and the coordinator reach this agent at."""
+        host, port = self.host_port
+        if host in ("", "0.0.0.0", "::"):
+            host = socket.gethostbyname(socket.gethostname())
+        return f"http://{host}:{port}"
+
 
 _REAP_INTERVAL_SECONDS = 30.0
 
@@ -71,6 +82,11 @@ class NodeAgent:
         self.config = config
         self.ready = threading.Event()
         self.manager = RamdiskManager(config.root, make_backend(config.ramdisk_backend))
+        self.replicator = (
+            NodeReplicator(config.node_id, config.url, config.pod_address, config.topology, self.manager, config.coordinator)
+            if config.coordinator
+            else None
+        )
 
     def _make_http_app(self) -> web.Application:
         async def healthz(request: web.Request) -> web.Response:
@@ -90,7 +106,10 @@ class NodeAgent:
     async def run(self, stop: asyncio.Event) -> None:
         """Serves until ``stop`` is set."""
         identity = IdentityServicer(self.config.driver_name, self.ready)
-        node = NodeServicer(self.manager, self.config.node_id, self.config.topology, self.config.default_size_bytes)
+        poke = (lambda *_: self.replicator.poke()) if self.replicator else (lambda *_: None)
+        node = NodeServicer(
+            self.manager, self.config.node_id, self.config.topology, self.config.default_size_bytes, poke, poke
+        )
         csi_server = start_csi_server(self.config.csi_endpoint, identity, node)
         runner = web.AppRunner(self._make_http_app())
         await runner.setup()
@@ -100,14 +119,15 @@ class NodeAgent:
             await web.TCPSite(runner, *self.config.host_port).start()
             self.ready.set()
             log.info("node agent %s ready (HTTP on %s)", self.config.node_id, self.config.listen)
+            replicating = asyncio.create_task(self.replicator.run(stop)) if self.replicator else None
             while not stop.is_set():
                 released = await asyncio.to_thread(self.manager.reap_idle, self.config.retention_seconds)
                 for key in released:
                     log.info("released idle ramdisk %s/%s after %.0f s retention", *key, self.config.retention_seconds)
-                try:
+                with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(stop.wait(), _REAP_INTERVAL_SECONDS)
-                except asyncio.TimeoutError:
-                    pass
+            if replicating:
+                await replicating
         finally:
             self.ready.clear()
             csi_server.stop(grace=5).wait()

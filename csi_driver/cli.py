@@ -1,6 +1,7 @@
 """``mtc``: the one console script. Each subcommand parses its flags into typed values here."""
 
 import argparse
+import json
 import logging
 import sys
 
@@ -11,6 +12,8 @@ from csi_driver.agent import NodeConfig, run_node
 from csi_driver.identity import DEFAULT_DRIVER_NAME
 from csi_driver.quantity import parse_quantity
 from csi_driver.ramdisk import JobBusy, RamdiskManager, make_backend
+from replicator.coordinator import CoordinatorConfig, run_coordinator
+from replicator.status import fetch_status, render_status
 
 
 def _key_value(text: str) -> tuple[str, str]:
@@ -124,14 +127,50 @@ def _run_gc(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"node": _run_node, "publish": _run_publish, "unpublish": _run_unpublish, "gc": _run_gc}
+def _add_coordinator(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("coordinator", help="run the cluster's coordinator (ranks, restore plans)")
+    p.add_argument("--listen", required=True, help="HOST:PORT")
+    p.add_argument("--state-dir", help="keeps a snapshot to warm a restart; node reports rebuild everything anyway")
+    p.add_argument("--node-timeout-seconds", type=float, default=15.0, help="a silent node is gone after this long")
+
+
+def _run_coordinator(args: argparse.Namespace) -> int:
+    run_coordinator(CoordinatorConfig(args.listen, args.state_dir, args.node_timeout_seconds))
+    return 0
+
+
+def _add_status(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="jobs, ranks, and which steps are held where")
+    p.add_argument("--coordinator", required=True, help="coordinator base URL")
+    p.add_argument("--job", help="only this job")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    try:
+        status = fetch_status(args.coordinator, args.job)
+    except OSError as err:
+        print(f"UNAVAILABLE: coordinator {args.coordinator}: {err}", file=sys.stderr)
+        return 1
+    print(json.dumps(status, indent=2) if args.json else render_status(status))
+    return 0
+
+
+_COMMANDS = {
+    "node": _run_node,
+    "publish": _run_publish,
+    "unpublish": _run_unpublish,
+    "gc": _run_gc,
+    "coordinator": _run_coordinator,
+    "status": _run_status,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mtc", description="Multi-tier checkpointing for ML training on Kubernetes.")
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_node, _add_publish, _add_gc):
+    for add in (_add_node, _add_publish, _add_gc, _add_coordinator, _add_status):
         add(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

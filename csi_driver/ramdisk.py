@@ -26,7 +26,7 @@ import psutil
 from csi_driver import mounts
 from csi_driver.quantity import format_bytes, parse_quantity
 from csi_driver.volume_request import VolumeSpec
-from replicator.orbax_protocol import JAX_INIT_INFO_FILE
+from replicator.orbax_protocol import clear_previous_pod
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +58,12 @@ class JobBusy(RamdiskError):
 
 @dataclasses.dataclass
 class Publication:
-    """One pod's bind mount of a job's client directory."""
+    """One pod's bind mount of a job's client directory; ``published_at`` is unix seconds."""
 
     volume_id: str
     readonly: bool
     spec: VolumeSpec
+    published_at: float
 
 
 @dataclasses.dataclass
@@ -243,7 +244,7 @@ class RamdiskManager:
         ramdisks = {}
         for item in raw["ramdisks"]:
             publications = {
-                target: Publication(p["volume_id"], p["readonly"], VolumeSpec(**p["spec"]))
+                target: Publication(p["volume_id"], p["readonly"], VolumeSpec(**p["spec"]), p["published_at"])
                 for target, p in item.pop("publications").items()
             }
             disk = Ramdisk(publications=publications, **item)
@@ -291,8 +292,9 @@ class RamdiskManager:
     def publish(self, volume_id: str, target_path: str, spec: VolumeSpec, readonly: bool = False) -> Ramdisk:
         """Mounts the job's ramdisk at ``target_path``, creating or resizing it first.
 
-        Idempotent: publishing the same target again succeeds. Every publish removes a stale
-        ``jax-init-info.txt`` so a new incarnation never reads the previous one's rank.
+        Idempotent: publishing the same target again succeeds. A new pod's publish removes a stale
+        ``jax-init-info.txt`` (and the rest of the previous pod's protocol files) so a new
+        incarnation never reads the previous one's rank.
 
         Raises:
           InsufficientMemory: ``spec.size_bytes`` exceeds available memory plus the job's usage.
@@ -316,9 +318,11 @@ class RamdiskManager:
                 self._resize(disk, spec.size_bytes)
             if not attached:
                 self.backend.attach(disk.client_dir, target_path, readonly)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(disk.client_dir, JAX_INIT_INFO_FILE))
-            disk.publications[target_path] = Publication(volume_id, readonly, spec)
+            previous = disk.publications.get(target_path)
+            same_pod = previous is not None and previous.spec.pod_uid == spec.pod_uid
+            if not same_pod:  # a new pod must never read the previous one's rank
+                clear_previous_pod(disk.client_dir)
+            disk.publications[target_path] = Publication(volume_id, readonly, spec, previous.published_at if same_pod else time.time())
             disk.idle_since = None
             return disk
 

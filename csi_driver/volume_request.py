@@ -41,6 +41,8 @@ class VolumeSpec:
       slice_index: the pod's slice (JobSet job index), or None when unknown.
       worker_index: the pod's index within its slice (JobSet pod index), or None when unknown.
       jax_coordinator_port: the port rank 0 listens on for ``jax.distributed``.
+      subdomain: the JobSet name, the DNS subdomain pods are reachable under
+        (``<pod name without suffix>.<subdomain>``).
     """
 
     namespace: str
@@ -53,6 +55,7 @@ class VolumeSpec:
     slice_index: int | None
     worker_index: int | None
     jax_coordinator_port: int
+    subdomain: str
 
 
 def _dns_label(name: str, value: str) -> str:
@@ -80,7 +83,8 @@ def parse_volume_context(context: dict[str, str], default_size_bytes: int) -> Vo
     Args:
       context: kubelet's pod-info keys plus the pod's ``volumeAttributes``: ``job`` (optional for
         JobSet pod names), ``nodes``, ``slices`` (default 1), ``size`` (a Kubernetes quantity),
-        ``jaxCoordinatorPort`` (default 8476), and optionally ``slice`` / ``worker``.
+        ``jaxCoordinatorPort`` (default 8476), and optionally ``slice`` / ``worker`` and ``jobset``
+        (the DNS subdomain; default ``job``).
       default_size_bytes: the size used when ``size`` is absent, bytes.
 
     Returns:
@@ -128,4 +132,5 @@ def parse_volume_context(context: dict[str, str], default_size_bytes: int) -> Vo
         slice_index=_integer(context, "slice", default_slice, minimum=0),
         worker_index=_integer(context, "worker", default_worker, minimum=0),
         jax_coordinator_port=port,
+        subdomain=_dns_label("jobset", context.get("jobset") or job),
     )

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import grpc
 
@@ -119,3 +120,56 @@ class NodeAgentProcess:
                 return "".join(log.readlines()[-lines:])
         except FileNotFoundError:
             return ""
+
+
+@dataclasses.dataclass
+class CoordinatorProcess:
+    """One ``mtc coordinator`` process on loopback."""
+
+    workdir: str
+    listen: str
+    extra_args: list[str] = dataclasses.field(default_factory=list)
+    process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.listen}"
+
+    @property
+    def log_path(self) -> str:
+        return os.path.join(self.workdir, "coordinator.log")
+
+    def start(self, timeout: float = 30.0) -> "CoordinatorProcess":
+        """Starts the coordinator and waits for ``/healthz``.
+
+        Raises:
+          RuntimeError: it exited or did not answer within ``timeout`` seconds.
+        """
+        os.makedirs(self.workdir, exist_ok=True)
+        command = [sys.executable, "-m", "csi_driver.cli", "coordinator", "--listen", self.listen,
+                   "--state-dir", os.path.join(self.workdir, "state"), *self.extra_args]  # fmt: skip
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"coordinator exited with {self.process.returncode}")
+            try:
+                with urllib.request.urlopen(self.url + "/healthz", timeout=1):
+                    return self
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"coordinator not ready after {timeout} s")
+
+    def kill(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()

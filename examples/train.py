@@ -1,7 +1,7 @@
 """Multi-process JAX training example that checkpoints through Orbax MTC.
 
 The script exercises the workload side of Orbax multi-tier checkpointing
-(MTC) exactly the way MaxText does:
+(MTC) the way MaxText does:
 
 1. ``initialize_multi_tier_checkpointing(local_dir, ...)`` waits for the node
    agent to write ``jax-init-info.txt``, initializes ``jax.distributed`` from
@@ -36,6 +36,7 @@ would have gone to stdout, e.g. Gloo's connection messages, goes to stderr)::
   {"event": "restored", "step": 6 | null, "rank": 0}
   {"event": "step", "step": 7, "loss": 0.12, "time": 1700000000.0}  # rank 0
   {"event": "saved", "step": 9, "rank": 0}
+  {"event": "preempted", "step": 11, "rank": 0}  # after SIGTERM, see below
   {"event": "done", "rank": 0}
 
 A ``saved`` event is printed only after the save has finished, i.e. after the
@@ -43,6 +44,10 @@ step directory has been committed (renamed from ``<step>.orbax-checkpoint-tmp``
 to ``<step>``) in this process's local directory. Besides every multiple of
 ``--save-interval-steps``, Orbax's default save policy also saves the first
 step of a run that starts without any checkpoint (step 1).
+
+JAX's preemption service catches SIGTERM (it does not kill the process). When
+any process gets SIGTERM, all processes agree on a step, Orbax saves it, and
+the script stops after that step with a ``preempted`` event.
 
 Arguments that argparse does not know are handed to absl, e.g. ``--v=2``
 turns on Orbax's verbose MTC logging (on stderr).
@@ -66,7 +71,8 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint.experimental.emergency.multi_tier_checkpointing import (
     initialization as mtc_initialization,
 )
-from orbax.checkpoint.experimental.emergency.multi_tier_checkpointing import (
+# This module path works on Orbax 0.11.x and (as a re-export) on 0.12.x.
+from orbax.checkpoint.experimental.emergency import (
     replicator_checkpoint_manager as mtc_manager,
 )
 
@@ -109,8 +115,10 @@ class EnvProcessCountCluster(clusters.ClusterEnv):
 
 # Subclassing registers the environment at the end of the detection list; move
 # it to the front so that, e.g., JAX's Kubernetes detection cannot win in a pod.
-clusters.ClusterEnv._cluster_types.remove(EnvProcessCountCluster)  # pylint: disable=protected-access
-clusters.ClusterEnv._cluster_types.insert(0, EnvProcessCountCluster)  # pylint: disable=protected-access
+# pylint: disable=protected-access
+clusters.ClusterEnv._cluster_types.remove(EnvProcessCountCluster)
+clusters.ClusterEnv._cluster_types.insert(0, EnvProcessCountCluster)
+# pylint: enable=protected-access
 
 
 class EventStream:
@@ -264,7 +272,7 @@ def loss_fn(params: dict[str, jax.Array], x: jax.Array, y: jax.Array):
 
 
 def make_train_step(mesh: jax.sharding.Mesh):
-  """Returns the jitted SGD-with-momentum step ``(state, x, y) -> (state, loss)``."""
+  """Returns the jitted SGD + momentum step: (state, x, y) -> (state, loss)."""
   shardings = jax.tree.map(
       lambda s: jax.sharding.NamedSharding(mesh, s), state_specs()
   )
@@ -372,11 +380,17 @@ def main() -> None:
     loss_value = float(loss.addressable_data(0))
     if rank == 0:
       events.emit('step', step=step, loss=loss_value, time=time.time())
-    if manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state))):
+    save_args = ocp.args.Composite(state=ocp.args.PyTreeSave(state))
+    if manager.save(step, args=save_args):
       manager.wait_until_finished()
       events.emit('saved', step=step, rank=rank)
       if args.dump_dir:
         dump_state(args.dump_dir, rank, step, state)
+    if manager.reached_preemption(step):
+      # JAX turns SIGTERM into a preemption notice that all processes agree
+      # on at a common step; the save above has already covered that step.
+      events.emit('preempted', step=step, rank=rank)
+      break
     if args.step_sleep:
       time.sleep(args.step_sleep)
 

@@ -202,6 +202,15 @@ def write_restore_marker(local_dir: str, job: str, step: int, rank: int) -> str:
     return path
 
 
+def clear_previous_pod(local_dir: str) -> None:
+    """Removes what a previous pod's protocol run left: its rank, its unconsumed
+    ``replicator.yaml`` (Orbax waits for it to vanish before writing its own), reports and markers."""
+    for name in (JAX_INIT_INFO_FILE, REPLICATOR_FILE, ERRORS_FILE, FAILED_FILE):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(local_dir, name))
+    remove_markers(local_dir)
+
+
 def remove_markers(local_dir: str) -> None:
     """Removes restore markers a previous incarnation left unconsumed."""
     for name in os.listdir(local_dir):
@@ -219,3 +228,10 @@ def committed_steps(local_dir: str) -> list[int]:
         if _STEP_DIR.match(entry.name) and entry.is_dir():
             steps.append(int(entry.name))
     return sorted(steps)
+
+
+def held_steps(local_dir: str) -> list[int]:
+    """Committed steps plus steps staged for a restore marker: everything the dir holds."""
+    staged = [int(e.name[len(STAGED_PREFIX):]) for e in os.scandir(local_dir)
+              if e.name.startswith(STAGED_PREFIX) and e.name[len(STAGED_PREFIX):].isdigit() and e.is_dir()]  # fmt: skip
+    return sorted(set(committed_steps(local_dir)) | set(staged))

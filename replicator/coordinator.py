@@ -1,0 +1,201 @@
+"""``mtc coordinator``: one small aiohttp service per cluster, holding soft state only.
+
+Routes (JSON; errors are ``{"error": "..."}``):
+
+- ``POST /v1/report``: a node agent's ``NodeReport``; answers ``{"assignments": [Assignment]}``.
+- ``POST /v1/jobs/{namespace}/{job}/settings``: ``{"incarnation", "rank", "settings"}``.
+- ``GET  /v1/jobs/{namespace}/{job}/restore?incarnation=I&rank=R``: a ``RestoreView``.
+- ``POST /v1/jobs/{namespace}/{job}/restore``: ``{"incarnation", "generation", "rank", "bad": [[step, rank, holder]]}``.
+- ``GET  /v1/status[?job=NAME]``, ``GET /healthz``, ``GET /metrics``.
+"""
+
+import dataclasses
+import json
+import logging
+import os
+import time
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
+
+from replicator.cluster_state import ClusterState, JobState, UnknownIncarnation
+from replicator.messages import JobSettings, NodeReport, to_json
+
+log = logging.getLogger(__name__)
+
+_STATE_KEY = web.AppKey("state", ClusterState)
+_CONFIG_KEY = web.AppKey("config", "CoordinatorConfig")
+
+
+@dataclasses.dataclass(frozen=True)
+class CoordinatorConfig:
+    """Settings of ``mtc coordinator``.
+
+    Attributes:
+      listen: ``HOST:PORT``.
+      state_dir: where a snapshot of job settings is kept to warm a restart, or None. Only an
+        accelerator: node reports rebuild everything.
+      node_timeout_seconds: a node silent this long is gone, seconds.
+    """
+
+    listen: str
+    state_dir: str | None = None
+    node_timeout_seconds: float = 15.0
+
+
+class BadRequest(web.HTTPBadRequest):
+    def __init__(self, message: str):
+        super().__init__(text=json.dumps({"error": message}), content_type="application/json")
+
+
+async def _json_body(request: web.Request) -> dict:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise BadRequest(f"body is not JSON: {err}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("body must be a JSON object")
+    return body
+
+
+def _job_key(request: web.Request) -> tuple[str, str]:
+    return request.match_info["namespace"], request.match_info["job"]
+
+
+def _not_found(err: Exception) -> web.HTTPNotFound:
+    return web.HTTPNotFound(text=json.dumps({"error": str(err)}), content_type="application/json")
+
+
+async def post_report(request: web.Request) -> web.Response:
+    try:
+        report = NodeReport.from_json(await _json_body(request))
+    except ValueError as err:
+        raise BadRequest(str(err)) from None
+    assignments = request.app[_STATE_KEY].apply_report(report, time.time())
+    _save_snapshot(request.app)
+    return web.json_response({"assignments": to_json(assignments)})
+
+
+async def post_settings(request: web.Request) -> web.Response:
+    body = await _json_body(request)
+    try:
+        settings = JobSettings.from_json(body.get("settings"))
+        incarnation, rank = str(body["incarnation"]), int(body["rank"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise BadRequest(f"bad settings request: {err}") from None
+    try:
+        request.app[_STATE_KEY].record_settings(_job_key(request), incarnation, rank, settings)
+    except UnknownIncarnation as err:
+        raise _not_found(err) from None
+    _save_snapshot(request.app)
+    return web.json_response({"ok": True})
+
+
+async def get_restore(request: web.Request) -> web.Response:
+    try:
+        incarnation, rank = request.query["incarnation"], int(request.query["rank"])
+    except (KeyError, ValueError) as err:
+        raise BadRequest(f"incarnation and rank query parameters are required: {err}") from None
+    try:
+        view = request.app[_STATE_KEY].restore_view(_job_key(request), incarnation, rank)
+    except UnknownIncarnation as err:
+        raise _not_found(err) from None
+    return web.json_response(to_json(view))
+
+
+async def post_restore(request: web.Request) -> web.Response:
+    body = await _json_body(request)
+    try:
+        bad = [(int(step), int(rank), str(holder)) for step, rank, holder in body.get("bad", [])]
+        args = (str(body["incarnation"]), str(body["generation"]), int(body["rank"]))
+    except (ValueError, KeyError, TypeError) as err:
+        raise BadRequest(f"bad restore report: {err}") from None
+    try:
+        request.app[_STATE_KEY].report_staged(_job_key(request), args[0], args[1], args[2], bad)
+    except UnknownIncarnation as err:
+        raise _not_found(err) from None
+    return web.json_response({"ok": True})
+
+
+async def get_status(request: web.Request) -> web.Response:
+    state = request.app[_STATE_KEY]
+    state.expire(time.time())
+    status = state.status()
+    if "job" in request.query:
+        status["jobs"] = [j for j in status["jobs"] if j["job"] == request.query["job"]]
+    return web.json_response(status)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"ok": True})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[_STATE_KEY]
+    registry = CollectorRegistry()
+    newest = Gauge("mtc_newest_complete_step", "Newest step complete for every rank", ["namespace", "job"], registry=registry)
+    live = Gauge("mtc_live_nodes", "Node agents reporting", registry=registry)
+    live.set(len(state.nodes))
+    for key in state.jobs:
+        step = state.newest_complete_step(key)
+        if step is not None:
+            newest.labels(*key).set(step)
+    return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def _snapshot_path(app: web.Application) -> str | None:
+    state_dir = app[_CONFIG_KEY].state_dir
+    return os.path.join(state_dir, "settings.json") if state_dir else None
+
+
+def _save_snapshot(app: web.Application) -> None:
+    path = _snapshot_path(app)
+    if path is None:
+        return
+    snapshot = [
+        {"namespace": ns, "job": job, "settings": {str(r): dataclasses.asdict(s) for r, s in state.settings.items()}}
+        for (ns, job), state in app[_STATE_KEY].jobs.items()
+    ]
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(snapshot, f)
+    os.replace(path + ".tmp", path)
+
+
+def _load_snapshot(app: web.Application) -> None:
+    path = _snapshot_path(app)
+    if path is None or not os.path.exists(path):
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            for item in json.load(f):
+                job = app[_STATE_KEY].jobs.setdefault((item["namespace"], item["job"]), JobState())
+                job.settings.update({int(r): JobSettings.from_json(s) for r, s in item["settings"].items()})
+    except (OSError, ValueError, KeyError) as err:
+        log.warning("ignoring unreadable state snapshot %s: %s", path, err)
+
+
+def make_app(config: CoordinatorConfig) -> web.Application:
+    """The coordinator's aiohttp application."""
+    app = web.Application()
+    app[_CONFIG_KEY] = config
+    app[_STATE_KEY] = ClusterState(config.node_timeout_seconds)
+    if config.state_dir:
+        os.makedirs(config.state_dir, exist_ok=True)
+        _load_snapshot(app)
+    app.add_routes([
+        web.post("/v1/report", post_report),
+        web.post("/v1/jobs/{namespace}/{job}/settings", post_settings),
+        web.get("/v1/jobs/{namespace}/{job}/restore", get_restore),
+        web.post("/v1/jobs/{namespace}/{job}/restore", post_restore),
+        web.get("/v1/status", get_status),
+        web.get("/healthz", healthz),
+        web.get("/metrics", metrics),
+    ])  # fmt: skip
+    return app
+
+
+def run_coordinator(config: CoordinatorConfig) -> None:
+    """Serves until SIGTERM or SIGINT."""
+    host, _, port = config.listen.rpartition(":")
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    web.run_app(make_app(config), host=host, port=int(port), print=None)

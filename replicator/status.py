@@ -1,0 +1,37 @@
+"""``mtc status``: the coordinator's view of jobs as a readable table."""
+
+import json
+import urllib.parse
+import urllib.request
+
+
+def fetch_status(coordinator_url: str, job: str | None = None, timeout: float = 10.0) -> dict:
+    """GETs ``/v1/status`` from the coordinator.
+
+    Raises:
+      OSError: the coordinator is unreachable or answered an error.
+    """
+    query = "?" + urllib.parse.urlencode({"job": job}) if job else ""
+    with urllib.request.urlopen(coordinator_url.rstrip("/") + "/v1/status" + query, timeout=timeout) as response:
+        return json.load(response)
+
+
+def render_status(status: dict) -> str:
+    """Renders the status JSON as a table per job."""
+    lines = [f"nodes: {', '.join(status['nodes']) or '(none)'}"]
+    for job in status["jobs"]:
+        restore = job["restore"]
+        lines += [
+            "",
+            f"job {job['namespace']}/{job['job']}  incarnation {job['incarnation'] or '(waiting for pods: ' + str(job['waiting_pods']) + ')'}",
+            f"  newest complete step: {job['newest_complete_step']}",
+            f"  restored step: {restore['step'] if restore else '-'}",
+            f"  {'rank':>4}  {'node':<16} {'pod':<36} {'restored from':<22} steps held (step: nodes)",
+        ]
+        sources = restore["sources"] if restore else {}
+        held = job["held"]
+        for entry in job["ranks"]:
+            rank = str(entry["rank"])
+            steps = " ".join(f"{s}:{'+'.join(nodes)}" for s, nodes in sorted(held.get(rank, {}).items(), key=lambda i: int(i[0])))
+            lines.append(f"  {rank:>4}  {entry['node']:<16} {entry['pod']:<36} {sources.get(rank, '-'):<22} {steps or '-'}")
+    return "\n".join(lines)
