@@ -5,6 +5,7 @@ its own root, CSI socket and HTTP address; killing one with SIGKILL is what a no
 """
 
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -14,7 +15,7 @@ import urllib.request
 
 import grpc
 
-from csi_driver import mounts
+from csi_driver import kubelet, mounts
 from protos import csi_pb2, csi_pb2_grpc
 
 
@@ -173,3 +174,118 @@ class CoordinatorProcess:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+TRAIN_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
+
+
+@dataclasses.dataclass
+class Pod:
+    """A training pod: its published ramdisk and, once started, its training process."""
+
+    name: str
+    node: NodeAgentProcess
+    target: str
+    log_path: str
+    process: subprocess.Popen | None = None
+
+    def events(self) -> list[dict]:
+        """The JSON events the training process printed so far."""
+        try:
+            with open(self.log_path, encoding="utf-8") as log:
+                return [json.loads(line) for line in log if line.startswith("{")]
+        except FileNotFoundError:
+            return []
+
+
+@dataclasses.dataclass
+class LocalJob:
+    """A JobSet-like training job on local node agents: ``slices`` x ``nodes_per_slice`` pods,
+    pod ``i`` on node agent ``i``, each running ``examples/train.py`` in its ramdisk.
+
+    Attributes:
+      name: the JobSet name; pods are ``<name>-slice-<slice>-<worker>-<suffix>``.
+      agents: one node agent per pod.
+      workdir: where pod targets and logs go.
+      train_args: ``train.py`` flags besides the local dir and job shape.
+      slices: number of slices.
+      size: ramdisk size attribute.
+      jax_port: the JAX coordinator port (``jaxCoordinatorPort``).
+    """
+
+    name: str
+    agents: list[NodeAgentProcess]
+    workdir: str
+    train_args: list[str]
+    slices: int = 2
+    size: str = "256Mi"
+    jax_port: int = 8476
+    pods: list[Pod] = dataclasses.field(default_factory=list)
+    incarnations: int = 0
+
+    @property
+    def job(self) -> str:
+        """The job key the driver derives from the JobSet pod names."""
+        return f"{self.name}-slice"
+
+    def create_pods(self) -> list[Pod]:
+        """Publishes a new pod on every node, as kubelet does for a recreated JobSet."""
+        self.incarnations += 1
+        per_slice = len(self.agents) // self.slices
+        attrs = {"nodes": str(len(self.agents)), "slices": str(self.slices), "size": self.size,
+                 "jaxCoordinatorPort": str(self.jax_port), "jobset": self.name}  # fmt: skip
+        self.pods = []
+        for index, agent in enumerate(self.agents):
+            name = f"{self.job}-{index // per_slice}-{index % per_slice}-i{self.incarnations}"
+            target = os.path.join(self.workdir, "pods", name, "mount")
+            kubelet.publish(agent.endpoint, target, name, attributes=attrs)
+            self.pods.append(Pod(name, agent, target, os.path.join(self.workdir, "logs", f"{name}.jsonl")))
+        return self.pods
+
+    def start_training(self) -> None:
+        """Starts ``train.py`` in every pod; each learns its rank from ``jax-init-info.txt``."""
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "MTC_NUM_PROCESSES": str(len(self.agents))}
+        for pod in self.pods:
+            os.makedirs(os.path.dirname(pod.log_path), exist_ok=True)
+            with open(pod.log_path, "wb") as out, open(pod.log_path + ".stderr", "wb") as err:
+                pod.process = subprocess.Popen(
+                    [sys.executable, TRAIN_SCRIPT, "--local-dir", pod.target, "--run-name", self.name,
+                     "--num-slices", str(self.slices), "--nodes", str(len(self.agents)), *self.train_args],
+                    stdout=out, stderr=err, env=env,
+                )  # fmt: skip
+
+    def kill_training(self) -> None:
+        """SIGKILLs every training process, as a preemption or node failure would."""
+        for pod in self.pods:
+            if pod.process and pod.process.poll() is None:
+                pod.process.kill()
+                pod.process.wait()
+
+    def delete_pods(self) -> None:
+        """Kills the training processes and unpublishes the pods' volumes (kubelet's part)."""
+        self.kill_training()
+        for pod in self.pods:
+            kubelet.unpublish(pod.node.endpoint, pod.target)
+
+    def wait(self, condition, timeout: float, what: str) -> None:
+        """Waits until ``condition()`` holds; raises ``TimeoutError`` naming ``what`` and the logs."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if condition():
+                return
+            failed = [p for p in self.pods if p.process and p.process.poll() not in (None, 0)]
+            if failed:
+                raise RuntimeError(f"training process {failed[0].name} exited {failed[0].process.returncode}: {self._stderr(failed[0])}")
+            time.sleep(0.1)
+        raise TimeoutError(f"{what} not reached within {timeout} s; {self._stderr(self.pods[0])}")
+
+    def wait_done(self, timeout: float) -> None:
+        self.wait(lambda: all(p.process.poll() == 0 for p in self.pods), timeout, "training done")
+
+    @staticmethod
+    def _stderr(pod: Pod) -> str:
+        try:
+            with open(pod.log_path + ".stderr", encoding="utf-8", errors="replace") as f:
+                return f.read()[-3000:]
+        except FileNotFoundError:
+            return ""

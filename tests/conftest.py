@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from examples.local_cluster import NodeAgentProcess, can_mount_tmpfs, unmount_all_below
+from examples.local_cluster import CoordinatorProcess, NodeAgentProcess, can_mount_tmpfs, unmount_all_below
 
 requires_root = pytest.mark.skipif(not can_mount_tmpfs(), reason="mounting tmpfs needs root")
 
@@ -30,4 +30,24 @@ def start_agent(tmp_path):
     yield start
     for agent in agents:
         agent.stop()
+    unmount_all_below(str(tmp_path))
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """A coordinator and four node agents on 127.0.0.1-4 (two topology blocks), all real processes."""
+    coordinator = CoordinatorProcess(str(tmp_path / "coordinator"), free_listen_address()).start()
+    agents = [
+        NodeAgentProcess(
+            f"node-{i}",
+            str(tmp_path / f"node-{i}"),
+            free_listen_address(f"127.0.0.{i + 1}"),
+            "tmpfs" if can_mount_tmpfs() else "dir",
+            ["--coordinator", coordinator.url, "--pod-address", f"127.0.0.{i + 1}", "--topology", f"block=b{i // 2}"],
+        ).start()
+        for i in range(4)
+    ]
+    yield coordinator, agents
+    for process in [*agents, coordinator]:
+        process.stop()
     unmount_all_below(str(tmp_path))

@@ -1,0 +1,79 @@
+"""The node agents' side of the Orbax protocol, driven by hand (no training process)."""
+
+import os
+import time
+import urllib.request
+
+from csi_driver import kubelet
+from replicator.orbax_protocol import ERRORS_FILE, FAILED_FILE, JAX_INIT_INFO_FILE, REPLICATOR_FILE
+from replicator.status import fetch_status
+
+
+def wait_for(condition, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def publish_job(agents, tmp_path, suffix="a"):
+    targets = []
+    for i, agent in enumerate(agents):
+        target = tmp_path / "pods" / f"{suffix}{i}" / "mount"
+        attrs = {"nodes": "4", "slices": "2", "size": "32Mi", "jobset": "hand"}
+        kubelet.publish(agent.endpoint, str(target), f"hand-slice-{i // 2}-{i % 2}-{suffix}", attributes=attrs)
+        targets.append(target)
+    assert wait_for(lambda: all((t / JAX_INIT_INFO_FILE).exists() for t in targets))
+    return targets
+
+
+def yaml_for(rank, **override):
+    fields = {"job-name": "hand", "framework": "orbax", "assume-data-parallelism": 2, "node-rank": rank,
+              "nodes": 4, "peer-ranks": [(rank + 2) % 4], "backup-interval-minutes": 30, **override}  # fmt: skip
+    return "\n".join(f"{k}: {v}" for k, v in fields.items())
+
+
+def rank_of(target):
+    return int((target / JAX_INIT_INFO_FILE).read_text().split("\n")[0])
+
+
+def test_ranks_and_jax_coordinator_address_follow_jobset_order(cluster, tmp_path):
+    _, agents = cluster
+    targets = publish_job(agents, tmp_path)
+    infos = [(t / JAX_INIT_INFO_FILE).read_text() for t in targets]
+    assert infos == [f"{r}\n127.0.0.1:8476\n" for r in range(4)]  # rank 0 runs on node 0 (127.0.0.1)
+
+
+def test_invalid_replicator_yaml_fails_with_field_named_and_agent_keeps_running(cluster, tmp_path):
+    _, agents = cluster
+    targets = publish_job(agents, tmp_path)
+    bad = targets[1]
+    (bad / REPLICATOR_FILE).write_text(yaml_for(rank_of(bad), **{"node-rank": 3}))
+    assert wait_for(lambda: (bad / FAILED_FILE).exists())
+    assert "node-rank" in (bad / FAILED_FILE).read_text() and "3" in (bad / FAILED_FILE).read_text()
+    assert not (bad / REPLICATOR_FILE).exists()  # Orbax reads replicator.failed once the yaml is gone
+    good = targets[0]
+    (good / REPLICATOR_FILE).write_text(yaml_for(rank_of(good)))
+    assert wait_for(lambda: not (good / REPLICATOR_FILE).exists())
+    assert not (good / FAILED_FILE).exists()
+    metrics = urllib.request.urlopen(agents[1].url + "/metrics").read().decode()
+    assert 'mtc_replicator_yaml_total{result="rejected"} 1.0' in metrics
+
+
+def test_unreachable_coordinator_is_a_recoverable_error_and_retried(cluster, tmp_path):
+    coordinator, agents = cluster
+    targets = publish_job(agents, tmp_path)
+    before = fetch_status(coordinator.url, "hand-slice")["jobs"][0]["incarnation"]
+    coordinator.kill()
+    for target in targets:
+        (target / REPLICATOR_FILE).write_text(yaml_for(rank_of(target)))
+    assert wait_for(lambda: (targets[0] / ERRORS_FILE).exists())
+    assert "coordinator" in (targets[0] / ERRORS_FILE).read_text()
+    assert (targets[0] / REPLICATOR_FILE).exists()  # not consumed: the job keeps waiting
+    coordinator.start()
+    # Soft state: the restarted coordinator rebuilds the same incarnation from node reports.
+    assert wait_for(lambda: all(not (t / REPLICATOR_FILE).exists() for t in targets))
+    assert wait_for(lambda: all(any(n.endswith(".restore") for n in os.listdir(t)) for t in targets))
+    assert fetch_status(coordinator.url, "hand-slice")["jobs"][0]["incarnation"] == before
