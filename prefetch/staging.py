@@ -14,15 +14,6 @@ from replicator.step_manifest import StepManifest, verify_step
 log = logging.getLogger(__name__)
 
 
-def _local_step_dir(local_dir: str, step: int) -> str | None:
-    """The directory holding ``step`` in ``local_dir``: staged, committed, or behind a symlink."""
-    staged = orbax_protocol.staged_step_dir(local_dir, step)
-    if os.path.isdir(staged):
-        return staged
-    committed = os.path.join(local_dir, str(step))
-    return committed if os.path.isdir(committed) else None
-
-
 def stage_local(local_dir: str, step: int, manifest: StepManifest | None) -> list[str]:
     """Verifies this node's own copy of ``step`` and moves it to the staged name.
 
@@ -34,7 +25,7 @@ def stage_local(local_dir: str, step: int, manifest: StepManifest | None) -> lis
     Returns:
       Problems found; empty when the step is staged and verified.
     """
-    found = _local_step_dir(local_dir, step)
+    found = orbax_protocol.find_step_dir(local_dir, step)
     if found is None or manifest is None:
         return [f"step {step} is not held here" if found is None else f"step {step} has no manifest"]
     problems = verify_step(found, manifest)

@@ -3,18 +3,28 @@
 It lives beside the pod-visible client dir (``<ramdisk>/mtc/``), so it survives an agent restart
 exactly as long as the data it describes::
 
-    mtc/manifests/<step>.json    StepManifest of each committed step in client/
-    mtc/assignment.json          the current pod's incarnation, rank and progress
+    mtc/manifests/<step>.json                 StepManifest of each committed step in client/
+    mtc/assignment.json                       the current pod's incarnation, rank and progress
+    mtc/replicas/rank-<r>/<step>/             another rank's step, pushed here by a peer
+    mtc/replicas/rank-<r>/<step>.json         its manifest, written after the data is in place
+    mtc/incoming/<id>/                        a replica or restore still being received: never read
 """
 
+import contextlib
 import dataclasses
 import json
 import os
+import re
+import shutil
+import uuid
+
+from replicator import orbax_protocol
 
 from replicator.messages import JobSettings
 from replicator.step_manifest import StepManifest
 
 META_DIR = "mtc"
+_MANIFEST_NAME = re.compile(r"^\d+\.json$")
 
 
 @dataclasses.dataclass
@@ -53,8 +63,12 @@ class JobMeta:
 
     def __init__(self, ramdisk_path: str):
         self.root = os.path.join(ramdisk_path, META_DIR)
+        self.client_dir = os.path.join(ramdisk_path, "client")
         self._manifests = os.path.join(self.root, "manifests")
-        os.makedirs(self._manifests, exist_ok=True)
+        self._replicas = os.path.join(self.root, "replicas")
+        self._incoming = os.path.join(self.root, "incoming")
+        for directory in (self._manifests, self._replicas, self._incoming):
+            os.makedirs(directory, exist_ok=True)
 
     def manifests(self) -> dict[int, StepManifest]:
         """Step -> manifest of every recorded step."""
@@ -74,6 +88,62 @@ class JobMeta:
             os.unlink(os.path.join(self._manifests, f"{step}.json"))
         except FileNotFoundError:
             pass
+
+    # -- replicas of other ranks ---------------------------------------------------------------
+
+    def replica_dir(self, rank: int, step: int) -> str:
+        return os.path.join(self._replicas, f"rank-{rank}", str(step))
+
+    def replicas(self) -> dict[tuple[int, int], StepManifest]:
+        """(rank, step) -> manifest of every complete replica held here."""
+        found = {}
+        for rank_dir in os.listdir(self._replicas):
+            for name in os.listdir(os.path.join(self._replicas, rank_dir)):
+                if _MANIFEST_NAME.match(name):
+                    with open(os.path.join(self._replicas, rank_dir, name), encoding="utf-8") as f:
+                        manifest = StepManifest.from_json(f.read())
+                    found[(manifest.rank, manifest.step)] = manifest
+        return found
+
+    def new_incoming_dir(self) -> str:
+        """A fresh directory on the ramdisk for data being received; rename it into place when verified."""
+        path = os.path.join(self._incoming, uuid.uuid4().hex)
+        os.makedirs(path)
+        return path
+
+    def install_replica(self, verified_dir: str, manifest: StepManifest) -> None:
+        """Moves a verified incoming directory into place; the manifest goes last, so a replica
+        without one was never complete."""
+        target = self.replica_dir(manifest.rank, manifest.step)
+        self.drop_replica(manifest.rank, manifest.step)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.replace(verified_dir, target)
+        _write_json(target + ".json", manifest.to_json())
+
+    def drop_replica(self, rank: int, step: int) -> None:
+        target = self.replica_dir(rank, step)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(target + ".json")
+        shutil.rmtree(target, ignore_errors=True)
+
+    def clear_incoming(self) -> None:
+        """Deletes half-received data (after an agent restart nothing is still receiving it)."""
+        for name in os.listdir(self._incoming):
+            shutil.rmtree(os.path.join(self._incoming, name), ignore_errors=True)
+
+    def locate(self, rank: int, step: int) -> tuple[str, StepManifest] | None:
+        """The directory and manifest of ``rank``'s ``step`` on this ramdisk: own data or a replica."""
+        own = self.manifests().get(step)
+        if own is not None and own.rank == rank:
+            found = orbax_protocol.find_step_dir(self.client_dir, step)
+            if found is not None:
+                return found, own
+        replica = self.replicas().get((rank, step))
+        if replica is not None:
+            return self.replica_dir(rank, step), replica
+        return None
+
+    # -- the current pod -------------------------------------------------------------------------
 
     def progress(self, pod_uid: str) -> PodProgress:
         """The record of ``pod_uid``; a new, empty one when the stored record is another pod's."""

@@ -235,3 +235,12 @@ def held_steps(local_dir: str) -> list[int]:
     staged = [int(e.name[len(STAGED_PREFIX):]) for e in os.scandir(local_dir)
               if e.name.startswith(STAGED_PREFIX) and e.name[len(STAGED_PREFIX):].isdigit() and e.is_dir()]  # fmt: skip
     return sorted(set(committed_steps(local_dir)) | set(staged))
+
+
+def find_step_dir(local_dir: str, step: int) -> str | None:
+    """The directory holding ``step``: staged for a marker, or committed (possibly behind a symlink)."""
+    staged = staged_step_dir(local_dir, step)
+    if os.path.isdir(staged):
+        return staged
+    committed = os.path.join(local_dir, str(step))
+    return committed if os.path.isdir(committed) else None
