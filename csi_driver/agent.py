@@ -20,6 +20,7 @@ from csi_driver.node import NodeServicer
 from csi_driver.ramdisk import RamdiskManager, make_backend
 from csi_driver.server import start_csi_server
 from replicator.node_replicator import NodeReplicator
+from replicator.peer_service import add_peer_routes
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,9 @@ class NodeConfig:
       coordinator: the coordinator's base URL, or None.
       backup: the backup tier URL (``gs://bucket/prefix`` or ``file:///path``), or None.
       pod_address: the address pods on this node are reachable at, or None for JobSet DNS.
+      peer_token_file: file holding the peer service's bearer token (a Kubernetes Secret), or
+        None to run without the peer tier.
+      replicas: peers that hold replicas of this node's steps when data parallelism is 1 (1 or 2).
     """
 
     node_id: str
@@ -57,6 +61,22 @@ class NodeConfig:
     coordinator: str | None = None
     backup: str | None = None
     pod_address: str | None = None
+    peer_token_file: str | None = None
+    replicas: int = 1
+
+    def peer_token(self) -> str | None:
+        """Reads the peer token; None when no file is configured.
+
+        Raises:
+          ValueError: the file is empty.
+        """
+        if self.peer_token_file is None:
+            return None
+        with open(self.peer_token_file, encoding="utf-8") as f:
+            token = f.read().strip()
+        if not token:
+            raise ValueError(f"peer token file {self.peer_token_file} is empty")
+        return token
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -82,11 +102,19 @@ class NodeAgent:
         self.config = config
         self.ready = threading.Event()
         self.manager = RamdiskManager(config.root, make_backend(config.ramdisk_backend))
+        self.peer_token = config.peer_token()
+        if self.peer_token is None:
+            log.warning("no --peer-token-file: the peer tier (replication, restore from peers) is off")
         self.replicator = (
-            NodeReplicator(config.node_id, config.url, config.pod_address, config.topology, self.manager, config.coordinator)
+            NodeReplicator(config.node_id, config.url, config.pod_address, config.topology, self.manager,
+                           config.coordinator, self.peer_token, config.replicas)  # fmt: skip
             if config.coordinator
             else None
         )
+
+    def _ramdisk_path(self, namespace: str, job: str) -> str | None:
+        disk = self.manager.ramdisks().get((namespace, job))
+        return disk.path if disk else None
 
     def _make_http_app(self) -> web.Application:
         async def healthz(request: web.Request) -> web.Response:
@@ -101,6 +129,8 @@ class NodeAgent:
 
         app = web.Application()
         app.add_routes([web.get("/healthz", healthz), web.get("/metrics", metrics)])
+        if self.peer_token is not None:
+            add_peer_routes(app, self._ramdisk_path, self.peer_token)
         return app
 
     async def run(self, stop: asyncio.Event) -> None:

@@ -47,6 +47,9 @@ def _add_node(sub: argparse._SubParsersAction) -> None:
                    help="ramdisk size when a volume sets none (default 1Gi)")
     p.add_argument("--retention-seconds", type=float, default=24 * 3600.0,
                    help="release a job's ramdisk this long after its last pod unpublished (default one day)")
+    p.add_argument("--peer-token-file", help="bearer token for the peer service (a Kubernetes Secret); enables the peer tier")
+    p.add_argument("--replicas", type=int, choices=[1, 2], default=1,
+                   help="peers holding replicas of each step when data parallelism is 1 (default 1)")
 
 
 def _run_node(args: argparse.Namespace) -> int:
@@ -64,6 +67,8 @@ def _run_node(args: argparse.Namespace) -> int:
             coordinator=args.coordinator,
             backup=args.backup,
             pod_address=args.pod_address,
+            peer_token_file=args.peer_token_file,
+            replicas=args.replicas,
         )
     )
     return 0

@@ -262,10 +262,14 @@ class LocalJob:
                 pod.process.wait()
 
     def delete_pods(self) -> None:
-        """Kills the training processes and unpublishes the pods' volumes (kubelet's part)."""
+        """Kills the training processes and unpublishes the pods' volumes (kubelet's part).
+
+        A pod whose node is gone is force-deleted: nothing is left to unpublish it.
+        """
         self.kill_training()
         for pod in self.pods:
-            kubelet.unpublish(pod.node.endpoint, pod.target)
+            if pod.node.process is not None and pod.node.process.poll() is None:
+                kubelet.unpublish(pod.node.endpoint, pod.target)
 
     def wait(self, condition, timeout: float, what: str) -> None:
         """Waits until ``condition()`` holds; raises ``TimeoutError`` naming ``what`` and the logs."""

@@ -44,6 +44,23 @@ def stage_local(local_dir: str, step: int, manifest: StepManifest | None) -> lis
     return []
 
 
+def install_staged(local_dir: str, step: int, verified_dir: str) -> None:
+    """Moves a fetched and verified step directory (on the same ramdisk) to the staged name."""
+    staged = orbax_protocol.staged_step_dir(local_dir, step)
+    delete_step(local_dir, step)
+    os.replace(verified_dir, staged)
+
+
+def delete_step(local_dir: str, step: int) -> None:
+    """Deletes a step from the client dir: its directory, or its symlink and the staged target."""
+    committed = os.path.join(local_dir, str(step))
+    if os.path.islink(committed):
+        os.unlink(committed)
+    elif os.path.isdir(committed):
+        shutil.rmtree(committed)
+    shutil.rmtree(orbax_protocol.staged_step_dir(local_dir, step), ignore_errors=True)
+
+
 def clear_for_restore(local_dir: str, step: int | None) -> list[int]:
     """Removes committed steps newer than ``step`` (all of them when None) and old markers.
 
@@ -57,11 +74,7 @@ def clear_for_restore(local_dir: str, step: int | None) -> list[int]:
     orbax_protocol.remove_markers(local_dir)
     removed = [s for s in orbax_protocol.committed_steps(local_dir) if step is None or s > step]
     for stale in removed:
-        path = os.path.join(local_dir, str(stale))
-        if os.path.islink(path):
-            os.unlink(path)
-        else:
-            shutil.rmtree(path)
+        delete_step(local_dir, stale)
     linked = {os.readlink(e.path) for e in os.scandir(local_dir) if e.is_symlink()}
     for entry in os.scandir(local_dir):
         if entry.name.startswith(orbax_protocol.STAGED_PREFIX) and entry.name not in linked:

@@ -8,15 +8,24 @@ import logging
 import re
 import uuid
 
-from replicator import planner
-from replicator.messages import Assignment, JobSettings, NodeReport, PodReport, RestoreView
+from replicator import orbax_protocol, planner
+from replicator.messages import (
+    Assignment,
+    JobSettings,
+    NodeReport,
+    PodReport,
+    ReplicateOrder,
+    ReportReply,
+    RestoreView,
+    RetainOrder,
+)
 
 log = logging.getLogger(__name__)
 
 JobKey = tuple[str, str]
 _JOBSET_SUFFIX = re.compile(r"-[a-z0-9]+$")
 # Tiers whose restore path exists in this release; the planner already knows the others.
-USABLE_TIERS = frozenset({planner.Tier.LOCAL})
+USABLE_TIERS = frozenset({planner.Tier.LOCAL, planner.Tier.PEER_CLOSE, planner.Tier.PEER_DISTANT})
 
 
 @dataclasses.dataclass
@@ -38,7 +47,8 @@ class Incarnation:
       plan: the frozen restore plan, once the first rank asked.
       generation: id of ``plan``; changes when a replan excludes bad copies.
       staged: ranks that staged and verified ``plan.step``.
-      excluded: copies a rank found corrupt: (step, rank, holder).
+      excluded: copies a rank found corrupt or unreachable: (step, rank, holder).
+      used_sources: rank -> ``tier:holder`` it staged the step from.
     """
 
     incarnation_id: str
@@ -48,14 +58,23 @@ class Incarnation:
     generation: str = ""
     staged: set[int] = dataclasses.field(default_factory=set)
     excluded: set[tuple[int, int, str]] = dataclasses.field(default_factory=set)
+    used_sources: dict[int, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
 class JobState:
-    """A job's incarnation and settings."""
+    """A job's incarnation, settings, and the data-parallel identities established so far.
+
+    Attributes:
+      retired_pods: pods of incarnations that ended; they never join another one.
+      identical: step -> rank pairs found to hold the same data; kept after a rank's copy is lost,
+        which is exactly when it is needed.
+    """
 
     incarnation: Incarnation | None = None
     settings: dict[int, JobSettings] = dataclasses.field(default_factory=dict)
+    retired_pods: set[str] = dataclasses.field(default_factory=set)
+    identical: dict[int, set[tuple[int, int]]] = dataclasses.field(default_factory=dict)
 
 
 class UnknownIncarnation(LookupError):
@@ -76,17 +95,22 @@ class ClusterState:
 
     # -- reports -------------------------------------------------------------------------------
 
-    def apply_report(self, report: NodeReport, now: float) -> list[Assignment]:
-        """Records a node's report and returns the assignments of its pods that exist now."""
+    def apply_report(self, report: NodeReport, now: float) -> ReportReply:
+        """Records a node's report; answers its pods' assignments and its replication and GC orders."""
         self.nodes[report.node_id] = NodeState(report, now)
         self.expire(now)
         for pod in report.pods:
             job = self.jobs.setdefault((pod.namespace, pod.job), JobState())
             if pod.settings is not None and pod.rank is not None:
                 job.settings.setdefault(pod.rank, pod.settings)
-        for key in {(p.namespace, p.job) for p in report.pods}:
+        keys = {(p.namespace, p.job) for p in report.pods} | {(h.namespace, h.job) for h in report.held}
+        for key in keys & set(self.jobs):
             self._reconcile(key)
-        return [a for p in report.pods if (a := self.assignment(p)) is not None]
+        return ReportReply(
+            assignments=tuple(a for p in report.pods if (a := self.assignment(p)) is not None),
+            replicate=tuple(order for key in keys & set(self.jobs) for order in self._replicate_orders(key, report)),
+            retain=tuple(order for key in keys & set(self.jobs) if (order := self._retain_order(key)) is not None),
+        )
 
     def expire(self, now: float) -> None:
         """Forgets nodes that stopped reporting; their pods leave their incarnations."""
@@ -112,31 +136,45 @@ class ClusterState:
             return
         if current is not None:
             log.info("job %s/%s: incarnation %s ended (a pod left)", *key, current.incarnation_id)
+            job.retired_pods.update(current.rank_of_pod)
             job.incarnation = None
-        if not live:
-            return
-        nodes, slices = next(iter(live.values()))[0].nodes, next(iter(live.values()))[0].slices
-        slots = [planner.PodSlot(uid, node, p.slice_index, p.worker_index, p.published_at) for uid, (p, node) in live.items()]
-        chosen = planner.select_pods(slots, nodes)
+        if live:
+            job.incarnation = self._adopt(key, live) or self._assign(key, live)
+            if job.incarnation is not None:
+                log.info("job %s/%s: incarnation %s ranks %s", *key, job.incarnation.incarnation_id, job.incarnation.node_of_rank)
+
+    def _adopt(self, key: JobKey, live: dict[str, tuple[PodReport, str]]) -> Incarnation | None:
+        """After a coordinator restart: the incarnation all of whose pods still report it."""
+        by_id: dict[str, dict[str, int]] = {}
+        for uid, (pod, _) in live.items():
+            if pod.incarnation is not None and pod.rank is not None and uid not in self.jobs[key].retired_pods:
+                by_id.setdefault(pod.incarnation, {})[uid] = pod.rank
+        for incarnation_id, ranks in by_id.items():
+            nodes = live[next(iter(ranks))][0].nodes
+            if sorted(ranks.values()) == list(range(nodes)):
+                return Incarnation(incarnation_id, ranks, {rank: live[uid][1] for uid, rank in ranks.items()})
+        return None
+
+    def _assign(self, key: JobKey, live: dict[str, tuple[PodReport, str]]) -> Incarnation | None:
+        """A new incarnation from pods that never belonged to one (their group is gone)."""
+        job = self.jobs[key]
+        fresh = {uid: v for uid, v in live.items() if v[0].incarnation is None and uid not in job.retired_pods}
+        if not fresh:
+            return None
+        any_pod = next(iter(fresh.values()))[0]
+        slots = [planner.PodSlot(uid, node, p.slice_index, p.worker_index, p.published_at) for uid, (p, node) in fresh.items()]
+        chosen = planner.select_pods(slots, any_pod.nodes)
         if chosen is None:
-            return
-        reported = {s.pod_uid: live[s.pod_uid][0] for s in chosen}
-        previous_ids = {p.incarnation for p in reported.values()}
-        kept = {uid: p.rank for uid, p in reported.items() if p.rank is not None} if len(previous_ids) == 1 else {}
-        ranks = planner.assign_ranks(chosen, nodes, slices, self._newest_held(key), kept)
-        adopted = previous_ids.pop() if len(previous_ids) == 1 and kept == ranks else None
-        job.incarnation = Incarnation(
-            incarnation_id=adopted or uuid.uuid4().hex[:12],
-            rank_of_pod=ranks,
-            node_of_rank={rank: live[uid][1] for uid, rank in ranks.items()},
-        )
-        log.info("job %s/%s: incarnation %s ranks %s", *key, job.incarnation.incarnation_id, job.incarnation.node_of_rank)
+            return None
+        ranks = planner.assign_ranks(chosen, any_pod.nodes, any_pod.slices, self._newest_held(key))
+        return Incarnation(uuid.uuid4().hex[:12], ranks, {rank: live[uid][1] for uid, rank in ranks.items()})
 
     def _newest_held(self, key: JobKey) -> dict[str, dict[int, int]]:
         newest: dict[str, dict[int, int]] = {}
         for node_id, state in self.nodes.items():
             for held in state.report.held:
-                if (held.namespace, held.job) == key:
+                # Own data only: a node holding a replica of another rank keeps its own rank.
+                if (held.namespace, held.job) == key and not held.replica:
                     ranks = newest.setdefault(node_id, {})
                     ranks[held.rank] = max(ranks.get(held.rank, -1), held.step)
         return newest
@@ -149,6 +187,90 @@ class ClusterState:
             for h in state.report.held
             if (h.namespace, h.job) == key
         ]
+
+    def _data_parallelism(self, key: JobKey) -> int:
+        return max((s.data_parallelism for s in self.jobs[key].settings.values()), default=1)
+
+    def identical(self, key: JobKey) -> dict[int, frozenset[tuple[int, int]]]:
+        """Step -> pairs of data-parallel peer ranks established to hold the same data at that step.
+
+        Identity rests on the job's ``assume-data-parallelism`` promise plus evidence: both ranks
+        committed the step, and its structural metadata checksums (``logical_signature``) match.
+        No data moves to establish it. Once established it is recorded until no copy of the step
+        is left.
+        """
+        job = self.jobs[key]
+        if self._data_parallelism(key) < 2:
+            return {}
+        peers = {(rank, peer) for rank, settings in job.settings.items() for peer in settings.peer_ranks}
+        peers |= {(b, a) for a, b in peers}
+        signatures: dict[tuple[int, int], frozenset] = {}
+        for state in self.nodes.values():
+            for held in state.report.held:
+                if (held.namespace, held.job) == key:
+                    signatures[(held.step, held.rank)] = orbax_protocol.logical_signature(held.files)
+        for (step, rank), signature in signatures.items():
+            for first, other in peers:
+                if first == rank and signature and signatures.get((step, other)) == signature:
+                    job.identical.setdefault(step, set()).add((first, other))
+        for step in set(job.identical) - {step for step, _ in signatures}:
+            del job.identical[step]
+        return {step: frozenset(found) for step, found in job.identical.items()}
+
+    def _blocks(self) -> dict[str, str]:
+        return {n: s.report.topology.get("block", "") for n, s in self.nodes.items()}
+
+    def _replicate_orders(self, key: JobKey, report: NodeReport) -> list[ReplicateOrder]:
+        """For data parallelism 1: push this node's newest own step to its rank's replica targets."""
+        job = self.jobs[key]
+        incarnation = job.incarnation
+        if incarnation is None or not job.settings or self._data_parallelism(key) > 1:
+            return []
+        targets = planner.replica_targets(incarnation.node_of_rank, self._blocks(), report.replicas)
+        holders: dict[tuple[int, int], set[str]] = {}
+        for copy in self.copies(key):
+            holders.setdefault((copy.rank, copy.step), set()).add(copy.holder)
+        orders = []
+        for rank, node in incarnation.node_of_rank.items():
+            own = [h.step for h in report.held if (h.namespace, h.job) == key and h.rank == rank]
+            if node != report.node_id or not own:
+                continue
+            missing = [t for t in targets[rank] if t not in holders.get((rank, max(own)), set()) and t in self.nodes]
+            if missing:
+                urls = tuple({"node": t, "url": self.nodes[t].report.url} for t in missing)
+                orders.append(ReplicateOrder(key[0], key[1], rank, max(own), urls))
+        return orders
+
+    def safe_step(self, key: JobKey) -> int | None:
+        """The newest step complete for every rank whose every rank's data also exists elsewhere:
+        on a DP peer established identical, or on the wanted number of replicas. GC may delete
+        anything older."""
+        job = self.jobs[key]
+        incarnation = job.incarnation
+        if incarnation is None:
+            return None
+        nodes = len(incarnation.node_of_rank)
+        holders: dict[tuple[int, int], set[str]] = {}
+        for copy in self.copies(key):
+            holders.setdefault((copy.step, copy.rank), set()).add(copy.holder)
+        identical = self.identical(key)
+        wanted = 1 + min((s.report.replicas for s in self.nodes.values()), default=1)
+        for step in sorted({step for step, _ in holders}, reverse=True):
+            if self._data_parallelism(key) > 1:
+                covered = {a for a, _ in identical.get(step, ())}
+                if all((step, r) in holders for r in range(nodes)) and covered >= set(range(nodes)):
+                    return step
+            elif all(len(holders.get((step, r), ())) >= min(wanted, len(self.nodes)) for r in range(nodes)):
+                return step
+        return None
+
+    def _retain_order(self, key: JobKey) -> RetainOrder | None:
+        safe = self.safe_step(key)
+        if safe is None:
+            return None
+        incarnation = self.jobs[key].incarnation
+        protected = (incarnation.plan.step,) if incarnation and incarnation.plan and incarnation.plan.step is not None else ()
+        return RetainOrder(key[0], key[1], safe, protected)
 
     # -- assignments and settings --------------------------------------------------------------
 
@@ -204,15 +326,21 @@ class ClusterState:
 
     def _replan(self, key: JobKey, incarnation: Incarnation) -> None:
         copies = [c for c in self.copies(key) if (c.step, c.rank, c.holder) not in incarnation.excluded]
-        blocks = {n: s.report.topology.get("block", "") for n, s in self.nodes.items()}
-        incarnation.plan = planner.plan_restore(len(incarnation.node_of_rank), incarnation.node_of_rank, copies, blocks, USABLE_TIERS)
+        incarnation.plan = planner.plan_restore(
+            len(incarnation.node_of_rank), incarnation.node_of_rank, copies, self._blocks(), USABLE_TIERS, self.identical(key)
+        )
         incarnation.generation = uuid.uuid4().hex[:12]
         incarnation.staged.clear()
+        incarnation.used_sources.clear()
         log.info("job %s/%s incarnation %s: restore step %s", *key, incarnation.incarnation_id, incarnation.plan.step)
 
-    def report_staged(self, key: JobKey, incarnation_id: str, generation: str, rank: int, bad: list[tuple[int, int, str]]) -> None:
-        """Records a rank's staging result; copies it found corrupt are excluded and, if the rank
-        has no source left, the whole job is replanned to an older step.
+    def report_staged(
+        self, key: JobKey, incarnation_id: str, generation: str, rank: int, source: str | None, bad: list[tuple[int, int, str]]
+    ) -> None:
+        """Records a rank's staging result: the source it used (``tier:holder``), or None when
+        every source failed, and the copies it could not use (corrupt or unreachable). Those are
+        never planned again; a rank left without a source replans the whole job, to an older
+        step if need be.
 
         Raises:
           UnknownIncarnation: the incarnation or rank is not current.
@@ -220,11 +348,13 @@ class ClusterState:
         incarnation = self._incarnation(key, incarnation_id, rank)
         if generation != incarnation.generation:
             return  # a result for a plan that has since been replaced
-        if not bad:
+        if bad:
+            log.warning("job %s/%s rank %d: unusable copies %s", *key, rank, bad)
+            incarnation.excluded.update(bad)
+        if source is not None:
             incarnation.staged.add(rank)
+            incarnation.used_sources[rank] = source
             return
-        incarnation.excluded.update(bad)
-        log.warning("job %s/%s rank %d: corrupt copies %s; replanning", *key, rank, bad)
         self._replan(key, incarnation)
 
     # -- views ---------------------------------------------------------------------------------
@@ -263,8 +393,11 @@ class ClusterState:
                 "newest_complete_step": self.newest_complete_step(key),
                 "restore": None if plan is None else {
                     "step": plan.step,
-                    "sources": {r: s[0].tier.name.lower() + ":" + s[0].holder for r, s in plan.sources.items() if s},
+                    "sources": dict(sorted(incarnation.used_sources.items())),
+                    "unusable_copies": sorted(incarnation.excluded),
                 },
                 "held": {rank: {step: sorted(h) for step, h in sorted(steps.items())} for rank, steps in sorted(held.items())},
+                "identical_peers": sorted(self.identical(key).get(self.newest_complete_step(key), ())),
+                "safe_step": self.safe_step(key),
             })  # fmt: skip
         return {"nodes": sorted(self.nodes), "jobs": jobs}

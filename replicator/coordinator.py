@@ -2,10 +2,10 @@
 
 Routes (JSON; errors are ``{"error": "..."}``):
 
-- ``POST /v1/report``: a node agent's ``NodeReport``; answers ``{"assignments": [Assignment]}``.
+- ``POST /v1/report``: a node agent's ``NodeReport``; answers a ``ReportReply``.
 - ``POST /v1/jobs/{namespace}/{job}/settings``: ``{"incarnation", "rank", "settings"}``.
 - ``GET  /v1/jobs/{namespace}/{job}/restore?incarnation=I&rank=R``: a ``RestoreView``.
-- ``POST /v1/jobs/{namespace}/{job}/restore``: ``{"incarnation", "generation", "rank", "bad": [[step, rank, holder]]}``.
+- ``POST /v1/jobs/{namespace}/{job}/restore``: ``{"incarnation", "generation", "rank", "source", "bad": [[step, rank, holder]]}``.
 - ``GET  /v1/status[?job=NAME]``, ``GET /healthz``, ``GET /metrics``.
 """
 
@@ -71,9 +71,9 @@ async def post_report(request: web.Request) -> web.Response:
         report = NodeReport.from_json(await _json_body(request))
     except ValueError as err:
         raise BadRequest(str(err)) from None
-    assignments = request.app[_STATE_KEY].apply_report(report, time.time())
+    reply = request.app[_STATE_KEY].apply_report(report, time.time())
     _save_snapshot(request.app)
-    return web.json_response({"assignments": to_json(assignments)})
+    return web.json_response(to_json(reply))
 
 
 async def post_settings(request: web.Request) -> web.Response:
@@ -107,11 +107,12 @@ async def post_restore(request: web.Request) -> web.Response:
     body = await _json_body(request)
     try:
         bad = [(int(step), int(rank), str(holder)) for step, rank, holder in body.get("bad", [])]
+        source = None if body.get("source") is None else str(body["source"])
         args = (str(body["incarnation"]), str(body["generation"]), int(body["rank"]))
     except (ValueError, KeyError, TypeError) as err:
         raise BadRequest(f"bad restore report: {err}") from None
     try:
-        request.app[_STATE_KEY].report_staged(_job_key(request), args[0], args[1], args[2], bad)
+        request.app[_STATE_KEY].report_staged(_job_key(request), *args, source, bad)
     except UnknownIncarnation as err:
         raise _not_found(err) from None
     return web.json_response({"ok": True})

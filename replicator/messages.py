@@ -103,6 +103,7 @@ class HeldStep:
 
     Attributes:
       files: relative path -> (size bytes, CRC32C hex), from the step's manifest.
+      replica: True for a copy a peer pushed here, False for the node's own data.
     """
 
     namespace: str
@@ -110,6 +111,7 @@ class HeldStep:
     step: int
     rank: int
     files: dict[str, tuple[int, str]]
+    replica: bool = False
 
     @classmethod
     def from_json(cls, raw: Any) -> "HeldStep":
@@ -121,6 +123,7 @@ class HeldStep:
             _field(raw, "step", int),
             _field(raw, "rank", int),
             {str(k): (int(v[0]), str(v[1])) for k, v in files.items()},
+            bool(raw.get("replica", False)),
         )
 
 
@@ -134,7 +137,8 @@ class NodeReport:
       pod_address: the address pods on the node are reachable at, or None for JobSet DNS.
       topology: topology labels (``--topology``).
       pods: the pods published on the node.
-      held: the committed steps the node holds.
+      held: the committed steps the node holds, its own and replicas of other ranks'.
+      replicas: how many peers should hold replicas of this node's steps (``--replicas``).
     """
 
     node_id: str
@@ -143,6 +147,7 @@ class NodeReport:
     topology: dict[str, str]
     pods: tuple[PodReport, ...]
     held: tuple[HeldStep, ...]
+    replicas: int = 1
 
     @classmethod
     def from_json(cls, raw: Any) -> "NodeReport":
@@ -154,6 +159,7 @@ class NodeReport:
             topology={str(k): str(v) for k, v in _require_dict(raw.get("topology", {}), "topology").items()},
             pods=tuple(PodReport.from_json(p) for p in _field(raw, "pods", list)),
             held=tuple(HeldStep.from_json(h) for h in _field(raw, "held", list)),
+            replicas=_field(raw, "replicas", int, optional=True) or 1,
         )
 
 
@@ -176,6 +182,57 @@ class Assignment:
     def from_json(cls, raw: Any) -> "Assignment":
         raw = _require_dict(raw, "assignment")
         return cls(_field(raw, "pod_uid", str), _field(raw, "incarnation", str), _field(raw, "rank", int), _field(raw, "jax_coordinator", str))
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicateOrder:
+    """Push ``rank``'s ``step`` from the receiving node to ``targets`` (``{"node", "url"}`` each)."""
+
+    namespace: str
+    job: str
+    rank: int
+    step: int
+    targets: tuple[dict, ...]
+
+    @classmethod
+    def from_json(cls, raw: Any) -> "ReplicateOrder":
+        raw = _require_dict(raw, "replicate")
+        targets = tuple(_require_dict(t, "target") for t in _field(raw, "targets", list))
+        return cls(_field(raw, "namespace", str), _field(raw, "job", str), _field(raw, "rank", int), _field(raw, "step", int), targets)
+
+
+@dataclasses.dataclass(frozen=True)
+class RetainOrder:
+    """Garbage collection: delete the job's steps and replicas older than ``keep_from``, except ``protected``."""
+
+    namespace: str
+    job: str
+    keep_from: int
+    protected: tuple[int, ...]
+
+    @classmethod
+    def from_json(cls, raw: Any) -> "RetainOrder":
+        raw = _require_dict(raw, "retain")
+        protected = _field(raw, "protected", list)
+        return cls(_field(raw, "namespace", str), _field(raw, "job", str), _field(raw, "keep_from", int), tuple(int(p) for p in protected))
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportReply:
+    """The coordinator's answer to a ``NodeReport``: what the node's pods and data should do."""
+
+    assignments: tuple[Assignment, ...]
+    replicate: tuple[ReplicateOrder, ...]
+    retain: tuple[RetainOrder, ...]
+
+    @classmethod
+    def from_json(cls, raw: Any) -> "ReportReply":
+        raw = _require_dict(raw, "reply")
+        return cls(
+            tuple(Assignment.from_json(a) for a in _field(raw, "assignments", list)),
+            tuple(ReplicateOrder.from_json(r) for r in raw.get("replicate", [])),
+            tuple(RetainOrder.from_json(r) for r in raw.get("retain", [])),
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,8 +9,10 @@
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
+import shutil
 import time
 
 import aiohttp
@@ -18,9 +20,10 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from csi_driver.ramdisk import Ramdisk, RamdiskManager
 from prefetch import staging
+from prefetch.peer_fetch import PeerFetchError, fetch_step, push_step
 from replicator import orbax_protocol
 from replicator.job_meta import JobMeta, PodProgress
-from replicator.messages import Assignment, HeldStep, JobSettings, NodeReport, PodReport, RestoreView, to_json
+from replicator.messages import Assignment, HeldStep, JobSettings, NodeReport, PodReport, ReportReply, RestoreView, to_json
 from replicator.step_manifest import build_manifest
 
 log = logging.getLogger(__name__)
@@ -29,11 +32,14 @@ NEWEST_STEP = Gauge("mtc_newest_committed_step", "Newest committed local step", 
 RESTORE_SECONDS = Histogram("mtc_restore_seconds", "Seconds from replicator.yaml consumed to restore marker written", ["source"])
 REPLICATOR_YAML = Counter("mtc_replicator_yaml_total", "replicator.yaml files consumed", ["result"])
 CORRUPT_COPIES = Counter("mtc_corrupt_copies_total", "Step copies that failed checksum verification")
+REPLICATED = Counter("mtc_replicated_steps_total", "Steps pushed to a peer", ["result"])
+GC_DELETED = Counter("mtc_gc_deleted_steps_total", "Steps and replicas deleted by garbage collection")
 
 _REPORT_INTERVAL_SECONDS = 1.0
 _WATCH_INTERVAL_SECONDS = 0.2
 _RESTORE_DEADLINE_SECONDS = 270.0  # Orbax waits 300 s for the marker
 _ERROR_REPEAT_SECONDS = 30.0
+_PUSH_REPEAT_SECONDS = 30.0
 
 
 class CoordinatorUnavailable(Exception):
@@ -57,9 +63,8 @@ class CoordinatorClient:
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as err:
             raise CoordinatorUnavailable(f"{method} {path}: {err!r}") from None
 
-    async def report(self, report: NodeReport) -> list[Assignment]:
-        body = await self._call("POST", "/v1/report", json=to_json(report))
-        return [Assignment.from_json(a) for a in body["assignments"]]
+    async def report(self, report: NodeReport) -> ReportReply:
+        return ReportReply.from_json(await self._call("POST", "/v1/report", json=to_json(report)))
 
     async def record_settings(self, disk: Ramdisk, progress: PodProgress, settings: JobSettings) -> None:
         payload = {"incarnation": progress.incarnation, "rank": progress.rank, "settings": to_json(settings)}
@@ -69,8 +74,8 @@ class CoordinatorClient:
         params = {"incarnation": progress.incarnation, "rank": str(progress.rank)}
         return RestoreView.from_json(await self._call("GET", f"/v1/jobs/{disk.namespace}/{disk.job}/restore", params=params))
 
-    async def report_staged(self, disk: Ramdisk, progress: PodProgress, generation: str, bad: list) -> None:
-        payload = {"incarnation": progress.incarnation, "generation": generation, "rank": progress.rank, "bad": bad}
+    async def report_staged(self, disk: Ramdisk, progress: PodProgress, generation: str, source: str | None, bad: list) -> None:
+        payload = {"incarnation": progress.incarnation, "generation": generation, "rank": progress.rank, "source": source, "bad": bad}
         await self._call("POST", f"/v1/jobs/{disk.namespace}/{disk.job}/restore", json=payload)
 
 
@@ -80,21 +85,39 @@ def current_pod(disk: Ramdisk):
 
 
 class NodeReplicator:
-    """Drives the Orbax protocol for every ramdisk of the node.
+    """Drives the Orbax protocol, replication and garbage collection for every ramdisk of the node.
 
     Args:
       node_id, url, pod_address, topology: what the node reports about itself.
       manager: the node's ramdisks.
       coordinator_url: the coordinator's base URL.
+      peer_token: bearer token of the peer service, or None to run without the peer tier.
+      replicas: peers that should hold replicas of this node's steps (data parallelism 1).
     """
 
-    def __init__(self, node_id: str, url: str, pod_address: str | None, topology: dict[str, str], manager: RamdiskManager, coordinator_url: str):
+    def __init__(
+        self,
+        node_id: str,
+        url: str,
+        pod_address: str | None,
+        topology: dict[str, str],
+        manager: RamdiskManager,
+        coordinator_url: str,
+        peer_token: str | None = None,
+        replicas: int = 1,
+    ):
         self.node_id = node_id
         self._url = url
         self._pod_address = pod_address
         self._topology = topology
         self._manager = manager
         self._coordinator_url = coordinator_url
+        self._peer_token = peer_token
+        self._replicas = replicas
+        self._session: aiohttp.ClientSession | None = None
+        self._pushes: dict[tuple, asyncio.Task] = {}
+        self._pushed: dict[tuple, float] = {}  # push key -> when it succeeded
+        self._busy_steps: set[tuple[str, str, int]] = set()  # (namespace, job, step) being read: GC keeps them
         self._assignments: dict[str, Assignment] = {}
         self._wake = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -109,8 +132,11 @@ class NodeReplicator:
     async def run(self, stop: asyncio.Event) -> None:
         """Reports and watches until ``stop`` is set."""
         self._loop = asyncio.get_running_loop()
+        for disk in (await asyncio.to_thread(self._manager.ramdisks)).values():
+            JobMeta(disk.path).clear_incoming()  # nothing is receiving it any more
         timeout = aiohttp.ClientTimeout(total=10)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        async with aiohttp.ClientSession(timeout=timeout) as session, aiohttp.ClientSession() as peer_session:
+            self._session = peer_session
             client = CoordinatorClient(session, self._coordinator_url)
             try:
                 while not stop.is_set():
@@ -121,20 +147,27 @@ class NodeReplicator:
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self._wake.wait(), _REPORT_INTERVAL_SECONDS)
             finally:
-                for task in self._workers.values():
+                tasks = [*self._workers.values(), *self._pushes.values()]
+                for task in tasks:
                     task.cancel()
-                await asyncio.gather(*self._workers.values(), return_exceptions=True)
+                await asyncio.gather(*tasks, return_exceptions=True)
 
     # -- reporting -----------------------------------------------------------------------------
 
     async def _report(self, client: CoordinatorClient, disks: dict) -> None:
         report = await asyncio.to_thread(self._build_report, disks)
         try:
-            assignments = await client.report(report)
+            reply = await client.report(report)
         except CoordinatorUnavailable as err:
             self._log_once("report", f"coordinator unreachable, retrying: {err}")
             return
-        self._assignments = {a.pod_uid: a for a in assignments}
+        self._assignments = {a.pod_uid: a for a in reply.assignments}
+        if self._peer_token is not None:
+            for order in reply.replicate:
+                self._start_pushes(disks, order)
+        for order in reply.retain:
+            if (disk := disks.get((order.namespace, order.job))) is not None:
+                await asyncio.to_thread(self._collect_garbage, disk, order)
 
     def _build_report(self, disks: dict) -> NodeReport:
         pods, held = [], []
@@ -154,7 +187,61 @@ class NodeReplicator:
             for step, manifest in meta.manifests().items():
                 if step in present:
                     held.append(HeldStep(disk.namespace, disk.job, step, manifest.rank, manifest.files))
-        return NodeReport(self.node_id, self._url, self._pod_address, self._topology, tuple(pods), tuple(held))
+            for manifest in meta.replicas().values():
+                held.append(HeldStep(disk.namespace, disk.job, manifest.step, manifest.rank, manifest.files, replica=True))
+        return NodeReport(self.node_id, self._url, self._pod_address, self._topology, tuple(pods), tuple(held), self._replicas)
+
+    # -- replication and garbage collection ----------------------------------------------------
+
+    def _start_pushes(self, disks: dict, order) -> None:
+        disk = disks.get((order.namespace, order.job))
+        if disk is None:
+            return
+        now = time.monotonic()
+        self._pushes = {k: t for k, t in self._pushes.items() if not t.done()}
+        self._pushed = {k: t for k, t in self._pushed.items() if now - t < _PUSH_REPEAT_SECONDS}
+        for target in order.targets:
+            key = (order.namespace, order.job, order.rank, order.step, target["node"])
+            # The coordinator learns of a finished push only from the target's next report.
+            if key not in self._pushes and key not in self._pushed:
+                self._pushes[key] = asyncio.create_task(self._push(disk, order, target, key))
+
+    async def _push(self, disk: Ramdisk, order, target: dict, key: tuple) -> None:
+        """Pushes one committed step to one peer; the peer verifies it before it becomes visible."""
+        meta = JobMeta(disk.path)
+        located = meta.locate(order.rank, order.step)
+        if located is None:
+            return
+        busy = (disk.namespace, disk.job, order.step)
+        self._busy_steps.add(busy)
+        started = time.monotonic()
+        try:
+            step_dir, manifest = located
+            await push_step(self._session, target["url"], self._peer_token, disk.namespace, disk.job, step_dir, manifest)
+            REPLICATED.labels("ok").inc()
+            self._pushed[key] = time.monotonic()
+            log.info("%s/%s: replicated step %d of rank %d to %s in %.2f s (%d bytes)", disk.namespace, disk.job,
+                     order.step, order.rank, target["node"], time.monotonic() - started, manifest.total_bytes)  # fmt: skip
+            self.poke()
+        except (PeerFetchError, OSError, aiohttp.ClientError, asyncio.TimeoutError) as err:
+            REPLICATED.labels("failed").inc()
+            self._log_once(f"push-{target['node']}", f"replicating step {order.step} to {target['node']} failed: {err}")
+        finally:
+            self._busy_steps.discard(busy)
+
+    def _collect_garbage(self, disk: Ramdisk, order) -> None:
+        """Deletes own steps and replicas older than the newest safe step (see ``RetainOrder``)."""
+        meta = JobMeta(disk.path)
+        keep = set(order.protected) | {step for ns, job, step in self._busy_steps if (ns, job) == (disk.namespace, disk.job)}
+        for step in meta.manifests():
+            if step < order.keep_from and step not in keep:
+                staging.delete_step(disk.client_dir, step)
+                meta.drop_manifest(step)
+                GC_DELETED.inc()
+        for rank, step in meta.replicas():
+            if step < order.keep_from and step not in keep:
+                meta.drop_replica(rank, step)
+                GC_DELETED.inc()
 
     def _log_once(self, key: str, message: str, local_dir: str | None = None) -> None:
         """Logs (and reports to ``replicator.errors``) at most every 30 s per key."""
@@ -233,13 +320,14 @@ class NodeReplicator:
 
     async def _restore(self, client, disk: Ramdisk, meta: JobMeta, progress: PodProgress) -> None:
         started = time.monotonic()
-        staged_generation = None
+        staged_generation, source = None, "none"
         while time.monotonic() - started < _RESTORE_DEADLINE_SECONDS:
             try:
                 view = await client.restore_view(disk, progress)
                 if view.step is not None and view.generation != staged_generation:
-                    bad = await asyncio.to_thread(self._stage, disk, meta, view)
-                    await client.report_staged(disk, progress, view.generation, bad)
+                    used, bad = await self._stage(disk, meta, progress, view)
+                    source = used["tier"] if used else "none"
+                    await client.report_staged(disk, progress, view.generation, used and f"{used['tier']}:{used['holder']}", bad)
                     staged_generation = view.generation
                     continue
             except CoordinatorUnavailable as err:
@@ -247,41 +335,63 @@ class NodeReplicator:
                 await asyncio.sleep(1.0)
                 continue
             if view.ready:
-                source = await asyncio.to_thread(self._hand_over, disk, meta, progress, view)
+                await asyncio.to_thread(self._hand_over, disk, meta, progress, view, source)
                 RESTORE_SECONDS.labels(source).observe(time.monotonic() - started)
                 return
             await asyncio.sleep(_WATCH_INTERVAL_SECONDS)
         orbax_protocol.report_error(disk.client_dir, f"restore did not complete within {_RESTORE_DEADLINE_SECONDS:.0f} s")
 
-    def _stage(self, disk: Ramdisk, meta: JobMeta, view: RestoreView) -> list[tuple[int, int, str]]:
-        """Stages the view's step from its first verified source; returns the copies that failed."""
+    async def _stage(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress, view: RestoreView) -> tuple[dict | None, list]:
+        """Stages the view's step from its first verified source.
+
+        Returns:
+          The source used (None if every one failed) and the copies that failed verification,
+          as (step, data rank, holder).
+        """
         bad = []
         for source in view.sources:
-            if source["holder"] == self.node_id:
-                problems = staging.stage_local(disk.client_dir, view.step, meta.manifests().get(view.step))
+            if source["holder"] == self.node_id and source["data_rank"] == progress.rank:
+                problems = await asyncio.to_thread(staging.stage_local, disk.client_dir, view.step, meta.manifests().get(view.step))
             else:
-                problems = [f"tier {source['tier']} is not available on this node"]
+                problems = await self._stage_from_peer(disk, meta, progress, view.step, source)
             if not problems:
-                return []
-            CORRUPT_COPIES.inc()
+                log.info("%s/%s rank %d: staged step %d from %s %s (data of rank %d)", disk.namespace, disk.job,
+                         progress.rank, view.step, source["tier"], source["holder"], source["data_rank"])  # fmt: skip
+                return source, bad
+            if any("mismatch" in problem for problem in problems):
+                CORRUPT_COPIES.inc()
             message = f"step {view.step} copy on {source['holder']} unusable: {'; '.join(problems[:3])}"
+            log.error("%s/%s rank %d: %s", disk.namespace, disk.job, progress.rank, message)
             orbax_protocol.report_error(disk.client_dir, message)
             bad.append((view.step, source["data_rank"], source["holder"]))
-        return bad
+        return None, bad
 
-    def _hand_over(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress, view: RestoreView) -> str:
+    async def _stage_from_peer(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress, step: int, source: dict) -> list[str]:
+        """Pulls a step from a peer (or this node's own replica) into the ramdisk, verified, then stages it."""
+        if self._peer_token is None or not source.get("url"):
+            return [f"peer tier unavailable for {source['holder']}"]
+        incoming = meta.new_incoming_dir()
+        try:
+            manifest = await fetch_step(self._session, source["url"], self._peer_token, disk.namespace, disk.job,
+                                        source["data_rank"], step, incoming)  # fmt: skip
+        except (PeerFetchError, OSError, aiohttp.ClientError, asyncio.TimeoutError) as err:
+            shutil.rmtree(incoming, ignore_errors=True)
+            return [str(err)]
+        await asyncio.to_thread(staging.install_staged, disk.client_dir, step, incoming)
+        # Recorded as this rank's step: from now on this node serves it for this rank.
+        meta.save_manifest(dataclasses.replace(manifest, rank=progress.rank))
+        return []
+
+    def _hand_over(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress, view: RestoreView, source: str) -> None:
         for step in staging.clear_for_restore(disk.client_dir, view.step):
             meta.drop_manifest(step)
         if view.step is None:
             orbax_protocol.write_fresh_start_marker(disk.client_dir, disk.job, progress.rank)
-            source = "none"
         else:
             orbax_protocol.write_restore_marker(disk.client_dir, disk.job, view.step, progress.rank)
-            source = view.sources[0]["tier"]
         progress.restore_done = True
         meta.save_progress(progress)
         log.info("%s/%s rank %d: restore marker for step %s written (source %s)", disk.namespace, disk.job, progress.rank, view.step, source)
-        return source
 
     async def _detect_commits(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress) -> None:
         if progress.rank is None:

@@ -244,3 +244,16 @@ def find_step_dir(local_dir: str, step: int) -> str | None:
         return staged
     committed = os.path.join(local_dir, str(step))
     return committed if os.path.isdir(committed) else None
+
+
+def logical_signature(files: dict[str, tuple[int, str]]) -> frozenset[tuple[str, int, str]]:
+    """The checksums of a step's structural metadata: the pytree (``_METADATA``), its shardings
+    (``_sharding``) and the process metadata. Data-parallel peers write different array bytes
+    (``ocdbt.process_<i>``) but identical structure; with the job's ``assume-data-parallelism``
+    promise this is what we check before treating one peer's step as the other's.
+    """
+    return frozenset(
+        (path, size, crc)
+        for path, (size, crc) in files.items()
+        if path.rsplit("/", 1)[-1] in ("_METADATA", "_sharding") or (path.startswith("process_metadata/") and path.endswith(".json"))
+    )

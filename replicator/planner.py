@@ -88,20 +88,17 @@ def assign_ranks(
     nodes: int,
     slices: int,
     newest_held: Mapping[str, Mapping[int, int]],
-    kept: Mapping[str, int] | None = None,
 ) -> dict[str, int]:
     """Gives each pod of a complete incarnation a distinct rank in ``range(nodes)``.
 
-    Order of preference: a rank the pod already has (``kept``, e.g. after a coordinator restart);
-    then the rank whose newest data the pod's node holds (newest step first); then the initial
-    rank ``slice * nodes_per_slice + worker``; then any free rank.
+    Order of preference: the rank whose newest data the pod's node holds (newest step first);
+    then the initial rank ``slice * nodes_per_slice + worker``; then any free rank.
 
     Args:
       pods: exactly ``nodes`` pods (see ``select_pods``).
       nodes: the job's node count.
       slices: the job's slice count; ``nodes`` is a multiple of it.
-      newest_held: node id -> {rank: newest committed step of that rank's own data on the node}.
-      kept: pod uid -> rank already assigned to it.
+      newest_held: node id -> {rank: newest committed step of that rank's data on the node}.
 
     Returns:
       pod uid -> rank.
@@ -119,9 +116,6 @@ def assign_ranks(
             ranks[pod_uid] = rank
             taken.add(rank)
 
-    for pod in pods:
-        if kept and pod.pod_uid in kept:
-            give(pod.pod_uid, kept[pod.pod_uid])
     local_data = sorted(
         ((step, rank, pod.pod_uid) for pod in pods for rank, step in newest_held.get(pod.node_id, {}).items()),
         key=lambda item: (-item[0], item[1], item[2]),
@@ -145,11 +139,13 @@ def plan_restore(
     copies: Iterable[StepCopy],
     block_of: Mapping[str, str] | None = None,
     usable_tiers: frozenset[Tier] = frozenset(Tier),
+    identical: Mapping[int, frozenset[tuple[int, int]]] | None = None,
 ) -> RestorePlan:
     """Picks the newest step that every rank can restore, and each rank's sources.
 
     A step qualifies only if each rank ``0..nodes-1`` has at least one copy reachable through
-    ``usable_tiers`` from the node it is assigned to; otherwise an older step is tried.
+    ``usable_tiers`` from the node it is assigned to; otherwise an older step is tried. A copy of
+    a data-parallel peer's data serves a rank when the two were found identical at that step.
 
     Args:
       nodes: the job's node count.
@@ -157,16 +153,23 @@ def plan_restore(
       copies: every verified copy the cluster reported.
       block_of: node id -> topology block, to tell close peers from distant ones.
       usable_tiers: tiers the restore may use.
+      identical: step -> pairs of ranks (both orders) holding the same logical data at that step.
 
     Returns:
       The plan; ``step`` is None when nothing qualifies.
     """
     block_of = block_of or {}
+    identical = identical or {}
     by_step: dict[int, dict[int, list[StepCopy]]] = {}
     for copy in copies:
         by_step.setdefault(copy.step, {}).setdefault(copy.rank, []).append(copy)
     for step in sorted(by_step, reverse=True):
-        sources = {rank: _ranked_sources(by_step[step].get(rank, []), node_of_rank[rank], block_of, usable_tiers) for rank in range(nodes)}
+        held = by_step[step]
+        sources = {}
+        for rank in range(nodes):
+            serving = [rank] + sorted(other for first, other in identical.get(step, ()) if first == rank)
+            candidates = [copy for data_rank in serving for copy in held.get(data_rank, [])]
+            sources[rank] = _ranked_sources(candidates, node_of_rank[rank], block_of, usable_tiers)
         if all(sources.values()):
             return RestorePlan(step, sources)
     return RestorePlan(None, {rank: () for rank in range(nodes)})
@@ -184,5 +187,45 @@ def _tier(copy: StepCopy, target: str, block_of: Mapping[str, str]) -> Tier:
 def _ranked_sources(
     copies: list[StepCopy], target: str, block_of: Mapping[str, str], usable: frozenset[Tier]
 ) -> tuple[Source, ...]:
-    ranked = sorted((_tier(c, target, block_of), c.holder, c.rank) for c in copies)
+    ranked = sorted({(_tier(c, target, block_of), c.holder, c.rank) for c in copies})
     return tuple(Source(tier, holder, rank) for tier, holder, rank in ranked if tier in usable)
+
+
+def replica_targets(node_of_rank: Mapping[int, str], block_of: Mapping[str, str], replicas: int) -> dict[int, list[str]]:
+    """Chooses, per rank, the nodes that hold replicas of its steps (data parallelism 1).
+
+    The first replica is "close" (the next node of the same topology block), the second "distant"
+    (the node at the same position in the next block). Both are rings, so every node hosts at most
+    ``replicas`` replicas, and the choice depends only on the incarnation's placement: it is
+    stable across steps. Never the rank's own node.
+
+    Args:
+      node_of_rank: rank -> node id.
+      block_of: node id -> topology block (missing: one shared block).
+      replicas: 1 or 2.
+
+    Returns:
+      rank -> target node ids, close first; shorter when the cluster has too few nodes.
+    """
+    blocks: dict[str, list[str]] = {}
+    for node in sorted(set(node_of_rank.values())):
+        blocks.setdefault(block_of.get(node, ""), []).append(node)
+    order = sorted(blocks)
+    targets: dict[int, list[str]] = {}
+    for rank, node in node_of_rank.items():
+        block = block_of.get(node, "")
+        members = blocks[block]
+        position = members.index(node)
+        chosen = []
+        if len(members) > 1:
+            chosen.append(members[(position + 1) % len(members)])
+        if replicas > 1 and len(order) > 1:
+            other = blocks[order[(order.index(block) + 1) % len(order)]]
+            chosen.append(other[position % len(other)])
+        elif replicas > 1 and len(members) > 2:
+            chosen.append(members[(position + 2) % len(members)])
+        if not chosen and len(order) > 1:  # a block of one: its close peer must be elsewhere
+            other = blocks[order[(order.index(block) + 1) % len(order)]]
+            chosen.append(other[position % len(other)])
+        targets[rank] = chosen[:replicas]
+    return targets

@@ -2,6 +2,7 @@
 
 import itertools
 import os
+import shutil
 
 import pytest
 
@@ -33,21 +34,66 @@ def start_agent(tmp_path):
     unmount_all_below(str(tmp_path))
 
 
-@pytest.fixture
-def cluster(tmp_path):
-    """A coordinator and four node agents on 127.0.0.1-4 (two topology blocks), all real processes."""
-    coordinator = CoordinatorProcess(str(tmp_path / "coordinator"), free_listen_address()).start()
-    agents = [
-        NodeAgentProcess(
-            f"node-{i}",
-            str(tmp_path / f"node-{i}"),
-            free_listen_address(f"127.0.0.{i + 1}"),
+class Cluster:
+    """A coordinator and node agents on 127.0.0.x, each a real process.
+
+    Node ``i`` listens on 127.0.0.<i+1> and sits in topology block ``b<i // 2>``.
+    """
+
+    def __init__(self, workdir, replicas: int = 1, peer_tier: bool = True):
+        self.workdir = workdir
+        self.replicas = replicas
+        self.peer_tier = peer_tier
+        self.token_file = workdir / "peer-token"
+        self.token_file.write_text("test-peer-token-0123456789\n")
+        self.coordinator = CoordinatorProcess(str(workdir / "coordinator"), free_listen_address(), ["--node-timeout-seconds", "4"])
+        self.agents: list[NodeAgentProcess] = []
+
+    def add_node(self, index: int, block: str | None = None) -> NodeAgentProcess:
+        agent = NodeAgentProcess(
+            f"node-{index}",
+            str(self.workdir / f"node-{index}"),
+            free_listen_address(f"127.0.0.{index + 1}"),
             "tmpfs" if can_mount_tmpfs() else "dir",
-            ["--coordinator", coordinator.url, "--pod-address", f"127.0.0.{i + 1}", "--topology", f"block=b{i // 2}"],
-        ).start()
-        for i in range(4)
-    ]
-    yield coordinator, agents
-    for process in [*agents, coordinator]:
-        process.stop()
-    unmount_all_below(str(tmp_path))
+            ["--coordinator", self.coordinator.url, "--pod-address", f"127.0.0.{index + 1}",
+             "--topology", f"block={block or f'b{index // 2}'}", "--replicas", str(self.replicas),
+             *(["--peer-token-file", str(self.token_file)] if self.peer_tier else [])],
+        )  # fmt: skip
+        self.agents.append(agent)
+        return agent.start()
+
+    def lose_node(self, agent: NodeAgentProcess) -> None:
+        """What a node failure does: the agent dies and the node's RAM (every ramdisk) is gone."""
+        agent.kill()
+        unmount_all_below(agent.workdir)
+        shutil.rmtree(agent.workdir)
+
+    def stop(self) -> None:
+        for process in [*self.agents, self.coordinator]:
+            process.stop()
+        unmount_all_below(str(self.workdir))
+
+
+@pytest.fixture
+def start_cluster(tmp_path):
+    """Factory: ``start_cluster(nodes=4, replicas=1, peer_tier=True)`` -> a running Cluster, always stopped."""
+    clusters = []
+
+    def start(nodes: int = 4, replicas: int = 1, peer_tier: bool = True) -> Cluster:
+        cluster = Cluster(tmp_path, replicas, peer_tier)
+        clusters.append(cluster)
+        cluster.coordinator.start()
+        for index in range(nodes):
+            cluster.add_node(index)
+        return cluster
+
+    yield start
+    for cluster in clusters:
+        cluster.stop()
+
+
+@pytest.fixture
+def cluster(start_cluster):
+    """A coordinator and four node agents (two topology blocks), ramdisk tier only."""
+    started = start_cluster(peer_tier=False)
+    return started.coordinator, started.agents

@@ -5,54 +5,14 @@ their ramdisks; they are SIGKILLed mid-run, the pods are recreated, and the job 
 the newest step complete on every rank with exactly the values an uninterrupted run had.
 """
 
-import itertools
 import json
 import os
 import shutil
 import subprocess
 import sys
-import urllib.request
 
-import numpy as np
-
-from examples.local_cluster import LocalJob
 from replicator.status import fetch_status
-
-_jax_ports = itertools.count(28476 + (os.getpid() % 200) * 5)
-TRAIN = ["--steps", "30", "--save-interval-steps", "3", "--backup-interval-steps", "6"]
-
-
-def run_job(name, agents, workdir, extra):
-    job = LocalJob(name, agents, str(workdir), [*TRAIN, *extra], jax_port=next(_jax_ports))
-    job.create_pods()
-    job.start_training()
-    return job
-
-
-def by_event(pod, event):
-    return [e for e in pod.events() if e["event"] == event]
-
-
-def losses(pods):
-    return {e["step"]: e["loss"] for pod in pods for e in by_event(pod, "step")}
-
-
-def assert_same_state(left_npz, right_npz):
-    left, right = np.load(left_npz), np.load(right_npz)
-    assert sorted(left.files) == sorted(right.files)
-    for key in left.files:
-        np.testing.assert_array_equal(left[key], right[key], err_msg=key)
-
-
-def scrape(url):
-    with urllib.request.urlopen(url + "/metrics") as response:
-        return response.read().decode()
-
-
-def newest_complete_step(coordinator, job):
-    jobs = fetch_status(coordinator.url, job)["jobs"]
-    return jobs[0]["newest_complete_step"] if jobs else None
-
+from tests.jobs import assert_same_state, by_event, losses, newest_complete_step, run_job, scrape, wait_until
 
 def test_sigkilled_job_resumes_at_newest_complete_step_with_identical_values(cluster, tmp_path):
     coordinator, agents = cluster
@@ -61,17 +21,17 @@ def test_sigkilled_job_resumes_at_newest_complete_step_with_identical_values(clu
     assert all(by_event(p, "restored")[0]["step"] is None for p in reference.pods)  # fresh start: s0 marker
     reference.delete_pods()
 
-    job = run_job("run", agents, tmp_path / "run", ["--step-sleep", "0.2", "--dump-dir", str(tmp_path / "dump-1")])
+    # Data parallelism 1 and no peer tier: every rank's only copy is its own ramdisk.
+    job = run_job("run", agents, tmp_path / "run", ["--data-parallelism", "1", "--step-sleep", "0.2", "--dump-dir", str(tmp_path / "dump-1")])
     job.wait(lambda: all(any(e["step"] >= 12 for e in by_event(p, "saved")) for p in job.pods), 180, "step 12 saved everywhere")
     job.kill_training()
     saved = [max(e["step"] for e in by_event(p, "saved")) for p in job.pods]
     # One rank lost its newest save (as if killed before the commit rename): that step is
     # incomplete, so every rank must restore the save before it.
     newest = max(saved)
-    lagging = job.pods[saved.index(newest)]
-    shutil.rmtree(os.path.join(lagging.target, str(newest)))
+    shutil.rmtree(os.path.join(job.pods[saved.index(newest)].target, str(newest)))
     expected = newest - 3
-    job.wait(lambda: newest_complete_step(coordinator, job.job) == expected, 30, f"coordinator sees step {expected}")
+    wait_until(lambda: newest_complete_step(coordinator, job.job) == expected, 30, f"coordinator sees step {expected}")
 
     job.delete_pods()
     job.train_args[-1] = str(tmp_path / "dump-2")

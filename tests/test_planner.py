@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from replicator.planner import PodSlot, StepCopy, Tier, assign_ranks, plan_restore, select_pods
+from replicator.planner import PodSlot, Source, StepCopy, Tier, assign_ranks, plan_restore, replica_targets, select_pods
 
 
 def pods_on(nodes, uid_prefix="p", slices=1, t=0.0):
@@ -35,11 +35,6 @@ def test_newest_data_wins_and_no_rank_is_duplicated():
 def test_fresh_job_uses_initial_ranks_from_slice_and_worker():
     pods = [PodSlot("x", "n9", 1, 0, 0), PodSlot("y", "n8", 0, 1, 0), PodSlot("z", "n7", 1, 1, 0), PodSlot("w", "n6", 0, 0, 0)]
     assert assign_ranks(pods, 4, 2, {}) == {"w": 0, "y": 1, "x": 2, "z": 3}
-
-
-def test_kept_ranks_survive_a_coordinator_restart():
-    pods = pods_on(["a", "b", "c"])
-    assert assign_ranks(pods, 3, 1, {"a": {2: 5}}, kept={"p0": 1, "p1": 0, "p2": 2}) == {"p0": 1, "p1": 0, "p2": 2}
 
 
 def test_partial_incarnation_waits_and_old_pods_drop_out():
@@ -92,3 +87,31 @@ def test_restore_sources_are_ordered_local_close_distant_backup():
         (Tier.PEER_DISTANT, "far"),
         (Tier.BACKUP, "backup"),
     ]
+
+
+def test_data_parallel_peer_copy_serves_a_rank_only_when_identical():
+    node_of = {0: "a", 1: "fresh", 2: "c", 3: "d"}
+    copies = [StepCopy(9, r, n) for r, n in [(0, "a"), (2, "c"), (3, "d")]]  # rank 1's node was lost
+    assert plan_restore(4, node_of, copies).step is None
+    identical = {9: frozenset({(1, 3), (3, 1), (0, 2), (2, 0)})}
+    plan = plan_restore(4, node_of, copies, block_of={"fresh": "b0", "d": "b1"}, identical=identical)
+    assert plan.step == 9
+    assert [(s.tier, s.holder, s.data_rank) for s in plan.sources[1]] == [(Tier.PEER_DISTANT, "d", 3)]
+    assert plan.sources[0][0] == Source(Tier.LOCAL, "a", 0)
+
+
+def test_replica_targets_are_close_then_distant_spread_and_never_self():
+    node_of = {r: f"n{r}" for r in range(8)}
+    blocks = {f"n{r}": f"b{r // 4}" for r in range(8)}
+    targets = replica_targets(node_of, blocks, replicas=2)
+    assert targets[0] == ["n1", "n4"] and targets[3] == ["n0", "n7"]
+    assert all(node_of[r] not in t for r, t in targets.items())
+    assert all(blocks[t[0]] == blocks[node_of[r]] and blocks[t[1]] != blocks[node_of[r]] for r, t in targets.items())
+    hosted = [node for t in targets.values() for node in t]
+    assert max(hosted.count(n) for n in set(hosted)) == 2
+    assert replica_targets(node_of, blocks, replicas=1) == {r: t[:1] for r, t in targets.items()}
+
+
+def test_replica_targets_with_single_node_blocks_go_to_another_block():
+    targets = replica_targets({0: "a", 1: "b"}, {"a": "x", "b": "y"}, replicas=1)
+    assert targets == {0: ["b"], 1: ["a"]}

@@ -1,0 +1,508 @@
+"""The backup tier's storage: complete checkpoint steps in object storage, restorable after cluster loss.
+
+``open_backup_store(url)`` gives a ``BackupStore`` for ``gs://BUCKET[/PREFIX]`` or ``file:///PATH``.
+The backup logic (layout, dedup, commit, restore, retention) lives once, in ``BackupStore``; a backend
+is an ``ObjectStore``, a handful of object primitives (``gcs_backup.py``, ``file_backup.py``). A new
+backend (S3) is a new module with an ``ObjectStore`` and one branch in ``open_backup_store``.
+
+Layout below the store's prefix, per job key ``<namespace>/<job>``::
+
+  <ns>/<job>/steps/<step>/rank-<r>/<relpath>      data objects, one per file of the rank's step dir
+  <ns>/<job>/steps/<step>/rank-<r>.manifest.json  {"step", "rank", "files": {relpath: {"size", "crc32c", "object"}}}
+  <ns>/<job>/steps/<step>/COMMIT                  {"step", "nodes", "ranks": [...]}, written last
+
+A rank manifest is written only after all of its objects are stored and their CRC32C checked against
+the step's ``StepManifest``; ``object`` is the object's name relative to the step's directory, so a
+deduplicated file names another rank's object of the same step (``rank-0/...``). ``COMMIT`` is written
+once every rank's manifest exists; only a step with ``COMMIT`` is restorable. Deleting a step removes
+``COMMIT`` first, so a half-deleted step is never taken for a complete one.
+"""
+
+import abc
+import concurrent.futures
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TypeVar
+
+from csi_driver.volume_request import _DNS1123_LABEL
+from replicator.step_manifest import StepManifest, verify_step
+
+DEFAULT_WORKERS = 8
+RANGE_BYTES = 32 << 20  # one ranged read during a restore
+
+COMMIT = "COMMIT"
+_MANIFEST_NAME = re.compile(r"^rank-(\d+)\.manifest\.json$")
+_STEP_ENTRY = re.compile(r"^(0|[1-9]\d*)/$")
+
+T = TypeVar("T")
+
+
+class BackupError(Exception):
+    """The backup store is unreachable, refused a request, or holds missing or corrupt data."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredFile:
+    """One file of a rank's backed-up step.
+
+    Attributes:
+      size: bytes.
+      crc32c: CRC32C of the content, 8 lowercase hex digits (as in ``StepManifest``).
+      object: the object holding the content, relative to the step's directory (``rank-<r>/<relpath>``).
+    """
+
+    size: int
+    crc32c: str
+    object: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RankManifest:
+    """What one rank's backup of one step holds: a ``StepManifest`` plus where each file's bytes live.
+
+    Attributes:
+      step: the training step.
+      rank: the node rank.
+      files: relative posix path -> StoredFile.
+    """
+
+    step: int
+    rank: int
+    files: dict[str, StoredFile]
+
+    def step_manifest(self) -> StepManifest:
+        """The checksums a restored copy must match."""
+        return StepManifest(self.step, self.rank, {rel: (f.size, f.crc32c) for rel, f in self.files.items()})
+
+    def to_json(self) -> str:
+        files = {rel: dataclasses.asdict(f) for rel, f in self.files.items()}
+        return json.dumps({"step": self.step, "rank": self.rank, "files": files}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "RankManifest":
+        """Parses and validates a rank manifest.
+
+        Raises:
+          ValueError: not JSON, a field missing or of the wrong type, or a path that leaves the step.
+        """
+        try:
+            raw = json.loads(text)
+            files = {
+                _relative(rel): StoredFile(int(f["size"]), str(f["crc32c"]), _relative(str(f["object"])))
+                for rel, f in raw["files"].items()
+            }
+            return cls(int(raw["step"]), int(raw["rank"]), files)
+        except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"malformed rank manifest: {exc!r}") from exc
+
+
+@dataclasses.dataclass(frozen=True)
+class Upload:
+    """One file to store; the stored object must have exactly the size and CRC32C the step's manifest recorded.
+
+    Attributes:
+      local_path: the file on this node.
+      name: the object name, relative to the store's prefix.
+      size: bytes, from the step's manifest.
+      crc32c: 8 hex digits, from the step's manifest.
+    """
+
+    local_path: str
+    name: str
+    size: int
+    crc32c: str
+
+
+class ObjectStore(abc.ABC):
+    """The object primitives a backend implements. Names are relative to the store's prefix, ``/``-separated.
+
+    Every method raises ``BackupError`` when the store fails or refuses; local files are not the store,
+    so a local ``OSError`` (unreadable source, full destination) propagates as ``OSError``.
+    """
+
+    url: str  # where the store is, for messages: gs://bucket/prefix, file:///path
+
+    @abc.abstractmethod
+    def put_files(self, uploads: Sequence[Upload], workers: int) -> None:
+        """Stores every upload, up to ``workers`` at a time, each checked end to end; tries them all.
+
+        An object is kept only if the store holds exactly the bytes whose size and CRC32C the manifest
+        recorded; an upload that does not match is removed (or never becomes visible).
+
+        Raises:
+          BackupError: one or more uploads failed or did not match (``uploads_failed``).
+        """
+
+    @abc.abstractmethod
+    def download_range(self, name: str, start: int, length: int, dest_fd: int) -> None:
+        """Writes bytes ``[start, start + length)`` of object ``name`` into ``dest_fd`` at the same offsets.
+
+        Raises:
+          BackupError: the object is missing or shorter than ``start + length`` bytes, or the read failed.
+        """
+
+    @abc.abstractmethod
+    def list(self, prefix: str, *, recursive: bool = False) -> list[str]:
+        """Names below ``prefix`` (which ends with ``/``), relative to it.
+
+        Returns:
+          With ``recursive``, every object below ``prefix``. Otherwise the direct children: objects,
+          and ``"<child>/"`` for each child prefix. Empty when nothing is there.
+        """
+
+    @abc.abstractmethod
+    def read_text(self, name: str) -> str | None:
+        """The UTF-8 content of a small object, or None when it does not exist."""
+
+    @abc.abstractmethod
+    def write_text(self, name: str, text: str) -> None:
+        """Creates or replaces a small object; readers see the old content or the new, never a mix."""
+
+    @abc.abstractmethod
+    def delete(self, name: str) -> None:
+        """Deletes an object; a missing object is not an error."""
+
+
+def run_parallel(fn: Callable[[T], None], items: Iterable[T], workers: int) -> None:
+    """Calls ``fn`` on every item, ``workers`` threads at a time; stops at the first failure.
+
+    Raises:
+      The first exception ``fn`` raised, after work not yet started is cancelled and running calls end.
+    """
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(fn, item) for item in items]
+        done, _ = concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+        failed = next((f for f in futures if f in done and f.exception() is not None), None)
+        if failed is not None:
+            for future in futures:
+                future.cancel()
+            raise failed.exception()
+
+
+@contextlib.contextmanager
+def store_errors(url: str, name: str, what: str, errors: tuple[type[BaseException], ...]) -> Iterator[None]:
+    """Turns any of ``errors`` (a backend's failures) into ``BackupError("<url>/<name>: <what>: ...")``."""
+    try:
+        yield
+    except errors as exc:
+        raise BackupError(f"{url}/{name}: {what}: {exc}") from exc
+
+
+def pwrite_all(fd: int, data: memoryview, offset: int) -> int:
+    """Writes all of ``data`` to ``fd`` at ``offset``; returns the offset after it."""
+    while data:
+        written = os.pwrite(fd, data, offset)
+        data, offset = data[written:], offset + written
+    return offset
+
+
+def uploads_failed(url: str, failures: Sequence[str], total: int) -> BackupError:
+    """The error for ``failures`` (one line per failed upload) among ``total`` uploads to ``url``."""
+    shown = "; ".join(failures[:5]) + (f"; +{len(failures) - 5} more" if len(failures) > 5 else "")
+    return BackupError(f"{len(failures)} of {total} uploads to {url} failed: {shown}")
+
+
+def _relative(path: str) -> str:
+    """``path`` if it names something strictly inside a directory; ValueError otherwise."""
+    if not path or "\\" in path or "\0" in path or any(part in ("", ".", "..") for part in path.split("/")):
+        raise ValueError(f"{path!r} is not a relative path inside a step")
+    return path
+
+
+def _job_prefix(job_key: str) -> str:
+    namespace, _, job = job_key.partition("/")
+    if not (_DNS1123_LABEL.match(namespace) and _DNS1123_LABEL.match(job)):
+        raise ValueError(f"job key {job_key!r} is not <namespace>/<job> (DNS-1123 labels)")
+    return f"{job_key}/steps/"
+
+
+def _step_prefix(job_key: str, step: int) -> str:
+    if step < 0:
+        raise ValueError(f"step {step} is negative")
+    return f"{_job_prefix(job_key)}{step}/"
+
+
+def _manifest_name(rank: int) -> str:
+    return f"rank-{rank}.manifest.json"
+
+
+class BackupStore:
+    """Backed-up checkpoint steps of many jobs, over one ``ObjectStore``. Thread-safe; holds no state
+    beyond its configuration, so several node agents may use the same store at once.
+
+    Args:
+      objects: the backend.
+      workers: concurrent transfers for uploads and deletions.
+    """
+
+    def __init__(self, objects: ObjectStore, *, workers: int = DEFAULT_WORKERS):
+        self.objects = objects
+        self.workers = workers
+
+    @property
+    def url(self) -> str:
+        return self.objects.url
+
+    def upload_rank(self, job_key: str, step: int, rank: int, step_dir: str, manifest: StepManifest,
+                    dedup_from: RankManifest | None = None) -> RankManifest:
+        """Stores one rank's committed step, then its rank manifest.
+
+        A file whose relative path, size and CRC32C equal a file of ``dedup_from`` (a rank manifest of
+        the same step already stored, from ``rank_manifest``, typically a data-parallel peer's) is not
+        uploaded: the new manifest names the peer's object, so identical data is stored once.
+
+        Args:
+          job_key: ``<namespace>/<job>``.
+          step: the step.
+          rank: the node rank whose data ``step_dir`` holds.
+          step_dir: the committed step directory on this node.
+          manifest: ``step_dir``'s checksums (``step_manifest.build_manifest``); every stored object is
+            checked against them.
+          dedup_from: a stored rank manifest of the same step, or None to upload everything.
+
+        Returns:
+          The stored rank manifest (pass it as ``dedup_from`` for the next peer).
+
+        Raises:
+          ValueError: bad job key, ``manifest`` is for another step or rank, ``dedup_from`` is for
+            another step, or a path in ``manifest`` leaves the step directory.
+          BackupError: an upload failed or did not match ``manifest``; no rank manifest is written, so
+            the step stays incomplete (``retain`` removes what was uploaded once a newer step commits).
+          OSError: a local file could not be read.
+        """
+        prefix = _step_prefix(job_key, step)
+        if (manifest.step, manifest.rank) != (step, rank):
+            raise ValueError(f"manifest is for step {manifest.step} rank {manifest.rank}, not step {step} rank {rank}")
+        if dedup_from is not None and dedup_from.step != step:
+            raise ValueError(f"dedup_from is for step {dedup_from.step}, not {step}: "
+                             "objects are shared within a step only")
+        peer = dedup_from.files if dedup_from is not None else {}
+        files: dict[str, StoredFile] = {}
+        uploads: list[Upload] = []
+        for rel, (size, crc) in sorted(manifest.files.items()):
+            same = peer.get(_relative(rel))  # the path check guards the object name built from it
+            if same is not None and (same.size, same.crc32c) == (size, crc):
+                files[rel] = same
+                continue
+            files[rel] = StoredFile(size, crc, f"rank-{rank}/{rel}")
+            uploads.append(Upload(os.path.join(step_dir, *rel.split("/")), prefix + files[rel].object, size, crc))
+        self.objects.put_files(uploads, self.workers)
+        stored = RankManifest(step, rank, files)
+        self.objects.write_text(prefix + _manifest_name(rank), stored.to_json())
+        return stored
+
+    def rank_manifest(self, job_key: str, step: int, rank: int) -> RankManifest | None:
+        """A stored rank manifest, or None when that rank's upload of ``step`` has not finished.
+
+        Raises:
+          ValueError: bad job key.
+          BackupError: the store failed, or the manifest is malformed.
+        """
+        name = _step_prefix(job_key, step) + _manifest_name(rank)
+        text = self.objects.read_text(name)
+        if text is None:
+            return None
+        try:
+            stored = RankManifest.from_json(text)
+        except ValueError as exc:
+            raise BackupError(f"{self.url}/{name}: {exc}") from exc
+        if (stored.step, stored.rank) != (step, rank):
+            raise BackupError(f"{self.url}/{name} is for step {stored.step} rank {stored.rank}")
+        return stored
+
+    def commit_if_complete(self, job_key: str, step: int, nodes: int) -> bool:
+        """Writes ``COMMIT`` for ``step`` when the manifests of ranks ``0 .. nodes-1`` all exist.
+
+        Idempotent; safe to call from every node after its own upload.
+
+        Returns:
+          True if the step is committed (now or before), False while a rank manifest is missing.
+
+        Raises:
+          ValueError: bad job key, or ``nodes`` < 1.
+          BackupError: the store failed.
+        """
+        if nodes < 1:
+            raise ValueError(f"nodes must be >= 1, not {nodes}")
+        prefix = _step_prefix(job_key, step)
+        entries = set(self.objects.list(prefix))
+        if COMMIT in entries:
+            return True
+        if any(_manifest_name(rank) not in entries for rank in range(nodes)):
+            return False
+        commit = {"step": step, "nodes": nodes, "ranks": list(range(nodes))}
+        self.objects.write_text(prefix + COMMIT, json.dumps(commit, sort_keys=True))
+        return True
+
+    def _steps(self, job_key: str) -> dict[int, bool]:
+        """Every step with anything stored -> whether it has ``COMMIT``."""
+        prefix = _job_prefix(job_key)
+        steps = [int(entry[:-1]) for entry in self.objects.list(prefix) if _STEP_ENTRY.match(entry)]
+        return {step: COMMIT in self.objects.list(f"{prefix}{step}/") for step in steps}
+
+    def complete_steps(self, job_key: str) -> list[int]:
+        """Steps with ``COMMIT``, ascending: the restorable ones.
+
+        Raises:
+          ValueError: bad job key.
+          BackupError: the store failed.
+        """
+        return sorted(step for step, committed in self._steps(job_key).items() if committed)
+
+    def incomplete_steps(self, job_key: str) -> list[int]:
+        """Steps with objects but no ``COMMIT``, ascending: uploads in progress or interrupted.
+
+        Raises:
+          ValueError: bad job key.
+          BackupError: the store failed.
+        """
+        return sorted(step for step, committed in self._steps(job_key).items() if not committed)
+
+    def download_rank(self, job_key: str, step: int, rank: int, dest_dir: str,
+                      workers: int = DEFAULT_WORKERS) -> StepManifest:
+        """Restores one rank's data of a committed step into ``dest_dir``, verified.
+
+        Files are fetched as ranged reads of up to ``RANGE_BYTES`` (32 MiB), ``workers`` at a time,
+        into a temporary sibling of ``dest_dir``, checked with ``verify_step``, and only then renamed
+        to ``dest_dir``. On any failure nothing is left behind. Zero-byte files are recreated from the
+        manifest alone.
+
+        Args:
+          job_key: ``<namespace>/<job>``.
+          step: a step listed by ``complete_steps``.
+          rank: the node rank.
+          dest_dir: must not exist; its parent must. Files land at their relative paths below it.
+          workers: concurrent ranged reads.
+
+        Returns:
+          The manifest ``dest_dir`` was verified against.
+
+        Raises:
+          ValueError: bad job key.
+          FileExistsError: ``dest_dir`` exists.
+          BackupError: the step has no ``COMMIT``, the rank has no manifest, an object is missing or
+            short, the data does not match its checksums, or the store failed.
+          OSError: writing below ``dest_dir``'s parent failed (e.g. the ramdisk is full).
+        """
+        prefix = _step_prefix(job_key, step)
+        if COMMIT not in self.objects.list(prefix):
+            raise BackupError(f"{self.url}/{prefix} has no {COMMIT}: step {step} is not restorable")
+        stored = self.rank_manifest(job_key, step, rank)
+        if stored is None:
+            raise BackupError(f"{self.url}/{prefix} has {COMMIT} but no manifest for rank {rank}")
+        if os.path.lexists(dest_dir):
+            raise FileExistsError(f"{dest_dir} exists")
+        parent, base = os.path.split(os.path.abspath(dest_dir))
+        tmp = tempfile.mkdtemp(prefix=f".{base}.backup-", dir=parent)
+        try:
+            os.chmod(tmp, 0o755)
+            ranges = []
+            for rel, f in stored.files.items():
+                path = os.path.join(tmp, *rel.split("/"))
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "wb") as out:
+                    out.truncate(f.size)
+                ranges += [(prefix + f.object, path, start, min(RANGE_BYTES, f.size - start))
+                           for start in range(0, f.size, RANGE_BYTES)]
+            run_parallel(self._fetch_range, ranges, workers)
+            manifest = stored.step_manifest()
+            problems = verify_step(tmp, manifest)
+            if problems:
+                more = f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""
+                raise BackupError(f"{self.url}/{prefix} rank {rank} does not match its manifest: "
+                                  f"{'; '.join(problems[:5])}{more}")
+            os.rename(tmp, dest_dir)
+            return manifest
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def _fetch_range(self, item: tuple[str, str, int, int]) -> None:
+        name, path, start, length = item
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            self.objects.download_range(name, start, length, fd)
+        finally:
+            os.close(fd)
+
+    def delete_step(self, job_key: str, step: int) -> None:
+        """Deletes everything stored for ``step``: ``COMMIT`` first, then rank manifests, then data.
+
+        Raises:
+          ValueError: bad job key.
+          BackupError: the store failed; what remains is an incomplete step.
+        """
+        prefix = _step_prefix(job_key, step)
+        names = self.objects.list(prefix, recursive=True)
+        if COMMIT in names:
+            self.objects.delete(prefix + COMMIT)
+        manifests = [prefix + n for n in names if _MANIFEST_NAME.match(n)]
+        data = [prefix + n for n in names if n != COMMIT and not _MANIFEST_NAME.match(n)]
+        run_parallel(self.objects.delete, manifests, self.workers)
+        run_parallel(self.objects.delete, data, self.workers)
+
+    def retain(self, job_key: str, keep: int, protected: Iterable[int] = ()) -> list[int]:
+        """Garbage-collects a job's backups.
+
+        Keeps the newest ``keep`` complete steps and every protected step; deletes the other complete
+        steps, and the incomplete steps older than the newest complete one (interrupted uploads).
+        Incomplete steps newer than it may still be uploading and are kept.
+
+        Args:
+          job_key: ``<namespace>/<job>``.
+          keep: complete steps to keep, >= 1.
+          protected: steps never deleted (e.g. one a restore is reading).
+
+        Returns:
+          The deleted steps, ascending.
+
+        Raises:
+          ValueError: bad job key, or ``keep`` < 1.
+          BackupError: the store failed.
+        """
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, not {keep}")
+        steps = self._steps(job_key)
+        complete = sorted(step for step, committed in steps.items() if committed)
+        if not complete:
+            return []
+        newest = complete[-1]
+        doomed = set(complete[:-keep]) | {step for step, committed in steps.items() if not committed and step < newest}
+        deleted = sorted(doomed - set(protected))
+        for step in deleted:
+            self.delete_step(job_key, step)
+        return deleted
+
+
+def open_backup_store(url: str, *, emulator_host: str | None = None, workers: int = DEFAULT_WORKERS) -> BackupStore:
+    """Opens the backup store at ``url``: credentials are looked up now, objects only when used.
+
+    Args:
+      url: ``gs://BUCKET[/PREFIX]`` (Application Default Credentials) or ``file:///PATH``.
+      emulator_host: for ``gs://`` only, a GCS emulator such as ``http://127.0.0.1:4443``; anonymous
+        credentials, project ``test``.
+      workers: concurrent transfers for uploads and deletions.
+
+    Raises:
+      ValueError: an unsupported scheme or a malformed URL, or ``emulator_host`` with ``file://``.
+      BackupError: ``gs://`` without an emulator and no Application Default Credentials.
+    """
+    scheme = url.partition("://")[0]
+    # Backends are imported on use: they import this module, and file:// needs no Google libraries.
+    if scheme == "gs":
+        from replicator.gcs_backup import GcsObjects
+
+        return BackupStore(GcsObjects.from_url(url, emulator_host=emulator_host), workers=workers)
+    if emulator_host is not None:
+        raise ValueError(f"emulator_host applies to gs:// only, not {url!r}")
+    if scheme == "file":
+        from replicator.file_backup import FileObjects
+
+        return BackupStore(FileObjects.from_url(url), workers=workers)
+    raise ValueError(f"unsupported backup URL {url!r}: expected gs://BUCKET[/PREFIX] or file:///PATH")

@@ -1,0 +1,361 @@
+"""The node agent's peer side: other nodes list, fetch and push committed steps over HTTP.
+
+Routes under ``/v1/peer/jobs/{namespace}/{job}`` (JSON; errors are ``{"error": "..."}``), each one
+requiring ``Authorization: Bearer <token>`` (401 otherwise):
+
+- ``GET  .../steps``: ``{"steps": [{"rank", "step", "bytes"}]}``, own steps and replicas.
+- ``GET  .../ranks/{rank}/steps/{step}/manifest``: the step's ``StepManifest`` JSON.
+- ``GET  .../ranks/{rank}/steps/{step}/files/{path}``: one file of the manifest; honours ``Range``.
+- ``PUT  .../ranks/{rank}/steps/{step}/files/{path}``: one file of a replica push, with header
+  ``X-MTC-Upload: <hex id>`` chosen by the client; the body streams into that upload's incoming dir.
+  201 ``{"bytes": n}``; 507 when it does not fit on the ramdisk. Any failed PUT discards the upload
+  (410 for its later PUTs).
+- ``POST .../ranks/{rank}/steps/{step}/commit``: body = the manifest, same header. Verifies the upload
+  against it and only then installs it as a replica: 200 ``{"rank", "step", "bytes"}``, or 422
+  ``{"error", "problems": [...]}`` and the upload is deleted. A half-received replica is never visible.
+
+Nothing outside the job's ramdisk is read or written: names are validated (400), a served file must
+resolve inside its step directory, and the step directory inside the ramdisk. Upload bodies stream to
+disk and the commit body has its own cap, so the app's ``client_max_size`` needs no change.
+"""
+
+import asyncio
+import dataclasses
+import errno
+import functools
+import hmac
+import json
+import os
+import re
+import shutil
+import stat
+import time
+from collections.abc import Callable
+
+from aiohttp import web
+
+from csi_driver.volume_request import _DNS1123_LABEL
+from replicator import orbax_protocol
+from replicator.job_meta import JobMeta
+from replicator.step_manifest import StepManifest, verify_step
+
+UPLOAD_HEADER = "X-MTC-Upload"
+_UPLOAD_ID = re.compile(r"^[0-9a-f]{16,64}$")
+_MAX_MANIFEST_BYTES = 16 << 20
+_RECEIVE_CHUNK_BYTES = 1 << 20
+_UPLOAD_IDLE_SECONDS = 600.0  # an upload untouched this long was abandoned by its client
+_STEP_PREFIX = "/v1/peer/jobs/{namespace}/{job}/ranks/{rank}/steps/{step}"
+
+
+def _fail(kind: type[web.HTTPException], message: str, **kwargs) -> web.HTTPException:
+    return kind(text=json.dumps({"error": message}), content_type="application/json", **kwargs)
+
+
+def safe_relpath(path: str) -> str:
+    """Checks that ``path`` names a file strictly inside a directory.
+
+    Returns:
+      ``path`` unchanged.
+
+    Raises:
+      ValueError: empty, absolute, or with an empty, ``.`` or ``..`` component, a backslash or a NUL.
+    """
+    if not path or "\\" in path or "\0" in path or any(part in ("", ".", "..") for part in path.split("/")):
+        raise ValueError(f"{path!r} is not a relative path inside a step")
+    return path
+
+
+def _is_within(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def _free_bytes(path: str) -> int:
+    """Bytes an unprivileged writer may still put on the filesystem of ``path``."""
+    stats = os.statvfs(path)
+    return stats.f_bavail * stats.f_frsize
+
+
+@dataclasses.dataclass(frozen=True)
+class _StepRef:
+    """A request's job and (rank, step), parsed and with the job's ramdisk found."""
+
+    ramdisk: str
+    meta: JobMeta
+    rank: int
+    step: int
+
+
+@dataclasses.dataclass
+class _Upload:
+    """A replica push in progress: files land in ``directory`` until the commit."""
+
+    directory: str
+    target: tuple[str, int, int]  # (ramdisk, rank, step)
+    active: int = 0
+    last_used: float = dataclasses.field(default_factory=time.monotonic)
+    discarded: bool = False
+
+
+class _Uploads:
+    """Uploads by client-chosen id.
+
+    A failed PUT discards its upload: the files are deleted once no PUT still writes into them, and
+    the id is kept, so the client's other PUTs of that upload are refused instead of starting over.
+    Ids untouched for ``_UPLOAD_IDLE_SECONDS`` are forgotten (and their files deleted) when the next
+    upload starts.
+    """
+
+    def __init__(self):
+        self._by_id: dict[str, _Upload] = {}
+
+    def acquire(self, upload_id: str, ref: _StepRef) -> _Upload:
+        """The upload for a PUT (created on first use); pair with ``release``."""
+        upload = self._by_id.get(upload_id)
+        if upload is None:
+            self._forget_idle()
+            upload = self._by_id[upload_id] = _Upload(ref.meta.new_incoming_dir(), (ref.ramdisk, ref.rank, ref.step))
+        elif upload.discarded:
+            raise _fail(web.HTTPGone, f"upload {upload_id} was discarded after an error; push again with a new id")
+        elif upload.target != (ref.ramdisk, ref.rank, ref.step):
+            raise _fail(web.HTTPConflict, f"upload {upload_id} belongs to another job, rank or step")
+        upload.active += 1
+        return upload
+
+    def release(self, upload: _Upload) -> None:
+        upload.active -= 1
+        upload.last_used = time.monotonic()
+        if upload.discarded and upload.active == 0:
+            shutil.rmtree(upload.directory, ignore_errors=True)
+
+    def discard(self, upload: _Upload) -> None:
+        upload.discarded = True
+        if upload.active == 0:
+            shutil.rmtree(upload.directory, ignore_errors=True)
+
+    def take(self, upload_id: str, ref: _StepRef) -> _Upload:
+        """Removes a finished upload for its commit; the caller installs or deletes its directory."""
+        upload = self._by_id.get(upload_id)
+        if upload is None or upload.discarded or upload.target != (ref.ramdisk, ref.rank, ref.step):
+            raise _fail(web.HTTPNotFound, f"no upload {upload_id} for rank {ref.rank} step {ref.step}")
+        if upload.active:
+            raise _fail(web.HTTPConflict, f"upload {upload_id} still has {upload.active} files being received")
+        del self._by_id[upload_id]
+        return upload
+
+    def _forget_idle(self) -> None:
+        now = time.monotonic()
+        for upload_id, upload in list(self._by_id.items()):
+            if upload.active == 0 and now - upload.last_used > _UPLOAD_IDLE_SECONDS:
+                del self._by_id[upload_id]
+                shutil.rmtree(upload.directory, ignore_errors=True)
+
+
+def _int_param(request: web.Request, name: str) -> int:
+    value = request.match_info[name]
+    if not (value.isascii() and value.isdigit()):
+        raise _fail(web.HTTPBadRequest, f"{name} {value!r} is not a non-negative integer")
+    return int(value)
+
+
+def _path_param(request: web.Request) -> str:
+    try:
+        return safe_relpath(request.match_info["path"])
+    except ValueError as err:
+        raise _fail(web.HTTPBadRequest, str(err)) from None
+
+
+def _upload_id(request: web.Request) -> str:
+    value = request.headers.get(UPLOAD_HEADER, "")
+    if not _UPLOAD_ID.match(value):
+        raise _fail(web.HTTPBadRequest, f"header {UPLOAD_HEADER} must be 16-64 lowercase hex digits")
+    return value
+
+
+def _open_inside(ramdisk: str, step_dir: str, rel: str) -> int:
+    """Opens ``step_dir/rel`` for reading if it is a regular file whose real path stays inside the step
+    directory, itself inside the ramdisk. The check is on the open descriptor, so a path swapped after
+    it cannot redirect the read.
+
+    Raises:
+      HTTPBadRequest: it resolves outside, or is not a regular file.
+      HTTPNotFound: it cannot be opened (missing, a loop, a parent that is not a directory).
+    """
+    root = os.path.realpath(step_dir)
+    if not _is_within(root, os.path.realpath(ramdisk)):
+        raise _fail(web.HTTPBadRequest, "the step directory resolves outside the job's ramdisk")
+    try:  # O_NONBLOCK: a FIFO planted in a step must not block the agent
+        fd = os.open(os.path.join(root, rel), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as err:
+        raise _fail(web.HTTPNotFound, f"{rel} is listed but cannot be opened: {err.strerror}") from None
+    if not _is_within(os.readlink(f"/proc/self/fd/{fd}"), root) or not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise _fail(web.HTTPBadRequest, f"{rel} is not a regular file inside the step directory")
+    return fd
+
+
+class _DescriptorFileResponse(web.FileResponse):
+    """Serves an open, checked descriptor through ``/proc/self/fd`` (FileResponse does Range and
+    sendfile) and closes it once sent; aiohttp prepares a returned response exactly once."""
+
+    def __init__(self, fd: int):
+        super().__init__(f"/proc/self/fd/{fd}")
+        self._fd = fd
+
+    async def prepare(self, request: web.BaseRequest):
+        try:
+            return await super().prepare(request)
+        finally:
+            os.close(self._fd)
+
+
+async def _read_manifest(request: web.Request, ref: _StepRef) -> StepManifest:
+    """The commit body: a manifest of this rank and step whose paths are all safe (else 400/413)."""
+    body = bytearray()
+    async for chunk in request.content.iter_chunked(1 << 16):
+        body += chunk
+        if len(body) > _MAX_MANIFEST_BYTES:
+            raise _fail(web.HTTPRequestEntityTooLarge, f"manifest over {_MAX_MANIFEST_BYTES} bytes",
+                        max_size=_MAX_MANIFEST_BYTES, actual_size=len(body))
+    try:
+        manifest = StepManifest.from_json(body.decode())
+        for rel in manifest.files:
+            safe_relpath(rel)
+    except (ValueError, KeyError, TypeError) as err:
+        raise _fail(web.HTTPBadRequest, f"body is not a valid manifest: {err}") from None
+    if (manifest.rank, manifest.step) != (ref.rank, ref.step):
+        raise _fail(web.HTTPBadRequest, f"manifest is for rank {manifest.rank} step {manifest.step}, not rank {ref.rank} step {ref.step}")
+    return manifest
+
+
+async def _receive(request: web.Request, path: str) -> int:
+    """Streams the request body into a new file at ``path``; returns its size, bytes."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    written = 0
+    with open(path, "wb", buffering=0) as f:
+        async for chunk in request.content.iter_chunked(_RECEIVE_CHUNK_BYTES):
+            f.write(chunk)  # unbuffered file: write() writes it all or raises
+            written += len(chunk)
+    return written
+
+
+class _PeerService:
+    """The handlers, sharing the job lookup, the token and the uploads in progress."""
+
+    def __init__(self, locate_ramdisk: Callable[[str, str], str | None], token: str):
+        self._locate_ramdisk = locate_ramdisk
+        self._expected = f"Bearer {token}".encode()
+        self._uploads = _Uploads()
+        self._install_lock = asyncio.Lock()  # install_replica of the same (rank, step) must not interleave
+
+    def authorized(self, handler):
+        """Wraps ``handler`` so that it runs only for a request bearing the token (401 before any parsing)."""
+
+        @functools.wraps(handler)
+        async def checked(request: web.Request) -> web.StreamResponse:
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(given, self._expected):
+                raise _fail(web.HTTPUnauthorized, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+            return await handler(request)
+
+        return checked
+
+    def _job(self, request: web.Request) -> tuple[str, JobMeta]:
+        namespace, job = request.match_info["namespace"], request.match_info["job"]
+        for name, value in (("namespace", namespace), ("job", job)):
+            if not _DNS1123_LABEL.match(value):
+                raise _fail(web.HTTPBadRequest, f"{name} {value!r} is not a DNS-1123 label")
+        ramdisk = self._locate_ramdisk(namespace, job)
+        if ramdisk is None:
+            raise _fail(web.HTTPNotFound, f"job {namespace}/{job} has no ramdisk on this node")
+        return ramdisk, JobMeta(ramdisk)
+
+    def _step_ref(self, request: web.Request) -> _StepRef:
+        rank, step = _int_param(request, "rank"), _int_param(request, "step")
+        return _StepRef(*self._job(request), rank, step)
+
+    def _located(self, ref: _StepRef) -> tuple[str, StepManifest]:
+        found = ref.meta.locate(ref.rank, ref.step)
+        if found is None:
+            raise _fail(web.HTTPNotFound, f"rank {ref.rank} step {ref.step} is not held here")
+        return found
+
+    async def list_steps(self, request: web.Request) -> web.Response:
+        _, meta = self._job(request)
+        held = {(m.rank, m.step): m.total_bytes for m in meta.manifests().values()
+                if orbax_protocol.find_step_dir(meta.client_dir, m.step) is not None}
+        held.update({key: m.total_bytes for key, m in meta.replicas().items()})
+        return web.json_response({"steps": [{"rank": r, "step": s, "bytes": n} for (r, s), n in sorted(held.items())]})
+
+    async def get_manifest(self, request: web.Request) -> web.Response:
+        _, manifest = self._located(self._step_ref(request))
+        return web.Response(text=manifest.to_json(), content_type="application/json")
+
+    async def get_file(self, request: web.Request) -> web.StreamResponse:
+        ref, rel = self._step_ref(request), _path_param(request)
+        step_dir, manifest = self._located(ref)
+        if rel not in manifest.files:
+            raise _fail(web.HTTPNotFound, f"{rel} is not a file of rank {ref.rank} step {ref.step}")
+        return _DescriptorFileResponse(_open_inside(ref.ramdisk, step_dir, rel))
+
+    async def put_file(self, request: web.Request) -> web.Response:
+        ref, rel, upload_id = self._step_ref(request), _path_param(request), _upload_id(request)
+        free = _free_bytes(ref.ramdisk)
+        upload = self._uploads.acquire(upload_id, ref)
+        try:
+            if request.content_length is not None and request.content_length > free:
+                raise OSError(errno.ENOSPC, "Content-Length exceeds free space")  # handled as a full disk below
+            written = await _receive(request, os.path.join(upload.directory, rel))
+        except BaseException as err:
+            self._uploads.discard(upload)
+            if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+                raise _fail(web.HTTPInsufficientStorage, f"{rel} does not fit: {request.content_length} bytes sent, the ramdisk"
+                            f" had {free} bytes free; upload {upload_id} discarded") from None
+            if isinstance(err, (IsADirectoryError, NotADirectoryError, FileExistsError)):
+                raise _fail(web.HTTPConflict, f"{rel} clashes with another path of upload {upload_id}; upload discarded") from None
+            raise
+        finally:
+            self._uploads.release(upload)
+        return web.json_response({"bytes": written}, status=201)
+
+    async def commit(self, request: web.Request) -> web.Response:
+        ref, upload_id = self._step_ref(request), _upload_id(request)
+        manifest = await _read_manifest(request, ref)
+        upload = self._uploads.take(upload_id, ref)
+        try:
+            problems = await asyncio.to_thread(verify_step, upload.directory, manifest)
+            if not problems:
+                async with self._install_lock:
+                    await asyncio.to_thread(ref.meta.install_replica, upload.directory, manifest)
+        finally:
+            if os.path.exists(upload.directory):  # not installed: verification failed or raised
+                await asyncio.to_thread(shutil.rmtree, upload.directory, True)
+        if problems:
+            raise web.HTTPUnprocessableEntity(
+                text=json.dumps({"error": f"upload {upload_id} does not match its manifest; discarded", "problems": problems}),
+                content_type="application/json")
+        return web.json_response({"rank": ref.rank, "step": ref.step, "bytes": manifest.total_bytes})
+
+
+def add_peer_routes(app: web.Application, locate_ramdisk: Callable[[str, str], str | None], token: str) -> None:
+    """Adds the ``/v1/peer`` routes to the node agent's app.
+
+    Args:
+      app: the node agent's aiohttp application, not yet started.
+      locate_ramdisk: ``(namespace, job) -> ramdisk path``, or None when the job has none on this node.
+        Called with validated DNS-1123 labels only.
+      token: the shared peer secret every request must present as ``Authorization: Bearer <token>``.
+
+    Raises:
+      ValueError: ``token`` is empty.
+    """
+    if not token:
+        raise ValueError("the peer token must not be empty")
+    service = _PeerService(locate_ramdisk, token)
+    job = "/v1/peer/jobs/{namespace}/{job}"
+    app.add_routes([
+        web.get(job + "/steps", service.authorized(service.list_steps)),
+        web.get(_STEP_PREFIX + "/manifest", service.authorized(service.get_manifest)),
+        web.get(_STEP_PREFIX + "/files/{path:.+}", service.authorized(service.get_file)),
+        web.put(_STEP_PREFIX + "/files/{path:.+}", service.authorized(service.put_file)),
+        web.post(_STEP_PREFIX + "/commit", service.authorized(service.commit)),
+    ])

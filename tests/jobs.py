@@ -1,0 +1,56 @@
+"""Helpers for end-to-end tests that run real training jobs on a local cluster."""
+
+import itertools
+import os
+import time
+import urllib.request
+
+import numpy as np
+
+from examples.local_cluster import LocalJob
+from replicator.status import fetch_status
+
+_jax_ports = itertools.count(28476 + (os.getpid() % 200) * 5)
+TRAIN = ["--steps", "30", "--save-interval-steps", "3", "--backup-interval-steps", "6"]
+
+
+def run_job(name, agents, workdir, extra):
+    job = LocalJob(name, agents, str(workdir), [*TRAIN, *extra], jax_port=next(_jax_ports))
+    job.create_pods()
+    job.start_training()
+    return job
+
+
+def by_event(pod, event):
+    return [e for e in pod.events() if e["event"] == event]
+
+
+def losses(pods):
+    return {e["step"]: e["loss"] for pod in pods for e in by_event(pod, "step")}
+
+
+def assert_same_state(left_npz, right_npz):
+    left, right = np.load(left_npz), np.load(right_npz)
+    assert sorted(left.files) == sorted(right.files)
+    for key in left.files:
+        np.testing.assert_array_equal(left[key], right[key], err_msg=key)
+
+
+def scrape(url):
+    with urllib.request.urlopen(url + "/metrics") as response:
+        return response.read().decode()
+
+
+def newest_complete_step(coordinator, job):
+    jobs = fetch_status(coordinator.url, job)["jobs"]
+    return jobs[0]["newest_complete_step"] if jobs else None
+
+
+def wait_until(condition, timeout, what):
+    """Polls ``condition`` every 0.1 s; raises TimeoutError naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"{what} not reached within {timeout} s")

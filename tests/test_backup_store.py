@@ -1,0 +1,317 @@
+"""The backup store, against a real fake-gcs-server through google-cloud-storage and against file://."""
+
+import dataclasses
+import json
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable
+
+import pytest
+from google.auth.credentials import AnonymousCredentials
+from google.cloud import storage
+
+from replicator.backup_store import BackupError, BackupStore, open_backup_store
+from replicator.step_manifest import StepManifest, build_manifest
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JOB = "team-a/llama"
+MiB = 1 << 20
+
+
+def find_fake_gcs_server() -> str | None:
+    """fake-gcs-server on PATH, else the one ``make tools`` puts in ``.tools/bin``; None if neither."""
+    local = os.path.join(_REPO, ".tools", "bin", "fake-gcs-server")
+    return shutil.which("fake-gcs-server") or (local if os.access(local, os.X_OK) else None)
+
+
+class FakeGcsServer:
+    """A fake-gcs-server process (in-memory backend) on a free 127.0.0.1 port.
+
+    ``-external-url`` is set so that resumable uploads (files over 8 MiB) are sent back to it.
+    """
+
+    def __init__(self, binary: str):
+        self.binary = binary
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = tempfile.TemporaryFile()
+        self._process: subprocess.Popen | None = None
+
+    def start(self, timeout_seconds: float = 15.0) -> "FakeGcsServer":
+        """Starts the server and waits until it answers.
+
+        Raises:
+          RuntimeError: it exited or did not answer in time; the message holds its output.
+        """
+        self._process = subprocess.Popen(
+            [self.binary, "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1", "-port", str(self.port),
+             "-external-url", self.url, "-log-level", "error"],
+            stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_seconds
+        while time.monotonic() < deadline and self._process.poll() is None:
+            try:
+                with urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=1):
+                    return self
+            except OSError:
+                time.sleep(0.05)
+        self._log.seek(0)
+        output = self._log.read().decode(errors="replace")
+        self.stop()
+        raise RuntimeError(f"fake-gcs-server on {self.url} did not start: {output}")
+
+    def stop(self) -> None:
+        """Stops the server (SIGTERM, then SIGKILL after 10 s); idempotent."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        self._log.close()
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def client(self) -> storage.Client:
+        """A google-cloud-storage client of this server (anonymous, project ``test``)."""
+        return storage.Client(project="test", credentials=AnonymousCredentials(),
+                              client_options={"api_endpoint": self.url})
+
+
+@pytest.fixture(scope="module")
+def fake_gcs():
+    binary = find_fake_gcs_server()
+    if binary is None:
+        pytest.fail("fake-gcs-server is neither on PATH nor in .tools/bin; run `make tools` "
+                    "(go install github.com/fsouza/fake-gcs-server@v1.55.1)")
+    server = FakeGcsServer(binary).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@dataclasses.dataclass
+class Backend:
+    """A store under test, and its objects reached directly (not through ``BackupStore``).
+
+    Attributes:
+      store: the store.
+      names: every object name, relative to the store's prefix, sorted.
+      overwrite: replaces an object's bytes.
+    """
+
+    store: BackupStore
+    names: Callable[[], list[str]]
+    overwrite: Callable[[str, bytes], None]
+
+
+@pytest.fixture(params=["gs", "file"])
+def backend(request, tmp_path_factory) -> Backend:
+    if request.param == "gs":
+        server: FakeGcsServer = request.getfixturevalue("fake_gcs")
+        bucket = server.client().create_bucket(f"backup-{uuid.uuid4().hex[:12]}")
+        prefix = "checkpoints/"
+        return Backend(
+            open_backup_store(f"gs://{bucket.name}/{prefix}", emulator_host=server.url),
+            lambda: sorted(b.name.removeprefix(prefix) for b in bucket.list_blobs(prefix=prefix)),
+            lambda name, data: bucket.blob(prefix + name).upload_from_string(data),
+        )
+    root = tmp_path_factory.mktemp("store")
+
+    def overwrite(name: str, data: bytes) -> None:
+        (root / name).write_bytes(data)
+
+    return Backend(
+        open_backup_store(f"file://{root}"),
+        lambda: sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()),
+        overwrite,
+    )
+
+
+def make_step(directory, step: int, rank: int, files: dict[str, bytes]) -> tuple[str, StepManifest]:
+    """Writes ``files`` (relative path -> content) under ``directory`` and checksums them."""
+    for rel, data in files.items():
+        path = os.path.join(directory, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+    return str(directory), build_manifest(str(directory), step, rank)
+
+
+def read_tree(directory) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def rank_files(rank: int) -> dict[str, bytes]:
+    """A rank's step: a file over 8 MiB (a resumable upload), nested small files, an empty file."""
+    return {
+        "state/d/big": os.urandom(9 * MiB + 3),
+        "state/manifest.ocdbt": f"rank {rank} ".encode() * 100,
+        "_CHECKPOINT_METADATA": b'{"step": 5}',
+        "commit_success.txt": b"",
+    }
+
+
+def upload_step(store: BackupStore, tmp_path, step: int, ranks: int, files=None) -> dict[int, dict[str, bytes]]:
+    """Uploads ``ranks`` ranks of ``step`` (``files(rank)`` each, default ``rank_files``) and commits."""
+    sources = {}
+    for rank in range(ranks):
+        sources[rank] = (files or rank_files)(rank)
+        step_dir, manifest = make_step(tmp_path / f"src-{step}-{rank}", step, rank, sources[rank])
+        store.upload_rank(JOB, step, rank, step_dir, manifest)
+    assert store.commit_if_complete(JOB, step, ranks)
+    return sources
+
+
+def test_step_is_restorable_only_after_every_rank_uploaded(backend, tmp_path):
+    store = backend.store
+    sources = {rank: rank_files(rank) for rank in range(2)}
+    dirs = {rank: make_step(tmp_path / f"src-{rank}", 5, rank, sources[rank]) for rank in range(2)}
+
+    store.upload_rank(JOB, 5, 0, *dirs[0])
+    assert not store.commit_if_complete(JOB, 5, nodes=2)
+    assert store.complete_steps(JOB) == []
+    assert store.incomplete_steps(JOB) == [5]
+    with pytest.raises(BackupError, match="no COMMIT"):
+        store.download_rank(JOB, 5, 0, str(tmp_path / "early"))
+    assert not (tmp_path / "early").exists()
+
+    store.upload_rank(JOB, 5, 1, *dirs[1])
+    assert store.commit_if_complete(JOB, 5, nodes=2)
+    assert store.commit_if_complete(JOB, 5, nodes=2)  # idempotent
+    assert store.complete_steps(JOB) == [5]
+    assert store.incomplete_steps(JOB) == []
+    assert json.loads(store.objects.read_text(f"{JOB}/steps/5/COMMIT")) == {"step": 5, "nodes": 2, "ranks": [0, 1]}
+
+    for rank in range(2):
+        dest = tmp_path / f"restored-{rank}"
+        manifest = store.download_rank(JOB, 5, rank, str(dest), workers=4)
+        assert manifest == dirs[rank][1]
+        assert read_tree(dest) == sources[rank]
+    assert sorted(os.listdir(tmp_path)) == ["restored-0", "restored-1", "src-0", "src-1"]  # no temporaries left
+
+
+def test_corrupted_object_fails_restore_and_leaves_nothing(backend, tmp_path):
+    sources = upload_step(backend.store, tmp_path, 5, ranks=1)
+    name = f"{JOB}/steps/5/rank-0/state/d/big"
+    damaged = bytearray(sources[0]["state/d/big"])
+    damaged[4 * MiB] ^= 0xFF
+    backend.overwrite(name, bytes(damaged))
+
+    with pytest.raises(BackupError, match="state/d/big: crc32c mismatch"):
+        backend.store.download_rank(JOB, 5, 0, str(tmp_path / "restored"))
+    assert not [n for n in os.listdir(tmp_path) if "restored" in n]
+
+
+def test_truncated_or_missing_object_fails_restore(backend, tmp_path):
+    sources = upload_step(backend.store, tmp_path, 5, ranks=1)
+    backend.overwrite(f"{JOB}/steps/5/rank-0/state/d/big", sources[0]["state/d/big"][:MiB])
+    with pytest.raises(BackupError, match="state/d/big: object ends at byte 1048576"):
+        backend.store.download_rank(JOB, 5, 0, str(tmp_path / "a"))
+    backend.overwrite(f"{JOB}/steps/5/rank-0/state/d/big", sources[0]["state/d/big"])
+
+    backend.store.objects.delete(f"{JOB}/steps/5/rank-0/state/manifest.ocdbt")
+    with pytest.raises(BackupError, match="state/manifest.ocdbt"):
+        backend.store.download_rank(JOB, 5, 0, str(tmp_path / "b"))
+    assert not [n for n in os.listdir(tmp_path) if n.startswith((".a", "a", ".b", "b"))]
+
+
+def test_upload_not_matching_manifest_stays_incomplete_and_retain_cleans_it(backend, tmp_path):
+    store = backend.store
+    files = rank_files(0)
+    step_dir, manifest = make_step(tmp_path / "src", 3, 0, files)
+    wrong = {**manifest.files, "state/d/big": (manifest.files["state/d/big"][0], "00000000"),
+             "_CHECKPOINT_METADATA": (manifest.files["_CHECKPOINT_METADATA"][0], "00000000")}
+    with pytest.raises(BackupError, match="2 of 4 uploads"):
+        store.upload_rank(JOB, 3, 0, step_dir, StepManifest(3, 0, wrong))
+
+    # The matching files were stored, the mismatching ones were not, and no rank manifest exists.
+    assert backend.names() == [f"{JOB}/steps/3/rank-0/commit_success.txt", f"{JOB}/steps/3/rank-0/state/manifest.ocdbt"]
+    assert store.rank_manifest(JOB, 3, 0) is None
+    assert not store.commit_if_complete(JOB, 3, nodes=1)
+    assert (store.complete_steps(JOB), store.incomplete_steps(JOB)) == ([], [3])
+    assert store.retain(JOB, keep=2) == []  # nothing complete yet: an upload may be in progress
+
+    upload_step(store, tmp_path, 7, ranks=1)
+    step_dir, manifest = make_step(tmp_path / "src-9", 9, 0, files)
+    store.upload_rank(JOB, 9, 0, step_dir, manifest)  # rank 1 of step 9 still uploading
+    assert store.retain(JOB, keep=2) == [3]
+    assert (store.complete_steps(JOB), store.incomplete_steps(JOB)) == ([7], [9])
+    assert not [n for n in backend.names() if n.startswith(f"{JOB}/steps/3/")]
+
+
+def test_dedup_stores_identical_files_of_data_parallel_peers_once(backend, tmp_path):
+    store = backend.store
+    shared = {"state/d/big": os.urandom(9 * MiB), "_CHECKPOINT_METADATA": b'{"step": 4}'}
+    sources = {rank: {**shared, f"state/ocdbt.process_{rank}/d/x": os.urandom(1000),
+                      "state/manifest.ocdbt": os.urandom(64)} for rank in range(2)}
+    first = store.upload_rank(JOB, 4, 0, *make_step(tmp_path / "src-0", 4, 0, sources[0]))
+    peer = store.rank_manifest(JOB, 4, 0)
+    assert peer == first
+    second = store.upload_rank(JOB, 4, 1, *make_step(tmp_path / "src-1", 4, 1, sources[1]), dedup_from=peer)
+    assert store.commit_if_complete(JOB, 4, nodes=2)
+
+    steps = f"{JOB}/steps/4/"
+    assert backend.names() == [steps + n for n in [
+        "COMMIT",
+        "rank-0.manifest.json", "rank-0/_CHECKPOINT_METADATA", "rank-0/state/d/big",
+        "rank-0/state/manifest.ocdbt", "rank-0/state/ocdbt.process_0/d/x",
+        "rank-1.manifest.json", "rank-1/state/manifest.ocdbt", "rank-1/state/ocdbt.process_1/d/x",
+    ]]
+    assert second.files["state/d/big"].object == "rank-0/state/d/big"
+    assert second.files["state/manifest.ocdbt"].object == "rank-1/state/manifest.ocdbt"  # same path, other bytes
+    store.download_rank(JOB, 4, 1, str(tmp_path / "restored-1"))
+    assert read_tree(tmp_path / "restored-1") == sources[1]
+
+    with pytest.raises(ValueError, match="shared within a step"):
+        store.upload_rank(JOB, 5, 1, *make_step(tmp_path / "src-5", 5, 1, sources[1]), dedup_from=peer)
+
+
+def test_retain_keeps_newest_complete_steps_and_every_protected_one(backend, tmp_path):
+    store = backend.store
+    small = lambda rank: {"f": f"rank {rank}".encode()}  # noqa: E731
+    for step in range(1, 6):
+        upload_step(store, tmp_path, step, ranks=2, files=small)
+    assert store.retain(JOB, keep=2, protected={1, 4}) == [2, 3]
+    assert store.complete_steps(JOB) == [1, 4, 5]
+    assert {n.split("/")[3] for n in backend.names()} == {"1", "4", "5"}
+    assert store.retain(JOB, keep=2, protected={1}) == []
+    assert store.retain(JOB, keep=1) == [1, 4]
+    assert store.complete_steps(JOB) == [5]
+    store.download_rank(JOB, 5, 1, str(tmp_path / "restored"))
+    assert read_tree(tmp_path / "restored") == {"f": b"rank 1"}
+    with pytest.raises(ValueError, match="keep"):
+        store.retain(JOB, keep=0)
+
+
+def test_manifest_naming_a_path_outside_the_step_is_refused(backend, tmp_path):
+    store = backend.store
+    steps = f"{JOB}/steps/6/"
+    evil = {"step": 6, "rank": 0, "files": {"../../escape": {"size": 1, "crc32c": "00000000", "object": "rank-0/x"}}}
+    store.objects.write_text(steps + "rank-0.manifest.json", json.dumps(evil))
+    store.objects.write_text(steps + "COMMIT", json.dumps({"step": 6, "nodes": 1, "ranks": [0]}))
+    (tmp_path / "dest").mkdir()
+    with pytest.raises(BackupError, match="not a relative path"):
+        store.download_rank(JOB, 6, 0, str(tmp_path / "dest" / "restored"))
+    assert os.listdir(tmp_path / "dest") == [] and not (tmp_path / "escape").exists()
+
+
+def test_open_backup_store_rejects_what_it_cannot_serve(tmp_path):
+    for url in ["s3://bucket/x", "gs:///no-bucket", "file://host/path", "file:relative", "/plain/path"]:
+        with pytest.raises(ValueError):
+            open_backup_store(url)
+    with pytest.raises(ValueError, match="gs:// only"):
+        open_backup_store(f"file://{tmp_path}", emulator_host="http://127.0.0.1:1")
+    with pytest.raises(ValueError, match="job key"):
+        open_backup_store(f"file://{tmp_path}").complete_steps("no-namespace")

@@ -1,0 +1,111 @@
+"""The peer tier end to end: a node and its ramdisk are lost, a fresh node joins, and the job
+resumes at the newest step from data held by its peers, through real Orbax processes."""
+
+import os
+import urllib.error
+import urllib.request
+
+import pytest
+
+from examples.local_cluster import unmount_all_below
+from replicator.status import fetch_status
+from tests.jobs import assert_same_state, by_event, losses, run_job, scrape, wait_until
+
+
+def status_of(cluster, job):
+    return fetch_status(cluster.coordinator.url, job.job)["jobs"][0]
+
+
+def lose_node_and_resume(cluster, job, lost_index, tmp_path):
+    """Kills the job, loses node ``lost_index`` with its ramdisk, adds a fresh node, recreates the pods."""
+    job.kill_training()
+    lost = job.agents[lost_index]
+    cluster.lose_node(lost)
+    unmount_all_below(os.path.dirname(job.pods[lost_index].target))  # the dead pod's mount went with the node
+    fresh = cluster.add_node(len(cluster.agents), block=f"b{lost_index // 2}")
+    job.delete_pods()
+    job.agents[lost_index] = fresh
+    job.train_args[-1] = str(tmp_path / "dump-2")
+    job.create_pods()
+    job.start_training()
+    job.wait_done(timeout=180)
+    return fresh
+
+
+def assert_resumed_exactly(job, step, before_losses, tmp_path):
+    assert [by_event(p, "restored")[0]["step"] for p in job.pods] == [step] * 4
+    after = losses(job.pods)
+    assert min(after) == step + 1
+    assert all(after[s] == before_losses[s] for s in after if s in before_losses)
+    for rank in range(4):
+        name = f"rank{rank}-step{step}.npz"
+        assert_same_state(tmp_path / "dump-1" / name, tmp_path / "dump-2" / name)
+
+
+def test_data_parallel_job_restores_lost_node_from_identical_peer_without_copies(start_cluster, tmp_path):
+    cluster = start_cluster()
+    job = run_job("dp", list(cluster.agents), tmp_path / "dp", ["--step-sleep", "0.2", "--dump-dir", str(tmp_path / "dump-1")])
+    job.wait(lambda: (s := status_of(cluster, job))["safe_step"] is not None and s["safe_step"] >= 9, 180, "identity established at step 9")
+    status = status_of(cluster, job)
+    assert status["identical_peers"] == [[0, 2], [1, 3], [2, 0], [3, 1]]
+    # Deduplicated: no node holds another rank's data, so the ramdisk holds about one shard.
+    assert all(holders == [f"node-{rank}"] for rank, steps in status["held"].items() for holders in steps.values())
+    before = losses(job.pods)
+    job.kill_training()
+    wait_until(lambda: status_of(cluster, job)["safe_step"] == status_of(cluster, job)["newest_complete_step"], 30, "identity of the last step")
+    safe = status_of(cluster, job)["safe_step"]
+
+    fresh = lose_node_and_resume(cluster, job, 1, tmp_path)
+    assert_resumed_exactly(job, safe, before, tmp_path)
+    restore = status_of(cluster, job)["restore"]
+    assert restore["step"] == safe
+    assert restore["sources"]["1"] == "peer_distant:node-3"  # rank 3 is rank 1's data-parallel peer
+    assert status_of(cluster, job)["ranks"][1]["node"] == fresh.node_id
+
+
+def test_replicated_job_restores_lost_node_and_skips_a_corrupt_replica(start_cluster, tmp_path):
+    cluster = start_cluster(replicas=2)
+    job = run_job("solo", list(cluster.agents), tmp_path / "solo",
+                  ["--data-parallelism", "1", "--step-sleep", "0.2", "--dump-dir", str(tmp_path / "dump-1")])  # fmt: skip
+    job.wait(lambda: (s := status_of(cluster, job))["safe_step"] is not None and s["safe_step"] >= 9, 180, "replicated step 9")
+    before = losses(job.pods)
+    job.kill_training()
+    wait_until(lambda: status_of(cluster, job)["safe_step"] == status_of(cluster, job)["newest_complete_step"], 30, "replicas caught up")
+    status = status_of(cluster, job)
+    safe = status["safe_step"]
+    assert status["held"]["1"][str(safe)] == ["node-0", "node-1", "node-3"]  # own, close (b0) and distant (b1)
+    # Flip one byte in the close replica of rank 1: the restore must skip it and use the distant one.
+    replica = os.path.join(cluster.agents[0].root, "jobs", "default", job.job, "mtc", "replicas", "rank-1", str(safe))
+    victim = max((os.path.join(d, f) for d, _, files in os.walk(replica) for f in files), key=os.path.getsize)
+    with open(victim, "r+b") as f:
+        byte = f.read(1)
+        f.seek(0)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+    fresh = lose_node_and_resume(cluster, job, 1, tmp_path)
+    assert_resumed_exactly(job, safe, before, tmp_path)
+    restore = status_of(cluster, job)["restore"]
+    assert restore["sources"]["1"] == "peer_distant:node-3"
+    # Excluded from planning: the corrupt replica, and the lost node's copy if it was still listed.
+    assert [safe, 1, "node-0"] in restore["unusable_copies"]
+    assert "mtc_corrupt_copies_total 1.0" in scrape(fresh.url)
+    assert f"step {safe} copy on node-0 unusable" in open(fresh.log_path).read()
+
+
+@pytest.mark.parametrize(
+    "path, token, statuses",
+    [
+        ("/v1/peer/jobs/default/x/steps", None, {401}),
+        ("/v1/peer/jobs/default/x/steps", "wrong", {401}),
+        ("/v1/peer/jobs/default/x/ranks/0/steps/1/files/..%2F..%2F..%2Fstate.json", "test-peer-token-0123456789", {400, 404}),
+        ("/v1/peer/jobs/..%2F..%2Fetc/x/steps", "test-peer-token-0123456789", {400, 404}),
+        ("/v1/peer/jobs/default/nojob/steps", "test-peer-token-0123456789", {404}),
+    ],
+)
+def test_peer_service_refuses_missing_token_and_traversal(start_cluster, path, token, statuses):
+    agent = start_cluster(nodes=1).agents[0]
+    request = urllib.request.Request(agent.url + path, headers={"Authorization": f"Bearer {token}"} if token else {})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request)
+    assert err.value.code in statuses
+    assert b"root" not in err.value.read()

@@ -1,0 +1,309 @@
+"""The peer tier over real HTTP on loopback: push, list, fetch, Range, corruption, auth, traversal, full disk."""
+
+import dataclasses
+import errno
+import os
+import subprocess
+
+import aiohttp
+import google_crc32c
+import pytest
+import yarl
+from aiohttp import web
+
+from examples.local_cluster import unmount_all_below
+from prefetch.peer_fetch import PeerFetchError, _crc32c_combine, fetch_step, push_step
+from replicator.job_meta import JobMeta
+from replicator.peer_service import UPLOAD_HEADER, add_peer_routes
+from replicator.step_manifest import build_manifest
+from tests.conftest import requires_root
+
+TOKEN = "peer-secret-0123456789"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+NS, JOB = "default", "train"
+SECRET = b"TOP SECRET host data"
+FILES = {
+    "_CHECKPOINT_METADATA": b'{"format": "orbax"}',
+    "state/manifest.ocdbt": os.urandom(300_000),
+    "state/d/0a1b2c": os.urandom(70_000),
+    "state/empty": b"",
+}
+
+
+@dataclasses.dataclass
+class Peer:
+    base_url: str
+    meta: JobMeta
+
+    def url(self, path: str) -> yarl.URL:
+        """``path`` below the job's peer routes, sent exactly as written (no client-side normalising)."""
+        return yarl.URL(f"{self.base_url}/v1/peer/jobs/{path}", encoded=True)
+
+    def incoming(self) -> list[str]:
+        return os.listdir(os.path.join(self.meta.root, "incoming"))
+
+
+def write_tree(directory: str, files: dict[str, bytes]) -> str:
+    for rel, data in files.items():
+        os.makedirs(os.path.dirname(os.path.join(directory, rel)), exist_ok=True)
+        with open(os.path.join(directory, rel), "wb") as f:
+            f.write(data)
+    return directory
+
+
+def read_tree(directory: str) -> dict[str, bytes]:
+    found = {}
+    for parent, _, names in os.walk(directory):
+        for name in names:
+            with open(os.path.join(parent, name), "rb") as f:
+                found[os.path.relpath(os.path.join(parent, name), directory)] = f.read()
+    return found
+
+
+def commit_own_step(meta: JobMeta, step: int, rank: int, files: dict[str, bytes]) -> None:
+    """A step the training pod committed on this node, with its manifest recorded."""
+    step_dir = write_tree(os.path.join(meta.client_dir, str(step)), files)
+    meta.save_manifest(build_manifest(step_dir, step, rank))
+
+
+def flip_byte(path: str, offset: int = 10) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.fixture
+async def serve():
+    """Factory: ``await serve(ramdisk)`` -> a Peer whose job NS/JOB lives on ``ramdisk``."""
+    runners = []
+
+    async def start(ramdisk: str) -> Peer:
+        os.makedirs(ramdisk, exist_ok=True)
+        app = web.Application()
+        add_peer_routes(app, lambda namespace, job: ramdisk if (namespace, job) == (NS, JOB) else None, TOKEN)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        runners.append(runner)
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        return Peer(f"http://127.0.0.1:{runner.addresses[0][1]}", JobMeta(ramdisk))
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def peer(serve, tmp_path) -> Peer:
+    return await serve(str(tmp_path / "ramdisk"))
+
+
+@pytest.fixture
+async def session():
+    async with aiohttp.ClientSession() as client:
+        yield client
+
+
+async def test_push_list_fetch_round_trip_gives_identical_bytes(peer, session, tmp_path):
+    commit_own_step(peer.meta, 5, 0, {"own.bin": b"own data"})
+    source = write_tree(str(tmp_path / "source"), FILES)
+    manifest = build_manifest(source, 7, 1)
+
+    await push_step(session, peer.base_url, TOKEN, NS, JOB, source, manifest)
+
+    async with session.get(peer.url(f"{NS}/{JOB}/steps"), headers=AUTH) as response:
+        assert response.status == 200
+        assert await response.json() == {"steps": [{"rank": 0, "step": 5, "bytes": 8},
+                                                   {"rank": 1, "step": 7, "bytes": manifest.total_bytes}]}
+    assert peer.incoming() == []
+    dest = tmp_path / "fetched"
+    dest.mkdir()
+    fetched = await fetch_step(session, peer.base_url, TOKEN, NS, JOB, 1, 7, str(dest), chunk_bytes=64 << 10)
+    assert fetched == manifest
+    assert read_tree(str(dest)) == FILES
+    own = tmp_path / "own"
+    own.mkdir()
+    await fetch_step(session, peer.base_url, TOKEN, NS, JOB, 0, 5, str(own))
+    assert read_tree(str(own)) == {"own.bin": b"own data"}
+
+
+async def test_range_request_returns_the_exact_slice(peer, session):
+    commit_own_step(peer.meta, 5, 0, FILES)
+    headers = {**AUTH, "Range": "bytes=1000-4999"}
+    async with session.get(peer.url(f"{NS}/{JOB}/ranks/0/steps/5/files/state/manifest.ocdbt"), headers=headers) as response:
+        assert response.status == 206
+        assert response.headers["Content-Range"] == "bytes 1000-4999/300000"
+        assert await response.read() == FILES["state/manifest.ocdbt"][1000:5000]
+
+
+async def test_fetch_of_a_corrupted_replica_raises_naming_the_file(peer, session, tmp_path):
+    incoming = write_tree(peer.meta.new_incoming_dir(), FILES)
+    peer.meta.install_replica(incoming, build_manifest(incoming, 7, 1))
+    flip_byte(os.path.join(peer.meta.replica_dir(1, 7), "state/d/0a1b2c"))
+    dest = tmp_path / "fetched"
+    dest.mkdir()
+    with pytest.raises(PeerFetchError, match=r"state/d/0a1b2c: crc32c mismatch"):
+        await fetch_step(session, peer.base_url, TOKEN, NS, JOB, 1, 7, str(dest))
+
+
+async def test_corrupt_push_is_rejected_with_422_and_nothing_is_installed(peer, session, tmp_path):
+    source = write_tree(str(tmp_path / "source"), FILES)
+    manifest = build_manifest(source, 7, 1)
+    flip_byte(os.path.join(source, "state/d/0a1b2c"))
+    headers = {**AUTH, UPLOAD_HEADER: "ab" * 16}
+    for rel in FILES:
+        with open(os.path.join(source, rel), "rb") as f:
+            async with session.put(peer.url(f"{NS}/{JOB}/ranks/1/steps/7/files/{rel}"), data=f, headers=headers) as response:
+                assert response.status == 201
+    async with session.post(peer.url(f"{NS}/{JOB}/ranks/1/steps/7/commit"), data=manifest.to_json(), headers=headers) as response:
+        assert response.status == 422
+        assert (await response.json())["problems"] == ["state/d/0a1b2c: crc32c mismatch"]
+    assert peer.meta.replicas() == {} and peer.incoming() == []
+    assert not os.path.exists(peer.meta.replica_dir(1, 7))
+
+    with pytest.raises(PeerFetchError, match=r"HTTP 422.*state/d/0a1b2c: crc32c mismatch"):
+        await push_step(session, peer.base_url, TOKEN, NS, JOB, source, manifest)
+    assert peer.meta.replicas() == {} and peer.incoming() == []
+
+
+ROUTES = [
+    ("GET", f"{NS}/{JOB}/steps"),
+    ("GET", f"{NS}/{JOB}/ranks/0/steps/5/manifest"),
+    ("GET", f"{NS}/{JOB}/ranks/0/steps/5/files/own.bin"),
+    ("PUT", f"{NS}/{JOB}/ranks/1/steps/7/files/own.bin"),
+    ("POST", f"{NS}/{JOB}/ranks/1/steps/7/commit"),
+    ("GET", f"{NS}/%2E%2E/steps"),
+    ("GET", f"{NS}/{JOB}/ranks/0/steps/5/files/..%2F..%2Fetc%2Fpasswd"),
+]
+
+
+@pytest.mark.parametrize("authorization", [None, "Bearer wrong", TOKEN, f"Bearer {TOKEN}x", f"Basic {TOKEN}", "Bearer"])
+async def test_every_route_rejects_a_missing_or_wrong_token(peer, session, authorization):
+    commit_own_step(peer.meta, 5, 0, {"own.bin": b"own data"})
+    headers = {UPLOAD_HEADER: "cd" * 16} | ({"Authorization": authorization} if authorization else {})
+    for method, path in ROUTES:
+        async with session.request(method, peer.url(path), headers=headers, data=b"own data") as response:
+            assert response.status == 401, (method, path)
+            assert response.headers["WWW-Authenticate"] == "Bearer"
+            assert await response.json() == {"error": "missing or wrong bearer token"}
+    assert peer.incoming() == []
+
+
+@pytest.mark.parametrize(("path", "status"), [
+    (f"{NS}/{JOB}/ranks/0/steps/5/files/..%2F..%2F..%2Fsecret.txt", 400),
+    (f"{NS}/{JOB}/ranks/0/steps/5/files/state/../../../../secret.txt", 400),
+    (f"{NS}/{JOB}/ranks/0/steps/5/files//etc/passwd", 400),
+    (f"{NS}/{JOB}/ranks/0/steps/5/files/%2Fetc%2Fpasswd", 400),
+    (f"{NS}/{JOB}/ranks/0/steps/5/files/state%5C..%5C..%5Csecret.txt", 400),
+    (f"{NS}/../ranks/0/steps/5/manifest", 400),
+    (f"{NS}/%2E%2E/ranks/0/steps/5/files/own.bin", 400),
+    (f"{NS}/{JOB}/ranks/0/steps/5/files/state/link", 400),  # a symlink out of the step
+    (f"{NS}/{JOB}/ranks/0/steps/9/files/data", 400),  # a step directory that is a symlink out of the ramdisk
+    (f"{NS}/{JOB}/ranks/0/steps/5/files/not-in-manifest", 404),
+    (f"{NS}/{JOB}/ranks/0/steps/6/manifest", 404),
+    ("other/train/steps", 404),
+    ("Default/train/steps", 400),
+    (f"{NS}/{JOB}/ranks/x/steps/5/manifest", 400),
+    (f"{NS}/{JOB}/ranks/0/steps/-5/manifest", 400),
+])
+async def test_get_outside_the_ramdisk_is_refused_and_leaks_nothing(peer, session, tmp_path, path, status):
+    secret = write_tree(str(tmp_path / "outside"), {"secret.txt": SECRET, "data": SECRET})
+    step_dir = os.path.join(peer.meta.client_dir, "5")
+    write_tree(step_dir, {"own.bin": b"own data", "state/real": b"real"})
+    os.symlink(os.path.join(secret, "secret.txt"), os.path.join(step_dir, "state", "link"))
+    peer.meta.save_manifest(build_manifest(step_dir, 5, 0))  # the manifest lists the symlink: it is followed
+    os.symlink(secret, os.path.join(peer.meta.client_dir, "9"))
+    peer.meta.save_manifest(build_manifest(secret, 9, 0))
+
+    async with session.get(peer.url(path), headers=AUTH) as response:
+        body = await response.read()
+    assert response.status == status, body
+    assert SECRET not in body and b"root:" not in body
+    assert "error" in (await response.json())
+
+
+async def test_fetch_of_a_step_symlinked_out_of_the_ramdisk_fails(peer, session, tmp_path):
+    outside = write_tree(str(tmp_path / "outside"), {"data": SECRET})
+    os.makedirs(peer.meta.client_dir)
+    os.symlink(outside, os.path.join(peer.meta.client_dir, "9"))
+    peer.meta.save_manifest(build_manifest(outside, 9, 0))
+    dest = tmp_path / "fetched"
+    dest.mkdir()
+    with pytest.raises(PeerFetchError, match="HTTP 400.*outside the job's ramdisk"):
+        await fetch_step(session, peer.base_url, TOKEN, NS, JOB, 0, 9, str(dest))
+
+
+@pytest.mark.parametrize(("path", "upload", "status"), [
+    (f"{NS}/{JOB}/ranks/1/steps/7/files/..%2F..%2F..%2Fescaped", "ab" * 16, 400),
+    (f"{NS}/{JOB}/ranks/1/steps/7/files/%2Ftmp%2Fescaped", "ab" * 16, 400),
+    (f"{NS}/..%2F..%2Fescaped/ranks/1/steps/7/files/x", "ab" * 16, 400),
+    (f"{NS}/{JOB}/ranks/1/steps/7/files/x", "../../escaped", 400),
+    (f"{NS}/{JOB}/ranks/1/steps/7/files/x", "", 400),
+    ("other/train/ranks/1/steps/7/files/x", "ab" * 16, 404),
+])
+async def test_put_outside_an_upload_is_refused_and_writes_nothing(peer, session, tmp_path, path, upload, status):
+    async with session.put(peer.url(path), headers={**AUTH, UPLOAD_HEADER: upload}, data=b"payload") as response:
+        assert response.status == status
+        assert "error" in await response.json()
+    assert peer.incoming() == []
+    escaped = [os.path.join(d, n) for d, _, names in os.walk(tmp_path.parent) for n in names if n == "escaped"]
+    assert escaped == []
+
+
+@pytest.fixture
+def small_ramdisk(tmp_path):
+    """A real 2 MiB tmpfs, always unmounted."""
+    path = str(tmp_path / "small")
+    os.mkdir(path)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2M", "mtc-test-small", path], check=True)
+    yield path
+    unmount_all_below(path)
+
+
+def _free_bytes(path: str) -> int:
+    stats = os.statvfs(path)
+    return stats.f_bavail * stats.f_frsize
+
+
+@requires_root
+async def test_push_larger_than_free_space_is_507_and_leaves_nothing(serve, session, small_ramdisk, tmp_path):
+    peer = await serve(small_ramdisk)
+    empty = _free_bytes(small_ramdisk)
+    small = write_tree(str(tmp_path / "small-step"), {"a": os.urandom(512 << 10)})
+    await push_step(session, peer.base_url, TOKEN, NS, JOB, small, build_manifest(small, 3, 1))
+    assert set(peer.meta.replicas()) == {(1, 3)}
+    free = _free_bytes(small_ramdisk)
+
+    big = write_tree(str(tmp_path / "big-step"), {"a": os.urandom(1 << 20), "b": os.urandom(3 << 20)})
+    with pytest.raises(PeerFetchError, match="HTTP 507.*does not fit"):
+        await push_step(session, peer.base_url, TOKEN, NS, JOB, big, build_manifest(big, 4, 1), concurrency=1)
+    assert peer.incoming() == [] and _free_bytes(small_ramdisk) == free
+
+    async def chunks():  # no Content-Length: the limit is hit while streaming
+        for _ in range(3):
+            yield os.urandom(1 << 20)
+
+    headers = {**AUTH, UPLOAD_HEADER: "ef" * 16}
+    async with session.put(peer.url(f"{NS}/{JOB}/ranks/1/steps/4/files/b"), data=chunks(), headers=headers) as response:
+        assert response.status == 507
+        assert "does not fit" in (await response.json())["error"]
+    assert peer.incoming() == [] and _free_bytes(small_ramdisk) == free
+    assert set(peer.meta.replicas()) == {(1, 3)} and free < empty
+    async with session.put(peer.url(f"{NS}/{JOB}/ranks/1/steps/4/files/a"), data=b"a", headers=headers) as response:
+        assert response.status == 410  # the rest of a failed upload is refused, not started afresh
+    assert peer.incoming() == []
+
+
+@requires_root
+async def test_fetch_into_a_ramdisk_too_small_fails_before_writing(peer, session, small_ramdisk):
+    commit_own_step(peer.meta, 5, 0, {"big": os.urandom(3 << 20)})
+    with pytest.raises(OSError, match="needs 3145728") as raised:
+        await fetch_step(session, peer.base_url, TOKEN, NS, JOB, 0, 5, small_ramdisk)
+    assert raised.value.errno == errno.ENOSPC and os.listdir(small_ramdisk) == []
+
+
+def test_crc32c_combine_equals_the_crc_of_the_concatenation():
+    for first, second in [(b"", b""), (b"a", b""), (b"", b"b"), (os.urandom(1000), os.urandom(70_001)), (os.urandom(3), os.urandom(1 << 20))]:
+        combined = _crc32c_combine(google_crc32c.value(first), google_crc32c.value(second), len(second))
+        assert combined == google_crc32c.value(first + second)
