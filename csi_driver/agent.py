@@ -19,6 +19,7 @@ from csi_driver.identity import IdentityServicer
 from csi_driver.node import NodeServicer
 from csi_driver.ramdisk import RamdiskManager, make_backend
 from csi_driver.server import start_csi_server
+from replicator.backup_store import open_backup_store
 from replicator.node_replicator import NodeReplicator
 from replicator.peer_service import add_peer_routes
 
@@ -47,6 +48,8 @@ class NodeConfig:
       peer_token_file: file holding the peer service's bearer token (a Kubernetes Secret), or
         None to run without the peer tier.
       replicas: peers that hold replicas of this node's steps when data parallelism is 1 (1 or 2).
+      backup_keep: complete backups kept per job.
+      storage_emulator_host: a GCS emulator for ``gs://`` backups (``STORAGE_EMULATOR_HOST``), or None.
     """
 
     node_id: str
@@ -63,6 +66,8 @@ class NodeConfig:
     pod_address: str | None = None
     peer_token_file: str | None = None
     replicas: int = 1
+    backup_keep: int = 3
+    storage_emulator_host: str | None = None
 
     def peer_token(self) -> str | None:
         """Reads the peer token; None when no file is configured.
@@ -105,9 +110,10 @@ class NodeAgent:
         self.peer_token = config.peer_token()
         if self.peer_token is None:
             log.warning("no --peer-token-file: the peer tier (replication, restore from peers) is off")
+        store = open_backup_store(config.backup, emulator_host=config.storage_emulator_host) if config.backup else None
         self.replicator = (
             NodeReplicator(config.node_id, config.url, config.pod_address, config.topology, self.manager,
-                           config.coordinator, self.peer_token, config.replicas)  # fmt: skip
+                           config.coordinator, self.peer_token, config.replicas, store, config.backup_keep)  # fmt: skip
             if config.coordinator
             else None
         )

@@ -3,6 +3,7 @@
 import argparse
 import json
 import logging
+import os
 import sys
 
 import grpc
@@ -13,7 +14,7 @@ from csi_driver.identity import DEFAULT_DRIVER_NAME
 from csi_driver.quantity import parse_quantity
 from csi_driver.ramdisk import JobBusy, RamdiskManager, make_backend
 from replicator.coordinator import CoordinatorConfig, run_coordinator
-from replicator.status import fetch_status, render_status
+from replicator.status import fetch_status, render_status, request_restore_from
 
 
 def _key_value(text: str) -> tuple[str, str]:
@@ -50,6 +51,7 @@ def _add_node(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--peer-token-file", help="bearer token for the peer service (a Kubernetes Secret); enables the peer tier")
     p.add_argument("--replicas", type=int, choices=[1, 2], default=1,
                    help="peers holding replicas of each step when data parallelism is 1 (default 1)")
+    p.add_argument("--backup-keep", type=int, default=3, help="complete backups kept per job (default 3)")
 
 
 def _run_node(args: argparse.Namespace) -> int:
@@ -69,6 +71,9 @@ def _run_node(args: argparse.Namespace) -> int:
             pod_address=args.pod_address,
             peer_token_file=args.peer_token_file,
             replicas=args.replicas,
+            backup_keep=args.backup_keep,
+            # The google-cloud-storage convention for emulators; read once, here at the edge.
+            storage_emulator_host=os.environ.get("STORAGE_EMULATOR_HOST") if (args.backup or "").startswith("gs://") else None,
         )
     )
     return 0
@@ -161,6 +166,30 @@ def _run_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_restore_from(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("restore-from", help="make a job's next restore use a given step (roll back), from any tier")
+    p.add_argument("--coordinator", required=True, help="coordinator base URL")
+    p.add_argument("--job", required=True, help="NAMESPACE/JOB")
+    p.add_argument("--step", type=int, required=True)
+
+
+def _run_restore_from(args: argparse.Namespace) -> int:
+    namespace, sep, job = args.job.partition("/")
+    if not sep:
+        print(f"--job {args.job!r} must be NAMESPACE/JOB", file=sys.stderr)
+        return 2
+    try:
+        error = request_restore_from(args.coordinator, namespace, job, args.step)
+    except OSError as err:
+        print(f"UNAVAILABLE: coordinator {args.coordinator}: {err}", file=sys.stderr)
+        return 1
+    if error:
+        print(error, file=sys.stderr)
+        return 1
+    print(f"{args.job} will restore step {args.step} when its pods are next recreated")
+    return 0
+
+
 _COMMANDS = {
     "node": _run_node,
     "publish": _run_publish,
@@ -168,6 +197,7 @@ _COMMANDS = {
     "gc": _run_gc,
     "coordinator": _run_coordinator,
     "status": _run_status,
+    "restore-from": _run_restore_from,
 }
 
 
@@ -175,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mtc", description="Multi-tier checkpointing for ML training on Kubernetes.")
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_node, _add_publish, _add_gc, _add_coordinator, _add_status):
+    for add in (_add_node, _add_publish, _add_gc, _add_coordinator, _add_status, _add_restore_from):
         add(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

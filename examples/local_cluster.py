@@ -7,13 +7,18 @@ its own root, CSI socket and HTTP address; killing one with SIGKILL is what a no
 import dataclasses
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
 import grpc
+from google.auth.credentials import AnonymousCredentials
+from google.cloud import storage
 
 from csi_driver import kubelet, mounts
 from protos import csi_pb2, csi_pb2_grpc
@@ -42,6 +47,7 @@ class NodeAgentProcess:
       listen: ``HOST:PORT`` of its HTTP side, e.g. ``127.0.0.2:8470``.
       backend: ``tmpfs`` or ``dir``.
       extra_args: further ``mtc node`` flags.
+      env: further environment variables (e.g. ``STORAGE_EMULATOR_HOST``).
     """
 
     node_id: str
@@ -49,6 +55,7 @@ class NodeAgentProcess:
     listen: str
     backend: str = "tmpfs"
     extra_args: list[str] = dataclasses.field(default_factory=list)
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
     process: subprocess.Popen | None = None
 
     @property
@@ -82,7 +89,7 @@ class NodeAgentProcess:
         """
         os.makedirs(self.workdir, exist_ok=True)
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env})
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -293,3 +300,81 @@ class LocalJob:
                 return f.read()[-3000:]
         except FileNotFoundError:
             return ""
+
+
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def find_fake_gcs_server() -> str | None:
+    """fake-gcs-server on PATH, else the one ``make tools`` puts in ``.tools/bin``; None if neither."""
+    local = os.path.join(_REPO_ROOT, ".tools", "bin", "fake-gcs-server")
+    return shutil.which("fake-gcs-server") or (local if os.access(local, os.X_OK) else None)
+
+
+class FakeGcsServer:
+    """A fake-gcs-server process on a free 127.0.0.1 port: GCS's JSON API for the real
+    google-cloud-storage client, as an emulator.
+
+    ``-external-url`` is set so that resumable uploads (files over 8 MiB) are sent back to it.
+
+    Args:
+      binary: the fake-gcs-server executable.
+      data_dir: keep objects in this directory (they survive a restart), or None for memory.
+    """
+
+    def __init__(self, binary: str, data_dir: str | None = None):
+        self.binary = binary
+        self.data_dir = data_dir
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = tempfile.TemporaryFile()
+        self._process: subprocess.Popen | None = None
+
+    def start(self, timeout_seconds: float = 15.0) -> "FakeGcsServer":
+        """Starts the server and waits until it answers.
+
+        Raises:
+          RuntimeError: it exited or did not answer in time; the message holds its output.
+        """
+        backend = ["-backend", "filesystem", "-filesystem-root", self.data_dir] if self.data_dir else ["-backend", "memory"]
+        if self.data_dir:
+            os.makedirs(self.data_dir, exist_ok=True)
+        if self._log.closed:
+            self._log = tempfile.TemporaryFile()
+        self._process = subprocess.Popen(
+            [self.binary, "-scheme", "http", *backend, "-host", "127.0.0.1", "-port", str(self.port),
+             "-external-url", self.url, "-log-level", "error"],
+            stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_seconds
+        while time.monotonic() < deadline and self._process.poll() is None:
+            try:
+                with urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=1):
+                    return self
+            except OSError:
+                time.sleep(0.05)
+        self._log.seek(0)
+        output = self._log.read().decode(errors="replace")
+        self.stop()
+        raise RuntimeError(f"fake-gcs-server on {self.url} did not start: {output}")
+
+    def stop(self) -> None:
+        """Stops the server (SIGTERM, then SIGKILL after 10 s); idempotent."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        self._log.close()
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def client(self) -> storage.Client:
+        """A google-cloud-storage client of this server (anonymous, project ``test``)."""
+        return storage.Client(project="test", credentials=AnonymousCredentials(),
+                              client_options={"api_endpoint": self.url})

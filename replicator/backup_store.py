@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TypeVar
 
 from csi_driver.volume_request import _DNS1123_LABEL
-from replicator.step_manifest import StepManifest, verify_step
+from replicator.step_manifest import StepManifest, file_sha256, verify_step
 
 DEFAULT_WORKERS = 8
 RANGE_BYTES = 32 << 20  # one ranged read during a restore
@@ -55,11 +55,13 @@ class StoredFile:
       size: bytes.
       crc32c: CRC32C of the content, 8 lowercase hex digits (as in ``StepManifest``).
       object: the object holding the content, relative to the step's directory (``rank-<r>/<relpath>``).
+      sha256: SHA-256 of the content, hex: what deduplication compares (see ``file_sha256``).
     """
 
     size: int
     crc32c: str
     object: str
+    sha256: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,11 +72,15 @@ class RankManifest:
       step: the training step.
       rank: the node rank.
       files: relative posix path -> StoredFile.
+      incarnation: the job incarnation that uploaded it. A job that restores an older step and
+        trains past it again writes the same step numbers anew; ``COMMIT`` must never join ranks
+        of two incarnations.
     """
 
     step: int
     rank: int
     files: dict[str, StoredFile]
+    incarnation: str = ""
 
     def step_manifest(self) -> StepManifest:
         """The checksums a restored copy must match."""
@@ -82,7 +88,7 @@ class RankManifest:
 
     def to_json(self) -> str:
         files = {rel: dataclasses.asdict(f) for rel, f in self.files.items()}
-        return json.dumps({"step": self.step, "rank": self.rank, "files": files}, sort_keys=True)
+        return json.dumps({"step": self.step, "rank": self.rank, "files": files, "incarnation": self.incarnation}, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "RankManifest":
@@ -94,10 +100,10 @@ class RankManifest:
         try:
             raw = json.loads(text)
             files = {
-                _relative(rel): StoredFile(int(f["size"]), str(f["crc32c"]), _relative(str(f["object"])))
+                _relative(rel): StoredFile(int(f["size"]), str(f["crc32c"]), _relative(str(f["object"])), str(f.get("sha256", "")))
                 for rel, f in raw["files"].items()
             }
-            return cls(int(raw["step"]), int(raw["rank"]), files)
+            return cls(int(raw["step"]), int(raw["rank"]), files, str(raw.get("incarnation", "")))
         except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as exc:
             raise ValueError(f"malformed rank manifest: {exc!r}") from exc
 
@@ -250,12 +256,13 @@ class BackupStore:
         return self.objects.url
 
     def upload_rank(self, job_key: str, step: int, rank: int, step_dir: str, manifest: StepManifest,
-                    dedup_from: RankManifest | None = None) -> RankManifest:
+                    dedup_from: RankManifest | None = None, incarnation: str = "") -> RankManifest:
         """Stores one rank's committed step, then its rank manifest.
 
-        A file whose relative path, size and CRC32C equal a file of ``dedup_from`` (a rank manifest of
+        A file whose relative path, size and SHA-256 equal a file of ``dedup_from`` (a rank manifest of
         the same step already stored, from ``rank_manifest``, typically a data-parallel peer's) is not
-        uploaded: the new manifest names the peer's object, so identical data is stored once.
+        uploaded: the new manifest names the peer's object, so identical data is stored once. CRC32C
+        alone cannot tell such files apart (see ``file_sha256``).
 
         Args:
           job_key: ``<namespace>/<job>``.
@@ -265,6 +272,7 @@ class BackupStore:
           manifest: ``step_dir``'s checksums (``step_manifest.build_manifest``); every stored object is
             checked against them.
           dedup_from: a stored rank manifest of the same step, or None to upload everything.
+          incarnation: the uploading job incarnation (see ``RankManifest``).
 
         Returns:
           The stored rank manifest (pass it as ``dedup_from`` for the next peer).
@@ -287,13 +295,15 @@ class BackupStore:
         uploads: list[Upload] = []
         for rel, (size, crc) in sorted(manifest.files.items()):
             same = peer.get(_relative(rel))  # the path check guards the object name built from it
-            if same is not None and (same.size, same.crc32c) == (size, crc):
+            local_path = os.path.join(step_dir, *rel.split("/"))
+            sha256 = file_sha256(local_path)
+            if same is not None and (same.size, same.crc32c, same.sha256) == (size, crc, sha256):
                 files[rel] = same
                 continue
-            files[rel] = StoredFile(size, crc, f"rank-{rank}/{rel}")
-            uploads.append(Upload(os.path.join(step_dir, *rel.split("/")), prefix + files[rel].object, size, crc))
+            files[rel] = StoredFile(size, crc, f"rank-{rank}/{rel}", sha256)
+            uploads.append(Upload(local_path, prefix + files[rel].object, size, crc))
         self.objects.put_files(uploads, self.workers)
-        stored = RankManifest(step, rank, files)
+        stored = RankManifest(step, rank, files, incarnation)
         self.objects.write_text(prefix + _manifest_name(rank), stored.to_json())
         return stored
 
@@ -316,8 +326,9 @@ class BackupStore:
             raise BackupError(f"{self.url}/{name} is for step {stored.step} rank {stored.rank}")
         return stored
 
-    def commit_if_complete(self, job_key: str, step: int, nodes: int) -> bool:
-        """Writes ``COMMIT`` for ``step`` when the manifests of ranks ``0 .. nodes-1`` all exist.
+    def commit_if_complete(self, job_key: str, step: int, nodes: int, incarnation: str | None = None) -> bool:
+        """Writes ``COMMIT`` for ``step`` when the manifests of ranks ``0 .. nodes-1`` all exist
+        (and, with ``incarnation``, all come from that incarnation).
 
         Idempotent; safe to call from every node after its own upload.
 
@@ -335,6 +346,10 @@ class BackupStore:
         if COMMIT in entries:
             return True
         if any(_manifest_name(rank) not in entries for rank in range(nodes)):
+            return False
+        if incarnation is not None and any(
+            getattr(self.rank_manifest(job_key, step, rank), "incarnation", None) != incarnation for rank in range(nodes)
+        ):
             return False
         commit = {"step": step, "nodes": nodes, "ranks": list(range(nodes))}
         self.objects.write_text(prefix + COMMIT, json.dumps(commit, sort_keys=True))

@@ -11,6 +11,7 @@ import uuid
 from replicator import orbax_protocol, planner
 from replicator.messages import (
     Assignment,
+    BackupOrder,
     JobSettings,
     NodeReport,
     PodReport,
@@ -25,7 +26,11 @@ log = logging.getLogger(__name__)
 JobKey = tuple[str, str]
 _JOBSET_SUFFIX = re.compile(r"-[a-z0-9]+$")
 # Tiers whose restore path exists in this release; the planner already knows the others.
-USABLE_TIERS = frozenset({planner.Tier.LOCAL, planner.Tier.PEER_CLOSE, planner.Tier.PEER_DISTANT})
+USABLE_TIERS = frozenset(planner.Tier)
+BACKUP_HOLDER = "backup"
+_BACKUP_GIVE_UP_SECONDS = 600.0  # a chosen backup step that never completes is chosen anew
+# How long a restore waits for the nodes' first listing of the backup tier before planning without it.
+_BACKUP_LISTING_GRACE_SECONDS = 60.0
 
 
 @dataclasses.dataclass
@@ -44,6 +49,7 @@ class Incarnation:
       incarnation_id: stable id, reported back by agents.
       rank_of_pod: pod uid -> rank.
       node_of_rank: rank -> node id.
+      created_at: unix seconds.
       plan: the frozen restore plan, once the first rank asked.
       generation: id of ``plan``; changes when a replan excludes bad copies.
       staged: ranks that staged and verified ``plan.step``.
@@ -54,6 +60,7 @@ class Incarnation:
     incarnation_id: str
     rank_of_pod: dict[str, int]
     node_of_rank: dict[int, str]
+    created_at: float = 0.0
     plan: planner.RestorePlan | None = None
     generation: str = ""
     staged: set[int] = dataclasses.field(default_factory=set)
@@ -69,16 +76,27 @@ class JobState:
       retired_pods: pods of incarnations that ended; they never join another one.
       identical: step -> rank pairs found to hold the same data; kept after a rank's copy is lost,
         which is exactly when it is needed.
+      backup_pending: the step being backed up now, or None.
+      last_backup_time: unix seconds the last backup completed (for ``backup-interval-minutes``).
+      forced_step: a step an operator asked the next restore to use (``mtc restore-from``).
     """
 
     incarnation: Incarnation | None = None
     settings: dict[int, JobSettings] = dataclasses.field(default_factory=dict)
     retired_pods: set[str] = dataclasses.field(default_factory=set)
     identical: dict[int, set[tuple[int, int]]] = dataclasses.field(default_factory=dict)
+    backup_pending: int | None = None
+    backup_pending_since: float = 0.0
+    last_backup_time: float | None = None
+    forced_step: int | None = None
 
 
 class UnknownIncarnation(LookupError):
     """A request names an incarnation or rank that is not (or no longer) current."""
+
+
+class NotReady(Exception):
+    """The answer depends on reports that have not arrived yet; ask again shortly."""
 
 
 class ClusterState:
@@ -92,12 +110,14 @@ class ClusterState:
         self.node_timeout_seconds = node_timeout_seconds
         self.nodes: dict[str, NodeState] = {}
         self.jobs: dict[JobKey, JobState] = {}
+        self._now = 0.0  # time of the report being applied
 
     # -- reports -------------------------------------------------------------------------------
 
     def apply_report(self, report: NodeReport, now: float) -> ReportReply:
         """Records a node's report; answers its pods' assignments and its replication and GC orders."""
         self.nodes[report.node_id] = NodeState(report, now)
+        self._now = now
         self.expire(now)
         for pod in report.pods:
             job = self.jobs.setdefault((pod.namespace, pod.job), JobState())
@@ -110,6 +130,7 @@ class ClusterState:
             assignments=tuple(a for p in report.pods if (a := self.assignment(p)) is not None),
             replicate=tuple(order for key in keys & set(self.jobs) for order in self._replicate_orders(key, report)),
             retain=tuple(order for key in keys & set(self.jobs) if (order := self._retain_order(key)) is not None),
+            backup=tuple(order for key in keys & set(self.jobs) for order in self._backup_orders(key, report, now)),
         )
 
     def expire(self, now: float) -> None:
@@ -152,7 +173,7 @@ class ClusterState:
         for incarnation_id, ranks in by_id.items():
             nodes = live[next(iter(ranks))][0].nodes
             if sorted(ranks.values()) == list(range(nodes)):
-                return Incarnation(incarnation_id, ranks, {rank: live[uid][1] for uid, rank in ranks.items()})
+                return Incarnation(incarnation_id, ranks, {rank: live[uid][1] for uid, rank in ranks.items()}, self._now)
         return None
 
     def _assign(self, key: JobKey, live: dict[str, tuple[PodReport, str]]) -> Incarnation | None:
@@ -167,7 +188,7 @@ class ClusterState:
         if chosen is None:
             return None
         ranks = planner.assign_ranks(chosen, any_pod.nodes, any_pod.slices, self._newest_held(key))
-        return Incarnation(uuid.uuid4().hex[:12], ranks, {rank: live[uid][1] for uid, rank in ranks.items()})
+        return Incarnation(uuid.uuid4().hex[:12], ranks, {rank: live[uid][1] for uid, rank in ranks.items()}, self._now)
 
     def _newest_held(self, key: JobKey) -> dict[str, dict[int, int]]:
         newest: dict[str, dict[int, int]] = {}
@@ -179,14 +200,88 @@ class ClusterState:
                     ranks[held.rank] = max(ranks.get(held.rank, -1), held.step)
         return newest
 
-    def copies(self, key: JobKey) -> list[planner.StepCopy]:
-        """Every copy of the job's steps that live nodes hold."""
-        return [
+    def copies(self, key: JobKey, with_backups: bool = True) -> list[planner.StepCopy]:
+        """Every copy of the job's steps: held by live nodes and, optionally, complete backups."""
+        held = [
             planner.StepCopy(h.step, h.rank, node_id)
             for node_id, state in self.nodes.items()
             for h in state.report.held
             if (h.namespace, h.job) == key
         ]
+        nodes = self._nodes_of(key)
+        backups = [planner.StepCopy(step, rank, BACKUP_HOLDER, backup=True) for step in self.backed_up(key) for rank in range(nodes)]
+        return held + backups if with_backups else held
+
+    def _nodes_of(self, key: JobKey) -> int:
+        job = self.jobs.get(key)
+        if job and job.incarnation:
+            return len(job.incarnation.node_of_rank)
+        pods = self._live_pods(key)
+        return next(iter(pods.values()))[0].nodes if pods else 0
+
+    def backed_up(self, key: JobKey) -> set[int]:
+        """Complete backups of the job, as live nodes last listed them."""
+        return {step for s in self.nodes.values() for b in s.report.backed_up if (b.namespace, b.job) == key for step in b.steps}
+
+    def _newest_complete(self, key: JobKey, with_backups: bool) -> int | None:
+        nodes = self._nodes_of(key)
+        ranks_of_step: dict[int, set[int]] = {}
+        for copy in self.copies(key, with_backups):
+            ranks_of_step.setdefault(copy.step, set()).add(copy.rank)
+        return max((step for step, ranks in ranks_of_step.items() if nodes and len(ranks) == nodes), default=None)
+
+    def _backup_orders(self, key: JobKey, report: NodeReport, now: float) -> list[BackupOrder]:
+        """Uploads of the step being backed up for the ranks whose own data this node holds.
+
+        In a data-parallel group one member (rotating with the step, to spread the load) uploads;
+        the others reference its objects and upload only what differs.
+        """
+        job = self.jobs[key]
+        incarnation = job.incarnation
+        if incarnation is None or not job.settings:
+            return []
+        self._advance_backup(key, now)
+        step = job.backup_pending
+        if step is None:
+            return []
+        identical = self.identical(key).get(step, frozenset())
+        protected = (incarnation.plan.step,) if incarnation.plan and incarnation.plan.step is not None else ()
+        orders = []
+        for held in report.held:
+            if (held.namespace, held.job) != key or held.replica or held.step != step:
+                continue
+            if incarnation.node_of_rank.get(held.rank) != report.node_id:
+                continue
+            group = sorted({held.rank} | {other for first, other in identical if first == held.rank})
+            leader = group[step % len(group)]
+            orders.append(BackupOrder(key[0], key[1], step, held.rank, incarnation.incarnation_id,
+                                      len(incarnation.node_of_rank), None if leader == held.rank else leader, protected))  # fmt: skip
+        return orders
+
+    def _advance_backup(self, key: JobKey, now: float) -> None:
+        """Finishes the pending backup once listed complete; starts the next one when it is due."""
+        job = self.jobs[key]
+        backed = self.backed_up(key)
+        if job.backup_pending is not None:
+            if job.backup_pending in backed:
+                log.info("job %s/%s: step %d backed up", *key, job.backup_pending)
+                job.last_backup_time, job.backup_pending = now, None
+            elif now - job.backup_pending_since > _BACKUP_GIVE_UP_SECONDS:
+                log.warning("job %s/%s: backup of step %d did not complete; choosing anew", *key, job.backup_pending)
+                job.backup_pending = None
+            return
+        newest = self._newest_complete(key, with_backups=False)
+        last = max(backed, default=None)
+        if newest is None or (last is not None and newest <= last):
+            return
+        settings = next(iter(job.settings.values()))
+        if settings.backup_interval_steps is not None:
+            due = last is None or newest >= last + settings.backup_interval_steps
+        else:
+            due = job.last_backup_time is None or now - job.last_backup_time >= settings.backup_interval_minutes * 60
+        if due:
+            job.backup_pending, job.backup_pending_since = newest, now
+            log.info("job %s/%s: backing up step %d", *key, newest)
 
     def _data_parallelism(self, key: JobKey) -> int:
         return max((s.data_parallelism for s in self.jobs[key].settings.values()), default=1)
@@ -268,9 +363,12 @@ class ClusterState:
         safe = self.safe_step(key)
         if safe is None:
             return None
-        incarnation = self.jobs[key].incarnation
-        protected = (incarnation.plan.step,) if incarnation and incarnation.plan and incarnation.plan.step is not None else ()
-        return RetainOrder(key[0], key[1], safe, protected)
+        job = self.jobs[key]
+        incarnation = job.incarnation
+        protected = {job.backup_pending} if job.backup_pending is not None else set()
+        if incarnation and incarnation.plan and incarnation.plan.step is not None:
+            protected.add(incarnation.plan.step)
+        return RetainOrder(key[0], key[1], safe, tuple(sorted(protected)))
 
     # -- assignments and settings --------------------------------------------------------------
 
@@ -303,14 +401,23 @@ class ClusterState:
 
     # -- restore -------------------------------------------------------------------------------
 
-    def restore_view(self, key: JobKey, incarnation_id: str, rank: int) -> RestoreView:
+    def restore_view(self, key: JobKey, incarnation_id: str, rank: int, now: float) -> RestoreView:
         """The plan for ``rank``, frozen for the incarnation at the first request.
 
         Raises:
           UnknownIncarnation: the incarnation or rank is not current.
+          NotReady: nodes with a backup tier have not listed it yet (for up to 60 s): planning
+            without it could start a job from scratch that a backup would have resumed.
         """
         incarnation = self._incarnation(key, incarnation_id, rank)
         if incarnation.plan is None:
+            unlisted = [
+                node for node in incarnation.node_of_rank.values()
+                if node in self.nodes and self.nodes[node].report.has_backup
+                and not any((b.namespace, b.job) == key for b in self.nodes[node].report.backed_up)
+            ]  # fmt: skip
+            if unlisted and now - incarnation.created_at < _BACKUP_LISTING_GRACE_SECONDS:
+                raise NotReady(f"waiting for {', '.join(sorted(unlisted))} to list the backup tier")
             self._replan(key, incarnation)
         plan = incarnation.plan
         sources = tuple(
@@ -318,14 +425,33 @@ class ClusterState:
             for s in plan.sources.get(rank, ())
         )
         ready = plan.step is None or len(incarnation.staged) == len(incarnation.node_of_rank)
+        if ready and plan.step is not None and plan.step == self.jobs[key].forced_step:
+            self.jobs[key].forced_step = None  # done: later restores take the newest step again
         return RestoreView(incarnation.generation, plan.step, sources, ready)
+
+    def force_restore_step(self, key: JobKey, step: int) -> None:
+        """Makes the job's next restore use ``step`` (a rollback), from whichever tier holds it.
+
+        Raises:
+          LookupError: no tier holds ``step`` complete for every rank.
+        """
+        nodes = self._nodes_of(key)
+        ranks = {c.rank for c in self.copies(key) if c.step == step} if key in self.jobs else set()
+        if not nodes or ranks != set(range(nodes)):
+            raise LookupError(f"step {step} of {key[0]}/{key[1]} is not complete for every rank in any tier")
+        self.jobs[key].forced_step = step
+        log.warning("job %s/%s: the next restore will use step %d (operator request)", *key, step)
 
     def _url(self, holder: str) -> str | None:
         state = self.nodes.get(holder)
         return state.report.url if state else None
 
     def _replan(self, key: JobKey, incarnation: Incarnation) -> None:
-        copies = [c for c in self.copies(key) if (c.step, c.rank, c.holder) not in incarnation.excluded]
+        forced = self.jobs[key].forced_step
+        copies = [
+            c for c in self.copies(key)
+            if (c.step, c.rank, c.holder) not in incarnation.excluded and (forced is None or c.step == forced)
+        ]  # fmt: skip
         incarnation.plan = planner.plan_restore(
             len(incarnation.node_of_rank), incarnation.node_of_rank, copies, self._blocks(), USABLE_TIERS, self.identical(key)
         )
@@ -360,15 +486,8 @@ class ClusterState:
     # -- views ---------------------------------------------------------------------------------
 
     def newest_complete_step(self, key: JobKey) -> int | None:
-        """The newest step held, somewhere, for every rank of the job."""
-        job = self.jobs.get(key)
-        pods = self._live_pods(key)
-        nodes = next(iter(pods.values()))[0].nodes if pods else (len(job.incarnation.node_of_rank) if job and job.incarnation else 0)
-        ranks_of_step: dict[int, set[int]] = {}
-        for copy in self.copies(key):
-            ranks_of_step.setdefault(copy.step, set()).add(copy.rank)
-        complete = [step for step, ranks in ranks_of_step.items() if nodes and len(ranks) == nodes]
-        return max(complete, default=None)
+        """The newest step held, in any tier, for every rank of the job."""
+        return self._newest_complete(key, with_backups=True)
 
     def status(self) -> dict:
         """Jobs, their incarnation (rank -> node and pod), newest complete step, and held steps."""
@@ -399,5 +518,8 @@ class ClusterState:
                 "held": {rank: {step: sorted(h) for step, h in sorted(steps.items())} for rank, steps in sorted(held.items())},
                 "identical_peers": sorted(self.identical(key).get(self.newest_complete_step(key), ())),
                 "safe_step": self.safe_step(key),
+                "backups": sorted(self.backed_up(key)),
+                "backup_pending": job.backup_pending,
+                "forced_step": job.forced_step,
             })  # fmt: skip
         return {"nodes": sorted(self.nodes), "jobs": jobs}

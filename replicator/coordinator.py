@@ -6,6 +6,8 @@ Routes (JSON; errors are ``{"error": "..."}``):
 - ``POST /v1/jobs/{namespace}/{job}/settings``: ``{"incarnation", "rank", "settings"}``.
 - ``GET  /v1/jobs/{namespace}/{job}/restore?incarnation=I&rank=R``: a ``RestoreView``.
 - ``POST /v1/jobs/{namespace}/{job}/restore``: ``{"incarnation", "generation", "rank", "source", "bad": [[step, rank, holder]]}``.
+- ``POST /v1/jobs/{namespace}/{job}/restore-from``: ``{"step"}``; the next restore uses that step
+  (a rollback); 409 when no tier holds it complete.
 - ``GET  /v1/status[?job=NAME]``, ``GET /healthz``, ``GET /metrics``.
 """
 
@@ -18,7 +20,7 @@ import time
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
-from replicator.cluster_state import ClusterState, JobState, UnknownIncarnation
+from replicator.cluster_state import ClusterState, JobState, NotReady, UnknownIncarnation
 from replicator.messages import JobSettings, NodeReport, to_json
 
 log = logging.getLogger(__name__)
@@ -97,9 +99,11 @@ async def get_restore(request: web.Request) -> web.Response:
     except (KeyError, ValueError) as err:
         raise BadRequest(f"incarnation and rank query parameters are required: {err}") from None
     try:
-        view = request.app[_STATE_KEY].restore_view(_job_key(request), incarnation, rank)
+        view = request.app[_STATE_KEY].restore_view(_job_key(request), incarnation, rank, time.time())
     except UnknownIncarnation as err:
         raise _not_found(err) from None
+    except NotReady as err:
+        raise web.HTTPServiceUnavailable(text=json.dumps({"error": str(err)}), content_type="application/json") from None
     return web.json_response(to_json(view))
 
 
@@ -116,6 +120,19 @@ async def post_restore(request: web.Request) -> web.Response:
     except UnknownIncarnation as err:
         raise _not_found(err) from None
     return web.json_response({"ok": True})
+
+
+async def post_restore_from(request: web.Request) -> web.Response:
+    body = await _json_body(request)
+    try:
+        step = int(body["step"])
+    except (KeyError, ValueError, TypeError) as err:
+        raise BadRequest(f"body must be {{\"step\": <int>}}: {err}") from None
+    try:
+        request.app[_STATE_KEY].force_restore_step(_job_key(request), step)
+    except LookupError as err:
+        raise web.HTTPConflict(text=json.dumps({"error": str(err)}), content_type="application/json") from None
+    return web.json_response({"ok": True, "step": step})
 
 
 async def get_status(request: web.Request) -> web.Response:
@@ -188,6 +205,7 @@ def make_app(config: CoordinatorConfig) -> web.Application:
         web.post("/v1/jobs/{namespace}/{job}/settings", post_settings),
         web.get("/v1/jobs/{namespace}/{job}/restore", get_restore),
         web.post("/v1/jobs/{namespace}/{job}/restore", post_restore),
+        web.post("/v1/jobs/{namespace}/{job}/restore-from", post_restore_from),
         web.get("/v1/status", get_status),
         web.get("/healthz", healthz),
         web.get("/metrics", metrics),

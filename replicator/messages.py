@@ -128,6 +128,20 @@ class HeldStep:
 
 
 @dataclasses.dataclass(frozen=True)
+class BackedUp:
+    """The steps of a job the backup tier holds complete (``COMMIT`` written), as the node last listed them."""
+
+    namespace: str
+    job: str
+    steps: tuple[int, ...]
+
+    @classmethod
+    def from_json(cls, raw: Any) -> "BackedUp":
+        raw = _require_dict(raw, "backed up")
+        return cls(_field(raw, "namespace", str), _field(raw, "job", str), tuple(int(s) for s in _field(raw, "steps", list)))
+
+
+@dataclasses.dataclass(frozen=True)
 class NodeReport:
     """Everything a node agent tells the coordinator; sent on every change and as its heartbeat.
 
@@ -139,6 +153,8 @@ class NodeReport:
       pods: the pods published on the node.
       held: the committed steps the node holds, its own and replicas of other ranks'.
       replicas: how many peers should hold replicas of this node's steps (``--replicas``).
+      backed_up: per job, the complete backups the node saw in the backup tier, once listed.
+      has_backup: whether the node has a backup tier (``--backup``).
     """
 
     node_id: str
@@ -148,6 +164,8 @@ class NodeReport:
     pods: tuple[PodReport, ...]
     held: tuple[HeldStep, ...]
     replicas: int = 1
+    backed_up: tuple[BackedUp, ...] = ()
+    has_backup: bool = False
 
     @classmethod
     def from_json(cls, raw: Any) -> "NodeReport":
@@ -160,6 +178,8 @@ class NodeReport:
             pods=tuple(PodReport.from_json(p) for p in _field(raw, "pods", list)),
             held=tuple(HeldStep.from_json(h) for h in _field(raw, "held", list)),
             replicas=_field(raw, "replicas", int, optional=True) or 1,
+            backed_up=tuple(BackedUp.from_json(b) for b in raw.get("backed_up", [])),
+            has_backup=bool(raw.get("has_backup", False)),
         )
 
 
@@ -218,12 +238,44 @@ class RetainOrder:
 
 
 @dataclasses.dataclass(frozen=True)
+class BackupOrder:
+    """Upload ``rank``'s own data of ``step`` to the backup tier.
+
+    Attributes:
+      incarnation: tags the upload; ``COMMIT`` joins only ranks of one incarnation.
+      nodes: the job's rank count, for ``COMMIT``.
+      dedup_from_rank: a data-parallel peer whose upload of the step to reference for identical
+        files (wait for it), or None to upload everything.
+      protected: backup steps retention must keep (a restore is using them).
+    """
+
+    namespace: str
+    job: str
+    step: int
+    rank: int
+    incarnation: str
+    nodes: int
+    dedup_from_rank: int | None
+    protected: tuple[int, ...]
+
+    @classmethod
+    def from_json(cls, raw: Any) -> "BackupOrder":
+        raw = _require_dict(raw, "backup")
+        return cls(
+            _field(raw, "namespace", str), _field(raw, "job", str), _field(raw, "step", int), _field(raw, "rank", int),
+            _field(raw, "incarnation", str), _field(raw, "nodes", int), _field(raw, "dedup_from_rank", int, optional=True),
+            tuple(int(p) for p in _field(raw, "protected", list)),
+        )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
 class ReportReply:
     """The coordinator's answer to a ``NodeReport``: what the node's pods and data should do."""
 
     assignments: tuple[Assignment, ...]
     replicate: tuple[ReplicateOrder, ...]
     retain: tuple[RetainOrder, ...]
+    backup: tuple[BackupOrder, ...] = ()
 
     @classmethod
     def from_json(cls, raw: Any) -> "ReportReply":
@@ -232,6 +284,7 @@ class ReportReply:
             tuple(Assignment.from_json(a) for a in _field(raw, "assignments", list)),
             tuple(ReplicateOrder.from_json(r) for r in raw.get("replicate", [])),
             tuple(RetainOrder.from_json(r) for r in raw.get("retain", [])),
+            tuple(BackupOrder.from_json(b) for b in raw.get("backup", [])),
         )
 
 

@@ -23,7 +23,19 @@ from prefetch import staging
 from prefetch.peer_fetch import PeerFetchError, fetch_step, push_step
 from replicator import orbax_protocol
 from replicator.job_meta import JobMeta, PodProgress
-from replicator.messages import Assignment, HeldStep, JobSettings, NodeReport, PodReport, ReportReply, RestoreView, to_json
+from replicator.backup_store import BackupError, BackupStore
+from replicator.backup_worker import BackupWorker
+from replicator.messages import (
+    Assignment,
+    BackedUp,
+    HeldStep,
+    JobSettings,
+    NodeReport,
+    PodReport,
+    ReportReply,
+    RestoreView,
+    to_json,
+)
 from replicator.step_manifest import build_manifest
 
 log = logging.getLogger(__name__)
@@ -93,6 +105,8 @@ class NodeReplicator:
       coordinator_url: the coordinator's base URL.
       peer_token: bearer token of the peer service, or None to run without the peer tier.
       replicas: peers that should hold replicas of this node's steps (data parallelism 1).
+      backup_store: the backup tier, or None to run without it.
+      backup_keep: complete backups to keep per job.
     """
 
     def __init__(
@@ -105,6 +119,8 @@ class NodeReplicator:
         coordinator_url: str,
         peer_token: str | None = None,
         replicas: int = 1,
+        backup_store: BackupStore | None = None,
+        backup_keep: int = 3,
     ):
         self.node_id = node_id
         self._url = url
@@ -119,6 +135,10 @@ class NodeReplicator:
         self._pushed: dict[tuple, float] = {}  # push key -> when it succeeded
         self._busy_steps: set[tuple[str, str, int]] = set()  # (namespace, job, step) being read: GC keeps them
         self._assignments: dict[str, Assignment] = {}
+        self._backup = (
+            BackupWorker(backup_store, backup_keep, self._busy_steps, self._error_to_job, self.poke) if backup_store else None
+        )
+        self._listing: asyncio.Task | None = None
         self._wake = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._workers: dict[tuple[str, str], asyncio.Task] = {}
@@ -142,15 +162,20 @@ class NodeReplicator:
                 while not stop.is_set():
                     self._wake.clear()
                     disks = await asyncio.to_thread(self._manager.ramdisks)
+                    if self._backup and (self._listing is None or self._listing.done()):
+                        # In the background: a store outage must not hold up reports and restores.
+                        self._listing = asyncio.create_task(self._backup.refresh(list(disks)))
                     await self._report(client, disks)
                     self._sync_workers(client, disks)
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self._wake.wait(), _REPORT_INTERVAL_SECONDS)
             finally:
-                tasks = [*self._workers.values(), *self._pushes.values()]
+                tasks = [*self._workers.values(), *self._pushes.values(), *([self._listing] if self._listing else [])]
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
+                if self._backup:
+                    await self._backup.stop()
 
     # -- reporting -----------------------------------------------------------------------------
 
@@ -168,6 +193,9 @@ class NodeReplicator:
         for order in reply.retain:
             if (disk := disks.get((order.namespace, order.job))) is not None:
                 await asyncio.to_thread(self._collect_garbage, disk, order)
+        for order in reply.backup:
+            if self._backup and (disk := disks.get((order.namespace, order.job))) is not None:
+                self._backup.start(disk.path, order)
 
     def _build_report(self, disks: dict) -> NodeReport:
         pods, held = [], []
@@ -189,7 +217,9 @@ class NodeReplicator:
                     held.append(HeldStep(disk.namespace, disk.job, step, manifest.rank, manifest.files))
             for manifest in meta.replicas().values():
                 held.append(HeldStep(disk.namespace, disk.job, manifest.step, manifest.rank, manifest.files, replica=True))
-        return NodeReport(self.node_id, self._url, self._pod_address, self._topology, tuple(pods), tuple(held), self._replicas)
+        backed_up = tuple(BackedUp(ns, job, steps) for (ns, job), steps in self._backup.listing.items()) if self._backup else ()
+        return NodeReport(self.node_id, self._url, self._pod_address, self._topology, tuple(pods), tuple(held),
+                          self._replicas, backed_up, self._backup is not None)  # fmt: skip
 
     # -- replication and garbage collection ----------------------------------------------------
 
@@ -242,6 +272,9 @@ class NodeReplicator:
             if step < order.keep_from and step not in keep:
                 meta.drop_replica(rank, step)
                 GC_DELETED.inc()
+
+    def _error_to_job(self, local_dir: str, message: str) -> None:
+        self._log_once(f"job-error-{local_dir}", message, local_dir)
 
     def _log_once(self, key: str, message: str, local_dir: str | None = None) -> None:
         """Logs (and reports to ``replicator.errors``) at most every 30 s per key."""
@@ -352,6 +385,8 @@ class NodeReplicator:
         for source in view.sources:
             if source["holder"] == self.node_id and source["data_rank"] == progress.rank:
                 problems = await asyncio.to_thread(staging.stage_local, disk.client_dir, view.step, meta.manifests().get(view.step))
+            elif source["tier"] == "backup":
+                problems = await self._stage_from_backup(disk, meta, progress, view.step, source["data_rank"])
             else:
                 problems = await self._stage_from_peer(disk, meta, progress, view.step, source)
             if not problems:
@@ -379,6 +414,18 @@ class NodeReplicator:
             return [str(err)]
         await asyncio.to_thread(staging.install_staged, disk.client_dir, step, incoming)
         # Recorded as this rank's step: from now on this node serves it for this rank.
+        meta.save_manifest(dataclasses.replace(manifest, rank=progress.rank))
+        return []
+
+    async def _stage_from_backup(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress, step: int, data_rank: int) -> list[str]:
+        """Downloads a step from the backup tier into the ramdisk, verified, then stages it."""
+        if self._backup is None:
+            return ["no backup tier on this node (--backup)"]
+        try:
+            verified, manifest = await self._backup.download(meta, disk.namespace, disk.job, step, data_rank)
+        except (BackupError, OSError) as err:
+            return [str(err)]
+        await asyncio.to_thread(staging.install_staged, disk.client_dir, step, verified)
         meta.save_manifest(dataclasses.replace(manifest, rank=progress.rank))
         return []
 

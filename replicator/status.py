@@ -1,6 +1,7 @@
 """``mtc status``: the coordinator's view of jobs as a readable table."""
 
 import json
+import urllib.error
 import urllib.parse
 import urllib.request
 
@@ -16,6 +17,25 @@ def fetch_status(coordinator_url: str, job: str | None = None, timeout: float = 
         return json.load(response)
 
 
+def request_restore_from(coordinator_url: str, namespace: str, job: str, step: int, timeout: float = 10.0) -> str:
+    """Asks the coordinator to restore ``step`` at the job's next restart.
+
+    Returns:
+      An error message, or "" on success.
+
+    Raises:
+      OSError: the coordinator is unreachable.
+    """
+    url = f"{coordinator_url.rstrip('/')}/v1/jobs/{namespace}/{job}/restore-from"
+    request = urllib.request.Request(url, data=json.dumps({"step": step}).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=timeout):
+            return ""
+    except urllib.error.HTTPError as err:
+        return f"HTTP {err.code}: {json.loads(err.read() or b'{}').get('error', err.reason)}"
+
+
 def render_status(status: dict) -> str:
     """Renders the status JSON as a table per job."""
     lines = [f"nodes: {', '.join(status['nodes']) or '(none)'}"]
@@ -24,7 +44,8 @@ def render_status(status: dict) -> str:
         lines += [
             "",
             f"job {job['namespace']}/{job['job']}  incarnation {job['incarnation'] or '(waiting for pods: ' + str(job['waiting_pods']) + ')'}",
-            f"  newest complete step: {job['newest_complete_step']}",
+            f"  newest complete step: {job['newest_complete_step']}   safe for GC: {job['safe_step']}   "
+            f"backups: {job['backups'] or '-'}{'  (backing up ' + str(job['backup_pending']) + ')' if job['backup_pending'] is not None else ''}",
             f"  restored step: {restore['step'] if restore else '-'}",
             f"  {'rank':>4}  {'node':<16} {'pod':<36} {'restored from':<22} steps held (step: nodes)",
         ]

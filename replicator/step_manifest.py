@@ -5,6 +5,7 @@ CRC32C is the checksum GCS uses, so one value serves the peer and the backup tie
 """
 
 import dataclasses
+import hashlib
 import json
 import os
 
@@ -47,6 +48,19 @@ def file_crc32c(path: str) -> str:
         while chunk := f.read(_CHUNK_BYTES):
             checksum.update(chunk)
     return checksum.digest().hex()
+
+
+def file_sha256(path: str) -> str:
+    """SHA-256 of a file's bytes, hex; reads in 4 MiB chunks.
+
+    For content identity, where CRC32C cannot serve: OCDBT files end with their own CRC32C, so the
+    CRC32C of every whole OCDBT file is the same constant (the CRC residue, ``48674bc7``).
+    """
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _walk_files(step_dir: str):

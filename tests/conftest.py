@@ -6,7 +6,14 @@ import shutil
 
 import pytest
 
-from examples.local_cluster import CoordinatorProcess, NodeAgentProcess, can_mount_tmpfs, unmount_all_below
+from examples.local_cluster import (
+    CoordinatorProcess,
+    FakeGcsServer,
+    NodeAgentProcess,
+    can_mount_tmpfs,
+    find_fake_gcs_server,
+    unmount_all_below,
+)
 
 requires_root = pytest.mark.skipif(not can_mount_tmpfs(), reason="mounting tmpfs needs root")
 
@@ -40,10 +47,12 @@ class Cluster:
     Node ``i`` listens on 127.0.0.<i+1> and sits in topology block ``b<i // 2>``.
     """
 
-    def __init__(self, workdir, replicas: int = 1, peer_tier: bool = True):
+    def __init__(self, workdir, replicas: int = 1, peer_tier: bool = True, backup: str | None = None, env=None):
         self.workdir = workdir
         self.replicas = replicas
         self.peer_tier = peer_tier
+        self.backup = backup
+        self.env = env or {}
         self.token_file = workdir / "peer-token"
         self.token_file.write_text("test-peer-token-0123456789\n")
         self.coordinator = CoordinatorProcess(str(workdir / "coordinator"), free_listen_address(), ["--node-timeout-seconds", "4"])
@@ -57,7 +66,9 @@ class Cluster:
             "tmpfs" if can_mount_tmpfs() else "dir",
             ["--coordinator", self.coordinator.url, "--pod-address", f"127.0.0.{index + 1}",
              "--topology", f"block={block or f'b{index // 2}'}", "--replicas", str(self.replicas),
-             *(["--peer-token-file", str(self.token_file)] if self.peer_tier else [])],
+             *(["--peer-token-file", str(self.token_file)] if self.peer_tier else []),
+             *(["--backup", self.backup] if self.backup else [])],
+            env=self.env,
         )  # fmt: skip
         self.agents.append(agent)
         return agent.start()
@@ -76,11 +87,12 @@ class Cluster:
 
 @pytest.fixture
 def start_cluster(tmp_path):
-    """Factory: ``start_cluster(nodes=4, replicas=1, peer_tier=True)`` -> a running Cluster, always stopped."""
+    """Factory: ``start_cluster(nodes=4, replicas=1, peer_tier=True, backup=None, env=None)`` -> a
+    running Cluster, always stopped."""
     clusters = []
 
-    def start(nodes: int = 4, replicas: int = 1, peer_tier: bool = True) -> Cluster:
-        cluster = Cluster(tmp_path, replicas, peer_tier)
+    def start(nodes: int = 4, replicas: int = 1, peer_tier: bool = True, backup: str | None = None, env=None) -> Cluster:
+        cluster = Cluster(tmp_path, replicas, peer_tier, backup, env)
         clusters.append(cluster)
         cluster.coordinator.start()
         for index in range(nodes):
@@ -97,3 +109,15 @@ def cluster(start_cluster):
     """A coordinator and four node agents (two topology blocks), ramdisk tier only."""
     started = start_cluster(peer_tier=False)
     return started.coordinator, started.agents
+
+
+@pytest.fixture
+def fake_gcs(tmp_path):
+    """A real fake-gcs-server with bucket ``ckpt``, objects on disk so a restart keeps them; always stopped."""
+    binary = find_fake_gcs_server()
+    if binary is None:
+        pytest.fail("fake-gcs-server is neither on PATH nor in .tools/bin; run `make tools`")
+    server = FakeGcsServer(binary, data_dir=str(tmp_path / "gcs-data")).start()
+    server.client().create_bucket("ckpt")
+    yield server
+    server.stop()

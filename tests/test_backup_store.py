@@ -3,93 +3,22 @@
 import dataclasses
 import json
 import os
-import shutil
-import socket
-import subprocess
-import tempfile
-import time
-import urllib.request
 import uuid
 from collections.abc import Callable
 
+import google_crc32c
 import pytest
-from google.auth.credentials import AnonymousCredentials
-from google.cloud import storage
 
+from examples.local_cluster import FakeGcsServer, find_fake_gcs_server
 from replicator.backup_store import BackupError, BackupStore, open_backup_store
 from replicator.step_manifest import StepManifest, build_manifest
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = "team-a/llama"
 MiB = 1 << 20
 
 
-def find_fake_gcs_server() -> str | None:
-    """fake-gcs-server on PATH, else the one ``make tools`` puts in ``.tools/bin``; None if neither."""
-    local = os.path.join(_REPO, ".tools", "bin", "fake-gcs-server")
-    return shutil.which("fake-gcs-server") or (local if os.access(local, os.X_OK) else None)
-
-
-class FakeGcsServer:
-    """A fake-gcs-server process (in-memory backend) on a free 127.0.0.1 port.
-
-    ``-external-url`` is set so that resumable uploads (files over 8 MiB) are sent back to it.
-    """
-
-    def __init__(self, binary: str):
-        self.binary = binary
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._log = tempfile.TemporaryFile()
-        self._process: subprocess.Popen | None = None
-
-    def start(self, timeout_seconds: float = 15.0) -> "FakeGcsServer":
-        """Starts the server and waits until it answers.
-
-        Raises:
-          RuntimeError: it exited or did not answer in time; the message holds its output.
-        """
-        self._process = subprocess.Popen(
-            [self.binary, "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1", "-port", str(self.port),
-             "-external-url", self.url, "-log-level", "error"],
-            stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout_seconds
-        while time.monotonic() < deadline and self._process.poll() is None:
-            try:
-                with urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=1):
-                    return self
-            except OSError:
-                time.sleep(0.05)
-        self._log.seek(0)
-        output = self._log.read().decode(errors="replace")
-        self.stop()
-        raise RuntimeError(f"fake-gcs-server on {self.url} did not start: {output}")
-
-    def stop(self) -> None:
-        """Stops the server (SIGTERM, then SIGKILL after 10 s); idempotent."""
-        if self._process is not None and self._process.poll() is None:
-            self._process.terminate()
-            try:
-                self._process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
-        self._log.close()
-
-    @property
-    def pid(self) -> int:
-        return self._process.pid
-
-    def client(self) -> storage.Client:
-        """A google-cloud-storage client of this server (anonymous, project ``test``)."""
-        return storage.Client(project="test", credentials=AnonymousCredentials(),
-                              client_options={"api_endpoint": self.url})
-
-
 @pytest.fixture(scope="module")
-def fake_gcs():
+def fake_gcs_module():
     binary = find_fake_gcs_server()
     if binary is None:
         pytest.fail("fake-gcs-server is neither on PATH nor in .tools/bin; run `make tools` "
@@ -119,7 +48,7 @@ class Backend:
 @pytest.fixture(params=["gs", "file"])
 def backend(request, tmp_path_factory) -> Backend:
     if request.param == "gs":
-        server: FakeGcsServer = request.getfixturevalue("fake_gcs")
+        server: FakeGcsServer = request.getfixturevalue("fake_gcs_module")
         bucket = server.client().create_bucket(f"backup-{uuid.uuid4().hex[:12]}")
         prefix = "checkpoints/"
         return Backend(
@@ -147,6 +76,11 @@ def make_step(directory, step: int, rank: int, files: dict[str, bytes]) -> tuple
         with open(path, "wb") as f:
             f.write(data)
     return str(directory), build_manifest(str(directory), step, rank)
+
+
+def with_crc32c_footer(data: bytes) -> bytes:
+    """``data`` plus its CRC32C, little-endian, as OCDBT writes it: the whole has CRC32C 48674bc7."""
+    return data + google_crc32c.value(data).to_bytes(4, "little")
 
 
 def read_tree(directory) -> dict[str, bytes]:
@@ -255,8 +189,10 @@ def test_dedup_stores_identical_files_of_data_parallel_peers_once(backend, tmp_p
     store = backend.store
     shared = {"state/d/big": os.urandom(9 * MiB), "_CHECKPOINT_METADATA": b'{"step": 4}'}
     sources = {rank: {**shared, f"state/ocdbt.process_{rank}/d/x": os.urandom(1000),
-                      "state/manifest.ocdbt": os.urandom(64)} for rank in range(2)}
+                      "state/manifest.ocdbt": with_crc32c_footer(os.urandom(60))} for rank in range(2)}
     first = store.upload_rank(JOB, 4, 0, *make_step(tmp_path / "src-0", 4, 0, sources[0]))
+    # Like real OCDBT files, both end with their own CRC32C: same path, size and CRC32C, other bytes.
+    assert first.files["state/manifest.ocdbt"].crc32c == build_manifest(str(tmp_path / "src-0"), 4, 0).files["state/manifest.ocdbt"][1]
     peer = store.rank_manifest(JOB, 4, 0)
     assert peer == first
     second = store.upload_rank(JOB, 4, 1, *make_step(tmp_path / "src-1", 4, 1, sources[1]), dedup_from=peer)

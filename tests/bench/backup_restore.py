@@ -32,7 +32,7 @@ warnings.simplefilter("ignore", FutureWarning)  # google-auth's import-time noti
 
 from replicator.backup_store import BackupStore, open_backup_store  # noqa: E402
 from replicator.step_manifest import build_manifest  # noqa: E402
-from tests.test_backup_store import FakeGcsServer, find_fake_gcs_server  # noqa: E402
+from examples.local_cluster import FakeGcsServer, find_fake_gcs_server  # noqa: E402
 
 MiB = 1 << 20
 FILES = 8
