@@ -56,12 +56,17 @@ class BackupWorker:
         self.listing: dict[tuple[str, str], tuple[int, ...]] = {}
         self._listed_at: dict[tuple[str, str], float] = {}
         self._uploads: dict[tuple, asyncio.Task] = {}
+        self._uploaded: set[tuple] = set()  # the coordinator hears of it only from the next listing
         self._backoff: dict[tuple[str, str], _Backoff] = {}
 
-    async def refresh(self, keys: list[tuple[str, str]], force: bool = False) -> None:
-        """Lists complete backups of ``keys`` at most every 5 s; keeps the last listing on failure."""
+    async def refresh(self, ramdisks: dict[tuple[str, str], str], force: bool = False) -> None:
+        """Lists complete backups of each job at most every 5 s; keeps the last listing on failure.
+
+        Args:
+          ramdisks: (namespace, job) -> the job's ramdisk path on this node.
+        """
         now = time.monotonic()
-        for key in keys:
+        for key, ramdisk_path in ramdisks.items():
             if not force and now - self._listed_at.get(key, -_LIST_INTERVAL_SECONDS) < _LIST_INTERVAL_SECONDS:
                 continue
             self._listed_at[key] = now
@@ -69,7 +74,7 @@ class BackupWorker:
                 steps = tuple(await asyncio.to_thread(self.store.complete_steps, f"{key[0]}/{key[1]}"))
             except BackupError as err:
                 BACKUP_FAILURES.inc()
-                log.warning("listing backups of %s/%s failed: %s", *key, err)
+                self._report_error(JobMeta(ramdisk_path).client_dir, f"listing the backup tier failed, retrying: {err}")
                 continue
             if steps != self.listing.get(key):
                 self.listing[key] = steps
@@ -77,19 +82,19 @@ class BackupWorker:
 
     def start(self, ramdisk_path: str, order: BackupOrder) -> None:
         """Starts the upload ``order`` asks for, unless it runs already or its job is backing off."""
-        key = (order.namespace, order.job, order.step, order.rank)
+        key = (order.namespace, order.job, order.step, order.rank, order.incarnation)
         backoff = self._backoff.get(key[:2], _Backoff())
         self._uploads = {k: t for k, t in self._uploads.items() if not t.done()}
-        if key in self._uploads or time.monotonic() < backoff.not_before:
+        if key in self._uploads or key in self._uploaded or time.monotonic() < backoff.not_before:
             return
-        self._uploads[key] = asyncio.create_task(self._upload(ramdisk_path, order))
+        self._uploads[key] = asyncio.create_task(self._upload(ramdisk_path, order, key))
 
     async def stop(self) -> None:
         for task in self._uploads.values():
             task.cancel()
         await asyncio.gather(*self._uploads.values(), return_exceptions=True)
 
-    async def _upload(self, ramdisk_path: str, order: BackupOrder) -> None:
+    async def _upload(self, ramdisk_path: str, order: BackupOrder, key: tuple) -> None:
         meta = JobMeta(ramdisk_path)
         located = meta.locate(order.rank, order.step)
         if located is None:
@@ -116,7 +121,8 @@ class BackupWorker:
             if await asyncio.to_thread(self.store.commit_if_complete, job_key, order.step, order.nodes, order.incarnation):
                 deleted = await asyncio.to_thread(self.store.retain, job_key, self._keep, order.protected)
                 log.info("%s: backup of step %d complete; retention deleted %s", job_key, order.step, deleted or "nothing")
-                await self.refresh([(order.namespace, order.job)], force=True)
+                await self.refresh({(order.namespace, order.job): ramdisk_path}, force=True)
+            self._uploaded.add(key)
             self._backoff.pop((order.namespace, order.job), None)
         except (BackupError, OSError) as err:
             BACKUP_FAILURES.inc()
@@ -124,7 +130,7 @@ class BackupWorker:
             backoff.failures += 1
             delay = min(_MAX_BACKOFF_SECONDS, 2.0**backoff.failures)
             backoff.not_before = time.monotonic() + delay
-            message = f"backup of step {order.step} rank {order.rank} to {self.store.url} failed (retrying in {delay:.0f} s): {err}"
+            message = f"backup of step {order.step} rank {order.rank} to the backup tier {self.store.url} failed (retrying in {delay:.0f} s): {err}"
             log.warning("%s: %s", job_key, message)
             self._report_error(meta.client_dir, message)
         finally:

@@ -37,6 +37,9 @@ GCS_ENDPOINT = "https://storage.googleapis.com"
 _SCOPES = ("https://www.googleapis.com/auth/devstorage.read_write",)
 _READ_BYTES = 1 << 20
 _TIMEOUT_SECONDS = (30.0, 120.0)  # connect, read
+# The library retries transient errors for up to 120 s per call; a node agent would rather report
+# an outage sooner and retry the whole upload with its own backoff.
+_RETRY = DEFAULT_RETRY.with_timeout(20.0)
 _POOL_CONNECTIONS = 64  # kept-alive connections for ranged reads; more workers than this still work
 
 # What a failing or refusing store raises through the client library or the session.
@@ -114,7 +117,7 @@ class GcsObjects(ObjectStore):
             pairs.append((upload.local_path, blob))
         # checksum=None: with the library's own checksum a small (multipart) upload would declare the
         # CRC32C of the bytes it read instead of the manifest's.
-        results = transfer_manager.upload_many(pairs, upload_kwargs={"checksum": None},
+        results = transfer_manager.upload_many(pairs, upload_kwargs={"checksum": None, "retry": _RETRY, "timeout": _TIMEOUT_SECONDS},
                                                worker_type=transfer_manager.THREAD, max_workers=workers)
         failures = []
         for upload, (_, blob), result in zip(uploads, pairs, results):
@@ -149,7 +152,7 @@ class GcsObjects(ObjectStore):
                 self._copy_body(name, response.raw, start, length, dest_fd)
 
         with self._errors(name, "read"):
-            DEFAULT_RETRY(attempt)()
+            _RETRY(attempt)()
 
     def _copy_body(self, name: str, body: urllib3.HTTPResponse, start: int, length: int, dest_fd: int) -> None:
         """Copies ``length`` bytes of ``body`` to ``dest_fd`` at offset ``start``."""
@@ -164,25 +167,27 @@ class GcsObjects(ObjectStore):
     def list(self, prefix: str, *, recursive: bool = False) -> list[str]:
         full = self._prefix + prefix
         with self._errors(prefix, "list"):
-            blobs = self._bucket.list_blobs(prefix=full, delimiter=None if recursive else "/")
+            blobs = self._bucket.list_blobs(prefix=full, delimiter=None if recursive else "/", retry=_RETRY,
+                                            timeout=_TIMEOUT_SECONDS)  # fmt: skip
             names = [blob.name[len(full):] for blob in blobs]
             return names + [p[len(full):] for p in sorted(blobs.prefixes)]
 
     def read_text(self, name: str) -> str | None:
         with self._errors(name, "read"):
             try:
-                return self._bucket.blob(self._prefix + name).download_as_text()
+                return self._bucket.blob(self._prefix + name).download_as_text(retry=_RETRY, timeout=_TIMEOUT_SECONDS)
             except api_exceptions.NotFound:
                 return None
 
     def write_text(self, name: str, text: str) -> None:
         with self._errors(name, "write"):
             self._bucket.blob(self._prefix + name).upload_from_string(
-                text.encode(), content_type="text/plain; charset=utf-8", checksum="crc32c")
+                text.encode(), content_type="text/plain; charset=utf-8", checksum="crc32c", retry=_RETRY,
+                timeout=_TIMEOUT_SECONDS)  # fmt: skip
 
     def delete(self, name: str) -> None:
         with self._errors(name, "delete"):
             try:
-                self._bucket.blob(self._prefix + name).delete()
+                self._bucket.blob(self._prefix + name).delete(retry=_RETRY, timeout=_TIMEOUT_SECONDS)
             except api_exceptions.NotFound:
                 pass

@@ -164,7 +164,7 @@ class NodeReplicator:
                     disks = await asyncio.to_thread(self._manager.ramdisks)
                     if self._backup and (self._listing is None or self._listing.done()):
                         # In the background: a store outage must not hold up reports and restores.
-                        self._listing = asyncio.create_task(self._backup.refresh(list(disks)))
+                        self._listing = asyncio.create_task(self._backup.refresh({k: d.path for k, d in disks.items()}))
                     await self._report(client, disks)
                     self._sync_workers(client, disks)
                     with contextlib.suppress(asyncio.TimeoutError):
