@@ -23,7 +23,7 @@ COPY protos/ protos/
 
 # CSI stubs are generated at build time with the grpcio-tools that matches the pinned
 # grpcio (see pyproject.toml), then the build-only tool is removed again.
-RUN pip install grpcio-tools==1.76.0 \
+RUN pip install grpcio-tools==1.85.1 \
  && python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. protos/csi.proto \
  && pip install . \
  && pip uninstall -y grpcio-tools \

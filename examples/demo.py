@@ -1,95 +1,139 @@
-"""``make demo``: a real JAX + Orbax job checkpoints through the system, is preempted, and resumes.
+"""``make demo``: a real JAX + Orbax job checkpoints through every tier and survives three failures.
 
 On this machine, with nothing to set up: a coordinator and four node agents on loopback
-(2 slices x 2 nodes; tmpfs ramdisks when run as root, directories otherwise), four pods published
-as kubelet would, and ``examples/train.py`` running Orbax's multi-tier checkpointing path. Every
-training process is SIGKILLed mid-run, the pods are deleted and recreated, and the job resumes from
-the newest step complete on every rank.
+(2 slices x 2 nodes; tmpfs ramdisks when run as root, directories otherwise; peer tier on; backups
+to an embedded ``file://`` store), four pods published as kubelet would, and ``examples/train.py``
+running Orbax's multi-tier checkpointing path. Then:
+
+1. preemption: every training process is SIGKILLed; the pods are recreated and restore from
+   their own ramdisks;
+2. node loss: a node dies with its RAM; a fresh node joins and its rank restores from a peer;
+3. cluster loss: every node and the coordinator go; fresh nodes restore from the backup tier.
 """
 
+import collections
+import dataclasses
+import itertools
 import os
 import shutil
 import sys
 import tempfile
 import time
 
-from examples.local_cluster import CoordinatorProcess, LocalJob, NodeAgentProcess, can_mount_tmpfs, unmount_all_below
+from examples.local_cluster import LocalCluster, LocalJob, can_mount_tmpfs
 from replicator.status import fetch_status, render_status
 
-STEPS = 60
+STEPS = 75
 SAVE_EVERY = 5
-KILL_AFTER_STEP = 27
+BACKUP_EVERY = 10
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What one failure cost."""
+
+    phase: str
+    restored_step: int
+    steps_lost: int
+    seconds_to_first_step: float
+    sources: dict[str, str]
+    continued: bool
 
 
 def banner(text: str) -> None:
     print(f"\n== {text}", flush=True)
 
 
-def step_events(job: LocalJob) -> list[dict]:
-    return [e for pod in job.pods for e in pod.events() if e["event"] == "step"]
+def step_events(job: LocalJob) -> dict[int, dict]:
+    return {e["step"]: e for pod in job.pods for e in pod.events() if e["event"] == "step"}
+
+
+def job_status(cluster: LocalCluster, job: LocalJob) -> dict:
+    return fetch_status(cluster.coordinator.url, job.job)["jobs"][0]
+
+
+def train_until(job: LocalJob, step: int) -> dict[int, dict]:
+    job.wait(lambda: max(step_events(job), default=0) >= step, 300, f"step {step}")
+    job.kill_training()
+    return step_events(job)
+
+
+def recreate_and_resume(cluster: LocalCluster, job: LocalJob, phase: str, before: dict[int, dict]) -> Outcome:
+    """Deletes and recreates the pods (on ``job.agents``), waits for the first step, reports."""
+    job.delete_pods()
+    recreated_at = time.time()
+    job.create_pods()
+    job.start_training()
+    job.wait(lambda: step_events(job), 300, "the first step after the restart")
+    after = step_events(job)
+    first = min(after)
+    restore = job_status(cluster, job)["restore"]
+    step = restore["step"]
+    last = max(before)
+    continued = first == step + 1 and after[first]["loss"] == before[first]["loss"]
+    outcome = Outcome(phase, step, last - step, after[first]["time"] - recreated_at, restore["sources"], continued)
+    print(f"resumed at step {first} after restoring step {step} "
+          f"({outcome.steps_lost} steps lost, {outcome.seconds_to_first_step:.1f} s from pod recreation); "
+          f"loss at step {first}: {after[first]['loss']:.6f} now, {before[first]['loss']:.6f} before the failure")  # fmt: skip
+    print("restore sources: " + ", ".join(f"rank {r}: {s}" for r, s in sorted(restore["sources"].items())))
+    return outcome
 
 
 def main() -> int:
     workdir = tempfile.mkdtemp(prefix="mtc-demo-")
-    backend = "tmpfs" if can_mount_tmpfs() else "dir"
-    coordinator = CoordinatorProcess(os.path.join(workdir, "coordinator"), "127.0.0.1:18399")
-    agents = [
-        NodeAgentProcess(f"node-{i}", os.path.join(workdir, f"node-{i}"), f"127.0.0.{i + 1}:18400", backend,
-                         ["--coordinator", coordinator.url, "--pod-address", f"127.0.0.{i + 1}", "--topology", f"block=b{i // 2}"])
-        for i in range(4)
-    ]  # fmt: skip
-    job = LocalJob("demo", agents, workdir, ["--steps", str(STEPS), "--save-interval-steps", str(SAVE_EVERY),
-                                             "--backup-interval-minutes", "30", "--step-sleep", "0.1"])  # fmt: skip
+    ports = itertools.count(18400)
+    backup_url = f"file://{os.path.join(workdir, 'object-store')}"
+    cluster = LocalCluster(os.path.join(workdir, "cluster"), lambda host: f"{host}:{next(ports)}", backup=backup_url)
+    job = LocalJob("demo", [], workdir, ["--steps", str(STEPS), "--save-interval-steps", str(SAVE_EVERY),
+                                         "--backup-interval-steps", str(BACKUP_EVERY), "--step-sleep", "0.1"])  # fmt: skip
+    outcomes = []
     try:
-        banner(f"starting a coordinator and 4 node agents on 127.0.0.1-4 (ramdisk backend: {backend})")
-        coordinator.start()
-        for agent in agents:
-            agent.start()
-        banner(f"publishing 4 pods and training {STEPS} steps, a local checkpoint every {SAVE_EVERY}")
+        banner(f"a coordinator and 4 node agents on 127.0.0.1-4 ({'tmpfs' if can_mount_tmpfs() else 'directory'} "
+               f"ramdisks, peer tier, backups to {backup_url})")  # fmt: skip
+        job.agents = list(cluster.start(4).agents)
+        banner(f"4 pods train {STEPS} steps: a local checkpoint every {SAVE_EVERY}, a backup every {BACKUP_EVERY}")
         job.create_pods()
         job.start_training()
-        job.wait(lambda: any(e["step"] >= KILL_AFTER_STEP for e in step_events(job)), 300, f"step {KILL_AFTER_STEP}")
-        job.kill_training()
-        before = {e["step"]: e["loss"] for e in step_events(job)}
-        last_step = max(before)
-        banner(f"preemption: SIGKILLed all 4 training processes after step {last_step} (loss {before[last_step]:.6f})")
-        time.sleep(1.5)  # let the agents report the last commits
-        print(render_status(fetch_status(coordinator.url, job.job)))
 
-        banner("deleting and recreating the pods")
-        job.delete_pods()
-        recreated_at = time.time()
-        job.create_pods()
-        job.start_training()
+        before = train_until(job, 22)
+        banner(f"1. preemption: all 4 training processes SIGKILLed after step {max(before)}")
+        outcomes.append(recreate_and_resume(cluster, job, "preemption", before))
+
+        before = train_until(job, 38)
+        lost = job.agents[1]
+        banner(f"2. node loss after step {max(before)}: {lost.node_id} dies with its ramdisk; a fresh node joins")
+        cluster.lose_node(lost)
+        job.agents[1] = cluster.add_node(len(cluster.agents), block="b0")
+        print(f"{lost.node_id} replaced by {job.agents[1].node_id}")
+        outcomes.append(recreate_and_resume(cluster, job, "node loss", before))
+
+        job.wait(lambda: max(job_status(cluster, job)["backups"] or [0]) >= 50, 300, "a backup of step 50")
+        before = train_until(job, 56)
+        banner(f"3. cluster loss after step {max(before)}: every node and the coordinator are gone; "
+               f"the backup tier holds steps {job_status(cluster, job)['backups']}")  # fmt: skip
+        for agent in list(job.agents):
+            cluster.lose_node(agent)
+        cluster.coordinator.kill()
+        cluster.coordinator.start()
+        first_fresh = len(cluster.agents)
+        job.agents[:] = [cluster.add_node(first_fresh + i, block=f"b{i // 2}") for i in range(4)]
+        outcomes.append(recreate_and_resume(cluster, job, "cluster loss", before))
+
         job.wait_done(timeout=300)
-        restored = {pod.name: next(e["step"] for e in pod.events() if e["event"] == "restored") for pod in job.pods}
-        after = {e["step"]: e for e in step_events(job)}
-        first = min(after)
-        status = fetch_status(coordinator.url, job.job)
-        print(render_status(status))
-
-        restore = status["jobs"][0]["restore"]
-        step = restore["step"]
+        print()
+        print(render_status(fetch_status(cluster.coordinator.url, job.job)))
         banner("report")
-        rows = [
-            ("restored step (every rank)", f"{sorted(set(restored.values()))}"),
-            ("steps lost", f"{last_step - step} (trained to {last_step}, resumed after {step})"),
-            ("recreation -> first step", f"{after[first]['time'] - recreated_at:.1f} s"),
-            *((f"restore source, rank {rank}", source) for rank, source in sorted(restore["sources"].items(), key=lambda i: int(i[0]))),
-            (f"loss at step {step}", f"{before[step]:.6f} (before the kill)"),
-            (f"loss at step {first}", f"{after[first]['loss']:.6f} after the restart, {before.get(first, float('nan')):.6f} before"),
-            (f"loss at step {STEPS} (final)", f"{after[STEPS]['loss']:.6f}"),
-        ]
-        continued = first == step + 1 and after[first]["loss"] == before.get(first)
-        rows.append(("training continued, not reset", str(continued)))
-        for label, value in rows:
-            print(f"{label + ':':<32}{value}")
-        return 0 if continued and set(restored.values()) == {step} else 1
+        print(f"{'failure':<14}{'restored':>9}{'lost':>6}{'to 1st step':>13}  {'sources (ranks)':<36}continued")
+        for o in outcomes:
+            tiers = collections.Counter(source.split(":")[0] for source in o.sources.values())
+            sources = ", ".join(f"{tier} x{count}" for tier, count in sorted(tiers.items()))
+            print(f"{o.phase:<14}{o.restored_step:>9}{o.steps_lost:>6}{o.seconds_to_first_step:>12.1f}s  {sources:<36}{o.continued}")
+        final = step_events(job)[STEPS]["loss"]
+        print(f"final loss at step {STEPS}: {final:.6f}; training continued after every failure: {all(o.continued for o in outcomes)}")
+        return 0 if all(o.continued for o in outcomes) else 1
     finally:
         job.kill_training()
-        for process in [*agents, coordinator]:
-            process.stop()
-        unmount_all_below(workdir)
+        cluster.stop()
         shutil.rmtree(workdir, ignore_errors=True)
 
 

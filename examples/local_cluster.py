@@ -15,6 +15,8 @@ import sys
 import tempfile
 import time
 import urllib.request
+import uuid
+from collections.abc import Callable
 
 import grpc
 from google.auth.credentials import AnonymousCredentials
@@ -181,6 +183,72 @@ class CoordinatorProcess:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+class LocalCluster:
+    """A coordinator and node agents on 127.0.0.x, each a real process.
+
+    Node ``i`` listens on 127.0.0.<i+1> (pods on it too) and sits in topology block ``b<i // 2>``.
+
+    Args:
+      workdir: where every process keeps its root, socket and log.
+      listen_address: ``host -> "HOST:PORT"``, a free address on that loopback host.
+      replicas: ``--replicas`` of every agent.
+      peer_tier: give agents a peer token (replication, restore from peers).
+      backup: ``--backup`` URL of every agent, or None.
+      env: environment of the agents (e.g. ``STORAGE_EMULATOR_HOST``).
+    """
+
+    def __init__(self, workdir: str, listen_address: Callable[[str], str], replicas: int = 1, peer_tier: bool = True,
+                 backup: str | None = None, env: dict[str, str] | None = None):  # fmt: skip
+        self.workdir = workdir
+        self._listen_address = listen_address
+        self.replicas = replicas
+        self.peer_tier = peer_tier
+        self.backup = backup
+        self.env = env or {}
+        self.token_file = os.path.join(workdir, "peer-token")
+        os.makedirs(workdir, exist_ok=True)
+        with open(self.token_file, "w", encoding="utf-8") as f:
+            f.write(uuid.uuid4().hex + "\n")
+        self.coordinator = CoordinatorProcess(os.path.join(workdir, "coordinator"), listen_address("127.0.0.1"),
+                                              ["--node-timeout-seconds", "4"])  # fmt: skip
+        self.agents: list[NodeAgentProcess] = []
+
+    def start(self, nodes: int) -> "LocalCluster":
+        """Starts the coordinator and nodes ``0 .. nodes-1``."""
+        self.coordinator.start()
+        for index in range(nodes):
+            self.add_node(index)
+        return self
+
+    def add_node(self, index: int, block: str | None = None) -> NodeAgentProcess:
+        """Starts node ``index`` (a fresh node when its predecessor was lost)."""
+        host = f"127.0.0.{index + 1}"
+        agent = NodeAgentProcess(
+            f"node-{index}",
+            os.path.join(self.workdir, f"node-{index}"),
+            self._listen_address(host),
+            "tmpfs" if can_mount_tmpfs() else "dir",
+            ["--coordinator", self.coordinator.url, "--pod-address", host,
+             "--topology", f"block={block or f'b{index // 2}'}", "--replicas", str(self.replicas),
+             *(["--peer-token-file", self.token_file] if self.peer_tier else []),
+             *(["--backup", self.backup] if self.backup else [])],
+            env=self.env,
+        )  # fmt: skip
+        self.agents.append(agent)
+        return agent.start()
+
+    def lose_node(self, agent: NodeAgentProcess) -> None:
+        """What a node failure does: the agent dies and the node's RAM (every ramdisk) is gone."""
+        agent.kill()
+        unmount_all_below(agent.workdir)
+        shutil.rmtree(agent.workdir)
+
+    def stop(self) -> None:
+        for process in [*self.agents, self.coordinator]:
+            process.stop()
+        unmount_all_below(self.workdir)
 
 
 TRAIN_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")

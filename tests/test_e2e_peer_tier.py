@@ -92,18 +92,24 @@ def test_replicated_job_restores_lost_node_and_skips_a_corrupt_replica(start_clu
     assert f"step {safe} copy on node-0 unusable" in open(fresh.log_path).read()
 
 
+VALID = object()  # stands for the cluster's real peer token
+
+
 @pytest.mark.parametrize(
     "path, token, statuses",
     [
         ("/v1/peer/jobs/default/x/steps", None, {401}),
         ("/v1/peer/jobs/default/x/steps", "wrong", {401}),
-        ("/v1/peer/jobs/default/x/ranks/0/steps/1/files/..%2F..%2F..%2Fstate.json", "test-peer-token-0123456789", {400, 404}),
-        ("/v1/peer/jobs/..%2F..%2Fetc/x/steps", "test-peer-token-0123456789", {400, 404}),
-        ("/v1/peer/jobs/default/nojob/steps", "test-peer-token-0123456789", {404}),
+        ("/v1/peer/jobs/default/x/ranks/0/steps/1/files/..%2F..%2F..%2Fstate.json", VALID, {400, 404}),
+        ("/v1/peer/jobs/..%2F..%2Fetc/x/steps", VALID, {400, 404}),
+        ("/v1/peer/jobs/default/nojob/steps", VALID, {404}),
     ],
 )
 def test_peer_service_refuses_missing_token_and_traversal(start_cluster, path, token, statuses):
-    agent = start_cluster(nodes=1).agents[0]
+    cluster = start_cluster(nodes=1)
+    agent = cluster.agents[0]
+    if token is VALID:
+        token = open(cluster.token_file).read().strip()
     request = urllib.request.Request(agent.url + path, headers={"Authorization": f"Bearer {token}"} if token else {})
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(request)
