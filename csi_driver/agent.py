@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import signal
 import socket
+import ssl
 import threading
 
 from aiohttp import web
@@ -48,6 +49,10 @@ class NodeConfig:
       peer_token_file: file holding the peer service's bearer token (a Kubernetes Secret), or
         None to run without the peer tier.
       replicas: peers that hold replicas of this node's steps when data parallelism is 1 (1 or 2).
+      peer_tls_cert, peer_tls_key: serve the HTTP side over TLS with this certificate (PEM files),
+        or None for plain HTTP.
+      peer_tls_ca: CA bundle (PEM) that peers' certificates are checked against, or None for the
+        system's.
       backup_keep: complete backups kept per job.
       storage_emulator_host: a GCS emulator for ``gs://`` backups (``STORAGE_EMULATOR_HOST``), or None.
     """
@@ -66,8 +71,30 @@ class NodeConfig:
     pod_address: str | None = None
     peer_token_file: str | None = None
     replicas: int = 1
+    peer_tls_cert: str | None = None
+    peer_tls_key: str | None = None
+    peer_tls_ca: str | None = None
     backup_keep: int = 3
     storage_emulator_host: str | None = None
+
+    def server_ssl(self) -> ssl.SSLContext | None:
+        """The TLS context of the HTTP side, or None for plain HTTP.
+
+        Raises:
+          ValueError: only one of certificate and key is given.
+          OSError, ssl.SSLError: they cannot be loaded.
+        """
+        if (self.peer_tls_cert is None) != (self.peer_tls_key is None):
+            raise ValueError("--peer-tls-cert and --peer-tls-key go together")
+        if self.peer_tls_cert is None:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.peer_tls_cert, self.peer_tls_key)
+        return context
+
+    def client_ssl(self) -> ssl.SSLContext | None:
+        """The TLS context for calls to peers, or None for aiohttp's default."""
+        return ssl.create_default_context(cafile=self.peer_tls_ca) if self.peer_tls_ca else None
 
     def peer_token(self) -> str | None:
         """Reads the peer token; None when no file is configured.
@@ -94,7 +121,7 @@ class NodeConfig:
         host, port = self.host_port
         if host in ("", "0.0.0.0", "::"):
             host = socket.gethostbyname(socket.gethostname())
-        return f"http://{host}:{port}"
+        return f"{'https' if self.peer_tls_cert else 'http'}://{host}:{port}"
 
 
 _REAP_INTERVAL_SECONDS = 30.0
@@ -113,7 +140,8 @@ class NodeAgent:
         store = open_backup_store(config.backup, emulator_host=config.storage_emulator_host) if config.backup else None
         self.replicator = (
             NodeReplicator(config.node_id, config.url, config.pod_address, config.topology, self.manager,
-                           config.coordinator, self.peer_token, config.replicas, store, config.backup_keep)  # fmt: skip
+                           config.coordinator, self.peer_token, config.replicas, store, config.backup_keep,
+                           config.client_ssl())  # fmt: skip
             if config.coordinator
             else None
         )
@@ -152,7 +180,7 @@ class NodeAgent:
         try:
             survivors = await asyncio.to_thread(self.manager.recover)
             log.info("recovered %d ramdisk(s): %s", len(survivors), [f"{d.namespace}/{d.job}" for d in survivors])
-            await web.TCPSite(runner, *self.config.host_port).start()
+            await web.TCPSite(runner, *self.config.host_port, ssl_context=self.config.server_ssl()).start()
             self.ready.set()
             log.info("node agent %s ready (HTTP on %s)", self.config.node_id, self.config.listen)
             replicating = asyncio.create_task(self.replicator.run(stop)) if self.replicator else None

@@ -52,6 +52,9 @@ def _add_node(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--replicas", type=int, choices=[1, 2], default=1,
                    help="peers holding replicas of each step when data parallelism is 1 (default 1)")
     p.add_argument("--backup-keep", type=int, default=3, help="complete backups kept per job (default 3)")
+    p.add_argument("--peer-tls-cert", help="serve the HTTP side over TLS with this certificate (PEM)")
+    p.add_argument("--peer-tls-key", help="the certificate's private key (PEM)")
+    p.add_argument("--peer-tls-ca", help="CA bundle (PEM) that peers' certificates are checked against")
 
 
 def _run_node(args: argparse.Namespace) -> int:
@@ -72,6 +75,9 @@ def _run_node(args: argparse.Namespace) -> int:
             peer_token_file=args.peer_token_file,
             replicas=args.replicas,
             backup_keep=args.backup_keep,
+            peer_tls_cert=args.peer_tls_cert,
+            peer_tls_key=args.peer_tls_key,
+            peer_tls_ca=args.peer_tls_ca,
             # The google-cloud-storage convention for emulators; read once, here at the edge.
             storage_emulator_host=os.environ.get("STORAGE_EMULATOR_HOST") if (args.backup or "").startswith("gs://") else None,
         )

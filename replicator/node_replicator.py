@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import ssl
 import time
 
 import aiohttp
@@ -107,6 +108,7 @@ class NodeReplicator:
       replicas: peers that should hold replicas of this node's steps (data parallelism 1).
       backup_store: the backup tier, or None to run without it.
       backup_keep: complete backups to keep per job.
+      peer_ssl: TLS context for calls to peers, or None for aiohttp's default.
     """
 
     def __init__(
@@ -121,6 +123,7 @@ class NodeReplicator:
         replicas: int = 1,
         backup_store: BackupStore | None = None,
         backup_keep: int = 3,
+        peer_ssl: ssl.SSLContext | None = None,
     ):
         self.node_id = node_id
         self._url = url
@@ -129,6 +132,7 @@ class NodeReplicator:
         self._manager = manager
         self._coordinator_url = coordinator_url
         self._peer_token = peer_token
+        self._peer_ssl = peer_ssl
         self._replicas = replicas
         self._session: aiohttp.ClientSession | None = None
         self._pushes: dict[tuple, asyncio.Task] = {}
@@ -155,7 +159,12 @@ class NodeReplicator:
         for disk in (await asyncio.to_thread(self._manager.ramdisks)).values():
             JobMeta(disk.path).clear_incoming()  # nothing is receiving it any more
         timeout = aiohttp.ClientTimeout(total=10)
-        async with aiohttp.ClientSession(timeout=timeout) as session, aiohttp.ClientSession() as peer_session:
+        peer_connector = aiohttp.TCPConnector(ssl=self._peer_ssl) if self._peer_ssl else None
+        # Whole steps move over the peer session: no total timeout, a stalled read still fails.
+        peer_timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=60)
+        async with aiohttp.ClientSession(timeout=timeout) as session, aiohttp.ClientSession(
+            connector=peer_connector, timeout=peer_timeout
+        ) as peer_session:
             self._session = peer_session
             client = CoordinatorClient(session, self._coordinator_url)
             try:

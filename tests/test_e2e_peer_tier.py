@@ -1,7 +1,10 @@
 """The peer tier end to end: a node and its ramdisk are lost, a fresh node joins, and the job
 resumes at the newest step from data held by its peers, through real Orbax processes."""
 
+import http.client
 import os
+import ssl
+import subprocess
 import urllib.error
 import urllib.request
 
@@ -115,3 +118,22 @@ def test_peer_service_refuses_missing_token_and_traversal(start_cluster, path, t
         urllib.request.urlopen(request)
     assert err.value.code in statuses
     assert b"root" not in err.value.read()
+
+
+def test_peer_service_over_tls(start_agent, tmp_path):
+    cert, key = tmp_path / "peer.crt", tmp_path / "peer.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=mtc-peer",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    (tmp_path / "token").write_text("tls-token\n")
+    agent = start_agent(backend="dir", extra_args=["--peer-token-file", str(tmp_path / "token"),
+                                                   "--peer-tls-cert", str(cert), "--peer-tls-key", str(key)])  # fmt: skip
+    context = ssl.create_default_context(cafile=str(cert))
+    request = urllib.request.Request(f"https://{agent.listen}/v1/peer/jobs/default/x/steps", headers={"Authorization": "Bearer tls-token"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, context=context)
+    assert err.value.code == 404  # reached the peer service, over TLS, with the token
+    with pytest.raises((urllib.error.URLError, ConnectionError, http.client.HTTPException)):
+        urllib.request.urlopen(f"http://{agent.listen}/healthz", timeout=5)
