@@ -39,8 +39,10 @@ test: setup tools
 demo: setup
 	$(BIN)/python -m examples.demo
 
-bench: setup
-	$(BIN)/python -m tests.bench.ramdisk_throughput
+BENCHES := ramdisk_throughput peer_restore backup_restore replication_overhead
+
+bench: setup tools
+	set -e; for b in $(BENCHES); do echo "== $$b"; PATH=$(TOOLS):$$PATH $(BIN)/python -m tests.bench.$$b; done
 
 clean:
 	rm -rf $(VENV) .tools $(STUBS) protos/csi_pb2.pyi

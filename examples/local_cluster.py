@@ -39,8 +39,29 @@ def can_mount_tmpfs() -> bool:
     return os.geteuid() == 0
 
 
+class _Stoppable:
+    """Kill and stop for a class holding its ``subprocess.Popen`` in ``self.process``."""
+
+    process: subprocess.Popen | None
+
+    def kill(self) -> None:
+        """SIGKILLs the process, as a node failure or OOM kill would."""
+        if self.process and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stops the process with SIGTERM, then SIGKILL after ``timeout`` seconds."""
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
 @dataclasses.dataclass
-class NodeAgentProcess:
+class NodeAgentProcess(_Stoppable):
     """One ``mtc node`` process.
 
     Attributes:
@@ -109,21 +130,6 @@ class NodeAgentProcess:
         except grpc.RpcError:
             return False
 
-    def kill(self) -> None:
-        """SIGKILLs the agent, as a node failure or OOM kill would."""
-        if self.process and self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stops the agent with SIGTERM, then SIGKILL after ``timeout`` seconds."""
-        if self.process and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
     def tail_log(self, lines: int = 30) -> str:
         try:
             with open(self.log_path, encoding="utf-8", errors="replace") as log:
@@ -133,7 +139,7 @@ class NodeAgentProcess:
 
 
 @dataclasses.dataclass
-class CoordinatorProcess:
+class CoordinatorProcess(_Stoppable):
     """One ``mtc coordinator`` process on loopback."""
 
     workdir: str
@@ -170,19 +176,6 @@ class CoordinatorProcess:
             except OSError:
                 time.sleep(0.05)
         raise RuntimeError(f"coordinator not ready after {timeout} s")
-
-    def kill(self) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
 
 
 class LocalCluster:

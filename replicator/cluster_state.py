@@ -152,6 +152,7 @@ class ClusterState:
     def _reconcile(self, key: JobKey) -> None:
         job = self.jobs[key]
         live = self._live_pods(key)
+        job.retired_pods &= set(live)  # a pod uid never comes back once its pod is gone
         current = job.incarnation
         if current is not None and all(uid in live for uid in current.rank_of_pod):
             return

@@ -74,7 +74,6 @@ async def post_report(request: web.Request) -> web.Response:
     except ValueError as err:
         raise BadRequest(str(err)) from None
     reply = request.app[_STATE_KEY].apply_report(report, time.time())
-    _save_snapshot(request.app)
     return web.json_response(to_json(reply))
 
 

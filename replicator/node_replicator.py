@@ -261,7 +261,6 @@ class NodeReplicator:
             self._pushed[key] = time.monotonic()
             log.info("%s/%s: replicated step %d of rank %d to %s in %.2f s (%d bytes)", disk.namespace, disk.job,
                      order.step, order.rank, target["node"], time.monotonic() - started, manifest.total_bytes)  # fmt: skip
-            self.poke()
         except (PeerFetchError, OSError, aiohttp.ClientError, asyncio.TimeoutError) as err:
             REPLICATED.labels("failed").inc()
             self._log_once(f"push-{target['node']}", f"replicating step {order.step} to {target['node']} failed: {err}")

@@ -34,15 +34,11 @@ import time
 import urllib.request
 import warnings
 
+import psutil
+
 warnings.simplefilter("ignore", FutureWarning)  # google-auth's import-time notice about grpcio versions
 
-from examples.local_cluster import (  # noqa: E402
-    CoordinatorProcess,
-    LocalJob,
-    NodeAgentProcess,
-    can_mount_tmpfs,
-    unmount_all_below,
-)
+from examples.local_cluster import LocalCluster, LocalJob, NodeAgentProcess, can_mount_tmpfs  # noqa: E402
 
 NODES = 4
 SLICES = 2
@@ -83,29 +79,21 @@ def pushes(agents: list[NodeAgentProcess]) -> list[tuple[int, int, float, int]]:
     return found
 
 
+def cpu_seconds(processes) -> float:
+    """User + system CPU seconds the processes (agents, coordinator) used so far."""
+    return sum(sum(psutil.Process(p.process.pid).cpu_times()[:2]) for p in processes)
+
+
 def run_job(replication: bool) -> dict:
     """One fresh cluster and one training run; returns rank 0's step times and what was replicated."""
     with contextlib.ExitStack() as cleanup:
         workdir = tempfile.mkdtemp(prefix="mtc-bench-repl-")
         # Callbacks run in reverse on exit or error: kill training, stop agents and coordinator, unmount, remove.
         cleanup.callback(subprocess.run, ["rm", "-rf", "--one-file-system", workdir], check=False)
-        cleanup.callback(unmount_all_below, workdir)
-        token_file = os.path.join(workdir, "peer-token")
-        with open(token_file, "w") as f:
-            f.write("bench-peer-token-0123456789\n")
-
-        coordinator = CoordinatorProcess(os.path.join(workdir, "coordinator"), f"127.0.0.1:{free_port('127.0.0.1')}")
-        cleanup.callback(coordinator.stop)
-        coordinator.start()
-        agents = []
-        for index in range(NODES):
-            host = f"127.0.0.{index + 1}"
-            args = ["--coordinator", coordinator.url, "--pod-address", host, "--topology", f"block=b{index // 2}",
-                    "--replicas", "1", *(["--peer-token-file", token_file] if replication else [])]  # fmt: skip
-            agent = NodeAgentProcess(f"node-{index}", os.path.join(workdir, f"node-{index}"), f"{host}:{free_port(host)}",
-                                     "tmpfs" if can_mount_tmpfs() else "dir", args)  # fmt: skip
-            cleanup.callback(agent.stop)
-            agents.append(agent.start())
+        cluster = LocalCluster(workdir, lambda host: f"{host}:{free_port(host)}", replicas=1, peer_tier=replication)
+        cleanup.callback(cluster.stop)
+        cluster.start(NODES)
+        agents, coordinator = cluster.agents, cluster.coordinator
 
         job = LocalJob("bench", agents, os.path.join(workdir, "job"), TRAIN_ARGS, slices=SLICES, jax_port=free_port("0.0.0.0"))
         cleanup.callback(job.kill_training)
@@ -115,6 +103,7 @@ def run_job(replication: bool) -> dict:
         job.wait_done(RUN_TIMEOUT)
         wall = time.monotonic() - started
         counts = replicated(agents)
+        service_cpu = cpu_seconds([*agents, coordinator])
 
         rank0 = next(p for p in job.pods if any(e["event"] == "init" and e["rank"] == 0 for e in p.events()))
         times = [e["time"] for e in rank0.events() if e["event"] == "step"]
@@ -122,8 +111,10 @@ def run_job(replication: bool) -> dict:
         if len(times) != STEPS:
             raise RuntimeError(f"rank 0 reported {len(times)} steps, expected {STEPS}")
         deltas = [b - a for a, b in zip(times[WARMUP_STEPS:], times[WARMUP_STEPS + 1:])]
+        step_dir = os.path.join(rank0.target, str(STEPS))
+        files = sum(len(names) for _, _, names in os.walk(step_dir))
         return {"step": statistics.median(deltas), "wall": wall, "saved": saved, "replicated": counts,
-                "pushes": pushes(agents)}  # fmt: skip
+                "pushes": pushes(agents), "cpu": service_cpu, "files": files}  # fmt: skip
 
 
 def report(samples: list[dict[str, dict]]) -> None:
@@ -132,25 +123,29 @@ def report(samples: list[dict[str, dict]]) -> None:
     ratio = statistics.median(s["with"]["step"] / s["without"]["step"] for s in samples)
     verdict = "PASS" if ratio <= GOAL else "BELOW"
     print(f"{'rep':<5}{'without s/step':>16}{'with s/step':>13}{'with/without':>14}{'pushed ok':>11}{'failed':>8}"
-          f"{'steps saved':>13}")  # fmt: skip
+          f"{'services CPU s without':>24}{'with':>7}")  # fmt: skip
     for rep, s in enumerate(samples):
-        r = s["with"]["replicated"]
-        print(f"{rep:<5}{s['without']['step']:>16.4f}{s['with']['step']:>13.4f}{s['with']['step'] / s['without']['step']:>14.3f}"
-              f"{r['ok']:>11}{r['failed']:>8}{s['with']['saved']:>13}")  # fmt: skip
-    print(f"{'operation':<22}{'with s':>10}{'without s':>11}{'with/without':>14}  goal")
-    print(f"{'training step':<22}{with_:>10.4f}{without:>11.4f}{ratio:>14.3f}  <= {GOAL} {verdict}")
+        w, wo = s["with"], s["without"]
+        print(f"{rep:<5}{wo['step']:>16.4f}{w['step']:>13.4f}{w['step'] / wo['step']:>14.3f}"
+              f"{w['replicated']['ok']:>11}{w['replicated']['failed']:>8}{wo['cpu']:>24.1f}{w['cpu']:>7.1f}")  # fmt: skip
+    print()
+    print(f"{'operation':<16}{'with s':>10}{'without s':>11}{'with/without':>14}  goal")
+    print(f"{'training step':<16}{with_:>10.4f}{without:>11.4f}{ratio:>14.3f}  <= {GOAL} {verdict}")
     all_pushes = [p for s in samples for p in s["with"]["pushes"]]
     rank_steps = {(rep, p[0], p[1]) for rep, s in enumerate(samples) for p in s["with"]["pushes"]}
     committed = sum(s["with"]["saved"] * NODES for s in samples)
     leaked = sum(sum(s["without"]["replicated"].values()) for s in samples)
-    push_note = (f"{len(all_pushes)} pushes ({len(rank_steps)} of {committed} committed rank-steps), median "
-                 f"{statistics.median(p[2] for p in all_pushes) * 1000:.0f} ms and {statistics.median(p[3] for p in all_pushes) / 1024:.1f} KiB "
-                 f"each" if all_pushes else "no pushes")  # fmt: skip
+    push_note = (f"{len(all_pushes)} pushes of {len(rank_steps)} of the {committed} committed rank-steps, median "
+                 f"{statistics.median(p[2] for p in all_pushes) * 1000:.0f} ms and "
+                 f"{statistics.median(p[3] for p in all_pushes) / 1024:.1f} KiB in {samples[0]['with']['files']} files each"
+                 if all_pushes else "NO pushes")  # fmt: skip
     print(f"medians of {REPETITIONS} repetitions (each run: median of {STEPS - WARMUP_STEPS - 1} step intervals after "
           f"{WARMUP_STEPS} warm-up steps); with/without is the median of per-repetition ratios. "
-          f"{NODES} processes ({SLICES} slices), --data-parallelism 1, a save every step; with replication: {push_note}; "
-          f"without: {leaked} pushes. Job wall time median with {statistics.median(s['with']['wall'] for s in samples):.1f} s, "
-          f"without {statistics.median(s['without']['wall'] for s in samples):.1f} s; {os.cpu_count()} CPUs.")  # fmt: skip
+          f"{NODES} JAX processes ({SLICES} slices), --data-parallelism 1, a save every step. "
+          f"With replication: {push_note}; without: {leaked} pushes. Services CPU s: agents + coordinator, "
+          f"user + system, over the run. Job wall time median with {statistics.median(s['with']['wall'] for s in samples):.1f} s, "
+          f"without {statistics.median(s['without']['wall'] for s in samples):.1f} s; {os.cpu_count()} CPUs, "
+          f"load average {os.getloadavg()[0]:.1f} at the end.")  # fmt: skip
 
 
 def main() -> None:
