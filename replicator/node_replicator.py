@@ -53,6 +53,9 @@ _WATCH_INTERVAL_SECONDS = 0.2
 _RESTORE_DEADLINE_SECONDS = 270.0  # Orbax waits 300 s for the marker
 _ERROR_REPEAT_SECONDS = 30.0
 _PUSH_REPEAT_SECONDS = 30.0
+# Replicas of a step are superseded by the next one: a job saving faster than this replicates
+# only its newest step, so the agent's CPU use stays bounded however often the job saves.
+_MIN_PUSH_INTERVAL_SECONDS = 2.0
 
 
 class CoordinatorUnavailable(Exception):
@@ -137,6 +140,7 @@ class NodeReplicator:
         self._session: aiohttp.ClientSession | None = None
         self._pushes: dict[tuple, asyncio.Task] = {}
         self._pushed: dict[tuple, float] = {}  # push key -> when it succeeded
+        self._push_started: dict[tuple[str, str, str], float] = {}  # (namespace, job, target) -> monotonic
         self._busy_steps: set[tuple[str, str, int]] = set()  # (namespace, job, step) being read: GC keeps them
         self._assignments: dict[str, Assignment] = {}
         self._backup = (
@@ -241,9 +245,12 @@ class NodeReplicator:
         self._pushed = {k: t for k, t in self._pushed.items() if now - t < _PUSH_REPEAT_SECONDS}
         for target in order.targets:
             key = (order.namespace, order.job, order.rank, order.step, target["node"])
+            lane = (order.namespace, order.job, target["node"])
             # The coordinator learns of a finished push only from the target's next report.
-            if key not in self._pushes and key not in self._pushed:
-                self._pushes[key] = asyncio.create_task(self._push(disk, order, target, key))
+            if key in self._pushes or key in self._pushed or now - self._push_started.get(lane, -1e9) < _MIN_PUSH_INTERVAL_SECONDS:
+                continue
+            self._push_started[lane] = now
+            self._pushes[key] = asyncio.create_task(self._push(disk, order, target, key))
 
     async def _push(self, disk: Ramdisk, order, target: dict, key: tuple) -> None:
         """Pushes one committed step to one peer; the peer verifies it before it becomes visible."""
