@@ -4,6 +4,8 @@ agents and real Orbax processes."""
 import json
 import os
 import re
+import subprocess
+import sys
 
 from replicator.orbax_protocol import ERRORS_FILE
 from replicator.status import fetch_status
@@ -84,3 +86,27 @@ def test_storage_outage_does_not_block_training_and_backups_resume(start_cluster
     # Reported where Orbax reads recoverable errors (it logs them at the job's next start).
     errors = [os.path.join(p.target, ERRORS_FILE) for p in job.pods]
     assert any(os.path.exists(e) and "backup tier" in open(e).read() for e in errors)
+
+
+def test_restore_from_rolls_back_to_an_older_backup(start_cluster, tmp_path):
+    cluster = start_cluster(backup=f"file://{tmp_path / 'objects'}")
+    job = run_job("roll", list(cluster.agents), tmp_path / "roll", ["--step-sleep", "0.2", "--dump-dir", str(tmp_path / "dump-1")])
+    job.wait(lambda: len(status_of(cluster, job)["backups"]) >= 2, 180, "two backups")
+    job.kill_training()
+    wait_until(lambda: backups_settled(cluster, job), 60, "backups settled")
+    older = min(status_of(cluster, job)["backups"])
+    mtc = [sys.executable, "-m", "csi_driver.cli", "restore-from", "--coordinator", cluster.coordinator.url, "--job"]
+    refused = subprocess.run([*mtc, f"default/{job.job}", "--step", "7"], capture_output=True, text=True)
+    assert refused.returncode == 1 and "HTTP 409" in refused.stderr and "step 7" in refused.stderr
+    subprocess.run([*mtc, f"default/{job.job}", "--step", str(older)], check=True, capture_output=True)
+
+    job.delete_pods()
+    job.train_args[-1] = str(tmp_path / "dump-2")
+    job.create_pods()
+    job.start_training()
+    job.wait_done(timeout=180)
+    assert [by_event(p, "restored")[0]["step"] for p in job.pods] == [older] * 4
+    for rank in range(4):
+        name = f"rank{rank}-step{older}.npz"
+        assert_same_state(tmp_path / "dump-1" / name, tmp_path / "dump-2" / name)
+    assert status_of(cluster, job)["forced_step"] is None  # the next restore takes the newest step again
