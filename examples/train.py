@@ -71,6 +71,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint.experimental.emergency.multi_tier_checkpointing import (
     initialization as mtc_initialization,
 )
+
 # This module path works on Orbax 0.11.x and (as a re-export) on 0.12.x.
 from orbax.checkpoint.experimental.emergency import (
     replicator_checkpoint_manager as mtc_manager,
@@ -86,31 +87,29 @@ MOMENTUM = 0.9
 
 
 class EnvProcessCountCluster(clusters.ClusterEnv):
-  """Tells ``jax.distributed.initialize`` the process count from an env var.
+    """Tells ``jax.distributed.initialize`` the process count from an env var.
 
-  Orbax passes ``process_id`` and ``coordinator_address`` explicitly, so only
-  the process count has to come from cluster detection.
-  """
+    Orbax passes ``process_id`` and ``coordinator_address`` explicitly, so only
+    the process count has to come from cluster detection.
+    """
 
-  name = 'mtc_env_process_count'
+    name = 'mtc_env_process_count'
 
-  @classmethod
-  def is_env_present(cls) -> bool:
-    return NUM_PROCESSES_ENV in os.environ
+    @classmethod
+    def is_env_present(cls) -> bool:
+        return NUM_PROCESSES_ENV in os.environ
 
-  @classmethod
-  def get_coordinator_address(
-      cls, timeout_secs: int | None, override_coordinator_port: str | None
-  ) -> str:
-    raise RuntimeError('The coordinator address comes from jax-init-info.txt.')
+    @classmethod
+    def get_coordinator_address(cls, timeout_secs: int | None, override_coordinator_port: str | None) -> str:
+        raise RuntimeError('The coordinator address comes from jax-init-info.txt.')
 
-  @classmethod
-  def get_process_count(cls) -> int:
-    return int(os.environ[NUM_PROCESSES_ENV])
+    @classmethod
+    def get_process_count(cls) -> int:
+        return int(os.environ[NUM_PROCESSES_ENV])
 
-  @classmethod
-  def get_process_id(cls) -> int:
-    raise RuntimeError('The process id comes from jax-init-info.txt.')
+    @classmethod
+    def get_process_id(cls) -> int:
+        raise RuntimeError('The process id comes from jax-init-info.txt.')
 
 
 # Subclassing registers the environment at the end of the detection list; move
@@ -122,97 +121,89 @@ clusters.ClusterEnv._cluster_types.insert(0, EnvProcessCountCluster)
 
 
 class EventStream:
-  """Writes one JSON object per line to the process's original stdout.
+    """Writes one JSON object per line to the process's original stdout.
 
-  Native code prints to file descriptor 1 as well (Gloo reports its peer
-  connections there). To keep stdout a pure JSON-lines stream, the events get
-  a private duplicate of the original stdout and descriptor 1 (and with it
-  ``sys.stdout``) is pointed at stderr.
-  """
+    Native code prints to file descriptor 1 as well (Gloo reports its peer
+    connections there). To keep stdout a pure JSON-lines stream, the events get
+    a private duplicate of the original stdout and descriptor 1 (and with it
+    ``sys.stdout``) is pointed at stderr.
+    """
 
-  def __init__(self) -> None:
-    sys.stdout.flush()
-    self._out = os.fdopen(os.dup(1), 'w')
-    os.dup2(2, 1)
+    def __init__(self) -> None:
+        sys.stdout.flush()
+        self._out = os.fdopen(os.dup(1), 'w')
+        os.dup2(2, 1)
 
-  def emit(self, event: str, **fields: Any) -> None:
-    self._out.write(json.dumps({'event': event, **fields}) + '\n')
-    self._out.flush()
+    def emit(self, event: str, **fields: Any) -> None:
+        self._out.write(json.dumps({'event': event, **fields}) + '\n')
+        self._out.flush()
 
 
 def parse_args() -> tuple[argparse.Namespace, list[str]]:
-  """Parses the script's flags; returns them and the leftover absl flags."""
-  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument(
-      '--local-dir', required=True, help="The pod's ramdisk directory."
-  )
-  parser.add_argument(
-      '--run-name', required=True, help='Job name written to replicator.yaml.'
-  )
-  parser.add_argument('--num-slices', type=int, required=True)
-  parser.add_argument(
-      '--nodes',
-      type=int,
-      default=None,
-      help=f'Total number of processes (default: ${NUM_PROCESSES_ENV}).',
-  )
-  parser.add_argument(
-      '--data-parallelism',
-      type=int,
-      default=None,
-      help='assume-data-parallelism for replicator.yaml (default: num slices).',
-  )
-  parser.add_argument(
-      '--steps', type=int, required=True, help='Total training steps.'
-  )
-  parser.add_argument('--save-interval-steps', type=int, required=True)
-  backup = parser.add_mutually_exclusive_group(required=True)
-  backup.add_argument('--backup-interval-steps', type=int)
-  backup.add_argument('--backup-interval-minutes', type=int)
-  parser.add_argument(
-      '--step-sleep',
-      type=float,
-      default=0.0,
-      help='Seconds to sleep after every step.',
-  )
-  parser.add_argument(
-      '--dump-dir',
-      default=None,
-      help=(
-          'If set, every rank writes the full state as'
-          ' <dump-dir>/rank<r>-step<s>.npz at every saved step and after a'
-          ' restore.'
-      ),
-  )
-  args, absl_argv = parser.parse_known_args()
-  if args.nodes is not None:
-    os.environ[NUM_PROCESSES_ENV] = str(args.nodes)
-  elif NUM_PROCESSES_ENV not in os.environ:
-    parser.error(f'--nodes or ${NUM_PROCESSES_ENV} is required.')
-  return args, absl_argv
+    """Parses the script's flags; returns them and the leftover absl flags."""
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--local-dir', required=True, help="The pod's ramdisk directory.")
+    parser.add_argument('--run-name', required=True, help='Job name written to replicator.yaml.')
+    parser.add_argument('--num-slices', type=int, required=True)
+    parser.add_argument(
+        '--nodes',
+        type=int,
+        default=None,
+        help=f'Total number of processes (default: ${NUM_PROCESSES_ENV}).',
+    )
+    parser.add_argument(
+        '--data-parallelism',
+        type=int,
+        default=None,
+        help='assume-data-parallelism for replicator.yaml (default: num slices).',
+    )
+    parser.add_argument('--steps', type=int, required=True, help='Total training steps.')
+    parser.add_argument('--save-interval-steps', type=int, required=True)
+    backup = parser.add_mutually_exclusive_group(required=True)
+    backup.add_argument('--backup-interval-steps', type=int)
+    backup.add_argument('--backup-interval-minutes', type=int)
+    parser.add_argument(
+        '--step-sleep',
+        type=float,
+        default=0.0,
+        help='Seconds to sleep after every step.',
+    )
+    parser.add_argument(
+        '--dump-dir',
+        default=None,
+        help=(
+            'If set, every rank writes the full state as'
+            ' <dump-dir>/rank<r>-step<s>.npz at every saved step and after a'
+            ' restore.'
+        ),
+    )
+    args, absl_argv = parser.parse_known_args()
+    if args.nodes is not None:
+        os.environ[NUM_PROCESSES_ENV] = str(args.nodes)
+    elif NUM_PROCESSES_ENV not in os.environ:
+        parser.error(f'--nodes or ${NUM_PROCESSES_ENV} is required.')
+    return args, absl_argv
 
 
 def make_mesh(num_slices: int) -> jax.sharding.Mesh:
-  """Builds the ``(replica, model)`` mesh; one mesh row per slice."""
-  devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-  if len(devices) % num_slices:
-    raise ValueError(
-        f'{len(devices)} devices cannot be split into {num_slices} slices.'
-    )
-  grid = np.array(devices).reshape(num_slices, len(devices) // num_slices)
-  return jax.sharding.Mesh(grid, ('replica', 'model'))
+    """Builds the ``(replica, model)`` mesh; one mesh row per slice."""
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    if len(devices) % num_slices:
+        raise ValueError(f'{len(devices)} devices cannot be split into {num_slices} slices.')
+    grid = np.array(devices).reshape(num_slices, len(devices) // num_slices)
+    return jax.sharding.Mesh(grid, ('replica', 'model'))
 
 
 def state_specs() -> dict[str, Any]:
-  """Partition specs of the training state."""
-  p = jax.sharding.PartitionSpec
-  params = {
-      'w1': p(None, 'model'),
-      'b1': p('model'),
-      'w2': p('model', None),
-      'b2': p(),
-  }
-  return {'params': params, 'momentum': dict(params), 'step': p()}
+    """Partition specs of the training state."""
+    p = jax.sharding.PartitionSpec
+    params = {
+        'w1': p(None, 'model'),
+        'b1': p('model'),
+        'w2': p('model', None),
+        'b2': p(),
+    }
+    return {'params': params, 'momentum': dict(params), 'step': p()}
 
 
 def global_array(
@@ -220,184 +211,166 @@ def global_array(
     spec: jax.sharding.PartitionSpec,
     value: np.ndarray,
 ) -> jax.Array:
-  """Builds a global array from a host value that every process computes."""
-  sharding = jax.sharding.NamedSharding(mesh, spec)
-  return jax.make_array_from_callback(
-      value.shape, sharding, lambda index: value[index]
-  )
+    """Builds a global array from a host value that every process computes."""
+    sharding = jax.sharding.NamedSharding(mesh, spec)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
 def init_state(mesh: jax.sharding.Mesh) -> dict[str, Any]:
-  """Returns the deterministic step-0 training state."""
-  hidden = HIDDEN_PER_SHARD * mesh.shape['model']
-  rng = np.random.default_rng(0)
-  params = {
-      'w1': rng.normal(0, INPUT_DIM**-0.5, (INPUT_DIM, hidden)),
-      'b1': np.zeros((hidden,)),
-      'w2': rng.normal(0, hidden**-0.5, (hidden, 1)),
-      'b2': np.zeros((1,)),
-  }
-  host_state = {
-      'params': params,
-      'momentum': {k: np.zeros_like(v) for k, v in params.items()},
-      'step': np.array(0),
-  }
-  host_state = jax.tree.map(
-      lambda v: v.astype(np.int32 if v.dtype.kind == 'i' else np.float32),
-      host_state,
-  )
-  return jax.tree.map(
-      lambda v, s: global_array(mesh, s, v), host_state, state_specs()
-  )
+    """Returns the deterministic step-0 training state."""
+    hidden = HIDDEN_PER_SHARD * mesh.shape['model']
+    rng = np.random.default_rng(0)
+    params = {
+        'w1': rng.normal(0, INPUT_DIM**-0.5, (INPUT_DIM, hidden)),
+        'b1': np.zeros((hidden,)),
+        'w2': rng.normal(0, hidden**-0.5, (hidden, 1)),
+        'b2': np.zeros((1,)),
+    }
+    host_state = {
+        'params': params,
+        'momentum': {k: np.zeros_like(v) for k, v in params.items()},
+        'step': np.array(0),
+    }
+    host_state = jax.tree.map(
+        lambda v: v.astype(np.int32 if v.dtype.kind == 'i' else np.float32),
+        host_state,
+    )
+    return jax.tree.map(lambda v, s: global_array(mesh, s, v), host_state, state_specs())
 
 
-def make_batch(
-    mesh: jax.sharding.Mesh, step: int
-) -> tuple[jax.Array, jax.Array]:
-  """Returns the global batch for ``step``, split across slices."""
-  rng = np.random.default_rng(step)
-  batch = EXAMPLES_PER_SLICE * mesh.shape['replica']
-  x = rng.standard_normal((batch, INPUT_DIM)).astype(np.float32)
-  teacher = np.random.default_rng(1234).standard_normal((INPUT_DIM, 1))
-  y = np.tanh(x @ teacher).astype(np.float32)
-  spec = jax.sharding.PartitionSpec('replica', None)
-  return global_array(mesh, spec, x), global_array(mesh, spec, y)
+def make_batch(mesh: jax.sharding.Mesh, step: int) -> tuple[jax.Array, jax.Array]:
+    """Returns the global batch for ``step``, split across slices."""
+    rng = np.random.default_rng(step)
+    batch = EXAMPLES_PER_SLICE * mesh.shape['replica']
+    x = rng.standard_normal((batch, INPUT_DIM)).astype(np.float32)
+    teacher = np.random.default_rng(1234).standard_normal((INPUT_DIM, 1))
+    y = np.tanh(x @ teacher).astype(np.float32)
+    spec = jax.sharding.PartitionSpec('replica', None)
+    return global_array(mesh, spec, x), global_array(mesh, spec, y)
 
 
 def loss_fn(params: dict[str, jax.Array], x: jax.Array, y: jax.Array):
-  """Mean squared error of the MLP on one batch."""
-  hidden = jax.nn.relu(x @ params['w1'] + params['b1'])
-  pred = hidden @ params['w2'] + params['b2']
-  return jnp.mean((pred - y) ** 2)
+    """Mean squared error of the MLP on one batch."""
+    hidden = jax.nn.relu(x @ params['w1'] + params['b1'])
+    pred = hidden @ params['w2'] + params['b2']
+    return jnp.mean((pred - y) ** 2)
 
 
 def make_train_step(mesh: jax.sharding.Mesh):
-  """Returns the jitted SGD + momentum step: (state, x, y) -> (state, loss)."""
-  shardings = jax.tree.map(
-      lambda s: jax.sharding.NamedSharding(mesh, s), state_specs()
-  )
-  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    """Returns the jitted SGD + momentum step: (state, x, y) -> (state, loss)."""
+    shardings = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), state_specs())
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
-  def train_step(state, x, y):
-    loss, grads = jax.value_and_grad(loss_fn)(state['params'], x, y)
-    momentum = jax.tree.map(
-        lambda m, g: MOMENTUM * m + g, state['momentum'], grads
-    )
-    params = jax.tree.map(
-        lambda p, m: p - LEARNING_RATE * m, state['params'], momentum
-    )
-    new_state = {
-        'params': params,
-        'momentum': momentum,
-        'step': state['step'] + 1,
+    def train_step(state, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(state['params'], x, y)
+        momentum = jax.tree.map(lambda m, g: MOMENTUM * m + g, state['momentum'], grads)
+        params = jax.tree.map(lambda p, m: p - LEARNING_RATE * m, state['params'], momentum)
+        new_state = {
+            'params': params,
+            'momentum': momentum,
+            'step': state['step'] + 1,
+        }
+        return new_state, loss
+
+    return jax.jit(train_step, out_shardings=(shardings, replicated))
+
+
+def dump_state(dump_dir: str, rank: int, step: int, state: dict[str, Any]) -> None:
+    """Gathers the full state and writes it atomically as an ``.npz`` file.
+
+    This is a collective: every process must call it.
+    """
+    host_state = multihost_utils.process_allgather(state, tiled=True)
+    flat = {
+        jax.tree_util.keystr(path, simple=True, separator='.'): np.asarray(leaf)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(host_state)
     }
-    return new_state, loss
-
-  return jax.jit(train_step, out_shardings=(shardings, replicated))
-
-
-def dump_state(
-    dump_dir: str, rank: int, step: int, state: dict[str, Any]
-) -> None:
-  """Gathers the full state and writes it atomically as an ``.npz`` file.
-
-  This is a collective: every process must call it.
-  """
-  host_state = multihost_utils.process_allgather(state, tiled=True)
-  flat = {
-      jax.tree_util.keystr(path, simple=True, separator='.'): np.asarray(leaf)
-      for path, leaf in jax.tree_util.tree_leaves_with_path(host_state)
-  }
-  os.makedirs(dump_dir, exist_ok=True)
-  final = os.path.join(dump_dir, f'rank{rank}-step{step}.npz')
-  tmp = final + '.tmp'
-  with open(tmp, 'wb') as f:
-    np.savez(f, **flat)
-  os.replace(tmp, final)
+    os.makedirs(dump_dir, exist_ok=True)
+    final = os.path.join(dump_dir, f'rank{rank}-step{step}.npz')
+    tmp = final + '.tmp'
+    with open(tmp, 'wb') as f:
+        np.savez(f, **flat)
+    os.replace(tmp, final)
 
 
 def main() -> None:
-  args, absl_argv = parse_args()
-  events = EventStream()
-  # Orbax's restore path reads absl flags; they must be parsed before use.
-  flags.FLAGS(sys.argv[:1] + absl_argv)
+    args, absl_argv = parse_args()
+    events = EventStream()
+    # Orbax's restore path reads absl flags; they must be parsed before use.
+    flags.FLAGS(sys.argv[:1] + absl_argv)
 
-  local_dir = epath.Path(args.local_dir)
-  mtc_initialization.initialize_multi_tier_checkpointing(
-      local_dir,
-      backup_interval_minutes=args.backup_interval_minutes,
-      backup_interval_steps=args.backup_interval_steps,
-      num_slices=args.num_slices,
-      run_name=args.run_name,
-      data_parallelism=args.data_parallelism,
-  )
-  rank = jax.process_index()
-  mesh = make_mesh(args.num_slices)
-  events.emit(
-      'init',
-      rank=rank,
-      process_count=jax.process_count(),
-      device_count=jax.device_count(),
-      num_slices=args.num_slices,
-      mesh_shape=dict(mesh.shape),
-      local_dir=str(local_dir),
-  )
-
-  manager = mtc_manager.ReplicatorCheckpointManager(
-      local_dir,
-      mtc_manager.ReplicatorCheckpointManagerOptions(
-          save_interval_steps=args.save_interval_steps
-      ),
-      global_mesh=mesh,
-  )
-  state = init_state(mesh)
-  restored_step = manager.latest_step()
-  if restored_step is not None:
-    abstract_state = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-        state,
+    local_dir = epath.Path(args.local_dir)
+    mtc_initialization.initialize_multi_tier_checkpointing(
+        local_dir,
+        backup_interval_minutes=args.backup_interval_minutes,
+        backup_interval_steps=args.backup_interval_steps,
+        num_slices=args.num_slices,
+        run_name=args.run_name,
+        data_parallelism=args.data_parallelism,
     )
-    restored = manager.restore(
-        restored_step,
-        args=ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(
-                item=abstract_state,
-                restore_args=ocp.checkpoint_utils.construct_restore_args(
-                    abstract_state
-                ),
-            )
-        ),
+    rank = jax.process_index()
+    mesh = make_mesh(args.num_slices)
+    events.emit(
+        'init',
+        rank=rank,
+        process_count=jax.process_count(),
+        device_count=jax.device_count(),
+        num_slices=args.num_slices,
+        mesh_shape=dict(mesh.shape),
+        local_dir=str(local_dir),
     )
-    state = restored['state']
-    if args.dump_dir:
-      dump_state(args.dump_dir, rank, restored_step, state)
-  events.emit('restored', step=restored_step, rank=rank)
 
-  train_step = make_train_step(mesh)
-  for step in range((restored_step or 0) + 1, args.steps + 1):
-    x, y = make_batch(mesh, step)
-    state, loss = train_step(state, x, y)
-    loss_value = float(loss.addressable_data(0))
-    if rank == 0:
-      events.emit('step', step=step, loss=loss_value, time=time.time())
-    save_args = ocp.args.Composite(state=ocp.args.PyTreeSave(state))
-    if manager.save(step, args=save_args):
-      manager.wait_until_finished()
-      events.emit('saved', step=step, rank=rank)
-      if args.dump_dir:
-        dump_state(args.dump_dir, rank, step, state)
-    if manager.reached_preemption(step):
-      # JAX turns SIGTERM into a preemption notice that all processes agree
-      # on at a common step; the save above has already covered that step.
-      events.emit('preempted', step=step, rank=rank)
-      break
-    if args.step_sleep:
-      time.sleep(args.step_sleep)
+    manager = mtc_manager.ReplicatorCheckpointManager(
+        local_dir,
+        mtc_manager.ReplicatorCheckpointManagerOptions(save_interval_steps=args.save_interval_steps),
+        global_mesh=mesh,
+    )
+    state = init_state(mesh)
+    restored_step = manager.latest_step()
+    if restored_step is not None:
+        abstract_state = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+            state,
+        )
+        restored = manager.restore(
+            restored_step,
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(
+                    item=abstract_state,
+                    restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state),
+                )
+            ),
+        )
+        state = restored['state']
+        if args.dump_dir:
+            dump_state(args.dump_dir, rank, restored_step, state)
+    events.emit('restored', step=restored_step, rank=rank)
 
-  manager.wait_until_finished()
-  manager.close()
-  events.emit('done', rank=rank)
+    train_step = make_train_step(mesh)
+    for step in range((restored_step or 0) + 1, args.steps + 1):
+        x, y = make_batch(mesh, step)
+        state, loss = train_step(state, x, y)
+        loss_value = float(loss.addressable_data(0))
+        if rank == 0:
+            events.emit('step', step=step, loss=loss_value, time=time.time())
+        save_args = ocp.args.Composite(state=ocp.args.PyTreeSave(state))
+        if manager.save(step, args=save_args):
+            manager.wait_until_finished()
+            events.emit('saved', step=step, rank=rank)
+            if args.dump_dir:
+                dump_state(args.dump_dir, rank, step, state)
+        if manager.reached_preemption(step):
+            # JAX turns SIGTERM into a preemption notice that all processes agree
+            # on at a common step; the save above has already covered that step.
+            events.emit('preempted', step=step, rank=rank)
+            break
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+
+    manager.wait_until_finished()
+    manager.close()
+    events.emit('done', rank=rank)
 
 
 if __name__ == '__main__':
-  main()
+    main()
