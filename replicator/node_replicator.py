@@ -320,7 +320,7 @@ class NodeReplicator:
                 return
             meta = JobMeta(disk.path)
             progress = meta.progress(spec.pod_uid)
-            self._apply_assignment(disk, meta, progress)
+            progress = self._apply_assignment(disk, meta, progress)
             if progress.jax_init_written and progress.settings is None:
                 await self._consume_replicator_yaml(client, disk, meta, progress, spec.nodes or 1)
             if progress.settings is not None and not progress.restore_done:
@@ -328,16 +328,17 @@ class NodeReplicator:
             await self._detect_commits(disk, meta, progress)
             await asyncio.sleep(_WATCH_INTERVAL_SECONDS)
 
-    def _apply_assignment(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress) -> None:
+    def _apply_assignment(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress) -> PodProgress:
+        """Writes ``jax-init-info.txt`` for a new assignment; returns the pod's progress after it."""
         assignment = self._assignments.get(progress.pod_uid)
         if assignment is None or assignment.incarnation == progress.incarnation:
-            return
-        progress.__init__(progress.pod_uid, assignment.incarnation, assignment.rank, assignment.jax_coordinator)
+            return progress
         orbax_protocol.write_jax_init_info(disk.client_dir, assignment.rank, assignment.jax_coordinator)
-        progress.jax_init_written = True
+        progress = PodProgress(progress.pod_uid, assignment.incarnation, assignment.rank, assignment.jax_coordinator, jax_init_written=True)
         meta.save_progress(progress)
         log.info("%s/%s: pod %s is rank %d of incarnation %s (JAX coordinator %s)",
                  disk.namespace, disk.job, progress.pod_uid, assignment.rank, assignment.incarnation, assignment.jax_coordinator)  # fmt: skip
+        return progress
 
     async def _consume_replicator_yaml(self, client, disk: Ramdisk, meta: JobMeta, progress: PodProgress, nodes: int) -> None:
         path = os.path.join(disk.client_dir, orbax_protocol.REPLICATOR_FILE)
