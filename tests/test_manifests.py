@@ -56,8 +56,8 @@ def _argv(container: dict) -> list[str]:
     return [str(a) for a in container.get("command", []) + container.get("args", [])]
 
 
-def _flag(argv: list[str], flag: str) -> str:
-    """Value of ``--flag value`` or ``--flag=value``; fails the test if absent or repeated."""
+def _flags(argv: list[str], flag: str) -> list[str]:
+    """Values of every ``--flag value`` or ``--flag=value``."""
     values = []
     for i, arg in enumerate(argv):
         if arg == flag:
@@ -65,6 +65,12 @@ def _flag(argv: list[str], flag: str) -> str:
             values.append(argv[i + 1])
         elif arg.startswith(flag + "="):
             values.append(arg[len(flag) + 1 :])
+    return values
+
+
+def _flag(argv: list[str], flag: str) -> str:
+    """Value of ``--flag``; fails the test if absent or repeated."""
+    values = _flags(argv, flag)
     assert len(values) == 1, f"expected {flag} once in {argv}, found {values}"
     return values[0]
 
@@ -170,7 +176,8 @@ def test_node_plugin_runs_the_node_agent_with_the_contract_flags(node_container)
     assert _flag(argv, "--listen") == "0.0.0.0:8470"
     assert _flag(argv, "--coordinator") == "http://mtc-coordinator.mtc-system.svc:8471"
     assert _flag(argv, "--peer-token-file") == "/etc/mtc/peer-token/token"
-    assert _flag(argv, "--topology").startswith("topology.kubernetes.io/zone=")
+    topology = dict(value.split("=", 1) for value in _flags(argv, "--topology"))
+    assert {"topology.kubernetes.io/zone", "block"} <= set(topology)  # block: close vs distant replicas
     env = {e["name"]: e for e in node_container["env"]}
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     # Every $(VAR) the args use must be defined, or kubelet passes it through literally.
