@@ -21,6 +21,18 @@ def run_job(name, agents, workdir, extra):
     return job
 
 
+def rerun(job, dump_dir, agents=None, timeout=180):
+    """Deletes the pods, recreates them (on ``agents`` when the nodes changed), runs the job to the
+    end with its state dumped to ``dump_dir``."""
+    job.delete_pods()
+    if agents is not None:
+        job.agents[:] = agents
+    job.train_args[job.train_args.index("--dump-dir") + 1] = str(dump_dir)
+    job.create_pods()
+    job.start_training()
+    job.wait_done(timeout=timeout)
+
+
 def by_event(pod, event):
     return [e for e in pod.events() if e["event"] == event]
 

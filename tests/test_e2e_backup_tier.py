@@ -9,7 +9,7 @@ import sys
 
 from replicator.orbax_protocol import ERRORS_FILE
 from replicator.status import fetch_status
-from tests.jobs import assert_same_state, by_event, losses, run_job, scrape, wait_until
+from tests.jobs import assert_same_state, by_event, losses, rerun, run_job, scrape, wait_until
 
 BUCKET_URL = "gs://ckpt/mtc"
 
@@ -45,12 +45,7 @@ def test_whole_cluster_loss_restores_newest_backup_and_never_an_interrupted_one(
     cluster.coordinator.kill()
     cluster.coordinator.start()
     fresh = [cluster.add_node(4 + i, block=f"b{i // 2}") for i in range(4)]
-    job.delete_pods()
-    job.agents[:] = fresh
-    job.train_args[-1] = str(tmp_path / "dump-2")
-    job.create_pods()
-    job.start_training()
-    job.wait_done(timeout=240)
+    rerun(job, tmp_path / "dump-2", agents=fresh, timeout=240)
 
     assert [by_event(p, "restored")[0]["step"] for p in job.pods] == [backed_up] * 4
     after = losses(job.pods)
@@ -100,11 +95,7 @@ def test_restore_from_rolls_back_to_an_older_backup(start_cluster, tmp_path):
     assert refused.returncode == 1 and "HTTP 409" in refused.stderr and "step 7" in refused.stderr
     subprocess.run([*mtc, f"default/{job.job}", "--step", str(older)], check=True, capture_output=True)
 
-    job.delete_pods()
-    job.train_args[-1] = str(tmp_path / "dump-2")
-    job.create_pods()
-    job.start_training()
-    job.wait_done(timeout=180)
+    rerun(job, tmp_path / "dump-2")
     assert [by_event(p, "restored")[0]["step"] for p in job.pods] == [older] * 4
     for rank in range(4):
         name = f"rank{rank}-step{older}.npz"

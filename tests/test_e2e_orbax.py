@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 from replicator.status import fetch_status
-from tests.jobs import assert_same_state, by_event, losses, newest_complete_step, run_job, scrape, wait_until
+from tests.jobs import assert_same_state, by_event, losses, newest_complete_step, rerun, run_job, scrape, wait_until
 
 def test_sigkilled_job_resumes_at_newest_complete_step_with_identical_values(cluster, tmp_path):
     coordinator, agents = cluster
@@ -33,11 +33,7 @@ def test_sigkilled_job_resumes_at_newest_complete_step_with_identical_values(clu
     expected = newest - 3
     wait_until(lambda: newest_complete_step(coordinator, job.job) == expected, 30, f"coordinator sees step {expected}")
 
-    job.delete_pods()
-    job.train_args[-1] = str(tmp_path / "dump-2")
-    job.create_pods()
-    job.start_training()
-    job.wait_done(timeout=180)
+    rerun(job, tmp_path / "dump-2")
 
     assert [by_event(p, "restored")[0]["step"] for p in job.pods] == [expected] * 4
     ref_loss, run_loss = losses(reference.pods), losses(job.pods)

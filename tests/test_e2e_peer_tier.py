@@ -12,7 +12,7 @@ import pytest
 
 from examples.local_cluster import unmount_all_below
 from replicator.status import fetch_status
-from tests.jobs import assert_same_state, by_event, losses, run_job, scrape, wait_until
+from tests.jobs import assert_same_state, by_event, losses, rerun, run_job, scrape, wait_until
 
 
 def status_of(cluster, job):
@@ -26,12 +26,9 @@ def lose_node_and_resume(cluster, job, lost_index, tmp_path):
     cluster.lose_node(lost)
     unmount_all_below(os.path.dirname(job.pods[lost_index].target))  # the dead pod's mount went with the node
     fresh = cluster.add_node(len(cluster.agents), block=f"b{lost_index // 2}")
-    job.delete_pods()
-    job.agents[lost_index] = fresh
-    job.train_args[-1] = str(tmp_path / "dump-2")
-    job.create_pods()
-    job.start_training()
-    job.wait_done(timeout=180)
+    agents = list(job.agents)
+    agents[lost_index] = fresh
+    rerun(job, tmp_path / "dump-2", agents=agents)
     return fresh
 
 
