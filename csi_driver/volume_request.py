@@ -19,7 +19,8 @@ DEFAULT_JAX_COORDINATOR_PORT = 8476
 
 # JobSet pods are named <jobset>-<replicatedJob>-<jobIndex>-<podIndex>-<suffix>.
 _JOBSET_POD_NAME = re.compile(r"^(?P<job>[a-z0-9-]+?)-(?P<slice>\d+)-(?P<worker>\d+)-(?P<suffix>[a-z0-9]+)$")
-_DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+# Kubernetes names of namespaces and jobs; shared by everything that builds a path from one.
+DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
 class InvalidVolumeRequest(ValueError):
@@ -59,7 +60,7 @@ class VolumeSpec:
 
 
 def _dns_label(name: str, value: str) -> str:
-    if not _DNS1123_LABEL.match(value):
+    if not DNS1123_LABEL.match(value):
         raise InvalidVolumeRequest(f"{name} {value!r} is not a DNS-1123 label (lowercase a-z, 0-9, '-', at most 63 characters)")
     return value
 

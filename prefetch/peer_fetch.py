@@ -22,8 +22,8 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 import google_crc32c
 
-from replicator.peer_service import UPLOAD_HEADER, safe_relpath
-from replicator.step_manifest import StepManifest
+from replicator.peer_service import UPLOAD_HEADER
+from replicator.step_manifest import StepManifest, safe_relpath
 
 MiB = 1 << 20
 

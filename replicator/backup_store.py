@@ -30,8 +30,8 @@ import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TypeVar
 
-from csi_driver.volume_request import _DNS1123_LABEL
-from replicator.step_manifest import StepManifest, file_sha256, verify_step
+from csi_driver.volume_request import DNS1123_LABEL
+from replicator.step_manifest import StepManifest, file_sha256, safe_relpath, verify_step
 
 DEFAULT_WORKERS = 8
 RANGE_BYTES = 32 << 20  # one ranged read during a restore
@@ -100,7 +100,7 @@ class RankManifest:
         try:
             raw = json.loads(text)
             files = {
-                _relative(rel): StoredFile(int(f["size"]), str(f["crc32c"]), _relative(str(f["object"])), str(f.get("sha256", "")))
+                safe_relpath(rel): StoredFile(int(f["size"]), str(f["crc32c"]), safe_relpath(str(f["object"])), str(f.get("sha256", "")))
                 for rel, f in raw["files"].items()
             }
             return cls(int(raw["step"]), int(raw["rank"]), files, str(raw.get("incarnation", "")))
@@ -214,16 +214,9 @@ def uploads_failed(url: str, failures: Sequence[str], total: int) -> BackupError
     return BackupError(f"{len(failures)} of {total} uploads to {url} failed: {shown}")
 
 
-def _relative(path: str) -> str:
-    """``path`` if it names something strictly inside a directory; ValueError otherwise."""
-    if not path or "\\" in path or "\0" in path or any(part in ("", ".", "..") for part in path.split("/")):
-        raise ValueError(f"{path!r} is not a relative path inside a step")
-    return path
-
-
 def _job_prefix(job_key: str) -> str:
     namespace, _, job = job_key.partition("/")
-    if not (_DNS1123_LABEL.match(namespace) and _DNS1123_LABEL.match(job)):
+    if not (DNS1123_LABEL.match(namespace) and DNS1123_LABEL.match(job)):
         raise ValueError(f"job key {job_key!r} is not <namespace>/<job> (DNS-1123 labels)")
     return f"{job_key}/steps/"
 
@@ -294,7 +287,7 @@ class BackupStore:
         files: dict[str, StoredFile] = {}
         uploads: list[Upload] = []
         for rel, (size, crc) in sorted(manifest.files.items()):
-            same = peer.get(_relative(rel))  # the path check guards the object name built from it
+            same = peer.get(safe_relpath(rel))  # the path check guards the object name built from it
             local_path = os.path.join(step_dir, *rel.split("/"))
             sha256 = file_sha256(local_path)
             if same is not None and (same.size, same.crc32c, same.sha256) == (size, crc, sha256):

@@ -34,10 +34,10 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from csi_driver.volume_request import _DNS1123_LABEL
+from csi_driver.volume_request import DNS1123_LABEL
 from replicator import orbax_protocol
 from replicator.job_meta import JobMeta
-from replicator.step_manifest import StepManifest, verify_step
+from replicator.step_manifest import StepManifest, safe_relpath, verify_step
 
 UPLOAD_HEADER = "X-MTC-Upload"
 _UPLOAD_ID = re.compile(r"^[0-9a-f]{16,64}$")
@@ -49,20 +49,6 @@ _STEP_PREFIX = "/v1/peer/jobs/{namespace}/{job}/ranks/{rank}/steps/{step}"
 
 def _fail(kind: type[web.HTTPException], message: str, **kwargs) -> web.HTTPException:
     return kind(text=json.dumps({"error": message}), content_type="application/json", **kwargs)
-
-
-def safe_relpath(path: str) -> str:
-    """Checks that ``path`` names a file strictly inside a directory.
-
-    Returns:
-      ``path`` unchanged.
-
-    Raises:
-      ValueError: empty, absolute, or with an empty, ``.`` or ``..`` component, a backslash or a NUL.
-    """
-    if not path or "\\" in path or "\0" in path or any(part in ("", ".", "..") for part in path.split("/")):
-        raise ValueError(f"{path!r} is not a relative path inside a step")
-    return path
 
 
 def _is_within(path: str, root: str) -> bool:
@@ -262,7 +248,7 @@ class _PeerService:
     def _job(self, request: web.Request) -> tuple[str, JobMeta]:
         namespace, job = request.match_info["namespace"], request.match_info["job"]
         for name, value in (("namespace", namespace), ("job", job)):
-            if not _DNS1123_LABEL.match(value):
+            if not DNS1123_LABEL.match(value):
                 raise _fail(web.HTTPBadRequest, f"{name} {value!r} is not a DNS-1123 label")
         ramdisk = self._locate_ramdisk(namespace, job)
         if ramdisk is None:

@@ -41,6 +41,20 @@ class StepManifest:
         return cls(int(raw["step"]), int(raw["rank"]), {p: (int(s), str(c)) for p, (s, c) in raw["files"].items()})
 
 
+def safe_relpath(path: str) -> str:
+    """Checks that ``path`` names a file strictly inside a directory (a manifest key, an object name).
+
+    Returns:
+      ``path`` unchanged.
+
+    Raises:
+      ValueError: empty, absolute, or with an empty, ``.`` or ``..`` component, a backslash or a NUL.
+    """
+    if not path or "\\" in path or "\0" in path or any(part in ("", ".", "..") for part in path.split("/")):
+        raise ValueError(f"{path!r} is not a relative path inside a step")
+    return path
+
+
 def file_crc32c(path: str) -> str:
     """CRC32C of a file's bytes, as 8 lowercase hex digits; reads in 4 MiB chunks."""
     checksum = google_crc32c.Checksum()
