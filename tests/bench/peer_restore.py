@@ -23,17 +23,16 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 import aiohttp
 from aiohttp import web
 
-from examples.local_cluster import unmount_all_below
 from prefetch.peer_fetch import fetch_step
 from replicator.job_meta import JobMeta
 from replicator.peer_service import add_peer_routes
 from replicator.step_manifest import StepManifest, build_manifest
+from tests.bench.scratch import scratch_dir
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -172,11 +171,7 @@ def report(samples: list[dict[str, float]]) -> None:
 
 
 def main() -> None:
-    with contextlib.ExitStack() as cleanup:
-        workdir = tempfile.mkdtemp(prefix="mtc-bench-peer-")
-        # Callbacks run in reverse on exit or error: stop the servers, unmount, remove.
-        cleanup.callback(subprocess.run, ["rm", "-rf", "--one-file-system", workdir], check=False)
-        cleanup.callback(unmount_all_below, workdir)
+    with scratch_dir("mtc-bench-peer-") as (workdir, cleanup):
         mounts = {}
         for name in ("source", "dest"):
             mounts[name] = os.path.join(workdir, name)

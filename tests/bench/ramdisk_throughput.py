@@ -13,17 +13,16 @@ which goes first, so machine noise hits both alike; the ratio is the median of t
 ratios. Run as root: ``python -m tests.bench.ramdisk_throughput``.
 """
 
-import contextlib
 import mmap
 import os
 import socket
 import statistics
 import subprocess
-import tempfile
 import time
 
 from csi_driver import kubelet
-from examples.local_cluster import NodeAgentProcess, unmount_all_below
+from examples.local_cluster import NodeAgentProcess
+from tests.bench.scratch import scratch_dir
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -113,11 +112,7 @@ def report(samples: list[Sample]) -> None:
 
 
 def main() -> None:
-    with contextlib.ExitStack() as cleanup:
-        workdir = tempfile.mkdtemp(prefix="mtc-bench-")
-        # Callbacks run in reverse on exit or error: unpublish, stop the agent, unmount, remove.
-        cleanup.callback(subprocess.run, ["rm", "-rf", "--one-file-system", workdir], check=False)
-        cleanup.callback(unmount_all_below, workdir)
+    with scratch_dir("mtc-bench-") as (workdir, cleanup):
 
         agent = NodeAgentProcess("bench", os.path.join(workdir, "agent"), free_listen_address(), "tmpfs")
         cleanup.callback(agent.stop)

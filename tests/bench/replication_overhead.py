@@ -22,14 +22,11 @@ the median of the per-repetition ratios of median step times.
 Run as root: ``python -m tests.bench.replication_overhead``.
 """
 
-import contextlib
 import os
 import re
 import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 import warnings
@@ -39,6 +36,7 @@ import psutil
 warnings.simplefilter("ignore", FutureWarning)  # google-auth's import-time notice about grpcio versions
 
 from examples.local_cluster import LocalCluster, LocalJob, NodeAgentProcess, can_mount_tmpfs  # noqa: E402
+from tests.bench.scratch import scratch_dir  # noqa: E402
 
 NODES = 4
 SLICES = 2
@@ -86,10 +84,7 @@ def cpu_seconds(processes) -> float:
 
 def run_job(replication: bool) -> dict:
     """One fresh cluster and one training run; returns rank 0's step times and what was replicated."""
-    with contextlib.ExitStack() as cleanup:
-        workdir = tempfile.mkdtemp(prefix="mtc-bench-repl-")
-        # Callbacks run in reverse on exit or error: kill training, stop agents and coordinator, unmount, remove.
-        cleanup.callback(subprocess.run, ["rm", "-rf", "--one-file-system", workdir], check=False)
+    with scratch_dir("mtc-bench-repl-") as (workdir, cleanup):
         cluster = LocalCluster(workdir, lambda host: f"{host}:{free_port(host)}", replicas=1, peer_tier=replication)
         cleanup.callback(cluster.stop)
         cluster.start(NODES)
