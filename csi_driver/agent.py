@@ -21,6 +21,7 @@ from csi_driver.node import NodeServicer
 from csi_driver.ramdisk import RamdiskManager, make_backend
 from csi_driver.server import start_csi_server
 from replicator.backup_store import open_backup_store
+from replicator.bearer import read_token
 from replicator.node_replicator import NodeReplicator
 from replicator.peer_service import add_peer_routes
 
@@ -46,8 +47,8 @@ class NodeConfig:
       coordinator: the coordinator's base URL, or None.
       backup: the backup tier URL (``gs://bucket/prefix`` or ``file:///path``), or None.
       pod_address: the address pods on this node are reachable at, or None for JobSet DNS.
-      peer_token_file: file holding the peer service's bearer token (a Kubernetes Secret), or
-        None to run without the peer tier.
+      peer_token_file: file holding the cluster's bearer token (a Kubernetes Secret): required by
+        the peer service and presented to peers and the coordinator; None runs without the peer tier.
       replicas: peers that hold replicas of this node's steps when data parallelism is 1 (1 or 2).
       peer_tls_cert, peer_tls_key: serve the HTTP side over TLS with this certificate (PEM files),
         or None for plain HTTP.
@@ -100,15 +101,10 @@ class NodeConfig:
         """Reads the peer token; None when no file is configured.
 
         Raises:
+          OSError: the file cannot be read.
           ValueError: the file is empty.
         """
-        if self.peer_token_file is None:
-            return None
-        with open(self.peer_token_file, encoding="utf-8") as f:
-            token = f.read().strip()
-        if not token:
-            raise ValueError(f"peer token file {self.peer_token_file} is empty")
-        return token
+        return read_token(self.peer_token_file) if self.peer_token_file else None
 
     @property
     def host_port(self) -> tuple[str, int]:

@@ -13,6 +13,7 @@ from csi_driver.agent import NodeConfig, run_node
 from csi_driver.identity import DEFAULT_DRIVER_NAME
 from csi_driver.quantity import parse_quantity
 from csi_driver.ramdisk import JobBusy, RamdiskManager, make_backend
+from replicator.bearer import read_token
 from replicator.coordinator import CoordinatorConfig, run_coordinator
 from replicator.status import fetch_status, render_status, request_restore_from
 
@@ -148,10 +149,11 @@ def _add_coordinator(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--listen", required=True, help="HOST:PORT")
     p.add_argument("--state-dir", help="keeps a snapshot to warm a restart; node reports rebuild everything anyway")
     p.add_argument("--node-timeout-seconds", type=float, default=15.0, help="a silent node is gone after this long")
+    p.add_argument("--token-file", help="the cluster token (the node agents' --peer-token-file): required of callers")
 
 
 def _run_coordinator(args: argparse.Namespace) -> int:
-    run_coordinator(CoordinatorConfig(args.listen, args.state_dir, args.node_timeout_seconds))
+    run_coordinator(CoordinatorConfig(args.listen, args.state_dir, args.node_timeout_seconds, args.token_file))
     return 0
 
 
@@ -177,6 +179,7 @@ def _add_restore_from(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--coordinator", required=True, help="coordinator base URL")
     p.add_argument("--job", required=True, help="NAMESPACE/JOB")
     p.add_argument("--step", type=int, required=True)
+    p.add_argument("--token-file", help="the cluster token, when the coordinator requires one")
 
 
 def _run_restore_from(args: argparse.Namespace) -> int:
@@ -185,7 +188,8 @@ def _run_restore_from(args: argparse.Namespace) -> int:
         print(f"--job {args.job!r} must be NAMESPACE/JOB", file=sys.stderr)
         return 2
     try:
-        error = request_restore_from(args.coordinator, namespace, job, args.step)
+        token = read_token(args.token_file) if args.token_file else None
+        error = request_restore_from(args.coordinator, namespace, job, args.step, token)
     except OSError as err:
         print(f"UNAVAILABLE: coordinator {args.coordinator}: {err}", file=sys.stderr)
         return 1

@@ -205,7 +205,7 @@ class LocalCluster:
         with open(self.token_file, "w", encoding="utf-8") as f:
             f.write(uuid.uuid4().hex + "\n")
         self.coordinator = CoordinatorProcess(os.path.join(workdir, "coordinator"), listen_address("127.0.0.1"),
-                                              ["--node-timeout-seconds", "4"])  # fmt: skip
+                                              ["--node-timeout-seconds", "4", *(["--token-file", self.token_file] if peer_tier else [])])  # fmt: skip
         self.agents: list[NodeAgentProcess] = []
 
     def start(self, nodes: int) -> "LocalCluster":

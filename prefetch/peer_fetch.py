@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 import google_crc32c
 
+from replicator.bearer import auth_header
 from replicator.peer_service import UPLOAD_HEADER
 from replicator.step_manifest import StepManifest, safe_relpath
 
@@ -195,7 +196,7 @@ async def fetch_step(session: aiohttp.ClientSession, base_url: str, token: str, 
       OSError: ``dest_dir`` could not be written, e.g. ENOSPC.
     """
     url = _step_url(base_url, namespace, job, rank, step)
-    headers = {"Authorization": f"Bearer {token}"}
+    headers = auth_header(token)
     try:
         async with session.get(url + "/manifest", headers=headers) as response:
             await _raise_for(response, f"GET {url}/manifest")
@@ -248,7 +249,7 @@ async def push_step(session: aiohttp.ClientSession, base_url: str, token: str, n
       OSError: a file of ``step_dir`` could not be read.
     """
     url = _step_url(base_url, namespace, job, manifest.rank, manifest.step)
-    headers = {"Authorization": f"Bearer {token}", UPLOAD_HEADER: uuid.uuid4().hex}
+    headers = {**auth_header(token), UPLOAD_HEADER: uuid.uuid4().hex}
 
     async def put(rel: str) -> None:
         with open(os.path.join(step_dir, rel), "rb") as f:

@@ -20,6 +20,7 @@ import time
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
+from replicator.bearer import read_token, require_bearer
 from replicator.cluster_state import ClusterState, JobState, NotReady, UnknownIncarnation
 from replicator.messages import JobSettings, NodeReport, to_json
 
@@ -38,11 +39,14 @@ class CoordinatorConfig:
       state_dir: where a snapshot of job settings is kept to warm a restart, or None. Only an
         accelerator: node reports rebuild everything.
       node_timeout_seconds: a node silent this long is gone, seconds.
+      token_file: the cluster's shared token (the peer token's Secret); when set, every route that
+        changes state or hands out a restore plan requires it. Status, health and metrics stay open.
     """
 
     listen: str
     state_dir: str | None = None
     node_timeout_seconds: float = 15.0
+    token_file: str | None = None
 
 
 class BadRequest(web.HTTPBadRequest):
@@ -199,12 +203,14 @@ def make_app(config: CoordinatorConfig) -> web.Application:
     if config.state_dir:
         os.makedirs(config.state_dir, exist_ok=True)
         _load_snapshot(app)
+    token = read_token(config.token_file) if config.token_file else None
+    guard = (lambda handler: require_bearer(handler, token)) if token else (lambda handler: handler)
     app.add_routes([
-        web.post("/v1/report", post_report),
-        web.post("/v1/jobs/{namespace}/{job}/settings", post_settings),
-        web.get("/v1/jobs/{namespace}/{job}/restore", get_restore),
-        web.post("/v1/jobs/{namespace}/{job}/restore", post_restore),
-        web.post("/v1/jobs/{namespace}/{job}/restore-from", post_restore_from),
+        web.post("/v1/report", guard(post_report)),
+        web.post("/v1/jobs/{namespace}/{job}/settings", guard(post_settings)),
+        web.get("/v1/jobs/{namespace}/{job}/restore", guard(get_restore)),
+        web.post("/v1/jobs/{namespace}/{job}/restore", guard(post_restore)),
+        web.post("/v1/jobs/{namespace}/{job}/restore-from", guard(post_restore_from)),
         web.get("/v1/status", get_status),
         web.get("/healthz", healthz),
         web.get("/metrics", metrics),

@@ -26,6 +26,7 @@ from replicator import orbax_protocol
 from replicator.job_meta import JobMeta, PodProgress
 from replicator.backup_store import BackupError, BackupStore
 from replicator.backup_worker import BackupWorker
+from replicator.bearer import auth_header
 from replicator.messages import (
     Assignment,
     BackedUp,
@@ -65,13 +66,14 @@ class CoordinatorUnavailable(Exception):
 class CoordinatorClient:
     """The node agent's HTTP client of the coordinator."""
 
-    def __init__(self, session: aiohttp.ClientSession, base_url: str):
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, token: str | None):
         self._session = session
         self._base = base_url.rstrip("/")
+        self._headers = auth_header(token) if token else {}
 
     async def _call(self, method: str, path: str, **kwargs) -> dict:
         try:
-            async with self._session.request(method, self._base + path, **kwargs) as response:
+            async with self._session.request(method, self._base + path, headers=self._headers, **kwargs) as response:
                 body = await response.json(content_type=None)
                 if response.status != 200:
                     raise CoordinatorUnavailable(f"{method} {path}: HTTP {response.status}: {body.get('error', body)}")
@@ -170,7 +172,7 @@ class NodeReplicator:
             connector=peer_connector, timeout=peer_timeout
         ) as peer_session:
             self._session = peer_session
-            client = CoordinatorClient(session, self._coordinator_url)
+            client = CoordinatorClient(session, self._coordinator_url, self._peer_token)
             try:
                 while not stop.is_set():
                     self._wake.clear()

@@ -22,8 +22,6 @@ disk and the commit body has its own cap, so the app's ``client_max_size`` needs
 import asyncio
 import dataclasses
 import errno
-import functools
-import hmac
 import json
 import os
 import re
@@ -37,6 +35,7 @@ from aiohttp import web
 from csi_driver.volume_request import DNS1123_LABEL
 from replicator import orbax_protocol
 from replicator.job_meta import JobMeta
+from replicator.bearer import require_bearer
 from replicator.step_manifest import StepManifest, safe_relpath, verify_step
 
 UPLOAD_HEADER = "X-MTC-Upload"
@@ -225,25 +224,12 @@ async def _receive(request: web.Request, path: str) -> int:
 
 
 class _PeerService:
-    """The handlers, sharing the job lookup, the token and the uploads in progress."""
+    """The handlers, sharing the job lookup and the uploads in progress."""
 
-    def __init__(self, locate_ramdisk: Callable[[str, str], str | None], token: str):
+    def __init__(self, locate_ramdisk: Callable[[str, str], str | None]):
         self._locate_ramdisk = locate_ramdisk
-        self._expected = f"Bearer {token}".encode()
         self._uploads = _Uploads()
         self._install_lock = asyncio.Lock()  # install_replica of the same (rank, step) must not interleave
-
-    def authorized(self, handler):
-        """Wraps ``handler`` so that it runs only for a request bearing the token (401 before any parsing)."""
-
-        @functools.wraps(handler)
-        async def checked(request: web.Request) -> web.StreamResponse:
-            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-            if not hmac.compare_digest(given, self._expected):
-                raise _fail(web.HTTPUnauthorized, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
-            return await handler(request)
-
-        return checked
 
     def _job(self, request: web.Request) -> tuple[str, JobMeta]:
         namespace, job = request.match_info["namespace"], request.match_info["job"]
@@ -334,14 +320,12 @@ def add_peer_routes(app: web.Application, locate_ramdisk: Callable[[str, str], s
     Raises:
       ValueError: ``token`` is empty.
     """
-    if not token:
-        raise ValueError("the peer token must not be empty")
-    service = _PeerService(locate_ramdisk, token)
+    service = _PeerService(locate_ramdisk)
     job = "/v1/peer/jobs/{namespace}/{job}"
     app.add_routes([
-        web.get(job + "/steps", service.authorized(service.list_steps)),
-        web.get(_STEP_PREFIX + "/manifest", service.authorized(service.get_manifest)),
-        web.get(_STEP_PREFIX + "/files/{path:.+}", service.authorized(service.get_file)),
-        web.put(_STEP_PREFIX + "/files/{path:.+}", service.authorized(service.put_file)),
-        web.post(_STEP_PREFIX + "/commit", service.authorized(service.commit)),
+        web.get(job + "/steps", require_bearer(service.list_steps, token)),
+        web.get(_STEP_PREFIX + "/manifest", require_bearer(service.get_manifest, token)),
+        web.get(_STEP_PREFIX + "/files/{path:.+}", require_bearer(service.get_file, token)),
+        web.put(_STEP_PREFIX + "/files/{path:.+}", require_bearer(service.put_file, token)),
+        web.post(_STEP_PREFIX + "/commit", require_bearer(service.commit, token)),
     ])

@@ -5,6 +5,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
+from replicator.bearer import auth_header
+
 
 def fetch_status(coordinator_url: str, job: str | None = None, timeout: float = 10.0) -> dict:
     """GETs ``/v1/status`` from the coordinator.
@@ -17,8 +19,9 @@ def fetch_status(coordinator_url: str, job: str | None = None, timeout: float = 
         return json.load(response)
 
 
-def request_restore_from(coordinator_url: str, namespace: str, job: str, step: int, timeout: float = 10.0) -> str:
-    """Asks the coordinator to restore ``step`` at the job's next restart.
+def request_restore_from(coordinator_url: str, namespace: str, job: str, step: int, token: str | None = None,
+                         timeout: float = 10.0) -> str:  # fmt: skip
+    """Asks the coordinator to restore ``step`` at the job's next restart (``token``: the cluster token).
 
     Returns:
       An error message, or "" on success.
@@ -27,8 +30,8 @@ def request_restore_from(coordinator_url: str, namespace: str, job: str, step: i
       OSError: the coordinator is unreachable.
     """
     url = f"{coordinator_url.rstrip('/')}/v1/jobs/{namespace}/{job}/restore-from"
-    request = urllib.request.Request(url, data=json.dumps({"step": step}).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    headers = {"Content-Type": "application/json", **(auth_header(token) if token else {})}
+    request = urllib.request.Request(url, data=json.dumps({"step": step}).encode(), method="POST", headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout):
             return ""

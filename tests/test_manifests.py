@@ -201,12 +201,23 @@ def test_node_plugin_mounts_kubelet_pods_and_data_root_bidirectionally(node_pod,
     assert volume["hostPath"]["type"] == "DirectoryOrCreate"
 
 
-def test_node_plugin_mounts_the_peer_token_secret(node_pod, node_container):
-    token_file = Path(_flag(_argv(node_container), "--peer-token-file"))
-    mounts = [m for m in node_container["volumeMounts"] if m["mountPath"] == str(token_file.parent)]
+def _assert_mounts_token_secret(pod: dict, container: dict, token_file: Path) -> None:
+    mounts = [m for m in container["volumeMounts"] if m["mountPath"] == str(token_file.parent)]
     assert len(mounts) == 1
-    volume = next(v for v in node_pod["volumes"] if v["name"] == mounts[0]["name"])
+    volume = next(v for v in pod["volumes"] if v["name"] == mounts[0]["name"])
     assert volume["secret"]["secretName"] == "mtc-peer-token"
+
+
+def test_node_plugin_mounts_the_peer_token_secret(node_pod, node_container):
+    _assert_mounts_token_secret(node_pod, node_container, Path(_flag(_argv(node_container), "--peer-token-file")))
+
+
+def test_coordinator_requires_the_same_token(node_container):
+    pod = _one("Deployment", "mtc-coordinator")["spec"]["template"]["spec"]
+    container = _container(pod, "mtc-coordinator")
+    token_file = _flag(_argv(container), "--token-file")
+    assert token_file == _flag(_argv(node_container), "--peer-token-file")
+    _assert_mounts_token_secret(pod, container, Path(token_file))
 
 
 def test_csi_socket_path_agrees_between_plugin_registrar_and_kubelet(node_pod, node_container):

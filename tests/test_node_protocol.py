@@ -2,7 +2,10 @@
 
 import os
 import time
+import urllib.error
 import urllib.request
+
+import pytest
 
 from csi_driver import kubelet
 from replicator.orbax_protocol import ERRORS_FILE, FAILED_FILE, JAX_INIT_INFO_FILE, REPLICATOR_FILE
@@ -77,3 +80,15 @@ def test_unreachable_coordinator_is_a_recoverable_error_and_retried(cluster, tmp
     assert wait_for(lambda: all(not (t / REPLICATOR_FILE).exists() for t in targets))
     assert wait_for(lambda: all(any(n.endswith(".restore") for n in os.listdir(t)) for t in targets))
     assert fetch_status(coordinator.url, "hand-slice")["jobs"][0]["incarnation"] == before
+
+
+def test_coordinator_requires_the_cluster_token_of_callers(start_cluster):
+    cluster = start_cluster(nodes=1)
+    token = open(cluster.token_file).read().strip()
+    for headers, expected in [({}, 401), ({"Authorization": "Bearer wrong"}, 401), ({"Authorization": f"Bearer {token}"}, 400)]:
+        request = urllib.request.Request(cluster.coordinator.url + "/v1/report", data=b"{}", method="POST", headers=headers)
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(request)
+        assert err.value.code == expected  # 400: past the token, an empty report is refused
+    # The agent presents the token: its reports got through.
+    assert fetch_status(cluster.coordinator.url)["nodes"] == ["node-0"]
