@@ -21,13 +21,15 @@ def run_job(name, agents, workdir, extra):
     return job
 
 
-def rerun(job, dump_dir, agents=None, timeout=180):
+def rerun(job, dump_dir, agents=None, steps=None, timeout=180):
     """Deletes the pods, recreates them (on ``agents`` when the nodes changed), runs the job to the
-    end with its state dumped to ``dump_dir``."""
+    end (step ``steps`` if given) with its state dumped to ``dump_dir``."""
     job.delete_pods()
     if agents is not None:
         job.agents[:] = agents
     job.train_args[job.train_args.index("--dump-dir") + 1] = str(dump_dir)
+    if steps is not None:
+        job.train_args += ["--steps", str(steps)]  # the last --steps wins
     job.create_pods()
     job.start_training()
     job.wait_done(timeout=timeout)

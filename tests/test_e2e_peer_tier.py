@@ -15,11 +15,15 @@ from replicator.status import fetch_status
 from tests.jobs import assert_same_state, by_event, losses, rerun, run_job, scrape, wait_until
 
 
+# Long enough that the job is still training when the test kills it, however slow the machine.
+LONG_RUN = ["--steps", "200", "--step-sleep", "0.2"]
+
+
 def status_of(cluster, job):
     return fetch_status(cluster.coordinator.url, job.job)["jobs"][0]
 
 
-def lose_node_and_resume(cluster, job, lost_index, tmp_path):
+def lose_node_and_resume(cluster, job, lost_index, tmp_path, steps):
     """Kills the job, loses node ``lost_index`` with its ramdisk, adds a fresh node, recreates the pods."""
     job.kill_training()
     lost = job.agents[lost_index]
@@ -28,11 +32,12 @@ def lose_node_and_resume(cluster, job, lost_index, tmp_path):
     fresh = cluster.add_node(len(cluster.agents), block=f"b{lost_index // 2}")
     agents = list(job.agents)
     agents[lost_index] = fresh
-    rerun(job, tmp_path / "dump-2", agents=agents)
+    rerun(job, tmp_path / "dump-2", agents=agents, steps=steps)
     return fresh
 
 
 def assert_resumed_exactly(job, step, before_losses, tmp_path):
+    assert max(before_losses) < 200, "the job finished before it was killed"
     assert [by_event(p, "restored")[0]["step"] for p in job.pods] == [step] * 4
     after = losses(job.pods)
     assert min(after) == step + 1
@@ -44,7 +49,7 @@ def assert_resumed_exactly(job, step, before_losses, tmp_path):
 
 def test_data_parallel_job_restores_lost_node_from_identical_peer_without_copies(start_cluster, tmp_path):
     cluster = start_cluster()
-    job = run_job("dp", list(cluster.agents), tmp_path / "dp", ["--step-sleep", "0.2", "--dump-dir", str(tmp_path / "dump-1")])
+    job = run_job("dp", list(cluster.agents), tmp_path / "dp", [*LONG_RUN, "--dump-dir", str(tmp_path / "dump-1")])
     job.wait(lambda: (s := status_of(cluster, job))["safe_step"] is not None and s["safe_step"] >= 9, 180, "identity established at step 9")
     status = status_of(cluster, job)
     assert status["identical_peers"] == [[0, 2], [1, 3], [2, 0], [3, 1]]
@@ -55,7 +60,7 @@ def test_data_parallel_job_restores_lost_node_from_identical_peer_without_copies
     wait_until(lambda: status_of(cluster, job)["safe_step"] == status_of(cluster, job)["newest_complete_step"], 30, "identity of the last step")
     safe = status_of(cluster, job)["safe_step"]
 
-    fresh = lose_node_and_resume(cluster, job, 1, tmp_path)
+    fresh = lose_node_and_resume(cluster, job, 1, tmp_path, steps=safe + 6)
     assert_resumed_exactly(job, safe, before, tmp_path)
     restore = status_of(cluster, job)["restore"]
     assert restore["step"] == safe
@@ -66,7 +71,7 @@ def test_data_parallel_job_restores_lost_node_from_identical_peer_without_copies
 def test_replicated_job_restores_lost_node_and_skips_a_corrupt_replica(start_cluster, tmp_path):
     cluster = start_cluster(replicas=2)
     job = run_job("solo", list(cluster.agents), tmp_path / "solo",
-                  ["--data-parallelism", "1", "--step-sleep", "0.2", "--dump-dir", str(tmp_path / "dump-1")])  # fmt: skip
+                  ["--data-parallelism", "1", *LONG_RUN, "--dump-dir", str(tmp_path / "dump-1")])  # fmt: skip
     job.wait(lambda: (s := status_of(cluster, job))["safe_step"] is not None and s["safe_step"] >= 9, 180, "replicated step 9")
     before = losses(job.pods)
     job.kill_training()
@@ -82,7 +87,7 @@ def test_replicated_job_restores_lost_node_and_skips_a_corrupt_replica(start_clu
         f.seek(0)
         f.write(bytes([byte[0] ^ 0xFF]))
 
-    fresh = lose_node_and_resume(cluster, job, 1, tmp_path)
+    fresh = lose_node_and_resume(cluster, job, 1, tmp_path, steps=safe + 6)
     assert_resumed_exactly(job, safe, before, tmp_path)
     restore = status_of(cluster, job)["restore"]
     assert restore["sources"]["1"] == "peer_distant:node-3"
