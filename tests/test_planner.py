@@ -13,7 +13,6 @@ def pods_on(nodes, uid_prefix="p", slices=1, t=0.0):
 
 
 def test_ranks_follow_data_after_restart_even_when_pods_land_on_other_nodes():
-    nodes = ["n0", "n1", "n2", "n3"]
     # The previous incarnation: rank r on node n<r>, each holding step 20 of its own rank.
     held = {f"n{r}": {r: 20} for r in range(4)}
     # The new pods land in a shuffled order: pod index no longer matches node.
