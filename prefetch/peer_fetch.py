@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 import google_crc32c
 
+from replicator import pod_files
 from replicator.bearer import auth_header
 from replicator.peer_service import UPLOAD_HEADER
 from replicator.step_manifest import StepManifest, safe_relpath
@@ -246,18 +247,21 @@ async def push_step(session: aiohttp.ClientSession, base_url: str, token: str, n
     Raises:
       PeerFetchError: the peer could not be reached or refused a file or the commit (507 when its
         ramdisk is full, 422 with the problems when the files do not match ``manifest``).
-      OSError: a file of ``step_dir`` could not be read.
+      OSError: a file of ``step_dir`` could not be read; ``pod_files.UnsafeEntry`` when it is not a
+        regular file.
     """
     url = _step_url(base_url, namespace, job, manifest.rank, manifest.step)
     headers = {**auth_header(token), UPLOAD_HEADER: uuid.uuid4().hex}
 
-    async def put(rel: str) -> None:
-        with open(os.path.join(step_dir, rel), "rb") as f:
+    async def put(root: int, rel: str) -> None:
+        # Opened without following links: the step may be the pod's own directory.
+        with os.fdopen(pod_files.open_relative(root, rel), "rb") as f:
             async with session.put(_file_url(url, rel), data=f, headers=headers) as response:
                 await _raise_for(response, f"PUT {rel} to {base_url}")
 
     try:
-        await _run_all([functools.partial(put, rel) for rel in manifest.files], concurrency)
+        with pod_files.open_dir(step_dir) as root:
+            await _run_all([functools.partial(put, root, rel) for rel in manifest.files], concurrency)
         async with session.post(url + "/commit", data=manifest.to_json(),
                                 headers={**headers, "Content-Type": "application/json"}) as response:
             await _raise_for(response, f"commit of rank {manifest.rank} step {manifest.step} to {base_url}")

@@ -4,11 +4,12 @@ Only a verified copy is ever placed where a restore marker can point at it; a co
 verification is reported so the coordinator can choose another source or an older step.
 """
 
+import contextlib
 import logging
 import os
-import shutil
+import stat
 
-from replicator import orbax_protocol
+from replicator import orbax_protocol, pod_files
 from replicator.step_manifest import StepManifest, verify_step
 
 log = logging.getLogger(__name__)
@@ -32,33 +33,29 @@ def stage_local(local_dir: str, step: int, manifest: StepManifest | None) -> lis
     if problems:
         log.error("local copy of step %d is corrupt: %s", step, problems[:5])
         return problems
-    staged = orbax_protocol.staged_step_dir(local_dir, step)
-    committed = os.path.join(local_dir, str(step))
-    if os.path.islink(committed):
-        target = os.path.join(local_dir, os.readlink(committed))
-        os.unlink(committed)  # a marker from an earlier restore; Orbax recreates <step> from ours
-        if os.path.realpath(target) != os.path.realpath(staged):
-            os.replace(target, staged)
-    elif found != staged:
-        os.replace(found, staged)
+    staged = orbax_protocol.staged_name(step)
+    with pod_files.open_dir(local_dir) as fd:
+        if os.path.basename(found) != staged:
+            os.rename(str(step), staged, src_dir_fd=fd, dst_dir_fd=fd)
+        elif (link := pod_files.lstat(fd, str(step))) is not None and stat.S_ISLNK(link.st_mode):
+            os.unlink(str(step), dir_fd=fd)  # the marker of an earlier restore; Orbax recreates it from ours
+        pod_files.fsync_dir(fd)
     return []
 
 
 def install_staged(local_dir: str, step: int, verified_dir: str) -> None:
     """Moves a fetched and verified step directory (on the same ramdisk) to the staged name."""
-    staged = orbax_protocol.staged_step_dir(local_dir, step)
     delete_step(local_dir, step)
-    os.replace(verified_dir, staged)
+    with pod_files.open_dir(local_dir) as fd:
+        os.rename(verified_dir, orbax_protocol.staged_name(step), dst_dir_fd=fd)
+        pod_files.fsync_dir(fd)
 
 
 def delete_step(local_dir: str, step: int) -> None:
-    """Deletes a step from the client dir: its directory, or its symlink and the staged target."""
-    committed = os.path.join(local_dir, str(step))
-    if os.path.islink(committed):
-        os.unlink(committed)
-    elif os.path.isdir(committed):
-        shutil.rmtree(committed)
-    shutil.rmtree(orbax_protocol.staged_step_dir(local_dir, step), ignore_errors=True)
+    """Deletes a step from the client dir: its directory (or whatever has its name) and its staged copy."""
+    with pod_files.open_dir(local_dir) as fd:
+        pod_files.remove(fd, str(step))
+        pod_files.remove(fd, orbax_protocol.staged_name(step))
 
 
 def clear_for_restore(local_dir: str, step: int | None) -> list[int]:
@@ -72,14 +69,20 @@ def clear_for_restore(local_dir: str, step: int | None) -> list[int]:
       The steps removed.
     """
     orbax_protocol.remove_markers(local_dir)
-    removed = [s for s in orbax_protocol.committed_steps(local_dir) if step is None or s > step]
+    scan = orbax_protocol.scan_steps(local_dir)
+    removed = [s for s in scan.committed + scan.refused if step is None or s > step]
     for stale in removed:
         delete_step(local_dir, stale)
-    linked = {os.readlink(e.path) for e in os.scandir(local_dir) if e.is_symlink()}
-    for entry in os.scandir(local_dir):
-        if entry.name.startswith(orbax_protocol.STAGED_PREFIX) and entry.name not in linked:
-            if entry.path != orbax_protocol.staged_step_dir(local_dir, step if step is not None else -1):
-                shutil.rmtree(entry.path)
+    with pod_files.open_dir(local_dir) as fd:
+        linked = set()
+        for name, status in pod_files.names(fd):
+            if stat.S_ISLNK(status.st_mode):
+                with contextlib.suppress(OSError):
+                    linked.add(os.readlink(name, dir_fd=fd))
+        for staged in scan.staged:
+            name = orbax_protocol.staged_name(staged)
+            if staged != step and name not in linked:
+                pod_files.remove(fd, name)
     if removed:
         log.warning("removed steps %s from %s: not restorable on every rank", removed, local_dir)
     return removed

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TypeVar
 
 from csi_driver.volume_request import DNS1123_LABEL
+from replicator import pod_files
 from replicator.step_manifest import StepManifest, file_sha256, safe_relpath, verify_step
 
 DEFAULT_WORKERS = 8
@@ -286,16 +287,21 @@ class BackupStore:
         peer = dedup_from.files if dedup_from is not None else {}
         files: dict[str, StoredFile] = {}
         uploads: list[Upload] = []
-        for rel, (size, crc) in sorted(manifest.files.items()):
-            same = peer.get(safe_relpath(rel))  # the path check guards the object name built from it
-            local_path = os.path.join(step_dir, *rel.split("/"))
-            sha256 = file_sha256(local_path)
-            if same is not None and (same.size, same.crc32c, same.sha256) == (size, crc, sha256):
-                files[rel] = same
-                continue
-            files[rel] = StoredFile(size, crc, f"rank-{rank}/{rel}", sha256)
-            uploads.append(Upload(local_path, prefix + files[rel].object, size, crc))
-        self.objects.put_files(uploads, self.workers)
+        with contextlib.ExitStack() as opened, pod_files.open_dir(step_dir) as root:
+            for rel, (size, crc) in sorted(manifest.files.items()):
+                same = peer.get(safe_relpath(rel))  # the path check guards the object name built from it
+                # Opened without following links and read through /proc/self/fd: a file the pod
+                # swaps for a symlink after the manifest was built cannot redirect the upload.
+                fd = pod_files.open_relative(root, rel)
+                opened.callback(os.close, fd)
+                local_path = pod_files.proc_path(fd)
+                sha256 = file_sha256(local_path)
+                if same is not None and (same.size, same.crc32c, same.sha256) == (size, crc, sha256):
+                    files[rel] = same
+                    continue
+                files[rel] = StoredFile(size, crc, f"rank-{rank}/{rel}", sha256)
+                uploads.append(Upload(local_path, prefix + files[rel].object, size, crc))
+            self.objects.put_files(uploads, self.workers)
         stored = RankManifest(step, rank, files, incarnation)
         self.objects.write_text(prefix + _manifest_name(rank), stored.to_json())
         return stored

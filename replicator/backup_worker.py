@@ -43,11 +43,11 @@ class BackupWorker:
       store: the backup tier (``--backup``).
       keep: complete backups to keep per job (``--backup-keep``).
       busy_steps: (namespace, job, step) being read; shared with garbage collection, which skips them.
-      report_error: called with (client dir, message) for errors the job should see.
+      report_error: called with (the job's JobMeta, message) for errors the job should see.
       on_change: called when the listing of complete backups changed.
     """
 
-    def __init__(self, store: BackupStore, keep: int, busy_steps: set, report_error: Callable[[str, str], None], on_change: Callable[[], None]):
+    def __init__(self, store: BackupStore, keep: int, busy_steps: set, report_error: Callable[[JobMeta, str], None], on_change: Callable[[], None]):
         self.store = store
         self._keep = keep
         self._busy = busy_steps
@@ -74,7 +74,7 @@ class BackupWorker:
                 steps = tuple(await asyncio.to_thread(self.store.complete_steps, f"{key[0]}/{key[1]}"))
             except BackupError as err:
                 BACKUP_FAILURES.inc()
-                self._report_error(JobMeta(ramdisk_path).client_dir, f"listing the backup tier failed, retrying: {err}")
+                self._report_error(JobMeta(ramdisk_path), f"listing the backup tier failed, retrying: {err}")
                 continue
             if steps != self.listing.get(key):
                 self.listing[key] = steps
@@ -132,7 +132,7 @@ class BackupWorker:
             backoff.not_before = time.monotonic() + delay
             message = f"backup of step {order.step} rank {order.rank} to the backup tier {self.store.url} failed (retrying in {delay:.0f} s): {err}"
             log.warning("%s: %s", job_key, message)
-            self._report_error(meta.client_dir, message)
+            self._report_error(meta, message)
         finally:
             self._busy.discard(busy)
 

@@ -22,7 +22,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from csi_driver.ramdisk import Ramdisk, RamdiskManager
 from prefetch import staging
 from prefetch.peer_fetch import PeerFetchError, fetch_step, push_step
-from replicator import orbax_protocol
+from replicator import orbax_protocol, pod_files
 from replicator.job_meta import JobMeta, PodProgress
 from replicator.backup_store import BackupError, BackupStore
 from replicator.backup_worker import BackupWorker
@@ -47,6 +47,7 @@ RESTORE_SECONDS = Histogram("mtc_restore_seconds", "Seconds from replicator.yaml
 REPLICATOR_YAML = Counter("mtc_replicator_yaml_total", "replicator.yaml files consumed", ["result"])
 CORRUPT_COPIES = Counter("mtc_corrupt_copies_total", "Step copies that failed checksum verification")
 REPLICATED = Counter("mtc_replicated_steps_total", "Steps pushed to a peer", ["result"])
+REFUSED_STEPS = Counter("mtc_refused_steps_total", "Committed steps refused: they hold a symlink, FIFO, device or socket, or cannot be walked")
 GC_DELETED = Counter("mtc_gc_deleted_steps_total", "Steps and replicas deleted by garbage collection")
 
 _REPORT_INTERVAL_SECONDS = 1.0
@@ -95,6 +96,11 @@ class CoordinatorClient:
     async def report_staged(self, disk: Ramdisk, progress: PodProgress, generation: str, source: str | None, bad: list) -> None:
         payload = {"incarnation": progress.incarnation, "generation": generation, "rank": progress.rank, "source": source, "bad": bad}
         await self._call("POST", f"/v1/jobs/{disk.namespace}/{disk.job}/restore", json=payload)
+
+
+def report_to_job(meta: JobMeta, message: str) -> None:
+    """Appends ``message`` to the job's ``replicator.errors`` (its content kept in ``meta``)."""
+    orbax_protocol.report_error(meta.client_dir, meta.root, message)
 
 
 def current_pod(disk: Ramdisk):
@@ -153,6 +159,7 @@ class NodeReplicator:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._workers: dict[tuple[str, str], asyncio.Task] = {}
         self._last_error: dict[str, float] = {}
+        self._refused: dict[tuple[str, str], set[int]] = {}  # steps never to checksum again, per job
 
     def poke(self) -> None:
         """Asks for a report now; safe to call from any thread (the gRPC servicer's)."""
@@ -290,17 +297,17 @@ class NodeReplicator:
                 meta.drop_replica(rank, step)
                 GC_DELETED.inc()
 
-    def _error_to_job(self, local_dir: str, message: str) -> None:
-        self._log_once(f"job-error-{local_dir}", message, local_dir)
+    def _error_to_job(self, meta: JobMeta, message: str) -> None:
+        self._log_once(f"job-error-{meta.root}", message, meta)
 
-    def _log_once(self, key: str, message: str, local_dir: str | None = None) -> None:
+    def _log_once(self, key: str, message: str, meta: JobMeta | None = None) -> None:
         """Logs (and reports to ``replicator.errors``) at most every 30 s per key."""
         now = time.monotonic()
         if now - self._last_error.get(key, -_ERROR_REPEAT_SECONDS) >= _ERROR_REPEAT_SECONDS:
             self._last_error[key] = now
             log.warning("%s", message)
-            if local_dir is not None:
-                orbax_protocol.report_error(local_dir, message)
+            if meta is not None:
+                report_to_job(meta, message)
 
     # -- per-job workers -----------------------------------------------------------------------
 
@@ -343,29 +350,27 @@ class NodeReplicator:
         return progress
 
     async def _consume_replicator_yaml(self, client, disk: Ramdisk, meta: JobMeta, progress: PodProgress, nodes: int) -> None:
-        path = os.path.join(disk.client_dir, orbax_protocol.REPLICATOR_FILE)
         try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except FileNotFoundError:
-            return
-        try:
+            text = orbax_protocol.read_replicator_yaml(disk.client_dir)
+            if text is None:
+                return
             config = orbax_protocol.parse_replicator_config(text, progress.rank, nodes)
-        except orbax_protocol.InvalidReplicatorConfig as err:
-            log.error("%s/%s: rejected replicator.yaml: %s", disk.namespace, disk.job, err)
-            orbax_protocol.report_failure(disk.client_dir, str(err))
-            os.unlink(path)  # Orbax reads replicator.failed only once the yaml is gone
+        except (orbax_protocol.InvalidReplicatorConfig, pod_files.UnsafeEntry, UnicodeDecodeError) as err:
+            message = str(err) if isinstance(err, orbax_protocol.InvalidReplicatorConfig) else f"replicator.yaml is unusable: {err}"
+            log.error("%s/%s: rejected replicator.yaml: %s", disk.namespace, disk.job, message)
+            orbax_protocol.report_failure(disk.client_dir, meta.root, message)
+            orbax_protocol.consume_replicator_yaml(disk.client_dir)  # Orbax reads replicator.failed only once the yaml is gone
             REPLICATOR_YAML.labels("rejected").inc()
             return
         settings = JobSettings(config.peer_ranks, config.data_parallelism, config.backup_interval_minutes, config.backup_interval_steps)
         try:
             await client.record_settings(disk, progress, settings)
         except CoordinatorUnavailable as err:
-            self._log_once(f"settings-{disk.job}", f"cannot record job settings with the coordinator, retrying: {err}", disk.client_dir)
+            self._log_once(f"settings-{disk.job}", f"cannot record job settings with the coordinator, retrying: {err}", meta)
             return
         progress.settings = settings
         meta.save_progress(progress)
-        os.unlink(path)
+        orbax_protocol.consume_replicator_yaml(disk.client_dir)
         REPLICATOR_YAML.labels("accepted").inc()
         log.info("%s/%s rank %d: consumed replicator.yaml %s", disk.namespace, disk.job, progress.rank, settings)
 
@@ -382,7 +387,7 @@ class NodeReplicator:
                     staged_generation = view.generation
                     continue
             except CoordinatorUnavailable as err:
-                self._log_once(f"restore-{disk.job}", f"restore plan unavailable, retrying: {err}", disk.client_dir)
+                self._log_once(f"restore-{disk.job}", f"restore plan unavailable, retrying: {err}", meta)
                 await asyncio.sleep(1.0)
                 continue
             if view.ready:
@@ -390,7 +395,7 @@ class NodeReplicator:
                 RESTORE_SECONDS.labels(source).observe(time.monotonic() - started)
                 return
             await asyncio.sleep(_WATCH_INTERVAL_SECONDS)
-        orbax_protocol.report_error(disk.client_dir, f"restore did not complete within {_RESTORE_DEADLINE_SECONDS:.0f} s")
+        report_to_job(meta, f"restore did not complete within {_RESTORE_DEADLINE_SECONDS:.0f} s")
 
     async def _stage(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress, view: RestoreView) -> tuple[dict | None, list]:
         """Stages the view's step from its first verified source.
@@ -415,7 +420,7 @@ class NodeReplicator:
                 CORRUPT_COPIES.inc()
             message = f"step {view.step} copy on {source['holder']} unusable: {'; '.join(problems[:3])}"
             log.error("%s/%s rank %d: %s", disk.namespace, disk.job, progress.rank, message)
-            orbax_protocol.report_error(disk.client_dir, message)
+            report_to_job(meta, message)
             bad.append((view.step, source["data_rank"], source["holder"]))
         return None, bad
 
@@ -462,13 +467,34 @@ class NodeReplicator:
         if progress.rank is None:
             return
         known = meta.manifests()
-        for step in set(known) - set(orbax_protocol.held_steps(disk.client_dir)):
+        scan = await asyncio.to_thread(orbax_protocol.scan_steps, disk.client_dir)
+        for step in set(known) - set(scan.committed) - set(scan.staged):
             meta.drop_manifest(step)  # Orbax removed an old step itself
-        new = [s for s in orbax_protocol.committed_steps(disk.client_dir) if s not in known]
+        refused = self._refused.setdefault((disk.namespace, disk.job), set())
+        refused &= set(scan.committed) | set(scan.refused)  # a name reused later is looked at afresh
+        for step in set(scan.refused) - refused:
+            self._refuse(disk, meta, refused, step, "is not a directory (a symlink, FIFO or file where Orbax commits a step)")
+        new = [s for s in scan.committed if s not in known and s not in refused]
         for step in new:
-            manifest = await asyncio.to_thread(build_manifest, os.path.join(disk.client_dir, str(step)), step, progress.rank)
+            step_dir = orbax_protocol.find_step_dir(disk.client_dir, step)
+            try:
+                manifest = await asyncio.to_thread(build_manifest, step_dir or os.path.join(disk.client_dir, str(step)), step, progress.rank)
+            except FileNotFoundError:
+                continue  # Orbax deleted it meanwhile
+            except (OSError, ValueError) as err:
+                self._refuse(disk, meta, refused, step, f"cannot be checkpointed: {err}")
+                continue
             meta.save_manifest(manifest)
             NEWEST_STEP.labels(disk.namespace, disk.job, str(progress.rank)).set(step)
             log.info("%s/%s rank %d: step %d committed (%d files, %d bytes)", disk.namespace, disk.job, progress.rank, step, len(manifest.files), manifest.total_bytes)
         if new:
             self.poke()
+
+    def _refuse(self, disk: Ramdisk, meta: JobMeta, refused: set[int], step: int, why: str) -> None:
+        """A committed step holding anything but regular files and directories is never
+        checksummed, replicated, backed up or restored; the job is told once."""
+        refused.add(step)
+        REFUSED_STEPS.inc()
+        message = f"step {step} {why}; it is not replicated or backed up"
+        log.error("%s/%s: %s", disk.namespace, disk.job, message)
+        report_to_job(meta, message)

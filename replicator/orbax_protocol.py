@@ -15,12 +15,14 @@ happens through files in the pod's local checkpoint directory (the ramdisk's cli
 - ``<step>.orbax-checkpoint-tmp/`` renamed to ``<step>/``: a committed local save.
 """
 
-import contextlib
 import dataclasses
 import os
 import re
+import stat
 
 import yaml
+
+from replicator import pod_files
 
 JAX_INIT_INFO_FILE = "jax-init-info.txt"
 REPLICATOR_FILE = "replicator.yaml"
@@ -30,10 +32,26 @@ RESTORE_SUFFIX = ".restore"
 # Where a restore stages a step before the marker points at it: not a step name, so Orbax ignores it.
 STAGED_PREFIX = ".mtc-staged-"
 
-_STEP_DIR = re.compile(r"^\d+$")
-_RESTORE_MARKER = re.compile(r"^.+-s(?P<step>\d+)-n\d+-w\d+\.restore$")
+_RESTORE_MARKER = re.compile(r"^.+-s(?P<step>[0-9]+)-n[0-9]+-w[0-9]+\.restore$", re.ASCII)
+_MAX_REPLICATOR_YAML_BYTES = 64 << 10
+_MAX_REPORT_BYTES = 64 << 10  # the newest part of replicator.errors / .failed
 _REQUIRED_KEYS = ("job-name", "framework", "assume-data-parallelism", "node-rank", "nodes", "peer-ranks")
 _INTERVAL_KEYS = ("backup-interval-minutes", "backup-interval-steps")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepScan:
+    """Steps in a client dir (see ``scan_steps``).
+
+    Attributes:
+      committed: steps Orbax committed (``<step>/``), ascending.
+      staged: steps staged for a restore marker (``.mtc-staged-<step>/``), ascending.
+      refused: names of steps that are not directories (a planted symlink, FIFO or file).
+    """
+
+    committed: list[int]
+    staged: list[int]
+    refused: list[int]
 
 
 class InvalidReplicatorConfig(ValueError):
@@ -133,13 +151,6 @@ def parse_replicator_config(text: str, expected_rank: int, expected_nodes: int) 
     )
 
 
-def _write_atomically(path: str, text: str) -> None:
-    tmp = f"{path}.mtc-tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def write_jax_init_info(local_dir: str, process_id: int, coordinator_address: str) -> None:
     """Writes ``jax-init-info.txt`` (tmp + rename) so Orbax never reads half a file.
 
@@ -147,24 +158,54 @@ def write_jax_init_info(local_dir: str, process_id: int, coordinator_address: st
       process_id: the node rank.
       coordinator_address: ``host:port`` of rank 0's JAX coordinator.
     """
-    _write_atomically(os.path.join(local_dir, JAX_INIT_INFO_FILE), f"{process_id}\n{coordinator_address}\n")
+    with pod_files.open_dir(local_dir) as fd:
+        pod_files.write_atomic(fd, JAX_INIT_INFO_FILE, f"{process_id}\n{coordinator_address}\n".encode())
 
 
-def _append(path: str, message: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        with open(path, encoding="utf-8") as f:
-            message = f.read() + message
-    _write_atomically(path, message)
+def read_replicator_yaml(local_dir: str) -> str | None:
+    """The job's ``replicator.yaml``, or None while it has not written one.
+
+    Raises:
+      pod_files.UnsafeEntry: it is not a regular file (a symlink, a FIFO) or is over 64 KiB.
+      UnicodeDecodeError: it is not UTF-8.
+    """
+    with pod_files.open_dir(local_dir) as fd:
+        return pod_files.read_text(fd, REPLICATOR_FILE, _MAX_REPLICATOR_YAML_BYTES)
 
 
-def report_error(local_dir: str, message: str) -> None:
-    """Appends a recoverable error to ``replicator.errors``; Orbax logs it and deletes the file."""
-    _append(os.path.join(local_dir, ERRORS_FILE), message.rstrip("\n") + "\n")
+def consume_replicator_yaml(local_dir: str) -> None:
+    """Deletes ``replicator.yaml``: the job waits for that before it goes on (or reads ``.failed``)."""
+    with pod_files.open_dir(local_dir) as fd:
+        pod_files.remove(fd, REPLICATOR_FILE)
 
 
-def report_failure(local_dir: str, message: str) -> None:
+def _report(local_dir: str, log_dir: str, name: str, message: str) -> None:
+    """Writes a report file from the agent's own log of it, never reading the pod's copy back.
+
+    The log lives in ``log_dir`` (agent-owned). Orbax deletes ``replicator.errors`` once it has
+    logged it, so a vanished file means its lines were read: the log starts afresh.
+    """
+    line = message.rstrip("\n") + "\n"
+    with pod_files.open_dir(local_dir) as client, pod_files.open_dir(log_dir) as own:
+        pending = pod_files.read_text(own, name + ".log", _MAX_REPORT_BYTES) if pod_files.lstat(client, name) else None
+        text = ((pending or "") + line)[-_MAX_REPORT_BYTES:]
+        pod_files.write_atomic(own, name + ".log", text.encode())
+        pod_files.write_atomic(client, name, text.encode())
+
+
+def report_error(local_dir: str, log_dir: str, message: str) -> None:
+    """Appends a recoverable error to ``replicator.errors``; Orbax logs it and deletes the file.
+
+    Args:
+      local_dir: the client dir.
+      log_dir: an agent-owned directory of the same job, where the file's content is kept.
+    """
+    _report(local_dir, log_dir, ERRORS_FILE, message)
+
+
+def report_failure(local_dir: str, log_dir: str, message: str) -> None:
     """Writes ``replicator.failed``: Orbax raises ``RuntimeError`` with this message."""
-    _append(os.path.join(local_dir, FAILED_FILE), message.rstrip("\n") + "\n")
+    _report(local_dir, log_dir, FAILED_FILE, message)
 
 
 def restore_marker_name(job: str, step: int, rank: int) -> str:
@@ -174,14 +215,20 @@ def restore_marker_name(job: str, step: int, rank: int) -> str:
 
 def write_fresh_start_marker(local_dir: str, job: str, rank: int) -> str:
     """Writes the zero-byte ``s0`` marker: no checkpoint exists, start from scratch. Returns its path."""
-    path = os.path.join(local_dir, restore_marker_name(job, 0, rank))
-    _write_atomically(path, "")
-    return path
+    name = restore_marker_name(job, 0, rank)
+    with pod_files.open_dir(local_dir) as fd:
+        pod_files.write_atomic(fd, name, b"")
+    return os.path.join(local_dir, name)
+
+
+def staged_name(step: int) -> str:
+    """The name a step waits under for Orbax to adopt it through a restore marker."""
+    return f"{STAGED_PREFIX}{step}"
 
 
 def staged_step_dir(local_dir: str, step: int) -> str:
     """Where a step waits for Orbax to adopt it through a restore marker."""
-    return os.path.join(local_dir, f"{STAGED_PREFIX}{step}")
+    return os.path.join(local_dir, staged_name(step))
 
 
 def write_restore_marker(local_dir: str, job: str, step: int, rank: int) -> str:
@@ -190,60 +237,91 @@ def write_restore_marker(local_dir: str, job: str, step: int, rank: int) -> str:
     Raises:
       FileNotFoundError: the step is not staged (see ``staged_step_dir``).
     """
-    staged = staged_step_dir(local_dir, step)
-    if not os.path.isdir(staged):
-        raise FileNotFoundError(f"step {step} is not staged at {staged}")
-    path = os.path.join(local_dir, restore_marker_name(job, step, rank))
-    tmp = path + ".mtc-tmp"
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)
-    os.symlink(os.path.basename(staged), tmp)  # relative: the pod sees this dir at its own mountPath
-    os.replace(tmp, path)
-    return path
+    name = restore_marker_name(job, step, rank)
+    with pod_files.open_dir(local_dir) as fd:
+        if not pod_files.is_dir(fd, staged_name(step)):
+            raise FileNotFoundError(f"step {step} is not staged at {staged_step_dir(local_dir, step)}")
+        # Relative: the pod sees this dir at its own mountPath.
+        pod_files.write_symlink(fd, name, staged_name(step))
+    return os.path.join(local_dir, name)
 
 
 def clear_previous_pod(local_dir: str) -> None:
     """Removes what a previous pod's protocol run left: its rank, its unconsumed
-    ``replicator.yaml`` (Orbax waits for it to vanish before writing its own), reports and markers."""
-    for name in (JAX_INIT_INFO_FILE, REPLICATOR_FILE, ERRORS_FILE, FAILED_FILE):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(local_dir, name))
+    ``replicator.yaml`` (Orbax waits for it to vanish before writing its own), reports, markers
+    and temporary files of interrupted writes."""
+    with pod_files.open_dir(local_dir) as fd:
+        for name in (JAX_INIT_INFO_FILE, REPLICATOR_FILE, ERRORS_FILE, FAILED_FILE):
+            pod_files.remove(fd, name)
+        pod_files.sweep_temp_files(fd)
     remove_markers(local_dir)
 
 
 def remove_markers(local_dir: str) -> None:
     """Removes restore markers a previous incarnation left unconsumed."""
-    for name in os.listdir(local_dir):
-        if _RESTORE_MARKER.match(name):
-            os.unlink(os.path.join(local_dir, name))
+    with pod_files.open_dir(local_dir) as fd:
+        for name, _ in pod_files.names(fd):
+            if _RESTORE_MARKER.match(name):
+                pod_files.remove(fd, name)
+
+
+def scan_steps(local_dir: str) -> StepScan:
+    """What the client dir holds, read without following any link the pod may have planted.
+
+    A committed step is a directory named by an integer, or the symlink Orbax leaves when it adopts
+    our restore marker (``<step>`` -> ``.mtc-staged-<step>``, a directory). Any other entry with a
+    step's name (a symlink elsewhere, a FIFO, a file) is returned in ``refused``.
+    ``<step>.orbax-checkpoint-tmp`` directories are still being written and never count.
+    """
+    committed, staged, refused = [], [], []
+    with pod_files.open_dir(local_dir) as fd:
+        entries = dict(pod_files.names(fd))
+        for name, status in entries.items():
+            if name.startswith(STAGED_PREFIX):
+                step = pod_files.parse_int_name(name[len(STAGED_PREFIX):])
+                if step is not None and stat.S_ISDIR(status.st_mode):
+                    staged.append(step)
+                continue
+            step = pod_files.parse_int_name(name)
+            if step is None:
+                continue
+            if stat.S_ISDIR(status.st_mode):
+                committed.append(step)
+            elif stat.S_ISLNK(status.st_mode) and _is_adopted_marker(fd, name, step, entries):
+                committed.append(step)
+            else:
+                refused.append(step)
+    return StepScan(sorted(committed), sorted(staged), sorted(refused))
+
+
+def _is_adopted_marker(fd: int, name: str, step: int, entries: dict[str, os.stat_result]) -> bool:
+    try:
+        target = os.readlink(name, dir_fd=fd)
+    except OSError:
+        return False
+    found = entries.get(target)
+    return target == staged_name(step) and found is not None and stat.S_ISDIR(found.st_mode)
 
 
 def committed_steps(local_dir: str) -> list[int]:
-    """Steps committed in ``local_dir``: directories (or symlinks to them) named by an integer.
-
-    ``<step>.orbax-checkpoint-tmp`` directories are still being written and never count.
-    """
-    steps = []
-    for entry in os.scandir(local_dir):
-        if _STEP_DIR.match(entry.name) and entry.is_dir():
-            steps.append(int(entry.name))
-    return sorted(steps)
+    """Steps committed in ``local_dir`` (see ``scan_steps``)."""
+    return scan_steps(local_dir).committed
 
 
 def held_steps(local_dir: str) -> list[int]:
     """Committed steps plus steps staged for a restore marker: everything the dir holds."""
-    staged = [int(e.name[len(STAGED_PREFIX):]) for e in os.scandir(local_dir)
-              if e.name.startswith(STAGED_PREFIX) and e.name[len(STAGED_PREFIX):].isdigit() and e.is_dir()]  # fmt: skip
-    return sorted(set(committed_steps(local_dir)) | set(staged))
+    scan = scan_steps(local_dir)
+    return sorted(set(scan.committed) | set(scan.staged))
 
 
 def find_step_dir(local_dir: str, step: int) -> str | None:
-    """The directory holding ``step``: staged for a marker, or committed (possibly behind a symlink)."""
-    staged = staged_step_dir(local_dir, step)
-    if os.path.isdir(staged):
-        return staged
-    committed = os.path.join(local_dir, str(step))
-    return committed if os.path.isdir(committed) else None
+    """The real directory holding ``step``: staged for a marker, or committed. Never a symlink:
+    an adopted marker resolves to its staged directory."""
+    with pod_files.open_dir(local_dir) as fd:
+        for name in (staged_name(step), str(step)):
+            if pod_files.is_dir(fd, name):
+                return os.path.join(local_dir, name)
+    return None
 
 
 def logical_signature(files: dict[str, tuple[int, str]]) -> frozenset[tuple[str, int, str]]:

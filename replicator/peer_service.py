@@ -26,14 +26,13 @@ import json
 import os
 import re
 import shutil
-import stat
 import time
 from collections.abc import Callable
 
 from aiohttp import web
 
 from csi_driver.volume_request import DNS1123_LABEL
-from replicator import orbax_protocol
+from replicator import orbax_protocol, pod_files
 from replicator.job_meta import JobMeta
 from replicator.bearer import require_bearer
 from replicator.step_manifest import StepManifest, safe_relpath, verify_step
@@ -48,10 +47,6 @@ _STEP_PREFIX = "/v1/peer/jobs/{namespace}/{job}/ranks/{rank}/steps/{step}"
 
 def _fail(kind: type[web.HTTPException], message: str, **kwargs) -> web.HTTPException:
     return kind(text=json.dumps({"error": message}), content_type="application/json", **kwargs)
-
-
-def _is_within(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
 def _free_bytes(path: str) -> int:
@@ -156,26 +151,21 @@ def _upload_id(request: web.Request) -> str:
     return value
 
 
-def _open_inside(ramdisk: str, step_dir: str, rel: str) -> int:
-    """Opens ``step_dir/rel`` for reading if it is a regular file whose real path stays inside the step
-    directory, itself inside the ramdisk. The check is on the open descriptor, so a path swapped after
-    it cannot redirect the read.
+def _open_inside(step_dir: str, rel: str) -> int:
+    """Opens ``step_dir/rel`` for reading when every component is a real directory and the file a
+    regular file (``pod_files``: no symlink is followed, a FIFO never blocks).
 
     Raises:
-      HTTPBadRequest: it resolves outside, or is not a regular file.
-      HTTPNotFound: it cannot be opened (missing, a loop, a parent that is not a directory).
+      HTTPBadRequest: a component is a symlink or the file is not regular.
+      HTTPNotFound: it cannot be opened (missing, a parent that is not a directory).
     """
-    root = os.path.realpath(step_dir)
-    if not _is_within(root, os.path.realpath(ramdisk)):
-        raise _fail(web.HTTPBadRequest, "the step directory resolves outside the job's ramdisk")
-    try:  # O_NONBLOCK: a FIFO planted in a step must not block the agent
-        fd = os.open(os.path.join(root, rel), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        with pod_files.open_dir(step_dir) as root:
+            return pod_files.open_relative(root, rel)
+    except pod_files.UnsafeEntry as err:
+        raise _fail(web.HTTPBadRequest, f"{rel} is not a regular file inside the step directory: {err}") from None
     except OSError as err:
         raise _fail(web.HTTPNotFound, f"{rel} is listed but cannot be opened: {err.strerror}") from None
-    if not _is_within(os.readlink(f"/proc/self/fd/{fd}"), root) or not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise _fail(web.HTTPBadRequest, f"{rel} is not a regular file inside the step directory")
-    return fd
 
 
 class _DescriptorFileResponse(web.FileResponse):
@@ -267,7 +257,7 @@ class _PeerService:
         step_dir, manifest = self._located(ref)
         if rel not in manifest.files:
             raise _fail(web.HTTPNotFound, f"{rel} is not a file of rank {ref.rank} step {ref.step}")
-        return _DescriptorFileResponse(_open_inside(ref.ramdisk, step_dir, rel))
+        return _DescriptorFileResponse(_open_inside(step_dir, rel))
 
     async def put_file(self, request: web.Request) -> web.Response:
         ref, rel, upload_id = self._step_ref(request), _path_param(request), _upload_id(request)

@@ -11,6 +11,8 @@ import os
 
 import google_crc32c
 
+from replicator import pod_files
+
 _CHUNK_BYTES = 4 << 20
 
 
@@ -55,13 +57,20 @@ def safe_relpath(path: str) -> str:
     return path
 
 
+def _crc32c_fd(fd: int) -> str:
+    checksum = google_crc32c.Checksum()
+    while chunk := os.read(fd, _CHUNK_BYTES):
+        checksum.update(chunk)
+    return checksum.digest().hex()
+
+
 def file_crc32c(path: str) -> str:
     """CRC32C of a file's bytes, as 8 lowercase hex digits; reads in 4 MiB chunks."""
-    checksum = google_crc32c.Checksum()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK_BYTES):
-            checksum.update(chunk)
-    return checksum.digest().hex()
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return _crc32c_fd(fd)
+    finally:
+        os.close(fd)
 
 
 def file_sha256(path: str) -> str:
@@ -77,36 +86,53 @@ def file_sha256(path: str) -> str:
     return digest.hexdigest()
 
 
-def _walk_files(step_dir: str):
-    for directory, _, names in os.walk(step_dir):
-        for name in names:
-            path = os.path.join(directory, name)
-            yield os.path.relpath(path, step_dir).replace(os.sep, "/"), path
+def _checksums(step_dir: str) -> dict[str, tuple[int, str]]:
+    """relative path -> (size, CRC32C) of every regular file, walked without following any link
+    (``pod_files``): a planted symlink, FIFO or device raises instead of being read."""
+    found = {}
+    with pod_files.open_dir(step_dir) as root:
+        for rel, dir_fd, name, _ in pod_files.walk_files(root):
+            fd = pod_files.open_regular(dir_fd, name)
+            try:
+                found[rel] = (os.fstat(fd).st_size, _crc32c_fd(fd))
+            finally:
+                os.close(fd)
+    return found
 
 
 def build_manifest(step_dir: str, step: int, rank: int) -> StepManifest:
     """Checksums every regular file under ``step_dir``.
 
     Raises:
+      pod_files.UnsafeEntry: the step holds something other than regular files and directories.
       OSError: a file vanished or could not be read.
+      ValueError: the step holds no file at all (a vanished or empty directory proves nothing).
     """
-    return StepManifest(step, rank, {rel: (os.path.getsize(p), file_crc32c(p)) for rel, p in sorted(_walk_files(step_dir))})
+    files = _checksums(step_dir)
+    if not files:
+        raise ValueError(f"{step_dir} holds no files")
+    return StepManifest(step, rank, files)
 
 
 def verify_step(step_dir: str, manifest: StepManifest) -> list[str]:
-    """Compares ``step_dir`` with ``manifest``.
+    """Compares ``step_dir`` with ``manifest``, walking it as ``build_manifest`` does.
 
     Returns:
-      One line per problem (missing, unexpected, wrong size, checksum mismatch); empty when intact.
+      One line per problem (missing, unexpected, wrong size, checksum mismatch, an entry that is not
+      a regular file or directory, an empty manifest); empty when intact.
     """
-    found = dict(_walk_files(step_dir))
+    if not manifest.files:
+        return ["the manifest lists no files"]
+    try:
+        found = _checksums(step_dir)
+    except OSError as err:
+        return [f"unreadable: {err}"]
     problems = [f"unexpected file {rel}" for rel in sorted(set(found) - set(manifest.files))]
     for rel, (size, crc) in sorted(manifest.files.items()):
-        path = found.get(rel)
-        if path is None:
+        if rel not in found:
             problems.append(f"missing file {rel}")
-        elif os.path.getsize(path) != size:
-            problems.append(f"{rel}: {os.path.getsize(path)} bytes, expected {size}")
-        elif file_crc32c(path) != crc:
+        elif found[rel][0] != size:
+            problems.append(f"{rel}: {found[rel][0]} bytes, expected {size}")
+        elif found[rel][1] != crc:
             problems.append(f"{rel}: crc32c mismatch")
     return problems

@@ -81,6 +81,11 @@ def test_restore_marker_is_a_relative_symlink_orbax_can_rename(tmp_path):
 
 
 def test_errors_accumulate_until_orbax_consumes_them(tmp_path):
-    orbax_protocol.report_error(str(tmp_path), "first")
-    orbax_protocol.report_error(str(tmp_path), "second")
+    log_dir = tmp_path / "agent-owned"
+    log_dir.mkdir()
+    client = tmp_path / "client"
+    client.mkdir()
+    tmp_path = client
+    orbax_protocol.report_error(str(tmp_path), str(log_dir), "first")
+    orbax_protocol.report_error(str(tmp_path), str(log_dir), "second")
     assert (tmp_path / "replicator.errors").read_text() == "first\nsecond\n"

@@ -199,7 +199,7 @@ async def test_every_route_rejects_a_missing_or_wrong_token(peer, session, autho
     (f"{NS}/../ranks/0/steps/5/manifest", 400),
     (f"{NS}/%2E%2E/ranks/0/steps/5/files/own.bin", 400),
     (f"{NS}/{JOB}/ranks/0/steps/5/files/state/link", 400),  # a symlink out of the step
-    (f"{NS}/{JOB}/ranks/0/steps/9/files/data", 400),  # a step directory that is a symlink out of the ramdisk
+    (f"{NS}/{JOB}/ranks/0/steps/9/files/data", 404),  # a step directory that is a symlink: not a step held here
     (f"{NS}/{JOB}/ranks/0/steps/5/files/not-in-manifest", 404),
     (f"{NS}/{JOB}/ranks/0/steps/6/manifest", 404),
     ("other/train/steps", 404),
@@ -211,8 +211,11 @@ async def test_get_outside_the_ramdisk_is_refused_and_leaks_nothing(peer, sessio
     secret = write_tree(str(tmp_path / "outside"), {"secret.txt": SECRET, "data": SECRET})
     step_dir = os.path.join(peer.meta.client_dir, "5")
     write_tree(step_dir, {"own.bin": b"own data", "state/real": b"real"})
+    manifest = build_manifest(step_dir, 5, 0)
+    # The pod swaps a file for a symlink after the manifest was recorded.
     os.symlink(os.path.join(secret, "secret.txt"), os.path.join(step_dir, "state", "link"))
-    peer.meta.save_manifest(build_manifest(step_dir, 5, 0))  # the manifest lists the symlink: it is followed
+    link_entry = {"state/link": (len(SECRET), google_crc32c.value(SECRET).to_bytes(4, "big").hex())}
+    peer.meta.save_manifest(dataclasses.replace(manifest, files={**manifest.files, **link_entry}))
     os.symlink(secret, os.path.join(peer.meta.client_dir, "9"))
     peer.meta.save_manifest(build_manifest(secret, 9, 0))
 
@@ -230,7 +233,7 @@ async def test_fetch_of_a_step_symlinked_out_of_the_ramdisk_fails(peer, session,
     peer.meta.save_manifest(build_manifest(outside, 9, 0))
     dest = tmp_path / "fetched"
     dest.mkdir()
-    with pytest.raises(PeerFetchError, match="HTTP 400.*outside the job's ramdisk"):
+    with pytest.raises(PeerFetchError, match="HTTP 404.*not held here"):
         await fetch_step(session, peer.base_url, TOKEN, NS, JOB, 0, 9, str(dest))
 
 
