@@ -13,6 +13,7 @@ import socket
 import ssl
 import threading
 
+import psutil
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, Gauge, generate_latest
 
@@ -20,6 +21,7 @@ from csi_driver.identity import IdentityServicer
 from csi_driver.node import NodeServicer
 from csi_driver.ramdisk import RamdiskManager, make_backend
 from csi_driver.server import start_csi_server
+from csi_driver.volume_request import DEFAULT_MAX_NODES, VolumeLimits
 from replicator.backup_store import open_backup_store
 from replicator.bearer import read_token
 from replicator.node_replicator import NodeReplicator
@@ -55,6 +57,9 @@ class NodeConfig:
       peer_tls_ca: CA bundle (PEM) that peers' certificates are checked against, or None for the
         system's.
       backup_keep: complete backups kept per job.
+      max_nodes: the largest job (``nodes`` volume attribute) a publish accepts.
+      coordinator_ca: CA bundle (PEM) the coordinator's certificate is checked against, or None for
+        ``peer_tls_ca`` (then the system's).
       storage_emulator_host: a GCS emulator for ``gs://`` backups (``STORAGE_EMULATOR_HOST``), or None.
     """
 
@@ -76,6 +81,8 @@ class NodeConfig:
     peer_tls_key: str | None = None
     peer_tls_ca: str | None = None
     backup_keep: int = 3
+    max_nodes: int = DEFAULT_MAX_NODES
+    coordinator_ca: str | None = None
     storage_emulator_host: str | None = None
 
     def server_ssl(self) -> ssl.SSLContext | None:
@@ -96,6 +103,11 @@ class NodeConfig:
     def client_ssl(self) -> ssl.SSLContext | None:
         """The TLS context for calls to peers, or None for aiohttp's default."""
         return ssl.create_default_context(cafile=self.peer_tls_ca) if self.peer_tls_ca else None
+
+    def coordinator_ssl(self) -> ssl.SSLContext | None:
+        """The TLS context for calls to the coordinator, or None for aiohttp's default."""
+        cafile = self.coordinator_ca or self.peer_tls_ca
+        return ssl.create_default_context(cafile=cafile) if cafile else None
 
     def peer_token(self) -> str | None:
         """Reads the peer token; None when no file is configured.
@@ -137,7 +149,7 @@ class NodeAgent:
         self.replicator = (
             NodeReplicator(config.node_id, config.url, config.pod_address, config.topology, self.manager,
                            config.coordinator, self.peer_token, config.replicas, store, config.backup_keep,
-                           config.client_ssl())  # fmt: skip
+                           config.client_ssl(), config.coordinator_ssl())  # fmt: skip
             if config.coordinator
             else None
         )
@@ -168,7 +180,8 @@ class NodeAgent:
         identity = IdentityServicer(self.config.driver_name, self.ready)
         poke = (lambda *_: self.replicator.poke()) if self.replicator else (lambda *_: None)
         node = NodeServicer(
-            self.manager, self.config.node_id, self.config.topology, self.config.default_size_bytes, poke, poke
+            self.manager, self.config.node_id, self.config.topology, self.config.default_size_bytes,
+            VolumeLimits(self.config.max_nodes, psutil.virtual_memory().total), poke, poke,
         )
         csi_server = start_csi_server(self.config.csi_endpoint, identity, node)
         runner = web.AppRunner(self._make_http_app())

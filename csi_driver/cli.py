@@ -13,6 +13,7 @@ from csi_driver.agent import NodeConfig, run_node
 from csi_driver.identity import DEFAULT_DRIVER_NAME
 from csi_driver.quantity import parse_quantity
 from csi_driver.ramdisk import JobBusy, RamdiskManager, make_backend
+from csi_driver.volume_request import DEFAULT_MAX_NODES
 from replicator.bearer import read_token
 from replicator.coordinator import CoordinatorConfig, run_coordinator
 from replicator.status import fetch_status, render_status, request_restore_from
@@ -56,6 +57,8 @@ def _add_node(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--peer-tls-cert", help="serve the HTTP side over TLS with this certificate (PEM)")
     p.add_argument("--peer-tls-key", help="the certificate's private key (PEM)")
     p.add_argument("--peer-tls-ca", help="CA bundle (PEM) that peers' certificates are checked against")
+    p.add_argument("--coordinator-ca", help="CA bundle (PEM) the coordinator's certificate is checked against (default: --peer-tls-ca)")
+    p.add_argument("--max-nodes", type=int, default=DEFAULT_MAX_NODES, help="largest job (nodes attribute) accepted (default %(default)s)")
 
 
 def _run_node(args: argparse.Namespace) -> int:
@@ -79,6 +82,8 @@ def _run_node(args: argparse.Namespace) -> int:
             peer_tls_cert=args.peer_tls_cert,
             peer_tls_key=args.peer_tls_key,
             peer_tls_ca=args.peer_tls_ca,
+            coordinator_ca=args.coordinator_ca,
+            max_nodes=args.max_nodes,
             # The google-cloud-storage convention for emulators; read once, here at the edge.
             storage_emulator_host=os.environ.get("STORAGE_EMULATOR_HOST") if (args.backup or "").startswith("gs://") else None,
         )
@@ -150,10 +155,22 @@ def _add_coordinator(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--state-dir", help="keeps a snapshot to warm a restart; node reports rebuild everything anyway")
     p.add_argument("--node-timeout-seconds", type=float, default=15.0, help="a silent node is gone after this long")
     p.add_argument("--token-file", help="the cluster token (the node agents' --peer-token-file): required of callers")
+    p.add_argument("--insecure", action="store_true",
+                   help="run without --token-file: anyone who reaches the port can steer the cluster (one-machine experiments only)")
+    p.add_argument("--tls-cert", help="serve HTTPS with this certificate (PEM)")
+    p.add_argument("--tls-key", help="the certificate's private key (PEM)")
+    p.add_argument("--max-nodes", type=int, default=DEFAULT_MAX_NODES, help="largest job accepted in a report (default %(default)s)")
 
 
 def _run_coordinator(args: argparse.Namespace) -> int:
-    run_coordinator(CoordinatorConfig(args.listen, args.state_dir, args.node_timeout_seconds, args.token_file))
+    if (args.tls_cert is None) != (args.tls_key is None):
+        print("--tls-cert and --tls-key go together", file=sys.stderr)
+        return 2
+    if args.token_file is None and not args.insecure:
+        print("--token-file is required (the cluster token); pass --insecure to run without one on a one-machine experiment", file=sys.stderr)
+        return 2
+    run_coordinator(CoordinatorConfig(args.listen, args.state_dir, args.node_timeout_seconds, args.token_file,
+                                      args.tls_cert, args.tls_key, args.max_nodes))  # fmt: skip
     return 0
 
 
@@ -162,11 +179,12 @@ def _add_status(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--coordinator", required=True, help="coordinator base URL")
     p.add_argument("--job", help="only this job")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--ca", help="CA bundle (PEM) for an https:// coordinator")
 
 
 def _run_status(args: argparse.Namespace) -> int:
     try:
-        status = fetch_status(args.coordinator, args.job)
+        status = fetch_status(args.coordinator, args.job, args.ca)
     except OSError as err:
         print(f"UNAVAILABLE: coordinator {args.coordinator}: {err}", file=sys.stderr)
         return 1
@@ -180,6 +198,7 @@ def _add_restore_from(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--job", required=True, help="NAMESPACE/JOB")
     p.add_argument("--step", type=int, required=True)
     p.add_argument("--token-file", help="the cluster token, when the coordinator requires one")
+    p.add_argument("--ca", help="CA bundle (PEM) for an https:// coordinator")
 
 
 def _run_restore_from(args: argparse.Namespace) -> int:
@@ -189,7 +208,7 @@ def _run_restore_from(args: argparse.Namespace) -> int:
         return 2
     try:
         token = read_token(args.token_file) if args.token_file else None
-        error = request_restore_from(args.coordinator, namespace, job, args.step, token)
+        error = request_restore_from(args.coordinator, namespace, job, args.step, token, args.ca)
     except OSError as err:
         print(f"UNAVAILABLE: coordinator {args.coordinator}: {err}", file=sys.stderr)
         return 1

@@ -11,7 +11,7 @@ import grpc
 
 from csi_driver import ramdisk
 from csi_driver.ramdisk import RamdiskManager
-from csi_driver.volume_request import InvalidVolumeRequest, VolumeSpec, parse_volume_context
+from csi_driver.volume_request import InvalidVolumeRequest, VolumeLimits, VolumeSpec, parse_volume_context
 from protos import csi_pb2, csi_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
       node_id: this node's id (``--node-id``).
       topology: accessible topology segments (``--topology KEY=VALUE``).
       default_size_bytes: ramdisk size when the volume has no ``size`` attribute, bytes.
+      limits: bounds on the job's ``nodes`` and the ramdisk ``size``.
       on_publish: called with (target_path, VolumeSpec) after each successful publish.
       on_unpublish: called with target_path after each successful unpublish.
     """
@@ -46,6 +47,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         node_id: str,
         topology: dict[str, str],
         default_size_bytes: int,
+        limits: VolumeLimits,
         on_publish: Callable[[str, VolumeSpec], None] = lambda target, spec: None,
         on_unpublish: Callable[[str], None] = lambda target: None,
     ):
@@ -53,6 +55,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         self._node_id = node_id
         self._topology = topology
         self._default_size_bytes = default_size_bytes
+        self._limits = limits
         self._on_publish = on_publish
         self._on_unpublish = on_unpublish
 
@@ -66,7 +69,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         if request.volume_capability.HasField("block"):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "block access is not supported: the ramdisk is a filesystem")
         try:
-            spec = parse_volume_context(dict(request.volume_context), self._default_size_bytes)
+            spec = parse_volume_context(dict(request.volume_context), self._default_size_bytes, self._limits)
             self._manager.publish(request.volume_id, request.target_path, spec, readonly=request.readonly)
         except InvalidVolumeRequest as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))

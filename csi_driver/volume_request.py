@@ -18,9 +18,24 @@ EPHEMERAL_KEY = "csi.storage.k8s.io/ephemeral"
 DEFAULT_JAX_COORDINATOR_PORT = 8476
 
 # JobSet pods are named <jobset>-<replicatedJob>-<jobIndex>-<podIndex>-<suffix>.
-_JOBSET_POD_NAME = re.compile(r"^(?P<job>[a-z0-9-]+?)-(?P<slice>\d+)-(?P<worker>\d+)-(?P<suffix>[a-z0-9]+)$")
+_JOBSET_POD_NAME = re.compile(r"(?P<job>[a-z0-9-]+?)-(?P<slice>[0-9]{1,9})-(?P<worker>[0-9]{1,9})-(?P<suffix>[a-z0-9]+)", re.ASCII)
+_ASCII_INT = re.compile(r"[0-9]{1,9}", re.ASCII)
+DEFAULT_MAX_NODES = 100_000
 # Kubernetes names of namespaces and jobs; shared by everything that builds a path from one.
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+@dataclasses.dataclass(frozen=True)
+class VolumeLimits:
+    """Upper bounds a request is checked against before anything is computed from it.
+
+    Attributes:
+      max_nodes: the largest ``nodes`` accepted (``--max-nodes``).
+      max_size_bytes: the largest ``size`` accepted: the node's memory, bytes.
+    """
+
+    max_nodes: int = DEFAULT_MAX_NODES
+    max_size_bytes: int = 1 << 62
 
 
 class InvalidVolumeRequest(ValueError):
@@ -65,20 +80,19 @@ def _dns_label(name: str, value: str) -> str:
     return value
 
 
-def _integer(context: dict[str, str], name: str, default: int | None, minimum: int) -> int | None:
+def _integer(context: dict[str, str], name: str, default: int | None, minimum: int, maximum: int) -> int | None:
     raw = context.get(name)
     if raw is None:
         return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise InvalidVolumeRequest(f"volume attribute {name}={raw!r} is not an integer") from None
-    if value < minimum:
-        raise InvalidVolumeRequest(f"volume attribute {name}={raw!r} must be >= {minimum}")
+    if not _ASCII_INT.fullmatch(raw):  # int() would also take " 3", "1_000" and non-ASCII digits
+        raise InvalidVolumeRequest(f"volume attribute {name}={raw[:32]!r} is not an integer of at most 9 ASCII digits")
+    value = int(raw)
+    if not minimum <= value <= maximum:
+        raise InvalidVolumeRequest(f"volume attribute {name}={raw!r} must be between {minimum} and {maximum}")
     return value
 
 
-def parse_volume_context(context: dict[str, str], default_size_bytes: int) -> VolumeSpec:
+def parse_volume_context(context: dict[str, str], default_size_bytes: int, limits: VolumeLimits = VolumeLimits()) -> VolumeSpec:
     """Validates a ``NodePublishVolume`` ``volume_context``.
 
     Args:
@@ -87,6 +101,7 @@ def parse_volume_context(context: dict[str, str], default_size_bytes: int) -> Vo
         ``jaxCoordinatorPort`` (default 8476), and optionally ``slice`` / ``worker`` and ``jobset``
         (the DNS subdomain; default ``job``).
       default_size_bytes: the size used when ``size`` is absent, bytes.
+      limits: bounds on ``nodes`` and ``size``.
 
     Returns:
       The validated ``VolumeSpec``.
@@ -98,7 +113,7 @@ def parse_volume_context(context: dict[str, str], default_size_bytes: int) -> Vo
     if not pod_name:
         raise InvalidVolumeRequest(f"volume_context lacks {POD_NAME_KEY}: set podInfoOnMount: true on the CSIDriver")
     namespace = _dns_label("namespace", context.get(POD_NAMESPACE_KEY, "default"))
-    jobset_name = _JOBSET_POD_NAME.match(pod_name)
+    jobset_name = _JOBSET_POD_NAME.fullmatch(pod_name)
     job = context.get("job") or (jobset_name["job"] if jobset_name else "")
     if not job:
         raise InvalidVolumeRequest(
@@ -111,17 +126,15 @@ def parse_volume_context(context: dict[str, str], default_size_bytes: int) -> Vo
         size_bytes = default_size_bytes if raw_size is None else parse_quantity(raw_size)
     except ValueError as err:
         raise InvalidVolumeRequest(f"volume attribute size: {err}") from None
-    if size_bytes <= 0:
-        raise InvalidVolumeRequest(f"volume attribute size={raw_size!r} must be positive")
-    slices = _integer(context, "slices", 1, minimum=1)
-    nodes = _integer(context, "nodes", None, minimum=1)
+    if not 0 < size_bytes <= limits.max_size_bytes:
+        raise InvalidVolumeRequest(f"volume attribute size={raw_size!r} must be positive and at most the node's memory ({limits.max_size_bytes} bytes)")
+    nodes = _integer(context, "nodes", None, minimum=1, maximum=limits.max_nodes)
+    slices = _integer(context, "slices", 1, minimum=1, maximum=nodes or limits.max_nodes)
     if nodes is not None and nodes % slices:
         raise InvalidVolumeRequest(f"volume attribute nodes={nodes} is not a multiple of slices={slices}")
     default_slice = int(jobset_name["slice"]) if jobset_name else None
     default_worker = int(jobset_name["worker"]) if jobset_name else None
-    port = _integer(context, "jaxCoordinatorPort", DEFAULT_JAX_COORDINATOR_PORT, minimum=1)
-    if port > 65535:
-        raise InvalidVolumeRequest(f"volume attribute jaxCoordinatorPort={port} is not a TCP port")
+    port = _integer(context, "jaxCoordinatorPort", DEFAULT_JAX_COORDINATOR_PORT, minimum=1, maximum=65535)
     return VolumeSpec(
         namespace=namespace,
         job=job,
@@ -130,8 +143,8 @@ def parse_volume_context(context: dict[str, str], default_size_bytes: int) -> Vo
         size_bytes=size_bytes,
         nodes=nodes,
         slices=slices,
-        slice_index=_integer(context, "slice", default_slice, minimum=0),
-        worker_index=_integer(context, "worker", default_worker, minimum=0),
+        slice_index=_integer(context, "slice", default_slice, minimum=0, maximum=limits.max_nodes),
+        worker_index=_integer(context, "worker", default_worker, minimum=0, maximum=limits.max_nodes),
         jax_coordinator_port=port,
         subdomain=_dns_label("jobset", context.get("jobset") or job),
     )

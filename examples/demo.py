@@ -21,7 +21,7 @@ import tempfile
 import time
 
 from examples.local_cluster import LocalCluster, LocalJob, can_mount_tmpfs
-from replicator.status import fetch_status, render_status
+from replicator.status import render_status
 
 STEPS = 75
 SAVE_EVERY = 5
@@ -49,7 +49,7 @@ def step_events(job: LocalJob) -> dict[int, dict]:
 
 
 def job_status(cluster: LocalCluster, job: LocalJob) -> dict:
-    return fetch_status(cluster.coordinator.url, job.job)["jobs"][0]
+    return cluster.coordinator.status(job.job)["jobs"][0]
 
 
 def train_until(job: LocalJob, step: int) -> dict[int, dict]:
@@ -121,7 +121,7 @@ def main() -> int:
 
         job.wait_done(timeout=300)
         print()
-        print(render_status(fetch_status(cluster.coordinator.url, job.job)))
+        print(render_status(cluster.coordinator.status(job.job)))
         banner("report")
         print(f"{'failure':<14}{'restored':>9}{'lost':>6}{'to 1st step':>13}  {'sources (ranks)':<36}continued")
         for o in outcomes:

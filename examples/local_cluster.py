@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -24,6 +25,7 @@ from google.cloud import storage
 
 from csi_driver import kubelet, mounts
 from protos import csi_pb2, csi_pb2_grpc
+from replicator.status import fetch_status
 
 
 def unmount_all_below(prefix: str) -> None:
@@ -138,18 +140,49 @@ class NodeAgentProcess(_Stoppable):
             return ""
 
 
+def self_signed_certificate(directory: str, host: str = "127.0.0.1") -> tuple[str, str]:
+    """A certificate for ``host`` (an IP) and its key, made with ``openssl`` in ``directory``; the
+    certificate is its own CA. Returns (certificate path, key path)."""
+    cert, key = os.path.join(directory, "tls.crt"), os.path.join(directory, "tls.key")
+    if not os.path.exists(cert):
+        os.makedirs(directory, exist_ok=True)
+        subprocess.run(
+            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=mtc-local",
+             "-addext", f"subjectAltName=IP:{host}", "-keyout", key, "-out", cert],
+            check=True, capture_output=True,
+        )  # fmt: skip
+    return cert, key
+
+
 @dataclasses.dataclass
 class CoordinatorProcess(_Stoppable):
-    """One ``mtc coordinator`` process on loopback."""
+    """One ``mtc coordinator`` process on loopback.
+
+    Attributes:
+      tls: (certificate, key) to serve HTTPS with, the certificate being its own CA; None for HTTP.
+    """
 
     workdir: str
     listen: str
     extra_args: list[str] = dataclasses.field(default_factory=list)
+    tls: tuple[str, str] | None = None
     process: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"http://{self.listen}"
+        return f"{'https' if self.tls else 'http'}://{self.listen}"
+
+    @property
+    def ca_file(self) -> str | None:
+        return self.tls[0] if self.tls else None
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """What a client checks this coordinator's certificate with."""
+        return ssl.create_default_context(cafile=self.ca_file) if self.tls else None
+
+    def status(self, job: str | None = None) -> dict:
+        """``mtc status --json`` of this coordinator."""
+        return fetch_status(self.url, job, self.ca_file)
 
     @property
     def log_path(self) -> str:
@@ -162,8 +195,9 @@ class CoordinatorProcess(_Stoppable):
           RuntimeError: it exited or did not answer within ``timeout`` seconds.
         """
         os.makedirs(self.workdir, exist_ok=True)
+        tls = ["--tls-cert", self.tls[0], "--tls-key", self.tls[1]] if self.tls else []
         command = [sys.executable, "-m", "csi_driver.cli", "coordinator", "--listen", self.listen,
-                   "--state-dir", os.path.join(self.workdir, "state"), *self.extra_args]  # fmt: skip
+                   "--state-dir", os.path.join(self.workdir, "state"), *tls, *self.extra_args]  # fmt: skip
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
@@ -171,7 +205,7 @@ class CoordinatorProcess(_Stoppable):
             if self.process.poll() is not None:
                 raise RuntimeError(f"coordinator exited with {self.process.returncode}")
             try:
-                with urllib.request.urlopen(self.url + "/healthz", timeout=1):
+                with urllib.request.urlopen(self.url + "/healthz", timeout=1, context=self.ssl_context()):
                     return self
             except OSError:
                 time.sleep(0.05)
@@ -187,7 +221,9 @@ class LocalCluster:
       workdir: where every process keeps its root, socket and log.
       listen_address: ``host -> "HOST:PORT"``, a free address on that loopback host.
       replicas: ``--replicas`` of every agent.
-      peer_tier: give agents a peer token (replication, restore from peers).
+      peer_tier: give agents the cluster token (replication, restore from peers); without it the
+        coordinator runs ``--insecure``. The coordinator always serves HTTPS with a self-signed
+        certificate the agents are given as ``--coordinator-ca``.
       backup: ``--backup`` URL of every agent, or None.
       env: environment of the agents (e.g. ``STORAGE_EMULATOR_HOST``).
     """
@@ -204,8 +240,11 @@ class LocalCluster:
         os.makedirs(workdir, exist_ok=True)
         with open(self.token_file, "w", encoding="utf-8") as f:
             f.write(uuid.uuid4().hex + "\n")
-        self.coordinator = CoordinatorProcess(os.path.join(workdir, "coordinator"), listen_address("127.0.0.1"),
-                                              ["--node-timeout-seconds", "4", *(["--token-file", self.token_file] if peer_tier else [])])  # fmt: skip
+        self.coordinator = CoordinatorProcess(
+            os.path.join(workdir, "coordinator"), listen_address("127.0.0.1"),
+            ["--node-timeout-seconds", "4", *(["--token-file", self.token_file] if peer_tier else ["--insecure"])],
+            tls=self_signed_certificate(os.path.join(workdir, "tls")),
+        )  # fmt: skip
         self.agents: list[NodeAgentProcess] = []
 
     def start(self, nodes: int) -> "LocalCluster":
@@ -223,7 +262,7 @@ class LocalCluster:
             os.path.join(self.workdir, f"node-{index}"),
             self._listen_address(host),
             "tmpfs" if can_mount_tmpfs() else "dir",
-            ["--coordinator", self.coordinator.url, "--pod-address", host,
+            ["--coordinator", self.coordinator.url, "--coordinator-ca", self.coordinator.ca_file, "--pod-address", host,
              "--topology", f"block={block or f'b{index // 2}'}", "--replicas", str(self.replicas),
              *(["--peer-token-file", self.token_file] if self.peer_tier else []),
              *(["--backup", self.backup] if self.backup else [])],

@@ -8,20 +8,27 @@ import logging
 import re
 import uuid
 
+from prometheus_client import Counter
+
 from replicator import orbax_protocol, planner
 from replicator.messages import (
     Assignment,
     BackupOrder,
     JobSettings,
+    HeldStep,
     NodeReport,
     PodReport,
     ReplicateOrder,
     ReportReply,
     RestoreView,
     RetainOrder,
+    Source,
+    Target,
 )
 
 log = logging.getLogger(__name__)
+
+UNTRUSTED_CLAIMS = Counter("mtc_coordinator_untrusted_claims_total", "Held-step claims ignored: from a node never assigned the rank nor ordered to hold it")
 
 JobKey = tuple[str, str]
 _JOBSET_SUFFIX = re.compile(r"-[a-z0-9]+$")
@@ -79,6 +86,12 @@ class JobState:
       backup_pending: the step being backed up now, or None.
       last_backup_time: unix seconds the last backup completed (for ``backup-interval-minutes``).
       forced_step: a step an operator asked the next restore to use (``mtc restore-from``).
+      rank_nodes: rank -> nodes the coordinator assigned it to: only they are believed about that
+        rank's own data.
+      ordered: (rank, node) replica targets the coordinator chose: only they are believed about
+        replicas of that rank.
+      owner_files: (step, rank) -> the checksums the rank's own node reported: what every copy
+        restored for that rank must match, whoever serves it.
     """
 
     incarnation: Incarnation | None = None
@@ -89,6 +102,13 @@ class JobState:
     backup_pending_since: float = 0.0
     last_backup_time: float | None = None
     forced_step: int | None = None
+    rank_nodes: dict[int, set[str]] = dataclasses.field(default_factory=dict)
+    ordered: set[tuple[int, str]] = dataclasses.field(default_factory=set)
+    owner_files: dict[tuple[int, int], dict[str, tuple[int, str]]] = dataclasses.field(default_factory=dict)
+
+
+class NodeIdTaken(Exception):
+    """A report names a live node's id from another address: a second claimant is refused."""
 
 
 class UnknownIncarnation(LookupError):
@@ -115,10 +135,18 @@ class ClusterState:
     # -- reports -------------------------------------------------------------------------------
 
     def apply_report(self, report: NodeReport, now: float) -> ReportReply:
-        """Records a node's report; answers its pods' assignments and its replication and GC orders."""
-        self.nodes[report.node_id] = NodeState(report, now)
+        """Records a node's report; answers its pods' assignments and its replication and GC orders.
+
+        Raises:
+          NodeIdTaken: a live node of that id reports from another URL.
+        """
         self._now = now
         self.expire(now)
+        bound = self.nodes.get(report.node_id)
+        if bound is not None and bound.report.url != report.url:
+            raise NodeIdTaken(f"node id {report.node_id!r} is registered from {bound.report.url}, not {report.url}; "
+                              f"refused until it has been silent for {self.node_timeout_seconds:.0f} s")
+        self.nodes[report.node_id] = NodeState(report, now)
         for pod in report.pods:
             job = self.jobs.setdefault((pod.namespace, pod.job), JobState())
             if pod.settings is not None and pod.rank is not None:
@@ -126,6 +154,7 @@ class ClusterState:
         keys = {(p.namespace, p.job) for p in report.pods} | {(h.namespace, h.job) for h in report.held}
         for key in keys & set(self.jobs):
             self._reconcile(key)
+            self._record_owner_files(key, report)
         return ReportReply(
             assignments=tuple(a for p in report.pods if (a := self.assignment(p)) is not None),
             replicate=tuple(order for key in keys & set(self.jobs) for order in self._replicate_orders(key, report)),
@@ -163,6 +192,8 @@ class ClusterState:
         if live:
             job.incarnation = self._adopt(key, live) or self._assign(key, live)
             if job.incarnation is not None:
+                for rank, node in job.incarnation.node_of_rank.items():
+                    job.rank_nodes.setdefault(rank, set()).add(node)
                 log.info("job %s/%s: incarnation %s ranks %s", *key, job.incarnation.incarnation_id, job.incarnation.node_of_rank)
 
     def _adopt(self, key: JobKey, live: dict[str, tuple[PodReport, str]]) -> Incarnation | None:
@@ -201,13 +232,39 @@ class ClusterState:
                     ranks[held.rank] = max(ranks.get(held.rank, -1), held.step)
         return newest
 
+    def _believed(self, key: JobKey, node_id: str, held: HeldStep) -> bool:
+        """Whether a node's claim to hold a copy counts: its own data of a rank the coordinator
+        assigned it, or a replica the coordinator ordered it to hold. Anything else (an invented
+        node, a rank it never had) can neither make other nodes delete data nor serve a restore."""
+        job = self.jobs.get(key)
+        if job is None:
+            return False
+        if held.replica:
+            return (held.rank, node_id) in job.ordered
+        return node_id in job.rank_nodes.get(held.rank, ())
+
+    def _record_owner_files(self, key: JobKey, report: NodeReport) -> None:
+        job = self.jobs[key]
+        for held in report.held:
+            if (held.namespace, held.job) != key:
+                continue
+            if not self._believed(key, report.node_id, held):
+                UNTRUSTED_CLAIMS.inc()
+                log.warning("job %s/%s: ignoring node %s's claim to hold %s of rank %d step %d: not assigned or ordered",
+                            *key, report.node_id, "a replica" if held.replica else "the data", held.rank, held.step)  # fmt: skip
+            elif not held.replica:
+                job.owner_files.setdefault((held.step, held.rank), held.files)
+        steps = {c.step for c in self.copies(key, with_backups=False)} | self.backed_up(key)
+        for step, rank in [k for k in job.owner_files if k[0] not in steps]:
+            del job.owner_files[(step, rank)]
+
     def copies(self, key: JobKey, with_backups: bool = True) -> list[planner.StepCopy]:
-        """Every copy of the job's steps: held by live nodes and, optionally, complete backups."""
+        """Every believed copy of the job's steps: held by live nodes and, optionally, complete backups."""
         held = [
             planner.StepCopy(h.step, h.rank, node_id)
             for node_id, state in self.nodes.items()
             for h in state.report.held
-            if (h.namespace, h.job) == key
+            if (h.namespace, h.job) == key and self._believed(key, node_id, h)
         ]
         nodes = self._nodes_of(key)
         backups = [planner.StepCopy(step, rank, BACKUP_HOLDER, backup=True) for step in self.backed_up(key) for rank in range(nodes)]
@@ -221,8 +278,13 @@ class ClusterState:
         return next(iter(pods.values()))[0].nodes if pods else 0
 
     def backed_up(self, key: JobKey) -> set[int]:
-        """Complete backups of the job, as live nodes last listed them."""
-        return {step for s in self.nodes.values() for b in s.report.backed_up if (b.namespace, b.job) == key for step in b.steps}
+        """Complete backups of the job, as the live nodes it ran on last listed them."""
+        job = self.jobs.get(key)
+        members = set().union(*job.rank_nodes.values()) if job else set()
+        return {
+            step for node_id, s in self.nodes.items() if node_id in members
+            for b in s.report.backed_up if (b.namespace, b.job) == key for step in b.steps
+        }  # fmt: skip
 
     def _newest_complete(self, key: JobKey, with_backups: bool) -> int | None:
         nodes = self._nodes_of(key)
@@ -323,6 +385,7 @@ class ClusterState:
         if incarnation is None or not job.settings or self._data_parallelism(key) > 1:
             return []
         targets = planner.replica_targets(incarnation.node_of_rank, self._blocks(), report.replicas)
+        job.ordered.update((rank, node) for rank, nodes in targets.items() for node in nodes)
         holders: dict[tuple[int, int], set[str]] = {}
         for copy in self.copies(key):
             holders.setdefault((copy.rank, copy.step), set()).add(copy.holder)
@@ -333,7 +396,7 @@ class ClusterState:
                 continue
             missing = [t for t in targets[rank] if t not in holders.get((rank, max(own)), set()) and t in self.nodes]
             if missing:
-                urls = tuple({"node": t, "url": self.nodes[t].report.url} for t in missing)
+                urls = tuple(Target(t, self.nodes[t].report.url) for t in missing)
                 orders.append(ReplicateOrder(key[0], key[1], rank, max(own), urls))
         return orders
 
@@ -422,7 +485,7 @@ class ClusterState:
             self._replan(key, incarnation)
         plan = incarnation.plan
         sources = tuple(
-            {"tier": s.tier.name.lower(), "holder": s.holder, "url": self._url(s.holder), "data_rank": s.data_rank}
+            Source(s.tier.name.lower(), s.holder, self._url(s.holder), s.data_rank, self._expected_files(key, plan.step, s))
             for s in plan.sources.get(rank, ())
         )
         ready = plan.step is None or len(incarnation.staged) == len(incarnation.node_of_rank)
@@ -442,6 +505,18 @@ class ClusterState:
             raise LookupError(f"step {step} of {key[0]}/{key[1]} is not complete for every rank in any tier")
         self.jobs[key].forced_step = step
         log.warning("job %s/%s: the next restore will use step %d (operator request)", *key, step)
+
+    def _expected_files(self, key: JobKey, step: int, source: planner.Source) -> dict[str, tuple[int, str]] | None:
+        """The checksums a copy from ``source`` must match: those the data rank's own node reported.
+        Only if the coordinator never saw them (it restarted after that node was lost) are they the
+        ones the holder reported here; never what the holder serves at fetch time."""
+        owner = self.jobs[key].owner_files.get((step, source.data_rank))
+        if owner is not None or source.tier == planner.Tier.BACKUP:
+            return owner
+        log.warning("job %s/%s: owner checksums of rank %d step %d unknown; using %s's report", *key, source.data_rank, step, source.holder)
+        state = self.nodes.get(source.holder)
+        held = state.report.held if state else ()
+        return next((h.files for h in held if (h.namespace, h.job, h.step, h.rank) == (*key, step, source.data_rank)), None)
 
     def _url(self, holder: str) -> str | None:
         state = self.nodes.get(holder)

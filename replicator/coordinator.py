@@ -15,19 +15,22 @@ import dataclasses
 import json
 import logging
 import os
+import ssl
 import time
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Gauge, generate_latest
 
 from replicator.bearer import read_token, require_bearer
-from replicator.cluster_state import ClusterState, JobState, NotReady, UnknownIncarnation
-from replicator.messages import JobSettings, NodeReport, to_json
+from replicator.cluster_state import ClusterState, JobState, NodeIdTaken, NotReady, UnknownIncarnation
+from replicator.messages import MAX_RANKS, JobSettings, NodeReport, decode, to_json
 
 log = logging.getLogger(__name__)
 
 _STATE_KEY = web.AppKey("state", ClusterState)
 _CONFIG_KEY = web.AppKey("config", "CoordinatorConfig")
+# A report of a node holding 16k steps of 60 files stays well below this; anything larger is refused (413).
+MAX_BODY_BYTES = 256 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,14 +42,32 @@ class CoordinatorConfig:
       state_dir: where a snapshot of job settings is kept to warm a restart, or None. Only an
         accelerator: node reports rebuild everything.
       node_timeout_seconds: a node silent this long is gone, seconds.
-      token_file: the cluster's shared token (the peer token's Secret); when set, every route that
-        changes state or hands out a restore plan requires it. Status, health and metrics stay open.
+      token_file: the cluster's shared token (the peer token's Secret): every route that changes
+        state or hands out a restore plan requires it. Status, health and metrics stay open. None
+        runs open (``--insecure``), with a warning.
+      tls_cert, tls_key: serve HTTPS with this certificate (PEM files), or None for plain HTTP.
+      max_nodes: the largest job a report may describe (a pod's ``nodes``).
     """
 
     listen: str
     state_dir: str | None = None
     node_timeout_seconds: float = 15.0
     token_file: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    max_nodes: int = MAX_RANKS
+
+    def server_ssl(self) -> ssl.SSLContext | None:
+        """The TLS context to serve with, or None for plain HTTP.
+
+        Raises:
+          OSError, ssl.SSLError: the certificate or key cannot be loaded.
+        """
+        if self.tls_cert is None:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.tls_cert, self.tls_key)
+        return context
 
 
 class BadRequest(web.HTTPBadRequest):
@@ -74,17 +95,25 @@ def _not_found(err: Exception) -> web.HTTPNotFound:
 
 async def post_report(request: web.Request) -> web.Response:
     try:
-        report = NodeReport.from_json(await _json_body(request))
+        report = decode(await _json_body(request), NodeReport)
     except ValueError as err:
         raise BadRequest(str(err)) from None
-    reply = request.app[_STATE_KEY].apply_report(report, time.time())
+    max_nodes = request.app[_CONFIG_KEY].max_nodes
+    for index, pod in enumerate(report.pods):
+        if pod.nodes > max_nodes or pod.slices > pod.nodes:
+            raise BadRequest(f"pods[{index}]: nodes={pod.nodes} must be at most {max_nodes} and slices={pod.slices} at most nodes")
+    try:
+        reply = request.app[_STATE_KEY].apply_report(report, time.time())
+    except NodeIdTaken as err:
+        log.warning("refused a report from %s: %s", request.remote, err)
+        raise web.HTTPConflict(text=json.dumps({"error": str(err)}), content_type="application/json") from None
     return web.json_response(to_json(reply))
 
 
 async def post_settings(request: web.Request) -> web.Response:
     body = await _json_body(request)
     try:
-        settings = JobSettings.from_json(body.get("settings"))
+        settings = decode(body.get("settings"), JobSettings)
         incarnation, rank = str(body["incarnation"]), int(body["rank"])
     except (ValueError, KeyError, TypeError) as err:
         raise BadRequest(f"bad settings request: {err}") from None
@@ -153,7 +182,7 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[_STATE_KEY]
-    registry = CollectorRegistry()
+    registry = CollectorRegistry()  # the cluster view, computed now; the process's counters follow
     newest = Gauge("mtc_newest_complete_step", "Newest step complete for every rank", ["namespace", "job"], registry=registry)
     live = Gauge("mtc_live_nodes", "Node agents reporting", registry=registry)
     live.set(len(state.nodes))
@@ -161,7 +190,7 @@ async def metrics(request: web.Request) -> web.Response:
         step = state.newest_complete_step(key)
         if step is not None:
             newest.labels(*key).set(step)
-    return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    return web.Response(body=generate_latest(registry) + generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 def _snapshot_path(app: web.Application) -> str | None:
@@ -174,7 +203,7 @@ def _save_snapshot(app: web.Application) -> None:
     if path is None:
         return
     snapshot = [
-        {"namespace": ns, "job": job, "settings": {str(r): dataclasses.asdict(s) for r, s in state.settings.items()}}
+        {"namespace": ns, "job": job, "settings": {str(r): to_json(s) for r, s in state.settings.items()}}
         for (ns, job), state in app[_STATE_KEY].jobs.items()
     ]
     with open(path + ".tmp", "w", encoding="utf-8") as f:
@@ -190,20 +219,23 @@ def _load_snapshot(app: web.Application) -> None:
         with open(path, encoding="utf-8") as f:
             for item in json.load(f):
                 job = app[_STATE_KEY].jobs.setdefault((item["namespace"], item["job"]), JobState())
-                job.settings.update({int(r): JobSettings.from_json(s) for r, s in item["settings"].items()})
+                job.settings.update({int(r): decode(s, JobSettings) for r, s in item["settings"].items()})
     except (OSError, ValueError, KeyError) as err:
         log.warning("ignoring unreadable state snapshot %s: %s", path, err)
 
 
 def make_app(config: CoordinatorConfig) -> web.Application:
     """The coordinator's aiohttp application."""
-    app = web.Application()
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[_CONFIG_KEY] = config
     app[_STATE_KEY] = ClusterState(config.node_timeout_seconds)
     if config.state_dir:
         os.makedirs(config.state_dir, exist_ok=True)
         _load_snapshot(app)
     token = read_token(config.token_file) if config.token_file else None
+    if token is None:
+        log.warning("INSECURE: no --token-file; anyone who reaches %s can assign ranks, plan restores and order "
+                    "deletions. Use --insecure only on a one-machine experiment.", config.listen)  # fmt: skip
     guard = (lambda handler: require_bearer(handler, token)) if token else (lambda handler: handler)
     app.add_routes([
         web.post("/v1/report", guard(post_report)),
@@ -222,4 +254,4 @@ def run_coordinator(config: CoordinatorConfig) -> None:
     """Serves until SIGTERM or SIGINT."""
     host, _, port = config.listen.rpartition(":")
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-    web.run_app(make_app(config), host=host, port=int(port), print=None)
+    web.run_app(make_app(config), host=host, port=int(port), ssl_context=config.server_ssl(), print=None)

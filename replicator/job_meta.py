@@ -20,7 +20,7 @@ import uuid
 
 from replicator import orbax_protocol
 
-from replicator.messages import JobSettings
+from replicator.messages import JobSettings, decode, to_json
 from replicator.step_manifest import StepManifest
 
 META_DIR = "mtc"
@@ -155,7 +155,7 @@ class JobMeta:
         if raw.get("pod_uid") != pod_uid:
             return PodProgress(pod_uid)
         settings = raw.pop("settings")
-        return PodProgress(**raw, settings=None if settings is None else JobSettings.from_json(settings))
+        return PodProgress(**raw, settings=None if settings is None else decode(settings, JobSettings))
 
     def save_progress(self, progress: PodProgress) -> None:
-        _write_json(os.path.join(self.root, "assignment.json"), dataclasses.asdict(progress))
+        _write_json(os.path.join(self.root, "assignment.json"), to_json(progress))

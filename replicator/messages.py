@@ -1,52 +1,41 @@
-"""JSON messages between node agents and the coordinator, parsed into typed values at the edge.
+"""JSON messages between node agents and the coordinator: msgspec structs, decoded and validated at the edge.
 
-Every ``from_json`` raises ``ValueError`` naming the bad field, so a handler answers 400.
+``decode`` turns a body into a typed message or raises ``ValueError`` naming the bad field (msgspec's
+``... - at `$.held[3].files```), so a handler answers 400. Every list, map and string is bounded,
+so a report can neither exhaust the coordinator nor make it loop over an invented ``nodes``.
 """
 
-import dataclasses
-from typing import Any
+from typing import Annotated, Any, TypeVar
+
+import msgspec
+
+# Bounds of one message. A node holds a few jobs with a few steps each; Orbax steps hold tens of files.
+MAX_PODS = 1_024
+MAX_HELD = 16_384
+MAX_FILES = 100_000
+MAX_RANKS = 100_000
+MAX_LIST = 1_024
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=253)]
+Text = Annotated[str, msgspec.Meta(max_length=4_096)]
+Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANKS)]
+Count = Annotated[int, msgspec.Meta(ge=1, le=MAX_RANKS)]
+Step = Annotated[int, msgspec.Meta(ge=0, lt=(1 << 63) - 1)]
+FileEntry = tuple[Annotated[int, msgspec.Meta(ge=0)], Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{8}$")]]
+Files = Annotated[dict[Annotated[str, msgspec.Meta(max_length=4_096)], FileEntry], msgspec.Meta(max_length=MAX_FILES)]
+
+M = TypeVar("M")
 
 
-def _field(raw: dict, key: str, kind: type | tuple[type, ...], optional: bool = False) -> Any:
-    value = raw.get(key)
-    if value is None and optional:
-        return None
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise ValueError(f"field {key!r}: expected {getattr(kind, '__name__', kind)}, got {value!r}")
-    return value
-
-
-def _require_dict(raw: Any, what: str) -> dict:
-    if not isinstance(raw, dict):
-        raise ValueError(f"{what}: expected a JSON object")
-    return raw
-
-
-@dataclasses.dataclass(frozen=True)
-class JobSettings:
+class JobSettings(msgspec.Struct, frozen=True):
     """A job's settings from its consumed ``replicator.yaml`` (see ``orbax_protocol``)."""
 
-    peer_ranks: tuple[int, ...]
-    data_parallelism: int
-    backup_interval_minutes: float | None
-    backup_interval_steps: int | None
-
-    @classmethod
-    def from_json(cls, raw: Any) -> "JobSettings":
-        raw = _require_dict(raw, "settings")
-        peers = _field(raw, "peer_ranks", list)
-        if not all(isinstance(p, int) for p in peers):
-            raise ValueError(f"field 'peer_ranks': expected ranks, got {peers!r}")
-        return cls(
-            tuple(peers),
-            _field(raw, "data_parallelism", int),
-            _field(raw, "backup_interval_minutes", (int, float), optional=True),
-            _field(raw, "backup_interval_steps", int, optional=True),
-        )
+    peer_ranks: Annotated[tuple[Rank, ...], msgspec.Meta(max_length=MAX_RANKS)]
+    data_parallelism: Count
+    backup_interval_minutes: Annotated[float, msgspec.Meta(gt=0)] | None
+    backup_interval_steps: Annotated[int, msgspec.Meta(ge=1)] | None
 
 
-@dataclasses.dataclass(frozen=True)
-class PodReport:
+class PodReport(msgspec.Struct, frozen=True):
     """A pod published on the reporting node, with what the node knows of its rank.
 
     Attributes:
@@ -60,45 +49,23 @@ class PodReport:
       settings: its consumed ``replicator.yaml``, or None.
     """
 
-    namespace: str
-    job: str
-    pod_name: str
-    pod_uid: str
-    slice_index: int | None
-    worker_index: int | None
-    nodes: int
-    slices: int
-    jax_coordinator_port: int
-    subdomain: str
+    namespace: Name
+    job: Name
+    pod_name: Name
+    pod_uid: Text
+    slice_index: Rank | None
+    worker_index: Rank | None
+    nodes: Count
+    slices: Count
+    jax_coordinator_port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
+    subdomain: Name
     published_at: float
-    incarnation: str | None = None
-    rank: int | None = None
+    incarnation: Name | None = None
+    rank: Rank | None = None
     settings: JobSettings | None = None
 
-    @classmethod
-    def from_json(cls, raw: Any) -> "PodReport":
-        raw = _require_dict(raw, "pod")
-        settings = raw.get("settings")
-        return cls(
-            namespace=_field(raw, "namespace", str),
-            job=_field(raw, "job", str),
-            pod_name=_field(raw, "pod_name", str),
-            pod_uid=_field(raw, "pod_uid", str),
-            slice_index=_field(raw, "slice_index", int, optional=True),
-            worker_index=_field(raw, "worker_index", int, optional=True),
-            nodes=_field(raw, "nodes", int),
-            slices=_field(raw, "slices", int),
-            jax_coordinator_port=_field(raw, "jax_coordinator_port", int),
-            subdomain=_field(raw, "subdomain", str),
-            published_at=float(_field(raw, "published_at", (int, float))),
-            incarnation=_field(raw, "incarnation", str, optional=True),
-            rank=_field(raw, "rank", int, optional=True),
-            settings=None if settings is None else JobSettings.from_json(settings),
-        )
 
-
-@dataclasses.dataclass(frozen=True)
-class HeldStep:
+class HeldStep(msgspec.Struct, frozen=True):
     """A committed, checksummed step of one rank's data on the reporting node.
 
     Attributes:
@@ -106,43 +73,23 @@ class HeldStep:
       replica: True for a copy a peer pushed here, False for the node's own data.
     """
 
-    namespace: str
-    job: str
-    step: int
-    rank: int
-    files: dict[str, tuple[int, str]]
+    namespace: Name
+    job: Name
+    step: Step
+    rank: Rank
+    files: Files
     replica: bool = False
 
-    @classmethod
-    def from_json(cls, raw: Any) -> "HeldStep":
-        raw = _require_dict(raw, "held step")
-        files = _require_dict(raw.get("files"), "files")
-        return cls(
-            _field(raw, "namespace", str),
-            _field(raw, "job", str),
-            _field(raw, "step", int),
-            _field(raw, "rank", int),
-            {str(k): (int(v[0]), str(v[1])) for k, v in files.items()},
-            bool(raw.get("replica", False)),
-        )
 
-
-@dataclasses.dataclass(frozen=True)
-class BackedUp:
+class BackedUp(msgspec.Struct, frozen=True):
     """The steps of a job the backup tier holds complete (``COMMIT`` written), as the node last listed them."""
 
-    namespace: str
-    job: str
-    steps: tuple[int, ...]
-
-    @classmethod
-    def from_json(cls, raw: Any) -> "BackedUp":
-        raw = _require_dict(raw, "backed up")
-        return cls(_field(raw, "namespace", str), _field(raw, "job", str), tuple(int(s) for s in _field(raw, "steps", list)))
+    namespace: Name
+    job: Name
+    steps: Annotated[tuple[Step, ...], msgspec.Meta(max_length=MAX_LIST)]
 
 
-@dataclasses.dataclass(frozen=True)
-class NodeReport:
+class NodeReport(msgspec.Struct, frozen=True):
     """Everything a node agent tells the coordinator; sent on every change and as its heartbeat.
 
     Attributes:
@@ -157,34 +104,18 @@ class NodeReport:
       has_backup: whether the node has a backup tier (``--backup``).
     """
 
-    node_id: str
-    url: str
-    pod_address: str | None
-    topology: dict[str, str]
-    pods: tuple[PodReport, ...]
-    held: tuple[HeldStep, ...]
-    replicas: int = 1
-    backed_up: tuple[BackedUp, ...] = ()
+    node_id: Name
+    url: Text
+    pod_address: Text | None
+    topology: Annotated[dict[Name, Text], msgspec.Meta(max_length=64)]
+    pods: Annotated[tuple[PodReport, ...], msgspec.Meta(max_length=MAX_PODS)]
+    held: Annotated[tuple[HeldStep, ...], msgspec.Meta(max_length=MAX_HELD)]
+    replicas: Annotated[int, msgspec.Meta(ge=1, le=2)] = 1
+    backed_up: Annotated[tuple[BackedUp, ...], msgspec.Meta(max_length=MAX_PODS)] = ()
     has_backup: bool = False
 
-    @classmethod
-    def from_json(cls, raw: Any) -> "NodeReport":
-        raw = _require_dict(raw, "report")
-        return cls(
-            node_id=_field(raw, "node_id", str),
-            url=_field(raw, "url", str),
-            pod_address=_field(raw, "pod_address", str, optional=True),
-            topology={str(k): str(v) for k, v in _require_dict(raw.get("topology", {}), "topology").items()},
-            pods=tuple(PodReport.from_json(p) for p in _field(raw, "pods", list)),
-            held=tuple(HeldStep.from_json(h) for h in _field(raw, "held", list)),
-            replicas=_field(raw, "replicas", int, optional=True) or 1,
-            backed_up=tuple(BackedUp.from_json(b) for b in raw.get("backed_up", [])),
-            has_backup=bool(raw.get("has_backup", False)),
-        )
 
-
-@dataclasses.dataclass(frozen=True)
-class Assignment:
+class Assignment(msgspec.Struct, frozen=True):
     """A pod's place in its job's incarnation.
 
     Attributes:
@@ -193,52 +124,39 @@ class Assignment:
       jax_coordinator: ``host:port`` of rank 0's JAX coordinator.
     """
 
-    pod_uid: str
-    incarnation: str
-    rank: int
-    jax_coordinator: str
-
-    @classmethod
-    def from_json(cls, raw: Any) -> "Assignment":
-        raw = _require_dict(raw, "assignment")
-        return cls(_field(raw, "pod_uid", str), _field(raw, "incarnation", str), _field(raw, "rank", int), _field(raw, "jax_coordinator", str))
+    pod_uid: Text
+    incarnation: Name
+    rank: Rank
+    jax_coordinator: Text
 
 
-@dataclasses.dataclass(frozen=True)
-class ReplicateOrder:
-    """Push ``rank``'s ``step`` from the receiving node to ``targets`` (``{"node", "url"}`` each)."""
+class Target(msgspec.Struct, frozen=True):
+    """A node to push a replica to: its id and its peer service's base URL."""
 
-    namespace: str
-    job: str
-    rank: int
-    step: int
-    targets: tuple[dict, ...]
-
-    @classmethod
-    def from_json(cls, raw: Any) -> "ReplicateOrder":
-        raw = _require_dict(raw, "replicate")
-        targets = tuple(_require_dict(t, "target") for t in _field(raw, "targets", list))
-        return cls(_field(raw, "namespace", str), _field(raw, "job", str), _field(raw, "rank", int), _field(raw, "step", int), targets)
+    node: Name
+    url: Text
 
 
-@dataclasses.dataclass(frozen=True)
-class RetainOrder:
+class ReplicateOrder(msgspec.Struct, frozen=True):
+    """Push ``rank``'s ``step`` from the receiving node to ``targets``."""
+
+    namespace: Name
+    job: Name
+    rank: Rank
+    step: Step
+    targets: Annotated[tuple[Target, ...], msgspec.Meta(max_length=MAX_LIST)]
+
+
+class RetainOrder(msgspec.Struct, frozen=True):
     """Garbage collection: delete the job's steps and replicas older than ``keep_from``, except ``protected``."""
 
-    namespace: str
-    job: str
-    keep_from: int
-    protected: tuple[int, ...]
-
-    @classmethod
-    def from_json(cls, raw: Any) -> "RetainOrder":
-        raw = _require_dict(raw, "retain")
-        protected = _field(raw, "protected", list)
-        return cls(_field(raw, "namespace", str), _field(raw, "job", str), _field(raw, "keep_from", int), tuple(int(p) for p in protected))
+    namespace: Name
+    job: Name
+    keep_from: Step
+    protected: Annotated[tuple[Step, ...], msgspec.Meta(max_length=MAX_LIST)]
 
 
-@dataclasses.dataclass(frozen=True)
-class BackupOrder:
+class BackupOrder(msgspec.Struct, frozen=True):
     """Upload ``rank``'s own data of ``step`` to the backup tier.
 
     Attributes:
@@ -249,72 +167,73 @@ class BackupOrder:
       protected: backup steps retention must keep (a restore is using them).
     """
 
-    namespace: str
-    job: str
-    step: int
-    rank: int
-    incarnation: str
-    nodes: int
-    dedup_from_rank: int | None
-    protected: tuple[int, ...]
-
-    @classmethod
-    def from_json(cls, raw: Any) -> "BackupOrder":
-        raw = _require_dict(raw, "backup")
-        return cls(
-            _field(raw, "namespace", str), _field(raw, "job", str), _field(raw, "step", int), _field(raw, "rank", int),
-            _field(raw, "incarnation", str), _field(raw, "nodes", int), _field(raw, "dedup_from_rank", int, optional=True),
-            tuple(int(p) for p in _field(raw, "protected", list)),
-        )  # fmt: skip
+    namespace: Name
+    job: Name
+    step: Step
+    rank: Rank
+    incarnation: Name
+    nodes: Count
+    dedup_from_rank: Rank | None
+    protected: Annotated[tuple[Step, ...], msgspec.Meta(max_length=MAX_LIST)]
 
 
-@dataclasses.dataclass(frozen=True)
-class ReportReply:
+class ReportReply(msgspec.Struct, frozen=True):
     """The coordinator's answer to a ``NodeReport``: what the node's pods and data should do."""
 
     assignments: tuple[Assignment, ...]
-    replicate: tuple[ReplicateOrder, ...]
-    retain: tuple[RetainOrder, ...]
+    replicate: tuple[ReplicateOrder, ...] = ()
+    retain: tuple[RetainOrder, ...] = ()
     backup: tuple[BackupOrder, ...] = ()
 
-    @classmethod
-    def from_json(cls, raw: Any) -> "ReportReply":
-        raw = _require_dict(raw, "reply")
-        return cls(
-            tuple(Assignment.from_json(a) for a in _field(raw, "assignments", list)),
-            tuple(ReplicateOrder.from_json(r) for r in raw.get("replicate", [])),
-            tuple(RetainOrder.from_json(r) for r in raw.get("retain", [])),
-            tuple(BackupOrder.from_json(b) for b in raw.get("backup", [])),
-        )
+
+class Source(msgspec.Struct, frozen=True):
+    """One place a rank can restore its step from.
+
+    Attributes:
+      tier: ``local``, ``peer_close``, ``peer_distant`` or ``backup``.
+      holder: the node holding the copy, or ``backup``.
+      url: the holder's peer service base URL, or None.
+      data_rank: whose data the copy is (a data-parallel peer's for identical data).
+      files: the checksums the data rank's own node reported for the step (relative path ->
+        (size, CRC32C)): what a fetched copy must match, whoever serves it. None when the
+        coordinator does not know them (a backup: the store's manifest is checked instead).
+    """
+
+    tier: Name
+    holder: Name
+    url: Text | None
+    data_rank: Rank
+    files: Files | None = None
 
 
-@dataclasses.dataclass(frozen=True)
-class RestoreView:
+class RestoreView(msgspec.Struct, frozen=True):
     """What one rank must restore, as the coordinator sees it now.
 
     Attributes:
       generation: id of the current plan; a new one after a source failed everywhere.
       step: the step every rank restores, or None to start fresh.
-      sources: preference-ordered ``{"tier", "holder", "url", "data_rank"}`` for this rank.
+      sources: this rank's sources, in order of preference.
       ready: True once every rank has staged and verified the step: write the marker.
     """
 
-    generation: str
-    step: int | None
-    sources: tuple[dict, ...]
+    generation: Text
+    step: Step | None
+    sources: tuple[Source, ...]
     ready: bool
 
-    @classmethod
-    def from_json(cls, raw: Any) -> "RestoreView":
-        raw = _require_dict(raw, "restore")
-        return cls(
-            _field(raw, "generation", str),
-            _field(raw, "step", int, optional=True),
-            tuple(_require_dict(s, "source") for s in _field(raw, "sources", list)),
-            _field(raw, "ready", bool),
-        )
+
+def decode(raw: Any, kind: type[M]) -> M:
+    """Validates already-parsed JSON (``dict``/``list``) as message type ``kind``.
+
+    Raises:
+      ValueError: a field is missing, of the wrong type, or out of bounds; the message names it.
+    """
+    try:
+        return msgspec.convert(raw, kind)
+    except msgspec.ValidationError as err:
+        raise ValueError(str(err)) from None
 
 
 def to_json(message: Any) -> Any:
     """A message (or list of them) as plain JSON-ready values."""
-    return dataclasses.asdict(message) if dataclasses.is_dataclass(message) else [to_json(m) for m in message]
+    return msgspec.to_builtins(message)

@@ -36,9 +36,12 @@ from replicator.messages import (
     PodReport,
     ReportReply,
     RestoreView,
+    Source,
+    Target,
+    decode,
     to_json,
 )
-from replicator.step_manifest import build_manifest
+from replicator.step_manifest import StepManifest, build_manifest
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +86,7 @@ class CoordinatorClient:
             raise CoordinatorUnavailable(f"{method} {path}: {err!r}") from None
 
     async def report(self, report: NodeReport) -> ReportReply:
-        return ReportReply.from_json(await self._call("POST", "/v1/report", json=to_json(report)))
+        return decode(await self._call("POST", "/v1/report", json=to_json(report)), ReportReply)
 
     async def record_settings(self, disk: Ramdisk, progress: PodProgress, settings: JobSettings) -> None:
         payload = {"incarnation": progress.incarnation, "rank": progress.rank, "settings": to_json(settings)}
@@ -91,7 +94,7 @@ class CoordinatorClient:
 
     async def restore_view(self, disk: Ramdisk, progress: PodProgress) -> RestoreView:
         params = {"incarnation": progress.incarnation, "rank": str(progress.rank)}
-        return RestoreView.from_json(await self._call("GET", f"/v1/jobs/{disk.namespace}/{disk.job}/restore", params=params))
+        return decode(await self._call("GET", f"/v1/jobs/{disk.namespace}/{disk.job}/restore", params=params), RestoreView)
 
     async def report_staged(self, disk: Ramdisk, progress: PodProgress, generation: str, source: str | None, bad: list) -> None:
         payload = {"incarnation": progress.incarnation, "generation": generation, "rank": progress.rank, "source": source, "bad": bad}
@@ -101,6 +104,15 @@ class CoordinatorClient:
 def report_to_job(meta: JobMeta, message: str) -> None:
     """Appends ``message`` to the job's ``replicator.errors`` (its content kept in ``meta``)."""
     orbax_protocol.report_error(meta.client_dir, meta.root, message)
+
+
+def _differs_from_owner(manifest: StepManifest, source: Source) -> str | None:
+    """A problem when the checksums a copy was verified against are not those its owning rank
+    reported (carried in the plan); the bytes were checked against ``manifest``, so equal manifests
+    mean they match the owner's."""
+    if source.files is not None and manifest.files != source.files:
+        return f"crc32c mismatch: the copy on {source.holder} does not match the checksums rank {source.data_rank} reported"
+    return None
 
 
 def current_pod(disk: Ramdisk):
@@ -120,6 +132,7 @@ class NodeReplicator:
       backup_store: the backup tier, or None to run without it.
       backup_keep: complete backups to keep per job.
       peer_ssl: TLS context for calls to peers, or None for aiohttp's default.
+      coordinator_ssl: TLS context for calls to the coordinator, or None for aiohttp's default.
     """
 
     def __init__(
@@ -135,6 +148,7 @@ class NodeReplicator:
         backup_store: BackupStore | None = None,
         backup_keep: int = 3,
         peer_ssl: ssl.SSLContext | None = None,
+        coordinator_ssl: ssl.SSLContext | None = None,
     ):
         self.node_id = node_id
         self._url = url
@@ -144,6 +158,7 @@ class NodeReplicator:
         self._coordinator_url = coordinator_url
         self._peer_token = peer_token
         self._peer_ssl = peer_ssl
+        self._coordinator_ssl = coordinator_ssl
         self._replicas = replicas
         self._session: aiohttp.ClientSession | None = None
         self._pushes: dict[tuple, asyncio.Task] = {}
@@ -175,7 +190,8 @@ class NodeReplicator:
         peer_connector = aiohttp.TCPConnector(ssl=self._peer_ssl) if self._peer_ssl else None
         # Whole steps move over the peer session: no total timeout, a stalled read still fails.
         peer_timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=60)
-        async with aiohttp.ClientSession(timeout=timeout) as session, aiohttp.ClientSession(
+        coordinator_connector = aiohttp.TCPConnector(ssl=self._coordinator_ssl) if self._coordinator_ssl else None
+        async with aiohttp.ClientSession(connector=coordinator_connector, timeout=timeout) as session, aiohttp.ClientSession(
             connector=peer_connector, timeout=peer_timeout
         ) as peer_session:
             self._session = peer_session
@@ -253,15 +269,15 @@ class NodeReplicator:
         self._pushes = {k: t for k, t in self._pushes.items() if not t.done()}
         self._pushed = {k: t for k, t in self._pushed.items() if now - t < _PUSH_REPEAT_SECONDS}
         for target in order.targets:
-            key = (order.namespace, order.job, order.rank, order.step, target["node"])
-            lane = (order.namespace, order.job, target["node"])
+            key = (order.namespace, order.job, order.rank, order.step, target.node)
+            lane = (order.namespace, order.job, target.node)
             # The coordinator learns of a finished push only from the target's next report.
             if key in self._pushes or key in self._pushed or now - self._push_started.get(lane, -1e9) < _MIN_PUSH_INTERVAL_SECONDS:
                 continue
             self._push_started[lane] = now
             self._pushes[key] = asyncio.create_task(self._push(disk, order, target, key))
 
-    async def _push(self, disk: Ramdisk, order, target: dict, key: tuple) -> None:
+    async def _push(self, disk: Ramdisk, order, target: Target, key: tuple) -> None:
         """Pushes one committed step to one peer; the peer verifies it before it becomes visible."""
         meta = JobMeta(disk.path)
         located = meta.locate(order.rank, order.step)
@@ -272,14 +288,14 @@ class NodeReplicator:
         started = time.monotonic()
         try:
             step_dir, manifest = located
-            await push_step(self._session, target["url"], self._peer_token, disk.namespace, disk.job, step_dir, manifest)
+            await push_step(self._session, target.url, self._peer_token, disk.namespace, disk.job, step_dir, manifest)
             REPLICATED.labels("ok").inc()
             self._pushed[key] = time.monotonic()
             log.info("%s/%s: replicated step %d of rank %d to %s in %.2f s (%d bytes)", disk.namespace, disk.job,
-                     order.step, order.rank, target["node"], time.monotonic() - started, manifest.total_bytes)  # fmt: skip
+                     order.step, order.rank, target.node, time.monotonic() - started, manifest.total_bytes)  # fmt: skip
         except (PeerFetchError, OSError, aiohttp.ClientError, asyncio.TimeoutError) as err:
             REPLICATED.labels("failed").inc()
-            self._log_once(f"push-{target['node']}", f"replicating step {order.step} to {target['node']} failed: {err}")
+            self._log_once(f"push-{target.node}", f"replicating step {order.step} to {target.node} failed: {err}")
         finally:
             self._busy_steps.discard(busy)
 
@@ -382,8 +398,8 @@ class NodeReplicator:
                 view = await client.restore_view(disk, progress)
                 if view.step is not None and view.generation != staged_generation:
                     used, bad = await self._stage(disk, meta, progress, view)
-                    source = used["tier"] if used else "none"
-                    await client.report_staged(disk, progress, view.generation, used and f"{used['tier']}:{used['holder']}", bad)
+                    source = used.tier if used else "none"
+                    await client.report_staged(disk, progress, view.generation, used and f"{used.tier}:{used.holder}", bad)
                     staged_generation = view.generation
                     continue
             except CoordinatorUnavailable as err:
@@ -397,7 +413,7 @@ class NodeReplicator:
             await asyncio.sleep(_WATCH_INTERVAL_SECONDS)
         report_to_job(meta, f"restore did not complete within {_RESTORE_DEADLINE_SECONDS:.0f} s")
 
-    async def _stage(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress, view: RestoreView) -> tuple[dict | None, list]:
+    async def _stage(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress, view: RestoreView) -> tuple[Source | None, list]:
         """Stages the view's step from its first verified source.
 
         Returns:
@@ -406,48 +422,54 @@ class NodeReplicator:
         """
         bad = []
         for source in view.sources:
-            if source["holder"] == self.node_id and source["data_rank"] == progress.rank:
+            if source.holder == self.node_id and source.data_rank == progress.rank:
                 problems = await asyncio.to_thread(staging.stage_local, disk.client_dir, view.step, meta.manifests().get(view.step))
-            elif source["tier"] == "backup":
-                problems = await self._stage_from_backup(disk, meta, progress, view.step, source["data_rank"])
+            elif source.tier == "backup":
+                problems = await self._stage_from_backup(disk, meta, progress, view.step, source)
             else:
                 problems = await self._stage_from_peer(disk, meta, progress, view.step, source)
             if not problems:
                 log.info("%s/%s rank %d: staged step %d from %s %s (data of rank %d)", disk.namespace, disk.job,
-                         progress.rank, view.step, source["tier"], source["holder"], source["data_rank"])  # fmt: skip
+                         progress.rank, view.step, source.tier, source.holder, source.data_rank)  # fmt: skip
                 return source, bad
             if any("mismatch" in problem for problem in problems):
                 CORRUPT_COPIES.inc()
-            message = f"step {view.step} copy on {source['holder']} unusable: {'; '.join(problems[:3])}"
+            message = f"step {view.step} copy on {source.holder} unusable: {'; '.join(problems[:3])}"
             log.error("%s/%s rank %d: %s", disk.namespace, disk.job, progress.rank, message)
             report_to_job(meta, message)
-            bad.append((view.step, source["data_rank"], source["holder"]))
+            bad.append((view.step, source.data_rank, source.holder))
         return None, bad
 
-    async def _stage_from_peer(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress, step: int, source: dict) -> list[str]:
+    async def _stage_from_peer(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress, step: int, source: Source) -> list[str]:
         """Pulls a step from a peer (or this node's own replica) into the ramdisk, verified, then stages it."""
-        if self._peer_token is None or not source.get("url"):
-            return [f"peer tier unavailable for {source['holder']}"]
+        if self._peer_token is None or not source.url:
+            return [f"peer tier unavailable for {source.holder}"]
         incoming = meta.new_incoming_dir()
         try:
-            manifest = await fetch_step(self._session, source["url"], self._peer_token, disk.namespace, disk.job,
-                                        source["data_rank"], step, incoming)  # fmt: skip
+            manifest = await fetch_step(self._session, source.url, self._peer_token, disk.namespace, disk.job,
+                                        source.data_rank, step, incoming)  # fmt: skip
         except (PeerFetchError, OSError, aiohttp.ClientError, asyncio.TimeoutError) as err:
             shutil.rmtree(incoming, ignore_errors=True)
             return [str(err)]
+        if (problem := _differs_from_owner(manifest, source)) is not None:
+            shutil.rmtree(incoming, ignore_errors=True)
+            return [problem]
         await asyncio.to_thread(staging.install_staged, disk.client_dir, step, incoming)
         # Recorded as this rank's step: from now on this node serves it for this rank.
         meta.save_manifest(dataclasses.replace(manifest, rank=progress.rank))
         return []
 
-    async def _stage_from_backup(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress, step: int, data_rank: int) -> list[str]:
+    async def _stage_from_backup(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress, step: int, source: Source) -> list[str]:
         """Downloads a step from the backup tier into the ramdisk, verified, then stages it."""
         if self._backup is None:
             return ["no backup tier on this node (--backup)"]
         try:
-            verified, manifest = await self._backup.download(meta, disk.namespace, disk.job, step, data_rank)
+            verified, manifest = await self._backup.download(meta, disk.namespace, disk.job, step, source.data_rank)
         except (BackupError, OSError) as err:
             return [str(err)]
+        if (problem := _differs_from_owner(manifest, source)) is not None:
+            shutil.rmtree(verified, ignore_errors=True)
+            return [problem]
         await asyncio.to_thread(staging.install_staged, disk.client_dir, step, verified)
         meta.save_manifest(dataclasses.replace(manifest, rank=progress.rank))
         return []

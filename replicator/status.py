@@ -1,6 +1,7 @@
 """``mtc status``: the coordinator's view of jobs as a readable table."""
 
 import json
+import ssl
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -8,19 +9,24 @@ import urllib.request
 from replicator.bearer import auth_header
 
 
-def fetch_status(coordinator_url: str, job: str | None = None, timeout: float = 10.0) -> dict:
-    """GETs ``/v1/status`` from the coordinator.
+def _tls(ca_file: str | None) -> ssl.SSLContext | None:
+    return ssl.create_default_context(cafile=ca_file) if ca_file else None
+
+
+def fetch_status(coordinator_url: str, job: str | None = None, ca_file: str | None = None, timeout: float = 10.0) -> dict:
+    """GETs ``/v1/status`` from the coordinator (``ca_file``: CA bundle for an https:// URL).
 
     Raises:
       OSError: the coordinator is unreachable or answered an error.
     """
     query = "?" + urllib.parse.urlencode({"job": job}) if job else ""
-    with urllib.request.urlopen(coordinator_url.rstrip("/") + "/v1/status" + query, timeout=timeout) as response:
+    url = coordinator_url.rstrip("/") + "/v1/status" + query
+    with urllib.request.urlopen(url, timeout=timeout, context=_tls(ca_file)) as response:
         return json.load(response)
 
 
 def request_restore_from(coordinator_url: str, namespace: str, job: str, step: int, token: str | None = None,
-                         timeout: float = 10.0) -> str:  # fmt: skip
+                         ca_file: str | None = None, timeout: float = 10.0) -> str:  # fmt: skip
     """Asks the coordinator to restore ``step`` at the job's next restart (``token``: the cluster token).
 
     Returns:
@@ -33,7 +39,7 @@ def request_restore_from(coordinator_url: str, namespace: str, job: str, step: i
     headers = {"Content-Type": "application/json", **(auth_header(token) if token else {})}
     request = urllib.request.Request(url, data=json.dumps({"step": step}).encode(), method="POST", headers=headers)
     try:
-        with urllib.request.urlopen(request, timeout=timeout):
+        with urllib.request.urlopen(request, timeout=timeout, context=_tls(ca_file)):
             return ""
     except urllib.error.HTTPError as err:
         return f"HTTP {err.code}: {json.loads(err.read() or b'{}').get('error', err.reason)}"

@@ -8,7 +8,6 @@ import urllib.request
 import numpy as np
 
 from examples.local_cluster import LocalJob
-from replicator.status import fetch_status
 
 _jax_ports = itertools.count(28476 + (os.getpid() % 200) * 5)
 TRAIN = ["--steps", "30", "--save-interval-steps", "3", "--backup-interval-steps", "6"]
@@ -50,13 +49,13 @@ def assert_same_state(left_npz, right_npz):
         np.testing.assert_array_equal(left[key], right[key], err_msg=key)
 
 
-def scrape(url):
-    with urllib.request.urlopen(url + "/metrics") as response:
+def scrape(url, context=None):
+    with urllib.request.urlopen(url + "/metrics", context=context) as response:
         return response.read().decode()
 
 
 def newest_complete_step(coordinator, job):
-    jobs = fetch_status(coordinator.url, job)["jobs"]
+    jobs = coordinator.status(job)["jobs"]
     return jobs[0]["newest_complete_step"] if jobs else None
 
 

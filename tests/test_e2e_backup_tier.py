@@ -8,14 +8,13 @@ import subprocess
 import sys
 
 from replicator.orbax_protocol import ERRORS_FILE
-from replicator.status import fetch_status
 from tests.jobs import assert_same_state, by_event, losses, rerun, run_job, scrape, wait_until
 
 BUCKET_URL = "gs://ckpt/mtc"
 
 
 def status_of(cluster, job):
-    return fetch_status(cluster.coordinator.url, job.job)["jobs"][0]
+    return cluster.coordinator.status(job.job)["jobs"][0]
 
 
 def backups_settled(cluster, job):
@@ -94,7 +93,7 @@ def test_restore_from_rolls_back_to_an_older_backup(start_cluster, tmp_path):
     wait_until(lambda: backups_settled(cluster, job), 60, "backups settled")
     older = min(status_of(cluster, job)["backups"])
     mtc = [sys.executable, "-m", "csi_driver.cli", "restore-from", "--coordinator", cluster.coordinator.url,
-           "--token-file", cluster.token_file, "--job"]  # fmt: skip
+           "--ca", cluster.coordinator.ca_file, "--token-file", cluster.token_file, "--job"]  # fmt: skip
     refused = subprocess.run([*mtc, f"default/{job.job}", "--step", "7"], capture_output=True, text=True)
     assert refused.returncode == 1 and "HTTP 409" in refused.stderr and "step 7" in refused.stderr
     subprocess.run([*mtc, f"default/{job.job}", "--step", str(older)], check=True, capture_output=True)

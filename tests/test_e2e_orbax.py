@@ -11,7 +11,6 @@ import shutil
 import subprocess
 import sys
 
-from replicator.status import fetch_status
 from tests.jobs import assert_same_state, by_event, losses, newest_complete_step, rerun, run_job, scrape, wait_until
 
 def test_sigkilled_job_resumes_at_newest_complete_step_with_identical_values(cluster, tmp_path):
@@ -43,11 +42,11 @@ def test_sigkilled_job_resumes_at_newest_complete_step_with_identical_values(clu
         name = f"rank{rank}-step{expected}.npz"
         assert_same_state(tmp_path / "ref-dump" / name, tmp_path / "dump-2" / name)
         assert_same_state(tmp_path / "ref-dump" / "rank{}-step30.npz".format(rank), tmp_path / "dump-2" / f"rank{rank}-step30.npz")
-    status = fetch_status(coordinator.url, job.job)["jobs"][0]
+    status = coordinator.status(job.job)["jobs"][0]
     assert status["restore"]["step"] == expected
     assert set(status["restore"]["sources"].values()) == {f"local:node-{i}" for i in range(4)}
     job.wait(lambda: newest_complete_step(coordinator, job.job) == 30, 20, "final step reported")
-    assert 'mtc_newest_complete_step{job="run-slice",namespace="default"} 30.0' in scrape(coordinator.url)
+    assert 'mtc_newest_complete_step{job="run-slice",namespace="default"} 30.0' in scrape(coordinator.url, coordinator.ssl_context())
     node_metrics = scrape(agents[0].url)
     assert 'mtc_restore_seconds_count{source="local"} 1.0' in node_metrics
     assert 'mtc_newest_committed_step{job="run-slice",namespace="default",rank="0"} 30.0' in node_metrics
@@ -57,19 +56,19 @@ def test_coordinator_restart_mid_job_does_not_disturb_training(cluster, tmp_path
     coordinator, agents = cluster
     job = run_job("steady", agents, tmp_path / "steady", ["--step-sleep", "0.15"])
     job.wait(lambda: all(by_event(p, "saved") for p in job.pods), 180, "first save")
-    incarnation = fetch_status(coordinator.url, job.job)["jobs"][0]["incarnation"]
+    incarnation = coordinator.status(job.job)["jobs"][0]["incarnation"]
     coordinator.kill()
     job.wait(lambda: all(any(e["step"] >= 9 for e in by_event(p, "saved")) for p in job.pods), 60, "saves without coordinator")
     coordinator.start()
     job.wait_done(timeout=120)
     assert max(losses(job.pods)) == 30
     job.wait(lambda: newest_complete_step(coordinator, job.job) == 30, 20, "inventory rebuilt")
-    status = fetch_status(coordinator.url, job.job)["jobs"][0]
+    status = coordinator.status(job.job)["jobs"][0]
     assert status["incarnation"] == incarnation
     assert {r["rank"]: r["node"] for r in status["ranks"]} == {r: f"node-{r}" for r in range(4)}
-    mtc_status = [sys.executable, "-m", "csi_driver.cli", "status", "--coordinator", coordinator.url, "--job", job.job]
+    mtc_status = [sys.executable, "-m", "csi_driver.cli", "status", "--coordinator", coordinator.url, "--ca", coordinator.ca_file, "--job", job.job]
     table = subprocess.run(mtc_status, capture_output=True, text=True, check=True).stdout
     assert f"incarnation {incarnation}" in table and "newest complete step: 30" in table
     assert json.loads(subprocess.run([*mtc_status, "--json"], capture_output=True, text=True, check=True).stdout) == {
-        **fetch_status(coordinator.url, job.job)
+        **coordinator.status(job.job)
     }

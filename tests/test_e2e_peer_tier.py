@@ -11,7 +11,6 @@ import urllib.request
 import pytest
 
 from examples.local_cluster import unmount_all_below
-from replicator.status import fetch_status
 from tests.jobs import assert_same_state, by_event, losses, rerun, run_job, scrape, wait_until
 
 
@@ -20,7 +19,7 @@ LONG_RUN = ["--steps", "200", "--step-sleep", "0.2"]
 
 
 def status_of(cluster, job):
-    return fetch_status(cluster.coordinator.url, job.job)["jobs"][0]
+    return cluster.coordinator.status(job.job)["jobs"][0]
 
 
 def lose_node_and_resume(cluster, job, lost_index, tmp_path, steps):

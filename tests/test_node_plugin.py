@@ -108,12 +108,12 @@ def test_shrink_below_used_is_failed_precondition(start_agent, tmp_path):
 
 
 @requires_root
-def test_size_the_node_cannot_back_is_resource_exhausted(start_agent, tmp_path):
+def test_size_beyond_the_node_memory_is_invalid_argument(start_agent, tmp_path):
     agent = start_agent()
     with pytest.raises(grpc.RpcError) as err:
         publish(agent, tmp_path / "mount", size="64Ti")
-    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert str(64 << 40) in err.value.details() and "available" in err.value.details()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "size" in err.value.details() and "node's memory" in err.value.details()
     assert job_mounts(agent) == []
 
 

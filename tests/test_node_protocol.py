@@ -9,7 +9,6 @@ import pytest
 
 from csi_driver import kubelet
 from replicator.orbax_protocol import ERRORS_FILE, FAILED_FILE, JAX_INIT_INFO_FILE, REPLICATOR_FILE
-from replicator.status import fetch_status
 
 
 def wait_for(condition, timeout=20.0):
@@ -68,7 +67,7 @@ def test_invalid_replicator_yaml_fails_with_field_named_and_agent_keeps_running(
 def test_unreachable_coordinator_is_a_recoverable_error_and_retried(cluster, tmp_path):
     coordinator, agents = cluster
     targets = publish_job(agents, tmp_path)
-    before = fetch_status(coordinator.url, "hand-slice")["jobs"][0]["incarnation"]
+    before = coordinator.status("hand-slice")["jobs"][0]["incarnation"]
     coordinator.kill()
     for target in targets:
         (target / REPLICATOR_FILE).write_text(yaml_for(rank_of(target)))
@@ -79,7 +78,7 @@ def test_unreachable_coordinator_is_a_recoverable_error_and_retried(cluster, tmp
     # Soft state: the restarted coordinator rebuilds the same incarnation from node reports.
     assert wait_for(lambda: all(not (t / REPLICATOR_FILE).exists() for t in targets))
     assert wait_for(lambda: all(any(n.endswith(".restore") for n in os.listdir(t)) for t in targets))
-    assert fetch_status(coordinator.url, "hand-slice")["jobs"][0]["incarnation"] == before
+    assert coordinator.status("hand-slice")["jobs"][0]["incarnation"] == before
 
 
 def test_coordinator_requires_the_cluster_token_of_callers(start_cluster):
@@ -88,7 +87,7 @@ def test_coordinator_requires_the_cluster_token_of_callers(start_cluster):
     for headers, expected in [({}, 401), ({"Authorization": "Bearer wrong"}, 401), ({"Authorization": f"Bearer {token}"}, 400)]:
         request = urllib.request.Request(cluster.coordinator.url + "/v1/report", data=b"{}", method="POST", headers=headers)
         with pytest.raises(urllib.error.HTTPError) as err:
-            urllib.request.urlopen(request)
+            urllib.request.urlopen(request, context=cluster.coordinator.ssl_context())
         assert err.value.code == expected  # 400: past the token, an empty report is refused
     # The agent presents the token: its reports got through.
-    assert fetch_status(cluster.coordinator.url)["nodes"] == ["node-0"]
+    assert cluster.coordinator.status()["nodes"] == ["node-0"]

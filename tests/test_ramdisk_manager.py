@@ -1,13 +1,14 @@
 """RamdiskManager without a socket: recovery from the mount table, retention, and parsing."""
 
 import os
+import time
 
 import pytest
 
 from csi_driver import mounts
 from csi_driver.quantity import parse_quantity
-from csi_driver.ramdisk import JobBusy, RamdiskManager, TmpfsBackend, make_backend
-from csi_driver.volume_request import InvalidVolumeRequest, parse_volume_context
+from csi_driver.ramdisk import InsufficientMemory, JobBusy, RamdiskManager, TmpfsBackend, make_backend
+from csi_driver.volume_request import InvalidVolumeRequest, VolumeLimits, parse_volume_context
 from examples.local_cluster import unmount_all_below
 from tests.conftest import requires_root
 
@@ -86,6 +87,45 @@ def test_parse_quantity(text, expected):
 def test_parse_quantity_rejects(text):
     with pytest.raises(ValueError):
         parse_quantity(text)
+
+
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        ({"nodes": "1000000000"}, "nodes"),  # past --max-nodes: refused before anything loops over it
+        ({"nodes": "4", "slices": "8"}, "slices"),  # more slices than nodes
+        ({"nodes": "\u0663"}, "nodes"),  # an Arabic-Indic 3: int() would take it
+        ({"nodes": " 4"}, "nodes"),
+        ({"size": "1e99999999"}, "size"),  # Decimal would overflow (or spend seconds) on it
+        ({"size": "1" * 10_000}, "size"),
+        ({"size": "64Ti"}, "size"),  # more than the node's memory
+    ],
+)
+def test_unbounded_attributes_are_refused_quickly_naming_the_attribute(extra, named):
+    started = time.monotonic()
+    with pytest.raises(InvalidVolumeRequest, match=named):
+        parse_volume_context({"csi.storage.k8s.io/pod.name": "p", "job": "train", **extra}, 1 << 20, VolumeLimits(max_size_bytes=1 << 40))
+    assert time.monotonic() - started < 0.1
+
+
+def test_jobset_names_with_non_ascii_digits_are_not_jobset_names():
+    with pytest.raises(InvalidVolumeRequest, match="JobSet naming"):
+        parse_volume_context({"csi.storage.k8s.io/pod.name": "llama-slice-\u0661-3-x7k2p"}, 1 << 20)
+
+
+class SmallNodeBackend(TmpfsBackend):
+    """Stand-in for a node with 16 MiB of memory available (the check runs before any mount)."""
+
+    def memory_available(self) -> int:
+        return 16 << 20
+
+
+def test_size_the_node_cannot_back_now_is_insufficient_memory_naming_both_counts(tmp_path):
+    manager = RamdiskManager(str(tmp_path / "root"), SmallNodeBackend())
+    with pytest.raises(InsufficientMemory) as err:
+        manager.publish("vol-1", str(tmp_path / "target"), spec(size=64 << 20))
+    assert str(64 << 20) in str(err.value) and str(16 << 20) in str(err.value) and "available" in str(err.value)
+    assert manager.ramdisks() == {}
 
 
 def test_unknown_backend_is_refused():
