@@ -10,6 +10,7 @@ import urllib.request
 
 import pytest
 
+from csi_driver import kubelet
 from examples.local_cluster import unmount_all_below
 from tests.jobs import assert_same_state, by_event, losses, rerun, run_job, scrape, wait_until
 
@@ -104,14 +105,17 @@ VALID = object()  # stands for the cluster's real peer token
     [
         ("/v1/peer/jobs/default/x/steps", None, {401}),
         ("/v1/peer/jobs/default/x/steps", "wrong", {401}),
-        ("/v1/peer/jobs/default/x/ranks/0/steps/1/files/..%2F..%2F..%2Fstate.json", VALID, {400, 404}),
-        ("/v1/peer/jobs/..%2F..%2Fetc/x/steps", VALID, {400, 404}),
+        ("/v1/peer/jobs/default/x/ranks/0/steps/1/files/..%2F..%2F..%2Fstate.json", VALID, {400}),
+        ("/v1/peer/jobs/default/x/ranks/0/steps/1/files/%2Fetc%2Fpasswd", VALID, {400}),
+        ("/v1/peer/jobs/..%2F..%2Fetc/x/steps", VALID, {400}),
         ("/v1/peer/jobs/default/nojob/steps", VALID, {404}),
     ],
 )
-def test_peer_service_refuses_missing_token_and_traversal(start_cluster, path, token, statuses):
+def test_peer_service_refuses_missing_token_and_traversal(start_cluster, tmp_path, path, token, statuses):
     cluster = start_cluster(nodes=1)
     agent = cluster.agents[0]
+    # Job x exists on the node, so a refusal comes from the path guard, not from an unknown job.
+    kubelet.publish(agent.endpoint, str(tmp_path / "pod-x" / "mount"), "x-0", attributes={"job": "x", "nodes": "1", "size": "8Mi"})
     if token is VALID:
         token = open(cluster.token_file).read().strip()
     request = urllib.request.Request(agent.url + path, headers={"Authorization": f"Bearer {token}"} if token else {})
