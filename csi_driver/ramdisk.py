@@ -26,6 +26,7 @@ import psutil
 from csi_driver import mounts
 from csi_driver.quantity import format_bytes, parse_quantity
 from csi_driver.volume_request import VolumeSpec
+from replicator import pod_files
 from replicator.orbax_protocol import clear_previous_pod
 
 log = logging.getLogger(__name__)
@@ -252,12 +253,8 @@ class RamdiskManager:
         return ramdisks
 
     def _save(self, ramdisks: dict[tuple[str, str], Ramdisk]) -> None:
-        path = os.path.join(self.root, _STATE_FILE)
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            json.dump({"ramdisks": [dataclasses.asdict(d) for d in ramdisks.values()]}, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(path + ".tmp", path)
+        state = {"ramdisks": [dataclasses.asdict(d) for d in ramdisks.values()]}
+        pod_files.write_file_atomic(os.path.join(self.root, _STATE_FILE), json.dumps(state, indent=1).encode())
 
     # -- lifecycle ---------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ import time
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Gauge, generate_latest
 
+from replicator import pod_files
 from replicator.bearer import read_token, require_bearer
 from replicator.cluster_state import ClusterState, JobState, NodeIdTaken, NotReady, UnknownIncarnation
 from replicator.messages import MAX_RANKS, JobSettings, NodeReport, decode, to_json
@@ -206,9 +207,7 @@ def _save_snapshot(app: web.Application) -> None:
         {"namespace": ns, "job": job, "settings": {str(r): to_json(s) for r, s in state.settings.items()}}
         for (ns, job), state in app[_STATE_KEY].jobs.items()
     ]
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(snapshot, f)
-    os.replace(path + ".tmp", path)
+    pod_files.write_file_atomic(path, json.dumps(snapshot).encode())
 
 
 def _load_snapshot(app: web.Application) -> None:

@@ -18,7 +18,7 @@ import re
 import shutil
 import uuid
 
-from replicator import orbax_protocol
+from replicator import orbax_protocol, pod_files
 
 from replicator.messages import JobSettings, decode, to_json
 from replicator.step_manifest import StepManifest
@@ -49,9 +49,7 @@ class PodProgress:
 
 
 def _write_json(path: str, value) -> None:
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.write(value if isinstance(value, str) else json.dumps(value))
-    os.replace(path + ".tmp", path)
+    pod_files.write_file_atomic(path, (value if isinstance(value, str) else json.dumps(value)).encode())
 
 
 class JobMeta:

@@ -184,9 +184,14 @@ def write_symlink(dir_fd: int, name: str, target: str) -> None:
 
 
 def write_file_atomic(path: str, data: bytes) -> None:
-    """``write_atomic`` for a file named by path in an agent-owned directory (state, manifests)."""
-    with open_dir(os.path.dirname(path) or ".") as fd:
+    """``write_atomic`` for a file named by path in an agent-owned directory (state files,
+    manifests, snapshots): the one way the agent and the coordinator write a file that must
+    survive a crash whole or not at all."""
+    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
         write_atomic(fd, os.path.basename(path), data)
+    finally:
+        os.close(fd)
 
 
 def remove(dir_fd: int, name: str) -> bool:
