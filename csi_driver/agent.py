@@ -158,10 +158,14 @@ class NodeAgent:
         disk = self.manager.ramdisks().get((namespace, job))
         return disk.path if disk else None
 
+    def healthy(self) -> bool:
+        """Recovered and serving, and no replicator loop is wedged."""
+        return self.ready.is_set() and (self.replicator is None or self.replicator.healthy())
+
     def _make_http_app(self) -> web.Application:
         async def healthz(request: web.Request) -> web.Response:
-            status = 200 if self.ready.is_set() else 503
-            return web.json_response({"node": self.config.node_id, "ready": self.ready.is_set()}, status=status)
+            healthy = self.healthy()
+            return web.json_response({"node": self.config.node_id, "ready": healthy}, status=200 if healthy else 503)
 
         async def metrics(request: web.Request) -> web.Response:
             RAMDISK_BYTES.clear()
@@ -177,18 +181,19 @@ class NodeAgent:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serves until ``stop`` is set."""
-        identity = IdentityServicer(self.config.driver_name, self.ready)
+        identity = IdentityServicer(self.config.driver_name, self.healthy)
         poke = (lambda *_: self.replicator.poke()) if self.replicator else (lambda *_: None)
         node = NodeServicer(
             self.manager, self.config.node_id, self.config.topology, self.config.default_size_bytes,
             VolumeLimits(self.config.max_nodes, psutil.virtual_memory().total), poke, poke,
         )
+        # Recovery first: kubelet must never be served from a state file the mount table contradicts.
+        survivors = await asyncio.to_thread(self.manager.recover)
+        log.info("recovered %d ramdisk(s): %s", len(survivors), [f"{d.namespace}/{d.job}" for d in survivors])
         csi_server = start_csi_server(self.config.csi_endpoint, identity, node)
         runner = web.AppRunner(self._make_http_app())
         await runner.setup()
         try:
-            survivors = await asyncio.to_thread(self.manager.recover)
-            log.info("recovered %d ramdisk(s): %s", len(survivors), [f"{d.namespace}/{d.job}" for d in survivors])
             await web.TCPSite(runner, *self.config.host_port, ssl_context=self.config.server_ssl()).start()
             self.ready.set()
             log.info("node agent %s ready (HTTP on %s)", self.config.node_id, self.config.listen)

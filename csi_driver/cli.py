@@ -153,7 +153,10 @@ def _add_coordinator(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("coordinator", help="run the cluster's coordinator (ranks, restore plans)")
     p.add_argument("--listen", required=True, help="HOST:PORT")
     p.add_argument("--state-dir", help="keeps a snapshot to warm a restart; node reports rebuild everything anyway")
-    p.add_argument("--node-timeout-seconds", type=float, default=15.0, help="a silent node is gone after this long")
+    p.add_argument("--node-timeout-seconds", type=float, default=15.0,
+                   help="a node silent this long gets no orders and its copies do not count as safe (default 15)")
+    p.add_argument("--holder-grace-seconds", type=float, default=60.0,
+                   help="a silent node's copies are waited for as restore sources this long (default 60)")
     p.add_argument("--token-file", help="the cluster token (the node agents' --peer-token-file): required of callers")
     p.add_argument("--insecure", action="store_true",
                    help="run without --token-file: anyone who reaches the port can steer the cluster (one-machine experiments only)")
@@ -170,7 +173,7 @@ def _run_coordinator(args: argparse.Namespace) -> int:
         print("--token-file is required (the cluster token); pass --insecure to run without one on a one-machine experiment", file=sys.stderr)
         return 2
     run_coordinator(CoordinatorConfig(args.listen, args.state_dir, args.node_timeout_seconds, args.token_file,
-                                      args.tls_cert, args.tls_key, args.max_nodes))  # fmt: skip
+                                      args.tls_cert, args.tls_key, args.max_nodes, args.holder_grace_seconds))  # fmt: skip
     return 0
 
 

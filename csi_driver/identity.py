@@ -1,6 +1,6 @@
 """CSI Identity service: plugin name, capabilities and readiness."""
 
-import threading
+from collections.abc import Callable
 
 import grpc
 
@@ -15,10 +15,11 @@ class IdentityServicer(csi_pb2_grpc.IdentityServicer):
 
     Args:
       driver_name: the domain-style CSI driver name (``--driver-name``).
-      ready: set once the agent has rebuilt its state and can serve; ``Probe`` reports it.
+      ready: True once the agent has rebuilt its state and while its loops are not wedged;
+        ``Probe`` reports it, so the livenessprobe sidecar restarts a wedged agent.
     """
 
-    def __init__(self, driver_name: str, ready: threading.Event):
+    def __init__(self, driver_name: str, ready: Callable[[], bool]):
         self._driver_name = driver_name
         self._ready = ready
 
@@ -30,4 +31,4 @@ class IdentityServicer(csi_pb2_grpc.IdentityServicer):
         return csi_pb2.GetPluginCapabilitiesResponse(capabilities=[])
 
     def Probe(self, request, context: grpc.ServicerContext):
-        return csi_pb2.ProbeResponse(ready={"value": self._ready.is_set()})
+        return csi_pb2.ProbeResponse(ready={"value": self._ready()})

@@ -301,6 +301,11 @@ class RamdiskManager:
         key = (spec.namespace, spec.job)
         with self._locked() as ramdisks:
             disk = ramdisks.get(key)
+            if disk is not None and not self.backend.is_present(disk.path):
+                # Never bind the directory under a vanished tmpfs (after a reboot it is plain disk).
+                log.warning("ramdisk %s/%s is recorded but not mounted: creating it afresh", *key)
+                del ramdisks[key]
+                disk = None
             attached = disk is not None and self._attached(disk, target_path)
             if not attached:
                 self._check_target_free(target_path)

@@ -25,13 +25,17 @@ import google_crc32c
 from replicator import pod_files
 from replicator.bearer import auth_header
 from replicator.peer_service import UPLOAD_HEADER
-from replicator.step_manifest import StepManifest, safe_relpath
+from replicator.step_manifest import StepManifest, UnusableCopy, safe_relpath
 
 MiB = 1 << 20
 
 
 class PeerFetchError(Exception):
     """A peer could not serve or accept a step: connection or HTTP error, or data failing its checksums."""
+
+
+class UnusablePeerCopy(PeerFetchError, UnusableCopy):
+    """The peer's copy fails verification, or the peer does not hold it (HTTP 404/410)."""
 
 
 def _step_url(base_url: str, namespace: str, job: str, rank: int, step: int) -> str:
@@ -52,7 +56,8 @@ async def _raise_for(response: aiohttp.ClientResponse, what: str) -> None:
         message = detail["error"] + "".join(f"; {p}" for p in detail.get("problems", []))
     except (ValueError, KeyError, TypeError):
         message = text[:500]
-    raise PeerFetchError(f"{what}: HTTP {response.status}: {message}")
+    kind = UnusablePeerCopy if response.status in (404, 410) else PeerFetchError
+    raise kind(f"{what}: HTTP {response.status}: {message}")
 
 
 async def _run_all(jobs: list[Callable[[], Awaitable]], concurrency: int) -> list:
@@ -205,11 +210,11 @@ async def fetch_step(session: aiohttp.ClientSession, base_url: str, token: str, 
         for rel in manifest.files:
             safe_relpath(rel)
     except (ValueError, KeyError, TypeError) as err:
-        raise PeerFetchError(f"{url}/manifest: not a usable manifest: {err!r}") from None
+        raise UnusablePeerCopy(f"{url}/manifest: not a usable manifest: {err!r}") from None
     except (aiohttp.ClientError, asyncio.TimeoutError) as err:
         raise PeerFetchError(f"GET {url}/manifest: {err!r}") from None
     if (manifest.rank, manifest.step) != (rank, step):
-        raise PeerFetchError(f"{url}: the peer sent the manifest of rank {manifest.rank} step {manifest.step}")
+        raise UnusablePeerCopy(f"{url}: the peer sent the manifest of rank {manifest.rank} step {manifest.step}")
 
     await asyncio.to_thread(_create_files, dest_dir, manifest)
     ranges = [(rel, start, min(start + chunk_bytes, size))
@@ -226,7 +231,7 @@ async def fetch_step(session: aiohttp.ClientSession, base_url: str, token: str, 
         file_crcs[rel] = _crc32c_combine(file_crcs[rel], crc, end - start)
     problems = [f"{rel}: crc32c mismatch" for rel, (_, crc) in manifest.files.items() if f"{file_crcs[rel]:08x}" != crc]
     if problems:
-        raise PeerFetchError(f"rank {rank} step {step} from {base_url} fails verification: {'; '.join(problems)}")
+        raise UnusablePeerCopy(f"rank {rank} step {step} from {base_url} fails verification: {'; '.join(problems)}")
     return manifest
 
 

@@ -32,7 +32,7 @@ from typing import TypeVar
 
 from csi_driver.volume_request import DNS1123_LABEL
 from replicator import pod_files
-from replicator.step_manifest import StepManifest, file_sha256, safe_relpath, verify_step
+from replicator.step_manifest import StepManifest, UnusableCopy, file_sha256, safe_relpath, verify_step
 
 DEFAULT_WORKERS = 8
 RANGE_BYTES = 32 << 20  # one ranged read during a restore
@@ -46,6 +46,10 @@ T = TypeVar("T")
 
 class BackupError(Exception):
     """The backup store is unreachable, refused a request, or holds missing or corrupt data."""
+
+
+class UnusableBackup(BackupError, UnusableCopy):
+    """The backup of a step is incomplete (no ``COMMIT``, no manifest) or does not match its checksums."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -406,10 +410,10 @@ class BackupStore:
         """
         prefix = _step_prefix(job_key, step)
         if COMMIT not in self.objects.list(prefix):
-            raise BackupError(f"{self.url}/{prefix} has no {COMMIT}: step {step} is not restorable")
+            raise UnusableBackup(f"{self.url}/{prefix} has no {COMMIT}: step {step} is not restorable")
         stored = self.rank_manifest(job_key, step, rank)
         if stored is None:
-            raise BackupError(f"{self.url}/{prefix} has {COMMIT} but no manifest for rank {rank}")
+            raise UnusableBackup(f"{self.url}/{prefix} has {COMMIT} but no manifest for rank {rank}")
         if os.path.lexists(dest_dir):
             raise FileExistsError(f"{dest_dir} exists")
         parent, base = os.path.split(os.path.abspath(dest_dir))
@@ -429,7 +433,7 @@ class BackupStore:
             problems = verify_step(tmp, manifest)
             if problems:
                 more = f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""
-                raise BackupError(f"{self.url}/{prefix} rank {rank} does not match its manifest: "
+                raise UnusableBackup(f"{self.url}/{prefix} rank {rank} does not match its manifest: "
                                   f"{'; '.join(problems[:5])}{more}")
             os.rename(tmp, dest_dir)
             return manifest

@@ -42,10 +42,11 @@ _BACKUP_LISTING_GRACE_SECONDS = 60.0
 
 @dataclasses.dataclass
 class NodeState:
-    """The last report of a live node."""
+    """The last report of a node, and whether it has fallen silent since."""
 
     report: NodeReport
     last_seen: float
+    silent: bool = False
 
 
 @dataclasses.dataclass
@@ -122,15 +123,25 @@ class NotReady(Exception):
 class ClusterState:
     """Nodes, pods, held steps and job incarnations.
 
+    A silent node is not a lost pod: silence past ``node_timeout_seconds`` stops orders to the node
+    and its copies from counting toward safety (GC keeps more), but its pods stay in their
+    incarnation until they are unpublished or replaced, and its copies stay restore sources, after
+    the live ones, for ``holder_grace_seconds``: a frozen agent or a network blip costs no checkpoint.
+
     Args:
-      node_timeout_seconds: a node silent this long is considered gone, with its pods and data.
+      node_timeout_seconds: a node silent this long is silent: no orders, not counted as safe.
+      holder_grace_seconds: a silent node's data is given up (and the node forgotten once no
+        incarnation holds its pods) after this long.
     """
 
-    def __init__(self, node_timeout_seconds: float = 15.0):
+    def __init__(self, node_timeout_seconds: float = 15.0, holder_grace_seconds: float = 60.0):
         self.node_timeout_seconds = node_timeout_seconds
+        self.holder_grace_seconds = max(holder_grace_seconds, node_timeout_seconds)
         self.nodes: dict[str, NodeState] = {}
         self.jobs: dict[JobKey, JobState] = {}
-        self._now = 0.0  # time of the report being applied
+        self._warned_claims: set[tuple[str, JobKey]] = set()  # (node, job) whose unbelieved claims were logged
+        self._now = 0.0
+        self._started = float("inf")  # time of the first report: before it nothing is known  # time of the report being applied
 
     # -- reports -------------------------------------------------------------------------------
 
@@ -140,10 +151,9 @@ class ClusterState:
         Raises:
           NodeIdTaken: a live node of that id reports from another URL.
         """
-        self._now = now
         self.expire(now)
         bound = self.nodes.get(report.node_id)
-        if bound is not None and bound.report.url != report.url:
+        if bound is not None and self.is_live(report.node_id) and bound.report.url != report.url:
             raise NodeIdTaken(f"node id {report.node_id!r} is registered from {bound.report.url}, not {report.url}; "
                               f"refused until it has been silent for {self.node_timeout_seconds:.0f} s")
         self.nodes[report.node_id] = NodeState(report, now)
@@ -163,14 +173,37 @@ class ClusterState:
         )
 
     def expire(self, now: float) -> None:
-        """Forgets nodes that stopped reporting; their pods leave their incarnations."""
-        for node_id in [n for n, s in self.nodes.items() if now - s.last_seen > self.node_timeout_seconds]:
-            log.warning("node %s silent for %.0f s: forgetting its pods and data", node_id, now - self.nodes[node_id].last_seen)
-            del self.nodes[node_id]
+        """Marks nodes silent, and forgets those silent past the grace period whose pods no
+        incarnation holds (a lost node's pods leave their incarnation when they are replaced)."""
+        self._now = now
+        self._started = min(self._started, now)
+        in_use = {n for job in self.jobs.values() if job.incarnation for n in job.incarnation.node_of_rank.values()}
+        for node_id, state in list(self.nodes.items()):
+            silence = now - state.last_seen
+            if silence > self.holder_grace_seconds and node_id not in in_use:
+                log.warning("node %s silent for %.0f s: forgetting it and its data", node_id, silence)
+                del self.nodes[node_id]
+            elif silence > self.node_timeout_seconds and not state.silent:
+                state.silent = True
+                log.warning("node %s silent for %.0f s: no orders to it; its pods stay in their incarnation and its "
+                            "copies stay restore sources for %.0f s", node_id, silence, self.holder_grace_seconds)  # fmt: skip
         for key in list(self.jobs):
             self._reconcile(key)
 
+    def silence(self, node_id: str) -> float:
+        """Seconds since the node last reported (infinite for an unknown node)."""
+        state = self.nodes.get(node_id)
+        return self._now - state.last_seen if state else float("inf")
+
+    def is_live(self, node_id: str) -> bool:
+        return self.silence(node_id) <= self.node_timeout_seconds
+
+    def _holds_data(self, node_id: str) -> bool:
+        """Whether the node's copies still count as restore sources (silent less than the grace)."""
+        return self.silence(node_id) <= self.holder_grace_seconds
+
     def _live_pods(self, key: JobKey) -> dict[str, tuple[PodReport, str]]:
+        """The job's published pods: on every node the coordinator knows, live or silent."""
         return {
             pod.pod_uid: (pod, node_id)
             for node_id, state in self.nodes.items()
@@ -183,10 +216,13 @@ class ClusterState:
         live = self._live_pods(key)
         job.retired_pods &= set(live)  # a pod uid never comes back once its pod is gone
         current = job.incarnation
-        if current is not None and all(uid in live for uid in current.rank_of_pod):
-            return
         if current is not None:
-            log.info("job %s/%s: incarnation %s ended (a pod left)", *key, current.incarnation_id)
+            unpublished = [uid for uid in current.rank_of_pod if uid not in live]
+            replacements = [uid for uid in live if uid not in current.rank_of_pod and uid not in job.retired_pods]
+            if not unpublished and not replacements:
+                return
+            log.info("job %s/%s: incarnation %s ended (%s)", *key, current.incarnation_id,
+                     "a pod was unpublished" if unpublished else "a new pod replaces one of it")  # fmt: skip
             job.retired_pods.update(current.rank_of_pod)
             job.incarnation = None
         if live:
@@ -250,6 +286,9 @@ class ClusterState:
                 continue
             if not self._believed(key, report.node_id, held):
                 UNTRUSTED_CLAIMS.inc()
+                if (report.node_id, key) in self._warned_claims:
+                    continue
+                self._warned_claims.add((report.node_id, key))
                 log.warning("job %s/%s: ignoring node %s's claim to hold %s of rank %d step %d: not assigned or ordered",
                             *key, report.node_id, "a replica" if held.replica else "the data", held.rank, held.step)  # fmt: skip
             elif not held.replica:
@@ -258,14 +297,20 @@ class ClusterState:
         for step, rank in [k for k in job.owner_files if k[0] not in steps]:
             del job.owner_files[(step, rank)]
 
-    def copies(self, key: JobKey, with_backups: bool = True) -> list[planner.StepCopy]:
-        """Every believed copy of the job's steps: held by live nodes and, optionally, complete backups."""
+    def copies(self, key: JobKey, with_backups: bool = True, live_only: bool = False) -> list[planner.StepCopy]:
+        """Every believed copy of the job's steps and, optionally, complete backups.
+
+        Args:
+          live_only: only copies on live nodes (what safety and GC may count on); by default also
+            those of nodes silent for less than the grace period (restore sources).
+        """
+        counts = self.is_live if live_only else self._holds_data
         held = [
             planner.StepCopy(h.step, h.rank, node_id)
-            for node_id, state in self.nodes.items()
+            for node_id, state in self.nodes.items() if counts(node_id)
             for h in state.report.held
             if (h.namespace, h.job) == key and self._believed(key, node_id, h)
-        ]
+        ]  # fmt: skip
         nodes = self._nodes_of(key)
         backups = [planner.StepCopy(step, rank, BACKUP_HOLDER, backup=True) for step in self.backed_up(key) for rank in range(nodes)]
         return held + backups if with_backups else held
@@ -394,7 +439,7 @@ class ClusterState:
             own = [h.step for h in report.held if (h.namespace, h.job) == key and h.rank == rank]
             if node != report.node_id or not own:
                 continue
-            missing = [t for t in targets[rank] if t not in holders.get((rank, max(own)), set()) and t in self.nodes]
+            missing = [t for t in targets[rank] if t not in holders.get((rank, max(own)), set()) and self.is_live(t)]
             if missing:
                 urls = tuple(Target(t, self.nodes[t].report.url) for t in missing)
                 orders.append(ReplicateOrder(key[0], key[1], rank, max(own), urls))
@@ -410,16 +455,17 @@ class ClusterState:
             return None
         nodes = len(incarnation.node_of_rank)
         holders: dict[tuple[int, int], set[str]] = {}
-        for copy in self.copies(key):
+        for copy in self.copies(key, live_only=True):  # a silent node's copy may be gone: GC keeps more
             holders.setdefault((copy.step, copy.rank), set()).add(copy.holder)
         identical = self.identical(key)
-        wanted = 1 + min((s.report.replicas for s in self.nodes.values()), default=1)
+        live = [s for n, s in self.nodes.items() if self.is_live(n)]
+        wanted = 1 + min((s.report.replicas for s in live), default=1)
         for step in sorted({step for step, _ in holders}, reverse=True):
             if self._data_parallelism(key) > 1:
                 covered = {a for a, _ in identical.get(step, ())}
                 if all((step, r) in holders for r in range(nodes)) and covered >= set(range(nodes)):
                     return step
-            elif all(len(holders.get((step, r), ())) >= min(wanted, len(self.nodes)) for r in range(nodes)):
+            elif all(len(holders.get((step, r), ())) >= min(wanted, len(live)) for r in range(nodes)):
                 return step
         return None
 
@@ -471,9 +517,20 @@ class ClusterState:
         Raises:
           UnknownIncarnation: the incarnation or rank is not current.
           NotReady: nodes with a backup tier have not listed it yet (for up to 60 s): planning
-            without it could start a job from scratch that a backup would have resumed.
+            without it could start a job from scratch that a backup would have resumed. Or the
+            coordinator started less than a node timeout ago: a holder that has not reported yet
+            would make the plan choose an older step.
         """
+        self.expire(now)
         incarnation = self._incarnation(key, incarnation_id, rank)
+        if incarnation.plan is None and now - self._started < self.node_timeout_seconds:
+            raise NotReady(f"the coordinator started {now - self._started:.0f} s ago; waiting for every node's report")
+        if incarnation.plan is not None and rank not in incarnation.staged and incarnation.plan.step is not None:
+            sources = incarnation.plan.sources.get(rank, ())
+            if sources and not any(s.tier == planner.Tier.BACKUP or self._holds_data(s.holder) for s in sources):
+                log.warning("job %s/%s rank %d: every holder of step %d silent past the grace period; replanning",
+                            *key, rank, incarnation.plan.step)  # fmt: skip
+                self._replan(key, incarnation)
         if incarnation.plan is None:
             unlisted = [
                 node for node in incarnation.node_of_rank.values()
@@ -484,9 +541,11 @@ class ClusterState:
                 raise NotReady(f"waiting for {', '.join(sorted(unlisted))} to list the backup tier")
             self._replan(key, incarnation)
         plan = incarnation.plan
+        # Live holders first; a silent one (within the grace period) is waited for only when needed.
+        planned = sorted(plan.sources.get(rank, ()), key=lambda s: s.tier != planner.Tier.BACKUP and not self.is_live(s.holder))
         sources = tuple(
             Source(s.tier.name.lower(), s.holder, self._url(s.holder), s.data_rank, self._expected_files(key, plan.step, s))
-            for s in plan.sources.get(rank, ())
+            for s in planned
         )
         ready = plan.step is None or len(incarnation.staged) == len(incarnation.node_of_rank)
         if ready and plan.step is not None and plan.step == self.jobs[key].forced_step:
@@ -537,12 +596,14 @@ class ClusterState:
         log.info("job %s/%s incarnation %s: restore step %s", *key, incarnation.incarnation_id, incarnation.plan.step)
 
     def report_staged(
-        self, key: JobKey, incarnation_id: str, generation: str, rank: int, source: str | None, bad: list[tuple[int, int, str]]
+        self, key: JobKey, incarnation_id: str, generation: str, rank: int, source: str | None,
+        bad: list[tuple[int, int, str]], retrying: bool = False,
     ) -> None:
-        """Records a rank's staging result: the source it used (``tier:holder``), or None when
-        every source failed, and the copies it could not use (corrupt or unreachable). Those are
-        never planned again; a rank left without a source replans the whole job, to an older
-        step if need be.
+        """Records a rank's staging result: the source it used (``tier:holder``), or None when no
+        source served, and the copies proven unusable (a checksum mismatch, or the holder no longer
+        has it). Those are never planned again. A copy that was merely unreachable is not in
+        ``bad``: the rank retries it (``retrying``) and nothing is replanned. Only a rank left with
+        no source but proven-unusable ones replans the whole job, to an older step if need be.
 
         Raises:
           UnknownIncarnation: the incarnation or rank is not current.
@@ -556,8 +617,8 @@ class ClusterState:
         if source is not None:
             incarnation.staged.add(rank)
             incarnation.used_sources[rank] = source
-            return
-        self._replan(key, incarnation)
+        elif not retrying:
+            self._replan(key, incarnation)
 
     # -- views ---------------------------------------------------------------------------------
 
@@ -598,4 +659,5 @@ class ClusterState:
                 "backup_pending": job.backup_pending,
                 "forced_step": job.forced_step,
             })  # fmt: skip
-        return {"nodes": sorted(self.nodes), "jobs": jobs}
+        return {"nodes": sorted(n for n in self.nodes if self.is_live(n)),
+                "silent_nodes": sorted(n for n in self.nodes if not self.is_live(n)), "jobs": jobs}

@@ -5,7 +5,8 @@ Routes (JSON; errors are ``{"error": "..."}``):
 - ``POST /v1/report``: a node agent's ``NodeReport``; answers a ``ReportReply``.
 - ``POST /v1/jobs/{namespace}/{job}/settings``: ``{"incarnation", "rank", "settings"}``.
 - ``GET  /v1/jobs/{namespace}/{job}/restore?incarnation=I&rank=R``: a ``RestoreView``.
-- ``POST /v1/jobs/{namespace}/{job}/restore``: ``{"incarnation", "generation", "rank", "source", "bad": [[step, rank, holder]]}``.
+- ``POST /v1/jobs/{namespace}/{job}/restore``: ``{"incarnation", "generation", "rank", "source", "bad": [[step, rank, holder]],
+  "retrying"}``: ``retrying`` when the rank will try unreachable sources again (no replan).
 - ``POST /v1/jobs/{namespace}/{job}/restore-from``: ``{"step"}``; the next restore uses that step
   (a rollback); 409 when no tier holds it complete.
 - ``GET  /v1/status[?job=NAME]``, ``GET /healthz``, ``GET /metrics``.
@@ -42,7 +43,9 @@ class CoordinatorConfig:
       listen: ``HOST:PORT``.
       state_dir: where a snapshot of job settings is kept to warm a restart, or None. Only an
         accelerator: node reports rebuild everything.
-      node_timeout_seconds: a node silent this long is gone, seconds.
+      node_timeout_seconds: a node silent this long is silent: no orders to it, its copies not counted
+        as safe; its pods stay in their incarnation until unpublished or replaced, seconds.
+      holder_grace_seconds: a silent node's copies stay restore sources (waited for) this long, seconds.
       token_file: the cluster's shared token (the peer token's Secret): every route that changes
         state or hands out a restore plan requires it. Status, health and metrics stay open. None
         runs open (``--insecure``), with a warning.
@@ -57,6 +60,7 @@ class CoordinatorConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     max_nodes: int = MAX_RANKS
+    holder_grace_seconds: float = 60.0
 
     def server_ssl(self) -> ssl.SSLContext | None:
         """The TLS context to serve with, or None for plain HTTP.
@@ -146,10 +150,11 @@ async def post_restore(request: web.Request) -> web.Response:
         bad = [(int(step), int(rank), str(holder)) for step, rank, holder in body.get("bad", [])]
         source = None if body.get("source") is None else str(body["source"])
         args = (str(body["incarnation"]), str(body["generation"]), int(body["rank"]))
+        retrying = bool(body.get("retrying", False))
     except (ValueError, KeyError, TypeError) as err:
         raise BadRequest(f"bad restore report: {err}") from None
     try:
-        request.app[_STATE_KEY].report_staged(_job_key(request), *args, source, bad)
+        request.app[_STATE_KEY].report_staged(_job_key(request), *args, source, bad, retrying)
     except UnknownIncarnation as err:
         raise _not_found(err) from None
     return web.json_response({"ok": True})
@@ -183,10 +188,11 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[_STATE_KEY]
+    state.expire(time.time())
     registry = CollectorRegistry()  # the cluster view, computed now; the process's counters follow
     newest = Gauge("mtc_newest_complete_step", "Newest step complete for every rank", ["namespace", "job"], registry=registry)
     live = Gauge("mtc_live_nodes", "Node agents reporting", registry=registry)
-    live.set(len(state.nodes))
+    live.set(sum(map(state.is_live, state.nodes)))
     for key in state.jobs:
         step = state.newest_complete_step(key)
         if step is not None:
@@ -227,7 +233,7 @@ def make_app(config: CoordinatorConfig) -> web.Application:
     """The coordinator's aiohttp application."""
     app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[_CONFIG_KEY] = config
-    app[_STATE_KEY] = ClusterState(config.node_timeout_seconds)
+    app[_STATE_KEY] = ClusterState(config.node_timeout_seconds, config.holder_grace_seconds)
     if config.state_dir:
         os.makedirs(config.state_dir, exist_ok=True)
         _load_snapshot(app)

@@ -36,6 +36,8 @@ class PodProgress:
       incarnation, rank, jax_coordinator: its assignment, once known.
       jax_init_written: ``jax-init-info.txt`` was written for this assignment.
       settings: the settings its ``replicator.yaml`` carried, once consumed.
+      handing_over: the step whose hand-over (clearing newer steps, writing the marker) began,
+        -1 for a fresh start; a replay after a crash must not clear again.
       restore_done: the restore marker was written.
     """
 
@@ -45,6 +47,7 @@ class PodProgress:
     jax_coordinator: str | None = None
     jax_init_written: bool = False
     settings: JobSettings | None = None
+    handing_over: int | None = None
     restore_done: bool = False
 
 

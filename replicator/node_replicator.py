@@ -41,7 +41,7 @@ from replicator.messages import (
     decode,
     to_json,
 )
-from replicator.step_manifest import StepManifest, build_manifest
+from replicator.step_manifest import StepManifest, UnusableCopy, build_manifest
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +51,22 @@ REPLICATOR_YAML = Counter("mtc_replicator_yaml_total", "replicator.yaml files co
 CORRUPT_COPIES = Counter("mtc_corrupt_copies_total", "Step copies that failed checksum verification")
 REPLICATED = Counter("mtc_replicated_steps_total", "Steps pushed to a peer", ["result"])
 REFUSED_STEPS = Counter("mtc_refused_steps_total", "Committed steps refused: they hold a symlink, FIFO, device or socket, or cannot be walked")
+LOOP_ERRORS = Counter("mtc_replicator_loop_errors_total", "Errors caught in the replicator's loops, which carried on", ["loop"])
 GC_DELETED = Counter("mtc_gc_deleted_steps_total", "Steps and replicas deleted by garbage collection")
 
 _REPORT_INTERVAL_SECONDS = 1.0
+# A loop that has not completed a pass for this long is wedged: /healthz and CSI Probe say so, and
+# the DaemonSet's livenessprobe restarts the agent. Well above the longest legitimate pass (a 10 s
+# report timeout plus GC of a few steps).
+_WEDGED_AFTER_SECONDS = 120.0
+_ROUND = "report-round"
 _WATCH_INTERVAL_SECONDS = 0.2
 _RESTORE_DEADLINE_SECONDS = 270.0  # Orbax waits 300 s for the marker
 _ERROR_REPEAT_SECONDS = 30.0
+# An unreachable restore source (a restarting agent, a frozen node, a network blip) is retried with
+# this backoff for as long as Orbax waits; only a proven mismatch gives a copy up.
+_RETRY_FIRST_SECONDS = 1.0
+_RETRY_MAX_SECONDS = 10.0
 _PUSH_REPEAT_SECONDS = 30.0
 # Replicas of a step are superseded by the next one: a job saving faster than this replicates
 # only its newest step, so the agent's CPU use stays bounded however often the job saves.
@@ -96,14 +106,25 @@ class CoordinatorClient:
         params = {"incarnation": progress.incarnation, "rank": str(progress.rank)}
         return decode(await self._call("GET", f"/v1/jobs/{disk.namespace}/{disk.job}/restore", params=params), RestoreView)
 
-    async def report_staged(self, disk: Ramdisk, progress: PodProgress, generation: str, source: str | None, bad: list) -> None:
-        payload = {"incarnation": progress.incarnation, "generation": generation, "rank": progress.rank, "source": source, "bad": bad}
+    async def report_staged(self, disk: Ramdisk, progress: PodProgress, generation: str, source: str | None, bad: list,
+                            retrying: bool = False) -> None:  # fmt: skip
+        payload = {"incarnation": progress.incarnation, "generation": generation, "rank": progress.rank, "source": source,
+                   "bad": bad, "retrying": retrying}  # fmt: skip
         await self._call("POST", f"/v1/jobs/{disk.namespace}/{disk.job}/restore", json=payload)
 
 
 def report_to_job(meta: JobMeta, message: str) -> None:
     """Appends ``message`` to the job's ``replicator.errors`` (its content kept in ``meta``)."""
     orbax_protocol.report_error(meta.client_dir, meta.root, message)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Failed:
+    """Why a source did not serve; ``unusable`` when that is proven (a checksum mismatch, the copy
+    is gone), False when it was merely unreachable and is worth retrying."""
+
+    problems: list[str]
+    unusable: bool
 
 
 def _differs_from_owner(manifest: StepManifest, source: Source) -> str | None:
@@ -175,6 +196,7 @@ class NodeReplicator:
         self._workers: dict[tuple[str, str], asyncio.Task] = {}
         self._last_error: dict[str, float] = {}
         self._refused: dict[tuple[str, str], set[int]] = {}  # steps never to checksum again, per job
+        self._beats: dict[object, float] = {_ROUND: time.monotonic()}  # loop -> when it last completed a pass
 
     def poke(self) -> None:
         """Asks for a report now; safe to call from any thread (the gRPC servicer's)."""
@@ -199,12 +221,12 @@ class NodeReplicator:
             try:
                 while not stop.is_set():
                     self._wake.clear()
-                    disks = await asyncio.to_thread(self._manager.ramdisks)
-                    if self._backup and (self._listing is None or self._listing.done()):
-                        # In the background: a store outage must not hold up reports and restores.
-                        self._listing = asyncio.create_task(self._backup.refresh({k: d.path for k, d in disks.items()}))
-                    await self._report(client, disks)
-                    self._sync_workers(client, disks)
+                    try:
+                        await self._round(client)
+                    except Exception as err:  # one bad job or one bug must not stop every job on the node
+                        LOOP_ERRORS.labels("report").inc()
+                        log.exception("replicator round failed, carrying on: %r", err)
+                    self._beats[_ROUND] = time.monotonic()
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self._wake.wait(), _REPORT_INTERVAL_SECONDS)
             finally:
@@ -214,6 +236,20 @@ class NodeReplicator:
                 await asyncio.gather(*tasks, return_exceptions=True)
                 if self._backup:
                     await self._backup.stop()
+
+    async def _round(self, client: CoordinatorClient) -> None:
+        disks = await asyncio.to_thread(self._manager.ramdisks)
+        if self._backup and (self._listing is None or self._listing.done()):
+            # In the background: a store outage must not hold up reports and restores.
+            self._listing = asyncio.create_task(self._backup.refresh({k: d.path for k, d in disks.items()}))
+        await self._report(client, disks)
+        self._sync_workers(client, disks)
+
+    def healthy(self) -> bool:
+        """False when the report loop or a job's worker has not completed a round for
+        ``_WEDGED_AFTER_SECONDS``: the agent is wedged and its livenessprobe should restart it."""
+        now = time.monotonic()
+        return all(now - beat < _WEDGED_AFTER_SECONDS for beat in self._beats.values())
 
     # -- reporting -----------------------------------------------------------------------------
 
@@ -338,11 +374,21 @@ class NodeReplicator:
                 self._workers[key] = asyncio.create_task(self._watch(client, key), name=f"watch-{key[0]}-{key[1]}")
 
     async def _watch(self, client: CoordinatorClient, key: tuple[str, str]) -> None:
-        while True:
-            disk = (await asyncio.to_thread(self._manager.ramdisks)).get(key)
-            spec = current_pod(disk) if disk else None
-            if spec is None:
-                return
+        try:
+            while await self._watch_once(client, key):
+                self._beats[key] = time.monotonic()
+                await asyncio.sleep(_WATCH_INTERVAL_SECONDS)
+        finally:
+            self._beats.pop(key, None)
+
+    async def _watch_once(self, client: CoordinatorClient, key: tuple[str, str]) -> bool:
+        """One pass over a job's ramdisk; False once no pod has it published. An error is logged,
+        counted and retried on the next pass: it never stops the job's protocol for good."""
+        disk = (await asyncio.to_thread(self._manager.ramdisks)).get(key)
+        spec = current_pod(disk) if disk else None
+        if spec is None:
+            return False
+        try:
             meta = JobMeta(disk.path)
             progress = meta.progress(spec.pod_uid)
             progress = self._apply_assignment(disk, meta, progress)
@@ -351,7 +397,10 @@ class NodeReplicator:
             if progress.settings is not None and not progress.restore_done:
                 await self._restore(client, disk, meta, progress)
             await self._detect_commits(disk, meta, progress)
-            await asyncio.sleep(_WATCH_INTERVAL_SECONDS)
+        except Exception as err:
+            LOOP_ERRORS.labels("job").inc()
+            self._log_once(f"watch-{key}", f"{key[0]}/{key[1]}: error in the job's protocol loop, retrying: {err!r}")
+        return True
 
     def _apply_assignment(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress) -> PodProgress:
         """Writes ``jax-init-info.txt`` for a new assignment; returns the pod's progress after it."""
@@ -391,99 +440,138 @@ class NodeReplicator:
         log.info("%s/%s rank %d: consumed replicator.yaml %s", disk.namespace, disk.job, progress.rank, settings)
 
     async def _restore(self, client, disk: Ramdisk, meta: JobMeta, progress: PodProgress) -> None:
+        if progress.handing_over is not None:  # staged and agreed before a crash: finish the hand-over only
+            await asyncio.to_thread(self._hand_over, disk, meta, progress, None if progress.handing_over < 0 else progress.handing_over, "resumed")
+            return
         started = time.monotonic()
-        staged_generation, source = None, "none"
+        staged_generation, source, backoff = None, "none", _RETRY_FIRST_SECONDS
+        unusable: set[tuple[str, str, int]] = set()  # (generation, holder, data rank) proven unusable here
         while time.monotonic() - started < _RESTORE_DEADLINE_SECONDS:
+            self._beats[(disk.namespace, disk.job)] = time.monotonic()
             try:
                 view = await client.restore_view(disk, progress)
                 if view.step is not None and view.generation != staged_generation:
-                    used, bad = await self._stage(disk, meta, progress, view)
+                    used, bad, unreachable = await self._stage(disk, meta, progress, view, unusable)
+                    unusable.update((view.generation, holder, rank) for _, rank, holder in bad)
+                    if used is None and unreachable:
+                        # Transient is not corrupt: report only proven-bad copies, retry the rest.
+                        if bad:
+                            await client.report_staged(disk, progress, view.generation, None, bad, retrying=True)
+                        self._log_once(f"restore-retry-{disk.job}", f"step {view.step}: sources unreachable "
+                                       f"({'; '.join(unreachable[:3])}); retrying in {backoff:.0f} s", meta)  # fmt: skip
+                        await asyncio.sleep(backoff)
+                        backoff = min(2 * backoff, _RETRY_MAX_SECONDS)
+                        continue
                     source = used.tier if used else "none"
                     await client.report_staged(disk, progress, view.generation, used and f"{used.tier}:{used.holder}", bad)
-                    staged_generation = view.generation
+                    staged_generation, backoff = view.generation, _RETRY_FIRST_SECONDS
                     continue
             except CoordinatorUnavailable as err:
                 self._log_once(f"restore-{disk.job}", f"restore plan unavailable, retrying: {err}", meta)
                 await asyncio.sleep(1.0)
                 continue
             if view.ready:
-                await asyncio.to_thread(self._hand_over, disk, meta, progress, view, source)
+                await asyncio.to_thread(self._hand_over, disk, meta, progress, view.step, source)
                 RESTORE_SECONDS.labels(source).observe(time.monotonic() - started)
                 return
             await asyncio.sleep(_WATCH_INTERVAL_SECONDS)
         report_to_job(meta, f"restore did not complete within {_RESTORE_DEADLINE_SECONDS:.0f} s")
 
-    async def _stage(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress, view: RestoreView) -> tuple[Source | None, list]:
-        """Stages the view's step from its first verified source.
+    async def _stage(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress, view: RestoreView,
+                     unusable: set[tuple[str, str, int]]) -> tuple[Source | None, list, list[str]]:  # fmt: skip
+        """Stages the view's step from its first source that serves a verified copy.
+
+        Args:
+          unusable: (generation, holder, data rank) already proven unusable: not tried again.
 
         Returns:
-          The source used (None if every one failed) and the copies that failed verification,
-          as (step, data rank, holder).
+          The source used (None if none served); the copies proven unusable, as (step, data rank,
+          holder); and what went wrong with sources that were merely unreachable (to retry).
         """
-        bad = []
+        bad, unreachable = [], []
         for source in view.sources:
-            if source.holder == self.node_id and source.data_rank == progress.rank:
+            if (view.generation, source.holder, source.data_rank) in unusable:
+                continue
+            if source.files is not None and not orbax_protocol.has_commit_evidence(source.files):
+                failed = _Failed([f"its checksums lack {orbax_protocol.COMMIT_EVIDENCE}"], unusable=True)
+            elif source.holder == self.node_id and source.data_rank == progress.rank:
                 problems = await asyncio.to_thread(staging.stage_local, disk.client_dir, view.step, meta.manifests().get(view.step))
+                failed = _Failed(problems, unusable=True) if problems else None
             elif source.tier == "backup":
-                problems = await self._stage_from_backup(disk, meta, progress, view.step, source)
+                failed = await self._stage_from_backup(disk, meta, progress, view.step, source)
             else:
-                problems = await self._stage_from_peer(disk, meta, progress, view.step, source)
-            if not problems:
+                failed = await self._stage_from_peer(disk, meta, progress, view.step, source)
+            if failed is None:
                 log.info("%s/%s rank %d: staged step %d from %s %s (data of rank %d)", disk.namespace, disk.job,
                          progress.rank, view.step, source.tier, source.holder, source.data_rank)  # fmt: skip
-                return source, bad
-            if any("mismatch" in problem for problem in problems):
+                return source, bad, unreachable
+            if not failed.unusable:
+                unreachable.append(f"{source.holder}: {failed.problems[0]}")
+                continue
+            if any("mismatch" in problem for problem in failed.problems):
                 CORRUPT_COPIES.inc()
-            message = f"step {view.step} copy on {source.holder} unusable: {'; '.join(problems[:3])}"
+            message = f"step {view.step} copy on {source.holder} unusable: {'; '.join(failed.problems[:3])}"
             log.error("%s/%s rank %d: %s", disk.namespace, disk.job, progress.rank, message)
             report_to_job(meta, message)
             bad.append((view.step, source.data_rank, source.holder))
-        return None, bad
+        return None, bad, unreachable
 
-    async def _stage_from_peer(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress, step: int, source: Source) -> list[str]:
+    async def _stage_from_peer(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress, step: int, source: Source) -> "_Failed | None":
         """Pulls a step from a peer (or this node's own replica) into the ramdisk, verified, then stages it."""
         if self._peer_token is None or not source.url:
-            return [f"peer tier unavailable for {source.holder}"]
+            return _Failed([f"peer tier unavailable for {source.holder}"], unusable=True)
         incoming = meta.new_incoming_dir()
         try:
             manifest = await fetch_step(self._session, source.url, self._peer_token, disk.namespace, disk.job,
                                         source.data_rank, step, incoming)  # fmt: skip
         except (PeerFetchError, OSError, aiohttp.ClientError, asyncio.TimeoutError) as err:
             shutil.rmtree(incoming, ignore_errors=True)
-            return [str(err)]
+            return _Failed([str(err) or repr(err)], unusable=isinstance(err, UnusableCopy))
         if (problem := _differs_from_owner(manifest, source)) is not None:
             shutil.rmtree(incoming, ignore_errors=True)
-            return [problem]
+            return _Failed([problem], unusable=True)
         await asyncio.to_thread(staging.install_staged, disk.client_dir, step, incoming)
         # Recorded as this rank's step: from now on this node serves it for this rank.
         meta.save_manifest(dataclasses.replace(manifest, rank=progress.rank))
-        return []
+        return None
 
-    async def _stage_from_backup(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress, step: int, source: Source) -> list[str]:
+    async def _stage_from_backup(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress, step: int, source: Source) -> "_Failed | None":
         """Downloads a step from the backup tier into the ramdisk, verified, then stages it."""
         if self._backup is None:
-            return ["no backup tier on this node (--backup)"]
+            return _Failed(["no backup tier on this node (--backup)"], unusable=True)
         try:
             verified, manifest = await self._backup.download(meta, disk.namespace, disk.job, step, source.data_rank)
         except (BackupError, OSError) as err:
-            return [str(err)]
+            return _Failed([str(err) or repr(err)], unusable=isinstance(err, UnusableCopy))
         if (problem := _differs_from_owner(manifest, source)) is not None:
-            shutil.rmtree(verified, ignore_errors=True)
-            return [problem]
+            shutil.rmtree(os.path.dirname(verified), ignore_errors=True)
+            return _Failed([problem], unusable=True)
         await asyncio.to_thread(staging.install_staged, disk.client_dir, step, verified)
         meta.save_manifest(dataclasses.replace(manifest, rank=progress.rank))
-        return []
+        return None
 
-    def _hand_over(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress, view: RestoreView, source: str) -> None:
-        for step in staging.clear_for_restore(disk.client_dir, view.step):
-            meta.drop_manifest(step)
-        if view.step is None:
-            orbax_protocol.write_fresh_start_marker(disk.client_dir, disk.job, progress.rank)
+    def _hand_over(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress, step: int | None, source: str) -> None:
+        """Clears steps newer than the agreed one and writes the marker. Idempotent: replayed after a
+        crash (``handing_over`` recorded, ``restore_done`` not), it never clears again, since training
+        may have saved steps since, and writes the marker only if Orbax has not taken it."""
+        if progress.handing_over is None:
+            progress.handing_over = -1 if step is None else step
+            meta.save_progress(progress)
+            for stale in staging.clear_for_restore(disk.client_dir, step):
+                meta.drop_manifest(stale)
+            marker_needed = True
         else:
-            orbax_protocol.write_restore_marker(disk.client_dir, disk.job, view.step, progress.rank)
+            scan = orbax_protocol.scan_steps(disk.client_dir)
+            marker_needed = not scan.committed if step is None else step in scan.staged and step not in scan.committed
+            log.warning("%s/%s rank %d: resuming an interrupted hand-over of step %s (marker %s)", disk.namespace, disk.job,
+                        progress.rank, step, "rewritten" if marker_needed else "already taken")  # fmt: skip
+        if marker_needed and step is None:
+            orbax_protocol.write_fresh_start_marker(disk.client_dir, disk.job, progress.rank)
+        elif marker_needed:
+            orbax_protocol.write_restore_marker(disk.client_dir, disk.job, step, progress.rank)
         progress.restore_done = True
         meta.save_progress(progress)
-        log.info("%s/%s rank %d: restore marker for step %s written (source %s)", disk.namespace, disk.job, progress.rank, view.step, source)
+        log.info("%s/%s rank %d: restore marker for step %s written (source %s)", disk.namespace, disk.job, progress.rank, step, source)
 
     async def _detect_commits(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress) -> None:
         if progress.rank is None:
@@ -505,6 +593,9 @@ class NodeReplicator:
                 continue  # Orbax deleted it meanwhile
             except (OSError, ValueError) as err:
                 self._refuse(disk, meta, refused, step, f"cannot be checkpointed: {err}")
+                continue
+            if not orbax_protocol.has_commit_evidence(manifest.files):
+                self._refuse(disk, meta, refused, step, f"lacks Orbax's {orbax_protocol.COMMIT_EVIDENCE}: not a complete checkpoint")
                 continue
             meta.save_manifest(manifest)
             NEWEST_STEP.labels(disk.namespace, disk.job, str(progress.rank)).set(step)

@@ -29,6 +29,8 @@ REPLICATOR_FILE = "replicator.yaml"
 ERRORS_FILE = "replicator.errors"
 FAILED_FILE = "replicator.failed"
 RESTORE_SUFFIX = ".restore"
+# Orbax writes it into every step before the commit rename: a step without it is not a checkpoint.
+COMMIT_EVIDENCE = "_CHECKPOINT_METADATA"
 # Where a restore stages a step before the marker points at it: not a step name, so Orbax ignores it.
 STAGED_PREFIX = ".mtc-staged-"
 
@@ -322,6 +324,12 @@ def find_step_dir(local_dir: str, step: int) -> str | None:
             if pod_files.is_dir(fd, name):
                 return os.path.join(local_dir, name)
     return None
+
+
+def has_commit_evidence(files: dict[str, tuple[int, str]]) -> bool:
+    """Whether a step's manifest lists Orbax's ``_CHECKPOINT_METADATA``: an empty or partial
+    manifest (a step that vanished while it was checksummed) never passes for a checkpoint."""
+    return COMMIT_EVIDENCE in files
 
 
 def logical_signature(files: dict[str, tuple[int, str]]) -> frozenset[tuple[str, int, str]]:

@@ -16,6 +16,12 @@ from replicator import pod_files
 _CHUNK_BYTES = 4 << 20
 
 
+class UnusableCopy(Exception):
+    """Mixed into the errors that prove a copy of a step cannot serve: it fails its checksums, or its
+    holder no longer has it. Every other failure (a refused connection, a timeout, a store outage)
+    is transient: the copy is retried, never excluded for it."""
+
+
 @dataclasses.dataclass(frozen=True)
 class StepManifest:
     """Checksums of one rank's data for one step.

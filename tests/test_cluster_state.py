@@ -2,7 +2,7 @@
 
 import pytest
 
-from replicator.cluster_state import ClusterState, NodeIdTaken
+from replicator.cluster_state import ClusterState, NodeIdTaken, NotReady
 from replicator.messages import HeldStep, JobSettings, NodeReport, PodReport
 
 KEY = ("default", "run")
@@ -19,6 +19,13 @@ def report(node, url, pods=(), held=()):
     return NodeReport(node, url, "127.0.0.1", {"block": node}, tuple(pods), tuple(held))
 
 
+def held_by(node, rank_of):
+    """Node ``node``'s own step 5 and its replica of the other rank (node a's does not match)."""
+    mine, theirs = rank_of[node], rank_of["b" if node == "a" else "a"]
+    replica = {path: (size, "0000bad0") for path, (size, _) in OWN[theirs].items()} if node == "a" else OWN[theirs]
+    return [HeldStep(*KEY, 5, mine, OWN[mine]), HeldStep(*KEY, 5, theirs, replica, replica=True)]
+
+
 def running_job(state: ClusterState, now=0.0):
     """Nodes a and b run the two ranks of a DP=1 job; each holds its own step 5 and the other's
     replica. Node a's replica does not match what the rank's own node (b) reported."""
@@ -28,19 +35,17 @@ def running_job(state: ClusterState, now=0.0):
     rank_of = {"a": rank_of_pod["uid0"], "b": rank_of_pod["uid1"]}
     for node in ("a", "b"):
         state.record_settings(KEY, incarnation, rank_of[node], SETTINGS)
-    for index, (node, other) in enumerate((("a", "b"), ("b", "a"))):
-        mine, theirs = rank_of[node], rank_of[other]
-        replica = {path: (size, "0000bad0") for path, (size, _) in OWN[theirs].items()} if node == "a" else OWN[theirs]
-        held = [HeldStep(*KEY, 5, mine, OWN[mine]), HeldStep(*KEY, 5, theirs, replica, replica=True)]
-        state.apply_report(report(node, f"http://{node}", [pod(index, incarnation, mine)], held), now)
+    for index, node in enumerate(("a", "b")):
+        state.apply_report(report(node, f"http://{node}", [pod(index, incarnation, rank_of[node])], held_by(node, rank_of)), now)
     return incarnation, rank_of
 
 
 def test_restore_sources_carry_the_owners_checksums_not_the_holders():
     state = ClusterState()
-    incarnation, node_rank = running_job(state)
+    state.expire(0.0)  # the coordinator started at 0 and has heard every node since
+    incarnation, node_rank = running_job(state, now=20.0)
     rank = node_rank["b"]
-    view = state.restore_view(KEY, incarnation, rank, now=1.0)
+    view = state.restore_view(KEY, incarnation, rank, now=20.5)
     assert view.step == 5
     assert [(s.holder, s.files) for s in view.sources] == [("b", OWN[rank]), ("a", OWN[rank])]
 
@@ -64,3 +69,64 @@ def test_a_node_id_is_bound_to_its_url_until_it_falls_silent():
     assert state.nodes["a"].report.url == "http://a"
     state.apply_report(report("a", "http://a-restarted"), 20.0)  # silent past the timeout: a new registration
     assert state.nodes["a"].report.url == "http://a-restarted"
+
+
+def test_a_silent_node_keeps_its_pods_in_the_incarnation_and_gets_orders_again_when_back():
+    state = ClusterState(node_timeout_seconds=15.0, holder_grace_seconds=60.0)
+    state.expire(0.0)
+    incarnation, rank_of = running_job(state, now=0.0)
+    # a is frozen for 40 s: past the node timeout, within the grace period.
+    reply = state.apply_report(report("b", "http://b", [pod(1, incarnation, rank_of["b"])], held_by("b", rank_of)), 40.0)
+    assert state.jobs[KEY].incarnation.incarnation_id == incarnation
+    assert state.status()["silent_nodes"] == ["a"]
+    assert all(t.node != "a" for order in reply.replicate for t in order.targets)  # no pushes to a silent node
+    assert {c.holder for c in state.copies(KEY, live_only=True)} == {"b"}  # a's copies do not count as safe now
+    state.apply_report(report("a", "http://a", [pod(0, incarnation, rank_of["a"])], held_by("a", rank_of)), 41.0)
+    assert state.jobs[KEY].incarnation.incarnation_id == incarnation and state.status()["silent_nodes"] == []
+    assert {c.holder for c in state.copies(KEY, live_only=True)} == {"a", "b"} and state.safe_step(KEY) == 5
+
+
+def test_a_replacement_pod_ends_the_incarnation_of_a_silent_node():
+    state = ClusterState(node_timeout_seconds=15.0, holder_grace_seconds=60.0)
+    state.expire(0.0)
+    incarnation, rank_of = running_job(state, now=0.0)
+    lost = next(n for n in ("a", "b") if rank_of[n] == 1)
+    replacement = PodReport("default", "run", "run-0-1-y", "uid-new", 0, 1, 2, 1, 8476, "run", 30.0)
+    state.apply_report(report("c", "http://c", [replacement]), 30.0)
+    assert state.jobs[KEY].incarnation is None or state.jobs[KEY].incarnation.incarnation_id != incarnation
+    assert lost in state.nodes  # its data is still a restore source within the grace period
+
+
+def test_restore_waits_for_a_silent_holder_within_grace_then_replans_without_it():
+    state = ClusterState(node_timeout_seconds=15.0, holder_grace_seconds=60.0)
+    state.expire(0.0)
+    incarnation, rank_of = running_job(state, now=0.0)
+    rank = rank_of["b"]
+    view = state.restore_view(KEY, incarnation, rank, now=30.0)  # both silent since 0, within grace
+    assert view.step == 5 and [s.holder for s in view.sources] == ["b", "a"]
+    # An unreachable source is retried, never excluded: the plan stays.
+    state.report_staged(KEY, incarnation, view.generation, rank, None, [], retrying=True)
+    assert state.restore_view(KEY, incarnation, rank, now=31.0).generation == view.generation
+    # Past the grace period every holder of the step is given up: replanned (here to a fresh start).
+    later = state.restore_view(KEY, incarnation, rank, now=61.0)
+    assert later.generation != view.generation and later.step is None
+
+
+def test_only_a_proven_bad_copy_is_excluded_and_replans():
+    state = ClusterState()
+    state.expire(0.0)
+    incarnation, rank_of = running_job(state, now=20.0)
+    rank = rank_of["b"]
+    view = state.restore_view(KEY, incarnation, rank, now=20.5)
+    state.report_staged(KEY, incarnation, view.generation, rank, None, [(5, rank, "b")])
+    replanned = state.restore_view(KEY, incarnation, rank, now=21.0)
+    assert replanned.generation != view.generation
+    assert [s.holder for s in replanned.sources] == ["a"]  # the corrupt copy on b is never planned again
+
+
+def test_after_a_coordinator_restart_no_plan_before_every_node_could_report():
+    state = ClusterState(node_timeout_seconds=15.0)
+    incarnation, rank_of = running_job(state, now=100.0)  # a fresh coordinator hears the nodes at 100
+    with pytest.raises(NotReady, match="started"):
+        state.restore_view(KEY, incarnation, rank_of["a"], now=105.0)
+    assert state.restore_view(KEY, incarnation, rank_of["a"], now=116.0).step == 5

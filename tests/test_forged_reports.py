@@ -52,6 +52,7 @@ def run_real_job(cluster, tmp_path):
         for target in targets:
             (target / f"{step}.orbax-checkpoint-tmp" / "state").mkdir(parents=True)
             (target / f"{step}.orbax-checkpoint-tmp" / "state" / "data").write_bytes(os.urandom(1000))
+            (target / f"{step}.orbax-checkpoint-tmp" / "_CHECKPOINT_METADATA").write_bytes(b"{}")
             os.rename(target / f"{step}.orbax-checkpoint-tmp", target / str(step))
         assert wait_for(lambda: all(len(held(cluster).get(r, {}).get(step, ())) == 2 for r in (0, 1)), timeout=30), held(cluster)
     return targets
