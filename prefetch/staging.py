@@ -7,12 +7,15 @@ verification is reported so the coordinator can choose another source or an olde
 import contextlib
 import logging
 import os
+import secrets
 import stat
 
 from replicator import orbax_protocol, pod_files
 from replicator.step_manifest import StepManifest, verify_step
 
 log = logging.getLogger(__name__)
+
+_TRASH_PREFIX = ".mtc-trash-"  # not a step name: Orbax ignores it
 
 
 def stage_local(local_dir: str, step: int, manifest: StepManifest | None) -> list[str]:
@@ -52,10 +55,27 @@ def install_staged(local_dir: str, step: int, verified_dir: str) -> None:
 
 
 def delete_step(local_dir: str, step: int) -> None:
-    """Deletes a step from the client dir: its directory (or whatever has its name) and its staged copy."""
+    """Deletes a step from the client dir: its directory (or whatever has its name) and its staged copy.
+
+    Each is first renamed to a trash name in one atomic step, so a crash mid-delete never leaves a
+    partial step under a step's name (``sweep_trash`` removes the rest at the next start).
+    """
     with pod_files.open_dir(local_dir) as fd:
-        pod_files.remove(fd, str(step))
-        pod_files.remove(fd, orbax_protocol.staged_name(step))
+        for name in (str(step), orbax_protocol.staged_name(step)):
+            trash = f"{_TRASH_PREFIX}{secrets.token_hex(8)}"
+            try:
+                os.rename(name, trash, src_dir_fd=fd, dst_dir_fd=fd)
+            except FileNotFoundError:
+                continue  # never there, or Orbax deleted it itself meanwhile
+            pod_files.remove(fd, trash)
+
+
+def sweep_trash(local_dir: str) -> None:
+    """Finishes deletions a crash interrupted (see ``delete_step``)."""
+    with pod_files.open_dir(local_dir) as fd:
+        for name, _ in pod_files.names(fd):
+            if name.startswith(_TRASH_PREFIX):
+                pod_files.remove(fd, name)
 
 
 def clear_for_restore(local_dir: str, step: int | None) -> list[int]:

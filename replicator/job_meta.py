@@ -127,10 +127,16 @@ class JobMeta:
             os.unlink(target + ".json")
         shutil.rmtree(target, ignore_errors=True)
 
-    def clear_incoming(self) -> None:
-        """Deletes half-received data (after an agent restart nothing is still receiving it)."""
+    def sweep_partial(self) -> None:
+        """Deletes half-received data and replicas whose manifest is missing (a crash mid-push or
+        mid-delete); after an agent restart nothing is still receiving them."""
         for name in os.listdir(self._incoming):
             shutil.rmtree(os.path.join(self._incoming, name), ignore_errors=True)
+        for rank_dir in os.listdir(self._replicas):
+            parent = os.path.join(self._replicas, rank_dir)
+            for name in os.listdir(parent):
+                if not name.endswith(".json") and not os.path.exists(os.path.join(parent, name + ".json")):
+                    shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
 
     def locate(self, rank: int, step: int) -> tuple[str, StepManifest] | None:
         """The directory and manifest of ``rank``'s ``step`` on this ramdisk: own data or a replica."""

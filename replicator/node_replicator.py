@@ -207,7 +207,9 @@ class NodeReplicator:
         """Reports and watches until ``stop`` is set."""
         self._loop = asyncio.get_running_loop()
         for disk in (await asyncio.to_thread(self._manager.ramdisks)).values():
-            JobMeta(disk.path).clear_incoming()  # nothing is receiving it any more
+            # Nothing is receiving, staging or deleting any more: finish what a crash interrupted.
+            JobMeta(disk.path).sweep_partial()
+            staging.sweep_trash(disk.client_dir)
         timeout = aiohttp.ClientTimeout(total=10)
         peer_connector = aiohttp.TCPConnector(ssl=self._peer_ssl) if self._peer_ssl else None
         # Whole steps move over the peer session: no total timeout, a stalled read still fails.
@@ -341,8 +343,8 @@ class NodeReplicator:
         keep = set(order.protected) | {step for ns, job, step in self._busy_steps if (ns, job) == (disk.namespace, disk.job)}
         for step in meta.manifests():
             if step < order.keep_from and step not in keep:
+                meta.drop_manifest(step)  # first: a step is never reported once its deletion began
                 staging.delete_step(disk.client_dir, step)
-                meta.drop_manifest(step)
                 GC_DELETED.inc()
         for rank, step in meta.replicas():
             if step < order.keep_from and step not in keep:

@@ -1,0 +1,69 @@
+"""Crashes at the worst moment leave nothing half-done under a name anyone reads (no processes)."""
+
+import os
+
+import pytest
+
+from csi_driver.ramdisk import Ramdisk
+from prefetch import staging
+from replicator import orbax_protocol, pod_files
+from replicator.job_meta import JobMeta, PodProgress
+from replicator.node_replicator import NodeReplicator
+from replicator.step_manifest import build_manifest
+
+
+def write_step(directory, files):
+    for rel, data in files.items():
+        os.makedirs(os.path.dirname(os.path.join(directory, rel)), exist_ok=True)
+        with open(os.path.join(directory, rel), "wb") as f:
+            f.write(data)
+    return str(directory)
+
+
+def test_a_crash_mid_delete_leaves_no_partial_step_and_the_next_start_finishes_it(tmp_path, monkeypatch):
+    client = tmp_path / "client"
+    write_step(client / "4", {"_CHECKPOINT_METADATA": b"{}", "state/a": b"x" * 100})
+
+    def crash(fd, name):
+        raise KeyboardInterrupt("the agent dies here")
+
+    monkeypatch.setattr(pod_files, "remove", crash)
+    with pytest.raises(KeyboardInterrupt):
+        staging.delete_step(str(client), 4)
+    monkeypatch.undo()
+    assert orbax_protocol.held_steps(str(client)) == []  # never seen as a (partial) step
+    assert any(name.startswith(".mtc-trash-") for name in os.listdir(client))
+    staging.sweep_trash(str(client))
+    assert os.listdir(client) == []
+
+
+def test_replicas_without_a_manifest_are_swept_at_start(tmp_path):
+    meta = JobMeta(str(tmp_path))
+    incoming = meta.new_incoming_dir()
+    write_step(incoming, {"_CHECKPOINT_METADATA": b"{}"})
+    meta.install_replica(incoming, build_manifest(incoming, 3, 1))
+    partial = meta.replica_dir(1, 4)
+    write_step(partial, {"half": b"x"})  # a push that died before its manifest
+    meta.sweep_partial()
+    assert set(meta.replicas()) == {(1, 3)} and not os.path.exists(partial)
+    assert os.path.isdir(meta.replica_dir(1, 3))
+
+
+def test_a_replayed_hand_over_never_clears_steps_written_since(tmp_path):
+    disk = Ramdisk("default", "run", 1 << 20, str(tmp_path))
+    meta = JobMeta(disk.path)
+    write_step(orbax_protocol.staged_step_dir(disk.client_dir, 5), {"_CHECKPOINT_METADATA": b"{}"})
+    write_step(os.path.join(disk.client_dir, "7"), {"_CHECKPOINT_METADATA": b"{}"})  # newer, not restorable everywhere
+    replicator = NodeReplicator("n", "http://n", None, {}, None, "http://coordinator")
+    progress = PodProgress("uid", "inc", 0, "h:1", True)
+    replicator._hand_over(disk, meta, progress, 5, "local")
+    marker = os.path.join(disk.client_dir, orbax_protocol.restore_marker_name("run", 5, 0))
+    assert os.path.islink(marker) and orbax_protocol.committed_steps(disk.client_dir) == []
+    # Orbax takes the marker and trains on; then the agent crashes before recording restore_done.
+    os.replace(marker, os.path.join(disk.client_dir, "5"))
+    write_step(os.path.join(disk.client_dir, "8"), {"_CHECKPOINT_METADATA": b"{}"})
+    progress.restore_done = False
+    replicator._hand_over(disk, meta, progress, 5, "resumed")
+    assert orbax_protocol.committed_steps(disk.client_dir) == [5, 8]  # step 8 survived the replay
+    assert not os.path.lexists(marker)  # and no second marker for Orbax to trip over
+    assert progress.restore_done and meta.progress("uid").restore_done
