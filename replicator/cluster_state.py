@@ -139,7 +139,7 @@ class ClusterState:
         self.holder_grace_seconds = max(holder_grace_seconds, node_timeout_seconds)
         self.nodes: dict[str, NodeState] = {}
         self.jobs: dict[JobKey, JobState] = {}
-        self._warned_claims: set[tuple[str, JobKey]] = set()  # (node, job) whose unbelieved claims were logged
+        self._warned_claims: set[tuple] = set()  # what was logged once: (node, job) claims, (job, step, rank) owners
         self._now = 0.0
         self._started = float("inf")  # time of the first report: before it nothing is known  # time of the report being applied
 
@@ -572,7 +572,9 @@ class ClusterState:
         owner = self.jobs[key].owner_files.get((step, source.data_rank))
         if owner is not None or source.tier == planner.Tier.BACKUP:
             return owner
-        log.warning("job %s/%s: owner checksums of rank %d step %d unknown; using %s's report", *key, source.data_rank, step, source.holder)
+        if (key, step, source.data_rank) not in self._warned_claims:
+            self._warned_claims.add((key, step, source.data_rank))
+            log.warning("job %s/%s: owner checksums of rank %d step %d unknown; using %s's report", *key, source.data_rank, step, source.holder)
         state = self.nodes.get(source.holder)
         held = state.report.held if state else ()
         return next((h.files for h in held if (h.namespace, h.job, h.step, h.rank) == (*key, step, source.data_rank)), None)
