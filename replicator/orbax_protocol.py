@@ -19,7 +19,9 @@ import dataclasses
 import os
 import re
 import stat
+from typing import Annotated, Literal
 
+import msgspec
 import yaml
 
 from replicator import pod_files
@@ -37,8 +39,6 @@ STAGED_PREFIX = ".mtc-staged-"
 _RESTORE_MARKER = re.compile(r"^.+-s(?P<step>[0-9]+)-n[0-9]+-w[0-9]+\.restore$", re.ASCII)
 _MAX_REPLICATOR_YAML_BYTES = 64 << 10
 _MAX_REPORT_BYTES = 64 << 10  # the newest part of replicator.errors / .failed
-_REQUIRED_KEYS = ("job-name", "framework", "assume-data-parallelism", "node-rank", "nodes", "peer-ranks")
-_INTERVAL_KEYS = ("backup-interval-minutes", "backup-interval-steps")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,9 +64,14 @@ class InvalidReplicatorConfig(ValueError):
         self.field = field
 
 
-@dataclasses.dataclass(frozen=True)
-class ReplicatorConfig:
-    """A validated ``replicator.yaml``, as Orbax's ``_create_replicator_file`` writes it.
+_YAML_NAMES = {"data_parallelism": "assume-data-parallelism", "backup_interval_minutes": "backup-interval-minutes",
+               "backup_interval_steps": "backup-interval-steps", "job_name": "job-name", "node_rank": "node-rank",
+               "peer_ranks": "peer-ranks"}  # fmt: skip
+
+
+class ReplicatorConfig(msgspec.Struct, frozen=True, rename=_YAML_NAMES):
+    """A validated ``replicator.yaml``, as Orbax's ``_create_replicator_file`` writes it; msgspec
+    checks each key's type and range, ``parse_replicator_config`` the rest.
 
     Attributes:
       job_name: ``job-name``, the run name.
@@ -79,21 +84,18 @@ class ReplicatorConfig:
       backup_interval_steps: ``backup-interval-steps``, or None; exactly one of the two is set.
     """
 
-    job_name: str
-    framework: str
-    data_parallelism: int
-    node_rank: int
-    nodes: int
-    peer_ranks: tuple[int, ...]
-    backup_interval_minutes: float | None
-    backup_interval_steps: int | None
+    job_name: Annotated[str, msgspec.Meta(min_length=1, max_length=253)]
+    framework: Literal["orbax"]
+    data_parallelism: Annotated[int, msgspec.Meta(ge=1)]
+    node_rank: Annotated[int, msgspec.Meta(ge=0)]
+    nodes: Annotated[int, msgspec.Meta(ge=1)]
+    peer_ranks: Annotated[tuple[Annotated[int, msgspec.Meta(ge=0)], ...], msgspec.Meta(max_length=1 << 17)]
+    backup_interval_minutes: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    backup_interval_steps: Annotated[int, msgspec.Meta(ge=1)] | None = None
 
 
-def _int_field(raw: dict, key: str, minimum: int) -> int:
-    value = raw[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise InvalidReplicatorConfig(key, f"{value!r} is not an integer >= {minimum}")
-    return value
+_FIELD_IN_ERROR = re.compile(r"(?:field `|at `\$\.)([a-z-]+)")
+_INTERVALS = "backup-interval-minutes/backup-interval-steps"
 
 
 def parse_replicator_config(text: str, expected_rank: int, expected_nodes: int) -> ReplicatorConfig:
@@ -113,44 +115,26 @@ def parse_replicator_config(text: str, expected_rank: int, expected_nodes: int) 
         raise InvalidReplicatorConfig("(document)", f"not valid YAML: {err}") from None
     if not isinstance(raw, dict):
         raise InvalidReplicatorConfig("(document)", f"expected a mapping of keys, got {type(raw).__name__}")
-    for key in _REQUIRED_KEYS:
-        if key not in raw:
-            raise InvalidReplicatorConfig(key, "is missing")
-    job_name = raw["job-name"]
-    if not isinstance(job_name, str) or not job_name:
-        raise InvalidReplicatorConfig("job-name", f"{job_name!r} is not a name")
-    if raw["framework"] != "orbax":
-        raise InvalidReplicatorConfig("framework", f"{raw['framework']!r} is not supported (only orbax)")
-    nodes = _int_field(raw, "nodes", 1)
-    if nodes != expected_nodes:
-        raise InvalidReplicatorConfig("nodes", f"{nodes} does not match the volume's nodes={expected_nodes}")
-    rank = _int_field(raw, "node-rank", 0)
-    if rank != expected_rank:
-        raise InvalidReplicatorConfig("node-rank", f"{rank} is not the rank assigned to this pod ({expected_rank})")
-    data_parallelism = _int_field(raw, "assume-data-parallelism", 1)
-    if nodes % data_parallelism:
-        raise InvalidReplicatorConfig("assume-data-parallelism", f"{data_parallelism} does not divide nodes={nodes}")
-    peers = raw["peer-ranks"]
-    if not isinstance(peers, list) or not all(isinstance(p, int) and not isinstance(p, bool) for p in peers):
-        raise InvalidReplicatorConfig("peer-ranks", f"{peers!r} is not a list of ranks")
-    if any(not 0 <= p < nodes for p in peers) or rank in peers or len(set(peers)) != len(peers):
-        raise InvalidReplicatorConfig("peer-ranks", f"{peers} must be distinct ranks in [0, {nodes}) other than node-rank {rank}")
-    intervals = [key for key in _INTERVAL_KEYS if raw.get(key) is not None]
+    try:
+        config = msgspec.convert(raw, ReplicatorConfig)
+    except msgspec.ValidationError as err:
+        found = _FIELD_IN_ERROR.search(str(err))
+        field = found[1] if found else "(document)"
+        value = f" (the file says {field}: {str(raw[field])[:64]!r})" if field in raw else ""
+        raise InvalidReplicatorConfig(field, f"{err}{value}") from None
+    if config.nodes != expected_nodes:
+        raise InvalidReplicatorConfig("nodes", f"{config.nodes} does not match the volume's nodes={expected_nodes}")
+    if config.node_rank != expected_rank:
+        raise InvalidReplicatorConfig("node-rank", f"{config.node_rank} is not the rank assigned to this pod ({expected_rank})")
+    if config.nodes % config.data_parallelism:
+        raise InvalidReplicatorConfig("assume-data-parallelism", f"{config.data_parallelism} does not divide nodes={config.nodes}")
+    peers = config.peer_ranks
+    if any(p >= config.nodes for p in peers) or config.node_rank in peers or len(set(peers)) != len(peers):
+        raise InvalidReplicatorConfig("peer-ranks", f"{list(peers)} must be distinct ranks in [0, {config.nodes}) other than node-rank {config.node_rank}")
+    intervals = [key for key in _INTERVALS.split("/") if raw.get(key) is not None]
     if len(intervals) != 1:
-        raise InvalidReplicatorConfig("backup-interval-minutes/backup-interval-steps", f"exactly one must be set, got {intervals or 'none'}")
-    interval = raw[intervals[0]]
-    if isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval <= 0:
-        raise InvalidReplicatorConfig(intervals[0], f"{interval!r} is not a positive number")
-    return ReplicatorConfig(
-        job_name=job_name,
-        framework="orbax",
-        data_parallelism=data_parallelism,
-        node_rank=rank,
-        nodes=nodes,
-        peer_ranks=tuple(peers),
-        backup_interval_minutes=float(interval) if intervals[0] == _INTERVAL_KEYS[0] else None,
-        backup_interval_steps=int(interval) if intervals[0] == _INTERVAL_KEYS[1] else None,
-    )
+        raise InvalidReplicatorConfig(_INTERVALS, f"exactly one must be set, got {intervals or 'none'}")
+    return config
 
 
 def write_jax_init_info(local_dir: str, process_id: int, coordinator_address: str) -> None:
