@@ -2,6 +2,8 @@
 
 The accepted grammar follows ``k8s.io/apimachinery/pkg/api/resource``: a decimal number with an
 optional binary suffix (Ki..Ei), decimal suffix (k, M, G, T, P, E) or exponent (``e9``).
+Our own code because the ``kubernetes`` client (``utils.parse_quantity``) is not otherwise a
+dependency of the agent, and a syntactic bound must come before any arithmetic anyway.
 """
 
 import re
