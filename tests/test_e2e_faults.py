@@ -16,7 +16,7 @@ def freeze(agent, seconds: float) -> threading.Thread:
 
 
 def test_an_agent_frozen_past_the_node_timeout_does_not_stop_backups(start_cluster, tmp_path):
-    cluster = start_cluster()  # node timeout 4 s
+    cluster = start_cluster(backup=f"file://{tmp_path / 'objects'}")  # node timeout 4 s
     job = run_job("frz", list(cluster.agents), tmp_path / "frz", [*LONG_RUN, "--backup-interval-steps", "3"])
     job.wait(lambda: len(status_of(cluster, job)["backups"]) >= 1, 180, "a first backup")
     incarnation = status_of(cluster, job)["incarnation"]
