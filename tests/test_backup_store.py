@@ -366,9 +366,10 @@ def test_commit_and_manifests_are_write_once_and_a_committed_step_is_never_overw
 def test_minio_is_probed_as_crc32c_with_conditional_writes_and_multipart_objects_carry_the_manifest_crc32c(minio_module, monkeypatch, tmp_path):
     for key, value in minio_module.client_env().items():
         monkeypatch.setenv(key, value)
+    monkeypatch.delenv("AWS_ENDPOINT_URL")  # the endpoint given as --s3-endpoint-url is
     client = minio_module.client()
     client.create_bucket(Bucket="probe")
-    store = open_backup_store("s3://probe/x")
+    store = open_backup_store("s3://probe/x", s3_endpoint_url=minio_module.url)
     assert store.objects.features() == S3Features(crc32c=True, conditional_writes=True)
     files = {"big": os.urandom(3 * PART_BYTES + 5), "small": b"abc"}
     step_dir, manifest = make_step(tmp_path / "src", 1, 0, files)
@@ -379,3 +380,13 @@ def test_minio_is_probed_as_crc32c_with_conditional_writes_and_multipart_objects
         if size >= PART_BYTES:  # multipart: the whole file's CRC32C, not a CRC of the parts' CRCs
             assert head["ChecksumType"] == "FULL_OBJECT"
     assert client.list_objects_v2(Bucket="probe", Prefix="x/.mtc-probe").get("KeyCount") == 0  # the probe cleans up
+
+
+def test_s3_without_credentials_is_refused_when_opened(monkeypatch, tmp_path):
+    for key in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance metadata off loopback
+    with pytest.raises(BackupError, match="no credentials"):
+        open_backup_store("s3://bucket/x")
