@@ -29,6 +29,7 @@ import os
 import re
 import shutil
 import tempfile
+import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TypeVar
 
@@ -228,6 +229,19 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> int:
         written = os.pwrite(fd, data, offset)
         data, offset = data[written:], offset + written
     return offset
+
+
+def bucket_and_prefix(url: str, scheme: str) -> tuple[str, str]:
+    """``<scheme>://BUCKET[/PREFIX]`` -> (bucket, ``""`` or ``"PREFIX/"``).
+
+    Raises:
+      ValueError: another scheme, no bucket, or a query or fragment.
+    """
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != scheme or not parts.netloc or parts.query or parts.fragment:
+        raise ValueError(f"{url!r} is not {scheme}://BUCKET[/PREFIX]")
+    prefix = parts.path.strip("/")
+    return parts.netloc, f"{prefix}/" if prefix else ""
 
 
 def copy_body(where: str, readinto: Callable[[memoryview], int], start: int, length: int, dest_fd: int) -> None:

@@ -31,7 +31,8 @@ from google.cloud.storage import exceptions as storage_exceptions
 from google.cloud.storage import transfer_manager
 from google.cloud.storage.retry import DEFAULT_RETRY
 
-from replicator.backup_store import BackupError, ObjectStore, Upload, copy_body, store_errors, uploads_failed
+from replicator.backup_store import (BackupError, ObjectStore, Upload, bucket_and_prefix, copy_body, store_errors,
+                                     uploads_failed)
 
 GCS_ENDPOINT = "https://storage.googleapis.com"
 _SCOPES = ("https://www.googleapis.com/auth/devstorage.read_write",)
@@ -99,11 +100,7 @@ class GcsObjects(ObjectStore):
           ValueError: no bucket, or a query or fragment.
           BackupError: no Application Default Credentials.
         """
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme != "gs" or not parts.netloc or parts.query or parts.fragment:
-            raise ValueError(f"{url!r} is not gs://BUCKET[/PREFIX]")
-        prefix = parts.path.strip("/")
-        return cls(parts.netloc, f"{prefix}/" if prefix else "", emulator_host=emulator_host)
+        return cls(*bucket_and_prefix(url, "gs"), emulator_host=emulator_host)
 
     def _errors(self, name: str, what: str) -> contextlib.AbstractContextManager[None]:
         return store_errors(self.url, name, what, _STORE_ERRORS)

@@ -38,7 +38,6 @@ import hashlib
 import http.client
 import logging
 import threading
-import urllib.parse
 import uuid
 from collections.abc import Sequence
 
@@ -50,8 +49,8 @@ import urllib3
 from s3transfer.manager import TransferConfig, TransferManager
 from s3transfer.utils import ChunksizeAdjuster
 
-from replicator.backup_store import (BackupError, ObjectStore, Upload, copy_body, run_parallel, store_errors,
-                                     uploads_failed)
+from replicator.backup_store import (BackupError, ObjectStore, Upload, bucket_and_prefix, copy_body, run_parallel,
+                                     store_errors, uploads_failed)
 
 log = logging.getLogger(__name__)
 
@@ -154,11 +153,7 @@ class S3Objects(ObjectStore):
           ValueError: no bucket, or a query or fragment.
           BackupError: no credentials.
         """
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme != "s3" or not parts.netloc or parts.query or parts.fragment:
-            raise ValueError(f"{url!r} is not s3://BUCKET[/PREFIX]")
-        prefix = parts.path.strip("/")
-        return cls(parts.netloc, f"{prefix}/" if prefix else "", endpoint_url=endpoint_url)
+        return cls(*bucket_and_prefix(url, "s3"), endpoint_url=endpoint_url)
 
     def _errors(self, name: str, what: str) -> contextlib.AbstractContextManager[None]:
         return store_errors(self.url, name, what, _STORE_ERRORS)

@@ -17,7 +17,9 @@ bitrot hashes), the loopback copy, the client's copy and the tmpfs pages all run
 per-stream network limit. Where the CPUs are few, one stream that reads 1 MiB at a time already uses
 them, so much of the gain over the baseline comes from the read path (``workers=1``) rather than from
 parallelism; parallel ranged reads are meant for cloud storage, where one stream is limited by the
-network (not measured here). Each repetition runs all three, rotating which goes first; single/ours
+network (not measured here). The CPU seconds each restore costs, client and server together, are
+printed beside the wall time: when they reach the wall time times the CPUs, the CPUs are the limit
+and no parallelism can help. Each repetition runs all three, rotating which goes first; single/ours
 is the median of the per-repetition ratios; the goal is >= 2. The servers' resident memory is
 reported: fake-gcs-server holds the shard (and upload buffers) in RAM.
 Run: ``python -m tests.bench.backup_restore``.
@@ -33,7 +35,7 @@ import warnings
 from collections.abc import Callable
 
 import psutil
-from s3transfer.manager import TransferConfig
+from boto3.s3.transfer import TransferConfig
 
 warnings.simplefilter("ignore", FutureWarning)  # google-auth's import-time notice about grpcio versions
 
@@ -56,6 +58,10 @@ def timed(fn) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def cpu_seconds(processes: list[psutil.Process]) -> float:
+    return sum(t.user + t.system for t in (p.cpu_times() for p in processes))
 
 
 def make_shard(directory: str) -> None:
@@ -116,13 +122,17 @@ def bench(backend: str, start) -> None:
             "single": lambda dest: single_streams(download, objects, dest),
         }
         samples: list[dict[str, float]] = []
+        cpu: dict[str, list[float]] = {name: [] for name in runs}
+        both = [server_process, psutil.Process()]
         peak_rss = server_process.memory_info().rss
         for rep in range(REPETITIONS + 1):  # the first is an untimed warm-up
             order = list(runs)[rep % 3:] + list(runs)[:rep % 3]
             sample = {}
             for name in order:
                 dest = os.path.join(workdir, f"restore-{name}")
+                cpu_before = cpu_seconds(both)
                 sample[name] = timed(lambda: runs[name](dest))
+                cpu[name].append(cpu_seconds(both) - cpu_before)
                 peak_rss = max(peak_rss, server_process.memory_info().rss)
                 shutil.rmtree(dest)
             if rep:
@@ -132,9 +142,9 @@ def bench(backend: str, start) -> None:
         ratio = statistics.median(s["single"] / s["ours"] for s in samples)
         labels = {"ours": f"ours: download_rank(workers={WORKERS})", "ours-1": "ours: download_rank(workers=1)",
                   "single": f"single stream: {baseline}"}
-        print(f"{backend + ': restore of one rank':<42}{'median s':>10}{'MiB/s':>9}")
+        print(f"{backend + ': restore of one rank':<42}{'median s':>10}{'MiB/s':>9}{'CPU s':>8}")
         for name, label in labels.items():
-            print(f"{label:<42}{seconds[name]:>10.3f}{total_mib / seconds[name]:>9.0f}")
+            print(f"{label:<42}{seconds[name]:>10.3f}{total_mib / seconds[name]:>9.0f}{statistics.median(cpu[name][1:]):>8.2f}")
         verdict = "PASS" if ratio >= GOAL else "BELOW"
         print(f"{backend}: single/ours = {ratio:.2f} (median of per-repetition ratios), goal >= {GOAL}: {verdict}")
         print(f"{FILES} x {FILE_SIZE // MiB} MiB = {total_mib:.0f} MiB, {REPETITIONS} repetitions after a warm-up; "
