@@ -170,6 +170,7 @@ class S3Objects(ObjectStore):
             return self._features
 
     def _use(self, features: S3Features, how: str) -> None:
+        """Adopts ``features`` (``how``: probed or pinned) and logs the modes they imply."""
         self._features = features
         if not features.crc32c:
             self._client.meta.events.register("before-call.s3.PutObject", _add_content_md5)
@@ -239,9 +240,7 @@ class S3Objects(ObjectStore):
             try:
                 future.result()
                 self._check_stored(upload, features, etags.get(upload.name))
-            except _STORE_ERRORS as exc:
-                failures.append(f"{upload.name}: {exc}")
-            except BackupError as exc:
+            except (*_STORE_ERRORS, BackupError) as exc:  # refused, failed, or stored other bytes
                 failures.append(f"{upload.name}: {exc}")
         if failures:
             raise uploads_failed(self.url, sorted(failures), len(uploads))
