@@ -15,6 +15,10 @@ and the mode is logged:
   ``CompleteMultipartUpload`` carries the manifest's whole-file CRC32C, which the store checks
   against the parts combined. The default ``COMPOSITE`` type (a CRC of the parts' CRCs, ``...-N``)
   could not be compared with the manifest. The stored checksum is read back (``HeadObject``) too.
+  Measured against MinIO on 2 loaded cores, 1 GiB in 8 files: 21 s as multipart ``FULL_OBJECT``,
+  17 s as one ``PutObject`` per file (no client-side CRC32C of the parts). Multipart stays: a
+  ``PutObject`` stops at 5 GiB, and parts upload a large file in parallel where the network, not
+  the CPU, is the limit.
 - ``md5``, for a store that ignores or rejects ``x-amz-checksum-*``: one pass over the local file
   checks its CRC32C against the manifest and records the MD5 of each part as s3transfer will cut
   them; every ``PutObject`` / ``UploadPart`` carries ``Content-MD5`` (the store refuses bytes damaged
