@@ -9,8 +9,11 @@ STUBS  := protos/csi_pb2.py protos/csi_pb2_grpc.py
 
 CSI_SANITY     := $(TOOLS)/csi-sanity
 FAKE_GCS       := $(TOOLS)/fake-gcs-server
+MINIO          := $(TOOLS)/minio
 CSI_TEST_PKG   := github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity@v5.4.0
 FAKE_GCS_PKG   := github.com/fsouza/fake-gcs-server@v1.55.1
+# A real S3 server for the tests and benches only (AGPL: never linked or shipped). ~3 min to build, once.
+MINIO_PKG      := github.com/minio/minio@v0.0.0-20260212201848-7aac2a2c5b7c
 
 .PHONY: setup tools test demo bench clean
 
@@ -25,13 +28,16 @@ $(STAMP): pyproject.toml
 $(STUBS): protos/csi.proto $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. protos/csi.proto
 
-tools: $(CSI_SANITY) $(FAKE_GCS)
+tools: $(CSI_SANITY) $(FAKE_GCS) $(MINIO)
 
 $(CSI_SANITY):
 	GOBIN=$(TOOLS) go install $(CSI_TEST_PKG)
 
 $(FAKE_GCS):
 	GOBIN=$(TOOLS) go install $(FAKE_GCS_PKG)
+
+$(MINIO):
+	GOBIN=$(TOOLS) go install $(MINIO_PKG)
 
 test: setup tools
 	PATH=$(TOOLS):$$PATH $(BIN)/python -m pytest -q -p no:cacheprovider

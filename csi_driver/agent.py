@@ -47,7 +47,7 @@ class NodeConfig:
       retention_seconds: an idle ramdisk (no pod) is released after this long, seconds.
       topology: topology labels, e.g. ``{"topology.kubernetes.io/zone": "a"}``.
       coordinator: the coordinator's base URL, or None.
-      backup: the backup tier URL (``gs://bucket/prefix`` or ``file:///path``), or None.
+      backup: the backup tier URL (``gs://bucket/prefix``, ``s3://bucket/prefix`` or ``file:///path``), or None.
       pod_address: the address pods on this node are reachable at, or None for JobSet DNS.
       peer_token_file: file holding the cluster's bearer token (a Kubernetes Secret): required by
         the peer service and presented to peers and the coordinator; None runs without the peer tier.
@@ -61,6 +61,8 @@ class NodeConfig:
       coordinator_ca: CA bundle (PEM) the coordinator's certificate is checked against, or None for
         ``peer_tls_ca`` (then the system's).
       storage_emulator_host: a GCS emulator for ``gs://`` backups (``STORAGE_EMULATOR_HOST``), or None.
+      s3_endpoint_url: an S3-compatible endpoint for ``s3://`` backups (MinIO, Ceph RGW, ...), or None
+        for ``AWS_ENDPOINT_URL`` or AWS.
     """
 
     node_id: str
@@ -84,6 +86,7 @@ class NodeConfig:
     max_nodes: int = DEFAULT_MAX_NODES
     coordinator_ca: str | None = None
     storage_emulator_host: str | None = None
+    s3_endpoint_url: str | None = None
 
     def server_ssl(self) -> ssl.SSLContext | None:
         """The TLS context of the HTTP side, or None for plain HTTP.
@@ -145,7 +148,8 @@ class NodeAgent:
         self.peer_token = config.peer_token()
         if self.peer_token is None:
             log.warning("no --peer-token-file: the peer tier (replication, restore from peers) is off")
-        store = open_backup_store(config.backup, emulator_host=config.storage_emulator_host) if config.backup else None
+        store = (open_backup_store(config.backup, emulator_host=config.storage_emulator_host,
+                                   s3_endpoint_url=config.s3_endpoint_url) if config.backup else None)  # fmt: skip
         self.replicator = (
             NodeReplicator(config.node_id, config.url, config.pod_address, config.topology, self.manager,
                            config.coordinator, self.peer_token, config.replicas, store, config.backup_keep,

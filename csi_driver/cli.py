@@ -40,7 +40,8 @@ def _add_node(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--csi-endpoint", required=True, help="unix:///path/csi.sock")
     p.add_argument("--listen", required=True, help="HOST:PORT of the HTTP side (health, metrics)")
     p.add_argument("--coordinator", help="coordinator base URL")
-    p.add_argument("--backup", help="backup tier URL: gs://bucket/prefix or file:///path")
+    p.add_argument("--backup", help="backup tier URL: gs://bucket/prefix, s3://bucket/prefix or file:///path")
+    p.add_argument("--s3-endpoint-url", help="S3-compatible endpoint for s3:// backups (default: AWS_ENDPOINT_URL, else AWS)")
     p.add_argument("--topology", type=_key_value, action="append", default=[], help="topology label KEY=VALUE")
     p.add_argument("--pod-address", help="address pods on this node are reachable at (local runs, hostNetwork)")
     p.add_argument("--driver-name", default=DEFAULT_DRIVER_NAME, help="CSI driver name (default %(default)s)")
@@ -86,6 +87,7 @@ def _run_node(args: argparse.Namespace) -> int:
             max_nodes=args.max_nodes,
             # The google-cloud-storage convention for emulators; read once, here at the edge.
             storage_emulator_host=os.environ.get("STORAGE_EMULATOR_HOST") if (args.backup or "").startswith("gs://") else None,
+            s3_endpoint_url=args.s3_endpoint_url,
         )
     )
     return 0

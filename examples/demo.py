@@ -9,8 +9,12 @@ running Orbax's multi-tier checkpointing path. Then:
    their own ramdisks;
 2. node loss: a node dies with its RAM; a fresh node joins and its rank restores from a peer;
 3. cluster loss: every node and the coordinator go; fresh nodes restore from the backup tier.
+
+``--backup URL`` points the backup tier at a real store instead (``s3://BUCKET/PREFIX`` with the
+``AWS_*`` environment, ``gs://...``): the agents inherit the environment.
 """
 
+import argparse
 import collections
 import dataclasses
 import itertools
@@ -80,9 +84,12 @@ def recreate_and_resume(cluster: LocalCluster, job: LocalJob, phase: str, before
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backup", help="backup tier URL (default: an embedded file:// store)")
+    args = parser.parse_args()
     workdir = tempfile.mkdtemp(prefix="mtc-demo-")
     ports = itertools.count(18400)
-    backup_url = f"file://{os.path.join(workdir, 'object-store')}"
+    backup_url = args.backup or f"file://{os.path.join(workdir, 'object-store')}"
     cluster = LocalCluster(os.path.join(workdir, "cluster"), lambda host: f"{host}:{next(ports)}", backup=backup_url)
     job = LocalJob("demo", [], workdir, ["--steps", str(STEPS), "--save-interval-steps", str(SAVE_EVERY),
                                          "--backup-interval-steps", str(BACKUP_EVERY), "--step-sleep", "0.1"])  # fmt: skip

@@ -1,9 +1,9 @@
 """The backup tier's storage: complete checkpoint steps in object storage, restorable after cluster loss.
 
-``open_backup_store(url)`` gives a ``BackupStore`` for ``gs://BUCKET[/PREFIX]`` or ``file:///PATH``.
-The backup logic (layout, dedup, commit, restore, retention) lives once, in ``BackupStore``; a backend
-is an ``ObjectStore``, a handful of object primitives (``gcs_backup.py``, ``file_backup.py``). A new
-backend (S3) is a new module with an ``ObjectStore`` and one branch in ``open_backup_store``.
+``open_backup_store(url)`` gives a ``BackupStore`` for ``gs://BUCKET[/PREFIX]``, ``s3://BUCKET[/PREFIX]``
+or ``file:///PATH``. The backup logic (layout, dedup, commit, restore, retention) lives once, in
+``BackupStore``; a backend is an ``ObjectStore``, a handful of object primitives (``gcs_backup.py``,
+``s3_backup.py``, ``file_backup.py``).
 
 Layout below the store's prefix, per job key ``<namespace>/<job>``::
 
@@ -14,8 +14,10 @@ Layout below the store's prefix, per job key ``<namespace>/<job>``::
 A rank manifest is written only after all of its objects are stored and their CRC32C checked against
 the step's ``StepManifest``; ``object`` is the object's name relative to the step's directory, so a
 deduplicated file names another rank's object of the same step (``rank-0/...``). ``COMMIT`` is written
-once every rank's manifest exists; only a step with ``COMMIT`` is restorable. Deleting a step removes
-``COMMIT`` first, so a half-deleted step is never taken for a complete one.
+once every rank's manifest exists; only a step with ``COMMIT`` is restorable. ``COMMIT`` and rank
+manifests are created write-once (``ObjectStore.create_text``), and a committed step's objects are
+never written again. Deleting a step removes ``COMMIT`` first, so a half-deleted step is never taken
+for a complete one.
 """
 
 import abc
@@ -27,6 +29,7 @@ import os
 import re
 import shutil
 import tempfile
+import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TypeVar
 
@@ -36,6 +39,7 @@ from replicator.step_manifest import StepManifest, UnusableCopy, file_sha256, sa
 
 DEFAULT_WORKERS = 8
 RANGE_BYTES = 32 << 20  # one ranged read during a restore
+COPY_BYTES = 1 << 20  # one read of a response body into the destination file
 
 COMMIT = "COMMIT"
 _MANIFEST_NAME = re.compile(r"^rank-(\d+)\.manifest\.json$")
@@ -172,12 +176,26 @@ class ObjectStore(abc.ABC):
         """The UTF-8 content of a small object, or None when it does not exist."""
 
     @abc.abstractmethod
-    def write_text(self, name: str, text: str) -> None:
-        """Creates or replaces a small object; readers see the old content or the new, never a mix."""
+    def create_text(self, name: str, text: str) -> bool:
+        """Creates a small object unless one exists under ``name`` (write-once); readers see all of it or none.
+
+        Returns:
+          True if this call created it, False if an object was there already (it is left unchanged).
+        """
 
     @abc.abstractmethod
     def delete(self, name: str) -> None:
         """Deletes an object; a missing object is not an error."""
+
+    def partial_uploads(self, prefix: str) -> "list[str]":
+        """Names below ``prefix`` (relative to it) of uploads started but neither completed nor aborted,
+        such as an S3 multipart upload of an agent killed mid-upload. None by default: a backend whose
+        interrupted writes are ordinary objects (``file://``) or invisible and self-expiring (GCS
+        resumable sessions) has nothing to list."""
+        return []
+
+    def abort_partial_uploads(self, prefix: str) -> None:
+        """Aborts every upload ``partial_uploads(prefix)`` lists (frees what the store holds for them)."""
 
 
 def run_parallel(fn: Callable[[T], None], items: Iterable[T], workers: int) -> None:
@@ -211,6 +229,35 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> int:
         written = os.pwrite(fd, data, offset)
         data, offset = data[written:], offset + written
     return offset
+
+
+def bucket_and_prefix(url: str, scheme: str) -> tuple[str, str]:
+    """``<scheme>://BUCKET[/PREFIX]`` -> (bucket, ``""`` or ``"PREFIX/"``).
+
+    Raises:
+      ValueError: another scheme, no bucket, or a query or fragment.
+    """
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != scheme or not parts.netloc or parts.query or parts.fragment:
+        raise ValueError(f"{url!r} is not {scheme}://BUCKET[/PREFIX]")
+    prefix = parts.path.strip("/")
+    return parts.netloc, f"{prefix}/" if prefix else ""
+
+
+def copy_body(where: str, readinto: Callable[[memoryview], int], start: int, length: int, dest_fd: int) -> None:
+    """Copies ``length`` bytes of a response body (its ``readinto``) to ``dest_fd`` at offset ``start``,
+    1 MiB at a time, straight into the destination file.
+
+    Raises:
+      BackupError: the body ends early (``where`` names the object).
+    """
+    view = memoryview(bytearray(min(COPY_BYTES, length)))
+    offset, end = start, start + length
+    while offset < end:
+        received = readinto(view[:min(len(view), end - offset)])
+        if not received:
+            raise BackupError(f"{where}: object ends at byte {offset}, expected at least {end}")
+        offset = pwrite_all(dest_fd, view[:received], offset)
 
 
 def uploads_failed(url: str, failures: Sequence[str], total: int) -> BackupError:
@@ -280,6 +327,7 @@ class BackupStore:
             another step, or a path in ``manifest`` leaves the step directory.
           BackupError: an upload failed or did not match ``manifest``; no rank manifest is written, so
             the step stays incomplete (``retain`` removes what was uploaded once a newer step commits).
+            Or the step is committed already, with other data or by another incarnation: it is left alone.
           OSError: a local file could not be read.
         """
         prefix = _step_prefix(job_key, step)
@@ -288,6 +336,8 @@ class BackupStore:
         if dedup_from is not None and dedup_from.step != step:
             raise ValueError(f"dedup_from is for step {dedup_from.step}, not {step}: "
                              "objects are shared within a step only")
+        if COMMIT in self.objects.list(prefix):
+            return self._committed_as(job_key, step, rank, manifest, incarnation)
         peer = dedup_from.files if dedup_from is not None else {}
         files: dict[str, StoredFile] = {}
         uploads: list[Upload] = []
@@ -307,7 +357,22 @@ class BackupStore:
                 uploads.append(Upload(local_path, prefix + files[rel].object, size, crc))
             self.objects.put_files(uploads, self.workers)
         stored = RankManifest(step, rank, files, incarnation)
-        self.objects.write_text(prefix + _manifest_name(rank), stored.to_json())
+        name = prefix + _manifest_name(rank)
+        if not self.objects.create_text(name, stored.to_json()) and self.rank_manifest(job_key, step, rank) != stored:
+            # Left by an interrupted upload (another incarnation, or bytes since changed): the step is
+            # not committed (checked above), and a rank's manifest has one writer per incarnation.
+            self.objects.delete(name)
+            if not self.objects.create_text(name, stored.to_json()):
+                raise BackupError(f"{self.url}/{name}: written by another uploader meanwhile")
+        return stored
+
+    def _committed_as(self, job_key: str, step: int, rank: int, manifest: StepManifest, incarnation: str) -> RankManifest:
+        """The stored rank manifest of a committed ``step`` if it holds ``manifest``'s data from
+        ``incarnation`` (a retried upload); raises ``BackupError`` otherwise."""
+        stored = self.rank_manifest(job_key, step, rank)
+        if stored is None or stored.incarnation != incarnation or stored.step_manifest() != manifest:
+            raise BackupError(f"{self.url}/{_step_prefix(job_key, step)} is committed with other data; "
+                              f"a committed step is never overwritten")
         return stored
 
     def rank_manifest(self, job_key: str, step: int, rank: int) -> RankManifest | None:
@@ -355,13 +420,16 @@ class BackupStore:
         ):
             return False
         commit = {"step": step, "nodes": nodes, "ranks": list(range(nodes))}
-        self.objects.write_text(prefix + COMMIT, json.dumps(commit, sort_keys=True))
+        self.objects.create_text(prefix + COMMIT, json.dumps(commit, sort_keys=True))  # False: a peer was first
         return True
 
-    def _steps(self, job_key: str) -> dict[int, bool]:
-        """Every step with anything stored -> whether it has ``COMMIT``."""
+    def _steps(self, job_key: str, partial: bool = False) -> dict[int, bool]:
+        """Every step with anything stored (or, with ``partial``, a partial upload) -> whether it has ``COMMIT``."""
         prefix = _job_prefix(job_key)
-        steps = [int(entry[:-1]) for entry in self.objects.list(prefix) if _STEP_ENTRY.match(entry)]
+        entries = self.objects.list(prefix)
+        if partial:
+            entries += [n.split("/")[0] + "/" for n in self.objects.partial_uploads(prefix)]
+        steps = {int(entry[:-1]) for entry in entries if _STEP_ENTRY.match(entry)}
         return {step: COMMIT in self.objects.list(f"{prefix}{step}/") for step in steps}
 
     def complete_steps(self, job_key: str) -> list[int]:
@@ -374,13 +442,13 @@ class BackupStore:
         return sorted(step for step, committed in self._steps(job_key).items() if committed)
 
     def incomplete_steps(self, job_key: str) -> list[int]:
-        """Steps with objects but no ``COMMIT``, ascending: uploads in progress or interrupted.
+        """Steps with objects or partial uploads but no ``COMMIT``, ascending: uploads in progress or interrupted.
 
         Raises:
           ValueError: bad job key.
           BackupError: the store failed.
         """
-        return sorted(step for step, committed in self._steps(job_key).items() if not committed)
+        return sorted(step for step, committed in self._steps(job_key, partial=True).items() if not committed)
 
     def download_rank(self, job_key: str, step: int, rank: int, dest_dir: str,
                       workers: int = DEFAULT_WORKERS) -> StepManifest:
@@ -450,7 +518,8 @@ class BackupStore:
             os.close(fd)
 
     def delete_step(self, job_key: str, step: int) -> None:
-        """Deletes everything stored for ``step``: ``COMMIT`` first, then rank manifests, then data.
+        """Deletes everything stored for ``step``: ``COMMIT`` first, then rank manifests, then data,
+        then partial uploads.
 
         Raises:
           ValueError: bad job key.
@@ -464,13 +533,15 @@ class BackupStore:
         data = [prefix + n for n in names if n != COMMIT and not _MANIFEST_NAME.match(n)]
         run_parallel(self.objects.delete, manifests, self.workers)
         run_parallel(self.objects.delete, data, self.workers)
+        self.objects.abort_partial_uploads(prefix)
 
     def retain(self, job_key: str, keep: int, protected: Iterable[int] = ()) -> list[int]:
         """Garbage-collects a job's backups.
 
         Keeps the newest ``keep`` complete steps and every protected step; deletes the other complete
-        steps, and the incomplete steps older than the newest complete one (interrupted uploads).
-        Incomplete steps newer than it may still be uploading and are kept.
+        steps, and the incomplete steps older than the newest complete one (interrupted uploads,
+        including their partial multipart uploads). Incomplete steps newer than it may still be
+        uploading and are kept.
 
         Args:
           job_key: ``<namespace>/<job>``.
@@ -486,7 +557,7 @@ class BackupStore:
         """
         if keep < 1:
             raise ValueError(f"keep must be >= 1, not {keep}")
-        steps = self._steps(job_key)
+        steps = self._steps(job_key, partial=True)
         complete = sorted(step for step, committed in steps.items() if committed)
         if not complete:
             return []
@@ -498,29 +569,39 @@ class BackupStore:
         return deleted
 
 
-def open_backup_store(url: str, *, emulator_host: str | None = None, workers: int = DEFAULT_WORKERS) -> BackupStore:
+def open_backup_store(url: str, *, emulator_host: str | None = None, s3_endpoint_url: str | None = None,
+                      workers: int = DEFAULT_WORKERS) -> BackupStore:  # fmt: skip
     """Opens the backup store at ``url``: credentials are looked up now, objects only when used.
 
     Args:
-      url: ``gs://BUCKET[/PREFIX]`` (Application Default Credentials) or ``file:///PATH``.
+      url: ``gs://BUCKET[/PREFIX]`` (Application Default Credentials), ``s3://BUCKET[/PREFIX]``
+        (boto3's credential chain and region) or ``file:///PATH``.
       emulator_host: for ``gs://`` only, a GCS emulator such as ``http://127.0.0.1:4443``; anonymous
         credentials, project ``test``.
+      s3_endpoint_url: for ``s3://`` only, an S3-compatible endpoint such as ``http://127.0.0.1:9000``
+        (default: ``AWS_ENDPOINT_URL``, else AWS).
       workers: concurrent transfers for uploads and deletions.
 
     Raises:
-      ValueError: an unsupported scheme or a malformed URL, or ``emulator_host`` with ``file://``.
-      BackupError: ``gs://`` without an emulator and no Application Default Credentials.
+      ValueError: an unsupported scheme or a malformed URL, or an endpoint option for another scheme.
+      BackupError: no credentials (``gs://`` without an emulator, or ``s3://``).
     """
     scheme = url.partition("://")[0]
-    # Backends are imported on use: they import this module, and file:// needs no Google libraries.
+    if emulator_host is not None and scheme != "gs":
+        raise ValueError(f"emulator_host applies to gs:// only, not {url!r}")
+    if s3_endpoint_url is not None and scheme != "s3":
+        raise ValueError(f"an S3 endpoint URL applies to s3:// only, not {url!r}")
+    # Backends are imported on use: they import this module, and file:// needs no cloud libraries.
     if scheme == "gs":
         from replicator.gcs_backup import GcsObjects
 
         return BackupStore(GcsObjects.from_url(url, emulator_host=emulator_host), workers=workers)
-    if emulator_host is not None:
-        raise ValueError(f"emulator_host applies to gs:// only, not {url!r}")
+    if scheme == "s3":
+        from replicator.s3_backup import S3Objects
+
+        return BackupStore(S3Objects.from_url(url, endpoint_url=s3_endpoint_url), workers=workers)
     if scheme == "file":
         from replicator.file_backup import FileObjects
 
         return BackupStore(FileObjects.from_url(url), workers=workers)
-    raise ValueError(f"unsupported backup URL {url!r}: expected gs://BUCKET[/PREFIX] or file:///PATH")
+    raise ValueError(f"unsupported backup URL {url!r}: expected gs://BUCKET[/PREFIX], s3://BUCKET[/PREFIX] or file:///PATH")

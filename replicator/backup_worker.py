@@ -1,18 +1,18 @@
 """The node agent's share of the backup tier: upload the ranks it holds, list what is backed up,
 and download a rank's step for a restore.
 
-Uploads run in threads, off the training path; a failing store is retried with backoff and
-reported (``replicator.errors``, metrics) while the ramdisk and peer tiers carry on.
+Uploads run in threads, off the training path; a failing store is retried with backoff (tenacity)
+and reported (``replicator.errors``, metrics) while the ramdisk and peer tiers carry on.
 """
 
 import asyncio
-import dataclasses
 import logging
 import os
 import shutil
 import time
 from collections.abc import Callable
 
+import tenacity
 from prometheus_client import Counter, Histogram
 
 from replicator.backup_store import BackupError, BackupStore
@@ -27,13 +27,10 @@ BACKUP_SECONDS = Histogram("mtc_backup_upload_seconds", "Seconds to upload one r
 BACKUP_BYTES = Counter("mtc_backup_uploaded_bytes_total", "Bytes of step data this node uploaded (deduplicated files excluded)")
 
 _LIST_INTERVAL_SECONDS = 5.0
-_MAX_BACKOFF_SECONDS = 60.0
-
-
-@dataclasses.dataclass
-class _Backoff:
-    failures: int = 0
-    not_before: float = 0.0
+_RETRY_WAIT = tenacity.wait_exponential(min=2, max=60)  # seconds between attempts: 2, 4, 8, ... 60
+# The coordinator repeats a wanted order with every report (each second); one it stopped repeating
+# (done, given up, or the coordinator is away) is not retried.
+_ORDER_TTL_SECONDS = 10.0
 
 
 class BackupWorker:
@@ -55,9 +52,9 @@ class BackupWorker:
         self._on_change = on_change
         self.listing: dict[tuple[str, str], tuple[int, ...]] = {}
         self._listed_at: dict[tuple[str, str], float] = {}
-        self._uploads: dict[tuple, asyncio.Task] = {}
+        self._wanted: dict[tuple[str, str], tuple[str, BackupOrder, float]] = {}  # job -> (ramdisk, order, asked at)
+        self._tasks: dict[tuple[str, str], asyncio.Task] = {}  # job -> its uploads, one at a time
         self._uploaded: set[tuple] = set()  # the coordinator hears of it only from the next listing
-        self._backoff: dict[tuple[str, str], _Backoff] = {}
 
     async def refresh(self, ramdisks: dict[tuple[str, str], str], force: bool = False) -> None:
         """Lists complete backups of each job at most every 5 s; keeps the last listing on failure.
@@ -81,20 +78,45 @@ class BackupWorker:
                 self._on_change()
 
     def start(self, ramdisk_path: str, order: BackupOrder) -> None:
-        """Starts the upload ``order`` asks for, unless it runs already or its job is backing off."""
-        key = (order.namespace, order.job, order.step, order.rank, order.incarnation)
-        backoff = self._backoff.get(key[:2], _Backoff())
-        self._uploads = {k: t for k, t in self._uploads.items() if not t.done()}
-        if key in self._uploads or key in self._uploaded or time.monotonic() < backoff.not_before:
-            return
-        self._uploads[key] = asyncio.create_task(self._upload(ramdisk_path, order, key))
+        """Wants the upload ``order`` asks for: its job's task runs it (now, or after the backoff of a
+        failed attempt); a newer order of the same job replaces it."""
+        job = (order.namespace, order.job)
+        self._wanted[job] = (ramdisk_path, order, time.monotonic())
+        if job not in self._tasks or self._tasks[job].done():
+            self._tasks[job] = asyncio.create_task(self._back_up(job))
 
     async def stop(self) -> None:
-        for task in self._uploads.values():
+        for task in self._tasks.values():
             task.cancel()
-        await asyncio.gather(*self._uploads.values(), return_exceptions=True)
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+
+    async def _back_up(self, job: tuple[str, str]) -> None:
+        """Runs the job's wanted order until it is done or no longer asked for. A failed attempt is
+        reported and retried after an exponential backoff; each attempt takes the newest order."""
+        retrying = tenacity.AsyncRetrying(wait=_RETRY_WAIT, retry=tenacity.retry_if_exception_type((BackupError, OSError)),
+                                          before_sleep=lambda state: self._report_failure(job, state))  # fmt: skip
+        async for attempt in retrying:
+            with attempt:
+                ramdisk_path, order, asked = self._wanted[job]
+                key = (order.namespace, order.job, order.step, order.rank, order.incarnation)
+                if key in self._uploaded or time.monotonic() - asked > _ORDER_TTL_SECONDS:
+                    return
+                await self._upload(ramdisk_path, order, key)
+
+    def _report_failure(self, job: tuple[str, str], state: tenacity.RetryCallState) -> None:
+        BACKUP_FAILURES.inc()
+        ramdisk_path, order, _ = self._wanted[job]
+        message = (f"backup of step {order.step} rank {order.rank} to the backup tier {self.store.url} failed "
+                   f"(retrying in {state.next_action.sleep:.0f} s): {state.outcome.exception()}")  # fmt: skip
+        log.warning("%s/%s: %s", *job, message)
+        self._report_error(JobMeta(ramdisk_path), message)
 
     async def _upload(self, ramdisk_path: str, order: BackupOrder, key: tuple) -> None:
+        """Uploads the rank's step, commits it when every rank is there, and applies retention.
+
+        Raises:
+          BackupError, OSError: the store failed, or a local file could not be read.
+        """
         meta = JobMeta(ramdisk_path)
         located = meta.locate(order.rank, order.step)
         if located is None:
@@ -123,16 +145,6 @@ class BackupWorker:
                 log.info("%s: backup of step %d complete; retention deleted %s", job_key, order.step, deleted or "nothing")
                 await self.refresh({(order.namespace, order.job): ramdisk_path}, force=True)
             self._uploaded.add(key)
-            self._backoff.pop((order.namespace, order.job), None)
-        except (BackupError, OSError) as err:
-            BACKUP_FAILURES.inc()
-            backoff = self._backoff.setdefault((order.namespace, order.job), _Backoff())
-            backoff.failures += 1
-            delay = min(_MAX_BACKOFF_SECONDS, 2.0**backoff.failures)
-            backoff.not_before = time.monotonic() + delay
-            message = f"backup of step {order.step} rank {order.rank} to the backup tier {self.store.url} failed (retrying in {delay:.0f} s): {err}"
-            log.warning("%s: %s", job_key, message)
-            self._report_error(meta, message)
         finally:
             self._busy.discard(busy)
 

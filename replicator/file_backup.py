@@ -1,9 +1,9 @@
 """The ``file://`` backend: objects are plain files below a directory (a local disk, NFS, a test).
 
 Object ``a/b`` is the file ``<root>/a/b``. Every write goes to a temporary sibling
-(``<name>.tmp-<hex>``), is fsynced, checked, and renamed over the name, so a reader sees a whole
-object or none; an interrupted write leaves only the temporary file, which ``delete_step`` removes
-with the rest of its step.
+(``<name>.tmp-<hex>``), is fsynced, checked, and renamed over the name (``create_text``: hard-linked
+to it, which fails if the name exists), so a reader sees a whole object or none; an interrupted
+write leaves only the temporary file, which ``delete_step`` removes with the rest of its step.
 """
 
 import contextlib
@@ -49,8 +49,13 @@ class FileObjects(ObjectStore):
     def _errors(self, name: str, what: str) -> contextlib.AbstractContextManager[None]:
         return store_errors(self.url, name, what, (OSError,))
 
-    def _write_atomically(self, name: str, chunks: Iterator[bytes], expected: tuple[int, str] | None) -> None:
-        """Writes ``chunks`` to a temporary sibling, fsyncs, checks (size, CRC32C hex) if given, renames over ``name``.
+    def _write_atomically(self, name: str, chunks: Iterator[bytes], expected: tuple[int, str] | None,
+                          replace: bool = True) -> bool:  # fmt: skip
+        """Writes ``chunks`` to a temporary sibling, fsyncs, checks (size, CRC32C hex) if given, and
+        renames it over ``name``; without ``replace`` links it to ``name`` instead, unless ``name`` exists.
+
+        Returns:
+          False when ``replace`` is off and ``name`` existed (nothing changed), else True.
 
         An ``OSError`` raised by ``chunks`` (reading a local source) propagates unchanged.
         """
@@ -75,7 +80,16 @@ class FileObjects(ObjectStore):
                 raise BackupError(f"{self.url}/{name}: wrote {actual[0]} bytes with crc32c {actual[1]}, "
                                   f"manifest says {expected[0]} bytes with {expected[1]}")
             with self._errors(name, "write"):
-                os.replace(tmp, path)
+                if replace:
+                    os.replace(tmp, path)
+                    return True
+                try:
+                    os.link(tmp, path)  # atomic, and never replaces
+                    return True
+                except FileExistsError:
+                    return False
+                finally:
+                    os.unlink(tmp)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
@@ -134,8 +148,8 @@ class FileObjects(ObjectStore):
             except FileNotFoundError:
                 return None
 
-    def write_text(self, name: str, text: str) -> None:
-        self._write_atomically(name, iter([text.encode()]), None)
+    def create_text(self, name: str, text: str) -> bool:
+        return self._write_atomically(name, iter([text.encode()]), None, replace=False)
 
     def delete(self, name: str) -> None:
         path = self._path(name)

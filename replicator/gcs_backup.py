@@ -7,7 +7,7 @@ stored object's ``crc32c`` is compared once more after the upload.
 
 Downloads are ranged GETs of the JSON API media endpoint on an ``AuthorizedSession`` with the same
 credentials, read 1 MiB at a time straight into the destination file, retried with the library's
-``DEFAULT_RETRY``. The library's own download path iterates 8 KiB at a time: measured on a 2-core
+``DEFAULT_RETRY``. ``create_text`` is write-once with ``if_generation_match=0``. The library's own download path iterates 8 KiB at a time: measured on a 2-core
 machine against fake-gcs-server, one ``download_to_filename`` stream ran at ~560 MiB/s and 4-16 threads
 of ranged ``download_to_file(start=, end=)`` at 0.45-0.86x of that single stream (bound by the GIL),
 so they could not make a parallel restore faster than a serial one.
@@ -31,11 +31,11 @@ from google.cloud.storage import exceptions as storage_exceptions
 from google.cloud.storage import transfer_manager
 from google.cloud.storage.retry import DEFAULT_RETRY
 
-from replicator.backup_store import BackupError, ObjectStore, Upload, pwrite_all, store_errors, uploads_failed
+from replicator.backup_store import (BackupError, ObjectStore, Upload, bucket_and_prefix, copy_body, store_errors,
+                                     uploads_failed)
 
 GCS_ENDPOINT = "https://storage.googleapis.com"
 _SCOPES = ("https://www.googleapis.com/auth/devstorage.read_write",)
-_READ_BYTES = 1 << 20
 _TIMEOUT_SECONDS = (30.0, 120.0)  # connect, read
 # The library retries transient errors for up to 120 s per call; a node agent would rather report
 # an outage sooner and retry the whole upload with its own backoff.
@@ -100,11 +100,7 @@ class GcsObjects(ObjectStore):
           ValueError: no bucket, or a query or fragment.
           BackupError: no Application Default Credentials.
         """
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme != "gs" or not parts.netloc or parts.query or parts.fragment:
-            raise ValueError(f"{url!r} is not gs://BUCKET[/PREFIX]")
-        prefix = parts.path.strip("/")
-        return cls(parts.netloc, f"{prefix}/" if prefix else "", emulator_host=emulator_host)
+        return cls(*bucket_and_prefix(url, "gs"), emulator_host=emulator_host)
 
     def _errors(self, name: str, what: str) -> contextlib.AbstractContextManager[None]:
         return store_errors(self.url, name, what, _STORE_ERRORS)
@@ -149,20 +145,10 @@ class GcsObjects(ObjectStore):
                     raise api_exceptions.from_http_response(response)  # 429 and 5xx are retried
                 if not (response.status_code == 206 or (response.status_code == 200 and start == 0)):
                     raise BackupError(f"{self.url}/{name}: HTTP {response.status_code} to a ranged read")
-                self._copy_body(name, response.raw, start, length, dest_fd)
+                copy_body(f"{self.url}/{name}", response.raw.readinto, start, length, dest_fd)
 
         with self._errors(name, "read"):
             _RETRY(attempt)()
-
-    def _copy_body(self, name: str, body: urllib3.HTTPResponse, start: int, length: int, dest_fd: int) -> None:
-        """Copies ``length`` bytes of ``body`` to ``dest_fd`` at offset ``start``."""
-        view = memoryview(bytearray(min(_READ_BYTES, length)))
-        offset, end = start, start + length
-        while offset < end:
-            received = body.readinto(view[:min(len(view), end - offset)])
-            if not received:
-                raise BackupError(f"{self.url}/{name}: object ends at byte {offset}, expected at least {end}")
-            offset = pwrite_all(dest_fd, view[:received], offset)
 
     def list(self, prefix: str, *, recursive: bool = False) -> list[str]:
         full = self._prefix + prefix
@@ -179,11 +165,15 @@ class GcsObjects(ObjectStore):
             except api_exceptions.NotFound:
                 return None
 
-    def write_text(self, name: str, text: str) -> None:
-        with self._errors(name, "write"):
-            self._bucket.blob(self._prefix + name).upload_from_string(
-                text.encode(), content_type="text/plain; charset=utf-8", checksum="crc32c", retry=_RETRY,
-                timeout=_TIMEOUT_SECONDS)  # fmt: skip
+    def create_text(self, name: str, text: str) -> bool:
+        with self._errors(name, "create"):
+            try:
+                self._bucket.blob(self._prefix + name).upload_from_string(
+                    text.encode(), content_type="text/plain; charset=utf-8", checksum="crc32c", retry=_RETRY,
+                    timeout=_TIMEOUT_SECONDS, if_generation_match=0)  # fmt: skip
+                return True
+            except api_exceptions.PreconditionFailed:
+                return False
 
     def delete(self, name: str) -> None:
         with self._errors(name, "delete"):

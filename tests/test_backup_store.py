@@ -1,5 +1,8 @@
-"""The backup store, against a real fake-gcs-server through google-cloud-storage and against file://."""
+"""The backup store, parametrised over backends: file://, a real fake-gcs-server through
+google-cloud-storage, and a real MinIO through boto3 (as probed, and pinned to the fallback modes of a
+store without CRC32C checksums or conditional writes)."""
 
+import base64
 import dataclasses
 import json
 import os
@@ -9,9 +12,11 @@ from collections.abc import Callable
 import google_crc32c
 import pytest
 
-from examples.local_cluster import FakeGcsServer, find_fake_gcs_server
+from examples.local_cluster import FakeGcsServer, MinioServer
 from replicator.backup_store import BackupError, BackupStore, open_backup_store
+from replicator.s3_backup import PART_BYTES, S3Features, S3Objects
 from replicator.step_manifest import StepManifest, build_manifest
+from tests.conftest import require_tool
 
 JOB = "team-a/llama"
 MiB = 1 << 20
@@ -19,11 +24,16 @@ MiB = 1 << 20
 
 @pytest.fixture(scope="module")
 def fake_gcs_module():
-    binary = find_fake_gcs_server()
-    if binary is None:
-        pytest.fail("fake-gcs-server is neither on PATH nor in .tools/bin; run `make tools` "
-                    "(go install github.com/fsouza/fake-gcs-server@v1.55.1)")
-    server = FakeGcsServer(binary).start()
+    server = FakeGcsServer(require_tool("fake-gcs-server")).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def minio_module(tmp_path_factory):
+    server = MinioServer(require_tool("minio"), str(tmp_path_factory.mktemp("minio"))).start()
     try:
         yield server
     finally:
@@ -38,34 +48,91 @@ class Backend:
       store: the store.
       names: every object name, relative to the store's prefix, sorted.
       overwrite: replaces an object's bytes.
+      interrupt: leaves what an agent killed while uploading an object leaves, or None where that
+        is invisible (a GCS resumable session, which expires by itself).
+      partial: names of what ``interrupt`` left that is still there.
     """
 
     store: BackupStore
     names: Callable[[], list[str]]
     overwrite: Callable[[str, bytes], None]
+    interrupt: Callable[[str], None] | None = None
+    partial: Callable[[], list[str]] = list
 
 
-@pytest.fixture(params=["gs", "file"])
-def backend(request, tmp_path_factory) -> Backend:
-    if request.param == "gs":
-        server: FakeGcsServer = request.getfixturevalue("fake_gcs_module")
-        bucket = server.client().create_bucket(f"backup-{uuid.uuid4().hex[:12]}")
-        prefix = "checkpoints/"
-        return Backend(
-            open_backup_store(f"gs://{bucket.name}/{prefix}", emulator_host=server.url),
-            lambda: sorted(b.name.removeprefix(prefix) for b in bucket.list_blobs(prefix=prefix)),
-            lambda name, data: bucket.blob(prefix + name).upload_from_string(data),
-        )
+PREFIX = "checkpoints/"
+
+
+def gs_backend(request, tmp_path_factory) -> Backend:
+    server: FakeGcsServer = request.getfixturevalue("fake_gcs_module")
+    bucket = server.client().create_bucket(f"backup-{uuid.uuid4().hex[:12]}")
+    return Backend(
+        open_backup_store(f"gs://{bucket.name}/{PREFIX}", emulator_host=server.url),
+        lambda: sorted(b.name.removeprefix(PREFIX) for b in bucket.list_blobs(prefix=PREFIX)),
+        lambda name, data: bucket.blob(PREFIX + name).upload_from_string(data),
+    )
+
+
+def s3_backend(request, tmp_path_factory, features: S3Features | None = None) -> Backend:
+    server: MinioServer = request.getfixturevalue("minio_module")
+    monkeypatch = request.getfixturevalue("monkeypatch")
+    for key, value in server.client_env().items():  # boto3's standard configuration
+        monkeypatch.setenv(key, value)
+    client, bucket = server.client(), f"backup-{uuid.uuid4().hex[:12]}"
+    client.create_bucket(Bucket=bucket)
+
+    def names() -> list[str]:
+        pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=PREFIX)
+        return sorted(o["Key"].removeprefix(PREFIX) for page in pages for o in page.get("Contents", []))
+
+    def interrupt(name: str) -> None:
+        upload = client.create_multipart_upload(Bucket=bucket, Key=PREFIX + name)
+        client.upload_part(Bucket=bucket, Key=PREFIX + name, UploadId=upload["UploadId"], PartNumber=1, Body=os.urandom(PART_BYTES))
+
+    def partial() -> list[str]:
+        return sorted(u["Key"].removeprefix(PREFIX) for u in client.list_multipart_uploads(Bucket=bucket).get("Uploads", []))
+
+    return Backend(
+        BackupStore(S3Objects(bucket, PREFIX, features=features)),
+        names,
+        lambda name, data: client.put_object(Bucket=bucket, Key=PREFIX + name, Body=data),
+        interrupt,
+        partial,
+    )
+
+
+def file_backend(request, tmp_path_factory) -> Backend:
     root = tmp_path_factory.mktemp("store")
 
     def overwrite(name: str, data: bytes) -> None:
         (root / name).write_bytes(data)
 
+    def interrupt(name: str) -> None:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / f"{name}.tmp-{uuid.uuid4().hex}").write_bytes(b"partial")
+
     return Backend(
         open_backup_store(f"file://{root}"),
         lambda: sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()),
         overwrite,
+        interrupt,
+        lambda: sorted(str(p.relative_to(root)) for p in root.rglob("*.tmp-*")),
     )
+
+
+BACKENDS = {
+    "file": file_backend,
+    "gs": gs_backend,
+    "s3": s3_backend,
+    # What a store without CRC32C checksums or conditional writes gets: Content-MD5, checked ETags,
+    # check-then-write. MinIO supports both, so the fallbacks are pinned to be tested on it.
+    "s3-legacy": lambda request, factory: s3_backend(request, factory, S3Features(crc32c=False, conditional_writes=False)),
+}
+
+
+@pytest.fixture(params=list(BACKENDS))
+def backend(request, tmp_path_factory) -> Backend:
+    return BACKENDS[request.param](request, tmp_path_factory)
 
 
 def make_step(directory, step: int, rank: int, files: dict[str, bytes]) -> tuple[str, StepManifest]:
@@ -235,8 +302,8 @@ def test_manifest_naming_a_path_outside_the_step_is_refused(backend, tmp_path):
     store = backend.store
     steps = f"{JOB}/steps/6/"
     evil = {"step": 6, "rank": 0, "files": {"../../escape": {"size": 1, "crc32c": "00000000", "object": "rank-0/x"}}}
-    store.objects.write_text(steps + "rank-0.manifest.json", json.dumps(evil))
-    store.objects.write_text(steps + "COMMIT", json.dumps({"step": 6, "nodes": 1, "ranks": [0]}))
+    assert store.objects.create_text(steps + "rank-0.manifest.json", json.dumps(evil))
+    assert store.objects.create_text(steps + "COMMIT", json.dumps({"step": 6, "nodes": 1, "ranks": [0]}))
     (tmp_path / "dest").mkdir()
     with pytest.raises(BackupError, match="not a relative path"):
         store.download_rank(JOB, 6, 0, str(tmp_path / "dest" / "restored"))
@@ -244,10 +311,82 @@ def test_manifest_naming_a_path_outside_the_step_is_refused(backend, tmp_path):
 
 
 def test_open_backup_store_rejects_what_it_cannot_serve(tmp_path):
-    for url in ["s3://bucket/x", "gs:///no-bucket", "file://host/path", "file:relative", "/plain/path"]:
+    for url in ["az://container/x", "gs:///no-bucket", "s3:///no-bucket", "s3://b/x?versionId=1", "file://host/path",
+                "file:relative", "/plain/path"]:
         with pytest.raises(ValueError):
             open_backup_store(url)
     with pytest.raises(ValueError, match="gs:// only"):
         open_backup_store(f"file://{tmp_path}", emulator_host="http://127.0.0.1:1")
+    with pytest.raises(ValueError, match="s3:// only"):
+        open_backup_store("gs://bucket", s3_endpoint_url="http://127.0.0.1:1")
     with pytest.raises(ValueError, match="job key"):
         open_backup_store(f"file://{tmp_path}").complete_steps("no-namespace")
+
+
+def test_interrupted_upload_is_swept_by_retention_once_a_newer_step_commits(backend, tmp_path):
+    if backend.interrupt is None:
+        pytest.skip("an interrupted GCS resumable upload is invisible and expires by itself")
+    store = backend.store
+    backend.interrupt(f"{JOB}/steps/3/rank-0/state/d/big")  # an agent killed mid-upload
+    assert store.incomplete_steps(JOB) == [3]
+    assert store.retain(JOB, keep=1) == []  # nothing complete: it may still be uploading
+
+    upload_step(store, tmp_path, 7, ranks=1)
+    backend.interrupt(f"{JOB}/steps/9/rank-0/state/d/big")  # newer than the newest commit: may be in progress
+    assert store.retain(JOB, keep=1) == [3]
+    assert [n.split("/")[3] for n in backend.partial()] == ["9"]
+    assert (store.complete_steps(JOB), store.incomplete_steps(JOB)) == ([7], [9])
+
+
+def test_commit_and_manifests_are_write_once_and_a_committed_step_is_never_overwritten(backend, tmp_path):
+    store = backend.store
+    sources = upload_step(store, tmp_path, 5, ranks=1)
+    commit = store.objects.read_text(f"{JOB}/steps/5/COMMIT")
+    assert not store.objects.create_text(f"{JOB}/steps/5/COMMIT", "{}")
+    assert store.objects.read_text(f"{JOB}/steps/5/COMMIT") == commit
+    assert store.commit_if_complete(JOB, 5, nodes=1)
+
+    other_dir, other = make_step(tmp_path / "other", 5, 0, rank_files(0))  # other random bytes, same step
+    with pytest.raises(BackupError, match="committed with other data"):
+        store.upload_rank(JOB, 5, 0, other_dir, other)
+    same_dir, same = make_step(tmp_path / "src-5-0", 5, 0, sources[0])  # a retried upload: accepted as is
+    assert store.upload_rank(JOB, 5, 0, same_dir, same) == store.rank_manifest(JOB, 5, 0)
+    store.download_rank(JOB, 5, 0, str(tmp_path / "restored"))
+    assert read_tree(tmp_path / "restored") == sources[0]
+
+    # An uncommitted manifest left by another incarnation is replaced by the new upload of the step.
+    store.upload_rank(JOB, 8, 0, *make_step(tmp_path / "old", 8, 0, {"f": b"old"}), incarnation="old")
+    assert not store.commit_if_complete(JOB, 8, nodes=1, incarnation="new")
+    store.upload_rank(JOB, 8, 0, *make_step(tmp_path / "new", 8, 0, {"f": b"new"}), incarnation="new")
+    assert store.commit_if_complete(JOB, 8, nodes=1, incarnation="new")
+    store.download_rank(JOB, 8, 0, str(tmp_path / "restored-8"))
+    assert read_tree(tmp_path / "restored-8") == {"f": b"new"}
+
+
+def test_minio_is_probed_as_crc32c_with_conditional_writes_and_multipart_objects_carry_the_manifest_crc32c(minio_module, monkeypatch, tmp_path):
+    for key, value in minio_module.client_env().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("AWS_ENDPOINT_URL")  # the endpoint given as --s3-endpoint-url is
+    client = minio_module.client()
+    client.create_bucket(Bucket="probe")
+    store = open_backup_store("s3://probe/x", s3_endpoint_url=minio_module.url)
+    assert store.objects.features() == S3Features(crc32c=True, conditional_writes=True)
+    files = {"big": os.urandom(3 * PART_BYTES + 5), "small": b"abc"}
+    step_dir, manifest = make_step(tmp_path / "src", 1, 0, files)
+    store.upload_rank(JOB, 1, 0, step_dir, manifest)
+    for rel, (size, crc) in manifest.files.items():
+        head = client.head_object(Bucket="probe", Key=f"x/{JOB}/steps/1/rank-0/{rel}", ChecksumMode="ENABLED")
+        assert (head["ContentLength"], head["ChecksumCRC32C"]) == (size, base64.b64encode(bytes.fromhex(crc)).decode())
+        if size >= PART_BYTES:  # multipart: the whole file's CRC32C, not a CRC of the parts' CRCs
+            assert head["ChecksumType"] == "FULL_OBJECT"
+    assert client.list_objects_v2(Bucket="probe", Prefix="x/.mtc-probe").get("KeyCount") == 0  # the probe cleans up
+
+
+def test_s3_without_credentials_is_refused_when_opened(monkeypatch, tmp_path):
+    for key in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance metadata off loopback
+    with pytest.raises(BackupError, match="no credentials"):
+        open_backup_store("s3://bucket/x")

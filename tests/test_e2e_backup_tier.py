@@ -1,5 +1,5 @@
-"""The backup tier end to end: google-cloud-storage against a real fake-gcs-server, real node
-agents and real Orbax processes."""
+"""The backup tier end to end, real node agents and real Orbax processes against each real object
+store: google-cloud-storage with fake-gcs-server (``gs://``), boto3 with MinIO (``s3://``)."""
 
 import json
 import os
@@ -9,8 +9,6 @@ import sys
 
 from replicator.orbax_protocol import ERRORS_FILE
 from tests.jobs import assert_same_state, by_event, losses, rerun, run_job, scrape, wait_until
-
-BUCKET_URL = "gs://ckpt/mtc"
 
 
 def status_of(cluster, job):
@@ -22,8 +20,8 @@ def backups_settled(cluster, job):
     return status["backup_pending"] is None and status["backups"]
 
 
-def test_whole_cluster_loss_restores_newest_backup_and_never_an_interrupted_one(start_cluster, fake_gcs, tmp_path):
-    cluster = start_cluster(backup=BUCKET_URL, env={"STORAGE_EMULATOR_HOST": fake_gcs.url})
+def test_whole_cluster_loss_restores_newest_backup_and_never_an_interrupted_one(start_cluster, object_server, tmp_path):
+    cluster = start_cluster(backup=object_server.backup_url, env=object_server.env)
     # Long enough that the job is still training when it is killed, however slow the machine.
     job = run_job("big", list(cluster.agents), tmp_path / "big",
                   ["--steps", "200", "--step-sleep", "0.2", "--dump-dir", str(tmp_path / "dump-1")])  # fmt: skip
@@ -33,12 +31,10 @@ def test_whole_cluster_loss_restores_newest_backup_and_never_an_interrupted_one(
     wait_until(lambda: backups_settled(cluster, job), 60, "backups settled")
     backed_up = max(status_of(cluster, job)["backups"])
     # What an agent killed mid-upload leaves: a newer step with data and a rank manifest, no COMMIT.
-    bucket = fake_gcs.client().bucket("ckpt")
     interrupted = f"mtc/default/{job.job}/steps/{backed_up + 3}"
-    bucket.blob(f"{interrupted}/rank-0/state/_METADATA").upload_from_string(b"partial")
-    bucket.blob(f"{interrupted}/rank-0.manifest.json").upload_from_string(
-        json.dumps({"step": backed_up + 3, "rank": 0, "files": {}, "incarnation": "gone"})
-    )
+    object_server.put(f"{interrupted}/rank-0/state/_METADATA", b"partial")
+    object_server.put(f"{interrupted}/rank-0.manifest.json",
+                      json.dumps({"step": backed_up + 3, "rank": 0, "files": {}, "incarnation": "gone"}).encode())
 
     # Whole-cluster repair: every agent dies with its RAM, the coordinator restarts, fresh nodes join.
     for agent in list(job.agents):
@@ -58,7 +54,7 @@ def test_whole_cluster_loss_restores_newest_backup_and_never_an_interrupted_one(
     restore = status_of(cluster, job)["restore"]
     assert restore["sources"] == {str(r): "backup:backup" for r in range(4)}
     # The interrupted upload is cleaned up once a newer backup commits.
-    wait_until(lambda: not list(bucket.list_blobs(prefix=interrupted + "/")), 90, "interrupted upload cleaned")
+    wait_until(lambda: not object_server.keys(interrupted + "/"), 90, "interrupted upload cleaned")
 
 
 def backup_failures(agent) -> float:
@@ -66,17 +62,17 @@ def backup_failures(agent) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-def test_storage_outage_does_not_block_training_and_backups_resume(start_cluster, fake_gcs, tmp_path):
-    cluster = start_cluster(backup=BUCKET_URL, env={"STORAGE_EMULATOR_HOST": fake_gcs.url})
+def test_storage_outage_does_not_block_training_and_backups_resume(start_cluster, object_server, tmp_path):
+    cluster = start_cluster(backup=object_server.backup_url, env=object_server.env)
     job = run_job("steady", list(cluster.agents), tmp_path / "steady", ["--step-sleep", "0.5"])
     job.wait(lambda: status_of(cluster, job)["backups"], 120, "a first backup")
-    fake_gcs.stop()
+    object_server.server.stop()
     outage_step = max(e["step"] for e in by_event(job.pods[0], "step"))
     # Local and peer tiers carry on: the job keeps saving while storage is down.
     job.wait(lambda: max(e["step"] for e in by_event(job.pods[0], "saved")) >= outage_step + 6, 60, "saves during the outage")
     wait_until(lambda: any(backup_failures(agent) > 0 for agent in cluster.agents), 60, "failed backups counted")
     before_return = max(status_of(cluster, job)["backups"])
-    fake_gcs.start()
+    object_server.server.start()
     job.wait_done(timeout=180)
     wait_until(lambda: max(status_of(cluster, job)["backups"]) > before_return, 90, "backups resumed")
     assert max(losses(job.pods)) == 30
