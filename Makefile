@@ -15,7 +15,12 @@ FAKE_GCS_PKG   := github.com/fsouza/fake-gcs-server@v1.55.1
 # A real S3 server for the tests and benches only (AGPL: never linked or shipped). ~3 min to build, once.
 MINIO_PKG      := github.com/minio/minio@v0.0.0-20260212201848-7aac2a2c5b7c
 
-.PHONY: setup tools test demo bench clean
+# MaxText needs Python >= 3.12: python3.12 on PATH, else pyenv's (make e2e-maxtext only).
+MAXTEXT_PYTHON ?= $(firstword $(foreach p,python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12),$(shell $(p) -c 'import sys; print("$(p)" if sys.version_info >= (3, 12) else "")' 2>/dev/null)))
+MAXTEXT_VENV   := .venv-maxtext
+MAXTEXT_STAMP  := $(MAXTEXT_VENV)/.installed
+
+.PHONY: setup tools test demo bench e2e-maxtext clean
 
 setup: $(STAMP) $(STUBS)
 
@@ -50,5 +55,18 @@ BENCHES := ramdisk_throughput peer_restore backup_restore replication_overhead
 bench: setup tools
 	set -e; for b in $(BENCHES); do echo "== $$b"; PATH=$(TOOLS):$$PATH $(BIN)/python -m tests.bench.$$b; done
 
+# The stock MaxText trainer on CPU through a preemption and a node loss (tests/e2e_maxtext.py); not
+# part of `make test`. maxtext's wheel declares its dependencies only in extras: [tpu] brings
+# jax, orbax-checkpoint and the rest (libtpu stays unused under JAX_PLATFORMS=cpu).
+e2e-maxtext: setup $(MAXTEXT_STAMP)
+	$(BIN)/python -m tests.e2e_maxtext --python $(MAXTEXT_VENV)/bin/python
+
+$(MAXTEXT_STAMP):
+	@test -n "$(MAXTEXT_PYTHON)" || { echo "No Python >= 3.12 found (python3.12 or ~/.pyenv/versions/3.12*): MaxText 0.2.5 needs it; set MAXTEXT_PYTHON=..."; exit 1; }
+	$(MAXTEXT_PYTHON) -m venv $(MAXTEXT_VENV)
+	$(MAXTEXT_VENV)/bin/pip install -q --upgrade pip
+	$(MAXTEXT_VENV)/bin/pip install -q 'maxtext[tpu]==0.2.5'
+	touch $@
+
 clean:
-	rm -rf $(VENV) .tools $(STUBS) protos/csi_pb2.pyi
+	rm -rf $(VENV) $(MAXTEXT_VENV) .tools $(STUBS) protos/csi_pb2.pyi

@@ -350,17 +350,23 @@ class LocalJob:
             self.pods.append(Pod(name, agent, target, os.path.join(self.workdir, "logs", f"{name}.jsonl")))
         return self.pods
 
+    def train_command(self, pod: Pod) -> list[str]:
+        """The training process of ``pod``: ``examples/train.py`` (a subclass may run another trainer)."""
+        return [sys.executable, TRAIN_SCRIPT, "--local-dir", pod.target, "--run-name", self.name,
+                "--num-slices", str(self.slices), "--nodes", str(len(self.agents)), *self.train_args]  # fmt: skip
+
+    def train_env(self) -> dict[str, str]:
+        """The training processes' environment: JAX on CPU, with the process count for the CPU-only
+        ``ClusterEnv`` of ``examples/cpu_cluster.py``."""
+        return {**os.environ, "JAX_PLATFORMS": "cpu", "MTC_NUM_PROCESSES": str(len(self.agents))}
+
     def start_training(self) -> None:
-        """Starts ``train.py`` in every pod; each learns its rank from ``jax-init-info.txt``."""
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", "MTC_NUM_PROCESSES": str(len(self.agents))}
+        """Starts the trainer in every pod; each learns its rank from ``jax-init-info.txt``."""
+        env = self.train_env()
         for pod in self.pods:
             os.makedirs(os.path.dirname(pod.log_path), exist_ok=True)
             with open(pod.log_path, "wb") as out, open(pod.log_path + ".stderr", "wb") as err:
-                pod.process = subprocess.Popen(
-                    [sys.executable, TRAIN_SCRIPT, "--local-dir", pod.target, "--run-name", self.name,
-                     "--num-slices", str(self.slices), "--nodes", str(len(self.agents)), *self.train_args],
-                    stdout=out, stderr=err, env=env,
-                )  # fmt: skip
+                pod.process = subprocess.Popen(self.train_command(pod), stdout=out, stderr=err, env=env)
 
     def kill_training(self) -> None:
         """SIGKILLs every training process, as a preemption or node failure would."""

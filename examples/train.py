@@ -25,8 +25,8 @@ dimension is sharded across the processes of a slice. Process ``i`` of slice
 slice: those are the data-parallel peers listed in ``peer-ranks``.
 
 JAX on CPU cannot discover the number of processes by itself, so the script
-registers a small ``ClusterEnv`` that reads it from ``MTC_NUM_PROCESSES``
-(set from ``--nodes`` when given). Process id and coordinator address come
+registers the CPU-only ``ClusterEnv`` of ``examples/cpu_cluster.py``, which
+reads it from ``MTC_NUM_PROCESSES`` (set from ``--nodes`` when given). Process id and coordinator address come
 from ``jax-init-info.txt`` via Orbax.
 
 Every event goes to stdout as one JSON object per line (anything else that
@@ -63,7 +63,6 @@ from typing import Any
 from absl import flags
 from etils import epath
 import jax
-from jax._src import clusters
 from jax.experimental import multihost_utils
 import jax.numpy as jnp
 import numpy as np
@@ -77,47 +76,14 @@ from orbax.checkpoint.experimental.emergency import (
     replicator_checkpoint_manager as mtc_manager,
 )
 
-NUM_PROCESSES_ENV = 'MTC_NUM_PROCESSES'
+# Registers the CPU-only process-count ClusterEnv (this script runs with examples/ on sys.path).
+from cpu_cluster import NUM_PROCESSES_ENV
 
 INPUT_DIM = 16
 HIDDEN_PER_SHARD = 16
 EXAMPLES_PER_SLICE = 32
 LEARNING_RATE = 0.05
 MOMENTUM = 0.9
-
-
-class EnvProcessCountCluster(clusters.ClusterEnv):
-    """Tells ``jax.distributed.initialize`` the process count from an env var.
-
-    Orbax passes ``process_id`` and ``coordinator_address`` explicitly, so only
-    the process count has to come from cluster detection.
-    """
-
-    name = 'mtc_env_process_count'
-
-    @classmethod
-    def is_env_present(cls) -> bool:
-        return NUM_PROCESSES_ENV in os.environ
-
-    @classmethod
-    def get_coordinator_address(cls, timeout_secs: int | None, override_coordinator_port: str | None) -> str:
-        raise RuntimeError('The coordinator address comes from jax-init-info.txt.')
-
-    @classmethod
-    def get_process_count(cls) -> int:
-        return int(os.environ[NUM_PROCESSES_ENV])
-
-    @classmethod
-    def get_process_id(cls) -> int:
-        raise RuntimeError('The process id comes from jax-init-info.txt.')
-
-
-# Subclassing registers the environment at the end of the detection list; move
-# it to the front so that, e.g., JAX's Kubernetes detection cannot win in a pod.
-# pylint: disable=protected-access
-clusters.ClusterEnv._cluster_types.remove(EnvProcessCountCluster)
-clusters.ClusterEnv._cluster_types.insert(0, EnvProcessCountCluster)
-# pylint: enable=protected-access
 
 
 class EventStream:

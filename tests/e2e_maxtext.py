@@ -1,0 +1,282 @@
+"""``make e2e-maxtext``: the stock MaxText trainer checkpoints through mtc, unchanged.
+
+Not part of ``make test``: it needs MaxText 0.2.5 in its own Python 3.12 virtualenv (``make``
+installs it) and takes minutes. On this machine, for each job shape asked for (``--slices 1``:
+one slice of 2 nodes, model sharded across them; ``--slices 2``: two data-parallel slices of one
+node), a coordinator and 2 node agents run as a LocalCluster (tmpfs ramdisks as root, peer tier
+on), 2 pods are published as kubelet would, and each runs
+``python -m maxtext.trainers.pre_train.train`` on CPU with the flags of
+``examples/maxtext/jobset.yaml``. Only the flags that name places and periods are changed for this
+machine; a tiny model and ``dataset_type=synthetic`` are added. The trainers get the CPU-only shim
+(``examples/maxtext/sitecustomize.py``). Then:
+
+1. preemption: both trainers are SIGKILLed and the pods recreated; each node restores its own copy;
+2. node loss: the trainers are SIGKILLed, node 1 dies with its RAM, a fresh node takes its place,
+   and the pods are recreated; rank 1 restores from node 0 (its peer replica, or with two slices
+   its data-parallel peer's identical data).
+
+Each time it checks that every trainer logs ``restoring from this run's directory step S`` where
+S is the newest step every rank had committed before the failure, that training goes on at step
+S + 1, and that the losses MaxText writes to its ``metrics_file`` after the restore equal, bit for
+bit, those it wrote before the failure for the same steps. The closing report gives, per restore,
+the seconds from the pods' republish to the first step and the agents' share of them (from
+replicator.yaml consumed to restore marker written, ``mtc_restore_seconds`` on every agent).
+Exit status 0 when every check passed.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from examples.local_cluster import LocalCluster, LocalJob, NodeAgentProcess, Pod, can_mount_tmpfs
+from replicator.status import fetch_status
+
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_EXAMPLE_DIR = os.path.join(_REPO_ROOT, "examples", "maxtext")
+JOBSET = os.path.join(_EXAMPLE_DIR, "jobset.yaml")
+TRAINER = "maxtext.trainers.pre_train.train"
+
+# The multi-tier checkpointing flags the JobSet must carry; the e2e replaces only the values that
+# name places (the pod's mount, the output directory) or are too long for a test.
+MTC_FLAGS = ("enable_multi_tier_checkpointing", "local_checkpoint_directory", "local_checkpoint_period",
+             "multi_tier_checkpointing_backup_interval_minutes")  # fmt: skip
+LOCAL_PERIOD = 2
+# A model small enough for 2 CPU processes on 2 shared cores; random tokens (no dataset download).
+TINY_MODEL = {
+    "dataset_type": "synthetic", "base_emb_dim": "64", "base_num_decoder_layers": "2", "base_mlp_dim": "128",
+    "base_num_query_heads": "2", "base_num_kv_heads": "2", "head_dim": "32", "max_target_length": "64",
+    "per_device_batch_size": "1", "vocab_size": "256", "steps": "100000", "enable_tensorboard": "False",
+}  # fmt: skip
+RESTORED = re.compile(r"restoring from this run's directory step (\d+)")
+FRESH = "No existing checkpoints found"
+TIMEOUT = 600.0  # seconds for any one wait: MaxText's import and XLA compile take a minute on 2 cores
+
+
+def jobset_flags(path: str = JOBSET) -> dict[str, str]:
+    """The ``key=value`` flags of the JobSet's ``train`` container, in order.
+
+    Raises:
+      ValueError: the container does not run ``python -m maxtext.trainers.pre_train.train`` or
+        lacks a multi-tier checkpointing flag.
+    """
+    with open(path, encoding="utf-8") as f:
+        jobset = next(d for d in yaml.safe_load_all(f) if d and d.get("kind") == "JobSet")
+    pod_spec = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    container = next(c for c in pod_spec["containers"] if c["name"] == "train")
+    argv = [str(a) for a in container.get("command", []) + container.get("args", [])]
+    if argv[1:3] != ["-m", TRAINER]:
+        raise ValueError(f"{path}: the train container runs {argv[:3]}, not python -m {TRAINER}")
+    flags = dict(arg.split("=", 1) for arg in argv[3:])
+    missing = [f for f in MTC_FLAGS if f not in flags]
+    if missing or flags["enable_multi_tier_checkpointing"] != "True":
+        raise ValueError(f"{path}: multi-tier checkpointing flags missing or off: {missing or flags['enable_multi_tier_checkpointing']}")
+    return flags
+
+
+@dataclasses.dataclass
+class MaxTextJob(LocalJob):
+    """A LocalJob whose pods run the stock MaxText trainer; ``train_args`` are its ``key=value`` flags."""
+
+    python: str = "python3.12"
+
+    @staticmethod
+    def metrics_path(pod: Pod) -> str:
+        return pod.log_path + ".metrics"
+
+    @staticmethod
+    def stderr_path(pod: Pod) -> str:
+        return pod.log_path + ".stderr"
+
+    def train_command(self, pod: Pod) -> list[str]:
+        pod_flags = {"run_name": self.name, "local_checkpoint_directory": pod.target,
+                     "base_output_directory": os.path.join(self.workdir, "output", pod.name),
+                     "metrics_file": self.metrics_path(pod)}  # fmt: skip
+        flags = {**dict(arg.split("=", 1) for arg in self.train_args), **pod_flags}
+        return [self.python, "-m", TRAINER, *(f"{k}={v}" for k, v in flags.items())]
+
+    def train_env(self) -> dict[str, str]:
+        return {**super().train_env(), "PYTHONPATH": _EXAMPLE_DIR, "MTC_NUM_SLICES": str(self.slices)}
+
+    def losses(self, pod: Pod) -> dict[int, float]:
+        """Step -> ``learning/loss`` as MaxText wrote it (full float precision) to ``metrics_file``."""
+        try:
+            with open(self.metrics_path(pod), encoding="utf-8") as f:
+                records = [json.loads(line) for line in f if line.strip()]
+        except FileNotFoundError:
+            return {}
+        return {int(r["step"]): r["learning/loss"] for r in records}
+
+    def restore_log(self, pod: Pod) -> int | None | str:
+        """The step MaxText logged restoring, None for a fresh start, "" before either was logged."""
+        with open(self.stderr_path(pod), encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        found = RESTORED.search(text)
+        return int(found.group(1)) if found else (None if FRESH in text else "")
+
+    def newest_step(self) -> int:
+        """The newest step every pod has committed (a bare integer directory in its ramdisk)."""
+        held = [{int(n) for n in os.listdir(p.target) if n.isdigit()} for p in self.pods]
+        return max(set.intersection(*held))
+
+    def train_past(self, step: int) -> None:
+        self.wait(lambda: all(max(self.losses(p), default=-1) >= step for p in self.pods), TIMEOUT, f"step {step}")
+
+
+@dataclasses.dataclass
+class Restore:
+    """What one failure and restore looked like."""
+
+    shape: str
+    failure: str
+    newest_step: int
+    logged_steps: list[int | None | str]
+    first_steps: list[int]
+    compared_steps: int
+    equal_losses: bool
+    seconds_to_first_step: float
+    agent_seconds: float
+    sources: dict[str, str]
+
+    @property
+    def passed(self) -> bool:
+        return (self.logged_steps == [self.newest_step] * len(self.logged_steps)
+                and self.first_steps == [self.newest_step + 1] * len(self.first_steps)
+                and self.compared_steps > 0 and self.equal_losses)  # fmt: skip
+
+
+def restore_seconds(agent: NodeAgentProcess) -> float:
+    """Sum of the agent's ``mtc_restore_seconds`` over every source (seconds)."""
+    with urllib.request.urlopen(agent.url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return sum(s.value for family in text_string_to_metric_families(text) if family.name == "mtc_restore_seconds"
+               for s in family.samples if s.name == "mtc_restore_seconds_sum")  # fmt: skip
+
+
+def wait_for(condition, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not reached within {timeout} s")
+        time.sleep(0.2)
+
+
+def fail_and_restore(cluster: LocalCluster, job: MaxTextJob, shape: str, lose_node: bool) -> Restore:
+    """SIGKILLs the trainers (and loses node 1 when ``lose_node``), recreates the pods, checks the restore."""
+    job.kill_training()
+    before = [job.losses(p) for p in job.pods]
+    newest = job.newest_step()
+    status = lambda: fetch_status(cluster.coordinator.url, job.job)["jobs"][0]  # noqa: E731
+    wait_for(lambda: status()["newest_complete_step"] == newest, f"the coordinator seeing step {newest}")
+    if lose_node:
+        # Only a step held elsewhere survives the node: wait until the peer tier covers the newest.
+        wait_for(lambda: status()["safe_step"] == newest, f"step {newest} held off node 1")
+        lost = job.agents[1]
+        cluster.lose_node(lost)
+        job.agents[1] = cluster.add_node(len(cluster.agents), block="b0")
+        print(f"   {lost.node_id} lost with its ramdisk; {job.agents[1].node_id} joins", flush=True)
+    agent_before = [restore_seconds(a) for a in job.agents]
+    job.delete_pods()
+    republished = time.monotonic()
+    job.create_pods()
+    job.start_training()
+    job.wait(lambda: all(job.losses(p) for p in job.pods), TIMEOUT, "the first step after the restore")
+    seconds = time.monotonic() - republished
+    job.train_past(max(max(b) for b in before) + 1)
+    after = [job.losses(p) for p in job.pods]
+    compared = [(s, b[s], a[s]) for b, a in zip(before, after) for s in sorted(set(b) & set(a))]
+    differing = [(s, b, a) for s, b, a in compared if b != a]
+    if differing:
+        print(f"   losses differ (step, before, after): {differing[:5]}", flush=True)
+    agent_seconds = max(restore_seconds(a) - b for a, b in zip(job.agents, agent_before))
+    return Restore(shape, "node loss" if lose_node else "preemption", newest, [job.restore_log(p) for p in job.pods],
+                   [min(a) for a in after], len(compared), not differing, seconds, agent_seconds,
+                   status()["restore"]["sources"])  # fmt: skip
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def run_shape(python: str, slices: int, workdir: str) -> list[Restore]:
+    """One job of 2 pods in ``slices`` slices through a preemption and a node loss."""
+    shape = f"{slices}x{2 // slices}"
+    flags = {**jobset_flags(), "local_checkpoint_period": str(LOCAL_PERIOD),
+             "multi_tier_checkpointing_backup_interval_minutes": "1", **TINY_MODEL}  # fmt: skip
+    cluster = LocalCluster(workdir, lambda host: f"{host}:{free_port(host)}")
+    job = MaxTextJob("maxtext", [], workdir, [f"{k}={v}" for k, v in flags.items()], slices=slices,
+                     size="256Mi", jax_port=free_port("127.0.0.1"), python=python)  # fmt: skip
+    try:
+        job.agents = list(cluster.start(2).agents)
+        print(f"== {shape} ({slices} slice(s) x {2 // slices} node(s)): python -m {TRAINER} {' '.join(job.train_args)} "
+              "plus each pod's run_name, local_checkpoint_directory, base_output_directory, metrics_file", flush=True)
+        job.create_pods()
+        job.start_training()
+        job.train_past(9)
+        fresh = [job.restore_log(p) for p in job.pods]
+        if fresh != [None, None]:
+            raise RuntimeError(f"the first run should start fresh (s0 marker), MaxText logged {fresh}")
+        results = []
+        for lose_node, target in ((False, 19), (True, 29)):
+            job.train_past(target)
+            result = fail_and_restore(cluster, job, shape, lose_node)
+            print(f"   {result.failure}: newest step {result.newest_step}; MaxText restored {result.logged_steps}, "
+                  f"resumed at {result.first_steps}; {result.compared_steps} losses compared, bit-identical: "
+                  f"{result.equal_losses}; first step {result.seconds_to_first_step:.1f} s after the republish, "
+                  f"agents {result.agent_seconds:.3f} s; sources {result.sources}", flush=True)  # fmt: skip
+            results.append(result)
+        return results
+    finally:
+        job.kill_training()
+        cluster.stop()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--python", default=os.path.join(_REPO_ROOT, ".venv-maxtext", "bin", "python"),
+                        help="Python of the MaxText virtualenv (default: the one `make e2e-maxtext` installs).")
+    parser.add_argument("--slices", type=int, nargs="+", default=[1, 2], choices=[1, 2],
+                        help="Job shapes to run: 2 pods in 1 slice, 2 slices, or both (default).")  # fmt: skip
+    args = parser.parse_args()
+    if not os.access(args.python, os.X_OK):
+        parser.error(f"{args.python} is not executable: run `make e2e-maxtext`, which installs MaxText")
+    print(f"ramdisks: {'tmpfs' if can_mount_tmpfs() else 'directories (not root)'}", flush=True)
+    results = []
+    workdir = tempfile.mkdtemp(prefix="mtc-e2e-maxtext-")
+    try:
+        for slices in args.slices:
+            results += run_shape(args.python, slices, os.path.join(workdir, f"slices-{slices}"))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print("\n== report: MaxText 0.2.5 on CPU, 2 pods on 2 node agents")
+    print(f"{'shape':<6}{'failure':<12}{'newest':>7}{'restored':>10}{'losses':>8}{'to 1st step':>13}{'agents':>9}{'share':>7}  result")
+    for r in results:
+        restored = "/".join(str(s) for s in r.logged_steps)
+        print(f"{r.shape:<6}{r.failure:<12}{r.newest_step:>7}{restored:>10}{r.compared_steps:>8}"
+              f"{r.seconds_to_first_step:>12.1f}s{r.agent_seconds:>8.3f}s{r.agent_seconds / r.seconds_to_first_step:>7.1%}  "
+              f"{'ok' if r.passed else 'FAILED'}")  # fmt: skip
+    firsts = [r.seconds_to_first_step for r in results]
+    agents = [r.agent_seconds for r in results]
+    print(f"republish to first step: median {statistics.median(firsts):.1f} s (range {min(firsts):.1f}-{max(firsts):.1f} s); "
+          f"agents (replicator.yaml consumed to restore marker): median {statistics.median(agents):.3f} s "
+          f"(range {min(agents):.3f}-{max(agents):.3f} s); the rest is MaxText's import and XLA compile, and Orbax's 1 s polls")  # fmt: skip
+    passed = all(r.passed for r in results)
+    print(f"{sum(r.passed for r in results)} passed, {sum(not r.passed for r in results)} failed")
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
