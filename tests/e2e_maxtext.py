@@ -59,6 +59,8 @@ TINY_MODEL = {
     "base_num_query_heads": "2", "base_num_kv_heads": "2", "head_dim": "32", "max_target_length": "64",
     "per_device_batch_size": "1", "vocab_size": "256", "steps": "100000", "enable_tensorboard": "False",
 }  # fmt: skip
+# Set per pod by MaxTextJob.train_command.
+POD_FLAGS = ("run_name", "local_checkpoint_directory", "base_output_directory", "metrics_file")
 RESTORED = re.compile(r"restoring from this run's directory step (\d+)")
 FRESH = "No existing checkpoints found"
 TIMEOUT = 600.0  # seconds for any one wait: MaxText's import and XLA compile take a minute on 2 cores
@@ -100,9 +102,7 @@ class MaxTextJob(LocalJob):
         return pod.log_path + ".stderr"
 
     def train_command(self, pod: Pod) -> list[str]:
-        pod_flags = {"run_name": self.name, "local_checkpoint_directory": pod.target,
-                     "base_output_directory": os.path.join(self.workdir, "output", pod.name),
-                     "metrics_file": self.metrics_path(pod)}  # fmt: skip
+        pod_flags = dict(zip(POD_FLAGS, (self.name, pod.target, os.path.join(self.workdir, "output", pod.name), self.metrics_path(pod))))
         flags = {**dict(arg.split("=", 1) for arg in self.train_args), **pod_flags}
         return [self.python, "-m", TRAINER, *(f"{k}={v}" for k, v in flags.items())]
 
@@ -143,7 +143,7 @@ class Restore:
     newest_step: int
     logged_steps: list[int | None | str]
     first_steps: list[int]
-    compared_steps: int
+    compared_steps: list[int]
     equal_losses: bool
     seconds_to_first_step: float
     agent_seconds: float
@@ -153,7 +153,7 @@ class Restore:
     def passed(self) -> bool:
         return (self.logged_steps == [self.newest_step] * len(self.logged_steps)
                 and self.first_steps == [self.newest_step + 1] * len(self.first_steps)
-                and self.compared_steps > 0 and self.equal_losses)  # fmt: skip
+                and bool(self.compared_steps) and self.equal_losses)  # fmt: skip
 
 
 def restore_seconds(agent: NodeAgentProcess) -> float:
@@ -201,7 +201,7 @@ def fail_and_restore(cluster: LocalCluster, job: MaxTextJob, shape: str, lose_no
         print(f"   losses differ (step, before, after): {differing[:5]}", flush=True)
     agent_seconds = max(restore_seconds(a) - b for a, b in zip(job.agents, agent_before))
     return Restore(shape, "node loss" if lose_node else "preemption", newest, [job.restore_log(p) for p in job.pods],
-                   [min(a) for a in after], len(compared), not differing, seconds, agent_seconds,
+                   [min(a) for a in after], sorted({s for s, _, _ in compared}), not differing, seconds, agent_seconds,
                    status()["restore"]["sources"])  # fmt: skip
 
 
@@ -221,8 +221,8 @@ def run_shape(python: str, slices: int, workdir: str) -> list[Restore]:
                      size="256Mi", jax_port=free_port("127.0.0.1"), python=python)  # fmt: skip
     try:
         job.agents = list(cluster.start(2).agents)
-        print(f"== {shape} ({slices} slice(s) x {2 // slices} node(s)): python -m {TRAINER} {' '.join(job.train_args)} "
-              "plus each pod's run_name, local_checkpoint_directory, base_output_directory, metrics_file", flush=True)
+        shown = " ".join(arg for arg in job.train_args if arg.split("=", 1)[0] not in POD_FLAGS)
+        print(f"== {shape} ({slices} slice(s) x {2 // slices} node(s)): python -m {TRAINER} {shown} + {', '.join(POD_FLAGS)} per pod", flush=True)
         job.create_pods()
         job.start_training()
         job.train_past(9)
@@ -234,7 +234,7 @@ def run_shape(python: str, slices: int, workdir: str) -> list[Restore]:
             job.train_past(target)
             result = fail_and_restore(cluster, job, shape, lose_node)
             print(f"   {result.failure}: newest step {result.newest_step}; MaxText restored {result.logged_steps}, "
-                  f"resumed at {result.first_steps}; {result.compared_steps} losses compared, bit-identical: "
+                  f"resumed at {result.first_steps}; losses of steps {result.compared_steps} bit-identical: "
                   f"{result.equal_losses}; first step {result.seconds_to_first_step:.1f} s after the republish, "
                   f"agents {result.agent_seconds:.3f} s; sources {result.sources}", flush=True)  # fmt: skip
             results.append(result)
@@ -262,10 +262,11 @@ def main() -> int:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print("\n== report: MaxText 0.2.5 on CPU, 2 pods on 2 node agents")
-    print(f"{'shape':<6}{'failure':<12}{'newest':>7}{'restored':>10}{'losses':>8}{'to 1st step':>13}{'agents':>9}{'share':>7}  result")
+    print(f"{'shape':<6}{'failure':<12}{'newest':>7}{'restored':>10}{'steps compared':>16}{'to 1st step':>13}{'agents':>9}{'share':>7}  result")
     for r in results:
         restored = "/".join(str(s) for s in r.logged_steps)
-        print(f"{r.shape:<6}{r.failure:<12}{r.newest_step:>7}{restored:>10}{r.compared_steps:>8}"
+        compared = f"{r.compared_steps[0]}-{r.compared_steps[-1]}" if r.compared_steps else "none"
+        print(f"{r.shape:<6}{r.failure:<12}{r.newest_step:>7}{restored:>10}{compared:>16}"
               f"{r.seconds_to_first_step:>12.1f}s{r.agent_seconds:>8.3f}s{r.agent_seconds / r.seconds_to_first_step:>7.1%}  "
               f"{'ok' if r.passed else 'FAILED'}")  # fmt: skip
     firsts = [r.seconds_to_first_step for r in results]
