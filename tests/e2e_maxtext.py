@@ -41,7 +41,6 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from examples.local_cluster import LocalCluster, LocalJob, NodeAgentProcess, Pod, can_mount_tmpfs
-from replicator.status import fetch_status
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _EXAMPLE_DIR = os.path.join(_REPO_ROOT, "examples", "maxtext")
@@ -177,7 +176,7 @@ def fail_and_restore(cluster: LocalCluster, job: MaxTextJob, shape: str, lose_no
     job.kill_training()
     before = [job.losses(p) for p in job.pods]
     newest = job.newest_step()
-    status = lambda: fetch_status(cluster.coordinator.url, job.job)["jobs"][0]  # noqa: E731
+    status = lambda: cluster.coordinator.status(job.job)["jobs"][0]  # noqa: E731
     wait_for(lambda: status()["newest_complete_step"] == newest, f"the coordinator seeing step {newest}")
     if lose_node:
         # Only a step held elsewhere survives the node: wait until the peer tier covers the newest.
