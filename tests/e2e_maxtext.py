@@ -112,7 +112,8 @@ class MaxTextJob(LocalJob):
         """Step -> ``learning/loss`` as MaxText wrote it (full float precision) to ``metrics_file``."""
         try:
             with open(self.metrics_path(pod), encoding="utf-8") as f:
-                records = [json.loads(line) for line in f if line.strip()]
+                # A line without its newline is still being written.
+                records = [json.loads(line) for line in f if line.endswith("\n")]
         except FileNotFoundError:
             return {}
         return {int(r["step"]): r["learning/loss"] for r in records}
@@ -259,7 +260,10 @@ def main() -> int:
         for slices in args.slices:
             results += run_shape(args.python, slices, os.path.join(workdir, f"slices-{slices}"))
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        if len(results) == 2 * len(args.slices) and all(r.passed for r in results):
+            shutil.rmtree(workdir)
+        else:
+            print(f"logs of the agents and trainers kept in {workdir}", flush=True)
     print("\n== report: MaxText 0.2.5 on CPU, 2 pods on 2 node agents")
     print(f"{'shape':<6}{'failure':<12}{'newest':>7}{'restored':>10}{'steps compared':>16}{'to 1st step':>13}{'agents':>9}{'share':>7}  result")
     for r in results:
