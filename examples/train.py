@@ -26,8 +26,8 @@ slice: those are the data-parallel peers listed in ``peer-ranks``.
 
 JAX on CPU cannot discover the number of processes by itself, so the script
 registers the CPU-only ``ClusterEnv`` of ``examples/cpu_cluster.py``, which
-reads it from ``MTC_NUM_PROCESSES`` (set from ``--nodes`` when given). Process id and coordinator address come
-from ``jax-init-info.txt`` via Orbax.
+reads it from ``MTC_NUM_PROCESSES`` (set from ``--nodes`` when given).
+Process id and coordinator address come from ``jax-init-info.txt`` via Orbax.
 
 Every event goes to stdout as one JSON object per line (anything else that
 would have gone to stdout, e.g. Gloo's connection messages, goes to stderr)::
