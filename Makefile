@@ -50,7 +50,9 @@ test: setup tools
 demo: setup
 	$(BIN)/python -m examples.demo
 
-BENCHES := ramdisk_throughput peer_restore backup_restore replication_overhead
+# Each entry is a module of tests/bench and its flags.
+BENCHES := ramdisk_throughput "peer_restore --cores" "peer_restore --gib 4 --repetitions 5" step_checksums \
+           backup_restore replication_overhead restore_mttr
 
 bench: setup tools
 	set -e; for b in $(BENCHES); do echo "== $$b"; PATH=$(TOOLS):$$PATH $(BIN)/python -m tests.bench.$$b; done

@@ -24,6 +24,7 @@ from csi_driver.server import start_csi_server
 from csi_driver.volume_request import DEFAULT_MAX_NODES, VolumeLimits
 from replicator.backup_store import open_backup_store
 from replicator.bearer import read_token
+from replicator.cpu_share import CpuShare
 from replicator.node_replicator import NodeReplicator
 from replicator.peer_service import add_peer_routes
 
@@ -63,6 +64,8 @@ class NodeConfig:
       storage_emulator_host: a GCS emulator for ``gs://`` backups (``STORAGE_EMULATOR_HOST``), or None.
       s3_endpoint_url: an S3-compatible endpoint for ``s3://`` backups (MinIO, Ceph RGW, ...), or None
         for ``AWS_ENDPOINT_URL`` or AWS.
+      background_cpu: CPUs the agent may use while it replicates and backs up (``CpuShare``), e.g.
+        0.5; None for no cap.
     """
 
     node_id: str
@@ -87,6 +90,7 @@ class NodeConfig:
     coordinator_ca: str | None = None
     storage_emulator_host: str | None = None
     s3_endpoint_url: str | None = None
+    background_cpu: float | None = None
 
     def server_ssl(self) -> ssl.SSLContext | None:
         """The TLS context of the HTTP side, or None for plain HTTP.
@@ -150,10 +154,11 @@ class NodeAgent:
             log.warning("no --peer-token-file: the peer tier (replication, restore from peers) is off")
         store = (open_backup_store(config.backup, emulator_host=config.storage_emulator_host,
                                    s3_endpoint_url=config.s3_endpoint_url) if config.backup else None)  # fmt: skip
+        self.share = CpuShare(config.background_cpu) if config.background_cpu else None
         self.replicator = (
             NodeReplicator(config.node_id, config.url, config.pod_address, config.topology, self.manager,
                            config.coordinator, self.peer_token, config.replicas, store, config.backup_keep,
-                           config.client_ssl(), config.coordinator_ssl())  # fmt: skip
+                           config.client_ssl(), config.coordinator_ssl(), share=self.share)  # fmt: skip
             if config.coordinator
             else None
         )
@@ -180,7 +185,7 @@ class NodeAgent:
         app = web.Application()
         app.add_routes([web.get("/healthz", healthz), web.get("/metrics", metrics)])
         if self.peer_token is not None:
-            add_peer_routes(app, self._ramdisk_path, self.peer_token)
+            add_peer_routes(app, self._ramdisk_path, self.peer_token, self.share)
         return app
 
     async def run(self, stop: asyncio.Event) -> None:

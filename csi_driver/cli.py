@@ -33,6 +33,16 @@ def _quantity(text: str) -> int:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    return value
+
+
 def _add_node(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("node", help="run this node's agent: the CSI plugin and the HTTP side")
     p.add_argument("--node-id", required=True, help="this node's name")
@@ -60,6 +70,8 @@ def _add_node(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--peer-tls-ca", help="CA bundle (PEM) that peers' certificates are checked against")
     p.add_argument("--coordinator-ca", help="CA bundle (PEM) the coordinator's certificate is checked against (default: --peer-tls-ca)")
     p.add_argument("--max-nodes", type=int, default=DEFAULT_MAX_NODES, help="largest job (nodes attribute) accepted (default %(default)s)")
+    p.add_argument("--background-cpu", type=_positive_float, metavar="CPUS",
+                   help="CPUs the agent may use while it replicates and backs up, e.g. 0.5 (default: no cap; restores never capped)")
 
 
 def _run_node(args: argparse.Namespace) -> int:
@@ -85,6 +97,7 @@ def _run_node(args: argparse.Namespace) -> int:
             peer_tls_ca=args.peer_tls_ca,
             coordinator_ca=args.coordinator_ca,
             max_nodes=args.max_nodes,
+            background_cpu=args.background_cpu,
             # The google-cloud-storage convention for emulators; read once, here at the edge.
             storage_emulator_host=os.environ.get("STORAGE_EMULATOR_HOST") if (args.backup or "").startswith("gs://") else None,
             s3_endpoint_url=args.s3_endpoint_url,

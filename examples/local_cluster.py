@@ -227,16 +227,18 @@ class LocalCluster:
         certificate the agents are given as ``--coordinator-ca``.
       backup: ``--backup`` URL of every agent, or None.
       env: environment of the agents (e.g. ``STORAGE_EMULATOR_HOST``).
+      agent_args: further ``mtc node`` flags of every agent (e.g. ``--background-cpu``).
     """
 
     def __init__(self, workdir: str, listen_address: Callable[[str], str], replicas: int = 1, peer_tier: bool = True,
-                 backup: str | None = None, env: dict[str, str] | None = None):  # fmt: skip
+                 backup: str | None = None, env: dict[str, str] | None = None, agent_args: list[str] | None = None):  # fmt: skip
         self.workdir = workdir
         self._listen_address = listen_address
         self.replicas = replicas
         self.peer_tier = peer_tier
         self.backup = backup
         self.env = env or {}
+        self.agent_args = agent_args or []
         self.token_file = os.path.join(workdir, "peer-token")
         os.makedirs(workdir, exist_ok=True)
         with open(self.token_file, "w", encoding="utf-8") as f:
@@ -266,7 +268,7 @@ class LocalCluster:
             ["--coordinator", self.coordinator.url, "--coordinator-ca", self.coordinator.ca_file, "--pod-address", host,
              "--topology", f"block={block or f'b{index // 2}'}", "--replicas", str(self.replicas),
              *(["--peer-token-file", self.token_file] if self.peer_tier else []),
-             *(["--backup", self.backup] if self.backup else [])],
+             *(["--backup", self.backup] if self.backup else []), *self.agent_args],
             env=self.env,
         )  # fmt: skip
         self.agents.append(agent)

@@ -129,6 +129,15 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
     backup.add_argument('--backup-interval-steps', type=int)
     backup.add_argument('--backup-interval-minutes', type=int)
     parser.add_argument(
+        '--ballast-mib',
+        type=int,
+        default=0,
+        help=(
+            'MiB of random data per rank carried in the state unchanged, so'
+            ' checkpoints have realistic sizes without the compute (benches).'
+        ),
+    )
+    parser.add_argument(
         '--step-sleep',
         type=float,
         default=0.0,
@@ -160,8 +169,8 @@ def make_mesh(num_slices: int) -> jax.sharding.Mesh:
     return jax.sharding.Mesh(grid, ('replica', 'model'))
 
 
-def state_specs() -> dict[str, Any]:
-    """Partition specs of the training state."""
+def state_specs(ballast: bool) -> dict[str, Any]:
+    """Partition specs of the training state (with the ballast: one shard per process)."""
     p = jax.sharding.PartitionSpec
     params = {
         'w1': p(None, 'model'),
@@ -169,7 +178,8 @@ def state_specs() -> dict[str, Any]:
         'w2': p('model', None),
         'b2': p(),
     }
-    return {'params': params, 'momentum': dict(params), 'step': p()}
+    specs = {'params': params, 'momentum': dict(params), 'step': p()}
+    return {**specs, 'ballast': p(('replica', 'model'))} if ballast else specs
 
 
 def global_array(
@@ -182,7 +192,18 @@ def global_array(
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
-def init_state(mesh: jax.sharding.Mesh) -> dict[str, Any]:
+def make_ballast(mesh: jax.sharding.Mesh, mib: int) -> jax.Array:
+    """``mib`` MiB of deterministic random float32 per process, each shard built where it lives."""
+    per_shard = (mib << 20) // 4
+    sharding = jax.sharding.NamedSharding(mesh, state_specs(True)['ballast'])
+
+    def shard(index: tuple[slice, ...]) -> np.ndarray:
+        return np.random.default_rng(index[0].start or 0).random(per_shard, dtype=np.float32)
+
+    return jax.make_array_from_callback((per_shard * mesh.size,), sharding, shard)
+
+
+def init_state(mesh: jax.sharding.Mesh, ballast_mib: int) -> dict[str, Any]:
     """Returns the deterministic step-0 training state."""
     hidden = HIDDEN_PER_SHARD * mesh.shape['model']
     rng = np.random.default_rng(0)
@@ -201,7 +222,8 @@ def init_state(mesh: jax.sharding.Mesh) -> dict[str, Any]:
         lambda v: v.astype(np.int32 if v.dtype.kind == 'i' else np.float32),
         host_state,
     )
-    return jax.tree.map(lambda v, s: global_array(mesh, s, v), host_state, state_specs())
+    state = jax.tree.map(lambda v, s: global_array(mesh, s, v), host_state, state_specs(False))
+    return {**state, 'ballast': make_ballast(mesh, ballast_mib)} if ballast_mib else state
 
 
 def make_batch(mesh: jax.sharding.Mesh, step: int) -> tuple[jax.Array, jax.Array]:
@@ -222,9 +244,9 @@ def loss_fn(params: dict[str, jax.Array], x: jax.Array, y: jax.Array):
     return jnp.mean((pred - y) ** 2)
 
 
-def make_train_step(mesh: jax.sharding.Mesh):
+def make_train_step(mesh: jax.sharding.Mesh, ballast: bool):
     """Returns the jitted SGD + momentum step: (state, x, y) -> (state, loss)."""
-    shardings = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), state_specs())
+    shardings = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), state_specs(ballast))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
     def train_step(state, x, y):
@@ -232,6 +254,7 @@ def make_train_step(mesh: jax.sharding.Mesh):
         momentum = jax.tree.map(lambda m, g: MOMENTUM * m + g, state['momentum'], grads)
         params = jax.tree.map(lambda p, m: p - LEARNING_RATE * m, state['params'], momentum)
         new_state = {
+            **state,  # the ballast, if any, unchanged
             'params': params,
             'momentum': momentum,
             'step': state['step'] + 1,
@@ -291,7 +314,7 @@ def main() -> None:
         mtc_manager.ReplicatorCheckpointManagerOptions(save_interval_steps=args.save_interval_steps),
         global_mesh=mesh,
     )
-    state = init_state(mesh)
+    state = init_state(mesh, args.ballast_mib)
     restored_step = manager.latest_step()
     if restored_step is not None:
         abstract_state = jax.tree.map(
@@ -312,7 +335,7 @@ def main() -> None:
             dump_state(args.dump_dir, rank, restored_step, state)
     events.emit('restored', step=restored_step, rank=rank)
 
-    train_step = make_train_step(mesh)
+    train_step = make_train_step(mesh, bool(args.ballast_mib))
     for step in range((restored_step or 0) + 1, args.steps + 1):
         x, y = make_batch(mesh, step)
         state, loss = train_step(state, x, y)

@@ -1,33 +1,46 @@
 """The peer tier's client: fetch a rank's step from another node agent, or push a replica to one.
 
-It speaks the routes of ``replicator.peer_service``. A fetch downloads every file with concurrent
-ranged GETs written in place (``os.pwrite`` into files created at full size) and checks every file
-against the peer's manifest before returning: the CRC-32C of each range is taken from the bytes as
-they arrive and the ranges' CRCs are combined, so a restore touches each byte once instead of
-reading the whole step back (0.2 s per GiB, a fifth of a loopback transfer). A push streams each
-file from disk, then commits; the peer installs the replica only if every checksum matches.
-
-Time limits are the session's (``aiohttp.ClientTimeout``): give it one that fits a whole step.
+It speaks the routes of ``replicator.peer_service``. A fetch runs on several threads, one HTTP
+connection each (``http.client``, so every socket read, file write and checksum runs with the GIL
+released): each thread GETs large byte ranges and writes them in place with ``os.pwrite`` into files
+created at full size. Every file is checked against the manifest the caller expects (the owner's, from
+the restore plan) before the fetch returns: the CRC-32C of each range is taken from the bytes as they
+arrive and the ranges' CRCs are combined, so a restore touches each byte once instead of reading the
+whole step back. A push streams each file from disk, then commits; the peer installs the replica only
+if every checksum matches.
 """
 
 import asyncio
+import concurrent.futures
+import contextlib
 import errno
 import functools
+import http.client
 import json
 import os
+import queue
+import ssl
+import threading
 import urllib.parse
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import google_crc32c
 
 from replicator import pod_files
 from replicator.bearer import auth_header
+from replicator.cpu_share import CpuShare
 from replicator.peer_service import UPLOAD_HEADER
-from replicator.step_manifest import StepManifest, UnusableCopy, safe_relpath
+from replicator.step_manifest import StepManifest, UnusableCopy, crc32c_combine, safe_relpath
 
 MiB = 1 << 20
+# One GET per range: large enough that HTTP costs nothing per byte, small enough to spread a file over
+# the workers. Each read is one ``bytes`` (what google_crc32c checksums without the GIL) that stays in
+# the CPU cache between the write and the checksum.
+DEFAULT_RANGE_BYTES = 64 * MiB
+_READ_BYTES = 2 * MiB
+_MAX_ERROR_BODY_BYTES = 64 << 10
 
 
 class PeerFetchError(Exception):
@@ -46,18 +59,25 @@ def _file_url(step_url: str, rel: str) -> str:
     return f"{step_url}/files/{urllib.parse.quote(rel, safe='/')}"
 
 
-async def _raise_for(response: aiohttp.ClientResponse, what: str) -> None:
-    """Raises PeerFetchError with the peer's ``{"error"}`` unless ``response`` is a 2xx."""
-    if response.status < 300:
-        return
-    text = await response.text(errors="replace")
+def _error_message(status: int, text: str) -> str:
+    """``HTTP <status>: <error>; <problems>`` from a peer's JSON error body, or the start of the body."""
     try:
         detail = json.loads(text)
         message = detail["error"] + "".join(f"; {p}" for p in detail.get("problems", []))
     except (ValueError, KeyError, TypeError):
         message = text[:500]
-    kind = UnusablePeerCopy if response.status in (404, 410) else PeerFetchError
-    raise kind(f"{what}: HTTP {response.status}: {message}")
+    return f"HTTP {status}: {message}"
+
+
+def _error_kind(status: int) -> type[PeerFetchError]:
+    """A 404 or 410 proves the peer no longer holds the copy; other statuses may pass."""
+    return UnusablePeerCopy if status in (404, 410) else PeerFetchError
+
+
+async def _raise_for(response: aiohttp.ClientResponse, what: str) -> None:
+    """Raises PeerFetchError (UnusablePeerCopy for 404/410) with the peer's ``{"error"}`` unless ``response`` is a 2xx."""
+    if response.status >= 300:
+        raise _error_kind(response.status)(f"{what}: {_error_message(response.status, await response.text(errors='replace'))}")
 
 
 async def _run_all(jobs: list[Callable[[], Awaitable]], concurrency: int) -> list:
@@ -80,131 +100,17 @@ async def _run_all(jobs: list[Callable[[], Awaitable]], concurrency: int) -> lis
     return results
 
 
-# CRC-32C combination (zlib's crc32_combine, with the Castagnoli polynomial): lets a fetch check
-# each file from the bytes it received, range by range, instead of reading the file back.
-_CRC32C_POLY = 0x82F63B78  # reflected
-
-
-def _multiply_mod_poly(a: int, b: int) -> int:
-    """a(x) * b(x) modulo the CRC-32C polynomial, both as reflected 32-bit values."""
-    product, bit = 0, 1 << 31
-    while a:
-        if a & bit:
-            product ^= b
-            a ^= bit
-        bit >>= 1
-        b = (b >> 1) ^ _CRC32C_POLY if b & 1 else b >> 1
-    return product
-
-
-def _powers_of_x() -> list[int]:
-    """x^(2^n) modulo the polynomial, n = 0..31."""
-    table = [1 << 30]  # x^1
-    while len(table) < 32:
-        table.append(_multiply_mod_poly(table[-1], table[-1]))
-    return table
-
-
-_X_POW_2N = _powers_of_x()
-
-
-def _crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
-    """The CRC-32C of ``A + B`` from ``crc1`` of A, ``crc2`` of B and B's length in bytes."""
-    shift, n, k = 1 << 31, len2, 3  # x^0; x^(8 * len2) = product of x^(2^k) over the set bits of len2, from k = 3
-    while n:
-        if n & 1:
-            shift = _multiply_mod_poly(_X_POW_2N[k & 31], shift)
-        n >>= 1
-        k += 1
-    return _multiply_mod_poly(shift, crc1) ^ crc2
-
-
-def _create_files(dest_dir: str, manifest: StepManifest) -> None:
-    """Creates every file of ``manifest`` under ``dest_dir`` at its full size.
-
-    ``ftruncate``, not ``posix_fallocate``: on tmpfs the latter zero-fills every page before the
-    data overwrites it (0.3 s per GiB, a third of a loopback transfer). A full disk is caught here
-    by the free-space check instead.
+async def fetch_manifest(session: aiohttp.ClientSession, base_url: str, token: str, namespace: str, job: str,
+                         rank: int, step: int) -> StepManifest:
+    """The manifest a peer holds for ``rank``'s ``step``.
 
     Raises:
-      OSError: ENOSPC when the filesystem of ``dest_dir`` has less free space than the step's bytes.
-    """
-    stats = os.statvfs(dest_dir)
-    if stats.f_bavail * stats.f_frsize < manifest.total_bytes:
-        raise OSError(errno.ENOSPC, f"{dest_dir} has {stats.f_bavail * stats.f_frsize} bytes free,"
-                                    f" step {manifest.step} of rank {manifest.rank} needs {manifest.total_bytes}")
-    for rel, (size, _) in manifest.files.items():
-        path = os.path.join(dest_dir, rel)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.ftruncate(fd, size)
-        finally:
-            os.close(fd)
-
-
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written
-
-
-async def _fetch_range(session: aiohttp.ClientSession, url: str, headers: dict, path: str, start: int, end: int) -> int:
-    """GETs bytes [start, end) of ``url`` into the same offsets of the file at ``path``.
-
-    Returns:
-      The CRC-32C of the bytes received.
-    """
-    what = f"GET {url} bytes {start}-{end - 1}"
-    crc = 0
-    async with session.get(url, headers={**headers, "Range": f"bytes={start}-{end - 1}"}) as response:
-        await _raise_for(response, what)
-        if response.status != 206:
-            raise PeerFetchError(f"{what}: HTTP {response.status} instead of 206 Partial Content")
-        fd = os.open(path, os.O_WRONLY)
-        try:
-            offset = start
-            async for chunk in response.content.iter_any():
-                if offset + len(chunk) > end:
-                    raise PeerFetchError(f"{what}: the peer sent more bytes than asked for")
-                _pwrite_all(fd, chunk, offset)
-                crc = google_crc32c.extend(crc, chunk)
-                offset += len(chunk)
-        finally:
-            os.close(fd)
-    if offset != end:
-        raise PeerFetchError(f"{what}: the peer sent {offset - start} bytes")
-    return crc
-
-
-async def fetch_step(session: aiohttp.ClientSession, base_url: str, token: str, namespace: str, job: str,
-                     rank: int, step: int, dest_dir: str, concurrency: int = 8, chunk_bytes: int = 16 * MiB) -> StepManifest:
-    """Downloads ``rank``'s ``step`` from a peer into ``dest_dir`` and checks every file's CRC-32C.
-
-    Args:
-      session: the client session (its timeout bounds the whole fetch).
-      base_url: the peer's node agent, e.g. ``http://10.0.0.2:8470``.
-      token: the shared peer secret.
-      namespace, job: the job, DNS-1123 labels.
-      rank, step: what to fetch.
-      dest_dir: an empty directory on the destination filesystem, e.g. ``JobMeta.new_incoming_dir()``.
-        On error it holds partial data; the caller deletes it.
-      concurrency: ranged GETs in flight at once.
-      chunk_bytes: the largest range one GET asks for, bytes.
-
-    Returns:
-      The peer's manifest, which ``dest_dir`` now matches.
-
-    Raises:
-      PeerFetchError: the peer could not be reached, answered an error, sent a manifest for another
-        rank or step or with unsafe paths, or sent data that fails verification (names the files).
-      OSError: ``dest_dir`` could not be written, e.g. ENOSPC.
+      PeerFetchError: the peer could not be reached, answered an error, or sent a manifest for another
+        rank or step or with unsafe paths.
     """
     url = _step_url(base_url, namespace, job, rank, step)
-    headers = auth_header(token)
     try:
-        async with session.get(url + "/manifest", headers=headers) as response:
+        async with session.get(url + "/manifest", headers=auth_header(token)) as response:
             await _raise_for(response, f"GET {url}/manifest")
             manifest = StepManifest.from_json(await response.text())
         for rel in manifest.files:
@@ -215,28 +121,222 @@ async def fetch_step(session: aiohttp.ClientSession, base_url: str, token: str, 
         raise PeerFetchError(f"GET {url}/manifest: {err!r}") from None
     if (manifest.rank, manifest.step) != (rank, step):
         raise UnusablePeerCopy(f"{url}: the peer sent the manifest of rank {manifest.rank} step {manifest.step}")
-
-    await asyncio.to_thread(_create_files, dest_dir, manifest)
-    ranges = [(rel, start, min(start + chunk_bytes, size))
-              for rel, (size, _) in manifest.files.items() for start in range(0, size, chunk_bytes)]
-    jobs = [functools.partial(_fetch_range, session, _file_url(url, rel), headers, os.path.join(dest_dir, rel), start, end)
-            for rel, start, end in ranges]
-    try:
-        range_crcs = await _run_all(jobs, concurrency)
-    except (aiohttp.ClientError, asyncio.TimeoutError) as err:
-        raise PeerFetchError(f"fetching rank {rank} step {step} from {base_url}: {err!r}") from None
-
-    file_crcs = dict.fromkeys(manifest.files, 0)  # 0 is the CRC-32C of no bytes
-    for (rel, start, end), crc in zip(ranges, range_crcs):  # a file's ranges are in offset order
-        file_crcs[rel] = _crc32c_combine(file_crcs[rel], crc, end - start)
-    problems = [f"{rel}: crc32c mismatch" for rel, (_, crc) in manifest.files.items() if f"{file_crcs[rel]:08x}" != crc]
-    if problems:
-        raise UnusablePeerCopy(f"rank {rank} step {step} from {base_url} fails verification: {'; '.join(problems)}")
     return manifest
 
 
+def _create_files(dest_dir: str, manifest: StepManifest) -> dict[str, int]:
+    """Creates every file of ``manifest`` under ``dest_dir`` at its full size; returns them open for writing.
+
+    ``ftruncate``, not ``posix_fallocate``: on tmpfs the latter zero-fills every page before the
+    data overwrites it (0.3 s per GiB, a third of a loopback transfer). A full disk is caught here
+    by the free-space check instead.
+
+    Returns:
+      relative path -> descriptor open for writing; the caller closes them.
+
+    Raises:
+      OSError: ENOSPC when the filesystem of ``dest_dir`` has less free space than the step's bytes.
+    """
+    stats = os.statvfs(dest_dir)
+    if stats.f_bavail * stats.f_frsize < manifest.total_bytes:
+        raise OSError(errno.ENOSPC, f"{dest_dir} has {stats.f_bavail * stats.f_frsize} bytes free,"
+                                    f" step {manifest.step} of rank {manifest.rank} needs {manifest.total_bytes}")
+    fds = {}
+    try:
+        for rel, (size, _) in manifest.files.items():
+            path = os.path.join(dest_dir, rel)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fds[rel] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            os.ftruncate(fds[rel], size)
+    except BaseException:
+        for fd in fds.values():
+            os.close(fd)
+        raise
+    return fds
+
+
+class _Peer:
+    """Where a fetch reads from: a peer's base URL, parsed, with what every GET carries."""
+
+    def __init__(self, base_url: str, token: str, ssl_context: ssl.SSLContext | None, timeout: float):
+        parts = urllib.parse.urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise PeerFetchError(f"{base_url!r} is not an http:// or https:// URL")
+        self.base_url, self.scheme, self.host, self.port = base_url, parts.scheme, parts.hostname, parts.port
+        self.path = parts.path.rstrip("/")
+        self.headers = auth_header(token)
+        self.ssl_context, self.timeout = ssl_context, timeout
+
+    def connect(self) -> http.client.HTTPConnection:
+        """A new connection (opened on first request); ``timeout`` bounds connecting and every read."""
+        if self.scheme == "https":
+            return http.client.HTTPSConnection(self.host, self.port, timeout=self.timeout,
+                                               context=self.ssl_context or ssl.create_default_context())
+        return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
+class _Stopped(Exception):
+    """A range given up because another one failed."""
+
+
+@contextlib.contextmanager
+def _network(what: str):
+    """Turns a failed connection (refused, reset, timed out, TLS, malformed HTTP) into PeerFetchError."""
+    try:
+        yield
+    except (OSError, http.client.HTTPException) as err:
+        raise PeerFetchError(f"{what}: {err!r}") from None
+
+
+def _get_range(connection: http.client.HTTPConnection, peer: _Peer, path: str, fd: int, start: int, end: int,
+               stop: threading.Event) -> int:
+    """GETs bytes [start, end) of the file at URL path ``path`` into the same offsets of ``fd``.
+
+    Returns:
+      The CRC-32C of the bytes received.
+
+    Raises:
+      PeerFetchError: the connection failed, an error status, or a response other than exactly the
+        range asked for.
+      _Stopped: ``stop`` was set (another range failed).
+      OSError: writing to ``fd`` failed, e.g. ENOSPC.
+    """
+    what = f"GET {peer.base_url}{path} bytes {start}-{end - 1}"
+    with _network(what):
+        connection.request("GET", path, headers={**peer.headers, "Range": f"bytes={start}-{end - 1}"})
+        response = connection.getresponse()
+        if response.status != 206:
+            body = response.read(_MAX_ERROR_BODY_BYTES).decode(errors="replace")
+            connection.close()
+            raise _error_kind(response.status)(f"{what}: {_error_message(response.status, body)}" if response.status >= 300 else
+                                               f"{what}: HTTP {response.status} instead of 206 Partial Content")
+    if response.length != end - start:
+        connection.close()
+        raise PeerFetchError(f"{what}: the peer answers with {response.length} bytes")
+    crc, offset = 0, start
+    while offset < end:
+        if stop.is_set():
+            connection.close()
+            raise _Stopped()
+        with _network(what):
+            chunk = response.read(min(_READ_BYTES, end - offset))
+        if not chunk:
+            raise PeerFetchError(f"{what}: the peer sent {offset - start} bytes")
+        _pwrite_all(fd, chunk, offset)
+        crc = google_crc32c.extend(crc, chunk)
+        offset += len(chunk)
+    return crc
+
+
+def _download(peer: _Peer, step_path: str, ranges: list[tuple[str, int, int]], fds: dict[str, int], workers: int,
+              stop: threading.Event) -> list[int]:
+    """Fetches ``ranges`` ((relative path, start, end)) on ``workers`` threads, one connection each;
+    returns each range's CRC-32C, in order. The first failure stops the others and is raised."""
+    pending: queue.SimpleQueue = queue.SimpleQueue()
+    for index in range(len(ranges)):
+        pending.put(index)
+    crcs = [0] * len(ranges)
+
+    def worker() -> None:
+        connection = peer.connect()
+        try:
+            while not stop.is_set():
+                try:
+                    index = pending.get_nowait()
+                except queue.Empty:
+                    return
+                rel, start, end = ranges[index]
+                path = _file_url(step_path, rel)
+                crcs[index] = _get_range(connection, peer, path, fds[rel], start, end, stop)
+        except BaseException:
+            stop.set()
+            raise
+        finally:
+            connection.close()
+
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="peer-fetch") as pool:
+        futures = [pool.submit(worker) for _ in range(min(workers, len(ranges)))]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        raise next((e for e in errors if not isinstance(e, _Stopped)), errors[0])
+    return crcs
+
+
+async def fetch_step(base_url: str, token: str, namespace: str, job: str, manifest: StepManifest, dest_dir: str, *,
+                     ssl_context: ssl.SSLContext | None = None, workers: int | None = None,
+                     range_bytes: int = DEFAULT_RANGE_BYTES, timeout: float = 60.0) -> None:
+    """Downloads ``manifest``'s rank and step from a peer into ``dest_dir`` and checks every byte against it.
+
+    Args:
+      base_url: the peer's node agent, e.g. ``http://10.0.0.2:8470`` or ``https://...``.
+      token: the shared peer secret.
+      namespace, job: the job, DNS-1123 labels.
+      manifest: what the step must be: the owning rank's checksums, from the restore plan (not the
+        serving peer's word). Its rank and step say what to fetch.
+      dest_dir: an empty directory on the destination filesystem, e.g. ``JobMeta.new_incoming_dir()``.
+        On error it holds partial data; the caller deletes it.
+      ssl_context: TLS for ``https://`` peers (the peer CA); None for the system's defaults.
+      workers: threads, each with its own connection; None for one per CPU.
+      range_bytes: the largest range one GET asks for, bytes.
+      timeout: seconds allowed to connect and for each read; a stalled peer fails the fetch.
+
+    Raises:
+      PeerFetchError: the peer could not be reached or answered an error, or ``manifest`` has an
+        unsafe path; ``UnusablePeerCopy`` when it sent data that does not match ``manifest`` (names
+        the files) or does not hold the step (HTTP 404/410).
+      OSError: ``dest_dir`` could not be written, e.g. ENOSPC.
+    """
+    try:
+        for rel in manifest.files:
+            safe_relpath(rel)
+    except ValueError as err:
+        raise PeerFetchError(f"the expected manifest of rank {manifest.rank} step {manifest.step}: {err}") from None
+    peer = _Peer(base_url, token, ssl_context, timeout)
+    step_path = peer.path + _step_url("", namespace, job, manifest.rank, manifest.step)
+    ranges = [(rel, start, min(start + range_bytes, size))
+              for rel, (size, _) in manifest.files.items() for start in range(0, size, range_bytes)]
+    fds = await asyncio.to_thread(_create_files, dest_dir, manifest)
+    stop = threading.Event()
+    try:
+        download = asyncio.ensure_future(asyncio.to_thread(_download, peer, step_path, ranges, fds, workers or os.cpu_count() or 1, stop))
+        try:
+            range_crcs = await asyncio.shield(download)
+        except asyncio.CancelledError:
+            stop.set()  # the threads stop within one read; wait for them before the caller deletes dest_dir
+            await asyncio.wait([download])
+            raise
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+    file_crcs = dict.fromkeys(manifest.files, 0)  # 0 is the CRC-32C of no bytes
+    for (rel, start, end), crc in zip(ranges, range_crcs):  # a file's ranges are in offset order
+        file_crcs[rel] = crc32c_combine(file_crcs[rel], crc, end - start)
+    problems = [f"{rel}: crc32c mismatch" for rel, (_, crc) in manifest.files.items() if f"{file_crcs[rel]:08x}" != crc]
+    if problems:
+        raise UnusablePeerCopy(f"rank {manifest.rank} step {manifest.step} from {base_url} fails verification: {'; '.join(problems)}")
+
+
+async def _file_body(fd: int, size: int, share: CpuShare | None) -> AsyncIterator[bytes]:
+    """The first ``size`` bytes of an open file in reads of ``_READ_BYTES`` (off the event loop),
+    pausing for ``share`` after each."""
+    offset = 0
+    while offset < size and (chunk := await asyncio.to_thread(os.pread, fd, min(_READ_BYTES, size - offset), offset)):
+        yield chunk
+        offset += len(chunk)
+        if share is not None:
+            await share.wait()
+
+
 async def push_step(session: aiohttp.ClientSession, base_url: str, token: str, namespace: str, job: str,
-                    step_dir: str, manifest: StepManifest, concurrency: int = 4) -> None:
+                    step_dir: str, manifest: StepManifest, concurrency: int = 4, share: CpuShare | None = None) -> None:
     """Pushes a step to a peer as a replica: every file streamed from disk, then a commit.
 
     The peer verifies the files against ``manifest`` and only then installs them, replacing any
@@ -248,6 +348,7 @@ async def push_step(session: aiohttp.ClientSession, base_url: str, token: str, n
       step_dir: the directory holding the step's files.
       manifest: their checksums; its rank and step name the replica.
       concurrency: files uploaded at once.
+      share: the agent's CPU cap while the job trains, or None.
 
     Raises:
       PeerFetchError: the peer could not be reached or refused a file or the commit (507 when its
@@ -260,9 +361,14 @@ async def push_step(session: aiohttp.ClientSession, base_url: str, token: str, n
 
     async def put(root: int, rel: str) -> None:
         # Opened without following links: the step may be the pod's own directory.
-        with os.fdopen(pod_files.open_relative(root, rel), "rb") as f:
-            async with session.put(_file_url(url, rel), data=f, headers=headers) as response:
+        fd = pod_files.open_relative(root, rel)
+        try:
+            size = os.fstat(fd).st_size  # sent as Content-Length: the peer refuses what cannot fit before it is sent
+            async with session.put(_file_url(url, rel), data=_file_body(fd, size, share),
+                                   headers={**headers, "Content-Length": str(size)}) as response:
                 await _raise_for(response, f"PUT {rel} to {base_url}")
+        finally:
+            os.close(fd)
 
     try:
         with pod_files.open_dir(step_dir) as root:

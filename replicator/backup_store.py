@@ -35,7 +35,8 @@ from typing import TypeVar
 
 from csi_driver.volume_request import DNS1123_LABEL
 from replicator import pod_files
-from replicator.step_manifest import StepManifest, UnusableCopy, file_sha256, safe_relpath, verify_step
+from replicator.cpu_share import CpuShare
+from replicator.step_manifest import IDENTITY_SCHEME, IDENTITY_SCHEMES, StepManifest, UnusableCopy, file_identity, safe_relpath, verify_step
 
 DEFAULT_WORKERS = 8
 RANGE_BYTES = 32 << 20  # one ranged read during a restore
@@ -64,13 +65,22 @@ class StoredFile:
       size: bytes.
       crc32c: CRC32C of the content, 8 lowercase hex digits (as in ``StepManifest``).
       object: the object holding the content, relative to the step's directory (``rank-<r>/<relpath>``).
-      sha256: SHA-256 of the content, hex: what deduplication compares (see ``file_sha256``).
+      identity: ``"<scheme>:<hex digest>"`` of the content, what deduplication compares (see
+        ``file_identity``): ``blake3:`` today; ``sha256:`` from the JSON key ``sha256`` of rank
+        manifests written before BLAKE3; empty when unknown (never deduplicated against).
     """
 
     size: int
     crc32c: str
     object: str
-    sha256: str = ""
+    identity: str = ""
+
+
+def _identity(stored: dict) -> str:
+    """A stored file's identity from its JSON; rank manifests from before BLAKE3 hold ``"sha256": "<hex>"``."""
+    if "identity" in stored:
+        return str(stored["identity"])
+    return f"sha256:{stored['sha256']}" if stored.get("sha256") else ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +119,7 @@ class RankManifest:
         try:
             raw = json.loads(text)
             files = {
-                safe_relpath(rel): StoredFile(int(f["size"]), str(f["crc32c"]), safe_relpath(str(f["object"])), str(f.get("sha256", "")))
+                safe_relpath(rel): StoredFile(int(f["size"]), str(f["crc32c"]), safe_relpath(str(f["object"])), _identity(f))
                 for rel, f in raw["files"].items()
             }
             return cls(int(raw["step"]), int(raw["rank"]), files, str(raw.get("incarnation", "")))
@@ -301,13 +311,14 @@ class BackupStore:
         return self.objects.url
 
     def upload_rank(self, job_key: str, step: int, rank: int, step_dir: str, manifest: StepManifest,
-                    dedup_from: RankManifest | None = None, incarnation: str = "") -> RankManifest:
+                    dedup_from: RankManifest | None = None, incarnation: str = "", share: CpuShare | None = None) -> RankManifest:
         """Stores one rank's committed step, then its rank manifest.
 
-        A file whose relative path, size and SHA-256 equal a file of ``dedup_from`` (a rank manifest of
+        A file whose relative path, size and content identity equal a file of ``dedup_from`` (a rank manifest of
         the same step already stored, from ``rank_manifest``, typically a data-parallel peer's) is not
         uploaded: the new manifest names the peer's object, so identical data is stored once. CRC32C
-        alone cannot tell such files apart (see ``file_sha256``).
+        alone cannot tell such files apart (see ``file_identity``). The identity is computed in the
+        scheme of the peer's file, so a peer's manifest from before BLAKE3 still deduplicates.
 
         Args:
           job_key: ``<namespace>/<job>``.
@@ -318,6 +329,7 @@ class BackupStore:
             checked against them.
           dedup_from: a stored rank manifest of the same step, or None to upload everything.
           incarnation: the uploading job incarnation (see ``RankManifest``).
+          share: the agent's CPU cap for computing content identities, or None.
 
         Returns:
           The stored rank manifest (pass it as ``dedup_from`` for the next peer).
@@ -348,13 +360,13 @@ class BackupStore:
                 # swaps for a symlink after the manifest was built cannot redirect the upload.
                 fd = pod_files.open_relative(root, rel)
                 opened.callback(os.close, fd)
-                local_path = pod_files.proc_path(fd)
-                sha256 = file_sha256(local_path)
-                if same is not None and (same.size, same.crc32c, same.sha256) == (size, crc, sha256):
+                peer_scheme = same.identity.partition(":")[0] if same is not None else ""
+                identity = file_identity(fd, peer_scheme if peer_scheme in IDENTITY_SCHEMES else IDENTITY_SCHEME, share=share)
+                if same is not None and (same.size, same.crc32c, same.identity) == (size, crc, identity):
                     files[rel] = same
                     continue
-                files[rel] = StoredFile(size, crc, f"rank-{rank}/{rel}", sha256)
-                uploads.append(Upload(local_path, prefix + files[rel].object, size, crc))
+                files[rel] = StoredFile(size, crc, f"rank-{rank}/{rel}", identity)
+                uploads.append(Upload(pod_files.proc_path(fd), prefix + files[rel].object, size, crc))
             self.objects.put_files(uploads, self.workers)
         stored = RankManifest(step, rank, files, incarnation)
         name = prefix + _manifest_name(rank)

@@ -18,6 +18,7 @@ from prometheus_client import Counter, Histogram
 from replicator.backup_store import BackupError, BackupStore
 from replicator.job_meta import JobMeta
 from replicator.messages import BackupOrder
+from replicator.cpu_share import CpuShare
 from replicator.step_manifest import StepManifest
 
 log = logging.getLogger(__name__)
@@ -42,10 +43,13 @@ class BackupWorker:
       busy_steps: (namespace, job, step) being read; shared with garbage collection, which skips them.
       report_error: called with (the job's JobMeta, message) for errors the job should see.
       on_change: called when the listing of complete backups changed.
+      share: the agent's CPU cap while jobs train (content identities), or None.
     """
 
-    def __init__(self, store: BackupStore, keep: int, busy_steps: set, report_error: Callable[[JobMeta, str], None], on_change: Callable[[], None]):
+    def __init__(self, store: BackupStore, keep: int, busy_steps: set, report_error: Callable[[JobMeta, str], None],
+                 on_change: Callable[[], None], share: CpuShare | None = None):
         self.store = store
+        self._share = share
         self._keep = keep
         self._busy = busy_steps
         self._report_error = report_error
@@ -133,7 +137,7 @@ class BackupWorker:
                     return  # the group's uploader has not finished; the next order retries
             step_dir, manifest = located
             stored = await asyncio.to_thread(
-                self.store.upload_rank, job_key, order.step, order.rank, step_dir, manifest, dedup, order.incarnation
+                self.store.upload_rank, job_key, order.step, order.rank, step_dir, manifest, dedup, order.incarnation, self._share
             )
             uploaded = sum(f.size for f in stored.files.values() if f.object.startswith(f"rank-{order.rank}/"))
             BACKUP_BYTES.inc(uploaded)

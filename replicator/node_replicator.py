@@ -21,12 +21,13 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from csi_driver.ramdisk import Ramdisk, RamdiskManager
 from prefetch import staging
-from prefetch.peer_fetch import PeerFetchError, fetch_step, push_step
+from prefetch.peer_fetch import PeerFetchError, fetch_manifest, fetch_step, push_step
 from replicator import orbax_protocol, pod_files
 from replicator.job_meta import JobMeta, PodProgress
 from replicator.backup_store import BackupError, BackupStore
 from replicator.backup_worker import BackupWorker
 from replicator.bearer import auth_header
+from replicator.cpu_share import CpuShare
 from replicator.messages import (
     Assignment,
     BackedUp,
@@ -154,6 +155,7 @@ class NodeReplicator:
       backup_keep: complete backups to keep per job.
       peer_ssl: TLS context for calls to peers, or None for aiohttp's default.
       coordinator_ssl: TLS context for calls to the coordinator, or None for aiohttp's default.
+      share: the CPU cap of replication and backup while jobs train, or None (restores never pace).
     """
 
     def __init__(
@@ -170,6 +172,7 @@ class NodeReplicator:
         backup_keep: int = 3,
         peer_ssl: ssl.SSLContext | None = None,
         coordinator_ssl: ssl.SSLContext | None = None,
+        share: CpuShare | None = None,
     ):
         self.node_id = node_id
         self._url = url
@@ -180,6 +183,7 @@ class NodeReplicator:
         self._peer_token = peer_token
         self._peer_ssl = peer_ssl
         self._coordinator_ssl = coordinator_ssl
+        self._share = share
         self._replicas = replicas
         self._session: aiohttp.ClientSession | None = None
         self._pushes: dict[tuple, asyncio.Task] = {}
@@ -188,7 +192,7 @@ class NodeReplicator:
         self._busy_steps: set[tuple[str, str, int]] = set()  # (namespace, job, step) being read: GC keeps them
         self._assignments: dict[str, Assignment] = {}
         self._backup = (
-            BackupWorker(backup_store, backup_keep, self._busy_steps, self._error_to_job, self.poke) if backup_store else None
+            BackupWorker(backup_store, backup_keep, self._busy_steps, self._error_to_job, self.poke, share) if backup_store else None
         )
         self._listing: asyncio.Task | None = None
         self._wake = asyncio.Event()
@@ -326,7 +330,8 @@ class NodeReplicator:
         started = time.monotonic()
         try:
             step_dir, manifest = located
-            await push_step(self._session, target.url, self._peer_token, disk.namespace, disk.job, step_dir, manifest)
+            await push_step(self._session, target.url, self._peer_token, disk.namespace, disk.job, step_dir, manifest,
+                            share=self._share)  # fmt: skip
             REPLICATED.labels("ok").inc()
             self._pushed[key] = time.monotonic()
             log.info("%s/%s: replicated step %d of rank %d to %s in %.2f s (%d bytes)", disk.namespace, disk.job,
@@ -524,8 +529,10 @@ class NodeReplicator:
             return _Failed([f"peer tier unavailable for {source.holder}"], unusable=True)
         incoming = meta.new_incoming_dir()
         try:
-            manifest = await fetch_step(self._session, source.url, self._peer_token, disk.namespace, disk.job,
-                                        source.data_rank, step, incoming)  # fmt: skip
+            # Verified against the owner's checksums from the plan; the peer's own manifest only when the plan has none.
+            manifest = (StepManifest(step, source.data_rank, dict(source.files)) if source.files is not None else
+                        await fetch_manifest(self._session, source.url, self._peer_token, disk.namespace, disk.job, source.data_rank, step))
+            await fetch_step(source.url, self._peer_token, disk.namespace, disk.job, manifest, incoming, ssl_context=self._peer_ssl)
         except (PeerFetchError, OSError, aiohttp.ClientError, asyncio.TimeoutError) as err:
             shutil.rmtree(incoming, ignore_errors=True)
             return _Failed([str(err) or repr(err)], unusable=isinstance(err, UnusableCopy))
@@ -590,7 +597,7 @@ class NodeReplicator:
         for step in new:
             step_dir = orbax_protocol.find_step_dir(disk.client_dir, step)
             try:
-                manifest = await asyncio.to_thread(build_manifest, step_dir or os.path.join(disk.client_dir, str(step)), step, progress.rank)
+                manifest = await asyncio.to_thread(build_manifest, step_dir or os.path.join(disk.client_dir, str(step)), step, progress.rank, self._share)
             except FileNotFoundError:
                 continue  # Orbax deleted it meanwhile
             except (OSError, ValueError) as err:

@@ -35,6 +35,7 @@ from csi_driver.volume_request import DNS1123_LABEL
 from replicator import orbax_protocol, pod_files
 from replicator.job_meta import JobMeta
 from replicator.bearer import require_bearer
+from replicator.cpu_share import CpuShare
 from replicator.step_manifest import StepManifest, safe_relpath, verify_step
 
 UPLOAD_HEADER = "X-MTC-Upload"
@@ -202,22 +203,25 @@ async def _read_manifest(request: web.Request, ref: _StepRef) -> StepManifest:
     return manifest
 
 
-async def _receive(request: web.Request, path: str) -> int:
-    """Streams the request body into a new file at ``path``; returns its size, bytes."""
+async def _receive(request: web.Request, path: str, share: CpuShare | None) -> int:
+    """Streams the request body into a new file at ``path``, pausing for ``share``; returns its size, bytes."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     written = 0
     with open(path, "wb", buffering=0) as f:
         async for chunk in request.content.iter_chunked(_RECEIVE_CHUNK_BYTES):
             f.write(chunk)  # unbuffered file: write() writes it all or raises
             written += len(chunk)
+            if share is not None:
+                await share.wait()
     return written
 
 
 class _PeerService:
     """The handlers, sharing the job lookup and the uploads in progress."""
 
-    def __init__(self, locate_ramdisk: Callable[[str, str], str | None]):
+    def __init__(self, locate_ramdisk: Callable[[str, str], str | None], share: CpuShare | None):
         self._locate_ramdisk = locate_ramdisk
+        self._share = share
         self._uploads = _Uploads()
         self._install_lock = asyncio.Lock()  # install_replica of the same (rank, step) must not interleave
 
@@ -266,7 +270,7 @@ class _PeerService:
         try:
             if request.content_length is not None and request.content_length > free:
                 raise OSError(errno.ENOSPC, "Content-Length exceeds free space")  # handled as a full disk below
-            written = await _receive(request, os.path.join(upload.directory, rel))
+            written = await _receive(request, os.path.join(upload.directory, rel), self._share)
         except BaseException as err:
             self._uploads.discard(upload)
             if isinstance(err, OSError) and err.errno == errno.ENOSPC:
@@ -284,7 +288,7 @@ class _PeerService:
         manifest = await _read_manifest(request, ref)
         upload = self._uploads.take(upload_id, ref)
         try:
-            problems = await asyncio.to_thread(verify_step, upload.directory, manifest)
+            problems = await asyncio.to_thread(verify_step, upload.directory, manifest, self._share)
             if not problems:
                 async with self._install_lock:
                     await asyncio.to_thread(ref.meta.install_replica, upload.directory, manifest)
@@ -298,7 +302,8 @@ class _PeerService:
         return web.json_response({"rank": ref.rank, "step": ref.step, "bytes": manifest.total_bytes})
 
 
-def add_peer_routes(app: web.Application, locate_ramdisk: Callable[[str, str], str | None], token: str) -> None:
+def add_peer_routes(app: web.Application, locate_ramdisk: Callable[[str, str], str | None], token: str,
+                    share: CpuShare | None = None) -> None:
     """Adds the ``/v1/peer`` routes to the node agent's app.
 
     Args:
@@ -306,11 +311,12 @@ def add_peer_routes(app: web.Application, locate_ramdisk: Callable[[str, str], s
       locate_ramdisk: ``(namespace, job) -> ramdisk path``, or None when the job has none on this node.
         Called with validated DNS-1123 labels only.
       token: the shared peer secret every request must present as ``Authorization: Bearer <token>``.
+      share: the agent's CPU cap for receiving and verifying replicas (not for serving restores), or None.
 
     Raises:
       ValueError: ``token`` is empty.
     """
-    service = _PeerService(locate_ramdisk)
+    service = _PeerService(locate_ramdisk, share)
     job = "/v1/peer/jobs/{namespace}/{job}"
     app.add_routes([
         web.get(job + "/steps", require_bearer(service.list_steps, token)),

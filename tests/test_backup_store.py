@@ -4,16 +4,18 @@ store without CRC32C checksums or conditional writes)."""
 
 import base64
 import dataclasses
+import hashlib
 import json
 import os
 import uuid
 from collections.abc import Callable
 
+import blake3
 import google_crc32c
 import pytest
 
 from examples.local_cluster import FakeGcsServer, MinioServer
-from replicator.backup_store import BackupError, BackupStore, open_backup_store
+from replicator.backup_store import BackupError, BackupStore, RankManifest, open_backup_store
 from replicator.s3_backup import PART_BYTES, S3Features, S3Objects
 from replicator.step_manifest import StepManifest, build_manifest
 from tests.conftest import require_tool
@@ -279,6 +281,27 @@ def test_dedup_stores_identical_files_of_data_parallel_peers_once(backend, tmp_p
 
     with pytest.raises(ValueError, match="shared within a step"):
         store.upload_rank(JOB, 5, 1, *make_step(tmp_path / "src-5", 5, 1, sources[1]), dedup_from=peer)
+
+
+def test_dedup_against_a_rank_manifest_written_before_blake3_compares_sha256(backend, tmp_path):
+    store = backend.store
+    shared = {"state/d/big": os.urandom(9 * MiB)}
+    first = store.upload_rank(JOB, 4, 0, *make_step(tmp_path / "src-0", 4, 0, {**shared, "own": b"rank 0"}))
+    assert first.files["state/d/big"].identity == "blake3:" + blake3.blake3(shared["state/d/big"]).hexdigest()
+    # The rank manifest as an agent before BLAKE3 wrote it: a "sha256" key with the bare hex digest.
+    old = json.loads(first.to_json())
+    for rel, stored in old["files"].items():
+        del stored["identity"]
+        stored["sha256"] = hashlib.sha256((tmp_path / "src-0" / rel).read_bytes()).hexdigest()
+    peer = RankManifest.from_json(json.dumps(old))
+    assert peer.files["state/d/big"].identity == "sha256:" + old["files"]["state/d/big"]["sha256"]
+
+    second = store.upload_rank(JOB, 4, 1, *make_step(tmp_path / "src-1", 4, 1, {**shared, "own": b"rank 1", "new": b"x"}),
+                               dedup_from=peer)  # fmt: skip
+    assert second.files["state/d/big"].object == "rank-0/state/d/big"  # deduplicated through SHA-256
+    assert second.files["own"] == dataclasses.replace(peer.files["own"], crc32c=second.files["own"].crc32c, object="rank-1/own",
+                                                      identity="sha256:" + hashlib.sha256(b"rank 1").hexdigest())  # fmt: skip
+    assert second.files["new"].identity == "blake3:" + blake3.blake3(b"x").hexdigest()  # a path the peer lacks: today's scheme
 
 
 def test_retain_keeps_newest_complete_steps_and_every_protected_one(backend, tmp_path):

@@ -1,8 +1,10 @@
 """The peer tier over real HTTP on loopback: push, list, fetch, Range, corruption, auth, traversal, full disk."""
 
+import contextlib
 import dataclasses
 import errno
 import os
+import socket
 import subprocess
 
 import aiohttp
@@ -12,10 +14,10 @@ import yarl
 from aiohttp import web
 
 from examples.local_cluster import unmount_all_below
-from prefetch.peer_fetch import PeerFetchError, _crc32c_combine, fetch_step, push_step
+from prefetch.peer_fetch import PeerFetchError, fetch_manifest, fetch_step, push_step
 from replicator.job_meta import JobMeta
 from replicator.peer_service import UPLOAD_HEADER, add_peer_routes
-from replicator.step_manifest import build_manifest
+from replicator.step_manifest import StepManifest, build_manifest, checksum_files, crc32c_combine
 from tests.conftest import requires_root
 
 TOKEN = "peer-secret-0123456789"
@@ -74,6 +76,13 @@ def flip_byte(path: str, offset: int = 10) -> None:
         f.write(bytes([byte[0] ^ 0xFF]))
 
 
+async def fetch(session, peer: Peer, rank: int, step: int, dest: str, **kwargs) -> StepManifest:
+    """Fetches what the peer holds, verified against the manifest it serves."""
+    manifest = await fetch_manifest(session, peer.base_url, TOKEN, NS, JOB, rank, step)
+    await fetch_step(peer.base_url, TOKEN, NS, JOB, manifest, dest, **kwargs)
+    return manifest
+
+
 @pytest.fixture
 async def serve():
     """Factory: ``await serve(ramdisk)`` -> a Peer whose job NS/JOB lives on ``ramdisk``."""
@@ -119,12 +128,12 @@ async def test_push_list_fetch_round_trip_gives_identical_bytes(peer, session, t
     assert peer.incoming() == []
     dest = tmp_path / "fetched"
     dest.mkdir()
-    fetched = await fetch_step(session, peer.base_url, TOKEN, NS, JOB, 1, 7, str(dest), chunk_bytes=64 << 10)
+    fetched = await fetch(session, peer, 1, 7, str(dest), range_bytes=64 << 10, workers=3)
     assert fetched == manifest
     assert read_tree(str(dest)) == FILES
     own = tmp_path / "own"
     own.mkdir()
-    await fetch_step(session, peer.base_url, TOKEN, NS, JOB, 0, 5, str(own))
+    await fetch(session, peer, 0, 5, str(own))
     assert read_tree(str(own)) == {"own.bin": b"own data"}
 
 
@@ -144,7 +153,40 @@ async def test_fetch_of_a_corrupted_replica_raises_naming_the_file(peer, session
     dest = tmp_path / "fetched"
     dest.mkdir()
     with pytest.raises(PeerFetchError, match=r"state/d/0a1b2c: crc32c mismatch"):
-        await fetch_step(session, peer.base_url, TOKEN, NS, JOB, 1, 7, str(dest))
+        await fetch(session, peer, 1, 7, str(dest))
+
+
+async def test_fetch_checks_the_callers_manifest_not_the_one_the_peer_serves(peer, session, tmp_path):
+    owners = build_manifest(write_tree(str(tmp_path / "owner"), FILES), 7, 1)
+    other = {**FILES, "state/d/0a1b2c": os.urandom(70_000)}  # same names and sizes, other bytes
+    incoming = write_tree(peer.meta.new_incoming_dir(), other)
+    peer.meta.install_replica(incoming, build_manifest(incoming, 7, 1))  # consistent with itself
+    (tmp_path / "dest-1").mkdir()
+    with pytest.raises(PeerFetchError, match=r"fails verification: state/d/0a1b2c: crc32c mismatch$"):
+        await fetch_step(peer.base_url, TOKEN, NS, JOB, owners, str(tmp_path / "dest-1"))
+    missing = StepManifest(7, 1, {**owners.files, "state/d/extra": (5, "00000000")})
+    (tmp_path / "dest-2").mkdir()
+    with pytest.raises(PeerFetchError, match=r"state/d/extra bytes 0-4: HTTP 404"):
+        await fetch_step(peer.base_url, TOKEN, NS, JOB, missing, str(tmp_path / "dest-2"))
+
+
+async def test_fetch_from_a_peer_that_is_gone_raises_peer_fetch_error(tmp_path):
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]  # bound, never listening: connections are refused
+        manifest = StepManifest(7, 1, {"a": (3 << 20, "00000000"), "b": (10, "00000000")})
+        with pytest.raises(PeerFetchError, match="ConnectionRefusedError"):
+            await fetch_step(f"http://127.0.0.1:{port}", TOKEN, NS, JOB, manifest, str(tmp_path), range_bytes=1 << 20)
+
+
+def test_checksum_files_in_pieces_on_threads_equals_the_crc_of_each_whole_file(tmp_path, monkeypatch):
+    monkeypatch.setattr("replicator.step_manifest._PIECE_BYTES", 1 << 20)
+    contents = {"big": os.urandom((5 << 20) + 17), "small": b"abc", "empty": b""}
+    write_tree(str(tmp_path), contents)
+    with contextlib.ExitStack() as opened:
+        files = [(rel, opened.enter_context(open(tmp_path / rel, "rb")).fileno()) for rel in contents]
+        sums = checksum_files(files, workers=3)
+    assert sums == {rel: (len(data), f"{google_crc32c.value(data):08x}") for rel, data in contents.items()}
 
 
 async def test_corrupt_push_is_rejected_with_422_and_nothing_is_installed(peer, session, tmp_path):
@@ -234,7 +276,7 @@ async def test_fetch_of_a_step_symlinked_out_of_the_ramdisk_fails(peer, session,
     dest = tmp_path / "fetched"
     dest.mkdir()
     with pytest.raises(PeerFetchError, match="HTTP 404.*not held here"):
-        await fetch_step(session, peer.base_url, TOKEN, NS, JOB, 0, 9, str(dest))
+        await fetch(session, peer, 0, 9, str(dest))
 
 
 @pytest.mark.parametrize(("path", "upload", "status"), [
@@ -302,11 +344,11 @@ async def test_push_larger_than_free_space_is_507_and_leaves_nothing(serve, sess
 async def test_fetch_into_a_ramdisk_too_small_fails_before_writing(peer, session, small_ramdisk):
     commit_own_step(peer.meta, 5, 0, {"big": os.urandom(3 << 20)})
     with pytest.raises(OSError, match="needs 3145728") as raised:
-        await fetch_step(session, peer.base_url, TOKEN, NS, JOB, 0, 5, small_ramdisk)
+        await fetch(session, peer, 0, 5, small_ramdisk)
     assert raised.value.errno == errno.ENOSPC and os.listdir(small_ramdisk) == []
 
 
 def test_crc32c_combine_equals_the_crc_of_the_concatenation():
     for first, second in [(b"", b""), (b"a", b""), (b"", b"b"), (os.urandom(1000), os.urandom(70_001)), (os.urandom(3), os.urandom(1 << 20))]:
-        combined = _crc32c_combine(google_crc32c.value(first), google_crc32c.value(second), len(second))
+        combined = crc32c_combine(google_crc32c.value(first), google_crc32c.value(second), len(second))
         assert combined == google_crc32c.value(first + second)

@@ -1,31 +1,44 @@
-"""Peer restore throughput: ``fetch_step`` from a peer service against raw loopback TCP, in the same run.
+"""Peer restore throughput: ``fetch_step`` from a peer service against raw loopback TCP and tmpfs, in the same run.
 
-A 1 GiB shard (8 files of 128 MiB) sits in a tmpfs "ramdisk" as a committed step. A separate
-process serves it: the peer service (aiohttp, sendfile) or a plain socket sender (``socket.sendfile``
-of every file, back to back, on one connection). This process receives it into another tmpfs:
-through ``fetch_step`` (ranged GETs written with ``pwrite``, CRC-32C of every received byte checked
-against the manifest), or with ``recv_into`` + ``write``. Sender and receiver are separate processes, so they do not share
-a GIL.
+A shard of ``--gib`` GiB (default 1; files of 128 MiB) sits in a tmpfs "ramdisk" as a committed step.
+Separate processes serve it: the peer service (aiohttp, ``sendfile``) and a plain socket sender
+(``socket.sendfile`` of whole files, asked for by index, any number of connections). This process
+receives it into another tmpfs:
+
+- ours: ``fetch_step`` with K workers (K = CPUs): ranged GETs on K connections, each byte written
+  with ``pwrite`` and its CRC-32C checked against the manifest;
+- raw 1-stream: one connection, ``recv_into`` + ``write``, every file back to back;
+- raw K-stream: K threads, one connection each, taking files from a shared queue.
 
 Raw loopback TCP into tmpfs is the physical limit: both paths pay the same kernel copies (page cache
-to socket, socket to user memory, user memory to tmpfs); ours adds HTTP, Python per chunk, and
-the checksum, which a restore cannot skip. The goal is ours/raw >= 0.7.
-Each repetition restores once each way, swapping which goes first; throughput is the 1 GiB divided
-by the wall time from the first request to the last byte written (and, for ours, verified).
-Run as root: ``python -m tests.bench.peer_restore``.
+to socket, socket to user memory, user memory to tmpfs); ours adds HTTP, Python per chunk and the
+checksum, which a restore cannot skip. Goals: ours/raw 1-stream >= 0.8, ours/raw K-stream >= 0.7.
+
+With ``--cores`` it also measures how the receive path scales with cores: ours with 1 worker and
+with K, against first-touch tmpfs writes (``write`` of a cached buffer into new files, the memory
+bandwidth a restore into a ramdisk cannot beat) on 1 and on K threads. The ratio should hold as
+cores are added, not fall.
+
+Each repetition runs every path once, rotating which goes first; throughput is bytes over the wall
+time from the first request to the last byte written (and, for ours, verified).
+Run as root: ``python -m tests.bench.peer_restore [--gib N] [--cores]``.
 """
 
+import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import os
+import queue
 import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
 
-import aiohttp
 from aiohttp import web
 
 from prefetch.peer_fetch import fetch_step
@@ -36,14 +49,13 @@ from tests.bench.scratch import scratch_dir
 
 GiB = 1 << 30
 MiB = 1 << 20
-FILES = 8
 FILE_SIZE = 128 * MiB
-TMPFS_SIZE = FILES * FILE_SIZE + 256 * MiB
 RECV_BUFFER = 4 * MiB
-REPETITIONS = 11
-GOAL = 0.7
+REPETITIONS = 7
+GOAL_RAW_1, GOAL_RAW_K = 0.8, 0.7
 TOKEN = "bench-token"
 NAMESPACE, JOB, RANK, STEP = "default", "bench", 0, 100
+CORES = os.cpu_count() or 1
 
 
 def serve_peer(ramdisk: str) -> None:
@@ -62,17 +74,20 @@ def serve_peer(ramdisk: str) -> None:
 
 
 def serve_raw(step_dir: str) -> None:
-    """The raw side: per connection, ``socket.sendfile`` of every file of ``step_dir`` in sorted order;
-    prints its port, runs until killed."""
+    """The raw side: each connection sends file indexes, one per line; each is answered with
+    ``socket.sendfile`` of that file of ``step_dir`` (sorted names). Prints its port, runs until killed."""
     names = sorted(os.listdir(step_dir))
+
+    def answer(connection: socket.socket) -> None:
+        with connection, connection.makefile("rb") as requests:
+            for line in requests:
+                with open(os.path.join(step_dir, names[int(line)]), "rb") as f:
+                    connection.sendfile(f)
+
     with socket.create_server(("127.0.0.1", 0)) as server:
         print(server.getsockname()[1], flush=True)
         while True:
-            connection, _ = server.accept()
-            with connection:
-                for name in names:
-                    with open(os.path.join(step_dir, name), "rb") as f:
-                        connection.sendfile(f)
+            threading.Thread(target=answer, args=(server.accept()[0],), daemon=True).start()
 
 
 def start_server(cleanup: contextlib.ExitStack, role: str, path: str) -> int:
@@ -87,44 +102,69 @@ def start_server(cleanup: contextlib.ExitStack, role: str, path: str) -> int:
     return int(line)
 
 
-def receive_raw(port: int, dest_dir: str, names: list[str], buffer: memoryview) -> float:
-    """Receives every file from the raw sender into ``dest_dir``; returns seconds."""
-    start = time.perf_counter()
-    with socket.create_connection(("127.0.0.1", port)) as connection:
-        for name in names:
+def on_threads(threads: int, items: list, work: Callable[[Iterator], None]) -> None:
+    """Runs ``work(shared iterator over items)`` on ``threads`` threads at once; raises the first error."""
+    pending: queue.SimpleQueue = queue.SimpleQueue()
+    for item in items:
+        pending.put(item)
+
+    def take() -> Iterator:
+        with contextlib.suppress(queue.Empty):
+            while True:
+                yield pending.get_nowait()
+
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        for future in [pool.submit(work, take()) for _ in range(threads)]:
+            future.result()
+
+
+def receive_raw(port: int, dest_dir: str, names: list[str], streams: int) -> None:
+    """Receives every file from the raw sender into ``dest_dir`` on ``streams`` connections."""
+
+    def stream(pending: Iterator[int]) -> None:
+        buffer = memoryview(bytearray(RECV_BUFFER))
+        with socket.create_connection(("127.0.0.1", port)) as connection:
+            for index in pending:
+                connection.sendall(f"{index}\n".encode())
+                fd = os.open(os.path.join(dest_dir, names[index]), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    remaining = FILE_SIZE
+                    while remaining:
+                        n = connection.recv_into(buffer, min(len(buffer), remaining))
+                        if not n:
+                            raise RuntimeError(f"raw sender closed with {remaining} bytes of {names[index]} unsent")
+                        written = 0
+                        while written < n:
+                            written += os.write(fd, buffer[written:n])
+                        remaining -= n
+                finally:
+                    os.close(fd)
+
+    on_threads(streams, list(range(len(names))), stream)
+
+
+def first_touch(dest_dir: str, names: list[str], threads: int, block: bytes) -> None:
+    """Writes FILE_SIZE bytes of ``block`` repeated into each new file of ``dest_dir``, on ``threads`` threads."""
+
+    def writer(pending: Iterator[str]) -> None:
+        for name in pending:
             fd = os.open(os.path.join(dest_dir, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                remaining = FILE_SIZE
-                while remaining:
-                    n = connection.recv_into(buffer, min(len(buffer), remaining))
-                    if not n:
-                        raise RuntimeError(f"raw sender closed with {remaining} bytes of {name} unsent")
-                    written = 0
-                    while written < n:
-                        written += os.write(fd, buffer[written:n])
-                    remaining -= n
+                for _ in range(FILE_SIZE // len(block)):
+                    os.write(fd, block)  # tmpfs writes a whole block or raises
             finally:
                 os.close(fd)
-    return time.perf_counter() - start
+
+    on_threads(threads, names, writer)
 
 
-async def receive_ours(session: aiohttp.ClientSession, port: int, dest_dir: str, manifest: StepManifest) -> float:
-    """``fetch_step`` of the whole step into ``dest_dir``; returns seconds incl. the checksum check."""
-    start = time.perf_counter()
-    fetched = await fetch_step(session, f"http://127.0.0.1:{port}", TOKEN, NAMESPACE, JOB, RANK, STEP, dest_dir)
-    elapsed = time.perf_counter() - start
-    if fetched != manifest:
-        raise RuntimeError("fetch_step returned another manifest")
-    return elapsed
-
-
-def make_shard(ramdisk: str) -> StepManifest:
-    """Writes the step's FILES random files into the ramdisk's client dir and records its manifest."""
+def make_shard(ramdisk: str, files: int) -> StepManifest:
+    """Writes the step's ``files`` random files into the ramdisk's client dir and records its manifest."""
     meta = JobMeta(ramdisk)
     step_dir = os.path.join(meta.client_dir, str(STEP))
     os.makedirs(step_dir)
-    for i in range(FILES):
-        with open(os.path.join(step_dir, f"shard-{i}.bin"), "wb") as f:
+    for i in range(files):
+        with open(os.path.join(step_dir, f"shard-{i:03d}.bin"), "wb") as f:
             for _ in range(FILE_SIZE // (16 * MiB)):
                 f.write(os.urandom(16 * MiB))
     manifest = build_manifest(step_dir, STEP, RANK)
@@ -132,59 +172,93 @@ def make_shard(ramdisk: str) -> StepManifest:
     return manifest
 
 
-async def measure(peer_port: int, raw_port: int, dest_root: str, manifest: StepManifest) -> list[dict[str, float]]:
-    """REPETITIONS samples (GiB/s per path) after one untimed warm-up of each, alternating which goes first."""
+def paths(peer_port: int, raw_port: int, manifest: StepManifest, cores: bool) -> dict[str, Callable[[str], None]]:
+    """name -> receive the whole step into the given directory."""
     names = sorted(os.path.basename(rel) for rel in manifest.files)
-    buffer = memoryview(bytearray(RECV_BUFFER))
+    block = os.urandom(4 * MiB)
+
+    def ours(workers: int) -> Callable[[str], None]:
+        return lambda dest: asyncio.run(fetch_step(f"http://127.0.0.1:{peer_port}", TOKEN, NAMESPACE, JOB, manifest, dest, workers=workers))
+
+    found = {"ours": ours(CORES), "raw 1-stream": lambda dest: receive_raw(raw_port, dest, names, 1),
+             f"raw {CORES}-stream": lambda dest: receive_raw(raw_port, dest, names, CORES)}  # fmt: skip
+    if cores:
+        found.update({"ours 1 worker": ours(1), "tmpfs 1 thread": lambda dest: first_touch(dest, names, 1, block),
+                      f"tmpfs {CORES} threads": lambda dest: first_touch(dest, names, CORES, block)})  # fmt: skip
+    return found
+
+
+def measure(receivers: dict[str, Callable[[str], None]], dest_root: str, gib: float, repetitions: int) -> list[dict[str, float]]:
+    """``repetitions`` samples (GiB/s per path) after one untimed warm-up of each, rotating which goes first."""
     dest = os.path.join(dest_root, "restore")
-    gib = manifest.total_bytes / GiB
 
-    async with aiohttp.ClientSession() as session:
+    def once(name: str) -> float:
+        os.mkdir(dest)
+        try:
+            start = time.perf_counter()
+            receivers[name](dest)
+            return gib / (time.perf_counter() - start)
+        finally:
+            shutil.rmtree(dest)
 
-        async def once(path: str) -> float:
-            os.mkdir(dest)
-            try:
-                if path == "ours":
-                    return gib / await receive_ours(session, peer_port, dest, manifest)
-                return gib / await asyncio.to_thread(receive_raw, raw_port, dest, names, buffer)
-            finally:
-                shutil.rmtree(dest)
-
-        await once("ours")
-        await once("raw")
-        samples = []
-        for rep in range(REPETITIONS):
-            order = ["ours", "raw"] if rep % 2 == 0 else ["raw", "ours"]
-            samples.append({path: await once(path) for path in order})
-        return samples
+    order = list(receivers)
+    for name in order:
+        once(name)
+    samples = []
+    for rep in range(repetitions):
+        rotated = order[rep % len(order):] + order[:rep % len(order)]
+        samples.append({name: once(name) for name in rotated})
+    return samples
 
 
-def report(samples: list[dict[str, float]]) -> None:
-    ours = statistics.median(s["ours"] for s in samples)
-    raw = statistics.median(s["raw"] for s in samples)
-    ratio = statistics.median(s["ours"] / s["raw"] for s in samples)
-    verdict = "PASS" if ratio >= GOAL else "BELOW"
-    print(f"{'operation':<16}{'ours GiB/s':>12}{'raw GiB/s':>12}{'ours/raw':>10}  goal")
-    print(f"{'peer restore':<16}{ours:>12.2f}{raw:>12.2f}{ratio:>10.3f}  >= {GOAL} {verdict}")
-    print(f"medians of {REPETITIONS} repetitions; ours/raw is the median of per-repetition ratios. "
-          f"{FILES} files of {FILE_SIZE // MiB} MiB, tmpfs to tmpfs over 127.0.0.1; ours includes the CRC-32C check.")
+def report(samples: list[dict[str, float]], gib: float, cores: bool) -> None:
+    def median(name: str) -> float:
+        return statistics.median(s[name] for s in samples)
+
+    def ratio(a: str, b: str) -> float:
+        return statistics.median(s[a] / s[b] for s in samples)
+
+    def row(label: str, a: str, b: str, goal: float | None) -> None:
+        r = ratio(a, b)
+        verdict = f">= {goal} {'PASS' if r >= goal else 'BELOW'}" if goal else "report"
+        print(f"{label:<30}{median(a):>10.2f}{median(b):>11.2f}{r:>9.3f}  {verdict}")
+
+    print(f"{'operation':<30}{'ours GiB/s':>10}{'base GiB/s':>11}{'ratio':>9}  goal")
+    row(f"peer restore vs raw 1-stream", "ours", "raw 1-stream", GOAL_RAW_1)
+    row(f"peer restore vs raw {CORES}-stream", "ours", f"raw {CORES}-stream", GOAL_RAW_K)
+    if cores:
+        row("1 worker vs tmpfs 1 thread", "ours 1 worker", "tmpfs 1 thread", None)
+        row(f"{CORES} workers vs tmpfs {CORES} threads", "ours", f"tmpfs {CORES} threads", None)
+        print(f"scaling 1 -> {CORES} cores: ours x{ratio('ours', 'ours 1 worker'):.2f}, "
+              f"first-touch tmpfs x{ratio(f'tmpfs {CORES} threads', 'tmpfs 1 thread'):.2f}")
+    print(f"medians of {len(samples)} repetitions; ratios are medians of per-repetition ratios. {gib:g} GiB in "
+          f"{FILE_SIZE // MiB} MiB files, tmpfs to tmpfs over 127.0.0.1; ours = fetch_step with {CORES} workers "
+          f"incl. the CRC-32C check; {CORES} CPUs, load average {os.getloadavg()[0]:.1f} at the end.")
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--gib", type=int, default=1, help="shard size, GiB")
+    parser.add_argument("--cores", action="store_true", help="also 1 worker and first-touch tmpfs on 1 and K threads")
+    parser.add_argument("--repetitions", type=int, default=REPETITIONS)
+    args = parser.parse_args()
+    files = args.gib * GiB // FILE_SIZE
     with scratch_dir("mtc-bench-peer-") as (workdir, cleanup):
         mounts = {}
         for name in ("source", "dest"):
             mounts[name] = os.path.join(workdir, name)
             os.mkdir(mounts[name])
-            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_SIZE}", f"mtc-bench-{name}", mounts[name]], check=True)
-        manifest = make_shard(mounts["source"])
+            size = files * FILE_SIZE + 256 * MiB
+            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", f"mtc-bench-{name}", mounts[name]], check=True)
+        manifest = make_shard(mounts["source"], files)
         peer_port = start_server(cleanup, "peer", mounts["source"])
         raw_port = start_server(cleanup, "raw", os.path.join(JobMeta(mounts["source"]).client_dir, str(STEP)))
-        report(asyncio.run(measure(peer_port, raw_port, mounts["dest"], manifest)))
+        receivers = paths(peer_port, raw_port, manifest, args.cores)
+        report(measure(receivers, mounts["dest"], manifest.total_bytes / GiB, args.repetitions), manifest.total_bytes / GiB, args.cores)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3:  # a server process started by start_server
+    if len(sys.argv) == 3 and sys.argv[1] in ("peer", "raw"):  # a server process started by start_server
         {"peer": serve_peer, "raw": serve_raw}[sys.argv[1]](sys.argv[2])
     else:
         main()

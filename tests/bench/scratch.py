@@ -1,7 +1,8 @@
-"""A bench's scratch directory: whatever it mounts or starts is undone and the directory removed,
-on success or error."""
+"""A bench's scratch: a directory whose mounts and processes are undone and which is removed on
+success or error, and free loopback ports."""
 
 import contextlib
+import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -18,3 +19,10 @@ def scratch_dir(prefix: str) -> Iterator[tuple[str, contextlib.ExitStack]]:
         cleanup.callback(subprocess.run, ["rm", "-rf", "--one-file-system", workdir], check=False)
         cleanup.callback(unmount_all_below, workdir)
         yield workdir, cleanup
+
+
+def free_port(host: str) -> int:
+    """A port the kernel reports free on ``host``."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
