@@ -1,7 +1,7 @@
 """The Kubernetes manifests honour the contract in DESIGN.md section 3.
 
-Static checks only: every file under manifests/ is parsed with PyYAML; no cluster, kubectl or
-kustomize binary is needed.
+Static checks of the files as written (parsed with PyYAML); test_rendered_manifests.py renders
+them with kustomize and helm and validates them against the Kubernetes schemas.
 """
 
 import re
