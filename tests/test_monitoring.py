@@ -19,7 +19,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from csi_driver import kubelet
 from replicator.orbax_protocol import JAX_INIT_INFO_FILE, REPLICATOR_FILE
-from replicator.status import fetch_status
 from tests.conftest import requires_root
 from tests.jobs import scrape, wait_until
 
@@ -194,14 +193,16 @@ def test_every_metric_and_label_the_dashboard_and_rules_use_is_exported(start_cl
     for target in targets:
         _commit(target, 4)
 
+    coordinator = cluster.coordinator
+
     def backed_up() -> bool:
-        (job,) = fetch_status(cluster.coordinator.url, "mon-slice")["jobs"]
-        return 4 in job["backups"] and "mtc_last_backup_timestamp_seconds{" in scrape(cluster.coordinator.url)
+        (job,) = coordinator.status("mon-slice")["jobs"]
+        return 4 in job["backups"] and "mtc_last_backup_timestamp_seconds{" in scrape(coordinator.url, coordinator.ssl_context())
 
     wait_until(backed_up, 60, "step 4 backed up")
     wait_until(lambda: any("mtc_replicated_bytes_total 0.0" not in scrape(a.url) for a in agents), 30, "a replica pushed")
 
-    exported = exported_series(scrape(cluster.coordinator.url), *(scrape(a.url) for a in agents))
+    exported = exported_series(scrape(coordinator.url, coordinator.ssl_context()), *(scrape(a.url) for a in agents))
     assert problems(dashboard_queries() + rule_queries(), exported) == []
     for metric, label in dashboard_variables():
         assert label in exported.get(metric, set()), f"variable label_values({metric}, {label})"
