@@ -4,8 +4,9 @@
   of ``manifests/`` and ``manifests/monitoring/`` (kustomize v5.7.1), all from ``.tools/bin``.
 - Every built-in object validated in strict mode (unknown fields are errors) by PyPI
   ``kubernetes-validate`` against the oldest and the newest Kubernetes version we support.
-- The example JobSet validated with ``jsonschema`` against the JobSet v1alpha2 schema vendored
-  from kubernetes-sigs/jobset v0.10.1 (``tests/schemas/``), made strict the same way.
+- Custom resources validated with ``jsonschema`` against their CRD's schema, vendored in
+  ``tests/schemas/`` and made strict the same way: the example JobSet (kubernetes-sigs/jobset
+  v0.10.1) and the ServiceMonitors and PrometheusRule (prometheus-operator v0.82.0).
 - The chart and the kustomize base agree on every contract field: they render the same specs.
 """
 
@@ -25,13 +26,17 @@ REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "charts" / "mtc"
 MANIFESTS = REPO / "manifests"
 MONITORING = MANIFESTS / "monitoring"
-JOBSET_SCHEMA = Path(__file__).resolve().parent / "schemas" / "jobset-v0.10.1-v1alpha2.json"
+SCHEMAS = Path(__file__).resolve().parent / "schemas"
+# (apiVersion, kind) -> the vendored openAPIV3Schema of its CRD (each file's $comment names its source).
+CRD_SCHEMAS = {
+    ("jobset.x-k8s.io/v1alpha2", "JobSet"): SCHEMAS / "jobset-v0.10.1-v1alpha2.json",
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): SCHEMAS / "prometheus-operator-v0.82.0-servicemonitors-v1.json",
+    ("monitoring.coreos.com/v1", "PrometheusRule"): SCHEMAS / "prometheus-operator-v0.82.0-prometheusrules-v1.json",
+}
 
 # Oldest: ValidatingAdmissionPolicy (admissionregistration.k8s.io/v1) is GA from 1.30.
 # Newest: the newest schema set kubernetes-validate 1.37.0 ships.
 KUBERNETES_VERSIONS = ["1.30.0", "1.37.0"]
-# Prometheus Operator kinds: not in the Kubernetes schemas (their PromQL is checked in test_monitoring).
-OPERATOR_KINDS = {"ServiceMonitor", "PrometheusRule"}
 ALL_MONITORING = ["serviceMonitor.enabled=true", "prometheusRule.enabled=true", "grafanaDashboard.enabled=true"]
 
 
@@ -109,8 +114,8 @@ def test_rendered_objects_are_valid_in_strict_mode(kube_version):
     checked = set()
     for source, docs in rendered.items():
         for doc in docs:
-            if doc["kind"] in OPERATOR_KINDS:
-                continue
+            if (doc["apiVersion"], doc["kind"]) in CRD_SCHEMAS:
+                continue  # test_custom_resources_match_their_crd_schemas
             try:
                 kubernetes_validate.validate(doc, kube_version, strict=True)
             except kubernetes_validate.ValidationError as err:
@@ -142,10 +147,9 @@ def _strict(schema):
     return strict
 
 
-@pytest.fixture(scope="module")
-def jobset_validator() -> jsonschema.Draft202012Validator:
-    schema = _strict(json.loads(JOBSET_SCHEMA.read_text()))
-    return jsonschema.Draft202012Validator(schema)
+def crd_validator(api_version: str, kind: str) -> jsonschema.Draft202012Validator:
+    schema = json.loads(CRD_SCHEMAS[(api_version, kind)].read_text())
+    return jsonschema.Draft202012Validator(_strict(schema))
 
 
 def _example_jobset() -> dict:
@@ -154,17 +158,21 @@ def _example_jobset() -> dict:
     return jobset
 
 
-def test_example_jobset_matches_the_jobset_crd_schema(jobset_validator):
-    jobset = _example_jobset()
-    assert (jobset["apiVersion"], jobset["kind"]) == ("jobset.x-k8s.io/v1alpha2", "JobSet")
-    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in jobset_validator.iter_errors(jobset)]
-    assert not errors, errors
+def test_custom_resources_match_their_crd_schemas():
+    resources = [("example-jobset.yaml", _example_jobset())]
+    resources += [("chart", d) for d in helm_template(*ALL_MONITORING) if (d["apiVersion"], d["kind"]) in CRD_SCHEMAS]
+    resources += [("manifests/monitoring/", d) for d in kustomize_build(MONITORING) if (d["apiVersion"], d["kind"]) in CRD_SCHEMAS]
+    assert {d["kind"] for _, d in resources} == {"JobSet", "ServiceMonitor", "PrometheusRule"}
+    for source, doc in resources:
+        errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+                  for e in crd_validator(doc["apiVersion"], doc["kind"]).iter_errors(doc)]  # fmt: skip
+        assert not errors, f"{source}: {doc['kind']} {doc['metadata']['name']}: {errors}"
 
 
-def test_jobset_schema_rejects_a_misspelt_field(jobset_validator):
+def test_crd_schema_rejects_a_misspelt_field():
     jobset = _example_jobset()
     jobset["spec"]["replicatedJobs"][0]["replica"] = 2
-    assert any("replica" in e.message for e in jobset_validator.iter_errors(jobset))
+    assert any("replica" in e.message for e in crd_validator(jobset["apiVersion"], "JobSet").iter_errors(jobset))
 
 
 # -- the chart and the kustomize base install the same thing --------------------------------------
