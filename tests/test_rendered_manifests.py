@@ -10,6 +10,7 @@
 - The chart and the kustomize base agree on every contract field: they render the same specs.
 """
 
+import base64
 import copy
 import json
 import os
@@ -21,6 +22,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from cryptography import x509
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "charts" / "mtc"
@@ -215,10 +217,6 @@ def test_chart_monitoring_is_the_monitoring_base():
 
 
 def test_chart_secrets_hold_a_token_and_a_certificate_for_the_coordinator_service():
-    import base64
-
-    from cryptography import x509
-
     secrets = {d["metadata"]["name"]: d for d in helm_template() if d["kind"] == "Secret"}
     token = base64.b64decode(secrets["mtc-peer-token"]["data"]["token"])
     assert len(token) == 64
