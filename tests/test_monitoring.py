@@ -139,7 +139,7 @@ def test_dashboard_and_rules_cover_what_operators_need():
     assert len(titles) >= 10
     alerts = {where.removeprefix("alert ") for where, _, _ in rule_queries()}
     assert alerts == {"MTCBackupBehind", "MTCCorruptCopy", "MTCSlowRestore", "MTCNodeSilent", "MTCNodeCannotReport",
-                      "MTCRamdiskNearlyFull", "MTCReplicatorLoopErrors"}  # fmt: skip
+                      "MTCRamdiskNearlyFull", "MTCReplicatorLoopErrors", "MTCRefusedStep", "MTCUntrustedClaims"}  # fmt: skip
     assert "node" in SCRAPE_LABELS, "panels group by node: the ServiceMonitors must set it"
 
 
