@@ -45,17 +45,18 @@ def scratch_dir(prefix: str) -> Iterator[tuple[str, contextlib.ExitStack]]:
     Yields (directory, ExitStack). Callbacks added to the stack (stopping processes) run first, in
     reverse order; then every mount below the directory is unmounted and the directory removed
     (``rm --one-file-system``: never through a mount that is still there). SIGINT and SIGTERM
-    are held while that runs, so a second Ctrl-C cannot cut it short; they arrive afterwards.
+    are ignored while that runs, so a second Ctrl-C cannot cut it short. Main thread only.
     """
+    handlers: dict[signal.Signals, object] = {}
     with contextlib.ExitStack() as cleanup:
         workdir = tempfile.mkdtemp(prefix=prefix)
-        cleanup.callback(signal.pthread_sigmask, signal.SIG_SETMASK, signal.pthread_sigmask(signal.SIG_BLOCK, ()))
+        cleanup.callback(lambda: [signal.signal(sig, handler) for sig, handler in handlers.items()])
         cleanup.callback(subprocess.run, ["rm", "-rf", "--one-file-system", workdir], check=False)
         cleanup.callback(unmount_all_below, workdir)
         try:
             yield workdir, cleanup
         finally:
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+            handlers.update({sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)})
 
 
 def can_mount_tmpfs() -> bool:

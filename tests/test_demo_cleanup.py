@@ -80,7 +80,7 @@ def _assert_left_nothing(result: dict, scratch: Path, log: Path) -> None:
 
 
 @requires_root
-def test_demo_interrupted_with_ctrl_c_unmounts_and_removes_everything(tmp_path, scratch):
+def test_demo_interrupted_with_ctrl_c_twice_unmounts_and_removes_everything(tmp_path, scratch):
     process = _start_demo(tmp_path, scratch)
     # Interrupt once the pods are published: 4 job ramdisks and 4 pod bind mounts.
     deadline = time.monotonic() + 120
@@ -88,6 +88,8 @@ def test_demo_interrupted_with_ctrl_c_unmounts_and_removes_everything(tmp_path, 
         assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "demo.log").read_text()[-3000:]
         time.sleep(0.2)
     os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole process group
+    time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGINT)  # an impatient second Ctrl-C while it tears down
     result = _finish(process, tmp_path)
     assert result["code"] != 0
     assert "KeyboardInterrupt" in (tmp_path / "demo.log").read_text()
