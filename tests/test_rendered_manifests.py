@@ -15,7 +15,10 @@ import copy
 import json
 import os
 import shutil
+import socket
+import ssl
 import subprocess
+import threading
 from pathlib import Path
 
 import jsonschema
@@ -216,7 +219,7 @@ def test_chart_monitoring_is_the_monitoring_base():
     assert chart[("ConfigMap", "mtc-dashboard")]["metadata"]["labels"]["grafana_dashboard"] == "1"
 
 
-def test_chart_secrets_hold_a_token_and_a_certificate_for_the_coordinator_service():
+def test_chart_secrets_hold_a_token_and_a_certificate_for_the_coordinator_service(tmp_path):
     secrets = {d["metadata"]["name"]: d for d in helm_template() if d["kind"] == "Secret"}
     token = base64.b64decode(secrets["mtc-peer-token"]["data"]["token"])
     assert len(token) == 64
@@ -227,6 +230,25 @@ def test_chart_secrets_hold_a_token_and_a_certificate_for_the_coordinator_servic
     assert "mtc-coordinator.mtc-system.svc" in names  # the host in the agents' --coordinator URL
     assert cert.issuer == ca.subject
     cert.verify_directly_issued_by(ca)
+    for name, data in tls.items():
+        (tmp_path / name).write_bytes(data)
+    assert _tls_handshake(tmp_path, "mtc-coordinator.mtc-system.svc") == "TLSv1.3"
+
+
+def _tls_handshake(directory: Path, host: str) -> str:
+    """A real TLS handshake: a server with ``directory``'s tls.crt/tls.key, a client that checks
+    it against ca.crt for ``host``, strictly (RFC 5280, as Python 3.13 does by default)."""
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server.load_cert_chain(directory / "tls.crt", directory / "tls.key")
+    client = ssl.create_default_context(cafile=directory / "ca.crt")
+    client.verify_flags |= ssl.VERIFY_X509_STRICT
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        accepted = threading.Thread(target=lambda: server.wrap_socket(listener.accept()[0], server_side=True).close())
+        accepted.start()
+        with socket.create_connection(listener.getsockname()) as raw, client.wrap_socket(raw, server_hostname=host) as tls:
+            version = tls.version()
+        accepted.join(10)
+    return version
 
 
 def test_chart_values_reach_the_agents_and_the_coordinator():
