@@ -13,8 +13,6 @@
 import base64
 import copy
 import json
-import os
-import shutil
 import socket
 import ssl
 import subprocess
@@ -26,6 +24,8 @@ import kubernetes_validate
 import pytest
 import yaml
 from cryptography import x509
+
+from tests.conftest import require_tool
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "charts" / "mtc"
@@ -45,14 +45,6 @@ KUBERNETES_VERSIONS = ["1.30.0", "1.37.0"]
 ALL_MONITORING = ["serviceMonitor.enabled=true", "prometheusRule.enabled=true", "grafanaDashboard.enabled=true"]
 
 
-def _tool(name: str) -> str:
-    local = REPO / ".tools" / "bin" / name
-    found = str(local) if os.access(local, os.X_OK) else shutil.which(name)
-    if found is None:
-        pytest.fail(f"{name} is neither in .tools/bin nor on PATH; run `make tools`")
-    return found
-
-
 def _run(argv: list[str]) -> str:
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"{' '.join(argv)} failed:\n{done.stdout}\n{done.stderr}"
@@ -65,14 +57,14 @@ def _docs(text: str) -> list[dict]:
 
 def helm_template(*settings: str, kube_version: str = KUBERNETES_VERSIONS[0]) -> list[dict]:
     """The chart rendered as release ``mtc`` in ``mtc-system`` with ``--set`` ``settings``."""
-    argv = [_tool("helm"), "template", "mtc", str(CHART), "--namespace", "mtc-system", "--kube-version", kube_version]
+    argv = [require_tool("helm"), "template", "mtc", str(CHART), "--namespace", "mtc-system", "--kube-version", kube_version]
     for setting in settings:
         argv += ["--set", setting]
     return _docs(_run(argv))
 
 
 def kustomize_build(directory: Path) -> list[dict]:
-    return _docs(_run([_tool("kustomize"), "build", str(directory)]))
+    return _docs(_run([require_tool("kustomize"), "build", str(directory)]))
 
 
 def _by_key(docs: list[dict]) -> dict[tuple[str, str], dict]:
@@ -99,7 +91,7 @@ def _flag(argv: list[str], flag: str) -> str | None:
 
 def test_helm_lint_is_clean_with_every_toggle():
     for settings in ([], ALL_MONITORING, ["tls.enabled=false", "backup.url=gs://b/p"]):
-        argv = [_tool("helm"), "lint", "--strict", str(CHART)]
+        argv = [require_tool("helm"), "lint", "--strict", str(CHART)]
         for setting in settings:
             argv += ["--set", setting]
         assert "0 chart(s) failed" in _run(argv)
@@ -255,8 +247,9 @@ def test_chart_values_reach_the_agents_and_the_coordinator():
     rendered = _by_key(helm_template(
         "image.repository=registry.example/mtc", "image.tag=1.2.3", "driverName=ram.example.dev",
         "ramdisk.defaultSize=8Gi", "ramdisk.retentionSeconds=600", "replicas=2", "topologyKey=example.dev/rack",
-        "backup.url=gs://bucket/prefix", "backup.keep=5", "backup.credentials.secretName=gcs-key",
-        "backup.credentials.fileEnv.GOOGLE_APPLICATION_CREDENTIALS=key.json", "node.priorityClassName=high",
+        "backup.url=s3://bucket/prefix", "backup.keep=5", "backup.s3EndpointURL=https://s3.example:9000",
+        "backup.credentials.secretName=s3-creds", "backup.credentials.fileEnv.AWS_SHARED_CREDENTIALS_FILE=credentials",
+        "node.priorityClassName=high",
         "node.nodeSelector.pool=tpu", "node.resources.requests.cpu=2", "token.existingSecret=my-token",
         "tls.existingSecret=my-tls", "admissionPolicy.namespaceLabel=example.dev/ckpt",
     ))  # fmt: skip
@@ -265,14 +258,15 @@ def test_chart_values_reach_the_agents_and_the_coordinator():
     argv = _argv(agent)
     assert agent["image"] == "registry.example/mtc:1.2.3"
     expected = {"--driver-name": "ram.example.dev", "--default-size": "8Gi", "--retention-seconds": "600",
-                "--replicas": "2", "--backup": "gs://bucket/prefix", "--backup-keep": "5",
+                "--replicas": "2", "--backup": "s3://bucket/prefix", "--backup-keep": "5",
+                "--s3-endpoint-url": "https://s3.example:9000",
                 "--coordinator": "https://mtc-coordinator.mtc-system.svc:8471"}  # fmt: skip
     assert {flag: _flag(argv, flag) for flag in expected} == expected
     env = {e["name"]: e for e in agent["env"]}
     assert env["NODE_BLOCK"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['example.dev/rack']"
-    assert env["GOOGLE_APPLICATION_CREDENTIALS"]["value"] == "/etc/mtc/backup-credentials/key.json"
+    assert env["AWS_SHARED_CREDENTIALS_FILE"]["value"] == "/etc/mtc/backup-credentials/credentials"
     volumes = {v["name"]: v for v in _pod_spec(node)["volumes"]}
-    assert volumes["backup-credentials"]["secret"]["secretName"] == "gcs-key"
+    assert volumes["backup-credentials"]["secret"]["secretName"] == "s3-creds"
     assert volumes["peer-token"]["secret"]["secretName"] == "my-token"
     assert volumes["tls-ca"]["secret"]["secretName"] == "my-tls"
     assert _pod_spec(node)["priorityClassName"] == "high"
