@@ -10,10 +10,15 @@ STUBS  := protos/csi_pb2.py protos/csi_pb2_grpc.py
 CSI_SANITY     := $(TOOLS)/csi-sanity
 FAKE_GCS       := $(TOOLS)/fake-gcs-server
 MINIO          := $(TOOLS)/minio
+HELM           := $(TOOLS)/helm
+KUSTOMIZE      := $(TOOLS)/kustomize
 CSI_TEST_PKG   := github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity@v5.4.0
 FAKE_GCS_PKG   := github.com/fsouza/fake-gcs-server@v1.55.1
 # A real S3 server for the tests and benches only (AGPL: never linked or shipped). ~3 min to build, once.
 MINIO_PKG      := github.com/minio/minio@v0.0.0-20260212201848-7aac2a2c5b7c
+HELM_PKG       := helm.sh/helm/v3/cmd/helm@v3.22.0
+# Newer kustomize releases need a newer Go than 1.26.
+KUSTOMIZE_PKG  := sigs.k8s.io/kustomize/kustomize/v5@v5.7.1
 
 # MaxText needs Python >= 3.12: python3.12 on PATH, else pyenv's (make e2e-maxtext only).
 MAXTEXT_PYTHON ?= $(firstword $(foreach p,python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12),$(shell $(p) -c 'import sys; print("$(p)" if sys.version_info >= (3, 12) else "")' 2>/dev/null)))
@@ -33,7 +38,7 @@ $(STAMP): pyproject.toml
 $(STUBS): protos/csi.proto $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. protos/csi.proto
 
-tools: $(CSI_SANITY) $(FAKE_GCS) $(MINIO)
+tools: $(CSI_SANITY) $(FAKE_GCS) $(MINIO) $(HELM) $(KUSTOMIZE)
 
 $(CSI_SANITY):
 	GOBIN=$(TOOLS) go install $(CSI_TEST_PKG)
@@ -43,6 +48,12 @@ $(FAKE_GCS):
 
 $(MINIO):
 	GOBIN=$(TOOLS) go install $(MINIO_PKG)
+
+$(HELM):
+	GOBIN=$(TOOLS) go install $(HELM_PKG)
+
+$(KUSTOMIZE):
+	GOBIN=$(TOOLS) go install $(KUSTOMIZE_PKG)
 
 test: setup tools
 	PATH=$(TOOLS):$$PATH $(BIN)/python -m pytest -q -p no:cacheprovider

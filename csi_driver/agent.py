@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import shutil
 import signal
 import socket
 import ssl
@@ -31,6 +32,8 @@ from replicator.peer_service import add_peer_routes
 log = logging.getLogger(__name__)
 
 RAMDISK_BYTES = Gauge("mtc_ramdisk_size_bytes", "Size limit of each job ramdisk on this node", ["namespace", "job"])
+# The dir backend has no size of its own: there it is the use of the file system holding it.
+RAMDISK_USED = Gauge("mtc_ramdisk_used_bytes", "Bytes in use in each job ramdisk on this node", ["namespace", "job"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,8 +181,12 @@ class NodeAgent:
 
         async def metrics(request: web.Request) -> web.Response:
             RAMDISK_BYTES.clear()
+            RAMDISK_USED.clear()
             for (namespace, job), disk in self.manager.ramdisks().items():
                 RAMDISK_BYTES.labels(namespace, job).set(disk.size_bytes)
+                with contextlib.suppress(OSError):  # released between listing and statvfs
+                    usage = shutil.disk_usage(disk.path)
+                    RAMDISK_USED.labels(namespace, job).set(usage.total - usage.free)
             return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
         app = web.Application()

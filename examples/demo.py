@@ -16,15 +16,15 @@ running Orbax's multi-tier checkpointing path. Then:
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import itertools
 import os
-import shutil
+import signal
 import sys
-import tempfile
 import time
 
-from examples.local_cluster import LocalCluster, LocalJob, can_mount_tmpfs
+from examples.local_cluster import LocalCluster, LocalJob, can_mount_tmpfs, scratch_dir
 from replicator.status import render_status
 
 STEPS = 75
@@ -87,61 +87,66 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backup", help="backup tier URL (default: an embedded file:// store)")
     args = parser.parse_args()
-    workdir = tempfile.mkdtemp(prefix="mtc-demo-")
+    # SIGTERM ends the demo like Ctrl-C does: through scratch_dir's teardown.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    with scratch_dir("mtc-demo-") as (workdir, cleanup):
+        return run(workdir, cleanup, args.backup)
+
+
+def run(workdir: str, cleanup: contextlib.ExitStack, backup: str | None) -> int:
+    """The demo in ``workdir`` with the backup tier ``backup`` (None: a file:// store in it);
+    ``cleanup`` stops its processes (then everything below ``workdir`` is unmounted and removed)."""
     ports = itertools.count(18400)
-    backup_url = args.backup or f"file://{os.path.join(workdir, 'object-store')}"
+    backup_url = backup or f"file://{os.path.join(workdir, 'object-store')}"
     cluster = LocalCluster(os.path.join(workdir, "cluster"), lambda host: f"{host}:{next(ports)}", backup=backup_url)
+    cleanup.callback(cluster.stop)
     job = LocalJob("demo", [], workdir, ["--steps", str(STEPS), "--save-interval-steps", str(SAVE_EVERY),
                                          "--backup-interval-steps", str(BACKUP_EVERY), "--step-sleep", "0.1"])  # fmt: skip
+    cleanup.callback(job.kill_training)
     outcomes = []
-    try:
-        banner(f"a coordinator and 4 node agents on 127.0.0.1-4 ({'tmpfs' if can_mount_tmpfs() else 'directory'} "
-               f"ramdisks, peer tier, backups to {backup_url})")  # fmt: skip
-        job.agents = list(cluster.start(4).agents)
-        banner(f"4 pods train {STEPS} steps: a local checkpoint every {SAVE_EVERY}, a backup every {BACKUP_EVERY}")
-        job.create_pods()
-        job.start_training()
+    banner(f"a coordinator and 4 node agents on 127.0.0.1-4 ({'tmpfs' if can_mount_tmpfs() else 'directory'} "
+           f"ramdisks, peer tier, backups to {backup_url})")  # fmt: skip
+    job.agents = list(cluster.start(4).agents)
+    banner(f"4 pods train {STEPS} steps: a local checkpoint every {SAVE_EVERY}, a backup every {BACKUP_EVERY}")
+    job.create_pods()
+    job.start_training()
 
-        before = train_until(job, 22)
-        banner(f"1. preemption: all 4 training processes SIGKILLed after step {max(before)}")
-        outcomes.append(recreate_and_resume(cluster, job, "preemption", before))
+    before = train_until(job, 22)
+    banner(f"1. preemption: all 4 training processes SIGKILLed after step {max(before)}")
+    outcomes.append(recreate_and_resume(cluster, job, "preemption", before))
 
-        before = train_until(job, 38)
-        lost = job.agents[1]
-        banner(f"2. node loss after step {max(before)}: {lost.node_id} dies with its ramdisk; a fresh node joins")
-        cluster.lose_node(lost)
-        job.agents[1] = cluster.add_node(len(cluster.agents), block="b0")
-        print(f"{lost.node_id} replaced by {job.agents[1].node_id}")
-        outcomes.append(recreate_and_resume(cluster, job, "node loss", before))
+    before = train_until(job, 38)
+    lost = job.agents[1]
+    banner(f"2. node loss after step {max(before)}: {lost.node_id} dies with its ramdisk; a fresh node joins")
+    cluster.lose_node(lost)
+    job.agents[1] = cluster.add_node(len(cluster.agents), block="b0")
+    print(f"{lost.node_id} replaced by {job.agents[1].node_id}")
+    outcomes.append(recreate_and_resume(cluster, job, "node loss", before))
 
-        job.wait(lambda: max(job_status(cluster, job)["backups"] or [0]) >= 50, 300, "a backup of step 50")
-        before = train_until(job, 56)
-        banner(f"3. cluster loss after step {max(before)}: every node and the coordinator are gone; "
-               f"the backup tier holds steps {job_status(cluster, job)['backups']}")  # fmt: skip
-        for agent in list(job.agents):
-            cluster.lose_node(agent)
-        cluster.coordinator.kill()
-        cluster.coordinator.start()
-        first_fresh = len(cluster.agents)
-        job.agents[:] = [cluster.add_node(first_fresh + i, block=f"b{i // 2}") for i in range(4)]
-        outcomes.append(recreate_and_resume(cluster, job, "cluster loss", before))
+    job.wait(lambda: max(job_status(cluster, job)["backups"] or [0]) >= 50, 300, "a backup of step 50")
+    before = train_until(job, 56)
+    banner(f"3. cluster loss after step {max(before)}: every node and the coordinator are gone; "
+           f"the backup tier holds steps {job_status(cluster, job)['backups']}")  # fmt: skip
+    for agent in list(job.agents):
+        cluster.lose_node(agent)
+    cluster.coordinator.kill()
+    cluster.coordinator.start()
+    first_fresh = len(cluster.agents)
+    job.agents[:] = [cluster.add_node(first_fresh + i, block=f"b{i // 2}") for i in range(4)]
+    outcomes.append(recreate_and_resume(cluster, job, "cluster loss", before))
 
-        job.wait_done(timeout=300)
-        print()
-        print(render_status(cluster.coordinator.status(job.job)))
-        banner("report")
-        print(f"{'failure':<14}{'restored':>9}{'lost':>6}{'to 1st step':>13}  {'sources (ranks)':<36}continued")
-        for o in outcomes:
-            tiers = collections.Counter(source.split(":")[0] for source in o.sources.values())
-            sources = ", ".join(f"{tier} x{count}" for tier, count in sorted(tiers.items()))
-            print(f"{o.phase:<14}{o.restored_step:>9}{o.steps_lost:>6}{o.seconds_to_first_step:>12.1f}s  {sources:<36}{o.continued}")
-        final = step_events(job)[STEPS]["loss"]
-        print(f"final loss at step {STEPS}: {final:.6f}; training continued after every failure: {all(o.continued for o in outcomes)}")
-        return 0 if all(o.continued for o in outcomes) else 1
-    finally:
-        job.kill_training()
-        cluster.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
+    job.wait_done(timeout=300)
+    print()
+    print(render_status(cluster.coordinator.status(job.job)))
+    banner("report")
+    print(f"{'failure':<14}{'restored':>9}{'lost':>6}{'to 1st step':>13}  {'sources (ranks)':<36}continued")
+    for o in outcomes:
+        tiers = collections.Counter(source.split(":")[0] for source in o.sources.values())
+        sources = ", ".join(f"{tier} x{count}" for tier, count in sorted(tiers.items()))
+        print(f"{o.phase:<14}{o.restored_step:>9}{o.steps_lost:>6}{o.seconds_to_first_step:>12.1f}s  {sources:<36}{o.continued}")
+    final = step_events(job)[STEPS]["loss"]
+    print(f"final loss at step {STEPS}: {final:.6f}; training continued after every failure: {all(o.continued for o in outcomes)}")
+    return 0 if all(o.continued for o in outcomes) else 1
 
 
 if __name__ == "__main__":

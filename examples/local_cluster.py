@@ -4,6 +4,7 @@ The demo and the end-to-end tests both use it. Each node agent is a real ``mtc n
 its own root, CSI socket and HTTP address; killing one with SIGKILL is what a node failure does to it.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -17,7 +18,7 @@ import tempfile
 import time
 import urllib.request
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import boto3
 import grpc
@@ -35,6 +36,27 @@ def unmount_all_below(prefix: str) -> None:
     points = {e.mount_point for e in mounts.mount_table() if e.mount_point == prefix or e.mount_point.startswith(prefix + os.sep)}
     for point in sorted(points, key=len, reverse=True):
         subprocess.run(["umount", "-l", point], check=False, capture_output=True)
+
+
+@contextlib.contextmanager
+def scratch_dir(prefix: str) -> Iterator[tuple[str, contextlib.ExitStack]]:
+    """A temporary directory that leaves the machine as it was found, on success, error and Ctrl-C.
+
+    Yields (directory, ExitStack). Callbacks added to the stack (stopping processes) run first, in
+    reverse order; then every mount below the directory is unmounted and the directory removed
+    (``rm --one-file-system``: never through a mount that is still there). SIGINT and SIGTERM
+    are ignored while that runs, so a second Ctrl-C cannot cut it short. Main thread only.
+    """
+    handlers: dict[signal.Signals, object] = {}
+    with contextlib.ExitStack() as cleanup:
+        workdir = tempfile.mkdtemp(prefix=prefix)
+        cleanup.callback(lambda: [signal.signal(sig, handler) for sig, handler in handlers.items()])
+        cleanup.callback(subprocess.run, ["rm", "-rf", "--one-file-system", workdir], check=False)
+        cleanup.callback(unmount_all_below, workdir)
+        try:
+            yield workdir, cleanup
+        finally:
+            handlers.update({sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)})
 
 
 def can_mount_tmpfs() -> bool:

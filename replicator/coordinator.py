@@ -190,13 +190,24 @@ async def metrics(request: web.Request) -> web.Response:
     state = request.app[_STATE_KEY]
     state.expire(time.time())
     registry = CollectorRegistry()  # the cluster view, computed now; the process's counters follow
-    newest = Gauge("mtc_newest_complete_step", "Newest step complete for every rank", ["namespace", "job"], registry=registry)
+    labels = ["namespace", "job"]
+    newest = Gauge("mtc_newest_complete_step", "Newest step complete for every rank", labels, registry=registry)
+    backed = Gauge("mtc_newest_backup_step", "Newest step complete in the backup tier", labels, registry=registry)
+    backed_at = Gauge("mtc_last_backup_timestamp_seconds", "Unix time this coordinator saw the last backup complete", labels, registry=registry)
+    every_steps = Gauge("mtc_backup_interval_steps", "The job's backup-interval-steps", labels, registry=registry)
+    every_seconds = Gauge("mtc_backup_interval_seconds", "The job's backup-interval-minutes, in seconds", labels, registry=registry)
     live = Gauge("mtc_live_nodes", "Node agents reporting", registry=registry)
     live.set(sum(map(state.is_live, state.nodes)))
-    for key in state.jobs:
-        step = state.newest_complete_step(key)
-        if step is not None:
-            newest.labels(*key).set(step)
+    for key, job in state.jobs.items():
+        for gauge, value in [(newest, state.newest_complete_step(key)), (backed, max(state.backed_up(key), default=None)),
+                             (backed_at, job.last_backup_time)]:  # fmt: skip
+            if value is not None:
+                gauge.labels(*key).set(value)
+        settings = next(iter(job.settings.values()), None)
+        if settings is not None and settings.backup_interval_steps is not None:
+            every_steps.labels(*key).set(settings.backup_interval_steps)
+        elif settings is not None and settings.backup_interval_minutes is not None:
+            every_seconds.labels(*key).set(settings.backup_interval_minutes * 60)
     return web.Response(body=generate_latest(registry) + generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

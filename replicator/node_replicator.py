@@ -47,13 +47,26 @@ from replicator.step_manifest import StepManifest, UnusableCopy, build_manifest
 log = logging.getLogger(__name__)
 
 NEWEST_STEP = Gauge("mtc_newest_committed_step", "Newest committed local step", ["namespace", "job", "rank"])
-RESTORE_SECONDS = Histogram("mtc_restore_seconds", "Seconds from replicator.yaml consumed to restore marker written", ["source"])
+# Buckets up to Orbax's 300 s wait for the marker; 150 s (half of it) is an alert threshold.
+RESTORE_SECONDS = Histogram("mtc_restore_seconds", "Seconds from replicator.yaml consumed to restore marker written "
+                            "(source timeout: no marker within the deadline)", ["source"],
+                            buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 150, 270, 300))  # fmt: skip
 REPLICATOR_YAML = Counter("mtc_replicator_yaml_total", "replicator.yaml files consumed", ["result"])
 CORRUPT_COPIES = Counter("mtc_corrupt_copies_total", "Step copies that failed checksum verification")
 REPLICATED = Counter("mtc_replicated_steps_total", "Steps pushed to a peer", ["result"])
 REFUSED_STEPS = Counter("mtc_refused_steps_total", "Committed steps refused: they hold a symlink, FIFO, device or socket, or cannot be walked")
 LOOP_ERRORS = Counter("mtc_replicator_loop_errors_total", "Errors caught in the replicator's loops, which carried on", ["loop"])
+REPLICATED_BYTES = Counter("mtc_replicated_bytes_total", "Bytes of step data pushed to peers")
 GC_DELETED = Counter("mtc_gc_deleted_steps_total", "Steps and replicas deleted by garbage collection")
+REPORT_SECONDS = Histogram("mtc_coordinator_report_seconds", "Round trip of one report to the coordinator, seconds")
+LAST_REPORT = Gauge("mtc_coordinator_last_report_timestamp_seconds", "Unix time of the last report the coordinator answered")
+# Known label values start at zero, so dashboards and alerts see the series before the first event.
+for _label in ("local", "peer", "backup", "none", "timeout"):
+    RESTORE_SECONDS.labels(_label)
+for _label in ("ok", "failed"):
+    REPLICATED.labels(_label)
+for _label in ("report", "job"):
+    LOOP_ERRORS.labels(_label)
 
 _REPORT_INTERVAL_SECONDS = 1.0
 # A loop that has not completed a pass for this long is wedged: /healthz and CSI Probe say so, and
@@ -261,11 +274,14 @@ class NodeReplicator:
 
     async def _report(self, client: CoordinatorClient, disks: dict) -> None:
         report = await asyncio.to_thread(self._build_report, disks)
+        started = time.monotonic()
         try:
             reply = await client.report(report)
         except CoordinatorUnavailable as err:
             self._log_once("report", f"coordinator unreachable, retrying: {err}")
             return
+        REPORT_SECONDS.observe(time.monotonic() - started)
+        LAST_REPORT.set_to_current_time()
         self._assignments = {a.pod_uid: a for a in reply.assignments}
         if self._peer_token is not None:
             for order in reply.replicate:
@@ -333,6 +349,7 @@ class NodeReplicator:
             await push_step(self._session, target.url, self._peer_token, disk.namespace, disk.job, step_dir, manifest,
                             share=self._share)  # fmt: skip
             REPLICATED.labels("ok").inc()
+            REPLICATED_BYTES.inc(manifest.total_bytes)
             self._pushed[key] = time.monotonic()
             log.info("%s/%s: replicated step %d of rank %d to %s in %.2f s (%d bytes)", disk.namespace, disk.job,
                      order.step, order.rank, target.node, time.monotonic() - started, manifest.total_bytes)  # fmt: skip
@@ -482,6 +499,7 @@ class NodeReplicator:
                 RESTORE_SECONDS.labels(source).observe(time.monotonic() - started)
                 return
             await asyncio.sleep(_WATCH_INTERVAL_SECONDS)
+        RESTORE_SECONDS.labels("timeout").observe(time.monotonic() - started)
         report_to_job(meta, f"restore did not complete within {_RESTORE_DEADLINE_SECONDS:.0f} s")
 
     async def _stage(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress, view: RestoreView,

@@ -1,9 +1,10 @@
 """The Kubernetes manifests honour the contract in DESIGN.md section 3.
 
-Static checks only: every file under manifests/ is parsed with PyYAML; no cluster, kubectl or
-kustomize binary is needed.
+Static checks of the files as written (parsed with PyYAML); test_rendered_manifests.py renders
+them with kustomize and helm and validates them against the Kubernetes schemas.
 """
 
+import re
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,9 @@ DRIVER_NAME = "ramdisk.csi.mtc.dev"
 PLUGIN_DIR = f"/var/lib/kubelet/plugins/{DRIVER_NAME}"
 KUBELET_PODS_DIR = "/var/lib/kubelet/pods"
 DATA_ROOT = "/var/lib/mtc"
+COORDINATOR_URL = "https://mtc-coordinator.mtc-system.svc:8471"
+TLS_DIR = "/etc/mtc/tls"
+CLUSTER_SCOPED = ("Namespace", "CSIDriver", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
 
 
 def _load(name: str) -> list[dict]:
@@ -125,7 +129,7 @@ def test_namespaced_objects_live_in_mtc_system():
     assert _one("Namespace")["metadata"]["name"] == "mtc-system"
     for name in _resource_files():
         for doc in _load(name):
-            if doc["kind"] not in ("Namespace", "CSIDriver", "ClusterRole", "ClusterRoleBinding"):
+            if doc["kind"] not in CLUSTER_SCOPED:
                 assert doc["metadata"].get("namespace") == "mtc-system", f"{doc['kind']} {doc['metadata']['name']}"
 
 
@@ -138,28 +142,35 @@ def test_csidriver_is_node_only_ephemeral_with_pod_info():
     assert spec["fsGroupPolicy"] == "File"
 
 
-def test_rbac_grants_only_read_on_pods_and_nodes():
-    role = _one("ClusterRole", "mtc")
-    granted = set()
-    for rule in role["rules"]:
-        assert rule["apiGroups"] == [""], rule
-        assert set(rule["verbs"]) <= {"get", "list", "watch"}, rule
-        granted |= set(rule["resources"])
-    assert granted == {"pods", "nodes"}
-
-    binding = _one("ClusterRoleBinding", "mtc")
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "mtc"}
+def test_no_pod_gets_kubernetes_api_access():
+    # Neither the agents nor the coordinator call the API: no roles, no mounted API token.
+    kinds = {doc["kind"] for doc in _all_objects()}
+    assert not kinds & {"Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding"}, kinds
     account = _one("ServiceAccount")
-    assert {"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": "mtc-system"} in binding[
-        "subjects"
-    ]
-    ds = _one("DaemonSet", "mtc-node")["spec"]["template"]["spec"]
-    assert ds["serviceAccountName"] == account["metadata"]["name"]
+    assert account["automountServiceAccountToken"] is False
+    for kind, name in [("DaemonSet", "mtc-node"), ("Deployment", "mtc-coordinator")]:
+        pod = _one(kind, name)["spec"]["template"]["spec"]
+        assert pod["serviceAccountName"] == account["metadata"]["name"]
+        assert pod["automountServiceAccountToken"] is False
+
+
+def test_admission_policy_admits_the_driver_only_in_opted_in_namespaces():
+    policy = _one("ValidatingAdmissionPolicy", "mtc-ramdisk-namespaces")["spec"]
+    (rule,) = policy["matchConstraints"]["resourceRules"]
+    assert rule["resources"] == ["pods"] and "CREATE" in rule["operations"]
+    assert policy["failurePolicy"] == "Fail"
+    (validation,) = policy["validations"]
+    assert f"v.csi.driver == '{DRIVER_NAME}'" in validation["expression"]
+    binding = _one("ValidatingAdmissionPolicyBinding", "mtc-ramdisk-namespaces")["spec"]
+    assert binding["policyName"] == "mtc-ramdisk-namespaces"
+    assert binding["validationActions"] == ["Deny"]
+    (selector,) = binding["matchResources"]["namespaceSelector"]["matchExpressions"]
+    assert selector == {"key": "mtc.dev/checkpointing", "operator": "NotIn", "values": ["enabled"]}
 
 
 def test_node_plugin_is_privileged_and_critical_on_every_node(node_pod, node_container):
     ds = _one("DaemonSet", "mtc-node")
-    assert node_container["securityContext"]["privileged"] is True
+    assert node_container["securityContext"] == {"privileged": True, "readOnlyRootFilesystem": True}
     assert node_container["image"] == "mtc-agent:latest"
     assert node_pod["priorityClassName"] == "system-node-critical"
     assert {"operator": "Exists"} in node_pod["tolerations"], "must tolerate every taint"
@@ -174,15 +185,39 @@ def test_node_plugin_runs_the_node_agent_with_the_contract_flags(node_container)
     assert _flag(argv, "--node-id") == "$(NODE_NAME)"
     assert _flag(argv, "--root") == DATA_ROOT
     assert _flag(argv, "--listen") == "0.0.0.0:8470"
-    assert _flag(argv, "--coordinator") == "http://mtc-coordinator.mtc-system.svc:8471"
+    assert _flag(argv, "--coordinator") == COORDINATOR_URL
     assert _flag(argv, "--peer-token-file") == "/etc/mtc/peer-token/token"
+    assert parse_quantity(_flag(argv, "--default-size")) == 2**30
+    assert float(_flag(argv, "--retention-seconds")) == 86400
+    assert _flag(argv, "--replicas") == "1"
     topology = dict(value.split("=", 1) for value in _flags(argv, "--topology"))
     assert {"topology.kubernetes.io/zone", "block"} <= set(topology)  # block: close vs distant replicas
     env = {e["name"]: e for e in node_container["env"]}
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     # Every $(VAR) the args use must be defined, or kubelet passes it through literally.
-    for var in ("NODE_NAME", "NODE_ZONE"):
+    for var in re.findall(r"\$\((\w+)\)", " ".join(argv)):
         assert var in env, f"{var} is referenced in args but not defined"
+
+
+def test_node_agent_checks_the_coordinator_certificate_against_the_cluster_ca(node_pod, node_container):
+    ca = Path(_flag(_argv(node_container), "--coordinator-ca"))
+    assert ca == Path(TLS_DIR, "ca.crt")
+    (mount,) = [m for m in node_container["volumeMounts"] if m["mountPath"] == str(ca.parent)]
+    volume = next(v for v in node_pod["volumes"] if v["name"] == mount["name"])
+    # Only the CA: the coordinator's private key never reaches the nodes.
+    assert volume["secret"] == {"secretName": "mtc-tls", "items": [{"key": "ca.crt", "path": "ca.crt"}]}
+
+
+def test_node_plugin_keeps_only_the_host_paths_it_needs(node_pod):
+    host_paths = sorted(v["hostPath"]["path"] for v in node_pod["volumes"] if "hostPath" in v)
+    assert host_paths == sorted([PLUGIN_DIR, "/var/lib/kubelet/plugins_registry", KUBELET_PODS_DIR, DATA_ROOT])
+    registration = next(v["name"] for v in node_pod["volumes"] if v.get("hostPath", {}).get("path", "").endswith("plugins_registry"))
+    users = [c["name"] for c in node_pod["containers"] if any(m["name"] == registration for m in c["volumeMounts"])]
+    assert users == ["node-driver-registrar"]
+    for sidecar in node_pod["containers"][1:]:
+        assert sidecar["securityContext"] == {
+            "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}
+        }, sidecar["name"]
 
 
 def test_node_plugin_driver_name_matches_csidriver(node_container):
@@ -215,9 +250,25 @@ def test_node_plugin_mounts_the_peer_token_secret(node_pod, node_container):
 def test_coordinator_requires_the_same_token(node_container):
     pod = _one("Deployment", "mtc-coordinator")["spec"]["template"]["spec"]
     container = _container(pod, "mtc-coordinator")
-    token_file = _flag(_argv(container), "--token-file")
+    argv = _argv(container)
+    token_file = _flag(argv, "--token-file")
     assert token_file == _flag(_argv(node_container), "--peer-token-file")
+    assert "--insecure" not in argv
     _assert_mounts_token_secret(pod, container, Path(token_file))
+
+
+def test_coordinator_serves_https_with_the_mtc_tls_certificate():
+    pod = _one("Deployment", "mtc-coordinator")["spec"]["template"]["spec"]
+    container = _container(pod, "mtc-coordinator")
+    argv = _argv(container)
+    assert _flag(argv, "--tls-cert") == f"{TLS_DIR}/tls.crt"
+    assert _flag(argv, "--tls-key") == f"{TLS_DIR}/tls.key"
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == TLS_DIR]
+    assert mount["readOnly"] is True
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert volume["secret"]["secretName"] == "mtc-tls"
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["scheme"] == "HTTPS", probe
 
 
 def test_csi_socket_path_agrees_between_plugin_registrar_and_kubelet(node_pod, node_container):
@@ -268,13 +319,13 @@ def test_coordinator_is_one_replica_behind_its_service():
 
     readiness = container["readinessProbe"]["httpGet"]
     assert readiness["path"] == "/healthz"
-    assert readiness["port"] in (8471, "http")
-    assert {"name": "http", "containerPort": 8471, "protocol": "TCP"} in container["ports"]
+    assert readiness["port"] in (8471, "https")
+    assert {"name": "https", "containerPort": 8471, "protocol": "TCP"} in container["ports"]
 
     service = _one("Service", "mtc-coordinator")
     (port,) = service["spec"]["ports"]
     assert port["port"] == 8471
-    assert port["targetPort"] in (8471, "http")
+    assert port["targetPort"] in (8471, "https")
     labels = deploy["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= labels.items()
     assert deploy["spec"]["selector"]["matchLabels"].items() <= labels.items()

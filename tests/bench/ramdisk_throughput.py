@@ -21,8 +21,7 @@ import subprocess
 import time
 
 from csi_driver import kubelet
-from examples.local_cluster import NodeAgentProcess
-from tests.bench.scratch import scratch_dir
+from examples.local_cluster import NodeAgentProcess, scratch_dir
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -38,8 +38,8 @@ import psutil
 
 warnings.simplefilter("ignore", FutureWarning)  # google-auth's import-time notice about grpcio versions
 
-from examples.local_cluster import LocalCluster, LocalJob, NodeAgentProcess, can_mount_tmpfs  # noqa: E402
-from tests.bench.scratch import free_port, scratch_dir  # noqa: E402
+from examples.local_cluster import LocalCluster, LocalJob, NodeAgentProcess, can_mount_tmpfs, scratch_dir  # noqa: E402
+from tests.bench.scratch import free_port  # noqa: E402
 
 NODES = 4
 SLICES = 2

@@ -25,7 +25,7 @@ import blake3
 import google_crc32c
 
 from replicator.step_manifest import build_manifest, file_identity
-from tests.bench.scratch import scratch_dir
+from examples.local_cluster import scratch_dir
 
 GiB = 1 << 30
 MiB = 1 << 20
