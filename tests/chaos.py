@@ -469,20 +469,29 @@ def flip_backup(chaos: Chaos) -> None:
 
 
 def store_outage(chaos: Chaos) -> None:
+    """The store's directory is moved away and a file put in its place (so nothing can recreate it)
+    for ``_OUTAGE_SECONDS``; then it is back and backups must resume."""
     away = chaos.store + ".away"
     os.rename(chaos.store, away)
-    time.sleep(_OUTAGE_SECONDS)
-    os.rename(away, chaos.store)
+    try:
+        with open(chaos.store, "x", encoding="utf-8"):
+            pass
+        time.sleep(_OUTAGE_SECONDS)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(chaos.store)
+        os.rename(away, chaos.store)
     chaos.wait_saves(1)
     chaos.fail()
     chaos.restart(f"object store gone {_OUTAGE_SECONDS:.0f}s", chaos.newest_possible())
 
 
 def rollback(chaos: Chaos) -> None:
-    """``mtc restore-from`` the oldest backup with the pods gone, then a preemption on the new timeline."""
+    """``mtc restore-from`` the second newest backup with the pods gone, then a preemption on the new timeline."""
+    chaos.job.wait(lambda: len(chaos.backups()) >= 2, _BACKUP_TIMEOUT, "two backups")
     chaos.fail()
     chaos.job.delete_pods()
-    step = min(chaos.backups())  # kept by retention, older than the newest
+    step = sorted(chaos.backups())[-2]  # older than the newest; the oldest may be going to retention
     command = [sys.executable, "-m", "csi_driver.cli", "restore-from", "--coordinator", chaos.cluster.coordinator.url,
                "--ca", chaos.cluster.coordinator.ca_file, "--token-file", chaos.cluster.token_file,
                "--job", f"default/{chaos.job.job}", "--step", str(step)]  # fmt: skip
