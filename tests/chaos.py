@@ -12,10 +12,10 @@ training processes are dead and the fault has done its damage, the newest possib
 newest step of the current timeline that every rank can get a valid copy of (its own ramdisk, a
 replica, its data-parallel peer's identical step, a backup with ``COMMIT``), minus copies the
 suite corrupted. After every restart it checks that every rank restored exactly that step, that
-backups and GC kept running (a backup newer than the restored step appears; each ramdisk holds at
-most ``_GC_BOUND_STEPS`` steps of each rank), that no agent or coordinator exited or reports
-unhealthy, and, at the end, that every restored array is bit-identical to an uninterrupted
-reference run of the same job.
+backups and GC kept running (a new backup newer than the restored step is committed, then every node
+deletes its copies older than that backup), that each ramdisk stays below 90% full, that no agent or
+coordinator exited or reports unhealthy, and, at the end, that every restored array is
+bit-identical to an uninterrupted reference run of the same job.
 
 "Mid-push", "mid-upload", "mid-GC" and "mid-stage" kills are approximated by timing (a random
 delay after the event that starts the work, or the coordinator's pending backup); a row says
@@ -47,7 +47,8 @@ SAVE_EVERY, BACKUP_EVERY = 3, 6
 TRAIN = ["--steps", "100000", "--save-interval-steps", str(SAVE_EVERY), "--backup-interval-steps", str(BACKUP_EVERY),
          "--step-sleep", "0.2"]  # fmt: skip
 VARIANTS = {"dp2": (1, []), "dp1": (2, ["--data-parallelism", "1"])}  # -> (--replicas, train.py flags)
-_GC_BOUND_STEPS = 4  # committed steps of one rank on one node once GC has run (newest, safe, backing up, in flight)
+_GC_SECONDS = 20.0  # a few report rounds
+_RAMDISK_FULL = 0.9
 _RESUME_TIMEOUT = 240.0  # seconds from recreation to the first step: beyond Orbax's 300 s marker wait is a failure anyway
 _BACKUP_TIMEOUT = 120.0
 _OUTAGE_SECONDS = 30.0
@@ -110,10 +111,10 @@ class Chaos:
         self.all_pods += self.job.pods
 
     def saved(self, rank: int, pods=None) -> set[int]:
-        """Steps ``rank`` committed in the current timeline (all incarnations)."""
-        first = self.rollback[1] if self.rollback else 0
-        return {e["step"] for p in pods or self.all_pods if self._incarnation_of(p) >= first
-                for e in by_event(p, "saved") if e["rank"] == rank}  # fmt: skip
+        """Steps ``rank`` committed in the current timeline (every incarnation; before a rollback, up to its step)."""
+        step, first = self.rollback or (0, 0)
+        return {e["step"] for p in pods or self.all_pods for e in by_event(p, "saved")
+                if e["rank"] == rank and (self._incarnation_of(p) >= first or e["step"] <= step)}  # fmt: skip
 
     @staticmethod
     def _incarnation_of(pod) -> int:
@@ -226,7 +227,7 @@ class Chaos:
         try:
             if during:
                 during()
-            self.job.wait(lambda: by_event(self.job.pods[0], "step") or False, _RESUME_TIMEOUT, "the first step after the restart")
+            self.job.wait(lambda: any(by_event(p, "step") for p in self.job.pods), _RESUME_TIMEOUT, "the first step after the restart")
             row.seconds = time.monotonic() - started
             self.job.wait(lambda: all(by_event(p, "restored") for p in self.job.pods), 60, "every rank restored")
         except (TimeoutError, RuntimeError) as err:
@@ -244,22 +245,27 @@ class Chaos:
         return row
 
     def _check_backups_and_gc(self, row: Row, after: int, since: float) -> None:
-        """A backup of a step after ``after`` is committed after time ``since``, then GC bounds every node."""
+        """A backup of a step after ``after`` is committed after time ``since``; then GC deletes, on
+        every node, every copy older than that backup (it is safe), and each ramdisk stays below
+        ``_RAMDISK_FULL`` of its size."""
         try:
             self.job.wait(lambda: any(s > after and t > since for s, t in self.backups().items()), _BACKUP_TIMEOUT,
                           f"a new backup of a step after {after}")
         except (TimeoutError, RuntimeError) as err:
             row.problems.append(f"backups stopped: {str(err).splitlines()[0][:120]}")
             return
-        time.sleep(2)  # a report and a GC round after that backup
+        backed_up = max(self.backups())
+        try:
+            wait_until(lambda: not self._older_than(backed_up), _GC_SECONDS, f"GC of steps before backup {backed_up}")
+        except TimeoutError:
+            row.problems.append(f"GC stopped: copies older than backup {backed_up} after {_GC_SECONDS:.0f} s: {self._older_than(backed_up)}")
         for agent in self.job.agents:
-            held = {}
-            for rank, step, holder in self.copies():
-                if holder == agent.node_id:
-                    held.setdefault(rank, []).append(step)
-            over = {r: sorted(s) for r, s in held.items() if len(s) > _GC_BOUND_STEPS}
-            if over:
-                row.problems.append(f"GC behind on {agent.node_id}: {over}")
+            usage = os.statvfs(agent.ramdisk(self.job.job))
+            if (usage.f_blocks - usage.f_bfree) > _RAMDISK_FULL * usage.f_blocks:
+                row.problems.append(f"ramdisk of {agent.node_id} over {_RAMDISK_FULL:.0%} full")
+
+    def _older_than(self, step: int) -> list[tuple[int, int, str]]:
+        return sorted(c for c in self.copies() if c[2] != "backup" and c[1] < step)
 
     def _check_processes(self, row: Row) -> None:
         coordinator = self.cluster.coordinator
@@ -293,8 +299,9 @@ class Chaos:
                 continue
             for rank in range(NODES):
                 name = f"rank{rank}-step{row.restored}.npz"
+                reference_dump = os.path.join(self.workdir, "reference-dump", name)
                 try:
-                    assert_same_state(os.path.join(self._dump_dir(row.incarnation), name), os.path.join(self.workdir, "reference-dump", name))
+                    assert_same_state(os.path.join(self._dump_dir(row.incarnation), name), reference_dump)
                 except (AssertionError, FileNotFoundError) as err:
                     row.problems.append(f"rank {rank} values differ from the reference: {str(err).splitlines()[0][:120]}")
                     break
@@ -486,23 +493,33 @@ def store_outage(chaos: Chaos) -> None:
     chaos.restart(f"object store gone {_OUTAGE_SECONDS:.0f}s", chaos.newest_possible())
 
 
-def rollback(chaos: Chaos) -> None:
-    """``mtc restore-from`` the second newest backup with the pods gone, then a preemption on the new timeline."""
+def _rollback(chaos: Chaos, pods_gone: bool) -> None:
+    """``mtc restore-from`` the second newest backup (with the pods gone, or still published), then a
+    preemption on the new timeline before it passes the abandoned one."""
     chaos.job.wait(lambda: len(chaos.backups()) >= 2, _BACKUP_TIMEOUT, "two backups")
     chaos.fail()
-    chaos.job.delete_pods()
+    if pods_gone:
+        chaos.job.delete_pods()
     step = sorted(chaos.backups())[-2]  # older than the newest; the oldest may be going to retention
     command = [sys.executable, "-m", "csi_driver.cli", "restore-from", "--coordinator", chaos.cluster.coordinator.url,
                "--ca", chaos.cluster.coordinator.ca_file, "--token-file", chaos.cluster.token_file,
                "--job", f"default/{chaos.job.job}", "--step", str(step)]  # fmt: skip
     answer = subprocess.run(command, capture_output=True, text=True)
     chaos.rollback = (step, chaos.job.incarnations + 1)
-    row = chaos.restart(f"rollback to {step}", step)
+    row = chaos.restart(f"rollback to {step}{' (no pods)' if pods_gone else ''}", step)
     if answer.returncode:
         row.problems.insert(0, f"restore-from refused: {answer.stderr.strip()[:120]}")
     chaos.wait_saves(1)
     chaos.fail()
     chaos.restart(f"preemption after rollback to {step}", chaos.newest_possible())
+
+
+def rollback(chaos: Chaos) -> None:
+    _rollback(chaos, pods_gone=False)
+
+
+def rollback_no_pods(chaos: Chaos) -> None:
+    _rollback(chaos, pods_gone=True)
 
 
 FAULTS: dict[str, tuple[Callable[[Chaos], None], tuple[str, ...]]] = {
@@ -521,6 +538,7 @@ FAULTS: dict[str, tuple[Callable[[Chaos], None], tuple[str, ...]]] = {
     "flip_backup": (flip_backup, ("dp2", "dp1")),
     "store_outage": (store_outage, ("dp2", "dp1")),
     "rollback": (rollback, ("dp2", "dp1")),
+    "rollback_no_pods": (rollback_no_pods, ("dp2", "dp1")),
 }
 
 

@@ -8,7 +8,8 @@ from tests import chaos
 SEED = 10
 # Faults that pass on main today; the others (see ``tests/chaos.py``) are issue 10's open targets
 # and run in ``make chaos``.
-PASSING_ON_MAIN = ["preemption", "node_loss", "flip_local"]
+PASSING_ON_MAIN = ["preemption", "node_loss", "flip_local", "kill_mid_gc", "kill_mid_stage", "coordinator_kill_mid_restore",
+                   "kill_mid_upload"]
 
 
 def test_fixed_seed_faults_restore_the_newest_possible_step_with_identical_values(tmp_path):
