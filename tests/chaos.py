@@ -13,7 +13,7 @@ newest step of the current timeline that every rank can get a valid copy of (its
 replica, its data-parallel peer's identical step, a backup with ``COMMIT``), minus copies the
 suite corrupted. After every restart it checks that every rank restored exactly that step, that
 backups and GC kept running (a new backup newer than the restored step is committed, then every node
-deletes its copies older than that backup), that each ramdisk stays below 90% full, that no agent or
+deletes its copies older than that backup, but for the restored step), that each ramdisk stays below 90% full, that no agent or
 coordinator exited or reports unhealthy, and, at the end, that every restored array is
 bit-identical to an uninterrupted reference run of the same job.
 
@@ -124,8 +124,10 @@ class Chaos:
         return max(set.intersection(*(self.saved(r, pods) for r in range(NODES))), default=0)
 
     def wait_saves(self, count: int, timeout: float = 180.0) -> int:
-        """Waits until every rank of the current pods committed ``count`` more steps; returns the newest."""
-        target = self.newest_saved_by_all(self.job.pods) + count * SAVE_EVERY
+        """Waits until every rank of the current pods committed ``count`` more steps (after the newest
+        they committed or restored); returns the newest."""
+        restored = [e["step"] or 0 for p in self.job.pods for e in by_event(p, "restored")]
+        target = max(self.newest_saved_by_all(self.job.pods), *restored, 0) + count * SAVE_EVERY
         self.job.wait(lambda: self.newest_saved_by_all(self.job.pods) >= target, timeout, f"step {target} saved by every rank")
         return self.newest_saved_by_all(self.job.pods)
 
@@ -217,9 +219,9 @@ class Chaos:
         timer.start()
         return timer
 
-    def restart(self, label: str, possible: int | None, during: Callable[[], None] | None = None) -> Row:
+    def restart(self, label: str, possible: int | None, during: Callable[[], None] | None = None, settle: bool = True) -> Row:
         """Recreates the pods, runs ``during`` (a fault in the restore), waits for the first step,
-        checks the restore and that backups and GC go on. The row is also returned."""
+        checks the restore and (``settle``) that backups and GC go on. The row is also returned."""
         row = Row(label, possible=possible, incarnation=self.job.incarnations + 1)
         self.rows.append(row)
         started, started_wall = time.monotonic(), time.time()
@@ -240,7 +242,8 @@ class Chaos:
         if row.restored != possible:
             older = possible is not None and (row.restored or 0) < possible
             row.problems.append(f"restored {row.restored}, newest possible {possible}" + (" (unnecessary rollback)" if older else ""))
-        self._check_backups_and_gc(row, row.restored or 0, started_wall)
+        if settle:
+            self._check_backups_and_gc(row, row.restored or 0, started_wall)
         self._check_processes(row)
         return row
 
@@ -256,16 +259,18 @@ class Chaos:
             return
         backed_up = max(self.backups())
         try:
-            wait_until(lambda: not self._older_than(backed_up), _GC_SECONDS, f"GC of steps before backup {backed_up}")
+            wait_until(lambda: not self._older_than(backed_up, row.restored), _GC_SECONDS, f"GC of steps before backup {backed_up}")
         except TimeoutError:
-            row.problems.append(f"GC stopped: copies older than backup {backed_up} after {_GC_SECONDS:.0f} s: {self._older_than(backed_up)}")
+            stale = self._older_than(backed_up, row.restored)
+            row.problems.append(f"GC stopped: copies older than backup {backed_up} after {_GC_SECONDS:.0f} s: {stale}")
         for agent in self.job.agents:
             usage = os.statvfs(agent.ramdisk(self.job.job))
             if (usage.f_blocks - usage.f_bfree) > _RAMDISK_FULL * usage.f_blocks:
                 row.problems.append(f"ramdisk of {agent.node_id} over {_RAMDISK_FULL:.0%} full")
 
-    def _older_than(self, step: int) -> list[tuple[int, int, str]]:
-        return sorted(c for c in self.copies() if c[2] != "backup" and c[1] < step)
+    def _older_than(self, step: int, restored: int | None) -> list[tuple[int, int, str]]:
+        """In-cluster copies older than ``step``, but for the restored step (kept as the restore's source)."""
+        return sorted(c for c in self.copies() if c[2] != "backup" and c[1] < step and c[1] != restored)
 
     def _check_processes(self, row: Row) -> None:
         coordinator = self.cluster.coordinator
@@ -351,19 +356,18 @@ def freeze_restore(chaos: Chaos) -> None:
                   lambda: chaos.freeze([agent], seconds))  # fmt: skip
 
 
-def holders_of(chaos: Chaos, rank: int) -> list[NodeAgentProcess]:
-    """The other nodes holding ``rank``'s data: its data-parallel peer (dp2) or its replicas (dp1)."""
+def holders_of(chaos: Chaos, rank: int, step: int | None) -> list[NodeAgentProcess]:
+    """The other nodes holding ``rank``'s data: its data-parallel peer (dp2) or its replicas of ``step`` (dp1)."""
     if chaos.variant == "dp2":
         return [chaos.agent_of((rank + DP_PEER_OFFSET) % NODES)]
-    newest = chaos.newest_saved_by_all()
-    nodes = {holder for r, step, holder in chaos.copies() if r == rank and step == newest}
+    nodes = {holder for r, s, holder in chaos.copies() if r == rank and s == step}
     return [a for a in chaos.job.agents if a.node_id in nodes and chaos.rank_of(a) != rank]
 
 
 def freeze_other_holder(chaos: Chaos) -> None:
     seconds, rank = chaos.rng.uniform(5, 40), chaos.rng.randrange(NODES)
     chaos.fail()
-    holders = holders_of(chaos, rank)
+    holders = holders_of(chaos, rank, chaos.newest_possible())
     chaos.lose(rank)
     chaos.restart(f"node loss, other holders {'+'.join(a.node_id for a in holders)} SIGSTOP {seconds:.0f}s",
                   chaos.newest_possible(), lambda: chaos.freeze(holders, seconds))  # fmt: skip
@@ -422,15 +426,11 @@ def node_loss(chaos: Chaos) -> None:
     chaos.restart(f"node loss ({lost}, rank {rank})", chaos.newest_possible())
 
 
-def _newest_own_step(chaos: Chaos, agent: NodeAgentProcess, rank: int) -> int:
-    return max(s for r, s, holder in chaos.copies() if r == rank and holder == agent.node_id)
-
-
 def flip_local(chaos: Chaos) -> None:
-    rank = chaos.rng.randrange(NODES)
     chaos.fail()
+    step, copies = chaos.newest_possible(), chaos.copies()  # the step a restore would take
+    rank = chaos.rng.choice([r for r in range(NODES) if (r, step, chaos.agent_of(r).node_id) in copies])
     agent = chaos.agent_of(rank)
-    step = _newest_own_step(chaos, agent, rank)
     flip_byte(os.path.realpath(os.path.join(agent.ramdisk(chaos.job.job), "client", str(step))))
     chaos.corrupt.add((rank, step, agent.node_id))
     chaos.restart(f"flipped byte in rank {rank}'s local step {step}", chaos.newest_possible())
@@ -440,14 +440,13 @@ def flip_replica(chaos: Chaos) -> None:
     """A byte flipped in another node's copy of a rank's newest step, then that rank's node is lost."""
     rank = chaos.rng.randrange(NODES)
     chaos.fail()
-    holder = holders_of(chaos, rank)[0]
+    step = chaos.newest_possible()  # the step a restore would take
+    holder = holders_of(chaos, rank, step)[0]
     if chaos.variant == "dp2":  # the other copy is the peer's own step
         owner = chaos.rank_of(holder)
-        step = _newest_own_step(chaos, holder, owner)
         flip_byte(os.path.realpath(os.path.join(holder.ramdisk(chaos.job.job), "client", str(step))))
     else:
         owner = rank
-        step = _newest_own_step(chaos, holder, rank)
         flip_byte(os.path.join(holder.ramdisk(chaos.job.job), "mtc", "replicas", f"rank-{rank}", str(step)))
     chaos.corrupt.add((owner, step, holder.node_id))
     chaos.lose(rank)
@@ -469,7 +468,7 @@ def flip_backup(chaos: Chaos) -> None:
         with open(os.path.join(prefix, f"rank-{r}.manifest.json"), encoding="utf-8") as f:
             if any(e["object"] == victim for e in json.load(f)["files"].values()):
                 chaos.corrupt.add((r, step, "backup"))
-    lost = [chaos.agent_of(rank), *holders_of(chaos, rank)]
+    lost = [chaos.agent_of(rank), *holders_of(chaos, rank, chaos.newest_possible())]
     for agent in lost:
         chaos.lose(chaos.rank_of(agent))
     chaos.restart(f"flipped byte in backup {step} of rank {rank}, {len(lost)} nodes lost", chaos.newest_possible())
@@ -506,7 +505,8 @@ def _rollback(chaos: Chaos, pods_gone: bool) -> None:
                "--job", f"default/{chaos.job.job}", "--step", str(step)]  # fmt: skip
     answer = subprocess.run(command, capture_output=True, text=True)
     chaos.rollback = (step, chaos.job.incarnations + 1)
-    row = chaos.restart(f"rollback to {step}{' (no pods)' if pods_gone else ''}", step)
+    # The failure comes at the new timeline's first save, before it passes the abandoned one.
+    row = chaos.restart(f"rollback to {step}{' (no pods)' if pods_gone else ''}", step, settle=False)
     if answer.returncode:
         row.problems.insert(0, f"restore-from refused: {answer.stderr.strip()[:120]}")
     chaos.wait_saves(1)
