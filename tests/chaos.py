@@ -80,8 +80,8 @@ class Row:
 class Chaos:
     """The cluster, the job, what the suite did to them, and the rows so far."""
 
-    def __init__(self, workdir: str, variant: str, rng: random.Random, out=print):
-        self.workdir, self.variant, self.rng, self.out = workdir, variant, rng, out
+    def __init__(self, workdir: str, variant: str, rng: random.Random):
+        self.workdir, self.variant, self.rng = workdir, variant, rng
         replicas, train = VARIANTS[variant]
         self._ports = ports = itertools.count(20000 + (os.getpid() % 400) * 50)  # JAX's coordinator binds all addresses
         self.store = os.path.join(workdir, "object-store")
@@ -92,7 +92,6 @@ class Chaos:
         self.corrupt: set[tuple[int, int, str]] = set()  # (rank, step, holder) copies the suite damaged
         self.rollback: tuple[int, int] | None = None  # (step, first incarnation of the new timeline)
         self.rows: list[Row] = []
-        self.restarted_agents: set[str] = set()  # agents the suite killed and restarted itself
 
     # -- the job -----------------------------------------------------------------------------
 
@@ -209,7 +208,6 @@ class Chaos:
         agent.kill()
         time.sleep(down_seconds)
         agent.start()
-        self.restarted_agents.add(agent.node_id)
 
     def freeze(self, agents: list[NodeAgentProcess], seconds: float) -> threading.Timer:
         """SIGSTOPs ``agents``; they are SIGCONTed after ``seconds`` by a timer (returned)."""
@@ -570,16 +568,16 @@ def summary(rows: list[Row]) -> str:
             f"median seconds to resume: {median} (goal: 0 wrong, 0 unnecessary rollbacks)")  # fmt: skip
 
 
-def run(seed: int, faults: int, variant: str, allowed: list[str], workdir: str, out=print) -> list[Row]:
+def run(seed: int, faults: int, variant: str, allowed: list[str], workdir: str) -> list[Row]:
     """Runs ``faults`` faults drawn with ``seed``; returns the rows (values checked against the reference)."""
     rng = random.Random(seed)
     sequence = draw(rng, faults, variant, allowed)
-    out(f"chaos: seed {seed}, variant {variant}, {faults} faults: {', '.join(sequence)}", flush=True)
-    chaos = Chaos(workdir, variant, rng, out)
+    print(f"chaos: seed {seed}, variant {variant}, {faults} faults: {', '.join(sequence)}", flush=True)
+    chaos = Chaos(workdir, variant, rng)
     try:
         started = time.monotonic()
         chaos.start()
-        out(f"cluster and job up in {time.monotonic() - started:.0f} s", flush=True)
+        print(f"cluster and job up in {time.monotonic() - started:.0f} s", flush=True)
         for name in sequence:
             cycle, first_row = time.monotonic(), len(chaos.rows)
             try:
@@ -587,13 +585,13 @@ def run(seed: int, faults: int, variant: str, allowed: list[str], workdir: str, 
             except (TimeoutError, RuntimeError, OSError, ValueError) as err:  # the fault itself could not be set up
                 chaos.rows.append(Row(name, problems=[f"cycle failed: {str(err).splitlines()[0][:160]}"]))
             for line in render(chaos.rows[first_row:]).splitlines()[1:]:
-                out(f"[{time.monotonic() - cycle:4.0f} s] {line}", flush=True)
+                print(f"[{time.monotonic() - cycle:4.0f} s] {line}", flush=True)
             if chaos.rows[-1].seconds is None and any(p.process and p.process.poll() not in (None, 0) for p in chaos.job.pods):
-                out("the job is down and did not come back; stopping the sequence", flush=True)
+                print("the job is down and did not come back; stopping the sequence", flush=True)
                 break
         started = time.monotonic()
         chaos.check_values()
-        out(f"reference run and comparison: {time.monotonic() - started:.0f} s", flush=True)
+        print(f"reference run and comparison: {time.monotonic() - started:.0f} s", flush=True)
         return chaos.rows
     finally:
         chaos.stop()
