@@ -25,7 +25,7 @@ MAXTEXT_PYTHON ?= $(firstword $(foreach p,python3.12 $(wildcard $(HOME)/.pyenv/v
 MAXTEXT_VENV   := .venv-maxtext
 MAXTEXT_STAMP  := $(MAXTEXT_VENV)/.installed
 
-.PHONY: setup tools test demo bench e2e-maxtext clean
+.PHONY: setup tools test demo bench e2e-maxtext chaos clean
 
 setup: $(STAMP) $(STUBS)
 
@@ -80,6 +80,12 @@ $(MAXTEXT_STAMP):
 	$(MAXTEXT_VENV)/bin/pip install -q --upgrade pip
 	$(MAXTEXT_VENV)/bin/pip install -q 'maxtext[tpu]==0.2.5'
 	touch $@
+
+# A long seeded random fault sequence per variant (the seed is printed; replay with --seed).
+CHAOS_FAULTS ?= 20
+CHAOS_ARGS   ?=
+chaos: setup
+	rc=0; for v in dp2 dp1; do $(BIN)/python -m tests.chaos --faults $(CHAOS_FAULTS) --variant $$v $(CHAOS_ARGS) || rc=1; done; exit $$rc
 
 clean:
 	rm -rf $(VENV) $(MAXTEXT_VENV) .tools $(STUBS) protos/csi_pb2.pyi

@@ -75,9 +75,20 @@ class _Stoppable:
             self.process.send_signal(signal.SIGKILL)
             self.process.wait()
 
+    def pause(self) -> None:
+        """SIGSTOPs the process: a frozen node (a stalled VM, a long GC pause, a network partition)."""
+        if self.process and self.process.poll() is None:
+            self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONTs a paused process."""
+        if self.process and self.process.poll() is None:
+            self.process.send_signal(signal.SIGCONT)
+
     def stop(self, timeout: float = 10.0) -> None:
         """Stops the process with SIGTERM, then SIGKILL after ``timeout`` seconds."""
         if self.process and self.process.poll() is None:
+            self.resume()  # a paused process would not act on SIGTERM
             self.process.terminate()
             try:
                 self.process.wait(timeout)
@@ -121,6 +132,10 @@ class NodeAgentProcess(_Stoppable):
     @property
     def url(self) -> str:
         return f"http://{self.listen}"
+
+    def ramdisk(self, job: str, namespace: str = "default") -> str:
+        """The job's ramdisk on this node: ``client/`` (what the pod sees) and ``mtc/`` (agent metadata)."""
+        return os.path.join(self.root, "jobs", namespace, job)
 
     def command(self) -> list[str]:
         return [

@@ -7,7 +7,7 @@ import urllib.request
 
 import numpy as np
 
-from examples.local_cluster import LocalJob
+from examples.local_cluster import LocalJob, unmount_all_below
 
 _jax_ports = itertools.count(28476 + (os.getpid() % 200) * 5)
 TRAIN = ["--steps", "30", "--save-interval-steps", "3", "--backup-interval-steps", "6"]
@@ -23,6 +23,13 @@ def run_job(name, agents, workdir, extra):
 def rerun(job, dump_dir, agents=None, steps=None, timeout=180):
     """Deletes the pods, recreates them (on ``agents`` when the nodes changed), runs the job to the
     end (step ``steps`` if given) with its state dumped to ``dump_dir``."""
+    recreate(job, dump_dir, agents, steps)
+    job.wait_done(timeout=timeout)
+
+
+def recreate(job, dump_dir, agents=None, steps=None):
+    """Deletes the pods and starts new ones (on ``agents`` when the nodes changed) that train to step
+    ``steps`` if given, with their state dumped to ``dump_dir``; returns without waiting."""
     job.delete_pods()
     if agents is not None:
         job.agents[:] = agents
@@ -31,7 +38,29 @@ def rerun(job, dump_dir, agents=None, steps=None, timeout=180):
         job.train_args += ["--steps", str(steps)]  # the last --steps wins
     job.create_pods()
     job.start_training()
-    job.wait_done(timeout=timeout)
+
+
+def replace_node(cluster, job, index):
+    """Node ``index`` of the job is lost with its ramdisk (and its dead pod's mount); a fresh node joins
+    the same topology block. Returns the job's agents with the fresh node in place; the pods are not
+    recreated."""
+    cluster.lose_node(job.agents[index])
+    if job.pods:
+        unmount_all_below(os.path.dirname(job.pods[index].target))  # the dead pod's mount went with the node
+    agents = list(job.agents)
+    agents[index] = cluster.add_node(len(cluster.agents), block=f"b{index // 2}")
+    return agents
+
+
+def flip_byte(path):
+    """Flips one byte in the middle of ``path``, a file or the largest file below a directory; returns the file."""
+    victim = path if os.path.isfile(path) else max((os.path.join(d, f) for d, _, files in os.walk(path) for f in files), key=os.path.getsize)
+    with open(victim, "r+b") as f:
+        f.seek(os.path.getsize(victim) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return victim
 
 
 def by_event(pod, event):

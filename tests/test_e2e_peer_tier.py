@@ -11,8 +11,7 @@ import urllib.request
 import pytest
 
 from csi_driver import kubelet
-from examples.local_cluster import unmount_all_below
-from tests.jobs import assert_same_state, by_event, losses, rerun, run_job, scrape, wait_until
+from tests.jobs import assert_same_state, by_event, flip_byte, losses, replace_node, rerun, run_job, scrape, wait_until
 
 
 # Long enough that the job is still training when the test kills it, however slow the machine.
@@ -26,14 +25,9 @@ def status_of(cluster, job):
 def lose_node_and_resume(cluster, job, lost_index, tmp_path, steps):
     """Kills the job, loses node ``lost_index`` with its ramdisk, adds a fresh node, recreates the pods."""
     job.kill_training()
-    lost = job.agents[lost_index]
-    cluster.lose_node(lost)
-    unmount_all_below(os.path.dirname(job.pods[lost_index].target))  # the dead pod's mount went with the node
-    fresh = cluster.add_node(len(cluster.agents), block=f"b{lost_index // 2}")
-    agents = list(job.agents)
-    agents[lost_index] = fresh
+    agents = replace_node(cluster, job, lost_index)
     rerun(job, tmp_path / "dump-2", agents=agents, steps=steps)
-    return fresh
+    return agents[lost_index]
 
 
 def assert_resumed_exactly(job, step, before_losses, tmp_path):
@@ -81,11 +75,7 @@ def test_replicated_job_restores_lost_node_and_skips_a_corrupt_replica(start_clu
     assert status["held"]["1"][str(safe)] == ["node-0", "node-1", "node-3"]  # own, close (b0) and distant (b1)
     # Flip one byte in the close replica of rank 1: the restore must skip it and use the distant one.
     replica = os.path.join(cluster.agents[0].root, "jobs", "default", job.job, "mtc", "replicas", "rank-1", str(safe))
-    victim = max((os.path.join(d, f) for d, _, files in os.walk(replica) for f in files), key=os.path.getsize)
-    with open(victim, "r+b") as f:
-        byte = f.read(1)
-        f.seek(0)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip_byte(replica)
 
     fresh = lose_node_and_resume(cluster, job, 1, tmp_path, steps=safe + 6)
     assert_resumed_exactly(job, safe, before, tmp_path)

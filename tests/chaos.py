@@ -1,0 +1,629 @@
+"""The chaos suite (issue 10): one real Orbax job survives a seeded random sequence of faults.
+
+    python -m tests.chaos [--seed N] [--faults K] [--variant dp2|dp1] [--only FAULT,...]
+
+A coordinator, four node agents (2 slices x 2 nodes, tmpfs, peer tier, backups to a ``file://``
+store) and ``examples/train.py`` training without end. Each fault runs one cycle: the fault, a
+failure (every training process SIGKILLed), the pods recreated, and the checks. ``dp2`` is data
+parallelism 2 (identical peers, nothing copied); ``dp1`` is data parallelism 1 with ``--replicas 2``.
+
+What is right is decided here, from the tiers themselves, never from the coordinator: when the
+training processes are dead and the fault has done its damage, the newest possible step is the
+newest step of the current timeline that every rank can get a valid copy of (its own ramdisk, a
+replica, its data-parallel peer's identical step, a backup with ``COMMIT``), minus copies the
+suite corrupted. After every restart it checks that every rank restored exactly that step, that
+backups and GC kept running (a new backup newer than the restored step is committed, then every node
+deletes its copies older than that backup, but for the restored step), that each ramdisk stays below 90% full, that no agent or
+coordinator exited or reports unhealthy, and, at the end, that every restored array is
+bit-identical to an uninterrupted reference run of the same job.
+
+"Mid-push", "mid-upload", "mid-GC" and "mid-stage" kills are approximated by timing (a random
+delay after the event that starts the work, or the coordinator's pending backup); a row says
+when the work had visibly finished before the kill.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import itertools
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+
+from examples.local_cluster import LocalCluster, LocalJob, NodeAgentProcess, unmount_all_below
+from tests.jobs import assert_same_state, by_event, flip_byte, recreate, replace_node, wait_until
+
+NODES, DP_PEER_OFFSET = 4, 2  # rank r's data-parallel peer in dp2 is r +- 2 (same worker, other slice)
+SAVE_EVERY, BACKUP_EVERY = 3, 6
+TRAIN = ["--steps", "100000", "--save-interval-steps", str(SAVE_EVERY), "--backup-interval-steps", str(BACKUP_EVERY),
+         "--step-sleep", "0.2"]  # fmt: skip
+VARIANTS = {"dp2": (1, []), "dp1": (2, ["--data-parallelism", "1"])}  # -> (--replicas, train.py flags)
+_GC_SECONDS = 20.0  # a few report rounds
+_RAMDISK_FULL = 0.9
+_RESUME_TIMEOUT = 240.0  # seconds from recreation to the first step: beyond Orbax's 300 s marker wait is a failure anyway
+_BACKUP_TIMEOUT = 120.0
+_OUTAGE_SECONDS = 30.0
+
+
+@dataclasses.dataclass
+class Row:
+    """One restart: what was restored against what was possible."""
+
+    fault: str
+    restored: int | None = None
+    possible: int | None = None
+    seconds: float | None = None
+    incarnation: int = 0
+    problems: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def lost(self) -> int:
+        """Steps lost beyond the minimum."""
+        if self.possible is None or (self.restored is not None and self.restored >= self.possible):
+            return 0
+        return self.possible - (self.restored or 0)
+
+    @property
+    def right(self) -> bool:
+        return not self.problems
+
+
+class Chaos:
+    """The cluster, the job, what the suite did to them, and the rows so far."""
+
+    def __init__(self, workdir: str, variant: str, rng: random.Random):
+        self.workdir, self.variant, self.rng = workdir, variant, rng
+        replicas, train = VARIANTS[variant]
+        self._ports = ports = itertools.count(20000 + (os.getpid() % 400) * 50)  # JAX's coordinator binds all addresses
+        self.store = os.path.join(workdir, "object-store")
+        self.cluster = LocalCluster(os.path.join(workdir, "cluster"), lambda host: f"{host}:{next(ports)}",
+                                    replicas=replicas, backup=f"file://{self.store}")  # fmt: skip
+        self.job = LocalJob("chaos", [], workdir, [*TRAIN, *train, "--dump-dir", ""], jax_port=next(ports))
+        self.all_pods = []  # every pod of every incarnation, for its events
+        self.corrupt: set[tuple[int, int, str]] = set()  # (rank, step, holder) copies the suite damaged
+        self.rollback: tuple[int, int] | None = None  # (step, first incarnation of the new timeline)
+        self.rows: list[Row] = []
+
+    # -- the job -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.cluster.start(NODES)
+        self.job.agents = list(self.cluster.agents)
+        self._start_pods()
+        self.wait_saves(2)
+
+    def _dump_dir(self, incarnation: int) -> str:
+        return os.path.join(self.workdir, "dumps", f"i{incarnation}")
+
+    def _start_pods(self) -> None:
+        """Deletes the pods (if any) and starts the next incarnation, dumping its state to its own directory."""
+        recreate(self.job, self._dump_dir(self.job.incarnations + 1))
+        self.all_pods += self.job.pods
+
+    def saved(self, rank: int, pods=None) -> set[int]:
+        """Steps ``rank`` committed in the current timeline (every incarnation; before a rollback, up to its step)."""
+        step, first = self.rollback or (0, 0)
+        return {e["step"] for p in pods or self.all_pods for e in by_event(p, "saved")
+                if e["rank"] == rank and (self._incarnation_of(p) >= first or e["step"] <= step)}  # fmt: skip
+
+    @staticmethod
+    def _incarnation_of(pod) -> int:
+        return int(pod.name.rsplit("-i", 1)[1])
+
+    def newest_saved_by_all(self, pods=None) -> int:
+        return max(set.intersection(*(self.saved(r, pods) for r in range(NODES))), default=0)
+
+    def wait_saves(self, count: int, timeout: float = 180.0) -> int:
+        """Waits until every rank of the current pods committed ``count`` more steps (after the newest
+        they committed or restored); returns the newest."""
+        restored = [e["step"] or 0 for p in self.job.pods for e in by_event(p, "restored")]
+        target = max(self.newest_saved_by_all(self.job.pods), *restored, 0) + count * SAVE_EVERY
+        self.job.wait(lambda: self.newest_saved_by_all(self.job.pods) >= target, timeout, f"step {target} saved by every rank")
+        return self.newest_saved_by_all(self.job.pods)
+
+    def rank_of(self, agent: NodeAgentProcess) -> int | None:
+        """The rank of the newest pod on ``agent`` that initialized."""
+        for pod in reversed(self.all_pods):
+            init = by_event(pod, "init") if pod.node is agent else []
+            if init:
+                return init[0]["rank"]
+        return None
+
+    def agent_of(self, rank: int) -> NodeAgentProcess:
+        return next(a for a in self.job.agents if self.rank_of(a) == rank)
+
+    def status(self) -> dict:
+        jobs = self.cluster.coordinator.status(self.job.job)["jobs"]
+        return jobs[0] if jobs else {}
+
+    def backups(self) -> dict[int, float]:
+        """Steps with ``COMMIT`` in the store -> when it was written (read from the store, not the coordinator)."""
+        steps = os.path.join(self.store, "default", self.job.job, "steps")
+        found = {}
+        for step in os.listdir(steps) if os.path.isdir(steps) else []:
+            with contextlib.suppress(FileNotFoundError):
+                found[int(step)] = os.path.getmtime(os.path.join(steps, step, "COMMIT"))
+        return found
+
+    # -- the oracle --------------------------------------------------------------------------
+
+    def _in_timeline(self, rank: int, step: int) -> bool:
+        return self.rollback is None or step <= self.rollback[0] or step in self.saved(rank)
+
+    def copies(self) -> set[tuple[int, int, str]]:
+        """Every valid (rank, step, holder) copy in the tiers now: committed local steps (with Orbax's
+        commit evidence), replicas, complete backups; minus damaged and abandoned-timeline copies."""
+        found = set()
+        for agent in self.job.agents:
+            rank, ramdisk = self.rank_of(agent), agent.ramdisk(self.job.job)
+            client = os.path.join(ramdisk, "client")
+            if rank is not None and os.path.isdir(client):
+                found |= {(rank, int(n), agent.node_id) for n in os.listdir(client)
+                          if n.isascii() and n.isdigit() and os.path.exists(os.path.join(client, n, "_CHECKPOINT_METADATA"))}  # fmt: skip
+            replicas = os.path.join(ramdisk, "mtc", "replicas")
+            for rank_dir in os.listdir(replicas) if os.path.isdir(replicas) else []:
+                found |= {(int(rank_dir.split("-")[1]), int(n[:-5]), agent.node_id)
+                          for n in os.listdir(os.path.join(replicas, rank_dir)) if n.endswith(".json")}  # fmt: skip
+        found |= {(rank, step, "backup") for step in self.backups() for rank in range(NODES)}
+        return {c for c in found - self.corrupt if self._in_timeline(c[0], c[1])}
+
+    def newest_possible(self) -> int | None:
+        """The newest step every rank can restore a valid copy of, or None (a fresh start is right)."""
+        copies = self.copies()
+        available = {r: {s for rank, s, _ in copies if rank == r} for r in range(NODES)}
+        if self.variant == "dp2":  # a peer's own step is this rank's data when both committed it
+            own = {r: {s for rank, s, holder in copies if rank == r and holder != "backup"} for r in range(NODES)}
+            for r in range(NODES):
+                available[r] |= own[(r + DP_PEER_OFFSET) % NODES] & self.saved(r)
+        return max(set.intersection(*available.values()), default=None)
+
+    # -- faults' building blocks -------------------------------------------------------------
+
+    def fail(self) -> None:
+        """Every training process is SIGKILLed; waits (bounded) until the coordinator has seen the
+        last commits and their replicas or identity, so a node loss right after is well defined."""
+        self.job.kill_training()
+        newest = self.newest_saved_by_all(self.job.pods)
+        with contextlib.suppress(TimeoutError, OSError):
+            wait_until(lambda: (s := self.status()).get("newest_complete_step") is not None
+                       and s["newest_complete_step"] >= newest and s["safe_step"] == s["newest_complete_step"], 20, "settled")  # fmt: skip
+
+    def lose(self, rank: int) -> NodeAgentProcess:
+        """The node holding ``rank`` is lost with its RAM; a fresh node takes its place."""
+        index = self.job.agents.index(self.agent_of(rank))
+        self.job.agents[:] = replace_node(self.cluster, self.job, index)
+        return self.job.agents[index]
+
+    def kill_agent(self, agent: NodeAgentProcess, down_seconds: float = 1.0) -> None:
+        """SIGKILLs an agent (its ramdisks survive: tmpfs lives in the host) and restarts it."""
+        agent.kill()
+        time.sleep(down_seconds)
+        agent.start()
+
+    def freeze(self, agents: list[NodeAgentProcess], seconds: float) -> threading.Timer:
+        """SIGSTOPs ``agents``; they are SIGCONTed after ``seconds`` by a timer (returned)."""
+        for agent in agents:
+            agent.pause()
+        timer = threading.Timer(seconds, lambda: [a.resume() for a in agents])
+        timer.start()
+        return timer
+
+    def restart(self, label: str, possible: int | None, during: Callable[[], None] | None = None, settle: bool = True) -> Row:
+        """Recreates the pods, runs ``during`` (a fault in the restore), waits for the first step,
+        checks the restore and (``settle``) that backups and GC go on. The row is also returned."""
+        row = Row(label, possible=possible, incarnation=self.job.incarnations + 1)
+        self.rows.append(row)
+        started, started_wall = time.monotonic(), time.time()
+        self._start_pods()
+        try:
+            if during:
+                during()
+            self.job.wait(lambda: any(by_event(p, "step") for p in self.job.pods), _RESUME_TIMEOUT, "the first step after the restart")
+            row.seconds = time.monotonic() - started
+            self.job.wait(lambda: all(by_event(p, "restored") for p in self.job.pods), 60, "every rank restored")
+        except (TimeoutError, RuntimeError) as err:
+            row.problems.append(f"no resume: {str(err).splitlines()[0][:160]}")
+            return row
+        restored = {by_event(p, "restored")[0]["step"] for p in self.job.pods}
+        row.restored = max(restored, key=lambda s: s or 0)
+        if len(restored) > 1:
+            row.problems.append(f"ranks restored different steps {sorted(restored, key=lambda s: s or 0)}")
+        if row.restored != possible:
+            older = possible is not None and (row.restored or 0) < possible
+            row.problems.append(f"restored {row.restored}, newest possible {possible}" + (" (unnecessary rollback)" if older else ""))
+        if settle:
+            self._check_backups_and_gc(row, row.restored or 0, started_wall)
+        self._check_processes(row)
+        return row
+
+    def _check_backups_and_gc(self, row: Row, after: int, since: float) -> None:
+        """A backup of a step after ``after`` is committed after time ``since``; then GC deletes, on
+        every node, every copy older than that backup (it is safe), and each ramdisk stays below
+        ``_RAMDISK_FULL`` of its size."""
+        try:
+            self.job.wait(lambda: any(s > after and t > since for s, t in self.backups().items()), _BACKUP_TIMEOUT,
+                          f"a new backup of a step after {after}")
+        except (TimeoutError, RuntimeError) as err:
+            row.problems.append(f"backups stopped: {str(err).splitlines()[0][:120]}")
+            return
+        backed_up = max(self.backups())
+        try:
+            wait_until(lambda: not self._older_than(backed_up, row.restored), _GC_SECONDS, f"GC of steps before backup {backed_up}")
+        except TimeoutError:
+            stale = self._older_than(backed_up, row.restored)
+            row.problems.append(f"GC stopped: copies older than backup {backed_up} after {_GC_SECONDS:.0f} s: {stale}")
+        for agent in self.job.agents:
+            usage = os.statvfs(agent.ramdisk(self.job.job))
+            if (usage.f_blocks - usage.f_bfree) > _RAMDISK_FULL * usage.f_blocks:
+                row.problems.append(f"ramdisk of {agent.node_id} over {_RAMDISK_FULL:.0%} full")
+
+    def _older_than(self, step: int, restored: int | None) -> list[tuple[int, int, str]]:
+        """In-cluster copies older than ``step``, but for the restored step (kept as the restore's source)."""
+        return sorted(c for c in self.copies() if c[2] != "backup" and c[1] < step and c[1] != restored)
+
+    def _check_processes(self, row: Row) -> None:
+        coordinator = self.cluster.coordinator
+        named = [(a.node_id, a, None) for a in self.job.agents] + [("coordinator", coordinator, coordinator.ssl_context())]
+        for name, process, context in named:
+            if process.process.poll() is not None:
+                row.problems.append(f"{name} exited {process.process.returncode}")
+                continue
+            try:
+                with urllib.request.urlopen(process.url + "/healthz", timeout=10, context=context):
+                    pass
+            except OSError as err:
+                row.problems.append(f"{name} unhealthy: {err}")
+
+    def check_values(self) -> None:
+        """Runs the uninterrupted reference to the newest restored step and compares every restore."""
+        steps = [r.restored for r in self.rows if r.restored]
+        if not steps:
+            return
+        self.job.kill_training()
+        reference = LocalJob("reference", list(self.job.agents), os.path.join(self.workdir, "reference"),
+                             ["--steps", str(max(steps)), "--save-interval-steps", str(SAVE_EVERY), "--backup-interval-steps",
+                              str(BACKUP_EVERY), "--dump-dir", os.path.join(self.workdir, "reference-dump")],
+                             jax_port=next(self._ports))  # fmt: skip
+        reference.create_pods()
+        reference.start_training()
+        reference.wait_done(timeout=600)
+        reference.delete_pods()
+        for row in self.rows:
+            if not row.restored:
+                continue
+            for rank in range(NODES):
+                name = f"rank{rank}-step{row.restored}.npz"
+                reference_dump = os.path.join(self.workdir, "reference-dump", name)
+                try:
+                    assert_same_state(os.path.join(self._dump_dir(row.incarnation), name), reference_dump)
+                except (AssertionError, FileNotFoundError) as err:
+                    row.problems.append(f"rank {rank} values differ from the reference: {str(err).splitlines()[0][:120]}")
+                    break
+
+    def stop(self) -> None:
+        self.job.kill_training()
+        for agent in self.cluster.agents:
+            agent.resume()
+        self.cluster.stop()
+        unmount_all_below(self.workdir)  # the pods' bind mounts
+
+
+# -- the faults: each runs one cycle on a training job and leaves it training ---------------------
+
+
+def preemption(chaos: Chaos) -> None:
+    chaos.fail()
+    chaos.restart("preemption", chaos.newest_possible())
+
+
+def coordinator_kill_mid_restore(chaos: Chaos) -> None:
+    chaos.fail()
+    delay = chaos.rng.uniform(0.2, 2.0)
+
+    def kill():
+        time.sleep(delay)
+        chaos.cluster.coordinator.kill()
+        time.sleep(2)
+        chaos.cluster.coordinator.start()
+
+    chaos.restart(f"coordinator SIGKILL {delay:.1f}s into restore", chaos.newest_possible(), kill)
+
+
+def freeze_training(chaos: Chaos) -> None:
+    seconds, agent = chaos.rng.uniform(5, 40), chaos.rng.choice(chaos.job.agents)
+    chaos.freeze([agent], seconds).join()
+    chaos.wait_saves(2)
+    chaos.fail()
+    chaos.restart(f"SIGSTOP {agent.node_id} {seconds:.0f}s in training", chaos.newest_possible())
+
+
+def freeze_restore(chaos: Chaos) -> None:
+    seconds, rank = chaos.rng.uniform(5, 40), chaos.rng.randrange(NODES)
+    chaos.fail()
+    agent = chaos.agent_of(rank)
+    chaos.restart(f"SIGSTOP {agent.node_id} {seconds:.0f}s in restore", chaos.newest_possible(),
+                  lambda: chaos.freeze([agent], seconds))  # fmt: skip
+
+
+def holders_of(chaos: Chaos, rank: int, step: int | None) -> list[NodeAgentProcess]:
+    """The other nodes holding ``rank``'s data: its data-parallel peer (dp2) or its replicas of ``step`` (dp1)."""
+    if chaos.variant == "dp2":
+        return [chaos.agent_of((rank + DP_PEER_OFFSET) % NODES)]
+    nodes = {holder for r, s, holder in chaos.copies() if r == rank and s == step}
+    return [a for a in chaos.job.agents if a.node_id in nodes and chaos.rank_of(a) != rank]
+
+
+def freeze_other_holder(chaos: Chaos) -> None:
+    seconds, rank = chaos.rng.uniform(5, 40), chaos.rng.randrange(NODES)
+    chaos.fail()
+    holders = holders_of(chaos, rank, chaos.newest_possible())
+    chaos.lose(rank)
+    chaos.restart(f"node loss, other holders {'+'.join(a.node_id for a in holders)} SIGSTOP {seconds:.0f}s",
+                  chaos.newest_possible(), lambda: chaos.freeze(holders, seconds))  # fmt: skip
+
+
+def _kill_after_save(chaos: Chaos, what: str, low: float, high: float) -> None:
+    """SIGKILLs a random rank's agent ``low..high`` s after that rank commits its next step (the
+    push or GC it starts is then likely under way), restarts it, then a preemption."""
+    rank, delay = chaos.rng.randrange(NODES), chaos.rng.uniform(low, high)
+    agent, before = chaos.agent_of(rank), chaos.saved(rank)
+    chaos.job.wait(lambda: chaos.saved(rank) - before, 60, f"rank {rank} commits")
+    time.sleep(delay)
+    chaos.kill_agent(agent)
+    chaos.wait_saves(2)
+    chaos.fail()
+    chaos.restart(f"SIGKILL {agent.node_id} ~{what} ({delay:.1f}s after commit)", chaos.newest_possible())
+
+
+def kill_mid_push(chaos: Chaos) -> None:
+    _kill_after_save(chaos, "mid-push", 0.1, 0.8)
+
+
+def kill_mid_gc(chaos: Chaos) -> None:
+    _kill_after_save(chaos, "mid-GC", 0.8, 2.5)
+
+
+def kill_mid_upload(chaos: Chaos) -> None:
+    wait_until(lambda: chaos.status().get("backup_pending") is not None, 90, "a backup under way")
+    pending, agent = chaos.status()["backup_pending"], chaos.rng.choice(chaos.job.agents)
+    chaos.kill_agent(agent)
+    finished = pending in chaos.backups()
+    chaos.wait_saves(2)
+    chaos.fail()
+    chaos.restart(f"SIGKILL {agent.node_id} mid-upload of {pending}{' (it had finished)' if finished else ''}", chaos.newest_possible())
+
+
+def kill_mid_stage(chaos: Chaos) -> None:
+    rank = chaos.rng.randrange(NODES)
+    chaos.fail()
+    agent = chaos.agent_of(rank)
+    client = os.path.join(agent.ramdisk(chaos.job.job), "client")
+
+    def kill():
+        with contextlib.suppress(TimeoutError):
+            wait_until(lambda: any(n.startswith(".mtc-staged") or n.endswith(".restore") for n in os.listdir(client)), 20, "staging")
+        chaos.kill_agent(agent)
+
+    chaos.restart(f"SIGKILL {agent.node_id} mid-stage", chaos.newest_possible(), kill)
+
+
+def node_loss(chaos: Chaos) -> None:
+    rank = chaos.rng.randrange(NODES)
+    chaos.fail()
+    lost = chaos.agent_of(rank).node_id
+    chaos.lose(rank)
+    chaos.restart(f"node loss ({lost}, rank {rank})", chaos.newest_possible())
+
+
+def flip_local(chaos: Chaos) -> None:
+    chaos.fail()
+    step, copies = chaos.newest_possible(), chaos.copies()  # the step a restore would take
+    rank = chaos.rng.choice([r for r in range(NODES) if (r, step, chaos.agent_of(r).node_id) in copies])
+    agent = chaos.agent_of(rank)
+    flip_byte(os.path.realpath(os.path.join(agent.ramdisk(chaos.job.job), "client", str(step))))
+    chaos.corrupt.add((rank, step, agent.node_id))
+    chaos.restart(f"flipped byte in rank {rank}'s local step {step}", chaos.newest_possible())
+
+
+def flip_replica(chaos: Chaos) -> None:
+    """A byte flipped in another node's copy of a rank's newest step, then that rank's node is lost."""
+    rank = chaos.rng.randrange(NODES)
+    chaos.fail()
+    step = chaos.newest_possible()  # the step a restore would take
+    holder = holders_of(chaos, rank, step)[0]
+    if chaos.variant == "dp2":  # the other copy is the peer's own step
+        owner = chaos.rank_of(holder)
+        flip_byte(os.path.realpath(os.path.join(holder.ramdisk(chaos.job.job), "client", str(step))))
+    else:
+        owner = rank
+        flip_byte(os.path.join(holder.ramdisk(chaos.job.job), "mtc", "replicas", f"rank-{rank}", str(step)))
+    chaos.corrupt.add((owner, step, holder.node_id))
+    chaos.lose(rank)
+    chaos.restart(f"flipped byte in {holder.node_id}'s copy of step {step}, rank {rank}'s node lost", chaos.newest_possible())
+
+
+def flip_backup(chaos: Chaos) -> None:
+    """A byte flipped in the newest backup of a rank, then that rank and every other in-cluster
+    holder of its data are lost, so the backup tier must serve it."""
+    rank = chaos.rng.randrange(NODES)
+    chaos.fail()
+    step = max(chaos.backups())
+    prefix = os.path.join(chaos.store, "default", chaos.job.job, "steps", str(step))
+    with open(os.path.join(prefix, f"rank-{rank}.manifest.json"), encoding="utf-8") as f:
+        files = json.load(f)["files"]
+    victim = max(files.values(), key=lambda e: e["size"])["object"]
+    flip_byte(os.path.join(prefix, *victim.split("/")))
+    for r in range(NODES):  # every rank whose manifest names the damaged object (deduplicated uploads)
+        with open(os.path.join(prefix, f"rank-{r}.manifest.json"), encoding="utf-8") as f:
+            if any(e["object"] == victim for e in json.load(f)["files"].values()):
+                chaos.corrupt.add((r, step, "backup"))
+    lost = [chaos.agent_of(rank), *holders_of(chaos, rank, chaos.newest_possible())]
+    for agent in lost:
+        chaos.lose(chaos.rank_of(agent))
+    chaos.restart(f"flipped byte in backup {step} of rank {rank}, {len(lost)} nodes lost", chaos.newest_possible())
+
+
+def store_outage(chaos: Chaos) -> None:
+    """The store's directory is moved away and a file put in its place (so nothing can recreate it)
+    for ``_OUTAGE_SECONDS``; then it is back and backups must resume."""
+    away = chaos.store + ".away"
+    os.rename(chaos.store, away)
+    try:
+        with open(chaos.store, "x", encoding="utf-8"):
+            pass
+        time.sleep(_OUTAGE_SECONDS)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(chaos.store)
+        os.rename(away, chaos.store)
+    chaos.wait_saves(1)
+    chaos.fail()
+    chaos.restart(f"object store gone {_OUTAGE_SECONDS:.0f}s", chaos.newest_possible())
+
+
+def _rollback(chaos: Chaos, pods_gone: bool) -> None:
+    """``mtc restore-from`` the second newest backup (with the pods gone, or still published), then a
+    preemption on the new timeline before it passes the abandoned one."""
+    chaos.job.wait(lambda: len(chaos.backups()) >= 2, _BACKUP_TIMEOUT, "two backups")
+    chaos.fail()
+    if pods_gone:
+        chaos.job.delete_pods()
+    step = sorted(chaos.backups())[-2]  # older than the newest; the oldest may be going to retention
+    command = [sys.executable, "-m", "csi_driver.cli", "restore-from", "--coordinator", chaos.cluster.coordinator.url,
+               "--ca", chaos.cluster.coordinator.ca_file, "--token-file", chaos.cluster.token_file,
+               "--job", f"default/{chaos.job.job}", "--step", str(step)]  # fmt: skip
+    answer = subprocess.run(command, capture_output=True, text=True)
+    chaos.rollback = (step, chaos.job.incarnations + 1)
+    # The failure comes at the new timeline's first save, before it passes the abandoned one.
+    row = chaos.restart(f"rollback to {step}{' (no pods)' if pods_gone else ''}", step, settle=False)
+    if answer.returncode:
+        row.problems.insert(0, f"restore-from refused: {answer.stderr.strip()[:120]}")
+    chaos.wait_saves(1)
+    chaos.fail()
+    chaos.restart(f"preemption after rollback to {step}", chaos.newest_possible())
+
+
+def rollback(chaos: Chaos) -> None:
+    _rollback(chaos, pods_gone=False)
+
+
+def rollback_no_pods(chaos: Chaos) -> None:
+    _rollback(chaos, pods_gone=True)
+
+
+FAULTS: dict[str, tuple[Callable[[Chaos], None], tuple[str, ...]]] = {
+    "preemption": (preemption, ("dp2", "dp1")),
+    "coordinator_kill_mid_restore": (coordinator_kill_mid_restore, ("dp2", "dp1")),
+    "freeze_training": (freeze_training, ("dp2", "dp1")),
+    "freeze_restore": (freeze_restore, ("dp2", "dp1")),
+    "freeze_other_holder": (freeze_other_holder, ("dp2", "dp1")),
+    "kill_mid_push": (kill_mid_push, ("dp1",)),
+    "kill_mid_stage": (kill_mid_stage, ("dp2", "dp1")),
+    "kill_mid_upload": (kill_mid_upload, ("dp2", "dp1")),
+    "kill_mid_gc": (kill_mid_gc, ("dp2", "dp1")),
+    "node_loss": (node_loss, ("dp2", "dp1")),
+    "flip_local": (flip_local, ("dp2", "dp1")),
+    "flip_replica": (flip_replica, ("dp2", "dp1")),
+    "flip_backup": (flip_backup, ("dp2", "dp1")),
+    "store_outage": (store_outage, ("dp2", "dp1")),
+    "rollback": (rollback, ("dp2", "dp1")),
+    "rollback_no_pods": (rollback_no_pods, ("dp2", "dp1")),
+}
+
+
+def draw(rng: random.Random, count: int, variant: str, allowed: list[str]) -> list[str]:
+    """``count`` faults for ``variant``: every allowed fault once in a random order while the
+    sequence is long enough, the rest drawn at random."""
+    pool = [f for f in allowed if variant in FAULTS[f][1]]
+    rng.shuffle(pool)
+    return (pool * (count // len(pool) + 1))[:count] if count <= len(pool) else pool + [rng.choice(pool) for _ in range(count - len(pool))]
+
+
+def render(rows: list[Row]) -> str:
+    lines = [f"{'fault':<66}{'restored':>9}{'possible':>9}{'lost':>6}{'resume s':>10}  result"]
+    for r in rows:
+        seconds = f"{r.seconds:.1f}" if r.seconds is not None else "-"
+        lines.append(f"{r.fault[:65]:<66}{str(r.restored):>9}{str(r.possible):>9}{r.lost:>6}{seconds:>10}  "
+                     f"{'right' if r.right else 'WRONG: ' + '; '.join(r.problems)}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def summary(rows: list[Row]) -> str:
+    wrong = [r for r in rows if not r.right]
+    rollbacks = [r for r in rows if r.possible is not None and r.restored is not None and r.restored < r.possible]
+    fresh = [r for r in rows if r.possible is not None and r.restored is None]
+    seconds = [r.seconds for r in rows if r.seconds is not None]
+    median = f"{statistics.median(seconds):.1f}" if seconds else "-"
+    return (f"restarts: {len(rows)}, right: {len(rows) - len(wrong)}, wrong: {len(wrong)}, unnecessary rollbacks: {len(rollbacks)}, "
+            f"fresh starts with a complete step: {len(fresh)}, steps lost beyond the minimum: {sum(r.lost for r in rows)}, "
+            f"median seconds to resume: {median} (goal: 0 wrong, 0 unnecessary rollbacks)")  # fmt: skip
+
+
+def run(seed: int, faults: int, variant: str, allowed: list[str], workdir: str) -> list[Row]:
+    """Runs ``faults`` faults drawn with ``seed``; returns the rows (values checked against the reference)."""
+    rng = random.Random(seed)
+    sequence = draw(rng, faults, variant, allowed)
+    print(f"chaos: seed {seed}, variant {variant}, {faults} faults: {', '.join(sequence)}", flush=True)
+    chaos = Chaos(workdir, variant, rng)
+    try:
+        started = time.monotonic()
+        chaos.start()
+        print(f"cluster and job up in {time.monotonic() - started:.0f} s", flush=True)
+        for name in sequence:
+            cycle, first_row = time.monotonic(), len(chaos.rows)
+            try:
+                FAULTS[name][0](chaos)
+            except (TimeoutError, RuntimeError, OSError, ValueError) as err:  # the fault itself could not be set up
+                chaos.rows.append(Row(name, problems=[f"cycle failed: {str(err).splitlines()[0][:160]}"]))
+            for line in render(chaos.rows[first_row:]).splitlines()[1:]:
+                print(f"[{time.monotonic() - cycle:4.0f} s] {line}", flush=True)
+            if chaos.rows[-1].seconds is None and any(p.process and p.process.poll() not in (None, 0) for p in chaos.job.pods):
+                print("the job is down and did not come back; stopping the sequence", flush=True)
+                break
+        started = time.monotonic()
+        chaos.check_values()
+        print(f"reference run and comparison: {time.monotonic() - started:.0f} s", flush=True)
+        return chaos.rows
+    finally:
+        chaos.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=None, help="default: random, printed")
+    parser.add_argument("--faults", type=int, default=20)
+    parser.add_argument("--variant", choices=sorted(VARIANTS), default="dp2")
+    parser.add_argument("--only", default=",".join(FAULTS), help="comma-separated faults to draw from")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, dumps)")
+    args = parser.parse_args(argv)
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
+    allowed = args.only.split(",")
+    unknown = set(allowed) - set(FAULTS)
+    if unknown:
+        parser.error(f"unknown faults {sorted(unknown)}; known: {', '.join(FAULTS)}")
+    workdir = tempfile.mkdtemp(prefix="mtc-chaos-")
+    try:
+        rows = run(seed, args.faults, args.variant, allowed, workdir)
+    finally:
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            print(f"work directory kept: {workdir}")
+    print(render(rows))
+    print(summary(rows))
+    print(f"replay: python -m tests.chaos --seed {seed} --faults {args.faults} --variant {args.variant}" +
+          (f" --only {args.only}" if args.only != ",".join(FAULTS) else ""))  # fmt: skip
+    return 0 if all(r.right for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
