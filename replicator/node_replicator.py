@@ -554,9 +554,6 @@ class NodeReplicator:
         except (PeerFetchError, OSError, aiohttp.ClientError, asyncio.TimeoutError) as err:
             shutil.rmtree(incoming, ignore_errors=True)
             return _Failed([str(err) or repr(err)], unusable=isinstance(err, UnusableCopy))
-        if (problem := _differs_from_owner(manifest, source)) is not None:
-            shutil.rmtree(incoming, ignore_errors=True)
-            return _Failed([problem], unusable=True)
         await asyncio.to_thread(staging.install_staged, disk.client_dir, step, incoming)
         # Recorded as this rank's step: from now on this node serves it for this rank.
         meta.save_manifest(dataclasses.replace(manifest, rank=progress.rank))

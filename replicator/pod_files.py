@@ -155,26 +155,25 @@ def write_atomic(dir_fd: int, name: str, data: bytes) -> None:
     """Replaces ``name`` with a regular file holding ``data``: exclusive temp file, fsync, rename,
     fsync of the directory. A symlink or file planted at ``name`` is replaced, never written through.
     """
-    tmp = f"{_TEMP_PREFIX}{secrets.token_hex(8)}"
-    fd = os.open(tmp, _CREATE_FLAGS, 0o644, dir_fd=dir_fd)
-    try:
-        with os.fdopen(fd, "wb") as f:
+    def create(tmp: str) -> None:
+        with os.fdopen(os.open(tmp, _CREATE_FLAGS, 0o644, dir_fd=dir_fd), "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp, dir_fd=dir_fd)
-        raise
-    fsync_dir(dir_fd)
+
+    _replace_with(dir_fd, name, create)
 
 
 def write_symlink(dir_fd: int, name: str, target: str) -> None:
     """Atomically makes ``name`` a symlink to ``target`` (a name in the same directory)."""
+    _replace_with(dir_fd, name, lambda tmp: os.symlink(target, tmp, dir_fd=dir_fd))
+
+
+def _replace_with(dir_fd: int, name: str, create) -> None:
+    """``create(tmp)`` makes an entry under a fresh random name, which then replaces ``name``."""
     tmp = f"{_TEMP_PREFIX}{secrets.token_hex(8)}"
-    os.symlink(target, tmp, dir_fd=dir_fd)
     try:
+        create(tmp)
         os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         with contextlib.suppress(OSError):
