@@ -1,6 +1,5 @@
 """Transient faults with a real Orbax job: a frozen agent is not a lost node, and costs no checkpoint."""
 
-import signal
 import threading
 
 from tests.jobs import losses, run_job, wait_until
@@ -9,8 +8,8 @@ from tests.test_e2e_peer_tier import LONG_RUN, assert_resumed_exactly, lose_node
 
 def freeze(agent, seconds: float) -> threading.Thread:
     """SIGSTOPs the agent now and SIGCONTs it after ``seconds`` (a frozen VM, a long GC pause)."""
-    agent.process.send_signal(signal.SIGSTOP)
-    thaw = threading.Timer(seconds, agent.process.send_signal, [signal.SIGCONT])
+    agent.pause()
+    thaw = threading.Timer(seconds, agent.resume)
     thaw.start()
     return thaw
 

@@ -23,8 +23,7 @@ import warnings
 
 warnings.simplefilter("ignore", FutureWarning)  # google-auth's import-time notice about grpcio versions
 
-from examples.local_cluster import LocalCluster, LocalJob, can_mount_tmpfs  # noqa: E402
-from examples.local_cluster import scratch_dir  # noqa: E402
+from examples.local_cluster import LocalCluster, LocalJob, can_mount_tmpfs, scratch_dir  # noqa: E402
 from tests.bench.scratch import free_port  # noqa: E402
 
 NODES = 4
