@@ -11,6 +11,9 @@ from examples.local_cluster import LocalJob, unmount_all_below
 
 _jax_ports = itertools.count(28476 + (os.getpid() % 200) * 5)
 TRAIN = ["--steps", "30", "--save-interval-steps", "3", "--backup-interval-steps", "6"]
+# A job that trains until the test kills it, however slow or fast the machine.
+UNTIL_KILLED_STEPS = 100_000
+UNTIL_KILLED = ["--steps", str(UNTIL_KILLED_STEPS), "--step-sleep", "0.2"]
 
 
 def run_job(name, agents, workdir, extra):

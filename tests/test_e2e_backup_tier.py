@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from replicator.orbax_protocol import ERRORS_FILE
-from tests.jobs import assert_same_state, by_event, losses, rerun, run_job, scrape, wait_until
+from tests.jobs import UNTIL_KILLED, UNTIL_KILLED_STEPS, assert_same_state, by_event, losses, rerun, run_job, scrape, wait_until
 
 
 def status_of(cluster, job):
@@ -22,9 +22,8 @@ def backups_settled(cluster, job):
 
 def test_whole_cluster_loss_restores_newest_backup_and_never_an_interrupted_one(start_cluster, object_server, tmp_path):
     cluster = start_cluster(backup=object_server.backup_url, env=object_server.env)
-    # Long enough that the job is still training when it is killed, however slow the machine.
     job = run_job("big", list(cluster.agents), tmp_path / "big",
-                  ["--steps", "200", "--step-sleep", "0.2", "--dump-dir", str(tmp_path / "dump-1")])  # fmt: skip
+                  [*UNTIL_KILLED, "--dump-dir", str(tmp_path / "dump-1")])  # fmt: skip
     job.wait(lambda: max(status_of(cluster, job)["backups"] or [0]) >= 12, 180, "a backup of step 12 or later")
     before = losses(job.pods)
     job.kill_training()
@@ -42,7 +41,7 @@ def test_whole_cluster_loss_restores_newest_backup_and_never_an_interrupted_one(
     cluster.coordinator.kill()
     cluster.coordinator.start()
     fresh = [cluster.add_node(4 + i, block=f"b{i // 2}") for i in range(4)]
-    assert max(before) < 200, "the job finished before it was killed"
+    assert max(before) < UNTIL_KILLED_STEPS, "the job finished before it was killed"
     rerun(job, tmp_path / "dump-2", agents=fresh, steps=backed_up + 24, timeout=240)
 
     assert [by_event(p, "restored")[0]["step"] for p in job.pods] == [backed_up] * 4

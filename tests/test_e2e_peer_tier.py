@@ -11,11 +11,9 @@ import urllib.request
 import pytest
 
 from csi_driver import kubelet
-from tests.jobs import assert_same_state, by_event, flip_byte, losses, replace_node, rerun, run_job, scrape, wait_until
+from tests.jobs import UNTIL_KILLED, UNTIL_KILLED_STEPS, assert_same_state, by_event, flip_byte, losses, replace_node, rerun, run_job, scrape, wait_until
 
-
-# Long enough that the job is still training when the test kills it, however slow the machine.
-LONG_RUN = ["--steps", "200", "--step-sleep", "0.2"]
+LONG_RUN = UNTIL_KILLED
 
 
 def status_of(cluster, job):
@@ -31,7 +29,7 @@ def lose_node_and_resume(cluster, job, lost_index, tmp_path, steps):
 
 
 def assert_resumed_exactly(job, step, before_losses, tmp_path):
-    assert max(before_losses) < 200, "the job finished before it was killed"
+    assert max(before_losses) < UNTIL_KILLED_STEPS, "the job finished before it was killed"
     assert [by_event(p, "restored")[0]["step"] for p in job.pods] == [step] * 4
     after = losses(job.pods)
     assert min(after) == step + 1

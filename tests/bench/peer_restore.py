@@ -224,7 +224,7 @@ def report(samples: list[dict[str, float]], gib: float, cores: bool) -> None:
         print(f"{label:<30}{median(a):>10.2f}{median(b):>11.2f}{r:>9.3f}  {verdict}")
 
     print(f"{'operation':<30}{'ours GiB/s':>10}{'base GiB/s':>11}{'ratio':>9}  goal")
-    row(f"peer restore vs raw 1-stream", "ours", "raw 1-stream", GOAL_RAW_1)
+    row("peer restore vs raw 1-stream", "ours", "raw 1-stream", GOAL_RAW_1)
     row(f"peer restore vs raw {CORES}-stream", "ours", f"raw {CORES}-stream", GOAL_RAW_K)
     if cores:
         row("1 worker vs tmpfs 1 thread", "ours 1 worker", "tmpfs 1 thread", None)
