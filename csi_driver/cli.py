@@ -15,8 +15,8 @@ from csi_driver.quantity import parse_quantity
 from csi_driver.ramdisk import JobBusy, RamdiskManager, make_backend
 from csi_driver.volume_request import DEFAULT_MAX_NODES
 from replicator.bearer import read_token
-from replicator.coordinator import CoordinatorConfig, run_coordinator
-from replicator.status import fetch_status, render_status, request_restore_from
+from replicator.coordinator.service import CoordinatorConfig, run_coordinator
+from replicator.coordinator.status import fetch_status, render_status, request_restore_from
 
 
 def _key_value(text: str) -> tuple[str, str]:

@@ -25,7 +25,7 @@ import sys
 import time
 
 from examples.local_cluster import LocalCluster, LocalJob, can_mount_tmpfs, scratch_dir
-from replicator.status import render_status
+from replicator.coordinator.status import render_status
 
 STEPS = 75
 SAVE_EVERY = 5

@@ -27,7 +27,7 @@ from google.cloud import storage
 
 from csi_driver import kubelet, mounts
 from protos import csi_pb2, csi_pb2_grpc
-from replicator.status import fetch_status
+from replicator.coordinator.status import fetch_status
 
 
 def unmount_all_below(prefix: str) -> None:

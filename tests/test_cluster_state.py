@@ -2,7 +2,7 @@
 
 import pytest
 
-from replicator.cluster_state import ClusterState, NodeIdTaken, NotReady
+from replicator.coordinator.state import ClusterState, NodeIdTaken, NotReady
 from replicator.messages import HeldStep, JobSettings, NodeReport, PodReport
 
 KEY = ("default", "run")

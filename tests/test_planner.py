@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from replicator.planner import PodSlot, Source, StepCopy, Tier, assign_ranks, plan_restore, replica_targets, select_pods
+from replicator.coordinator.planner import PodSlot, Source, StepCopy, Tier, assign_ranks, plan_restore, replica_targets, select_pods
 
 
 def pods_on(nodes, uid_prefix="p", slices=1, t=0.0):

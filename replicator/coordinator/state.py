@@ -1,6 +1,6 @@
 """The coordinator's soft state: rebuilt from node reports, so a coordinator restart loses nothing.
 
-No I/O here; ``replicator.coordinator`` serves it over HTTP.
+No I/O here; ``replicator.coordinator.service`` serves it over HTTP.
 """
 
 import dataclasses
@@ -10,7 +10,8 @@ import uuid
 
 from prometheus_client import Counter
 
-from replicator import orbax_protocol, planner
+from replicator import orbax_protocol
+from replicator.coordinator import planner
 from replicator.messages import (
     Assignment,
     BackupOrder,

@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, 
 
 from replicator import pod_files
 from replicator.bearer import read_token, require_bearer
-from replicator.cluster_state import ClusterState, JobState, NodeIdTaken, NotReady, UnknownIncarnation
+from replicator.coordinator.state import ClusterState, JobState, NodeIdTaken, NotReady, UnknownIncarnation
 from replicator.messages import MAX_RANKS, JobSettings, NodeReport, decode, to_json
 
 log = logging.getLogger(__name__)
