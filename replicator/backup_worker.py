@@ -17,7 +17,7 @@ from prometheus_client import Counter, Histogram
 
 from replicator.backup_store import BackupError, BackupStore
 from replicator.job_meta import JobMeta
-from replicator.messages import BackupOrder
+from replicator.messages import BackedUp, BackupOrder
 from replicator.cpu_share import CpuShare
 from replicator.step_manifest import StepManifest
 
@@ -27,11 +27,10 @@ BACKUP_FAILURES = Counter("mtc_backup_failures_total", "Backup uploads or listin
 BACKUP_SECONDS = Histogram("mtc_backup_upload_seconds", "Seconds to upload one rank's step")
 BACKUP_BYTES = Counter("mtc_backup_uploaded_bytes_total", "Bytes of step data this node uploaded (deduplicated files excluded)")
 
-_LIST_INTERVAL_SECONDS = 5.0
+# The lister of a job lists its backups this often (30 list calls an hour); the node that writes a
+# step's COMMIT lists at once, so the coordinator learns of new backups without waiting for it.
+_LIST_INTERVAL_SECONDS = 120.0
 _RETRY_WAIT = tenacity.wait_exponential(min=2, max=60)  # seconds between attempts: 2, 4, 8, ... 60
-# The coordinator repeats a wanted order with every report (each second); one it stopped repeating
-# (done, given up, or the coordinator is away) is not retried.
-_ORDER_TTL_SECONDS = 10.0
 
 
 class BackupWorker:
@@ -54,14 +53,18 @@ class BackupWorker:
         self._busy = busy_steps
         self._report_error = report_error
         self._on_change = on_change
-        self.listing: dict[tuple[str, str], tuple[int, ...]] = {}
+        self.listing: dict[tuple[str, str], BackedUp] = {}
         self._listed_at: dict[tuple[str, str], float] = {}
+        # The coordinator repeats a wanted order with every reply; one it stopped repeating for this
+        # long (done, given up, or the coordinator is away) is not retried. Set from the heartbeat.
+        self.order_ttl_seconds = 10.0
         self._wanted: dict[tuple[str, str], tuple[str, BackupOrder, float]] = {}  # job -> (ramdisk, order, asked at)
         self._tasks: dict[tuple[str, str], asyncio.Task] = {}  # job -> its uploads, one at a time
         self._uploaded: set[tuple] = set()  # the coordinator hears of it only from the next listing
 
     async def refresh(self, ramdisks: dict[tuple[str, str], str], force: bool = False) -> None:
-        """Lists complete backups of each job at most every 5 s; keeps the last listing on failure.
+        """Lists complete backups of each job at most every ``_LIST_INTERVAL_SECONDS`` (``force``:
+        now); keeps the last listing on failure.
 
         Args:
           ramdisks: (namespace, job) -> the job's ramdisk path on this node.
@@ -77,9 +80,8 @@ class BackupWorker:
                 BACKUP_FAILURES.inc()
                 self._report_error(JobMeta(ramdisk_path), f"listing the backup tier failed, retrying: {err}")
                 continue
-            if steps != self.listing.get(key):
-                self.listing[key] = steps
-                self._on_change()
+            self.listing[key] = BackedUp(*key, steps, time.time())
+            self._on_change()
 
     def start(self, ramdisk_path: str, order: BackupOrder) -> None:
         """Wants the upload ``order`` asks for: its job's task runs it (now, or after the backoff of a
@@ -103,7 +105,7 @@ class BackupWorker:
             with attempt:
                 ramdisk_path, order, asked = self._wanted[job]
                 key = (order.namespace, order.job, order.step, order.rank, order.incarnation)
-                if key in self._uploaded or time.monotonic() - asked > _ORDER_TTL_SECONDS:
+                if key in self._uploaded or time.monotonic() - asked > self.order_ttl_seconds:
                     return
                 await self._upload(ramdisk_path, order, key)
 

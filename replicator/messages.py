@@ -1,5 +1,8 @@
 """JSON messages between node agents and the coordinator: msgspec structs, decoded and validated at the edge.
 
+The format is versioned (``PROTOCOL_VERSION``): an agent and a coordinator of different versions refuse
+each other's messages with an error naming both versions, never half-understand them.
+
 ``decode`` turns a body into a typed message or raises ``ValueError`` naming the bad field (msgspec's
 ``... - at `$.held[3].files```), so a handler answers 400. Every list, map and string is bounded,
 so a report can neither exhaust the coordinator nor make it loop over an invented ``nodes``.
@@ -24,6 +27,10 @@ FileEntry = tuple[Annotated[int, msgspec.Meta(ge=0)], Annotated[str, msgspec.Met
 Files = Annotated[dict[Annotated[str, msgspec.Meta(max_length=4_096)], FileEntry], msgspec.Meta(max_length=MAX_FILES)]
 
 M = TypeVar("M")
+
+# Version 2: reports driven by change (checksums sent once, small heartbeats at a pace the coordinator
+# sets), data-parallel signatures computed by the agent, one backup lister per job.
+PROTOCOL_VERSION = 2
 
 
 class JobSettings(msgspec.Struct, frozen=True):
@@ -69,24 +76,39 @@ class HeldStep(msgspec.Struct, frozen=True):
     """A committed, checksummed step of one rank's data on the reporting node.
 
     Attributes:
-      files: relative path -> (size bytes, CRC32C hex), from the step's manifest.
+      files: relative path -> (size bytes, CRC32C hex), from the step's manifest. Sent for the
+        node's own data until a coordinator answered a report carrying them (then None: the
+        coordinator keeps them), and again whenever a reply sets ``want_files``. Never for replicas.
       replica: True for a copy a peer pushed here, False for the node's own data.
+      signature: for the node's own data, the digest of the step's structural metadata
+        (``orbax_protocol.logical_signature``): data-parallel peers with equal signatures hold the
+        same logical data.
     """
 
     namespace: Name
     job: Name
     step: Step
     rank: Rank
-    files: Files
+    files: Files | None = None
     replica: bool = False
+    signature: Annotated[str, msgspec.Meta(max_length=128)] | None = None
 
 
 class BackedUp(msgspec.Struct, frozen=True):
-    """The steps of a job the backup tier holds complete (``COMMIT`` written), as the node last listed them."""
+    """The steps of a job the backup tier holds complete (``COMMIT`` written), as the node last listed
+    them at ``listed_at`` (unix seconds): the coordinator believes the newest listing of any node."""
 
     namespace: Name
     job: Name
     steps: Annotated[tuple[Step, ...], msgspec.Meta(max_length=MAX_LIST)]
+    listed_at: float = 0.0
+
+
+class JobRef(msgspec.Struct, frozen=True):
+    """A job, by namespace and name."""
+
+    namespace: Name
+    job: Name
 
 
 class NodeReport(msgspec.Struct, frozen=True):
@@ -102,6 +124,9 @@ class NodeReport(msgspec.Struct, frozen=True):
       replicas: how many peers should hold replicas of this node's steps (``--replicas``).
       backed_up: per job, the complete backups the node saw in the backup tier, once listed.
       has_backup: whether the node has a backup tier (``--backup``).
+      protocol: the agent's ``PROTOCOL_VERSION``; a report without it is from version 1.
+      waiting: True when a pod of the node waits for its assignment: the coordinator may hold the
+        reply (long poll) until the assignment exists, for up to ``MAX_WAIT_SECONDS``.
     """
 
     node_id: Name
@@ -113,6 +138,14 @@ class NodeReport(msgspec.Struct, frozen=True):
     replicas: Annotated[int, msgspec.Meta(ge=1, le=2)] = 1
     backed_up: Annotated[tuple[BackedUp, ...], msgspec.Meta(max_length=MAX_PODS)] = ()
     has_backup: bool = False
+    protocol: int = 1
+    waiting: bool = False
+
+
+class Versioned(msgspec.Struct):
+    """Just the version of a message whose other fields may not decode."""
+
+    protocol: int = 1
 
 
 class Assignment(msgspec.Struct, frozen=True):
@@ -178,12 +211,27 @@ class BackupOrder(msgspec.Struct, frozen=True):
 
 
 class ReportReply(msgspec.Struct, frozen=True):
-    """The coordinator's answer to a ``NodeReport``: what the node's pods and data should do."""
+    """The coordinator's answer to a ``NodeReport``: what the node's pods and data should do.
+
+    Attributes:
+      assignments, replicate, retain, backup: the node's pods' ranks and its standing orders,
+        repeated in every reply while they stand.
+      heartbeat_seconds: report at least this often (jittered) even when nothing changed; the
+        coordinator lengthens it as the cluster grows, to keep its load bounded.
+      want_files: send the checksums of every held step of the node's own data in the next report
+        (the coordinator restarted or forgot them).
+      list_backups: the jobs whose backup tier this node lists (one lister per job).
+      protocol: the coordinator's ``PROTOCOL_VERSION``.
+    """
 
     assignments: tuple[Assignment, ...]
     replicate: tuple[ReplicateOrder, ...] = ()
     retain: tuple[RetainOrder, ...] = ()
     backup: tuple[BackupOrder, ...] = ()
+    heartbeat_seconds: float = 1.0
+    want_files: bool = False
+    list_backups: tuple[JobRef, ...] = ()
+    protocol: int = PROTOCOL_VERSION
 
 
 class Source(msgspec.Struct, frozen=True):
@@ -220,6 +268,39 @@ class RestoreView(msgspec.Struct, frozen=True):
     step: Step | None
     sources: tuple[Source, ...]
     ready: bool
+
+    @property
+    def token(self) -> str:
+        """What a rank knows of this view, to long-poll for a different one (``seen``)."""
+        return f"{self.generation}:{int(self.ready)}"
+
+
+# The longest a coordinator holds a long-poll request (a waiting report, a restore view), seconds.
+# Agents time such requests out 10 s later; short enough that a lost reply costs little.
+MAX_WAIT_SECONDS = 20.0
+
+
+class ProtocolMismatch(ValueError):
+    """The other side speaks another ``PROTOCOL_VERSION``."""
+
+
+def check_version(theirs: int, who: str) -> None:
+    """Raises ``ProtocolMismatch`` naming both versions unless ``theirs`` is ours."""
+    if theirs != PROTOCOL_VERSION:
+        raise ProtocolMismatch(f"{who} speaks mtc protocol version {theirs}, this side speaks version {PROTOCOL_VERSION}: "
+                               "run the same mtc release for the coordinator and every node agent")
+
+
+def decode_json(body: bytes, kind: type[M]) -> M:
+    """Decodes and validates a JSON body as ``kind`` in one pass (msgspec).
+
+    Raises:
+      ValueError: not JSON, or a field is missing, of the wrong type, or out of bounds.
+    """
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.DecodeError as err:
+        raise ValueError(str(err)) from None
 
 
 def decode(raw: Any, kind: type[M]) -> M:

@@ -1,6 +1,7 @@
 """The node agent's side of the Orbax protocol, for every job ramdisk on the node.
 
-- Reports the node's pods and committed steps to the coordinator, on every change and as a heartbeat.
+- Reports the node's pods and committed steps to the coordinator: at once on a change, else as a
+  heartbeat at the pace the coordinator sets. A step's checksums are sent once per coordinator.
 - Writes ``jax-init-info.txt`` once the coordinator assigns the pod a rank.
 - Validates and consumes ``replicator.yaml``; bad content goes to ``replicator.failed``.
 - Detects committed steps and checksums them.
@@ -12,6 +13,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import random
 import shutil
 import ssl
 import time
@@ -29,8 +31,9 @@ from replicator.backup_worker import BackupWorker
 from replicator.bearer import auth_header
 from replicator.cpu_share import CpuShare
 from replicator.messages import (
+    MAX_WAIT_SECONDS,
+    PROTOCOL_VERSION,
     Assignment,
-    BackedUp,
     HeldStep,
     JobSettings,
     NodeReport,
@@ -39,6 +42,7 @@ from replicator.messages import (
     RestoreView,
     Source,
     Target,
+    check_version,
     decode,
     to_json,
 )
@@ -68,7 +72,9 @@ for _label in ("ok", "failed"):
 for _label in ("report", "job"):
     LOOP_ERRORS.labels(_label)
 
-_REPORT_INTERVAL_SECONDS = 1.0
+# The report loop looks for changes this often; a report goes out only on a change or a heartbeat.
+_ROUND_INTERVAL_SECONDS = 1.0
+_REQUEST_TIMEOUT_SECONDS = 10.0
 # A loop that has not completed a pass for this long is wedged: /healthz and CSI Probe say so, and
 # the DaemonSet's livenessprobe restarts the agent. Well above the longest legitimate pass (a 10 s
 # report timeout plus GC of a few steps).
@@ -99,9 +105,11 @@ class CoordinatorClient:
         self._base = base_url.rstrip("/")
         self._headers = auth_header(token) if token else {}
 
-    async def _call(self, method: str, path: str, **kwargs) -> dict:
+    async def _call(self, method: str, path: str, wait: float = 0.0, **kwargs) -> dict:
+        """One request; a long poll (``wait`` seconds) gets that much more time."""
+        timeout = aiohttp.ClientTimeout(total=_REQUEST_TIMEOUT_SECONDS + wait)
         try:
-            async with self._session.request(method, self._base + path, headers=self._headers, **kwargs) as response:
+            async with self._session.request(method, self._base + path, headers=self._headers, timeout=timeout, **kwargs) as response:
                 body = await response.json(content_type=None)
                 if response.status != 200:
                     raise CoordinatorUnavailable(f"{method} {path}: HTTP {response.status}: {body.get('error', body)}")
@@ -110,15 +118,31 @@ class CoordinatorClient:
             raise CoordinatorUnavailable(f"{method} {path}: {err!r}") from None
 
     async def report(self, report: NodeReport) -> ReportReply:
-        return decode(await self._call("POST", "/v1/report", json=to_json(report)), ReportReply)
+        """Sends a report; a ``waiting`` one may be held by the coordinator (long poll).
+
+        Raises:
+          CoordinatorUnavailable: unreachable, refused, or of another protocol version (named).
+        """
+        body = await self._call("POST", "/v1/report", wait=MAX_WAIT_SECONDS if report.waiting else 0.0, json=to_json(report))
+        try:
+            reply = decode(body, ReportReply)
+            check_version(reply.protocol, "the coordinator")
+        except ValueError as err:
+            raise CoordinatorUnavailable(f"POST /v1/report: {err}") from None
+        return reply
 
     async def record_settings(self, disk: Ramdisk, progress: PodProgress, settings: JobSettings) -> None:
         payload = {"incarnation": progress.incarnation, "rank": progress.rank, "settings": to_json(settings)}
         await self._call("POST", f"/v1/jobs/{disk.namespace}/{disk.job}/settings", json=payload)
 
-    async def restore_view(self, disk: Ramdisk, progress: PodProgress) -> RestoreView:
+    async def restore_view(self, disk: Ramdisk, progress: PodProgress, seen: str | None = None) -> RestoreView:
+        """The rank's restore view; with ``seen`` (a view's ``token``), a long poll that returns
+        once the view differs from it, or after ``MAX_WAIT_SECONDS``."""
         params = {"incarnation": progress.incarnation, "rank": str(progress.rank)}
-        return decode(await self._call("GET", f"/v1/jobs/{disk.namespace}/{disk.job}/restore", params=params), RestoreView)
+        wait = MAX_WAIT_SECONDS if seen is not None else 0.0
+        if seen is not None:
+            params |= {"seen": seen, "wait": str(wait)}
+        return decode(await self._call("GET", f"/v1/jobs/{disk.namespace}/{disk.job}/restore", wait=wait, params=params), RestoreView)
 
     async def report_staged(self, disk: Ramdisk, progress: PodProgress, generation: str, source: str | None, bad: list,
                             retrying: bool = False) -> None:  # fmt: skip
@@ -148,6 +172,12 @@ def _differs_from_owner(manifest: StepManifest, source: Source) -> str | None:
     if source.files is not None and manifest.files != source.files:
         return f"crc32c mismatch: the copy on {source.holder} does not match the checksums rank {source.data_rank} reported"
     return None
+
+
+def _shape(report: NodeReport) -> tuple:
+    """What a report says, checksums aside: a report that says the same again is a heartbeat."""
+    held = tuple((h.namespace, h.job, h.step, h.rank, h.replica) for h in report.held)
+    return report.url, report.pods, held, report.backed_up, report.topology
 
 
 def current_pod(disk: Ramdisk):
@@ -209,6 +239,14 @@ class NodeReplicator:
         )
         self._listing: asyncio.Task | None = None
         self._wake = asyncio.Event()
+        self._poked = True
+        # Change-driven reports: what the coordinator acknowledged, and when a heartbeat is due.
+        self._sent_files: set[tuple[str, str, int, int]] = set()  # own steps whose checksums it has
+        self._signatures: dict[tuple[str, str, int, int], str | None] = {}
+        self._acknowledged: tuple | None = None  # the shape of the last answered report
+        self._heartbeat_seconds = 1.0
+        self._next_heartbeat = 0.0
+        self._list_jobs: set[tuple[str, str]] = set()  # jobs whose backups this node lists
         self._loop: asyncio.AbstractEventLoop | None = None
         self._workers: dict[tuple[str, str], asyncio.Task] = {}
         self._last_error: dict[str, float] = {}
@@ -218,7 +256,11 @@ class NodeReplicator:
     def poke(self) -> None:
         """Asks for a report now; safe to call from any thread (the gRPC servicer's)."""
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._wake.set)
+            self._loop.call_soon_threadsafe(self._poke_now)
+
+    def _poke_now(self) -> None:
+        self._poked = True
+        self._wake.set()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Reports and watches until ``stop`` is set."""
@@ -227,7 +269,7 @@ class NodeReplicator:
             # Nothing is receiving, staging or deleting any more: finish what a crash interrupted.
             JobMeta(disk.path).sweep_partial()
             staging.sweep_trash(disk.client_dir)
-        timeout = aiohttp.ClientTimeout(total=10)
+        timeout = aiohttp.ClientTimeout(total=_REQUEST_TIMEOUT_SECONDS)
         peer_connector = aiohttp.TCPConnector(ssl=self._peer_ssl) if self._peer_ssl else None
         # Whole steps move over the peer session: no total timeout, a stalled read still fails.
         peer_timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=60)
@@ -247,7 +289,7 @@ class NodeReplicator:
                         log.exception("replicator round failed, carrying on: %r", err)
                     self._beats[_ROUND] = time.monotonic()
                     with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), _REPORT_INTERVAL_SECONDS)
+                        await asyncio.wait_for(self._wake.wait(), _ROUND_INTERVAL_SECONDS)
             finally:
                 tasks = [*self._workers.values(), *self._pushes.values(), *([self._listing] if self._listing else [])]
                 for task in tasks:
@@ -259,8 +301,10 @@ class NodeReplicator:
     async def _round(self, client: CoordinatorClient) -> None:
         disks = await asyncio.to_thread(self._manager.ramdisks)
         if self._backup and (self._listing is None or self._listing.done()):
-            # In the background: a store outage must not hold up reports and restores.
-            self._listing = asyncio.create_task(self._backup.refresh({k: d.path for k, d in disks.items()}))
+            # In the background: a store outage must not hold up reports and restores. Only the
+            # jobs the coordinator made this node the lister of (one node per job).
+            listed = {k: d.path for k, d in disks.items() if k in self._list_jobs}
+            self._listing = asyncio.create_task(self._backup.refresh(listed))
         await self._report(client, disks)
         self._sync_workers(client, disks)
 
@@ -273,15 +317,39 @@ class NodeReplicator:
     # -- reporting -----------------------------------------------------------------------------
 
     async def _report(self, client: CoordinatorClient, disks: dict) -> None:
+        """Sends a report when something changed, when poked, or when a heartbeat is due."""
         report = await asyncio.to_thread(self._build_report, disks)
+        shape = _shape(report)
+        if not self._poked and shape == self._acknowledged and time.monotonic() < self._next_heartbeat:
+            return
+        self._poked = False
         started = time.monotonic()
+        call = asyncio.ensure_future(client.report(report))
+        if report.waiting:  # a long poll: give it up as soon as there is something new to say
+            woken = asyncio.ensure_future(self._wake.wait())
+            await asyncio.wait({call, woken}, return_when=asyncio.FIRST_COMPLETED)
+            woken.cancel()
+            if not call.done():
+                call.cancel()
+                self._poked = True
+                return
         try:
-            reply = await client.report(report)
+            reply = await call
         except CoordinatorUnavailable as err:
             self._log_once("report", f"coordinator unreachable, retrying: {err}")
             return
         REPORT_SECONDS.observe(time.monotonic() - started)
         LAST_REPORT.set_to_current_time()
+        self._acknowledged = shape
+        self._heartbeat_seconds = reply.heartbeat_seconds
+        # Jittered, so that a cluster's agents do not report in lockstep.
+        self._next_heartbeat = time.monotonic() + reply.heartbeat_seconds * random.uniform(0.8, 1.0)
+        if reply.want_files:
+            self._sent_files.clear()
+            self._poked = True
+        else:
+            self._sent_files.update((h.namespace, h.job, h.step, h.rank) for h in report.held if h.files is not None)
+        self._list_jobs = {(j.namespace, j.job) for j in reply.list_backups}
         self._assignments = {a.pod_uid: a for a in reply.assignments}
         if self._peer_token is not None:
             for order in reply.replicate:
@@ -289,12 +357,17 @@ class NodeReplicator:
         for order in reply.retain:
             if (disk := disks.get((order.namespace, order.job))) is not None:
                 await asyncio.to_thread(self._collect_garbage, disk, order)
+        if self._backup:
+            # Orders are repeated with every reply: one missing from three heartbeats was withdrawn.
+            self._backup.order_ttl_seconds = max(10.0, 3 * reply.heartbeat_seconds)
         for order in reply.backup:
             if self._backup and (disk := disks.get((order.namespace, order.job))) is not None:
                 self._backup.start(disk.path, order)
 
     def _build_report(self, disks: dict) -> NodeReport:
-        pods, held = [], []
+        """The node's report: its pods, and its held steps with checksums only for own steps the
+        coordinator has not acknowledged (replicas never carry them)."""
+        pods, held, waiting = [], [], False
         for disk in disks.values():
             meta = JobMeta(disk.path)
             for publication in disk.publications.values():
@@ -307,15 +380,23 @@ class NodeReplicator:
                     published_at=publication.published_at, incarnation=progress.incarnation, rank=progress.rank,
                     settings=progress.settings,
                 ))  # fmt: skip
+                waiting |= progress.incarnation is None and spec.pod_uid not in self._assignments
             present = set(orbax_protocol.held_steps(disk.client_dir))
             for step, manifest in meta.manifests().items():
                 if step in present:
-                    held.append(HeldStep(disk.namespace, disk.job, step, manifest.rank, manifest.files))
+                    key = (disk.namespace, disk.job, step, manifest.rank)
+                    if key not in self._signatures:
+                        self._signatures[key] = orbax_protocol.logical_signature(manifest.files)
+                    files = None if key in self._sent_files else manifest.files
+                    held.append(HeldStep(disk.namespace, disk.job, step, manifest.rank, files, signature=self._signatures[key]))
             for manifest in meta.replicas().values():
-                held.append(HeldStep(disk.namespace, disk.job, manifest.step, manifest.rank, manifest.files, replica=True))
-        backed_up = tuple(BackedUp(ns, job, steps) for (ns, job), steps in self._backup.listing.items()) if self._backup else ()
-        return NodeReport(self.node_id, self._url, self._pod_address, self._topology, tuple(pods), tuple(held),
-                          self._replicas, backed_up, self._backup is not None)  # fmt: skip
+                held.append(HeldStep(disk.namespace, disk.job, manifest.step, manifest.rank, replica=True))
+        own = {(h.namespace, h.job, h.step, h.rank) for h in held if not h.replica}
+        self._signatures = {k: v for k, v in self._signatures.items() if k in own}
+        self._sent_files &= own
+        backed_up = tuple(self._backup.listing.values()) if self._backup else ()
+        return NodeReport(self.node_id, self._url, self._pod_address, self._topology, tuple(pods), tuple(held), self._replicas,
+                          backed_up, self._backup is not None, protocol=PROTOCOL_VERSION, waiting=waiting)  # fmt: skip
 
     # -- replication and garbage collection ----------------------------------------------------
 
@@ -468,12 +549,13 @@ class NodeReplicator:
             await asyncio.to_thread(self._hand_over, disk, meta, progress, None if progress.handing_over < 0 else progress.handing_over, "resumed")
             return
         started = time.monotonic()
-        staged_generation, source, backoff = None, "none", _RETRY_FIRST_SECONDS
+        staged_generation, source, backoff, seen = None, "none", _RETRY_FIRST_SECONDS, None
         unusable: set[tuple[str, str, int]] = set()  # (generation, holder, data rank) proven unusable here
         while time.monotonic() - started < _RESTORE_DEADLINE_SECONDS:
             self._beats[(disk.namespace, disk.job)] = time.monotonic()
             try:
-                view = await client.restore_view(disk, progress)
+                view = await client.restore_view(disk, progress, seen)
+                seen = None
                 if view.step is not None and view.generation != staged_generation:
                     used, bad, unreachable = await self._stage(disk, meta, progress, view, unusable)
                     unusable.update((view.generation, holder, rank) for _, rank, holder in bad)
@@ -498,7 +580,7 @@ class NodeReplicator:
                 await asyncio.to_thread(self._hand_over, disk, meta, progress, view.step, source)
                 RESTORE_SECONDS.labels(source).observe(time.monotonic() - started)
                 return
-            await asyncio.sleep(_WATCH_INTERVAL_SECONDS)
+            seen = view.token  # staged: wait (long poll) until every rank has, or the plan changes
         RESTORE_SECONDS.labels("timeout").observe(time.monotonic() - started)
         report_to_job(meta, f"restore did not complete within {_RESTORE_DEADLINE_SECONDS:.0f} s")
 

@@ -16,6 +16,8 @@ happens through files in the pod's local checkpoint directory (the ramdisk's cli
 """
 
 import dataclasses
+import hashlib
+import json
 import os
 import re
 import stat
@@ -316,14 +318,16 @@ def has_commit_evidence(files: dict[str, tuple[int, str]]) -> bool:
     return COMMIT_EVIDENCE in files
 
 
-def logical_signature(files: dict[str, tuple[int, str]]) -> frozenset[tuple[str, int, str]]:
-    """The checksums of a step's structural metadata: the pytree (``_METADATA``), its shardings
-    (``_sharding``) and the process metadata. Data-parallel peers write different array bytes
-    (``ocdbt.process_<i>``) but identical structure; with the job's ``assume-data-parallelism``
-    promise this is what we check before treating one peer's step as the other's.
+def logical_signature(files: dict[str, tuple[int, str]]) -> str | None:
+    """A SHA-256 hex digest of the checksums of a step's structural metadata: the pytree
+    (``_METADATA``), its shardings (``_sharding``) and the process metadata; None when the step has
+    none. Data-parallel peers write different array bytes (``ocdbt.process_<i>``) but identical
+    structure; with the job's ``assume-data-parallelism`` promise equal signatures are what we check
+    before treating one peer's step as the other's.
     """
-    return frozenset(
+    structural = sorted(
         (path, size, crc)
         for path, (size, crc) in files.items()
         if path.rsplit("/", 1)[-1] in ("_METADATA", "_sharding") or (path.startswith("process_metadata/") and path.endswith(".json"))
     )
+    return hashlib.sha256(json.dumps(structural).encode()).hexdigest() if structural else None

@@ -63,6 +63,7 @@ def test_coordinator_restart_mid_job_does_not_disturb_training(cluster, tmp_path
     job.wait_done(timeout=120)
     assert max(losses(job.pods)) == 30
     job.wait(lambda: newest_complete_step(coordinator, job.job) == 30, 20, "inventory rebuilt")
+    job.wait(lambda: coordinator.status(job.job)["jobs"][0]["safe_step"] == 30, 20, "step 30 safe: nothing moves any more")
     status = coordinator.status(job.job)["jobs"][0]
     assert status["incarnation"] == incarnation
     assert {r["rank"]: r["node"] for r in status["ranks"]} == {r: f"node-{r}" for r in range(4)}

@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 
 from csi_driver import kubelet
-from replicator.messages import HeldStep, NodeReport, PodReport, to_json
+from replicator.messages import PROTOCOL_VERSION, HeldStep, NodeReport, PodReport, to_json
 from tests.jobs import scrape
 from tests.test_node_protocol import wait_for
 
@@ -62,7 +62,7 @@ def forged_claim(node_id: str, url: str) -> NodeReport:
     """An invented node claiming a huge step of every rank, as own data and as replicas."""
     files = {"state/data": (1000, "00000000")}
     claims = tuple(HeldStep("default", JOB, 10**9, rank, files, replica) for rank in (0, 1) for replica in (False, True))
-    return NodeReport(node_id, url, None, {"block": "b0"}, (), claims)
+    return NodeReport(node_id, url, None, {"block": "b0"}, (), claims, protocol=PROTOCOL_VERSION)
 
 
 def test_a_forged_claim_of_every_rank_deletes_nothing_and_is_logged_and_counted(start_cluster, tmp_path):
@@ -88,7 +88,7 @@ def test_a_forged_claim_of_every_rank_deletes_nothing_and_is_logged_and_counted(
 def test_a_live_node_id_claimed_from_another_url_is_refused(start_cluster):
     cluster = start_cluster(nodes=1)
     assert wait_for(lambda: cluster.coordinator.status()["nodes"] == ["node-0"])
-    status, body = post_report(cluster, NodeReport("node-0", "http://127.0.0.66:9", None, {}, (), ()))
+    status, body = post_report(cluster, NodeReport("node-0", "http://127.0.0.66:9", None, {}, (), (), protocol=PROTOCOL_VERSION))
     assert status == 409 and "node-0" in body["error"] and "127.0.0.66" in body["error"]
     with open(cluster.coordinator.log_path, encoding="utf-8") as log:
         assert "refused a report" in log.read()
@@ -104,10 +104,26 @@ def test_report_sizes_are_bounded_and_named(start_cluster, shape, status, named)
     cluster = start_cluster(nodes=1)
     files = {f"state/d/{i:06d}": (1, "00000000") for i in range(shape.get("files", 1))}
     pods = (PodReport("default", "big", "big-0", "uid", None, None, 4, 1, 8476, "big", 0.0),)
-    report = to_json(NodeReport("big-node", "http://127.0.0.77:1", None, {}, pods, (HeldStep("default", "big", 1, 0, files),)))
+    report = to_json(NodeReport("big-node", "http://127.0.0.77:1", None, {}, pods, (HeldStep("default", "big", 1, 0, files),),
+                                protocol=PROTOCOL_VERSION))  # fmt: skip
     report["pods"][0]["nodes"] = shape.get("nodes", 4)
     report["held"] = report["held"] * shape.get("held", 1)
     code, body = post_report(cluster, report)
     assert code == status, body
     if named:
         assert named in body["error"]
+
+
+@pytest.mark.parametrize("version", [None, 1, PROTOCOL_VERSION + 1])
+def test_an_agent_of_another_protocol_version_is_refused_with_both_versions_named(start_cluster, version):
+    cluster = start_cluster(nodes=1)
+    report = to_json(NodeReport("old-node", "http://127.0.0.78:1", None, {}, (), ()))
+    if version is None:
+        del report["protocol"]  # what a version-1 agent sends
+    else:
+        report["protocol"] = version
+        report["held"] = [{"a": "field this version never had"}]  # its message need not even decode
+    code, body = post_report(cluster, report)
+    assert code == 409, body
+    assert f"version {version or 1}" in body["error"] and f"version {PROTOCOL_VERSION}" in body["error"]
+    assert "old-node" not in cluster.coordinator.status()["nodes"]

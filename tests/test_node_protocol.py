@@ -1,5 +1,6 @@
 """The node agents' side of the Orbax protocol, driven by hand (no training process)."""
 
+import json
 import os
 import time
 import urllib.error
@@ -8,6 +9,7 @@ import urllib.request
 import pytest
 
 from csi_driver import kubelet
+from replicator.messages import PROTOCOL_VERSION
 from replicator.orbax_protocol import ERRORS_FILE, FAILED_FILE, JAX_INIT_INFO_FILE, REPLICATOR_FILE
 
 
@@ -85,7 +87,8 @@ def test_coordinator_requires_the_cluster_token_of_callers(start_cluster):
     cluster = start_cluster(nodes=1)
     token = open(cluster.token_file).read().strip()
     for headers, expected in [({}, 401), ({"Authorization": "Bearer wrong"}, 401), ({"Authorization": f"Bearer {token}"}, 400)]:
-        request = urllib.request.Request(cluster.coordinator.url + "/v1/report", data=b"{}", method="POST", headers=headers)
+        body = json.dumps({"protocol": PROTOCOL_VERSION}).encode()
+        request = urllib.request.Request(cluster.coordinator.url + "/v1/report", data=body, method="POST", headers=headers)
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(request, context=cluster.coordinator.ssl_context())
         assert err.value.code == expected  # 400: past the token, an empty report is refused

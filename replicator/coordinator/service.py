@@ -2,9 +2,13 @@
 
 Routes (JSON; errors are ``{"error": "..."}``):
 
-- ``POST /v1/report``: a node agent's ``NodeReport``; answers a ``ReportReply``.
+- ``POST /v1/report``: a node agent's ``NodeReport``; answers a ``ReportReply``. A report whose
+  ``waiting`` is set is held (long poll, up to ``MAX_WAIT_SECONDS``) until one of the node's waiting
+  pods has its assignment. 409 names both versions when the agent's ``protocol`` is not ours.
 - ``POST /v1/jobs/{namespace}/{job}/settings``: ``{"incarnation", "rank", "settings"}``.
-- ``GET  /v1/jobs/{namespace}/{job}/restore?incarnation=I&rank=R``: a ``RestoreView``.
+- ``GET  /v1/jobs/{namespace}/{job}/restore?incarnation=I&rank=R[&seen=G&wait=S]``: a ``RestoreView``;
+  with ``seen`` (``<generation>:<ready>`` of the view the rank has), held up to ``wait`` seconds
+  until the view differs from it.
 - ``POST /v1/jobs/{namespace}/{job}/restore``: ``{"incarnation", "generation", "rank", "source", "bad": [[step, rank, holder]],
   "retrying"}``: ``retrying`` when the rank will try unreachable sources again (no replan).
 - ``POST /v1/jobs/{namespace}/{job}/restore-from``: ``{"step"}``; the next restore uses that step
@@ -12,6 +16,8 @@ Routes (JSON; errors are ``{"error": "..."}``):
 - ``GET  /v1/status[?job=NAME]``, ``GET /healthz``, ``GET /metrics``.
 """
 
+import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -19,18 +25,33 @@ import os
 import ssl
 import time
 
+import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Gauge, generate_latest
 
 from replicator import pod_files
 from replicator.bearer import read_token, require_bearer
 from replicator.coordinator.state import ClusterState, JobState, NodeIdTaken, NotReady, UnknownIncarnation
-from replicator.messages import MAX_RANKS, JobSettings, NodeReport, decode, to_json
+from replicator.messages import (
+    MAX_RANKS,
+    MAX_WAIT_SECONDS,
+    JobSettings,
+    NodeReport,
+    ProtocolMismatch,
+    Versioned,
+    check_version,
+    decode,
+    decode_json,
+    to_json,
+)
 
 log = logging.getLogger(__name__)
 
 _STATE_KEY = web.AppKey("state", ClusterState)
 _CONFIG_KEY = web.AppKey("config", "CoordinatorConfig")
+_CHANGES_KEY = web.AppKey("changes", "JobChanges")
+# Expiry and due decision passes run this often, seconds.
+_TICK_SECONDS = 0.25
 # A report of a node holding 16k steps of 60 files stays well below this; anything larger is refused (413).
 MAX_BODY_BYTES = 256 << 20
 
@@ -90,6 +111,35 @@ async def _json_body(request: web.Request) -> dict:
     return body
 
 
+class JobChanges:
+    """Wakes long polls when a job's assignments or restore views may have changed: one event per
+    job, replaced each time it fires, so a waiter sees every change after it started waiting."""
+
+    def __init__(self, state: ClusterState):
+        self._state = state
+        self._events: dict[tuple[str, str], asyncio.Event] = {}
+
+    def event(self, key: tuple[str, str]) -> asyncio.Event:
+        return self._events.setdefault(key, asyncio.Event())
+
+    def publish(self) -> None:
+        """Fires the events of every job the state marked changed."""
+        for key in self._state.drain_changed():
+            if (event := self._events.pop(key, None)) is not None:
+                event.set()
+
+    async def wait(self, keys, timeout: float) -> None:
+        """Waits until one of ``keys`` changes or ``timeout`` seconds pass."""
+        waiters = [asyncio.ensure_future(self.event(key).wait()) for key in keys]
+        if not waiters:
+            return
+        try:
+            await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+
+
 def _job_key(request: web.Request) -> tuple[str, str]:
     return request.match_info["namespace"], request.match_info["job"]
 
@@ -98,21 +148,61 @@ def _not_found(err: Exception) -> web.HTTPNotFound:
     return web.HTTPNotFound(text=json.dumps({"error": str(err)}), content_type="application/json")
 
 
+def _conflict(err: Exception) -> web.HTTPConflict:
+    return web.HTTPConflict(text=json.dumps({"error": str(err)}), content_type="application/json")
+
+
+def _decode_report(body: bytes) -> NodeReport:
+    """The report in ``body``, of our protocol version.
+
+    Raises:
+      ProtocolMismatch: the agent speaks another version (even if its report does not decode).
+      ValueError: the report does not decode; the message names the field.
+    """
+    try:
+        report = decode_json(body, NodeReport)
+    except ValueError:
+        try:
+            theirs = decode_json(body, Versioned).protocol
+        except ValueError:
+            raise ValueError("the report is not a JSON object with a protocol version") from None
+        check_version(theirs, "the node agent")
+        raise
+    check_version(report.protocol, f"node agent {report.node_id}")
+    return report
+
+
 async def post_report(request: web.Request) -> web.Response:
     try:
-        report = decode(await _json_body(request), NodeReport)
+        report = _decode_report(await request.read())
+    except ProtocolMismatch as err:
+        log.error("refused a report from %s: %s", request.remote, err)
+        raise _conflict(err) from None
     except ValueError as err:
         raise BadRequest(str(err)) from None
     max_nodes = request.app[_CONFIG_KEY].max_nodes
     for index, pod in enumerate(report.pods):
         if pod.nodes > max_nodes or pod.slices > pod.nodes:
             raise BadRequest(f"pods[{index}]: nodes={pod.nodes} must be at most {max_nodes} and slices={pod.slices} at most nodes")
+    state, changes = request.app[_STATE_KEY], request.app[_CHANGES_KEY]
     try:
-        reply = request.app[_STATE_KEY].apply_report(report, time.time())
+        reply = state.apply_report(report, time.time())
     except NodeIdTaken as err:
         log.warning("refused a report from %s: %s", request.remote, err)
-        raise web.HTTPConflict(text=json.dumps({"error": str(err)}), content_type="application/json") from None
-    return web.json_response(to_json(reply))
+        raise _conflict(err) from None
+    changes.publish()
+    deadline = time.monotonic() + MAX_WAIT_SECONDS
+    # Long poll: held while a pod waits for its assignment. The agent cancels it (the handler is
+    # cancelled with the connection) when it has something new to report.
+    while report.waiting and time.monotonic() < deadline:
+        assigned = {a.pod_uid for a in reply.assignments}
+        waiting = {(p.namespace, p.job) for p in report.pods if p.incarnation is None and p.pod_uid not in assigned}
+        if not waiting:
+            break
+        await changes.wait(waiting, min(deadline - time.monotonic(), state.heartbeat_seconds))
+        state.touch(report.node_id, time.time())
+        reply = state.reply_for(report.node_id)
+    return web.Response(body=msgspec.json.encode(reply), content_type="application/json")
 
 
 async def post_settings(request: web.Request) -> web.Response:
@@ -133,15 +223,23 @@ async def post_settings(request: web.Request) -> web.Response:
 async def get_restore(request: web.Request) -> web.Response:
     try:
         incarnation, rank = request.query["incarnation"], int(request.query["rank"])
+        wait = min(float(request.query.get("wait", 0)), MAX_WAIT_SECONDS)
     except (KeyError, ValueError) as err:
-        raise BadRequest(f"incarnation and rank query parameters are required: {err}") from None
-    try:
-        view = request.app[_STATE_KEY].restore_view(_job_key(request), incarnation, rank, time.time())
-    except UnknownIncarnation as err:
-        raise _not_found(err) from None
-    except NotReady as err:
-        raise web.HTTPServiceUnavailable(text=json.dumps({"error": str(err)}), content_type="application/json") from None
-    return web.json_response(to_json(view))
+        raise BadRequest(f"incarnation and rank query parameters are required, wait is seconds: {err}") from None
+    key, seen = _job_key(request), request.query.get("seen")
+    state, changes = request.app[_STATE_KEY], request.app[_CHANGES_KEY]
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            view = state.restore_view(key, incarnation, rank, time.time())
+        except UnknownIncarnation as err:
+            raise _not_found(err) from None
+        except NotReady as err:
+            raise web.HTTPServiceUnavailable(text=json.dumps({"error": str(err)}), content_type="application/json") from None
+        changes.publish()
+        if seen != view.token or time.monotonic() >= deadline:
+            return web.Response(body=msgspec.json.encode(view), content_type="application/json")
+        await changes.wait([key], deadline - time.monotonic())
 
 
 async def post_restore(request: web.Request) -> web.Response:
@@ -157,6 +255,7 @@ async def post_restore(request: web.Request) -> web.Response:
         request.app[_STATE_KEY].report_staged(_job_key(request), *args, source, bad, retrying)
     except UnknownIncarnation as err:
         raise _not_found(err) from None
+    request.app[_CHANGES_KEY].publish()
     return web.json_response({"ok": True})
 
 
@@ -169,13 +268,13 @@ async def post_restore_from(request: web.Request) -> web.Response:
     try:
         request.app[_STATE_KEY].force_restore_step(_job_key(request), step)
     except LookupError as err:
-        raise web.HTTPConflict(text=json.dumps({"error": str(err)}), content_type="application/json") from None
+        raise _conflict(err) from None
     return web.json_response({"ok": True, "step": step})
 
 
 async def get_status(request: web.Request) -> web.Response:
     state = request.app[_STATE_KEY]
-    state.expire(time.time())
+    state.tick(time.time())
     status = state.status()
     if "job" in request.query:
         status["jobs"] = [j for j in status["jobs"] if j["job"] == request.query["job"]]
@@ -188,7 +287,7 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[_STATE_KEY]
-    state.expire(time.time())
+    state.tick(time.time())
     registry = CollectorRegistry()  # the cluster view, computed now; the process's counters follow
     labels = ["namespace", "job"]
     newest = Gauge("mtc_newest_complete_step", "Newest step complete for every rank", labels, registry=registry)
@@ -240,11 +339,32 @@ def _load_snapshot(app: web.Application) -> None:
         log.warning("ignoring unreadable state snapshot %s: %s", path, err)
 
 
+async def _ticker(app: web.Application):
+    """Expires nodes and runs due decision passes in the background, waking long polls they affect."""
+
+    async def tick_forever():
+        while True:
+            await asyncio.sleep(_TICK_SECONDS)
+            try:
+                app[_STATE_KEY].tick(time.time())
+                app[_CHANGES_KEY].publish()
+            except Exception:  # a bug in one pass must not stop expiry for the cluster
+                log.exception("coordinator tick failed, carrying on")
+
+    task = asyncio.create_task(tick_forever())
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
 def make_app(config: CoordinatorConfig) -> web.Application:
     """The coordinator's aiohttp application."""
     app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[_CONFIG_KEY] = config
     app[_STATE_KEY] = ClusterState(config.node_timeout_seconds, config.holder_grace_seconds)
+    app[_CHANGES_KEY] = JobChanges(app[_STATE_KEY])
+    app.cleanup_ctx.append(_ticker)
     if config.state_dir:
         os.makedirs(config.state_dir, exist_ok=True)
         _load_snapshot(app)
@@ -270,4 +390,5 @@ def run_coordinator(config: CoordinatorConfig) -> None:
     """Serves until SIGTERM or SIGINT."""
     host, _, port = config.listen.rpartition(":")
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-    web.run_app(make_app(config), host=host, port=int(port), ssl_context=config.server_ssl(), print=None)
+    # handler_cancellation: a long poll whose agent hung up stops at once.
+    web.run_app(make_app(config), host=host, port=int(port), ssl_context=config.server_ssl(), print=None, handler_cancellation=True)

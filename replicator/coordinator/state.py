@@ -1,5 +1,17 @@
 """The coordinator's soft state: rebuilt from node reports, so a coordinator restart loses nothing.
 
+Kept incrementally, so that its cost follows what changes rather than the size of the cluster:
+
+- A report is compared with the node's previous one. Only the pods, claims and listings that changed
+  touch the job's indices (``JobState.pods``, ``claims``, ``listings``); an unchanged heartbeat only
+  refreshes the node's ``last_seen``.
+- A job's decisions (incarnation, owner checksums, data-parallel identity, safe step, retention,
+  backup schedule, replica targets, backup lister) are recomputed in a *decision pass* only when
+  something of the job changed, at most every ``decide_interval(nodes)`` seconds (a 10,000-node job
+  is decided about once a second, a small one at once), plus every ``_RECHECK_SECONDS`` for the rules
+  that depend on time alone.
+- A reply is assembled from those cached decisions and the reporting node's own claims.
+
 No I/O here; ``replicator.coordinator.service`` serves it over HTTP.
 """
 
@@ -8,15 +20,17 @@ import logging
 import re
 import uuid
 
+import msgspec
 from prometheus_client import Counter
 
-from replicator import orbax_protocol
 from replicator.coordinator import planner
 from replicator.messages import (
     Assignment,
+    BackedUp,
     BackupOrder,
+    Files,
+    JobRef,
     JobSettings,
-    HeldStep,
     NodeReport,
     PodReport,
     ReplicateOrder,
@@ -32,6 +46,7 @@ log = logging.getLogger(__name__)
 UNTRUSTED_CLAIMS = Counter("mtc_coordinator_untrusted_claims_total", "Held-step claims ignored: from a node never assigned the rank nor ordered to hold it")
 
 JobKey = tuple[str, str]
+Claim = tuple[JobKey, int, int, bool]  # (job, step, rank, replica)
 _JOBSET_SUFFIX = re.compile(r"-[a-z0-9]+$")
 # Tiers whose restore path exists in this release; the planner already knows the others.
 USABLE_TIERS = frozenset(planner.Tier)
@@ -39,15 +54,41 @@ BACKUP_HOLDER = "backup"
 _BACKUP_GIVE_UP_SECONDS = 600.0  # a chosen backup step that never completes is chosen anew
 # How long a restore waits for the nodes' first listing of the backup tier before planning without it.
 _BACKUP_LISTING_GRACE_SECONDS = 60.0
+# Heartbeats: the coordinator budgets this many unchanged reports a second for the whole cluster,
+# so the interval grows with the node count (1 s up to 1,000 nodes, 10 s at 10,000). Changes are
+# reported at once whatever the interval.
+HEARTBEATS_PER_SECOND = 1_000.0
+MIN_HEARTBEAT_SECONDS = 1.0
+MAX_HEARTBEAT_SECONDS = 10.0
+# A node is silent after missing this many heartbeats (or after --node-timeout, if longer).
+_MISSED_HEARTBEATS = 3
+# A decision pass costs about the job's size: a job up to this size is decided on every change...
+_DECIDED_AT_ONCE_NODES = 256
+# ...a larger one at most every (nodes x this) seconds, capped.
+_DECIDE_SECONDS_PER_NODE = 1 / 4_000
+_MAX_DECIDE_INTERVAL_SECONDS = 1.0
+# ...and at least this often, for rules driven by time alone (backup-interval-minutes, grace periods).
+_RECHECK_SECONDS = 5.0
+
+
+def decide_interval(nodes: int) -> float:
+    """The shortest time between two decision passes of a job of ``nodes`` nodes, seconds."""
+    return 0.0 if nodes <= _DECIDED_AT_ONCE_NODES else min(_MAX_DECIDE_INTERVAL_SECONDS, nodes * _DECIDE_SECONDS_PER_NODE)
 
 
 @dataclasses.dataclass
 class NodeState:
-    """The last report of a node, and whether it has fallen silent since."""
+    """The last report of a node (its held steps without their checksums), its claims and liveness."""
 
     report: NodeReport
     last_seen: float
+    claims: frozenset[Claim] = frozenset()
     silent: bool = False
+
+    def job_keys(self) -> set[JobKey]:
+        return {(p.namespace, p.job) for p in self.report.pods} | {c[0] for c in self.claims} | {
+            (b.namespace, b.job) for b in self.report.backed_up
+        }
 
 
 @dataclasses.dataclass
@@ -76,15 +117,18 @@ class Incarnation:
     excluded: set[tuple[int, int, str]] = dataclasses.field(default_factory=set)
     used_sources: dict[int, str] = dataclasses.field(default_factory=dict)
 
+    def __post_init__(self):
+        self.pod_of_rank0 = next(uid for uid, rank in self.rank_of_pod.items() if rank == 0)
+
 
 @dataclasses.dataclass
 class JobState:
-    """A job's incarnation, settings, and the data-parallel identities established so far.
+    """A job's incarnation, settings, indices of what its nodes report, and its cached decisions.
 
     Attributes:
       retired_pods: pods of incarnations that ended; they never join another one.
       identical: step -> rank pairs found to hold the same data; kept after a rank's copy is lost,
-        which is exactly when it is needed.
+        which is exactly when it is needed. Decided once per (step, pair).
       backup_pending: the step being backed up now, or None.
       last_backup_time: unix seconds the last backup completed (for ``backup-interval-minutes``).
       forced_step: a step an operator asked the next restore to use (``mtc restore-from``).
@@ -94,6 +138,17 @@ class JobState:
         replicas of that rank.
       owner_files: (step, rank) -> the checksums the rank's own node reported: what every copy
         restored for that rank must match, whoever serves it.
+      pods: pod uid -> (its report, its node), for the pods published on every known node.
+      claims: (step, rank) -> {node: replica?}: every copy some node says it holds, believed or not.
+      pending: (step, rank, node) -> (checksums, signature) a node reported for its own data, until
+        the node is believed for the rank (then they become ``owner_files`` and ``signatures``).
+      signatures: (step, rank) -> the believed owner's logical signature of the step.
+      unpaired: (step, rank) signatures not yet matched with every data-parallel peer.
+      listings: node -> its last listing of the job's backups.
+      dirty: something changed since the last decision pass.
+      decided_at: unix seconds of the last decision pass.
+      version: bumped whenever assignments or restore views may have changed (long polls wake).
+      safe, retain, targets, lister: the cached decisions (see ``ClusterState``).
     """
 
     incarnation: Incarnation | None = None
@@ -106,7 +161,20 @@ class JobState:
     forced_step: int | None = None
     rank_nodes: dict[int, set[str]] = dataclasses.field(default_factory=dict)
     ordered: set[tuple[int, str]] = dataclasses.field(default_factory=set)
-    owner_files: dict[tuple[int, int], dict[str, tuple[int, str]]] = dataclasses.field(default_factory=dict)
+    owner_files: dict[tuple[int, int], Files] = dataclasses.field(default_factory=dict)
+    pods: dict[str, tuple[PodReport, str]] = dataclasses.field(default_factory=dict)
+    claims: dict[tuple[int, int], dict[str, bool]] = dataclasses.field(default_factory=dict)
+    pending: dict[tuple[int, int, str], tuple[Files | None, str | None]] = dataclasses.field(default_factory=dict)
+    signatures: dict[tuple[int, int], str] = dataclasses.field(default_factory=dict)
+    unpaired: set[tuple[int, int]] = dataclasses.field(default_factory=set)
+    listings: dict[str, BackedUp] = dataclasses.field(default_factory=dict)
+    dirty: bool = True
+    decided_at: float = float("-inf")
+    version: int = 0
+    safe: int | None = None
+    retain: RetainOrder | None = None
+    targets: dict[int, list[str]] = dataclasses.field(default_factory=dict)
+    lister: str | None = None
 
 
 class NodeIdTaken(Exception):
@@ -124,72 +192,53 @@ class NotReady(Exception):
 class ClusterState:
     """Nodes, pods, held steps and job incarnations.
 
-    A silent node is not a lost pod: silence past ``node_timeout_seconds`` stops orders to the node
-    and its copies from counting toward safety (GC keeps more), but its pods stay in their
-    incarnation until they are unpublished or replaced, and its copies stay restore sources, after
-    the live ones, for ``holder_grace_seconds``: a frozen agent or a network blip costs no checkpoint.
+    A silent node is not a lost pod: silence past the node timeout stops orders to the node and its
+    copies from counting toward safety (GC keeps more), but its pods stay in their incarnation until
+    they are unpublished or replaced, and its copies stay restore sources, after the live ones, for
+    ``holder_grace_seconds``: a frozen agent or a network blip costs no checkpoint.
 
     Args:
-      node_timeout_seconds: a node silent this long is silent: no orders, not counted as safe.
+      node_timeout_seconds: a node silent this long (or three heartbeats, if longer) is silent: no
+        orders, not counted as safe.
       holder_grace_seconds: a silent node's data is given up (and the node forgotten once no
         incarnation holds its pods) after this long.
+
+    Attributes:
+      decisions: decision passes run so far (a cost counter: unchanged heartbeats add none).
+      identity_checks: data-parallel identity comparisons made so far (each (step, pair) once).
     """
 
     def __init__(self, node_timeout_seconds: float = 15.0, holder_grace_seconds: float = 60.0):
-        self.node_timeout_seconds = node_timeout_seconds
-        self.holder_grace_seconds = max(holder_grace_seconds, node_timeout_seconds)
+        self.configured_timeout_seconds = node_timeout_seconds
+        self.configured_grace_seconds = holder_grace_seconds
         self.nodes: dict[str, NodeState] = {}
         self.jobs: dict[JobKey, JobState] = {}
+        self.decisions = 0
+        self.identity_checks = 0
+        self.changed: set[JobKey] = set()  # jobs whose version moved since ``drain_changed``
+        self._live_count = 0
         self._warned_claims: set[tuple] = set()  # what was logged once: (node, job) claims, (job, step, rank) owners
-        self._now = 0.0
-        self._started = float("inf")  # time of the first report: before it nothing is known  # time of the report being applied
+        self._now = 0.0  # the time of the newest event applied
+        self._started = float("inf")  # time of the first report: before it nothing is known
 
-    # -- reports -------------------------------------------------------------------------------
+    # -- time and liveness ---------------------------------------------------------------------
 
-    def apply_report(self, report: NodeReport, now: float) -> ReportReply:
-        """Records a node's report; answers its pods' assignments and its replication and GC orders.
+    @property
+    def heartbeat_seconds(self) -> float:
+        """How often agents report when nothing changes: grows with the live node count."""
+        return min(MAX_HEARTBEAT_SECONDS, max(MIN_HEARTBEAT_SECONDS, self._live_count / HEARTBEATS_PER_SECOND))
 
-        Raises:
-          NodeIdTaken: a live node of that id reports from another URL.
-        """
-        self.expire(now)
-        bound = self.nodes.get(report.node_id)
-        if bound is not None and self.is_live(report.node_id) and bound.report.url != report.url:
-            raise NodeIdTaken(f"node id {report.node_id!r} is registered from {bound.report.url}, not {report.url}; "
-                              f"refused until it has been silent for {self.node_timeout_seconds:.0f} s")
-        self.nodes[report.node_id] = NodeState(report, now)
-        for pod in report.pods:
-            job = self.jobs.setdefault((pod.namespace, pod.job), JobState())
-            if pod.settings is not None and pod.rank is not None:
-                job.settings.setdefault(pod.rank, pod.settings)
-        keys = {(p.namespace, p.job) for p in report.pods} | {(h.namespace, h.job) for h in report.held}
-        for key in keys & set(self.jobs):
-            self._reconcile(key)
-            self._record_owner_files(key, report)
-        return ReportReply(
-            assignments=tuple(a for p in report.pods if (a := self.assignment(p)) is not None),
-            replicate=tuple(order for key in keys & set(self.jobs) for order in self._replicate_orders(key, report)),
-            retain=tuple(order for key in keys & set(self.jobs) if (order := self._retain_order(key)) is not None),
-            backup=tuple(order for key in keys & set(self.jobs) for order in self._backup_orders(key, report, now)),
-        )
+    @property
+    def node_timeout_seconds(self) -> float:
+        return max(self.configured_timeout_seconds, _MISSED_HEARTBEATS * self.heartbeat_seconds)
 
-    def expire(self, now: float) -> None:
-        """Marks nodes silent, and forgets those silent past the grace period whose pods no
-        incarnation holds (a lost node's pods leave their incarnation when they are replaced)."""
-        self._now = now
+    @property
+    def holder_grace_seconds(self) -> float:
+        return max(self.configured_grace_seconds, self.node_timeout_seconds)
+
+    def _advance(self, now: float) -> None:
+        self._now = max(self._now, now)
         self._started = min(self._started, now)
-        in_use = {n for job in self.jobs.values() if job.incarnation for n in job.incarnation.node_of_rank.values()}
-        for node_id, state in list(self.nodes.items()):
-            silence = now - state.last_seen
-            if silence > self.holder_grace_seconds and node_id not in in_use:
-                log.warning("node %s silent for %.0f s: forgetting it and its data", node_id, silence)
-                del self.nodes[node_id]
-            elif silence > self.node_timeout_seconds and not state.silent:
-                state.silent = True
-                log.warning("node %s silent for %.0f s: no orders to it; its pods stay in their incarnation and its "
-                            "copies stay restore sources for %.0f s", node_id, silence, self.holder_grace_seconds)  # fmt: skip
-        for key in list(self.jobs):
-            self._reconcile(key)
 
     def silence(self, node_id: str) -> float:
         """Seconds since the node last reported (infinite for an unknown node)."""
@@ -203,18 +252,198 @@ class ClusterState:
         """Whether the node's copies still count as restore sources (silent less than the grace)."""
         return self.silence(node_id) <= self.holder_grace_seconds
 
-    def _live_pods(self, key: JobKey) -> dict[str, tuple[PodReport, str]]:
-        """The job's published pods: on every node the coordinator knows, live or silent."""
-        return {
-            pod.pod_uid: (pod, node_id)
-            for node_id, state in self.nodes.items()
-            for pod in state.report.pods
-            if (pod.namespace, pod.job) == key
-        }
+    def expire(self, now: float) -> None:
+        """Marks nodes silent, and forgets those silent past the grace period whose pods no
+        incarnation holds (a lost node's pods leave their incarnation when they are replaced).
+        Every job of a node whose liveness changed is decided again."""
+        self._advance(now)
+        in_use = {n for job in self.jobs.values() if job.incarnation for n in job.incarnation.node_of_rank.values()}
+        live = 0
+        for node_id, state in list(self.nodes.items()):
+            silence = self._now - state.last_seen
+            if silence > self.holder_grace_seconds and node_id not in in_use:
+                log.warning("node %s silent for %.0f s: forgetting it and its data", node_id, silence)
+                self._absorb_changes(node_id, state, None)
+                del self.nodes[node_id]
+            elif silence > self.node_timeout_seconds and not state.silent:
+                state.silent = True
+                self._mark_dirty(state.job_keys())
+                log.warning("node %s silent for %.0f s: no orders to it; its pods stay in their incarnation and its "
+                            "copies stay restore sources for %.0f s", node_id, silence, self.holder_grace_seconds)  # fmt: skip
+            elif silence > self.holder_grace_seconds:
+                self._mark_dirty(state.job_keys())  # its data is given up: the job's plans and safety change
+            live += not state.silent
+        self._live_count = live
+
+    def tick(self, now: float) -> None:
+        """Expires nodes and runs every decision pass that is due; the service calls it about
+        four times a second."""
+        self.expire(now)
+        for key in list(self.jobs):
+            self._decide_if_due(key)
+
+    def drain_changed(self) -> set[JobKey]:
+        """The jobs whose assignments or restore views may have changed since the last call."""
+        changed, self.changed = self.changed, set()
+        return changed
+
+    # -- reports -------------------------------------------------------------------------------
+
+    def apply_report(self, report: NodeReport, now: float) -> ReportReply:
+        """Records a node's report; answers its pods' assignments and its standing orders.
+
+        Raises:
+          NodeIdTaken: a live node of that id reports from another URL.
+        """
+        self._advance(now)
+        bound = self.nodes.get(report.node_id)
+        if bound is not None and self.is_live(report.node_id) and bound.report.url != report.url:
+            raise NodeIdTaken(f"node id {report.node_id!r} is registered from {bound.report.url}, not {report.url}; "
+                              f"refused until it has been silent for {self.node_timeout_seconds:.0f} s")
+        if bound is None:
+            self._live_count += 1
+        elif bound.silent:
+            self._live_count += 1
+            self._mark_dirty(bound.job_keys())  # back from silence: its copies count again, orders resume
+        want_files = self._absorb_changes(report.node_id, bound, report)
+        self.touch(report.node_id, now)
+        for key in self.nodes[report.node_id].job_keys():
+            self._decide_if_due(key)
+        return self.reply_for(report.node_id, want_files)
+
+    def touch(self, node_id: str, now: float) -> None:
+        """The node is alive at ``now`` (its long-poll request is still open)."""
+        self._advance(now)
+        if (state := self.nodes.get(node_id)) is not None:
+            state.last_seen, state.silent = now, False
+
+    def _absorb_changes(self, node_id: str, bound: NodeState | None, report: NodeReport | None) -> bool:
+        """Updates the job indices with what changed between the node's last report and ``report``
+        (None: the node is forgotten). Returns whether the coordinator lacks checksums the report
+        left out (``want_files``)."""
+        old_pods = {p.pod_uid: p for p in bound.report.pods} if bound else {}
+        new_pods = {p.pod_uid: p for p in report.pods} if report else {}
+        for uid, pod in old_pods.items():
+            job = self.jobs.get((pod.namespace, pod.job))
+            if uid not in new_pods and job is not None and job.pods.get(uid, (None, None))[1] == node_id:
+                del job.pods[uid]
+                self._mark_dirty({(pod.namespace, pod.job)})
+        for uid, pod in new_pods.items():
+            if old_pods.get(uid) != pod:
+                key = (pod.namespace, pod.job)
+                job = self.jobs.setdefault(key, JobState())
+                job.pods[uid] = (pod, node_id)
+                if pod.settings is not None and pod.rank is not None and pod.rank not in job.settings:
+                    job.settings[pod.rank] = pod.settings
+                self._mark_dirty({key})
+        old_claims = bound.claims if bound else frozenset()
+        held = report.held if report else ()
+        # Claims about a job no pod ever published are looked at again in the next report.
+        held = tuple(h for h in held if (h.namespace, h.job) in self.jobs)
+        new_claims = frozenset(((h.namespace, h.job), h.step, h.rank, h.replica) for h in held)
+        for key, step, rank, replica in old_claims - new_claims:
+            job = self.jobs.get(key)
+            if job is None:
+                continue
+            holders = job.claims.get((step, rank), {})
+            if holders.pop(node_id, None) is not None and not holders:
+                del job.claims[(step, rank)]
+            job.pending.pop((step, rank, node_id), None)
+            self._mark_dirty({key})
+        want_files = False
+        for h in held:
+            key = (h.namespace, h.job)
+            job = self.jobs[key]
+            claim = (key, h.step, h.rank, h.replica)
+            if claim not in old_claims:
+                job.claims.setdefault((h.step, h.rank), {})[node_id] = h.replica
+                self._mark_dirty({key})
+                if job.incarnation is not None and not self._believed(job, node_id, h.rank, h.replica):
+                    self._warn_untrusted(key, node_id, h.step, h.rank, h.replica)
+            if h.replica:
+                continue
+            pending = job.pending.get((h.step, h.rank, node_id))
+            if h.files is not None or h.signature is not None:
+                if pending is None or (pending[0] is None and h.files is not None):
+                    job.pending[(h.step, h.rank, node_id)] = (h.files, h.signature)
+                    self._mark_dirty({key})
+            elif (h.step, h.rank) not in job.owner_files and (pending is None or pending[0] is None):
+                want_files = True
+        if report is not None:
+            old_listings = {(b.namespace, b.job): b for b in bound.report.backed_up} if bound else {}
+            for listing in report.backed_up:
+                key = (listing.namespace, listing.job)
+                if old_listings.get(key) != listing and key in self.jobs:
+                    self.jobs[key].listings[node_id] = listing
+                    self._mark_dirty({key})
+            stripped = tuple(msgspec.structs.replace(h, files=None) if h.files is not None else h for h in report.held)
+            self.nodes[node_id] = NodeState(msgspec.structs.replace(report, held=stripped), bound.last_seen if bound else self._now, new_claims)
+        elif bound is not None:
+            for key in bound.job_keys():
+                if (job := self.jobs.get(key)) is not None and job.listings.pop(node_id, None) is not None:
+                    self._mark_dirty({key})
+        return want_files
+
+    def _mark_dirty(self, keys) -> None:
+        for key in keys:
+            if (job := self.jobs.get(key)) is not None:
+                job.dirty = True
+
+    def _bump(self, key: JobKey) -> None:
+        self.jobs[key].version += 1
+        self.changed.add(key)
+
+    def _warn_untrusted(self, key: JobKey, node_id: str, step: int, rank: int, replica: bool) -> None:
+        UNTRUSTED_CLAIMS.inc()
+        if (node_id, key) not in self._warned_claims:
+            self._warned_claims.add((node_id, key))
+            log.warning("job %s/%s: ignoring node %s's claim to hold %s of rank %d step %d: not assigned or ordered",
+                        *key, node_id, "a replica" if replica else "the data", rank, step)  # fmt: skip
+
+    def reply_for(self, node_id: str, want_files: bool = False) -> ReportReply:
+        """The node's assignments and standing orders, from the cached decisions."""
+        state = self.nodes[node_id]
+        keys = [key for key in state.job_keys() if key in self.jobs]
+        return ReportReply(
+            assignments=tuple(a for p in state.report.pods if (a := self.assignment(p)) is not None),
+            replicate=tuple(order for key in keys for order in self._replicate_orders(key, state)),
+            retain=tuple(job.retain for key in keys if (job := self.jobs[key]).retain is not None),
+            backup=tuple(order for key in keys for order in self._backup_orders(key, state)),
+            heartbeat_seconds=self.heartbeat_seconds,
+            want_files=want_files,
+            list_backups=tuple(JobRef(*key) for key in keys if self.jobs[key].lister == node_id),
+        )
+
+    # -- decision passes -----------------------------------------------------------------------
+
+    def _decide_if_due(self, key: JobKey) -> None:
+        job = self.jobs[key]
+        since = self._now - job.decided_at
+        if (job.dirty or since >= _RECHECK_SECONDS) and since >= decide_interval(self._nodes_of(key)):
+            self.decide(key)
+
+    def decide(self, key: JobKey) -> None:
+        """One decision pass of the job: everything that depends on more than one report."""
+        job = self.jobs[key]
+        self.decisions += 1
+        job.dirty, job.decided_at = False, self._now
+        self._reconcile(key)
+        self._promote_owner_reports(key)
+        self._forget_gone_steps(key)
+        if job.incarnation is not None:
+            job.targets = planner.replica_targets(job.incarnation.node_of_rank, self._blocks(job.incarnation.node_of_rank.values()),
+                                                  self._replicas_wanted(job))  # fmt: skip
+            if job.settings and self._data_parallelism(key) == 1:
+                job.ordered.update((rank, node) for rank, nodes in job.targets.items() for node in nodes)
+        job.safe = self._safe_step(key)
+        job.retain = self._retain_order(key)
+        if job.incarnation is not None and job.settings:
+            self._advance_backup(key)
+        job.lister = self._choose_lister(key)
 
     def _reconcile(self, key: JobKey) -> None:
         job = self.jobs[key]
-        live = self._live_pods(key)
+        live = job.pods
         job.retired_pods &= set(live)  # a pod uid never comes back once its pod is gone
         current = job.incarnation
         if current is not None:
@@ -226,77 +455,112 @@ class ClusterState:
                      "a pod was unpublished" if unpublished else "a new pod replaces one of it")  # fmt: skip
             job.retired_pods.update(current.rank_of_pod)
             job.incarnation = None
+            self._bump(key)
         if live:
-            job.incarnation = self._adopt(key, live) or self._assign(key, live)
+            job.incarnation = self._adopt(key) or self._assign(key)
             if job.incarnation is not None:
                 for rank, node in job.incarnation.node_of_rank.items():
                     job.rank_nodes.setdefault(rank, set()).add(node)
-                log.info("job %s/%s: incarnation %s ranks %s", *key, job.incarnation.incarnation_id, job.incarnation.node_of_rank)
+                self._bump(key)
+                log.info("job %s/%s: incarnation %s of %d ranks", *key, job.incarnation.incarnation_id, len(job.incarnation.node_of_rank))
 
-    def _adopt(self, key: JobKey, live: dict[str, tuple[PodReport, str]]) -> Incarnation | None:
+    def _adopt(self, key: JobKey) -> Incarnation | None:
         """After a coordinator restart: the incarnation all of whose pods still report it."""
+        job = self.jobs[key]
         by_id: dict[str, dict[str, int]] = {}
-        for uid, (pod, _) in live.items():
-            if pod.incarnation is not None and pod.rank is not None and uid not in self.jobs[key].retired_pods:
+        for uid, (pod, _) in job.pods.items():
+            if pod.incarnation is not None and pod.rank is not None and uid not in job.retired_pods:
                 by_id.setdefault(pod.incarnation, {})[uid] = pod.rank
         for incarnation_id, ranks in by_id.items():
-            nodes = live[next(iter(ranks))][0].nodes
+            nodes = job.pods[next(iter(ranks))][0].nodes
             if sorted(ranks.values()) == list(range(nodes)):
-                return Incarnation(incarnation_id, ranks, {rank: live[uid][1] for uid, rank in ranks.items()}, self._now)
+                return Incarnation(incarnation_id, ranks, {rank: job.pods[uid][1] for uid, rank in ranks.items()}, self._now)
         return None
 
-    def _assign(self, key: JobKey, live: dict[str, tuple[PodReport, str]]) -> Incarnation | None:
+    def _assign(self, key: JobKey) -> Incarnation | None:
         """A new incarnation from pods that never belonged to one (their group is gone)."""
         job = self.jobs[key]
-        fresh = {uid: v for uid, v in live.items() if v[0].incarnation is None and uid not in job.retired_pods}
+        fresh = {uid: v for uid, v in job.pods.items() if v[0].incarnation is None and uid not in job.retired_pods}
         if not fresh:
             return None
         any_pod = next(iter(fresh.values()))[0]
+        if len(fresh) < any_pod.nodes:
+            return None
         slots = [planner.PodSlot(uid, node, p.slice_index, p.worker_index, p.published_at) for uid, (p, node) in fresh.items()]
         chosen = planner.select_pods(slots, any_pod.nodes)
         if chosen is None:
             return None
         ranks = planner.assign_ranks(chosen, any_pod.nodes, any_pod.slices, self._newest_held(key))
-        return Incarnation(uuid.uuid4().hex[:12], ranks, {rank: live[uid][1] for uid, rank in ranks.items()}, self._now)
+        return Incarnation(uuid.uuid4().hex[:12], ranks, {rank: fresh[uid][1] for uid, rank in ranks.items()}, self._now)
 
     def _newest_held(self, key: JobKey) -> dict[str, dict[int, int]]:
         newest: dict[str, dict[int, int]] = {}
-        for node_id, state in self.nodes.items():
-            for held in state.report.held:
+        for (step, rank), holders in self.jobs[key].claims.items():
+            for node_id, replica in holders.items():
                 # Own data only: a node holding a replica of another rank keeps its own rank.
-                if (held.namespace, held.job) == key and not held.replica:
+                if not replica:
                     ranks = newest.setdefault(node_id, {})
-                    ranks[held.rank] = max(ranks.get(held.rank, -1), held.step)
+                    ranks[rank] = max(ranks.get(rank, -1), step)
         return newest
 
-    def _believed(self, key: JobKey, node_id: str, held: HeldStep) -> bool:
+    @staticmethod
+    def _believed(job: JobState, node_id: str, rank: int, replica: bool) -> bool:
         """Whether a node's claim to hold a copy counts: its own data of a rank the coordinator
         assigned it, or a replica the coordinator ordered it to hold. Anything else (an invented
         node, a rank it never had) can neither make other nodes delete data nor serve a restore."""
-        job = self.jobs.get(key)
-        if job is None:
-            return False
-        if held.replica:
-            return (held.rank, node_id) in job.ordered
-        return node_id in job.rank_nodes.get(held.rank, ())
+        if replica:
+            return (rank, node_id) in job.ordered
+        return node_id in job.rank_nodes.get(rank, ())
 
-    def _record_owner_files(self, key: JobKey, report: NodeReport) -> None:
+    def _promote_owner_reports(self, key: JobKey) -> None:
+        """Owner checksums and signatures reported by nodes now believed for the rank become the
+        job's; identity is checked for each new signature against its peers' (once per pair)."""
         job = self.jobs[key]
-        for held in report.held:
-            if (held.namespace, held.job) != key:
+        for (step, rank, node_id), (files, signature) in list(job.pending.items()):
+            if not self._believed(job, node_id, rank, False):
                 continue
-            if not self._believed(key, report.node_id, held):
-                UNTRUSTED_CLAIMS.inc()
-                if (report.node_id, key) in self._warned_claims:
+            if files is not None:
+                job.owner_files.setdefault((step, rank), files)
+            if signature is not None and (step, rank) not in job.signatures:
+                job.signatures[(step, rank)] = signature
+                job.unpaired.add((step, rank))
+            if files is not None or (step, rank) in job.owner_files:
+                del job.pending[(step, rank, node_id)]
+        if self._data_parallelism(key) < 2 or not job.unpaired:
+            return
+        peers = self._peers(job)
+        for step, rank in list(job.unpaired):
+            pairs = job.identical.setdefault(step, set())
+            for other in peers.get(rank, ()):
+                if (rank, other) in pairs or (step, other) not in job.signatures:
                     continue
-                self._warned_claims.add((report.node_id, key))
-                log.warning("job %s/%s: ignoring node %s's claim to hold %s of rank %d step %d: not assigned or ordered",
-                            *key, report.node_id, "a replica" if held.replica else "the data", held.rank, held.step)  # fmt: skip
-            elif not held.replica:
-                job.owner_files.setdefault((held.step, held.rank), held.files)
-        steps = {c.step for c in self.copies(key, with_backups=False)} | self.backed_up(key)
-        for step, rank in [k for k in job.owner_files if k[0] not in steps]:
-            del job.owner_files[(step, rank)]
+                self.identity_checks += 1
+                if job.signatures[(step, other)] == job.signatures[(step, rank)]:
+                    pairs.update({(rank, other), (other, rank)})
+            if not pairs:
+                del job.identical[step]
+            if all((rank, other) in pairs or (step, other) in job.signatures for other in peers.get(rank, ())):
+                job.unpaired.discard((step, rank))  # every peer's signature was compared: decided
+
+    @staticmethod
+    def _peers(job: JobState) -> dict[int, set[int]]:
+        peers: dict[int, set[int]] = {}
+        for rank, settings in job.settings.items():
+            for peer in settings.peer_ranks:
+                peers.setdefault(rank, set()).add(peer)
+                peers.setdefault(peer, set()).add(rank)
+        return peers
+
+    def _forget_gone_steps(self, key: JobKey) -> None:
+        """Checksums, signatures and identities of steps no copy or backup holds any more."""
+        job = self.jobs[key]
+        steps = {step for step, _ in job.claims} | self.backed_up(key)
+        for table in (job.owner_files, job.signatures):
+            for step, rank in [k for k in table if k[0] not in steps]:
+                del table[(step, rank)]
+        job.unpaired = {k for k in job.unpaired if k[0] in steps}
+        for step in set(job.identical) - steps:
+            del job.identical[step]
 
     def copies(self, key: JobKey, with_backups: bool = True, live_only: bool = False) -> list[planner.StepCopy]:
         """Every believed copy of the job's steps and, optionally, complete backups.
@@ -305,32 +569,35 @@ class ClusterState:
           live_only: only copies on live nodes (what safety and GC may count on); by default also
             those of nodes silent for less than the grace period (restore sources).
         """
+        job = self.jobs.get(key)
+        if job is None:
+            return []
         counts = self.is_live if live_only else self._holds_data
         held = [
-            planner.StepCopy(h.step, h.rank, node_id)
-            for node_id, state in self.nodes.items() if counts(node_id)
-            for h in state.report.held
-            if (h.namespace, h.job) == key and self._believed(key, node_id, h)
+            planner.StepCopy(step, rank, node_id)
+            for (step, rank), holders in job.claims.items()
+            for node_id, replica in holders.items()
+            if counts(node_id) and self._believed(job, node_id, rank, replica)
         ]  # fmt: skip
+        if not with_backups:
+            return held
         nodes = self._nodes_of(key)
-        backups = [planner.StepCopy(step, rank, BACKUP_HOLDER, backup=True) for step in self.backed_up(key) for rank in range(nodes)]
-        return held + backups if with_backups else held
+        return held + [planner.StepCopy(step, rank, BACKUP_HOLDER, backup=True) for step in self.backed_up(key) for rank in range(nodes)]
 
     def _nodes_of(self, key: JobKey) -> int:
         job = self.jobs.get(key)
         if job and job.incarnation:
             return len(job.incarnation.node_of_rank)
-        pods = self._live_pods(key)
-        return next(iter(pods.values()))[0].nodes if pods else 0
+        return next(iter(job.pods.values()))[0].nodes if job and job.pods else 0
 
     def backed_up(self, key: JobKey) -> set[int]:
-        """Complete backups of the job, as the live nodes it ran on last listed them."""
+        """Complete backups of the job: the newest listing by a node the job ran on."""
         job = self.jobs.get(key)
-        members = set().union(*job.rank_nodes.values()) if job else set()
-        return {
-            step for node_id, s in self.nodes.items() if node_id in members
-            for b in s.report.backed_up if (b.namespace, b.job) == key for step in b.steps
-        }  # fmt: skip
+        if job is None:
+            return set()
+        members = set().union(*job.rank_nodes.values())
+        listings = [b for node_id, b in job.listings.items() if node_id in members and node_id in self.nodes]
+        return set(max(listings, key=lambda b: b.listed_at).steps) if listings else set()
 
     def _newest_complete(self, key: JobKey, with_backups: bool) -> int | None:
         nodes = self._nodes_of(key)
@@ -339,7 +606,82 @@ class ClusterState:
             ranks_of_step.setdefault(copy.step, set()).add(copy.rank)
         return max((step for step, ranks in ranks_of_step.items() if nodes and len(ranks) == nodes), default=None)
 
-    def _backup_orders(self, key: JobKey, report: NodeReport, now: float) -> list[BackupOrder]:
+    def _blocks(self, node_ids) -> dict[str, str]:
+        return {n: self.nodes[n].report.topology.get("block", "") for n in node_ids if n in self.nodes}
+
+    def _replicas_wanted(self, job: JobState) -> int:
+        reports = [self.nodes[n].report for n in job.incarnation.node_of_rank.values() if n in self.nodes]
+        return min((r.replicas for r in reports), default=1)
+
+    def _replicate_orders(self, key: JobKey, state: NodeState) -> list[ReplicateOrder]:
+        """For data parallelism 1: push this node's newest own step to its rank's replica targets."""
+        job = self.jobs[key]
+        incarnation = job.incarnation
+        if incarnation is None or not job.settings or self._data_parallelism(key) > 1:
+            return []
+        node_id = state.report.node_id
+        newest: dict[int, int] = {}
+        for claim_key, step, rank, replica in state.claims:
+            if claim_key == key and not replica and incarnation.node_of_rank.get(rank) == node_id:
+                newest[rank] = max(newest.get(rank, -1), step)
+        orders = []
+        for rank, step in newest.items():
+            holders = job.claims.get((step, rank), {})
+            missing = [t for t in job.targets.get(rank, ()) if t not in holders and self.is_live(t)]
+            if missing:
+                orders.append(ReplicateOrder(key[0], key[1], rank, step, tuple(Target(t, self.nodes[t].report.url) for t in missing)))
+        return orders
+
+    def safe_step(self, key: JobKey) -> int | None:
+        """The newest step complete for every rank whose every rank's data also exists elsewhere (as
+        of the last decision pass): on a DP peer established identical, or on the wanted number of
+        replicas. GC may delete anything older."""
+        return self.jobs[key].safe if key in self.jobs else None
+
+    def _safe_step(self, key: JobKey) -> int | None:
+        job = self.jobs[key]
+        incarnation = job.incarnation
+        if incarnation is None:
+            return None
+        nodes = len(incarnation.node_of_rank)
+        holders: dict[tuple[int, int], set[str]] = {}
+        for copy in self.copies(key, with_backups=False, live_only=True):  # a silent node's copy may be gone: GC keeps more
+            holders.setdefault((copy.step, copy.rank), set()).add(copy.holder)
+        live = sum(self.is_live(n) for n in set(incarnation.node_of_rank.values()))
+        wanted = min(1 + self._replicas_wanted(job), live)
+        data_parallel = self._data_parallelism(key) > 1
+        for step in sorted({step for step, _ in holders}, reverse=True):
+            if data_parallel:
+                covered = {a for a, _ in job.identical.get(step, ())}
+                if all((step, r) in holders for r in range(nodes)) and covered >= set(range(nodes)):
+                    return step
+            elif all(len(holders.get((step, r), ())) >= wanted for r in range(nodes)):
+                return step
+        return None
+
+    def _retain_order(self, key: JobKey) -> RetainOrder | None:
+        job = self.jobs[key]
+        if job.safe is None:
+            return None
+        incarnation = job.incarnation
+        protected = {job.backup_pending} if job.backup_pending is not None else set()
+        if incarnation and incarnation.plan and incarnation.plan.step is not None:
+            protected.add(incarnation.plan.step)
+        return RetainOrder(key[0], key[1], job.safe, tuple(sorted(protected)))
+
+    def _choose_lister(self, key: JobKey) -> str | None:
+        """The one node that lists the job's backups: rank 0's node if it can, else the lowest
+        rank's live node with a backup tier, else any live node with the job's pods."""
+        job = self.jobs[key]
+        if job.incarnation is not None:
+            candidates = [job.incarnation.node_of_rank[r] for r in sorted(job.incarnation.node_of_rank)]
+        else:
+            candidates = sorted({node for _, node in job.pods.values()})
+        if job.lister in candidates and self.is_live(job.lister) and self.nodes[job.lister].report.has_backup:
+            return job.lister  # stable while it can: a new lister lists again
+        return next((n for n in candidates if n in self.nodes and self.is_live(n) and self.nodes[n].report.has_backup), None)
+
+    def _backup_orders(self, key: JobKey, state: NodeState) -> list[BackupOrder]:
         """Uploads of the step being backed up for the ranks whose own data this node holds.
 
         In a data-parallel group one member (rotating with the step, to spread the load) uploads;
@@ -347,29 +689,26 @@ class ClusterState:
         """
         job = self.jobs[key]
         incarnation = job.incarnation
-        if incarnation is None or not job.settings:
-            return []
-        self._advance_backup(key, now)
         step = job.backup_pending
-        if step is None:
+        if incarnation is None or step is None:
             return []
-        identical = self.identical(key).get(step, frozenset())
+        node_id = state.report.node_id
+        identical = job.identical.get(step, frozenset())
         protected = (incarnation.plan.step,) if incarnation.plan and incarnation.plan.step is not None else ()
         orders = []
-        for held in report.held:
-            if (held.namespace, held.job) != key or held.replica or held.step != step:
+        for claim_key, held_step, rank, replica in state.claims:
+            if claim_key != key or replica or held_step != step or incarnation.node_of_rank.get(rank) != node_id:
                 continue
-            if incarnation.node_of_rank.get(held.rank) != report.node_id:
-                continue
-            group = sorted({held.rank} | {other for first, other in identical if first == held.rank})
+            group = sorted({rank} | {other for first, other in identical if first == rank})
             leader = group[step % len(group)]
-            orders.append(BackupOrder(key[0], key[1], step, held.rank, incarnation.incarnation_id,
-                                      len(incarnation.node_of_rank), None if leader == held.rank else leader, protected))  # fmt: skip
+            orders.append(BackupOrder(key[0], key[1], step, rank, incarnation.incarnation_id, len(incarnation.node_of_rank),
+                                      None if leader == rank else leader, protected))  # fmt: skip
         return orders
 
-    def _advance_backup(self, key: JobKey, now: float) -> None:
+    def _advance_backup(self, key: JobKey) -> None:
         """Finishes the pending backup once listed complete; starts the next one when it is due."""
         job = self.jobs[key]
+        now = self._now
         backed = self.backed_up(key)
         if job.backup_pending is not None:
             if job.backup_pending in backed:
@@ -399,98 +738,25 @@ class ClusterState:
         """Step -> pairs of data-parallel peer ranks established to hold the same data at that step.
 
         Identity rests on the job's ``assume-data-parallelism`` promise plus evidence: both ranks
-        committed the step, and its structural metadata checksums (``logical_signature``) match.
-        No data moves to establish it. Once established it is recorded until no copy of the step
-        is left.
+        committed the step, and their owners' logical signatures (``orbax_protocol.logical_signature``,
+        computed by the agents) are equal. No data moves to establish it. Once established it is
+        recorded until no copy of the step is left.
         """
         job = self.jobs[key]
         if self._data_parallelism(key) < 2:
             return {}
-        peers = {(rank, peer) for rank, settings in job.settings.items() for peer in settings.peer_ranks}
-        peers |= {(b, a) for a, b in peers}
-        signatures: dict[tuple[int, int], frozenset] = {}
-        for state in self.nodes.values():
-            for held in state.report.held:
-                if (held.namespace, held.job) == key:
-                    signatures[(held.step, held.rank)] = orbax_protocol.logical_signature(held.files)
-        for (step, rank), signature in signatures.items():
-            for first, other in peers:
-                if first == rank and signature and signatures.get((step, other)) == signature:
-                    job.identical.setdefault(step, set()).add((first, other))
-        for step in set(job.identical) - {step for step, _ in signatures}:
-            del job.identical[step]
         return {step: frozenset(found) for step, found in job.identical.items()}
-
-    def _blocks(self) -> dict[str, str]:
-        return {n: s.report.topology.get("block", "") for n, s in self.nodes.items()}
-
-    def _replicate_orders(self, key: JobKey, report: NodeReport) -> list[ReplicateOrder]:
-        """For data parallelism 1: push this node's newest own step to its rank's replica targets."""
-        job = self.jobs[key]
-        incarnation = job.incarnation
-        if incarnation is None or not job.settings or self._data_parallelism(key) > 1:
-            return []
-        targets = planner.replica_targets(incarnation.node_of_rank, self._blocks(), report.replicas)
-        job.ordered.update((rank, node) for rank, nodes in targets.items() for node in nodes)
-        holders: dict[tuple[int, int], set[str]] = {}
-        for copy in self.copies(key):
-            holders.setdefault((copy.rank, copy.step), set()).add(copy.holder)
-        orders = []
-        for rank, node in incarnation.node_of_rank.items():
-            own = [h.step for h in report.held if (h.namespace, h.job) == key and h.rank == rank]
-            if node != report.node_id or not own:
-                continue
-            missing = [t for t in targets[rank] if t not in holders.get((rank, max(own)), set()) and self.is_live(t)]
-            if missing:
-                urls = tuple(Target(t, self.nodes[t].report.url) for t in missing)
-                orders.append(ReplicateOrder(key[0], key[1], rank, max(own), urls))
-        return orders
-
-    def safe_step(self, key: JobKey) -> int | None:
-        """The newest step complete for every rank whose every rank's data also exists elsewhere:
-        on a DP peer established identical, or on the wanted number of replicas. GC may delete
-        anything older."""
-        job = self.jobs[key]
-        incarnation = job.incarnation
-        if incarnation is None:
-            return None
-        nodes = len(incarnation.node_of_rank)
-        holders: dict[tuple[int, int], set[str]] = {}
-        for copy in self.copies(key, live_only=True):  # a silent node's copy may be gone: GC keeps more
-            holders.setdefault((copy.step, copy.rank), set()).add(copy.holder)
-        identical = self.identical(key)
-        live = [s for n, s in self.nodes.items() if self.is_live(n)]
-        wanted = 1 + min((s.report.replicas for s in live), default=1)
-        for step in sorted({step for step, _ in holders}, reverse=True):
-            if self._data_parallelism(key) > 1:
-                covered = {a for a, _ in identical.get(step, ())}
-                if all((step, r) in holders for r in range(nodes)) and covered >= set(range(nodes)):
-                    return step
-            elif all(len(holders.get((step, r), ())) >= min(wanted, len(live)) for r in range(nodes)):
-                return step
-        return None
-
-    def _retain_order(self, key: JobKey) -> RetainOrder | None:
-        safe = self.safe_step(key)
-        if safe is None:
-            return None
-        job = self.jobs[key]
-        incarnation = job.incarnation
-        protected = {job.backup_pending} if job.backup_pending is not None else set()
-        if incarnation and incarnation.plan and incarnation.plan.step is not None:
-            protected.add(incarnation.plan.step)
-        return RetainOrder(key[0], key[1], safe, tuple(sorted(protected)))
 
     # -- assignments and settings --------------------------------------------------------------
 
     def assignment(self, pod: PodReport) -> Assignment | None:
         """The pod's rank in the current incarnation, or None while it waits."""
-        incarnation = self.jobs[(pod.namespace, pod.job)].incarnation
+        job = self.jobs[(pod.namespace, pod.job)]
+        incarnation = job.incarnation
         if incarnation is None or pod.pod_uid not in incarnation.rank_of_pod:
             return None
         rank0_node = incarnation.node_of_rank[0]
-        rank0_pod = next(uid for uid, r in incarnation.rank_of_pod.items() if r == 0)
-        rank0 = self._live_pods((pod.namespace, pod.job))[rank0_pod][0]
+        rank0 = job.pods[incarnation.pod_of_rank0][0]
         address = self.nodes[rank0_node].report.pod_address or f"{_JOBSET_SUFFIX.sub('', rank0.pod_name)}.{rank0.subdomain}"
         return Assignment(pod.pod_uid, incarnation.incarnation_id, incarnation.rank_of_pod[pod.pod_uid], f"{address}:{rank0.jax_coordinator_port}")
 
@@ -508,7 +774,11 @@ class ClusterState:
           UnknownIncarnation: the incarnation or rank is not current.
         """
         self._incarnation(key, incarnation_id, rank)
-        self.jobs[key].settings[rank] = settings
+        job = self.jobs[key]
+        job.settings[rank] = settings
+        job.unpaired |= set(job.signatures)  # new peers: compare again what was not compared
+        job.dirty = True
+        self._decide_if_due(key)
 
     # -- restore -------------------------------------------------------------------------------
 
@@ -517,13 +787,14 @@ class ClusterState:
 
         Raises:
           UnknownIncarnation: the incarnation or rank is not current.
-          NotReady: nodes with a backup tier have not listed it yet (for up to 60 s): planning
-            without it could start a job from scratch that a backup would have resumed. Or the
-            coordinator started less than a node timeout ago: a holder that has not reported yet
-            would make the plan choose an older step.
+          NotReady: the job's nodes with a backup tier have not listed it yet (for up to 60 s):
+            planning without it could start a job from scratch that a backup would have resumed.
+            Or the coordinator started less than a node timeout ago: a holder that has not reported
+            yet would make the plan choose an older step.
         """
-        self.expire(now)
+        self._advance(now)
         incarnation = self._incarnation(key, incarnation_id, rank)
+        job = self.jobs[key]
         if incarnation.plan is None and now - self._started < self.node_timeout_seconds:
             raise NotReady(f"the coordinator started {now - self._started:.0f} s ago; waiting for every node's report")
         if incarnation.plan is not None and rank not in incarnation.staged and incarnation.plan.step is not None:
@@ -533,13 +804,11 @@ class ClusterState:
                             *key, rank, incarnation.plan.step)  # fmt: skip
                 self._replan(key, incarnation)
         if incarnation.plan is None:
-            unlisted = [
-                node for node in incarnation.node_of_rank.values()
-                if node in self.nodes and self.nodes[node].report.has_backup
-                and not any((b.namespace, b.job) == key for b in self.nodes[node].report.backed_up)
-            ]  # fmt: skip
-            if unlisted and now - incarnation.created_at < _BACKUP_LISTING_GRACE_SECONDS:
-                raise NotReady(f"waiting for {', '.join(sorted(unlisted))} to list the backup tier")
+            if job.dirty:
+                self.decide(key)  # plan on every report that has arrived
+            backup_nodes = [n for n in incarnation.node_of_rank.values() if n in self.nodes and self.nodes[n].report.has_backup]
+            if backup_nodes and not any(n in job.listings for n in backup_nodes) and now - incarnation.created_at < _BACKUP_LISTING_GRACE_SECONDS:
+                raise NotReady(f"waiting for {job.lister or 'a node with a backup tier'} to list the backup tier")
             self._replan(key, incarnation)
         plan = incarnation.plan
         # Live holders first; a silent one (within the grace period) is waited for only when needed.
@@ -549,8 +818,8 @@ class ClusterState:
             for s in planned
         )
         ready = plan.step is None or len(incarnation.staged) == len(incarnation.node_of_rank)
-        if ready and plan.step is not None and plan.step == self.jobs[key].forced_step:
-            self.jobs[key].forced_step = None  # done: later restores take the newest step again
+        if ready and plan.step is not None and plan.step == job.forced_step:
+            job.forced_step = None  # done: later restores take the newest step again
         return RestoreView(incarnation.generation, plan.step, sources, ready)
 
     def force_restore_step(self, key: JobKey, step: int) -> None:
@@ -560,25 +829,22 @@ class ClusterState:
           LookupError: no tier holds ``step`` complete for every rank.
         """
         nodes = self._nodes_of(key)
-        ranks = {c.rank for c in self.copies(key) if c.step == step} if key in self.jobs else set()
+        ranks = {c.rank for c in self.copies(key) if c.step == step}
         if not nodes or ranks != set(range(nodes)):
             raise LookupError(f"step {step} of {key[0]}/{key[1]} is not complete for every rank in any tier")
         self.jobs[key].forced_step = step
         log.warning("job %s/%s: the next restore will use step %d (operator request)", *key, step)
 
-    def _expected_files(self, key: JobKey, step: int, source: planner.Source) -> dict[str, tuple[int, str]] | None:
+    def _expected_files(self, key: JobKey, step: int, source: planner.Source) -> Files | None:
         """The checksums a copy from ``source`` must match: those the data rank's own node reported.
-        Only if the coordinator never saw them (it restarted after that node was lost) are they the
-        ones the holder reported here; never what the holder serves at fetch time."""
+        None when the coordinator never saw them (it restarted after that node was lost): the
+        fetching node then checks the holder's manifest."""
         owner = self.jobs[key].owner_files.get((step, source.data_rank))
-        if owner is not None or source.tier == planner.Tier.BACKUP:
-            return owner
-        if (key, step, source.data_rank) not in self._warned_claims:
+        if owner is None and source.tier != planner.Tier.BACKUP and (key, step, source.data_rank) not in self._warned_claims:
             self._warned_claims.add((key, step, source.data_rank))
-            log.warning("job %s/%s: owner checksums of rank %d step %d unknown; using %s's report", *key, source.data_rank, step, source.holder)
-        state = self.nodes.get(source.holder)
-        held = state.report.held if state else ()
-        return next((h.files for h in held if (h.namespace, h.job, h.step, h.rank) == (*key, step, source.data_rank)), None)
+            log.warning("job %s/%s: owner checksums of rank %d step %d unknown; %s's manifest will be checked", *key,
+                        source.data_rank, step, source.holder)  # fmt: skip
+        return owner
 
     def _url(self, holder: str) -> str | None:
         state = self.nodes.get(holder)
@@ -591,11 +857,14 @@ class ClusterState:
             if (c.step, c.rank, c.holder) not in incarnation.excluded and (forced is None or c.step == forced)
         ]  # fmt: skip
         incarnation.plan = planner.plan_restore(
-            len(incarnation.node_of_rank), incarnation.node_of_rank, copies, self._blocks(), USABLE_TIERS, self.identical(key)
-        )
+            len(incarnation.node_of_rank), incarnation.node_of_rank, copies, self._blocks({c.holder for c in copies} | set(incarnation.node_of_rank.values())),
+            USABLE_TIERS, self.identical(key),
+        )  # fmt: skip
         incarnation.generation = uuid.uuid4().hex[:12]
         incarnation.staged.clear()
         incarnation.used_sources.clear()
+        self.jobs[key].retain = self._retain_order(key)  # the planned step is protected from now on
+        self._bump(key)
         log.info("job %s/%s incarnation %s: restore step %s", *key, incarnation.incarnation_id, incarnation.plan.step)
 
     def report_staged(
@@ -620,6 +889,8 @@ class ClusterState:
         if source is not None:
             incarnation.staged.add(rank)
             incarnation.used_sources[rank] = source
+            if len(incarnation.staged) == len(incarnation.node_of_rank):
+                self._bump(key)  # every rank's view turns ready
         elif not retrying:
             self._replan(key, incarnation)
 
@@ -633,12 +904,11 @@ class ClusterState:
         """Jobs, their incarnation (rank -> node and pod), newest complete step, and held steps."""
         jobs = []
         for key, job in sorted(self.jobs.items()):
-            pods = self._live_pods(key)
             incarnation = job.incarnation
             ranks = []
             if incarnation:
                 for uid, rank in sorted(incarnation.rank_of_pod.items(), key=lambda item: item[1]):
-                    ranks.append({"rank": rank, "node": incarnation.node_of_rank[rank], "pod": pods[uid][0].pod_name})
+                    ranks.append({"rank": rank, "node": incarnation.node_of_rank[rank], "pod": job.pods[uid][0].pod_name})
             held: dict[int, dict[int, list[str]]] = {}
             for copy in self.copies(key):
                 held.setdefault(copy.rank, {}).setdefault(copy.step, []).append(copy.holder)
@@ -647,7 +917,7 @@ class ClusterState:
                 "namespace": key[0],
                 "job": key[1],
                 "incarnation": incarnation.incarnation_id if incarnation else None,
-                "waiting_pods": 0 if incarnation else len(pods),
+                "waiting_pods": 0 if incarnation else len(job.pods),
                 "ranks": ranks,
                 "newest_complete_step": self.newest_complete_step(key),
                 "restore": None if plan is None else {
@@ -660,7 +930,9 @@ class ClusterState:
                 "safe_step": self.safe_step(key),
                 "backups": sorted(self.backed_up(key)),
                 "backup_pending": job.backup_pending,
+                "backup_lister": job.lister,
                 "forced_step": job.forced_step,
             })  # fmt: skip
         return {"nodes": sorted(n for n in self.nodes if self.is_live(n)),
-                "silent_nodes": sorted(n for n in self.nodes if not self.is_live(n)), "jobs": jobs}
+                "silent_nodes": sorted(n for n in self.nodes if not self.is_live(n)), "jobs": jobs,
+                "heartbeat_seconds": self.heartbeat_seconds}  # fmt: skip
