@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import random
 import shutil
 import ssl
 import time
@@ -32,9 +31,7 @@ from replicator.bearer import auth_header
 from replicator.cpu_share import CpuShare
 from replicator.messages import (
     MAX_WAIT_SECONDS,
-    PROTOCOL_VERSION,
     Assignment,
-    HeldStep,
     JobSettings,
     NodeReport,
     PodReport,
@@ -46,6 +43,7 @@ from replicator.messages import (
     decode,
     to_json,
 )
+from replicator.report_session import ReportSession
 from replicator.step_manifest import StepManifest, UnusableCopy, build_manifest
 
 log = logging.getLogger(__name__)
@@ -174,12 +172,6 @@ def _differs_from_owner(manifest: StepManifest, source: Source) -> str | None:
     return None
 
 
-def _shape(report: NodeReport) -> tuple:
-    """What a report says, checksums aside: a report that says the same again is a heartbeat."""
-    held = tuple((h.namespace, h.job, h.step, h.rank, h.replica) for h in report.held)
-    return report.url, report.pods, held, report.backed_up, report.topology
-
-
 def current_pod(disk: Ramdisk):
     """The newest publication of the ramdisk: the job's pod on this node (one per node)."""
     return max(disk.publications.values(), key=lambda p: p.published_at).spec if disk.publications else None
@@ -218,16 +210,12 @@ class NodeReplicator:
         share: CpuShare | None = None,
     ):
         self.node_id = node_id
-        self._url = url
-        self._pod_address = pod_address
-        self._topology = topology
         self._manager = manager
         self._coordinator_url = coordinator_url
         self._peer_token = peer_token
         self._peer_ssl = peer_ssl
         self._coordinator_ssl = coordinator_ssl
         self._share = share
-        self._replicas = replicas
         self._session: aiohttp.ClientSession | None = None
         self._pushes: dict[tuple, asyncio.Task] = {}
         self._pushed: dict[tuple, float] = {}  # push key -> when it succeeded
@@ -239,14 +227,7 @@ class NodeReplicator:
         )
         self._listing: asyncio.Task | None = None
         self._wake = asyncio.Event()
-        self._poked = True
-        # Change-driven reports: what the coordinator acknowledged, and when a heartbeat is due.
-        self._sent_files: set[tuple[str, str, int, int]] = set()  # own steps whose checksums it has
-        self._signatures: dict[tuple[str, str, int, int], str | None] = {}
-        self._acknowledged: tuple | None = None  # the shape of the last answered report
-        self._heartbeat_seconds = 1.0
-        self._next_heartbeat = 0.0
-        self._list_jobs: set[tuple[str, str]] = set()  # jobs whose backups this node lists
+        self._reporting = ReportSession(node_id, url, pod_address, topology, replicas, backup_store is not None)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._workers: dict[tuple[str, str], asyncio.Task] = {}
         self._last_error: dict[str, float] = {}
@@ -259,7 +240,7 @@ class NodeReplicator:
             self._loop.call_soon_threadsafe(self._poke_now)
 
     def _poke_now(self) -> None:
-        self._poked = True
+        self._reporting.poked = True
         self._wake.set()
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -303,7 +284,7 @@ class NodeReplicator:
         if self._backup and (self._listing is None or self._listing.done()):
             # In the background: a store outage must not hold up reports and restores. Only the
             # jobs the coordinator made this node the lister of (one node per job).
-            listed = {k: d.path for k, d in disks.items() if k in self._list_jobs}
+            listed = {k: d.path for k, d in disks.items() if k in self._reporting.list_backups}
             self._listing = asyncio.create_task(self._backup.refresh(listed))
         await self._report(client, disks)
         self._sync_workers(client, disks)
@@ -319,10 +300,10 @@ class NodeReplicator:
     async def _report(self, client: CoordinatorClient, disks: dict) -> None:
         """Sends a report when something changed, when poked, or when a heartbeat is due."""
         report = await asyncio.to_thread(self._build_report, disks)
-        shape = _shape(report)
-        if not self._poked and shape == self._acknowledged and time.monotonic() < self._next_heartbeat:
+        reporting = self._reporting
+        if not reporting.due(report, time.monotonic()):
             return
-        self._poked = False
+        reporting.poked = False
         started = time.monotonic()
         call = asyncio.ensure_future(client.report(report))
         if report.waiting:  # a long poll: give it up as soon as there is something new to say
@@ -331,7 +312,7 @@ class NodeReplicator:
             woken.cancel()
             if not call.done():
                 call.cancel()
-                self._poked = True
+                reporting.poked = True
                 return
         try:
             reply = await call
@@ -340,16 +321,9 @@ class NodeReplicator:
             return
         REPORT_SECONDS.observe(time.monotonic() - started)
         LAST_REPORT.set_to_current_time()
-        self._acknowledged = shape
-        self._heartbeat_seconds = reply.heartbeat_seconds
-        # Jittered, so that a cluster's agents do not report in lockstep.
-        self._next_heartbeat = time.monotonic() + reply.heartbeat_seconds * random.uniform(0.8, 1.0)
-        if reply.want_files:
-            self._sent_files.clear()
-            self._poked = True
-        else:
-            self._sent_files.update((h.namespace, h.job, h.step, h.rank) for h in report.held if h.files is not None)
-        self._list_jobs = {(j.namespace, j.job) for j in reply.list_backups}
+        reporting.acknowledge(report, reply, time.monotonic())
+        if reporting.poked:
+            self._wake.set()
         self._assignments = {a.pod_uid: a for a in reply.assignments}
         if self._peer_token is not None:
             for order in reply.replicate:
@@ -365,9 +339,8 @@ class NodeReplicator:
                 self._backup.start(disk.path, order)
 
     def _build_report(self, disks: dict) -> NodeReport:
-        """The node's report: its pods, and its held steps with checksums only for own steps the
-        coordinator has not acknowledged (replicas never carry them)."""
-        pods, held, waiting = [], [], False
+        """The node's report (see ``ReportSession.build``), from its ramdisks."""
+        pods, own, replicas, waiting = [], [], [], False
         for disk in disks.values():
             meta = JobMeta(disk.path)
             for publication in disk.publications.values():
@@ -382,21 +355,10 @@ class NodeReplicator:
                 ))  # fmt: skip
                 waiting |= progress.incarnation is None and spec.pod_uid not in self._assignments
             present = set(orbax_protocol.held_steps(disk.client_dir))
-            for step, manifest in meta.manifests().items():
-                if step in present:
-                    key = (disk.namespace, disk.job, step, manifest.rank)
-                    if key not in self._signatures:
-                        self._signatures[key] = orbax_protocol.logical_signature(manifest.files)
-                    files = None if key in self._sent_files else manifest.files
-                    held.append(HeldStep(disk.namespace, disk.job, step, manifest.rank, files, signature=self._signatures[key]))
-            for manifest in meta.replicas().values():
-                held.append(HeldStep(disk.namespace, disk.job, manifest.step, manifest.rank, replica=True))
-        own = {(h.namespace, h.job, h.step, h.rank) for h in held if not h.replica}
-        self._signatures = {k: v for k, v in self._signatures.items() if k in own}
-        self._sent_files &= own
-        backed_up = tuple(self._backup.listing.values()) if self._backup else ()
-        return NodeReport(self.node_id, self._url, self._pod_address, self._topology, tuple(pods), tuple(held), self._replicas,
-                          backed_up, self._backup is not None, protocol=PROTOCOL_VERSION, waiting=waiting)  # fmt: skip
+            own += [(disk.namespace, disk.job, step, m.rank, m.files) for step, m in meta.manifests().items() if step in present]
+            replicas += [(disk.namespace, disk.job, m.step, m.rank) for m in meta.replicas().values()]
+        backed_up = self._backup.listing.values() if self._backup else ()
+        return self._reporting.build(pods, own, replicas, backed_up, waiting)
 
     # -- replication and garbage collection ----------------------------------------------------
 

@@ -334,7 +334,8 @@ def _load_snapshot(app: web.Application) -> None:
         with open(path, encoding="utf-8") as f:
             for item in json.load(f):
                 job = app[_STATE_KEY].jobs.setdefault((item["namespace"], item["job"]), JobState())
-                job.settings.update({int(r): decode(s, JobSettings) for r, s in item["settings"].items()})
+                for rank, settings in item["settings"].items():
+                    job.add_settings(int(rank), decode(settings, JobSettings))
     except (OSError, ValueError, KeyError) as err:
         log.warning("ignoring unreadable state snapshot %s: %s", path, err)
 

@@ -175,6 +175,18 @@ class JobState:
     retain: RetainOrder | None = None
     targets: dict[int, list[str]] = dataclasses.field(default_factory=dict)
     lister: str | None = None
+    data_parallelism: int = 1
+    peers: dict[int, set[int]] = dataclasses.field(default_factory=dict)
+
+    def add_settings(self, rank: int, settings: JobSettings) -> None:
+        """Records a rank's settings; its data-parallel peers are peers both ways."""
+        self.settings[rank] = settings
+        self.data_parallelism = max(self.data_parallelism, settings.data_parallelism)
+        for peer in settings.peer_ranks:
+            self.peers.setdefault(rank, set()).add(peer)
+            self.peers.setdefault(peer, set()).add(rank)
+        self.unpaired |= set(self.signatures)  # new peers: compare again what was not compared
+        self.dirty = True
 
 
 class NodeIdTaken(Exception):
@@ -334,7 +346,7 @@ class ClusterState:
                 job = self.jobs.setdefault(key, JobState())
                 job.pods[uid] = (pod, node_id)
                 if pod.settings is not None and pod.rank is not None and pod.rank not in job.settings:
-                    job.settings[pod.rank] = pod.settings
+                    job.add_settings(pod.rank, pod.settings)
                 self._mark_dirty({key})
         old_claims = bound.claims if bound else frozenset()
         held = report.held if report else ()
@@ -363,11 +375,12 @@ class ClusterState:
             if h.replica:
                 continue
             pending = job.pending.get((h.step, h.rank, node_id))
-            if h.files is not None or h.signature is not None:
-                if pending is None or (pending[0] is None and h.files is not None):
-                    job.pending[(h.step, h.rank, node_id)] = (h.files, h.signature)
-                    self._mark_dirty({key})
-            elif (h.step, h.rank) not in job.owner_files and (pending is None or pending[0] is None):
+            adds = (h.files is not None and (h.step, h.rank) not in job.owner_files) or (
+                h.signature is not None and (h.step, h.rank) not in job.signatures)  # fmt: skip
+            if adds and (pending is None or (pending[0] is None and h.files is not None)):
+                job.pending[(h.step, h.rank, node_id)] = pending = (h.files, h.signature)
+                self._mark_dirty({key})
+            if h.files is None and (h.step, h.rank) not in job.owner_files and (pending is None or pending[0] is None):
                 want_files = True
         if report is not None:
             old_listings = {(b.namespace, b.job): b for b in bound.report.backed_up} if bound else {}
@@ -528,7 +541,7 @@ class ClusterState:
                 del job.pending[(step, rank, node_id)]
         if self._data_parallelism(key) < 2 or not job.unpaired:
             return
-        peers = self._peers(job)
+        peers = job.peers
         for step, rank in list(job.unpaired):
             pairs = job.identical.setdefault(step, set())
             for other in peers.get(rank, ()):
@@ -541,15 +554,6 @@ class ClusterState:
                 del job.identical[step]
             if all((rank, other) in pairs or (step, other) in job.signatures for other in peers.get(rank, ())):
                 job.unpaired.discard((step, rank))  # every peer's signature was compared: decided
-
-    @staticmethod
-    def _peers(job: JobState) -> dict[int, set[int]]:
-        peers: dict[int, set[int]] = {}
-        for rank, settings in job.settings.items():
-            for peer in settings.peer_ranks:
-                peers.setdefault(rank, set()).add(peer)
-                peers.setdefault(peer, set()).add(rank)
-        return peers
 
     def _forget_gone_steps(self, key: JobKey) -> None:
         """Checksums, signatures and identities of steps no copy or backup holds any more."""
@@ -699,7 +703,7 @@ class ClusterState:
         for claim_key, held_step, rank, replica in state.claims:
             if claim_key != key or replica or held_step != step or incarnation.node_of_rank.get(rank) != node_id:
                 continue
-            group = sorted({rank} | {other for first, other in identical if first == rank})
+            group = sorted({rank} | {other for other in job.peers.get(rank, ()) if (rank, other) in identical})
             leader = group[step % len(group)]
             orders.append(BackupOrder(key[0], key[1], step, rank, incarnation.incarnation_id, len(incarnation.node_of_rank),
                                       None if leader == rank else leader, protected))  # fmt: skip
@@ -732,7 +736,7 @@ class ClusterState:
             log.info("job %s/%s: backing up step %d", *key, newest)
 
     def _data_parallelism(self, key: JobKey) -> int:
-        return max((s.data_parallelism for s in self.jobs[key].settings.values()), default=1)
+        return self.jobs[key].data_parallelism
 
     def identical(self, key: JobKey) -> dict[int, frozenset[tuple[int, int]]]:
         """Step -> pairs of data-parallel peer ranks established to hold the same data at that step.
@@ -774,10 +778,7 @@ class ClusterState:
           UnknownIncarnation: the incarnation or rank is not current.
         """
         self._incarnation(key, incarnation_id, rank)
-        job = self.jobs[key]
-        job.settings[rank] = settings
-        job.unpaired |= set(job.signatures)  # new peers: compare again what was not compared
-        job.dirty = True
+        self.jobs[key].add_settings(rank, settings)
         self._decide_if_due(key)
 
     # -- restore -------------------------------------------------------------------------------

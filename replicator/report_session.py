@@ -1,0 +1,88 @@
+"""The node agent's side of change-driven reporting (protocol version 2).
+
+A ``ReportSession`` turns what the node holds into ``NodeReport`` messages and decides when one is
+worth sending:
+
+- at once when what the report says changed (a pod, a step, a backup listing) or when poked;
+- otherwise as a heartbeat, every ``heartbeat_seconds`` the coordinator set in its last reply,
+  jittered so that a cluster's agents do not report in lockstep;
+- a step's checksums go out until a coordinator acknowledged them, then never again unless a reply
+  asks (``want_files``: the coordinator restarted or forgot them). Replicas never carry them.
+
+No I/O: the node agent and the coordinator scale bench's simulated nodes share it.
+"""
+
+import random
+from collections.abc import Iterable
+
+from replicator import orbax_protocol
+from replicator.messages import PROTOCOL_VERSION, BackedUp, Files, HeldStep, NodeReport, PodReport, ReportReply
+
+StepKey = tuple[str, str, int, int]  # (namespace, job, step, rank)
+
+
+def report_shape(report: NodeReport) -> tuple:
+    """What a report says, checksums aside: a report that says the same again is a heartbeat."""
+    held = tuple((h.namespace, h.job, h.step, h.rank, h.replica) for h in report.held)
+    return report.url, report.pods, held, report.backed_up, report.topology
+
+
+class ReportSession:
+    """What the coordinator has acknowledged, and when the next heartbeat is due.
+
+    Args:
+      node_id, url, pod_address, topology, replicas, has_backup: what the node says about itself
+        (see ``NodeReport``).
+    """
+
+    def __init__(self, node_id: str, url: str, pod_address: str | None, topology: dict[str, str], replicas: int, has_backup: bool):
+        self._identity = (node_id, url, pod_address, topology)
+        self._replicas = replicas
+        self._has_backup = has_backup
+        self._sent_files: set[StepKey] = set()
+        self._signatures: dict[StepKey, str | None] = {}
+        self._acknowledged: tuple | None = None
+        self._next_heartbeat = float("-inf")
+        self.poked = True
+        self.heartbeat_seconds = 1.0
+        self.list_backups: set[tuple[str, str]] = set()
+
+    def build(self, pods: Iterable[PodReport], own: Iterable[tuple[str, str, int, int, Files]],
+              replicas: Iterable[StepKey], backed_up: Iterable[BackedUp], waiting: bool) -> NodeReport:  # fmt: skip
+        """The node's report.
+
+        Args:
+          pods: the pods published on the node.
+          own: (namespace, job, step, rank, checksums) of every committed step of the node's own data.
+          replicas: (namespace, job, step, rank) of every replica it holds.
+          backed_up: its latest listings of backup tiers.
+          waiting: a pod of the node waits for its assignment (the coordinator may hold the reply).
+        """
+        held = []
+        for namespace, job, step, rank, files in own:
+            key = (namespace, job, step, rank)
+            if key not in self._signatures:
+                self._signatures[key] = orbax_protocol.logical_signature(files)
+            held.append(HeldStep(namespace, job, step, rank, None if key in self._sent_files else files, signature=self._signatures[key]))
+        keys = {(h.namespace, h.job, h.step, h.rank) for h in held}
+        self._signatures = {k: v for k, v in self._signatures.items() if k in keys}
+        self._sent_files &= keys
+        held.extend(HeldStep(*key, replica=True) for key in replicas)
+        return NodeReport(*self._identity, tuple(pods), tuple(held), self._replicas, tuple(backed_up), self._has_backup,
+                          protocol=PROTOCOL_VERSION, waiting=waiting)  # fmt: skip
+
+    def due(self, report: NodeReport, now: float) -> bool:
+        """Whether ``report`` should be sent at ``now`` (monotonic seconds)."""
+        return self.poked or report_shape(report) != self._acknowledged or now >= self._next_heartbeat
+
+    def acknowledge(self, report: NodeReport, reply: ReportReply, now: float) -> None:
+        """Records the coordinator's answer to ``report``, received at ``now`` (monotonic seconds)."""
+        self.poked = reply.want_files
+        self._acknowledged = report_shape(report)
+        self.heartbeat_seconds = reply.heartbeat_seconds
+        self._next_heartbeat = now + reply.heartbeat_seconds * random.uniform(0.8, 1.0)
+        if reply.want_files:
+            self._sent_files.clear()
+        else:
+            self._sent_files.update((h.namespace, h.job, h.step, h.rank) for h in report.held if h.files is not None)
+        self.list_backups = {(j.namespace, j.job) for j in reply.list_backups}

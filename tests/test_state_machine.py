@@ -1,0 +1,153 @@
+"""The coordinator's state machine as pure functions of reports and time, at 10,000 nodes: stable
+assignments, orders exactly when due, no recomputation when nothing changed, identity decided once."""
+
+import pytest
+
+from replicator.coordinator.state import ClusterState, decide_interval
+from replicator.messages import PROTOCOL_VERSION, HeldStep, JobSettings, NodeReport, PodReport
+
+NODES = 10_000
+SLICES = 40
+KEY = ("default", "big")
+STEP_FILES = {"_CHECKPOINT_METADATA": (10, "00000001"), "state/_METADATA": (20, "00000002"), "state/d/a": (30, "00000003")}
+
+
+def pod(node: int, nodes: int, slices: int, incarnation=None, rank=None, settings=None) -> PodReport:
+    per_slice = nodes // slices
+    return PodReport(*KEY, f"big-{node // per_slice}-{node % per_slice}-x", f"uid-{node}", node // per_slice, node % per_slice, nodes,
+                     slices, 8476, "big", 0.0, incarnation, rank, settings)  # fmt: skip
+
+
+def report(node: int, pods=(), held=()) -> NodeReport:
+    return NodeReport(f"n{node}", f"http://n{node}", None, {"block": f"b{node // 250}"}, tuple(pods), tuple(held), protocol=PROTOCOL_VERSION)
+
+
+def own(step: int, rank: int, files=STEP_FILES, signature=None) -> HeldStep:
+    return HeldStep(*KEY, step, rank, files, signature=signature or f"sig-{step}")
+
+
+def form_job(state: ClusterState, nodes: int, slices: int, settings: JobSettings, now: float) -> dict[int, int]:
+    """Every node publishes its pod; returns node -> rank once the incarnation exists."""
+    for node in range(nodes):
+        state.apply_report(report(node, [pod(node, nodes, slices)]), now)
+    state.tick(now + decide_interval(nodes))
+    incarnation = state.jobs[KEY].incarnation
+    assert incarnation is not None
+    rank_of = {int(node[1:]): rank for rank, node in incarnation.node_of_rank.items()}
+    for node, rank in rank_of.items():
+        state.record_settings(KEY, incarnation.incarnation_id, rank, settings)
+    return rank_of
+
+
+def heartbeat_round(state, nodes, rank_of, held, now, with_files=False):
+    incarnation = state.jobs[KEY].incarnation.incarnation_id
+    settings = next(iter(state.jobs[KEY].settings.values()))
+    replies = {}
+    for node in range(nodes):
+        rank = rank_of[node]
+        steps = tuple(held(rank) if with_files else (h.__class__(*KEY, h.step, h.rank, None, h.replica, h.signature) for h in held(rank)))
+        replies[node] = state.apply_report(report(node, [pod(node, nodes, SLICES, incarnation, rank, settings)], steps), now)
+    return replies
+
+
+def test_assignments_follow_the_jobset_order_and_stay_stable_across_heartbeats():
+    state = ClusterState()
+    state.expire(0.0)
+    rank_of = form_job(state, NODES, SLICES, JobSettings((), 1, None, 100), now=0.0)
+    # With no data anywhere, a pod's rank is its JobSet position: slice * per-slice + worker.
+    assert rank_of == {node: node for node in range(NODES)}
+    first = heartbeat_round(state, NODES, rank_of, lambda rank: [own(10, rank)], 1.0, with_files=True)
+    again = heartbeat_round(state, NODES, rank_of, lambda rank: [own(10, rank)], 2.0)
+    assert [r.assignments for r in first.values()] == [r.assignments for r in again.values()]
+    assert all(r.assignments[0].rank == node for node, r in again.items())
+    assert state.status()["nodes"][:2] == ["n0", "n1"] and len(state.status()["nodes"]) == NODES
+
+
+def test_unchanged_heartbeats_recompute_nothing():
+    state = ClusterState()
+    state.expire(0.0)
+    rank_of = form_job(state, NODES, SLICES, JobSettings((), 1, None, 100), now=0.0)
+    heartbeat_round(state, NODES, rank_of, lambda rank: [own(10, rank)], 1.0, with_files=True)
+    state.tick(3.0)
+    before = state.decisions
+    for now in (3.5, 4.0, 4.5):  # within the 5 s recheck: only unchanged heartbeats
+        replies = heartbeat_round(state, NODES, rank_of, lambda rank: [own(10, rank)], now)
+        state.tick(now)
+    assert state.decisions == before
+    assert not any(r.want_files for r in replies.values())
+    # One changed report (a new step) makes the job dirty: exactly one pass once it is due.
+    state.apply_report(report(7, [pod(7, NODES, SLICES, state.jobs[KEY].incarnation.incarnation_id, 7)], [own(10, 7), own(20, 7)]), 4.6)
+    state.tick(4.6 + decide_interval(NODES))
+    assert state.decisions == before + 1
+
+
+def test_replicate_and_backup_orders_are_issued_exactly_when_due():
+    state = ClusterState()
+    state.expire(0.0)
+    nodes = 8
+    rank_of = form_job(state, nodes, 2, JobSettings((), 1, None, 2), now=0.0)  # replicas=1, back up every 2 steps
+
+    def held(node, steps, replicas=()):
+        rank = rank_of[node]
+        return [own(s, rank) for s in steps] + [HeldStep(*KEY, s, r, None, replica=True) for s, r in replicas]
+
+    incarnation = state.jobs[KEY].incarnation
+    targets = state.jobs[KEY].targets
+    reply = state.apply_report(report(0, [pod(0, nodes, 2, incarnation.incarnation_id, rank_of[0])], held(0, [4])), 1.0)
+    assert [(o.step, [t.node for t in o.targets]) for o in reply.replicate] == [(4, targets[rank_of[0]])]
+    # Once the target holds the replica, no order any more.
+    target = int(targets[rank_of[0]][0][1:])
+    state.apply_report(report(target, [pod(target, nodes, 2, incarnation.incarnation_id, rank_of[target])], held(target, [], [(4, rank_of[0])])), 1.1)
+    reply = state.apply_report(report(0, [pod(0, nodes, 2, incarnation.incarnation_id, rank_of[0])], held(0, [4])), 1.2)
+    assert reply.replicate == ()
+    # No backup before every rank holds the step; then one order per rank, for its own node only.
+    assert reply.backup == ()
+    for node in range(nodes):
+        reply = state.apply_report(report(node, [pod(node, nodes, 2, incarnation.incarnation_id, rank_of[node])], held(node, [4])), 1.3)
+        assert [(o.step, o.rank) for o in reply.backup] == ([(4, rank_of[node])] if node == nodes - 1 else [])
+    assert state.jobs[KEY].backup_pending == 4
+
+
+def test_data_parallel_identity_is_decided_once_per_step_and_pair():
+    state = ClusterState()
+    state.expire(0.0)
+    nodes, half = NODES, NODES // 2
+    settings = {rank: JobSettings(((rank + half) % nodes,), 2, None, 100) for rank in range(nodes)}
+    for node in range(nodes):
+        state.apply_report(report(node, [pod(node, nodes, SLICES)]), 0.0)
+    state.tick(decide_interval(nodes))
+    incarnation = state.jobs[KEY].incarnation
+    rank_of = {int(node[1:]): rank for rank, node in incarnation.node_of_rank.items()}
+    for node, rank in rank_of.items():
+        state.record_settings(KEY, incarnation.incarnation_id, rank, settings[rank])
+    for now in (1.0, 2.0, 3.0):  # the same step reported three times
+        heartbeat_round(state, nodes, rank_of, lambda rank: [own(10, rank)], now, with_files=now == 1.0)
+        state.tick(now + decide_interval(nodes))
+    assert state.identity_checks == nodes // 2  # each pair of peers compared once
+    assert state.identical(KEY)[10] == frozenset((r, (r + half) % nodes) for r in range(nodes))
+    assert state.safe_step(KEY) == 10
+
+
+def test_a_restarted_coordinator_asks_once_for_the_checksums_it_lacks():
+    state = ClusterState()
+    state.expire(0.0)
+    rank_of = form_job(state, 4, 1, JobSettings((), 1, None, 100), now=0.0)
+    fresh = ClusterState()
+    incarnation = state.jobs[KEY].incarnation.incarnation_id
+    settings = JobSettings((), 1, None, 100)
+    bare = lambda node: [HeldStep(*KEY, 10, rank_of[node], None, signature="s")]  # noqa: E731
+    replies = [fresh.apply_report(report(n, [pod(n, 4, 1, incarnation, rank_of[n], settings)], bare(n)), 50.0) for n in range(4)]
+    assert all(r.want_files for r in replies)
+    replies = [fresh.apply_report(report(n, [pod(n, 4, 1, incarnation, rank_of[n], settings)], [own(10, rank_of[n])]), 51.0) for n in range(4)]
+    assert not any(r.want_files for r in replies)
+    assert fresh.jobs[KEY].incarnation.incarnation_id == incarnation  # adopted, not reassigned
+    assert fresh.jobs[KEY].owner_files[(10, 0)] == STEP_FILES
+    assert not any(fresh.apply_report(report(n, [pod(n, 4, 1, incarnation, rank_of[n], settings)], bare(n)), 52.0).want_files for n in range(4))
+
+
+@pytest.mark.parametrize(("live", "heartbeat", "timeout"), [(4, 1.0, 15.0), (1_000, 1.0, 15.0), (4_000, 4.0, 15.0), (10_000, 10.0, 30.0)])
+def test_heartbeats_slow_down_as_the_cluster_grows_and_the_timeout_follows(live, heartbeat, timeout):
+    state = ClusterState(node_timeout_seconds=15.0)
+    for node in range(live):
+        state.apply_report(report(node), 0.0)
+    assert state.heartbeat_seconds == heartbeat and state.node_timeout_seconds == timeout
