@@ -130,3 +130,21 @@ def test_after_a_coordinator_restart_no_plan_before_every_node_could_report():
     with pytest.raises(NotReady, match="started"):
         state.restore_view(KEY, incarnation, rank_of["a"], now=105.0)
     assert state.restore_view(KEY, incarnation, rank_of["a"], now=116.0).step == 5
+
+
+def test_restore_from_works_while_the_job_has_no_pods_and_the_next_incarnation_uses_it():
+    state = ClusterState()
+    state.expire(0.0)
+    incarnation, rank_of = running_job(state, now=20.0)
+    older = {node: [HeldStep(*KEY, 2, rank_of[node], OWN[rank_of[node]])] + held_by(node, rank_of) for node in ("a", "b")}
+    for node in ("a", "b"):  # the pods are deleted; the nodes still hold steps 2 and 5
+        state.apply_report(report(node, f"http://{node}", [], older[node]), 21.0)
+    assert state.jobs[KEY].incarnation is None
+    state.force_restore_step(KEY, 2)
+    with pytest.raises(LookupError, match="step 3"):
+        state.force_restore_step(KEY, 3)
+    state.apply_report(report("a", "http://a", [pod(2)], older["a"]), 22.0)
+    state.apply_report(report("b", "http://b", [pod(3)], older["b"]), 22.0)
+    fresh = state.jobs[KEY].incarnation
+    assert fresh is not None and fresh.incarnation_id != incarnation
+    assert state.restore_view(KEY, fresh.incarnation_id, 0, now=22.5).step == 2

@@ -176,6 +176,7 @@ class JobState:
     targets: dict[int, list[str]] = dataclasses.field(default_factory=dict)
     lister: str | None = None
     data_parallelism: int = 1
+    nodes: int = 0  # ranks of the newest incarnation: known after its pods are gone (``restore-from``)
     peers: dict[int, set[int]] = dataclasses.field(default_factory=dict)
 
     def add_settings(self, rank: int, settings: JobSettings) -> None:
@@ -449,9 +450,9 @@ class ClusterState:
             if job.settings and self._data_parallelism(key) == 1:
                 job.ordered.update((rank, node) for rank, nodes in job.targets.items() for node in nodes)
         job.safe = self._safe_step(key)
-        job.retain = self._retain_order(key)
         if job.incarnation is not None and job.settings:
             self._advance_backup(key)
+        job.retain = self._retain_order(key)  # after the backup choice: it protects the step being backed up
         job.lister = self._choose_lister(key)
 
     def _reconcile(self, key: JobKey) -> None:
@@ -472,6 +473,7 @@ class ClusterState:
         if live:
             job.incarnation = self._adopt(key) or self._assign(key)
             if job.incarnation is not None:
+                job.nodes = len(job.incarnation.node_of_rank)
                 for rank, node in job.incarnation.node_of_rank.items():
                     job.rank_nodes.setdefault(rank, set()).add(node)
                 self._bump(key)
@@ -592,7 +594,9 @@ class ClusterState:
         job = self.jobs.get(key)
         if job and job.incarnation:
             return len(job.incarnation.node_of_rank)
-        return next(iter(job.pods.values()))[0].nodes if job and job.pods else 0
+        if job and job.pods:
+            return next(iter(job.pods.values()))[0].nodes
+        return job.nodes if job else 0
 
     def backed_up(self, key: JobKey) -> set[int]:
         """Complete backups of the job: the newest listing by a node the job ran on."""
@@ -825,6 +829,8 @@ class ClusterState:
 
     def force_restore_step(self, key: JobKey, step: int) -> None:
         """Makes the job's next restore use ``step`` (a rollback), from whichever tier holds it.
+        Works while the job has no pods (its nodes still report its data): that is when an
+        operator rolls back.
 
         Raises:
           LookupError: no tier holds ``step`` complete for every rank.
