@@ -169,7 +169,8 @@ def _add_coordinator(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--listen", required=True, help="HOST:PORT")
     p.add_argument("--state-dir", help="keeps a snapshot to warm a restart; node reports rebuild everything anyway")
     p.add_argument("--node-timeout-seconds", type=float, default=15.0,
-                   help="a node silent this long gets no orders and its copies do not count as safe (default 15)")
+                   help="a node silent this long (or three missed heartbeats, if longer) gets no orders and its copies "
+                        "do not count as safe (default 15)")
     p.add_argument("--holder-grace-seconds", type=float, default=60.0,
                    help="a silent node's copies are waited for as restore sources this long (default 60)")
     p.add_argument("--token-file", help="the cluster token (the node agents' --peer-token-file): required of callers")
