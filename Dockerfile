@@ -28,7 +28,7 @@ RUN pip install grpcio-tools==1.85.1 \
  && pip install . \
  && pip uninstall -y grpcio-tools \
  && cd / && rm -rf /src \
- && python -c "import protos.csi_pb2_grpc, csi_driver" \
+ && python -c "import protos.csi_pb2_grpc, replicator.cli" \
  && command -v mtc && command -v mount && command -v umount
 
 WORKDIR /

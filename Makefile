@@ -55,7 +55,9 @@ $(HELM):
 $(KUSTOMIZE):
 	GOBIN=$(TOOLS) go install $(KUSTOMIZE_PKG)
 
+# The import contracts first (pyproject.toml [tool.importlinter]): a new cycle fails before any test runs.
 test: setup tools
+	$(BIN)/lint-imports --no-cache --no-logo
 	PATH=$(TOOLS):$$PATH $(BIN)/python -m pytest -q -p no:cacheprovider
 
 demo: setup

@@ -19,15 +19,13 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import psutil
 
-from csi_driver import mounts
+from csi_driver import atomic_file, mounts
 from csi_driver.quantity import format_bytes, parse_quantity
 from csi_driver.volume_request import VolumeSpec
-from replicator import pod_files
-from replicator.orbax_protocol import clear_previous_pod
 
 log = logging.getLogger(__name__)
 
@@ -216,11 +214,18 @@ class RamdiskManager:
     Args:
       root: the agent's data directory (``--root``); tmpfs mounts live below it.
       backend: ``TmpfsBackend`` in production, ``DirBackend`` for unprivileged local runs.
+      on_new_pod: the publish hook, called with the job's client directory (a path on the node)
+        when a pod that did not hold this target publishes, before its publication is recorded and
+        under the manager's lock. The node agent passes the framework protocol's cleanup
+        (``replicator.orbax_protocol.clear_previous_pod``), so that a new incarnation never reads
+        the previous pod's rank; the driver itself knows no framework. An exception from it fails
+        the publish.
     """
 
-    def __init__(self, root: str, backend: TmpfsBackend | DirBackend):
+    def __init__(self, root: str, backend: TmpfsBackend | DirBackend, *, on_new_pod: Callable[[str], None]):
         self.root = os.path.abspath(root)
         self.backend = backend
+        self._on_new_pod = on_new_pod
         self._jobs_root = os.path.join(self.root, "jobs")
         self._thread_lock = threading.RLock()
         os.makedirs(self._jobs_root, exist_ok=True)
@@ -254,7 +259,7 @@ class RamdiskManager:
 
     def _save(self, ramdisks: dict[tuple[str, str], Ramdisk]) -> None:
         state = {"ramdisks": [dataclasses.asdict(d) for d in ramdisks.values()]}
-        pod_files.write_file_atomic(os.path.join(self.root, _STATE_FILE), json.dumps(state, indent=1).encode())
+        atomic_file.write_file_atomic(os.path.join(self.root, _STATE_FILE), json.dumps(state, indent=1).encode())
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -289,9 +294,9 @@ class RamdiskManager:
     def publish(self, volume_id: str, target_path: str, spec: VolumeSpec, readonly: bool = False) -> Ramdisk:
         """Mounts the job's ramdisk at ``target_path``, creating or resizing it first.
 
-        Idempotent: publishing the same target again succeeds. A new pod's publish removes a stale
-        ``jax-init-info.txt`` (and the rest of the previous pod's protocol files) so a new
-        incarnation never reads the previous one's rank.
+        Idempotent: publishing the same target again succeeds. A new pod's publish calls the
+        ``on_new_pod`` hook first (the node agent's removes a stale ``jax-init-info.txt`` and the
+        rest of the previous pod's protocol files).
 
         Raises:
           InsufficientMemory: ``spec.size_bytes`` exceeds available memory plus the job's usage.
@@ -323,7 +328,7 @@ class RamdiskManager:
             previous = disk.publications.get(target_path)
             same_pod = previous is not None and previous.spec.pod_uid == spec.pod_uid
             if not same_pod:  # a new pod must never read the previous one's rank
-                clear_previous_pod(disk.client_dir)
+                self._on_new_pod(disk.client_dir)
             disk.publications[target_path] = Publication(volume_id, readonly, spec, previous.published_at if same_pod else time.time())
             disk.idle_since = None
             return disk

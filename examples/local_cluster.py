@@ -139,7 +139,7 @@ class NodeAgentProcess(_Stoppable):
 
     def command(self) -> list[str]:
         return [
-            sys.executable, "-m", "csi_driver.cli", "node",
+            sys.executable, "-m", "replicator.cli", "node",
             "--node-id", self.node_id, "--root", self.root, "--csi-endpoint", self.endpoint,
             "--listen", self.listen, "--ramdisk-backend", self.backend, *self.extra_args,
         ]  # fmt: skip
@@ -234,7 +234,7 @@ class CoordinatorProcess(_Stoppable):
         """
         os.makedirs(self.workdir, exist_ok=True)
         tls = ["--tls-cert", self.tls[0], "--tls-key", self.tls[1]] if self.tls else []
-        command = [sys.executable, "-m", "csi_driver.cli", "coordinator", "--listen", self.listen,
+        command = [sys.executable, "-m", "replicator.cli", "coordinator", "--listen", self.listen,
                    "--state-dir", os.path.join(self.workdir, "state"), *tls, *self.extra_args]  # fmt: skip
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)

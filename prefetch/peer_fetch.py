@@ -1,13 +1,13 @@
 """The peer tier's client: fetch a rank's step from another node agent, or push a replica to one.
 
-It speaks the routes of ``replicator.peer_service``. A fetch runs on several threads, one HTTP
-connection each (``http.client``, so every socket read, file write and checksum runs with the GIL
-released): each thread GETs large byte ranges and writes them in place with ``os.pwrite`` into files
-created at full size. Every file is checked against the manifest the caller expects (the owner's, from
-the restore plan) before the fetch returns: the CRC-32C of each range is taken from the bytes as they
-arrive and the ranges' CRCs are combined, so a restore touches each byte once instead of reading the
-whole step back. A push streams each file from disk, then commits; the peer installs the replica only
-if every checksum matches.
+It speaks ``replicator.peer_protocol`` to ``replicator.peer_service``. A fetch runs on several
+threads, one HTTP connection each (``http.client``, so every socket read, file write and checksum
+runs with the GIL released): each thread GETs large byte ranges and writes them in place with
+``os.pwrite`` into files created at full size. Every file is checked against the manifest the caller
+expects (the owner's, from the restore plan) before the fetch returns: the CRC-32C of each range is
+taken from the bytes as they arrive and the ranges' CRCs are combined, so a restore touches each
+byte once instead of reading the whole step back. A push streams each file from disk, then commits;
+the peer installs the replica only if every checksum matches.
 """
 
 import asyncio
@@ -31,7 +31,7 @@ import google_crc32c
 from replicator import pod_files
 from replicator.bearer import auth_header
 from replicator.cpu_share import CpuShare
-from replicator.peer_service import UPLOAD_HEADER
+from replicator.peer_protocol import COMMIT_SUFFIX, FILES_SUFFIX, MANIFEST_SUFFIX, STEP_PATH, UPLOAD_HEADER
 from replicator.step_manifest import StepManifest, UnusableCopy, crc32c_combine, safe_relpath
 
 MiB = 1 << 20
@@ -52,11 +52,11 @@ class UnusablePeerCopy(PeerFetchError, UnusableCopy):
 
 
 def _step_url(base_url: str, namespace: str, job: str, rank: int, step: int) -> str:
-    return f"{base_url.rstrip('/')}/v1/peer/jobs/{namespace}/{job}/ranks/{rank}/steps/{step}"
+    return base_url.rstrip("/") + STEP_PATH.format(namespace=namespace, job=job, rank=rank, step=step)
 
 
 def _file_url(step_url: str, rel: str) -> str:
-    return f"{step_url}/files/{urllib.parse.quote(rel, safe='/')}"
+    return step_url + FILES_SUFFIX + urllib.parse.quote(rel, safe="/")
 
 
 def _error_message(status: int, text: str) -> str:
@@ -110,15 +110,15 @@ async def fetch_manifest(session: aiohttp.ClientSession, base_url: str, token: s
     """
     url = _step_url(base_url, namespace, job, rank, step)
     try:
-        async with session.get(url + "/manifest", headers=auth_header(token)) as response:
-            await _raise_for(response, f"GET {url}/manifest")
+        async with session.get(url + MANIFEST_SUFFIX, headers=auth_header(token)) as response:
+            await _raise_for(response, f"GET {url}{MANIFEST_SUFFIX}")
             manifest = StepManifest.from_json(await response.text())
         for rel in manifest.files:
             safe_relpath(rel)
     except (ValueError, KeyError, TypeError) as err:
-        raise UnusablePeerCopy(f"{url}/manifest: not a usable manifest: {err!r}") from None
+        raise UnusablePeerCopy(f"{url}{MANIFEST_SUFFIX}: not a usable manifest: {err!r}") from None
     except (aiohttp.ClientError, asyncio.TimeoutError) as err:
-        raise PeerFetchError(f"GET {url}/manifest: {err!r}") from None
+        raise PeerFetchError(f"GET {url}{MANIFEST_SUFFIX}: {err!r}") from None
     if (manifest.rank, manifest.step) != (rank, step):
         raise UnusablePeerCopy(f"{url}: the peer sent the manifest of rank {manifest.rank} step {manifest.step}")
     return manifest
@@ -373,7 +373,7 @@ async def push_step(session: aiohttp.ClientSession, base_url: str, token: str, n
     try:
         with pod_files.open_dir(step_dir) as root:
             await _run_all([functools.partial(put, root, rel) for rel in manifest.files], concurrency)
-        async with session.post(url + "/commit", data=manifest.to_json(),
+        async with session.post(url + COMMIT_SUFFIX, data=manifest.to_json(),
                                 headers={**headers, "Content-Type": "application/json"}) as response:
             await _raise_for(response, f"commit of rank {manifest.rank} step {manifest.step} to {base_url}")
     except (aiohttp.ClientError, asyncio.TimeoutError) as err:

@@ -1,9 +1,9 @@
 """The backup tier's storage: complete checkpoint steps in object storage, restorable after cluster loss.
 
-``open_backup_store(url)`` gives a ``BackupStore`` for ``gs://BUCKET[/PREFIX]``, ``s3://BUCKET[/PREFIX]``
-or ``file:///PATH``. The backup logic (layout, dedup, commit, restore, retention) lives once, in
-``BackupStore``; a backend is an ``ObjectStore``, a handful of object primitives (``gcs_backup.py``,
-``s3_backup.py``, ``file_backup.py``).
+The backup logic (layout, dedup, commit, restore, retention) lives once, in ``BackupStore``, over an
+``object_store.ObjectStore``: a handful of object primitives that each backend implements
+(``gcs_backup.py``, ``s3_backup.py``, ``file_backup.py``). ``backup_backends.open_backup_store(url)``
+gives a ``BackupStore`` for ``gs://BUCKET[/PREFIX]``, ``s3://BUCKET[/PREFIX]`` or ``file:///PATH``.
 
 Layout below the store's prefix, per job key ``<namespace>/<job>``::
 
@@ -20,8 +20,6 @@ never written again. Deleting a step removes ``COMMIT`` first, so a half-deleted
 for a complete one.
 """
 
-import abc
-import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -29,28 +27,20 @@ import os
 import re
 import shutil
 import tempfile
-import urllib.parse
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TypeVar
+from collections.abc import Iterable
 
 from csi_driver.volume_request import DNS1123_LABEL
 from replicator import pod_files
 from replicator.cpu_share import CpuShare
+from replicator.object_store import BackupError, ObjectStore, Upload, run_parallel
 from replicator.step_manifest import IDENTITY_SCHEME, IDENTITY_SCHEMES, StepManifest, UnusableCopy, file_identity, safe_relpath, verify_step
 
 DEFAULT_WORKERS = 8
 RANGE_BYTES = 32 << 20  # one ranged read during a restore
-COPY_BYTES = 1 << 20  # one read of a response body into the destination file
 
 COMMIT = "COMMIT"
 _MANIFEST_NAME = re.compile(r"^rank-(\d+)\.manifest\.json$")
 _STEP_ENTRY = re.compile(r"^(0|[1-9]\d*)/$")
-
-T = TypeVar("T")
-
-
-class BackupError(Exception):
-    """The backup store is unreachable, refused a request, or holds missing or corrupt data."""
 
 
 class UnusableBackup(BackupError, UnusableCopy):
@@ -125,155 +115,6 @@ class RankManifest:
             return cls(int(raw["step"]), int(raw["rank"]), files, str(raw.get("incarnation", "")))
         except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as exc:
             raise ValueError(f"malformed rank manifest: {exc!r}") from exc
-
-
-@dataclasses.dataclass(frozen=True)
-class Upload:
-    """One file to store; the stored object must have exactly the size and CRC32C the step's manifest recorded.
-
-    Attributes:
-      local_path: the file on this node.
-      name: the object name, relative to the store's prefix.
-      size: bytes, from the step's manifest.
-      crc32c: 8 hex digits, from the step's manifest.
-    """
-
-    local_path: str
-    name: str
-    size: int
-    crc32c: str
-
-
-class ObjectStore(abc.ABC):
-    """The object primitives a backend implements. Names are relative to the store's prefix, ``/``-separated.
-
-    Every method raises ``BackupError`` when the store fails or refuses; local files are not the store,
-    so a local ``OSError`` (unreadable source, full destination) propagates as ``OSError``.
-    """
-
-    url: str  # where the store is, for messages: gs://bucket/prefix, file:///path
-
-    @abc.abstractmethod
-    def put_files(self, uploads: Sequence[Upload], workers: int) -> None:
-        """Stores every upload, up to ``workers`` at a time, each checked end to end; tries them all.
-
-        An object is kept only if the store holds exactly the bytes whose size and CRC32C the manifest
-        recorded; an upload that does not match is removed (or never becomes visible).
-
-        Raises:
-          BackupError: one or more uploads failed or did not match (``uploads_failed``).
-        """
-
-    @abc.abstractmethod
-    def download_range(self, name: str, start: int, length: int, dest_fd: int) -> None:
-        """Writes bytes ``[start, start + length)`` of object ``name`` into ``dest_fd`` at the same offsets.
-
-        Raises:
-          BackupError: the object is missing or shorter than ``start + length`` bytes, or the read failed.
-        """
-
-    @abc.abstractmethod
-    def list(self, prefix: str, *, recursive: bool = False) -> list[str]:
-        """Names below ``prefix`` (which ends with ``/``), relative to it.
-
-        Returns:
-          With ``recursive``, every object below ``prefix``. Otherwise the direct children: objects,
-          and ``"<child>/"`` for each child prefix. Empty when nothing is there.
-        """
-
-    @abc.abstractmethod
-    def read_text(self, name: str) -> str | None:
-        """The UTF-8 content of a small object, or None when it does not exist."""
-
-    @abc.abstractmethod
-    def create_text(self, name: str, text: str) -> bool:
-        """Creates a small object unless one exists under ``name`` (write-once); readers see all of it or none.
-
-        Returns:
-          True if this call created it, False if an object was there already (it is left unchanged).
-        """
-
-    @abc.abstractmethod
-    def delete(self, name: str) -> None:
-        """Deletes an object; a missing object is not an error."""
-
-    def partial_uploads(self, prefix: str) -> "list[str]":
-        """Names below ``prefix`` (relative to it) of uploads started but neither completed nor aborted,
-        such as an S3 multipart upload of an agent killed mid-upload. None by default: a backend whose
-        interrupted writes are ordinary objects (``file://``) or invisible and self-expiring (GCS
-        resumable sessions) has nothing to list."""
-        return []
-
-    def abort_partial_uploads(self, prefix: str) -> None:
-        """Aborts every upload ``partial_uploads(prefix)`` lists (frees what the store holds for them)."""
-
-
-def run_parallel(fn: Callable[[T], None], items: Iterable[T], workers: int) -> None:
-    """Calls ``fn`` on every item, ``workers`` threads at a time; stops at the first failure.
-
-    Raises:
-      The first exception ``fn`` raised, after work not yet started is cancelled and running calls end.
-    """
-    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(fn, item) for item in items]
-        done, _ = concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
-        failed = next((f for f in futures if f in done and f.exception() is not None), None)
-        if failed is not None:
-            for future in futures:
-                future.cancel()
-            raise failed.exception()
-
-
-@contextlib.contextmanager
-def store_errors(url: str, name: str, what: str, errors: tuple[type[BaseException], ...]) -> Iterator[None]:
-    """Turns any of ``errors`` (a backend's failures) into ``BackupError("<url>/<name>: <what>: ...")``."""
-    try:
-        yield
-    except errors as exc:
-        raise BackupError(f"{url}/{name}: {what}: {exc}") from exc
-
-
-def pwrite_all(fd: int, data: memoryview, offset: int) -> int:
-    """Writes all of ``data`` to ``fd`` at ``offset``; returns the offset after it."""
-    while data:
-        written = os.pwrite(fd, data, offset)
-        data, offset = data[written:], offset + written
-    return offset
-
-
-def bucket_and_prefix(url: str, scheme: str) -> tuple[str, str]:
-    """``<scheme>://BUCKET[/PREFIX]`` -> (bucket, ``""`` or ``"PREFIX/"``).
-
-    Raises:
-      ValueError: another scheme, no bucket, or a query or fragment.
-    """
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme != scheme or not parts.netloc or parts.query or parts.fragment:
-        raise ValueError(f"{url!r} is not {scheme}://BUCKET[/PREFIX]")
-    prefix = parts.path.strip("/")
-    return parts.netloc, f"{prefix}/" if prefix else ""
-
-
-def copy_body(where: str, readinto: Callable[[memoryview], int], start: int, length: int, dest_fd: int) -> None:
-    """Copies ``length`` bytes of a response body (its ``readinto``) to ``dest_fd`` at offset ``start``,
-    1 MiB at a time, straight into the destination file.
-
-    Raises:
-      BackupError: the body ends early (``where`` names the object).
-    """
-    view = memoryview(bytearray(min(COPY_BYTES, length)))
-    offset, end = start, start + length
-    while offset < end:
-        received = readinto(view[:min(len(view), end - offset)])
-        if not received:
-            raise BackupError(f"{where}: object ends at byte {offset}, expected at least {end}")
-        offset = pwrite_all(dest_fd, view[:received], offset)
-
-
-def uploads_failed(url: str, failures: Sequence[str], total: int) -> BackupError:
-    """The error for ``failures`` (one line per failed upload) among ``total`` uploads to ``url``."""
-    shown = "; ".join(failures[:5]) + (f"; +{len(failures) - 5} more" if len(failures) > 5 else "")
-    return BackupError(f"{len(failures)} of {total} uploads to {url} failed: {shown}")
 
 
 def _job_prefix(job_key: str) -> str:
@@ -579,41 +420,3 @@ class BackupStore:
         for step in deleted:
             self.delete_step(job_key, step)
         return deleted
-
-
-def open_backup_store(url: str, *, emulator_host: str | None = None, s3_endpoint_url: str | None = None,
-                      workers: int = DEFAULT_WORKERS) -> BackupStore:  # fmt: skip
-    """Opens the backup store at ``url``: credentials are looked up now, objects only when used.
-
-    Args:
-      url: ``gs://BUCKET[/PREFIX]`` (Application Default Credentials), ``s3://BUCKET[/PREFIX]``
-        (boto3's credential chain and region) or ``file:///PATH``.
-      emulator_host: for ``gs://`` only, a GCS emulator such as ``http://127.0.0.1:4443``; anonymous
-        credentials, project ``test``.
-      s3_endpoint_url: for ``s3://`` only, an S3-compatible endpoint such as ``http://127.0.0.1:9000``
-        (default: ``AWS_ENDPOINT_URL``, else AWS).
-      workers: concurrent transfers for uploads and deletions.
-
-    Raises:
-      ValueError: an unsupported scheme or a malformed URL, or an endpoint option for another scheme.
-      BackupError: no credentials (``gs://`` without an emulator, or ``s3://``).
-    """
-    scheme = url.partition("://")[0]
-    if emulator_host is not None and scheme != "gs":
-        raise ValueError(f"emulator_host applies to gs:// only, not {url!r}")
-    if s3_endpoint_url is not None and scheme != "s3":
-        raise ValueError(f"an S3 endpoint URL applies to s3:// only, not {url!r}")
-    # Backends are imported on use: they import this module, and file:// needs no cloud libraries.
-    if scheme == "gs":
-        from replicator.gcs_backup import GcsObjects
-
-        return BackupStore(GcsObjects.from_url(url, emulator_host=emulator_host), workers=workers)
-    if scheme == "s3":
-        from replicator.s3_backup import S3Objects
-
-        return BackupStore(S3Objects.from_url(url, endpoint_url=s3_endpoint_url), workers=workers)
-    if scheme == "file":
-        from replicator.file_backup import FileObjects
-
-        return BackupStore(FileObjects.from_url(url), workers=workers)
-    raise ValueError(f"unsupported backup URL {url!r}: expected gs://BUCKET[/PREFIX], s3://BUCKET[/PREFIX] or file:///PATH")

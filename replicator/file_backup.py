@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 
 import google_crc32c
 
-from replicator.backup_store import (BackupError, ObjectStore, Upload, pwrite_all, run_parallel, store_errors,
+from replicator.object_store import (BackupError, ObjectStore, Upload, pwrite_all, run_parallel, store_errors,
                                      uploads_failed)
 
 _CHUNK_BYTES = 4 << 20
@@ -32,12 +32,14 @@ class FileObjects(ObjectStore):
         self.url = f"file://{self.root}"
 
     @classmethod
-    def from_url(cls, url: str) -> "FileObjects":
-        """``file:///PATH`` -> FileObjects(PATH).
+    def from_url(cls, url: str, *, endpoint: str | None = None) -> "FileObjects":
+        """``file:///PATH`` -> FileObjects(PATH). A directory has no endpoint: ``endpoint`` must be None.
 
         Raises:
-          ValueError: a host, query or fragment, or no absolute path.
+          ValueError: a host, query or fragment, no absolute path, or an endpoint.
         """
+        if endpoint is not None:
+            raise ValueError(f"{url!r}: a file:// store takes no endpoint, got {endpoint!r}")
         parts = urllib.parse.urlsplit(url)
         if parts.scheme != "file" or parts.netloc or parts.query or parts.fragment or not parts.path.startswith("/"):
             raise ValueError(f"{url!r} is not file:///ABSOLUTE/PATH")

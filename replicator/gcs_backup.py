@@ -31,7 +31,7 @@ from google.cloud.storage import exceptions as storage_exceptions
 from google.cloud.storage import transfer_manager
 from google.cloud.storage.retry import DEFAULT_RETRY
 
-from replicator.backup_store import (BackupError, ObjectStore, Upload, bucket_and_prefix, copy_body, store_errors,
+from replicator.object_store import (BackupError, ObjectStore, Upload, bucket_and_prefix, copy_body, store_errors,
                                      uploads_failed)
 
 GCS_ENDPOINT = "https://storage.googleapis.com"
@@ -93,14 +93,15 @@ class GcsObjects(ObjectStore):
         self._session.mount("http://", adapter)
 
     @classmethod
-    def from_url(cls, url: str, *, emulator_host: str | None = None) -> "GcsObjects":
-        """``gs://BUCKET[/PREFIX]`` -> GcsObjects.
+    def from_url(cls, url: str, *, endpoint: str | None = None) -> "GcsObjects":
+        """``gs://BUCKET[/PREFIX]`` -> GcsObjects; ``endpoint`` is a GCS emulator
+        (``http://127.0.0.1:4443``: anonymous credentials, project ``test``), or None for GCS.
 
         Raises:
           ValueError: no bucket, or a query or fragment.
           BackupError: no Application Default Credentials.
         """
-        return cls(*bucket_and_prefix(url, "gs"), emulator_host=emulator_host)
+        return cls(*bucket_and_prefix(url, "gs"), emulator_host=endpoint)
 
     def _errors(self, name: str, what: str) -> contextlib.AbstractContextManager[None]:
         return store_errors(self.url, name, what, _STORE_ERRORS)

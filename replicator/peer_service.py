@@ -1,7 +1,8 @@
 """The node agent's peer side: other nodes list, fetch and push committed steps over HTTP.
 
 Routes under ``/v1/peer/jobs/{namespace}/{job}`` (JSON; errors are ``{"error": "..."}``), each one
-requiring ``Authorization: Bearer <token>`` (401 otherwise):
+requiring ``Authorization: Bearer <token>`` (401 otherwise); paths and header names are in
+``replicator.peer_protocol``, shared with the client (``prefetch.peer_fetch``):
 
 - ``GET  .../steps``: ``{"steps": [{"rank", "step", "bytes"}]}``, own steps and replicas.
 - ``GET  .../ranks/{rank}/steps/{step}/manifest``: the step's ``StepManifest`` JSON.
@@ -24,7 +25,6 @@ import dataclasses
 import errno
 import json
 import os
-import re
 import shutil
 import time
 from collections.abc import Callable
@@ -36,14 +36,13 @@ from replicator import orbax_protocol, pod_files
 from replicator.job_meta import JobMeta
 from replicator.bearer import require_bearer
 from replicator.cpu_share import CpuShare
+from replicator.peer_protocol import (COMMIT_SUFFIX, FILES_SUFFIX, MANIFEST_SUFFIX, STEP_PATH, STEPS_PATH, UPLOAD_HEADER,
+                                      UPLOAD_ID)
 from replicator.step_manifest import StepManifest, safe_relpath, verify_step
 
-UPLOAD_HEADER = "X-MTC-Upload"
-_UPLOAD_ID = re.compile(r"^[0-9a-f]{16,64}$")
 _MAX_MANIFEST_BYTES = 16 << 20
 _RECEIVE_CHUNK_BYTES = 1 << 20
 _UPLOAD_IDLE_SECONDS = 600.0  # an upload untouched this long was abandoned by its client
-_STEP_PREFIX = "/v1/peer/jobs/{namespace}/{job}/ranks/{rank}/steps/{step}"
 
 
 def _fail(kind: type[web.HTTPException], message: str, **kwargs) -> web.HTTPException:
@@ -147,7 +146,7 @@ def _path_param(request: web.Request) -> str:
 
 def _upload_id(request: web.Request) -> str:
     value = request.headers.get(UPLOAD_HEADER, "")
-    if not _UPLOAD_ID.match(value):
+    if not UPLOAD_ID.match(value):
         raise _fail(web.HTTPBadRequest, f"header {UPLOAD_HEADER} must be 16-64 lowercase hex digits")
     return value
 
@@ -317,11 +316,10 @@ def add_peer_routes(app: web.Application, locate_ramdisk: Callable[[str, str], s
       ValueError: ``token`` is empty.
     """
     service = _PeerService(locate_ramdisk, share)
-    job = "/v1/peer/jobs/{namespace}/{job}"
     app.add_routes([
-        web.get(job + "/steps", require_bearer(service.list_steps, token)),
-        web.get(_STEP_PREFIX + "/manifest", require_bearer(service.get_manifest, token)),
-        web.get(_STEP_PREFIX + "/files/{path:.+}", require_bearer(service.get_file, token)),
-        web.put(_STEP_PREFIX + "/files/{path:.+}", require_bearer(service.put_file, token)),
-        web.post(_STEP_PREFIX + "/commit", require_bearer(service.commit, token)),
+        web.get(STEPS_PATH, require_bearer(service.list_steps, token)),
+        web.get(STEP_PATH + MANIFEST_SUFFIX, require_bearer(service.get_manifest, token)),
+        web.get(STEP_PATH + FILES_SUFFIX + "{path:.+}", require_bearer(service.get_file, token)),
+        web.put(STEP_PATH + FILES_SUFFIX + "{path:.+}", require_bearer(service.put_file, token)),
+        web.post(STEP_PATH + COMMIT_SUFFIX, require_bearer(service.commit, token)),
     ])

@@ -8,23 +8,24 @@ and directories. A path string is never handed to ``open``, ``rename`` or ``rmtr
 pod controls. Everything here raises ``UnsafeEntry`` (an ``OSError``) for anything else, and never
 blocks on a FIFO (``O_NONBLOCK``).
 
-Writes go to an exclusive, randomly named temporary file, are fsynced, and are renamed into place
-(``renameat`` replaces a planted symlink itself, never its target); the directory is fsynced too.
+Writes are ``csi_driver.atomic_file``'s: an exclusive, randomly named temporary file, fsynced and
+renamed into place (``renameat`` replaces a planted symlink itself, never its target); the directory
+is fsynced too.
 """
 
 import contextlib
 import errno
 import os
 import re
-import secrets
 import shutil
 import stat
 from collections.abc import Iterator
 
+from csi_driver import atomic_file
+from csi_driver.atomic_file import TEMP_PREFIX, replace_with
+
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-_TEMP_PREFIX = ".mtc-tmp-"
 # A step directory of more entries than this is refused rather than walked (Orbax writes tens).
 MAX_STEP_ENTRIES = 100_000
 # Names are ASCII digits only: str.isdigit() and \d also accept '²' or '٣', which int() rejects or aliases.
@@ -146,51 +147,18 @@ def read_text(dir_fd: int, name: str, limit_bytes: int) -> str | None:
     return data.decode("utf-8")
 
 
-def fsync_dir(dir_fd: int) -> None:
-    """Makes renames and unlinks in the directory durable."""
-    os.fsync(dir_fd)
-
-
-def write_atomic(dir_fd: int, name: str, data: bytes) -> None:
-    """Replaces ``name`` with a regular file holding ``data``: exclusive temp file, fsync, rename,
-    fsync of the directory. A symlink or file planted at ``name`` is replaced, never written through.
-    """
-    def create(tmp: str) -> None:
-        with os.fdopen(os.open(tmp, _CREATE_FLAGS, 0o644, dir_fd=dir_fd), "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-
-    _replace_with(dir_fd, name, create)
+# The pod-directory writes are the shared crash-safe ones, named here too so that every I/O in a
+# pod-writable directory goes through this module. ``write_file_atomic`` is for agent-owned
+# directories: new code takes it from ``csi_driver.atomic_file`` (job_meta and the coordinator still
+# call it here).
+fsync_dir = atomic_file.fsync_dir
+write_atomic = atomic_file.write_atomic
+write_file_atomic = atomic_file.write_file_atomic
 
 
 def write_symlink(dir_fd: int, name: str, target: str) -> None:
     """Atomically makes ``name`` a symlink to ``target`` (a name in the same directory)."""
-    _replace_with(dir_fd, name, lambda tmp: os.symlink(target, tmp, dir_fd=dir_fd))
-
-
-def _replace_with(dir_fd: int, name: str, create) -> None:
-    """``create(tmp)`` makes an entry under a fresh random name, which then replaces ``name``."""
-    tmp = f"{_TEMP_PREFIX}{secrets.token_hex(8)}"
-    try:
-        create(tmp)
-        os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp, dir_fd=dir_fd)
-        raise
-    fsync_dir(dir_fd)
-
-
-def write_file_atomic(path: str, data: bytes) -> None:
-    """``write_atomic`` for a file named by path in an agent-owned directory (state files,
-    manifests, snapshots): the one way the agent and the coordinator write a file that must
-    survive a crash whole or not at all."""
-    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        write_atomic(fd, os.path.basename(path), data)
-    finally:
-        os.close(fd)
+    replace_with(dir_fd, name, lambda tmp: os.symlink(target, tmp, dir_fd=dir_fd))
 
 
 def remove(dir_fd: int, name: str) -> bool:
@@ -213,7 +181,7 @@ def remove(dir_fd: int, name: str) -> bool:
 def sweep_temp_files(dir_fd: int) -> None:
     """Removes temporary files an interrupted ``write_atomic`` left behind."""
     for entry in os.scandir(dir_fd):
-        if entry.name.startswith(_TEMP_PREFIX):
+        if entry.name.startswith(TEMP_PREFIX):
             remove(dir_fd, entry.name)
 
 

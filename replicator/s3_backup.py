@@ -53,7 +53,7 @@ import urllib3
 from s3transfer.manager import TransferConfig, TransferManager
 from s3transfer.utils import ChunksizeAdjuster
 
-from replicator.backup_store import (BackupError, ObjectStore, Upload, bucket_and_prefix, copy_body, run_parallel,
+from replicator.object_store import (BackupError, ObjectStore, Upload, bucket_and_prefix, copy_body, run_parallel,
                                      store_errors, uploads_failed)
 
 log = logging.getLogger(__name__)
@@ -150,14 +150,15 @@ class S3Objects(ObjectStore):
             self._use(features, "pinned")
 
     @classmethod
-    def from_url(cls, url: str, *, endpoint_url: str | None = None) -> "S3Objects":
-        """``s3://BUCKET[/PREFIX]`` -> S3Objects.
+    def from_url(cls, url: str, *, endpoint: str | None = None) -> "S3Objects":
+        """``s3://BUCKET[/PREFIX]`` -> S3Objects; ``endpoint`` is an S3-compatible endpoint
+        (``http://127.0.0.1:9000``), or None for ``AWS_ENDPOINT_URL``, else AWS.
 
         Raises:
           ValueError: no bucket, or a query or fragment.
           BackupError: no credentials.
         """
-        return cls(*bucket_and_prefix(url, "s3"), endpoint_url=endpoint_url)
+        return cls(*bucket_and_prefix(url, "s3"), endpoint_url=endpoint)
 
     def _errors(self, name: str, what: str) -> contextlib.AbstractContextManager[None]:
         return store_errors(self.url, name, what, _STORE_ERRORS)

@@ -498,7 +498,7 @@ def _rollback(chaos: Chaos, pods_gone: bool) -> None:
     if pods_gone:
         chaos.job.delete_pods()
     step = sorted(chaos.backups())[-2]  # older than the newest; the oldest may be going to retention
-    command = [sys.executable, "-m", "csi_driver.cli", "restore-from", "--coordinator", chaos.cluster.coordinator.url,
+    command = [sys.executable, "-m", "replicator.cli", "restore-from", "--coordinator", chaos.cluster.coordinator.url,
                "--ca", chaos.cluster.coordinator.ca_file, "--token-file", chaos.cluster.token_file,
                "--job", f"default/{chaos.job.job}", "--step", str(step)]  # fmt: skip
     answer = subprocess.run(command, capture_output=True, text=True)

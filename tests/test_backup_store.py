@@ -15,7 +15,9 @@ import google_crc32c
 import pytest
 
 from examples.local_cluster import FakeGcsServer, MinioServer
-from replicator.backup_store import BackupError, BackupStore, RankManifest, open_backup_store
+from replicator.backup_backends import open_backup_store
+from replicator.backup_store import BackupStore, RankManifest
+from replicator.object_store import BackupError
 from replicator.s3_backup import PART_BYTES, S3Features, S3Objects
 from replicator.step_manifest import StepManifest, build_manifest
 from tests.conftest import require_tool

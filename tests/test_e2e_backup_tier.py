@@ -87,7 +87,7 @@ def test_restore_from_rolls_back_to_an_older_backup(start_cluster, tmp_path):
     job.kill_training()
     wait_until(lambda: backups_settled(cluster, job), 60, "backups settled")
     older = min(status_of(cluster, job)["backups"])
-    mtc = [sys.executable, "-m", "csi_driver.cli", "restore-from", "--coordinator", cluster.coordinator.url,
+    mtc = [sys.executable, "-m", "replicator.cli", "restore-from", "--coordinator", cluster.coordinator.url,
            "--ca", cluster.coordinator.ca_file, "--token-file", cluster.token_file, "--job"]  # fmt: skip
     refused = subprocess.run([*mtc, f"default/{job.job}", "--step", "7"], capture_output=True, text=True)
     assert refused.returncode == 1 and "HTTP 409" in refused.stderr and "step 7" in refused.stderr

@@ -277,7 +277,7 @@ def test_dir_backend_publishes_without_mounting_and_warns(start_agent, tmp_path)
 def test_cli_publish_failure_prints_status_code_and_exits_nonzero(start_agent, tmp_path):
     agent = start_agent(backend="dir")
     result = subprocess.run(
-        [sys.executable, "-m", "csi_driver.cli", "publish", "--csi-endpoint", agent.endpoint,
+        [sys.executable, "-m", "replicator.cli", "publish", "--csi-endpoint", agent.endpoint,
          "--target", str(tmp_path / "m"), "--pod", JOB_POD, "--attr", "size=huge"],
         capture_output=True, text=True,
     )  # fmt: skip
@@ -290,7 +290,7 @@ def test_gc_releases_idle_ramdisk_and_refuses_busy_one(start_agent, tmp_path):
     agent = start_agent()
     target = tmp_path / "mount"
     publish(agent, target)
-    gc = [sys.executable, "-m", "csi_driver.cli", "gc", "--root", agent.root]
+    gc = [sys.executable, "-m", "replicator.cli", "gc", "--root", agent.root]
     busy = subprocess.run([*gc, "--job", "default/train-slice"], capture_output=True, text=True)
     assert busy.returncode == 1 and "FAILED_PRECONDITION" in busy.stderr
     kubelet.unpublish(agent.endpoint, str(target))

@@ -16,7 +16,8 @@ from aiohttp import web
 from examples.local_cluster import unmount_all_below
 from prefetch.peer_fetch import PeerFetchError, fetch_manifest, fetch_step, push_step
 from replicator.job_meta import JobMeta
-from replicator.peer_service import UPLOAD_HEADER, add_peer_routes
+from replicator.peer_protocol import UPLOAD_HEADER
+from replicator.peer_service import add_peer_routes
 from replicator.step_manifest import StepManifest, build_manifest, checksum_files, crc32c_combine
 from tests.conftest import requires_root
 

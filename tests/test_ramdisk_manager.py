@@ -7,8 +7,8 @@ import pytest
 
 from csi_driver import mounts
 from csi_driver.quantity import parse_quantity
-from csi_driver.ramdisk import InsufficientMemory, JobBusy, RamdiskManager, TmpfsBackend, make_backend
-from csi_driver.volume_request import InvalidVolumeRequest, VolumeLimits, parse_volume_context
+from csi_driver.ramdisk import DirBackend, InsufficientMemory, JobBusy, RamdiskManager, TmpfsBackend, make_backend
+from csi_driver.volume_request import POD_UID_KEY, InvalidVolumeRequest, VolumeLimits, parse_volume_context
 from examples.local_cluster import unmount_all_below
 from tests.conftest import requires_root
 
@@ -18,9 +18,13 @@ def spec(job="train", pod="p", size=8 << 20, **extra):
     return parse_volume_context(context, default_size_bytes=1 << 20)
 
 
+def ignore_new_pod(client_dir: str) -> None:
+    """The publish hook of tests about the ramdisks themselves (the hook has its own test)."""
+
+
 @pytest.fixture
 def tmpfs_manager(tmp_path):
-    yield RamdiskManager(str(tmp_path / "root"), TmpfsBackend())
+    yield RamdiskManager(str(tmp_path / "root"), TmpfsBackend(), on_new_pod=ignore_new_pod)
     unmount_all_below(str(tmp_path))
 
 
@@ -36,11 +40,23 @@ def test_recover_adopts_tmpfs_missing_from_state_and_drops_vanished_ones(tmp_pat
     mounts.unmount(str(tmp_path / "t2"))
     mounts.unmount(gone.path)
 
-    survivors = {(d.namespace, d.job): d for d in RamdiskManager(tmpfs_manager.root, TmpfsBackend()).recover()}
+    survivors = {(d.namespace, d.job): d for d in RamdiskManager(tmpfs_manager.root, TmpfsBackend(), on_new_pod=ignore_new_pod).recover()}
     assert set(survivors) == {("default", "kept"), ("default", "orphan")}
     assert survivors[("default", "orphan")].size_bytes == 4 << 20
     assert survivors[("default", "orphan")].idle_since is not None
     assert list(survivors[("default", "kept")].publications) == [str(tmp_path / "t1")]
+
+
+def test_publish_hook_runs_for_each_new_pod_and_not_for_a_retried_publish(tmp_path):
+    seen = []
+    manager = RamdiskManager(str(tmp_path / "root"), DirBackend(), on_new_pod=seen.append)
+    target = str(tmp_path / "target")
+    first = manager.publish("v1", target, spec(**{POD_UID_KEY: "uid-1"}))
+    manager.publish("v1", target, spec(**{POD_UID_KEY: "uid-1"}))  # kubelet retries the same pod
+    manager.publish("v2", target, spec(**{POD_UID_KEY: "uid-2"}))  # the job's next pod on this node
+    other = manager.publish("v3", str(tmp_path / "other"), spec("other", **{POD_UID_KEY: "uid-3"}))
+    assert seen == [first.client_dir, first.client_dir, other.client_dir]
+    assert manager.find_by_target(target)[1].spec.pod_uid == "uid-2"
 
 
 @requires_root
@@ -121,7 +137,7 @@ class SmallNodeBackend(TmpfsBackend):
 
 
 def test_size_the_node_cannot_back_now_is_insufficient_memory_naming_both_counts(tmp_path):
-    manager = RamdiskManager(str(tmp_path / "root"), SmallNodeBackend())
+    manager = RamdiskManager(str(tmp_path / "root"), SmallNodeBackend(), on_new_pod=ignore_new_pod)
     with pytest.raises(InsufficientMemory) as err:
         manager.publish("vol-1", str(tmp_path / "target"), spec(size=64 << 20))
     assert str(64 << 20) in str(err.value) and str(16 << 20) in str(err.value) and "available" in str(err.value)

@@ -1,7 +1,9 @@
-"""The node agent (``mtc node``): the CSI plugin plus the node's HTTP side, in one process.
+"""The node agent (``mtc node``): the composition of one node's process.
 
-gRPC serves kubelet from its own thread pool; the asyncio loop runs the HTTP side (health,
-metrics) and the idle-ramdisk reaper.
+It builds the CSI plugin (``csi_driver``: ramdisk manager, servicers, gRPC server) with the
+framework protocol's publish hook, the replicator, the peer service and the backup store, and runs
+them: gRPC serves kubelet from its own thread pool; the asyncio loop runs the HTTP side (health,
+metrics, peer routes), the replicator and the idle-ramdisk reaper.
 """
 
 import asyncio
@@ -23,10 +25,11 @@ from csi_driver.node import NodeServicer
 from csi_driver.ramdisk import RamdiskManager, make_backend
 from csi_driver.server import start_csi_server
 from csi_driver.volume_request import DEFAULT_MAX_NODES, VolumeLimits
-from replicator.backup_store import open_backup_store
+from replicator.backup_backends import open_backup_store
 from replicator.bearer import read_token
 from replicator.cpu_share import CpuShare
 from replicator.node_replicator import NodeReplicator
+from replicator.orbax_protocol import clear_previous_pod
 from replicator.peer_service import add_peer_routes
 
 log = logging.getLogger(__name__)
@@ -145,13 +148,23 @@ class NodeConfig:
 _REAP_INTERVAL_SECONDS = 30.0
 
 
+def open_ramdisks(root: str, backend: str) -> RamdiskManager:
+    """The node's ramdisk manager (``--root``, ``--ramdisk-backend`` ``tmpfs`` or ``dir``), with the
+    Orbax protocol's cleanup as its publish hook: a new pod never reads the previous pod's rank.
+
+    Raises:
+      ValueError: an unknown backend.
+    """
+    return RamdiskManager(root, make_backend(backend), on_new_pod=clear_previous_pod)
+
+
 class NodeAgent:
     """Owns the ramdisk manager and the servers of one node."""
 
     def __init__(self, config: NodeConfig):
         self.config = config
         self.ready = threading.Event()
-        self.manager = RamdiskManager(config.root, make_backend(config.ramdisk_backend))
+        self.manager = open_ramdisks(config.root, config.ramdisk_backend)
         self.peer_token = config.peer_token()
         if self.peer_token is None:
             log.warning("no --peer-token-file: the peer tier (replication, restore from peers) is off")

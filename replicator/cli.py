@@ -9,14 +9,14 @@ import sys
 import grpc
 
 from csi_driver import kubelet
-from csi_driver.agent import NodeConfig, run_node
 from csi_driver.identity import DEFAULT_DRIVER_NAME
 from csi_driver.quantity import parse_quantity
-from csi_driver.ramdisk import JobBusy, RamdiskManager, make_backend
+from csi_driver.ramdisk import JobBusy
 from csi_driver.volume_request import DEFAULT_MAX_NODES
 from replicator.bearer import read_token
 from replicator.coordinator.service import CoordinatorConfig, run_coordinator
 from replicator.coordinator.status import fetch_status, render_status, request_restore_from
+from replicator.node_agent import NodeConfig, open_ramdisks, run_node
 
 
 def _key_value(text: str) -> tuple[str, str]:
@@ -146,7 +146,7 @@ def _add_gc(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_gc(args: argparse.Namespace) -> int:
-    manager = RamdiskManager(args.root, make_backend(args.ramdisk_backend))
+    manager = open_ramdisks(args.root, args.ramdisk_backend)
     if args.idle:
         for namespace, job in manager.reap_idle(retention_seconds=0):
             print(f"released {namespace}/{job}")

@@ -1,0 +1,21 @@
+"""The peer tier's wire protocol between node agents: URL paths and the upload header.
+
+The server is ``replicator.peer_service`` (its docstring gives each route's body and statuses); the
+client is ``prefetch.peer_fetch`` (restores pull from peers, the save path pushes replicas). Both
+take the names from here, so neither imports the other. Every route requires
+``Authorization: Bearer <token>`` (``replicator.bearer``).
+"""
+
+import re
+
+# Paths are both aiohttp route templates and ``str.format`` templates.
+JOB_PATH = "/v1/peer/jobs/{namespace}/{job}"
+STEPS_PATH = JOB_PATH + "/steps"  # GET: the steps this node holds for the job
+STEP_PATH = JOB_PATH + "/ranks/{rank}/steps/{step}"
+MANIFEST_SUFFIX = "/manifest"  # GET: the step's StepManifest JSON
+FILES_SUFFIX = "/files/"  # + a relative posix path: GET (honours Range) or PUT one file of a push
+COMMIT_SUFFIX = "/commit"  # POST the manifest: verify a push and install it as a replica
+
+# A push names its upload with this header on every PUT and on the commit; the client picks the id.
+UPLOAD_HEADER = "X-MTC-Upload"
+UPLOAD_ID = re.compile(r"^[0-9a-f]{16,64}$")
