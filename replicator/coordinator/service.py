@@ -29,7 +29,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Gauge, generate_latest
 
-from replicator import pod_files
+from csi_driver import atomic_file
 from replicator.bearer import read_token, require_bearer
 from replicator.coordinator.state import ClusterState, JobState, NodeIdTaken, NotReady, UnknownIncarnation
 from replicator.messages import (
@@ -323,7 +323,7 @@ def _save_snapshot(app: web.Application) -> None:
         {"namespace": ns, "job": job, "settings": {str(r): to_json(s) for r, s in state.settings.items()}}
         for (ns, job), state in app[_STATE_KEY].jobs.items()
     ]
-    pod_files.write_file_atomic(path, json.dumps(snapshot).encode())
+    atomic_file.write_file_atomic(path, json.dumps(snapshot).encode())
 
 
 def _load_snapshot(app: web.Application) -> None:
