@@ -24,7 +24,7 @@ T = TypeVar("T")
 Key = tuple[int, int, int, int, int]
 
 RACY_SECONDS = 1.0
-MAX_ENTRIES = 4096  # paths per cache; the oldest entry goes first (a released job's leftovers)
+MAX_ENTRIES = 4096  # files or directories per cache; the oldest goes first (a released job's leftovers)
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -109,8 +109,8 @@ class FileCache(Generic[T]):
 
 
 class DirCache(Generic[T]):
-    """The wanted files of directories the agent owns, parsed: the listing is read again when the
-    directory's key changes, and of its files only those whose own key changed.
+    """The wanted files of directories the agent owns, each parsed once per version: a call lists
+    the directory and ``stat``s each wanted file.
 
     Args:
       wanted: which names of a directory to read.
@@ -120,8 +120,8 @@ class DirCache(Generic[T]):
     def __init__(self, wanted: Callable[[str], bool], parse: Callable[[bytes], T], max_entries: int = MAX_ENTRIES):
         self._wanted = wanted
         self._parse = parse
-        # directory -> (its key, None unless it and every file are settled; name -> (file key or None, value))
-        self._listings: dict[str, tuple[Key | None, dict[str, tuple[Key | None, T]]]] = {}
+        # directory -> name -> (key, None when not settled; value): exactly the files of the last listing
+        self._listings: dict[str, dict[str, tuple[Key | None, T]]] = {}
         self._max = max_entries
         self._lock = threading.Lock()
 
@@ -133,29 +133,24 @@ class DirCache(Generic[T]):
           FileNotFoundError: the directory does not exist.
         """
         since = time.time_ns()
-        key = key_of(os.stat(directory))
-        key_then, files = self._listings.get(directory, (None, {}))
-        if key_then == key:
-            return {name: value for name, (_, value) in files.items()}
+        before = self._listings.get(directory, {})
         found: dict[str, tuple[Key | None, T]] = {}
         for name in os.listdir(directory):
             if not self._wanted(name):
                 continue
             path = os.path.join(directory, name)
-            old = files.get(name)
             try:
-                unchanged = old is not None and old[0] is not None and old[0] == key_of(os.stat(path, follow_symlinks=False))
+                key = key_of(os.stat(path, follow_symlinks=False))
             except FileNotFoundError:
                 continue
-            if unchanged:
+            if (old := before.get(name)) is not None and old[0] == key:
                 found[name] = old
             elif (read := _read(path, self._parse, since)) is not None:
                 found[name] = read
-        trusted = key if settled(key, since) and all(k is not None for k, _ in found.values()) else None
         with self._lock:
             self._listings.pop(directory, None)
             _bound(self._listings, self._max)
-            self._listings[directory] = (trusted, found)
+            self._listings[directory] = found
         return {name: value for name, (_, value) in found.items()}
 
 

@@ -278,6 +278,19 @@ def scan_steps(local_dir: str) -> StepScan:
         if scan is None:
             scan = _scan(fd)
             _SCANS.put(local_dir, key, since, scan)
+    return _copy(scan)
+
+
+def cached_scan(local_dir: str) -> StepScan | None:
+    """``scan_steps(local_dir)`` if the dir is unchanged since the last scan, else None. It costs
+    an open and an ``fstat``, so an event loop may call it, where a full scan of a dir the pod
+    fills is work for a thread."""
+    with pod_files.open_dir(local_dir) as fd:
+        scan = _SCANS.get(local_dir, file_cache.key_of(os.fstat(fd)))
+    return None if scan is None else _copy(scan)
+
+
+def _copy(scan: StepScan) -> StepScan:
     return StepScan(list(scan.committed), list(scan.staged), list(scan.refused))  # the caller's own lists
 
 
