@@ -1,16 +1,16 @@
 """The node agent's own CPU at steady state: jobs train, nothing changes, the agent should be nearly idle.
 
-One real ``mtc node`` agent (tmpfs ramdisks when root) and a coordinator on loopback, as
-``examples.local_cluster.LocalCluster`` starts them, plus a second agent without pods: with one
-live node every step is "safe" and garbage collection would leave one step per job. The peer tier
-is off, so no step gets a replica, none becomes safe and every job holds its STEPS steps (as it
-does on a real cluster until a replica lands; Orbax's own retention bounds them). JOBS single-node
-jobs are published on the first agent with the kubelet stand-in, and each goes through the real protocol as Orbax would drive it: the agent
-assigns rank 0 (``jax-init-info.txt``), consumes ``replicator.yaml``, writes the fresh-start marker
-(which the "job" then takes), and the job commits STEPS Orbax-like steps of FILES_PER_STEP files
+Two real ``mtc node`` agents (tmpfs ramdisks when root) and a coordinator on loopback, as
+``examples.local_cluster.LocalCluster`` starts them; the first agent is measured. JOBS two-node
+jobs are published, one pod on each agent, with the kubelet stand-in, and each pod goes through
+the real protocol as Orbax would drive it: its agent writes the rank the coordinator assigned
+(``jax-init-info.txt``), consumes ``replicator.yaml``, writes the fresh-start marker (which the
+"job" then takes), and the pod commits STEPS Orbax-like steps of FILES_PER_STEP files
 (``_CHECKPOINT_METADATA``, ``state/`` with OCDBT-like data files, ``process_metadata/``) by renaming
-``<step>.orbax-checkpoint-tmp`` to ``<step>``. Once the coordinator reports every step held and
-the agent has settled, the agent's and the coordinator's CPU seconds (psutil, user + system) are
+``<step>.orbax-checkpoint-tmp`` to ``<step>``. The peer tier is off, so no step gets the replica
+the job's settings want, none becomes safe to collect, and every rank holds its STEPS steps (on a
+real cluster, until a replica lands; Orbax's own retention bounds them). Once the coordinator
+reports every step held and the agents have settled, the agent's and the coordinator's CPU seconds (psutil, user + system) are
 measured over WINDOWS windows of ``--window-seconds``; the median window is printed as % of one
 core beside the goal (issue 9: the agent <= 2 % of a core; the coordinator is for reference).
 
@@ -37,6 +37,7 @@ from tests.bench.replication_overhead import cpu_seconds
 from tests.bench.scratch import free_port
 
 JOBS = 3
+NODES = (0, 1)  # each job has a pod on each agent; agent 0 is measured
 STEPS = (100, 200, 300)
 FILES_PER_STEP = 60
 FILE_BYTES = 16 << 10
@@ -76,36 +77,42 @@ def commit_step(client_dir: str, step: int) -> None:
     os.rename(tmp, os.path.join(client_dir, str(step)))
 
 
-def replicator_yaml(job: str) -> str:
-    return (f"job-name: {job}\nframework: orbax\nassume-data-parallelism: 1\nnode-rank: 0\nnodes: 1\n"
+def replicator_yaml(job: str, rank: int) -> str:
+    return (f"job-name: {job}\nframework: orbax\nassume-data-parallelism: 1\nnode-rank: {rank}\nnodes: {len(NODES)}\n"
             f"peer-ranks: []\nbackup-interval-minutes: 30\n")  # fmt: skip
 
 
 def start_jobs(cluster: LocalCluster, workdir: str) -> list[str]:
-    """Publishes JOBS one-node jobs and takes each through the protocol to STEPS held; returns the job keys."""
-    agent, jobs = cluster.agents[0], []
+    """Publishes JOBS jobs, one pod per agent, and takes each pod through the protocol to STEPS
+    held; returns the job keys."""
+    pods = []
     for index in range(JOBS):
-        name = f"idle{index}"
-        target = os.path.join(workdir, "pods", name, "mount")
-        kubelet.publish(agent.endpoint, target, f"{name}-slice-0-0-a", attributes={"nodes": "1", "size": "64Mi"})
-        jobs.append((f"{name}-slice", target))
-    for job, target in jobs:
-        wait_until(lambda: os.path.exists(os.path.join(target, JAX_INIT_INFO_FILE)), READY_TIMEOUT, f"{job}: rank assigned")
+        for node, agent in zip(NODES, cluster.agents):
+            name = f"idle{index}"
+            target = os.path.join(workdir, "pods", f"{name}-{node}", "mount")
+            kubelet.publish(agent.endpoint, target, f"{name}-slice-0-{node}-a", attributes={"nodes": str(len(NODES)), "size": "64Mi"})
+            pods.append((f"{name}-slice", target))
+    for job, target in pods:
+        init_info = os.path.join(target, JAX_INIT_INFO_FILE)
+        wait_until(lambda: os.path.exists(init_info), READY_TIMEOUT, f"{job}: rank assigned")
+        with open(init_info, encoding="utf-8") as f:
+            rank = int(f.read().split("\n")[0])
         with open(os.path.join(target, REPLICATOR_FILE + ".tmp"), "w", encoding="utf-8") as f:
-            f.write(replicator_yaml(job))
+            f.write(replicator_yaml(job, rank))
         os.replace(os.path.join(target, REPLICATOR_FILE + ".tmp"), os.path.join(target, REPLICATOR_FILE))
-    for job, target in jobs:
+    for job, target in pods:
         markers = lambda: [n for n in os.listdir(target) if n.endswith(RESTORE_SUFFIX)]  # noqa: E731
         wait_until(markers, READY_TIMEOUT, f"{job}: restore marker")
         for marker in markers():
             os.unlink(os.path.join(target, marker))  # Orbax removes the fresh-start marker and trains
         for step in STEPS:
             commit_step(target, step)
-    want = {"0": {str(s) for s in STEPS}}
-    for job, _ in jobs:
+    want = {str(rank): {str(s) for s in STEPS} for rank in range(len(NODES))}
+    jobs = sorted({job for job, _ in pods})
+    for job in jobs:
         held = lambda: {r: set(s) for r, s in cluster.coordinator.status(job)["jobs"][0]["held"].items()}  # noqa: E731
-        wait_until(lambda: held() == want, READY_TIMEOUT, f"{job}: steps {list(STEPS)} held")
-    return [job for job, _ in jobs]
+        wait_until(lambda: held() == want, READY_TIMEOUT, f"{job}: steps {list(STEPS)} held by every rank")
+    return jobs
 
 
 def measure(cluster: LocalCluster, window_seconds: float) -> list[tuple[float, float]]:
@@ -154,7 +161,7 @@ def main() -> int:
         cluster = LocalCluster(workdir, lambda host: f"{host}:{free_port(host)}", peer_tier=False, backup=f"file://{workdir}/bucket" if args.backup else None,
                                agent_wrapper=["tests.bench.profiled", profile_path] if args.profile else None)  # fmt: skip
         cleanup.callback(cluster.stop)
-        cluster.start(2)
+        cluster.start(len(NODES))
         jobs = start_jobs(cluster, workdir)
         time.sleep(SETTLE_SECONDS)
         if args.profile:
@@ -165,7 +172,7 @@ def main() -> int:
     agent = statistics.median(w[0] for w in windows)
     coordinator = statistics.median(w[1] for w in windows)
     met = agent <= GOAL_PERCENT
-    print(f"node agent CPU at steady state: {JOBS} jobs ({', '.join(jobs)}), {len(STEPS)} held steps each of "
+    print(f"node agent CPU at steady state: {JOBS} jobs ({', '.join(jobs)}) of {len(NODES)} nodes, {len(STEPS)} held steps per rank of "
           f"{FILES_PER_STEP} files, backups {'on (file://)' if args.backup else 'off'}; {WINDOWS} windows of "
           f"{args.window_seconds:g} s after {SETTLE_SECONDS:g} s settling; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")  # fmt: skip
     print(f"{'window':<8}{'agent % of a core':>19}{'coordinator %':>15}")
