@@ -6,8 +6,9 @@ The manager owns the on-disk truth and knows nothing about gRPC. Layout under ``
     jobs/<namespace>/<job>/          the job's tmpfs, exactly the requested size
     jobs/<namespace>/<job>/client/   bind-mounted at each pod's target_path (Orbax's local dir)
 
-Every method holds a thread lock and an ``flock`` on ``root/.lock``, so the agent's gRPC threads
-and a concurrent ``mtc gc`` see one consistent state.
+Every change holds a thread lock and an ``flock`` on ``root/.lock``, so the agent's gRPC threads
+and a concurrent ``mtc gc`` see one consistent state. Reads (``ramdisks``) take neither: the state
+file is only ever replaced whole, and its parsed content is cached until it is replaced.
 """
 
 import contextlib
@@ -23,7 +24,7 @@ from collections.abc import Callable, Iterator
 
 import psutil
 
-from csi_driver import atomic_file, mounts
+from csi_driver import atomic_file, file_cache, mounts
 from csi_driver.quantity import format_bytes, parse_quantity
 from csi_driver.volume_request import VolumeSpec
 
@@ -208,6 +209,18 @@ def make_backend(name: str) -> TmpfsBackend | DirBackend:
     raise ValueError(f"unknown ramdisk backend {name!r}: use tmpfs or dir")
 
 
+def _parse_state(data: bytes) -> dict[tuple[str, str], Ramdisk]:
+    ramdisks = {}
+    for item in json.loads(data)["ramdisks"]:
+        publications = {
+            target: Publication(p["volume_id"], p["readonly"], VolumeSpec(**p["spec"]), p["published_at"])
+            for target, p in item.pop("publications").items()
+        }
+        disk = Ramdisk(publications=publications, **item)
+        ramdisks[(disk.namespace, disk.job)] = disk
+    return ramdisks
+
+
 class RamdiskManager:
     """Creates, publishes, resizes and releases the node's job ramdisks.
 
@@ -228,34 +241,26 @@ class RamdiskManager:
         self._on_new_pod = on_new_pod
         self._jobs_root = os.path.join(self.root, "jobs")
         self._thread_lock = threading.RLock()
+        self._snapshots = file_cache.FileCache(_parse_state, max_entries=1)
         os.makedirs(self._jobs_root, exist_ok=True)
 
     # -- locking and persistence -------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _locked(self, write: bool = True) -> Iterator[dict[tuple[str, str], Ramdisk]]:
+    def _locked(self) -> Iterator[dict[tuple[str, str], Ramdisk]]:
         with self._thread_lock, open(os.path.join(self.root, _LOCK_FILE), "a") as lock_file:
             fcntl.flock(lock_file, fcntl.LOCK_EX)
             ramdisks = self._load()
             yield ramdisks
-            if write:  # an exception skips this: a failed operation leaves the state file as it was
-                self._save(ramdisks)
+            self._save(ramdisks)  # an exception skips this: a failed operation leaves the state file as it was
 
     def _load(self) -> dict[tuple[str, str], Ramdisk]:
+        """The state to change: parsed afresh, never the cached snapshot others hold."""
         try:
-            with open(os.path.join(self.root, _STATE_FILE), encoding="utf-8") as f:
-                raw = json.load(f)
+            with open(os.path.join(self.root, _STATE_FILE), "rb") as f:
+                return _parse_state(f.read())
         except FileNotFoundError:
             return {}
-        ramdisks = {}
-        for item in raw["ramdisks"]:
-            publications = {
-                target: Publication(p["volume_id"], p["readonly"], VolumeSpec(**p["spec"]), p["published_at"])
-                for target, p in item.pop("publications").items()
-            }
-            disk = Ramdisk(publications=publications, **item)
-            ramdisks[(disk.namespace, disk.job)] = disk
-        return ramdisks
 
     def _save(self, ramdisks: dict[tuple[str, str], Ramdisk]) -> None:
         state = {"ramdisks": [dataclasses.asdict(d) for d in ramdisks.values()]}
@@ -386,9 +391,10 @@ class RamdiskManager:
     # -- queries -----------------------------------------------------------------------------
 
     def ramdisks(self) -> dict[tuple[str, str], Ramdisk]:
-        """A snapshot of every ramdisk, keyed by (namespace, job)."""
-        with self._locked(write=False) as ramdisks:
-            return dict(ramdisks)
+        """A snapshot of every ramdisk, keyed by (namespace, job): the last state saved. The
+        ``Ramdisk`` objects are shared with other callers until the state changes: read them, never
+        change them (changes go through the methods above)."""
+        return dict(self._snapshots.read(os.path.join(self.root, _STATE_FILE)) or {})
 
     def find_by_target(self, target_path: str) -> tuple[Ramdisk, Publication] | None:
         """The ramdisk and publication mounted at ``target_path``, or None."""

@@ -107,6 +107,8 @@ class NodeAgentProcess(_Stoppable):
       backend: ``tmpfs`` or ``dir``.
       extra_args: further ``mtc node`` flags.
       env: further environment variables (e.g. ``STORAGE_EMULATOR_HOST``).
+      wrapper: a module that runs the agent's module (``python -m WRAPPER ... -m <agent module>``),
+        e.g. ``["tests.bench.profiled", OUT]``; empty to run it directly.
     """
 
     node_id: str
@@ -115,6 +117,7 @@ class NodeAgentProcess(_Stoppable):
     backend: str = "tmpfs"
     extra_args: list[str] = dataclasses.field(default_factory=list)
     env: dict[str, str] = dataclasses.field(default_factory=dict)
+    wrapper: list[str] = dataclasses.field(default_factory=list)
     process: subprocess.Popen | None = None
 
     @property
@@ -139,7 +142,7 @@ class NodeAgentProcess(_Stoppable):
 
     def command(self) -> list[str]:
         return [
-            sys.executable, "-m", "replicator.cli", "node",
+            sys.executable, *(["-m", *self.wrapper] if self.wrapper else []), "-m", "replicator.cli", "node",
             "--node-id", self.node_id, "--root", self.root, "--csi-endpoint", self.endpoint,
             "--listen", self.listen, "--ramdisk-backend", self.backend, *self.extra_args,
         ]  # fmt: skip
@@ -265,10 +268,11 @@ class LocalCluster:
       backup: ``--backup`` URL of every agent, or None.
       env: environment of the agents (e.g. ``STORAGE_EMULATOR_HOST``).
       agent_args: further ``mtc node`` flags of every agent (e.g. ``--background-cpu``).
+      agent_wrapper: ``NodeAgentProcess.wrapper`` of every agent.
     """
 
     def __init__(self, workdir: str, listen_address: Callable[[str], str], replicas: int = 1, peer_tier: bool = True,
-                 backup: str | None = None, env: dict[str, str] | None = None, agent_args: list[str] | None = None):  # fmt: skip
+                 backup: str | None = None, env: dict[str, str] | None = None, agent_args: list[str] | None = None, agent_wrapper: list[str] | None = None):  # fmt: skip
         self.workdir = workdir
         self._listen_address = listen_address
         self.replicas = replicas
@@ -276,6 +280,7 @@ class LocalCluster:
         self.backup = backup
         self.env = env or {}
         self.agent_args = agent_args or []
+        self.agent_wrapper = agent_wrapper or []
         self.token_file = os.path.join(workdir, "peer-token")
         os.makedirs(workdir, exist_ok=True)
         with open(self.token_file, "w", encoding="utf-8") as f:
@@ -306,7 +311,7 @@ class LocalCluster:
              "--topology", f"block={block or f'b{index // 2}'}", "--replicas", str(self.replicas),
              *(["--peer-token-file", self.token_file] if self.peer_tier else []),
              *(["--backup", self.backup] if self.backup else []), *self.agent_args],
-            env=self.env,
+            env=self.env, wrapper=self.agent_wrapper,
         )  # fmt: skip
         self.agents.append(agent)
         return agent.start()

@@ -8,6 +8,10 @@ exactly as long as the data it describes::
     mtc/replicas/rank-<r>/<step>/             another rank's step, pushed here by a peer
     mtc/replicas/rank-<r>/<step>.json         its manifest, written after the data is in place
     mtc/incoming/<id>/                        a replica or restore still being received: never read
+
+Only the agent writes here, always by replacing a file whole (``pod_files.write_file_atomic``).
+Manifests and progress are read from ``file_cache``: parsed once per version of a file, so the
+agent's five passes a second over an unchanged job cost a ``stat`` each.
 """
 
 import contextlib
@@ -18,6 +22,7 @@ import re
 import shutil
 import uuid
 
+from csi_driver import file_cache
 from replicator import orbax_protocol, pod_files
 
 from replicator.messages import JobSettings, decode, to_json
@@ -51,6 +56,21 @@ class PodProgress:
     restore_done: bool = False
 
 
+def _parse_manifest(data: bytes) -> StepManifest:
+    return StepManifest.from_json(data.decode("utf-8"))
+
+
+def _parse_progress(data: bytes) -> PodProgress:
+    raw = json.loads(data)
+    settings = raw.pop("settings")
+    return PodProgress(**raw, settings=None if settings is None else decode(settings, JobSettings))
+
+
+# Process-wide: every JobMeta of a ramdisk shares them (the agent makes one per call).
+_MANIFESTS = file_cache.DirCache(_MANIFEST_NAME.match, _parse_manifest)
+_PROGRESS = file_cache.FileCache(_parse_progress)
+
+
 def _write_json(path: str, value) -> None:
     pod_files.write_file_atomic(path, (value if isinstance(value, str) else json.dumps(value)).encode())
 
@@ -68,18 +88,13 @@ class JobMeta:
         self._manifests = os.path.join(self.root, "manifests")
         self._replicas = os.path.join(self.root, "replicas")
         self._incoming = os.path.join(self.root, "incoming")
-        for directory in (self._manifests, self._replicas, self._incoming):
-            os.makedirs(directory, exist_ok=True)
+        if not os.path.isdir(self._incoming):  # made last: when it exists, so do the others
+            for directory in (self._manifests, self._replicas, self._incoming):
+                os.makedirs(directory, exist_ok=True)
 
     def manifests(self) -> dict[int, StepManifest]:
-        """Step -> manifest of every recorded step."""
-        found = {}
-        for name in os.listdir(self._manifests):
-            if name.endswith(".json"):
-                with open(os.path.join(self._manifests, name), encoding="utf-8") as f:
-                    manifest = StepManifest.from_json(f.read())
-                found[manifest.step] = manifest
-        return found
+        """Step -> manifest of every recorded step (the manifests are shared: do not mutate them)."""
+        return {manifest.step: manifest for manifest in _MANIFESTS.read(self._manifests).values()}
 
     def save_manifest(self, manifest: StepManifest) -> None:
         _write_json(os.path.join(self._manifests, f"{manifest.step}.json"), manifest.to_json())
@@ -96,14 +111,11 @@ class JobMeta:
         return os.path.join(self._replicas, f"rank-{rank}", str(step))
 
     def replicas(self) -> dict[tuple[int, int], StepManifest]:
-        """(rank, step) -> manifest of every complete replica held here."""
+        """(rank, step) -> manifest of every complete replica held here (shared: do not mutate them)."""
         found = {}
         for rank_dir in os.listdir(self._replicas):
-            for name in os.listdir(os.path.join(self._replicas, rank_dir)):
-                if _MANIFEST_NAME.match(name):
-                    with open(os.path.join(self._replicas, rank_dir, name), encoding="utf-8") as f:
-                        manifest = StepManifest.from_json(f.read())
-                    found[(manifest.rank, manifest.step)] = manifest
+            for manifest in _MANIFESTS.read(os.path.join(self._replicas, rank_dir)).values():
+                found[(manifest.rank, manifest.step)] = manifest
         return found
 
     def new_incoming_dir(self) -> str:
@@ -153,16 +165,11 @@ class JobMeta:
     # -- the current pod -------------------------------------------------------------------------
 
     def progress(self, pod_uid: str) -> PodProgress:
-        """The record of ``pod_uid``; a new, empty one when the stored record is another pod's."""
-        try:
-            with open(os.path.join(self.root, "assignment.json"), encoding="utf-8") as f:
-                raw = json.load(f)
-        except FileNotFoundError:
+        """The record of ``pod_uid`` (the caller's own copy); a new, empty one when the stored record is another pod's."""
+        stored = _PROGRESS.read(os.path.join(self.root, "assignment.json"))
+        if stored is None or stored.pod_uid != pod_uid:
             return PodProgress(pod_uid)
-        if raw.get("pod_uid") != pod_uid:
-            return PodProgress(pod_uid)
-        settings = raw.pop("settings")
-        return PodProgress(**raw, settings=None if settings is None else decode(settings, JobSettings))
+        return dataclasses.replace(stored)
 
     def save_progress(self, progress: PodProgress) -> None:
         _write_json(os.path.join(self.root, "assignment.json"), to_json(progress))

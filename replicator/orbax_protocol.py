@@ -21,11 +21,13 @@ import json
 import os
 import re
 import stat
+import time
 from typing import Annotated, Literal
 
 import msgspec
 import yaml
 
+from csi_driver import file_cache
 from replicator import pod_files
 
 JAX_INIT_INFO_FILE = "jax-init-info.txt"
@@ -253,6 +255,10 @@ def remove_markers(local_dir: str) -> None:
                 pod_files.remove(fd, name)
 
 
+# local dir -> its last scan; the agent scans every job's dir five times a second.
+_SCANS: file_cache.KeyedCache[StepScan] = file_cache.KeyedCache()
+
+
 def scan_steps(local_dir: str) -> StepScan:
     """What the client dir holds, read without following any link the pod may have planted.
 
@@ -260,25 +266,53 @@ def scan_steps(local_dir: str) -> StepScan:
     our restore marker (``<step>`` -> ``.mtc-staged-<step>``, a directory). Any other entry with a
     step's name (a symlink elsewhere, a FIFO, a file) is returned in ``refused``.
     ``<step>.orbax-checkpoint-tmp`` directories are still being written and never count.
+
+    The dir is listed again only when its ``file_cache.Key`` (``fstat`` of the opened dir) changed:
+    every create, delete and rename of an entry, Orbax's commit rename included, changes its ctime,
+    which the pod cannot set back. A change inside a step directory does not, and is not part of
+    a scan.
     """
-    committed, staged, refused = [], [], []
+    since = time.time_ns()
     with pod_files.open_dir(local_dir) as fd:
-        entries = dict(pod_files.names(fd))
-        for name, status in entries.items():
-            if name.startswith(STAGED_PREFIX):
-                step = pod_files.parse_int_name(name[len(STAGED_PREFIX):])
-                if step is not None and stat.S_ISDIR(status.st_mode):
-                    staged.append(step)
-                continue
-            step = pod_files.parse_int_name(name)
-            if step is None:
-                continue
-            if stat.S_ISDIR(status.st_mode):
-                committed.append(step)
-            elif stat.S_ISLNK(status.st_mode) and _is_adopted_marker(fd, name, step, entries):
-                committed.append(step)
-            else:
-                refused.append(step)
+        key = file_cache.key_of(os.fstat(fd))
+        scan = _SCANS.get(local_dir, key)
+        if scan is None:
+            scan = _scan(fd)
+            _SCANS.put(local_dir, key, since, scan)
+    return _copy(scan)
+
+
+def cached_scan(local_dir: str) -> StepScan | None:
+    """``scan_steps(local_dir)`` if the dir is unchanged since the last scan, else None. It costs
+    an open and an ``fstat``, so an event loop may call it, where a full scan of a dir the pod
+    fills is work for a thread."""
+    with pod_files.open_dir(local_dir) as fd:
+        scan = _SCANS.get(local_dir, file_cache.key_of(os.fstat(fd)))
+    return None if scan is None else _copy(scan)
+
+
+def _copy(scan: StepScan) -> StepScan:
+    return StepScan(list(scan.committed), list(scan.staged), list(scan.refused))  # the caller's own lists
+
+
+def _scan(fd: int) -> StepScan:
+    committed, staged, refused = [], [], []
+    entries = dict(pod_files.names(fd))
+    for name, status in entries.items():
+        if name.startswith(STAGED_PREFIX):
+            step = pod_files.parse_int_name(name[len(STAGED_PREFIX):])
+            if step is not None and stat.S_ISDIR(status.st_mode):
+                staged.append(step)
+            continue
+        step = pod_files.parse_int_name(name)
+        if step is None:
+            continue
+        if stat.S_ISDIR(status.st_mode):
+            committed.append(step)
+        elif stat.S_ISLNK(status.st_mode) and _is_adopted_marker(fd, name, step, entries):
+            committed.append(step)
+        else:
+            refused.append(step)
     return StepScan(sorted(committed), sorted(staged), sorted(refused))
 
 
