@@ -148,7 +148,7 @@ def test_commit_detection_checksums_a_step_committed_after_the_scan_was_cached(t
 
 def test_a_ramdisk_snapshot_follows_the_state_another_process_saves(tmp_path, no_racy_window):
     root = str(tmp_path / "root")
-    reader, writer = RamdiskManager(root, DirBackend()), RamdiskManager(root, DirBackend())
+    reader, writer = (RamdiskManager(root, DirBackend(), on_new_pod=lambda client_dir: None) for _ in range(2))
     assert reader.ramdisks() == {}
     writer.publish("v1", str(tmp_path / "target"), spec("train", pod="p1"))
     assert list(reader.ramdisks()[("default", "train")].publications) == [str(tmp_path / "target")]
