@@ -20,7 +20,7 @@ from tests.conftest import requires_root
 from tests.test_crash_consistency import write_step
 from tests.test_hostile_pod import commit_step, yaml_for
 from tests.test_node_protocol import wait_for
-from tests.test_ramdisk_manager import spec
+from tests.test_ramdisk_manager import ignore_new_pod, spec
 
 TICK = 0.05  # longer than a file system's timestamp tick, so the next change stamps a new time
 
@@ -148,7 +148,7 @@ def test_commit_detection_checksums_a_step_committed_after_the_scan_was_cached(t
 
 def test_a_ramdisk_snapshot_follows_the_state_another_process_saves(tmp_path, no_racy_window):
     root = str(tmp_path / "root")
-    reader, writer = (RamdiskManager(root, DirBackend(), on_new_pod=lambda client_dir: None) for _ in range(2))
+    reader, writer = (RamdiskManager(root, DirBackend(), on_new_pod=ignore_new_pod) for _ in range(2))
     assert reader.ramdisks() == {}
     writer.publish("v1", str(tmp_path / "target"), spec("train", pod="p1"))
     assert list(reader.ramdisks()[("default", "train")].publications) == [str(tmp_path / "target")]
