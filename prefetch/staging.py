@@ -11,6 +11,7 @@ import secrets
 import stat
 
 from replicator import orbax_protocol, pod_files
+from replicator.job_meta import JobMeta
 from replicator.step_manifest import StepManifest, verify_step
 
 log = logging.getLogger(__name__)
@@ -18,18 +19,22 @@ log = logging.getLogger(__name__)
 _TRASH_PREFIX = ".mtc-trash-"  # not a step name: Orbax ignores it
 
 
-def stage_local(local_dir: str, step: int, manifest: StepManifest | None) -> list[str]:
+def stage_local(local_dir: str, step: int, manifest: StepManifest | None, meta: JobMeta | None = None, rank: int | None = None) -> list[str]:
     """Verifies this node's own copy of ``step`` and moves it to the staged name.
 
     Args:
       local_dir: the client dir.
       step: the step to restore.
       manifest: the checksums recorded when the step committed, or None if none were.
+      meta, rank: where to look for the step when an earlier restore set it aside (see
+        ``clear_for_restore``), as the node's own copy of ``rank``.
 
     Returns:
       Problems found; empty when the step is staged and verified.
     """
     found = orbax_protocol.find_step_dir(local_dir, step)
+    if found is None and meta is not None and (aside := meta.replicas().get((rank, step))) is not None:
+        return _stage_set_aside(local_dir, step, meta, aside)
     if found is None or manifest is None:
         return [f"step {step} is not held here" if found is None else f"step {step} has no manifest"]
     problems = verify_step(found, manifest)
@@ -43,6 +48,20 @@ def stage_local(local_dir: str, step: int, manifest: StepManifest | None) -> lis
         elif (link := pod_files.lstat(fd, str(step))) is not None and stat.S_ISLNK(link.st_mode):
             os.unlink(str(step), dir_fd=fd)  # the marker of an earlier restore; Orbax recreates it from ours
         pod_files.fsync_dir(fd)
+    return []
+
+
+def _stage_set_aside(local_dir: str, step: int, meta: JobMeta, manifest: StepManifest) -> list[str]:
+    """Verifies a step set aside by an earlier restore and moves it back, staged; it is the node's
+    own step again (its manifest follows it)."""
+    aside = meta.replica_dir(manifest.rank, step)
+    problems = verify_step(aside, manifest)
+    if problems:
+        log.error("set-aside copy of step %d is corrupt: %s", step, problems[:5])
+        return problems
+    install_staged(local_dir, step, aside)
+    meta.save_manifest(manifest)
+    meta.drop_replica(manifest.rank, step)
     return []
 
 
@@ -78,21 +97,29 @@ def sweep_trash(local_dir: str) -> None:
                 pod_files.remove(fd, name)
 
 
-def clear_for_restore(local_dir: str, step: int | None) -> list[int]:
-    """Removes committed steps newer than ``step`` (all of them when None) and old markers.
+def clear_for_restore(local_dir: str, step: int | None, meta: JobMeta, rank: int) -> list[int]:
+    """Takes committed steps newer than ``step`` (all of them when None) out of the client dir, and
+    removes old markers.
 
     Orbax restores the newest step it finds, so a step newer than the one every rank agreed on
-    would split the job. Those steps are not complete everywhere and are removed, as are staged
-    copies nothing points at any more.
+    would split the job. Such a step is not complete everywhere now, but it may be again (a silent
+    holder comes back): one with a manifest is *set aside*, moved (one rename on the same ramdisk)
+    into the agent's area as ``meta``'s replica of ``rank``, where it stays reported and restorable
+    until a step newer than ``step`` is safe (garbage collection). Only a step without a manifest
+    (never checksummed) or that is not a directory is deleted, as are staged copies nothing points at.
 
     Returns:
-      The steps removed.
+      The steps taken out of the client dir (set aside or deleted).
     """
     orbax_protocol.remove_markers(local_dir)
     scan = orbax_protocol.scan_steps(local_dir)
     removed = [s for s in scan.committed + scan.refused if step is None or s > step]
+    manifests = meta.manifests()
     for stale in removed:
+        if stale in scan.committed and stale in manifests and _set_aside(local_dir, stale, meta, manifests[stale], rank):
+            log.warning("set aside step %d of %s: not restorable on every rank now", stale, local_dir)
         delete_step(local_dir, stale)
+        meta.drop_manifest(stale)
     with pod_files.open_dir(local_dir) as fd:
         linked = set()
         for name, status in pod_files.names(fd):
@@ -103,6 +130,22 @@ def clear_for_restore(local_dir: str, step: int | None) -> list[int]:
             name = orbax_protocol.staged_name(staged)
             if staged != step and name not in linked:
                 pod_files.remove(fd, name)
-    if removed:
-        log.warning("removed steps %s from %s: not restorable on every rank", removed, local_dir)
     return removed
+
+
+def _set_aside(local_dir: str, step: int, meta: JobMeta, manifest: StepManifest, rank: int) -> bool:
+    """Moves a committed step's directory out of the client dir into ``meta`` as a replica of
+    ``rank``; False when what has the step's name is not a directory (then it is deleted)."""
+    found = orbax_protocol.find_step_dir(local_dir, step)
+    if found is None:
+        return False
+    parent = meta.new_incoming_dir()  # on the same ramdisk: one rename, no copy
+    with pod_files.open_dir(local_dir) as fd:
+        os.rename(os.path.basename(found), os.path.join(parent, "step"), src_dir_fd=fd)
+        pod_files.fsync_dir(fd)
+    with pod_files.open_dir(parent) as fd:
+        if not pod_files.is_dir(fd, "step"):  # the pod swapped it for something else meanwhile
+            pod_files.remove(fd, "step")
+            return False
+    meta.install_replica(os.path.join(parent, "step"), StepManifest(step, rank, manifest.files))
+    return True

@@ -356,7 +356,8 @@ class NodeReplicator:
                 waiting |= progress.incarnation is None and spec.pod_uid not in self._assignments
             present = set(orbax_protocol.held_steps(disk.client_dir))
             own += [(disk.namespace, disk.job, step, m.rank, m.files) for step, m in meta.manifests().items() if step in present]
-            replicas += [(disk.namespace, disk.job, m.step, m.rank) for m in meta.replicas().values()]
+            mine = {(m.rank, step) for step, m in meta.manifests().items()}
+            replicas += [(disk.namespace, disk.job, step, rank) for rank, step in meta.replicas() if (rank, step) not in mine]
         backed_up = self._backup.listing.values() if self._backup else ()
         return self._reporting.build(pods, own, replicas, backed_up, waiting)
 
@@ -403,7 +404,8 @@ class NodeReplicator:
             self._busy_steps.discard(busy)
 
     def _collect_garbage(self, disk: Ramdisk, order) -> None:
-        """Deletes own steps and replicas older than the newest safe step (see ``RetainOrder``)."""
+        """Deletes own steps and replicas older than the newest safe step (see ``RetainOrder``), and
+        the steps the pod's restore set aside once a step newer than the restored one is safe."""
         meta = JobMeta(disk.path)
         keep = set(order.protected) | {step for ns, job, step in self._busy_steps if (ns, job) == (disk.namespace, disk.job)}
         for step in meta.manifests():
@@ -411,8 +413,12 @@ class NodeReplicator:
                 meta.drop_manifest(step)  # first: a step is never reported once its deletion began
                 staging.delete_step(disk.client_dir, step)
                 GC_DELETED.inc()
+        spec = current_pod(disk)
+        progress = meta.progress(spec.pod_uid) if spec else None
+        restored = progress.handing_over if progress and progress.restore_done else None
         for rank, step in meta.replicas():
-            if step < order.keep_from and step not in keep:
+            set_aside = progress is not None and rank == progress.rank and restored is not None
+            if (step < order.keep_from or (set_aside and order.keep_from > restored)) and step not in keep:
                 meta.drop_replica(rank, step)
                 GC_DELETED.inc()
 
@@ -564,7 +570,8 @@ class NodeReplicator:
             if source.files is not None and not orbax_protocol.has_commit_evidence(source.files):
                 failed = _Failed([f"its checksums lack {orbax_protocol.COMMIT_EVIDENCE}"], unusable=True)
             elif source.holder == self.node_id and source.data_rank == progress.rank:
-                problems = await asyncio.to_thread(staging.stage_local, disk.client_dir, view.step, meta.manifests().get(view.step))
+                problems = await asyncio.to_thread(staging.stage_local, disk.client_dir, view.step, meta.manifests().get(view.step),
+                                                   meta, progress.rank)  # fmt: skip
                 failed = _Failed(problems, unusable=True) if problems else None
             elif source.tier == "backup":
                 failed = await self._stage_from_backup(disk, meta, progress, view.step, source)
@@ -619,14 +626,13 @@ class NodeReplicator:
         return None
 
     def _hand_over(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress, step: int | None, source: str) -> None:
-        """Clears steps newer than the agreed one and writes the marker. Idempotent: replayed after a
+        """Sets aside steps newer than the agreed one and writes the marker. Idempotent: replayed after a
         crash (``handing_over`` recorded, ``restore_done`` not), it never clears again, since training
         may have saved steps since, and writes the marker only if Orbax has not taken it."""
         if progress.handing_over is None:
             progress.handing_over = -1 if step is None else step
             meta.save_progress(progress)
-            for stale in staging.clear_for_restore(disk.client_dir, step):
-                meta.drop_manifest(stale)
+            staging.clear_for_restore(disk.client_dir, step, meta, progress.rank)
             marker_needed = True
         else:
             scan = orbax_protocol.scan_steps(disk.client_dir)
@@ -667,6 +673,8 @@ class NodeReplicator:
                 self._refuse(disk, meta, refused, step, f"lacks Orbax's {orbax_protocol.COMMIT_EVIDENCE}: not a complete checkpoint")
                 continue
             meta.save_manifest(manifest)
+            if (progress.rank, step) in meta.replicas():
+                meta.drop_replica(progress.rank, step)  # a step set aside by a restore, written anew: superseded
             NEWEST_STEP.labels(disk.namespace, disk.job, str(progress.rank)).set(step)
             log.info("%s/%s rank %d: step %d committed (%d files, %d bytes)", disk.namespace, disk.job, progress.rank, step, len(manifest.files), manifest.total_bytes)
         if new:

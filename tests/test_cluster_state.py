@@ -148,3 +148,15 @@ def test_restore_from_works_while_the_job_has_no_pods_and_the_next_incarnation_u
     fresh = state.jobs[KEY].incarnation
     assert fresh is not None and fresh.incarnation_id != incarnation
     assert state.restore_view(KEY, fresh.incarnation_id, 0, now=22.5).step == 2
+
+
+def test_a_step_set_aside_by_a_restore_counts_as_its_nodes_own_copy():
+    state = ClusterState()
+    state.expire(0.0)
+    incarnation, rank_of = running_job(state, now=20.0)
+    aside = [HeldStep(*KEY, 9, rank_of[n], replica=True) for n in ("a", "b")]  # both ranks' step 9, set aside
+    for index, node in enumerate(("a", "b")):
+        state.apply_report(report(node, f"http://{node}", [pod(index, incarnation, rank_of[node])], held_by(node, rank_of) + [aside[index]]), 20.2)
+    assert {(c.step, c.rank, c.holder) for c in state.copies(KEY) if c.step == 9} == {(9, rank_of["a"], "a"), (9, rank_of["b"], "b")}
+    view = state.restore_view(KEY, incarnation, rank_of["a"], now=20.5)
+    assert view.step == 9 and [(s.tier, s.holder) for s in view.sources] == [("local", "a")]

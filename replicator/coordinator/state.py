@@ -520,12 +520,11 @@ class ClusterState:
 
     @staticmethod
     def _believed(job: JobState, node_id: str, rank: int, replica: bool) -> bool:
-        """Whether a node's claim to hold a copy counts: its own data of a rank the coordinator
-        assigned it, or a replica the coordinator ordered it to hold. Anything else (an invented
-        node, a rank it never had) can neither make other nodes delete data nor serve a restore."""
-        if replica:
-            return (rank, node_id) in job.ordered
-        return node_id in job.rank_nodes.get(rank, ())
+        """Whether a node's claim to hold a copy counts: data of a rank the coordinator assigned it
+        (its own steps, or a step a restore set aside), or a replica the coordinator ordered it to
+        hold. Anything else (an invented node, a rank it never had) can neither make other nodes
+        delete data nor serve a restore."""
+        return node_id in job.rank_nodes.get(rank, ()) or (replica and (rank, node_id) in job.ordered)
 
     def _promote_owner_reports(self, key: JobKey) -> None:
         """Owner checksums and signatures reported by nodes now believed for the rank become the

@@ -1,0 +1,66 @@
+"""A restore never deletes the last copy of a newer step: steps newer than the restored one are set
+aside, stay reported and restorable, and go only once a step newer than the restored one is safe
+(real files on a real directory, the real NodeReplicator methods; no processes)."""
+
+import os
+
+from csi_driver.ramdisk import Publication, Ramdisk
+from csi_driver.volume_request import parse_volume_context
+from prefetch import staging
+from replicator import orbax_protocol
+from replicator.job_meta import JobMeta, PodProgress
+from replicator.messages import RetainOrder
+from replicator.node_replicator import NodeReplicator
+from replicator.step_manifest import build_manifest
+from tests.test_crash_consistency import write_step
+
+RANK = 1
+
+
+def committed(disk, meta, step):
+    path = write_step(os.path.join(disk.client_dir, str(step)), {"_CHECKPOINT_METADATA": b"{}", "state/a": bytes([step]) * 64})
+    meta.save_manifest(build_manifest(path, step, RANK))
+
+
+def restored_at(tmp_path, step, newer):
+    disk = Ramdisk("default", "run", 1 << 20, str(tmp_path))
+    context = {"csi.storage.k8s.io/pod.name": "run-0-0-x", "csi.storage.k8s.io/pod.uid": "uid", "job": "run", "nodes": "2"}
+    disk.publications["t"] = Publication("v", False, parse_volume_context(context, 1 << 20), 0.0)
+    meta = JobMeta(disk.path)
+    for s in [step, *newer]:
+        committed(disk, meta, s)
+    replicator = NodeReplicator("n", "http://n", None, {}, None, "http://coordinator")
+    progress = PodProgress("uid", "inc", RANK, "h:1", True)
+    assert staging.stage_local(disk.client_dir, step, meta.manifests()[step], meta, RANK) == []
+    replicator._hand_over(disk, meta, progress, step, "local")
+    return disk, meta, replicator
+
+
+def test_newer_steps_are_set_aside_not_deleted_and_stay_reported(tmp_path):
+    disk, meta, replicator = restored_at(tmp_path, 3, [6, 9])
+    assert orbax_protocol.committed_steps(disk.client_dir) == []  # Orbax sees only the marker's step
+    assert set(meta.manifests()) == {3}
+    assert set(meta.replicas()) == {(RANK, 6), (RANK, 9)}
+    report = replicator._build_report({("default", "run"): disk})
+    held = {(h.step, h.rank, h.replica) for h in report.held}
+    assert {(6, RANK, True), (9, RANK, True)} <= held
+
+
+def test_a_set_aside_step_is_restored_verified_and_a_corrupt_one_refused(tmp_path):
+    disk, meta, _ = restored_at(tmp_path, 3, [6, 9])
+    assert staging.stage_local(disk.client_dir, 9, None, meta, RANK) == []
+    assert orbax_protocol.scan_steps(disk.client_dir).staged[-1] == 9 and 9 in meta.manifests()
+    assert (RANK, 9) not in meta.replicas()
+    with open(os.path.join(meta.replica_dir(RANK, 6), "state", "a"), "r+b") as f:
+        f.write(b"\xff")
+    problems = staging.stage_local(disk.client_dir, 6, None, meta, RANK)
+    assert problems and "mismatch" in problems[0] and (RANK, 6) in meta.replicas()
+
+
+def test_set_aside_steps_go_once_a_step_newer_than_the_restored_one_is_safe(tmp_path):
+    disk, meta, replicator = restored_at(tmp_path, 3, [6, 9])
+    replicator._collect_garbage(disk, RetainOrder("default", "run", 3, ()))
+    assert set(meta.replicas()) == {(RANK, 6), (RANK, 9)}  # only the restored step is safe: kept
+    committed(disk, meta, 4)
+    replicator._collect_garbage(disk, RetainOrder("default", "run", 4, ()))
+    assert meta.replicas() == {} and set(meta.manifests()) == {4}  # step 3 is older than the safe step: collected too
