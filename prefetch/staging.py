@@ -97,7 +97,7 @@ def sweep_trash(local_dir: str) -> None:
                 pod_files.remove(fd, name)
 
 
-def clear_for_restore(local_dir: str, step: int | None, meta: JobMeta, rank: int) -> list[int]:
+def clear_for_restore(local_dir: str, step: int | None, meta: JobMeta, rank: int, set_aside: bool = True) -> list[int]:
     """Takes committed steps newer than ``step`` (all of them when None) out of the client dir, and
     removes old markers.
 
@@ -106,7 +106,8 @@ def clear_for_restore(local_dir: str, step: int | None, meta: JobMeta, rank: int
     holder comes back): one with a manifest is *set aside*, moved (one rename on the same ramdisk)
     into the agent's area as ``meta``'s replica of ``rank``, where it stays reported and restorable
     until a step newer than ``step`` is safe (garbage collection). Only a step without a manifest
-    (never checksummed) or that is not a directory is deleted, as are staged copies nothing points at.
+    (never checksummed) or that is not a directory is deleted, as are staged copies nothing points at;
+    and every newer step when ``set_aside`` is False (a rollback abandons them).
 
     Returns:
       The steps taken out of the client dir (set aside or deleted).
@@ -116,7 +117,7 @@ def clear_for_restore(local_dir: str, step: int | None, meta: JobMeta, rank: int
     removed = [s for s in scan.committed + scan.refused if step is None or s > step]
     manifests = meta.manifests()
     for stale in removed:
-        if stale in scan.committed and stale in manifests and _set_aside(local_dir, stale, meta, manifests[stale], rank):
+        if set_aside and stale in scan.committed and stale in manifests and _set_aside(local_dir, stale, meta, manifests[stale], rank):
             log.warning("set aside step %d of %s: not restorable on every rank now", stale, local_dir)
         delete_step(local_dir, stale)
         meta.drop_manifest(stale)

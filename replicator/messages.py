@@ -262,12 +262,15 @@ class RestoreView(msgspec.Struct, frozen=True):
       step: the step every rank restores, or None to start fresh.
       sources: this rank's sources, in order of preference.
       ready: True once every rank has staged and verified the step: write the marker.
+      rollback: the step is an operator's rollback (``mtc restore-from``): newer steps are
+        abandoned and deleted, not set aside.
     """
 
     generation: Text
     step: Step | None
     sources: tuple[Source, ...]
     ready: bool
+    rollback: bool = False
 
     @property
     def token(self) -> str:

@@ -545,7 +545,7 @@ class NodeReplicator:
                 await asyncio.sleep(1.0)
                 continue
             if view.ready:
-                await asyncio.to_thread(self._hand_over, disk, meta, progress, view.step, source)
+                await asyncio.to_thread(self._hand_over, disk, meta, progress, view.step, source, not view.rollback)
                 RESTORE_SECONDS.labels(source).observe(time.monotonic() - started)
                 return
             seen = view.token  # staged: wait (long poll) until every rank has, or the plan changes
@@ -625,14 +625,16 @@ class NodeReplicator:
         meta.save_manifest(dataclasses.replace(manifest, rank=progress.rank))
         return None
 
-    def _hand_over(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress, step: int | None, source: str) -> None:
-        """Sets aside steps newer than the agreed one and writes the marker. Idempotent: replayed after a
+    def _hand_over(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress, step: int | None, source: str,
+                   set_aside: bool = True) -> None:  # fmt: skip
+        """Sets aside steps newer than the agreed one (deletes them for a rollback: ``set_aside``
+        False) and writes the marker. Idempotent: replayed after a
         crash (``handing_over`` recorded, ``restore_done`` not), it never clears again, since training
         may have saved steps since, and writes the marker only if Orbax has not taken it."""
         if progress.handing_over is None:
             progress.handing_over = -1 if step is None else step
             meta.save_progress(progress)
-            staging.clear_for_restore(disk.client_dir, step, meta, progress.rank)
+            staging.clear_for_restore(disk.client_dir, step, meta, progress.rank, set_aside)
             marker_needed = True
         else:
             scan = orbax_protocol.scan_steps(disk.client_dir)

@@ -64,3 +64,13 @@ def test_set_aside_steps_go_once_a_step_newer_than_the_restored_one_is_safe(tmp_
     committed(disk, meta, 4)
     replicator._collect_garbage(disk, RetainOrder("default", "run", 4, ()))
     assert meta.replicas() == {} and set(meta.manifests()) == {4}  # step 3 is older than the safe step: collected too
+
+
+def test_a_rollback_deletes_the_abandoned_newer_steps(tmp_path):
+    disk = Ramdisk("default", "run", 1 << 20, str(tmp_path))
+    meta = JobMeta(disk.path)
+    for s in (3, 6, 9):
+        committed(disk, meta, s)
+    staging.clear_for_restore(disk.client_dir, 3, meta, RANK, set_aside=False)
+    assert meta.replicas() == {} and set(meta.manifests()) == {3}
+    assert orbax_protocol.committed_steps(disk.client_dir) == [3]

@@ -105,6 +105,7 @@ class Incarnation:
       staged: ranks that staged and verified ``plan.step``.
       excluded: copies a rank found corrupt or unreachable: (step, rank, holder).
       used_sources: rank -> ``tier:holder`` it staged the step from.
+      rollback: the plan restores an operator's forced step (``mtc restore-from``).
     """
 
     incarnation_id: str
@@ -116,6 +117,7 @@ class Incarnation:
     staged: set[int] = dataclasses.field(default_factory=set)
     excluded: set[tuple[int, int, str]] = dataclasses.field(default_factory=set)
     used_sources: dict[int, str] = dataclasses.field(default_factory=dict)
+    rollback: bool = False  # the plan is an operator's rollback (``forced_step``)
 
     def __post_init__(self):
         self.pod_of_rank0 = next(uid for uid, rank in self.rank_of_pod.items() if rank == 0)
@@ -824,7 +826,7 @@ class ClusterState:
         ready = plan.step is None or len(incarnation.staged) == len(incarnation.node_of_rank)
         if ready and plan.step is not None and plan.step == job.forced_step:
             job.forced_step = None  # done: later restores take the newest step again
-        return RestoreView(incarnation.generation, plan.step, sources, ready)
+        return RestoreView(incarnation.generation, plan.step, sources, ready, incarnation.rollback)
 
     def force_restore_step(self, key: JobKey, step: int) -> None:
         """Makes the job's next restore use ``step`` (a rollback), from whichever tier holds it.
@@ -867,6 +869,7 @@ class ClusterState:
             USABLE_TIERS, self.identical(key),
         )  # fmt: skip
         incarnation.generation = uuid.uuid4().hex[:12]
+        incarnation.rollback = forced is not None
         incarnation.staged.clear()
         incarnation.used_sources.clear()
         self.jobs[key].retain = self._retain_order(key)  # the planned step is protected from now on
