@@ -5,6 +5,7 @@ verification is reported so the coordinator can choose another source or an olde
 """
 
 import contextlib
+import dataclasses
 import logging
 import os
 import secrets
@@ -148,5 +149,5 @@ def _set_aside(local_dir: str, step: int, meta: JobMeta, manifest: StepManifest,
         if not pod_files.is_dir(fd, "step"):  # the pod swapped it for something else meanwhile
             pod_files.remove(fd, "step")
             return False
-    meta.install_replica(os.path.join(parent, "step"), StepManifest(step, rank, manifest.files))
+    meta.install_replica(os.path.join(parent, "step"), dataclasses.replace(manifest, rank=rank))
     return True

@@ -8,8 +8,12 @@ gives a ``BackupStore`` for ``gs://BUCKET[/PREFIX]``, ``s3://BUCKET[/PREFIX]`` o
 Layout below the store's prefix, per job key ``<namespace>/<job>``::
 
   <ns>/<job>/steps/<step>/rank-<r>/<relpath>      data objects, one per file of the rank's step dir
-  <ns>/<job>/steps/<step>/rank-<r>.manifest.json  {"step", "rank", "files": {relpath: {"size", "crc32c", "object"}}}
+  <ns>/<job>/steps/<step>/rank-<r>.manifest.json  {"step", "rank", "timeline", "files": {relpath: {"size", "crc32c", "object"}}}
   <ns>/<job>/steps/<step>/COMMIT                  {"step", "nodes", "ranks": [...]}, written last
+
+That is timeline 0; a step of timeline ``t`` > 0 (written after the job's ``t``-th rollback, see
+``messages.in_lineage``) lives under ``steps/<step>-t<t>/``, so an abandoned timeline's backup of a
+step and the new timeline's are never mixed, and retention deletes the abandoned ones.
 
 A rank manifest is written only after all of its objects are stored and their CRC32C checked against
 the step's ``StepManifest``; ``object`` is the object's name relative to the step's directory, so a
@@ -32,6 +36,7 @@ from collections.abc import Iterable
 from csi_driver.volume_request import DNS1123_LABEL
 from replicator import pod_files
 from replicator.cpu_share import CpuShare
+from replicator.messages import abandoned
 from replicator.object_store import BackupError, ObjectStore, Upload, run_parallel
 from replicator.step_manifest import IDENTITY_SCHEME, IDENTITY_SCHEMES, StepManifest, UnusableCopy, file_identity, safe_relpath, verify_step
 
@@ -40,7 +45,8 @@ RANGE_BYTES = 32 << 20  # one ranged read during a restore
 
 COMMIT = "COMMIT"
 _MANIFEST_NAME = re.compile(r"^rank-(\d+)\.manifest\.json$")
-_STEP_ENTRY = re.compile(r"^(0|[1-9]\d*)/$")
+_STEP_ENTRY = re.compile(r"^(0|[1-9][0-9]*)(?:-t([1-9][0-9]*))?/$")
+StepId = tuple[int, int]  # (step, timeline)
 
 
 class UnusableBackup(BackupError, UnusableCopy):
@@ -84,20 +90,23 @@ class RankManifest:
       incarnation: the job incarnation that uploaded it. A job that restores an older step and
         trains past it again writes the same step numbers anew; ``COMMIT`` must never join ranks
         of two incarnations.
+      timeline: the job's timeline the backup belongs to (part of its name).
     """
 
     step: int
     rank: int
     files: dict[str, StoredFile]
     incarnation: str = ""
+    timeline: int = 0
 
     def step_manifest(self) -> StepManifest:
         """The checksums a restored copy must match."""
-        return StepManifest(self.step, self.rank, {rel: (f.size, f.crc32c) for rel, f in self.files.items()})
+        return StepManifest(self.step, self.rank, {rel: (f.size, f.crc32c) for rel, f in self.files.items()}, self.timeline)
 
     def to_json(self) -> str:
         files = {rel: dataclasses.asdict(f) for rel, f in self.files.items()}
-        return json.dumps({"step": self.step, "rank": self.rank, "files": files, "incarnation": self.incarnation}, sort_keys=True)
+        return json.dumps({"step": self.step, "rank": self.rank, "files": files, "incarnation": self.incarnation,
+                           "timeline": self.timeline}, sort_keys=True)  # fmt: skip
 
     @classmethod
     def from_json(cls, text: str) -> "RankManifest":
@@ -112,7 +121,7 @@ class RankManifest:
                 safe_relpath(rel): StoredFile(int(f["size"]), str(f["crc32c"]), safe_relpath(str(f["object"])), _identity(f))
                 for rel, f in raw["files"].items()
             }
-            return cls(int(raw["step"]), int(raw["rank"]), files, str(raw.get("incarnation", "")))
+            return cls(int(raw["step"]), int(raw["rank"]), files, str(raw.get("incarnation", "")), int(raw.get("timeline", 0)))
         except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as exc:
             raise ValueError(f"malformed rank manifest: {exc!r}") from exc
 
@@ -124,10 +133,10 @@ def _job_prefix(job_key: str) -> str:
     return f"{job_key}/steps/"
 
 
-def _step_prefix(job_key: str, step: int) -> str:
-    if step < 0:
-        raise ValueError(f"step {step} is negative")
-    return f"{_job_prefix(job_key)}{step}/"
+def _step_prefix(job_key: str, step: int, timeline: int = 0) -> str:
+    if step < 0 or timeline < 0:
+        raise ValueError(f"step {step} or timeline {timeline} is negative")
+    return f"{_job_prefix(job_key)}{step}{f'-t{timeline}' if timeline else ''}/"
 
 
 def _manifest_name(rank: int) -> str:
@@ -152,7 +161,8 @@ class BackupStore:
         return self.objects.url
 
     def upload_rank(self, job_key: str, step: int, rank: int, step_dir: str, manifest: StepManifest,
-                    dedup_from: RankManifest | None = None, incarnation: str = "", share: CpuShare | None = None) -> RankManifest:
+                    dedup_from: RankManifest | None = None, incarnation: str = "", share: CpuShare | None = None,
+                    timeline: int = 0) -> RankManifest:  # fmt: skip
         """Stores one rank's committed step, then its rank manifest.
 
         A file whose relative path, size and content identity equal a file of ``dedup_from`` (a rank manifest of
@@ -171,6 +181,7 @@ class BackupStore:
           dedup_from: a stored rank manifest of the same step, or None to upload everything.
           incarnation: the uploading job incarnation (see ``RankManifest``).
           share: the agent's CPU cap for computing content identities, or None.
+          timeline: the job's timeline to store the step as (see the module's layout).
 
         Returns:
           The stored rank manifest (pass it as ``dedup_from`` for the next peer).
@@ -183,14 +194,14 @@ class BackupStore:
             Or the step is committed already, with other data or by another incarnation: it is left alone.
           OSError: a local file could not be read.
         """
-        prefix = _step_prefix(job_key, step)
+        prefix = _step_prefix(job_key, step, timeline)
         if (manifest.step, manifest.rank) != (step, rank):
             raise ValueError(f"manifest is for step {manifest.step} rank {manifest.rank}, not step {step} rank {rank}")
-        if dedup_from is not None and dedup_from.step != step:
-            raise ValueError(f"dedup_from is for step {dedup_from.step}, not {step}: "
-                             "objects are shared within a step only")
+        if dedup_from is not None and (dedup_from.step, dedup_from.timeline) != (step, timeline):
+            raise ValueError(f"dedup_from is for step {dedup_from.step} of timeline {dedup_from.timeline}, not {step} of "
+                             f"{timeline}: objects are shared within a step only")  # fmt: skip
         if COMMIT in self.objects.list(prefix):
-            return self._committed_as(job_key, step, rank, manifest, incarnation)
+            return self._committed_as(job_key, step, rank, manifest, incarnation, timeline)
         peer = dedup_from.files if dedup_from is not None else {}
         files: dict[str, StoredFile] = {}
         uploads: list[Upload] = []
@@ -209,9 +220,9 @@ class BackupStore:
                 files[rel] = StoredFile(size, crc, f"rank-{rank}/{rel}", identity)
                 uploads.append(Upload(pod_files.proc_path(fd), prefix + files[rel].object, size, crc))
             self.objects.put_files(uploads, self.workers)
-        stored = RankManifest(step, rank, files, incarnation)
+        stored = RankManifest(step, rank, files, incarnation, timeline)
         name = prefix + _manifest_name(rank)
-        if not self.objects.create_text(name, stored.to_json()) and self.rank_manifest(job_key, step, rank) != stored:
+        if not self.objects.create_text(name, stored.to_json()) and self.rank_manifest(job_key, step, rank, timeline) != stored:
             # Left by an interrupted upload (another incarnation, or bytes since changed): the step is
             # not committed (checked above), and a rank's manifest has one writer per incarnation.
             self.objects.delete(name)
@@ -219,23 +230,23 @@ class BackupStore:
                 raise BackupError(f"{self.url}/{name}: written by another uploader meanwhile")
         return stored
 
-    def _committed_as(self, job_key: str, step: int, rank: int, manifest: StepManifest, incarnation: str) -> RankManifest:
+    def _committed_as(self, job_key: str, step: int, rank: int, manifest: StepManifest, incarnation: str, timeline: int) -> RankManifest:
         """The stored rank manifest of a committed ``step`` if it holds ``manifest``'s data from
         ``incarnation`` (a retried upload); raises ``BackupError`` otherwise."""
-        stored = self.rank_manifest(job_key, step, rank)
-        if stored is None or stored.incarnation != incarnation or stored.step_manifest() != manifest:
-            raise BackupError(f"{self.url}/{_step_prefix(job_key, step)} is committed with other data; "
+        stored = self.rank_manifest(job_key, step, rank, timeline)
+        if stored is None or stored.incarnation != incarnation or stored.step_manifest().files != manifest.files:
+            raise BackupError(f"{self.url}/{_step_prefix(job_key, step, timeline)} is committed with other data; "
                               f"a committed step is never overwritten")
         return stored
 
-    def rank_manifest(self, job_key: str, step: int, rank: int) -> RankManifest | None:
-        """A stored rank manifest, or None when that rank's upload of ``step`` has not finished.
+    def rank_manifest(self, job_key: str, step: int, rank: int, timeline: int = 0) -> RankManifest | None:
+        """A stored rank manifest, or None when that rank's upload of ``step`` (of ``timeline``) has not finished.
 
         Raises:
           ValueError: bad job key.
           BackupError: the store failed, or the manifest is malformed.
         """
-        name = _step_prefix(job_key, step) + _manifest_name(rank)
+        name = _step_prefix(job_key, step, timeline) + _manifest_name(rank)
         text = self.objects.read_text(name)
         if text is None:
             return None
@@ -243,13 +254,13 @@ class BackupStore:
             stored = RankManifest.from_json(text)
         except ValueError as exc:
             raise BackupError(f"{self.url}/{name}: {exc}") from exc
-        if (stored.step, stored.rank) != (step, rank):
-            raise BackupError(f"{self.url}/{name} is for step {stored.step} rank {stored.rank}")
+        if (stored.step, stored.rank, stored.timeline) != (step, rank, timeline):
+            raise BackupError(f"{self.url}/{name} is for step {stored.step} rank {stored.rank} timeline {stored.timeline}")
         return stored
 
-    def commit_if_complete(self, job_key: str, step: int, nodes: int, incarnation: str | None = None) -> bool:
-        """Writes ``COMMIT`` for ``step`` when the manifests of ranks ``0 .. nodes-1`` all exist
-        (and, with ``incarnation``, all come from that incarnation).
+    def commit_if_complete(self, job_key: str, step: int, nodes: int, incarnation: str | None = None, timeline: int = 0) -> bool:
+        """Writes ``COMMIT`` for ``step`` of ``timeline`` when the manifests of ranks ``0 .. nodes-1``
+        all exist (and, with ``incarnation``, all come from that incarnation).
 
         Idempotent; safe to call from every node after its own upload.
 
@@ -262,31 +273,31 @@ class BackupStore:
         """
         if nodes < 1:
             raise ValueError(f"nodes must be >= 1, not {nodes}")
-        prefix = _step_prefix(job_key, step)
+        prefix = _step_prefix(job_key, step, timeline)
         entries = set(self.objects.list(prefix))
         if COMMIT in entries:
             return True
         if any(_manifest_name(rank) not in entries for rank in range(nodes)):
             return False
         if incarnation is not None and any(
-            getattr(self.rank_manifest(job_key, step, rank), "incarnation", None) != incarnation for rank in range(nodes)
+            getattr(self.rank_manifest(job_key, step, rank, timeline), "incarnation", None) != incarnation for rank in range(nodes)
         ):
             return False
         commit = {"step": step, "nodes": nodes, "ranks": list(range(nodes))}
         self.objects.create_text(prefix + COMMIT, json.dumps(commit, sort_keys=True))  # False: a peer was first
         return True
 
-    def _steps(self, job_key: str, partial: bool = False) -> dict[int, bool]:
-        """Every step with anything stored (or, with ``partial``, a partial upload) -> whether it has ``COMMIT``."""
+    def _steps(self, job_key: str, partial: bool = False) -> dict[StepId, bool]:
+        """Every (step, timeline) with anything stored (or, with ``partial``, a partial upload) -> whether it has ``COMMIT``."""
         prefix = _job_prefix(job_key)
         entries = self.objects.list(prefix)
         if partial:
             entries += [n.split("/")[0] + "/" for n in self.objects.partial_uploads(prefix)]
-        steps = {int(entry[:-1]) for entry in entries if _STEP_ENTRY.match(entry)}
-        return {step: COMMIT in self.objects.list(f"{prefix}{step}/") for step in steps}
+        found = {(int(m[1]), int(m[2] or 0)) for entry in entries if (m := _STEP_ENTRY.match(entry))}
+        return {(step, timeline): COMMIT in self.objects.list(_step_prefix(job_key, step, timeline)) for step, timeline in found}
 
-    def complete_steps(self, job_key: str) -> list[int]:
-        """Steps with ``COMMIT``, ascending: the restorable ones.
+    def complete_steps(self, job_key: str) -> list[StepId]:
+        """(step, timeline) of the steps with ``COMMIT``, ascending: the restorable ones.
 
         Raises:
           ValueError: bad job key.
@@ -294,8 +305,9 @@ class BackupStore:
         """
         return sorted(step for step, committed in self._steps(job_key).items() if committed)
 
-    def incomplete_steps(self, job_key: str) -> list[int]:
-        """Steps with objects or partial uploads but no ``COMMIT``, ascending: uploads in progress or interrupted.
+    def incomplete_steps(self, job_key: str) -> list[StepId]:
+        """(step, timeline) of the steps with objects or partial uploads but no ``COMMIT``, ascending:
+        uploads in progress or interrupted.
 
         Raises:
           ValueError: bad job key.
@@ -304,7 +316,7 @@ class BackupStore:
         return sorted(step for step, committed in self._steps(job_key, partial=True).items() if not committed)
 
     def download_rank(self, job_key: str, step: int, rank: int, dest_dir: str,
-                      workers: int = DEFAULT_WORKERS) -> StepManifest:
+                      workers: int = DEFAULT_WORKERS, timeline: int = 0) -> StepManifest:
         """Restores one rank's data of a committed step into ``dest_dir``, verified.
 
         Files are fetched as ranged reads of up to ``RANGE_BYTES`` (32 MiB), ``workers`` at a time,
@@ -318,6 +330,7 @@ class BackupStore:
           rank: the node rank.
           dest_dir: must not exist; its parent must. Files land at their relative paths below it.
           workers: concurrent ranged reads.
+          timeline: the step's timeline (as ``complete_steps`` lists it).
 
         Returns:
           The manifest ``dest_dir`` was verified against.
@@ -329,10 +342,10 @@ class BackupStore:
             short, the data does not match its checksums, or the store failed.
           OSError: writing below ``dest_dir``'s parent failed (e.g. the ramdisk is full).
         """
-        prefix = _step_prefix(job_key, step)
+        prefix = _step_prefix(job_key, step, timeline)
         if COMMIT not in self.objects.list(prefix):
             raise UnusableBackup(f"{self.url}/{prefix} has no {COMMIT}: step {step} is not restorable")
-        stored = self.rank_manifest(job_key, step, rank)
+        stored = self.rank_manifest(job_key, step, rank, timeline)
         if stored is None:
             raise UnusableBackup(f"{self.url}/{prefix} has {COMMIT} but no manifest for rank {rank}")
         if os.path.lexists(dest_dir):
@@ -370,15 +383,15 @@ class BackupStore:
         finally:
             os.close(fd)
 
-    def delete_step(self, job_key: str, step: int) -> None:
-        """Deletes everything stored for ``step``: ``COMMIT`` first, then rank manifests, then data,
-        then partial uploads.
+    def delete_step(self, job_key: str, step: int, timeline: int = 0) -> None:
+        """Deletes everything stored for ``step`` of ``timeline``: ``COMMIT`` first, then rank
+        manifests, then data, then partial uploads.
 
         Raises:
           ValueError: bad job key.
           BackupError: the store failed; what remains is an incomplete step.
         """
-        prefix = _step_prefix(job_key, step)
+        prefix = _step_prefix(job_key, step, timeline)
         names = self.objects.list(prefix, recursive=True)
         if COMMIT in names:
             self.objects.delete(prefix + COMMIT)
@@ -388,21 +401,22 @@ class BackupStore:
         run_parallel(self.objects.delete, data, self.workers)
         self.objects.abort_partial_uploads(prefix)
 
-    def retain(self, job_key: str, keep: int, protected: Iterable[int] = ()) -> list[int]:
+    def retain(self, job_key: str, keep: int, protected: Iterable[int] = (), forks: tuple[int, ...] = ()) -> list[StepId]:
         """Garbage-collects a job's backups.
 
-        Keeps the newest ``keep`` complete steps and every protected step; deletes the other complete
-        steps, and the incomplete steps older than the newest complete one (interrupted uploads,
-        including their partial multipart uploads). Incomplete steps newer than it may still be
-        uploading and are kept.
+        Deletes every step of an abandoned timeline (``messages.abandoned``). Of the others, keeps the
+        newest ``keep`` complete steps and every protected step; deletes the other complete steps, and
+        the incomplete steps older than the newest complete one (interrupted uploads, including their
+        partial multipart uploads). Incomplete steps newer than it may still be uploading and are kept.
 
         Args:
           job_key: ``<namespace>/<job>``.
           keep: complete steps to keep, >= 1.
-          protected: steps never deleted (e.g. one a restore is reading).
+          protected: steps never deleted (e.g. one a restore is reading), unless abandoned.
+          forks: the job's rollbacks (``BackupOrder.forks``).
 
         Returns:
-          The deleted steps, ascending.
+          The deleted (step, timeline) pairs, ascending.
 
         Raises:
           ValueError: bad job key, or ``keep`` < 1.
@@ -410,13 +424,15 @@ class BackupStore:
         """
         if keep < 1:
             raise ValueError(f"keep must be >= 1, not {keep}")
+        protected = set(protected)
         steps = self._steps(job_key, partial=True)
-        complete = sorted(step for step, committed in steps.items() if committed)
-        if not complete:
-            return []
-        newest = complete[-1]
-        doomed = set(complete[:-keep]) | {step for step, committed in steps.items() if not committed and step < newest}
-        deleted = sorted(doomed - set(protected))
-        for step in deleted:
-            self.delete_step(job_key, step)
+        doomed = {s for s in steps if abandoned(forks, *s)}
+        complete = sorted(s for s, committed in steps.items() if committed and s not in doomed)
+        if complete:
+            newest = complete[-1][0]
+            doomed |= {s for s in complete[:-keep] if s[0] not in protected}
+            doomed |= {s for s, committed in steps.items() if not committed and s[0] < newest and s[0] not in protected}
+        deleted = sorted(doomed)
+        for step, timeline in deleted:
+            self.delete_step(job_key, step, timeline)
         return deleted

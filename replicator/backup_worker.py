@@ -104,7 +104,7 @@ class BackupWorker:
         async for attempt in retrying:
             with attempt:
                 ramdisk_path, order, asked = self._wanted[job]
-                key = (order.namespace, order.job, order.step, order.rank, order.incarnation)
+                key = (order.namespace, order.job, order.step, order.timeline, order.rank, order.incarnation)
                 if key in self._uploaded or time.monotonic() - asked > self.order_ttl_seconds:
                     return
                 await self._upload(ramdisk_path, order, key)
@@ -134,28 +134,29 @@ class BackupWorker:
         try:
             dedup = None
             if order.dedup_from_rank is not None:
-                dedup = await asyncio.to_thread(self.store.rank_manifest, job_key, order.step, order.dedup_from_rank)
+                dedup = await asyncio.to_thread(self.store.rank_manifest, job_key, order.step, order.dedup_from_rank, order.timeline)
                 if dedup is None or dedup.incarnation != order.incarnation:
                     return  # the group's uploader has not finished; the next order retries
             step_dir, manifest = located
             stored = await asyncio.to_thread(
-                self.store.upload_rank, job_key, order.step, order.rank, step_dir, manifest, dedup, order.incarnation, self._share
+                self.store.upload_rank, job_key, order.step, order.rank, step_dir, manifest, dedup, order.incarnation, self._share,
+                order.timeline,
             )
             uploaded = sum(f.size for f in stored.files.values() if f.object.startswith(f"rank-{order.rank}/"))
             BACKUP_BYTES.inc(uploaded)
             BACKUP_SECONDS.observe(time.monotonic() - started)
             log.info("%s: rank %d step %d backed up to %s (%d of %d bytes uploaded, %.2f s)", job_key, order.rank,
                      order.step, self.store.url, uploaded, manifest.total_bytes, time.monotonic() - started)  # fmt: skip
-            if await asyncio.to_thread(self.store.commit_if_complete, job_key, order.step, order.nodes, order.incarnation):
-                deleted = await asyncio.to_thread(self.store.retain, job_key, self._keep, order.protected)
+            if await asyncio.to_thread(self.store.commit_if_complete, job_key, order.step, order.nodes, order.incarnation, order.timeline):
+                deleted = await asyncio.to_thread(self.store.retain, job_key, self._keep, order.protected, order.forks)
                 log.info("%s: backup of step %d complete; retention deleted %s", job_key, order.step, deleted or "nothing")
                 await self.refresh({(order.namespace, order.job): ramdisk_path}, force=True)
             self._uploaded.add(key)
         finally:
             self._busy.discard(busy)
 
-    async def download(self, meta: JobMeta, namespace: str, job: str, step: int, rank: int) -> tuple[str, StepManifest]:
-        """Downloads and verifies ``rank``'s ``step`` into the ramdisk's incoming area.
+    async def download(self, meta: JobMeta, namespace: str, job: str, step: int, rank: int, timeline: int = 0) -> tuple[str, StepManifest]:
+        """Downloads and verifies ``rank``'s ``step`` of ``timeline`` into the ramdisk's incoming area.
 
         Returns:
           The verified directory (rename it into place) and its manifest.
@@ -167,7 +168,7 @@ class BackupWorker:
         incoming = meta.new_incoming_dir()
         dest = os.path.join(incoming, "step")
         try:
-            manifest = await asyncio.to_thread(self.store.download_rank, f"{namespace}/{job}", step, rank, dest)
+            manifest = await asyncio.to_thread(self.store.download_rank, f"{namespace}/{job}", step, rank, dest, timeline=timeline)
         except (BackupError, OSError):
             shutil.rmtree(incoming, ignore_errors=True)
             raise

@@ -5,6 +5,7 @@ exactly as long as the data it describes::
 
     mtc/manifests/<step>.json                 StepManifest of each committed step in client/
     mtc/assignment.json                       the current pod's incarnation, rank and progress
+    mtc/lineage.json                          {"forks": [...]}: the job's rollbacks (``messages.in_lineage``)
     mtc/replicas/rank-<r>/<step>/             another rank's step, pushed here by a peer
     mtc/replicas/rank-<r>/<step>.json         its manifest, written after the data is in place
     mtc/incoming/<id>/                        a replica or restore still being received: never read
@@ -25,7 +26,7 @@ import uuid
 from csi_driver import file_cache
 from replicator import orbax_protocol, pod_files
 
-from replicator.messages import JobSettings, decode, to_json
+from replicator.messages import JobSettings, abandoned, decode, extends, to_json
 from replicator.step_manifest import StepManifest
 
 META_DIR = "mtc"
@@ -66,9 +67,14 @@ def _parse_progress(data: bytes) -> PodProgress:
     return PodProgress(**raw, settings=None if settings is None else decode(settings, JobSettings))
 
 
+def _parse_lineage(data: bytes) -> tuple[int, ...]:
+    return tuple(int(step) for step in json.loads(data)["forks"])
+
+
 # Process-wide: every JobMeta of a ramdisk shares them (the agent makes one per call).
 _MANIFESTS = file_cache.DirCache(_MANIFEST_NAME.match, _parse_manifest)
 _PROGRESS = file_cache.FileCache(_parse_progress)
+_LINEAGE = file_cache.FileCache(_parse_lineage)
 
 
 def _write_json(path: str, value) -> None:
@@ -151,16 +157,32 @@ class JobMeta:
                     shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
 
     def locate(self, rank: int, step: int) -> tuple[str, StepManifest] | None:
-        """The directory and manifest of ``rank``'s ``step`` on this ramdisk: own data or a replica."""
+        """The directory and manifest of ``rank``'s ``step`` on this ramdisk: own data or a replica,
+        never a copy of a timeline a rollback abandoned."""
+        forks = self.lineage()
         own = self.manifests().get(step)
-        if own is not None and own.rank == rank:
+        if own is not None and own.rank == rank and not abandoned(forks, step, own.timeline):
             found = orbax_protocol.find_step_dir(self.client_dir, step)
             if found is not None:
                 return found, own
         replica = self.replicas().get((rank, step))
-        if replica is not None:
+        if replica is not None and not abandoned(forks, step, replica.timeline):
             return self.replica_dir(rank, step), replica
         return None
+
+    # -- the job's timeline ----------------------------------------------------------------------
+
+    def lineage(self) -> tuple[int, ...]:
+        """The job's rollbacks as this node last learnt them (``messages.in_lineage``); () before any."""
+        return _LINEAGE.read(os.path.join(self.root, "lineage.json")) or ()
+
+    def learn_lineage(self, forks: tuple[int, ...]) -> bool:
+        """Records ``forks`` if they extend what this node knows; True when they did (the caller
+        then deletes the copies they abandon)."""
+        if not extends(tuple(forks), self.lineage()):
+            return False
+        _write_json(os.path.join(self.root, "lineage.json"), {"forks": list(forks)})
+        return True
 
     # -- the current pod -------------------------------------------------------------------------
 

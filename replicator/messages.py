@@ -23,10 +23,37 @@ Text = Annotated[str, msgspec.Meta(max_length=4_096)]
 Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANKS)]
 Count = Annotated[int, msgspec.Meta(ge=1, le=MAX_RANKS)]
 Step = Annotated[int, msgspec.Meta(ge=0, lt=(1 << 63) - 1)]
+# Timeline t of a job: the steps written after its t-th rollback (``mtc restore-from``); 0 before any.
+Timeline = Annotated[int, msgspec.Meta(ge=0, le=MAX_LIST)]
+Forks = Annotated[tuple[Step, ...], msgspec.Meta(max_length=MAX_LIST)]
 FileEntry = tuple[Annotated[int, msgspec.Meta(ge=0)], Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{8}$")]]
 Files = Annotated[dict[Annotated[str, msgspec.Meta(max_length=4_096)], FileEntry], msgspec.Meta(max_length=MAX_FILES)]
 
 M = TypeVar("M")
+
+
+def in_lineage(forks: tuple[int, ...], step: int, timeline: int) -> bool:
+    """Whether a copy of ``step`` written in ``timeline`` belongs to the job's history.
+
+    ``forks[t]`` is the step the job was rolled back to when timeline ``t + 1`` began; the current
+    timeline is ``len(forks)``. A copy from an earlier timeline belongs only if no later rollback went
+    below its step: the steps after a rollback point were abandoned, and the new timeline writes the
+    same step numbers again with other values. A timeline newer than ``forks`` knows does not belong
+    (yet): the caller has not learnt of that rollback.
+    """
+    current = len(forks)
+    return timeline == current or (timeline < current and step <= min(forks[timeline:]))
+
+
+def abandoned(forks: tuple[int, ...], step: int, timeline: int) -> bool:
+    """Whether a copy is proven abandoned by a rollback (``in_lineage`` is False and its timeline is
+    one ``forks`` knows): safe to delete. A copy of a newer timeline is never abandoned."""
+    return timeline < len(forks) and step > min(forks[timeline:])
+
+
+def extends(longer: tuple[int, ...], shorter: tuple[int, ...]) -> bool:
+    """Whether ``longer`` is ``shorter`` followed by more rollbacks (lineages only ever grow)."""
+    return len(longer) > len(shorter) and longer[: len(shorter)] == shorter
 
 # Version 2: reports driven by change (checksums sent once, small heartbeats at a pace the coordinator
 # sets), data-parallel signatures computed by the agent, one backup lister per job.
@@ -83,6 +110,7 @@ class HeldStep(msgspec.Struct, frozen=True):
       signature: for the node's own data, the digest of the step's structural metadata
         (``orbax_protocol.logical_signature``): data-parallel peers with equal signatures hold the
         same logical data.
+      timeline: the job's timeline the copy was written in (see ``in_lineage``).
     """
 
     namespace: Name
@@ -92,16 +120,28 @@ class HeldStep(msgspec.Struct, frozen=True):
     files: Files | None = None
     replica: bool = False
     signature: Annotated[str, msgspec.Meta(max_length=128)] | None = None
+    timeline: Timeline = 0
 
 
 class BackedUp(msgspec.Struct, frozen=True):
-    """The steps of a job the backup tier holds complete (``COMMIT`` written), as the node last listed
-    them at ``listed_at`` (unix seconds): the coordinator believes the newest listing of any node."""
+    """The steps of a job the backup tier holds complete (``COMMIT`` written), as (step, timeline),
+    as the node last listed them at ``listed_at`` (unix seconds): the coordinator believes the newest
+    listing of any node."""
 
     namespace: Name
     job: Name
-    steps: Annotated[tuple[Step, ...], msgspec.Meta(max_length=MAX_LIST)]
+    steps: Annotated[tuple[tuple[Step, Timeline], ...], msgspec.Meta(max_length=MAX_LIST)]
     listed_at: float = 0.0
+
+
+class Lineage(msgspec.Struct, frozen=True):
+    """A job's rollbacks (see ``in_lineage``), sent only once it has one. The coordinator tells every
+    node of the job; nodes keep it on the job's ramdisk and report it back, so a restarted
+    coordinator learns it again."""
+
+    namespace: Name
+    job: Name
+    forks: Forks
 
 
 class JobRef(msgspec.Struct, frozen=True):
@@ -127,6 +167,7 @@ class NodeReport(msgspec.Struct, frozen=True):
       protocol: the agent's ``PROTOCOL_VERSION``; a report without it is from version 1.
       waiting: True when a pod of the node waits for its assignment: the coordinator may hold the
         reply (long poll) until the assignment exists, for up to ``MAX_WAIT_SECONDS``.
+      lineages: the rollbacks of its jobs the node knows of (jobs never rolled back are left out).
     """
 
     node_id: Name
@@ -140,6 +181,7 @@ class NodeReport(msgspec.Struct, frozen=True):
     has_backup: bool = False
     protocol: int = 1
     waiting: bool = False
+    lineages: Annotated[tuple[Lineage, ...], msgspec.Meta(max_length=MAX_PODS)] = ()
 
 
 class Versioned(msgspec.Struct):
@@ -198,6 +240,9 @@ class BackupOrder(msgspec.Struct, frozen=True):
       dedup_from_rank: a data-parallel peer whose upload of the step to reference for identical
         files (wait for it), or None to upload everything.
       protected: backup steps retention must keep (a restore is using them).
+      timeline: the job's current timeline: the backup is stored as that timeline's (write-once,
+        never mixed with an abandoned timeline's objects of the same step).
+      forks: the job's rollbacks: retention deletes backups of abandoned timelines.
     """
 
     namespace: Name
@@ -208,6 +253,8 @@ class BackupOrder(msgspec.Struct, frozen=True):
     nodes: Count
     dedup_from_rank: Rank | None
     protected: Annotated[tuple[Step, ...], msgspec.Meta(max_length=MAX_LIST)]
+    timeline: Timeline = 0
+    forks: Forks = ()
 
 
 class ReportReply(msgspec.Struct, frozen=True):
@@ -221,6 +268,8 @@ class ReportReply(msgspec.Struct, frozen=True):
       want_files: send the checksums of every held step of the node's own data in the next report
         (the coordinator restarted or forgot them).
       list_backups: the jobs whose backup tier this node lists (one lister per job).
+      lineages: the rollbacks of the node's jobs (jobs never rolled back are left out): the node
+        tags new steps with the current timeline and deletes copies of abandoned ones.
       protocol: the coordinator's ``PROTOCOL_VERSION``.
     """
 
@@ -231,6 +280,7 @@ class ReportReply(msgspec.Struct, frozen=True):
     heartbeat_seconds: float = 1.0
     want_files: bool = False
     list_backups: tuple[JobRef, ...] = ()
+    lineages: tuple[Lineage, ...] = ()
     protocol: int = PROTOCOL_VERSION
 
 
@@ -245,6 +295,7 @@ class Source(msgspec.Struct, frozen=True):
       files: the checksums the data rank's own node reported for the step (relative path ->
         (size, CRC32C)): what a fetched copy must match, whoever serves it. None when the
         coordinator does not know them (a backup: the store's manifest is checked instead).
+      timeline: the timeline the copy was written in (a backup's is part of its name).
     """
 
     tier: Name
@@ -252,6 +303,7 @@ class Source(msgspec.Struct, frozen=True):
     url: Text | None
     data_rank: Rank
     files: Files | None = None
+    timeline: Timeline = 0
 
 
 class RestoreView(msgspec.Struct, frozen=True):
@@ -264,6 +316,7 @@ class RestoreView(msgspec.Struct, frozen=True):
       ready: True once every rank has staged and verified the step: write the marker.
       rollback: the step is an operator's rollback (``mtc restore-from``): newer steps are
         abandoned and deleted, not set aside.
+      forks: the job's rollbacks, this one included: the timeline the job trains in after the restore.
     """
 
     generation: Text
@@ -271,6 +324,7 @@ class RestoreView(msgspec.Struct, frozen=True):
     sources: tuple[Source, ...]
     ready: bool
     rollback: bool = False
+    forks: Forks = ()
 
     @property
     def token(self) -> str:

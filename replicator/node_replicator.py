@@ -33,12 +33,14 @@ from replicator.messages import (
     MAX_WAIT_SECONDS,
     Assignment,
     JobSettings,
+    Lineage,
     NodeReport,
     PodReport,
     ReportReply,
     RestoreView,
     Source,
     Target,
+    abandoned,
     check_version,
     decode,
     to_json,
@@ -325,6 +327,11 @@ class NodeReplicator:
         if reporting.poked:
             self._wake.set()
         self._assignments = {a.pod_uid: a for a in reply.assignments}
+        for lineage in reply.lineages:
+            if (disk := disks.get((lineage.namespace, lineage.job))) is not None and JobMeta(disk.path).learn_lineage(lineage.forks):
+                log.warning("%s/%s: rolled back to step %d (timeline %d): deleting the abandoned timeline's copies",
+                            disk.namespace, disk.job, lineage.forks[-1], len(lineage.forks))  # fmt: skip
+                await asyncio.to_thread(self._drop_abandoned, disk)
         if self._peer_token is not None:
             for order in reply.replicate:
                 self._start_pushes(disks, order)
@@ -340,9 +347,11 @@ class NodeReplicator:
 
     def _build_report(self, disks: dict) -> NodeReport:
         """The node's report (see ``ReportSession.build``), from its ramdisks."""
-        pods, own, replicas, waiting = [], [], [], False
+        pods, own, replicas, lineages, waiting = [], [], [], [], False
         for disk in disks.values():
             meta = JobMeta(disk.path)
+            if forks := meta.lineage():
+                lineages.append(Lineage(disk.namespace, disk.job, forks))
             for publication in disk.publications.values():
                 spec = publication.spec
                 progress = meta.progress(spec.pod_uid)
@@ -355,11 +364,11 @@ class NodeReplicator:
                 ))  # fmt: skip
                 waiting |= progress.incarnation is None and spec.pod_uid not in self._assignments
             present = set(orbax_protocol.held_steps(disk.client_dir))
-            own += [(disk.namespace, disk.job, step, m.rank, m.files) for step, m in meta.manifests().items() if step in present]
+            own += [(disk.namespace, disk.job, step, m.rank, m.files, m.timeline) for step, m in meta.manifests().items() if step in present]
             mine = {(m.rank, step) for step, m in meta.manifests().items()}
-            replicas += [(disk.namespace, disk.job, step, rank) for rank, step in meta.replicas() if (rank, step) not in mine]
+            replicas += [(disk.namespace, disk.job, step, rank, m.timeline) for (rank, step), m in meta.replicas().items() if (rank, step) not in mine]
         backed_up = self._backup.listing.values() if self._backup else ()
-        return self._reporting.build(pods, own, replicas, backed_up, waiting)
+        return self._reporting.build(pods, own, replicas, backed_up, waiting, lineages)
 
     # -- replication and garbage collection ----------------------------------------------------
 
@@ -403,9 +412,28 @@ class NodeReplicator:
         finally:
             self._busy_steps.discard(busy)
 
+    def _drop_abandoned(self, disk: Ramdisk) -> None:
+        """Deletes the job's own steps and replicas of timelines a rollback abandoned
+        (``messages.abandoned``): they are never restored again, and their step numbers are reused."""
+        meta = JobMeta(disk.path)
+        forks = meta.lineage()
+        if not forks:
+            return
+        for step, manifest in meta.manifests().items():
+            if abandoned(forks, step, manifest.timeline):
+                meta.drop_manifest(step)  # first: a step is never reported once its deletion began
+                staging.delete_step(disk.client_dir, step)
+                GC_DELETED.inc()
+        for (rank, step), manifest in meta.replicas().items():
+            if abandoned(forks, step, manifest.timeline):
+                meta.drop_replica(rank, step)
+                GC_DELETED.inc()
+
     def _collect_garbage(self, disk: Ramdisk, order) -> None:
-        """Deletes own steps and replicas older than the newest safe step (see ``RetainOrder``), and
-        the steps the pod's restore set aside once a step newer than the restored one is safe."""
+        """Deletes own steps and replicas older than the newest safe step (see ``RetainOrder``), the
+        steps the pod's restore set aside once a step newer than the restored one is safe, and
+        copies of abandoned timelines (finishing a deletion an agent restart interrupted)."""
+        self._drop_abandoned(disk)
         meta = JobMeta(disk.path)
         keep = set(order.protected) | {step for ns, job, step in self._busy_steps if (ns, job) == (disk.namespace, disk.job)}
         for step in meta.manifests():
@@ -545,7 +573,7 @@ class NodeReplicator:
                 await asyncio.sleep(1.0)
                 continue
             if view.ready:
-                await asyncio.to_thread(self._hand_over, disk, meta, progress, view.step, source, not view.rollback)
+                await asyncio.to_thread(self._hand_over, disk, meta, progress, view.step, source, view.forks, not view.rollback)
                 RESTORE_SECONDS.labels(source).observe(time.monotonic() - started)
                 return
             seen = view.token  # staged: wait (long poll) until every rank has, or the plan changes
@@ -574,9 +602,9 @@ class NodeReplicator:
                                                    meta, progress.rank)  # fmt: skip
                 failed = _Failed(problems, unusable=True) if problems else None
             elif source.tier == "backup":
-                failed = await self._stage_from_backup(disk, meta, progress, view.step, source)
+                failed = await self._stage_from_backup(disk, meta, progress, view, source)
             else:
-                failed = await self._stage_from_peer(disk, meta, progress, view.step, source)
+                failed = await self._stage_from_peer(disk, meta, progress, view, source)
             if failed is None:
                 log.info("%s/%s rank %d: staged step %d from %s %s (data of rank %d)", disk.namespace, disk.job,
                          progress.rank, view.step, source.tier, source.holder, source.data_rank)  # fmt: skip
@@ -592,8 +620,10 @@ class NodeReplicator:
             bad.append((view.step, source.data_rank, source.holder))
         return None, bad, unreachable
 
-    async def _stage_from_peer(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress, step: int, source: Source) -> "_Failed | None":
-        """Pulls a step from a peer (or this node's own replica) into the ramdisk, verified, then stages it."""
+    async def _stage_from_peer(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress, view: RestoreView, source: Source) -> "_Failed | None":
+        """Pulls the view's step from a peer (or this node's own replica) into the ramdisk, verified,
+        then stages it; it is this rank's copy of the step from then on, in the view's timeline."""
+        step = view.step
         if self._peer_token is None or not source.url:
             return _Failed([f"peer tier unavailable for {source.holder}"], unusable=True)
         incoming = meta.new_incoming_dir()
@@ -607,30 +637,34 @@ class NodeReplicator:
             return _Failed([str(err) or repr(err)], unusable=isinstance(err, UnusableCopy))
         await asyncio.to_thread(staging.install_staged, disk.client_dir, step, incoming)
         # Recorded as this rank's step: from now on this node serves it for this rank.
-        meta.save_manifest(dataclasses.replace(manifest, rank=progress.rank))
+        meta.save_manifest(dataclasses.replace(manifest, rank=progress.rank, timeline=len(view.forks)))
         return None
 
-    async def _stage_from_backup(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress, step: int, source: Source) -> "_Failed | None":
-        """Downloads a step from the backup tier into the ramdisk, verified, then stages it."""
+    async def _stage_from_backup(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress, view: RestoreView, source: Source) -> "_Failed | None":
+        """Downloads the view's step from the backup tier into the ramdisk, verified, then stages it."""
+        step = view.step
         if self._backup is None:
             return _Failed(["no backup tier on this node (--backup)"], unusable=True)
         try:
-            verified, manifest = await self._backup.download(meta, disk.namespace, disk.job, step, source.data_rank)
+            verified, manifest = await self._backup.download(meta, disk.namespace, disk.job, step, source.data_rank, source.timeline)
         except (BackupError, OSError) as err:
             return _Failed([str(err) or repr(err)], unusable=isinstance(err, UnusableCopy))
         if (problem := _differs_from_owner(manifest, source)) is not None:
             shutil.rmtree(os.path.dirname(verified), ignore_errors=True)
             return _Failed([problem], unusable=True)
         await asyncio.to_thread(staging.install_staged, disk.client_dir, step, verified)
-        meta.save_manifest(dataclasses.replace(manifest, rank=progress.rank))
+        meta.save_manifest(dataclasses.replace(manifest, rank=progress.rank, timeline=len(view.forks)))
         return None
 
     def _hand_over(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress, step: int | None, source: str,
-                   set_aside: bool = True) -> None:  # fmt: skip
-        """Sets aside steps newer than the agreed one (deletes them for a rollback: ``set_aside``
-        False) and writes the marker. Idempotent: replayed after a
-        crash (``handing_over`` recorded, ``restore_done`` not), it never clears again, since training
-        may have saved steps since, and writes the marker only if Orbax has not taken it."""
+                   forks: tuple[int, ...] = (), set_aside: bool = True) -> None:  # fmt: skip
+        """Records the job's timeline (``forks``: training after the marker writes in it), sets aside
+        steps newer than the agreed one (deletes them for a rollback: ``set_aside`` False) and writes
+        the marker. Idempotent: replayed after a crash (``handing_over`` recorded, ``restore_done``
+        not), it never clears again, since training may have saved steps since, and writes the marker
+        only if Orbax has not taken it."""
+        if meta.learn_lineage(forks):
+            self._drop_abandoned(disk)
         if progress.handing_over is None:
             progress.handing_over = -1 if step is None else step
             meta.save_progress(progress)
@@ -665,7 +699,8 @@ class NodeReplicator:
         for step in new:
             step_dir = orbax_protocol.find_step_dir(disk.client_dir, step)
             try:
-                manifest = await asyncio.to_thread(build_manifest, step_dir or os.path.join(disk.client_dir, str(step)), step, progress.rank, self._share)
+                manifest = await asyncio.to_thread(build_manifest, step_dir or os.path.join(disk.client_dir, str(step)), step, progress.rank,
+                                                   self._share, len(meta.lineage()))  # fmt: skip
             except FileNotFoundError:
                 continue  # Orbax deleted it meanwhile
             except (OSError, ValueError) as err:

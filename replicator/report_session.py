@@ -16,15 +16,15 @@ import random
 from collections.abc import Iterable
 
 from replicator import orbax_protocol
-from replicator.messages import PROTOCOL_VERSION, BackedUp, Files, HeldStep, NodeReport, PodReport, ReportReply
+from replicator.messages import PROTOCOL_VERSION, BackedUp, Files, HeldStep, Lineage, NodeReport, PodReport, ReportReply
 
-StepKey = tuple[str, str, int, int]  # (namespace, job, step, rank)
+StepKey = tuple[str, str, int, int, int]  # (namespace, job, step, rank, timeline)
 
 
 def report_shape(report: NodeReport) -> tuple:
     """What a report says, checksums aside: a report that says the same again is a heartbeat."""
-    held = tuple((h.namespace, h.job, h.step, h.rank, h.replica) for h in report.held)
-    return report.url, report.pods, held, report.backed_up, report.topology
+    held = tuple((h.namespace, h.job, h.step, h.rank, h.timeline, h.replica) for h in report.held)
+    return report.url, report.pods, held, report.backed_up, report.topology, report.lineages
 
 
 class ReportSession:
@@ -47,29 +47,32 @@ class ReportSession:
         self.heartbeat_seconds = 1.0
         self.list_backups: set[tuple[str, str]] = set()
 
-    def build(self, pods: Iterable[PodReport], own: Iterable[tuple[str, str, int, int, Files]],
-              replicas: Iterable[StepKey], backed_up: Iterable[BackedUp], waiting: bool) -> NodeReport:  # fmt: skip
+    def build(self, pods: Iterable[PodReport], own: Iterable[tuple[str, str, int, int, Files, int]],
+              replicas: Iterable[StepKey], backed_up: Iterable[BackedUp], waiting: bool,
+              lineages: Iterable[Lineage] = ()) -> NodeReport:  # fmt: skip
         """The node's report.
 
         Args:
           pods: the pods published on the node.
-          own: (namespace, job, step, rank, checksums) of every committed step of the node's own data.
-          replicas: (namespace, job, step, rank) of every replica it holds.
+          own: (namespace, job, step, rank, checksums, timeline) of every committed step of the node's own data.
+          replicas: (namespace, job, step, rank, timeline) of every replica it holds.
           backed_up: its latest listings of backup tiers.
           waiting: a pod of the node waits for its assignment (the coordinator may hold the reply).
+          lineages: the rollbacks of its jobs it knows of.
         """
         held = []
-        for namespace, job, step, rank, files in own:
-            key = (namespace, job, step, rank)
+        for namespace, job, step, rank, files, timeline in own:
+            key = (namespace, job, step, rank, timeline)
             if key not in self._signatures:
                 self._signatures[key] = orbax_protocol.logical_signature(files)
-            held.append(HeldStep(namespace, job, step, rank, None if key in self._sent_files else files, signature=self._signatures[key]))
-        keys = {(h.namespace, h.job, h.step, h.rank) for h in held}
+            held.append(HeldStep(namespace, job, step, rank, None if key in self._sent_files else files, signature=self._signatures[key],
+                                 timeline=timeline))  # fmt: skip
+        keys = {(h.namespace, h.job, h.step, h.rank, h.timeline) for h in held}
         self._signatures = {k: v for k, v in self._signatures.items() if k in keys}
         self._sent_files &= keys
-        held.extend(HeldStep(*key, replica=True) for key in replicas)
+        held.extend(HeldStep(namespace, job, step, rank, replica=True, timeline=timeline) for namespace, job, step, rank, timeline in replicas)
         return NodeReport(*self._identity, tuple(pods), tuple(held), self._replicas, tuple(backed_up), self._has_backup,
-                          protocol=PROTOCOL_VERSION, waiting=waiting)  # fmt: skip
+                          protocol=PROTOCOL_VERSION, waiting=waiting, lineages=tuple(lineages))  # fmt: skip
 
     def due(self, report: NodeReport, now: float) -> bool:
         """Whether ``report`` should be sent at ``now`` (monotonic seconds)."""
@@ -84,5 +87,5 @@ class ReportSession:
         if reply.want_files:
             self._sent_files.clear()
         else:
-            self._sent_files.update((h.namespace, h.job, h.step, h.rank) for h in report.held if h.files is not None)
+            self._sent_files.update((h.namespace, h.job, h.step, h.rank, h.timeline) for h in report.held if h.files is not None)
         self.list_backups = {(j.namespace, j.job) for j in reply.list_backups}

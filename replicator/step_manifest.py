@@ -1,6 +1,7 @@
 """Per-file checksums of a committed step: what every tier verifies before data reaches Orbax.
 
-A manifest is JSON ``{"step": S, "rank": R, "files": {"<relative posix path>": [size, "<crc32c hex>"]}}``;
+A manifest is JSON ``{"step": S, "rank": R, "timeline": T, "files": {"<relative posix path>": [size, "<crc32c hex>"]}}``
+(``timeline`` absent means 0: see ``messages.in_lineage``);
 CRC32C is the checksum GCS uses, so one value serves the peer and the backup tiers.
 """
 
@@ -35,23 +36,26 @@ class StepManifest:
       step: the training step.
       rank: the node rank whose data the directory holds.
       files: relative posix path -> (size bytes, CRC32C as 8 hex digits).
+      timeline: the job's timeline the step was written in (after how many rollbacks).
     """
 
     step: int
     rank: int
     files: dict[str, tuple[int, str]]
+    timeline: int = 0
 
     @property
     def total_bytes(self) -> int:
         return sum(size for size, _ in self.files.values())
 
     def to_json(self) -> str:
-        return json.dumps({"step": self.step, "rank": self.rank, "files": self.files}, sort_keys=True)
+        return json.dumps({"step": self.step, "rank": self.rank, "timeline": self.timeline, "files": self.files}, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "StepManifest":
         raw = json.loads(text)
-        return cls(int(raw["step"]), int(raw["rank"]), {p: (int(s), str(c)) for p, (s, c) in raw["files"].items()})
+        files = {p: (int(s), str(c)) for p, (s, c) in raw["files"].items()}
+        return cls(int(raw["step"]), int(raw["rank"]), files, int(raw.get("timeline", 0)))
 
 
 def safe_relpath(path: str) -> str:
@@ -220,8 +224,9 @@ def _checksums(step_dir: str, share: CpuShare | None = None) -> dict[str, tuple[
                 found.update(checksum_files(batch, share=share))
 
 
-def build_manifest(step_dir: str, step: int, rank: int, share: CpuShare | None = None) -> StepManifest:
-    """Checksums every regular file under ``step_dir`` (see ``checksum_files`` for ``share``).
+def build_manifest(step_dir: str, step: int, rank: int, share: CpuShare | None = None, timeline: int = 0) -> StepManifest:
+    """Checksums every regular file under ``step_dir`` (see ``checksum_files`` for ``share``); the
+    manifest is tagged with ``timeline``.
 
     Raises:
       pod_files.UnsafeEntry: the step holds something other than regular files and directories.
@@ -231,7 +236,7 @@ def build_manifest(step_dir: str, step: int, rank: int, share: CpuShare | None =
     files = _checksums(step_dir, share)
     if not files:
         raise ValueError(f"{step_dir} holds no files")
-    return StepManifest(step, rank, files)
+    return StepManifest(step, rank, files, timeline)
 
 
 def verify_step(step_dir: str, manifest: StepManifest, share: CpuShare | None = None) -> list[str]:

@@ -168,14 +168,14 @@ def rank_files(rank: int) -> dict[str, bytes]:
     }
 
 
-def upload_step(store: BackupStore, tmp_path, step: int, ranks: int, files=None) -> dict[int, dict[str, bytes]]:
-    """Uploads ``ranks`` ranks of ``step`` (``files(rank)`` each, default ``rank_files``) and commits."""
+def upload_step(store: BackupStore, tmp_path, step: int, ranks: int, files=None, timeline: int = 0) -> dict[int, dict[str, bytes]]:
+    """Uploads ``ranks`` ranks of ``step`` of ``timeline`` (``files(rank)`` each, default ``rank_files``) and commits."""
     sources = {}
     for rank in range(ranks):
         sources[rank] = (files or rank_files)(rank)
-        step_dir, manifest = make_step(tmp_path / f"src-{step}-{rank}", step, rank, sources[rank])
-        store.upload_rank(JOB, step, rank, step_dir, manifest)
-    assert store.commit_if_complete(JOB, step, ranks)
+        step_dir, manifest = make_step(tmp_path / f"src-{step}-{timeline}-{rank}", step, rank, sources[rank])
+        store.upload_rank(JOB, step, rank, step_dir, manifest, timeline=timeline)
+    assert store.commit_if_complete(JOB, step, ranks, timeline=timeline)
     return sources
 
 
@@ -187,7 +187,7 @@ def test_step_is_restorable_only_after_every_rank_uploaded(backend, tmp_path):
     store.upload_rank(JOB, 5, 0, *dirs[0])
     assert not store.commit_if_complete(JOB, 5, nodes=2)
     assert store.complete_steps(JOB) == []
-    assert store.incomplete_steps(JOB) == [5]
+    assert store.incomplete_steps(JOB) == [(5, 0)]
     with pytest.raises(BackupError, match="no COMMIT"):
         store.download_rank(JOB, 5, 0, str(tmp_path / "early"))
     assert not (tmp_path / "early").exists()
@@ -195,7 +195,7 @@ def test_step_is_restorable_only_after_every_rank_uploaded(backend, tmp_path):
     store.upload_rank(JOB, 5, 1, *dirs[1])
     assert store.commit_if_complete(JOB, 5, nodes=2)
     assert store.commit_if_complete(JOB, 5, nodes=2)  # idempotent
-    assert store.complete_steps(JOB) == [5]
+    assert store.complete_steps(JOB) == [(5, 0)]
     assert store.incomplete_steps(JOB) == []
     assert json.loads(store.objects.read_text(f"{JOB}/steps/5/COMMIT")) == {"step": 5, "nodes": 2, "ranks": [0, 1]}
 
@@ -245,14 +245,14 @@ def test_upload_not_matching_manifest_stays_incomplete_and_retain_cleans_it(back
     assert backend.names() == [f"{JOB}/steps/3/rank-0/commit_success.txt", f"{JOB}/steps/3/rank-0/state/manifest.ocdbt"]
     assert store.rank_manifest(JOB, 3, 0) is None
     assert not store.commit_if_complete(JOB, 3, nodes=1)
-    assert (store.complete_steps(JOB), store.incomplete_steps(JOB)) == ([], [3])
+    assert (store.complete_steps(JOB), store.incomplete_steps(JOB)) == ([], [(3, 0)])
     assert store.retain(JOB, keep=2) == []  # nothing complete yet: an upload may be in progress
 
     upload_step(store, tmp_path, 7, ranks=1)
     step_dir, manifest = make_step(tmp_path / "src-9", 9, 0, files)
     store.upload_rank(JOB, 9, 0, step_dir, manifest)  # rank 1 of step 9 still uploading
-    assert store.retain(JOB, keep=2) == [3]
-    assert (store.complete_steps(JOB), store.incomplete_steps(JOB)) == ([7], [9])
+    assert store.retain(JOB, keep=2) == [(3, 0)]
+    assert (store.complete_steps(JOB), store.incomplete_steps(JOB)) == ([(7, 0)], [(9, 0)])
     assert not [n for n in backend.names() if n.startswith(f"{JOB}/steps/3/")]
 
 
@@ -311,16 +311,40 @@ def test_retain_keeps_newest_complete_steps_and_every_protected_one(backend, tmp
     small = lambda rank: {"f": f"rank {rank}".encode()}  # noqa: E731
     for step in range(1, 6):
         upload_step(store, tmp_path, step, ranks=2, files=small)
-    assert store.retain(JOB, keep=2, protected={1, 4}) == [2, 3]
-    assert store.complete_steps(JOB) == [1, 4, 5]
+    assert store.retain(JOB, keep=2, protected={1, 4}) == [(2, 0), (3, 0)]
+    assert store.complete_steps(JOB) == [(1, 0), (4, 0), (5, 0)]
     assert {n.split("/")[3] for n in backend.names()} == {"1", "4", "5"}
     assert store.retain(JOB, keep=2, protected={1}) == []
-    assert store.retain(JOB, keep=1) == [1, 4]
-    assert store.complete_steps(JOB) == [5]
+    assert store.retain(JOB, keep=1) == [(1, 0), (4, 0)]
+    assert store.complete_steps(JOB) == [(5, 0)]
     store.download_rank(JOB, 5, 1, str(tmp_path / "restored"))
     assert read_tree(tmp_path / "restored") == {"f": b"rank 1"}
     with pytest.raises(ValueError, match="keep"):
         store.retain(JOB, keep=0)
+
+
+def test_timelines_are_stored_apart_and_retention_deletes_the_abandoned_one(backend, tmp_path):
+    store = backend.store
+    old = lambda rank: {"f": f"old timeline, rank {rank}".encode()}  # noqa: E731
+    new = lambda rank: {"f": f"new timeline, rank {rank}".encode()}  # noqa: E731
+    for step in (2, 4, 6):
+        upload_step(store, tmp_path, step, ranks=2, files=old)
+    # Rolled back to step 2 (timeline 1 begins): the new timeline writes step 4 again, apart.
+    upload_step(store, tmp_path, 4, ranks=2, files=new, timeline=1)
+    assert store.complete_steps(JOB) == [(2, 0), (4, 0), (4, 1), (6, 0)]
+    assert {n.split("/")[3] for n in backend.names()} == {"2", "4", "4-t1", "6"}
+    store.download_rank(JOB, 4, 1, str(tmp_path / "t1"), timeline=1)
+    store.download_rank(JOB, 4, 1, str(tmp_path / "t0"))
+    assert (read_tree(tmp_path / "t1"), read_tree(tmp_path / "t0")) == (new(1), old(1))
+    assert store.rank_manifest(JOB, 4, 0, timeline=1).timeline == 1
+
+    # Without the lineage nothing is known abandoned; with it, timeline 0's steps after 2 go, 2 stays.
+    assert store.retain(JOB, keep=5) == []
+    assert store.retain(JOB, keep=5, protected={4, 6}, forks=(2,)) == [(4, 0), (6, 0)]
+    assert store.complete_steps(JOB) == [(2, 0), (4, 1)]
+    with pytest.raises(ValueError):  # objects are shared within one step of one timeline only
+        step_dir, manifest = make_step(tmp_path / "src-dedup", 4, 1, new(1))
+        store.upload_rank(JOB, 4, 1, step_dir, manifest, dedup_from=store.rank_manifest(JOB, 2, 0), timeline=1)
 
 
 def test_manifest_naming_a_path_outside_the_step_is_refused(backend, tmp_path):
@@ -353,14 +377,14 @@ def test_interrupted_upload_is_swept_by_retention_once_a_newer_step_commits(back
         pytest.skip("an interrupted GCS resumable upload is invisible and expires by itself")
     store = backend.store
     backend.interrupt(f"{JOB}/steps/3/rank-0/state/d/big")  # an agent killed mid-upload
-    assert store.incomplete_steps(JOB) == [3]
+    assert store.incomplete_steps(JOB) == [(3, 0)]
     assert store.retain(JOB, keep=1) == []  # nothing complete: it may still be uploading
 
     upload_step(store, tmp_path, 7, ranks=1)
     backend.interrupt(f"{JOB}/steps/9/rank-0/state/d/big")  # newer than the newest commit: may be in progress
-    assert store.retain(JOB, keep=1) == [3]
+    assert store.retain(JOB, keep=1) == [(3, 0)]
     assert [n.split("/")[3] for n in backend.partial()] == ["9"]
-    assert (store.complete_steps(JOB), store.incomplete_steps(JOB)) == ([7], [9])
+    assert (store.complete_steps(JOB), store.incomplete_steps(JOB)) == ([(7, 0)], [(9, 0)])
 
 
 def test_commit_and_manifests_are_write_once_and_a_committed_step_is_never_overwritten(backend, tmp_path):

@@ -1,9 +1,10 @@
 """The coordinator's trust decisions as pure functions of reports and time (no HTTP, no processes)."""
 
+import msgspec
 import pytest
 
 from replicator.coordinator.state import ClusterState, NodeIdTaken, NotReady
-from replicator.messages import HeldStep, JobSettings, NodeReport, PodReport
+from replicator.messages import BackedUp, HeldStep, JobSettings, Lineage, NodeReport, PodReport
 
 KEY = ("default", "run")
 OWN = {0: {"state/a": (10, "00000001")}, 1: {"state/b": (10, "00000002")}}
@@ -149,6 +150,51 @@ def test_restore_from_works_while_the_job_has_no_pods_and_the_next_incarnation_u
     assert fresh is not None and fresh.incarnation_id != incarnation
     view = state.restore_view(KEY, fresh.incarnation_id, 0, now=22.5)
     assert view.step == 2 and view.rollback  # the ranks delete the abandoned newer steps, not set them aside
+
+
+def test_a_rollback_starts_a_timeline_whose_reused_step_numbers_never_mix_with_the_abandoned_ones():
+    state = ClusterState()
+    state.expire(0.0)
+    incarnation, rank_of = running_job(state, now=20.0)
+    older = {node: [HeldStep(*KEY, 2, rank_of[node], OWN[rank_of[node]])] + held_by(node, rank_of) for node in ("a", "b")}
+    for node in ("a", "b"):
+        state.apply_report(report(node, f"http://{node}", [], older[node]), 21.0)
+    state.force_restore_step(KEY, 2)
+    for index, node in enumerate(("a", "b")):
+        state.apply_report(report(node, f"http://{node}", [pod(index + 2)], older[node]), 22.0)
+    fresh = state.jobs[KEY].incarnation.incarnation_id
+    view = state.restore_view(KEY, fresh, 0, now=22.5)
+    assert (view.step, view.rollback, view.forks) == (2, True, (2,))
+    # Step 5 of timeline 0 is abandoned: not a copy any more although the nodes still report it.
+    assert {c.step for c in state.copies(KEY)} == {2}
+    assert state.reply_for("a").lineages == (Lineage(*KEY, (2,)),)
+    for rank in (0, 1):
+        state.report_staged(KEY, fresh, view.generation, rank, f"local:{'a' if rank == rank_of['a'] else 'b'}", [])
+    assert state.restore_view(KEY, fresh, 0, now=22.6).ready and state.jobs[KEY].forced_step is None
+
+    # Timeline 1 writes step 5 again, with other values; node a still holds timeline 0's replica.
+    new = {rank: {"state/a": (10, f"0000000{rank + 5}")} for rank in (0, 1)}
+    rank_now = {node: state.jobs[KEY].incarnation.rank_of_pod[f"uid{index + 2}"] for index, node in enumerate(("a", "b"))}
+    for index, node in enumerate(("a", "b")):
+        held = [HeldStep(*KEY, 2, rank_now[node], OWN[rank_now[node]]), HeldStep(*KEY, 5, rank_now[node], new[rank_now[node]], timeline=1),
+                HeldStep(*KEY, 5, 1 - rank_now[node], replica=True)]  # fmt: skip
+        state.apply_report(report(node, f"http://{node}", [pod(index + 2, fresh, rank_now[node])], held), 23.0)
+    assert {(c.step, c.holder) for c in state.copies(KEY)} == {(2, "a"), (2, "b"), (5, "a"), (5, "b")}
+    assert state.jobs[KEY].owner_files[(5, 0)] == new[0]  # the new timeline's checksums, not the abandoned ones
+
+    # The backup tier lists timeline 0's step 5 and timeline 1's step 3: only the latter is the job's.
+    listing = BackedUp(*KEY, ((3, 1), (5, 0)), 24.0)
+    a = state.nodes["a"].report
+    state.apply_report(msgspec.structs.replace(a, has_backup=True, backed_up=(listing,)), 24.0)
+    assert state.backed_up(KEY) == {3}
+
+    # A restarted coordinator learns the rollback from the nodes and indexes only the lineage.
+    again = ClusterState()
+    stale = [HeldStep(*KEY, 5, 0, OWN[0]), HeldStep(*KEY, 5, 1, OWN[1], replica=True)]  # timeline 0's, not collected yet
+    again.apply_report(report("c", "http://c", [pod(4)], stale), 30.0)
+    assert {c.step for c in again.copies(KEY) if c.holder == "c"} in (set(), {5})  # "c" is not believed for any rank yet
+    again.apply_report(msgspec.structs.replace(report("c", "http://c", [pod(4)], stale), lineages=(Lineage(*KEY, (2,)),)), 30.5)
+    assert again.jobs[KEY].forks == (2,) and not again.jobs[KEY].claims
 
 
 def test_a_step_set_aside_by_a_restore_counts_as_its_nodes_own_copy():

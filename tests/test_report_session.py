@@ -4,16 +4,16 @@ from replicator.messages import BackedUp, JobRef, ReportReply
 from replicator.report_session import ReportSession
 
 FILES = {"_CHECKPOINT_METADATA": (10, "00000001"), "state/_METADATA": (20, "00000002")}
-OWN = [("default", "j", 5, 0, FILES)]
+OWN = [("default", "j", 5, 0, FILES, 0)]
 
 
 def test_checksums_go_once_then_heartbeats_are_small_and_paced_by_the_coordinator():
     session = ReportSession("n0", "http://n0", None, {}, 1, True)
-    first = session.build((), OWN, [("default", "j", 5, 1)], (), waiting=False)
+    first = session.build((), OWN, [("default", "j", 5, 1, 0)], (), waiting=False)
     assert first.held[0].files == FILES and first.held[0].signature and first.held[1].files is None
     assert session.due(first, 0.0)
     session.acknowledge(first, ReportReply((), heartbeat_seconds=10.0, list_backups=(JobRef("default", "j"),)), 0.0)
-    again = session.build((), OWN, [("default", "j", 5, 1)], (), waiting=False)
+    again = session.build((), OWN, [("default", "j", 5, 1, 0)], (), waiting=False)
     assert again.held[0].files is None and again.held[0].signature == first.held[0].signature
     assert not session.due(again, 7.9)  # nothing changed: wait for the jittered heartbeat (8-10 s)
     assert session.due(again, 10.0)
@@ -24,10 +24,10 @@ def test_a_change_or_a_poke_is_reported_at_once():
     session = ReportSession("n0", "http://n0", None, {}, 1, True)
     report = session.build((), OWN, (), (), waiting=False)
     session.acknowledge(report, ReportReply((), heartbeat_seconds=10.0), 0.0)
-    listed = session.build((), OWN, (), [BackedUp("default", "j", (5,), 1.0)], waiting=False)
+    listed = session.build((), OWN, (), [BackedUp("default", "j", ((5, 0),), 1.0)], waiting=False)
     assert session.due(listed, 0.1)
     session.acknowledge(listed, ReportReply((), heartbeat_seconds=10.0), 0.1)
-    assert not session.due(session.build((), OWN, (), [BackedUp("default", "j", (5,), 1.0)], waiting=False), 0.2)
+    assert not session.due(session.build((), OWN, (), [BackedUp("default", "j", ((5, 0),), 1.0)], waiting=False), 0.2)
     session.poked = True
     assert session.due(listed, 0.2)
 

@@ -74,3 +74,22 @@ def test_a_rollback_deletes_the_abandoned_newer_steps(tmp_path):
     staging.clear_for_restore(disk.client_dir, 3, meta, RANK, set_aside=False)
     assert meta.replicas() == {} and set(meta.manifests()) == {3}
     assert orbax_protocol.committed_steps(disk.client_dir) == [3]
+
+
+async def test_a_learnt_rollback_deletes_the_abandoned_timelines_copies_and_new_steps_carry_the_new_timeline(tmp_path):
+    disk, meta, replicator = restored_at(tmp_path, 3, [6, 9])  # 6 and 9 set aside, in timeline 0
+    for step in (4, 7):  # replicas of the other rank, pushed by its node
+        path = write_step(os.path.join(tmp_path, f"pushed-{step}"), {"_CHECKPOINT_METADATA": b"{}", "state/b": bytes([step])})
+        meta.install_replica(path, build_manifest(path, step, 0))
+    assert meta.learn_lineage((5,)) and not meta.learn_lineage((5,)) and not meta.learn_lineage((4,))
+    replicator._drop_abandoned(disk)
+    assert set(meta.replicas()) == {(0, 4)} and set(meta.manifests()) == {3}  # steps after 5 of timeline 0: gone
+    assert meta.locate(RANK, 9) is None and meta.locate(0, 4) is not None
+
+    committed_again = write_step(os.path.join(disk.client_dir, "6"), {"_CHECKPOINT_METADATA": b"{}", "state/a": b"new values"})
+    assert orbax_protocol.committed_steps(disk.client_dir) == [6] and os.path.isdir(committed_again)
+    await replicator._detect_commits(disk, meta, PodProgress("uid", "inc", RANK, "h:1", True, restore_done=True))
+    assert meta.manifests()[6].timeline == 1
+    report = replicator._build_report({("default", "run"): disk})
+    assert {(h.step, h.rank, h.replica, h.timeline) for h in report.held} == {(3, RANK, False, 0), (6, RANK, False, 1), (4, 0, True, 0)}
+    assert [(lineage.job, lineage.forks) for lineage in report.lineages] == [("run", (5,))]

@@ -31,6 +31,7 @@ from replicator.messages import (
     Files,
     JobRef,
     JobSettings,
+    Lineage,
     NodeReport,
     PodReport,
     ReplicateOrder,
@@ -39,6 +40,8 @@ from replicator.messages import (
     RetainOrder,
     Source,
     Target,
+    extends,
+    in_lineage,
 )
 
 log = logging.getLogger(__name__)
@@ -46,7 +49,7 @@ log = logging.getLogger(__name__)
 UNTRUSTED_CLAIMS = Counter("mtc_coordinator_untrusted_claims_total", "Held-step claims ignored: from a node never assigned the rank nor ordered to hold it")
 
 JobKey = tuple[str, str]
-Claim = tuple[JobKey, int, int, bool]  # (job, step, rank, replica)
+Claim = tuple[JobKey, int, int, bool, int]  # (job, step, rank, replica, timeline)
 _JOBSET_SUFFIX = re.compile(r"-[a-z0-9]+$")
 # Tiers whose restore path exists in this release; the planner already knows the others.
 USABLE_TIERS = frozenset(planner.Tier)
@@ -134,6 +137,8 @@ class JobState:
       backup_pending: the step being backed up now, or None.
       last_backup_time: unix seconds the last backup completed (for ``backup-interval-minutes``).
       forced_step: a step an operator asked the next restore to use (``mtc restore-from``).
+      forks: the job's rollbacks (``messages.in_lineage``): only copies of its lineage are indexed.
+      forked: the timeline for ``forced_step`` has begun (once per request, however often it is planned).
       rank_nodes: rank -> nodes the coordinator assigned it to: only they are believed about that
         rank's own data.
       ordered: (rank, node) replica targets the coordinator chose: only they are believed about
@@ -161,6 +166,8 @@ class JobState:
     backup_pending_since: float = 0.0
     last_backup_time: float | None = None
     forced_step: int | None = None
+    forks: tuple[int, ...] = ()
+    forked: bool = False
     rank_nodes: dict[int, set[str]] = dataclasses.field(default_factory=dict)
     ordered: set[tuple[int, str]] = dataclasses.field(default_factory=set)
     owner_files: dict[tuple[int, int], Files] = dataclasses.field(default_factory=dict)
@@ -351,12 +358,18 @@ class ClusterState:
                 if pod.settings is not None and pod.rank is not None and pod.rank not in job.settings:
                     job.add_settings(pod.rank, pod.settings)
                 self._mark_dirty({key})
+        for lineage in report.lineages if report else ():
+            key = (lineage.namespace, lineage.job)
+            if key in self.jobs and extends(lineage.forks, self.jobs[key].forks):
+                log.warning("job %s/%s: node %s reports rollbacks to steps %s: adopting them", *key, node_id, lineage.forks)
+                self._set_lineage(key, lineage.forks)
         old_claims = bound.claims if bound else frozenset()
         held = report.held if report else ()
-        # Claims about a job no pod ever published are looked at again in the next report.
-        held = tuple(h for h in held if (h.namespace, h.job) in self.jobs)
-        new_claims = frozenset(((h.namespace, h.job), h.step, h.rank, h.replica) for h in held)
-        for key, step, rank, replica in old_claims - new_claims:
+        # Claims about a job no pod ever published are looked at again in the next report; copies of
+        # an abandoned timeline (or of one this coordinator has not learnt of yet) are not indexed.
+        held = tuple(h for h in held if (h.namespace, h.job) in self.jobs and in_lineage(self.jobs[(h.namespace, h.job)].forks, h.step, h.timeline))
+        new_claims = frozenset(((h.namespace, h.job), h.step, h.rank, h.replica, h.timeline) for h in held)
+        for key, step, rank, replica, _ in old_claims - new_claims:
             job = self.jobs.get(key)
             if job is None:
                 continue
@@ -369,7 +382,7 @@ class ClusterState:
         for h in held:
             key = (h.namespace, h.job)
             job = self.jobs[key]
-            claim = (key, h.step, h.rank, h.replica)
+            claim = (key, h.step, h.rank, h.replica, h.timeline)
             if claim not in old_claims:
                 job.claims.setdefault((h.step, h.rank), {})[node_id] = h.replica
                 self._mark_dirty({key})
@@ -400,6 +413,33 @@ class ClusterState:
                     self._mark_dirty({key})
         return want_files
 
+    def _set_lineage(self, key: JobKey, forks: tuple[int, ...]) -> None:
+        """The job's timeline moves on (a rollback, or a node reports one this coordinator missed):
+        the copies, checksums, signatures and backups of abandoned timelines are forgotten."""
+        job = self.jobs[key]
+        lowest = min(forks[len(job.forks):])  # steps above the lowest new rollback point may be abandoned
+        job.forks = forks
+        for node_id, state in self.nodes.items():
+            gone = {c for c in state.claims if c[0] == key and not in_lineage(forks, c[1], c[4])}
+            state.claims = state.claims - gone
+            for _, step, rank, _, _ in gone:
+                holders = job.claims.get((step, rank), {})
+                if holders.pop(node_id, None) is not None and not holders:
+                    del job.claims[(step, rank)]
+        # Until now only steps of the older lineage were indexed: above ``lowest`` they are all abandoned.
+        for table in (job.owner_files, job.signatures, job.pending):
+            for k in [k for k in table if k[0] > lowest]:
+                del table[k]
+        job.unpaired = {k for k in job.unpaired if k[0] <= lowest}
+        for step in [s for s in job.identical if s > lowest]:
+            del job.identical[step]
+        if job.backup_pending is not None and job.backup_pending > lowest:
+            job.backup_pending = None
+        job.dirty = True
+        self._bump(key)
+        log.warning("job %s/%s: timeline %d begins at step %d; copies of newer steps of older timelines are abandoned",
+                    *key, len(forks), forks[-1])  # fmt: skip
+
     def _mark_dirty(self, keys) -> None:
         for key in keys:
             if (job := self.jobs.get(key)) is not None:
@@ -428,6 +468,7 @@ class ClusterState:
             heartbeat_seconds=self.heartbeat_seconds,
             want_files=want_files,
             list_backups=tuple(JobRef(*key) for key in keys if self.jobs[key].lister == node_id),
+            lineages=tuple(Lineage(*key, job.forks) for key in keys if (job := self.jobs[key]).forks),
         )
 
     # -- decision passes -----------------------------------------------------------------------
@@ -600,13 +641,24 @@ class ClusterState:
         return job.nodes if job else 0
 
     def backed_up(self, key: JobKey) -> set[int]:
-        """Complete backups of the job: the newest listing by a node the job ran on."""
+        """Complete backups of the job's lineage: the newest listing by a node the job ran on."""
+        return set(self._backups(key))
+
+    def _backups(self, key: JobKey) -> dict[int, int]:
+        """Step -> timeline of the complete backups of the job's lineage (the newest timeline if a
+        step was backed up in several)."""
         job = self.jobs.get(key)
         if job is None:
-            return set()
+            return {}
         members = set().union(*job.rank_nodes.values())
         listings = [b for node_id, b in job.listings.items() if node_id in members and node_id in self.nodes]
-        return set(max(listings, key=lambda b: b.listed_at).steps) if listings else set()
+        if not listings:
+            return {}
+        found: dict[int, int] = {}
+        for step, timeline in sorted(max(listings, key=lambda b: b.listed_at).steps):
+            if in_lineage(job.forks, step, timeline):
+                found[step] = timeline
+        return found
 
     def _newest_complete(self, key: JobKey, with_backups: bool) -> int | None:
         nodes = self._nodes_of(key)
@@ -630,7 +682,7 @@ class ClusterState:
             return []
         node_id = state.report.node_id
         newest: dict[int, int] = {}
-        for claim_key, step, rank, replica in state.claims:
+        for claim_key, step, rank, replica, _ in state.claims:
             if claim_key == key and not replica and incarnation.node_of_rank.get(rank) == node_id:
                 newest[rank] = max(newest.get(rank, -1), step)
         orders = []
@@ -705,13 +757,13 @@ class ClusterState:
         identical = job.identical.get(step, frozenset())
         protected = (incarnation.plan.step,) if incarnation.plan and incarnation.plan.step is not None else ()
         orders = []
-        for claim_key, held_step, rank, replica in state.claims:
+        for claim_key, held_step, rank, replica, _ in state.claims:
             if claim_key != key or replica or held_step != step or incarnation.node_of_rank.get(rank) != node_id:
                 continue
             group = sorted({rank} | {other for other in job.peers.get(rank, ()) if (rank, other) in identical})
             leader = group[step % len(group)]
             orders.append(BackupOrder(key[0], key[1], step, rank, incarnation.incarnation_id, len(incarnation.node_of_rank),
-                                      None if leader == rank else leader, protected))  # fmt: skip
+                                      None if leader == rank else leader, protected, len(job.forks), job.forks))  # fmt: skip
         return orders
 
     def _advance_backup(self, key: JobKey) -> None:
@@ -819,14 +871,16 @@ class ClusterState:
         plan = incarnation.plan
         # Live holders first; a silent one (within the grace period) is waited for only when needed.
         planned = sorted(plan.sources.get(rank, ()), key=lambda s: s.tier != planner.Tier.BACKUP and not self.is_live(s.holder))
+        backups = self._backups(key)
         sources = tuple(
-            Source(s.tier.name.lower(), s.holder, self._url(s.holder), s.data_rank, self._expected_files(key, plan.step, s))
+            Source(s.tier.name.lower(), s.holder, self._url(s.holder), s.data_rank, self._expected_files(key, plan.step, s),
+                   backups.get(plan.step, 0) if s.tier == planner.Tier.BACKUP else 0)
             for s in planned
-        )
+        )  # fmt: skip
         ready = plan.step is None or len(incarnation.staged) == len(incarnation.node_of_rank)
         if ready and plan.step is not None and plan.step == job.forced_step:
-            job.forced_step = None  # done: later restores take the newest step again
-        return RestoreView(incarnation.generation, plan.step, sources, ready, incarnation.rollback)
+            job.forced_step, job.forked = None, False  # done: later restores take the newest step again
+        return RestoreView(incarnation.generation, plan.step, sources, ready, incarnation.rollback, job.forks)
 
     def force_restore_step(self, key: JobKey, step: int) -> None:
         """Makes the job's next restore use ``step`` (a rollback), from whichever tier holds it.
@@ -840,7 +894,7 @@ class ClusterState:
         ranks = {c.rank for c in self.copies(key) if c.step == step}
         if not nodes or ranks != set(range(nodes)):
             raise LookupError(f"step {step} of {key[0]}/{key[1]} is not complete for every rank in any tier")
-        self.jobs[key].forced_step = step
+        self.jobs[key].forced_step, self.jobs[key].forked = step, False
         log.warning("job %s/%s: the next restore will use step %d (operator request)", *key, step)
 
     def _expected_files(self, key: JobKey, step: int, source: planner.Source) -> Files | None:
@@ -859,7 +913,13 @@ class ClusterState:
         return state.report.url if state else None
 
     def _replan(self, key: JobKey, incarnation: Incarnation) -> None:
-        forced = self.jobs[key].forced_step
+        job = self.jobs[key]
+        forced = job.forced_step
+        if forced is not None and not job.forked:
+            # A rollback starts a new timeline: what the job trains from here on reuses the step
+            # numbers after ``forced``, so the copies of those steps it abandons must never be restored.
+            job.forked = True
+            self._set_lineage(key, job.forks + (forced,))
         copies = [
             c for c in self.copies(key)
             if (c.step, c.rank, c.holder) not in incarnation.excluded and (forced is None or c.step == forced)
@@ -941,6 +1001,8 @@ class ClusterState:
                 "backup_pending": job.backup_pending,
                 "backup_lister": job.lister,
                 "forced_step": job.forced_step,
+                "timeline": len(job.forks),
+                "rollbacks": list(job.forks),
             })  # fmt: skip
         return {"nodes": sorted(n for n in self.nodes if self.is_live(n)),
                 "silent_nodes": sorted(n for n in self.nodes if not self.is_live(n)), "jobs": jobs,
