@@ -91,6 +91,7 @@ class Chaos:
         self.all_pods = []  # every pod of every incarnation, for its events
         self.corrupt: set[tuple[int, int, str]] = set()  # (rank, step, holder) copies the suite damaged
         self.rollback: tuple[int, int] | None = None  # (step, first incarnation of the new timeline)
+        self.forks: list[int] = []  # every rollback's step: backups are named by timeline (steps/<step>-t<n>)
         self.rows: list[Row] = []
 
     # -- the job -----------------------------------------------------------------------------
@@ -146,12 +147,18 @@ class Chaos:
         return jobs[0] if jobs else {}
 
     def backups(self) -> dict[int, float]:
-        """Steps with ``COMMIT`` in the store -> when it was written (read from the store, not the coordinator)."""
+        """Steps of the current timeline with ``COMMIT`` in the store -> when it was written (read from
+        the store, not the coordinator). Timeline t > 0 (after the t-th rollback) is ``<step>-t<t>``;
+        a timeline's steps after a later rollback's step were abandoned."""
         steps = os.path.join(self.store, "default", self.job.job, "steps")
         found = {}
-        for step in os.listdir(steps) if os.path.isdir(steps) else []:
+        for entry in os.listdir(steps) if os.path.isdir(steps) else []:
+            step, _, timeline = entry.partition("-t")
+            later = self.forks[int(timeline or 0):]
+            if later and int(step) > min(later):
+                continue
             with contextlib.suppress(FileNotFoundError):
-                found[int(step)] = os.path.getmtime(os.path.join(steps, step, "COMMIT"))
+                found[int(step)] = os.path.getmtime(os.path.join(steps, entry, "COMMIT"))
         return found
 
     # -- the oracle --------------------------------------------------------------------------
@@ -503,6 +510,8 @@ def _rollback(chaos: Chaos, pods_gone: bool) -> None:
                "--job", f"default/{chaos.job.job}", "--step", str(step)]  # fmt: skip
     answer = subprocess.run(command, capture_output=True, text=True)
     chaos.rollback = (step, chaos.job.incarnations + 1)
+    if not answer.returncode:
+        chaos.forks.append(step)
     # The failure comes at the new timeline's first save, before it passes the abandoned one.
     row = chaos.restart(f"rollback to {step}{' (no pods)' if pods_gone else ''}", step, settle=False)
     if answer.returncode:

@@ -99,3 +99,13 @@ def test_restore_from_rolls_back_to_an_older_backup(start_cluster, tmp_path):
         name = f"rank{rank}-step{older}.npz"
         assert_same_state(tmp_path / "dump-1" / name, tmp_path / "dump-2" / name)
     assert status_of(cluster, job)["forced_step"] is None  # the next restore takes the newest step again
+
+    # The rollback began timeline 1: its backups are stored apart, and once one commits, retention
+    # deletes the abandoned timeline's backups of the steps after ``older``.
+    steps_dir = tmp_path / "objects" / "default" / job.job / "steps"
+    committed = lambda: {e for e in os.listdir(steps_dir) if os.path.exists(steps_dir / e / "COMMIT")}  # noqa: E731
+    wait_until(lambda: any(e.endswith("-t1") for e in committed()) and backups_settled(cluster, job), 90, "a backup of timeline 1")
+    assert not [e for e in os.listdir(steps_dir) if "-t" not in e and int(e) > older]
+    status = status_of(cluster, job)
+    assert (status["timeline"], status["rollbacks"]) == (1, [older])
+    assert max(status["backups"]) > older
