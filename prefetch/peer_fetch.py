@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 import google_crc32c
 
-from replicator import pod_files
+from replicator import pod_files, timing
 from replicator.bearer import auth_header
 from replicator.cpu_share import CpuShare
 from replicator.peer_protocol import COMMIT_SUFFIX, FILES_SUFFIX, MANIFEST_SUFFIX, STEP_PATH, UPLOAD_HEADER
@@ -271,7 +271,7 @@ def _download(peer: _Peer, step_path: str, ranges: list[tuple[str, int, int]], f
 
 async def fetch_step(base_url: str, token: str, namespace: str, job: str, manifest: StepManifest, dest_dir: str, *,
                      ssl_context: ssl.SSLContext | None = None, workers: int | None = None,
-                     range_bytes: int = DEFAULT_RANGE_BYTES, timeout: float = 60.0) -> None:
+                     range_bytes: int = DEFAULT_RANGE_BYTES, timeout: float = timing.PEER_READ_TIMEOUT_SECONDS) -> None:
     """Downloads ``manifest``'s rank and step from a peer into ``dest_dir`` and checks every byte against it.
 
     Args:

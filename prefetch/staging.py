@@ -102,8 +102,8 @@ def clear_for_restore(local_dir: str, step: int | None, meta: JobMeta, rank: int
     """Takes committed steps newer than ``step`` (all of them when None) out of the client dir, and
     removes old markers.
 
-    Orbax restores the newest step it finds, so a step newer than the one every rank agreed on
-    would split the job. Such a step is not complete everywhere now, but it may be again (a silent
+    A step Orbax would restore instead of the one every rank agreed on
+    (``orbax_protocol.steps_restored_instead``) would split the job. Such a step is not complete everywhere now, but it may be again (a silent
     holder comes back): one with a manifest is *set aside*, moved (one rename on the same ramdisk)
     into the agent's area as ``meta``'s replica of ``rank``, where it stays reported and restorable
     until a step newer than ``step`` is safe (garbage collection). Only a step without a manifest
@@ -115,7 +115,7 @@ def clear_for_restore(local_dir: str, step: int | None, meta: JobMeta, rank: int
     """
     orbax_protocol.remove_markers(local_dir)
     scan = orbax_protocol.scan_steps(local_dir)
-    removed = [s for s in scan.committed + scan.refused if step is None or s > step]
+    removed = orbax_protocol.steps_restored_instead(scan, step)
     manifests = meta.manifests()
     for stale in removed:
         if set_aside and stale in scan.committed and stale in manifests and _set_aside(local_dir, stale, meta, manifests[stale], rank):

@@ -13,10 +13,12 @@ from csi_driver.identity import DEFAULT_DRIVER_NAME
 from csi_driver.quantity import parse_quantity
 from csi_driver.ramdisk import JobBusy
 from csi_driver.volume_request import DEFAULT_MAX_NODES
+from replicator import timing
 from replicator.bearer import read_token
 from replicator.coordinator.service import CoordinatorConfig, run_coordinator
 from replicator.coordinator.status import fetch_status, render_status, request_restore_from
-from replicator.node_agent import NodeConfig, open_ramdisks, run_node
+from replicator.node_agent import open_ramdisks, run_node
+from replicator.node_config import NodeConfig
 
 
 def _key_value(text: str) -> tuple[str, str]:
@@ -72,6 +74,12 @@ def _add_node(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-nodes", type=int, default=DEFAULT_MAX_NODES, help="largest job (nodes attribute) accepted (default %(default)s)")
     p.add_argument("--background-cpu", type=_positive_float, metavar="CPUS",
                    help="CPUs the agent may use while it replicates and backs up, e.g. 0.5 (default: no cap; restores never capped)")
+    p.add_argument("--restore-deadline-seconds", type=_positive_float, default=timing.RESTORE_DEADLINE_SECONDS,
+                   help="a restore gives up and tells the job after this long; keep it below Orbax's 300 s wait (default %(default)s)")
+    p.add_argument("--wedged-after-seconds", type=_positive_float, default=timing.WEDGED_AFTER_SECONDS,
+                   help="a replicator loop stalled this long makes /healthz and CSI Probe fail (default %(default)s)")
+    p.add_argument("--min-push-interval-seconds", type=float, default=timing.MIN_PUSH_INTERVAL_SECONDS,
+                   help="at most one replica push per job and peer this often; faster saves replicate only the newest step (default %(default)s)")
 
 
 def _run_node(args: argparse.Namespace) -> int:
@@ -98,6 +106,9 @@ def _run_node(args: argparse.Namespace) -> int:
             coordinator_ca=args.coordinator_ca,
             max_nodes=args.max_nodes,
             background_cpu=args.background_cpu,
+            restore_deadline_seconds=args.restore_deadline_seconds,
+            wedged_after_seconds=args.wedged_after_seconds,
+            min_push_interval_seconds=args.min_push_interval_seconds,
             # The google-cloud-storage convention for emulators; read once, here at the edge.
             storage_emulator_host=os.environ.get("STORAGE_EMULATOR_HOST") if (args.backup or "").startswith("gs://") else None,
             s3_endpoint_url=args.s3_endpoint_url,

@@ -24,6 +24,7 @@ import shutil
 import uuid
 
 from csi_driver import file_cache
+from csi_driver.ramdisk import CLIENT_DIR
 from replicator import orbax_protocol, pod_files
 
 from replicator.messages import JobSettings, abandoned, decode, extends, to_json
@@ -90,7 +91,7 @@ class JobMeta:
 
     def __init__(self, ramdisk_path: str):
         self.root = os.path.join(ramdisk_path, META_DIR)
-        self.client_dir = os.path.join(ramdisk_path, "client")
+        self.client_dir = os.path.join(ramdisk_path, CLIENT_DIR)
         self._manifests = os.path.join(self.root, "manifests")
         self._replicas = os.path.join(self.root, "replicas")
         self._incoming = os.path.join(self.root, "incoming")

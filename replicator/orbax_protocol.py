@@ -336,6 +336,12 @@ def held_steps(local_dir: str) -> list[int]:
     return sorted(set(scan.committed) | set(scan.staged))
 
 
+def steps_restored_instead(scan: StepScan, step: int | None) -> list[int]:
+    """The steps of ``scan`` Orbax would restore instead of ``step`` (every one when None): Orbax
+    restores the newest step directory it finds, so every committed or refused name newer than it."""
+    return [s for s in scan.committed + scan.refused if step is None or s > step]
+
+
 def find_step_dir(local_dir: str, step: int) -> str | None:
     """The real directory holding ``step``: staged for a marker, or committed. Never a symlink:
     an adopted marker resolves to its staged directory."""

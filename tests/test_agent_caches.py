@@ -13,7 +13,7 @@ from csi_driver.ramdisk import DirBackend, Ramdisk, RamdiskManager
 from csi_driver import file_cache
 from replicator import orbax_protocol
 from replicator.job_meta import JobMeta, PodProgress
-from replicator.node_replicator import NodeReplicator
+from replicator.commit_detection import CommitDetector
 from replicator.orbax_protocol import JAX_INIT_INFO_FILE, REPLICATOR_FILE, RESTORE_SUFFIX
 from replicator.step_manifest import StepManifest
 from tests.conftest import requires_root
@@ -131,16 +131,16 @@ def test_a_step_swapped_for_a_symlink_is_refused_though_the_dir_mtime_was_set_ba
 def test_commit_detection_checksums_a_step_committed_after_the_scan_was_cached(tmp_path, no_racy_window):
     disk = Ramdisk("default", "run", 1 << 20, str(tmp_path))
     meta = JobMeta(disk.path)
-    replicator = NodeReplicator("n", "http://n", None, {}, None, "http://coordinator")
+    detector = CommitDetector(None, lambda: None)
     progress = PodProgress("uid", "inc", 0, "h:1", True)
     write_step(os.path.join(disk.client_dir, "1"), {"_CHECKPOINT_METADATA": b"{}"})
-    asyncio.run(replicator._detect_commits(disk, meta, progress))
-    asyncio.run(replicator._detect_commits(disk, meta, progress))
+    asyncio.run(detector.detect(disk, meta, progress))
+    asyncio.run(detector.detect(disk, meta, progress))
     assert set(meta.manifests()) == {1} and orbax_protocol.cached_scan(disk.client_dir) is not None
     time.sleep(TICK)
     write_step(os.path.join(disk.client_dir, "2.orbax-checkpoint-tmp"), {"_CHECKPOINT_METADATA": b"{}", "state/a": b"xy"})
     os.rename(os.path.join(disk.client_dir, "2.orbax-checkpoint-tmp"), os.path.join(disk.client_dir, "2"))
-    asyncio.run(replicator._detect_commits(disk, meta, progress))
+    asyncio.run(detector.detect(disk, meta, progress))
     manifests = meta.manifests()
     assert set(manifests) == {1, 2}
     assert {path: size for path, (size, _) in manifests[2].files.items()} == {"_CHECKPOINT_METADATA": 2, "state/a": 2}

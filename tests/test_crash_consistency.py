@@ -6,9 +6,9 @@ import pytest
 
 from csi_driver.ramdisk import Ramdisk
 from prefetch import staging
+from prefetch.restore import hand_over
 from replicator import orbax_protocol, pod_files
 from replicator.job_meta import JobMeta, PodProgress
-from replicator.node_replicator import NodeReplicator
 from replicator.step_manifest import build_manifest
 
 
@@ -54,16 +54,15 @@ def test_a_replayed_hand_over_never_clears_steps_written_since(tmp_path):
     meta = JobMeta(disk.path)
     write_step(orbax_protocol.staged_step_dir(disk.client_dir, 5), {"_CHECKPOINT_METADATA": b"{}"})
     write_step(os.path.join(disk.client_dir, "7"), {"_CHECKPOINT_METADATA": b"{}"})  # newer, not restorable everywhere
-    replicator = NodeReplicator("n", "http://n", None, {}, None, "http://coordinator")
     progress = PodProgress("uid", "inc", 0, "h:1", True)
-    replicator._hand_over(disk, meta, progress, 5, "local")
+    hand_over(disk, meta, progress, 5, "local")
     marker = os.path.join(disk.client_dir, orbax_protocol.restore_marker_name("run", 5, 0))
     assert os.path.islink(marker) and orbax_protocol.committed_steps(disk.client_dir) == []
     # Orbax takes the marker and trains on; then the agent crashes before recording restore_done.
     os.replace(marker, os.path.join(disk.client_dir, "5"))
     write_step(os.path.join(disk.client_dir, "8"), {"_CHECKPOINT_METADATA": b"{}"})
     progress.restore_done = False
-    replicator._hand_over(disk, meta, progress, 5, "resumed")
+    hand_over(disk, meta, progress, 5, "resumed")
     assert orbax_protocol.committed_steps(disk.client_dir) == [5, 8]  # step 8 survived the replay
     assert not os.path.lexists(marker)  # and no second marker for Orbax to trip over
     assert progress.restore_done and meta.progress("uid").restore_done

@@ -1,15 +1,19 @@
 """A restore never deletes the last copy of a newer step: steps newer than the restored one are set
 aside, stay reported and restorable, and go only once a step newer than the restored one is safe
-(real files on a real directory, the real NodeReplicator methods; no processes)."""
+(real files on a real directory, the real node agent code; no processes)."""
 
 import os
 
 from csi_driver.ramdisk import Publication, Ramdisk
 from csi_driver.volume_request import parse_volume_context
 from prefetch import staging
+from prefetch.restore import hand_over
 from replicator import orbax_protocol
+from replicator.commit_detection import CommitDetector
+from replicator.garbage_collection import collect_garbage, drop_abandoned
 from replicator.job_meta import JobMeta, PodProgress
 from replicator.messages import RetainOrder
+from replicator.node_config import NodeConfig
 from replicator.node_replicator import NodeReplicator
 from replicator.step_manifest import build_manifest
 from tests.test_crash_consistency import write_step
@@ -29,10 +33,10 @@ def restored_at(tmp_path, step, newer):
     meta = JobMeta(disk.path)
     for s in [step, *newer]:
         committed(disk, meta, s)
-    replicator = NodeReplicator("n", "http://n", None, {}, None, "http://coordinator")
+    replicator = NodeReplicator(NodeConfig("n", str(tmp_path), "unix:///n.sock", "127.0.0.1:1", "d", coordinator="http://coordinator"), None)
     progress = PodProgress("uid", "inc", RANK, "h:1", True)
     assert staging.stage_local(disk.client_dir, step, meta.manifests()[step], meta, RANK) == []
-    replicator._hand_over(disk, meta, progress, step, "local")
+    hand_over(disk, meta, progress, step, "local")
     return disk, meta, replicator
 
 
@@ -59,10 +63,10 @@ def test_a_set_aside_step_is_restored_verified_and_a_corrupt_one_refused(tmp_pat
 
 def test_set_aside_steps_go_once_a_step_newer_than_the_restored_one_is_safe(tmp_path):
     disk, meta, replicator = restored_at(tmp_path, 3, [6, 9])
-    replicator._collect_garbage(disk, RetainOrder("default", "run", 3, ()))
+    collect_garbage(disk, RetainOrder("default", "run", 3, ()), set())
     assert set(meta.replicas()) == {(RANK, 6), (RANK, 9)}  # only the restored step is safe: kept
     committed(disk, meta, 4)
-    replicator._collect_garbage(disk, RetainOrder("default", "run", 4, ()))
+    collect_garbage(disk, RetainOrder("default", "run", 4, ()), set())
     assert meta.replicas() == {} and set(meta.manifests()) == {4}  # step 3 is older than the safe step: collected too
 
 
@@ -82,13 +86,13 @@ async def test_a_learnt_rollback_deletes_the_abandoned_timelines_copies_and_new_
         path = write_step(os.path.join(tmp_path, f"pushed-{step}"), {"_CHECKPOINT_METADATA": b"{}", "state/b": bytes([step])})
         meta.install_replica(path, build_manifest(path, step, 0))
     assert meta.learn_lineage((5,)) and not meta.learn_lineage((5,)) and not meta.learn_lineage((4,))
-    replicator._drop_abandoned(disk)
+    drop_abandoned(disk)
     assert set(meta.replicas()) == {(0, 4)} and set(meta.manifests()) == {3}  # steps after 5 of timeline 0: gone
     assert meta.locate(RANK, 9) is None and meta.locate(0, 4) is not None
 
     committed_again = write_step(os.path.join(disk.client_dir, "6"), {"_CHECKPOINT_METADATA": b"{}", "state/a": b"new values"})
     assert orbax_protocol.committed_steps(disk.client_dir) == [6] and os.path.isdir(committed_again)
-    await replicator._detect_commits(disk, meta, PodProgress("uid", "inc", RANK, "h:1", True, restore_done=True))
+    await CommitDetector(None, lambda: None).detect(disk, meta, PodProgress("uid", "inc", RANK, "h:1", True, restore_done=True))
     assert meta.manifests()[6].timeline == 1
     report = replicator._build_report({("default", "run"): disk})
     assert {(h.step, h.rank, h.replica, h.timeline) for h in report.held} == {(3, RANK, False, 0), (6, RANK, False, 1), (4, 0, True, 0)}

@@ -1,0 +1,251 @@
+"""The restore path of one pod: plan -> sources in order -> fetch -> verify -> stage -> marker.
+
+The coordinator's restore view names the agreed step and this rank's sources, fastest first (this
+node, a peer, the backup tier). ``Restorer.restore`` stages the step from the first source that
+serves a copy matching the owner's checksums, reports the outcome, waits (long poll) until every
+rank has staged, then ``hand_over`` writes Orbax's restore marker. Within the deadline an unreachable
+source is retried; only a proven mismatch gives a copy up (reported, so the plan moves on).
+"""
+
+import asyncio
+import dataclasses
+import logging
+import os
+import shutil
+import ssl
+import time
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+from prometheus_client import Counter, Histogram
+
+from csi_driver.ramdisk import Ramdisk
+from prefetch import staging
+from prefetch.peer_fetch import PeerFetchError, fetch_manifest, fetch_step
+from replicator import orbax_protocol, timing
+from replicator.backup_store import BackupError
+from replicator.coordinator_client import CoordinatorClient, CoordinatorUnavailable
+from replicator.garbage_collection import drop_abandoned
+from replicator.job_errors import LogOnce, report_to_job
+from replicator.job_meta import JobMeta, PodProgress
+from replicator.messages import RestoreView, Source
+from replicator.step_manifest import StepManifest, UnusableCopy
+
+log = logging.getLogger(__name__)
+
+# Buckets up to Orbax's 300 s wait for the marker; 150 s (half of it) is an alert threshold.
+RESTORE_SECONDS = Histogram("mtc_restore_seconds", "Seconds from replicator.yaml consumed to restore marker written "
+                            "(source timeout: no marker within the deadline)", ["source"],
+                            buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 150, 270, 300))  # fmt: skip
+CORRUPT_COPIES = Counter("mtc_corrupt_copies_total", "Step copies that failed checksum verification")
+# Known label values start at zero, so dashboards and alerts see the series before the first event.
+for _label in ("local", "peer", "backup", "none", "timeout"):
+    RESTORE_SECONDS.labels(_label)
+
+# (meta, namespace, job, step, data rank, timeline) -> (verified step dir on the ramdisk, its manifest);
+# raises BackupError or OSError. ``BackupWorker.download``.
+BackupDownload = Callable[[JobMeta, str, str, int, int, int], Awaitable[tuple[str, StepManifest]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Staged:
+    """What staging a view's step came to (see ``Restorer._stage``).
+
+    Attributes:
+      source: the source that served a verified copy, or None if none did.
+      bad: the copies proven unusable, as (step, data rank, holder): reported to the coordinator.
+      unreachable: what went wrong with sources that were merely unreachable (to retry), one line each.
+    """
+
+    source: Source | None
+    bad: list[tuple[int, int, str]]
+    unreachable: list[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Failed:
+    """Why a source did not serve; ``unusable`` when that is proven (a checksum mismatch, the copy
+    is gone), False when it was merely unreachable and is worth retrying."""
+
+    problems: list[str]
+    unusable: bool
+
+
+def _differs_from_owner(manifest: StepManifest, source: Source) -> str | None:
+    """A problem when the checksums a copy was verified against are not those its owning rank
+    reported (carried in the plan); the bytes were checked against ``manifest``, so equal manifests
+    mean they match the owner's."""
+    if source.files is not None and manifest.files != source.files:
+        return f"crc32c mismatch: the copy on {source.holder} does not match the checksums rank {source.data_rank} reported"
+    return None
+
+
+class Restorer:
+    """Runs the restores of the node's pods.
+
+    Args:
+      node_id: this node's name (a source held here is staged in place).
+      peer_token: bearer token of the peer tier, or None to run without it.
+      peer_ssl: TLS context for calls to peers, or None for the default.
+      download: the backup tier's verified download, or None to run without it.
+      log_once: the agent's throttled error log.
+      deadline_seconds: a restore gives up (and tells the job) after this long; below Orbax's 300 s.
+    """
+
+    def __init__(self, node_id: str, peer_token: str | None, peer_ssl: ssl.SSLContext | None, download: BackupDownload | None,
+                 log_once: LogOnce, deadline_seconds: float = timing.RESTORE_DEADLINE_SECONDS):  # fmt: skip
+        self.node_id = node_id
+        self._peer_token = peer_token
+        self._peer_ssl = peer_ssl
+        self._download = download
+        self._log_once = log_once
+        self._deadline_seconds = deadline_seconds
+
+    async def restore(self, client: CoordinatorClient, session: aiohttp.ClientSession, disk: Ramdisk, meta: JobMeta,
+                      progress: PodProgress, beat: Callable[[], None]) -> None:  # fmt: skip
+        """Restores the pod's agreed step and writes its marker, or tells the job it could not.
+
+        Args:
+          session: the peer session (fetches of manifests).
+          beat: called every pass: the job's loop is alive while it waits.
+        """
+        if progress.handing_over is not None:  # staged and agreed before a crash: finish the hand-over only
+            await asyncio.to_thread(hand_over, disk, meta, progress, None if progress.handing_over < 0 else progress.handing_over, "resumed")
+            return
+        started = time.monotonic()
+        staged_generation, source, backoff, seen = None, "none", timing.RESTORE_RETRY_FIRST_SECONDS, None
+        unusable: set[tuple[str, str, int]] = set()  # (generation, holder, data rank) proven unusable here
+        while time.monotonic() - started < self._deadline_seconds:
+            beat()
+            try:
+                view = await client.restore_view(disk, progress, seen)
+                seen = None
+                if view.step is not None and view.generation != staged_generation:
+                    staged = await self._stage(session, disk, meta, progress, view, unusable)
+                    used, bad, unreachable = staged.source, staged.bad, staged.unreachable
+                    unusable.update((view.generation, holder, rank) for _, rank, holder in bad)
+                    if used is None and unreachable:
+                        # Transient is not corrupt: report only proven-bad copies, retry the rest.
+                        if bad:
+                            await client.report_staged(disk, progress, view.generation, None, bad, retrying=True)
+                        self._log_once(f"restore-retry-{disk.job}", f"step {view.step}: sources unreachable "
+                                       f"({'; '.join(unreachable[:3])}); retrying in {backoff:.0f} s", meta)  # fmt: skip
+                        await asyncio.sleep(backoff)
+                        backoff = min(2 * backoff, timing.RESTORE_RETRY_MAX_SECONDS)
+                        continue
+                    source = used.tier if used else "none"
+                    await client.report_staged(disk, progress, view.generation, used and f"{used.tier}:{used.holder}", bad)
+                    staged_generation, backoff = view.generation, timing.RESTORE_RETRY_FIRST_SECONDS
+                    continue
+            except CoordinatorUnavailable as err:
+                self._log_once(f"restore-{disk.job}", f"restore plan unavailable, retrying: {err}", meta)
+                await asyncio.sleep(timing.RESTORE_PLAN_RETRY_SECONDS)
+                continue
+            if view.ready:
+                await asyncio.to_thread(hand_over, disk, meta, progress, view.step, source, view.forks, not view.rollback)
+                RESTORE_SECONDS.labels(source).observe(time.monotonic() - started)
+                return
+            seen = view.token  # staged: wait (long poll) until every rank has, or the plan changes
+        RESTORE_SECONDS.labels("timeout").observe(time.monotonic() - started)
+        report_to_job(meta, f"restore did not complete within {self._deadline_seconds:.0f} s")
+
+    async def _stage(self, session: aiohttp.ClientSession, disk: Ramdisk, meta: JobMeta, progress: PodProgress, view: RestoreView,
+                     unusable: set[tuple[str, str, int]]) -> Staged:  # fmt: skip
+        """Stages the view's step from its first source that serves a verified copy.
+
+        Args:
+          unusable: (generation, holder, data rank) already proven unusable: not tried again.
+        """
+        bad, unreachable = [], []
+        for source in view.sources:
+            if (view.generation, source.holder, source.data_rank) in unusable:
+                continue
+            if source.files is not None and not orbax_protocol.has_commit_evidence(source.files):
+                failed = _Failed([f"its checksums lack {orbax_protocol.COMMIT_EVIDENCE}"], unusable=True)
+            elif source.holder == self.node_id and source.data_rank == progress.rank:
+                problems = await asyncio.to_thread(staging.stage_local, disk.client_dir, view.step, meta.manifests().get(view.step),
+                                                   meta, progress.rank)  # fmt: skip
+                failed = _Failed(problems, unusable=True) if problems else None
+            elif source.tier == "backup":
+                failed = await self._stage_from_backup(disk, meta, progress, view, source)
+            else:
+                failed = await self._stage_from_peer(session, disk, meta, progress, view, source)
+            if failed is None:
+                log.info("%s/%s rank %d: staged step %d from %s %s (data of rank %d)", disk.namespace, disk.job,
+                         progress.rank, view.step, source.tier, source.holder, source.data_rank)  # fmt: skip
+                return Staged(source, bad, unreachable)
+            if not failed.unusable:
+                unreachable.append(f"{source.holder}: {failed.problems[0]}")
+                continue
+            if any("mismatch" in problem for problem in failed.problems):
+                CORRUPT_COPIES.inc()
+            message = f"step {view.step} copy on {source.holder} unusable: {'; '.join(failed.problems[:3])}"
+            log.error("%s/%s rank %d: %s", disk.namespace, disk.job, progress.rank, message)
+            report_to_job(meta, message)
+            bad.append((view.step, source.data_rank, source.holder))
+        return Staged(None, bad, unreachable)
+
+    async def _stage_from_peer(self, session: aiohttp.ClientSession, disk: Ramdisk, meta: JobMeta, progress: PodProgress, view: RestoreView,
+                               source: Source) -> _Failed | None:  # fmt: skip
+        """Pulls the view's step from a peer (or this node's own replica) into the ramdisk, verified,
+        then stages it; it is this rank's copy of the step from then on, in the view's timeline."""
+        step = view.step
+        if self._peer_token is None or not source.url:
+            return _Failed([f"peer tier unavailable for {source.holder}"], unusable=True)
+        incoming = meta.new_incoming_dir()
+        try:
+            # Verified against the owner's checksums from the plan; the peer's own manifest only when the plan has none.
+            manifest = (StepManifest(step, source.data_rank, dict(source.files)) if source.files is not None else
+                        await fetch_manifest(session, source.url, self._peer_token, disk.namespace, disk.job, source.data_rank, step))
+            await fetch_step(source.url, self._peer_token, disk.namespace, disk.job, manifest, incoming, ssl_context=self._peer_ssl)
+        except (PeerFetchError, OSError, aiohttp.ClientError, asyncio.TimeoutError) as err:
+            shutil.rmtree(incoming, ignore_errors=True)
+            return _Failed([str(err) or repr(err)], unusable=isinstance(err, UnusableCopy))
+        await asyncio.to_thread(staging.install_staged, disk.client_dir, step, incoming)
+        # Recorded as this rank's step: from now on this node serves it for this rank.
+        meta.save_manifest(dataclasses.replace(manifest, rank=progress.rank, timeline=len(view.forks)))
+        return None
+
+    async def _stage_from_backup(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress, view: RestoreView, source: Source) -> _Failed | None:
+        """Downloads the view's step from the backup tier into the ramdisk, verified, then stages it."""
+        step = view.step
+        if self._download is None:
+            return _Failed(["no backup tier on this node (--backup)"], unusable=True)
+        try:
+            verified, manifest = await self._download(meta, disk.namespace, disk.job, step, source.data_rank, source.timeline)
+        except (BackupError, OSError) as err:
+            return _Failed([str(err) or repr(err)], unusable=isinstance(err, UnusableCopy))
+        if (problem := _differs_from_owner(manifest, source)) is not None:
+            shutil.rmtree(os.path.dirname(verified), ignore_errors=True)
+            return _Failed([problem], unusable=True)
+        await asyncio.to_thread(staging.install_staged, disk.client_dir, step, verified)
+        meta.save_manifest(dataclasses.replace(manifest, rank=progress.rank, timeline=len(view.forks)))
+        return None
+
+
+def hand_over(disk: Ramdisk, meta: JobMeta, progress: PodProgress, step: int | None, source: str,
+              forks: tuple[int, ...] = (), set_aside: bool = True) -> None:  # fmt: skip
+    """Records the job's timeline (``forks``: training after the marker writes in it), sets aside
+    steps newer than the agreed one (deletes them for a rollback: ``set_aside`` False) and writes
+    the marker. Idempotent: replayed after a crash (``handing_over`` recorded, ``restore_done``
+    not), it never clears again, since training may have saved steps since, and writes the marker
+    only if Orbax has not taken it."""
+    if meta.learn_lineage(forks):
+        drop_abandoned(disk)
+    if progress.handing_over is None:
+        progress.handing_over = -1 if step is None else step
+        meta.save_progress(progress)
+        staging.clear_for_restore(disk.client_dir, step, meta, progress.rank, set_aside)
+        marker_needed = True
+    else:
+        scan = orbax_protocol.scan_steps(disk.client_dir)
+        marker_needed = not scan.committed if step is None else step in scan.staged and step not in scan.committed
+        log.warning("%s/%s rank %d: resuming an interrupted hand-over of step %s (marker %s)", disk.namespace, disk.job,
+                    progress.rank, step, "rewritten" if marker_needed else "already taken")  # fmt: skip
+    if marker_needed and step is None:
+        orbax_protocol.write_fresh_start_marker(disk.client_dir, disk.job, progress.rank)
+    elif marker_needed:
+        orbax_protocol.write_restore_marker(disk.client_dir, disk.job, step, progress.rank)
+    progress.restore_done = True
+    meta.save_progress(progress)
+    log.info("%s/%s rank %d: restore marker for step %s written (source %s)", disk.namespace, disk.job, progress.rank, step, source)

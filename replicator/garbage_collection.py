@@ -1,0 +1,52 @@
+"""Garbage collection on the node: carries out the coordinator's retain orders for a job's ramdisk."""
+
+from prometheus_client import Counter
+
+from csi_driver.ramdisk import Ramdisk
+from prefetch import staging
+from replicator.job_meta import JobMeta
+from replicator.messages import RetainOrder, abandoned
+from replicator.pod_handshake import current_pod
+
+GC_DELETED = Counter("mtc_gc_deleted_steps_total", "Steps and replicas deleted by garbage collection")
+
+
+def drop_abandoned(disk: Ramdisk) -> None:
+    """Deletes the job's own steps and replicas of timelines a rollback abandoned
+    (``messages.abandoned``): they are never restored again, and their step numbers are reused."""
+    meta = JobMeta(disk.path)
+    forks = meta.lineage()
+    if not forks:
+        return
+    for step, manifest in meta.manifests().items():
+        if abandoned(forks, step, manifest.timeline):
+            meta.drop_manifest(step)  # first: a step is never reported once its deletion began
+            staging.delete_step(disk.client_dir, step)
+            GC_DELETED.inc()
+    for (rank, step), manifest in meta.replicas().items():
+        if abandoned(forks, step, manifest.timeline):
+            meta.drop_replica(rank, step)
+            GC_DELETED.inc()
+
+
+def collect_garbage(disk: Ramdisk, order: RetainOrder, busy_steps: set[tuple[str, str, int]]) -> None:
+    """Deletes own steps and replicas older than the newest safe step (see ``RetainOrder``), the
+    steps the pod's restore set aside once a step newer than the restored one is safe, and
+    copies of abandoned timelines (finishing a deletion an agent restart interrupted).
+    Steps in ``busy_steps`` ((namespace, job, step) being read by a push or an upload) are kept."""
+    drop_abandoned(disk)
+    meta = JobMeta(disk.path)
+    keep = set(order.protected) | {step for ns, job, step in busy_steps if (ns, job) == (disk.namespace, disk.job)}
+    for step in meta.manifests():
+        if step < order.keep_from and step not in keep:
+            meta.drop_manifest(step)  # first: a step is never reported once its deletion began
+            staging.delete_step(disk.client_dir, step)
+            GC_DELETED.inc()
+    spec = current_pod(disk)
+    progress = meta.progress(spec.pod_uid) if spec else None
+    restored = progress.handing_over if progress and progress.restore_done else None
+    for rank, step in meta.replicas():
+        set_aside = progress is not None and rank == progress.rank and restored is not None
+        if (step < order.keep_from or (set_aside and order.keep_from > restored)) and step not in keep:
+            meta.drop_replica(rank, step)
+            GC_DELETED.inc()

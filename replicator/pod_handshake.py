@@ -1,0 +1,66 @@
+"""The pod's start-up hand-shake through Orbax's files: ``jax-init-info.txt`` once the pod has a rank,
+then ``replicator.yaml`` validated, recorded with the coordinator and consumed (or refused through
+``replicator.failed``). The file formats are ``replicator.orbax_protocol``'s."""
+
+import logging
+
+from prometheus_client import Counter
+
+from csi_driver.ramdisk import Ramdisk
+from replicator import orbax_protocol, pod_files
+from replicator.coordinator_client import CoordinatorClient, CoordinatorUnavailable
+from replicator.job_errors import LogOnce
+from replicator.job_meta import JobMeta, PodProgress
+from replicator.messages import Assignment, JobSettings
+
+log = logging.getLogger(__name__)
+
+REPLICATOR_YAML = Counter("mtc_replicator_yaml_total", "replicator.yaml files consumed", ["result"])
+
+
+def current_pod(disk: Ramdisk):
+    """The newest publication of the ramdisk: the job's pod on this node (one per node)."""
+    return max(disk.publications.values(), key=lambda p: p.published_at).spec if disk.publications else None
+
+
+def apply_assignment(disk: Ramdisk, meta: JobMeta, progress: PodProgress, assignment: Assignment | None) -> PodProgress:
+    """Writes ``jax-init-info.txt`` for a new assignment (None: the coordinator gave the pod none);
+    returns the pod's progress after it."""
+    if assignment is None or assignment.incarnation == progress.incarnation:
+        return progress
+    orbax_protocol.write_jax_init_info(disk.client_dir, assignment.rank, assignment.jax_coordinator)
+    progress = PodProgress(progress.pod_uid, assignment.incarnation, assignment.rank, assignment.jax_coordinator, jax_init_written=True)
+    meta.save_progress(progress)
+    log.info("%s/%s: pod %s is rank %d of incarnation %s (JAX coordinator %s)",
+             disk.namespace, disk.job, progress.pod_uid, assignment.rank, assignment.incarnation, assignment.jax_coordinator)  # fmt: skip
+    return progress
+
+
+async def consume_replicator_yaml(client: CoordinatorClient, disk: Ramdisk, meta: JobMeta, progress: PodProgress, nodes: int,
+                                  log_once: LogOnce) -> None:  # fmt: skip
+    """Validates the job's ``replicator.yaml`` (if written yet), records its settings with the
+    coordinator and in ``progress``, then consumes it; bad content goes to ``replicator.failed``.
+    An unreachable coordinator leaves the file for the next pass."""
+    try:
+        text = orbax_protocol.read_replicator_yaml(disk.client_dir)
+        if text is None:
+            return
+        config = orbax_protocol.parse_replicator_config(text, progress.rank, nodes)
+    except (orbax_protocol.InvalidReplicatorConfig, pod_files.UnsafeEntry, UnicodeDecodeError) as err:
+        message = str(err) if isinstance(err, orbax_protocol.InvalidReplicatorConfig) else f"replicator.yaml is unusable: {err}"
+        log.error("%s/%s: rejected replicator.yaml: %s", disk.namespace, disk.job, message)
+        orbax_protocol.report_failure(disk.client_dir, meta.root, message)
+        orbax_protocol.consume_replicator_yaml(disk.client_dir)  # Orbax reads replicator.failed only once the yaml is gone
+        REPLICATOR_YAML.labels("rejected").inc()
+        return
+    settings = JobSettings(config.peer_ranks, config.data_parallelism, config.backup_interval_minutes, config.backup_interval_steps)
+    try:
+        await client.record_settings(disk, progress, settings)
+    except CoordinatorUnavailable as err:
+        log_once(f"settings-{disk.job}", f"cannot record job settings with the coordinator, retrying: {err}", meta)
+        return
+    progress.settings = settings
+    meta.save_progress(progress)
+    orbax_protocol.consume_replicator_yaml(disk.client_dir)
+    REPLICATOR_YAML.labels("accepted").inc()
+    log.info("%s/%s rank %d: consumed replicator.yaml %s", disk.namespace, disk.job, progress.rank, settings)

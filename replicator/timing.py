@@ -1,0 +1,70 @@
+"""Every timing constant of the node agent, in seconds, each with why it has its value.
+
+The defaults of ``NodeConfig`` fields an operator may need to change (``mtc node`` flags) are
+marked *flag*. Constants kept elsewhere, on purpose:
+
+- ``csi_driver.file_cache.RACY_SECONDS`` (1 s): ``csi_driver`` imports nothing from ``replicator``.
+- ``replicator.messages.MAX_WAIT_SECONDS`` (20 s): the long-poll bound both processes share.
+- ``replicator.backup_worker`` (listing every 120 s, retries 2-60 s), the backup backends' HTTP
+  timeouts (``gcs_backup``, ``s3_backup``) and ``replicator.peer_service``'s 600 s abandoned-upload
+  age: each belongs to the one module that uses it.
+- The coordinator's ``--node-timeout-seconds`` (15 s) and ``--holder-grace-seconds`` (60 s) are
+  flags of ``mtc coordinator``.
+"""
+
+# Orbax waits 300 s for the restore marker (``orbax_protocol``); the restore gives up 30 s before,
+# so the job is told why in ``replicator.errors`` instead of timing out silently. *flag*
+RESTORE_DEADLINE_SECONDS = 270.0
+
+# A loop that has not completed a pass for this long is wedged: /healthz and CSI Probe say so, and
+# the DaemonSet's livenessprobe restarts the agent. Well above the longest legitimate pass (a 10 s
+# report timeout plus GC of a few steps). *flag*
+WEDGED_AFTER_SECONDS = 120.0
+
+# Replicas of a step are superseded by the next one: a job saving faster than this replicates only
+# its newest step, so the agent's CPU use stays bounded however often the job saves. *flag*
+MIN_PUSH_INTERVAL_SECONDS = 2.0
+
+# The report loop looks for changes this often; a report goes out only on a change, a poke or a
+# heartbeat (whose pace the coordinator sets), so this is the latency of a missed poke.
+ROUND_INTERVAL_SECONDS = 1.0
+
+# One pass over a job's ramdisk (hand-shake files, commits) this often: a fifth of a second of
+# latency on Orbax's polls, while an unchanged job costs a few stats per pass (``file_cache``).
+WATCH_INTERVAL_SECONDS = 0.2
+
+# One coordinator request (beyond a long poll's own wait): the coordinator answers from memory, so
+# anything slower is an outage, retried on the next round.
+REQUEST_TIMEOUT_SECONDS = 10.0
+
+# Whole steps move over the peer session, so it has no total timeout; connecting and every read are
+# bounded, so a frozen peer fails the transfer instead of hanging it.
+PEER_CONNECT_TIMEOUT_SECONDS = 10.0
+PEER_READ_TIMEOUT_SECONDS = 60.0
+
+# The same error (per key) is logged and reported to the job's ``replicator.errors`` at most this
+# often: Orbax logs every line it reads, and a retry loop would flood it.
+ERROR_REPEAT_SECONDS = 30.0
+
+# An unreachable restore source (a restarting agent, a frozen node, a network blip) is retried with
+# this exponential backoff for as long as Orbax waits; only a proven mismatch gives a copy up.
+RESTORE_RETRY_FIRST_SECONDS = 1.0
+RESTORE_RETRY_MAX_SECONDS = 10.0
+# The coordinator did not answer for the restore plan: a restarting coordinator is back within a few
+# seconds, and the deadline above bounds the whole wait.
+RESTORE_PLAN_RETRY_SECONDS = 1.0
+
+# A push that succeeded is not repeated for this long, whatever the orders say: the coordinator
+# learns of it only from the target's next report (a heartbeat or two).
+PUSH_REPEAT_SECONDS = 30.0
+
+# Backup orders are repeated with every reply: one missing from three heartbeats was withdrawn, but
+# never sooner than this (a fast heartbeat must not cancel an order between two replies).
+MIN_BACKUP_ORDER_TTL_SECONDS = 10.0
+
+# Idle ramdisks are looked for this often; their retention (``--retention-seconds``, a day by
+# default) is so long that half a minute of lateness does not matter.
+REAP_INTERVAL_SECONDS = 30.0
+
+# Kubelet's in-flight calls get this long to finish when the agent stops.
+CSI_STOP_GRACE_SECONDS = 5.0
