@@ -113,6 +113,8 @@ class Restorer:
             await asyncio.to_thread(hand_over, disk, meta, progress, None if progress.handing_over < 0 else progress.handing_over, "resumed")
             return
         started = time.monotonic()
+        # One loop, not a tenacity retry: every pass re-reads the plan (it may have changed while this
+        # rank waited), and the backoff applies only while the plan's sources are unreachable.
         staged_generation, source, backoff, seen = None, "none", timing.RESTORE_RETRY_FIRST_SECONDS, None
         unusable: set[tuple[str, str, int]] = set()  # (generation, holder, data rank) proven unusable here
         while time.monotonic() - started < self._deadline_seconds:
