@@ -146,19 +146,28 @@ class Chaos:
         jobs = self.cluster.coordinator.status(self.job.job)["jobs"]
         return jobs[0] if jobs else {}
 
+    def backup_dir(self, step: int) -> str:
+        """The store directory of ``step``'s backup in the current timeline (see ``backups``)."""
+        steps = os.path.join(self.store, "default", self.job.job, "steps")
+        entries = [e for e in os.listdir(steps) if e.partition("-t")[0] == str(step) and self._in_lineage(e)]
+        return os.path.join(steps, max(entries, key=lambda e: int(e.partition("-t")[2] or 0)))
+
+    def _in_lineage(self, entry: str) -> bool:
+        """Timeline t > 0 (after the t-th rollback) is ``<step>-t<t>``; a timeline's steps after a
+        later rollback's step were abandoned."""
+        step, _, timeline = entry.partition("-t")
+        later = self.forks[int(timeline or 0):]
+        return not later or int(step) <= min(later)
+
     def backups(self) -> dict[int, float]:
         """Steps of the current timeline with ``COMMIT`` in the store -> when it was written (read from
-        the store, not the coordinator). Timeline t > 0 (after the t-th rollback) is ``<step>-t<t>``;
-        a timeline's steps after a later rollback's step were abandoned."""
+        the store, not the coordinator)."""
         steps = os.path.join(self.store, "default", self.job.job, "steps")
         found = {}
         for entry in os.listdir(steps) if os.path.isdir(steps) else []:
-            step, _, timeline = entry.partition("-t")
-            later = self.forks[int(timeline or 0):]
-            if later and int(step) > min(later):
-                continue
-            with contextlib.suppress(FileNotFoundError):
-                found[int(step)] = os.path.getmtime(os.path.join(steps, entry, "COMMIT"))
+            if self._in_lineage(entry):
+                with contextlib.suppress(FileNotFoundError):
+                    found[int(entry.partition("-t")[0])] = os.path.getmtime(os.path.join(steps, entry, "COMMIT"))
         return found
 
     # -- the oracle --------------------------------------------------------------------------
@@ -464,7 +473,7 @@ def flip_backup(chaos: Chaos) -> None:
     rank = chaos.rng.randrange(NODES)
     chaos.fail()
     step = max(chaos.backups())
-    prefix = os.path.join(chaos.store, "default", chaos.job.job, "steps", str(step))
+    prefix = chaos.backup_dir(step)
     with open(os.path.join(prefix, f"rank-{rank}.manifest.json"), encoding="utf-8") as f:
         files = json.load(f)["files"]
     victim = max(files.values(), key=lambda e: e["size"])["object"]
