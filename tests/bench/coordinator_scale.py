@@ -6,9 +6,10 @@ node agents on one asyncio loop. Each agent reports through the node's own code:
 (``replicator/report_session.py``) decides what a report says and when it is due (at once on a
 change, else as a heartbeat at the ``heartbeat_seconds`` the coordinator returns, jittered), and
 ``CoordinatorClient`` (``replicator/node_replicator.py``) serialises and posts it, records the job's
-settings and runs the restore calls (long polls included). Each agent owns one keep-alive HTTPS
-connection, as a real agent does: a bounded pool smaller than N would queue the publish and restore
-long polls behind each other (the coordinator holds them until the whole job answered).
+settings and runs the restore calls (long polls included). Each agent owns its own keep-alive HTTPS
+connections, at most two (its report loop and its restore calls), as a real agent does: a pool shared
+by the agents and smaller than N would queue the publish and restore long polls behind each other
+(the coordinator holds them until the whole job answered), so the bench raises its open-file limit.
 
 What each simulated agent holds and does, as the real agent would:
 - one pod of one job; a rank's step is ``FILES_PER_STEP`` Orbax-like files (``agent_idle.step_files``),
@@ -46,6 +47,7 @@ import dataclasses
 import json
 import math
 import os
+import resource
 import statistics
 import sys
 import time
@@ -81,6 +83,7 @@ ROUND_SECONDS = 1.0  # the agent's report round: a due heartbeat goes out at the
 CONNECT_PER_SECOND = 2_000  # agents come up at this pace (the listen backlog is 128)
 SCENARIO_TIMEOUT = 300.0
 SETTLE_SECONDS = 20.0
+CONNECTIONS_PER_AGENT = 2  # the report loop's and the restore's
 
 GOAL_CPU = 50.0  # % of one core
 GOAL_P99_MS = 250.0
@@ -178,6 +181,7 @@ class SimAgent:
         self.client: CoordinatorClient | None = None
         self.http: aiohttp.ClientSession | None = None
         self.task: asyncio.Task | None = None
+        self.training_task: asyncio.Task | None = None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -285,7 +289,7 @@ class SimAgent:
         if assignment is not None and assignment.incarnation != self.pod.incarnation:
             self.cluster.stats.assigned.setdefault(self.pod.pod_uid, time.monotonic())
             self.pod = msgspec.structs.replace(self.pod, incarnation=assignment.incarnation, rank=assignment.rank)
-            asyncio.create_task(self._start_training())
+            self.training_task = asyncio.create_task(self._start_training())
             self.note_change()
         for order in reply.replicate:
             for target in order.targets:
@@ -412,7 +416,7 @@ class SimCluster:
         context = self.coordinator.ssl_context()
         timeout = aiohttp.ClientTimeout(total=None)  # the client sets each request's
         for index, agent in enumerate(self.agents):
-            agent.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=context, limit=1), timeout=timeout,
+            agent.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=context, limit=CONNECTIONS_PER_AGENT), timeout=timeout,
                                                json_serialize=self.stats.dumps)  # fmt: skip
             agent.client = CoordinatorClient(agent.http, self.coordinator.url, self.token)
             agent.publish()
@@ -429,10 +433,10 @@ class SimCluster:
             await asyncio.sleep(0.1)
 
     async def stop(self) -> None:
-        for agent in self.agents:
-            if agent.task is not None:
-                agent.task.cancel()
-        await asyncio.gather(*(a.task for a in self.agents if a.task), return_exceptions=True)
+        tasks = [t for a in self.agents for t in (a.task, a.training_task) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*(a.http.close() for a in self.agents if a.http))
 
     def heartbeat_seconds(self) -> float:
@@ -618,6 +622,10 @@ def main() -> int:
     parser.add_argument("--nodes", type=int, action="append", help="simulated node agents (a multiple of 250); repeat for several")
     parser.add_argument("--seconds", type=float, default=60.0, help="length of each steady window (issue 9: 60)")
     args = parser.parse_args()
+    # Both ends of every agent's connections, plus files: as root, raise the hard limit too.
+    wanted = CONNECTIONS_PER_AGENT * max(args.nodes or [1000]) + 1_000
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, max(wanted, resource.getrlimit(resource.RLIMIT_NOFILE)[1])))
     all_met = True
     results = {}
     for nodes in args.nodes or [1000]:

@@ -1,0 +1,33 @@
+"""The coordinator's settings snapshot: written once after a burst of settings, not once per request."""
+
+from replicator.coordinator import service
+from replicator.coordinator.state import ClusterState, JobState
+from replicator.messages import JobSettings
+
+RANKS = 300
+
+
+def settings(rank: int) -> JobSettings:
+    return JobSettings((rank ^ 1,), 2, 30.0, None)
+
+
+def test_a_job_start_encodes_one_snapshot_that_a_restarted_coordinator_loads(tmp_path):
+    state = ClusterState()
+    job = state.jobs.setdefault(("default", "big"), JobState())
+    snapshot = service.SettingsSnapshot(str(tmp_path))
+    assert snapshot.encode(state) is None  # nothing recorded: nothing to write
+    for rank in range(RANKS):  # what post_settings does for each rank of a starting job
+        job.add_settings(rank, settings(rank))
+        snapshot.due = True
+    data = snapshot.encode(state)
+    assert data is not None and snapshot.encode(state) is None  # one write for the burst
+    snapshot.write(data)
+    restarted = service.make_app(service.CoordinatorConfig("127.0.0.1:0", state_dir=str(tmp_path)))
+    loaded = restarted[service._STATE_KEY].jobs[("default", "big")].settings
+    assert loaded == {rank: settings(rank) for rank in range(RANKS)}
+
+
+def test_without_a_state_dir_nothing_is_written():
+    snapshot = service.SettingsSnapshot(None)
+    snapshot.due = True
+    assert snapshot.encode(ClusterState()) is None
