@@ -290,6 +290,7 @@ class SimAgent:
             self.cluster.stats.assigned.setdefault(self.pod.pod_uid, time.monotonic())
             self.pod = msgspec.structs.replace(self.pod, incarnation=assignment.incarnation, rank=assignment.rank)
             self.training_task = asyncio.create_task(self._start_training())
+            self.training_task.add_done_callback(self.cluster._died)
             self.note_change()
         for order in reply.replicate:
             for target in order.targets:
@@ -369,6 +370,7 @@ class SimCluster:
         self.epoch = time.monotonic() - HELD_STEPS * STEP_SECONDS  # the jobs trained before the bench
         self.bucket: dict[tuple[str, str], dict[int, set[int]]] = {}
         self.complete: dict[tuple[str, str], set[int]] = {}
+        self.failure: BaseException | None = None
 
     # -- the training clock ---------------------------------------------------------------------
 
@@ -421,13 +423,21 @@ class SimCluster:
             agent.client = CoordinatorClient(agent.http, self.coordinator.url, self.token)
             agent.publish()
             agent.task = asyncio.create_task(agent.run())
+            agent.task.add_done_callback(self._died)
             if index % 100 == 99:
                 await asyncio.sleep(100 / CONNECT_PER_SECOND)
         await self.until(lambda: all(a.training for a in self.agents), "every pod trains")
 
+    def _died(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self.failure = task.exception()
+
     async def until(self, condition, what: str) -> None:
+        """Waits for ``condition``. Raises TimeoutError, or an agent's loop's exception."""
         deadline = time.monotonic() + SCENARIO_TIMEOUT
         while not condition():
+            if self.failure is not None:
+                raise RuntimeError("a simulated agent failed") from self.failure
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{what}: not within {SCENARIO_TIMEOUT:g} s")
             await asyncio.sleep(0.1)
@@ -560,16 +570,24 @@ async def run_cluster(workdir: str, jobs: list[JobSpec], seconds: float, replace
     coordinator, token = start_coordinator(workdir)
     cleanup.callback(coordinator.stop)
     cluster = SimCluster(coordinator, token, jobs)
+    name = os.path.basename(workdir)
     try:
         formed = time.monotonic()
         await cluster.start()
+        progress(f"{name}: {len(cluster.agents)} agents in {len(jobs)} jobs trained after {time.monotonic() - formed:.0f} s; settling, then measuring")
         figures = {"formed_seconds": time.monotonic() - formed, **await steady_window(cluster, seconds)}
         if replace:
+            progress(f"{name}: replacing every pod")
             figures |= await replace_every_pod(cluster)
         return figures
     finally:
+        progress(f"{name}: stopping")
         await cluster.stop()
         coordinator.stop()
+
+
+def progress(message: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {message}", file=sys.stderr, flush=True)
 
 
 def judge(nodes: int, steady: dict, many: dict) -> list[tuple[str, str, str, bool | None]]:
