@@ -65,7 +65,7 @@ demo: setup
 
 # Each entry is a module of tests/bench and its flags.
 BENCHES := ramdisk_throughput "peer_restore --cores" "peer_restore --gib 4 --repetitions 5" step_checksums \
-           backup_restore replication_overhead restore_mttr agent_idle
+           backup_restore replication_overhead restore_mttr agent_idle "coordinator_scale --nodes 1000 --seconds 30"
 
 bench: setup tools
 	set -e; for b in $(BENCHES); do echo "== $$b"; PATH=$(TOOLS):$$PATH $(BIN)/python -m tests.bench.$$b; done

@@ -442,11 +442,13 @@ class SimCluster:
                 raise TimeoutError(f"{what}: not within {SCENARIO_TIMEOUT:g} s")
             await asyncio.sleep(0.1)
 
-    async def stop(self) -> None:
+    async def stop_agents(self) -> None:
         tasks = [t for a in self.agents for t in (a.task, a.training_task) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def close_sessions(self) -> None:
         await asyncio.gather(*(a.http.close() for a in self.agents if a.http))
 
     def heartbeat_seconds(self) -> float:
@@ -582,8 +584,9 @@ async def run_cluster(workdir: str, jobs: list[JobSpec], seconds: float, replace
         return figures
     finally:
         progress(f"{name}: stopping")
-        await cluster.stop()
-        coordinator.stop()
+        await cluster.stop_agents()
+        coordinator.stop()  # first: closing N TLS sessions to a live peer took minutes
+        await cluster.close_sessions()
 
 
 def progress(message: str) -> None:
