@@ -43,6 +43,7 @@ when every goal at every N is met.
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import math
@@ -239,7 +240,7 @@ class SimAgent:
     # -- the report loop ------------------------------------------------------------------------
 
     async def run(self) -> None:
-        while True:
+        while not self.cluster.stopping:
             self.wake.clear()
             now = time.monotonic()
             self._commit_if_due(now)
@@ -255,10 +256,10 @@ class SimAgent:
             rounds = math.ceil(0.8 * self.session.heartbeat_seconds / ROUND_SECONDS)
             earliest = self.acknowledged_at + rounds * ROUND_SECONDS
             check = earliest if now < earliest else now + ROUND_SECONDS
-            try:
-                await asyncio.wait_for(self.wake.wait(), max(0.0, min(check, self.next_commit) - now))
-            except asyncio.TimeoutError:
-                pass
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancellation.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, min(check, self.next_commit) - now)):
+                    await self.wake.wait()
 
     async def _send(self, report) -> None:
         stats = self.cluster.stats
@@ -371,6 +372,7 @@ class SimCluster:
         self.bucket: dict[tuple[str, str], dict[int, set[int]]] = {}
         self.complete: dict[tuple[str, str], set[int]] = {}
         self.failure: BaseException | None = None
+        self.stopping = False
 
     # -- the training clock ---------------------------------------------------------------------
 
@@ -443,6 +445,7 @@ class SimCluster:
             await asyncio.sleep(0.1)
 
     async def stop_agents(self) -> None:
+        self.stopping = True
         tasks = [t for a in self.agents for t in (a.task, a.training_task) if t is not None]
         for task in tasks:
             task.cancel()
