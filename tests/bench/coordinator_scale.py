@@ -5,7 +5,7 @@ self-signed certificate, the cluster token required). A load generator in this p
 node agents on one asyncio loop. Each agent reports through the node's own code: ``ReportSession``
 (``replicator/report_session.py``) decides what a report says and when it is due (at once on a
 change, else as a heartbeat at the ``heartbeat_seconds`` the coordinator returns, jittered), and
-``CoordinatorClient`` (``replicator/node_replicator.py``) serialises and posts it, records the job's
+``CoordinatorClient`` (``replicator/coordinator_client.py``) serialises and posts it, records the job's
 settings and runs the restore calls (long polls included). Each agent owns its own keep-alive HTTPS
 connections, at most two (its report loop and its restore calls), as a real agent does: a pool shared
 by the agents and smaller than N would queue the publish and restore long polls behind each other
@@ -61,10 +61,10 @@ import psutil
 
 from csi_driver.ramdisk import Ramdisk
 from examples.local_cluster import CoordinatorProcess, scratch_dir, self_signed_certificate
-from replicator import backup_worker
+from replicator import backup_worker, timing
 from replicator.job_meta import PodProgress
 from replicator.messages import BackedUp, Files, JobSettings, PodReport, ReportReply
-from replicator.node_replicator import CoordinatorClient, CoordinatorUnavailable
+from replicator.coordinator_client import CoordinatorClient, CoordinatorUnavailable
 from replicator.report_session import ReportSession
 from tests.bench.agent_idle import step_files
 from tests.bench.scratch import free_port
@@ -80,7 +80,7 @@ PUSH_SECONDS = 2.0  # a replica lands this long after its order
 UPLOAD_SECONDS = 5.0  # a rank's upload of a step takes this long
 # The designated lister lists the job's backups this often (the agent's own interval).
 LIST_INTERVAL_SECONDS = backup_worker._LIST_INTERVAL_SECONDS
-ROUND_SECONDS = 1.0  # the agent's report round: a due heartbeat goes out at the next round
+ROUND_SECONDS = timing.ROUND_INTERVAL_SECONDS  # the agent's report round: a due heartbeat goes out at the next round
 CONNECT_PER_SECOND = 2_000  # agents come up at this pace (the listen backlog is 128)
 SCENARIO_TIMEOUT = 300.0
 SETTLE_SECONDS = 20.0
@@ -168,7 +168,7 @@ class SimAgent:
         self.pod: PodReport | None = None
         self.own: dict[int, Files] = {}
         self.own_rank: int | None = None
-        self.replicas: set[tuple[str, str, int, int]] = set()
+        self.replicas: set[tuple[str, str, int, int, int]] = set()  # (namespace, job, step, rank, timeline)
         self.listing: dict[tuple[str, str], BackedUp] = {}
         self.listed_at: dict[tuple[str, str], float] = {}
         self.pushed: set[tuple] = set()
@@ -234,7 +234,7 @@ class SimAgent:
         now = time.monotonic()
         self.listed_at[key] = now
         self.cluster.stats.list_calls += self.cluster.stats.inside(now)
-        self.listing[key] = BackedUp(*key, tuple(sorted(self.cluster.complete_backups(key))), time.time())
+        self.listing[key] = BackedUp(*key, tuple((step, 0) for step in sorted(self.cluster.complete_backups(key))), time.time())
         self.note_change()
 
     # -- the report loop ------------------------------------------------------------------------
@@ -246,7 +246,7 @@ class SimAgent:
             self._commit_if_due(now)
             self._list_if_due(now)
             pod = self.pod
-            own = [(*self.key, step, self.own_rank, files) for step, files in self.own.items()]
+            own = [(*self.key, step, self.own_rank, files, 0) for step, files in self.own.items()]  # timeline 0: no rollback
             waiting = pod.incarnation is None
             report = self.session.build([pod], own, self.replicas, self.listing.values(), waiting)
             if self.session.due(report, now):
@@ -397,7 +397,7 @@ class SimCluster:
     def land_replica(self, node_id: str, key: tuple) -> None:
         namespace, job, rank, step, _ = key
         target = self.by_id[node_id]
-        target.replicas.add((namespace, job, step, rank))
+        target.replicas.add((namespace, job, step, rank, 0))
         target.note_change()
 
     def upload(self, key: tuple[str, str], step: int, rank: int, nodes: int) -> bool:
@@ -581,6 +581,7 @@ async def run_cluster(workdir: str, jobs: list[JobSpec], seconds: float, replace
         await cluster.start()
         progress(f"{name}: {len(cluster.agents)} agents in {len(jobs)} jobs trained after {time.monotonic() - formed:.0f} s; settling, then measuring")
         figures = {"formed_seconds": time.monotonic() - formed, **await steady_window(cluster, seconds)}
+        progress(f"{name}: " + ", ".join(f"{k} {v:.3g}" for k, v in figures.items()))
         if replace:
             progress(f"{name}: replacing every pod")
             figures |= await replace_every_pod(cluster)
