@@ -1,10 +1,11 @@
 """The coordinator's state machine as pure functions of reports and time, at 10,000 nodes: stable
 assignments, orders exactly when due, no recomputation when nothing changed, identity decided once."""
 
+import msgspec
 import pytest
 
-from replicator.coordinator.state import ClusterState, decide_interval
-from replicator.messages import PROTOCOL_VERSION, HeldStep, JobSettings, NodeReport, PodReport
+from replicator.coordinator.state import ClusterState, NotReady, decide_interval
+from replicator.messages import PROTOCOL_VERSION, BackedUp, HeldStep, JobSettings, NodeReport, PodReport
 
 NODES = 10_000
 SLICES = 40
@@ -126,6 +127,31 @@ def test_data_parallel_identity_is_decided_once_per_step_and_pair():
     assert state.identity_checks == nodes // 2  # each pair of peers compared once
     assert state.identical(KEY)[10] == frozenset((r, (r + half) % nodes) for r in range(nodes))
     assert state.safe_step(KEY) == 10
+
+
+def test_every_rank_restarting_at_once_costs_a_few_decision_passes_not_one_per_rank():
+    state = ClusterState()
+    state.expire(0.0)
+    nodes, half = NODES, NODES // 2
+    settings = {rank: JobSettings(((rank + half) % nodes,), 2, None, 100) for rank in range(nodes)}
+    rank_of = form_job(state, nodes, SLICES, JobSettings((), 2, None, 100), now=0.0)
+    heartbeat_round(state, nodes, rank_of, lambda rank: [own(10, rank)], 1.0, with_files=True)
+    for node in range(nodes):  # the nodes have a backup tier that nobody listed yet: restores wait for it
+        state.apply_report(msgspec.structs.replace(state.nodes[f"n{node}"].report, has_backup=True), 39.0)
+    state.tick(39.0 + decide_interval(nodes))
+    decisions, incarnation = state.decisions, state.jobs[KEY].incarnation.incarnation_id
+
+    state.expire(40.0)  # past the fresh-coordinator wait: each rank records its settings and asks, in turn
+    for rank in range(nodes):
+        state.record_settings(KEY, incarnation, rank, settings[rank])
+        with pytest.raises(NotReady):
+            state.restore_view(KEY, incarnation, rank, 40.0)
+    assert state.decisions - decisions <= 2  # not one decision pass per rank
+    lister = state.jobs[KEY].lister
+    state.apply_report(msgspec.structs.replace(state.nodes[lister].report, backed_up=(BackedUp(*KEY, (), 41.0),)), 41.0)
+    state.tick(41.0 + decide_interval(nodes))
+    assert {state.restore_view(KEY, incarnation, rank, 42.0).step for rank in range(nodes)} == {10}
+    assert state.identical(KEY)[10] == frozenset((r, (r + half) % nodes) for r in range(nodes))
 
 
 def test_a_restarted_coordinator_asks_once_for_the_checksums_it_lacks():

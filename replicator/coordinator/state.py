@@ -187,15 +187,18 @@ class JobState:
     data_parallelism: int = 1
     nodes: int = 0  # ranks of the newest incarnation: known after its pods are gone (``restore-from``)
     peers: dict[int, set[int]] = dataclasses.field(default_factory=dict)
+    new_peers: set[int] = dataclasses.field(default_factory=set)  # ranks with peers their signatures were not compared with
 
     def add_settings(self, rank: int, settings: JobSettings) -> None:
-        """Records a rank's settings; its data-parallel peers are peers both ways."""
+        """Records a rank's settings; its data-parallel peers are peers both ways. Signatures are
+        compared with new peers in the next decision pass (once, not per rank's settings)."""
         self.settings[rank] = settings
         self.data_parallelism = max(self.data_parallelism, settings.data_parallelism)
         for peer in settings.peer_ranks:
-            self.peers.setdefault(rank, set()).add(peer)
-            self.peers.setdefault(peer, set()).add(rank)
-        self.unpaired |= set(self.signatures)  # new peers: compare again what was not compared
+            if peer not in self.peers.get(rank, ()):
+                self.peers.setdefault(rank, set()).add(peer)
+                self.peers.setdefault(peer, set()).add(rank)
+                self.new_peers |= {rank, peer}
         self.dirty = True
 
 
@@ -583,6 +586,9 @@ class ClusterState:
                 job.unpaired.add((step, rank))
             if files is not None or (step, rank) in job.owner_files:
                 del job.pending[(step, rank, node_id)]
+        if job.new_peers:
+            job.unpaired |= {k for k in job.signatures if k[1] in job.new_peers}
+            job.new_peers.clear()
         if self._data_parallelism(key) < 2 or not job.unpaired:
             return
         peers = job.peers
@@ -863,7 +869,11 @@ class ClusterState:
                 self._replan(key, incarnation)
         if incarnation.plan is None:
             if job.dirty:
-                self.decide(key)  # plan on every report that has arrived
+                # Plan on every report that has arrived, but decide a large job at most every
+                # ``decide_interval``: its N ranks asking at once must not cost N decision passes.
+                self._decide_if_due(key)
+                if job.dirty:
+                    raise NotReady("the job's newest reports are being decided")
             backup_nodes = [n for n in incarnation.node_of_rank.values() if n in self.nodes and self.nodes[n].report.has_backup]
             if backup_nodes and not any(n in job.listings for n in backup_nodes) and now - incarnation.created_at < _BACKUP_LISTING_GRACE_SECONDS:
                 raise NotReady(f"waiting for {job.lister or 'a node with a backup tier'} to list the backup tier")
