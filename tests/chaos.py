@@ -522,7 +522,8 @@ def _rollback(chaos: Chaos, pods_gone: bool) -> None:
     if not answer.returncode:
         chaos.forks.append(step)
     # The failure comes at the new timeline's first save, before it passes the abandoned one.
-    row = chaos.restart(f"rollback to {step}{' (no pods)' if pods_gone else ''}", step, settle=False)
+    # The rollback's step; the newest restorable step before it if a fault damaged the step's last copy.
+    row = chaos.restart(f"rollback to {step}{' (no pods)' if pods_gone else ''}", chaos.newest_possible(), settle=False)
     if answer.returncode:
         row.problems.insert(0, f"restore-from refused: {answer.stderr.strip()[:120]}")
     chaos.wait_saves(1)

@@ -197,6 +197,27 @@ def test_a_rollback_starts_a_timeline_whose_reused_step_numbers_never_mix_with_t
     assert again.jobs[KEY].forks == (2,) and not again.jobs[KEY].claims
 
 
+def test_a_rollback_to_a_step_that_proves_unrestorable_restores_the_newest_step_before_it_never_a_fresh_start():
+    state = ClusterState()
+    state.expire(0.0)
+    incarnation, rank_of = running_job(state, now=20.0)
+    node_of = {rank: node for node, rank in rank_of.items()}
+    held = {node: [HeldStep(*KEY, s, rank_of[node], OWN[rank_of[node]]) for s in (1, 2)] + held_by(node, rank_of) for node in ("a", "b")}
+    for node in ("a", "b"):
+        state.apply_report(report(node, f"http://{node}", [], held[node]), 21.0)
+    state.force_restore_step(KEY, 2)
+    for index, node in enumerate(("a", "b")):
+        state.apply_report(report(node, f"http://{node}", [pod(index + 2)], held[node]), 22.0)
+    fresh = state.jobs[KEY].incarnation.incarnation_id
+    view = state.restore_view(KEY, fresh, 0, now=22.5)
+    assert (view.step, view.rollback) == (2, True)
+    # Rank 0's only copy of step 2 fails its checksums: the rollback step cannot be restored.
+    state.report_staged(KEY, fresh, view.generation, 0, None, [(2, 0, node_of[0])])
+    view = state.restore_view(KEY, fresh, 0, now=22.6)
+    assert (view.step, view.rollback, view.forks) == (1, False, (2,))  # newer steps are set aside, not deleted
+    assert state.jobs[KEY].forced_step is None
+
+
 def test_a_step_set_aside_by_a_restore_counts_as_its_nodes_own_copy():
     state = ClusterState()
     state.expire(0.0)

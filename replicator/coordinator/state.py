@@ -930,14 +930,15 @@ class ClusterState:
             # numbers after ``forced``, so the copies of those steps it abandons must never be restored.
             job.forked = True
             self._set_lineage(key, job.forks + (forced,))
-        copies = [
-            c for c in self.copies(key)
-            if (c.step, c.rank, c.holder) not in incarnation.excluded and (forced is None or c.step == forced)
-        ]  # fmt: skip
-        incarnation.plan = planner.plan_restore(
-            len(incarnation.node_of_rank), incarnation.node_of_rank, copies, self._blocks({c.holder for c in copies} | set(incarnation.node_of_rank.values())),
-            USABLE_TIERS, self.identical(key),
-        )  # fmt: skip
+        incarnation.plan = self._plan(key, incarnation, forced)
+        if incarnation.plan.step is None and forced is not None:
+            # The operator's step turned out unrestorable (a rank's every copy proven unusable). Never
+            # a fresh start for it: the newest restorable step of the lineage, which the rollback
+            # capped at ``forced``; newer steps up to it are set aside, not deleted.
+            log.error("job %s/%s: step %d of the rollback cannot be restored; restoring the newest restorable step before it",
+                      *key, forced)  # fmt: skip
+            job.forced_step = forced = None
+            incarnation.plan = self._plan(key, incarnation, None)
         incarnation.generation = uuid.uuid4().hex[:12]
         incarnation.rollback = forced is not None
         incarnation.staged.clear()
@@ -945,6 +946,17 @@ class ClusterState:
         self.jobs[key].retain = self._retain_order(key)  # the planned step is protected from now on
         self._bump(key)
         log.info("job %s/%s incarnation %s: restore step %s", *key, incarnation.incarnation_id, incarnation.plan.step)
+
+    def _plan(self, key: JobKey, incarnation: Incarnation, forced: int | None) -> planner.RestorePlan:
+        """The restore plan over the copies not proven unusable (only ``forced``'s, if given)."""
+        copies = [
+            c for c in self.copies(key)
+            if (c.step, c.rank, c.holder) not in incarnation.excluded and (forced is None or c.step == forced)
+        ]  # fmt: skip
+        return planner.plan_restore(
+            len(incarnation.node_of_rank), incarnation.node_of_rank, copies, self._blocks({c.holder for c in copies} | set(incarnation.node_of_rank.values())),
+            USABLE_TIERS, self.identical(key),
+        )  # fmt: skip
 
     def report_staged(
         self, key: JobKey, incarnation_id: str, generation: str, rank: int, source: str | None,
