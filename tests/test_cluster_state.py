@@ -152,18 +152,24 @@ def test_restore_from_works_while_the_job_has_no_pods_and_the_next_incarnation_u
     assert view.step == 2 and view.rollback  # the ranks delete the abandoned newer steps, not set them aside
 
 
-def test_a_rollback_starts_a_timeline_whose_reused_step_numbers_never_mix_with_the_abandoned_ones():
-    state = ClusterState()
+def rolled_back_to_2(state, older_steps):
+    """A running job whose nodes also hold ``older_steps``; its pods go, ``restore-from 2``, new pods
+    come. Returns (rank_of, the new incarnation id, its first restore view of rank 0)."""
     state.expire(0.0)
-    incarnation, rank_of = running_job(state, now=20.0)
-    older = {node: [HeldStep(*KEY, 2, rank_of[node], OWN[rank_of[node]])] + held_by(node, rank_of) for node in ("a", "b")}
+    _, rank_of = running_job(state, now=20.0)
+    held = {node: [HeldStep(*KEY, s, rank_of[node], OWN[rank_of[node]]) for s in older_steps] + held_by(node, rank_of) for node in ("a", "b")}
     for node in ("a", "b"):
-        state.apply_report(report(node, f"http://{node}", [], older[node]), 21.0)
+        state.apply_report(report(node, f"http://{node}", [], held[node]), 21.0)
     state.force_restore_step(KEY, 2)
     for index, node in enumerate(("a", "b")):
-        state.apply_report(report(node, f"http://{node}", [pod(index + 2)], older[node]), 22.0)
+        state.apply_report(report(node, f"http://{node}", [pod(index + 2)], held[node]), 22.0)
     fresh = state.jobs[KEY].incarnation.incarnation_id
-    view = state.restore_view(KEY, fresh, 0, now=22.5)
+    return rank_of, fresh, state.restore_view(KEY, fresh, 0, now=22.5)
+
+
+def test_a_rollback_starts_a_timeline_whose_reused_step_numbers_never_mix_with_the_abandoned_ones():
+    state = ClusterState()
+    rank_of, fresh, view = rolled_back_to_2(state, (2,))
     assert (view.step, view.rollback, view.forks) == (2, True, (2,))
     # Step 5 of timeline 0 is abandoned: not a copy any more although the nodes still report it.
     assert {c.step for c in state.copies(KEY)} == {2}
@@ -199,17 +205,8 @@ def test_a_rollback_starts_a_timeline_whose_reused_step_numbers_never_mix_with_t
 
 def test_a_rollback_to_a_step_that_proves_unrestorable_restores_the_newest_step_before_it_never_a_fresh_start():
     state = ClusterState()
-    state.expire(0.0)
-    incarnation, rank_of = running_job(state, now=20.0)
+    rank_of, fresh, view = rolled_back_to_2(state, (1, 2))
     node_of = {rank: node for node, rank in rank_of.items()}
-    held = {node: [HeldStep(*KEY, s, rank_of[node], OWN[rank_of[node]]) for s in (1, 2)] + held_by(node, rank_of) for node in ("a", "b")}
-    for node in ("a", "b"):
-        state.apply_report(report(node, f"http://{node}", [], held[node]), 21.0)
-    state.force_restore_step(KEY, 2)
-    for index, node in enumerate(("a", "b")):
-        state.apply_report(report(node, f"http://{node}", [pod(index + 2)], held[node]), 22.0)
-    fresh = state.jobs[KEY].incarnation.incarnation_id
-    view = state.restore_view(KEY, fresh, 0, now=22.5)
     assert (view.step, view.rollback) == (2, True)
     # Rank 0's only copy of step 2 fails its checksums: the rollback step cannot be restored.
     state.report_staged(KEY, fresh, view.generation, 0, None, [(2, 0, node_of[0])])
