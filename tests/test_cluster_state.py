@@ -194,12 +194,19 @@ def test_a_rollback_starts_a_timeline_whose_reused_step_numbers_never_mix_with_t
     state.apply_report(msgspec.structs.replace(a, has_backup=True, backed_up=(listing,)), 24.0)
     assert state.backed_up(KEY) == {3}
 
+    # A node the job never ran on cannot roll it back.
+    ghost = msgspec.structs.replace(report("ghost", "http://ghost"), lineages=(Lineage(*KEY, (2, 0)),))
+    state.apply_report(ghost, 24.5)
+    assert state.jobs[KEY].forks == (2,)
+
     # A restarted coordinator learns the rollback from the nodes and indexes only the lineage.
     again = ClusterState()
-    stale = [HeldStep(*KEY, 5, 0, OWN[0]), HeldStep(*KEY, 5, 1, OWN[1], replica=True)]  # timeline 0's, not collected yet
-    again.apply_report(report("c", "http://c", [pod(4)], stale), 30.0)
-    assert {c.step for c in again.copies(KEY) if c.holder == "c"} in (set(), {5})  # "c" is not believed for any rank yet
-    again.apply_report(msgspec.structs.replace(report("c", "http://c", [pod(4)], stale), lineages=(Lineage(*KEY, (2,)),)), 30.5)
+    stale = {node: [HeldStep(*KEY, 5, rank_now[node], OWN[rank_now[node]])] for node in ("a", "b")}  # timeline 0's, not collected yet
+    for index, node in enumerate(("a", "b")):  # the pods still report their incarnation: it is adopted
+        again.apply_report(report(node, f"http://{node}", [pod(index + 2, fresh, rank_now[node])], stale[node]), 30.0)
+    assert again.jobs[KEY].incarnation.incarnation_id == fresh and {c.step for c in again.copies(KEY)} == {5}
+    again.apply_report(msgspec.structs.replace(report("a", "http://a", [pod(2, fresh, rank_now["a"])], stale["a"]),
+                                               lineages=(Lineage(*KEY, (2,)),)), 30.5)  # fmt: skip
     assert again.jobs[KEY].forks == (2,) and not again.jobs[KEY].claims
 
 

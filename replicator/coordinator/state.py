@@ -363,7 +363,9 @@ class ClusterState:
                 self._mark_dirty({key})
         for lineage in report.lineages if report else ():
             key = (lineage.namespace, lineage.job)
-            if key in self.jobs and extends(lineage.forks, self.jobs[key].forks):
+            # Only a node the job ran on is believed: a lineage abandons data on every node of the job.
+            if key in self.jobs and extends(lineage.forks, self.jobs[key].forks) and any(
+                    node_id in nodes for nodes in self.jobs[key].rank_nodes.values()):  # fmt: skip
                 log.warning("job %s/%s: node %s reports rollbacks to steps %s: adopting them", *key, node_id, lineage.forks)
                 self._set_lineage(key, lineage.forks)
         old_claims = bound.claims if bound else frozenset()
