@@ -48,7 +48,7 @@ def in_lineage(forks: tuple[int, ...], step: int, timeline: int) -> bool:
 def abandoned(forks: tuple[int, ...], step: int, timeline: int) -> bool:
     """Whether a copy is proven abandoned by a rollback (``in_lineage`` is False and its timeline is
     one ``forks`` knows): safe to delete. A copy of a newer timeline is never abandoned."""
-    return timeline < len(forks) and step > min(forks[timeline:])
+    return timeline < len(forks) and not in_lineage(forks, step, timeline)
 
 
 def extends(longer: tuple[int, ...], shorter: tuple[int, ...]) -> bool:
