@@ -62,6 +62,25 @@ def test_claims_of_unassigned_nodes_count_for_nothing():
     assert state.safe_step(KEY) == before == 5
 
 
+def test_a_complete_backup_makes_a_step_safe_while_its_replicas_are_in_flight():
+    state = ClusterState()
+    state.expire(0.0)
+    incarnation, rank_of = running_job(state)
+    for index, node in enumerate(("a", "b")):  # step 7 is committed everywhere, not replicated yet
+        held = [*held_by(node, rank_of), HeldStep(*KEY, 7, rank_of[node], OWN[rank_of[node]])]
+        state.apply_report(report(node, f"http://{node}", [pod(index, incarnation, rank_of[node])], held), 1.0)
+    state.tick(3.0)
+    assert state.safe_step(KEY) == 5  # one holder of step 7 per rank: not safe in the cluster
+    lister = state.nodes["a"].report
+    state.apply_report(msgspec.structs.replace(lister, has_backup=True, backed_up=(BackedUp(*KEY, ((7, 0),), 4.0),)), 4.0)
+    state.tick(6.0)
+    assert state.safe_step(KEY) == 7 and state.jobs[KEY].retain.keep_from == 7  # GC may delete step 5 now
+    # A backup of a step some rank's node does not hold is not enough: its copies there are what GC keeps.
+    state.apply_report(msgspec.structs.replace(lister, has_backup=True, backed_up=(BackedUp(*KEY, ((7, 0), (9, 0)), 7.0),)), 7.0)
+    state.tick(9.0)
+    assert state.safe_step(KEY) == 7
+
+
 def test_a_node_id_is_bound_to_its_url_until_it_falls_silent():
     state = ClusterState(node_timeout_seconds=15.0)
     state.apply_report(report("a", "http://a"), 0.0)

@@ -99,6 +99,31 @@ def test_data_parallel_peer_copy_serves_a_rank_only_when_identical():
     assert plan.sources[0][0] == Source(Tier.LOCAL, "a", 0)
 
 
+class CountingPairs(dict):
+    """step -> identical pairs, counting how often the planner looks a step's pairs up."""
+
+    lookups = 0
+
+    def get(self, step, default=None):
+        self.lookups += 1
+        return super().get(step, default)
+
+
+def test_data_parallel_plan_reads_each_steps_pairs_once_not_once_per_rank():
+    nodes, slices = 2_000, 8  # 14,000 identical pairs per step: once per rank would be 28 million
+    per_slice = nodes // slices
+    node_of = {r: f"n{r}" for r in range(nodes)}
+    pairs = frozenset((r, p) for r in range(nodes) for p in range(r % per_slice, nodes, per_slice) if p != r)
+    identical = CountingPairs({20: pairs, 10: pairs})
+    lost = set(range(0, nodes, 7))  # these ranks' nodes were lost: their peers' identical data serves them
+    copies = [StepCopy(step, r, f"n{r}") for step in (10, 20) for r in range(nodes) if r not in lost or step == 10]
+    plan = plan_restore(nodes, node_of, copies, identical=identical)
+    assert plan.step == 20 and identical.lookups == 1
+    assert {s.data_rank for s in plan.sources[7]} == set(range(7 % per_slice, nodes, per_slice)) - lost
+    assert plan.sources[8][0] == Source(Tier.LOCAL, "n8", 8)
+    assert {s.data_rank for s in plan.sources[8]} == set(range(8, nodes, per_slice)) - lost
+
+
 def test_replica_targets_are_close_then_distant_spread_and_never_self():
     node_of = {r: f"n{r}" for r in range(8)}
     blocks = {f"n{r}": f"b{r // 4}" for r in range(8)}

@@ -165,9 +165,12 @@ def plan_restore(
         by_step.setdefault(copy.step, {}).setdefault(copy.rank, []).append(copy)
     for step in sorted(by_step, reverse=True):
         held = by_step[step]
+        peers: dict[int, list[int]] = {}  # one pass over the pairs: a 10,000-rank job has 400,000 of them
+        for first, other in identical.get(step, ()):
+            peers.setdefault(first, []).append(other)
         sources = {}
         for rank in range(nodes):
-            serving = [rank] + sorted(other for first, other in identical.get(step, ()) if first == rank)
+            serving = [rank] + sorted(peers.get(rank, ()))
             candidates = [copy for data_rank in serving for copy in held.get(data_rank, [])]
             sources[rank] = _ranked_sources(candidates, node_of_rank[rank], block_of, usable_tiers)
         if all(sources.values()):

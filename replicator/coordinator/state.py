@@ -141,6 +141,7 @@ class JobState:
       forked: the timeline for ``forced_step`` has begun (once per request, however often it is planned).
       rank_nodes: rank -> nodes the coordinator assigned it to: only they are believed about that
         rank's own data.
+      members: every node of ``rank_nodes`` (the nodes the job ran on), for one lookup per report.
       ordered: (rank, node) replica targets the coordinator chose: only they are believed about
         replicas of that rank.
       owner_files: (step, rank) -> the checksums the rank's own node reported: what every copy
@@ -169,6 +170,7 @@ class JobState:
     forks: tuple[int, ...] = ()
     forked: bool = False
     rank_nodes: dict[int, set[str]] = dataclasses.field(default_factory=dict)
+    members: set[str] = dataclasses.field(default_factory=set)
     ordered: set[tuple[int, str]] = dataclasses.field(default_factory=set)
     owner_files: dict[tuple[int, int], Files] = dataclasses.field(default_factory=dict)
     pods: dict[str, tuple[PodReport, str]] = dataclasses.field(default_factory=dict)
@@ -364,8 +366,7 @@ class ClusterState:
         for lineage in report.lineages if report else ():
             key = (lineage.namespace, lineage.job)
             # Only a node the job ran on is believed: a lineage abandons data on every node of the job.
-            if key in self.jobs and extends(lineage.forks, self.jobs[key].forks) and any(
-                    node_id in nodes for nodes in self.jobs[key].rank_nodes.values()):  # fmt: skip
+            if key in self.jobs and extends(lineage.forks, self.jobs[key].forks) and node_id in self.jobs[key].members:
                 log.warning("job %s/%s: node %s reports rollbacks to steps %s: adopting them", *key, node_id, lineage.forks)
                 self._set_lineage(key, lineage.forks)
         old_claims = bound.claims if bound else frozenset()
@@ -524,6 +525,7 @@ class ClusterState:
                 job.nodes = len(job.incarnation.node_of_rank)
                 for rank, node in job.incarnation.node_of_rank.items():
                     job.rank_nodes.setdefault(rank, set()).add(node)
+                job.members.update(job.incarnation.node_of_rank.values())
                 self._bump(key)
                 log.info("job %s/%s: incarnation %s of %d ranks", *key, job.incarnation.incarnation_id, len(job.incarnation.node_of_rank))
 
@@ -658,8 +660,7 @@ class ClusterState:
         job = self.jobs.get(key)
         if job is None:
             return {}
-        members = set().union(*job.rank_nodes.values())
-        listings = [b for node_id, b in job.listings.items() if node_id in members and node_id in self.nodes]
+        listings = [b for node_id, b in job.listings.items() if node_id in job.members and node_id in self.nodes]
         if not listings:
             return {}
         found: dict[int, int] = {}
@@ -703,8 +704,8 @@ class ClusterState:
 
     def safe_step(self, key: JobKey) -> int | None:
         """The newest step complete for every rank whose every rank's data also exists elsewhere (as
-        of the last decision pass): on a DP peer established identical, or on the wanted number of
-        replicas. GC may delete anything older."""
+        of the last decision pass): on a DP peer established identical, on the wanted number of
+        replicas, or in a complete backup of the lineage. GC may delete anything older."""
         return self.jobs[key].safe if key in self.jobs else None
 
     def _safe_step(self, key: JobKey) -> int | None:
@@ -719,7 +720,10 @@ class ClusterState:
         live = sum(self.is_live(n) for n in set(incarnation.node_of_rank.values()))
         wanted = min(1 + self._replicas_wanted(job), live)
         data_parallel = self._data_parallelism(key) > 1
+        backed_up = self.backed_up(key)
         for step in sorted({step for step, _ in holders}, reverse=True):
+            if step in backed_up and all((step, r) in holders for r in range(nodes)):
+                return step  # a replica still in flight does not hold GC back once the store has the step
             if data_parallel:
                 covered = {a for a, _ in job.identical.get(step, ())}
                 if all((step, r) in holders for r in range(nodes)) and covered >= set(range(nodes)):
