@@ -4,7 +4,7 @@ assignments, orders exactly when due, no recomputation when nothing changed, ide
 import msgspec
 import pytest
 
-from replicator.coordinator.state import ClusterState, NotReady, decide_interval
+from replicator.coordinator.state import PEER_SOURCES_PER_VIEW, ClusterState, NotReady, decide_interval
 from replicator.messages import PROTOCOL_VERSION, BackedUp, HeldStep, JobSettings, NodeReport, PodReport
 
 NODES = 10_000
@@ -177,3 +177,23 @@ def test_heartbeats_slow_down_as_the_cluster_grows_and_the_timeout_follows(live,
     for node in range(live):
         state.apply_report(report(node), 0.0)
     assert state.heartbeat_seconds == heartbeat and state.node_timeout_seconds == timeout
+
+
+def test_a_restore_of_a_40_slice_job_lists_each_rank_a_few_of_its_39_identical_peers():
+    state = ClusterState()
+    state.expire(0.0)
+    per_slice = NODES // SLICES
+    rank_of = form_job(state, NODES, SLICES, JobSettings((), SLICES, None, 100), now=0.0)
+    incarnation = state.jobs[KEY].incarnation.incarnation_id
+    for rank in range(NODES):  # each rank's 39 identical peers: the same worker in every other slice
+        peers = tuple(p for p in range(rank % per_slice, NODES, per_slice) if p != rank)
+        state.record_settings(KEY, incarnation, rank, JobSettings(peers, SLICES, None, 100))
+    heartbeat_round(state, NODES, rank_of, lambda rank: [own(10, rank)], 1.0, with_files=True)
+    state.tick(1.0 + decide_interval(NODES))
+    assert len(state.identical(KEY)[10]) == NODES * (SLICES - 1)
+    views = [state.restore_view(KEY, incarnation, rank, 40.0) for rank in range(NODES)]
+    assert {v.step for v in views} == {10}
+    assert all(v.sources[0].tier == "local" and v.sources[0].holder == f"n{rank}" for rank, v in zip(range(NODES), views))
+    # A few of the 39 identical peers (with the step's checksums each), not all of them.
+    assert {len(v.sources) for v in views} == {1 + PEER_SOURCES_PER_VIEW}
+    assert max(len(msgspec.json.encode(v)) for v in views) < 2_000

@@ -214,21 +214,22 @@ def replica_targets(node_of_rank: Mapping[int, str], block_of: Mapping[str, str]
     for node in sorted(set(node_of_rank.values())):
         blocks.setdefault(block_of.get(node, ""), []).append(node)
     order = sorted(blocks)
+    next_block = {block: blocks[order[(i + 1) % len(order)]] for i, block in enumerate(order)}
+    position_of = {node: i for members in blocks.values() for i, node in enumerate(members)}
     targets: dict[int, list[str]] = {}
     for rank, node in node_of_rank.items():
         block = block_of.get(node, "")
-        members = blocks[block]
-        position = members.index(node)
+        members, position = blocks[block], position_of[node]
         chosen = []
         if len(members) > 1:
             chosen.append(members[(position + 1) % len(members)])
         if replicas > 1 and len(order) > 1:
-            other = blocks[order[(order.index(block) + 1) % len(order)]]
+            other = next_block[block]
             chosen.append(other[position % len(other)])
         elif replicas > 1 and len(members) > 2:
             chosen.append(members[(position + 2) % len(members)])
         if not chosen and len(order) > 1:  # a block of one: its close peer must be elsewhere
-            other = blocks[order[(order.index(block) + 1) % len(order)]]
+            other = next_block[block]
             chosen.append(other[position % len(other)])
         targets[rank] = chosen[:replicas]
     return targets

@@ -57,6 +57,10 @@ BACKUP_HOLDER = "backup"
 _BACKUP_GIVE_UP_SECONDS = 600.0  # a chosen backup step that never completes is chosen anew
 # How long a restore waits for the nodes' first listing of the backup tier before planning without it.
 _BACKUP_LISTING_GRACE_SECONDS = 60.0
+# A rank's restore view lists at most this many peer copies (live holders first), besides its own
+# and the backup: each carries the step's checksums, and a rank of a 40-slice job has 39 identical
+# peers. A peer proven bad is excluded and the replan lists the next ones.
+PEER_SOURCES_PER_VIEW = 4
 # Heartbeats: the coordinator budgets this many unchanged reports a second for the whole cluster,
 # so the interval grows with the node count (1 s up to 1,000 nodes, 10 s at 10,000). Changes are
 # reported at once whatever the interval.
@@ -185,6 +189,7 @@ class JobState:
     safe: int | None = None
     retain: RetainOrder | None = None
     targets: dict[int, list[str]] = dataclasses.field(default_factory=dict)
+    targets_for: tuple[str, int] | None = None  # (incarnation id, replicas) ``targets`` were chosen for
     lister: str | None = None
     data_parallelism: int = 1
     nodes: int = 0  # ranks of the newest incarnation: known after its pods are gone (``restore-from``)
@@ -494,8 +499,10 @@ class ClusterState:
         self._promote_owner_reports(key)
         self._forget_gone_steps(key)
         if job.incarnation is not None:
-            job.targets = planner.replica_targets(job.incarnation.node_of_rank, self._blocks(job.incarnation.node_of_rank.values()),
-                                                  self._replicas_wanted(job))  # fmt: skip
+            chosen_for = (job.incarnation.incarnation_id, self._replicas_wanted(job))
+            if job.targets_for != chosen_for:  # placement only: chosen once per incarnation, stable across steps
+                job.targets_for, job.targets = chosen_for, planner.replica_targets(
+                    job.incarnation.node_of_rank, self._blocks(job.incarnation.node_of_rank.values()), chosen_for[1])
             if job.settings and self._data_parallelism(key) == 1:
                 job.ordered.update((rank, node) for rank, nodes in job.targets.items() for node in nodes)
         job.safe = self._safe_step(key)
@@ -887,6 +894,8 @@ class ClusterState:
         plan = incarnation.plan
         # Live holders first; a silent one (within the grace period) is waited for only when needed.
         planned = sorted(plan.sources.get(rank, ()), key=lambda s: s.tier != planner.Tier.BACKUP and not self.is_live(s.holder))
+        spare = set([s for s in planned if s.tier in (planner.Tier.PEER_CLOSE, planner.Tier.PEER_DISTANT)][PEER_SOURCES_PER_VIEW:])
+        planned = [s for s in planned if s not in spare]
         backups = self._backups(key)
         sources = tuple(
             Source(s.tier.name.lower(), s.holder, self._url(s.holder), s.data_rank, self._expected_files(key, plan.step, s),
