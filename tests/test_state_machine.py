@@ -197,3 +197,24 @@ def test_a_restore_of_a_40_slice_job_lists_each_rank_a_few_of_its_39_identical_p
     # A few of the 39 identical peers (with the step's checksums each), not all of them.
     assert {len(v.sources) for v in views} == {1 + PEER_SOURCES_PER_VIEW}
     assert max(len(msgspec.json.encode(v)) for v in views) < 2_000
+
+
+def test_signatures_arriving_over_many_passes_are_each_compared_once_per_peer():
+    state = ClusterState()
+    state.expire(0.0)
+    per_slice = NODES // SLICES
+    rank_of = form_job(state, NODES, SLICES, JobSettings((), SLICES, None, 100), now=0.0)
+    incarnation = state.jobs[KEY].incarnation.incarnation_id
+    for rank in range(NODES):
+        peers = tuple(p for p in range(rank % per_slice, NODES, per_slice) if p != rank)
+        state.record_settings(KEY, incarnation, rank, JobSettings(peers, SLICES, None, 100))
+    state.tick(decide_interval(NODES))
+
+    def held(rank, now):  # the ranks save step 10 staggered over five passes; slice 0's data differs
+        return [own(10, rank, signature="sig-slice-0" if rank < per_slice else None)] if rank % 5 < now else []
+
+    for now in (1.0, 2.0, 3.0, 4.0, 5.0, 6.0):
+        heartbeat_round(state, NODES, rank_of, lambda rank: held(rank, now), now, with_files=True)
+        state.tick(now + decide_interval(NODES))
+    assert state.identity_checks == NODES * (SLICES - 1) // 2  # every pair once, identical or not
+    assert len(state.identical(KEY)[10]) == (NODES - per_slice) * (SLICES - 2)

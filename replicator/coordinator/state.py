@@ -155,7 +155,8 @@ class JobState:
       pending: (step, rank, node) -> (checksums, signature) a node reported for its own data, until
         the node is believed for the rank (then they become ``owner_files`` and ``signatures``).
       signatures: (step, rank) -> the believed owner's logical signature of the step.
-      unpaired: (step, rank) signatures not yet matched with every data-parallel peer.
+      uncompared: (step, rank) signatures that arrived since the last decision pass: each is
+        compared with its peers' signatures of the step in the next pass, once.
       listings: node -> its last listing of the job's backups.
       dirty: something changed since the last decision pass.
       decided_at: unix seconds of the last decision pass.
@@ -181,7 +182,7 @@ class JobState:
     claims: dict[tuple[int, int], dict[str, bool]] = dataclasses.field(default_factory=dict)
     pending: dict[tuple[int, int, str], tuple[Files | None, str | None]] = dataclasses.field(default_factory=dict)
     signatures: dict[tuple[int, int], str] = dataclasses.field(default_factory=dict)
-    unpaired: set[tuple[int, int]] = dataclasses.field(default_factory=set)
+    uncompared: set[tuple[int, int]] = dataclasses.field(default_factory=set)
     listings: dict[str, BackedUp] = dataclasses.field(default_factory=dict)
     dirty: bool = True
     decided_at: float = float("-inf")
@@ -194,18 +195,18 @@ class JobState:
     data_parallelism: int = 1
     nodes: int = 0  # ranks of the newest incarnation: known after its pods are gone (``restore-from``)
     peers: dict[int, set[int]] = dataclasses.field(default_factory=dict)
-    new_peers: set[int] = dataclasses.field(default_factory=set)  # ranks with peers their signatures were not compared with
+    new_pairs: set[tuple[int, int]] = dataclasses.field(default_factory=set)  # (rank, peer), rank < peer: signatures not compared yet
 
     def add_settings(self, rank: int, settings: JobSettings) -> None:
-        """Records a rank's settings; its data-parallel peers are peers both ways. Signatures are
-        compared with new peers in the next decision pass (once, not per rank's settings)."""
+        """Records a rank's settings; its data-parallel peers are peers both ways. The signatures
+        of a new pair are compared in the next decision pass (once, not per rank's settings)."""
         self.settings[rank] = settings
         self.data_parallelism = max(self.data_parallelism, settings.data_parallelism)
         for peer in settings.peer_ranks:
             if peer not in self.peers.get(rank, ()):
                 self.peers.setdefault(rank, set()).add(peer)
                 self.peers.setdefault(peer, set()).add(rank)
-                self.new_peers |= {rank, peer}
+                self.new_pairs.add((min(rank, peer), max(rank, peer)))
         self.dirty = True
 
 
@@ -441,7 +442,7 @@ class ClusterState:
         for table in (job.owner_files, job.signatures, job.pending):
             for k in [k for k in table if k[0] > lowest]:
                 del table[k]
-        job.unpaired = {k for k in job.unpaired if k[0] <= lowest}
+        job.uncompared = {k for k in job.uncompared if k[0] <= lowest}
         for step in [s for s in job.identical if s > lowest]:
             del job.identical[step]
         if job.backup_pending is not None and job.backup_pending > lowest:
@@ -594,27 +595,28 @@ class ClusterState:
                 job.owner_files.setdefault((step, rank), files)
             if signature is not None and (step, rank) not in job.signatures:
                 job.signatures[(step, rank)] = signature
-                job.unpaired.add((step, rank))
+                job.uncompared.add((step, rank))
             if files is not None or (step, rank) in job.owner_files:
                 del job.pending[(step, rank, node_id)]
-        if job.new_peers:
-            job.unpaired |= {k for k in job.signatures if k[1] in job.new_peers}
-            job.new_peers.clear()
-        if self._data_parallelism(key) < 2 or not job.unpaired:
-            return
-        peers = job.peers
-        for step, rank in list(job.unpaired):
-            pairs = job.identical.setdefault(step, set())
-            for other in peers.get(rank, ()):
-                if (rank, other) in pairs or (step, other) not in job.signatures:
-                    continue
-                self.identity_checks += 1
-                if job.signatures[(step, other)] == job.signatures[(step, rank)]:
-                    pairs.update({(rank, other), (other, rank)})
-            if not pairs:
-                del job.identical[step]
-            if all((rank, other) in pairs or (step, other) in job.signatures for other in peers.get(rank, ())):
-                job.unpaired.discard((step, rank))  # every peer's signature was compared: decided
+        # Each pair is compared once per step: when the later of its two signatures arrives (by the
+        # higher rank if both arrived since the last pass), or when the two ranks become peers.
+        new, job.uncompared = job.uncompared, set()
+        for step, rank in new:
+            for other in job.peers.get(rank, ()):
+                if (step, other) in job.signatures and not (other > rank and (step, other) in new):
+                    self._compare(job, step, rank, other)
+        if job.new_pairs:
+            steps = {step for step, _ in job.signatures}
+            for rank, other in job.new_pairs:
+                for step in steps:
+                    if (step, rank) in job.signatures and (step, other) in job.signatures and (step, rank) not in new and (step, other) not in new:
+                        self._compare(job, step, rank, other)
+            job.new_pairs.clear()
+
+    def _compare(self, job: JobState, step: int, rank: int, other: int) -> None:
+        self.identity_checks += 1
+        if job.signatures[(step, other)] == job.signatures[(step, rank)]:
+            job.identical.setdefault(step, set()).update({(rank, other), (other, rank)})
 
     def _forget_gone_steps(self, key: JobKey) -> None:
         """Checksums, signatures and identities of steps no copy or backup holds any more."""
@@ -623,7 +625,6 @@ class ClusterState:
         for table in (job.owner_files, job.signatures):
             for step, rank in [k for k in table if k[0] not in steps]:
                 del table[(step, rank)]
-        job.unpaired = {k for k in job.unpaired if k[0] in steps}
         for step in set(job.identical) - steps:
             del job.identical[step]
 

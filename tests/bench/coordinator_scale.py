@@ -10,6 +10,8 @@ settings and runs the restore calls (long polls included). Each agent owns its o
 connections, at most two (its report loop and its restore calls), as a real agent does: a pool shared
 by the agents and smaller than N would queue the publish and restore long polls behind each other
 (the coordinator holds them until the whole job answered), so the bench raises its open-file limit.
+Where the machine's hard limit cannot hold two per agent at both ends (20,000 here: N = 10,000),
+each agent gets one, and its restore calls and reports take turns on it (printed).
 
 What each simulated agent holds and does, as the real agent would:
 - one pod of one job; a rank's step is ``FILES_PER_STEP`` Orbax-like files (``agent_idle.step_files``),
@@ -85,6 +87,7 @@ CONNECT_PER_SECOND = 2_000  # agents come up at this pace (the listen backlog is
 SCENARIO_TIMEOUT = 300.0
 SETTLE_SECONDS = 20.0
 CONNECTIONS_PER_AGENT = 2  # the report loop's and the restore's
+SPARE_FILES = 1_000  # the coordinator's and the generator's other open files
 
 GOAL_CPU = 50.0  # % of one core
 GOAL_P99_MS = 250.0
@@ -373,6 +376,7 @@ class SimCluster:
         self.complete: dict[tuple[str, str], set[int]] = {}
         self.failure: BaseException | None = None
         self.stopping = False
+        self.connections = connections_per_agent(len(self.agents))
 
     # -- the training clock ---------------------------------------------------------------------
 
@@ -420,7 +424,7 @@ class SimCluster:
         context = self.coordinator.ssl_context()
         timeout = aiohttp.ClientTimeout(total=None)  # the client sets each request's
         for index, agent in enumerate(self.agents):
-            agent.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=context, limit=CONNECTIONS_PER_AGENT), timeout=timeout,
+            agent.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=context, limit=self.connections), timeout=timeout,
                                                json_serialize=self.stats.dumps)  # fmt: skip
             agent.client = CoordinatorClient(agent.http, self.coordinator.url, self.token)
             agent.publish()
@@ -479,6 +483,15 @@ class LoopLag:
         self._task.cancel()
 
 
+def connections_per_agent(nodes: int) -> int:
+    """Two, as a real agent has; one when the coordinator could not hold two per agent under this
+    machine's open-file hard limit (each connection is a file at both ends; the limit binds both
+    processes). With one, an agent's restore long poll and its reports take turns."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    fits = hard == resource.RLIM_INFINITY or CONNECTIONS_PER_AGENT * nodes + SPARE_FILES <= hard
+    return CONNECTIONS_PER_AGENT if fits else 1
+
+
 def heartbeat_period(heartbeat_seconds: float) -> float:
     """The mean interval of a real agent's heartbeats: due after heartbeat x U(0.8, 1.0), sent at
     the next of its rounds."""
@@ -519,6 +532,7 @@ async def steady_window(cluster: SimCluster, seconds: float) -> dict:
     list_calls = listers * 3600 / LIST_INTERVAL_SECONDS + 60 / BACKUP_MINUTES
     return {
         "coordinator_cpu": coordinator_cpu,
+        "coordinator_rss": coordinator.memory_info().rss,
         "offered": stats.offered / seconds,
         "achieved": stats.replies / seconds,
         "p99_ms": 1000 * p99(stats.latencies),
@@ -580,7 +594,7 @@ async def run_cluster(workdir: str, jobs: list[JobSpec], seconds: float, replace
         formed = time.monotonic()
         await cluster.start()
         progress(f"{name}: {len(cluster.agents)} agents in {len(jobs)} jobs trained after {time.monotonic() - formed:.0f} s; settling, then measuring")
-        figures = {"formed_seconds": time.monotonic() - formed, **await steady_window(cluster, seconds)}
+        figures = {"formed_seconds": time.monotonic() - formed, "connections": cluster.connections, **await steady_window(cluster, seconds)}
         progress(f"{name}: " + ", ".join(f"{k} {v:.3g}" for k, v in figures.items()))
         if replace:
             progress(f"{name}: replacing every pod")
@@ -604,6 +618,7 @@ def judge(nodes: int, steady: dict, many: dict) -> list[tuple[str, str, str, boo
         generator_bound = f["achieved"] < 0.95 * f["offered"] or f["generator_cpu"] >= 90 or f["loop_lag_p99"] > 0.25
         rows += [
             (f"{name}: coordinator CPU", f"{f['coordinator_cpu']:.1f} % of a core", f"<= {GOAL_CPU:g} %", f["coordinator_cpu"] <= GOAL_CPU),
+            (f"{name}: coordinator memory", f"{f['coordinator_rss'] / 2**20:.0f} MiB resident", "-", None),
             (f"{name}: report p99 latency", f"{f['p99_ms']:.0f} ms", f"<= {GOAL_P99_MS:g} ms", f["p99_ms"] <= GOAL_P99_MS),
             (f"{name}: nodes expired", f"{f['expired']}", "0", f["expired"] == 0),
             (f"{name}: list calls per job per hour", f"{f['list_calls']:.1f} ({f['listers_per_job']:.2f} listers/job; {f['listed_in_window']} lists in the window)",
@@ -613,7 +628,8 @@ def judge(nodes: int, steady: dict, many: dict) -> list[tuple[str, str, str, boo
             (f"{name}: bytes received", f"{f['bytes_per_second'] / 1e3:.0f} kB/s of request bodies", "-", None),
             (f"{name}: load generator", f"{f['generator_cpu']:.0f} % of a core, loop lag p99 {1000 * f['loop_lag_p99']:.0f} ms, "
              f"change->send p99 {f['lag_p99']:.2f} s{': GENERATOR-BOUND' if generator_bound else ''}", "-", None),
-            (f"{name}: held steps per rank, formed in", f"{f['held_per_rank']:.2f}, {f['formed_seconds']:.0f} s", "-", None),
+            (f"{name}: held steps per rank, formed in", f"{f['held_per_rank']:.2f}, {f['formed_seconds']:.0f} s "
+             f"({f['connections']} connection{'s' if f['connections'] > 1 else ''} per agent)", "-", None),
         ]  # fmt: skip
     rows += [
         ("new incarnation: last publish -> all assigned", f"{steady['assign_seconds']:.2f} s (publishes sent over "
@@ -647,10 +663,13 @@ def main() -> int:
     parser.add_argument("--nodes", type=int, action="append", help="simulated node agents (a multiple of 250); repeat for several")
     parser.add_argument("--seconds", type=float, default=60.0, help="length of each steady window (issue 9: 60)")
     args = parser.parse_args()
-    # Both ends of every agent's connections, plus files: as root, raise the hard limit too.
-    wanted = CONNECTIONS_PER_AGENT * max(args.nodes or [1000]) + 1_000
-    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < wanted:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, max(wanted, resource.getrlimit(resource.RLIMIT_NOFILE)[1])))
+    # Each process holds one end of every agent's connections: the soft limit up to the hard one
+    # (inherited by the coordinator process).
+    nodes = max(args.nodes or [1000])
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = connections_per_agent(nodes) * nodes + SPARE_FILES
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted if hard == resource.RLIM_INFINITY else min(wanted, hard), hard))
     all_met = True
     results = {}
     for nodes in args.nodes or [1000]:
