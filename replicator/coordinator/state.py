@@ -168,6 +168,7 @@ class JobState:
     settings: dict[int, JobSettings] = dataclasses.field(default_factory=dict)
     retired_pods: set[str] = dataclasses.field(default_factory=set)
     identical: dict[int, set[tuple[int, int]]] = dataclasses.field(default_factory=dict)
+    covered: dict[int, set[int]] = dataclasses.field(default_factory=dict)  # step -> the ranks of ``identical[step]``
     backup_pending: int | None = None
     backup_pending_since: float = 0.0
     last_backup_time: float | None = None
@@ -444,7 +445,7 @@ class ClusterState:
                 del table[k]
         job.uncompared = {k for k in job.uncompared if k[0] <= lowest}
         for step in [s for s in job.identical if s > lowest]:
-            del job.identical[step]
+            del job.identical[step], job.covered[step]
         if job.backup_pending is not None and job.backup_pending > lowest:
             job.backup_pending = None
         job.dirty = True
@@ -617,6 +618,7 @@ class ClusterState:
         self.identity_checks += 1
         if job.signatures[(step, other)] == job.signatures[(step, rank)]:
             job.identical.setdefault(step, set()).update({(rank, other), (other, rank)})
+            job.covered.setdefault(step, set()).update({rank, other})
 
     def _forget_gone_steps(self, key: JobKey) -> None:
         """Checksums, signatures and identities of steps no copy or backup holds any more."""
@@ -626,7 +628,7 @@ class ClusterState:
             for step, rank in [k for k in table if k[0] not in steps]:
                 del table[(step, rank)]
         for step in set(job.identical) - steps:
-            del job.identical[step]
+            del job.identical[step], job.covered[step]
 
     def copies(self, key: JobKey, with_backups: bool = True, live_only: bool = False) -> list[planner.StepCopy]:
         """Every believed copy of the job's steps and, optionally, complete backups.
@@ -638,12 +640,13 @@ class ClusterState:
         job = self.jobs.get(key)
         if job is None:
             return []
-        counts = self.is_live if live_only else self._holds_data
+        # is_live / _holds_data, inlined: a 10,000-rank job has 30,000 claims and more per pass.
+        limit, now, nodes = self.node_timeout_seconds if live_only else self.holder_grace_seconds, self._now, self.nodes
         held = [
             planner.StepCopy(step, rank, node_id)
             for (step, rank), holders in job.claims.items()
             for node_id, replica in holders.items()
-            if counts(node_id) and self._believed(job, node_id, rank, replica)
+            if (state := nodes.get(node_id)) is not None and now - state.last_seen <= limit and self._believed(job, node_id, rank, replica)
         ]  # fmt: skip
         if not with_backups:
             return held
@@ -733,8 +736,7 @@ class ClusterState:
             if step in backed_up and all((step, r) in holders for r in range(nodes)):
                 return step  # a replica still in flight does not hold GC back once the store has the step
             if data_parallel:
-                covered = {a for a, _ in job.identical.get(step, ())}
-                if all((step, r) in holders for r in range(nodes)) and covered >= set(range(nodes)):
+                if all((step, r) in holders for r in range(nodes)) and job.covered.get(step, set()).issuperset(range(nodes)):
                     return step
             elif all(len(holders.get((step, r), ())) >= wanted for r in range(nodes)):
                 return step

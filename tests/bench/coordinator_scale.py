@@ -619,6 +619,7 @@ def judge(nodes: int, steady: dict, many: dict) -> list[tuple[str, str, str, boo
         rows += [
             (f"{name}: coordinator CPU", f"{f['coordinator_cpu']:.1f} % of a core", f"<= {GOAL_CPU:g} %", f["coordinator_cpu"] <= GOAL_CPU),
             (f"{name}: coordinator memory", f"{f['coordinator_rss'] / 2**20:.0f} MiB resident", "-", None),
+            (f"{name}: coordinator CPU per report", f"{10 * f['coordinator_cpu'] / max(f['achieved'], 1):.2f} ms (flat as N grows: linear)", "-", None),
             (f"{name}: report p99 latency", f"{f['p99_ms']:.0f} ms", f"<= {GOAL_P99_MS:g} ms", f["p99_ms"] <= GOAL_P99_MS),
             (f"{name}: nodes expired", f"{f['expired']}", "0", f["expired"] == 0),
             (f"{name}: list calls per job per hour", f"{f['list_calls']:.1f} ({f['listers_per_job']:.2f} listers/job; {f['listed_in_window']} lists in the window)",
