@@ -76,6 +76,8 @@ _DECIDE_SECONDS_PER_NODE = 1 / 4_000
 _MAX_DECIDE_INTERVAL_SECONDS = 1.0
 # ...and at least this often, for rules driven by time alone (backup-interval-minutes, grace periods).
 _RECHECK_SECONDS = 5.0
+# Silence is checked this often: against timeouts of 15 s and more, a second late is nothing.
+_EXPIRE_SECONDS = 1.0
 
 
 def decide_interval(nodes: int) -> float:
@@ -254,6 +256,7 @@ class ClusterState:
         self._warned_claims: set[tuple] = set()  # what was logged once: (node, job) claims, (job, step, rank) owners
         self._now = 0.0  # the time of the newest event applied
         self._started = float("inf")  # time of the first report: before it nothing is known
+        self._expired_at = float("-inf")
 
     # -- time and liveness ---------------------------------------------------------------------
 
@@ -310,9 +313,11 @@ class ClusterState:
         self._live_count = live
 
     def tick(self, now: float) -> None:
-        """Expires nodes and runs every decision pass that is due; the service calls it about
-        four times a second."""
-        self.expire(now)
+        """Expires nodes (at most every ``_EXPIRE_SECONDS``: it visits every node) and runs every
+        decision pass that is due; the service calls it about four times a second."""
+        if now - self._expired_at >= _EXPIRE_SECONDS:
+            self._expired_at = now
+            self.expire(now)
         for key in list(self.jobs):
             self._decide_if_due(key)
 
