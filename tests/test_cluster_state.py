@@ -62,7 +62,7 @@ def test_claims_of_unassigned_nodes_count_for_nothing():
     assert state.safe_step(KEY) == before == 5
 
 
-def test_a_complete_backup_makes_a_step_safe_while_its_replicas_are_in_flight():
+def test_a_complete_backup_counts_as_a_holder_while_the_replicas_are_in_flight():
     state = ClusterState()
     state.expire(0.0)
     incarnation, rank_of = running_job(state)
@@ -227,6 +227,25 @@ def test_a_rollback_starts_a_timeline_whose_reused_step_numbers_never_mix_with_t
     again.apply_report(msgspec.structs.replace(report("a", "http://a", [pod(2, fresh, rank_now["a"])], stale["a"]),
                                                lineages=(Lineage(*KEY, (2,)),)), 30.5)  # fmt: skip
     assert again.jobs[KEY].forks == (2,) and not again.jobs[KEY].claims
+
+
+def test_no_step_a_rollback_may_need_is_collected_while_it_is_pending_or_by_the_abandoned_safe_step():
+    state = ClusterState()
+    state.expire(0.0)
+    _, rank_of = running_job(state, now=20.0)
+    state.tick(21.0)
+    assert state.safe_step(KEY) == 5 and state.jobs[KEY].retain.keep_from == 5  # steps 1 and 2 may go
+    held = {node: [HeldStep(*KEY, s, rank_of[node], OWN[rank_of[node]]) for s in (1, 2)] + held_by(node, rank_of) for node in ("a", "b")}
+    for node in ("a", "b"):
+        state.apply_report(report(node, f"http://{node}", [], held[node]), 21.0)
+    state.force_restore_step(KEY, 2)
+    for index, node in enumerate(("a", "b")):  # the new pods: an incarnation without a plan yet
+        state.apply_report(report(node, f"http://{node}", [pod(index + 2)], held[node]), 22.0)
+    state.tick(23.0)
+    assert state.reply_for("a").retain == () and state.reply_for("b").retain == ()  # step 1 is the rollback's fallback
+    fresh = state.jobs[KEY].incarnation.incarnation_id
+    assert state.restore_view(KEY, fresh, 0, now=23.5).step == 2
+    assert state.reply_for("a").retain == ()  # step 5 was safe, but it is abandoned now
 
 
 def test_a_rollback_to_a_step_that_proves_unrestorable_restores_the_newest_step_before_it_never_a_fresh_start():

@@ -437,6 +437,7 @@ class ClusterState:
         job = self.jobs[key]
         lowest = min(forks[len(job.forks):])  # steps above the lowest new rollback point may be abandoned
         job.forks = forks
+        job.safe = job.retain = None  # the safe step may be abandoned: GC waits for the next decision pass
         for node_id, state in self.nodes.items():
             gone = {c for c in state.claims if c[0] == key and not in_lineage(forks, c[1], c[4])}
             state.claims = state.claims - gone
@@ -720,8 +721,8 @@ class ClusterState:
 
     def safe_step(self, key: JobKey) -> int | None:
         """The newest step complete for every rank whose every rank's data also exists elsewhere (as
-        of the last decision pass): on a DP peer established identical, on the wanted number of
-        replicas, or in a complete backup of the lineage. GC may delete anything older."""
+        of the last decision pass): on a DP peer established identical, or on the wanted number of
+        holders, a complete backup of the lineage counting as one. GC may delete anything older."""
         return self.jobs[key].safe if key in self.jobs else None
 
     def _safe_step(self, key: JobKey) -> int | None:
@@ -738,19 +739,19 @@ class ClusterState:
         data_parallel = self._data_parallelism(key) > 1
         backed_up = self.backed_up(key)
         for step in sorted({step for step, _ in holders}, reverse=True):
-            if step in backed_up and all((step, r) in holders for r in range(nodes)):
-                return step  # a replica still in flight does not hold GC back once the store has the step
             if data_parallel:
                 if all((step, r) in holders for r in range(nodes)) and job.covered.get(step, set()).issuperset(range(nodes)):
                     return step
-            elif all(len(holders.get((step, r), ())) >= wanted for r in range(nodes)):
+            # A complete backup counts as one holder: a replica in flight does not hold GC back, and
+            # a corrupt backup object alone never leaves a rank with a single copy.
+            elif all(len(holders.get((step, r), ())) + (step in backed_up) >= wanted for r in range(nodes)):
                 return step
         return None
 
     def _retain_order(self, key: JobKey) -> RetainOrder | None:
         job = self.jobs[key]
-        if job.safe is None:
-            return None
+        if job.safe is None or (job.forced_step is not None and not job.forked):
+            return None  # nothing is safe yet, or a rollback is pending: any step up to it may be needed
         incarnation = job.incarnation
         protected = {job.backup_pending} if job.backup_pending is not None else set()
         if incarnation and incarnation.plan and incarnation.plan.step is not None:
