@@ -179,15 +179,22 @@ def test_heartbeats_slow_down_as_the_cluster_grows_and_the_timeout_follows(live,
     assert state.heartbeat_seconds == heartbeat and state.node_timeout_seconds == timeout
 
 
-def test_a_restore_of_a_40_slice_job_lists_each_rank_a_few_of_its_39_identical_peers():
-    state = ClusterState()
+def form_job_of_40_slices(state: ClusterState) -> tuple[dict[int, int], str]:
+    """A NODES-rank job of SLICES slices whose every rank recorded its 39 data-parallel peers (the
+    same worker in every other slice). Returns (node -> rank, incarnation id)."""
     state.expire(0.0)
     per_slice = NODES // SLICES
     rank_of = form_job(state, NODES, SLICES, JobSettings((), SLICES, None, 100), now=0.0)
     incarnation = state.jobs[KEY].incarnation.incarnation_id
-    for rank in range(NODES):  # each rank's 39 identical peers: the same worker in every other slice
+    for rank in range(NODES):
         peers = tuple(p for p in range(rank % per_slice, NODES, per_slice) if p != rank)
         state.record_settings(KEY, incarnation, rank, JobSettings(peers, SLICES, None, 100))
+    return rank_of, incarnation
+
+
+def test_a_restore_of_a_40_slice_job_lists_each_rank_a_few_of_its_39_identical_peers():
+    state = ClusterState()
+    rank_of, incarnation = form_job_of_40_slices(state)
     heartbeat_round(state, NODES, rank_of, lambda rank: [own(10, rank)], 1.0, with_files=True)
     state.tick(1.0 + decide_interval(NODES))
     assert len(state.identical(KEY)[10]) == NODES * (SLICES - 1)
@@ -201,13 +208,8 @@ def test_a_restore_of_a_40_slice_job_lists_each_rank_a_few_of_its_39_identical_p
 
 def test_signatures_arriving_over_many_passes_are_each_compared_once_per_peer():
     state = ClusterState()
-    state.expire(0.0)
     per_slice = NODES // SLICES
-    rank_of = form_job(state, NODES, SLICES, JobSettings((), SLICES, None, 100), now=0.0)
-    incarnation = state.jobs[KEY].incarnation.incarnation_id
-    for rank in range(NODES):
-        peers = tuple(p for p in range(rank % per_slice, NODES, per_slice) if p != rank)
-        state.record_settings(KEY, incarnation, rank, JobSettings(peers, SLICES, None, 100))
+    rank_of, _ = form_job_of_40_slices(state)
     state.tick(decide_interval(NODES))
 
     def held(rank, now):  # the ranks save step 10 staggered over five passes; slice 0's data differs
