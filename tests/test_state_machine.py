@@ -220,3 +220,28 @@ def test_signatures_arriving_over_many_passes_are_each_compared_once_per_peer():
         state.tick(now + decide_interval(NODES))
     assert state.identity_checks == NODES * (SLICES - 1) // 2  # every pair once, identical or not
     assert len(state.identical(KEY)[10]) == (NODES - per_slice) * (SLICES - 2)
+
+
+def test_a_decision_pass_looks_rank_by_rank_only_at_steps_every_rank_holds():
+    state = ClusterState()
+    rank_of, _ = form_job_of_40_slices(state)
+    newest = lambda rank: [own(20, rank)] if rank % 2 else []  # noqa: E731 - step 20 half saved
+    heartbeat_round(state, NODES, rank_of, lambda rank: [own(10, rank), *newest(rank)], 1.0, with_files=True)
+    state.tick(1.0 + decide_interval(NODES))
+    assert state.safe_step(KEY) == 10 and state.newest_complete_step(KEY) == 10
+    checks = state.rank_checks
+    heartbeat_round(state, NODES, rank_of, lambda rank: [own(10, rank), *newest(rank), own(30, rank)] if rank == 1 else
+                    [own(10, rank), *newest(rank)], 3.0)  # fmt: skip
+    state.tick(3.0 + decide_interval(NODES))
+    # Steps 30 and 20 are skipped on their rank counts; step 10 is walked once for safety and once
+    # for the backup choice: never one walk per step held.
+    assert state.rank_checks - checks <= 2 * NODES
+    # The per-step rank counts follow the claims as copies come and go.
+    heartbeat_round(state, NODES, rank_of, newest, 5.0)
+    state.tick(5.0 + decide_interval(NODES))
+    job = state.jobs[KEY]
+    recount: dict[int, int] = {}
+    for step, _ in job.claims:
+        recount[step] = recount.get(step, 0) + 1
+    assert job.step_ranks == recount == {20: NODES // 2}
+    assert state.safe_step(KEY) is None

@@ -130,6 +130,8 @@ class Incarnation:
 
     def __post_init__(self):
         self.pod_of_rank0 = next(uid for uid, rank in self.rank_of_pod.items() if rank == 0)
+        self.nodes = frozenset(self.node_of_rank.values())
+        self.rank_of_node = {node: rank for rank, node in sorted(self.node_of_rank.items(), reverse=True)}  # its lowest rank
 
 
 @dataclasses.dataclass
@@ -154,6 +156,10 @@ class JobState:
         restored for that rank must match, whoever serves it.
       pods: pod uid -> (its report, its node), for the pods published on every known node.
       claims: (step, rank) -> {node: replica?}: every copy some node says it holds, believed or not.
+      step_ranks: step -> how many ranks ``claims`` holds a copy of: a decision pass looks at a step
+        rank by rank only when this says every rank may be there (``add_claim``/``drop_claim``).
+      known_steps: the steps held in any tier at the last decision pass (tables are swept on a change).
+      pods_changed: a pod was published, changed or unpublished since the last decision pass.
       pending: (step, rank, node) -> (checksums, signature) a node reported for its own data, until
         the node is believed for the rank (then they become ``owner_files`` and ``signatures``).
       signatures: (step, rank) -> the believed owner's logical signature of the step.
@@ -183,6 +189,9 @@ class JobState:
     owner_files: dict[tuple[int, int], Files] = dataclasses.field(default_factory=dict)
     pods: dict[str, tuple[PodReport, str]] = dataclasses.field(default_factory=dict)
     claims: dict[tuple[int, int], dict[str, bool]] = dataclasses.field(default_factory=dict)
+    step_ranks: dict[int, int] = dataclasses.field(default_factory=dict)
+    known_steps: frozenset[int] = frozenset()
+    pods_changed: bool = True
     pending: dict[tuple[int, int, str], tuple[Files | None, str | None]] = dataclasses.field(default_factory=dict)
     signatures: dict[tuple[int, int], str] = dataclasses.field(default_factory=dict)
     uncompared: set[tuple[int, int]] = dataclasses.field(default_factory=set)
@@ -194,6 +203,9 @@ class JobState:
     retain: RetainOrder | None = None
     targets: dict[int, list[str]] = dataclasses.field(default_factory=dict)
     targets_for: tuple[str, int] | None = None  # (incarnation id, replicas) ``targets`` were chosen for
+    ordered_for: tuple[str, int] | None = None  # ... and were added to ``ordered`` for
+    replicas: int = 1  # the replicas the incarnation's nodes are configured for (``_replicas_wanted``)...
+    replicas_for: tuple[str, int] | None = None  # ... as of (incarnation id, ``ClusterState._replicas_epoch``)
     lister: str | None = None
     data_parallelism: int = 1
     nodes: int = 0  # ranks of the newest incarnation: known after its pods are gone (``restore-from``)
@@ -211,6 +223,23 @@ class JobState:
                 self.peers.setdefault(peer, set()).add(rank)
                 self.new_pairs.add((min(rank, peer), max(rank, peer)))
         self.dirty = True
+
+    def add_claim(self, step: int, rank: int, node_id: str, replica: bool) -> None:
+        holders = self.claims.get((step, rank))
+        if holders is None:
+            holders = self.claims[(step, rank)] = {}
+            self.step_ranks[step] = self.step_ranks.get(step, 0) + 1
+        holders[node_id] = replica
+
+    def drop_claim(self, step: int, rank: int, node_id: str) -> None:
+        holders = self.claims.get((step, rank))
+        if holders is None or holders.pop(node_id, None) is None or holders:
+            return
+        del self.claims[(step, rank)]
+        if self.step_ranks[step] > 1:
+            self.step_ranks[step] -= 1
+        else:
+            del self.step_ranks[step]
 
 
 class NodeIdTaken(Exception):
@@ -242,15 +271,20 @@ class ClusterState:
     Attributes:
       decisions: decision passes run so far (a cost counter: unchanged heartbeats add none).
       identity_checks: data-parallel identity comparisons made so far (each (step, pair) once).
+      rank_checks: ranks looked at one by one for a step's safety or completeness so far (only steps
+        every rank may hold are: a pass costs about one job size, not one per step held).
     """
 
     def __init__(self, node_timeout_seconds: float = 15.0, holder_grace_seconds: float = 60.0):
         self.configured_timeout_seconds = node_timeout_seconds
         self.configured_grace_seconds = holder_grace_seconds
         self.nodes: dict[str, NodeState] = {}
+        self._backup_nodes: set[str] = set()  # nodes whose last report says they have a backup tier
+        self._replicas_epoch = 0  # bumped when a node reports a ``replicas`` setting it did not before
         self.jobs: dict[JobKey, JobState] = {}
         self.decisions = 0
         self.identity_checks = 0
+        self.rank_checks = 0
         self.changed: set[JobKey] = set()  # jobs whose version moved since ``drain_changed``
         self._live_count = 0
         self._warned_claims: set[tuple] = set()  # what was logged once: (node, job) claims, (job, step, rank) owners
@@ -302,6 +336,7 @@ class ClusterState:
                 log.warning("node %s silent for %.0f s: forgetting it and its data", node_id, silence)
                 self._absorb_changes(node_id, state, None)
                 del self.nodes[node_id]
+                self._backup_nodes.discard(node_id)
             elif silence > self.node_timeout_seconds and not state.silent:
                 state.silent = True
                 self._mark_dirty(state.job_keys())
@@ -366,12 +401,14 @@ class ClusterState:
             job = self.jobs.get((pod.namespace, pod.job))
             if uid not in new_pods and job is not None and job.pods.get(uid, (None, None))[1] == node_id:
                 del job.pods[uid]
+                job.pods_changed = True
                 self._mark_dirty({(pod.namespace, pod.job)})
         for uid, pod in new_pods.items():
             if old_pods.get(uid) != pod:
                 key = (pod.namespace, pod.job)
                 job = self.jobs.setdefault(key, JobState())
                 job.pods[uid] = (pod, node_id)
+                job.pods_changed = True
                 if pod.settings is not None and pod.rank is not None and pod.rank not in job.settings:
                     job.add_settings(pod.rank, pod.settings)
                 self._mark_dirty({key})
@@ -391,9 +428,7 @@ class ClusterState:
             job = self.jobs.get(key)
             if job is None:
                 continue
-            holders = job.claims.get((step, rank), {})
-            if holders.pop(node_id, None) is not None and not holders:
-                del job.claims[(step, rank)]
+            job.drop_claim(step, rank, node_id)
             job.pending.pop((step, rank, node_id), None)
             self._mark_dirty({key})
         want_files = False
@@ -402,7 +437,7 @@ class ClusterState:
             job = self.jobs[key]
             claim = (key, h.step, h.rank, h.replica, h.timeline)
             if claim not in old_claims:
-                job.claims.setdefault((h.step, h.rank), {})[node_id] = h.replica
+                job.add_claim(h.step, h.rank, node_id, h.replica)
                 self._mark_dirty({key})
                 if job.incarnation is not None and not self._believed(job, node_id, h.rank, h.replica):
                     self._warn_untrusted(key, node_id, h.step, h.rank, h.replica)
@@ -425,6 +460,9 @@ class ClusterState:
                     self._mark_dirty({key})
             stripped = tuple(msgspec.structs.replace(h, files=None) if h.files is not None else h for h in report.held)
             self.nodes[node_id] = NodeState(msgspec.structs.replace(report, held=stripped), bound.last_seen if bound else self._now, new_claims)
+            (self._backup_nodes.add if report.has_backup else self._backup_nodes.discard)(node_id)
+            if bound is None or bound.report.replicas != report.replicas:
+                self._replicas_epoch += 1
         elif bound is not None:
             for key in bound.job_keys():
                 if (job := self.jobs.get(key)) is not None and job.listings.pop(node_id, None) is not None:
@@ -442,9 +480,7 @@ class ClusterState:
             gone = {c for c in state.claims if c[0] == key and not in_lineage(forks, c[1], c[4])}
             state.claims = state.claims - gone
             for _, step, rank, _, _ in gone:
-                holders = job.claims.get((step, rank), {})
-                if holders.pop(node_id, None) is not None and not holders:
-                    del job.claims[(step, rank)]
+                job.drop_claim(step, rank, node_id)
         # Until now only steps of the older lineage were indexed: above ``lowest`` they are all abandoned.
         for table in (job.owner_files, job.signatures, job.pending):
             for k in [k for k in table if k[0] > lowest]:
@@ -507,13 +543,15 @@ class ClusterState:
         self._promote_owner_reports(key)
         self._forget_gone_steps(key)
         if job.incarnation is not None:
-            chosen_for = (job.incarnation.incarnation_id, self._replicas_wanted(job))
+            replicas = self._replicas_wanted(job)
+            chosen_for = (job.incarnation.incarnation_id, replicas)
             if job.targets_for != chosen_for:  # placement only: chosen once per incarnation, stable across steps
                 job.targets_for, job.targets = chosen_for, planner.replica_targets(
                     job.incarnation.node_of_rank, self._blocks(job.incarnation.node_of_rank.values()), chosen_for[1])
-            if job.settings and self._data_parallelism(key) == 1:
+            if job.settings and self._data_parallelism(key) == 1 and job.ordered_for != chosen_for:
+                job.ordered_for = chosen_for
                 job.ordered.update((rank, node) for rank, nodes in job.targets.items() for node in nodes)
-        job.safe = self._safe_step(key)
+        job.safe = self._safe_step(key, replicas) if job.incarnation is not None else None
         if job.incarnation is not None and job.settings:
             self._advance_backup(key)
         job.retain = self._retain_order(key)  # after the backup choice: it protects the step being backed up
@@ -521,6 +559,9 @@ class ClusterState:
 
     def _reconcile(self, key: JobKey) -> None:
         job = self.jobs[key]
+        if not job.pods_changed:
+            return  # an incarnation starts or ends only when a pod comes or goes
+        job.pods_changed = False
         live = job.pods
         job.retired_pods &= set(live)  # a pod uid never comes back once its pod is gone
         current = job.incarnation
@@ -629,7 +670,10 @@ class ClusterState:
     def _forget_gone_steps(self, key: JobKey) -> None:
         """Checksums, signatures and identities of steps no copy or backup holds any more."""
         job = self.jobs[key]
-        steps = {step for step, _ in job.claims} | self.backed_up(key)
+        steps = frozenset(job.step_ranks) | self.backed_up(key)
+        if steps == job.known_steps:
+            return  # the tables hold only steps that were held at the last sweep
+        job.known_steps = steps
         for table in (job.owner_files, job.signatures):
             for step, rank in [k for k in table if k[0] not in steps]:
                 del table[(step, rank)]
@@ -687,18 +731,46 @@ class ClusterState:
         return found
 
     def _newest_complete(self, key: JobKey, with_backups: bool) -> int | None:
+        job = self.jobs.get(key)
         nodes = self._nodes_of(key)
-        ranks_of_step: dict[int, set[int]] = {}
-        for copy in self.copies(key, with_backups):
-            ranks_of_step.setdefault(copy.step, set()).add(copy.rank)
-        return max((step for step, ranks in ranks_of_step.items() if nodes and len(ranks) == nodes), default=None)
+        if job is None or not nodes:
+            return None
+        backups = self.backed_up(key) if with_backups else set()
+        for step in sorted(backups.union(job.step_ranks), reverse=True):
+            if step in backups or self._every_rank_held(job, step, nodes, 1, self.holder_grace_seconds):
+                return step
+        return None
+
+    def _every_rank_held(self, job: JobState, step: int, nodes: int, wanted: int, limit: float) -> bool:
+        """Whether each of ranks 0..nodes-1 of ``step`` has at least ``wanted`` believed copies on
+        nodes heard from within ``limit`` seconds. Costs O(nodes) only for a step every rank may hold
+        (``JobState.step_ranks``), and stops at the first rank short of copies."""
+        if job.step_ranks.get(step, 0) < nodes:
+            return False
+        now, states, claims, rank_nodes, ordered = self._now, self.nodes, job.claims, job.rank_nodes, job.ordered
+        for rank in range(nodes):
+            self.rank_checks += 1
+            found = 0
+            for node_id, replica in claims.get((step, rank), {}).items():
+                state = states.get(node_id)
+                # ``_believed``, inlined: this runs for every rank of a 10,000-rank job.
+                if state is not None and now - state.last_seen <= limit and (
+                        node_id in rank_nodes.get(rank, ()) or (replica and (rank, node_id) in ordered)):  # fmt: skip
+                    found += 1
+            if found < wanted:
+                return False
+        return True
 
     def _blocks(self, node_ids) -> dict[str, str]:
         return {n: self.nodes[n].report.topology.get("block", "") for n in node_ids if n in self.nodes}
 
     def _replicas_wanted(self, job: JobState) -> int:
-        reports = [self.nodes[n].report for n in job.incarnation.node_of_rank.values() if n in self.nodes]
-        return min((r.replicas for r in reports), default=1)
+        """The fewest replicas any node of the incarnation is configured for (``--replicas``);
+        recomputed only after a node reported another setting (it visits every node)."""
+        if job.replicas_for != (job.incarnation.incarnation_id, self._replicas_epoch):
+            reports = [self.nodes[n].report for n in job.incarnation.nodes if n in self.nodes]
+            job.replicas_for, job.replicas = (job.incarnation.incarnation_id, self._replicas_epoch), min((r.replicas for r in reports), default=1)
+        return job.replicas
 
     def _replicate_orders(self, key: JobKey, state: NodeState) -> list[ReplicateOrder]:
         """For data parallelism 1: push this node's newest own step to its rank's replica targets."""
@@ -725,26 +797,32 @@ class ClusterState:
         holders, a complete backup of the lineage counting as one. GC may delete anything older."""
         return self.jobs[key].safe if key in self.jobs else None
 
-    def _safe_step(self, key: JobKey) -> int | None:
+    def _safe_step(self, key: JobKey, replicas: int) -> int | None:
         job = self.jobs[key]
         incarnation = job.incarnation
-        if incarnation is None:
-            return None
         nodes = len(incarnation.node_of_rank)
-        holders: dict[tuple[int, int], set[str]] = {}
-        for copy in self.copies(key, with_backups=False, live_only=True):  # a silent node's copy may be gone: GC keeps more
-            holders.setdefault((copy.step, copy.rank), set()).add(copy.holder)
-        live = sum(self.is_live(n) for n in set(incarnation.node_of_rank.values()))
-        wanted = min(1 + self._replicas_wanted(job), live)
+        # Holders wanted per rank: 1 + replicas, or fewer while fewer nodes of the job are live.
+        wanted = 0
+        for node_id in incarnation.nodes:
+            wanted += self.is_live(node_id)
+            if wanted > replicas:
+                break
         data_parallel = self._data_parallelism(key) > 1
         backed_up = self.backed_up(key)
-        for step in sorted({step for step, _ in holders}, reverse=True):
+        timeout = self.node_timeout_seconds  # a silent node's copy may be gone: GC keeps more
+        for step in sorted(job.step_ranks, reverse=True):
             if data_parallel:
-                if all((step, r) in holders for r in range(nodes)) and job.covered.get(step, set()).issuperset(range(nodes)):
+                if len(job.covered.get(step, ())) >= nodes and job.covered[step].issuperset(range(nodes)) and \
+                        self._every_rank_held(job, step, nodes, 1, timeout):  # fmt: skip
                     return step
+                continue
             # A complete backup counts as one holder: a replica in flight does not hold GC back, and
             # a corrupt backup object alone never leaves a rank with a single copy.
-            elif all(len(holders.get((step, r), ())) + (step in backed_up) >= wanted for r in range(nodes)):
+            need = wanted - (step in backed_up)
+            if need <= 0:
+                if any(c.step == step for c in self.copies(key, with_backups=False, live_only=True)):
+                    return step  # at most one live node: any live copy of a backed-up step will do
+            elif self._every_rank_held(job, step, nodes, need, timeout):
                 return step
         return None
 
@@ -762,13 +840,13 @@ class ClusterState:
         """The one node that lists the job's backups: rank 0's node if it can, else the lowest
         rank's live node with a backup tier, else any live node with the job's pods."""
         job = self.jobs[key]
-        if job.incarnation is not None:
-            candidates = [job.incarnation.node_of_rank[r] for r in sorted(job.incarnation.node_of_rank)]
-        else:
-            candidates = sorted({node for _, node in job.pods.values()})
-        if job.lister in candidates and self.is_live(job.lister) and self.nodes[job.lister].report.has_backup:
+        incarnation = job.incarnation
+        nodes = incarnation.nodes if incarnation is not None else {node for _, node in job.pods.values()}
+        if job.lister in nodes and job.lister in self._backup_nodes and self.is_live(job.lister):
             return job.lister  # stable while it can: a new lister lists again
-        return next((n for n in candidates if n in self.nodes and self.is_live(n) and self.nodes[n].report.has_backup), None)
+        able = [n for n in self._backup_nodes.intersection(nodes) if self.is_live(n)]
+        order = incarnation.rank_of_node.get if incarnation is not None else None
+        return min(able, key=lambda n: (order(n), n) if order else n, default=None)
 
     def _backup_orders(self, key: JobKey, state: NodeState) -> list[BackupOrder]:
         """Uploads of the step being backed up for the ranks whose own data this node holds.
