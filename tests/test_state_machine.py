@@ -4,7 +4,7 @@ assignments, orders exactly when due, no recomputation when nothing changed, ide
 import msgspec
 import pytest
 
-from replicator.coordinator.state import PEER_SOURCES_PER_VIEW, ClusterState, NotReady, decide_interval
+from replicator.coordinator.state import PEER_SOURCES_PER_VIEW, ClusterState, NotReady, UnknownIncarnation, decide_interval
 from replicator.messages import PROTOCOL_VERSION, BackedUp, HeldStep, JobSettings, NodeReport, PodReport
 
 NODES = 10_000
@@ -245,3 +245,21 @@ def test_a_decision_pass_looks_rank_by_rank_only_at_steps_every_rank_holds():
         recount[step] = recount.get(step, 0) + 1
     assert job.step_ranks == recount == {20: NODES // 2}
     assert state.safe_step(KEY) is None
+
+
+def test_a_silent_node_asking_for_its_restore_is_live_again():
+    state = ClusterState(node_timeout_seconds=15.0)
+    state.expire(0.0)
+    rank_of = form_job(state, 4, 1, JobSettings((), 1, None, 100), now=0.0)
+    incarnation = state.jobs[KEY].incarnation.incarnation_id
+    for node in range(1, 4):
+        state.apply_report(report(node, [pod(node, 4, 1, incarnation, rank_of[node])]), 20.0)
+    state.expire(20.0)
+    state.tick(20.0)
+    assert not state.is_live("n0") and not state.jobs[KEY].dirty
+    state.touch_rank(KEY, incarnation, rank_of[0], 21.0)  # its restore long poll, the agent's only connection
+    assert state.is_live("n0") and state.jobs[KEY].dirty  # its copies count again: the job is decided again
+    state.expire(22.0)
+    assert state.status()["silent_nodes"] == []
+    with pytest.raises(UnknownIncarnation):
+        state.touch_rank(KEY, "another", 0, 22.0)

@@ -230,6 +230,8 @@ async def get_restore(request: web.Request) -> web.Response:
     key, seen = _job_key(request), request.query.get("seen")
     state, changes = request.app[_STATE_KEY], request.app[_CHANGES_KEY]
     deadline = time.monotonic() + wait
+    with contextlib.suppress(UnknownIncarnation):  # answered below
+        state.touch_rank(key, incarnation, rank, time.time())  # when it asks: a killed agent's poll may linger
     while True:
         try:
             view = state.restore_view(key, incarnation, rank, time.time())

@@ -206,6 +206,7 @@ class JobState:
     ordered_for: tuple[str, int] | None = None  # ... and were added to ``ordered`` for
     replicas: int = 1  # the replicas the incarnation's nodes are configured for (``_replicas_wanted``)...
     replicas_for: tuple[str, int] | None = None  # ... as of (incarnation id, ``ClusterState._replicas_epoch``)
+    leaders: tuple[tuple[int, int] | None, dict[int, int]] = dataclasses.field(default_factory=lambda: (None, {}))  # ((step, pairs known), rank -> backup leader)
     lister: str | None = None
     data_parallelism: int = 1
     nodes: int = 0  # ranks of the newest incarnation: known after its pods are gone (``restore-from``)
@@ -389,7 +390,19 @@ class ClusterState:
         """The node is alive at ``now`` (its long-poll request is still open)."""
         self._advance(now)
         if (state := self.nodes.get(node_id)) is not None:
+            if state.silent:
+                self._live_count += 1
+                self._mark_dirty(state.job_keys())  # back from silence: its copies count again, orders resume
             state.last_seen, state.silent = now, False
+
+    def touch_rank(self, key: JobKey, incarnation_id: str, rank: int, now: float) -> None:
+        """The node of ``rank`` is alive at ``now``: it is asking for its restore (a long poll that
+        can outlast a heartbeat interval, and may hold the agent's only connection).
+
+        Raises:
+          UnknownIncarnation: the incarnation or rank is not current.
+        """
+        self.touch(self._incarnation(key, incarnation_id, rank).node_of_rank[rank], now)
 
     def _absorb_changes(self, node_id: str, bound: NodeState | None, report: NodeReport | None) -> bool:
         """Updates the job indices with what changed between the node's last report and ``report``
@@ -866,11 +879,22 @@ class ClusterState:
         for claim_key, held_step, rank, replica, _ in state.claims:
             if claim_key != key or replica or held_step != step or incarnation.node_of_rank.get(rank) != node_id:
                 continue
-            group = sorted({rank} | {other for other in job.peers.get(rank, ()) if (rank, other) in identical})
-            leader = group[step % len(group)]
+            leader = self._backup_leader(job, step, rank, identical)
             orders.append(BackupOrder(key[0], key[1], step, rank, incarnation.incarnation_id, len(incarnation.node_of_rank),
                                       None if leader == rank else leader, protected, len(job.forks), job.forks))  # fmt: skip
         return orders
+
+    @staticmethod
+    def _backup_leader(job: JobState, step: int, rank: int, identical: set[tuple[int, int]]) -> int:
+        """The rank of ``rank``'s identical group that uploads ``step``: kept per (step, rank) until
+        more pairs are found identical (a report must not walk 39 peers each time)."""
+        if job.leaders[0] != (step, len(identical)):
+            job.leaders = ((step, len(identical)), {})
+        leader = job.leaders[1].get(rank)
+        if leader is None:
+            group = sorted({rank} | {other for other in job.peers.get(rank, ()) if (rank, other) in identical})
+            leader = job.leaders[1][rank] = group[step % len(group)]
+        return leader
 
     def _advance_backup(self, key: JobKey) -> None:
         """Finishes the pending backup once listed complete; starts the next one when it is due."""
