@@ -90,7 +90,7 @@ class Chaos:
         self.job = LocalJob("chaos", [], workdir, [*TRAIN, *train, "--dump-dir", ""], jax_port=next(ports))
         self.all_pods = []  # every pod of every incarnation, for its events
         self.corrupt: set[tuple[int, int, str]] = set()  # (rank, step, holder) copies the suite damaged
-        self.rollback: tuple[int, int] | None = None  # (step, first incarnation of the new timeline)
+        self.rollback: tuple[int, int, float] | None = None  # (step, first incarnation of the new timeline, its start time)
         self.forks: list[int] = []  # every rollback's step: backups are named by timeline (steps/<step>-t<n>)
         self.rows: list[Row] = []
 
@@ -112,7 +112,7 @@ class Chaos:
 
     def saved(self, rank: int, pods=None) -> set[int]:
         """Steps ``rank`` committed in the current timeline (every incarnation; before a rollback, up to its step)."""
-        step, first = self.rollback or (0, 0)
+        step, first, _ = self.rollback or (0, 0, 0.0)
         return {e["step"] for p in pods or self.all_pods for e in by_event(p, "saved")
                 if e["rank"] == rank and (self._incarnation_of(p) >= first or e["step"] <= step)}  # fmt: skip
 
@@ -172,25 +172,35 @@ class Chaos:
 
     # -- the oracle --------------------------------------------------------------------------
 
-    def _in_timeline(self, rank: int, step: int) -> bool:
-        return self.rollback is None or step <= self.rollback[0] or step in self.saved(rank)
+    def _in_timeline(self, rank: int, step: int, written: float) -> bool:
+        """Whether ``rank``'s copy of ``step``, written at ``written`` (unix seconds), is of the current
+        timeline: older than the rollback, saved by its pods, or written after the rollback began (a
+        step Orbax committed just before its process was killed has no ``saved`` event)."""
+        return self.rollback is None or step <= self.rollback[0] or step in self.saved(rank) or written >= self.rollback[2]
 
     def copies(self) -> set[tuple[int, int, str]]:
         """Every valid (rank, step, holder) copy in the tiers now: committed local steps (with Orbax's
         commit evidence), replicas, complete backups; minus damaged and abandoned-timeline copies."""
-        found = set()
+        found: dict[tuple[int, int, str], float] = {}  # -> when it was written
+
+        def written(path: str) -> float | None:
+            with contextlib.suppress(FileNotFoundError):
+                return os.path.getmtime(path)
+            return None
+
         for agent in self.job.agents:
             rank, ramdisk = self.rank_of(agent), agent.ramdisk(self.job.job)
             client = os.path.join(ramdisk, "client")
-            if rank is not None and os.path.isdir(client):
-                found |= {(rank, int(n), agent.node_id) for n in os.listdir(client)
-                          if n.isascii() and n.isdigit() and os.path.exists(os.path.join(client, n, "_CHECKPOINT_METADATA"))}  # fmt: skip
+            for n in os.listdir(client) if rank is not None and os.path.isdir(client) else []:
+                if n.isascii() and n.isdigit() and (at := written(os.path.join(client, n, "_CHECKPOINT_METADATA"))) is not None:
+                    found[(rank, int(n), agent.node_id)] = at
             replicas = os.path.join(ramdisk, "mtc", "replicas")
             for rank_dir in os.listdir(replicas) if os.path.isdir(replicas) else []:
-                found |= {(int(rank_dir.split("-")[1]), int(n[:-5]), agent.node_id)
-                          for n in os.listdir(os.path.join(replicas, rank_dir)) if n.endswith(".json")}  # fmt: skip
-        found |= {(rank, step, "backup") for step in self.backups() for rank in range(NODES)}
-        return {c for c in found - self.corrupt if self._in_timeline(c[0], c[1])}
+                for n in os.listdir(os.path.join(replicas, rank_dir)):
+                    if n.endswith(".json") and (at := written(os.path.join(replicas, rank_dir, n))) is not None:
+                        found[(int(rank_dir.split("-")[1]), int(n[:-5]), agent.node_id)] = at
+        found |= {(rank, step, "backup"): at for step, at in self.backups().items() for rank in range(NODES)}
+        return {c for c, at in found.items() if c not in self.corrupt and self._in_timeline(c[0], c[1], at)}
 
     def newest_possible(self) -> int | None:
         """The newest step every rank can restore a valid copy of, or None (a fresh start is right)."""
@@ -518,7 +528,7 @@ def _rollback(chaos: Chaos, pods_gone: bool) -> None:
                "--ca", chaos.cluster.coordinator.ca_file, "--token-file", chaos.cluster.token_file,
                "--job", f"default/{chaos.job.job}", "--step", str(step)]  # fmt: skip
     answer = subprocess.run(command, capture_output=True, text=True)
-    chaos.rollback = (step, chaos.job.incarnations + 1)
+    chaos.rollback = (step, chaos.job.incarnations + 1, time.time())  # the abandoned timeline's pods are dead
     if not answer.returncode:
         chaos.forks.append(step)
     # The failure comes at the new timeline's first save, before it passes the abandoned one.
