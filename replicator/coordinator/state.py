@@ -208,6 +208,7 @@ class JobState:
     replicas_for: tuple[str, int] | None = None  # ... as of (incarnation id, ``ClusterState._replicas_epoch``)
     leaders: tuple[tuple[int, int] | None, dict[int, int]] = dataclasses.field(default_factory=lambda: (None, {}))  # ((step, pairs known), rank -> backup leader)
     lister: str | None = None
+    complete: int | None = None  # the newest step every rank holds in the cluster (backed up, replicated)
     data_parallelism: int = 1
     nodes: int = 0  # ranks of the newest incarnation: known after its pods are gone (``restore-from``)
     peers: dict[int, set[int]] = dataclasses.field(default_factory=dict)
@@ -565,6 +566,7 @@ class ClusterState:
                 job.ordered_for = chosen_for
                 job.ordered.update((rank, node) for rank, nodes in job.targets.items() for node in nodes)
         job.safe = self._safe_step(key, replicas) if job.incarnation is not None else None
+        job.complete = self._newest_complete(key, with_backups=False) if job.incarnation is not None else None
         if job.incarnation is not None and job.settings:
             self._advance_backup(key)
         job.retain = self._retain_order(key)  # after the backup choice: it protects the step being backed up
@@ -786,18 +788,23 @@ class ClusterState:
         return job.replicas
 
     def _replicate_orders(self, key: JobKey, state: NodeState) -> list[ReplicateOrder]:
-        """For data parallelism 1: push this node's newest own step to its rank's replica targets."""
+        """For data parallelism 1: push the newest step every rank holds (else this node's newest own
+        step) to its rank's replica targets."""
         job = self.jobs[key]
         incarnation = job.incarnation
         if incarnation is None or not job.settings or self._data_parallelism(key) > 1:
             return []
         node_id = state.report.node_id
-        newest: dict[int, int] = {}
+        held: dict[int, set[int]] = {}
         for claim_key, step, rank, replica, _ in state.claims:
             if claim_key == key and not replica and incarnation.node_of_rank.get(rank) == node_id:
-                newest[rank] = max(newest.get(rank, -1), step)
+                held.setdefault(rank, set()).add(step)
         orders = []
-        for rank, step in newest.items():
+        for rank, steps in held.items():
+            # Every rank replicates the same step, the newest all of them hold: ranks replicating
+            # whichever step was newest when each was asked would rarely make one step safe, and GC
+            # would stall. A rank without that step replicates its newest.
+            step = job.complete if job.complete in steps else max(steps)
             holders = job.claims.get((step, rank), {})
             missing = [t for t in job.targets.get(rank, ()) if t not in holders and self.is_live(t)]
             if missing:
@@ -909,7 +916,7 @@ class ClusterState:
                 log.warning("job %s/%s: backup of step %d did not complete; choosing anew", *key, job.backup_pending)
                 job.backup_pending = None
             return
-        newest = self._newest_complete(key, with_backups=False)
+        newest = job.complete
         last = max(backed, default=None)
         if newest is None or (last is not None and newest <= last):
             return
