@@ -61,6 +61,7 @@ _BACKUP_LISTING_GRACE_SECONDS = 60.0
 # and the backup: each carries the step's checksums, and a rank of a 40-slice job has 39 identical
 # peers. A peer proven bad is excluded and the replan lists the next ones.
 PEER_SOURCES_PER_VIEW = 4
+_PEER_TIERS = frozenset({planner.Tier.PEER_CLOSE, planner.Tier.PEER_DISTANT})
 # Heartbeats: the coordinator budgets this many unchanged reports a second for the whole cluster,
 # so the interval grows with the node count (1 s up to 1,000 nodes, 10 s at 10,000). Changes are
 # reported at once whatever the interval.
@@ -1011,9 +1012,17 @@ class ClusterState:
             self._replan(key, incarnation)
         plan = incarnation.plan
         # Live holders first; a silent one (within the grace period) is waited for only when needed.
-        planned = sorted(plan.sources.get(rank, ()), key=lambda s: s.tier != planner.Tier.BACKUP and not self.is_live(s.holder))
-        spare = set([s for s in planned if s.tier in (planner.Tier.PEER_CLOSE, planner.Tier.PEER_DISTANT)][PEER_SOURCES_PER_VIEW:])
-        planned = [s for s in planned if s not in spare]
+        # Liveness inlined: all 10,000 ranks' views are built at once when the job turns ready.
+        timeout, now, states = self.node_timeout_seconds, self._now, self.nodes
+        live, silent = [], []
+        for s in plan.sources.get(rank, ()):
+            state = states.get(s.holder)
+            (live if s.tier == planner.Tier.BACKUP or (state is not None and now - state.last_seen <= timeout) else silent).append(s)
+        planned, peers = [], 0
+        for s in live + silent:
+            peers += s.tier in _PEER_TIERS
+            if s.tier not in _PEER_TIERS or peers <= PEER_SOURCES_PER_VIEW:
+                planned.append(s)
         backups = self._backups(key)
         sources = tuple(
             Source(s.tier.name.lower(), s.holder, self._url(s.holder), s.data_rank, self._expected_files(key, plan.step, s),
