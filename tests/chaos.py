@@ -216,12 +216,18 @@ class Chaos:
 
     def fail(self) -> None:
         """Every training process is SIGKILLed; waits (bounded) until the coordinator has seen the
-        last commits and their replicas or identity, so a node loss right after is well defined."""
+        last commits and their replicas or identity, and the nodes deleted what that made safe to
+        delete, so a fault right after (a node loss, a flipped byte) meets well defined tiers."""
         self.job.kill_training()
         newest = self.newest_saved_by_all(self.job.pods)
         with contextlib.suppress(TimeoutError, OSError):
             wait_until(lambda: (s := self.status()).get("newest_complete_step") is not None
                        and s["newest_complete_step"] >= newest and s["safe_step"] == s["newest_complete_step"], 20, "settled")  # fmt: skip
+            status = self.status()
+            safe, keep = status.get("safe_step"), {status.get("backup_pending"), (status.get("restore") or {}).get("step")}
+            if safe is not None:
+                wait_until(lambda: not [c for c in self.copies() if c[2] != "backup" and c[1] < safe and c[1] not in keep], 10,
+                           "GC of what the safe step allows")  # fmt: skip
 
     def lose(self, rank: int) -> NodeAgentProcess:
         """The node holding ``rank`` is lost with its RAM; a fresh node takes its place."""

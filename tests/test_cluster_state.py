@@ -270,3 +270,22 @@ def test_a_step_set_aside_by_a_restore_counts_as_its_nodes_own_copy():
     assert {(c.step, c.rank, c.holder) for c in state.copies(KEY) if c.step == 9} == {(9, rank_of["a"], "a"), (9, rank_of["b"], "b")}
     view = state.restore_view(KEY, incarnation, rank_of["a"], now=20.5)
     assert view.step == 9 and [(s.tier, s.holder) for s in view.sources] == [("local", "a")]
+
+
+def test_a_step_written_anew_after_a_restore_to_an_older_one_supersedes_its_old_copies():
+    state = ClusterState()
+    state.expire(0.0)
+    incarnation, rank_of = running_job(state)
+    rank = rank_of["b"]
+    new = {"_CHECKPOINT_METADATA": (3, "0000000a"), "state/b": (10, "0000000b")}  # the same step number, other bytes
+    # Node b restored an older step, set its step 5 aside, and the job wrote step 5 again.
+    held = [HeldStep(*KEY, 5, rank, new), HeldStep(*KEY, 5, rank_of["a"], OWN[rank_of["a"]], replica=True)]
+    state.apply_report(report("b", "http://b", [pod(1, incarnation, rank)], held), 1.0)
+    state.tick(1.0)
+    assert state.jobs[KEY].owner_files[(5, rank)] == new
+    # Node a's replica of rank b's step 5 is of the old version: no copy, even when a reports it again unchanged.
+    state.apply_report(report("a", "http://a", [pod(0, incarnation, rank_of["a"])], held_by("a", rank_of)), 2.0)
+    state.tick(2.0)
+    assert (5, rank, "a") not in {(c.step, c.rank, c.holder) for c in state.copies(KEY)}
+    view = state.restore_view(KEY, incarnation, rank, now=20.0)
+    assert view.step == 5 and [(s.holder, s.files) for s in view.sources] == [("b", new)]

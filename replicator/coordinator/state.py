@@ -458,6 +458,9 @@ class ClusterState:
                     self._warn_untrusted(key, node_id, h.step, h.rank, h.replica)
             if h.replica:
                 continue
+            owner = job.owner_files.get((h.step, h.rank))
+            if h.files is not None and owner is not None and h.files != owner and self._believed(job, node_id, h.rank, False):
+                self._supersede(key, h.step, h.rank, node_id)
             pending = job.pending.get((h.step, h.rank, node_id))
             adds = (h.files is not None and (h.step, h.rank) not in job.owner_files) or (
                 h.signature is not None and (h.step, h.rank) not in job.signatures)  # fmt: skip
@@ -483,6 +486,22 @@ class ClusterState:
                 if (job := self.jobs.get(key)) is not None and job.listings.pop(node_id, None) is not None:
                     self._mark_dirty({key})
         return want_files
+
+    def _supersede(self, key: JobKey, step: int, rank: int, owner: str) -> None:
+        """The rank's own node reports other checksums for a step it held: a restore to an older step
+        set the step aside and the job wrote it again. The new version is the rank's step from now
+        on; its old checksums, signature and identities are forgotten, and the other nodes' copies
+        (of the old version) stop counting until a node reports the step anew (a push lands)."""
+        job = self.jobs[key]
+        log.warning("job %s/%s: rank %d wrote step %d again; its other copies are of the old version", *key, rank, step)
+        del job.owner_files[(step, rank)]
+        job.signatures.pop((step, rank), None)
+        if (pairs := job.identical.get(step)) is not None:
+            pairs -= {pair for pair in pairs if rank in pair}
+            job.covered[step] = {a for a, _ in pairs}
+        for node_id in [n for n in job.claims.get((step, rank), {}) if n != owner]:
+            job.drop_claim(step, rank, node_id)  # still in the node's claims: indexed again only when reported anew
+        job.dirty = True
 
     def _set_lineage(self, key: JobKey, forks: tuple[int, ...]) -> None:
         """The job's timeline moves on (a rollback, or a node reports one this coordinator missed):
