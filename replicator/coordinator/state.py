@@ -488,12 +488,14 @@ class ClusterState:
         return want_files
 
     def _supersede(self, key: JobKey, step: int, rank: int, owner: str) -> None:
-        """The rank's own node reports other checksums for a step it held: a restore to an older step
-        set the step aside and the job wrote it again. The new version is the rank's step from now
-        on; its old checksums, signature and identities are forgotten, and the other nodes' copies
-        (of the old version) stop counting until a node reports the step anew (a push lands)."""
+        """The rank's own node reports other checksums for a step: the job wrote the step again (a
+        restore to an older step had set it aside), or the node restored it from an identical
+        data-parallel peer (other bytes). What the node holds is the rank's step from now on: the
+        old checksums, signature and identities are forgotten, and the other nodes' copies (of the
+        old bytes) stop counting until a node reports the step anew."""
         job = self.jobs[key]
-        log.warning("job %s/%s: rank %d wrote step %d again; its other copies are of the old version", *key, rank, step)
+        log.warning("job %s/%s: rank %d's step %d now has other checksums (written again, or restored from a peer); "
+                    "copies of the old bytes no longer count", *key, rank, step)  # fmt: skip
         del job.owner_files[(step, rank)]
         job.signatures.pop((step, rank), None)
         if (pairs := job.identical.get(step)) is not None:
