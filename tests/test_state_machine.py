@@ -282,3 +282,18 @@ def test_a_silent_node_asking_for_its_restore_is_live_again():
     assert state.status()["silent_nodes"] == []
     with pytest.raises(UnknownIncarnation):
         state.touch_rank(KEY, "another", 0, 22.0)
+
+
+def test_nodes_falling_silent_do_not_shorten_the_timeout_of_the_others():
+    state = ClusterState(node_timeout_seconds=15.0)
+    for node in range(NODES):
+        state.apply_report(report(node), 0.0)
+    assert state.heartbeat_seconds == 10.0 and state.node_timeout_seconds == 30.0
+    for node in range(2_000):  # the others lag (a loaded network or agents): silent at 31 s
+        state.apply_report(report(node), 25.0)
+    state.expire(31.0)
+    assert len(state.status()["silent_nodes"]) == NODES - 2_000
+    # The agents that reported at 25 s were told 10 s heartbeats: the timeout stays three of them.
+    assert state.node_timeout_seconds == 30.0
+    state.expire(50.0)
+    assert "n1" in state.status()["nodes"]

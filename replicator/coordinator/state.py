@@ -289,7 +289,6 @@ class ClusterState:
         self.identity_checks = 0
         self.rank_checks = 0
         self.changed: set[JobKey] = set()  # jobs whose version moved since ``drain_changed``
-        self._live_count = 0
         self._warned_claims: set[tuple] = set()  # what was logged once: (node, job) claims, (job, step, rank) owners
         self._now = 0.0  # the time of the newest event applied
         self._started = float("inf")  # time of the first report: before it nothing is known
@@ -299,8 +298,11 @@ class ClusterState:
 
     @property
     def heartbeat_seconds(self) -> float:
-        """How often agents report when nothing changes: grows with the live node count."""
-        return min(MAX_HEARTBEAT_SECONDS, max(MIN_HEARTBEAT_SECONDS, self._live_count / HEARTBEATS_PER_SECOND))
+        """How often agents report when nothing changes: grows with the node count. Silent nodes
+        count too: were the interval (and the timeout, three intervals) to shrink as nodes fall
+        silent, agents still pacing themselves by the longer interval they were told would fall
+        silent in turn; at 10,000 nodes that cascade stalled a whole job."""
+        return min(MAX_HEARTBEAT_SECONDS, max(MIN_HEARTBEAT_SECONDS, len(self.nodes) / HEARTBEATS_PER_SECOND))
 
     @property
     def node_timeout_seconds(self) -> float:
@@ -332,23 +334,21 @@ class ClusterState:
         Every job of a node whose liveness changed is decided again."""
         self._advance(now)
         in_use = {n for job in self.jobs.values() if job.incarnation for n in job.incarnation.node_of_rank.values()}
-        live = 0
+        timeout, grace = self.node_timeout_seconds, self.holder_grace_seconds
         for node_id, state in list(self.nodes.items()):
             silence = self._now - state.last_seen
-            if silence > self.holder_grace_seconds and node_id not in in_use:
+            if silence > grace and node_id not in in_use:
                 log.warning("node %s silent for %.0f s: forgetting it and its data", node_id, silence)
                 self._absorb_changes(node_id, state, None)
                 del self.nodes[node_id]
                 self._backup_nodes.discard(node_id)
-            elif silence > self.node_timeout_seconds and not state.silent:
+            elif silence > timeout and not state.silent:
                 state.silent = True
                 self._mark_dirty(state.job_keys())
                 log.warning("node %s silent for %.0f s: no orders to it; its pods stay in their incarnation and its "
-                            "copies stay restore sources for %.0f s", node_id, silence, self.holder_grace_seconds)  # fmt: skip
-            elif silence > self.holder_grace_seconds:
+                            "copies stay restore sources for %.0f s", node_id, silence, grace)  # fmt: skip
+            elif silence > grace:
                 self._mark_dirty(state.job_keys())  # its data is given up: the job's plans and safety change
-            live += not state.silent
-        self._live_count = live
 
     def tick(self, now: float) -> None:
         """Expires nodes (at most every ``_EXPIRE_SECONDS``: it visits every node) and runs every
@@ -377,10 +377,7 @@ class ClusterState:
         if bound is not None and self.is_live(report.node_id) and bound.report.url != report.url:
             raise NodeIdTaken(f"node id {report.node_id!r} is registered from {bound.report.url}, not {report.url}; "
                               f"refused until it has been silent for {self.node_timeout_seconds:.0f} s")
-        if bound is None:
-            self._live_count += 1
-        elif bound.silent:
-            self._live_count += 1
+        if bound is not None and bound.silent:
             self._mark_dirty(bound.job_keys())  # back from silence: its copies count again, orders resume
         want_files = self._absorb_changes(report.node_id, bound, report)
         self.touch(report.node_id, now)
@@ -393,7 +390,6 @@ class ClusterState:
         self._advance(now)
         if (state := self.nodes.get(node_id)) is not None:
             if state.silent:
-                self._live_count += 1
                 self._mark_dirty(state.job_keys())  # back from silence: its copies count again, orders resume
             state.last_seen, state.silent = now, False
 
