@@ -106,7 +106,7 @@ class NodeReplicator:
         # Whole steps move over the peer session: no total timeout, a stalled read still fails.
         peer_timeout = aiohttp.ClientTimeout(total=None, sock_connect=timing.PEER_CONNECT_TIMEOUT_SECONDS,
                                              sock_read=timing.PEER_READ_TIMEOUT_SECONDS)
-        coordinator_connector = aiohttp.TCPConnector(ssl=self._coordinator_ssl) if self._coordinator_ssl else None
+        coordinator_connector = aiohttp.TCPConnector(ssl=self._coordinator_ssl or True, keepalive_timeout=timing.COORDINATOR_KEEPALIVE_SECONDS)
         async with aiohttp.ClientSession(connector=coordinator_connector, timeout=timeout) as session, aiohttp.ClientSession(
             connector=peer_connector, timeout=peer_timeout
         ) as peer_session:

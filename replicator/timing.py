@@ -25,6 +25,11 @@ WEDGED_AFTER_SECONDS = 120.0
 # its newest step, so the agent's CPU use stays bounded however often the job saves. *flag*
 MIN_PUSH_INTERVAL_SECONDS = 2.0
 
+# The agent keeps its connection to the coordinator open this long between requests: longer than
+# the slowest heartbeat the coordinator asks for (10 s at 10,000 nodes) plus lag, or every report
+# pays a new TCP and TLS handshake at both ends (aiohttp's default is 15 s).
+COORDINATOR_KEEPALIVE_SECONDS = 60.0
+
 # The report loop looks for changes this often; a report goes out only on a change, a poke or a
 # heartbeat (whose pace the coordinator sets), so this is the latency of a missed poke.
 ROUND_INTERVAL_SECONDS = 1.0

@@ -424,7 +424,8 @@ class SimCluster:
         context = self.coordinator.ssl_context()
         timeout = aiohttp.ClientTimeout(total=None)  # the client sets each request's
         for index, agent in enumerate(self.agents):
-            agent.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=context, limit=self.connections), timeout=timeout,
+            connector = aiohttp.TCPConnector(ssl=context, limit=self.connections, keepalive_timeout=timing.COORDINATOR_KEEPALIVE_SECONDS)
+            agent.http = aiohttp.ClientSession(connector=connector, timeout=timeout,
                                                json_serialize=self.stats.dumps)  # fmt: skip
             agent.client = CoordinatorClient(agent.http, self.coordinator.url, self.token)
             agent.publish()
