@@ -57,13 +57,14 @@ class CoordinatorClient:
         await self._call("POST", f"/v1/jobs/{disk.namespace}/{disk.job}/settings", json=payload)
 
     async def restore_view(self, disk: Ramdisk, progress: PodProgress, seen: str | None = None) -> RestoreView:
-        """The rank's restore view; with ``seen`` (a view's ``token``), a long poll that returns
-        once the view differs from it, or after ``MAX_WAIT_SECONDS``."""
-        params = {"incarnation": progress.incarnation, "rank": str(progress.rank)}
-        wait = MAX_WAIT_SECONDS if seen is not None else 0.0
+        """The rank's restore view, a long poll of up to ``MAX_WAIT_SECONDS``: it returns once the
+        coordinator can plan (else CoordinatorUnavailable, HTTP 503) and, with ``seen`` (a view's
+        ``token``), once the view differs from it."""
+        params = {"incarnation": progress.incarnation, "rank": str(progress.rank), "wait": str(MAX_WAIT_SECONDS)}
         if seen is not None:
-            params |= {"seen": seen, "wait": str(wait)}
-        return decode(await self._call("GET", f"/v1/jobs/{disk.namespace}/{disk.job}/restore", wait=wait, params=params), RestoreView)
+            params["seen"] = seen
+        return decode(await self._call("GET", f"/v1/jobs/{disk.namespace}/{disk.job}/restore", wait=MAX_WAIT_SECONDS, params=params),
+                      RestoreView)  # fmt: skip
 
     async def report_staged(self, disk: Ramdisk, progress: PodProgress, generation: str, source: str | None, bad: list,
                             retrying: bool = False) -> None:  # fmt: skip

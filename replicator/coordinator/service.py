@@ -141,6 +141,10 @@ class JobChanges:
                 waiter.cancel()
 
 
+# A restore request the plan is not ready for is looked at again this often while it is held.
+NOT_READY_RECHECK_SECONDS = 1.0
+
+
 def _job_key(request: web.Request) -> tuple[str, str]:
     return request.match_info["namespace"], request.match_info["job"]
 
@@ -238,7 +242,12 @@ async def get_restore(request: web.Request) -> web.Response:
         except UnknownIncarnation as err:
             raise _not_found(err) from None
         except NotReady as err:
-            raise web.HTTPServiceUnavailable(text=json.dumps({"error": str(err)}), content_type="application/json") from None
+            # Held here, not retried by the agent: N ranks asking at once must not become N
+            # requests a second while the plan waits for reports.
+            if time.monotonic() >= deadline:
+                raise web.HTTPServiceUnavailable(text=json.dumps({"error": str(err)}), content_type="application/json") from None
+            await changes.wait([key], min(deadline - time.monotonic(), NOT_READY_RECHECK_SECONDS))
+            continue
         changes.publish()
         if seen != view.token or time.monotonic() >= deadline:
             return web.Response(body=msgspec.json.encode(view), content_type="application/json")
