@@ -278,11 +278,15 @@ def test_a_step_written_anew_after_a_restore_to_an_older_one_supersedes_its_old_
     incarnation, rank_of = running_job(state)
     rank = rank_of["b"]
     new = {"_CHECKPOINT_METADATA": (3, "0000000a"), "state/b": (10, "0000000b")}  # the same step number, other bytes
+    assert state.jobs[KEY].backup_pending == 5
     # Node b restored an older step, set its step 5 aside, and the job wrote step 5 again.
     held = [HeldStep(*KEY, 5, rank, new), HeldStep(*KEY, 5, rank_of["a"], OWN[rank_of["a"]], replica=True)]
     state.apply_report(report("b", "http://b", [pod(1, incarnation, rank)], held), 1.0)
     state.tick(1.0)
     assert state.jobs[KEY].owner_files[(5, rank)] == new
+    # Its backup is abandoned for good: the ranks' uploads could be of either version under one COMMIT.
+    state.tick(7.0)
+    assert state.jobs[KEY].backup_pending is None
     # Node a's replica of rank b's step 5 is of the old version: no copy, even when a reports it again unchanged.
     state.apply_report(report("a", "http://a", [pod(0, incarnation, rank_of["a"])], held_by("a", rank_of)), 2.0)
     state.tick(2.0)

@@ -209,6 +209,9 @@ class JobState:
     replicas_for: tuple[str, int] | None = None  # ... as of (incarnation id, ``ClusterState._replicas_epoch``)
     leaders: tuple[tuple[int, int] | None, dict[int, int]] = dataclasses.field(default_factory=lambda: (None, {}))  # ((step, pairs known), rank -> backup leader)
     lister: str | None = None
+    # Steps some rank's own node holds in other bytes than it first reported (``_supersede``): never
+    # backed up, since the ranks' uploads could join both versions under one ``COMMIT``.
+    rewritten: set[int] = dataclasses.field(default_factory=set)
     complete: int | None = None  # the newest step every rank holds in the cluster (backed up, replicated)
     data_parallelism: int = 1
     nodes: int = 0  # ranks of the newest incarnation: known after its pods are gone (``restore-from``)
@@ -499,6 +502,10 @@ class ClusterState:
             job.covered[step] = {a for a, _ in pairs}
         for node_id in [n for n in job.claims.get((step, rank), {}) if n != owner]:
             job.drop_claim(step, rank, node_id)  # still in the node's claims: indexed again only when reported anew
+        job.rewritten.add(step)
+        if job.backup_pending == step:
+            log.warning("job %s/%s: backup of step %d abandoned: ranks could upload different versions of it", *key, step)
+            job.backup_pending = None
         job.dirty = True
 
     def _set_lineage(self, key: JobKey, forks: tuple[int, ...]) -> None:
@@ -518,6 +525,7 @@ class ClusterState:
             for k in [k for k in table if k[0] > lowest]:
                 del table[k]
         job.uncompared = {k for k in job.uncompared if k[0] <= lowest}
+        job.rewritten = {s for s in job.rewritten if s <= lowest}
         for step in [s for s in job.identical if s > lowest]:
             del job.identical[step], job.covered[step]
         if job.backup_pending is not None and job.backup_pending > lowest:
@@ -712,6 +720,7 @@ class ClusterState:
                 del table[(step, rank)]
         for step in set(job.identical) - steps:
             del job.identical[step], job.covered[step]
+        job.rewritten &= steps
 
     def copies(self, key: JobKey, with_backups: bool = True, live_only: bool = False) -> list[planner.StepCopy]:
         """Every believed copy of the job's steps and, optionally, complete backups.
@@ -936,7 +945,7 @@ class ClusterState:
             return
         newest = job.complete
         last = max(backed, default=None)
-        if newest is None or (last is not None and newest <= last):
+        if newest is None or (last is not None and newest <= last) or newest in job.rewritten:
             return
         settings = next(iter(job.settings.values()))
         if settings.backup_interval_steps is not None:
