@@ -213,6 +213,7 @@ class JobState:
     # backed up, since the ranks' uploads could join both versions under one ``COMMIT``.
     rewritten: set[int] = dataclasses.field(default_factory=set)
     complete: int | None = None  # the newest step every rank holds in the cluster (backed up, replicated)
+    replicating: int | None = None  # the step every rank replicates until it is safe (data parallelism 1)
     data_parallelism: int = 1
     nodes: int = 0  # ranks of the newest incarnation: known after its pods are gone (``restore-from``)
     peers: dict[int, set[int]] = dataclasses.field(default_factory=dict)
@@ -593,6 +594,14 @@ class ClusterState:
                 job.ordered.update((rank, node) for rank, nodes in job.targets.items() for node in nodes)
         job.safe = self._safe_step(key, replicas) if job.incarnation is not None else None
         job.complete = self._newest_complete(key, with_backups=False) if job.incarnation is not None else None
+        # One replication round at a time: every rank replicates the same step until it is safe (or a
+        # rank lost it), then the newest step all ranks hold. Ranks replicating whichever step was
+        # newest when each was asked rarely make one step safe while the job saves every second or
+        # two, and GC stalls.
+        round_step = job.replicating
+        if round_step is None or job.step_ranks.get(round_step, 0) < (len(job.incarnation.node_of_rank) if job.incarnation else 0) or (
+                job.safe is not None and job.safe >= round_step):  # fmt: skip
+            job.replicating = job.complete
         if job.incarnation is not None and job.settings:
             self._advance_backup(key)
         job.retain = self._retain_order(key)  # after the backup choice: it protects the step being backed up
@@ -815,7 +824,7 @@ class ClusterState:
         return job.replicas
 
     def _replicate_orders(self, key: JobKey, state: NodeState) -> list[ReplicateOrder]:
-        """For data parallelism 1: push the newest step every rank holds (else this node's newest own
+        """For data parallelism 1: push the replication round's step (else this node's newest own
         step) to its rank's replica targets."""
         job = self.jobs[key]
         incarnation = job.incarnation
@@ -828,10 +837,8 @@ class ClusterState:
                 held.setdefault(rank, set()).add(step)
         orders = []
         for rank, steps in held.items():
-            # Every rank replicates the same step, the newest all of them hold: ranks replicating
-            # whichever step was newest when each was asked would rarely make one step safe, and GC
-            # would stall. A rank without that step replicates its newest.
-            step = job.complete if job.complete in steps else max(steps)
+            # Every rank replicates the round's step (see ``decide``); a rank without it, its newest.
+            step = job.replicating if job.replicating in steps else max(steps)
             holders = job.claims.get((step, rank), {})
             missing = [t for t in job.targets.get(rank, ()) if t not in holders and self.is_live(t)]
             if missing:
