@@ -109,30 +109,6 @@ def test_replicate_and_backup_orders_are_issued_exactly_when_due():
     assert state.jobs[KEY].backup_pending == 4
 
 
-def test_every_rank_replicates_the_same_step_until_it_is_safe():
-    state = ClusterState()
-    state.expire(0.0)
-    nodes = 4
-    rank_of = form_job(state, nodes, 2, JobSettings((), 1, None, 100), now=0.0)  # data parallelism 1, one replica
-    incarnation = state.jobs[KEY].incarnation.incarnation_id
-    targets = state.jobs[KEY].targets
-
-    def send(node, steps, now, replicas=()):
-        held = [own(s, rank_of[node]) for s in steps] + [HeldStep(*KEY, s, r, None, replica=True) for s, r in replicas]
-        return state.apply_report(report(node, [pod(node, nodes, 2, incarnation, rank_of[node])], held), now)
-
-    for node in range(nodes):
-        send(node, [4], 1.0)
-    # Node 0's rank committed step 7 before the others: it replicates step 4, the step every rank holds.
-    assert [o.step for o in send(0, [4, 7], 1.1).replicate] == [4]
-    # Every rank holds step 7 now, but the round of step 4 goes on until step 4 is safe.
-    assert all([o.step for o in send(node, [4, 7], 1.2).replicate] == [4] for node in range(nodes))
-    for node in range(nodes):  # the replicas of step 4 land
-        landed = [(4, rank) for rank, on in targets.items() if f"n{node}" in on]
-        send(node, [4, 7], 1.3, landed)
-    assert state.safe_step(KEY) == 4
-    assert [o.step for o in send(0, [4, 7], 1.4, [(4, r) for r, on in targets.items() if "n0" in on]).replicate] == [7]
-
 def test_data_parallel_identity_is_decided_once_per_step_and_pair():
     state = ClusterState()
     state.expire(0.0)

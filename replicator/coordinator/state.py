@@ -212,8 +212,7 @@ class JobState:
     # Steps some rank's own node holds in other bytes than it first reported (``_supersede``): never
     # backed up, since the ranks' uploads could join both versions under one ``COMMIT``.
     rewritten: set[int] = dataclasses.field(default_factory=set)
-    complete: int | None = None  # the newest step every rank holds in the cluster (backed up, replicated)
-    replicating: int | None = None  # the step every rank replicates until it is safe (data parallelism 1)
+    complete: int | None = None  # the newest step every rank holds in the cluster: what a backup takes
     data_parallelism: int = 1
     nodes: int = 0  # ranks of the newest incarnation: known after its pods are gone (``restore-from``)
     peers: dict[int, set[int]] = dataclasses.field(default_factory=dict)
@@ -594,14 +593,6 @@ class ClusterState:
                 job.ordered.update((rank, node) for rank, nodes in job.targets.items() for node in nodes)
         job.safe = self._safe_step(key, replicas) if job.incarnation is not None else None
         job.complete = self._newest_complete(key, with_backups=False) if job.incarnation is not None else None
-        # One replication round at a time: every rank replicates the same step until it is safe (or a
-        # rank lost it), then the newest step all ranks hold. Ranks replicating whichever step was
-        # newest when each was asked rarely make one step safe while the job saves every second or
-        # two, and GC stalls.
-        round_step = job.replicating
-        if round_step is None or job.step_ranks.get(round_step, 0) < (len(job.incarnation.node_of_rank) if job.incarnation else 0) or (
-                job.safe is not None and job.safe >= round_step):  # fmt: skip
-            job.replicating = job.complete
         if job.incarnation is not None and job.settings:
             self._advance_backup(key)
         job.retain = self._retain_order(key)  # after the backup choice: it protects the step being backed up
@@ -824,21 +815,18 @@ class ClusterState:
         return job.replicas
 
     def _replicate_orders(self, key: JobKey, state: NodeState) -> list[ReplicateOrder]:
-        """For data parallelism 1: push the replication round's step (else this node's newest own
-        step) to its rank's replica targets."""
+        """For data parallelism 1: push this node's newest own step to its rank's replica targets."""
         job = self.jobs[key]
         incarnation = job.incarnation
         if incarnation is None or not job.settings or self._data_parallelism(key) > 1:
             return []
         node_id = state.report.node_id
-        held: dict[int, set[int]] = {}
+        newest: dict[int, int] = {}
         for claim_key, step, rank, replica, _ in state.claims:
             if claim_key == key and not replica and incarnation.node_of_rank.get(rank) == node_id:
-                held.setdefault(rank, set()).add(step)
+                newest[rank] = max(newest.get(rank, -1), step)
         orders = []
-        for rank, steps in held.items():
-            # Every rank replicates the round's step (see ``decide``); a rank without it, its newest.
-            step = job.replicating if job.replicating in steps else max(steps)
+        for rank, step in newest.items():
             holders = job.claims.get((step, rank), {})
             missing = [t for t in job.targets.get(rank, ()) if t not in holders and self.is_live(t)]
             if missing:
