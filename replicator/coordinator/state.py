@@ -212,7 +212,6 @@ class JobState:
     # Steps some rank's own node holds in other bytes than it first reported (``_supersede``): never
     # backed up, since the ranks' uploads could join both versions under one ``COMMIT``.
     rewritten: set[int] = dataclasses.field(default_factory=set)
-    complete: int | None = None  # the newest step every rank holds in the cluster: what a backup takes
     data_parallelism: int = 1
     nodes: int = 0  # ranks of the newest incarnation: known after its pods are gone (``restore-from``)
     peers: dict[int, set[int]] = dataclasses.field(default_factory=dict)
@@ -592,7 +591,6 @@ class ClusterState:
                 job.ordered_for = chosen_for
                 job.ordered.update((rank, node) for rank, nodes in job.targets.items() for node in nodes)
         job.safe = self._safe_step(key, replicas) if job.incarnation is not None else None
-        job.complete = self._newest_complete(key, with_backups=False) if job.incarnation is not None else None
         if job.incarnation is not None and job.settings:
             self._advance_backup(key)
         job.retain = self._retain_order(key)  # after the backup choice: it protects the step being backed up
@@ -938,7 +936,7 @@ class ClusterState:
                 log.warning("job %s/%s: backup of step %d did not complete; choosing anew", *key, job.backup_pending)
                 job.backup_pending = None
             return
-        newest = job.complete
+        newest = self._newest_complete(key, with_backups=False)
         last = max(backed, default=None)
         if newest is None or (last is not None and newest <= last) or newest in job.rewritten:
             return
