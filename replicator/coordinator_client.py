@@ -4,14 +4,16 @@ The wire types are ``replicator.messages``; the coordinator's side is ``replicat
 """
 
 import asyncio
+from typing import Any
 
 import aiohttp
+import msgspec
 
 from csi_driver.ramdisk import Ramdisk
 from replicator import timing
 from replicator.bearer import auth_header
 from replicator.job_meta import PodProgress
-from replicator.messages import MAX_WAIT_SECONDS, JobSettings, NodeReport, ReportReply, RestoreView, check_version, decode, to_json
+from replicator.messages import MAX_WAIT_SECONDS, JobSettings, NodeReport, ReportReply, RestoreView, check_version, decode_json
 
 
 class CoordinatorUnavailable(Exception):
@@ -19,24 +21,33 @@ class CoordinatorUnavailable(Exception):
 
 
 class CoordinatorClient:
-    """The node agent's HTTP client of the coordinator."""
+    """The node agent's HTTP client of the coordinator. Bodies are encoded and replies decoded by
+    msgspec, in one pass each (an agent's reports are its most frequent work)."""
 
     def __init__(self, session: aiohttp.ClientSession, base_url: str, token: str | None):
         self._session = session
         self._base = base_url.rstrip("/")
         self._headers = auth_header(token) if token else {}
+        self._json_headers = {**self._headers, "Content-Type": "application/json"}
 
-    async def _call(self, method: str, path: str, wait: float = 0.0, **kwargs) -> dict:
-        """One request; a long poll (``wait`` seconds) gets that much more time."""
+    async def _call(self, method: str, path: str, body: Any = None, wait: float = 0.0, params: dict | None = None) -> bytes:
+        """One request with ``body`` (messages, or plain values holding them) as JSON; its reply's
+        body. A long poll (``wait`` seconds) gets that much more time.
+
+        Raises:
+          CoordinatorUnavailable: unreachable, timed out, or any status but 200 (the coordinator's
+            JSON error in the message).
+        """
         timeout = aiohttp.ClientTimeout(total=timing.REQUEST_TIMEOUT_SECONDS + wait)
+        data, headers = (None, self._headers) if body is None else (msgspec.json.encode(body), self._json_headers)
         try:
-            async with self._session.request(method, self._base + path, headers=self._headers, timeout=timeout, **kwargs) as response:
-                body = await response.json(content_type=None)
-                if response.status != 200:
-                    raise CoordinatorUnavailable(f"{method} {path}: HTTP {response.status}: {body.get('error', body)}")
-                return body
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as err:
+            async with self._session.request(method, self._base + path, headers=headers, data=data, params=params, timeout=timeout) as response:
+                raw = await response.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
             raise CoordinatorUnavailable(f"{method} {path}: {err!r}") from None
+        if response.status != 200:
+            raise CoordinatorUnavailable(f"{method} {path}: HTTP {response.status}: {_error_of(raw)}")
+        return raw
 
     async def report(self, report: NodeReport) -> ReportReply:
         """Sends a report; a ``waiting`` one may be held by the coordinator (long poll).
@@ -44,30 +55,46 @@ class CoordinatorClient:
         Raises:
           CoordinatorUnavailable: unreachable, refused, or of another protocol version (named).
         """
-        body = await self._call("POST", "/v1/report", wait=MAX_WAIT_SECONDS if report.waiting else 0.0, json=to_json(report))
+        raw = await self._call("POST", "/v1/report", report, wait=MAX_WAIT_SECONDS if report.waiting else 0.0)
         try:
-            reply = decode(body, ReportReply)
+            reply = decode_json(raw, ReportReply)
             check_version(reply.protocol, "the coordinator")
         except ValueError as err:
             raise CoordinatorUnavailable(f"POST /v1/report: {err}") from None
         return reply
 
     async def record_settings(self, disk: Ramdisk, progress: PodProgress, settings: JobSettings) -> None:
-        payload = {"incarnation": progress.incarnation, "rank": progress.rank, "settings": to_json(settings)}
-        await self._call("POST", f"/v1/jobs/{disk.namespace}/{disk.job}/settings", json=payload)
+        payload = {"incarnation": progress.incarnation, "rank": progress.rank, "settings": settings}
+        await self._call("POST", f"/v1/jobs/{disk.namespace}/{disk.job}/settings", payload)
 
     async def restore_view(self, disk: Ramdisk, progress: PodProgress, seen: str | None = None) -> RestoreView:
         """The rank's restore view, a long poll of up to ``MAX_WAIT_SECONDS``: it returns once the
         coordinator can plan (else CoordinatorUnavailable, HTTP 503) and, with ``seen`` (a view's
-        ``token``), once the view differs from it."""
+        ``token``), once the view differs from it.
+
+        Raises:
+          CoordinatorUnavailable: as ``_call``, or a reply that is not a restore view.
+        """
         params = {"incarnation": progress.incarnation, "rank": str(progress.rank), "wait": str(MAX_WAIT_SECONDS)}
         if seen is not None:
             params["seen"] = seen
-        return decode(await self._call("GET", f"/v1/jobs/{disk.namespace}/{disk.job}/restore", wait=MAX_WAIT_SECONDS, params=params),
-                      RestoreView)  # fmt: skip
+        path = f"/v1/jobs/{disk.namespace}/{disk.job}/restore"
+        try:
+            return decode_json(await self._call("GET", path, wait=MAX_WAIT_SECONDS, params=params), RestoreView)
+        except ValueError as err:
+            raise CoordinatorUnavailable(f"GET {path}: {err}") from None
 
     async def report_staged(self, disk: Ramdisk, progress: PodProgress, generation: str, source: str | None, bad: list,
                             retrying: bool = False) -> None:  # fmt: skip
         payload = {"incarnation": progress.incarnation, "generation": generation, "rank": progress.rank, "source": source,
                    "bad": bad, "retrying": retrying}  # fmt: skip
-        await self._call("POST", f"/v1/jobs/{disk.namespace}/{disk.job}/restore", json=payload)
+        await self._call("POST", f"/v1/jobs/{disk.namespace}/{disk.job}/restore", payload)
+
+
+def _error_of(raw: bytes) -> str:
+    """The ``error`` of a coordinator's JSON error body, else the body itself (a proxy's page)."""
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return raw[:200].decode("utf-8", "replace")
+    return str(body.get("error", body)) if isinstance(body, dict) else str(body)

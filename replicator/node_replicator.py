@@ -176,6 +176,7 @@ class NodeReplicator:
         try:
             reply = await call
         except CoordinatorUnavailable as err:
+            reporting.failed(time.monotonic())
             self._log_once("report", f"coordinator unreachable, retrying: {err}")
             return
         REPORT_SECONDS.observe(time.monotonic() - started)

@@ -7,7 +7,10 @@ worth sending:
 - otherwise as a heartbeat, every ``heartbeat_seconds`` the coordinator set in its last reply,
   jittered so that a cluster's agents do not report in lockstep;
 - a step's checksums go out until a coordinator acknowledged them, then never again unless a reply
-  asks (``want_files``: the coordinator restarted or forgot them). Replicas never carry them.
+  asks (``want_files``: the coordinator restarted or forgot them). Replicas never carry them;
+- after a report failed, not before a jittered, exponentially growing delay: a coordinator that is
+  overloaded or restarting must not meet every agent again a second later, each with a new TLS
+  handshake (a timed-out request loses its connection).
 
 No I/O: the node agent and the coordinator scale bench's simulated nodes share it.
 """
@@ -15,7 +18,7 @@ No I/O: the node agent and the coordinator scale bench's simulated nodes share i
 import random
 from collections.abc import Iterable
 
-from replicator import orbax_protocol
+from replicator import orbax_protocol, timing
 from replicator.messages import PROTOCOL_VERSION, BackedUp, Files, HeldStep, Lineage, NodeReport, PodReport, ReportReply
 
 StepKey = tuple[str, str, int, int, int]  # (namespace, job, step, rank, timeline)
@@ -43,6 +46,8 @@ class ReportSession:
         self._signatures: dict[StepKey, str | None] = {}
         self._acknowledged: tuple | None = None
         self._next_heartbeat = float("-inf")
+        self._failures = 0
+        self._retry_at = float("-inf")
         self.poked = True
         self.heartbeat_seconds = 1.0
         self.list_backups: set[tuple[str, str]] = set()
@@ -76,11 +81,14 @@ class ReportSession:
 
     def due(self, report: NodeReport, now: float) -> bool:
         """Whether ``report`` should be sent at ``now`` (monotonic seconds)."""
+        if now < self._retry_at:
+            return False
         return self.poked or report_shape(report) != self._acknowledged or now >= self._next_heartbeat
 
     def acknowledge(self, report: NodeReport, reply: ReportReply, now: float) -> None:
         """Records the coordinator's answer to ``report``, received at ``now`` (monotonic seconds)."""
         self.poked = reply.want_files
+        self._failures, self._retry_at = 0, float("-inf")
         self._acknowledged = report_shape(report)
         self.heartbeat_seconds = reply.heartbeat_seconds
         self._next_heartbeat = now + reply.heartbeat_seconds * random.uniform(0.8, 1.0)
@@ -89,3 +97,12 @@ class ReportSession:
         else:
             self._sent_files.update((h.namespace, h.job, h.step, h.rank, h.timeline) for h in report.held if h.files is not None)
         self.list_backups = {(j.namespace, j.job) for j in reply.list_backups}
+
+    def failed(self, now: float) -> None:
+        """A report sent at ``now`` (monotonic seconds) got no reply: it goes again, whatever changes,
+        after ``REPORT_RETRY_FIRST_SECONDS`` doubling with each failure up to ``REPORT_RETRY_MAX_SECONDS``,
+        times U(0.5, 1) so that a cluster's agents spread out."""
+        self._failures += 1
+        backoff = min(timing.REPORT_RETRY_MAX_SECONDS, timing.REPORT_RETRY_FIRST_SECONDS * 2 ** (self._failures - 1))
+        self._retry_at = now + backoff * random.uniform(0.5, 1.0)
+        self.poked = True

@@ -42,6 +42,14 @@ WATCH_INTERVAL_SECONDS = 0.2
 # anything slower is an outage, retried on the next round.
 REQUEST_TIMEOUT_SECONDS = 10.0
 
+# A report that failed (the coordinator overloaded, restarting or unreachable) goes again after this
+# long, doubling per failure up to the max, jittered (``ReportSession.failed``). The max is the
+# slowest heartbeat (10,000 nodes): 10,000 agents retrying at once offer the coordinator what their
+# heartbeats do, instead of 10,000 TLS handshakes a second; a restarted coordinator hears from every
+# agent within it.
+REPORT_RETRY_FIRST_SECONDS = 1.0
+REPORT_RETRY_MAX_SECONDS = 10.0
+
 # Whole steps move over the peer session, so it has no total timeout; connecting and every read are
 # bounded, so a frozen peer fails the transfer instead of hanging it.
 PEER_CONNECT_TIMEOUT_SECONDS = 10.0

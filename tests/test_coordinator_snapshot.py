@@ -1,4 +1,4 @@
-"""The coordinator's settings snapshot: written once after a burst of settings, not once per request."""
+"""The coordinator's settings snapshot: written at most every few seconds during a burst of settings, not once per request."""
 
 from replicator.coordinator import service
 from replicator.coordinator.state import ClusterState, JobState
@@ -15,12 +15,16 @@ def test_a_job_start_encodes_one_snapshot_that_a_restarted_coordinator_loads(tmp
     state = ClusterState()
     job = state.jobs.setdefault(("default", "big"), JobState())
     snapshot = service.SettingsSnapshot(str(tmp_path))
-    assert snapshot.encode(state) is None  # nothing recorded: nothing to write
+    assert snapshot.encode(state, 0.0) is None  # nothing recorded: nothing to write
     for rank in range(RANKS):  # what post_settings does for each rank of a starting job
         job.add_settings(rank, settings(rank))
         snapshot.due = True
-    data = snapshot.encode(state)
-    assert data is not None and snapshot.encode(state) is None  # one write for the burst
+        if rank == RANKS // 2:
+            first = snapshot.encode(state, 0.0)  # the ticker, halfway through the burst
+    assert first is not None
+    assert snapshot.encode(state, 0.5 * service.SNAPSHOT_INTERVAL_SECONDS) is None  # too soon after the last: the rest waits
+    data = snapshot.encode(state, service.SNAPSHOT_INTERVAL_SECONDS)
+    assert data is not None and snapshot.encode(state, 10 * service.SNAPSHOT_INTERVAL_SECONDS) is None  # then nothing is due
     snapshot.write(data)
     restarted = service.make_app(service.CoordinatorConfig("127.0.0.1:0", state_dir=str(tmp_path)))
     loaded = restarted[service._STATE_KEY].jobs[("default", "big")].settings
@@ -30,4 +34,4 @@ def test_a_job_start_encodes_one_snapshot_that_a_restarted_coordinator_loads(tmp
 def test_without_a_state_dir_nothing_is_written():
     snapshot = service.SettingsSnapshot(None)
     snapshot.due = True
-    assert snapshot.encode(ClusterState()) is None
+    assert snapshot.encode(ClusterState(), 0.0) is None

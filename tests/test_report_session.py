@@ -39,3 +39,27 @@ def test_a_coordinator_that_lacks_checksums_gets_them_in_the_next_report():
     assert bare.held[0].files is None
     session.acknowledge(bare, ReportReply((), want_files=True), 0.5)  # e.g. a restarted coordinator
     assert session.poked and session.build((), OWN, (), (), waiting=False).held[0].files == FILES
+
+
+def test_failed_reports_back_off_exponentially_with_jitter_and_a_reply_resets_it():
+    sessions = [ReportSession(f"n{i}", f"http://n{i}", None, {}, 1, True) for i in range(200)]
+    report = sessions[0].build((), OWN, (), (), waiting=False)
+    retries = []
+    for session in sessions:  # every agent of a cluster fails at the same moments
+        at, now = [], 0.0
+        for _ in range(8):
+            session.failed(now)
+            now = next(t / 100 for t in range(int(now * 100), 10_000) if session.due(report, t / 100))
+            at.append(now)
+        retries.append(at)
+    gaps = [[b - a for a, b in zip([0.0, *at], at)] for at in retries]
+    first, capped = [g[0] for g in gaps], [g[-1] for g in gaps]
+    assert 0.5 <= min(first) and max(first) <= 1.0  # the first retry: U(0.5, 1) x 1 s
+    assert 5.0 <= min(capped) and max(capped) <= 10.0  # after 8 failures: U(0.5, 1) x the 10 s cap
+    assert max(capped) - min(capped) > 3.0  # spread out, not in lockstep
+    assert all(g[3] > g[0] for g in gaps)  # growing
+    session = sessions[0]
+    assert not session.due(report, retries[0][-1] - 0.01)  # even a changed report waits out the backoff
+    session.acknowledge(report, ReportReply((), heartbeat_seconds=1.0), 100.0)
+    session.failed(100.0)
+    assert session.due(report, 101.0)  # a reply reset the backoff to its first step

@@ -27,7 +27,7 @@ import time
 
 import msgspec
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Gauge, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Gauge, generate_latest
 
 from csi_driver import atomic_file
 from replicator.bearer import read_token, require_bearer
@@ -42,10 +42,11 @@ from replicator.messages import (
     check_version,
     decode,
     decode_json,
-    to_json,
 )
 
 log = logging.getLogger(__name__)
+
+REPORT_BYTES = Counter("mtc_coordinator_report_bytes_total", "Bytes of report bodies received from node agents")
 
 _STATE_KEY = web.AppKey("state", ClusterState)
 _CONFIG_KEY = web.AppKey("config", "CoordinatorConfig")
@@ -178,8 +179,10 @@ def _decode_report(body: bytes) -> NodeReport:
 
 
 async def post_report(request: web.Request) -> web.Response:
+    body = await request.read()
+    REPORT_BYTES.inc(len(body))
     try:
-        report = _decode_report(await request.read())
+        report = _decode_report(body)
     except ProtocolMismatch as err:
         log.error("refused a report from %s: %s", request.remote, err)
         raise _conflict(err) from None
@@ -322,6 +325,12 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=generate_latest(registry) + generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+# The settings snapshot is written at most this often while settings keep arriving: a job of 10,000
+# ranks records its settings over many ticks, and every write encodes them all (3.4 MB). Settings
+# recorded since the last write are not lost with a crash: every report carries its pods' settings.
+SNAPSHOT_INTERVAL_SECONDS = 2.0
+
+
 class SettingsSnapshot:
     """The job settings kept in ``<state_dir>/settings.json`` to warm a restart.
 
@@ -333,16 +342,18 @@ class SettingsSnapshot:
     def __init__(self, state_dir: str | None):
         self.path = os.path.join(state_dir, "settings.json") if state_dir else None
         self.due = False
+        self._encoded_at = float("-inf")
 
-    def encode(self, cluster: ClusterState) -> bytes | None:
-        """The snapshot to write if one is due (and clears ``due``), else None."""
-        if self.path is None or not self.due:
+    def encode(self, cluster: ClusterState, now: float) -> bytes | None:
+        """The snapshot to write if one is due and none was encoded in the last
+        ``SNAPSHOT_INTERVAL_SECONDS`` before ``now`` (monotonic seconds); clears ``due``. Else None."""
+        if self.path is None or not self.due or now - self._encoded_at < SNAPSHOT_INTERVAL_SECONDS:
             return None
-        self.due = False
-        return json.dumps([
-            {"namespace": ns, "job": job, "settings": {str(r): to_json(s) for r, s in state.settings.items()}}
+        self.due, self._encoded_at = False, now
+        return msgspec.json.encode([
+            {"namespace": ns, "job": job, "settings": {str(r): s for r, s in state.settings.items()}}
             for (ns, job), state in cluster.jobs.items()
-        ]).encode()  # fmt: skip
+        ])  # fmt: skip
 
     def write(self, data: bytes) -> None:
         """Writes ``data`` crash-safe (tmp, fsync, rename). Raises OSError."""
@@ -373,7 +384,7 @@ async def _ticker(app: web.Application):
             try:
                 app[_STATE_KEY].tick(time.time())
                 app[_CHANGES_KEY].publish()
-                if (data := app[_SNAPSHOT_KEY].encode(app[_STATE_KEY])) is not None:
+                if (data := app[_SNAPSHOT_KEY].encode(app[_STATE_KEY], time.monotonic())) is not None:
                     await asyncio.to_thread(app[_SNAPSHOT_KEY].write, data)
             except Exception:  # a bug in one pass must not stop expiry for the cluster
                 log.exception("coordinator tick failed, carrying on")
@@ -383,7 +394,7 @@ async def _ticker(app: web.Application):
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
-    if (data := app[_SNAPSHOT_KEY].encode(app[_STATE_KEY])) is not None:
+    if (data := app[_SNAPSHOT_KEY].encode(app[_STATE_KEY], float("inf"))) is not None:  # the last changes, whenever the previous write
         app[_SNAPSHOT_KEY].write(data)
 
 

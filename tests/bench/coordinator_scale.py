@@ -33,7 +33,7 @@ Scenarios, for each ``--nodes`` N:
   seconds from the last rank's staged report until every rank saw ``ready``.
 
 Figures: coordinator CPU (psutil, its process), offered and achieved report rates, report p99 latency,
-bytes/s of request bodies received, object-store list calls per job per hour, nodes expired (the
+bytes/s of report bodies received (the coordinator's ``mtc_coordinator_report_bytes_total``), object-store list calls per job per hour, nodes expired (the
 coordinator's "silent" log lines). The generator shares the machine's cores with the coordinator: its
 own CPU, its event loop's lag and offered vs achieved are printed so that a saturated generator shows.
 "Offered" is what real agents would send: a report per change when it happens, else one per
@@ -47,7 +47,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import resource
@@ -135,7 +134,6 @@ class Stats:
         self.lags: list[float] = []  # change -> report sent, seconds
         self.replies = 0
         self.offered = 0
-        self.body_bytes = 0
         self.errors = 0
         self.list_calls = 0
         self.designations: set[tuple[tuple[str, str], str]] = set()  # (job, lister node) seen in replies
@@ -146,18 +144,11 @@ class Stats:
 
     def open(self, now: float, seconds: float) -> None:
         self.window = (now, now + seconds)
-        self.latencies, self.lags, self.replies, self.offered, self.body_bytes, self.errors = [], [], 0, 0, 0, 0
+        self.latencies, self.lags, self.replies, self.offered, self.errors = [], [], 0, 0, 0
         self.list_calls, self.designations = 0, set()
 
     def inside(self, t: float) -> bool:
         return self.window is not None and self.window[0] <= t < self.window[1]
-
-    def dumps(self, value) -> str:
-        """The sessions' JSON serialiser (aiohttp's default, ``json.dumps``), counting body bytes."""
-        text = json.dumps(value)
-        if self.inside(time.monotonic()):
-            self.body_bytes += len(text)
-        return text
 
 
 class SimAgent:
@@ -182,6 +173,9 @@ class SimAgent:
         self.changed_at: float | None = None
         self.ideal_last = time.monotonic()  # the ideal agent's last report (offered rate)
         self.wake = asyncio.Event()
+        # With one connection per agent, its restore calls and reports take turns on it; a request's
+        # timeout starts with its turn, as it would on a connection of its own.
+        self.turn: asyncio.Lock | contextlib.nullcontext = contextlib.nullcontext()
         self.client: CoordinatorClient | None = None
         self.http: aiohttp.ClientSession | None = None
         self.task: asyncio.Task | None = None
@@ -273,10 +267,11 @@ class SimAgent:
         if report.waiting:
             stats.publish_sent.setdefault(self.pod.pod_uid, started)
         try:
-            reply = await self.client.report(report)
+            async with self.turn:
+                reply = await self.client.report(report)
         except CoordinatorUnavailable:
             stats.errors += stats.inside(started)
-            await asyncio.sleep(ROUND_SECONDS)
+            self.session.failed(time.monotonic())  # the agent's backoff
             return
         done = time.monotonic()
         if stats.inside(done):
@@ -354,9 +349,10 @@ class SimAgent:
     async def _retry(self, call, *args):
         while True:
             try:
-                return await call(*args)
-            except CoordinatorUnavailable:  # e.g. 503: the plan waits for reports; the agent retries
-                await asyncio.sleep(ROUND_SECONDS)
+                async with self.turn:
+                    return await call(*args)
+            except CoordinatorUnavailable:  # the agent retries (prefetch.restore, pod_handshake)
+                await asyncio.sleep(timing.RESTORE_PLAN_RETRY_SECONDS)
 
 
 class SimCluster:
@@ -425,28 +421,29 @@ class SimCluster:
         timeout = aiohttp.ClientTimeout(total=None)  # the client sets each request's
         for index, agent in enumerate(self.agents):
             connector = aiohttp.TCPConnector(ssl=context, limit=self.connections, keepalive_timeout=timing.COORDINATOR_KEEPALIVE_SECONDS)
-            agent.http = aiohttp.ClientSession(connector=connector, timeout=timeout,
-                                               json_serialize=self.stats.dumps)  # fmt: skip
+            agent.http = aiohttp.ClientSession(connector=connector, timeout=timeout)
+            agent.turn = asyncio.Lock() if self.connections == 1 else contextlib.nullcontext()
             agent.client = CoordinatorClient(agent.http, self.coordinator.url, self.token)
             agent.publish()
             agent.task = asyncio.create_task(agent.run())
             agent.task.add_done_callback(self._died)
             if index % 100 == 99:
                 await asyncio.sleep(100 / CONNECT_PER_SECOND)
-        await self.until(lambda: all(a.training for a in self.agents), "every pod trains")
+        await self.until(lambda: sum(a.training for a in self.agents), "pods train")
 
     def _died(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
             self.failure = task.exception()
 
-    async def until(self, condition, what: str) -> None:
-        """Waits for ``condition``. Raises TimeoutError, or an agent's loop's exception."""
+    async def until(self, count, what: str) -> None:
+        """Waits until ``count()`` reaches the number of agents. Raises TimeoutError (saying how many
+        got there), or an agent's loop's exception."""
         deadline = time.monotonic() + SCENARIO_TIMEOUT
-        while not condition():
+        while (done := count()) < len(self.agents):
             if self.failure is not None:
                 raise RuntimeError("a simulated agent failed") from self.failure
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{what}: not within {SCENARIO_TIMEOUT:g} s")
+                raise TimeoutError(f"{what}: {done:,} of {len(self.agents):,} within {SCENARIO_TIMEOUT:g} s")
             await asyncio.sleep(0.1)
 
     async def stop_agents(self) -> None:
@@ -504,6 +501,13 @@ def p99(values: list[float]) -> float:
     return statistics.quantiles(values, n=100)[98] if len(values) >= 2 else (values[0] if values else float("nan"))
 
 
+async def report_bytes(coordinator: CoordinatorProcess) -> float:
+    """Bytes of report bodies the coordinator received so far (its ``/metrics``)."""
+    async with aiohttp.ClientSession() as session, session.get(coordinator.url + "/metrics", ssl=coordinator.ssl_context()) as response:
+        text = await response.text()
+    return next(float(line.split()[1]) for line in text.splitlines() if line.startswith("mtc_coordinator_report_bytes_total "))
+
+
 def silent_lines(coordinator: CoordinatorProcess) -> int:
     with open(coordinator.log_path, encoding="utf-8", errors="replace") as log:
         return sum(_SILENT_LINE in line for line in log)
@@ -517,6 +521,7 @@ async def steady_window(cluster: SimCluster, seconds: float) -> dict:
     await asyncio.sleep(max(SETTLE_SECONDS, 2 * hb))
     coordinator, generator = psutil.Process(cluster.coordinator.process.pid), psutil.Process()
     silent_before = silent_lines(cluster.coordinator)
+    bytes_before = await report_bytes(cluster.coordinator)
     cpu = [sum(p.cpu_times()[:2]) for p in (coordinator, generator)]
     started = time.monotonic()
     stats.open(started, seconds)
@@ -526,6 +531,7 @@ async def steady_window(cluster: SimCluster, seconds: float) -> dict:
         agent._ideal_heartbeats(started + seconds)
     wall = time.monotonic() - started
     coordinator_cpu, generator_cpu = (100 * (sum(p.cpu_times()[:2]) - c) / wall for p, c in zip((coordinator, generator), cpu))
+    received = await report_bytes(cluster.coordinator) - bytes_before
     stats.window = None
     # Per job and hour: every node the coordinator designated lister in the window lists every
     # LIST_INTERVAL_SECONDS, and the rank that completes a backup (every BACKUP_MINUTES) lists once.
@@ -537,7 +543,7 @@ async def steady_window(cluster: SimCluster, seconds: float) -> dict:
         "offered": stats.offered / seconds,
         "achieved": stats.replies / seconds,
         "p99_ms": 1000 * p99(stats.latencies),
-        "bytes_per_second": stats.body_bytes / seconds,
+        "bytes_per_second": received / wall,
         "list_calls": list_calls,
         "listers_per_job": listers,
         "listed_in_window": stats.list_calls,
@@ -566,10 +572,10 @@ async def replace_every_pod(cluster: SimCluster) -> dict:
     uids = [a.pod.pod_uid for a in cluster.agents]
     figures = {"assign_seconds": math.inf, "publish_spread": math.nan, "ready_seconds": math.inf}
     try:
-        await cluster.until(lambda: all(u in stats.assigned for u in uids), "every new pod assigned")
+        await cluster.until(lambda: sum(u in stats.assigned for u in uids), "new pods assigned")
         sent = [stats.publish_sent[u] for u in uids]
         figures |= {"assign_seconds": max(stats.assigned[u] for u in uids) - max(sent), "publish_spread": max(sent) - min(sent)}
-        await cluster.until(lambda: all(u in stats.ready for u in uids), "every rank ready")
+        await cluster.until(lambda: sum(u in stats.ready for u in uids), "ranks ready")
     except TimeoutError as err:
         progress(f"{err}: recorded as missed")
         return figures
@@ -630,7 +636,7 @@ def judge(nodes: int, steady: dict, many: dict) -> list[tuple[str, str, str, boo
              f"<= {GOAL_LIST_CALLS:g}", f["list_calls"] <= GOAL_LIST_CALLS),
             (f"{name}: reports offered / achieved", f"{f['offered']:.0f} / {f['achieved']:.0f} per s (heartbeat {f['heartbeat_seconds']:g} s, "
              f"{f['errors']} errors)", "achieved ~ offered", None),
-            (f"{name}: bytes received", f"{f['bytes_per_second'] / 1e3:.0f} kB/s of request bodies", "-", None),
+            (f"{name}: bytes received", f"{f['bytes_per_second'] / 1e3:.0f} kB/s of report bodies", "-", None),
             (f"{name}: load generator", f"{f['generator_cpu']:.0f} % of a core, loop lag p99 {1000 * f['loop_lag_p99']:.0f} ms, "
              f"change->send p99 {f['lag_p99']:.2f} s{': GENERATOR-BOUND' if generator_bound else ''}", "-", None),
             (f"{name}: held steps per rank, formed in", f"{f['held_per_rank']:.2f}, {f['formed_seconds']:.0f} s "
