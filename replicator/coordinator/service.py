@@ -19,6 +19,7 @@ Routes (JSON; errors are ``{"error": "..."}``):
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -427,9 +428,20 @@ def make_app(config: CoordinatorConfig) -> web.Application:
     return app
 
 
+# The collector's generation thresholds (Python's are 700, 10, 10). Every report allocates thousands
+# of short-lived objects (the decoded report, the reply, aiohttp's request), so with the defaults a
+# young collection ran every few reports and full ones kept walking the whole cluster's state: in
+# process, 10,000 nodes of 3 held steps, collection took 25 % of report handling (2 % with these). A
+# young generation this size holds a few tens of MB of garbage at most.
+GC_THRESHOLDS = (100_000, 50, 100)
+
+
 def run_coordinator(config: CoordinatorConfig) -> None:
     """Serves until SIGTERM or SIGINT."""
     host, _, port = config.listen.rpartition(":")
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    app = make_app(config)
+    gc.freeze()  # the modules and the app live as long as the process: no collection need walk them
+    gc.set_threshold(*GC_THRESHOLDS)
     # handler_cancellation: a long poll whose agent hung up stops at once.
-    web.run_app(make_app(config), host=host, port=int(port), ssl_context=config.server_ssl(), print=None, handler_cancellation=True)
+    web.run_app(app, host=host, port=int(port), ssl_context=config.server_ssl(), print=None, handler_cancellation=True)

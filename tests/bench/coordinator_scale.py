@@ -36,6 +36,8 @@ Figures: coordinator CPU (psutil, its process), offered and achieved report rate
 bytes/s of report bodies received (the coordinator's ``mtc_coordinator_report_bytes_total``), object-store list calls per job per hour, nodes expired (the
 coordinator's "silent" log lines). The generator shares the machine's cores with the coordinator: its
 own CPU, its event loop's lag and offered vs achieved are printed so that a saturated generator shows.
+Its garbage collector is tuned as the coordinator's, and the agents' state frozen once the cluster
+formed, so that the generator's collections take less of the machine.
 "Offered" is what real agents would send: a report per change when it happens, else one per
 ``heartbeat_seconds`` x U(0.8, 1.0) rounded up to the agent's 1 s round, counted on an ideal clock per agent.
 
@@ -47,6 +49,8 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
+import gc
 import math
 import os
 import resource
@@ -65,6 +69,7 @@ from examples.local_cluster import CoordinatorProcess, scratch_dir, self_signed_
 from replicator import backup_worker, timing
 from replicator.job_meta import PodProgress
 from replicator.messages import BackedUp, Files, JobSettings, PodReport, ReportReply
+from replicator.coordinator.service import GC_THRESHOLDS
 from replicator.coordinator_client import CoordinatorClient, CoordinatorUnavailable
 from replicator.report_session import ReportSession
 from tests.bench.agent_idle import step_files
@@ -490,6 +495,7 @@ def connections_per_agent(nodes: int) -> int:
     return CONNECTIONS_PER_AGENT if fits else 1
 
 
+@functools.cache  # statistics.mean works in fractions: per change and agent it was 7 % of the generator
 def heartbeat_period(heartbeat_seconds: float) -> float:
     """The mean interval of a real agent's heartbeats: due after heartbeat x U(0.8, 1.0), sent at
     the next of its rounds."""
@@ -603,6 +609,7 @@ async def run_cluster(workdir: str, jobs: list[JobSpec], seconds: float, replace
     try:
         formed = time.monotonic()
         await cluster.start()
+        gc.freeze()  # the agents' state, formed: the generator's collections need not walk it again
         progress(f"{name}: {len(cluster.agents)} agents in {len(jobs)} jobs trained after {time.monotonic() - formed:.0f} s; settling, then measuring")
         figures = {"formed_seconds": time.monotonic() - formed, "connections": cluster.connections, **await steady_window(cluster, seconds)}
         progress(f"{name}: " + ", ".join(f"{k} {v:.3g}" for k, v in figures.items()))
@@ -685,6 +692,7 @@ def main() -> int:
     wanted = connections_per_agent(nodes) * nodes + SPARE_FILES
     if soft != resource.RLIM_INFINITY and soft < wanted:
         resource.setrlimit(resource.RLIMIT_NOFILE, (wanted if hard == resource.RLIM_INFINITY else min(wanted, hard), hard))
+    gc.set_threshold(*GC_THRESHOLDS)  # the coordinator's (``run_coordinator``), for the same reason
     all_met = True
     results = {}
     for nodes in args.nodes or [1000]:
