@@ -154,6 +154,23 @@ def test_every_rank_restarting_at_once_costs_a_few_decision_passes_not_one_per_r
     assert state.identical(KEY)[10] == frozenset((r, (r + half) % nodes) for r in range(nodes))
 
 
+def test_a_job_forms_when_its_last_pod_reports_not_at_its_next_paced_pass():
+    state = ClusterState()
+    state.expire(0.0)
+    for node in range(NODES):  # every pod of a new job within 0.1 s: its passes are paced a second apart
+        state.apply_report(report(node, [pod(node, NODES, SLICES)]), node * 1e-5)
+    first = state.jobs[KEY].incarnation
+    assert first is not None  # formed by the last pod's report, no tick needed: every long poll waits on it
+    decisions = state.decisions
+    for node in range(NODES):  # a job restart: a new pod on every node, again within 0.1 s
+        new_pod = msgspec.structs.replace(pod(node, NODES, SLICES), pod_uid=f"new-{node}")
+        state.apply_report(report(node, [new_pod]), 10.0 + node * 1e-5)
+    second = state.jobs[KEY].incarnation
+    assert second is not None and second.incarnation_id != first.incarnation_id
+    assert set(second.rank_of_pod) == {f"new-{node}" for node in range(NODES)}
+    assert state.decisions - decisions <= 3  # the one that ended the old incarnation, the one that formed the new
+
+
 def test_a_restarted_coordinator_asks_once_for_the_checksums_it_lacks():
     state = ClusterState()
     state.expire(0.0)

@@ -81,6 +81,16 @@ _RECHECK_SECONDS = 5.0
 _EXPIRE_SECONDS = 1.0
 
 
+def _may_form(job: "JobState") -> bool:
+    """Whether a job without an incarnation may have a new pod for every rank since its last pass:
+    then it is decided at once, not at its paced interval, for every pod's long poll waits on it.
+    ``retired_pods`` is a subset of ``pods`` (a pod leaves both when it is gone), so the count is
+    an upper bound of the new pods: at worst a pass runs early."""
+    if job.incarnation is not None or not job.pods_changed or not job.pods:
+        return False
+    return len(job.pods) - len(job.retired_pods) >= next(iter(job.pods.values()))[0].nodes
+
+
 def decide_interval(nodes: int) -> float:
     """The shortest time between two decision passes of a job of ``nodes`` nodes, seconds."""
     return 0.0 if nodes <= _DECIDED_AT_ONCE_NODES else min(_MAX_DECIDE_INTERVAL_SECONDS, nodes * _DECIDE_SECONDS_PER_NODE)
@@ -140,7 +150,7 @@ class JobState:
     """A job's incarnation, settings, indices of what its nodes report, and its cached decisions.
 
     Attributes:
-      retired_pods: pods of incarnations that ended; they never join another one.
+      retired_pods: pods of incarnations that ended and are still published; they never join another one.
       identical: step -> rank pairs found to hold the same data; kept after a rank's copy is lost,
         which is exactly when it is needed. Decided once per (step, pair).
       backup_pending: the step being backed up now, or None.
@@ -414,6 +424,7 @@ class ClusterState:
             job = self.jobs.get((pod.namespace, pod.job))
             if uid not in new_pods and job is not None and job.pods.get(uid, (None, None))[1] == node_id:
                 del job.pods[uid]
+                job.retired_pods.discard(uid)  # a pod uid never comes back once its pod is gone
                 job.pods_changed = True
                 self._mark_dirty({(pod.namespace, pod.job)})
         for uid, pod in new_pods.items():
@@ -570,7 +581,7 @@ class ClusterState:
     def _decide_if_due(self, key: JobKey) -> None:
         job = self.jobs[key]
         since = self._now - job.decided_at
-        if (job.dirty or since >= _RECHECK_SECONDS) and since >= decide_interval(self._nodes_of(key)):
+        if (job.dirty or since >= _RECHECK_SECONDS) and (since >= decide_interval(self._nodes_of(key)) or _may_form(job)):
             self.decide(key)
 
     def decide(self, key: JobKey) -> None:
@@ -602,7 +613,6 @@ class ClusterState:
             return  # an incarnation starts or ends only when a pod comes or goes
         job.pods_changed = False
         live = job.pods
-        job.retired_pods &= set(live)  # a pod uid never comes back once its pod is gone
         current = job.incarnation
         if current is not None:
             unpublished = [uid for uid in current.rank_of_pod if uid not in live]
@@ -611,7 +621,7 @@ class ClusterState:
                 return
             log.info("job %s/%s: incarnation %s ended (%s)", *key, current.incarnation_id,
                      "a pod was unpublished" if unpublished else "a new pod replaces one of it")  # fmt: skip
-            job.retired_pods.update(current.rank_of_pod)
+            job.retired_pods.update(uid for uid in current.rank_of_pod if uid in live)  # the gone ones never come back
             job.incarnation = None
             self._bump(key)
         if live:

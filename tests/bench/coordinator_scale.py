@@ -619,6 +619,7 @@ async def run_cluster(workdir: str, jobs: list[JobSpec], seconds: float, replace
         return figures
     finally:
         progress(f"{name}: stopping")
+        gc.unfreeze()  # what this cluster leaves behind is collected before the next
         await cluster.stop_agents()
         coordinator.stop()  # first: closing N TLS sessions to a live peer took minutes
         await cluster.close_sessions()
