@@ -18,6 +18,8 @@ from examples.local_cluster import (
     unmount_all_below,
 )
 
+from tests.jobs import kill_started_jobs
+
 requires_root = pytest.mark.skipif(not can_mount_tmpfs(), reason="mounting tmpfs needs root")
 
 _ports = itertools.count(18470 + (os.getpid() % 500) * 20)
@@ -26,6 +28,13 @@ _ports = itertools.count(18470 + (os.getpid() % 500) * 20)
 def free_listen_address(host: str = "127.0.0.1") -> str:
     """A HOST:PORT on loopback unlikely to collide with another test run."""
     return f"{host}:{next(_ports)}"
+
+
+@pytest.fixture(autouse=True)
+def no_trainer_outlives_its_test():
+    """A test's training jobs are killed when it ends, passed or failed."""
+    yield
+    kill_started_jobs()
 
 
 @pytest.fixture

@@ -16,11 +16,23 @@ UNTIL_KILLED_STEPS = 100_000
 UNTIL_KILLED = ["--steps", str(UNTIL_KILLED_STEPS), "--step-sleep", "0.2"]
 
 
+# Every job ``run_job`` started: a test that ends (or fails) while its job trains leaves no trainer
+# behind; one that trains UNTIL_KILLED would otherwise run on after pytest, taking the machine's CPU.
+_started: list[LocalJob] = []
+
+
 def run_job(name, agents, workdir, extra):
     job = LocalJob(name, agents, str(workdir), [*TRAIN, *extra], jax_port=next(_jax_ports))
+    _started.append(job)
     job.create_pods()
     job.start_training()
     return job
+
+
+def kill_started_jobs() -> None:
+    """SIGKILLs the training processes of every job ``run_job`` started (conftest, after each test)."""
+    while _started:
+        _started.pop().kill_training()
 
 
 def rerun(job, dump_dir, agents=None, steps=None, timeout=180):

@@ -28,7 +28,7 @@ import time
 
 import msgspec
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from csi_driver import atomic_file
 from replicator.bearer import read_token, require_bearer
@@ -48,6 +48,9 @@ from replicator.messages import (
 log = logging.getLogger(__name__)
 
 REPORT_BYTES = Counter("mtc_coordinator_report_bytes_total", "Bytes of report bodies received from node agents")
+# How late the ticker wakes is how long the event loop was busy: every request waited as long.
+LOOP_LAG = Histogram("mtc_coordinator_loop_lag_seconds", "How late the coordinator's ticker woke: its event loop was busy that long",
+                     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0))  # fmt: skip
 
 _STATE_KEY = web.AppKey("state", ClusterState)
 _CONFIG_KEY = web.AppKey("config", "CoordinatorConfig")
@@ -381,7 +384,9 @@ async def _ticker(app: web.Application):
 
     async def tick_forever():
         while True:
+            asleep = time.monotonic()
             await asyncio.sleep(_TICK_SECONDS)
+            LOOP_LAG.observe(time.monotonic() - asleep - _TICK_SECONDS)
             try:
                 app[_STATE_KEY].tick(time.time())
                 app[_CHANGES_KEY].publish()
