@@ -103,6 +103,6 @@ class ReportSession:
         after ``REPORT_RETRY_FIRST_SECONDS`` doubling with each failure up to ``REPORT_RETRY_MAX_SECONDS``,
         times U(0.5, 1) so that a cluster's agents spread out."""
         self._failures += 1
-        backoff = min(timing.REPORT_RETRY_MAX_SECONDS, timing.REPORT_RETRY_FIRST_SECONDS * 2 ** (self._failures - 1))
+        backoff = min(timing.REPORT_RETRY_MAX_SECONDS, timing.REPORT_RETRY_FIRST_SECONDS * 2 ** min(self._failures - 1, 16))
         self._retry_at = now + backoff * random.uniform(0.5, 1.0)
         self.poked = True

@@ -39,7 +39,7 @@ ROUND_INTERVAL_SECONDS = 1.0
 WATCH_INTERVAL_SECONDS = 0.2
 
 # One coordinator request (beyond a long poll's own wait): the coordinator answers from memory, so
-# anything slower is an outage, retried on the next round.
+# anything slower is an outage: the report is retried after a backoff (below).
 REQUEST_TIMEOUT_SECONDS = 10.0
 
 # A report that failed (the coordinator overloaded, restarting or unreachable) goes again after this

@@ -33,8 +33,9 @@ Scenarios, for each ``--nodes`` N:
   seconds from the last rank's staged report until every rank saw ``ready``.
 
 Figures: coordinator CPU (psutil, its process), offered and achieved report rates, report p99 latency,
-bytes/s of report bodies received (the coordinator's ``mtc_coordinator_report_bytes_total``), object-store list calls per job per hour, nodes expired (the
-coordinator's "silent" log lines). The generator shares the machine's cores with the coordinator: its
+the coordinator's event-loop lag p99 (``mtc_coordinator_loop_lag_seconds``), bytes/s of report bodies
+received (``mtc_coordinator_report_bytes_total``), object-store list calls per job per hour, nodes
+expired (the coordinator's "silent" log lines). The generator shares the machine's cores with the coordinator: its
 own CPU, its event loop's lag and offered vs achieved are printed so that a saturated generator shows.
 Its garbage collector is tuned as the coordinator's, and the agents' state frozen once the cluster
 formed, so that the generator's collections take less of the machine.
