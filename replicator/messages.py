@@ -55,12 +55,17 @@ def extends(longer: tuple[int, ...], shorter: tuple[int, ...]) -> bool:
     """Whether ``longer`` is ``shorter`` followed by more rollbacks (lineages only ever grow)."""
     return len(longer) > len(shorter) and longer[: len(shorter)] == shorter
 
+# Messages are frozen and hold only scalars, strings, tuples, dicts of those and other messages: they
+# can take no part in a reference cycle, so the garbage collector need not track them (``gc=False``).
+# The coordinator decodes thousands a second and keeps each node's last report; tracked, they made
+# up much of what its collector visited.
+
 # Version 2: reports driven by change (checksums sent once, small heartbeats at a pace the coordinator
 # sets), data-parallel signatures computed by the agent, one backup lister per job.
 PROTOCOL_VERSION = 2
 
 
-class JobSettings(msgspec.Struct, frozen=True):
+class JobSettings(msgspec.Struct, frozen=True, gc=False):
     """A job's settings from its consumed ``replicator.yaml`` (see ``orbax_protocol``)."""
 
     peer_ranks: Annotated[tuple[Rank, ...], msgspec.Meta(max_length=MAX_RANKS)]
@@ -69,7 +74,7 @@ class JobSettings(msgspec.Struct, frozen=True):
     backup_interval_steps: Annotated[int, msgspec.Meta(ge=1)] | None
 
 
-class PodReport(msgspec.Struct, frozen=True):
+class PodReport(msgspec.Struct, frozen=True, gc=False):
     """A pod published on the reporting node, with what the node knows of its rank.
 
     Attributes:
@@ -99,7 +104,7 @@ class PodReport(msgspec.Struct, frozen=True):
     settings: JobSettings | None = None
 
 
-class HeldStep(msgspec.Struct, frozen=True):
+class HeldStep(msgspec.Struct, frozen=True, gc=False):
     """A committed, checksummed step of one rank's data on the reporting node.
 
     Attributes:
@@ -123,7 +128,7 @@ class HeldStep(msgspec.Struct, frozen=True):
     timeline: Timeline = 0
 
 
-class BackedUp(msgspec.Struct, frozen=True):
+class BackedUp(msgspec.Struct, frozen=True, gc=False):
     """The steps of a job the backup tier holds complete (``COMMIT`` written), as (step, timeline),
     as the node last listed them at ``listed_at`` (unix seconds): the coordinator believes the newest
     listing of any node."""
@@ -134,7 +139,7 @@ class BackedUp(msgspec.Struct, frozen=True):
     listed_at: float = 0.0
 
 
-class Lineage(msgspec.Struct, frozen=True):
+class Lineage(msgspec.Struct, frozen=True, gc=False):
     """A job's rollbacks (see ``in_lineage``), sent only once it has one. The coordinator tells every
     node of the job; nodes keep it on the job's ramdisk and report it back, so a restarted
     coordinator learns it again."""
@@ -144,14 +149,14 @@ class Lineage(msgspec.Struct, frozen=True):
     forks: Forks
 
 
-class JobRef(msgspec.Struct, frozen=True):
+class JobRef(msgspec.Struct, frozen=True, gc=False):
     """A job, by namespace and name."""
 
     namespace: Name
     job: Name
 
 
-class NodeReport(msgspec.Struct, frozen=True):
+class NodeReport(msgspec.Struct, frozen=True, gc=False):
     """Everything a node agent tells the coordinator; sent on every change and as its heartbeat.
 
     Attributes:
@@ -190,7 +195,7 @@ class Versioned(msgspec.Struct):
     protocol: int = 1
 
 
-class Assignment(msgspec.Struct, frozen=True):
+class Assignment(msgspec.Struct, frozen=True, gc=False):
     """A pod's place in its job's incarnation.
 
     Attributes:
@@ -205,14 +210,14 @@ class Assignment(msgspec.Struct, frozen=True):
     jax_coordinator: Text
 
 
-class Target(msgspec.Struct, frozen=True):
+class Target(msgspec.Struct, frozen=True, gc=False):
     """A node to push a replica to: its id and its peer service's base URL."""
 
     node: Name
     url: Text
 
 
-class ReplicateOrder(msgspec.Struct, frozen=True):
+class ReplicateOrder(msgspec.Struct, frozen=True, gc=False):
     """Push ``rank``'s ``step`` from the receiving node to ``targets``."""
 
     namespace: Name
@@ -222,7 +227,7 @@ class ReplicateOrder(msgspec.Struct, frozen=True):
     targets: Annotated[tuple[Target, ...], msgspec.Meta(max_length=MAX_LIST)]
 
 
-class RetainOrder(msgspec.Struct, frozen=True):
+class RetainOrder(msgspec.Struct, frozen=True, gc=False):
     """Garbage collection: delete the job's steps and replicas older than ``keep_from``, except ``protected``."""
 
     namespace: Name
@@ -231,7 +236,7 @@ class RetainOrder(msgspec.Struct, frozen=True):
     protected: Annotated[tuple[Step, ...], msgspec.Meta(max_length=MAX_LIST)]
 
 
-class BackupOrder(msgspec.Struct, frozen=True):
+class BackupOrder(msgspec.Struct, frozen=True, gc=False):
     """Upload ``rank``'s own data of ``step`` to the backup tier.
 
     Attributes:
@@ -257,7 +262,7 @@ class BackupOrder(msgspec.Struct, frozen=True):
     forks: Forks = ()
 
 
-class ReportReply(msgspec.Struct, frozen=True):
+class ReportReply(msgspec.Struct, frozen=True, gc=False):
     """The coordinator's answer to a ``NodeReport``: what the node's pods and data should do.
 
     Attributes:
@@ -284,7 +289,7 @@ class ReportReply(msgspec.Struct, frozen=True):
     protocol: int = PROTOCOL_VERSION
 
 
-class Source(msgspec.Struct, frozen=True):
+class Source(msgspec.Struct, frozen=True, gc=False):
     """One place a rank can restore its step from.
 
     Attributes:
@@ -306,7 +311,7 @@ class Source(msgspec.Struct, frozen=True):
     timeline: Timeline = 0
 
 
-class RestoreView(msgspec.Struct, frozen=True):
+class RestoreView(msgspec.Struct, frozen=True, gc=False):
     """What one rank must restore, as the coordinator sees it now.
 
     Attributes:
