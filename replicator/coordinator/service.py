@@ -433,12 +433,16 @@ def make_app(config: CoordinatorConfig) -> web.Application:
     return app
 
 
-# The collector's generation thresholds (Python's are 700, 10, 10). Every report allocates thousands
-# of short-lived objects (the decoded report, the reply, aiohttp's request), so with the defaults a
-# young collection ran every few reports and full ones kept walking the whole cluster's state: in
-# process, 10,000 nodes of 3 held steps, collection took 25 % of report handling (2 % with these). A
-# young generation this size holds a few tens of MB of garbage at most.
-GC_THRESHOLDS = (100_000, 50, 100)
+# The collector's generation thresholds (Python's are 700, 10, 10). What a collection visits is mostly
+# what the last request on each keep-alive connection left alive (aiohttp keeps a connection's last
+# request and response until its next one: about 60 objects, 10 s at 10,000 nodes), so its pause
+# grows with the time since the last one, and its total cost hardly depends on the thresholds:
+# - young collections every 10,000 net allocations: pauses of 20-60 ms at 10,000 nodes (every
+#   100,000: 200-440 ms, the largest stalls of the event loop);
+# - the middle generation every 5 of them: pauses of 100-190 ms (every 50: about 1 s);
+# - a full collection (the cluster's state: message structs are untracked, ``messages.py``) after
+#   1,000 of those and Python's own rule that a quarter of the old objects are new.
+GC_THRESHOLDS = (10_000, 5, 1000)
 
 
 def run_coordinator(config: CoordinatorConfig) -> None:

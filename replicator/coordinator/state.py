@@ -452,11 +452,26 @@ class ClusterState:
         if bound is not None and bound.silent:
             self._mark_dirty(bound.job_keys())  # back from silence: its copies count again, orders resume
             self._liveness_stamp += 1
-        want_files = self._absorb_changes(report.node_id, bound, report)
+        # A heartbeat that says again what the node's last report said (kept without checksums),
+        # every claim of which was indexed, changes nothing: most reports at steady state.
+        if bound is None or report != bound.report or len(bound.claims) != len(report.held):
+            self._absorb_changes(report.node_id, bound, report)
         self.touch(report.node_id, now)
         for key in self.nodes[report.node_id].job_keys():
             self._decide_if_due(key)
-        return self.reply_for(report.node_id, want_files)
+        return self.reply_for(report.node_id, self._wants_files(report))
+
+    def _wants_files(self, report: NodeReport) -> bool:
+        """Whether the coordinator lacks checksums of a step of the node's own data that ``report``
+        left out (a restarted coordinator, or one that forgot them): the reply's ``want_files``."""
+        for h in report.held:
+            if h.replica or h.files is not None or (job := self.jobs.get((h.namespace, h.job))) is None:
+                continue
+            if in_lineage(job.forks, h.step, h.timeline) and (h.step, h.rank) not in job.owner_files:
+                pending = job.pending.get((h.step, h.rank, report.node_id))
+                if pending is None or pending[0] is None:
+                    return True
+        return False
 
     def touch(self, node_id: str, now: float) -> None:
         """The node is alive at ``now`` (its long-poll request is still open)."""
@@ -478,10 +493,9 @@ class ClusterState:
         """
         self.touch(self._incarnation(key, incarnation_id, rank).node_of_rank[rank], now)
 
-    def _absorb_changes(self, node_id: str, bound: NodeState | None, report: NodeReport | None) -> bool:
+    def _absorb_changes(self, node_id: str, bound: NodeState | None, report: NodeReport | None) -> None:
         """Updates the job indices with what changed between the node's last report and ``report``
-        (None: the node is forgotten). Returns whether the coordinator lacks checksums the report
-        left out (``want_files``)."""
+        (None: the node is forgotten)."""
         old_pods = {p.pod_uid: p for p in bound.report.pods} if bound else {}
         new_pods = {p.pod_uid: p for p in report.pods} if report else {}
         for uid, pod in old_pods.items():
@@ -519,7 +533,6 @@ class ClusterState:
             job.drop_claim(step, rank, node_id)
             job.pending.pop((step, rank, node_id), None)
             self._mark_dirty({key})
-        want_files = False
         for h in held:
             key = (h.namespace, h.job)
             job = self.jobs[key]
@@ -538,10 +551,8 @@ class ClusterState:
             adds = (h.files is not None and (h.step, h.rank) not in job.owner_files) or (
                 h.signature is not None and (h.step, h.rank) not in job.signatures)  # fmt: skip
             if adds and (pending is None or (pending[0] is None and h.files is not None)):
-                job.pending[(h.step, h.rank, node_id)] = pending = (h.files, h.signature)
+                job.pending[(h.step, h.rank, node_id)] = (h.files, h.signature)
                 self._mark_dirty({key})
-            if h.files is None and (h.step, h.rank) not in job.owner_files and (pending is None or pending[0] is None):
-                want_files = True
         if report is not None:
             old_listings = {(b.namespace, b.job): b for b in bound.report.backed_up} if bound else {}
             for listing in report.backed_up:
@@ -559,7 +570,6 @@ class ClusterState:
             for key in bound.job_keys():
                 if (job := self.jobs.get(key)) is not None and job.listings.pop(node_id, None) is not None:
                     self._mark_dirty({key})
-        return want_files
 
     def _supersede(self, key: JobKey, step: int, rank: int, owner: str) -> None:
         """The rank's own node reports other checksums for a step: the job wrote the step again (a
