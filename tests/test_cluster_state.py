@@ -228,6 +228,19 @@ def test_a_rollback_starts_a_timeline_whose_reused_step_numbers_never_mix_with_t
                                                lineages=(Lineage(*KEY, (2,)),)), 30.5)  # fmt: skip
     assert again.jobs[KEY].forks == (2,) and not again.jobs[KEY].claims
 
+    # Every heartbeat carries the rollback (and no checksums: the agents sent them before), the first
+    # ones before the incarnation is adopted (the nodes are not yet the job's, so not believed): the
+    # unchanged heartbeat after it is looked at again.
+    third = ClusterState()
+    acked = {node: [HeldStep(*KEY, 5, rank_now[node])] for node in ("a", "b")}
+    reports = {node: msgspec.structs.replace(report(node, f"http://{node}", [pod(index + 2, fresh, rank_now[node])], acked[node]),
+                                             lineages=(Lineage(*KEY, (2,)),)) for index, node in enumerate(("a", "b"))}  # fmt: skip
+    for node in ("a", "b"):
+        third.apply_report(reports[node], 30.0)
+    assert third.jobs[KEY].incarnation.incarnation_id == fresh and third.jobs[KEY].forks == ()
+    third.apply_report(reports["a"], 31.0)
+    assert third.jobs[KEY].forks == (2,) and not third.jobs[KEY].claims
+
 
 def test_no_step_a_rollback_may_need_is_collected_while_it_is_pending_or_by_the_abandoned_safe_step():
     state = ClusterState()

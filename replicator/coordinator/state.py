@@ -453,13 +453,19 @@ class ClusterState:
             self._mark_dirty(bound.job_keys())  # back from silence: its copies count again, orders resume
             self._liveness_stamp += 1
         # A heartbeat that says again what the node's last report said (kept without checksums),
-        # every claim of which was indexed, changes nothing: most reports at steady state.
-        if bound is None or report != bound.report or len(bound.claims) != len(report.held):
+        # every claim and rollback of which was taken in, changes nothing: most reports at steady
+        # state. A claim or a rollback that could not be taken in yet (its job unknown, the node not
+        # yet the job's) is looked at again with every report.
+        if bound is None or report != bound.report or len(bound.claims) != len(report.held) or self._lineage_news(report):
             self._absorb_changes(report.node_id, bound, report)
         self.touch(report.node_id, now)
         for key in self.nodes[report.node_id].job_keys():
             self._decide_if_due(key)
         return self.reply_for(report.node_id, self._wants_files(report))
+
+    def _lineage_news(self, report: NodeReport) -> bool:
+        """Whether the report names rollbacks of a known job that its coordinator has not adopted."""
+        return any((job := self.jobs.get((l.namespace, l.job))) is not None and extends(l.forks, job.forks) for l in report.lineages)
 
     def _wants_files(self, report: NodeReport) -> bool:
         """Whether the coordinator lacks checksums of a step of the node's own data that ``report``
