@@ -295,3 +295,41 @@ def test_nodes_falling_silent_do_not_shorten_the_timeout_of_the_others():
     assert state.node_timeout_seconds == 30.0
     state.expire(50.0)
     assert "n1" in state.status()["nodes"]
+
+
+def test_the_silence_check_finds_silent_nodes_however_recently_the_others_reported():
+    state = ClusterState(node_timeout_seconds=15.0)
+    for node in range(4):
+        state.apply_report(report(node), float(node))
+    state.apply_report(report(0), 10.0)  # heard from again: no longer the oldest
+    state.expire(19.0)
+    assert [n for n in ("n0", "n1", "n2", "n3") if state.nodes[n].silent] == ["n1", "n2", "n3"]
+    state.apply_report(report(2), 20.0)  # back from silence
+    state.expire(26.0)
+    assert [n for n in ("n0", "n1", "n2", "n3") if state.nodes[n].silent] == ["n0", "n1", "n3"]
+
+
+def test_a_complete_step_is_walked_once_until_a_holder_falls_silent():
+    state = ClusterState(node_timeout_seconds=15.0)
+    state.expire(0.0)
+    rank_of = form_job(state, 4, 2, JobSettings((), 1, None, 100), now=0.0)
+    incarnation = state.jobs[KEY].incarnation.incarnation_id
+    for rank in range(4):  # ranks r and r + 2 are data-parallel peers
+        state.record_settings(KEY, incarnation, rank, JobSettings(((rank + 2) % 4,), 2, None, 100))
+
+    def heartbeat(nodes, now):
+        for node in nodes:
+            rank = rank_of[node]
+            settings = state.jobs[KEY].settings[rank]
+            state.apply_report(report(node, [pod(node, 4, 2, incarnation, rank, settings)], [own(10, rank, signature=f"sig-{rank % 2}")]), now)
+
+    heartbeat(range(4), 1.0)
+    state.tick(2.0)
+    assert state.safe_step(KEY) == 10
+    checks = state.rank_checks
+    state.tick(8.0)  # the 5 s recheck: a pass, but the step's answer stands
+    assert state.safe_step(KEY) == 10 and state.rank_checks == checks
+    heartbeat([n for n in range(4) if rank_of[n] != 0], 10.0)
+    state.tick(20.0)  # rank 0's only copy is on a node silent past the timeout: nothing is safe
+    assert state.nodes[f"n{[n for n in range(4) if rank_of[n] == 0][0]}"].silent
+    assert state.safe_step(KEY) is None and state.rank_checks > checks
