@@ -7,6 +7,8 @@ requiring ``Authorization: Bearer <token>`` (401 otherwise); paths and header na
 - ``GET  .../steps``: ``{"steps": [{"rank", "step", "bytes"}]}``, own steps and replicas.
 - ``GET  .../ranks/{rank}/steps/{step}/manifest``: the step's ``StepManifest`` JSON.
 - ``GET  .../ranks/{rank}/steps/{step}/files/{path}``: one file of the manifest; honours ``Range``.
+  A 404 from these two proves the node no longer holds the copy (the fetching node never tries it
+  again), so a lookup that met the step's directory being moved is made again before it is sent.
 - ``PUT  .../ranks/{rank}/steps/{step}/files/{path}``: one file of a replica push, with header
   ``X-MTC-Upload: <hex id>`` chosen by the client; the body streams into that upload's incoming dir.
   201 ``{"bytes": n}``; 507 when it does not fit on the ramdisk. Any failed PUT discards the upload
@@ -29,6 +31,7 @@ import shutil
 import time
 from collections.abc import Callable
 
+import tenacity
 from aiohttp import web
 
 from csi_driver.volume_request import DNS1123_LABEL
@@ -43,6 +46,11 @@ from replicator.step_manifest import StepManifest, safe_relpath, verify_step
 _MAX_MANIFEST_BYTES = 16 << 20
 _RECEIVE_CHUNK_BYTES = 1 << 20
 _UPLOAD_IDLE_SECONDS = 600.0  # an upload untouched this long was abandoned by its client
+# A held step's directory moves: a restore stages it (committed -> staged name, in a thread of this
+# agent), Orbax takes the marker (back), a set-aside step is moved into place. Each move is one
+# atomic rename, so a lookup that ran into one finds the step when made again a moment later.
+_LOOKUP_ATTEMPTS = tenacity.stop_after_attempt(3)
+_LOOKUP_WAIT = tenacity.wait_fixed(0.05)  # seconds between lookups
 
 
 def _fail(kind: type[web.HTTPException], message: str, **kwargs) -> web.HTTPException:
@@ -238,11 +246,25 @@ class _PeerService:
         rank, step = _int_param(request, "rank"), _int_param(request, "step")
         return _StepRef(*self._job(request), rank, step)
 
-    def _located(self, ref: _StepRef) -> tuple[str, StepManifest]:
-        found = ref.meta.locate(ref.rank, ref.step)
-        if found is None:
-            raise _fail(web.HTTPNotFound, f"rank {ref.rank} step {ref.step} is not held here")
-        return found
+    async def _looked_up(self, ref: _StepRef, rel: str | None = None) -> tuple[StepManifest, int | None]:
+        """The step's manifest and, given ``rel``, an open descriptor of that file of it.
+
+        Raises:
+          HTTPNotFound: the step or the file is not held here, in three lookups 50 ms apart.
+          HTTPBadRequest: ``rel`` is not a regular file inside the step directory.
+        """
+        async for attempt in tenacity.AsyncRetrying(stop=_LOOKUP_ATTEMPTS, wait=_LOOKUP_WAIT, reraise=True,
+                                                    retry=tenacity.retry_if_exception_type(web.HTTPNotFound)):  # fmt: skip
+            with attempt:
+                found = ref.meta.locate(ref.rank, ref.step)
+                if found is None:
+                    raise _fail(web.HTTPNotFound, f"rank {ref.rank} step {ref.step} is not held here")
+                step_dir, manifest = found
+                if rel is None:
+                    return manifest, None
+                if rel not in manifest.files:
+                    raise _fail(web.HTTPNotFound, f"{rel} is not a file of rank {ref.rank} step {ref.step}")
+                return manifest, _open_inside(step_dir, rel)
 
     async def list_steps(self, request: web.Request) -> web.Response:
         _, meta = self._job(request)
@@ -252,15 +274,12 @@ class _PeerService:
         return web.json_response({"steps": [{"rank": r, "step": s, "bytes": n} for (r, s), n in sorted(held.items())]})
 
     async def get_manifest(self, request: web.Request) -> web.Response:
-        _, manifest = self._located(self._step_ref(request))
+        manifest, _ = await self._looked_up(self._step_ref(request))
         return web.Response(text=manifest.to_json(), content_type="application/json")
 
     async def get_file(self, request: web.Request) -> web.StreamResponse:
-        ref, rel = self._step_ref(request), _path_param(request)
-        step_dir, manifest = self._located(ref)
-        if rel not in manifest.files:
-            raise _fail(web.HTTPNotFound, f"{rel} is not a file of rank {ref.rank} step {ref.step}")
-        return _DescriptorFileResponse(_open_inside(step_dir, rel))
+        _, fd = await self._looked_up(self._step_ref(request), _path_param(request))
+        return _DescriptorFileResponse(fd)
 
     async def put_file(self, request: web.Request) -> web.Response:
         ref, rel, upload_id = self._step_ref(request), _path_param(request), _upload_id(request)

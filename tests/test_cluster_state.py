@@ -16,8 +16,8 @@ def pod(index, incarnation=None, rank=None):
                      SETTINGS if rank is not None else None)  # fmt: skip
 
 
-def report(node, url, pods=(), held=()):
-    return NodeReport(node, url, "127.0.0.1", {"block": node}, tuple(pods), tuple(held))
+def report(node, url, pods=(), held=(), has_backup=False):
+    return NodeReport(node, url, "127.0.0.1", {"block": node}, tuple(pods), tuple(held), has_backup=has_backup)
 
 
 def held_by(node, rank_of):
@@ -27,7 +27,7 @@ def held_by(node, rank_of):
     return [HeldStep(*KEY, 5, mine, OWN[mine]), HeldStep(*KEY, 5, theirs, replica, replica=True)]
 
 
-def running_job(state: ClusterState, now=0.0):
+def running_job(state: ClusterState, now=0.0, has_backup=False):
     """Nodes a and b run the two ranks of a DP=1 job; each holds its own step 5 and the other's
     replica. Node a's replica does not match what the rank's own node (b) reported."""
     state.apply_report(report("a", "http://a", [pod(0)]), now)
@@ -37,7 +37,7 @@ def running_job(state: ClusterState, now=0.0):
     for node in ("a", "b"):
         state.record_settings(KEY, incarnation, rank_of[node], SETTINGS)
     for index, node in enumerate(("a", "b")):
-        state.apply_report(report(node, f"http://{node}", [pod(index, incarnation, rank_of[node])], held_by(node, rank_of)), now)
+        state.apply_report(report(node, f"http://{node}", [pod(index, incarnation, rank_of[node])], held_by(node, rank_of), has_backup), now)
     return incarnation, rank_of
 
 
@@ -288,7 +288,7 @@ def test_a_step_set_aside_by_a_restore_counts_as_its_nodes_own_copy():
 def test_a_step_written_anew_after_a_restore_to_an_older_one_supersedes_its_old_copies():
     state = ClusterState()
     state.expire(0.0)
-    incarnation, rank_of = running_job(state)
+    incarnation, rank_of = running_job(state, has_backup=True)
     rank = rank_of["b"]
     new = {"_CHECKPOINT_METADATA": (3, "0000000a"), "state/b": (10, "0000000b")}  # the same step number, other bytes
     assert state.jobs[KEY].backup_pending == 5

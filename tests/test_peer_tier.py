@@ -14,7 +14,9 @@ import yarl
 from aiohttp import web
 
 from examples.local_cluster import unmount_all_below
+from prefetch import staging
 from prefetch.peer_fetch import PeerFetchError, fetch_manifest, fetch_step, push_step
+from replicator import orbax_protocol, pod_files
 from replicator.job_meta import JobMeta
 from replicator.peer_protocol import UPLOAD_HEADER
 from replicator.peer_service import add_peer_routes
@@ -169,6 +171,36 @@ async def test_fetch_checks_the_callers_manifest_not_the_one_the_peer_serves(pee
     (tmp_path / "dest-2").mkdir()
     with pytest.raises(PeerFetchError, match=r"state/d/extra bytes 0-4: HTTP 404"):
         await fetch_step(peer.base_url, TOKEN, NS, JOB, missing, str(tmp_path / "dest-2"))
+
+
+@pytest.mark.parametrize("moment", ["between its two names", "between lookup and open"])
+async def test_a_step_staged_while_it_is_served_is_still_served(peer, session, tmp_path, monkeypatch, moment):
+    """The holder's own restore stages the step (committed -> staged name) in a thread while a peer
+    fetches it: a lookup that meets the rename must not answer 404, which would mark a good copy
+    unusable for good (CI once restored step 1 instead of step 9 after this)."""
+    commit_own_step(peer.meta, 9, 3, FILES)
+    manifest = peer.meta.manifests()[9]
+    renamed = []
+
+    def stage_once():
+        if not renamed:
+            renamed.append("staging")  # stage_local looks the step up too
+            renamed[0] = staging.stage_local(peer.meta.client_dir, 9, manifest)
+    if moment == "between its two names":  # the staged name is looked for first, then the committed one
+        real_is_dir = pod_files.is_dir
+        monkeypatch.setattr(pod_files, "is_dir", lambda fd, name: (real_is_dir(fd, name), stage_once())[0])
+    else:
+        real_find = orbax_protocol.find_step_dir
+        monkeypatch.setattr(orbax_protocol, "find_step_dir", lambda local_dir, step: (real_find(local_dir, step), stage_once())[0])
+
+    dest = tmp_path / "fetched"
+    dest.mkdir()
+    await fetch_step(peer.base_url, TOKEN, NS, JOB, manifest, str(dest))  # the restore plan carries the checksums
+    assert renamed == [[]] and os.path.isdir(os.path.join(peer.meta.client_dir, orbax_protocol.staged_name(9)))
+    assert read_tree(str(dest)) == FILES
+    async with session.get(peer.url(f"{NS}/{JOB}/ranks/3/steps/8/manifest"), headers=AUTH) as response:
+        assert response.status == 404  # a step that is not held is still a 404
+        assert await response.json() == {"error": "rank 3 step 8 is not held here"}
 
 
 async def test_fetch_from_a_peer_that_is_gone_raises_peer_fetch_error(tmp_path):

@@ -19,8 +19,9 @@ def pod(node: int, nodes: int, slices: int, incarnation=None, rank=None, setting
                      slices, 8476, "big", 0.0, incarnation, rank, settings)  # fmt: skip
 
 
-def report(node: int, pods=(), held=()) -> NodeReport:
-    return NodeReport(f"n{node}", f"http://n{node}", None, {"block": f"b{node // 250}"}, tuple(pods), tuple(held), protocol=PROTOCOL_VERSION)
+def report(node: int, pods=(), held=(), has_backup=False) -> NodeReport:
+    return NodeReport(f"n{node}", f"http://n{node}", None, {"block": f"b{node // 250}"}, tuple(pods), tuple(held),
+                      has_backup=has_backup, protocol=PROTOCOL_VERSION)  # fmt: skip
 
 
 def own(step: int, rank: int, files=STEP_FILES, signature=None) -> HeldStep:
@@ -101,12 +102,17 @@ def test_replicate_and_backup_orders_are_issued_exactly_when_due():
     state.apply_report(report(target, [pod(target, nodes, 2, incarnation.incarnation_id, rank_of[target])], held(target, [], [(4, rank_of[0])])), 1.1)
     reply = state.apply_report(report(0, [pod(0, nodes, 2, incarnation.incarnation_id, rank_of[0])], held(0, [4])), 1.2)
     assert reply.replicate == ()
-    # No backup before every rank holds the step; then one order per rank, for its own node only.
-    assert reply.backup == ()
+    # No backup while no node has a backup tier: a step chosen then would only be kept from GC.
     for node in range(nodes):
         reply = state.apply_report(report(node, [pod(node, nodes, 2, incarnation.incarnation_id, rank_of[node])], held(node, [4])), 1.3)
-        assert [(o.step, o.rank) for o in reply.backup] == ([(4, rank_of[node])] if node == nodes - 1 else [])
-    assert state.jobs[KEY].backup_pending == 4
+        assert reply.backup == ()
+    state.tick(1.3 + decide_interval(nodes))
+    assert state.jobs[KEY].backup_pending is None
+    # With backup tiers: no backup before every rank holds the step; then one order per rank, for its own node only.
+    for node in range(nodes):
+        reply = state.apply_report(report(node, [pod(node, nodes, 2, incarnation.incarnation_id, rank_of[node])], held(node, [6]), has_backup=True), 1.4)
+        assert [(o.step, o.rank) for o in reply.backup] == ([(6, rank_of[node])] if node == nodes - 1 else [])
+    assert state.jobs[KEY].backup_pending == 6
 
 
 def test_data_parallel_identity_is_decided_once_per_step_and_pair():

@@ -685,10 +685,10 @@ class ClusterState:
                 job.ordered.update((rank, node) for rank, nodes in job.targets.items() for node in nodes)
                 job.belief_stamp += 1
         job.safe = self._safe_step(key, replicas) if job.incarnation is not None else None
+        job.lister = self._choose_lister(key)
         if job.incarnation is not None and job.settings:
             self._advance_backup(key)
         job.retain = self._retain_order(key)  # after the backup choice: it protects the step being backed up
-        job.lister = self._choose_lister(key)
 
     def _reconcile(self, key: JobKey) -> None:
         job = self.jobs[key]
@@ -1055,6 +1055,8 @@ class ClusterState:
                 log.warning("job %s/%s: backup of step %d did not complete; choosing anew", *key, job.backup_pending)
                 job.backup_pending = None
             return
+        if job.lister is None:
+            return  # no live node of the job has a backup tier: a chosen step would only be kept from GC
         newest = self._newest_complete(key, with_backups=False)
         last = max(backed, default=None)
         if newest is None or (last is not None and newest <= last) or newest in job.rewritten:
