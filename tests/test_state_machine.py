@@ -310,9 +310,13 @@ def test_the_silence_check_finds_silent_nodes_however_recently_the_others_report
     state.apply_report(report(0), 10.0)  # heard from again: no longer the oldest
     state.expire(19.0)
     assert [n for n in ("n0", "n1", "n2", "n3") if state.nodes[n].silent] == ["n1", "n2", "n3"]
+    assert state.live_nodes() == 1  # mtc_live_nodes
     state.apply_report(report(2), 20.0)  # back from silence
     state.expire(26.0)
     assert [n for n in ("n0", "n1", "n2", "n3") if state.nodes[n].silent] == ["n0", "n1", "n3"]
+    assert state.live_nodes() == 1
+    state.apply_report(report(1), 27.0)
+    assert state.live_nodes() == 2
 
 
 def test_a_complete_step_is_walked_once_until_a_holder_falls_silent():

@@ -28,7 +28,8 @@ import time
 
 import msgspec
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 
 from csi_driver import atomic_file
 from replicator.bearer import read_token, require_bearer
@@ -304,28 +305,41 @@ async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"ok": True})
 
 
+class _ClusterGauges:
+    """The cluster as the coordinator sees it, as Prometheus gauges read from ``state`` at each
+    scrape. The families are built directly, not through labelled ``Gauge`` children: at 1,250 jobs
+    the children cost 70-120 ms a scrape (0.5 s under load) with the event loop blocked, and every
+    report queued behind a scrape waited as long."""
+
+    def __init__(self, state: ClusterState):
+        self._state = state
+
+    def collect(self) -> list[GaugeMetricFamily]:
+        state, labels = self._state, ["namespace", "job"]
+        newest = GaugeMetricFamily("mtc_newest_complete_step", "Newest step complete for every rank", labels=labels)
+        backed = GaugeMetricFamily("mtc_newest_backup_step", "Newest step complete in the backup tier", labels=labels)
+        backed_at = GaugeMetricFamily("mtc_last_backup_timestamp_seconds", "Unix time this coordinator saw the last backup complete", labels=labels)
+        every_steps = GaugeMetricFamily("mtc_backup_interval_steps", "The job's backup-interval-steps", labels=labels)
+        every_seconds = GaugeMetricFamily("mtc_backup_interval_seconds", "The job's backup-interval-minutes, in seconds", labels=labels)
+        for key, job in state.jobs.items():
+            for family, value in [(newest, state.newest_complete_step(key)), (backed, max(state.backed_up(key), default=None)),
+                                  (backed_at, job.last_backup_time)]:  # fmt: skip
+                if value is not None:
+                    family.add_metric(key, value)
+            settings = next(iter(job.settings.values()), None)
+            if settings is not None and settings.backup_interval_steps is not None:
+                every_steps.add_metric(key, settings.backup_interval_steps)
+            elif settings is not None and settings.backup_interval_minutes is not None:
+                every_seconds.add_metric(key, settings.backup_interval_minutes * 60)
+        live = GaugeMetricFamily("mtc_live_nodes", "Node agents reporting", value=state.live_nodes())
+        return [newest, backed, backed_at, every_steps, every_seconds, live]
+
+
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[_STATE_KEY]
     state.tick(time.time())
     registry = CollectorRegistry()  # the cluster view, computed now; the process's counters follow
-    labels = ["namespace", "job"]
-    newest = Gauge("mtc_newest_complete_step", "Newest step complete for every rank", labels, registry=registry)
-    backed = Gauge("mtc_newest_backup_step", "Newest step complete in the backup tier", labels, registry=registry)
-    backed_at = Gauge("mtc_last_backup_timestamp_seconds", "Unix time this coordinator saw the last backup complete", labels, registry=registry)
-    every_steps = Gauge("mtc_backup_interval_steps", "The job's backup-interval-steps", labels, registry=registry)
-    every_seconds = Gauge("mtc_backup_interval_seconds", "The job's backup-interval-minutes, in seconds", labels, registry=registry)
-    live = Gauge("mtc_live_nodes", "Node agents reporting", registry=registry)
-    live.set(sum(map(state.is_live, state.nodes)))
-    for key, job in state.jobs.items():
-        for gauge, value in [(newest, state.newest_complete_step(key)), (backed, max(state.backed_up(key), default=None)),
-                             (backed_at, job.last_backup_time)]:  # fmt: skip
-            if value is not None:
-                gauge.labels(*key).set(value)
-        settings = next(iter(job.settings.values()), None)
-        if settings is not None and settings.backup_interval_steps is not None:
-            every_steps.labels(*key).set(settings.backup_interval_steps)
-        elif settings is not None and settings.backup_interval_minutes is not None:
-            every_seconds.labels(*key).set(settings.backup_interval_minutes * 60)
+    registry.register(_ClusterGauges(state))
     return web.Response(body=generate_latest(registry) + generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
