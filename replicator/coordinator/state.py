@@ -800,7 +800,8 @@ class ClusterState:
                     self.identity_checks += 1
                     if theirs == mine:
                         same.append(other)
-            self._record_identical(job, step, same + [rank] if same else [])
+            if same:
+                self._record_identical(job, step, same + [rank])
         if job.new_pairs:
             steps = {step for step, _ in signatures}
             for rank, other in job.new_pairs:
@@ -814,9 +815,8 @@ class ClusterState:
     @staticmethod
     def _record_identical(job: JobState, step: int, ranks: list[int]) -> None:
         """Each of ``ranks`` holds the same data as a data-parallel peer at ``step``."""
-        if ranks:
-            job.covered.setdefault(step, set()).update(ranks)
-            job.identity_stamp += 1
+        job.covered.setdefault(step, set()).update(ranks)
+        job.identity_stamp += 1
 
     def _forget_gone_steps(self, key: JobKey) -> None:
         """Checksums, signatures and identities of steps no copy or backup holds any more."""
