@@ -5,7 +5,7 @@ renamed over the name (``renameat`` replaces a symlink planted at the name itsel
 target), and the directory is fsynced so the rename is durable too.
 
 Used for the ramdisk manager's ``state.json``, the replicator's manifests and metadata, the
-coordinator's snapshot, and (through ``replicator.pod_files``) the files written into pod-writable
+coordinator's snapshot, and (through ``replicator.local_tier.pod_files``) the files written into pod-writable
 directories.
 """
 
@@ -17,7 +17,7 @@ import os
 import secrets
 from collections.abc import Callable
 
-# Temporary names start with this; ``replicator.pod_files.sweep_temp_files`` removes leftovers.
+# Temporary names start with this; ``replicator.local_tier.pod_files.sweep_temp_files`` removes leftovers.
 TEMP_PREFIX = ".mtc-tmp-"
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 

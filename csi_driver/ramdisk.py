@@ -230,7 +230,7 @@ class RamdiskManager:
       on_new_pod: the publish hook, called with the job's client directory (a path on the node)
         when a pod that did not hold this target publishes, before its publication is recorded and
         under the manager's lock. The node agent passes the framework protocol's cleanup
-        (``replicator.orbax_protocol.clear_previous_pod``), so that a new incarnation never reads
+        (``replicator.local_tier.frameworks.orbax.clear_previous_pod``), so that a new incarnation never reads
         the previous pod's rank; the driver itself knows no framework. An exception from it fails
         the publish.
     """

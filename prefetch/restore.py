@@ -21,15 +21,16 @@ from prometheus_client import Counter, Histogram
 
 from csi_driver.ramdisk import Ramdisk
 from prefetch import staging
-from prefetch.peer_fetch import PeerFetchError, fetch_manifest, fetch_step
-from replicator import orbax_protocol, timing
-from replicator.backup_store import BackupError
-from replicator.coordinator_client import CoordinatorClient, CoordinatorUnavailable
-from replicator.garbage_collection import drop_abandoned
-from replicator.job_errors import LogOnce, report_to_job
-from replicator.job_meta import JobMeta, PodProgress
-from replicator.messages import RestoreView, Source
-from replicator.step_manifest import StepManifest, UnusableCopy
+from replicator.backup_tier.store import BackupError
+from replicator.local_tier.frameworks import orbax
+from replicator.local_tier.job_errors import LogOnce, report_to_job
+from replicator.local_tier.job_meta import JobMeta, PodProgress
+from replicator.local_tier.step_manifest import StepManifest, UnusableCopy
+from replicator.local_tier.steps import drop_abandoned
+from replicator.pacing import timing
+from replicator.peer_tier.client import PeerFetchError, fetch_manifest, fetch_step
+from replicator.wire.coordinator_client import CoordinatorClient, CoordinatorUnavailable
+from replicator.wire.messages import RestoreView, Source
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ class Restorer:
         while time.monotonic() - started < self._deadline_seconds:
             beat()
             try:
-                view = await client.restore_view(disk, progress, seen)
+                view = await client.restore_view(progress.pod_rank(disk.namespace, disk.job), seen)
                 seen = None
                 if view.step is not None and view.generation != staged_generation:
                     staged = await self._stage(session, disk, meta, progress, view, unusable)
@@ -129,14 +130,14 @@ class Restorer:
                     if used is None and unreachable:
                         # Transient is not corrupt: report only proven-bad copies, retry the rest.
                         if bad:
-                            await client.report_staged(disk, progress, view.generation, None, bad, retrying=True)
+                            await client.report_staged(progress.pod_rank(disk.namespace, disk.job), view.generation, None, bad, retrying=True)
                         self._log_once(f"restore-retry-{disk.job}", f"step {view.step}: sources unreachable "
                                        f"({'; '.join(unreachable[:3])}); retrying in {backoff:.0f} s", meta)  # fmt: skip
                         await asyncio.sleep(backoff)
                         backoff = min(2 * backoff, timing.RESTORE_RETRY_MAX_SECONDS)
                         continue
                     source = used.tier if used else "none"
-                    await client.report_staged(disk, progress, view.generation, used and f"{used.tier}:{used.holder}", bad)
+                    await client.report_staged(progress.pod_rank(disk.namespace, disk.job), view.generation, used and f"{used.tier}:{used.holder}", bad)
                     staged_generation, backoff = view.generation, timing.RESTORE_RETRY_FIRST_SECONDS
                     continue
             except CoordinatorUnavailable as err:
@@ -162,8 +163,8 @@ class Restorer:
         for source in view.sources:
             if (view.generation, source.holder, source.data_rank) in unusable:
                 continue
-            if source.files is not None and not orbax_protocol.has_commit_evidence(source.files):
-                failed = _Failed([f"its checksums lack {orbax_protocol.COMMIT_EVIDENCE}"], unusable=True)
+            if source.files is not None and not orbax.has_commit_evidence(source.files):
+                failed = _Failed([f"its checksums lack {orbax.COMMIT_EVIDENCE}"], unusable=True)
             elif source.holder == self.node_id and source.data_rank == progress.rank:
                 problems = await asyncio.to_thread(staging.stage_local, disk.client_dir, view.step, meta.manifests().get(view.step),
                                                    meta, progress.rank)  # fmt: skip
@@ -240,14 +241,14 @@ def hand_over(disk: Ramdisk, meta: JobMeta, progress: PodProgress, step: int | N
         staging.clear_for_restore(disk.client_dir, step, meta, progress.rank, set_aside)
         marker_needed = True
     else:
-        scan = orbax_protocol.scan_steps(disk.client_dir)
+        scan = orbax.scan_steps(disk.client_dir)
         marker_needed = not scan.committed if step is None else step in scan.staged and step not in scan.committed
         log.warning("%s/%s rank %d: resuming an interrupted hand-over of step %s (marker %s)", disk.namespace, disk.job,
                     progress.rank, step, "rewritten" if marker_needed else "already taken")  # fmt: skip
     if marker_needed and step is None:
-        orbax_protocol.write_fresh_start_marker(disk.client_dir, disk.job, progress.rank)
+        orbax.write_fresh_start_marker(disk.client_dir, disk.job, progress.rank)
     elif marker_needed:
-        orbax_protocol.write_restore_marker(disk.client_dir, disk.job, step, progress.rank)
+        orbax.write_restore_marker(disk.client_dir, disk.job, step, progress.rank)
     progress.restore_done = True
     meta.save_progress(progress)
     log.info("%s/%s rank %d: restore marker for step %s written (source %s)", disk.namespace, disk.job, progress.rank, step, source)

@@ -8,16 +8,15 @@ import contextlib
 import dataclasses
 import logging
 import os
-import secrets
 import stat
 
-from replicator import orbax_protocol, pod_files
-from replicator.job_meta import JobMeta
-from replicator.step_manifest import StepManifest, verify_step
+from replicator.local_tier import pod_files, steps
+from replicator.local_tier.frameworks import orbax
+from replicator.local_tier.job_meta import JobMeta
+from replicator.local_tier.step_manifest import StepManifest, verify_step
 
 log = logging.getLogger(__name__)
 
-_TRASH_PREFIX = ".mtc-trash-"  # not a step name: Orbax ignores it
 
 
 def stage_local(local_dir: str, step: int, manifest: StepManifest | None, meta: JobMeta | None = None, rank: int | None = None) -> list[str]:
@@ -33,7 +32,7 @@ def stage_local(local_dir: str, step: int, manifest: StepManifest | None, meta: 
     Returns:
       Problems found; empty when the step is staged and verified.
     """
-    found = orbax_protocol.find_step_dir(local_dir, step)
+    found = orbax.find_step_dir(local_dir, step)
     if found is None and meta is not None and (aside := meta.replicas().get((rank, step))) is not None:
         return _stage_set_aside(local_dir, step, meta, aside)
     if found is None or manifest is None:
@@ -42,7 +41,7 @@ def stage_local(local_dir: str, step: int, manifest: StepManifest | None, meta: 
     if problems:
         log.error("local copy of step %d is corrupt: %s", step, problems[:5])
         return problems
-    staged = orbax_protocol.staged_name(step)
+    staged = orbax.staged_name(step)
     with pod_files.open_dir(local_dir) as fd:
         if os.path.basename(found) != staged:
             os.rename(str(step), staged, src_dir_fd=fd, dst_dir_fd=fd)
@@ -68,34 +67,10 @@ def _stage_set_aside(local_dir: str, step: int, meta: JobMeta, manifest: StepMan
 
 def install_staged(local_dir: str, step: int, verified_dir: str) -> None:
     """Moves a fetched and verified step directory (on the same ramdisk) to the staged name."""
-    delete_step(local_dir, step)
+    steps.delete_step(local_dir, step)
     with pod_files.open_dir(local_dir) as fd:
-        os.rename(verified_dir, orbax_protocol.staged_name(step), dst_dir_fd=fd)
+        os.rename(verified_dir, orbax.staged_name(step), dst_dir_fd=fd)
         pod_files.fsync_dir(fd)
-
-
-def delete_step(local_dir: str, step: int) -> None:
-    """Deletes a step from the client dir: its directory (or whatever has its name) and its staged copy.
-
-    Each is first renamed to a trash name in one atomic step, so a crash mid-delete never leaves a
-    partial step under a step's name (``sweep_trash`` removes the rest at the next start).
-    """
-    with pod_files.open_dir(local_dir) as fd:
-        for name in (str(step), orbax_protocol.staged_name(step)):
-            trash = f"{_TRASH_PREFIX}{secrets.token_hex(8)}"
-            try:
-                os.rename(name, trash, src_dir_fd=fd, dst_dir_fd=fd)
-            except FileNotFoundError:
-                continue  # never there, or Orbax deleted it itself meanwhile
-            pod_files.remove(fd, trash)
-
-
-def sweep_trash(local_dir: str) -> None:
-    """Finishes deletions a crash interrupted (see ``delete_step``)."""
-    with pod_files.open_dir(local_dir) as fd:
-        for name, _ in pod_files.names(fd):
-            if name.startswith(_TRASH_PREFIX):
-                pod_files.remove(fd, name)
 
 
 def clear_for_restore(local_dir: str, step: int | None, meta: JobMeta, rank: int, set_aside: bool = True) -> list[int]:
@@ -103,7 +78,7 @@ def clear_for_restore(local_dir: str, step: int | None, meta: JobMeta, rank: int
     removes old markers.
 
     A step Orbax would restore instead of the one every rank agreed on
-    (``orbax_protocol.steps_restored_instead``) would split the job. Such a step is not complete everywhere now, but it may be again (a silent
+    (``orbax.steps_restored_instead``) would split the job. Such a step is not complete everywhere now, but it may be again (a silent
     holder comes back): one with a manifest is *set aside*, moved (one rename on the same ramdisk)
     into the agent's area as ``meta``'s replica of ``rank``, where it stays reported and restorable
     until a step newer than ``step`` is safe (garbage collection). Only a step without a manifest
@@ -113,14 +88,14 @@ def clear_for_restore(local_dir: str, step: int | None, meta: JobMeta, rank: int
     Returns:
       The steps taken out of the client dir (set aside or deleted).
     """
-    orbax_protocol.remove_markers(local_dir)
-    scan = orbax_protocol.scan_steps(local_dir)
-    removed = orbax_protocol.steps_restored_instead(scan, step)
+    orbax.remove_markers(local_dir)
+    scan = orbax.scan_steps(local_dir)
+    removed = orbax.steps_restored_instead(scan, step)
     manifests = meta.manifests()
     for stale in removed:
         if set_aside and stale in scan.committed and stale in manifests and _set_aside(local_dir, stale, meta, manifests[stale], rank):
             log.warning("set aside step %d of %s: not restorable on every rank now", stale, local_dir)
-        delete_step(local_dir, stale)
+        steps.delete_step(local_dir, stale)
         meta.drop_manifest(stale)
     with pod_files.open_dir(local_dir) as fd:
         linked = set()
@@ -129,7 +104,7 @@ def clear_for_restore(local_dir: str, step: int | None, meta: JobMeta, rank: int
                 with contextlib.suppress(OSError):
                     linked.add(os.readlink(name, dir_fd=fd))
         for staged in scan.staged:
-            name = orbax_protocol.staged_name(staged)
+            name = orbax.staged_name(staged)
             if staged != step and name not in linked:
                 pod_files.remove(fd, name)
     return removed
@@ -138,7 +113,7 @@ def clear_for_restore(local_dir: str, step: int | None, meta: JobMeta, rank: int
 def _set_aside(local_dir: str, step: int, meta: JobMeta, manifest: StepManifest, rank: int) -> bool:
     """Moves a committed step's directory out of the client dir into ``meta`` as a replica of
     ``rank``; False when what has the step's name is not a directory (then it is deleted)."""
-    found = orbax_protocol.find_step_dir(local_dir, step)
+    found = orbax.find_step_dir(local_dir, step)
     if found is None:
         return False
     parent = meta.new_incoming_dir()  # on the same ramdisk: one rename, no copy

@@ -13,12 +13,12 @@ from csi_driver.identity import DEFAULT_DRIVER_NAME
 from csi_driver.quantity import parse_quantity
 from csi_driver.ramdisk import JobBusy
 from csi_driver.volume_request import DEFAULT_MAX_NODES
-from replicator import timing
-from replicator.bearer import read_token
 from replicator.coordinator.service import CoordinatorConfig, run_coordinator
 from replicator.coordinator.status import fetch_status, render_status, request_restore_from
-from replicator.node_agent import open_ramdisks, run_node
-from replicator.node_config import NodeConfig
+from replicator.node.agent import open_ramdisks, run_node
+from replicator.node.config import NodeConfig
+from replicator.pacing import timing
+from replicator.wire.bearer import read_token
 
 
 def _key_value(text: str) -> tuple[str, str]:

@@ -15,11 +15,11 @@ import google_crc32c
 import pytest
 
 from examples.local_cluster import FakeGcsServer, MinioServer
-from replicator.backup_backends import open_backup_store
-from replicator.backup_store import BackupStore, RankManifest
-from replicator.object_store import BackupError
-from replicator.s3_backup import PART_BYTES, S3Features, S3Objects
-from replicator.step_manifest import StepManifest, build_manifest
+from replicator.backup_tier.backends import open_backup_store
+from replicator.backup_tier.object_store import BackupError
+from replicator.backup_tier.s3 import PART_BYTES, S3Features, S3Objects
+from replicator.backup_tier.store import BackupStore, RankManifest
+from replicator.local_tier.step_manifest import StepManifest, build_manifest
 from tests.conftest import require_tool
 
 JOB = "team-a/llama"

@@ -4,7 +4,7 @@ import msgspec
 import pytest
 
 from replicator.coordinator.state import ClusterState, NodeIdTaken, NotReady
-from replicator.messages import BackedUp, HeldStep, JobSettings, Lineage, NodeReport, PodReport
+from replicator.wire.messages import BackedUp, HeldStep, JobSettings, Lineage, NodeReport, PodReport
 
 KEY = ("default", "run")
 OWN = {0: {"state/a": (10, "00000001")}, 1: {"state/b": (10, "00000002")}}

@@ -2,7 +2,7 @@
 
 from replicator.coordinator import service
 from replicator.coordinator.state import ClusterState, JobState
-from replicator.messages import JobSettings
+from replicator.wire.messages import JobSettings
 
 RANKS = 300
 

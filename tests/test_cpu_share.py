@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from replicator.cpu_share import CpuShare
+from replicator.pacing.cpu_share import CpuShare
 
 
 class Clocks:

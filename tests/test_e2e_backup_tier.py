@@ -7,8 +7,18 @@ import re
 import subprocess
 import sys
 
-from replicator.orbax_protocol import ERRORS_FILE
-from tests.jobs import UNTIL_KILLED, UNTIL_KILLED_STEPS, assert_same_state, by_event, losses, rerun, run_job, scrape, wait_until
+from replicator.local_tier.frameworks.orbax import ERRORS_FILE
+from tests.jobs import (
+    UNTIL_KILLED,
+    UNTIL_KILLED_STEPS,
+    assert_same_state,
+    by_event,
+    losses,
+    rerun,
+    run_job,
+    scrape,
+    wait_until,
+)
 
 
 def status_of(cluster, job):

@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 
 from csi_driver import kubelet
-from replicator.messages import PROTOCOL_VERSION, HeldStep, NodeReport, PodReport, to_json
+from replicator.wire.messages import PROTOCOL_VERSION, HeldStep, NodeReport, PodReport, to_json
 from tests.jobs import scrape
 from tests.test_node_protocol import wait_for
 

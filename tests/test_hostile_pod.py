@@ -19,7 +19,7 @@ import pytest
 
 from csi_driver import kubelet
 from examples.local_cluster import LocalCluster, unmount_all_below
-from replicator.orbax_protocol import ERRORS_FILE, FAILED_FILE, JAX_INIT_INFO_FILE, REPLICATOR_FILE
+from replicator.local_tier.frameworks.orbax import ERRORS_FILE, FAILED_FILE, JAX_INIT_INFO_FILE, REPLICATOR_FILE
 from tests.conftest import free_listen_address, requires_root
 from tests.jobs import scrape
 from tests.test_node_protocol import wait_for

@@ -18,7 +18,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from csi_driver import kubelet
-from replicator.orbax_protocol import JAX_INIT_INFO_FILE, REPLICATOR_FILE
+from replicator.local_tier.frameworks.orbax import JAX_INIT_INFO_FILE, REPLICATOR_FILE
 from tests.conftest import requires_root
 from tests.jobs import scrape, wait_until
 

@@ -11,8 +11,8 @@ import grpc
 import pytest
 
 from csi_driver import kubelet, mounts
-from replicator.orbax_protocol import JAX_INIT_INFO_FILE
 from protos import csi_pb2, csi_pb2_grpc
+from replicator.local_tier.frameworks.orbax import JAX_INIT_INFO_FILE
 from tests.conftest import requires_root
 
 MiB = 1 << 20

@@ -9,8 +9,8 @@ import urllib.request
 import pytest
 
 from csi_driver import kubelet
-from replicator.messages import PROTOCOL_VERSION
-from replicator.orbax_protocol import ERRORS_FILE, FAILED_FILE, JAX_INIT_INFO_FILE, REPLICATOR_FILE
+from replicator.local_tier.frameworks.orbax import ERRORS_FILE, FAILED_FILE, JAX_INIT_INFO_FILE, REPLICATOR_FILE
+from replicator.wire.messages import PROTOCOL_VERSION
 
 
 def wait_for(condition, timeout=20.0):

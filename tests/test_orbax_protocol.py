@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from replicator import orbax_protocol
-from replicator.orbax_protocol import InvalidReplicatorConfig, parse_replicator_config
+from replicator.local_tier.frameworks import orbax
+from replicator.local_tier.frameworks.orbax import InvalidReplicatorConfig, parse_replicator_config
 
 # Exactly what Orbax 0.12.8's _create_replicator_file writes (no trailing newline).
 VALID = "job-name: run\nframework: orbax\nassume-data-parallelism: 2\nnode-rank: 1\nnodes: 4\npeer-ranks: [3]\nbackup-interval-steps: 6"
@@ -60,24 +60,24 @@ def test_every_invalid_field_is_named(text, field):
 def test_committed_steps_ignore_half_written_tmp_dirs(tmp_path):
     for name in ("3", "6.orbax-checkpoint-tmp", "restore-9", "jax-init-info.txt"):
         (tmp_path / name).mkdir() if "." not in name or "tmp" in name else (tmp_path / name).write_text("x")
-    os.symlink(orbax_protocol.STAGED_PREFIX + "12", tmp_path / "12")
-    (tmp_path / (orbax_protocol.STAGED_PREFIX + "12")).mkdir()
-    assert orbax_protocol.committed_steps(str(tmp_path)) == [3, 12]
-    assert orbax_protocol.held_steps(str(tmp_path)) == [3, 12]
+    os.symlink(orbax.STAGED_PREFIX + "12", tmp_path / "12")
+    (tmp_path / (orbax.STAGED_PREFIX + "12")).mkdir()
+    assert orbax.committed_steps(str(tmp_path)) == [3, 12]
+    assert orbax.held_steps(str(tmp_path)) == [3, 12]
 
 
 def test_restore_marker_is_a_relative_symlink_orbax_can_rename(tmp_path):
-    staged = orbax_protocol.staged_step_dir(str(tmp_path), 9)
+    staged = orbax.staged_step_dir(str(tmp_path), 9)
     os.makedirs(os.path.join(staged, "state"))
-    marker = orbax_protocol.write_restore_marker(str(tmp_path), "run", 9, 2)
+    marker = orbax.write_restore_marker(str(tmp_path), "run", 9, 2)
     assert os.path.basename(marker) == "run-s9-n2-w0.restore"
     assert os.readlink(marker) == os.path.basename(staged)
     os.replace(marker, tmp_path / "9")  # what Orbax does with the marker
     assert (tmp_path / "9" / "state").is_dir()
-    fresh = orbax_protocol.write_fresh_start_marker(str(tmp_path), "run", 0)
+    fresh = orbax.write_fresh_start_marker(str(tmp_path), "run", 0)
     assert os.path.isfile(fresh) and os.path.getsize(fresh) == 0 and fresh.endswith("run-s0-n0-w0.restore")
     with pytest.raises(FileNotFoundError):
-        orbax_protocol.write_restore_marker(str(tmp_path), "run", 15, 0)
+        orbax.write_restore_marker(str(tmp_path), "run", 15, 0)
 
 
 def test_errors_accumulate_until_orbax_consumes_them(tmp_path):
@@ -86,6 +86,6 @@ def test_errors_accumulate_until_orbax_consumes_them(tmp_path):
     client = tmp_path / "client"
     client.mkdir()
     tmp_path = client
-    orbax_protocol.report_error(str(tmp_path), str(log_dir), "first")
-    orbax_protocol.report_error(str(tmp_path), str(log_dir), "second")
+    orbax.report_error(str(tmp_path), str(log_dir), "first")
+    orbax.report_error(str(tmp_path), str(log_dir), "second")
     assert (tmp_path / "replicator.errors").read_text() == "first\nsecond\n"

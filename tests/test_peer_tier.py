@@ -15,12 +15,13 @@ from aiohttp import web
 
 from examples.local_cluster import unmount_all_below
 from prefetch import staging
-from prefetch.peer_fetch import PeerFetchError, fetch_manifest, fetch_step, push_step
-from replicator import orbax_protocol, pod_files
-from replicator.job_meta import JobMeta
-from replicator.peer_protocol import UPLOAD_HEADER
-from replicator.peer_service import add_peer_routes
-from replicator.step_manifest import StepManifest, build_manifest, checksum_files, crc32c_combine
+from replicator.local_tier import pod_files
+from replicator.local_tier.frameworks import orbax
+from replicator.local_tier.job_meta import JobMeta
+from replicator.local_tier.step_manifest import StepManifest, build_manifest, checksum_files, crc32c_combine
+from replicator.peer_tier.client import PeerFetchError, fetch_manifest, fetch_step, push_step
+from replicator.peer_tier.protocol import UPLOAD_HEADER
+from replicator.peer_tier.service import add_peer_routes
 from tests.conftest import requires_root
 
 TOKEN = "peer-secret-0123456789"
@@ -190,13 +191,13 @@ async def test_a_step_staged_while_it_is_served_is_still_served(peer, session, t
         real_is_dir = pod_files.is_dir
         monkeypatch.setattr(pod_files, "is_dir", lambda fd, name: (real_is_dir(fd, name), stage_once())[0])
     else:
-        real_find = orbax_protocol.find_step_dir
-        monkeypatch.setattr(orbax_protocol, "find_step_dir", lambda local_dir, step: (real_find(local_dir, step), stage_once())[0])
+        real_find = orbax.find_step_dir
+        monkeypatch.setattr(orbax, "find_step_dir", lambda local_dir, step: (real_find(local_dir, step), stage_once())[0])
 
     dest = tmp_path / "fetched"
     dest.mkdir()
     await fetch_step(peer.base_url, TOKEN, NS, JOB, manifest, str(dest))  # the restore plan carries the checksums
-    assert renamed == [[]] and os.path.isdir(os.path.join(peer.meta.client_dir, orbax_protocol.staged_name(9)))
+    assert renamed == [[]] and os.path.isdir(os.path.join(peer.meta.client_dir, orbax.staged_name(9)))
     assert read_tree(str(dest)) == FILES
     async with session.get(peer.url(f"{NS}/{JOB}/ranks/3/steps/8/manifest"), headers=AUTH) as response:
         assert response.status == 404  # a step that is not held is still a 404
@@ -213,7 +214,7 @@ async def test_fetch_from_a_peer_that_is_gone_raises_peer_fetch_error(tmp_path):
 
 
 def test_checksum_files_in_pieces_on_threads_equals_the_crc_of_each_whole_file(tmp_path, monkeypatch):
-    monkeypatch.setattr("replicator.step_manifest._PIECE_BYTES", 1 << 20)
+    monkeypatch.setattr("replicator.local_tier.step_manifest._PIECE_BYTES", 1 << 20)
     contents = {"big": os.urandom((5 << 20) + 17), "small": b"abc", "empty": b""}
     write_tree(str(tmp_path), contents)
     with contextlib.ExitStack() as opened:

@@ -1,7 +1,7 @@
 """The agent's change-driven reporting as a pure function of what it holds, replies and time."""
 
-from replicator.messages import BackedUp, JobRef, ReportReply
-from replicator.report_session import ReportSession
+from replicator.node.report_session import ReportSession
+from replicator.wire.messages import BackedUp, JobRef, ReportReply
 
 FILES = {"_CHECKPOINT_METADATA": (10, "00000001"), "state/_METADATA": (20, "00000002")}
 OWN = [("default", "j", 5, 0, FILES, 0)]

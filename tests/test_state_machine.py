@@ -4,8 +4,14 @@ assignments, orders exactly when due, no recomputation when nothing changed, ide
 import msgspec
 import pytest
 
-from replicator.coordinator.state import PEER_SOURCES_PER_VIEW, ClusterState, NotReady, UnknownIncarnation, decide_interval
-from replicator.messages import PROTOCOL_VERSION, BackedUp, HeldStep, JobSettings, NodeReport, PodReport
+from replicator.coordinator.state import (
+    PEER_SOURCES_PER_VIEW,
+    ClusterState,
+    NotReady,
+    UnknownIncarnation,
+    decide_interval,
+)
+from replicator.wire.messages import PROTOCOL_VERSION, BackedUp, HeldStep, JobSettings, NodeReport, PodReport
 
 NODES = 10_000
 SLICES = 40

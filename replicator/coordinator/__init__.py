@@ -5,5 +5,5 @@
 - ``planner``: pure decisions (ranks, replica targets, restore plans).
 - ``status``: the operator's client (``mtc status``, ``mtc restore-from``).
 
-It imports nothing node-side: agents and the coordinator share only ``replicator.messages``.
+It imports nothing node-side: agents and the coordinator share only ``replicator.wire.messages``.
 """

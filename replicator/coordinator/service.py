@@ -32,9 +32,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, 
 from prometheus_client.core import GaugeMetricFamily
 
 from csi_driver import atomic_file
-from replicator.bearer import read_token, require_bearer
 from replicator.coordinator.state import ClusterState, JobState, NodeIdTaken, NotReady, UnknownIncarnation
-from replicator.messages import (
+from replicator.wire.bearer import read_token, require_bearer
+from replicator.wire.messages import (
     MAX_RANKS,
     MAX_WAIT_SECONDS,
     JobSettings,

@@ -25,7 +25,7 @@ import msgspec
 from prometheus_client import Counter
 
 from replicator.coordinator import planner
-from replicator.messages import (
+from replicator.wire.messages import (
     Assignment,
     BackedUp,
     BackupOrder,

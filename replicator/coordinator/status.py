@@ -6,7 +6,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
-from replicator.bearer import auth_header
+from replicator.wire.bearer import auth_header
 
 
 def _tls(ca_file: str | None) -> ssl.SSLContext | None:

@@ -34,7 +34,7 @@ import time
 
 from csi_driver import kubelet
 from examples.local_cluster import LocalCluster, can_mount_tmpfs, scratch_dir
-from replicator.orbax_protocol import JAX_INIT_INFO_FILE, REPLICATOR_FILE, RESTORE_SUFFIX
+from replicator.local_tier.frameworks.orbax import JAX_INIT_INFO_FILE, REPLICATOR_FILE, RESTORE_SUFFIX
 from tests.bench.replication_overhead import cpu_seconds
 from tests.bench.scratch import free_port
 from tests.jobs import wait_until

@@ -3,9 +3,9 @@
 The coordinator runs as in production (``examples.local_cluster.CoordinatorProcess``: HTTPS with a
 self-signed certificate, the cluster token required). A load generator in this process simulates N
 node agents on one asyncio loop. Each agent reports through the node's own code: ``ReportSession``
-(``replicator/report_session.py``) decides what a report says and when it is due (at once on a
+(``replicator/node/report_session.py``) decides what a report says and when it is due (at once on a
 change, else as a heartbeat at the ``heartbeat_seconds`` the coordinator returns, jittered), and
-``CoordinatorClient`` (``replicator/coordinator_client.py``) serialises and posts it, records the job's
+``CoordinatorClient`` (``replicator/wire/coordinator_client.py``) serialises and posts it, records the job's
 settings and runs the restore calls (long polls included). Each agent owns its own keep-alive HTTPS
 connections, at most two (its report loop and its restore calls), as a real agent does: a pool shared
 by the agents and smaller than N would queue the publish and restore long polls behind each other
@@ -66,14 +66,13 @@ import aiohttp
 import msgspec
 import psutil
 
-from csi_driver.ramdisk import Ramdisk
 from examples.local_cluster import CoordinatorProcess, scratch_dir, self_signed_certificate
-from replicator import backup_worker, timing
-from replicator.job_meta import PodProgress
-from replicator.messages import BackedUp, Files, JobSettings, PodReport, ReportReply
+from replicator.backup_tier import worker as backup_worker
 from replicator.coordinator.service import GC_THRESHOLDS
-from replicator.coordinator_client import CoordinatorClient, CoordinatorUnavailable
-from replicator.report_session import ReportSession
+from replicator.node.report_session import ReportSession
+from replicator.pacing import timing
+from replicator.wire.coordinator_client import CoordinatorClient, CoordinatorUnavailable
+from replicator.wire.messages import BackedUp, Files, JobRef, JobSettings, PodRank, PodReport, ReportReply
 from tests.bench.agent_idle import step_files
 from tests.bench.scratch import free_port
 
@@ -327,20 +326,20 @@ class SimAgent:
     async def _start_training(self) -> None:
         """Consumes ``replicator.yaml`` (records the settings), runs the restore, then trains."""
         pod = self.pod
-        disk, progress = Ramdisk(*self.key, 0, ""), PodProgress(pod.pod_uid, pod.incarnation, pod.rank)
+        seat = PodRank(JobRef(*self.key), pod.incarnation, pod.rank)
         settings = self.job.settings(pod.rank)
-        await self._retry(self.client.record_settings, disk, progress, settings)
+        await self._retry(self.client.record_settings, seat, settings)
         self.pod = msgspec.structs.replace(self.pod, settings=settings)
         self.note_change()
-        view = await self._retry(self.client.restore_view, disk, progress)
+        view = await self._retry(self.client.restore_view, seat)
         staged = None
         while view.step is not None and not view.ready:
             if view.generation != staged:
                 source = view.sources[0]  # staged at once: the bench measures the coordinator, not the copy
-                await self._retry(self.client.report_staged, disk, progress, view.generation, f"{source.tier}:{source.holder}", [])
+                await self._retry(self.client.report_staged, seat, view.generation, f"{source.tier}:{source.holder}", [])
                 staged = view.generation
                 self.cluster.stats.staged[pod.pod_uid] = time.monotonic()
-            view = await self._retry(self.client.restore_view, disk, progress, view.token)
+            view = await self._retry(self.client.restore_view, seat, view.token)
         self.cluster.stats.ready[pod.pod_uid] = time.monotonic()
         if view.step is None:
             self.own = self.cluster.trained_before(self, pod.rank) if self.own_rank is None else {}

@@ -42,10 +42,10 @@ from collections.abc import Callable, Iterator
 from aiohttp import web
 
 from examples.local_cluster import scratch_dir
-from prefetch.peer_fetch import fetch_step
-from replicator.job_meta import JobMeta
-from replicator.peer_service import add_peer_routes
-from replicator.step_manifest import StepManifest, build_manifest
+from replicator.local_tier.job_meta import JobMeta
+from replicator.local_tier.step_manifest import StepManifest, build_manifest
+from replicator.peer_tier.client import fetch_step
+from replicator.peer_tier.service import add_peer_routes
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -24,8 +24,8 @@ from collections.abc import Callable
 import blake3
 import google_crc32c
 
-from replicator.step_manifest import build_manifest, file_identity
 from examples.local_cluster import scratch_dir
+from replicator.local_tier.step_manifest import build_manifest, file_identity
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -1,17 +1,18 @@
 """The pod's start-up hand-shake through Orbax's files: ``jax-init-info.txt`` once the pod has a rank,
 then ``replicator.yaml`` validated, recorded with the coordinator and consumed (or refused through
-``replicator.failed``). The file formats are ``replicator.orbax_protocol``'s."""
+``replicator.failed``). The file formats are ``replicator.local_tier.frameworks.orbax``'s."""
 
 import logging
 
 from prometheus_client import Counter
 
 from csi_driver.ramdisk import Ramdisk
-from replicator import orbax_protocol, pod_files
-from replicator.coordinator_client import CoordinatorClient, CoordinatorUnavailable
-from replicator.job_errors import LogOnce
-from replicator.job_meta import JobMeta, PodProgress
-from replicator.messages import Assignment, JobSettings
+from replicator.local_tier import pod_files
+from replicator.local_tier.frameworks import orbax
+from replicator.local_tier.job_errors import LogOnce
+from replicator.local_tier.job_meta import JobMeta, PodProgress
+from replicator.wire.coordinator_client import CoordinatorClient, CoordinatorUnavailable
+from replicator.wire.messages import Assignment, JobSettings
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ def apply_assignment(disk: Ramdisk, meta: JobMeta, progress: PodProgress, assign
     returns the pod's progress after it."""
     if assignment is None or assignment.incarnation == progress.incarnation:
         return progress
-    orbax_protocol.write_jax_init_info(disk.client_dir, assignment.rank, assignment.jax_coordinator)
+    orbax.write_jax_init_info(disk.client_dir, assignment.rank, assignment.jax_coordinator)
     progress = PodProgress(progress.pod_uid, assignment.incarnation, assignment.rank, assignment.jax_coordinator, jax_init_written=True)
     meta.save_progress(progress)
     log.info("%s/%s: pod %s is rank %d of incarnation %s (JAX coordinator %s)",
@@ -42,25 +43,25 @@ async def consume_replicator_yaml(client: CoordinatorClient, disk: Ramdisk, meta
     coordinator and in ``progress``, then consumes it; bad content goes to ``replicator.failed``.
     An unreachable coordinator leaves the file for the next pass."""
     try:
-        text = orbax_protocol.read_replicator_yaml(disk.client_dir)
+        text = orbax.read_replicator_yaml(disk.client_dir)
         if text is None:
             return
-        config = orbax_protocol.parse_replicator_config(text, progress.rank, nodes)
-    except (orbax_protocol.InvalidReplicatorConfig, pod_files.UnsafeEntry, UnicodeDecodeError) as err:
-        message = str(err) if isinstance(err, orbax_protocol.InvalidReplicatorConfig) else f"replicator.yaml is unusable: {err}"
+        config = orbax.parse_replicator_config(text, progress.rank, nodes)
+    except (orbax.InvalidReplicatorConfig, pod_files.UnsafeEntry, UnicodeDecodeError) as err:
+        message = str(err) if isinstance(err, orbax.InvalidReplicatorConfig) else f"replicator.yaml is unusable: {err}"
         log.error("%s/%s: rejected replicator.yaml: %s", disk.namespace, disk.job, message)
-        orbax_protocol.report_failure(disk.client_dir, meta.root, message)
-        orbax_protocol.consume_replicator_yaml(disk.client_dir)  # Orbax reads replicator.failed only once the yaml is gone
+        orbax.report_failure(disk.client_dir, meta.root, message)
+        orbax.consume_replicator_yaml(disk.client_dir)  # Orbax reads replicator.failed only once the yaml is gone
         REPLICATOR_YAML.labels("rejected").inc()
         return
     settings = JobSettings(config.peer_ranks, config.data_parallelism, config.backup_interval_minutes, config.backup_interval_steps)
     try:
-        await client.record_settings(disk, progress, settings)
+        await client.record_settings(progress.pod_rank(disk.namespace, disk.job), settings)
     except CoordinatorUnavailable as err:
         log_once(f"settings-{disk.job}", f"cannot record job settings with the coordinator, retrying: {err}", meta)
         return
     progress.settings = settings
     meta.save_progress(progress)
-    orbax_protocol.consume_replicator_yaml(disk.client_dir)
+    orbax.consume_replicator_yaml(disk.client_dir)
     REPLICATOR_YAML.labels("accepted").inc()
     log.info("%s/%s rank %d: consumed replicator.yaml %s", disk.namespace, disk.job, progress.rank, settings)

@@ -31,8 +31,15 @@ from google.cloud.storage import exceptions as storage_exceptions
 from google.cloud.storage import transfer_manager
 from google.cloud.storage.retry import DEFAULT_RETRY
 
-from replicator.object_store import (BackupError, ObjectStore, Upload, bucket_and_prefix, copy_body, store_errors,
-                                     uploads_failed)
+from replicator.backup_tier.object_store import (
+    BackupError,
+    ObjectStore,
+    Upload,
+    bucket_and_prefix,
+    copy_body,
+    store_errors,
+    uploads_failed,
+)
 
 GCS_ENDPOINT = "https://storage.googleapis.com"
 _SCOPES = ("https://www.googleapis.com/auth/devstorage.read_write",)

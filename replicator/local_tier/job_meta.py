@@ -25,10 +25,10 @@ import uuid
 
 from csi_driver import file_cache
 from csi_driver.ramdisk import CLIENT_DIR
-from replicator import orbax_protocol, pod_files
-
-from replicator.messages import JobSettings, abandoned, decode, extends, to_json
-from replicator.step_manifest import StepManifest
+from replicator.local_tier import pod_files
+from replicator.local_tier.frameworks import orbax
+from replicator.local_tier.step_manifest import StepManifest
+from replicator.wire.messages import JobRef, JobSettings, PodRank, abandoned, decode, extends, to_json
 
 META_DIR = "mtc"
 _MANIFEST_NAME = re.compile(r"^\d+\.json$")
@@ -56,6 +56,10 @@ class PodProgress:
     settings: JobSettings | None = None
     handing_over: int | None = None
     restore_done: bool = False
+
+    def pod_rank(self, namespace: str, job: str) -> PodRank:
+        """This pod's place in the job (the coordinator client's key); only once it has a rank."""
+        return PodRank(JobRef(namespace, job), self.incarnation, self.rank)
 
 
 def _parse_manifest(data: bytes) -> StepManifest:
@@ -163,7 +167,7 @@ class JobMeta:
         forks = self.lineage()
         own = self.manifests().get(step)
         if own is not None and own.rank == rank and not abandoned(forks, step, own.timeline):
-            found = orbax_protocol.find_step_dir(self.client_dir, step)
+            found = orbax.find_step_dir(self.client_dir, step)
             if found is not None:
                 return found, own
         replica = self.replicas().get((rank, step))

@@ -5,8 +5,8 @@ import socket
 import ssl
 
 from csi_driver.volume_request import DEFAULT_MAX_NODES
-from replicator import timing
-from replicator.bearer import read_token
+from replicator.pacing import timing
+from replicator.wire.bearer import read_token
 
 
 @dataclasses.dataclass(frozen=True)

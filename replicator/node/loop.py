@@ -17,21 +17,24 @@ import aiohttp
 from prometheus_client import Counter, Gauge, Histogram
 
 from csi_driver.ramdisk import RamdiskManager
-from prefetch import staging
 from prefetch.restore import Restorer
-from replicator import orbax_protocol, pod_handshake, timing
-from replicator.backup_store import BackupStore
-from replicator.backup_worker import BackupWorker
-from replicator.commit_detection import CommitDetector
-from replicator.coordinator_client import CoordinatorClient, CoordinatorUnavailable
-from replicator.cpu_share import CpuShare
-from replicator.garbage_collection import collect_garbage, drop_abandoned
-from replicator.job_errors import LogOnce
-from replicator.job_meta import JobMeta
-from replicator.messages import Assignment, Lineage, NodeReport, PodReport
-from replicator.node_config import NodeConfig
-from replicator.pushes import Pusher
-from replicator.report_session import ReportSession
+from replicator.backup_tier.store import BackupStore
+from replicator.backup_tier.worker import BackupWorker
+from replicator.local_tier import steps
+from replicator.local_tier.frameworks import orbax
+from replicator.local_tier.job_errors import LogOnce
+from replicator.local_tier.job_meta import JobMeta
+from replicator.local_tier.steps import drop_abandoned
+from replicator.node import handshake
+from replicator.node.commit_detection import CommitDetector
+from replicator.node.config import NodeConfig
+from replicator.node.garbage_collection import collect_garbage
+from replicator.node.pushes import Pusher
+from replicator.node.report_session import ReportSession
+from replicator.pacing import timing
+from replicator.pacing.cpu_share import CpuShare
+from replicator.wire.coordinator_client import CoordinatorClient, CoordinatorUnavailable
+from replicator.wire.messages import Assignment, Lineage, NodeReport, PodReport
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +103,7 @@ class NodeReplicator:
         for disk in (await asyncio.to_thread(self._manager.ramdisks)).values():
             # Nothing is receiving, staging or deleting any more: finish what a crash interrupted.
             JobMeta(disk.path).sweep_partial()
-            staging.sweep_trash(disk.client_dir)
+            steps.sweep_trash(disk.client_dir)
         timeout = aiohttp.ClientTimeout(total=timing.REQUEST_TIMEOUT_SECONDS)
         peer_connector = aiohttp.TCPConnector(ssl=self._peer_ssl) if self._peer_ssl else None
         # Whole steps move over the peer session: no total timeout, a stalled read still fails.
@@ -221,7 +224,7 @@ class NodeReplicator:
                     settings=progress.settings,
                 ))  # fmt: skip
                 waiting |= progress.incarnation is None and spec.pod_uid not in self._assignments
-            present = set(orbax_protocol.held_steps(disk.client_dir))
+            present = set(orbax.held_steps(disk.client_dir))
             own += [(disk.namespace, disk.job, step, m.rank, m.files, m.timeline) for step, m in meta.manifests().items() if step in present]
             mine = {(m.rank, step) for step, m in meta.manifests().items()}
             replicas += [(disk.namespace, disk.job, step, rank, m.timeline) for (rank, step), m in meta.replicas().items() if (rank, step) not in mine]
@@ -252,15 +255,15 @@ class NodeReplicator:
         """One pass over a job's ramdisk; False once no pod has it published. An error is logged,
         counted and retried on the next pass: it never stops the job's protocol for good."""
         disk = self._manager.ramdisks().get(key)  # a stat; the state file is parsed only when it changed
-        spec = pod_handshake.current_pod(disk) if disk else None
+        spec = handshake.current_pod(disk) if disk else None
         if spec is None:
             return False
         try:
             meta = JobMeta(disk.path)
             progress = meta.progress(spec.pod_uid)
-            progress = pod_handshake.apply_assignment(disk, meta, progress, self._assignments.get(progress.pod_uid))
+            progress = handshake.apply_assignment(disk, meta, progress, self._assignments.get(progress.pod_uid))
             if progress.jax_init_written and progress.settings is None:
-                await pod_handshake.consume_replicator_yaml(client, disk, meta, progress, spec.nodes or 1, self._log_once)
+                await handshake.consume_replicator_yaml(client, disk, meta, progress, spec.nodes or 1, self._log_once)
             if progress.settings is not None and not progress.restore_done:
                 await self._restorer.restore(client, self._session, disk, meta, progress, lambda: self._beat(key))
             await self._commits.detect(disk, meta, progress)

@@ -18,8 +18,8 @@ from collections.abc import Iterator
 import blake3
 import google_crc32c
 
-from replicator import pod_files
-from replicator.cpu_share import CpuShare
+from replicator.local_tier import pod_files
+from replicator.pacing.cpu_share import CpuShare
 
 
 class UnusableCopy(Exception):

@@ -34,11 +34,19 @@ import tempfile
 from collections.abc import Iterable
 
 from csi_driver.volume_request import DNS1123_LABEL
-from replicator import pod_files
-from replicator.cpu_share import CpuShare
-from replicator.messages import abandoned
-from replicator.object_store import BackupError, ObjectStore, Upload, run_parallel
-from replicator.step_manifest import IDENTITY_SCHEME, IDENTITY_SCHEMES, StepManifest, UnusableCopy, file_identity, safe_relpath, verify_step
+from replicator.backup_tier.object_store import BackupError, ObjectStore, Upload, run_parallel
+from replicator.local_tier import pod_files
+from replicator.local_tier.step_manifest import (
+    IDENTITY_SCHEME,
+    IDENTITY_SCHEMES,
+    StepManifest,
+    UnusableCopy,
+    file_identity,
+    safe_relpath,
+    verify_step,
+)
+from replicator.pacing.cpu_share import CpuShare
+from replicator.wire.messages import abandoned
 
 DEFAULT_WORKERS = 8
 RANGE_BYTES = 32 << 20  # one ranged read during a restore

@@ -18,8 +18,18 @@ No I/O: the node agent and the coordinator scale bench's simulated nodes share i
 import random
 from collections.abc import Iterable
 
-from replicator import orbax_protocol, timing
-from replicator.messages import PROTOCOL_VERSION, BackedUp, Files, HeldStep, Lineage, NodeReport, PodReport, ReportReply
+from replicator.local_tier.frameworks import orbax
+from replicator.pacing import timing
+from replicator.wire.messages import (
+    PROTOCOL_VERSION,
+    BackedUp,
+    Files,
+    HeldStep,
+    Lineage,
+    NodeReport,
+    PodReport,
+    ReportReply,
+)
 
 StepKey = tuple[str, str, int, int, int]  # (namespace, job, step, rank, timeline)
 
@@ -69,7 +79,7 @@ class ReportSession:
         for namespace, job, step, rank, files, timeline in own:
             key = (namespace, job, step, rank, timeline)
             if key not in self._signatures:
-                self._signatures[key] = orbax_protocol.logical_signature(files)
+                self._signatures[key] = orbax.logical_signature(files)
             held.append(HeldStep(namespace, job, step, rank, None if key in self._sent_files else files, signature=self._signatures[key],
                                  timeline=timeline))  # fmt: skip
         keys = {(h.namespace, h.job, h.step, h.rank, h.timeline) for h in held}

@@ -53,8 +53,16 @@ import urllib3
 from s3transfer.manager import TransferConfig, TransferManager
 from s3transfer.utils import ChunksizeAdjuster
 
-from replicator.object_store import (BackupError, ObjectStore, Upload, bucket_and_prefix, copy_body, run_parallel,
-                                     store_errors, uploads_failed)
+from replicator.backup_tier.object_store import (
+    BackupError,
+    ObjectStore,
+    Upload,
+    bucket_and_prefix,
+    copy_body,
+    run_parallel,
+    store_errors,
+    uploads_failed,
+)
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Pushes: carries out the coordinator's replicate orders, one committed step to one peer at a time.
 
-The peer verifies every checksum before the replica becomes visible (``prefetch.peer_fetch.push_step``).
+The peer verifies every checksum before the replica becomes visible (``replicator.peer_tier.client.push_step``).
 A push is not repeated while one is running or soon after one succeeded, and per job and peer at
 most one starts per ``min_interval_seconds``: a job saving faster replicates only its newest step.
 """
@@ -13,12 +13,12 @@ import aiohttp
 from prometheus_client import Counter
 
 from csi_driver.ramdisk import Ramdisk
-from prefetch.peer_fetch import PeerFetchError, push_step
-from replicator import timing
-from replicator.cpu_share import CpuShare
-from replicator.job_errors import LogOnce
-from replicator.job_meta import JobMeta
-from replicator.messages import ReplicateOrder, Target
+from replicator.local_tier.job_errors import LogOnce
+from replicator.local_tier.job_meta import JobMeta
+from replicator.pacing import timing
+from replicator.pacing.cpu_share import CpuShare
+from replicator.peer_tier.client import PeerFetchError, push_step
+from replicator.wire.messages import ReplicateOrder, Target
 
 log = logging.getLogger(__name__)
 

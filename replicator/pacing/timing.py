@@ -4,9 +4,9 @@ The defaults of ``NodeConfig`` fields an operator may need to change (``mtc node
 marked *flag*. Constants kept elsewhere, on purpose:
 
 - ``csi_driver.file_cache.RACY_SECONDS`` (1 s): ``csi_driver`` imports nothing from ``replicator``.
-- ``replicator.messages.MAX_WAIT_SECONDS`` (20 s): the long-poll bound both processes share.
-- ``replicator.backup_worker`` (listing every 120 s, retries 2-60 s), the backup backends' HTTP
-  timeouts (``gcs_backup``, ``s3_backup``) and ``replicator.peer_service``'s 600 s abandoned-upload
+- ``replicator.wire.messages.MAX_WAIT_SECONDS`` (20 s): the long-poll bound both processes share.
+- ``replicator.backup_tier.worker`` (listing every 120 s, retries 2-60 s), the backup backends' HTTP
+  timeouts (``gcs_backup``, ``s3_backup``) and ``replicator.peer_tier.service``'s 600 s abandoned-upload
   age: each belongs to the one module that uses it.
 - The coordinator's ``--node-timeout-seconds`` (15 s) and ``--holder-grace-seconds`` (60 s) are
   flags of ``mtc coordinator``.

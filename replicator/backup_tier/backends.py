@@ -6,15 +6,15 @@ builds it from the URL) and one line in ``_BACKENDS``.
 
 import importlib
 
-from replicator.backup_store import DEFAULT_WORKERS, BackupStore
+from replicator.backup_tier.store import DEFAULT_WORKERS, BackupStore
 
 # URL scheme -> (module, ObjectStore subclass). A backend is imported when first opened: an agent
 # without a gs:// or s3:// backup never loads google-cloud-storage or boto3 (0.2-0.3 s of CPU and
 # 20-35 MB each, measured at import).
 _BACKENDS = {
-    "gs": ("replicator.gcs_backup", "GcsObjects"),
-    "s3": ("replicator.s3_backup", "S3Objects"),
-    "file": ("replicator.file_backup", "FileObjects"),
+    "gs": ("replicator.backup_tier.gcs", "GcsObjects"),
+    "s3": ("replicator.backup_tier.s3", "S3Objects"),
+    "file": ("replicator.backup_tier.filesystem", "FileObjects"),
 }
 
 

@@ -3,16 +3,16 @@
 import logging
 import time
 
-from replicator import orbax_protocol
-from replicator.job_meta import JobMeta
-from replicator.timing import ERROR_REPEAT_SECONDS
+from replicator.local_tier.frameworks import orbax
+from replicator.local_tier.job_meta import JobMeta
+from replicator.pacing.timing import ERROR_REPEAT_SECONDS
 
 log = logging.getLogger(__name__)
 
 
 def report_to_job(meta: JobMeta, message: str) -> None:
     """Appends ``message`` to the job's ``replicator.errors`` (its content kept in ``meta``)."""
-    orbax_protocol.report_error(meta.client_dir, meta.root, message)
+    orbax.report_error(meta.client_dir, meta.root, message)
 
 
 class LogOnce:

@@ -13,11 +13,11 @@ from collections.abc import Callable
 from prometheus_client import Counter, Gauge
 
 from csi_driver.ramdisk import Ramdisk
-from replicator import orbax_protocol
-from replicator.cpu_share import CpuShare
-from replicator.job_errors import report_to_job
-from replicator.job_meta import JobMeta, PodProgress
-from replicator.step_manifest import build_manifest
+from replicator.local_tier.frameworks import orbax
+from replicator.local_tier.job_errors import report_to_job
+from replicator.local_tier.job_meta import JobMeta, PodProgress
+from replicator.local_tier.step_manifest import build_manifest
+from replicator.pacing.cpu_share import CpuShare
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class CommitDetector:
             return
         known = meta.manifests()
         # A thread lists the pod's dir only when it changed: the hop costs ten times the cached look.
-        scan = orbax_protocol.cached_scan(disk.client_dir) or await asyncio.to_thread(orbax_protocol.scan_steps, disk.client_dir)
+        scan = orbax.cached_scan(disk.client_dir) or await asyncio.to_thread(orbax.scan_steps, disk.client_dir)
         for step in set(known) - set(scan.committed) - set(scan.staged):
             meta.drop_manifest(step)  # Orbax removed an old step itself
         refused = self._refused.setdefault((disk.namespace, disk.job), set())
@@ -53,7 +53,7 @@ class CommitDetector:
             self._refuse(disk, meta, refused, step, "is not a directory (a symlink, FIFO or file where Orbax commits a step)")
         new = [s for s in scan.committed if s not in known and s not in refused]
         for step in new:
-            step_dir = orbax_protocol.find_step_dir(disk.client_dir, step)
+            step_dir = orbax.find_step_dir(disk.client_dir, step)
             try:
                 manifest = await asyncio.to_thread(build_manifest, step_dir or os.path.join(disk.client_dir, str(step)), step, progress.rank,
                                                    self._share, len(meta.lineage()))  # fmt: skip
@@ -62,8 +62,8 @@ class CommitDetector:
             except (OSError, ValueError) as err:
                 self._refuse(disk, meta, refused, step, f"cannot be checkpointed: {err}")
                 continue
-            if not orbax_protocol.has_commit_evidence(manifest.files):
-                self._refuse(disk, meta, refused, step, f"lacks Orbax's {orbax_protocol.COMMIT_EVIDENCE}: not a complete checkpoint")
+            if not orbax.has_commit_evidence(manifest.files):
+                self._refuse(disk, meta, refused, step, f"lacks Orbax's {orbax.COMMIT_EVIDENCE}: not a complete checkpoint")
                 continue
             meta.save_manifest(manifest)
             if (progress.rank, step) in meta.replicas():

@@ -1,9 +1,9 @@
 """The peer tier's wire protocol between node agents: URL paths and the upload header.
 
-The server is ``replicator.peer_service`` (its docstring gives each route's body and statuses); the
-client is ``prefetch.peer_fetch`` (restores pull from peers, the save path pushes replicas). Both
+The server is ``replicator.peer_tier.service`` (its docstring gives each route's body and statuses); the
+client is ``replicator.peer_tier.client`` (restores pull from peers, the save path pushes replicas). Both
 take the names from here, so neither imports the other. Every route requires
-``Authorization: Bearer <token>`` (``replicator.bearer``).
+``Authorization: Bearer <token>`` (``replicator.wire.bearer``).
 """
 
 import re

@@ -156,6 +156,14 @@ class JobRef(msgspec.Struct, frozen=True, gc=False):
     job: Name
 
 
+class PodRank(msgspec.Struct, frozen=True, gc=False):
+    """A pod's place in its job: the incarnation that assigned it and its rank (node rank) there."""
+
+    job: JobRef
+    incarnation: str
+    rank: int
+
+
 class NodeReport(msgspec.Struct, frozen=True, gc=False):
     """Everything a node agent tells the coordinator; sent on every change and as its heartbeat.
 

@@ -22,13 +22,13 @@ from csi_driver.node import NodeServicer
 from csi_driver.ramdisk import RamdiskManager, make_backend
 from csi_driver.server import start_csi_server
 from csi_driver.volume_request import VolumeLimits
-from replicator import timing
-from replicator.backup_backends import open_backup_store
-from replicator.cpu_share import CpuShare
-from replicator.node_config import NodeConfig
-from replicator.node_replicator import NodeReplicator
-from replicator.orbax_protocol import clear_previous_pod
-from replicator.peer_service import add_peer_routes
+from replicator.backup_tier.backends import open_backup_store
+from replicator.local_tier.frameworks.orbax import clear_previous_pod
+from replicator.node.config import NodeConfig
+from replicator.node.loop import NodeReplicator
+from replicator.pacing import timing
+from replicator.pacing.cpu_share import CpuShare
+from replicator.peer_tier.service import add_peer_routes
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,15 @@ from collections.abc import Iterator, Sequence
 
 import google_crc32c
 
-from replicator.object_store import (BackupError, ObjectStore, Upload, pwrite_all, run_parallel, store_errors,
-                                     uploads_failed)
+from replicator.backup_tier.object_store import (
+    BackupError,
+    ObjectStore,
+    Upload,
+    pwrite_all,
+    run_parallel,
+    store_errors,
+    uploads_failed,
+)
 
 _CHUNK_BYTES = 4 << 20
 

@@ -1,6 +1,6 @@
 """The node agent's HTTP client of the coordinator: reports, job settings, restore views and staging results.
 
-The wire types are ``replicator.messages``; the coordinator's side is ``replicator.coordinator.service``.
+The wire types are ``replicator.wire.messages``; the coordinator's side is ``replicator.coordinator.service``.
 """
 
 import asyncio
@@ -9,11 +9,18 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from csi_driver.ramdisk import Ramdisk
-from replicator import timing
-from replicator.bearer import auth_header
-from replicator.job_meta import PodProgress
-from replicator.messages import MAX_WAIT_SECONDS, JobSettings, NodeReport, ReportReply, RestoreView, check_version, decode_json
+from replicator.pacing import timing
+from replicator.wire.bearer import auth_header
+from replicator.wire.messages import (
+    MAX_WAIT_SECONDS,
+    JobSettings,
+    NodeReport,
+    PodRank,
+    ReportReply,
+    RestoreView,
+    check_version,
+    decode_json,
+)
 
 
 class CoordinatorUnavailable(Exception):
@@ -63,11 +70,11 @@ class CoordinatorClient:
             raise CoordinatorUnavailable(f"POST /v1/report: {err}") from None
         return reply
 
-    async def record_settings(self, disk: Ramdisk, progress: PodProgress, settings: JobSettings) -> None:
-        payload = {"incarnation": progress.incarnation, "rank": progress.rank, "settings": settings}
-        await self._call("POST", f"/v1/jobs/{disk.namespace}/{disk.job}/settings", payload)
+    async def record_settings(self, pod: PodRank, settings: JobSettings) -> None:
+        payload = {"incarnation": pod.incarnation, "rank": pod.rank, "settings": settings}
+        await self._call("POST", f"/v1/jobs/{pod.job.namespace}/{pod.job.job}/settings", payload)
 
-    async def restore_view(self, disk: Ramdisk, progress: PodProgress, seen: str | None = None) -> RestoreView:
+    async def restore_view(self, pod: PodRank, seen: str | None = None) -> RestoreView:
         """The rank's restore view, a long poll of up to ``MAX_WAIT_SECONDS``: it returns once the
         coordinator can plan (else CoordinatorUnavailable, HTTP 503) and, with ``seen`` (a view's
         ``token``), once the view differs from it.
@@ -75,20 +82,19 @@ class CoordinatorClient:
         Raises:
           CoordinatorUnavailable: as ``_call``, or a reply that is not a restore view.
         """
-        params = {"incarnation": progress.incarnation, "rank": str(progress.rank), "wait": str(MAX_WAIT_SECONDS)}
+        params = {"incarnation": pod.incarnation, "rank": str(pod.rank), "wait": str(MAX_WAIT_SECONDS)}
         if seen is not None:
             params["seen"] = seen
-        path = f"/v1/jobs/{disk.namespace}/{disk.job}/restore"
+        path = f"/v1/jobs/{pod.job.namespace}/{pod.job.job}/restore"
         try:
             return decode_json(await self._call("GET", path, wait=MAX_WAIT_SECONDS, params=params), RestoreView)
         except ValueError as err:
             raise CoordinatorUnavailable(f"GET {path}: {err}") from None
 
-    async def report_staged(self, disk: Ramdisk, progress: PodProgress, generation: str, source: str | None, bad: list,
-                            retrying: bool = False) -> None:  # fmt: skip
-        payload = {"incarnation": progress.incarnation, "generation": generation, "rank": progress.rank, "source": source,
+    async def report_staged(self, pod: PodRank, generation: str, source: str | None, bad: list, retrying: bool = False) -> None:
+        payload = {"incarnation": pod.incarnation, "generation": generation, "rank": pod.rank, "source": source,
                    "bad": bad, "retrying": retrying}  # fmt: skip
-        await self._call("POST", f"/v1/jobs/{disk.namespace}/{disk.job}/restore", payload)
+        await self._call("POST", f"/v1/jobs/{pod.job.namespace}/{pod.job.job}/restore", payload)
 
 
 def _error_of(raw: bytes) -> str:

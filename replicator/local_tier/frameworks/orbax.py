@@ -28,7 +28,7 @@ import msgspec
 import yaml
 
 from csi_driver import file_cache
-from replicator import pod_files
+from replicator.local_tier import pod_files
 
 JAX_INIT_INFO_FILE = "jax-init-info.txt"
 REPLICATOR_FILE = "replicator.yaml"

@@ -15,11 +15,11 @@ from collections.abc import Callable
 import tenacity
 from prometheus_client import Counter, Histogram
 
-from replicator.backup_store import BackupError, BackupStore
-from replicator.job_meta import JobMeta
-from replicator.messages import BackedUp, BackupOrder
-from replicator.cpu_share import CpuShare
-from replicator.step_manifest import StepManifest
+from replicator.backup_tier.store import BackupError, BackupStore
+from replicator.local_tier.job_meta import JobMeta
+from replicator.local_tier.step_manifest import StepManifest
+from replicator.pacing.cpu_share import CpuShare
+from replicator.wire.messages import BackedUp, BackupOrder
 
 log = logging.getLogger(__name__)
 

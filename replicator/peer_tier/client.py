@@ -1,6 +1,6 @@
 """The peer tier's client: fetch a rank's step from another node agent, or push a replica to one.
 
-It speaks ``replicator.peer_protocol`` to ``replicator.peer_service``. A fetch runs on several
+It speaks ``replicator.peer_tier.protocol`` to ``replicator.peer_tier.service``. A fetch runs on several
 threads, one HTTP connection each (``http.client``, so every socket read, file write and checksum
 runs with the GIL released): each thread GETs large byte ranges and writes them in place with
 ``os.pwrite`` into files created at full size. Every file is checked against the manifest the caller
@@ -28,11 +28,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 import google_crc32c
 
-from replicator import pod_files, timing
-from replicator.bearer import auth_header
-from replicator.cpu_share import CpuShare
-from replicator.peer_protocol import COMMIT_SUFFIX, FILES_SUFFIX, MANIFEST_SUFFIX, STEP_PATH, UPLOAD_HEADER
-from replicator.step_manifest import StepManifest, UnusableCopy, crc32c_combine, safe_relpath
+from replicator.local_tier import pod_files
+from replicator.local_tier.step_manifest import StepManifest, UnusableCopy, crc32c_combine, safe_relpath
+from replicator.pacing import timing
+from replicator.pacing.cpu_share import CpuShare
+from replicator.peer_tier.protocol import COMMIT_SUFFIX, FILES_SUFFIX, MANIFEST_SUFFIX, STEP_PATH, UPLOAD_HEADER
+from replicator.wire.bearer import auth_header
 
 MiB = 1 << 20
 # One GET per range: large enough that HTTP costs nothing per byte, small enough to spread a file over

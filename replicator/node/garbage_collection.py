@@ -1,32 +1,10 @@
 """Garbage collection on the node: carries out the coordinator's retain orders for a job's ramdisk."""
 
-from prometheus_client import Counter
-
 from csi_driver.ramdisk import Ramdisk
-from prefetch import staging
-from replicator.job_meta import JobMeta
-from replicator.messages import RetainOrder, abandoned
-from replicator.pod_handshake import current_pod
-
-GC_DELETED = Counter("mtc_gc_deleted_steps_total", "Steps and replicas deleted by garbage collection")
-
-
-def drop_abandoned(disk: Ramdisk) -> None:
-    """Deletes the job's own steps and replicas of timelines a rollback abandoned
-    (``messages.abandoned``): they are never restored again, and their step numbers are reused."""
-    meta = JobMeta(disk.path)
-    forks = meta.lineage()
-    if not forks:
-        return
-    for step, manifest in meta.manifests().items():
-        if abandoned(forks, step, manifest.timeline):
-            meta.drop_manifest(step)  # first: a step is never reported once its deletion began
-            staging.delete_step(disk.client_dir, step)
-            GC_DELETED.inc()
-    for (rank, step), manifest in meta.replicas().items():
-        if abandoned(forks, step, manifest.timeline):
-            meta.drop_replica(rank, step)
-            GC_DELETED.inc()
+from replicator.local_tier.job_meta import JobMeta
+from replicator.local_tier.steps import GC_DELETED, delete_step, drop_abandoned
+from replicator.node.handshake import current_pod
+from replicator.wire.messages import RetainOrder
 
 
 def collect_garbage(disk: Ramdisk, order: RetainOrder, busy_steps: set[tuple[str, str, int]]) -> None:
@@ -40,7 +18,7 @@ def collect_garbage(disk: Ramdisk, order: RetainOrder, busy_steps: set[tuple[str
     for step in meta.manifests():
         if step < order.keep_from and step not in keep:
             meta.drop_manifest(step)  # first: a step is never reported once its deletion began
-            staging.delete_step(disk.client_dir, step)
+            delete_step(disk.client_dir, step)
             GC_DELETED.inc()
     spec = current_pod(disk)
     progress = meta.progress(spec.pod_uid) if spec else None

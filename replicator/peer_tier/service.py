@@ -2,7 +2,7 @@
 
 Routes under ``/v1/peer/jobs/{namespace}/{job}`` (JSON; errors are ``{"error": "..."}``), each one
 requiring ``Authorization: Bearer <token>`` (401 otherwise); paths and header names are in
-``replicator.peer_protocol``, shared with the client (``prefetch.peer_fetch``):
+``replicator.peer_tier.protocol``, shared with the client (``replicator.peer_tier.client``):
 
 - ``GET  .../steps``: ``{"steps": [{"rank", "step", "bytes"}]}``, own steps and replicas.
 - ``GET  .../ranks/{rank}/steps/{step}/manifest``: the step's ``StepManifest`` JSON.
@@ -35,13 +35,21 @@ import tenacity
 from aiohttp import web
 
 from csi_driver.volume_request import DNS1123_LABEL
-from replicator import orbax_protocol, pod_files
-from replicator.job_meta import JobMeta
-from replicator.bearer import require_bearer
-from replicator.cpu_share import CpuShare
-from replicator.peer_protocol import (COMMIT_SUFFIX, FILES_SUFFIX, MANIFEST_SUFFIX, STEP_PATH, STEPS_PATH, UPLOAD_HEADER,
-                                      UPLOAD_ID)
-from replicator.step_manifest import StepManifest, safe_relpath, verify_step
+from replicator.local_tier import pod_files
+from replicator.local_tier.frameworks import orbax
+from replicator.local_tier.job_meta import JobMeta
+from replicator.local_tier.step_manifest import StepManifest, safe_relpath, verify_step
+from replicator.pacing.cpu_share import CpuShare
+from replicator.peer_tier.protocol import (
+    COMMIT_SUFFIX,
+    FILES_SUFFIX,
+    MANIFEST_SUFFIX,
+    STEP_PATH,
+    STEPS_PATH,
+    UPLOAD_HEADER,
+    UPLOAD_ID,
+)
+from replicator.wire.bearer import require_bearer
 
 _MAX_MANIFEST_BYTES = 16 << 20
 _RECEIVE_CHUNK_BYTES = 1 << 20
@@ -269,7 +277,7 @@ class _PeerService:
     async def list_steps(self, request: web.Request) -> web.Response:
         _, meta = self._job(request)
         held = {(m.rank, m.step): m.total_bytes for m in meta.manifests().values()
-                if orbax_protocol.find_step_dir(meta.client_dir, m.step) is not None}
+                if orbax.find_step_dir(meta.client_dir, m.step) is not None}
         held.update({key: m.total_bytes for key, m in meta.replicas().items()})
         return web.json_response({"steps": [{"rank": r, "step": s, "bytes": n} for (r, s), n in sorted(held.items())]})
 
