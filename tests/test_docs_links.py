@@ -155,14 +155,16 @@ def test_every_docs_page_is_linked_from_the_readme():
 
 
 def test_the_checker_finds_what_is_broken(tmp_path):
-    """The checks themselves: a missing file, a missing anchor, a missing module are each reported."""
+    """The checks themselves: a missing file, a missing anchor, a missing module are each reported; a line
+    marked for the lead is not."""
     (tmp_path / "other.md").write_text("# A `code` heading, with punctuation!\n## Twice\n## Twice\n")
     page = tmp_path / "page.md"
     page.write_text("[ok](other.md#a-code-heading-with-punctuation) [ok](other.md#twice-1) [ok](#local)\n"
                     "# Local\n[gone](missing.md) [bad](other.md#nope)\n```\n[fenced](nowhere.md)\n```\n")
     (tmp_path / "tests").mkdir()
     problems = broken_links(page, root=tmp_path)
-    page.write_text("`replicator/no_such_module.py` `replicator.wire.no_such` `test_nothing_here.py` `gone.py` `mtc node`\n")
+    page.write_text("`replicator/no_such_module.py` `replicator.wire.no_such` `test_nothing_here.py` `gone.py` `mtc node`\n"
+                    "`replicator/to_come.py` <!-- lead: check -->\n")
     missing = missing_paths(page, root=tmp_path)
     assert [p.split(": ", 1)[1] for p in problems] == [
         "missing.md: no such file", "other.md#nope: no heading with anchor #nope in other.md"]
