@@ -11,7 +11,7 @@ symlinks, FIFOs or huge files there) and may raise ``FileNotFoundError`` when th
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from replicator.wire.messages import JobSettings
 
@@ -49,6 +49,7 @@ class InvalidReplicatorConfig(ValueError):
         self.field = field
 
 
+@runtime_checkable
 class Framework(Protocol):
     """A training framework's side of the client dir, as the node agent uses it.
 
