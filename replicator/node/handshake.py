@@ -1,6 +1,6 @@
-"""The pod's start-up hand-shake through its framework's files (for Orbax): ``jax-init-info.txt`` once
-the pod has a rank, then ``replicator.yaml`` validated, recorded with the coordinator and consumed (or
-refused through ``replicator.failed``). The file formats are the job's ``Framework``'s."""
+"""The pod's start-up hand-shake through its framework's files: the rank file once the pod has a rank
+(Orbax's ``jax-init-info.txt``), then ``replicator.yaml`` validated, recorded with the coordinator and
+consumed (or refused through ``replicator.failed``). The file formats are the job's ``Framework``'s."""
 
 import logging
 

@@ -13,6 +13,8 @@ happens through files in the pod's local checkpoint directory (the ramdisk's cli
   directory with another name, by a relative target (the pod mounts the dir elsewhere), and
   ``<local>/<step>`` must not exist. A zero-byte regular file with step 0 means "start fresh".
 - ``<step>.orbax-checkpoint-tmp/`` renamed to ``<step>/``: a committed local save.
+
+``Orbax`` is its ``frameworks.Framework``; the names and the ``replicator.yaml`` parser stay module-level.
 """
 
 import hashlib
