@@ -227,15 +227,14 @@ class RamdiskManager:
     Args:
       root: the agent's data directory (``--root``); tmpfs mounts live below it.
       backend: ``TmpfsBackend`` in production, ``DirBackend`` for unprivileged local runs.
-      on_new_pod: the publish hook, called with the job's client directory (a path on the node)
+      on_new_pod: the publish hook, called with the job's ramdisk and the pod's ``VolumeSpec``
         when a pod that did not hold this target publishes, before its publication is recorded and
-        under the manager's lock. The node agent passes the framework protocol's cleanup
-        (``replicator.local_tier.frameworks.orbax.clear_previous_pod``), so that a new incarnation never reads
-        the previous pod's rank; the driver itself knows no framework. An exception from it fails
-        the publish.
+        under the manager's lock. The node agent passes the cleanup of the framework the pod asks
+        for (``Framework.clear_previous_pod``), so that a new incarnation never reads the previous
+        pod's rank; the driver itself knows no framework. An exception from it fails the publish.
     """
 
-    def __init__(self, root: str, backend: TmpfsBackend | DirBackend, *, on_new_pod: Callable[[str], None]):
+    def __init__(self, root: str, backend: TmpfsBackend | DirBackend, *, on_new_pod: Callable[[Ramdisk, VolumeSpec], None]):
         self.root = os.path.abspath(root)
         self.backend = backend
         self._on_new_pod = on_new_pod
@@ -333,7 +332,7 @@ class RamdiskManager:
             previous = disk.publications.get(target_path)
             same_pod = previous is not None and previous.spec.pod_uid == spec.pod_uid
             if not same_pod:  # a new pod must never read the previous one's rank
-                self._on_new_pod(disk.client_dir)
+                self._on_new_pod(disk, spec)
             disk.publications[target_path] = Publication(volume_id, readonly, spec, previous.published_at if same_pod else time.time())
             disk.idle_since = None
             return disk

@@ -16,6 +16,7 @@ SERVICE_ACCOUNT_KEY = "csi.storage.k8s.io/serviceAccount.name"
 EPHEMERAL_KEY = "csi.storage.k8s.io/ephemeral"
 
 DEFAULT_JAX_COORDINATOR_PORT = 8476
+DEFAULT_FRAMEWORK = "orbax"
 
 # JobSet pods are named <jobset>-<replicatedJob>-<jobIndex>-<podIndex>-<suffix>.
 _JOBSET_POD_NAME = re.compile(r"(?P<job>[a-z0-9-]+?)-(?P<slice>[0-9]{1,9})-(?P<worker>[0-9]{1,9})-(?P<suffix>[a-z0-9]+)", re.ASCII)
@@ -32,10 +33,12 @@ class VolumeLimits:
     Attributes:
       max_nodes: the largest ``nodes`` accepted (``--max-nodes``).
       max_size_bytes: the largest ``size`` accepted: the node's memory, bytes.
+      frameworks: the ``framework`` names accepted: those the node agent serves.
     """
 
     max_nodes: int = DEFAULT_MAX_NODES
     max_size_bytes: int = 1 << 62
+    frameworks: frozenset[str] = frozenset({DEFAULT_FRAMEWORK})
 
 
 class InvalidVolumeRequest(ValueError):
@@ -59,6 +62,7 @@ class VolumeSpec:
       jax_coordinator_port: the port rank 0 listens on for ``jax.distributed``.
       subdomain: the JobSet name, the DNS subdomain pods are reachable under
         (``<pod name without suffix>.<subdomain>``).
+      framework: the training framework whose files the job writes in the client dir.
     """
 
     namespace: str
@@ -72,6 +76,7 @@ class VolumeSpec:
     worker_index: int | None
     jax_coordinator_port: int
     subdomain: str
+    framework: str = DEFAULT_FRAMEWORK
 
 
 def _dns_label(name: str, value: str) -> str:
@@ -98,10 +103,10 @@ def parse_volume_context(context: dict[str, str], default_size_bytes: int, limit
     Args:
       context: kubelet's pod-info keys plus the pod's ``volumeAttributes``: ``job`` (optional for
         JobSet pod names), ``nodes``, ``slices`` (default 1), ``size`` (a Kubernetes quantity),
-        ``jaxCoordinatorPort`` (default 8476), and optionally ``slice`` / ``worker`` and ``jobset``
-        (the DNS subdomain; default ``job``).
+        ``jaxCoordinatorPort`` (default 8476), ``framework`` (default ``orbax``), and optionally
+        ``slice`` / ``worker`` and ``jobset`` (the DNS subdomain; default ``job``).
       default_size_bytes: the size used when ``size`` is absent, bytes.
-      limits: bounds on ``nodes`` and ``size``.
+      limits: bounds on ``nodes`` and ``size``, the frameworks served.
 
     Returns:
       The validated ``VolumeSpec``.
@@ -135,6 +140,9 @@ def parse_volume_context(context: dict[str, str], default_size_bytes: int, limit
     default_slice = int(jobset_name["slice"]) if jobset_name else None
     default_worker = int(jobset_name["worker"]) if jobset_name else None
     port = _integer(context, "jaxCoordinatorPort", DEFAULT_JAX_COORDINATOR_PORT, minimum=1, maximum=65535)
+    framework = context.get("framework", DEFAULT_FRAMEWORK)
+    if framework not in limits.frameworks:
+        raise InvalidVolumeRequest(f"volume attribute framework={framework[:64]!r} is not served here: use one of {', '.join(sorted(limits.frameworks))}")
     return VolumeSpec(
         namespace=namespace,
         job=job,
@@ -147,4 +155,5 @@ def parse_volume_context(context: dict[str, str], default_size_bytes: int, limit
         worker_index=_integer(context, "worker", default_worker, minimum=0, maximum=limits.max_nodes),
         jax_coordinator_port=port,
         subdomain=_dns_label("jobset", context.get("jobset") or job),
+        framework=framework,
     )

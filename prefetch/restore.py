@@ -3,7 +3,7 @@
 The coordinator's restore view names the agreed step and this rank's sources, fastest first (this
 node, a peer, the backup tier). ``Restorer.restore`` stages the step from the first source that
 serves a copy matching the owner's checksums, reports the outcome, waits (long poll) until every
-rank has staged, then ``hand_over`` writes Orbax's restore marker. Within the deadline an unreachable
+rank has staged, then ``hand_over`` writes the job's restore marker. Within the deadline an unreachable
 source is retried; only a proven mismatch gives a copy up (reported, so the plan moves on).
 """
 
@@ -22,7 +22,6 @@ from prometheus_client import Counter, Histogram
 from csi_driver.ramdisk import Ramdisk
 from prefetch import staging
 from replicator.backup_tier.store import BackupError
-from replicator.local_tier.frameworks import orbax
 from replicator.local_tier.job_errors import LogOnce, report_to_job
 from replicator.local_tier.job_meta import JobMeta, PodProgress
 from replicator.local_tier.step_manifest import StepManifest, UnusableCopy
@@ -163,10 +162,10 @@ class Restorer:
         for source in view.sources:
             if (view.generation, source.holder, source.data_rank) in unusable:
                 continue
-            if source.files is not None and not orbax.has_commit_evidence(source.files):
-                failed = _Failed([f"its checksums lack {orbax.COMMIT_EVIDENCE}"], unusable=True)
+            if source.files is not None and (missing := meta.framework.missing_commit_evidence(source.files)):
+                failed = _Failed([f"its checksums lack {missing}"], unusable=True)
             elif source.holder == self.node_id and source.data_rank == progress.rank:
-                problems = await asyncio.to_thread(staging.stage_local, disk.client_dir, view.step, meta.manifests().get(view.step),
+                problems = await asyncio.to_thread(staging.stage_local, meta.framework, disk.client_dir, view.step, meta.manifests().get(view.step),
                                                    meta, progress.rank)  # fmt: skip
                 failed = _Failed(problems, unusable=True) if problems else None
             elif source.tier == "backup":
@@ -204,7 +203,7 @@ class Restorer:
         except (PeerFetchError, OSError, aiohttp.ClientError, asyncio.TimeoutError) as err:
             shutil.rmtree(incoming, ignore_errors=True)
             return _Failed([str(err) or repr(err)], unusable=isinstance(err, UnusableCopy))
-        await asyncio.to_thread(staging.install_staged, disk.client_dir, step, incoming)
+        await asyncio.to_thread(staging.install_staged, meta.framework, disk.client_dir, step, incoming)
         # Recorded as this rank's step: from now on this node serves it for this rank.
         meta.save_manifest(dataclasses.replace(manifest, rank=progress.rank, timeline=len(view.forks)))
         return None
@@ -221,7 +220,7 @@ class Restorer:
         if (problem := _differs_from_owner(manifest, source)) is not None:
             shutil.rmtree(os.path.dirname(verified), ignore_errors=True)
             return _Failed([problem], unusable=True)
-        await asyncio.to_thread(staging.install_staged, disk.client_dir, step, verified)
+        await asyncio.to_thread(staging.install_staged, meta.framework, disk.client_dir, step, verified)
         meta.save_manifest(dataclasses.replace(manifest, rank=progress.rank, timeline=len(view.forks)))
         return None
 
@@ -232,23 +231,24 @@ def hand_over(disk: Ramdisk, meta: JobMeta, progress: PodProgress, step: int | N
     steps newer than the agreed one (deletes them for a rollback: ``set_aside`` False) and writes
     the marker. Idempotent: replayed after a crash (``handing_over`` recorded, ``restore_done``
     not), it never clears again, since training may have saved steps since, and writes the marker
-    only if Orbax has not taken it."""
+    only if the job has not taken it."""
     if meta.learn_lineage(forks):
         drop_abandoned(disk)
+    framework = meta.framework
     if progress.handing_over is None:
         progress.handing_over = -1 if step is None else step
         meta.save_progress(progress)
-        staging.clear_for_restore(disk.client_dir, step, meta, progress.rank, set_aside)
+        staging.clear_for_restore(framework, disk.client_dir, step, meta, progress.rank, set_aside)
         marker_needed = True
     else:
-        scan = orbax.scan_steps(disk.client_dir)
+        scan = framework.scan_steps(disk.client_dir)
         marker_needed = not scan.committed if step is None else step in scan.staged and step not in scan.committed
         log.warning("%s/%s rank %d: resuming an interrupted hand-over of step %s (marker %s)", disk.namespace, disk.job,
                     progress.rank, step, "rewritten" if marker_needed else "already taken")  # fmt: skip
     if marker_needed and step is None:
-        orbax.write_fresh_start_marker(disk.client_dir, disk.job, progress.rank)
+        framework.write_fresh_start_marker(disk.client_dir, disk.job, progress.rank)
     elif marker_needed:
-        orbax.write_restore_marker(disk.client_dir, disk.job, step, progress.rank)
+        framework.write_restore_marker(disk.client_dir, disk.job, step, progress.rank)
     progress.restore_done = True
     meta.save_progress(progress)
     log.info("%s/%s rank %d: restore marker for step %s written (source %s)", disk.namespace, disk.job, progress.rank, step, source)

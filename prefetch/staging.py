@@ -1,4 +1,4 @@
-"""Stages a step in the client dir for Orbax: fetch (or move) it, verify every checksum, then hand over.
+"""Stages a step in the client dir for the job's framework: fetch (or move) it, verify every checksum, then hand over.
 
 Only a verified copy is ever placed where a restore marker can point at it; a copy that fails
 verification is reported so the coordinator can choose another source or an older step.
@@ -11,7 +11,7 @@ import os
 import stat
 
 from replicator.local_tier import pod_files, steps
-from replicator.local_tier.frameworks import orbax
+from replicator.local_tier.frameworks import Framework
 from replicator.local_tier.job_meta import JobMeta
 from replicator.local_tier.step_manifest import StepManifest, verify_step
 
@@ -19,10 +19,12 @@ log = logging.getLogger(__name__)
 
 
 
-def stage_local(local_dir: str, step: int, manifest: StepManifest | None, meta: JobMeta | None = None, rank: int | None = None) -> list[str]:
+def stage_local(framework: Framework, local_dir: str, step: int, manifest: StepManifest | None, meta: JobMeta | None = None,
+                rank: int | None = None) -> list[str]:  # fmt: skip
     """Verifies this node's own copy of ``step`` and moves it to the staged name.
 
     Args:
+      framework: the job's framework (the client dir's layout).
       local_dir: the client dir.
       step: the step to restore.
       manifest: the checksums recorded when the step committed, or None if none were.
@@ -32,26 +34,26 @@ def stage_local(local_dir: str, step: int, manifest: StepManifest | None, meta: 
     Returns:
       Problems found; empty when the step is staged and verified.
     """
-    found = orbax.find_step_dir(local_dir, step)
+    found = framework.find_step_dir(local_dir, step)
     if found is None and meta is not None and (aside := meta.replicas().get((rank, step))) is not None:
-        return _stage_set_aside(local_dir, step, meta, aside)
+        return _stage_set_aside(framework, local_dir, step, meta, aside)
     if found is None or manifest is None:
         return [f"step {step} is not held here" if found is None else f"step {step} has no manifest"]
     problems = verify_step(found, manifest)
     if problems:
         log.error("local copy of step %d is corrupt: %s", step, problems[:5])
         return problems
-    staged = orbax.staged_name(step)
+    staged = framework.staged_name(step)
     with pod_files.open_dir(local_dir) as fd:
         if os.path.basename(found) != staged:
             os.rename(str(step), staged, src_dir_fd=fd, dst_dir_fd=fd)
         elif (link := pod_files.lstat(fd, str(step))) is not None and stat.S_ISLNK(link.st_mode):
-            os.unlink(str(step), dir_fd=fd)  # the marker of an earlier restore; Orbax recreates it from ours
+            os.unlink(str(step), dir_fd=fd)  # the marker of an earlier restore; the job recreates it from ours
         pod_files.fsync_dir(fd)
     return []
 
 
-def _stage_set_aside(local_dir: str, step: int, meta: JobMeta, manifest: StepManifest) -> list[str]:
+def _stage_set_aside(framework: Framework, local_dir: str, step: int, meta: JobMeta, manifest: StepManifest) -> list[str]:
     """Verifies a step set aside by an earlier restore and moves it back, staged; it is the node's
     own step again (its manifest follows it)."""
     aside = meta.replica_dir(manifest.rank, step)
@@ -59,26 +61,26 @@ def _stage_set_aside(local_dir: str, step: int, meta: JobMeta, manifest: StepMan
     if problems:
         log.error("set-aside copy of step %d is corrupt: %s", step, problems[:5])
         return problems
-    install_staged(local_dir, step, aside)
+    install_staged(framework, local_dir, step, aside)
     meta.save_manifest(manifest)
     meta.drop_replica(manifest.rank, step)
     return []
 
 
-def install_staged(local_dir: str, step: int, verified_dir: str) -> None:
+def install_staged(framework: Framework, local_dir: str, step: int, verified_dir: str) -> None:
     """Moves a fetched and verified step directory (on the same ramdisk) to the staged name."""
-    steps.delete_step(local_dir, step)
+    steps.delete_step(framework, local_dir, step)
     with pod_files.open_dir(local_dir) as fd:
-        os.rename(verified_dir, orbax.staged_name(step), dst_dir_fd=fd)
+        os.rename(verified_dir, framework.staged_name(step), dst_dir_fd=fd)
         pod_files.fsync_dir(fd)
 
 
-def clear_for_restore(local_dir: str, step: int | None, meta: JobMeta, rank: int, set_aside: bool = True) -> list[int]:
+def clear_for_restore(framework: Framework, local_dir: str, step: int | None, meta: JobMeta, rank: int, set_aside: bool = True) -> list[int]:
     """Takes committed steps newer than ``step`` (all of them when None) out of the client dir, and
     removes old markers.
 
-    A step Orbax would restore instead of the one every rank agreed on
-    (``orbax.steps_restored_instead``) would split the job. Such a step is not complete everywhere now, but it may be again (a silent
+    A step the job would restore instead of the one every rank agreed on
+    (``Framework.steps_restored_instead``) would split the job. Such a step is not complete everywhere now, but it may be again (a silent
     holder comes back): one with a manifest is *set aside*, moved (one rename on the same ramdisk)
     into the agent's area as ``meta``'s replica of ``rank``, where it stays reported and restorable
     until a step newer than ``step`` is safe (garbage collection). Only a step without a manifest
@@ -88,14 +90,14 @@ def clear_for_restore(local_dir: str, step: int | None, meta: JobMeta, rank: int
     Returns:
       The steps taken out of the client dir (set aside or deleted).
     """
-    orbax.remove_markers(local_dir)
-    scan = orbax.scan_steps(local_dir)
-    removed = orbax.steps_restored_instead(scan, step)
+    framework.remove_markers(local_dir)
+    scan = framework.scan_steps(local_dir)
+    removed = framework.steps_restored_instead(scan, step)
     manifests = meta.manifests()
     for stale in removed:
-        if set_aside and stale in scan.committed and stale in manifests and _set_aside(local_dir, stale, meta, manifests[stale], rank):
+        if set_aside and stale in scan.committed and stale in manifests and _set_aside(framework, local_dir, stale, meta, manifests[stale], rank):
             log.warning("set aside step %d of %s: not restorable on every rank now", stale, local_dir)
-        steps.delete_step(local_dir, stale)
+        steps.delete_step(framework, local_dir, stale)
         meta.drop_manifest(stale)
     with pod_files.open_dir(local_dir) as fd:
         linked = set()
@@ -104,16 +106,16 @@ def clear_for_restore(local_dir: str, step: int | None, meta: JobMeta, rank: int
                 with contextlib.suppress(OSError):
                     linked.add(os.readlink(name, dir_fd=fd))
         for staged in scan.staged:
-            name = orbax.staged_name(staged)
+            name = framework.staged_name(staged)
             if staged != step and name not in linked:
                 pod_files.remove(fd, name)
     return removed
 
 
-def _set_aside(local_dir: str, step: int, meta: JobMeta, manifest: StepManifest, rank: int) -> bool:
+def _set_aside(framework: Framework, local_dir: str, step: int, meta: JobMeta, manifest: StepManifest, rank: int) -> bool:
     """Moves a committed step's directory out of the client dir into ``meta`` as a replica of
     ``rank``; False when what has the step's name is not a directory (then it is deleted)."""
-    found = orbax.find_step_dir(local_dir, step)
+    found = framework.find_step_dir(local_dir, step)
     if found is None:
         return False
     parent = meta.new_incoming_dir()  # on the same ramdisk: one rename, no copy

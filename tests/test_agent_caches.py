@@ -10,7 +10,7 @@ import pytest
 
 from csi_driver import file_cache, kubelet
 from csi_driver.ramdisk import DirBackend, Ramdisk, RamdiskManager
-from replicator.local_tier.frameworks import orbax
+from replicator.local_tier import frameworks
 from replicator.local_tier.frameworks.orbax import JAX_INIT_INFO_FILE, REPLICATOR_FILE, RESTORE_SUFFIX
 from replicator.local_tier.job_meta import JobMeta, PodProgress
 from replicator.local_tier.step_manifest import StepManifest
@@ -20,6 +20,8 @@ from tests.test_crash_consistency import write_step
 from tests.test_hostile_pod import commit_step, yaml_for
 from tests.test_node_protocol import wait_for
 from tests.test_ramdisk_manager import ignore_new_pod, spec
+
+ORBAX = frameworks.get("orbax")
 
 TICK = 0.05  # longer than a file system's timestamp tick, so the next change stamps a new time
 
@@ -99,31 +101,31 @@ def test_progress_is_the_callers_own_copy_and_follows_each_save(tmp_path, no_rac
 def test_a_step_committed_by_rename_is_seen_by_the_next_scan(tmp_path, no_racy_window):
     client = str(tmp_path)
     write_step(os.path.join(client, "1"), {"_CHECKPOINT_METADATA": b"{}"})
-    assert orbax.scan_steps(client).committed == [1]
-    assert orbax.cached_scan(client).committed == [1]
+    assert ORBAX.scan_steps(client).committed == [1]
+    assert ORBAX.cached_scan(client).committed == [1]
     time.sleep(TICK)
     write_step(os.path.join(client, "2.orbax-checkpoint-tmp"), {"_CHECKPOINT_METADATA": b"{}"})
-    assert orbax.cached_scan(client) is None  # the dir changed
-    assert orbax.scan_steps(client).committed == [1]
+    assert ORBAX.cached_scan(client) is None  # the dir changed
+    assert ORBAX.scan_steps(client).committed == [1]
     time.sleep(TICK)
     write_step(os.path.join(client, "2.orbax-checkpoint-tmp"), {"state/data": b"x"})  # inside: the dir is unchanged
-    assert orbax.cached_scan(client).committed == [1]
+    assert ORBAX.cached_scan(client).committed == [1]
     os.rename(os.path.join(client, "2.orbax-checkpoint-tmp"), os.path.join(client, "2"))
-    assert orbax.cached_scan(client) is None
-    assert orbax.scan_steps(client).committed == [1, 2]
+    assert ORBAX.cached_scan(client) is None
+    assert ORBAX.scan_steps(client).committed == [1, 2]
 
 
 def test_a_step_swapped_for_a_symlink_is_refused_though_the_dir_mtime_was_set_back(tmp_path, no_racy_window):
     client = str(tmp_path / "client")
     write_step(os.path.join(client, "1"), {"_CHECKPOINT_METADATA": b"{}"})
     write_step(os.path.join(client, "2"), {"_CHECKPOINT_METADATA": b"{}"})
-    assert orbax.scan_steps(client).committed == [1, 2]
+    assert ORBAX.scan_steps(client).committed == [1, 2]
     before = os.stat(client)
     time.sleep(TICK)
     shutil.rmtree(os.path.join(client, "2"))
     os.symlink("/etc", os.path.join(client, "2"))
     os.utime(client, ns=(before.st_atime_ns, before.st_mtime_ns))  # what a pod can do; the ctime it cannot
-    scan = orbax.scan_steps(client)
+    scan = ORBAX.scan_steps(client)
     assert (scan.committed, scan.refused) == ([1], [2])
 
 
@@ -135,7 +137,7 @@ def test_commit_detection_checksums_a_step_committed_after_the_scan_was_cached(t
     write_step(os.path.join(disk.client_dir, "1"), {"_CHECKPOINT_METADATA": b"{}"})
     asyncio.run(detector.detect(disk, meta, progress))
     asyncio.run(detector.detect(disk, meta, progress))
-    assert set(meta.manifests()) == {1} and orbax.cached_scan(disk.client_dir) is not None
+    assert set(meta.manifests()) == {1} and ORBAX.cached_scan(disk.client_dir) is not None
     time.sleep(TICK)
     write_step(os.path.join(disk.client_dir, "2.orbax-checkpoint-tmp"), {"_CHECKPOINT_METADATA": b"{}", "state/a": b"xy"})
     os.rename(os.path.join(disk.client_dir, "2.orbax-checkpoint-tmp"), os.path.join(disk.client_dir, "2"))

@@ -7,9 +7,12 @@ import pytest
 from csi_driver.ramdisk import Ramdisk
 from prefetch.restore import hand_over
 from replicator.local_tier import pod_files, steps
+from replicator.local_tier import frameworks
 from replicator.local_tier.frameworks import orbax
 from replicator.local_tier.job_meta import JobMeta, PodProgress
 from replicator.local_tier.step_manifest import build_manifest
+
+ORBAX = frameworks.get("orbax")
 
 
 def write_step(directory, files):
@@ -29,9 +32,9 @@ def test_a_crash_mid_delete_leaves_no_partial_step_and_the_next_start_finishes_i
 
     monkeypatch.setattr(pod_files, "remove", crash)
     with pytest.raises(KeyboardInterrupt):
-        steps.delete_step(str(client), 4)
+        steps.delete_step(ORBAX, str(client), 4)
     monkeypatch.undo()
-    assert orbax.held_steps(str(client)) == []  # never seen as a (partial) step
+    assert ORBAX.scan_steps(str(client)).held == []  # never seen as a (partial) step
     assert any(name.startswith(".mtc-trash-") for name in os.listdir(client))
     steps.sweep_trash(str(client))
     assert os.listdir(client) == []
@@ -52,17 +55,17 @@ def test_replicas_without_a_manifest_are_swept_at_start(tmp_path):
 def test_a_replayed_hand_over_never_clears_steps_written_since(tmp_path):
     disk = Ramdisk("default", "run", 1 << 20, str(tmp_path))
     meta = JobMeta(disk.path)
-    write_step(orbax.staged_step_dir(disk.client_dir, 5), {"_CHECKPOINT_METADATA": b"{}"})
+    write_step(os.path.join(disk.client_dir, ORBAX.staged_name(5)), {"_CHECKPOINT_METADATA": b"{}"})
     write_step(os.path.join(disk.client_dir, "7"), {"_CHECKPOINT_METADATA": b"{}"})  # newer, not restorable everywhere
     progress = PodProgress("uid", "inc", 0, "h:1", True)
     hand_over(disk, meta, progress, 5, "local")
     marker = os.path.join(disk.client_dir, orbax.restore_marker_name("run", 5, 0))
-    assert os.path.islink(marker) and orbax.committed_steps(disk.client_dir) == []
+    assert os.path.islink(marker) and ORBAX.scan_steps(disk.client_dir).committed == []
     # Orbax takes the marker and trains on; then the agent crashes before recording restore_done.
     os.replace(marker, os.path.join(disk.client_dir, "5"))
     write_step(os.path.join(disk.client_dir, "8"), {"_CHECKPOINT_METADATA": b"{}"})
     progress.restore_done = False
     hand_over(disk, meta, progress, 5, "resumed")
-    assert orbax.committed_steps(disk.client_dir) == [5, 8]  # step 8 survived the replay
+    assert ORBAX.scan_steps(disk.client_dir).committed == [5, 8]  # step 8 survived the replay
     assert not os.path.lexists(marker)  # and no second marker for Orbax to trip over
     assert progress.restore_done and meta.progress("uid").restore_done

@@ -4,8 +4,11 @@ import os
 
 import pytest
 
+from replicator.local_tier import frameworks
 from replicator.local_tier.frameworks import orbax
 from replicator.local_tier.frameworks.orbax import InvalidReplicatorConfig, parse_replicator_config
+
+ORBAX = frameworks.get("orbax")
 
 # Exactly what Orbax 0.12.8's _create_replicator_file writes (no trailing newline).
 VALID = "job-name: run\nframework: orbax\nassume-data-parallelism: 2\nnode-rank: 1\nnodes: 4\npeer-ranks: [3]\nbackup-interval-steps: 6"
@@ -62,22 +65,22 @@ def test_committed_steps_ignore_half_written_tmp_dirs(tmp_path):
         (tmp_path / name).mkdir() if "." not in name or "tmp" in name else (tmp_path / name).write_text("x")
     os.symlink(orbax.STAGED_PREFIX + "12", tmp_path / "12")
     (tmp_path / (orbax.STAGED_PREFIX + "12")).mkdir()
-    assert orbax.committed_steps(str(tmp_path)) == [3, 12]
-    assert orbax.held_steps(str(tmp_path)) == [3, 12]
+    assert ORBAX.scan_steps(str(tmp_path)).committed == [3, 12]
+    assert ORBAX.scan_steps(str(tmp_path)).held == [3, 12]
 
 
 def test_restore_marker_is_a_relative_symlink_orbax_can_rename(tmp_path):
-    staged = orbax.staged_step_dir(str(tmp_path), 9)
+    staged = os.path.join(str(tmp_path), ORBAX.staged_name(9))
     os.makedirs(os.path.join(staged, "state"))
-    marker = orbax.write_restore_marker(str(tmp_path), "run", 9, 2)
+    marker = ORBAX.write_restore_marker(str(tmp_path), "run", 9, 2)
     assert os.path.basename(marker) == "run-s9-n2-w0.restore"
     assert os.readlink(marker) == os.path.basename(staged)
     os.replace(marker, tmp_path / "9")  # what Orbax does with the marker
     assert (tmp_path / "9" / "state").is_dir()
-    fresh = orbax.write_fresh_start_marker(str(tmp_path), "run", 0)
+    fresh = ORBAX.write_fresh_start_marker(str(tmp_path), "run", 0)
     assert os.path.isfile(fresh) and os.path.getsize(fresh) == 0 and fresh.endswith("run-s0-n0-w0.restore")
     with pytest.raises(FileNotFoundError):
-        orbax.write_restore_marker(str(tmp_path), "run", 15, 0)
+        ORBAX.write_restore_marker(str(tmp_path), "run", 15, 0)
 
 
 def test_errors_accumulate_until_orbax_consumes_them(tmp_path):
@@ -86,6 +89,6 @@ def test_errors_accumulate_until_orbax_consumes_them(tmp_path):
     client = tmp_path / "client"
     client.mkdir()
     tmp_path = client
-    orbax.report_error(str(tmp_path), str(log_dir), "first")
-    orbax.report_error(str(tmp_path), str(log_dir), "second")
+    ORBAX.report_error(str(tmp_path), str(log_dir), "first")
+    ORBAX.report_error(str(tmp_path), str(log_dir), "second")
     assert (tmp_path / "replicator.errors").read_text() == "first\nsecond\n"

@@ -16,7 +16,7 @@ from aiohttp import web
 from examples.local_cluster import unmount_all_below
 from prefetch import staging
 from replicator.local_tier import pod_files
-from replicator.local_tier.frameworks import orbax
+from replicator.local_tier import frameworks
 from replicator.local_tier.job_meta import JobMeta
 from replicator.local_tier.step_manifest import StepManifest, build_manifest, checksum_files, crc32c_combine
 from replicator.peer_tier.client import PeerFetchError, fetch_manifest, fetch_step, push_step
@@ -24,6 +24,7 @@ from replicator.peer_tier.protocol import UPLOAD_HEADER
 from replicator.peer_tier.service import add_peer_routes
 from tests.conftest import requires_root
 
+ORBAX = frameworks.get("orbax")
 TOKEN = "peer-secret-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 NS, JOB = "default", "train"
@@ -186,18 +187,18 @@ async def test_a_step_staged_while_it_is_served_is_still_served(peer, session, t
     def stage_once():
         if not renamed:
             renamed.append("staging")  # stage_local looks the step up too
-            renamed[0] = staging.stage_local(peer.meta.client_dir, 9, manifest)
+            renamed[0] = staging.stage_local(ORBAX, peer.meta.client_dir, 9, manifest)
     if moment == "between its two names":  # the staged name is looked for first, then the committed one
         real_is_dir = pod_files.is_dir
         monkeypatch.setattr(pod_files, "is_dir", lambda fd, name: (real_is_dir(fd, name), stage_once())[0])
     else:
-        real_find = orbax.find_step_dir
-        monkeypatch.setattr(orbax, "find_step_dir", lambda local_dir, step: (real_find(local_dir, step), stage_once())[0])
+        real_find = ORBAX.find_step_dir
+        monkeypatch.setattr(ORBAX, "find_step_dir", lambda local_dir, step: (real_find(local_dir, step), stage_once())[0])
 
     dest = tmp_path / "fetched"
     dest.mkdir()
     await fetch_step(peer.base_url, TOKEN, NS, JOB, manifest, str(dest))  # the restore plan carries the checksums
-    assert renamed == [[]] and os.path.isdir(os.path.join(peer.meta.client_dir, orbax.staged_name(9)))
+    assert renamed == [[]] and os.path.isdir(os.path.join(peer.meta.client_dir, ORBAX.staged_name(9)))
     assert read_tree(str(dest)) == FILES
     async with session.get(peer.url(f"{NS}/{JOB}/ranks/3/steps/8/manifest"), headers=AUTH) as response:
         assert response.status == 404  # a step that is not held is still a 404

@@ -7,8 +7,8 @@ import pytest
 
 from csi_driver import mounts
 from csi_driver.quantity import parse_quantity
-from csi_driver.ramdisk import DirBackend, InsufficientMemory, JobBusy, RamdiskManager, TmpfsBackend, make_backend
-from csi_driver.volume_request import POD_UID_KEY, InvalidVolumeRequest, VolumeLimits, parse_volume_context
+from csi_driver.ramdisk import DirBackend, InsufficientMemory, JobBusy, Ramdisk, RamdiskManager, TmpfsBackend, make_backend
+from csi_driver.volume_request import POD_UID_KEY, InvalidVolumeRequest, VolumeLimits, VolumeSpec, parse_volume_context
 from examples.local_cluster import unmount_all_below
 from tests.conftest import requires_root
 
@@ -18,7 +18,7 @@ def spec(job="train", pod="p", size=8 << 20, **extra):
     return parse_volume_context(context, default_size_bytes=1 << 20)
 
 
-def ignore_new_pod(client_dir: str) -> None:
+def ignore_new_pod(disk: Ramdisk, spec: VolumeSpec) -> None:
     """The publish hook of tests about the ramdisks themselves (the hook has its own test)."""
 
 
@@ -49,7 +49,7 @@ def test_recover_adopts_tmpfs_missing_from_state_and_drops_vanished_ones(tmp_pat
 
 def test_publish_hook_runs_for_each_new_pod_and_not_for_a_retried_publish(tmp_path):
     seen = []
-    manager = RamdiskManager(str(tmp_path / "root"), DirBackend(), on_new_pod=seen.append)
+    manager = RamdiskManager(str(tmp_path / "root"), DirBackend(), on_new_pod=lambda disk, spec: seen.append(disk.client_dir))
     target = str(tmp_path / "target")
     first = manager.publish("v1", target, spec(**{POD_UID_KEY: "uid-1"}))
     manager.publish("v1", target, spec(**{POD_UID_KEY: "uid-1"}))  # kubelet retries the same pod

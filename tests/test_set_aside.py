@@ -8,7 +8,7 @@ from csi_driver.ramdisk import Publication, Ramdisk
 from csi_driver.volume_request import parse_volume_context
 from prefetch import staging
 from prefetch.restore import hand_over
-from replicator.local_tier.frameworks import orbax
+from replicator.local_tier import frameworks
 from replicator.local_tier.job_meta import JobMeta, PodProgress
 from replicator.local_tier.step_manifest import build_manifest
 from replicator.local_tier.steps import drop_abandoned
@@ -19,6 +19,7 @@ from replicator.node.loop import NodeReplicator
 from replicator.wire.messages import RetainOrder
 from tests.test_crash_consistency import write_step
 
+ORBAX = frameworks.get("orbax")
 RANK = 1
 
 
@@ -36,14 +37,14 @@ def restored_at(tmp_path, step, newer):
         committed(disk, meta, s)
     replicator = NodeReplicator(NodeConfig("n", str(tmp_path), "unix:///n.sock", "127.0.0.1:1", "d", coordinator="http://coordinator"), None)
     progress = PodProgress("uid", "inc", RANK, "h:1", True)
-    assert staging.stage_local(disk.client_dir, step, meta.manifests()[step], meta, RANK) == []
+    assert staging.stage_local(ORBAX, disk.client_dir, step, meta.manifests()[step], meta, RANK) == []
     hand_over(disk, meta, progress, step, "local")
     return disk, meta, replicator
 
 
 def test_newer_steps_are_set_aside_not_deleted_and_stay_reported(tmp_path):
     disk, meta, replicator = restored_at(tmp_path, 3, [6, 9])
-    assert orbax.committed_steps(disk.client_dir) == []  # Orbax sees only the marker's step
+    assert ORBAX.scan_steps(disk.client_dir).committed == []  # Orbax sees only the marker's step
     assert set(meta.manifests()) == {3}
     assert set(meta.replicas()) == {(RANK, 6), (RANK, 9)}
     report = replicator._build_report({("default", "run"): disk})
@@ -53,12 +54,12 @@ def test_newer_steps_are_set_aside_not_deleted_and_stay_reported(tmp_path):
 
 def test_a_set_aside_step_is_restored_verified_and_a_corrupt_one_refused(tmp_path):
     disk, meta, _ = restored_at(tmp_path, 3, [6, 9])
-    assert staging.stage_local(disk.client_dir, 9, None, meta, RANK) == []
-    assert orbax.scan_steps(disk.client_dir).staged[-1] == 9 and 9 in meta.manifests()
+    assert staging.stage_local(ORBAX, disk.client_dir, 9, None, meta, RANK) == []
+    assert ORBAX.scan_steps(disk.client_dir).staged[-1] == 9 and 9 in meta.manifests()
     assert (RANK, 9) not in meta.replicas()
     with open(os.path.join(meta.replica_dir(RANK, 6), "state", "a"), "r+b") as f:
         f.write(b"\xff")
-    problems = staging.stage_local(disk.client_dir, 6, None, meta, RANK)
+    problems = staging.stage_local(ORBAX, disk.client_dir, 6, None, meta, RANK)
     assert problems and "mismatch" in problems[0] and (RANK, 6) in meta.replicas()
 
 
@@ -76,9 +77,9 @@ def test_a_rollback_deletes_the_abandoned_newer_steps(tmp_path):
     meta = JobMeta(disk.path)
     for s in (3, 6, 9):
         committed(disk, meta, s)
-    staging.clear_for_restore(disk.client_dir, 3, meta, RANK, set_aside=False)
+    staging.clear_for_restore(ORBAX, disk.client_dir, 3, meta, RANK, set_aside=False)
     assert meta.replicas() == {} and set(meta.manifests()) == {3}
-    assert orbax.committed_steps(disk.client_dir) == [3]
+    assert ORBAX.scan_steps(disk.client_dir).committed == [3]
 
 
 async def test_a_learnt_rollback_deletes_the_abandoned_timelines_copies_and_new_steps_carry_the_new_timeline(tmp_path):
@@ -92,7 +93,7 @@ async def test_a_learnt_rollback_deletes_the_abandoned_timelines_copies_and_new_
     assert meta.locate(RANK, 9) is None and meta.locate(0, 4) is not None
 
     committed_again = write_step(os.path.join(disk.client_dir, "6"), {"_CHECKPOINT_METADATA": b"{}", "state/a": b"new values"})
-    assert orbax.committed_steps(disk.client_dir) == [6] and os.path.isdir(committed_again)
+    assert ORBAX.scan_steps(disk.client_dir).committed == [6] and os.path.isdir(committed_again)
     await CommitDetector(None, lambda: None).detect(disk, meta, PodProgress("uid", "inc", RANK, "h:1", True, restore_done=True))
     assert meta.manifests()[6].timeline == 1
     report = replicator._build_report({("default", "run"): disk})

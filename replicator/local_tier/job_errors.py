@@ -3,7 +3,6 @@
 import logging
 import time
 
-from replicator.local_tier.frameworks import orbax
 from replicator.local_tier.job_meta import JobMeta
 from replicator.pacing.timing import ERROR_REPEAT_SECONDS
 
@@ -12,7 +11,7 @@ log = logging.getLogger(__name__)
 
 def report_to_job(meta: JobMeta, message: str) -> None:
     """Appends ``message`` to the job's ``replicator.errors`` (its content kept in ``meta``)."""
-    orbax.report_error(meta.client_dir, meta.root, message)
+    meta.framework.report_error(meta.client_dir, meta.root, message)
 
 
 class LogOnce:

@@ -6,6 +6,7 @@ exactly as long as the data it describes::
     mtc/manifests/<step>.json                 StepManifest of each committed step in client/
     mtc/assignment.json                       the current pod's incarnation, rank and progress
     mtc/lineage.json                          {"forks": [...]}: the job's rollbacks (``messages.in_lineage``)
+    mtc/framework                             the name of the job's framework (``frameworks.REGISTRY``)
     mtc/replicas/rank-<r>/<step>/             another rank's step, pushed here by a peer
     mtc/replicas/rank-<r>/<step>.json         its manifest, written after the data is in place
     mtc/incoming/<id>/                        a replica or restore still being received: never read
@@ -26,7 +27,7 @@ import uuid
 from csi_driver import file_cache
 from csi_driver.ramdisk import CLIENT_DIR
 from replicator.local_tier import pod_files
-from replicator.local_tier.frameworks import orbax
+from replicator.local_tier import frameworks
 from replicator.local_tier.step_manifest import StepManifest
 from replicator.wire.messages import JobRef, JobSettings, PodRank, abandoned, decode, extends, to_json
 
@@ -80,6 +81,7 @@ def _parse_lineage(data: bytes) -> tuple[int, ...]:
 _MANIFESTS = file_cache.DirCache(_MANIFEST_NAME.match, _parse_manifest)
 _PROGRESS = file_cache.FileCache(_parse_progress)
 _LINEAGE = file_cache.FileCache(_parse_lineage)
+_FRAMEWORK = file_cache.FileCache(lambda data: frameworks.get(data.decode("utf-8")))
 
 
 def _write_json(path: str, value) -> None:
@@ -167,7 +169,7 @@ class JobMeta:
         forks = self.lineage()
         own = self.manifests().get(step)
         if own is not None and own.rank == rank and not abandoned(forks, step, own.timeline):
-            found = orbax.find_step_dir(self.client_dir, step)
+            found = self.framework.find_step_dir(self.client_dir, step)
             if found is not None:
                 return found, own
         replica = self.replicas().get((rank, step))
@@ -188,6 +190,25 @@ class JobMeta:
             return False
         _write_json(os.path.join(self.root, "lineage.json"), {"forks": list(forks)})
         return True
+
+    # -- the job's framework -----------------------------------------------------------------------
+
+    @property
+    def framework(self) -> frameworks.Framework:
+        """The framework whose files the client dir holds, as the job's volume asked for it
+        (``frameworks.DEFAULT`` until a pod recorded one).
+
+        Raises:
+          frameworks.UnknownFramework: the recorded name is not registered (an agent that knows fewer).
+        """
+        return _FRAMEWORK.read(os.path.join(self.root, "framework")) or frameworks.get(frameworks.DEFAULT)
+
+    def record_framework(self, framework: frameworks.Framework) -> None:
+        """Records the framework of the job's newest pod, if it is not the one recorded."""
+        with contextlib.suppress(frameworks.UnknownFramework):  # an unknown name is replaced
+            if self.framework.name == framework.name:
+                return
+        pod_files.write_file_atomic(os.path.join(self.root, "framework"), framework.name.encode())
 
     # -- the current pod -------------------------------------------------------------------------
 

@@ -8,11 +8,11 @@ from prometheus_client import Counter
 
 from csi_driver.ramdisk import Ramdisk
 from replicator.local_tier import pod_files
-from replicator.local_tier.frameworks import orbax
+from replicator.local_tier.frameworks import Framework
 from replicator.local_tier.job_meta import JobMeta
 from replicator.wire.messages import abandoned
 
-_TRASH_PREFIX = ".mtc-trash-"  # not a step name: Orbax ignores it
+_TRASH_PREFIX = ".mtc-trash-"  # not a step name: the job ignores it
 
 GC_DELETED = Counter("mtc_gc_deleted_steps_total", "Steps and replicas deleted by garbage collection")
 
@@ -27,7 +27,7 @@ def drop_abandoned(disk: Ramdisk) -> None:
     for step, manifest in meta.manifests().items():
         if abandoned(forks, step, manifest.timeline):
             meta.drop_manifest(step)  # first: a step is never reported once its deletion began
-            delete_step(disk.client_dir, step)
+            delete_step(meta.framework, disk.client_dir, step)
             GC_DELETED.inc()
     for (rank, step), manifest in meta.replicas().items():
         if abandoned(forks, step, manifest.timeline):
@@ -35,19 +35,20 @@ def drop_abandoned(disk: Ramdisk) -> None:
             GC_DELETED.inc()
 
 
-def delete_step(local_dir: str, step: int) -> None:
-    """Deletes a step from the client dir: its directory (or whatever has its name) and its staged copy.
+def delete_step(framework: Framework, local_dir: str, step: int) -> None:
+    """Deletes a step from the client dir: everything under one of its names (``Framework.step_names``:
+    its directory or whatever has its name, its staged copy).
 
     Each is first renamed to a trash name in one atomic step, so a crash mid-delete never leaves a
     partial step under a step's name (``sweep_trash`` removes the rest at the next start).
     """
     with pod_files.open_dir(local_dir) as fd:
-        for name in (str(step), orbax.staged_name(step)):
+        for name in framework.step_names(step):
             trash = f"{_TRASH_PREFIX}{secrets.token_hex(8)}"
             try:
                 os.rename(name, trash, src_dir_fd=fd, dst_dir_fd=fd)
             except FileNotFoundError:
-                continue  # never there, or Orbax deleted it itself meanwhile
+                continue  # never there, or the job deleted it itself meanwhile
             pod_files.remove(fd, trash)
 
 

@@ -19,11 +19,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, Gauge, generate_latest
 
 from csi_driver.identity import IdentityServicer
 from csi_driver.node import NodeServicer
-from csi_driver.ramdisk import RamdiskManager, make_backend
+from csi_driver.ramdisk import Ramdisk, RamdiskManager, make_backend
 from csi_driver.server import start_csi_server
-from csi_driver.volume_request import VolumeLimits
+from csi_driver.volume_request import VolumeLimits, VolumeSpec
 from replicator.backup_tier.backends import open_backup_store
-from replicator.local_tier.frameworks.orbax import clear_previous_pod
+from replicator.local_tier import frameworks
+from replicator.local_tier.job_meta import JobMeta
 from replicator.node.config import NodeConfig
 from replicator.node.loop import NodeReplicator
 from replicator.pacing import timing
@@ -37,14 +38,22 @@ RAMDISK_BYTES = Gauge("mtc_ramdisk_size_bytes", "Size limit of each job ramdisk 
 RAMDISK_USED = Gauge("mtc_ramdisk_used_bytes", "Bytes in use in each job ramdisk on this node", ["namespace", "job"])
 
 
+def on_new_pod(disk: Ramdisk, spec: VolumeSpec) -> None:
+    """The publish hook: records the framework the pod asks for (``spec.framework``, one the
+    ``VolumeLimits`` accept) on its ramdisk, and clears the previous pod's protocol files with it."""
+    framework = frameworks.get(spec.framework)
+    framework.clear_previous_pod(disk.client_dir)
+    JobMeta(disk.path).record_framework(framework)
+
+
 def open_ramdisks(root: str, backend: str) -> RamdiskManager:
     """The node's ramdisk manager (``--root``, ``--ramdisk-backend`` ``tmpfs`` or ``dir``), with the
-    Orbax protocol's cleanup as its publish hook: a new pod never reads the previous pod's rank.
+    framework protocol's cleanup as its publish hook: a new pod never reads the previous pod's rank.
 
     Raises:
       ValueError: an unknown backend.
     """
-    return RamdiskManager(root, make_backend(backend), on_new_pod=clear_previous_pod)
+    return RamdiskManager(root, make_backend(backend), on_new_pod=on_new_pod)
 
 
 class NodeAgent:
@@ -101,7 +110,7 @@ class NodeAgent:
         poke = (lambda *_: self.replicator.poke()) if self.replicator else (lambda *_: None)
         node = NodeServicer(
             self.manager, self.config.node_id, self.config.topology, self.config.default_size_bytes,
-            VolumeLimits(self.config.max_nodes, psutil.virtual_memory().total), poke, poke,
+            VolumeLimits(self.config.max_nodes, psutil.virtual_memory().total, frozenset(frameworks.REGISTRY)), poke, poke,
         )
         # Recovery first: kubelet must never be served from a state file the mount table contradicts.
         survivors = await asyncio.to_thread(self.manager.recover)

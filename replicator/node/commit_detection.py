@@ -13,7 +13,6 @@ from collections.abc import Callable
 from prometheus_client import Counter, Gauge
 
 from csi_driver.ramdisk import Ramdisk
-from replicator.local_tier.frameworks import orbax
 from replicator.local_tier.job_errors import report_to_job
 from replicator.local_tier.job_meta import JobMeta, PodProgress
 from replicator.local_tier.step_manifest import build_manifest
@@ -42,9 +41,9 @@ class CommitDetector:
         """One look at the pod's client dir: manifests for new steps, dropped ones for removed steps."""
         if progress.rank is None:
             return
-        known = meta.manifests()
+        known, framework = meta.manifests(), meta.framework
         # A thread lists the pod's dir only when it changed: the hop costs ten times the cached look.
-        scan = orbax.cached_scan(disk.client_dir) or await asyncio.to_thread(orbax.scan_steps, disk.client_dir)
+        scan = framework.cached_scan(disk.client_dir) or await asyncio.to_thread(framework.scan_steps, disk.client_dir)
         for step in set(known) - set(scan.committed) - set(scan.staged):
             meta.drop_manifest(step)  # Orbax removed an old step itself
         refused = self._refused.setdefault((disk.namespace, disk.job), set())
@@ -53,7 +52,7 @@ class CommitDetector:
             self._refuse(disk, meta, refused, step, "is not a directory (a symlink, FIFO or file where Orbax commits a step)")
         new = [s for s in scan.committed if s not in known and s not in refused]
         for step in new:
-            step_dir = orbax.find_step_dir(disk.client_dir, step)
+            step_dir = framework.find_step_dir(disk.client_dir, step)
             try:
                 manifest = await asyncio.to_thread(build_manifest, step_dir or os.path.join(disk.client_dir, str(step)), step, progress.rank,
                                                    self._share, len(meta.lineage()))  # fmt: skip
@@ -62,8 +61,8 @@ class CommitDetector:
             except (OSError, ValueError) as err:
                 self._refuse(disk, meta, refused, step, f"cannot be checkpointed: {err}")
                 continue
-            if not orbax.has_commit_evidence(manifest.files):
-                self._refuse(disk, meta, refused, step, f"lacks Orbax's {orbax.COMMIT_EVIDENCE}: not a complete checkpoint")
+            if missing := framework.missing_commit_evidence(manifest.files):
+                self._refuse(disk, meta, refused, step, f"lacks {missing}: not a complete checkpoint")
                 continue
             meta.save_manifest(manifest)
             if (progress.rank, step) in meta.replicas():

@@ -18,7 +18,7 @@ def collect_garbage(disk: Ramdisk, order: RetainOrder, busy_steps: set[tuple[str
     for step in meta.manifests():
         if step < order.keep_from and step not in keep:
             meta.drop_manifest(step)  # first: a step is never reported once its deletion began
-            delete_step(disk.client_dir, step)
+            delete_step(meta.framework, disk.client_dir, step)
             GC_DELETED.inc()
     spec = current_pod(disk)
     progress = meta.progress(spec.pod_uid) if spec else None

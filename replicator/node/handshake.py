@@ -1,6 +1,6 @@
-"""The pod's start-up hand-shake through Orbax's files: ``jax-init-info.txt`` once the pod has a rank,
-then ``replicator.yaml`` validated, recorded with the coordinator and consumed (or refused through
-``replicator.failed``). The file formats are ``replicator.local_tier.frameworks.orbax``'s."""
+"""The pod's start-up hand-shake through its framework's files: the rank file once the pod has a rank
+(Orbax's ``jax-init-info.txt``), then ``replicator.yaml`` validated, recorded with the coordinator and
+consumed (or refused through ``replicator.failed``). The file formats are the job's ``Framework``'s."""
 
 import logging
 
@@ -8,11 +8,11 @@ from prometheus_client import Counter
 
 from csi_driver.ramdisk import Ramdisk
 from replicator.local_tier import pod_files
-from replicator.local_tier.frameworks import orbax
+from replicator.local_tier.frameworks import InvalidReplicatorConfig
 from replicator.local_tier.job_errors import LogOnce
 from replicator.local_tier.job_meta import JobMeta, PodProgress
 from replicator.wire.coordinator_client import CoordinatorClient, CoordinatorUnavailable
-from replicator.wire.messages import Assignment, JobSettings
+from replicator.wire.messages import Assignment
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ def apply_assignment(disk: Ramdisk, meta: JobMeta, progress: PodProgress, assign
     returns the pod's progress after it."""
     if assignment is None or assignment.incarnation == progress.incarnation:
         return progress
-    orbax.write_jax_init_info(disk.client_dir, assignment.rank, assignment.jax_coordinator)
+    meta.framework.write_init_info(disk.client_dir, assignment.rank, assignment.jax_coordinator)
     progress = PodProgress(progress.pod_uid, assignment.incarnation, assignment.rank, assignment.jax_coordinator, jax_init_written=True)
     meta.save_progress(progress)
     log.info("%s/%s: pod %s is rank %d of incarnation %s (JAX coordinator %s)",
@@ -42,19 +42,19 @@ async def consume_replicator_yaml(client: CoordinatorClient, disk: Ramdisk, meta
     """Validates the job's ``replicator.yaml`` (if written yet), records its settings with the
     coordinator and in ``progress``, then consumes it; bad content goes to ``replicator.failed``.
     An unreachable coordinator leaves the file for the next pass."""
+    framework = meta.framework
     try:
-        text = orbax.read_replicator_yaml(disk.client_dir)
+        text = framework.read_config(disk.client_dir)
         if text is None:
             return
-        config = orbax.parse_replicator_config(text, progress.rank, nodes)
-    except (orbax.InvalidReplicatorConfig, pod_files.UnsafeEntry, UnicodeDecodeError) as err:
-        message = str(err) if isinstance(err, orbax.InvalidReplicatorConfig) else f"replicator.yaml is unusable: {err}"
+        settings = framework.parse_config(text, progress.rank, nodes)
+    except (InvalidReplicatorConfig, pod_files.UnsafeEntry, UnicodeDecodeError) as err:
+        message = str(err) if isinstance(err, InvalidReplicatorConfig) else f"replicator.yaml is unusable: {err}"
         log.error("%s/%s: rejected replicator.yaml: %s", disk.namespace, disk.job, message)
-        orbax.report_failure(disk.client_dir, meta.root, message)
-        orbax.consume_replicator_yaml(disk.client_dir)  # Orbax reads replicator.failed only once the yaml is gone
+        framework.report_failure(disk.client_dir, meta.root, message)
+        framework.consume_config(disk.client_dir)  # Orbax reads replicator.failed only once the yaml is gone
         REPLICATOR_YAML.labels("rejected").inc()
         return
-    settings = JobSettings(config.peer_ranks, config.data_parallelism, config.backup_interval_minutes, config.backup_interval_steps)
     try:
         await client.record_settings(progress.pod_rank(disk.namespace, disk.job), settings)
     except CoordinatorUnavailable as err:
@@ -62,6 +62,6 @@ async def consume_replicator_yaml(client: CoordinatorClient, disk: Ramdisk, meta
         return
     progress.settings = settings
     meta.save_progress(progress)
-    orbax.consume_replicator_yaml(disk.client_dir)
+    framework.consume_config(disk.client_dir)
     REPLICATOR_YAML.labels("accepted").inc()
     log.info("%s/%s rank %d: consumed replicator.yaml %s", disk.namespace, disk.job, progress.rank, settings)

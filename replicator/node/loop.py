@@ -21,7 +21,6 @@ from prefetch.restore import Restorer
 from replicator.backup_tier.store import BackupStore
 from replicator.backup_tier.worker import BackupWorker
 from replicator.local_tier import steps
-from replicator.local_tier.frameworks import orbax
 from replicator.local_tier.job_errors import LogOnce
 from replicator.local_tier.job_meta import JobMeta
 from replicator.local_tier.steps import drop_abandoned
@@ -208,9 +207,10 @@ class NodeReplicator:
 
     def _build_report(self, disks: dict) -> NodeReport:
         """The node's report (see ``ReportSession.build``), from its ramdisks."""
-        pods, own, replicas, lineages, waiting = [], [], [], [], False
+        pods, own, replicas, lineages, waiting, job_frameworks = [], [], [], [], False, {}
         for disk in disks.values():
             meta = JobMeta(disk.path)
+            framework = job_frameworks[(disk.namespace, disk.job)] = meta.framework
             if forks := meta.lineage():
                 lineages.append(Lineage(disk.namespace, disk.job, forks))
             for publication in disk.publications.values():
@@ -224,12 +224,12 @@ class NodeReplicator:
                     settings=progress.settings,
                 ))  # fmt: skip
                 waiting |= progress.incarnation is None and spec.pod_uid not in self._assignments
-            present = set(orbax.held_steps(disk.client_dir))
+            present = set(framework.scan_steps(disk.client_dir).held)
             own += [(disk.namespace, disk.job, step, m.rank, m.files, m.timeline) for step, m in meta.manifests().items() if step in present]
             mine = {(m.rank, step) for step, m in meta.manifests().items()}
             replicas += [(disk.namespace, disk.job, step, rank, m.timeline) for (rank, step), m in meta.replicas().items() if (rank, step) not in mine]
         backed_up = self._backup.listing.values() if self._backup else ()
-        return self._reporting.build(pods, own, replicas, backed_up, waiting, lineages)
+        return self._reporting.build(pods, own, replicas, backed_up, waiting, lineages, job_frameworks)
 
     # -- per-job workers -----------------------------------------------------------------------
 

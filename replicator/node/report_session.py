@@ -16,9 +16,9 @@ No I/O: the node agent and the coordinator scale bench's simulated nodes share i
 """
 
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
-from replicator.local_tier.frameworks import orbax
+from replicator.local_tier import frameworks
 from replicator.pacing import timing
 from replicator.wire.messages import (
     PROTOCOL_VERSION,
@@ -64,7 +64,8 @@ class ReportSession:
 
     def build(self, pods: Iterable[PodReport], own: Iterable[tuple[str, str, int, int, Files, int]],
               replicas: Iterable[StepKey], backed_up: Iterable[BackedUp], waiting: bool,
-              lineages: Iterable[Lineage] = ()) -> NodeReport:  # fmt: skip
+              lineages: Iterable[Lineage] = (), job_frameworks: Mapping[tuple[str, str], frameworks.Framework] | None = None,
+              ) -> NodeReport:  # fmt: skip
         """The node's report.
 
         Args:
@@ -74,12 +75,15 @@ class ReportSession:
           backed_up: its latest listings of backup tiers.
           waiting: a pod of the node waits for its assignment (the coordinator may hold the reply).
           lineages: the rollbacks of its jobs it knows of.
+          job_frameworks: (namespace, job) -> the job's framework, which signs its steps
+            (``Framework.logical_signature``); a job not listed is ``frameworks.DEFAULT``'s.
         """
         held = []
         for namespace, job, step, rank, files, timeline in own:
             key = (namespace, job, step, rank, timeline)
             if key not in self._signatures:
-                self._signatures[key] = orbax.logical_signature(files)
+                framework = (job_frameworks or {}).get((namespace, job)) or frameworks.get(frameworks.DEFAULT)
+                self._signatures[key] = framework.logical_signature(files)
             held.append(HeldStep(namespace, job, step, rank, None if key in self._sent_files else files, signature=self._signatures[key],
                                  timeline=timeline))  # fmt: skip
         keys = {(h.namespace, h.job, h.step, h.rank, h.timeline) for h in held}

@@ -36,7 +36,6 @@ from aiohttp import web
 
 from csi_driver.volume_request import DNS1123_LABEL
 from replicator.local_tier import pod_files
-from replicator.local_tier.frameworks import orbax
 from replicator.local_tier.job_meta import JobMeta
 from replicator.local_tier.step_manifest import StepManifest, safe_relpath, verify_step
 from replicator.pacing.cpu_share import CpuShare
@@ -276,8 +275,9 @@ class _PeerService:
 
     async def list_steps(self, request: web.Request) -> web.Response:
         _, meta = self._job(request)
+        framework = meta.framework
         held = {(m.rank, m.step): m.total_bytes for m in meta.manifests().values()
-                if orbax.find_step_dir(meta.client_dir, m.step) is not None}
+                if framework.find_step_dir(meta.client_dir, m.step) is not None}
         held.update({key: m.total_bytes for key, m in meta.replicas().items()})
         return web.json_response({"steps": [{"rank": r, "step": s, "bytes": n} for (r, s), n in sorted(held.items())]})
 

@@ -13,9 +13,10 @@ happens through files in the pod's local checkpoint directory (the ramdisk's cli
   directory with another name, by a relative target (the pod mounts the dir elsewhere), and
   ``<local>/<step>`` must not exist. A zero-byte regular file with step 0 means "start fresh".
 - ``<step>.orbax-checkpoint-tmp/`` renamed to ``<step>/``: a committed local save.
+
+``Orbax`` is its ``frameworks.Framework``; the names and the ``replicator.yaml`` parser stay module-level.
 """
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -29,6 +30,8 @@ import yaml
 
 from csi_driver import file_cache
 from replicator.local_tier import pod_files
+from replicator.local_tier.frameworks.base import Files, InvalidReplicatorConfig, StepScan
+from replicator.wire.messages import JobSettings
 
 JAX_INIT_INFO_FILE = "jax-init-info.txt"
 REPLICATOR_FILE = "replicator.yaml"
@@ -43,29 +46,6 @@ STAGED_PREFIX = ".mtc-staged-"
 _RESTORE_MARKER = re.compile(r"^.+-s(?P<step>[0-9]+)-n[0-9]+-w[0-9]+\.restore$", re.ASCII)
 _MAX_REPLICATOR_YAML_BYTES = 64 << 10
 _MAX_REPORT_BYTES = 64 << 10  # the newest part of replicator.errors / .failed
-
-
-@dataclasses.dataclass(frozen=True)
-class StepScan:
-    """Steps in a client dir (see ``scan_steps``).
-
-    Attributes:
-      committed: steps Orbax committed (``<step>/``), ascending.
-      staged: steps staged for a restore marker (``.mtc-staged-<step>/``), ascending.
-      refused: names of steps that are not directories (a planted symlink, FIFO or file).
-    """
-
-    committed: list[int]
-    staged: list[int]
-    refused: list[int]
-
-
-class InvalidReplicatorConfig(ValueError):
-    """``replicator.yaml`` is unusable; ``field`` names the offending key."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"replicator.yaml field {field}: {message}")
-        self.field = field
 
 
 _YAML_NAMES = {"data_parallelism": "assume-data-parallelism", "backup_interval_minutes": "backup-interval-minutes",
@@ -141,32 +121,9 @@ def parse_replicator_config(text: str, expected_rank: int, expected_nodes: int) 
     return config
 
 
-def write_jax_init_info(local_dir: str, process_id: int, coordinator_address: str) -> None:
-    """Writes ``jax-init-info.txt`` (tmp + rename) so Orbax never reads half a file.
-
-    Args:
-      process_id: the node rank.
-      coordinator_address: ``host:port`` of rank 0's JAX coordinator.
-    """
-    with pod_files.open_dir(local_dir) as fd:
-        pod_files.write_atomic(fd, JAX_INIT_INFO_FILE, f"{process_id}\n{coordinator_address}\n".encode())
-
-
-def read_replicator_yaml(local_dir: str) -> str | None:
-    """The job's ``replicator.yaml``, or None while it has not written one.
-
-    Raises:
-      pod_files.UnsafeEntry: it is not a regular file (a symlink, a FIFO) or is over 64 KiB.
-      UnicodeDecodeError: it is not UTF-8.
-    """
-    with pod_files.open_dir(local_dir) as fd:
-        return pod_files.read_text(fd, REPLICATOR_FILE, _MAX_REPLICATOR_YAML_BYTES)
-
-
-def consume_replicator_yaml(local_dir: str) -> None:
-    """Deletes ``replicator.yaml``: the job waits for that before it goes on (or reads ``.failed``)."""
-    with pod_files.open_dir(local_dir) as fd:
-        pod_files.remove(fd, REPLICATOR_FILE)
+def restore_marker_name(job: str, step: int, rank: int) -> str:
+    """``<job>-s<step>-n<rank>-w0.restore``, matching Orbax's ``_RESTORE_DIR_RE``."""
+    return f"{job}-s{step}-n{rank}-w0{RESTORE_SUFFIX}"
 
 
 def _report(local_dir: str, log_dir: str, name: str, message: str) -> None:
@@ -183,191 +140,206 @@ def _report(local_dir: str, log_dir: str, name: str, message: str) -> None:
         pod_files.write_atomic(client, name, text.encode())
 
 
-def report_error(local_dir: str, log_dir: str, message: str) -> None:
-    """Appends a recoverable error to ``replicator.errors``; Orbax logs it and deletes the file.
+class Orbax:
+    """Orbax's multi-tier checkpointing, as a ``frameworks.Framework`` (the module docstring gives
+    the files). One instance serves every Orbax job of the node: it holds only the scan cache."""
 
-    Args:
-      local_dir: the client dir.
-      log_dir: an agent-owned directory of the same job, where the file's content is kept.
-    """
-    _report(local_dir, log_dir, ERRORS_FILE, message)
+    name = "orbax"
 
+    def __init__(self):
+        # local dir -> its last scan; the agent scans every job's dir five times a second.
+        self._scans: file_cache.KeyedCache[StepScan] = file_cache.KeyedCache()
 
-def report_failure(local_dir: str, log_dir: str, message: str) -> None:
-    """Writes ``replicator.failed``: Orbax raises ``RuntimeError`` with this message."""
-    _report(local_dir, log_dir, FAILED_FILE, message)
+    # -- the client dir's layout -----------------------------------------------------------------
 
+    def scan_steps(self, local_dir: str) -> StepScan:
+        """What the client dir holds, read without following any link the pod may have planted.
 
-def restore_marker_name(job: str, step: int, rank: int) -> str:
-    """``<job>-s<step>-n<rank>-w0.restore``, matching Orbax's ``_RESTORE_DIR_RE``."""
-    return f"{job}-s{step}-n{rank}-w0{RESTORE_SUFFIX}"
+        A committed step is a directory named by an integer, or the symlink Orbax leaves when it adopts
+        our restore marker (``<step>`` -> ``.mtc-staged-<step>``, a directory). Any other entry with a
+        step's name (a symlink elsewhere, a FIFO, a file) is returned in ``refused``.
+        ``<step>.orbax-checkpoint-tmp`` directories are still being written and never count.
 
+        The dir is listed again only when its ``file_cache.Key`` (``fstat`` of the opened dir) changed:
+        every create, delete and rename of an entry, Orbax's commit rename included, changes its ctime,
+        which the pod cannot set back. A change inside a step directory does not, and is not part of
+        a scan.
+        """
+        since = time.time_ns()
+        with pod_files.open_dir(local_dir) as fd:
+            key = file_cache.key_of(os.fstat(fd))
+            scan = self._scans.get(local_dir, key)
+            if scan is None:
+                scan = self._scan(fd)
+                self._scans.put(local_dir, key, since, scan)
+        return _copy(scan)
 
-def write_fresh_start_marker(local_dir: str, job: str, rank: int) -> str:
-    """Writes the zero-byte ``s0`` marker: no checkpoint exists, start from scratch. Returns its path."""
-    name = restore_marker_name(job, 0, rank)
-    with pod_files.open_dir(local_dir) as fd:
-        pod_files.write_atomic(fd, name, b"")
-    return os.path.join(local_dir, name)
+    def cached_scan(self, local_dir: str) -> StepScan | None:
+        """``scan_steps(local_dir)`` if the dir is unchanged since the last scan, else None. It costs
+        an open and an ``fstat``, so an event loop may call it, where a full scan of a dir the pod
+        fills is work for a thread."""
+        with pod_files.open_dir(local_dir) as fd:
+            scan = self._scans.get(local_dir, file_cache.key_of(os.fstat(fd)))
+        return None if scan is None else _copy(scan)
 
+    def _scan(self, fd: int) -> StepScan:
+        committed, staged, refused = [], [], []
+        entries = dict(pod_files.names(fd))
+        for name, status in entries.items():
+            if name.startswith(STAGED_PREFIX):
+                step = pod_files.parse_int_name(name[len(STAGED_PREFIX):])
+                if step is not None and stat.S_ISDIR(status.st_mode):
+                    staged.append(step)
+                continue
+            step = pod_files.parse_int_name(name)
+            if step is None:
+                continue
+            if stat.S_ISDIR(status.st_mode):
+                committed.append(step)
+            elif stat.S_ISLNK(status.st_mode) and self._is_adopted_marker(fd, name, step, entries):
+                committed.append(step)
+            else:
+                refused.append(step)
+        return StepScan(sorted(committed), sorted(staged), sorted(refused))
 
-def staged_name(step: int) -> str:
-    """The name a step waits under for Orbax to adopt it through a restore marker."""
-    return f"{STAGED_PREFIX}{step}"
+    def _is_adopted_marker(self, fd: int, name: str, step: int, entries: dict[str, os.stat_result]) -> bool:
+        try:
+            target = os.readlink(name, dir_fd=fd)
+        except OSError:
+            return False
+        found = entries.get(target)
+        return target == self.staged_name(step) and found is not None and stat.S_ISDIR(found.st_mode)
 
+    def find_step_dir(self, local_dir: str, step: int) -> str | None:
+        """The real directory holding ``step``: staged for a marker, or committed. Never a symlink:
+        an adopted marker resolves to its staged directory."""
+        with pod_files.open_dir(local_dir) as fd:
+            for name in (self.staged_name(step), str(step)):
+                if pod_files.is_dir(fd, name):
+                    return os.path.join(local_dir, name)
+        return None
 
-def staged_step_dir(local_dir: str, step: int) -> str:
-    """Where a step waits for Orbax to adopt it through a restore marker."""
-    return os.path.join(local_dir, staged_name(step))
+    def staged_name(self, step: int) -> str:
+        """``.mtc-staged-<step>``: not a step name, so Orbax ignores it until the marker points at it."""
+        return f"{STAGED_PREFIX}{step}"
 
+    def step_names(self, step: int) -> tuple[str, ...]:
+        """``<step>`` (a commit, or the marker Orbax adopted) and ``.mtc-staged-<step>``."""
+        return str(step), self.staged_name(step)
 
-def write_restore_marker(local_dir: str, job: str, step: int, rank: int) -> str:
-    """Points a restore marker at the staged step by a relative symlink. Returns the marker's path.
+    def steps_restored_instead(self, scan: StepScan, step: int | None) -> list[int]:
+        """The steps of ``scan`` Orbax would restore instead of ``step`` (every one when None): Orbax
+        restores the newest step directory it finds, so every committed or refused name newer than it."""
+        return [s for s in scan.committed + scan.refused if step is None or s > step]
 
-    Raises:
-      FileNotFoundError: the step is not staged (see ``staged_step_dir``).
-    """
-    name = restore_marker_name(job, step, rank)
-    with pod_files.open_dir(local_dir) as fd:
-        if not pod_files.is_dir(fd, staged_name(step)):
-            raise FileNotFoundError(f"step {step} is not staged at {staged_step_dir(local_dir, step)}")
-        # Relative: the pod sees this dir at its own mountPath.
-        pod_files.write_symlink(fd, name, staged_name(step))
-    return os.path.join(local_dir, name)
+    # -- commit evidence ---------------------------------------------------------------------------
 
+    def missing_commit_evidence(self, files: Files) -> str | None:
+        """Orbax writes ``_CHECKPOINT_METADATA`` into every step before the commit rename: an empty
+        or partial manifest (a step that vanished while it was checksummed) lacks it."""
+        return None if COMMIT_EVIDENCE in files else f"Orbax's {COMMIT_EVIDENCE}"
 
-def clear_previous_pod(local_dir: str) -> None:
-    """Removes what a previous pod's protocol run left: its rank, its unconsumed
-    ``replicator.yaml`` (Orbax waits for it to vanish before writing its own), reports, markers
-    and temporary files of interrupted writes."""
-    with pod_files.open_dir(local_dir) as fd:
-        for name in (JAX_INIT_INFO_FILE, REPLICATOR_FILE, ERRORS_FILE, FAILED_FILE):
-            pod_files.remove(fd, name)
-        pod_files.sweep_temp_files(fd)
-    remove_markers(local_dir)
+    def logical_signature(self, files: Files) -> str | None:
+        """A SHA-256 hex digest of the checksums of a step's structural metadata: the pytree
+        (``_METADATA``), its shardings (``_sharding``) and the process metadata; None when the step has
+        none. Data-parallel peers write different array bytes (``ocdbt.process_<i>``) but identical
+        structure; with the job's ``assume-data-parallelism`` promise equal signatures are what we check
+        before treating one peer's step as the other's.
+        """
+        structural = sorted(
+            (path, size, crc)
+            for path, (size, crc) in files.items()
+            if path.rsplit("/", 1)[-1] in ("_METADATA", "_sharding") or (path.startswith("process_metadata/") and path.endswith(".json"))
+        )
+        return hashlib.sha256(json.dumps(structural).encode()).hexdigest() if structural else None
 
+    # -- the hand-shake ----------------------------------------------------------------------------
 
-def remove_markers(local_dir: str) -> None:
-    """Removes restore markers a previous incarnation left unconsumed."""
-    with pod_files.open_dir(local_dir) as fd:
-        for name, _ in pod_files.names(fd):
-            if _RESTORE_MARKER.match(name):
+    def write_init_info(self, local_dir: str, rank: int, coordinator_address: str) -> None:
+        """Writes ``jax-init-info.txt`` (``"<rank>\\n<host>:<port>\\n"``, tmp + rename) so Orbax never
+        reads half a file; Orbax polls for it 900 s and gives it to ``jax.distributed.initialize``."""
+        with pod_files.open_dir(local_dir) as fd:
+            pod_files.write_atomic(fd, JAX_INIT_INFO_FILE, f"{rank}\n{coordinator_address}\n".encode())
+
+    def read_config(self, local_dir: str) -> str | None:
+        """The job's ``replicator.yaml``, or None while it has not written one.
+
+        Raises:
+          pod_files.UnsafeEntry: it is not a regular file (a symlink, a FIFO) or is over 64 KiB.
+          UnicodeDecodeError: it is not UTF-8.
+        """
+        with pod_files.open_dir(local_dir) as fd:
+            return pod_files.read_text(fd, REPLICATOR_FILE, _MAX_REPLICATOR_YAML_BYTES)
+
+    def parse_config(self, text: str, expected_rank: int, expected_nodes: int) -> JobSettings:
+        """The settings of ``replicator.yaml`` (see ``parse_replicator_config``).
+
+        Raises:
+          InvalidReplicatorConfig: naming the field and the value.
+        """
+        config = parse_replicator_config(text, expected_rank, expected_nodes)
+        return JobSettings(config.peer_ranks, config.data_parallelism, config.backup_interval_minutes, config.backup_interval_steps)
+
+    def consume_config(self, local_dir: str) -> None:
+        """Deletes ``replicator.yaml``: the job waits for that before it goes on (or reads ``.failed``)."""
+        with pod_files.open_dir(local_dir) as fd:
+            pod_files.remove(fd, REPLICATOR_FILE)
+
+    def clear_previous_pod(self, local_dir: str) -> None:
+        """Removes what a previous pod's protocol run left: its rank, its unconsumed
+        ``replicator.yaml`` (Orbax waits for it to vanish before writing its own), reports, markers
+        and temporary files of interrupted writes."""
+        with pod_files.open_dir(local_dir) as fd:
+            for name in (JAX_INIT_INFO_FILE, REPLICATOR_FILE, ERRORS_FILE, FAILED_FILE):
                 pod_files.remove(fd, name)
+            pod_files.sweep_temp_files(fd)
+        self.remove_markers(local_dir)
 
+    # -- restore markers ---------------------------------------------------------------------------
 
-# local dir -> its last scan; the agent scans every job's dir five times a second.
-_SCANS: file_cache.KeyedCache[StepScan] = file_cache.KeyedCache()
+    def write_restore_marker(self, local_dir: str, job: str, step: int, rank: int) -> str:
+        """Points a restore marker at the staged step by a relative symlink. Returns the marker's path.
 
+        Raises:
+          FileNotFoundError: the step is not staged (see ``staged_name``).
+        """
+        name, staged = restore_marker_name(job, step, rank), self.staged_name(step)
+        with pod_files.open_dir(local_dir) as fd:
+            if not pod_files.is_dir(fd, staged):
+                raise FileNotFoundError(f"step {step} is not staged at {os.path.join(local_dir, staged)}")
+            # Relative: the pod sees this dir at its own mountPath.
+            pod_files.write_symlink(fd, name, staged)
+        return os.path.join(local_dir, name)
 
-def scan_steps(local_dir: str) -> StepScan:
-    """What the client dir holds, read without following any link the pod may have planted.
+    def write_fresh_start_marker(self, local_dir: str, job: str, rank: int) -> str:
+        """Writes the zero-byte ``s0`` marker: no checkpoint exists, start from scratch. Returns its path."""
+        name = restore_marker_name(job, 0, rank)
+        with pod_files.open_dir(local_dir) as fd:
+            pod_files.write_atomic(fd, name, b"")
+        return os.path.join(local_dir, name)
 
-    A committed step is a directory named by an integer, or the symlink Orbax leaves when it adopts
-    our restore marker (``<step>`` -> ``.mtc-staged-<step>``, a directory). Any other entry with a
-    step's name (a symlink elsewhere, a FIFO, a file) is returned in ``refused``.
-    ``<step>.orbax-checkpoint-tmp`` directories are still being written and never count.
+    def remove_markers(self, local_dir: str) -> None:
+        """Removes restore markers a previous incarnation left unconsumed."""
+        with pod_files.open_dir(local_dir) as fd:
+            for name, _ in pod_files.names(fd):
+                if _RESTORE_MARKER.match(name):
+                    pod_files.remove(fd, name)
 
-    The dir is listed again only when its ``file_cache.Key`` (``fstat`` of the opened dir) changed:
-    every create, delete and rename of an entry, Orbax's commit rename included, changes its ctime,
-    which the pod cannot set back. A change inside a step directory does not, and is not part of
-    a scan.
-    """
-    since = time.time_ns()
-    with pod_files.open_dir(local_dir) as fd:
-        key = file_cache.key_of(os.fstat(fd))
-        scan = _SCANS.get(local_dir, key)
-        if scan is None:
-            scan = _scan(fd)
-            _SCANS.put(local_dir, key, since, scan)
-    return _copy(scan)
+    # -- the error files ---------------------------------------------------------------------------
 
+    def report_error(self, local_dir: str, log_dir: str, message: str) -> None:
+        """Appends a recoverable error to ``replicator.errors``; Orbax logs it and deletes the file.
 
-def cached_scan(local_dir: str) -> StepScan | None:
-    """``scan_steps(local_dir)`` if the dir is unchanged since the last scan, else None. It costs
-    an open and an ``fstat``, so an event loop may call it, where a full scan of a dir the pod
-    fills is work for a thread."""
-    with pod_files.open_dir(local_dir) as fd:
-        scan = _SCANS.get(local_dir, file_cache.key_of(os.fstat(fd)))
-    return None if scan is None else _copy(scan)
+        Args:
+          local_dir: the client dir.
+          log_dir: an agent-owned directory of the same job, where the file's content is kept.
+        """
+        _report(local_dir, log_dir, ERRORS_FILE, message)
+
+    def report_failure(self, local_dir: str, log_dir: str, message: str) -> None:
+        """Writes ``replicator.failed``: Orbax raises ``RuntimeError`` with this message."""
+        _report(local_dir, log_dir, FAILED_FILE, message)
 
 
 def _copy(scan: StepScan) -> StepScan:
     return StepScan(list(scan.committed), list(scan.staged), list(scan.refused))  # the caller's own lists
-
-
-def _scan(fd: int) -> StepScan:
-    committed, staged, refused = [], [], []
-    entries = dict(pod_files.names(fd))
-    for name, status in entries.items():
-        if name.startswith(STAGED_PREFIX):
-            step = pod_files.parse_int_name(name[len(STAGED_PREFIX):])
-            if step is not None and stat.S_ISDIR(status.st_mode):
-                staged.append(step)
-            continue
-        step = pod_files.parse_int_name(name)
-        if step is None:
-            continue
-        if stat.S_ISDIR(status.st_mode):
-            committed.append(step)
-        elif stat.S_ISLNK(status.st_mode) and _is_adopted_marker(fd, name, step, entries):
-            committed.append(step)
-        else:
-            refused.append(step)
-    return StepScan(sorted(committed), sorted(staged), sorted(refused))
-
-
-def _is_adopted_marker(fd: int, name: str, step: int, entries: dict[str, os.stat_result]) -> bool:
-    try:
-        target = os.readlink(name, dir_fd=fd)
-    except OSError:
-        return False
-    found = entries.get(target)
-    return target == staged_name(step) and found is not None and stat.S_ISDIR(found.st_mode)
-
-
-def committed_steps(local_dir: str) -> list[int]:
-    """Steps committed in ``local_dir`` (see ``scan_steps``)."""
-    return scan_steps(local_dir).committed
-
-
-def held_steps(local_dir: str) -> list[int]:
-    """Committed steps plus steps staged for a restore marker: everything the dir holds."""
-    scan = scan_steps(local_dir)
-    return sorted(set(scan.committed) | set(scan.staged))
-
-
-def steps_restored_instead(scan: StepScan, step: int | None) -> list[int]:
-    """The steps of ``scan`` Orbax would restore instead of ``step`` (every one when None): Orbax
-    restores the newest step directory it finds, so every committed or refused name newer than it."""
-    return [s for s in scan.committed + scan.refused if step is None or s > step]
-
-
-def find_step_dir(local_dir: str, step: int) -> str | None:
-    """The real directory holding ``step``: staged for a marker, or committed. Never a symlink:
-    an adopted marker resolves to its staged directory."""
-    with pod_files.open_dir(local_dir) as fd:
-        for name in (staged_name(step), str(step)):
-            if pod_files.is_dir(fd, name):
-                return os.path.join(local_dir, name)
-    return None
-
-
-def has_commit_evidence(files: dict[str, tuple[int, str]]) -> bool:
-    """Whether a step's manifest lists Orbax's ``_CHECKPOINT_METADATA``: an empty or partial
-    manifest (a step that vanished while it was checksummed) never passes for a checkpoint."""
-    return COMMIT_EVIDENCE in files
-
-
-def logical_signature(files: dict[str, tuple[int, str]]) -> str | None:
-    """A SHA-256 hex digest of the checksums of a step's structural metadata: the pytree
-    (``_METADATA``), its shardings (``_sharding``) and the process metadata; None when the step has
-    none. Data-parallel peers write different array bytes (``ocdbt.process_<i>``) but identical
-    structure; with the job's ``assume-data-parallelism`` promise equal signatures are what we check
-    before treating one peer's step as the other's.
-    """
-    structural = sorted(
-        (path, size, crc)
-        for path, (size, crc) in files.items()
-        if path.rsplit("/", 1)[-1] in ("_METADATA", "_sharding") or (path.startswith("process_metadata/") and path.endswith(".json"))
-    )
-    return hashlib.sha256(json.dumps(structural).encode()).hexdigest() if structural else None

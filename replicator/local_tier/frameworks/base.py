@@ -1,0 +1,183 @@
+"""What the node agent needs from a training framework: the ``Framework`` protocol and its shared types.
+
+The agent and the training job speak only through files in the job's client dir (the ramdisk's
+``client/``, the pod's local checkpoint directory). A framework module (``orbax``) knows their names
+and formats; the node code (``replicator.node``, ``prefetch``, the peer tier, ``local_tier``) asks
+the job's ``Framework`` (``JobMeta.framework``) and never names a file of the protocol itself.
+
+Every method that takes ``local_dir`` opens it through ``pod_files`` (the pod may have planted
+symlinks, FIFOs or huge files there) and may raise ``FileNotFoundError`` when the dir is gone.
+"""
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Protocol, runtime_checkable
+
+from replicator.wire.messages import JobSettings
+
+# A step's checksums as its manifest holds them: path inside the step -> (size in bytes, CRC32C hex).
+Files = Mapping[str, tuple[int, str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepScan:
+    """Steps in a client dir (see ``Framework.scan_steps``); each list ascending, without repeats.
+
+    Attributes:
+      committed: steps the job committed, including one it adopted through our restore marker.
+      staged: steps a restore staged for a marker, under ``Framework.staged_name``.
+      refused: steps whose name holds something that is not a directory (a planted symlink, a FIFO,
+        a file): never read, never counted as committed.
+    """
+
+    committed: list[int]
+    staged: list[int]
+    refused: list[int]
+
+    @property
+    def held(self) -> list[int]:
+        """Committed plus staged steps: everything the dir holds, ascending."""
+        return sorted(set(self.committed) | set(self.staged))
+
+
+class InvalidReplicatorConfig(ValueError):
+    """The job's ``replicator.yaml`` is unusable; ``field`` names the offending key (``(document)``
+    when the file as a whole is)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"replicator.yaml field {field}: {message}")
+        self.field = field
+
+
+@runtime_checkable
+class Framework(Protocol):
+    """A training framework's side of the client dir, as the node agent uses it.
+
+    An implementation is stateless towards the caller (one shared instance per framework, in
+    ``frameworks.REGISTRY``) and thread-safe: the agent calls it from its event loop and from worker
+    threads at once.
+
+    Attributes:
+      name: the framework's name, as the job writes it in ``replicator.yaml`` (``framework:``) and
+        the pod asks for it in the volume attribute ``framework``: the registry key.
+    """
+
+    name: str
+
+    # -- the client dir's layout -----------------------------------------------------------------
+
+    def scan_steps(self, local_dir: str) -> StepScan:
+        """The steps ``local_dir`` holds, listed without following any link the pod may have planted.
+
+        A committed step is the framework's commit (for Orbax ``<step>/``, renamed from
+        ``<step>.orbax-checkpoint-tmp/``), or a restore marker the job took (the job renamed our
+        marker, a symlink to ``staged_name(step)``, to the step's name): this is how the node sees
+        that the job took the marker. Names still being written (temporary names) never count.
+        """
+        ...
+
+    def cached_scan(self, local_dir: str) -> StepScan | None:
+        """``scan_steps(local_dir)`` when that costs no listing (the dir is unchanged since the last
+        scan), else None; cheap enough for an event loop. An implementation may always return None."""
+        ...
+
+    def find_step_dir(self, local_dir: str, step: int) -> str | None:
+        """The path of the real directory holding ``step`` (staged or committed), never a symlink;
+        None when the dir holds no such directory."""
+        ...
+
+    def staged_name(self, step: int) -> str:
+        """The name, in the client dir, under which a restore places a verified step before the
+        marker points at it. The job must ignore it as a step (for Orbax ``.mtc-staged-<step>``)."""
+        ...
+
+    def step_names(self, step: int) -> tuple[str, ...]:
+        """Every name ``step`` can have in the client dir (committed, staged, adopted marker): what
+        deleting the step removes."""
+        ...
+
+    def steps_restored_instead(self, scan: StepScan, step: int | None) -> list[int]:
+        """The steps of ``scan`` the job would restore instead of ``step`` (every step when None),
+        which a restore must take out of the client dir before it writes the marker."""
+        ...
+
+    # -- commit evidence ---------------------------------------------------------------------------
+
+    def missing_commit_evidence(self, files: Files) -> str | None:
+        """What a step's checksums lack to be a complete checkpoint, phrased to follow "lacks"
+        (e.g. ``"Orbax's _CHECKPOINT_METADATA"``); None when the step is complete."""
+        ...
+
+    def logical_signature(self, files: Files) -> str | None:
+        """A hex digest of the step's structure (not its array bytes): equal on data-parallel
+        replicas of one step, which the coordinator compares before treating one replica's step as
+        another's; None when the step carries no structure to compare."""
+        ...
+
+    # -- the hand-shake ----------------------------------------------------------------------------
+
+    def write_init_info(self, local_dir: str, rank: int, coordinator_address: str) -> None:
+        """Tells the job its rank and where rank 0's coordinator listens (``host:port``), written
+        whole (tmp + rename). A framework whose job learns its rank elsewhere writes nothing."""
+        ...
+
+    def read_config(self, local_dir: str) -> str | None:
+        """The job's config file (``replicator.yaml``), or None while it has not written one.
+
+        Raises:
+          pod_files.UnsafeEntry: it is not a regular file, or is too large.
+          UnicodeDecodeError: it is not UTF-8.
+        """
+        ...
+
+    def parse_config(self, text: str, expected_rank: int, expected_nodes: int) -> JobSettings:
+        """Validates the config file's ``text`` against the rank this node assigned and the volume's
+        node count, and returns the settings the coordinator records.
+
+        Raises:
+          InvalidReplicatorConfig: naming the field and the value.
+        """
+        ...
+
+    def consume_config(self, local_dir: str) -> None:
+        """Deletes the config file: the job waits for that (or for ``replicator.failed``) to go on."""
+        ...
+
+    def clear_previous_pod(self, local_dir: str) -> None:
+        """Removes what a previous pod's hand-shake left (rank file, config, reports, markers,
+        temporary files), so a new pod never reads its predecessor's rank."""
+        ...
+
+    # -- restore markers ---------------------------------------------------------------------------
+
+    def write_restore_marker(self, local_dir: str, job: str, step: int, rank: int) -> str:
+        """Tells the job to restore ``step``, staged under ``staged_name(step)``; returns the marker's path.
+
+        Raises:
+          FileNotFoundError: the step is not staged.
+        """
+        ...
+
+    def write_fresh_start_marker(self, local_dir: str, job: str, rank: int) -> str:
+        """Tells the job no checkpoint exists: start from scratch. Returns the marker's path."""
+        ...
+
+    def remove_markers(self, local_dir: str) -> None:
+        """Removes restore markers the job has not taken (a previous incarnation's)."""
+        ...
+
+    # -- the error files ---------------------------------------------------------------------------
+
+    def report_error(self, local_dir: str, log_dir: str, message: str) -> None:
+        """Appends a recoverable error for the job to log (``replicator.errors``).
+
+        Args:
+          local_dir: the client dir.
+          log_dir: an agent-owned directory of the same job, where the report's content is kept
+            (the pod's copy is never read back).
+        """
+        ...
+
+    def report_failure(self, local_dir: str, log_dir: str, message: str) -> None:
+        """Writes a fatal error (``replicator.failed``): the job stops with ``message``."""
+        ...
