@@ -13,13 +13,12 @@ import stat
 from replicator.local_tier import pod_files, steps
 from replicator.local_tier.frameworks import orbax
 from replicator.local_tier.job_meta import JobMeta
-from replicator.local_tier.step_manifest import StepManifest, verify_step
+from replicator.local_tier.step_manifest import StepManifest, UnusableCopy, check_step
 
 log = logging.getLogger(__name__)
 
 
-
-def stage_local(local_dir: str, step: int, manifest: StepManifest | None, meta: JobMeta | None = None, rank: int | None = None) -> list[str]:
+def stage_local(local_dir: str, step: int, manifest: StepManifest | None, meta: JobMeta | None = None, rank: int | None = None) -> None:
     """Verifies this node's own copy of ``step`` and moves it to the staged name.
 
     Args:
@@ -29,18 +28,21 @@ def stage_local(local_dir: str, step: int, manifest: StepManifest | None, meta: 
       meta, rank: where to look for the step when an earlier restore set it aside (see
         ``clear_for_restore``), as the node's own copy of ``rank``.
 
-    Returns:
-      Problems found; empty when the step is staged and verified.
+    Raises:
+      CorruptCopy: the copy fails its checksums.
+      UnusableCopy: the step is not held here, has no manifest, or its files are not its manifest's.
     """
     found = orbax.find_step_dir(local_dir, step)
     if found is None and meta is not None and (aside := meta.replicas().get((rank, step))) is not None:
-        return _stage_set_aside(local_dir, step, meta, aside)
+        _stage_set_aside(local_dir, step, meta, aside)
+        return
     if found is None or manifest is None:
-        return [f"step {step} is not held here" if found is None else f"step {step} has no manifest"]
-    problems = verify_step(found, manifest)
-    if problems:
-        log.error("local copy of step %d is corrupt: %s", step, problems[:5])
-        return problems
+        raise UnusableCopy(f"step {step} is not held here" if found is None else f"step {step} has no manifest")
+    try:
+        check_step(found, manifest, f"the local copy of step {step}")
+    except UnusableCopy as err:
+        log.error("%s", err)
+        raise
     staged = orbax.staged_name(step)
     with pod_files.open_dir(local_dir) as fd:
         if os.path.basename(found) != staged:
@@ -48,21 +50,20 @@ def stage_local(local_dir: str, step: int, manifest: StepManifest | None, meta: 
         elif (link := pod_files.lstat(fd, str(step))) is not None and stat.S_ISLNK(link.st_mode):
             os.unlink(str(step), dir_fd=fd)  # the marker of an earlier restore; Orbax recreates it from ours
         pod_files.fsync_dir(fd)
-    return []
 
 
-def _stage_set_aside(local_dir: str, step: int, meta: JobMeta, manifest: StepManifest) -> list[str]:
+def _stage_set_aside(local_dir: str, step: int, meta: JobMeta, manifest: StepManifest) -> None:
     """Verifies a step set aside by an earlier restore and moves it back, staged; it is the node's
-    own step again (its manifest follows it)."""
+    own step again (its manifest follows it). Raises as ``stage_local``."""
     aside = meta.replica_dir(manifest.rank, step)
-    problems = verify_step(aside, manifest)
-    if problems:
-        log.error("set-aside copy of step %d is corrupt: %s", step, problems[:5])
-        return problems
+    try:
+        check_step(aside, manifest, f"the set-aside copy of step {step}")
+    except UnusableCopy as err:
+        log.error("%s", err)
+        raise
     install_staged(local_dir, step, aside)
     meta.save_manifest(manifest)
     meta.drop_replica(manifest.rank, step)
-    return []
 
 
 def install_staged(local_dir: str, step: int, verified_dir: str) -> None:

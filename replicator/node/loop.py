@@ -22,7 +22,7 @@ from replicator.backup_tier.store import BackupStore
 from replicator.backup_tier.worker import BackupWorker
 from replicator.local_tier import steps
 from replicator.local_tier.frameworks import orbax
-from replicator.local_tier.job_errors import LogOnce
+from replicator.local_tier.log_once import LogOnce
 from replicator.local_tier.job_meta import JobMeta
 from replicator.local_tier.steps import drop_abandoned
 from replicator.node import handshake

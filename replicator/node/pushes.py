@@ -13,7 +13,7 @@ import aiohttp
 from prometheus_client import Counter
 
 from csi_driver.ramdisk import Ramdisk
-from replicator.local_tier.job_errors import LogOnce
+from replicator.local_tier.log_once import LogOnce
 from replicator.local_tier.job_meta import JobMeta
 from replicator.pacing import timing
 from replicator.pacing.cpu_share import CpuShare

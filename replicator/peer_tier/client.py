@@ -29,7 +29,7 @@ import aiohttp
 import google_crc32c
 
 from replicator.local_tier import pod_files
-from replicator.local_tier.step_manifest import StepManifest, UnusableCopy, crc32c_combine, safe_relpath
+from replicator.local_tier.step_manifest import CorruptCopy, StepManifest, UnusableCopy, crc32c_combine, safe_relpath
 from replicator.pacing import timing
 from replicator.pacing.cpu_share import CpuShare
 from replicator.peer_tier.protocol import COMMIT_SUFFIX, FILES_SUFFIX, MANIFEST_SUFFIX, STEP_PATH, UPLOAD_HEADER
@@ -49,7 +49,11 @@ class PeerFetchError(Exception):
 
 
 class UnusablePeerCopy(PeerFetchError, UnusableCopy):
-    """The peer's copy fails verification, or the peer does not hold it (HTTP 404/410)."""
+    """The peer does not hold the copy (HTTP 404/410) or sent an unusable manifest for it."""
+
+
+class CorruptPeerCopy(UnusablePeerCopy, CorruptCopy):
+    """The peer's copy fails its checksums."""
 
 
 def _step_url(base_url: str, namespace: str, job: str, rank: int, step: int) -> str:
@@ -290,8 +294,8 @@ async def fetch_step(base_url: str, token: str, namespace: str, job: str, manife
 
     Raises:
       PeerFetchError: the peer could not be reached or answered an error, or ``manifest`` has an
-        unsafe path; ``UnusablePeerCopy`` when it sent data that does not match ``manifest`` (names
-        the files) or does not hold the step (HTTP 404/410).
+        unsafe path; ``CorruptPeerCopy`` when it sent data that does not match ``manifest`` (names
+        the files), ``UnusablePeerCopy`` when it does not hold the step (HTTP 404/410).
       OSError: ``dest_dir`` could not be written, e.g. ENOSPC.
     """
     try:
@@ -322,7 +326,7 @@ async def fetch_step(base_url: str, token: str, namespace: str, job: str, manife
         file_crcs[rel] = crc32c_combine(file_crcs[rel], crc, end - start)
     problems = [f"{rel}: crc32c mismatch" for rel, (_, crc) in manifest.files.items() if f"{file_crcs[rel]:08x}" != crc]
     if problems:
-        raise UnusablePeerCopy(f"rank {manifest.rank} step {manifest.step} from {base_url} fails verification: {'; '.join(problems)}")
+        raise CorruptPeerCopy(f"rank {manifest.rank} step {manifest.step} from {base_url} fails verification: {'; '.join(problems)}")
 
 
 async def _file_body(fd: int, size: int, share: CpuShare | None) -> AsyncIterator[bytes]:

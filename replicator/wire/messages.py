@@ -8,6 +8,7 @@ each other's messages with an error naming both versions, never half-understand 
 so a report can neither exhaust the coordinator nor make it loop over an invented ``nodes``.
 """
 
+import enum
 from typing import Annotated, Any, TypeVar
 
 import msgspec
@@ -297,11 +298,26 @@ class ReportReply(msgspec.Struct, frozen=True, gc=False):
     protocol: int = PROTOCOL_VERSION
 
 
+class Tier(enum.StrEnum):
+    """Where a restore source is, fastest first (``TIER_PREFERENCE``). The values are the wire's
+    ``Source.tier`` (msgspec encodes a member by its value), the ``source`` label of the agent's
+    ``mtc_restore_seconds`` and the ``tier`` of ``tier:holder`` in the coordinator's status."""
+
+    LOCAL = "local"  # the rank's own node
+    PEER_CLOSE = "peer_close"  # another node in the same topology block
+    PEER_DISTANT = "peer_distant"  # another node elsewhere
+    BACKUP = "backup"  # object storage
+
+
+# Tier -> its place in the order of preference (0: fastest). Sort by it: the values sort by name.
+TIER_PREFERENCE: dict[Tier, int] = {tier: place for place, tier in enumerate(Tier)}
+
+
 class Source(msgspec.Struct, frozen=True, gc=False):
     """One place a rank can restore its step from.
 
     Attributes:
-      tier: ``local``, ``peer_close``, ``peer_distant`` or ``backup``.
+      tier: which tier serves the copy.
       holder: the node holding the copy, or ``backup``.
       url: the holder's peer service base URL, or None.
       data_rank: whose data the copy is (a data-parallel peer's for identical data).
@@ -311,7 +327,7 @@ class Source(msgspec.Struct, frozen=True, gc=False):
       timeline: the timeline the copy was written in (a backup's is part of its name).
     """
 
-    tier: Name
+    tier: Tier
     holder: Name
     url: Text | None
     data_rank: Rank
