@@ -23,8 +23,8 @@ from csi_driver.ramdisk import Ramdisk
 from prefetch import staging
 from replicator.backup_tier.store import BackupError
 from replicator.local_tier.frameworks import orbax
-from replicator.local_tier.log_once import LogOnce, report_to_job
 from replicator.local_tier.job_meta import JobMeta, PodProgress
+from replicator.local_tier.log_once import LogOnce, report_to_job
 from replicator.local_tier.step_manifest import CorruptCopy, StepManifest, UnusableCopy
 from replicator.local_tier.steps import drop_abandoned
 from replicator.pacing import timing

@@ -15,7 +15,7 @@ from replicator.local_tier.job_meta import JobMeta, PodProgress
 from replicator.local_tier.step_manifest import CorruptCopy, build_manifest
 from replicator.local_tier.steps import drop_abandoned
 from replicator.node.commit_detection import CommitDetector
-from replicator.node.config import NodeConfig
+from replicator.node.config import CoordinatorSettings, CsiSettings, NodeConfig, PeerSettings
 from replicator.node.garbage_collection import collect_garbage
 from replicator.node.loop import NodeReplicator
 from replicator.wire.messages import RetainOrder
@@ -36,7 +36,9 @@ def restored_at(tmp_path, step, newer):
     meta = JobMeta(disk.path)
     for s in [step, *newer]:
         committed(disk, meta, s)
-    replicator = NodeReplicator(NodeConfig("n", str(tmp_path), "unix:///n.sock", "127.0.0.1:1", "d", coordinator="http://coordinator"), None)
+    config = NodeConfig("n", str(tmp_path), CsiSettings("unix:///n.sock"), PeerSettings("127.0.0.1:1"),
+                        coordinator=CoordinatorSettings("http://coordinator"))  # fmt: skip
+    replicator = NodeReplicator(config, None)
     progress = PodProgress("uid", "inc", RANK, "h:1", True)
     staging.stage_local(disk.client_dir, step, meta.manifests()[step], meta, RANK)
     hand_over(disk, meta, progress, step, "local")

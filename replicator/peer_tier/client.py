@@ -16,7 +16,6 @@ import contextlib
 import errno
 import functools
 import http.client
-import json
 import os
 import queue
 import ssl
@@ -29,11 +28,13 @@ import aiohttp
 import google_crc32c
 
 from replicator.local_tier import pod_files
+from replicator.local_tier.incoming import pwrite_all
 from replicator.local_tier.step_manifest import CorruptCopy, StepManifest, UnusableCopy, crc32c_combine, safe_relpath
 from replicator.pacing import timing
 from replicator.pacing.cpu_share import CpuShare
 from replicator.peer_tier.protocol import COMMIT_SUFFIX, FILES_SUFFIX, MANIFEST_SUFFIX, STEP_PATH, UPLOAD_HEADER
 from replicator.wire.bearer import auth_header
+from replicator.wire.http_errors import error_of
 
 MiB = 1 << 20
 # One GET per range: large enough that HTTP costs nothing per byte, small enough to spread a file over
@@ -66,12 +67,7 @@ def _file_url(step_url: str, rel: str) -> str:
 
 def _error_message(status: int, text: str) -> str:
     """``HTTP <status>: <error>; <problems>`` from a peer's JSON error body, or the start of the body."""
-    try:
-        detail = json.loads(text)
-        message = detail["error"] + "".join(f"; {p}" for p in detail.get("problems", []))
-    except (ValueError, KeyError, TypeError):
-        message = text[:500]
-    return f"HTTP {status}: {message}"
+    return f"HTTP {status}: {error_of(text)}"
 
 
 def _error_kind(status: int) -> type[PeerFetchError]:
@@ -175,16 +171,9 @@ class _Peer:
     def connect(self) -> http.client.HTTPConnection:
         """A new connection (opened on first request); ``timeout`` bounds connecting and every read."""
         if self.scheme == "https":
-            return http.client.HTTPSConnection(self.host, self.port, timeout=self.timeout,
-                                               context=self.ssl_context or ssl.create_default_context())
+            # No context: http.client's default (the system's CAs), as aiohttp's.
+            return http.client.HTTPSConnection(self.host, self.port, timeout=self.timeout, context=self.ssl_context)
         return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
-
-
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written
 
 
 class _Stopped(Exception):
@@ -234,7 +223,7 @@ def _get_range(connection: http.client.HTTPConnection, peer: _Peer, path: str, f
             chunk = response.read(min(_READ_BYTES, end - offset))
         if not chunk:
             raise PeerFetchError(f"{what}: the peer sent {offset - start} bytes")
-        _pwrite_all(fd, chunk, offset)
+        pwrite_all(fd, chunk, offset)
         crc = google_crc32c.extend(crc, chunk)
         offset += len(chunk)
     return crc
