@@ -38,11 +38,7 @@ def stage_local(local_dir: str, step: int, manifest: StepManifest | None, meta: 
         return
     if found is None or manifest is None:
         raise UnusableCopy(f"step {step} is not held here" if found is None else f"step {step} has no manifest")
-    try:
-        check_step(found, manifest, f"the local copy of step {step}")
-    except UnusableCopy as err:
-        log.error("%s", err)
-        raise
+    check_step(found, manifest, f"the local copy of step {step}")  # the restore logs and reports a failure
     staged = orbax.staged_name(step)
     with pod_files.open_dir(local_dir) as fd:
         if os.path.basename(found) != staged:
@@ -56,11 +52,7 @@ def _stage_set_aside(local_dir: str, step: int, meta: JobMeta, manifest: StepMan
     """Verifies a step set aside by an earlier restore and moves it back, staged; it is the node's
     own step again (its manifest follows it). Raises as ``stage_local``."""
     aside = meta.replica_dir(manifest.rank, step)
-    try:
-        check_step(aside, manifest, f"the set-aside copy of step {step}")
-    except UnusableCopy as err:
-        log.error("%s", err)
-        raise
+    check_step(aside, manifest, f"the set-aside copy of step {step}")
     install_staged(local_dir, step, aside)
     meta.save_manifest(manifest)
     meta.drop_replica(manifest.rank, step)

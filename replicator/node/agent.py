@@ -29,6 +29,7 @@ from replicator.node.loop import NodeReplicator
 from replicator.pacing import timing
 from replicator.pacing.cpu_share import CpuShare
 from replicator.peer_tier.service import add_peer_routes
+from replicator.wire import tls
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ class NodeAgent:
         runner = web.AppRunner(self._make_http_app())
         await runner.setup()
         try:
-            await web.TCPSite(runner, *self.config.peer.host_port, ssl_context=self.config.peer.server_ssl()).start()
+            await web.TCPSite(runner, *self.config.peer.host_port, ssl_context=tls.server_context(self.config.peer.tls_cert, self.config.peer.tls_key)).start()
             self.ready.set()
             log.info("node agent %s ready (HTTP on %s)", self.config.node_id, self.config.peer.listen)
             replicating = asyncio.create_task(self.replicator.run(stop)) if self.replicator else None

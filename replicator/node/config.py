@@ -2,7 +2,6 @@
 
 import dataclasses
 import socket
-import ssl
 
 from csi_driver.identity import DEFAULT_DRIVER_NAME
 from csi_driver.volume_request import DEFAULT_MAX_NODES
@@ -67,18 +66,6 @@ class PeerSettings:
           ValueError: the file is empty.
         """
         return read_token(self.token_file) if self.token_file else None
-
-    def server_ssl(self) -> ssl.SSLContext | None:
-        """The TLS context of the HTTP side, or None for plain HTTP.
-
-        Raises:
-          OSError, ssl.SSLError: the certificate or key cannot be loaded.
-        """
-        return tls.server_context(self.tls_cert, self.tls_key)
-
-    def client_ssl(self) -> ssl.SSLContext | None:
-        """The TLS context for calls to peers, or None for aiohttp's default."""
-        return tls.client_context(self.tls_ca)
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -169,6 +156,7 @@ class NodeConfig:
     topology: dict[str, str] = dataclasses.field(default_factory=dict)
     pod_address: str | None = None
 
-    def coordinator_ssl(self) -> ssl.SSLContext | None:
-        """The TLS context for calls to the coordinator, or None for aiohttp's default."""
-        return tls.client_context(self.coordinator.ca or self.peer.tls_ca)
+    @property
+    def coordinator_ca(self) -> str | None:
+        """The CA bundle the coordinator's certificate is checked against, or None for the system's."""
+        return self.coordinator.ca or self.peer.tls_ca

@@ -33,6 +33,7 @@ from replicator.node.pushes import Pusher
 from replicator.node.report_session import ReportSession
 from replicator.pacing import timing
 from replicator.pacing.cpu_share import CpuShare
+from replicator.wire import tls
 from replicator.wire.coordinator_client import CoordinatorClient, CoordinatorUnavailable
 from replicator.wire.messages import Assignment, Lineage, NodeReport, PodReport
 
@@ -66,8 +67,8 @@ class NodeReplicator:
         self._manager = manager
         self._coordinator_url = config.coordinator.url
         self._peer_token = peer_token
-        self._peer_ssl = config.peer.client_ssl()
-        self._coordinator_ssl = config.coordinator_ssl()
+        self._peer_ssl = tls.client_context(config.peer.tls_ca)
+        self._coordinator_ssl = tls.client_context(config.coordinator_ca)
         self._wedged_after_seconds = config.pacing.wedged_after_seconds
         self._session: aiohttp.ClientSession | None = None
         self._busy_steps: set[tuple[str, str, int]] = set()  # (namespace, job, step) being read: GC keeps them
