@@ -22,14 +22,14 @@ from prometheus_client import Counter, Histogram
 from csi_driver.ramdisk import Ramdisk
 from prefetch import staging
 from replicator.backup_tier.store import BackupError
-from replicator.local_tier.job_errors import LogOnce, report_to_job
 from replicator.local_tier.job_meta import JobMeta, PodProgress
-from replicator.local_tier.step_manifest import StepManifest, UnusableCopy
+from replicator.local_tier.log_once import LogOnce, report_to_job
+from replicator.local_tier.step_manifest import CorruptCopy, StepManifest, UnusableCopy
 from replicator.local_tier.steps import drop_abandoned
 from replicator.pacing import timing
 from replicator.peer_tier.client import PeerFetchError, fetch_manifest, fetch_step
 from replicator.wire.coordinator_client import CoordinatorClient, CoordinatorUnavailable
-from replicator.wire.messages import RestoreView, Source
+from replicator.wire.messages import RestoreView, Source, Tier
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +38,11 @@ RESTORE_SECONDS = Histogram("mtc_restore_seconds", "Seconds from replicator.yaml
                             "(source timeout: no marker within the deadline)", ["source"],
                             buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 150, 270, 300))  # fmt: skip
 CORRUPT_COPIES = Counter("mtc_corrupt_copies_total", "Step copies that failed checksum verification")
+# The ``source`` label: the tier a restore staged from (``Tier``'s values), or one of these.
+NO_SOURCE = "none"  # nothing to restore: the job starts fresh
+TIMED_OUT = "timeout"  # no marker within the deadline
 # Known label values start at zero, so dashboards and alerts see the series before the first event.
-for _label in ("local", "peer", "backup", "none", "timeout"):
+for _label in (*Tier, NO_SOURCE, TIMED_OUT):
     RESTORE_SECONDS.labels(_label)
 
 # (meta, namespace, job, step, data rank, timeline) -> (verified step dir on the ramdisk, its manifest);
@@ -62,22 +65,16 @@ class Staged:
     unreachable: list[str]
 
 
-@dataclasses.dataclass(frozen=True)
-class _Failed:
-    """Why a source did not serve; ``unusable`` when that is proven (a checksum mismatch, the copy
-    is gone), False when it was merely unreachable and is worth retrying."""
-
-    problems: list[str]
-    unusable: bool
+class _Unreachable(Exception):
+    """A source that did not serve for now (unreachable, or its tier failed): worth retrying."""
 
 
-def _differs_from_owner(manifest: StepManifest, source: Source) -> str | None:
-    """A problem when the checksums a copy was verified against are not those its owning rank
-    reported (carried in the plan); the bytes were checked against ``manifest``, so equal manifests
-    mean they match the owner's."""
+def _check_owner(manifest: StepManifest, source: Source) -> None:
+    """Raises CorruptCopy when the checksums a copy was verified against are not those its owning
+    rank reported (carried in the plan); the bytes were checked against ``manifest``, so equal
+    manifests mean they match the owner's."""
     if source.files is not None and manifest.files != source.files:
-        return f"crc32c mismatch: the copy on {source.holder} does not match the checksums rank {source.data_rank} reported"
-    return None
+        raise CorruptCopy(f"crc32c mismatch: the copy on {source.holder} does not match the checksums rank {source.data_rank} reported")
 
 
 class Restorer:
@@ -115,7 +112,7 @@ class Restorer:
         started = time.monotonic()
         # One loop, not a tenacity retry: every pass re-reads the plan (it may have changed while this
         # rank waited), and the backoff applies only while the plan's sources are unreachable.
-        staged_generation, source, backoff, seen = None, "none", timing.RESTORE_RETRY_FIRST_SECONDS, None
+        staged_generation, source, backoff, seen = None, NO_SOURCE, timing.RESTORE_RETRY_FIRST_SECONDS, None
         unusable: set[tuple[str, str, int]] = set()  # (generation, holder, data rank) proven unusable here
         while time.monotonic() - started < self._deadline_seconds:
             beat()
@@ -135,7 +132,7 @@ class Restorer:
                         await asyncio.sleep(backoff)
                         backoff = min(2 * backoff, timing.RESTORE_RETRY_MAX_SECONDS)
                         continue
-                    source = used.tier if used else "none"
+                    source = used.tier if used else NO_SOURCE
                     await client.report_staged(progress.pod_rank(disk.namespace, disk.job), view.generation, used and f"{used.tier}:{used.holder}", bad)
                     staged_generation, backoff = view.generation, timing.RESTORE_RETRY_FIRST_SECONDS
                     continue
@@ -148,7 +145,7 @@ class Restorer:
                 RESTORE_SECONDS.labels(source).observe(time.monotonic() - started)
                 return
             seen = view.token  # staged: wait (long poll) until every rank has, or the plan changes
-        RESTORE_SECONDS.labels("timeout").observe(time.monotonic() - started)
+        RESTORE_SECONDS.labels(TIMED_OUT).observe(time.monotonic() - started)
         report_to_job(meta, f"restore did not complete within {self._deadline_seconds:.0f} s")
 
     async def _stage(self, session: aiohttp.ClientSession, disk: Ramdisk, meta: JobMeta, progress: PodProgress, view: RestoreView,
@@ -162,67 +159,85 @@ class Restorer:
         for source in view.sources:
             if (view.generation, source.holder, source.data_rank) in unusable:
                 continue
-            if source.files is not None and (missing := meta.framework.missing_commit_evidence(source.files)):
-                failed = _Failed([f"its checksums lack {missing}"], unusable=True)
-            elif source.holder == self.node_id and source.data_rank == progress.rank:
-                problems = await asyncio.to_thread(staging.stage_local, meta.framework, disk.client_dir, view.step, meta.manifests().get(view.step),
-                                                   meta, progress.rank)  # fmt: skip
-                failed = _Failed(problems, unusable=True) if problems else None
-            elif source.tier == "backup":
-                failed = await self._stage_from_backup(disk, meta, progress, view, source)
-            else:
-                failed = await self._stage_from_peer(session, disk, meta, progress, view, source)
-            if failed is None:
-                log.info("%s/%s rank %d: staged step %d from %s %s (data of rank %d)", disk.namespace, disk.job,
-                         progress.rank, view.step, source.tier, source.holder, source.data_rank)  # fmt: skip
-                return Staged(source, bad, unreachable)
-            if not failed.unusable:
-                unreachable.append(f"{source.holder}: {failed.problems[0]}")
+            try:
+                await self._stage_from(session, disk, meta, progress, view, source)
+            except _Unreachable as err:
+                unreachable.append(f"{source.holder}: {err}")
                 continue
-            if any("mismatch" in problem for problem in failed.problems):
-                CORRUPT_COPIES.inc()
-            message = f"step {view.step} copy on {source.holder} unusable: {'; '.join(failed.problems[:3])}"
-            log.error("%s/%s rank %d: %s", disk.namespace, disk.job, progress.rank, message)
-            report_to_job(meta, message)
-            bad.append((view.step, source.data_rank, source.holder))
+            except UnusableCopy as err:
+                if isinstance(err, CorruptCopy):
+                    CORRUPT_COPIES.inc()
+                message = f"step {view.step} copy on {source.holder} unusable: {err}"
+                log.error("%s/%s rank %d: %s", disk.namespace, disk.job, progress.rank, message)
+                report_to_job(meta, message)
+                bad.append((view.step, source.data_rank, source.holder))
+                continue
+            log.info("%s/%s rank %d: staged step %d from %s %s (data of rank %d)", disk.namespace, disk.job,
+                     progress.rank, view.step, source.tier, source.holder, source.data_rank)  # fmt: skip
+            return Staged(source, bad, unreachable)
         return Staged(None, bad, unreachable)
 
+    async def _stage_from(self, session: aiohttp.ClientSession, disk: Ramdisk, meta: JobMeta, progress: PodProgress, view: RestoreView,
+                          source: Source) -> None:  # fmt: skip
+        """Stages the view's step from ``source``.
+
+        Raises:
+          UnusableCopy: the copy is proven unusable (``CorruptCopy``: it fails its checksums).
+          _Unreachable: the source did not serve for now.
+        """
+        if source.files is not None and (missing := meta.framework.missing_commit_evidence(source.files)):
+            raise UnusableCopy(f"its checksums lack {missing}")
+        if source.holder == self.node_id and source.data_rank == progress.rank:
+            await asyncio.to_thread(staging.stage_local, meta.framework, disk.client_dir, view.step, meta.manifests().get(view.step), meta,
+                                    progress.rank)  # fmt: skip
+        elif source.tier == Tier.BACKUP:
+            await self._stage_from_backup(disk, meta, progress, view, source)
+        else:
+            await self._stage_from_peer(session, disk, meta, progress, view, source)
+
     async def _stage_from_peer(self, session: aiohttp.ClientSession, disk: Ramdisk, meta: JobMeta, progress: PodProgress, view: RestoreView,
-                               source: Source) -> _Failed | None:  # fmt: skip
+                               source: Source) -> None:  # fmt: skip
         """Pulls the view's step from a peer (or this node's own replica) into the ramdisk, verified,
-        then stages it; it is this rank's copy of the step from then on, in the view's timeline."""
+        then stages it; it is this rank's copy of the step from then on, in the view's timeline.
+        Raises as ``_stage_from``."""
         step = view.step
         if self._peer_token is None or not source.url:
-            return _Failed([f"peer tier unavailable for {source.holder}"], unusable=True)
+            raise UnusableCopy(f"peer tier unavailable for {source.holder}")
         incoming = meta.new_incoming_dir()
         try:
             # Verified against the owner's checksums from the plan; the peer's own manifest only when the plan has none.
             manifest = (StepManifest(step, source.data_rank, dict(source.files)) if source.files is not None else
                         await fetch_manifest(session, source.url, self._peer_token, disk.namespace, disk.job, source.data_rank, step))
             await fetch_step(source.url, self._peer_token, disk.namespace, disk.job, manifest, incoming, ssl_context=self._peer_ssl)
+        except UnusableCopy:
+            shutil.rmtree(incoming, ignore_errors=True)
+            raise
         except (PeerFetchError, OSError, aiohttp.ClientError, asyncio.TimeoutError) as err:
             shutil.rmtree(incoming, ignore_errors=True)
-            return _Failed([str(err) or repr(err)], unusable=isinstance(err, UnusableCopy))
+            raise _Unreachable(str(err) or repr(err)) from err
         await asyncio.to_thread(staging.install_staged, meta.framework, disk.client_dir, step, incoming)
         # Recorded as this rank's step: from now on this node serves it for this rank.
         meta.save_manifest(dataclasses.replace(manifest, rank=progress.rank, timeline=len(view.forks)))
-        return None
 
-    async def _stage_from_backup(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress, view: RestoreView, source: Source) -> _Failed | None:
-        """Downloads the view's step from the backup tier into the ramdisk, verified, then stages it."""
+    async def _stage_from_backup(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress, view: RestoreView, source: Source) -> None:
+        """Downloads the view's step from the backup tier into the ramdisk, verified, then stages it.
+        Raises as ``_stage_from``."""
         step = view.step
         if self._download is None:
-            return _Failed(["no backup tier on this node (--backup)"], unusable=True)
+            raise UnusableCopy("no backup tier on this node (--backup)")
         try:
             verified, manifest = await self._download(meta, disk.namespace, disk.job, step, source.data_rank, source.timeline)
+        except UnusableCopy:
+            raise
         except (BackupError, OSError) as err:
-            return _Failed([str(err) or repr(err)], unusable=isinstance(err, UnusableCopy))
-        if (problem := _differs_from_owner(manifest, source)) is not None:
+            raise _Unreachable(str(err) or repr(err)) from err
+        try:
+            _check_owner(manifest, source)
+        except CorruptCopy:
             shutil.rmtree(os.path.dirname(verified), ignore_errors=True)
-            return _Failed([problem], unusable=True)
+            raise
         await asyncio.to_thread(staging.install_staged, meta.framework, disk.client_dir, step, verified)
         meta.save_manifest(dataclasses.replace(manifest, rank=progress.rank, timeline=len(view.forks)))
-        return None
 
 
 def hand_over(disk: Ramdisk, meta: JobMeta, progress: PodProgress, step: int | None, source: str,

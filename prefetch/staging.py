@@ -13,14 +13,14 @@ import stat
 from replicator.local_tier import pod_files, steps
 from replicator.local_tier.frameworks import Framework
 from replicator.local_tier.job_meta import JobMeta
-from replicator.local_tier.step_manifest import StepManifest, verify_step
+from replicator.local_tier.step_manifest import StepManifest, UnusableCopy, check_step
 
 log = logging.getLogger(__name__)
 
 
 
 def stage_local(framework: Framework, local_dir: str, step: int, manifest: StepManifest | None, meta: JobMeta | None = None,
-                rank: int | None = None) -> list[str]:  # fmt: skip
+                rank: int | None = None) -> None:  # fmt: skip
     """Verifies this node's own copy of ``step`` and moves it to the staged name.
 
     Args:
@@ -31,18 +31,17 @@ def stage_local(framework: Framework, local_dir: str, step: int, manifest: StepM
       meta, rank: where to look for the step when an earlier restore set it aside (see
         ``clear_for_restore``), as the node's own copy of ``rank``.
 
-    Returns:
-      Problems found; empty when the step is staged and verified.
+    Raises:
+      CorruptCopy: the copy fails its checksums.
+      UnusableCopy: the step is not held here, has no manifest, or its files are not its manifest's.
     """
     found = framework.find_step_dir(local_dir, step)
     if found is None and meta is not None and (aside := meta.replicas().get((rank, step))) is not None:
-        return _stage_set_aside(framework, local_dir, step, meta, aside)
+        _stage_set_aside(framework, local_dir, step, meta, aside)
+        return
     if found is None or manifest is None:
-        return [f"step {step} is not held here" if found is None else f"step {step} has no manifest"]
-    problems = verify_step(found, manifest)
-    if problems:
-        log.error("local copy of step %d is corrupt: %s", step, problems[:5])
-        return problems
+        raise UnusableCopy(f"step {step} is not held here" if found is None else f"step {step} has no manifest")
+    check_step(found, manifest, f"the local copy of step {step}")  # the restore logs and reports a failure
     staged = framework.staged_name(step)
     with pod_files.open_dir(local_dir) as fd:
         if os.path.basename(found) != staged:
@@ -50,21 +49,16 @@ def stage_local(framework: Framework, local_dir: str, step: int, manifest: StepM
         elif (link := pod_files.lstat(fd, str(step))) is not None and stat.S_ISLNK(link.st_mode):
             os.unlink(str(step), dir_fd=fd)  # the marker of an earlier restore; the job recreates it from ours
         pod_files.fsync_dir(fd)
-    return []
 
 
-def _stage_set_aside(framework: Framework, local_dir: str, step: int, meta: JobMeta, manifest: StepManifest) -> list[str]:
+def _stage_set_aside(framework: Framework, local_dir: str, step: int, meta: JobMeta, manifest: StepManifest) -> None:
     """Verifies a step set aside by an earlier restore and moves it back, staged; it is the node's
-    own step again (its manifest follows it)."""
+    own step again (its manifest follows it). Raises as ``stage_local``."""
     aside = meta.replica_dir(manifest.rank, step)
-    problems = verify_step(aside, manifest)
-    if problems:
-        log.error("set-aside copy of step %d is corrupt: %s", step, problems[:5])
-        return problems
+    check_step(aside, manifest, f"the set-aside copy of step {step}")
     install_staged(framework, local_dir, step, aside)
     meta.save_manifest(manifest)
     meta.drop_replica(manifest.rank, step)
-    return []
 
 
 def install_staged(framework: Framework, local_dir: str, step: int, verified_dir: str) -> None:

@@ -16,8 +16,16 @@ from csi_driver.volume_request import DEFAULT_MAX_NODES
 from replicator.coordinator.service import CoordinatorConfig, run_coordinator
 from replicator.coordinator.status import fetch_status, render_status, request_restore_from
 from replicator.node.agent import open_ramdisks, run_node
-from replicator.node.config import NodeConfig
+from replicator.node.config import (
+    BackupSettings,
+    CoordinatorSettings,
+    CsiSettings,
+    NodeConfig,
+    PacingSettings,
+    PeerSettings,
+)
 from replicator.pacing import timing
+from replicator.wire import tls
 from replicator.wire.bearer import read_token
 
 
@@ -82,38 +90,41 @@ def _add_node(sub: argparse._SubParsersAction) -> None:
                    help="at most one replica push per job and peer this often; faster saves replicate only the newest step (default %(default)s)")
 
 
-def _run_node(args: argparse.Namespace) -> int:
-    run_node(
-        NodeConfig(
-            node_id=args.node_id,
-            root=args.root,
-            csi_endpoint=args.csi_endpoint,
-            listen=args.listen,
-            driver_name=args.driver_name,
-            ramdisk_backend=args.ramdisk_backend,
-            default_size_bytes=args.default_size,
-            retention_seconds=args.retention_seconds,
-            topology=dict(args.topology),
-            coordinator=args.coordinator,
-            backup=args.backup,
-            pod_address=args.pod_address,
-            peer_token_file=args.peer_token_file,
-            replicas=args.replicas,
-            backup_keep=args.backup_keep,
-            peer_tls_cert=args.peer_tls_cert,
-            peer_tls_key=args.peer_tls_key,
-            peer_tls_ca=args.peer_tls_ca,
-            coordinator_ca=args.coordinator_ca,
-            max_nodes=args.max_nodes,
-            background_cpu=args.background_cpu,
-            restore_deadline_seconds=args.restore_deadline_seconds,
-            wedged_after_seconds=args.wedged_after_seconds,
-            min_push_interval_seconds=args.min_push_interval_seconds,
+def _node_config(args: argparse.Namespace) -> NodeConfig:
+    """``mtc node``'s flags as the agent's settings.
+
+    Raises:
+      ValueError: flags that do not go together.
+    """
+    return NodeConfig(
+        node_id=args.node_id,
+        root=args.root,
+        csi=CsiSettings(endpoint=args.csi_endpoint, driver_name=args.driver_name, ramdisk_backend=args.ramdisk_backend,
+                        default_size_bytes=args.default_size, retention_seconds=args.retention_seconds, max_nodes=args.max_nodes),
+        peer=PeerSettings(listen=args.listen, token_file=args.peer_token_file, replicas=args.replicas,
+                          tls_cert=args.peer_tls_cert, tls_key=args.peer_tls_key, tls_ca=args.peer_tls_ca),
+        backup=BackupSettings(
+            url=args.backup,
+            keep=args.backup_keep,
             # The google-cloud-storage convention for emulators; read once, here at the edge.
             storage_emulator_host=os.environ.get("STORAGE_EMULATOR_HOST") if (args.backup or "").startswith("gs://") else None,
             s3_endpoint_url=args.s3_endpoint_url,
-        )
+        ),
+        coordinator=CoordinatorSettings(url=args.coordinator, ca=args.coordinator_ca),
+        pacing=PacingSettings(background_cpu=args.background_cpu, restore_deadline_seconds=args.restore_deadline_seconds,
+                              wedged_after_seconds=args.wedged_after_seconds, min_push_interval_seconds=args.min_push_interval_seconds),
+        topology=dict(args.topology),
+        pod_address=args.pod_address,
     )
+
+
+def _run_node(args: argparse.Namespace) -> int:
+    try:
+        config = _node_config(args)
+    except ValueError as err:
+        print(err, file=sys.stderr)
+        return 2
+    run_node(config)
     return 0
 
 
@@ -193,8 +204,10 @@ def _add_coordinator(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_coordinator(args: argparse.Namespace) -> int:
-    if (args.tls_cert is None) != (args.tls_key is None):
-        print("--tls-cert and --tls-key go together", file=sys.stderr)
+    try:
+        tls.check_pair(args.tls_cert, args.tls_key, "--tls-cert and --tls-key")
+    except ValueError as err:
+        print(err, file=sys.stderr)
         return 2
     if args.token_file is None and not args.insecure:
         print("--token-file is required (the cluster token); pass --insecure to run without one on a one-machine experiment", file=sys.stderr)

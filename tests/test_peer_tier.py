@@ -15,8 +15,7 @@ from aiohttp import web
 
 from examples.local_cluster import unmount_all_below
 from prefetch import staging
-from replicator.local_tier import pod_files
-from replicator.local_tier import frameworks
+from replicator.local_tier import frameworks, pod_files
 from replicator.local_tier.job_meta import JobMeta
 from replicator.local_tier.step_manifest import StepManifest, build_manifest, checksum_files, crc32c_combine
 from replicator.peer_tier.client import PeerFetchError, fetch_manifest, fetch_step, push_step
@@ -198,7 +197,7 @@ async def test_a_step_staged_while_it_is_served_is_still_served(peer, session, t
     dest = tmp_path / "fetched"
     dest.mkdir()
     await fetch_step(peer.base_url, TOKEN, NS, JOB, manifest, str(dest))  # the restore plan carries the checksums
-    assert renamed == [[]] and os.path.isdir(os.path.join(peer.meta.client_dir, ORBAX.staged_name(9)))
+    assert renamed == [None] and os.path.isdir(os.path.join(peer.meta.client_dir, ORBAX.staged_name(9)))
     assert read_tree(str(dest)) == FILES
     async with session.get(peer.url(f"{NS}/{JOB}/ranks/3/steps/8/manifest"), headers=AUTH) as response:
         assert response.status == 404  # a step that is not held is still a 404

@@ -4,16 +4,18 @@ aside, stay reported and restorable, and go only once a step newer than the rest
 
 import os
 
+import pytest
+
 from csi_driver.ramdisk import Publication, Ramdisk
 from csi_driver.volume_request import parse_volume_context
 from prefetch import staging
 from prefetch.restore import hand_over
 from replicator.local_tier import frameworks
 from replicator.local_tier.job_meta import JobMeta, PodProgress
-from replicator.local_tier.step_manifest import build_manifest
+from replicator.local_tier.step_manifest import CorruptCopy, build_manifest
 from replicator.local_tier.steps import drop_abandoned
 from replicator.node.commit_detection import CommitDetector
-from replicator.node.config import NodeConfig
+from replicator.node.config import CoordinatorSettings, CsiSettings, NodeConfig, PeerSettings
 from replicator.node.garbage_collection import collect_garbage
 from replicator.node.loop import NodeReplicator
 from replicator.wire.messages import RetainOrder
@@ -35,9 +37,11 @@ def restored_at(tmp_path, step, newer):
     meta = JobMeta(disk.path)
     for s in [step, *newer]:
         committed(disk, meta, s)
-    replicator = NodeReplicator(NodeConfig("n", str(tmp_path), "unix:///n.sock", "127.0.0.1:1", "d", coordinator="http://coordinator"), None)
+    config = NodeConfig("n", str(tmp_path), CsiSettings("unix:///n.sock"), PeerSettings("127.0.0.1:1"),
+                        coordinator=CoordinatorSettings("http://coordinator"))  # fmt: skip
+    replicator = NodeReplicator(config, None)
     progress = PodProgress("uid", "inc", RANK, "h:1", True)
-    assert staging.stage_local(ORBAX, disk.client_dir, step, meta.manifests()[step], meta, RANK) == []
+    staging.stage_local(ORBAX, disk.client_dir, step, meta.manifests()[step], meta, RANK)
     hand_over(disk, meta, progress, step, "local")
     return disk, meta, replicator
 
@@ -54,13 +58,14 @@ def test_newer_steps_are_set_aside_not_deleted_and_stay_reported(tmp_path):
 
 def test_a_set_aside_step_is_restored_verified_and_a_corrupt_one_refused(tmp_path):
     disk, meta, _ = restored_at(tmp_path, 3, [6, 9])
-    assert staging.stage_local(ORBAX, disk.client_dir, 9, None, meta, RANK) == []
+    staging.stage_local(ORBAX, disk.client_dir, 9, None, meta, RANK)
     assert ORBAX.scan_steps(disk.client_dir).staged[-1] == 9 and 9 in meta.manifests()
     assert (RANK, 9) not in meta.replicas()
     with open(os.path.join(meta.replica_dir(RANK, 6), "state", "a"), "r+b") as f:
         f.write(b"\xff")
-    problems = staging.stage_local(ORBAX, disk.client_dir, 6, None, meta, RANK)
-    assert problems and "mismatch" in problems[0] and (RANK, 6) in meta.replicas()
+    with pytest.raises(CorruptCopy, match="state/a: crc32c mismatch"):
+        staging.stage_local(ORBAX, disk.client_dir, 6, None, meta, RANK)
+    assert (RANK, 6) in meta.replicas()
 
 
 def test_set_aside_steps_go_once_a_step_newer_than_the_restored_one_is_safe(tmp_path):

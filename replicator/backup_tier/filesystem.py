@@ -18,11 +18,11 @@ from replicator.backup_tier.object_store import (
     BackupError,
     ObjectStore,
     Upload,
-    pwrite_all,
     run_parallel,
     store_errors,
     uploads_failed,
 )
+from replicator.local_tier.incoming import pwrite_all
 
 _CHUNK_BYTES = 4 << 20
 

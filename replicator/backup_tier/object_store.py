@@ -9,10 +9,11 @@ import abc
 import concurrent.futures
 import contextlib
 import dataclasses
-import os
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TypeVar
+
+from replicator.local_tier.incoming import pwrite_all
 
 COPY_BYTES = 1 << 20  # one read of a response body into the destination file
 
@@ -138,14 +139,6 @@ def store_errors(url: str, name: str, what: str, errors: tuple[type[BaseExceptio
         yield
     except errors as exc:
         raise BackupError(f"{url}/{name}: {what}: {exc}") from exc
-
-
-def pwrite_all(fd: int, data: memoryview, offset: int) -> int:
-    """Writes all of ``data`` to ``fd`` at ``offset``; returns the offset after it."""
-    while data:
-        written = os.pwrite(fd, data, offset)
-        data, offset = data[written:], offset + written
-    return offset
 
 
 def bucket_and_prefix(url: str, scheme: str) -> tuple[str, str]:

@@ -39,11 +39,12 @@ from replicator.local_tier import pod_files
 from replicator.local_tier.step_manifest import (
     IDENTITY_SCHEME,
     IDENTITY_SCHEMES,
+    CorruptCopy,
     StepManifest,
     UnusableCopy,
+    check_step,
     file_identity,
     safe_relpath,
-    verify_step,
 )
 from replicator.pacing.cpu_share import CpuShare
 from replicator.wire.messages import abandoned
@@ -58,7 +59,11 @@ StepId = tuple[int, int]  # (step, timeline)
 
 
 class UnusableBackup(BackupError, UnusableCopy):
-    """The backup of a step is incomplete (no ``COMMIT``, no manifest) or does not match its checksums."""
+    """The backup of a step is incomplete (no ``COMMIT``, no manifest) or its files are not those of its manifest."""
+
+
+class CorruptBackup(UnusableBackup, CorruptCopy):
+    """The backup of a step fails its checksums."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -372,11 +377,7 @@ class BackupStore:
                            for start in range(0, f.size, RANGE_BYTES)]
             run_parallel(self._fetch_range, ranges, workers)
             manifest = stored.step_manifest()
-            problems = verify_step(tmp, manifest)
-            if problems:
-                more = f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""
-                raise UnusableBackup(f"{self.url}/{prefix} rank {rank} does not match its manifest: "
-                                  f"{'; '.join(problems[:5])}{more}")
+            check_step(tmp, manifest, f"{self.url}/{prefix} rank {rank}", unusable=UnusableBackup, corrupt=CorruptBackup)
             os.rename(tmp, dest_dir)
             return manifest
         except BaseException:

@@ -5,8 +5,9 @@ thousands of fake nodes.
 """
 
 import dataclasses
-import enum
 from collections.abc import Iterable, Mapping
+
+from replicator.wire.messages import TIER_PREFERENCE, Tier
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,15 +27,6 @@ class PodSlot:
     slice_index: int | None
     worker_index: int | None
     published_at: float
-
-
-class Tier(enum.IntEnum):
-    """Restore sources, fastest first."""
-
-    LOCAL = 0  # the node's own ramdisk
-    PEER_CLOSE = 1  # another node in the same topology block
-    PEER_DISTANT = 2  # another node elsewhere
-    BACKUP = 3  # object storage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,10 +179,15 @@ def _tier(copy: StepCopy, target: str, block_of: Mapping[str, str]) -> Tier:
     return Tier.PEER_CLOSE if same_block else Tier.PEER_DISTANT
 
 
+def _fastest_first(source: tuple[Tier, str, int]) -> tuple[int, str, int]:
+    tier, holder, rank = source
+    return TIER_PREFERENCE[tier], holder, rank
+
+
 def _ranked_sources(
     copies: list[StepCopy], target: str, block_of: Mapping[str, str], usable: frozenset[Tier]
 ) -> tuple[Source, ...]:
-    ranked = sorted({(_tier(c, target, block_of), c.holder, c.rank) for c in copies})
+    ranked = sorted({(_tier(c, target, block_of), c.holder, c.rank) for c in copies}, key=_fastest_first)
     return tuple(Source(tier, holder, rank) for tier, holder, rank in ranked if tier in usable)
 
 

@@ -19,6 +19,7 @@ Routes (JSON; errors are ``{"error": "..."}``):
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import logging
@@ -33,7 +34,9 @@ from prometheus_client.core import GaugeMetricFamily
 
 from csi_driver import atomic_file
 from replicator.coordinator.state import ClusterState, JobState, NodeIdTaken, NotReady, UnknownIncarnation
+from replicator.wire import tls
 from replicator.wire.bearer import read_token, require_bearer
+from replicator.wire.http_errors import error_response
 from replicator.wire.messages import (
     MAX_RANKS,
     MAX_WAIT_SECONDS,
@@ -96,16 +99,10 @@ class CoordinatorConfig:
         Raises:
           OSError, ssl.SSLError: the certificate or key cannot be loaded.
         """
-        if self.tls_cert is None:
-            return None
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        context.load_cert_chain(self.tls_cert, self.tls_key)
-        return context
+        return tls.server_context(self.tls_cert, self.tls_key)
 
 
-class BadRequest(web.HTTPBadRequest):
-    def __init__(self, message: str):
-        super().__init__(text=json.dumps({"error": message}), content_type="application/json")
+BadRequest = functools.partial(error_response, web.HTTPBadRequest)
 
 
 async def _json_body(request: web.Request) -> dict:
@@ -155,12 +152,12 @@ def _job_key(request: web.Request) -> tuple[str, str]:
     return request.match_info["namespace"], request.match_info["job"]
 
 
-def _not_found(err: Exception) -> web.HTTPNotFound:
-    return web.HTTPNotFound(text=json.dumps({"error": str(err)}), content_type="application/json")
+def _not_found(err: Exception) -> web.HTTPException:
+    return error_response(web.HTTPNotFound, str(err))
 
 
-def _conflict(err: Exception) -> web.HTTPConflict:
-    return web.HTTPConflict(text=json.dumps({"error": str(err)}), content_type="application/json")
+def _conflict(err: Exception) -> web.HTTPException:
+    return error_response(web.HTTPConflict, str(err))
 
 
 def _decode_report(body: bytes) -> NodeReport:
@@ -253,7 +250,7 @@ async def get_restore(request: web.Request) -> web.Response:
             # Held here, not retried by the agent: N ranks asking at once must not become N
             # requests a second while the plan waits for reports.
             if time.monotonic() >= deadline:
-                raise web.HTTPServiceUnavailable(text=json.dumps({"error": str(err)}), content_type="application/json") from None
+                raise error_response(web.HTTPServiceUnavailable, str(err)) from None
             await changes.wait([key], min(deadline - time.monotonic(), NOT_READY_RECHECK_SECONDS))
             continue
         changes.publish()

@@ -1173,7 +1173,7 @@ class ClusterState:
                 planned.append(s)
         backups = self._backups(key)
         sources = tuple(
-            Source(s.tier.name.lower(), s.holder, self._url(s.holder), s.data_rank, self._expected_files(key, plan.step, s),
+            Source(s.tier, s.holder, self._url(s.holder), s.data_rank, self._expected_files(key, plan.step, s),
                    backups.get(plan.step, 0) if s.tier == planner.Tier.BACKUP else 0)
             for s in planned
         )  # fmt: skip

@@ -1,16 +1,13 @@
 """``mtc status``: the coordinator's view of jobs as a readable table."""
 
 import json
-import ssl
 import urllib.error
 import urllib.parse
 import urllib.request
 
+from replicator.wire import tls
 from replicator.wire.bearer import auth_header
-
-
-def _tls(ca_file: str | None) -> ssl.SSLContext | None:
-    return ssl.create_default_context(cafile=ca_file) if ca_file else None
+from replicator.wire.http_errors import error_of
 
 
 def fetch_status(coordinator_url: str, job: str | None = None, ca_file: str | None = None, timeout: float = 10.0) -> dict:
@@ -21,7 +18,7 @@ def fetch_status(coordinator_url: str, job: str | None = None, ca_file: str | No
     """
     query = "?" + urllib.parse.urlencode({"job": job}) if job else ""
     url = coordinator_url.rstrip("/") + "/v1/status" + query
-    with urllib.request.urlopen(url, timeout=timeout, context=_tls(ca_file)) as response:
+    with urllib.request.urlopen(url, timeout=timeout, context=tls.client_context(ca_file)) as response:
         return json.load(response)
 
 
@@ -39,10 +36,10 @@ def request_restore_from(coordinator_url: str, namespace: str, job: str, step: i
     headers = {"Content-Type": "application/json", **(auth_header(token) if token else {})}
     request = urllib.request.Request(url, data=json.dumps({"step": step}).encode(), method="POST", headers=headers)
     try:
-        with urllib.request.urlopen(request, timeout=timeout, context=_tls(ca_file)):
+        with urllib.request.urlopen(request, timeout=timeout, context=tls.client_context(ca_file)):
             return ""
     except urllib.error.HTTPError as err:
-        return f"HTTP {err.code}: {json.loads(err.read() or b'{}').get('error', err.reason)}"
+        return f"HTTP {err.code}: {error_of(err.read()) or err.reason}"
 
 
 def render_status(status: dict) -> str:

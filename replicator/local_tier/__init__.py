@@ -2,5 +2,5 @@
 
 The training framework's file protocol (``frameworks``), the one way to touch the pod-writable
 client dir (``pod_files``), step manifests, the agent's metadata (``job_meta``), step deletion
-(``steps``) and the errors the job is told (``job_errors``).
+(``steps``) and the errors the job is told (``log_once``).
 """

@@ -23,9 +23,16 @@ from replicator.pacing.cpu_share import CpuShare
 
 
 class UnusableCopy(Exception):
-    """Mixed into the errors that prove a copy of a step cannot serve: it fails its checksums, or its
-    holder no longer has it. Every other failure (a refused connection, a timeout, a store outage)
-    is transient: the copy is retried, never excluded for it."""
+    """Mixed into the errors that prove a copy of a step cannot serve: its holder no longer has it,
+    its files are not those of its manifest, or it fails its checksums (``CorruptCopy``). Every
+    other failure (a refused connection, a timeout, a store outage) is transient: the copy is
+    retried, never excluded for it."""
+
+
+class CorruptCopy(UnusableCopy):
+    """A copy whose bytes fail their checksums: a file's CRC-32C differs from the manifest's, or the
+    manifest it was verified against differs from the checksums its owning rank reported. What
+    ``mtc_corrupt_copies_total`` counts."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,6 +246,26 @@ def build_manifest(step_dir: str, step: int, rank: int, share: CpuShare | None =
     return StepManifest(step, rank, files, timeline)
 
 
+def _problems(step_dir: str, manifest: StepManifest, share: CpuShare | None = None) -> list[tuple[type[UnusableCopy], str]]:
+    """What ``verify_step`` finds, each line with its kind: ``CorruptCopy`` for a checksum mismatch,
+    ``UnusableCopy`` for the rest."""
+    if not manifest.files:
+        return [(UnusableCopy, "the manifest lists no files")]
+    try:
+        found = _checksums(step_dir)
+    except OSError as err:
+        return [(UnusableCopy, f"unreadable: {err}")]
+    problems = [(UnusableCopy, f"unexpected file {rel}") for rel in sorted(set(found) - set(manifest.files))]
+    for rel, (size, crc) in sorted(manifest.files.items()):
+        if rel not in found:
+            problems.append((UnusableCopy, f"missing file {rel}"))
+        elif found[rel][0] != size:
+            problems.append((UnusableCopy, f"{rel}: {found[rel][0]} bytes, expected {size}"))
+        elif found[rel][1] != crc:
+            problems.append((CorruptCopy, f"{rel}: crc32c mismatch"))
+    return problems
+
+
 def verify_step(step_dir: str, manifest: StepManifest, share: CpuShare | None = None) -> list[str]:
     """Compares ``step_dir`` with ``manifest``, walking it as ``build_manifest`` does (see
     ``checksum_files`` for ``share``).
@@ -247,18 +274,25 @@ def verify_step(step_dir: str, manifest: StepManifest, share: CpuShare | None = 
       One line per problem (missing, unexpected, wrong size, checksum mismatch, an entry that is not
       a regular file or directory, an empty manifest); empty when intact.
     """
-    if not manifest.files:
-        return ["the manifest lists no files"]
-    try:
-        found = _checksums(step_dir)
-    except OSError as err:
-        return [f"unreadable: {err}"]
-    problems = [f"unexpected file {rel}" for rel in sorted(set(found) - set(manifest.files))]
-    for rel, (size, crc) in sorted(manifest.files.items()):
-        if rel not in found:
-            problems.append(f"missing file {rel}")
-        elif found[rel][0] != size:
-            problems.append(f"{rel}: {found[rel][0]} bytes, expected {size}")
-        elif found[rel][1] != crc:
-            problems.append(f"{rel}: crc32c mismatch")
-    return problems
+    return [line for _, line in _problems(step_dir, manifest, share)]
+
+
+def check_step(step_dir: str, manifest: StepManifest, what: str, share: CpuShare | None = None,
+               unusable: type[UnusableCopy] = UnusableCopy, corrupt: type[CorruptCopy] = CorruptCopy) -> None:
+    """``verify_step`` as an error: raises unless ``step_dir`` matches ``manifest``.
+
+    Args:
+      what: names the copy at the start of the message.
+      unusable, corrupt: the tier's classes of the two kinds (e.g. the backup tier's, which are
+        also its ``BackupError``).
+
+    Raises:
+      corrupt: a file fails its checksum (the message lists the first five problems).
+      unusable: the step's files are not those of ``manifest`` otherwise (missing, unexpected, of
+        another size, unreadable, not regular files).
+    """
+    problems = _problems(step_dir, manifest, share)
+    if problems:
+        more = f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""
+        kind = corrupt if any(k is CorruptCopy for k, _ in problems) else unusable
+        raise kind(f"{what} does not match its manifest: {'; '.join(line for _, line in problems[:5])}{more}")

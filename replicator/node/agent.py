@@ -30,6 +30,7 @@ from replicator.node.loop import NodeReplicator
 from replicator.pacing import timing
 from replicator.pacing.cpu_share import CpuShare
 from replicator.peer_tier.service import add_peer_routes
+from replicator.wire import tls
 
 log = logging.getLogger(__name__)
 
@@ -62,16 +63,17 @@ class NodeAgent:
     def __init__(self, config: NodeConfig):
         self.config = config
         self.ready = threading.Event()
-        self.manager = open_ramdisks(config.root, config.ramdisk_backend)
-        self.peer_token = config.peer_token()
+        self.manager = open_ramdisks(config.root, config.csi.ramdisk_backend)
+        self.peer_token = config.peer.token()
         if self.peer_token is None:
             log.warning("no --peer-token-file: the peer tier (replication, restore from peers) is off")
-        store = (open_backup_store(config.backup, emulator_host=config.storage_emulator_host,
-                                   s3_endpoint_url=config.s3_endpoint_url) if config.backup else None)  # fmt: skip
-        self.share = CpuShare(config.background_cpu) if config.background_cpu else None
+        backup = config.backup
+        store = (open_backup_store(backup.url, emulator_host=backup.storage_emulator_host,
+                                   s3_endpoint_url=backup.s3_endpoint_url) if backup.url else None)  # fmt: skip
+        self.share = CpuShare(config.pacing.background_cpu) if config.pacing.background_cpu else None
         self.replicator = (
             NodeReplicator(config, self.manager, self.peer_token, store, self.share)
-            if config.coordinator
+            if config.coordinator.url
             else None
         )
 
@@ -106,27 +108,28 @@ class NodeAgent:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serves until ``stop`` is set."""
-        identity = IdentityServicer(self.config.driver_name, self.healthy)
+        csi = self.config.csi
+        identity = IdentityServicer(csi.driver_name, self.healthy)
         poke = (lambda *_: self.replicator.poke()) if self.replicator else (lambda *_: None)
         node = NodeServicer(
-            self.manager, self.config.node_id, self.config.topology, self.config.default_size_bytes,
-            VolumeLimits(self.config.max_nodes, psutil.virtual_memory().total, frozenset(frameworks.REGISTRY)), poke, poke,
+            self.manager, self.config.node_id, self.config.topology, csi.default_size_bytes,
+            VolumeLimits(csi.max_nodes, psutil.virtual_memory().total, frozenset(frameworks.REGISTRY)), poke, poke,
         )
         # Recovery first: kubelet must never be served from a state file the mount table contradicts.
         survivors = await asyncio.to_thread(self.manager.recover)
         log.info("recovered %d ramdisk(s): %s", len(survivors), [f"{d.namespace}/{d.job}" for d in survivors])
-        csi_server = start_csi_server(self.config.csi_endpoint, identity, node)
+        csi_server = start_csi_server(csi.endpoint, identity, node)
         runner = web.AppRunner(self._make_http_app())
         await runner.setup()
         try:
-            await web.TCPSite(runner, *self.config.host_port, ssl_context=self.config.server_ssl()).start()
+            await web.TCPSite(runner, *self.config.peer.host_port, ssl_context=tls.server_context(self.config.peer.tls_cert, self.config.peer.tls_key)).start()
             self.ready.set()
-            log.info("node agent %s ready (HTTP on %s)", self.config.node_id, self.config.listen)
+            log.info("node agent %s ready (HTTP on %s)", self.config.node_id, self.config.peer.listen)
             replicating = asyncio.create_task(self.replicator.run(stop)) if self.replicator else None
             while not stop.is_set():
-                released = await asyncio.to_thread(self.manager.reap_idle, self.config.retention_seconds)
+                released = await asyncio.to_thread(self.manager.reap_idle, csi.retention_seconds)
                 for key in released:
-                    log.info("released idle ramdisk %s/%s after %.0f s retention", *key, self.config.retention_seconds)
+                    log.info("released idle ramdisk %s/%s after %.0f s retention", *key, csi.retention_seconds)
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(stop.wait(), timing.REAP_INTERVAL_SECONDS)
             if replicating:

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from prometheus_client import Counter, Gauge
 
 from csi_driver.ramdisk import Ramdisk
-from replicator.local_tier.job_errors import report_to_job
 from replicator.local_tier.job_meta import JobMeta, PodProgress
+from replicator.local_tier.log_once import report_to_job
 from replicator.local_tier.step_manifest import build_manifest
 from replicator.pacing.cpu_share import CpuShare
 

@@ -9,8 +9,8 @@ from prometheus_client import Counter
 from csi_driver.ramdisk import Ramdisk
 from replicator.local_tier import pod_files
 from replicator.local_tier.frameworks import InvalidReplicatorConfig
-from replicator.local_tier.job_errors import LogOnce
 from replicator.local_tier.job_meta import JobMeta, PodProgress
+from replicator.local_tier.log_once import LogOnce
 from replicator.wire.coordinator_client import CoordinatorClient, CoordinatorUnavailable
 from replicator.wire.messages import Assignment
 

@@ -21,8 +21,8 @@ from prefetch.restore import Restorer
 from replicator.backup_tier.store import BackupStore
 from replicator.backup_tier.worker import BackupWorker
 from replicator.local_tier import steps
-from replicator.local_tier.job_errors import LogOnce
 from replicator.local_tier.job_meta import JobMeta
+from replicator.local_tier.log_once import LogOnce
 from replicator.local_tier.steps import drop_abandoned
 from replicator.node import handshake
 from replicator.node.commit_detection import CommitDetector
@@ -32,6 +32,7 @@ from replicator.node.pushes import Pusher
 from replicator.node.report_session import ReportSession
 from replicator.pacing import timing
 from replicator.pacing.cpu_share import CpuShare
+from replicator.wire import tls
 from replicator.wire.coordinator_client import CoordinatorClient, CoordinatorUnavailable
 from replicator.wire.messages import Assignment, Lineage, NodeReport, PodReport
 
@@ -51,9 +52,9 @@ class NodeReplicator:
     """Drives the Orbax protocol, replication and garbage collection for every ramdisk of the node.
 
     Args:
-      config: the node's settings (``coordinator`` set); TLS contexts and timings are taken from it.
+      config: the node's settings (``coordinator.url`` set); TLS contexts and timings are taken from it.
       manager: the node's ramdisks.
-      peer_token: bearer token of the peer service (read from ``config.peer_token_file``), or None
+      peer_token: bearer token of the peer service (read from ``config.peer.token_file``), or None
         to run without the peer tier.
       backup_store: the backup tier, or None to run without it.
       share: the CPU cap of replication and backup while jobs train, or None (restores never pace).
@@ -63,25 +64,25 @@ class NodeReplicator:
                  backup_store: BackupStore | None = None, share: CpuShare | None = None):  # fmt: skip
         self.node_id = config.node_id
         self._manager = manager
-        self._coordinator_url = config.coordinator
+        self._coordinator_url = config.coordinator.url
         self._peer_token = peer_token
-        self._peer_ssl = config.client_ssl()
-        self._coordinator_ssl = config.coordinator_ssl()
-        self._wedged_after_seconds = config.wedged_after_seconds
+        self._peer_ssl = tls.client_context(config.peer.tls_ca)
+        self._coordinator_ssl = tls.client_context(config.coordinator_ca)
+        self._wedged_after_seconds = config.pacing.wedged_after_seconds
         self._session: aiohttp.ClientSession | None = None
         self._busy_steps: set[tuple[str, str, int]] = set()  # (namespace, job, step) being read: GC keeps them
         self._log_once = LogOnce()
         self._assignments: dict[str, Assignment] = {}
         self._backup = (
-            BackupWorker(backup_store, config.backup_keep, self._busy_steps, self._error_to_job, self.poke, share) if backup_store else None
+            BackupWorker(backup_store, config.backup.keep, self._busy_steps, self._error_to_job, self.poke, share) if backup_store else None
         )
-        self._pusher = Pusher(peer_token, share, self._busy_steps, self._log_once, config.min_push_interval_seconds) if peer_token else None
+        self._pusher = Pusher(peer_token, share, self._busy_steps, self._log_once, config.pacing.min_push_interval_seconds) if peer_token else None
         self._restorer = Restorer(config.node_id, peer_token, self._peer_ssl, self._backup.download if self._backup else None,
-                                  self._log_once, config.restore_deadline_seconds)  # fmt: skip
+                                  self._log_once, config.pacing.restore_deadline_seconds)  # fmt: skip
         self._commits = CommitDetector(share, self.poke)
         self._listing: asyncio.Task | None = None
         self._wake = asyncio.Event()
-        self._reporting = ReportSession(config.node_id, config.url, config.pod_address, config.topology, config.replicas,
+        self._reporting = ReportSession(config.node_id, config.peer.url, config.pod_address, config.topology, config.peer.replicas,
                                         backup_store is not None)  # fmt: skip
         self._loop: asyncio.AbstractEventLoop | None = None
         self._workers: dict[tuple[str, str], asyncio.Task] = {}

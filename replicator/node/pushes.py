@@ -13,8 +13,8 @@ import aiohttp
 from prometheus_client import Counter
 
 from csi_driver.ramdisk import Ramdisk
-from replicator.local_tier.job_errors import LogOnce
 from replicator.local_tier.job_meta import JobMeta
+from replicator.local_tier.log_once import LogOnce
 from replicator.pacing import timing
 from replicator.pacing.cpu_share import CpuShare
 from replicator.peer_tier.client import PeerFetchError, push_step

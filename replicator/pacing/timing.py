@@ -12,7 +12,7 @@ marked *flag*. Constants kept elsewhere, on purpose:
   flags of ``mtc coordinator``.
 """
 
-# Orbax waits 300 s for the restore marker (``orbax_protocol``); the restore gives up 30 s before,
+# Orbax waits 300 s for the restore marker (``local_tier.frameworks.orbax``); the restore gives up 30 s before,
 # so the job is told why in ``replicator.errors`` instead of timing out silently. *flag*
 RESTORE_DEADLINE_SECONDS = 270.0
 

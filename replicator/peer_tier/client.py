@@ -16,7 +16,6 @@ import contextlib
 import errno
 import functools
 import http.client
-import json
 import os
 import queue
 import ssl
@@ -29,11 +28,13 @@ import aiohttp
 import google_crc32c
 
 from replicator.local_tier import pod_files
-from replicator.local_tier.step_manifest import StepManifest, UnusableCopy, crc32c_combine, safe_relpath
+from replicator.local_tier.incoming import pwrite_all
+from replicator.local_tier.step_manifest import CorruptCopy, StepManifest, UnusableCopy, crc32c_combine, safe_relpath
 from replicator.pacing import timing
 from replicator.pacing.cpu_share import CpuShare
 from replicator.peer_tier.protocol import COMMIT_SUFFIX, FILES_SUFFIX, MANIFEST_SUFFIX, STEP_PATH, UPLOAD_HEADER
 from replicator.wire.bearer import auth_header
+from replicator.wire.http_errors import error_of
 
 MiB = 1 << 20
 # One GET per range: large enough that HTTP costs nothing per byte, small enough to spread a file over
@@ -49,7 +50,11 @@ class PeerFetchError(Exception):
 
 
 class UnusablePeerCopy(PeerFetchError, UnusableCopy):
-    """The peer's copy fails verification, or the peer does not hold it (HTTP 404/410)."""
+    """The peer does not hold the copy (HTTP 404/410) or sent an unusable manifest for it."""
+
+
+class CorruptPeerCopy(UnusablePeerCopy, CorruptCopy):
+    """The peer's copy fails its checksums."""
 
 
 def _step_url(base_url: str, namespace: str, job: str, rank: int, step: int) -> str:
@@ -62,12 +67,7 @@ def _file_url(step_url: str, rel: str) -> str:
 
 def _error_message(status: int, text: str) -> str:
     """``HTTP <status>: <error>; <problems>`` from a peer's JSON error body, or the start of the body."""
-    try:
-        detail = json.loads(text)
-        message = detail["error"] + "".join(f"; {p}" for p in detail.get("problems", []))
-    except (ValueError, KeyError, TypeError):
-        message = text[:500]
-    return f"HTTP {status}: {message}"
+    return f"HTTP {status}: {error_of(text)}"
 
 
 def _error_kind(status: int) -> type[PeerFetchError]:
@@ -171,16 +171,9 @@ class _Peer:
     def connect(self) -> http.client.HTTPConnection:
         """A new connection (opened on first request); ``timeout`` bounds connecting and every read."""
         if self.scheme == "https":
-            return http.client.HTTPSConnection(self.host, self.port, timeout=self.timeout,
-                                               context=self.ssl_context or ssl.create_default_context())
+            # No context: http.client's default (the system's CAs), as aiohttp's.
+            return http.client.HTTPSConnection(self.host, self.port, timeout=self.timeout, context=self.ssl_context)
         return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
-
-
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written
 
 
 class _Stopped(Exception):
@@ -230,7 +223,7 @@ def _get_range(connection: http.client.HTTPConnection, peer: _Peer, path: str, f
             chunk = response.read(min(_READ_BYTES, end - offset))
         if not chunk:
             raise PeerFetchError(f"{what}: the peer sent {offset - start} bytes")
-        _pwrite_all(fd, chunk, offset)
+        pwrite_all(fd, chunk, offset)
         crc = google_crc32c.extend(crc, chunk)
         offset += len(chunk)
     return crc
@@ -290,8 +283,8 @@ async def fetch_step(base_url: str, token: str, namespace: str, job: str, manife
 
     Raises:
       PeerFetchError: the peer could not be reached or answered an error, or ``manifest`` has an
-        unsafe path; ``UnusablePeerCopy`` when it sent data that does not match ``manifest`` (names
-        the files) or does not hold the step (HTTP 404/410).
+        unsafe path; ``CorruptPeerCopy`` when it sent data that does not match ``manifest`` (names
+        the files), ``UnusablePeerCopy`` when it does not hold the step (HTTP 404/410).
       OSError: ``dest_dir`` could not be written, e.g. ENOSPC.
     """
     try:
@@ -322,7 +315,7 @@ async def fetch_step(base_url: str, token: str, namespace: str, job: str, manife
         file_crcs[rel] = crc32c_combine(file_crcs[rel], crc, end - start)
     problems = [f"{rel}: crc32c mismatch" for rel, (_, crc) in manifest.files.items() if f"{file_crcs[rel]:08x}" != crc]
     if problems:
-        raise UnusablePeerCopy(f"rank {manifest.rank} step {manifest.step} from {base_url} fails verification: {'; '.join(problems)}")
+        raise CorruptPeerCopy(f"rank {manifest.rank} step {manifest.step} from {base_url} fails verification: {'; '.join(problems)}")
 
 
 async def _file_body(fd: int, size: int, share: CpuShare | None) -> AsyncIterator[bytes]:

@@ -25,7 +25,6 @@ disk and the commit body has its own cap, so the app's ``client_max_size`` needs
 import asyncio
 import dataclasses
 import errno
-import json
 import os
 import shutil
 import time
@@ -49,6 +48,7 @@ from replicator.peer_tier.protocol import (
     UPLOAD_ID,
 )
 from replicator.wire.bearer import require_bearer
+from replicator.wire.http_errors import error_response
 
 _MAX_MANIFEST_BYTES = 16 << 20
 _RECEIVE_CHUNK_BYTES = 1 << 20
@@ -58,10 +58,6 @@ _UPLOAD_IDLE_SECONDS = 600.0  # an upload untouched this long was abandoned by i
 # atomic rename, so a lookup that ran into one finds the step when made again a moment later.
 _LOOKUP_ATTEMPTS = tenacity.stop_after_attempt(3)
 _LOOKUP_WAIT = tenacity.wait_fixed(0.05)  # seconds between lookups
-
-
-def _fail(kind: type[web.HTTPException], message: str, **kwargs) -> web.HTTPException:
-    return kind(text=json.dumps({"error": message}), content_type="application/json", **kwargs)
 
 
 def _free_bytes(path: str) -> int:
@@ -110,9 +106,9 @@ class _Uploads:
             self._forget_idle()
             upload = self._by_id[upload_id] = _Upload(ref.meta.new_incoming_dir(), (ref.ramdisk, ref.rank, ref.step))
         elif upload.discarded:
-            raise _fail(web.HTTPGone, f"upload {upload_id} was discarded after an error; push again with a new id")
+            raise error_response(web.HTTPGone, f"upload {upload_id} was discarded after an error; push again with a new id")
         elif upload.target != (ref.ramdisk, ref.rank, ref.step):
-            raise _fail(web.HTTPConflict, f"upload {upload_id} belongs to another job, rank or step")
+            raise error_response(web.HTTPConflict, f"upload {upload_id} belongs to another job, rank or step")
         upload.active += 1
         return upload
 
@@ -131,9 +127,9 @@ class _Uploads:
         """Removes a finished upload for its commit; the caller installs or deletes its directory."""
         upload = self._by_id.get(upload_id)
         if upload is None or upload.discarded or upload.target != (ref.ramdisk, ref.rank, ref.step):
-            raise _fail(web.HTTPNotFound, f"no upload {upload_id} for rank {ref.rank} step {ref.step}")
+            raise error_response(web.HTTPNotFound, f"no upload {upload_id} for rank {ref.rank} step {ref.step}")
         if upload.active:
-            raise _fail(web.HTTPConflict, f"upload {upload_id} still has {upload.active} files being received")
+            raise error_response(web.HTTPConflict, f"upload {upload_id} still has {upload.active} files being received")
         del self._by_id[upload_id]
         return upload
 
@@ -148,7 +144,7 @@ class _Uploads:
 def _int_param(request: web.Request, name: str) -> int:
     value = request.match_info[name]
     if not (value.isascii() and value.isdigit()):
-        raise _fail(web.HTTPBadRequest, f"{name} {value!r} is not a non-negative integer")
+        raise error_response(web.HTTPBadRequest, f"{name} {value!r} is not a non-negative integer")
     return int(value)
 
 
@@ -156,13 +152,13 @@ def _path_param(request: web.Request) -> str:
     try:
         return safe_relpath(request.match_info["path"])
     except ValueError as err:
-        raise _fail(web.HTTPBadRequest, str(err)) from None
+        raise error_response(web.HTTPBadRequest, str(err)) from None
 
 
 def _upload_id(request: web.Request) -> str:
     value = request.headers.get(UPLOAD_HEADER, "")
     if not UPLOAD_ID.match(value):
-        raise _fail(web.HTTPBadRequest, f"header {UPLOAD_HEADER} must be 16-64 lowercase hex digits")
+        raise error_response(web.HTTPBadRequest, f"header {UPLOAD_HEADER} must be 16-64 lowercase hex digits")
     return value
 
 
@@ -178,9 +174,9 @@ def _open_inside(step_dir: str, rel: str) -> int:
         with pod_files.open_dir(step_dir) as root:
             return pod_files.open_relative(root, rel)
     except pod_files.UnsafeEntry as err:
-        raise _fail(web.HTTPBadRequest, f"{rel} is not a regular file inside the step directory: {err}") from None
+        raise error_response(web.HTTPBadRequest, f"{rel} is not a regular file inside the step directory: {err}") from None
     except OSError as err:
-        raise _fail(web.HTTPNotFound, f"{rel} is listed but cannot be opened: {err.strerror}") from None
+        raise error_response(web.HTTPNotFound, f"{rel} is listed but cannot be opened: {err.strerror}") from None
 
 
 class _DescriptorFileResponse(web.FileResponse):
@@ -204,16 +200,16 @@ async def _read_manifest(request: web.Request, ref: _StepRef) -> StepManifest:
     async for chunk in request.content.iter_chunked(1 << 16):
         body += chunk
         if len(body) > _MAX_MANIFEST_BYTES:
-            raise _fail(web.HTTPRequestEntityTooLarge, f"manifest over {_MAX_MANIFEST_BYTES} bytes",
+            raise error_response(web.HTTPRequestEntityTooLarge, f"manifest over {_MAX_MANIFEST_BYTES} bytes",
                         max_size=_MAX_MANIFEST_BYTES, actual_size=len(body))
     try:
         manifest = StepManifest.from_json(body.decode())
         for rel in manifest.files:
             safe_relpath(rel)
     except (ValueError, KeyError, TypeError) as err:
-        raise _fail(web.HTTPBadRequest, f"body is not a valid manifest: {err}") from None
+        raise error_response(web.HTTPBadRequest, f"body is not a valid manifest: {err}") from None
     if (manifest.rank, manifest.step) != (ref.rank, ref.step):
-        raise _fail(web.HTTPBadRequest, f"manifest is for rank {manifest.rank} step {manifest.step}, not rank {ref.rank} step {ref.step}")
+        raise error_response(web.HTTPBadRequest, f"manifest is for rank {manifest.rank} step {manifest.step}, not rank {ref.rank} step {ref.step}")
     return manifest
 
 
@@ -243,10 +239,10 @@ class _PeerService:
         namespace, job = request.match_info["namespace"], request.match_info["job"]
         for name, value in (("namespace", namespace), ("job", job)):
             if not DNS1123_LABEL.match(value):
-                raise _fail(web.HTTPBadRequest, f"{name} {value!r} is not a DNS-1123 label")
+                raise error_response(web.HTTPBadRequest, f"{name} {value!r} is not a DNS-1123 label")
         ramdisk = self._locate_ramdisk(namespace, job)
         if ramdisk is None:
-            raise _fail(web.HTTPNotFound, f"job {namespace}/{job} has no ramdisk on this node")
+            raise error_response(web.HTTPNotFound, f"job {namespace}/{job} has no ramdisk on this node")
         return ramdisk, JobMeta(ramdisk)
 
     def _step_ref(self, request: web.Request) -> _StepRef:
@@ -265,12 +261,12 @@ class _PeerService:
             with attempt:
                 found = ref.meta.locate(ref.rank, ref.step)
                 if found is None:
-                    raise _fail(web.HTTPNotFound, f"rank {ref.rank} step {ref.step} is not held here")
+                    raise error_response(web.HTTPNotFound, f"rank {ref.rank} step {ref.step} is not held here")
                 step_dir, manifest = found
                 if rel is None:
                     return manifest, None
                 if rel not in manifest.files:
-                    raise _fail(web.HTTPNotFound, f"{rel} is not a file of rank {ref.rank} step {ref.step}")
+                    raise error_response(web.HTTPNotFound, f"{rel} is not a file of rank {ref.rank} step {ref.step}")
                 return manifest, _open_inside(step_dir, rel)
 
     async def list_steps(self, request: web.Request) -> web.Response:
@@ -300,10 +296,10 @@ class _PeerService:
         except BaseException as err:
             self._uploads.discard(upload)
             if isinstance(err, OSError) and err.errno == errno.ENOSPC:
-                raise _fail(web.HTTPInsufficientStorage, f"{rel} does not fit: {request.content_length} bytes sent, the ramdisk"
+                raise error_response(web.HTTPInsufficientStorage, f"{rel} does not fit: {request.content_length} bytes sent, the ramdisk"
                             f" had {free} bytes free; upload {upload_id} discarded") from None
             if isinstance(err, (IsADirectoryError, NotADirectoryError, FileExistsError)):
-                raise _fail(web.HTTPConflict, f"{rel} clashes with another path of upload {upload_id}; upload discarded") from None
+                raise error_response(web.HTTPConflict, f"{rel} clashes with another path of upload {upload_id}; upload discarded") from None
             raise
         finally:
             self._uploads.release(upload)
@@ -322,9 +318,7 @@ class _PeerService:
             if os.path.exists(upload.directory):  # not installed: verification failed or raised
                 await asyncio.to_thread(shutil.rmtree, upload.directory, True)
         if problems:
-            raise web.HTTPUnprocessableEntity(
-                text=json.dumps({"error": f"upload {upload_id} does not match its manifest; discarded", "problems": problems}),
-                content_type="application/json")
+            raise error_response(web.HTTPUnprocessableEntity, f"upload {upload_id} does not match its manifest; discarded", problems)
         return web.json_response({"rank": ref.rank, "step": ref.step, "bytes": manifest.total_bytes})
 
 

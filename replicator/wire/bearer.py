@@ -2,10 +2,11 @@
 
 import functools
 import hmac
-import json
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+
+from replicator.wire.http_errors import error_response
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -44,11 +45,7 @@ def require_bearer(handler: Handler, token: str) -> Handler:
     async def checked(request: web.Request) -> web.StreamResponse:
         given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
         if not hmac.compare_digest(given, expected):
-            raise web.HTTPUnauthorized(
-                text=json.dumps({"error": "missing or wrong bearer token"}),
-                content_type="application/json",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+            raise error_response(web.HTTPUnauthorized, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
         return await handler(request)
 
     return checked

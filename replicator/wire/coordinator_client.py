@@ -11,6 +11,7 @@ import msgspec
 
 from replicator.pacing import timing
 from replicator.wire.bearer import auth_header
+from replicator.wire.http_errors import error_of
 from replicator.wire.messages import (
     MAX_WAIT_SECONDS,
     JobSettings,
@@ -53,7 +54,7 @@ class CoordinatorClient:
         except (aiohttp.ClientError, asyncio.TimeoutError) as err:
             raise CoordinatorUnavailable(f"{method} {path}: {err!r}") from None
         if response.status != 200:
-            raise CoordinatorUnavailable(f"{method} {path}: HTTP {response.status}: {_error_of(raw)}")
+            raise CoordinatorUnavailable(f"{method} {path}: HTTP {response.status}: {error_of(raw)}")
         return raw
 
     async def report(self, report: NodeReport) -> ReportReply:
@@ -97,10 +98,4 @@ class CoordinatorClient:
         await self._call("POST", f"/v1/jobs/{pod.job.namespace}/{pod.job.job}/restore", payload)
 
 
-def _error_of(raw: bytes) -> str:
-    """The ``error`` of a coordinator's JSON error body, else the body itself (a proxy's page)."""
-    try:
-        body = msgspec.json.decode(raw)
-    except msgspec.DecodeError:
-        return raw[:200].decode("utf-8", "replace")
-    return str(body.get("error", body)) if isinstance(body, dict) else str(body)
+

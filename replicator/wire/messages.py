@@ -8,6 +8,7 @@ each other's messages with an error naming both versions, never half-understand 
 so a report can neither exhaust the coordinator nor make it loop over an invented ``nodes``.
 """
 
+import enum
 from typing import Annotated, Any, TypeVar
 
 import msgspec
@@ -66,7 +67,7 @@ PROTOCOL_VERSION = 2
 
 
 class JobSettings(msgspec.Struct, frozen=True, gc=False):
-    """A job's settings from its consumed ``replicator.yaml`` (see ``orbax_protocol``)."""
+    """A job's settings from its consumed ``replicator.yaml`` (see ``local_tier.frameworks.orbax``)."""
 
     peer_ranks: Annotated[tuple[Rank, ...], msgspec.Meta(max_length=MAX_RANKS)]
     data_parallelism: Count
@@ -113,7 +114,7 @@ class HeldStep(msgspec.Struct, frozen=True, gc=False):
         coordinator keeps them), and again whenever a reply sets ``want_files``. Never for replicas.
       replica: True for a copy a peer pushed here, False for the node's own data.
       signature: for the node's own data, the digest of the step's structural metadata
-        (``orbax_protocol.logical_signature``): data-parallel peers with equal signatures hold the
+        (``Orbax.logical_signature``): data-parallel peers with equal signatures hold the
         same logical data.
       timeline: the job's timeline the copy was written in (see ``in_lineage``).
     """
@@ -297,11 +298,26 @@ class ReportReply(msgspec.Struct, frozen=True, gc=False):
     protocol: int = PROTOCOL_VERSION
 
 
+class Tier(enum.StrEnum):
+    """Where a restore source is, fastest first (``TIER_PREFERENCE``). The values are the wire's
+    ``Source.tier`` (msgspec encodes a member by its value), the ``source`` label of the agent's
+    ``mtc_restore_seconds`` and the ``tier`` of ``tier:holder`` in the coordinator's status."""
+
+    LOCAL = "local"  # the rank's own node
+    PEER_CLOSE = "peer_close"  # another node in the same topology block
+    PEER_DISTANT = "peer_distant"  # another node elsewhere
+    BACKUP = "backup"  # object storage
+
+
+# Tier -> its place in the order of preference (0: fastest). Sort by it: the values sort by name.
+TIER_PREFERENCE: dict[Tier, int] = {tier: place for place, tier in enumerate(Tier)}
+
+
 class Source(msgspec.Struct, frozen=True, gc=False):
     """One place a rank can restore its step from.
 
     Attributes:
-      tier: ``local``, ``peer_close``, ``peer_distant`` or ``backup``.
+      tier: which tier serves the copy.
       holder: the node holding the copy, or ``backup``.
       url: the holder's peer service base URL, or None.
       data_rank: whose data the copy is (a data-parallel peer's for identical data).
@@ -311,7 +327,7 @@ class Source(msgspec.Struct, frozen=True, gc=False):
       timeline: the timeline the copy was written in (a backup's is part of its name).
     """
 
-    tier: Name
+    tier: Tier
     holder: Name
     url: Text | None
     data_rank: Rank

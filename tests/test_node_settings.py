@@ -1,0 +1,31 @@
+"""``mtc node``'s flags become one ``NodeConfig`` in sections, built once; flags that do not go
+together are refused before anything starts."""
+
+from replicator import cli
+from replicator.node.config import NodeConfig
+from replicator.pacing import timing
+
+
+def test_flags_land_in_their_sections(monkeypatch):
+    built = []
+    monkeypatch.setattr(cli, "run_node", built.append)
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:4443")
+    assert cli.main(["node", "--node-id", "n1", "--root", "/r", "--csi-endpoint", "unix:///c.sock", "--listen", "127.0.0.1:8470",
+                     "--backup", "gs://bucket/p", "--backup-keep", "5", "--coordinator", "https://c:8471", "--peer-tls-ca", "ca.pem",
+                     "--replicas", "2", "--max-nodes", "64", "--background-cpu", "0.5", "--topology", "zone=a"]) == 0  # fmt: skip
+    (config,) = built
+    assert isinstance(config, NodeConfig) and (config.node_id, config.root, config.topology) == ("n1", "/r", {"zone": "a"})
+    assert (config.csi.endpoint, config.csi.max_nodes, config.csi.ramdisk_backend) == ("unix:///c.sock", 64, "tmpfs")
+    assert (config.peer.listen, config.peer.replicas, config.peer.tls_ca, config.peer.url) == ("127.0.0.1:8470", 2, "ca.pem",
+                                                                                               "http://127.0.0.1:8470")  # fmt: skip
+    assert (config.backup.url, config.backup.keep, config.backup.storage_emulator_host) == ("gs://bucket/p", 5, "http://127.0.0.1:4443")
+    assert (config.coordinator.url, config.coordinator_ca) == ("https://c:8471", "ca.pem")  # the peer CA when none of its own
+    assert (config.pacing.background_cpu, config.pacing.restore_deadline_seconds) == (0.5, timing.RESTORE_DEADLINE_SECONDS)
+
+
+def test_a_peer_certificate_without_its_key_is_refused_before_the_agent_starts(monkeypatch, capsys):
+    built = []
+    monkeypatch.setattr(cli, "run_node", built.append)
+    assert cli.main(["node", "--node-id", "n1", "--root", "/r", "--csi-endpoint", "unix:///c.sock", "--listen", "127.0.0.1:1",
+                     "--peer-tls-cert", "cert.pem"]) == 2  # fmt: skip
+    assert built == [] and "--peer-tls-cert and --peer-tls-key go together" in capsys.readouterr().err
