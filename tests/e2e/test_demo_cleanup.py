@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from examples.local_cluster import unmount_all_below
-from tests.conftest import requires_root
+from tests.helpers import REPO
+from tests.helpers.tools import requires_root
 
-REPO = Path(__file__).resolve().parent.parent
 
 # Runs in the namespaces: records the mount table, runs the demo, records it again. The demo's
 # Ctrl-C is not its own (a Python handler, unlike SIG_IGN, is not inherited through exec).

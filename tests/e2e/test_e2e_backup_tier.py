@@ -8,7 +8,8 @@ import subprocess
 import sys
 
 from replicator.local_tier.frameworks.orbax import ERRORS_FILE
-from tests.jobs import (
+from tests.helpers.agents import scrape
+from tests.helpers.jobs import (
     UNTIL_KILLED,
     UNTIL_KILLED_STEPS,
     assert_same_state,
@@ -16,13 +17,9 @@ from tests.jobs import (
     losses,
     rerun,
     run_job,
-    scrape,
-    wait_until,
+    status_of,
 )
-
-
-def status_of(cluster, job):
-    return cluster.coordinator.status(job.job)["jobs"][0]
+from tests.helpers.polling import wait_until
 
 
 def backups_settled(cluster, job):

@@ -2,8 +2,9 @@
 
 import threading
 
-from tests.jobs import losses, run_job, wait_until
-from tests.test_e2e_peer_tier import LONG_RUN, assert_resumed_exactly, lose_node_and_resume, status_of
+from tests.helpers.jobs import UNTIL_KILLED as LONG_RUN
+from tests.helpers.jobs import assert_resumed_exactly, lose_node_and_resume, losses, run_job, status_of
+from tests.helpers.polling import wait_until
 
 
 def freeze(agent, seconds: float) -> threading.Thread:

@@ -12,7 +12,9 @@ import subprocess
 import sys
 import time
 
-from tests.jobs import assert_same_state, by_event, losses, newest_complete_step, rerun, run_job, scrape, wait_until
+from tests.helpers.agents import scrape
+from tests.helpers.jobs import assert_same_state, by_event, losses, newest_complete_step, rerun, run_job
+from tests.helpers.polling import wait_until
 
 def test_sigkilled_job_resumes_at_newest_complete_step_with_identical_values(cluster, tmp_path):
     coordinator, agents = cluster

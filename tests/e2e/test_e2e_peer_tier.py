@@ -11,32 +11,12 @@ import urllib.request
 import pytest
 
 from csi_driver import kubelet
-from tests.jobs import UNTIL_KILLED, UNTIL_KILLED_STEPS, assert_same_state, by_event, flip_byte, losses, replace_node, rerun, run_job, scrape, wait_until
+from tests.helpers.agents import scrape
+from tests.helpers.jobs import UNTIL_KILLED, assert_resumed_exactly, lose_node_and_resume, losses, run_job, status_of
+from tests.helpers.polling import wait_until
+from tests.helpers.steps import flip_byte
 
 LONG_RUN = UNTIL_KILLED
-
-
-def status_of(cluster, job):
-    return cluster.coordinator.status(job.job)["jobs"][0]
-
-
-def lose_node_and_resume(cluster, job, lost_index, tmp_path, steps):
-    """Kills the job, loses node ``lost_index`` with its ramdisk, adds a fresh node, recreates the pods."""
-    job.kill_training()
-    agents = replace_node(cluster, job, lost_index)
-    rerun(job, tmp_path / "dump-2", agents=agents, steps=steps)
-    return agents[lost_index]
-
-
-def assert_resumed_exactly(job, step, before_losses, tmp_path):
-    assert max(before_losses) < UNTIL_KILLED_STEPS, "the job finished before it was killed"
-    assert [by_event(p, "restored")[0]["step"] for p in job.pods] == [step] * 4
-    after = losses(job.pods)
-    assert min(after) == step + 1
-    assert all(after[s] == before_losses[s] for s in after if s in before_losses)
-    for rank in range(4):
-        name = f"rank{rank}-step{step}.npz"
-        assert_same_state(tmp_path / "dump-1" / name, tmp_path / "dump-2" / name)
 
 
 def test_data_parallel_job_restores_lost_node_from_identical_peer_without_copies(start_cluster, tmp_path):

@@ -1,15 +1,12 @@
 """Helpers for end-to-end tests that run real training jobs on a local cluster."""
 
-import itertools
 import os
-import time
-import urllib.request
 
 import numpy as np
 
 from examples.local_cluster import LocalJob, unmount_all_below
+from tests.helpers.ports import free_port
 
-_jax_ports = itertools.count(28476 + (os.getpid() % 200) * 5)
 TRAIN = ["--steps", "30", "--save-interval-steps", "3", "--backup-interval-steps", "6"]
 # A job that trains until the test kills it, however slow or fast the machine.
 UNTIL_KILLED_STEPS = 100_000
@@ -22,7 +19,7 @@ _started: list[LocalJob] = []
 
 
 def run_job(name, agents, workdir, extra):
-    job = LocalJob(name, agents, str(workdir), [*TRAIN, *extra], jax_port=next(_jax_ports))
+    job = LocalJob(name, agents, str(workdir), [*TRAIN, *extra], jax_port=free_port("0.0.0.0"))  # JAX's coordinator binds every address
     _started.append(job)
     job.create_pods()
     job.start_training()
@@ -30,7 +27,7 @@ def run_job(name, agents, workdir, extra):
 
 
 def kill_started_jobs() -> None:
-    """SIGKILLs the training processes of every job ``run_job`` started (conftest, after each test)."""
+    """SIGKILLs the training processes of every job ``run_job`` started (the fixtures, after each test)."""
     while _started:
         _started.pop().kill_training()
 
@@ -67,17 +64,6 @@ def replace_node(cluster, job, index):
     return agents
 
 
-def flip_byte(path):
-    """Flips one byte in the middle of ``path``, a file or the largest file below a directory; returns the file."""
-    victim = path if os.path.isfile(path) else max((os.path.join(d, f) for d, _, files in os.walk(path) for f in files), key=os.path.getsize)
-    with open(victim, "r+b") as f:
-        f.seek(os.path.getsize(victim) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0xFF]))
-    return victim
-
-
 def by_event(pod, event):
     return [e for e in pod.events() if e["event"] == event]
 
@@ -93,21 +79,32 @@ def assert_same_state(left_npz, right_npz):
         np.testing.assert_array_equal(left[key], right[key], err_msg=key)
 
 
-def scrape(url, context=None):
-    with urllib.request.urlopen(url + "/metrics", context=context) as response:
-        return response.read().decode()
-
-
 def newest_complete_step(coordinator, job):
     jobs = coordinator.status(job)["jobs"]
     return jobs[0]["newest_complete_step"] if jobs else None
 
 
-def wait_until(condition, timeout, what):
-    """Polls ``condition`` every 0.1 s; raises TimeoutError naming ``what``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.1)
-    raise TimeoutError(f"{what} not reached within {timeout} s")
+def status_of(cluster, job):
+    """The coordinator's status of ``job``."""
+    return cluster.coordinator.status(job.job)["jobs"][0]
+
+
+def lose_node_and_resume(cluster, job, lost_index, tmp_path, steps):
+    """Kills the job, loses node ``lost_index`` with its ramdisk, adds a fresh node, recreates the pods."""
+    job.kill_training()
+    agents = replace_node(cluster, job, lost_index)
+    rerun(job, tmp_path / "dump-2", agents=agents, steps=steps)
+    return agents[lost_index]
+
+
+def assert_resumed_exactly(job, step, before_losses, tmp_path):
+    """Every rank of the 4-rank ``job`` restored ``step`` and went on with the losses and state of
+    before (``dump-1`` against ``dump-2`` below ``tmp_path``)."""
+    assert max(before_losses) < UNTIL_KILLED_STEPS, "the job finished before it was killed"
+    assert [by_event(p, "restored")[0]["step"] for p in job.pods] == [step] * 4
+    after = losses(job.pods)
+    assert min(after) == step + 1
+    assert all(after[s] == before_losses[s] for s in after if s in before_losses)
+    for rank in range(4):
+        name = f"rank{rank}-step{step}.npz"
+        assert_same_state(tmp_path / "dump-1" / name, tmp_path / "dump-2" / name)

@@ -14,13 +14,14 @@ import blake3
 import google_crc32c
 import pytest
 
-from examples.local_cluster import FakeGcsServer, MinioServer
 from replicator.backup_tier.backends import open_backup_store
 from replicator.backup_tier.object_store import BackupError
 from replicator.backup_tier.s3 import PART_BYTES, S3Features, S3Objects
 from replicator.backup_tier.store import BackupStore, RankManifest
 from replicator.local_tier.step_manifest import StepManifest, build_manifest
-from tests.conftest import require_tool
+from tests.helpers.servers import FakeGcsServer, MinioServer
+from tests.helpers.steps import read_tree, write_step
+from tests.helpers.tools import require_tool
 
 JOB = "team-a/llama"
 MiB = 1 << 20
@@ -139,23 +140,9 @@ def backend(request, tmp_path_factory) -> Backend:
     return BACKENDS[request.param](request, tmp_path_factory)
 
 
-def make_step(directory, step: int, rank: int, files: dict[str, bytes]) -> tuple[str, StepManifest]:
-    """Writes ``files`` (relative path -> content) under ``directory`` and checksums them."""
-    for rel, data in files.items():
-        path = os.path.join(directory, rel)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(data)
-    return str(directory), build_manifest(str(directory), step, rank)
-
-
 def with_crc32c_footer(data: bytes) -> bytes:
     """``data`` plus its CRC32C, little-endian, as OCDBT writes it: the whole has CRC32C 48674bc7."""
     return data + google_crc32c.value(data).to_bytes(4, "little")
-
-
-def read_tree(directory) -> dict[str, bytes]:
-    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 def rank_files(rank: int) -> dict[str, bytes]:
@@ -173,7 +160,7 @@ def upload_step(store: BackupStore, tmp_path, step: int, ranks: int, files=None,
     sources = {}
     for rank in range(ranks):
         sources[rank] = (files or rank_files)(rank)
-        step_dir, manifest = make_step(tmp_path / f"src-{step}-{timeline}-{rank}", step, rank, sources[rank])
+        step_dir, manifest = write_step(tmp_path / f"src-{step}-{timeline}-{rank}", step, rank, sources[rank])
         store.upload_rank(JOB, step, rank, step_dir, manifest, timeline=timeline)
     assert store.commit_if_complete(JOB, step, ranks, timeline=timeline)
     return sources
@@ -182,7 +169,7 @@ def upload_step(store: BackupStore, tmp_path, step: int, ranks: int, files=None,
 def test_step_is_restorable_only_after_every_rank_uploaded(backend, tmp_path):
     store = backend.store
     sources = {rank: rank_files(rank) for rank in range(2)}
-    dirs = {rank: make_step(tmp_path / f"src-{rank}", 5, rank, sources[rank]) for rank in range(2)}
+    dirs = {rank: write_step(tmp_path / f"src-{rank}", 5, rank, sources[rank]) for rank in range(2)}
 
     store.upload_rank(JOB, 5, 0, *dirs[0])
     assert not store.commit_if_complete(JOB, 5, nodes=2)
@@ -235,7 +222,7 @@ def test_truncated_or_missing_object_fails_restore(backend, tmp_path):
 def test_upload_not_matching_manifest_stays_incomplete_and_retain_cleans_it(backend, tmp_path):
     store = backend.store
     files = rank_files(0)
-    step_dir, manifest = make_step(tmp_path / "src", 3, 0, files)
+    step_dir, manifest = write_step(tmp_path / "src", 3, 0, files)
     wrong = {**manifest.files, "state/d/big": (manifest.files["state/d/big"][0], "00000000"),
              "_CHECKPOINT_METADATA": (manifest.files["_CHECKPOINT_METADATA"][0], "00000000")}
     with pytest.raises(BackupError, match="2 of 4 uploads"):
@@ -249,7 +236,7 @@ def test_upload_not_matching_manifest_stays_incomplete_and_retain_cleans_it(back
     assert store.retain(JOB, keep=2) == []  # nothing complete yet: an upload may be in progress
 
     upload_step(store, tmp_path, 7, ranks=1)
-    step_dir, manifest = make_step(tmp_path / "src-9", 9, 0, files)
+    step_dir, manifest = write_step(tmp_path / "src-9", 9, 0, files)
     store.upload_rank(JOB, 9, 0, step_dir, manifest)  # rank 1 of step 9 still uploading
     assert store.retain(JOB, keep=2) == [(3, 0)]
     assert (store.complete_steps(JOB), store.incomplete_steps(JOB)) == ([(7, 0)], [(9, 0)])
@@ -261,12 +248,12 @@ def test_dedup_stores_identical_files_of_data_parallel_peers_once(backend, tmp_p
     shared = {"state/d/big": os.urandom(9 * MiB), "_CHECKPOINT_METADATA": b'{"step": 4}'}
     sources = {rank: {**shared, f"state/ocdbt.process_{rank}/d/x": os.urandom(1000),
                       "state/manifest.ocdbt": with_crc32c_footer(os.urandom(60))} for rank in range(2)}
-    first = store.upload_rank(JOB, 4, 0, *make_step(tmp_path / "src-0", 4, 0, sources[0]))
+    first = store.upload_rank(JOB, 4, 0, *write_step(tmp_path / "src-0", 4, 0, sources[0]))
     # Like real OCDBT files, both end with their own CRC32C: same path, size and CRC32C, other bytes.
     assert first.files["state/manifest.ocdbt"].crc32c == build_manifest(str(tmp_path / "src-0"), 4, 0).files["state/manifest.ocdbt"][1]
     peer = store.rank_manifest(JOB, 4, 0)
     assert peer == first
-    second = store.upload_rank(JOB, 4, 1, *make_step(tmp_path / "src-1", 4, 1, sources[1]), dedup_from=peer)
+    second = store.upload_rank(JOB, 4, 1, *write_step(tmp_path / "src-1", 4, 1, sources[1]), dedup_from=peer)
     assert store.commit_if_complete(JOB, 4, nodes=2)
 
     steps = f"{JOB}/steps/4/"
@@ -282,13 +269,13 @@ def test_dedup_stores_identical_files_of_data_parallel_peers_once(backend, tmp_p
     assert read_tree(tmp_path / "restored-1") == sources[1]
 
     with pytest.raises(ValueError, match="shared within a step"):
-        store.upload_rank(JOB, 5, 1, *make_step(tmp_path / "src-5", 5, 1, sources[1]), dedup_from=peer)
+        store.upload_rank(JOB, 5, 1, *write_step(tmp_path / "src-5", 5, 1, sources[1]), dedup_from=peer)
 
 
 def test_dedup_against_a_rank_manifest_written_before_blake3_compares_sha256(backend, tmp_path):
     store = backend.store
     shared = {"state/d/big": os.urandom(9 * MiB)}
-    first = store.upload_rank(JOB, 4, 0, *make_step(tmp_path / "src-0", 4, 0, {**shared, "own": b"rank 0"}))
+    first = store.upload_rank(JOB, 4, 0, *write_step(tmp_path / "src-0", 4, 0, {**shared, "own": b"rank 0"}))
     assert first.files["state/d/big"].identity == "blake3:" + blake3.blake3(shared["state/d/big"]).hexdigest()
     # The rank manifest as an agent before BLAKE3 wrote it: a "sha256" key with the bare hex digest.
     old = json.loads(first.to_json())
@@ -298,7 +285,7 @@ def test_dedup_against_a_rank_manifest_written_before_blake3_compares_sha256(bac
     peer = RankManifest.from_json(json.dumps(old))
     assert peer.files["state/d/big"].identity == "sha256:" + old["files"]["state/d/big"]["sha256"]
 
-    second = store.upload_rank(JOB, 4, 1, *make_step(tmp_path / "src-1", 4, 1, {**shared, "own": b"rank 1", "new": b"x"}),
+    second = store.upload_rank(JOB, 4, 1, *write_step(tmp_path / "src-1", 4, 1, {**shared, "own": b"rank 1", "new": b"x"}),
                                dedup_from=peer)  # fmt: skip
     assert second.files["state/d/big"].object == "rank-0/state/d/big"  # deduplicated through SHA-256
     assert second.files["own"] == dataclasses.replace(peer.files["own"], crc32c=second.files["own"].crc32c, object="rank-1/own",
@@ -343,7 +330,7 @@ def test_timelines_are_stored_apart_and_retention_deletes_the_abandoned_one(back
     assert store.retain(JOB, keep=5, protected={4, 6}, forks=(2,)) == [(4, 0), (6, 0)]
     assert store.complete_steps(JOB) == [(2, 0), (4, 1)]
     with pytest.raises(ValueError):  # objects are shared within one step of one timeline only
-        step_dir, manifest = make_step(tmp_path / "src-dedup", 4, 1, new(1))
+        step_dir, manifest = write_step(tmp_path / "src-dedup", 4, 1, new(1))
         store.upload_rank(JOB, 4, 1, step_dir, manifest, dedup_from=store.rank_manifest(JOB, 2, 0), timeline=1)
 
 
@@ -395,18 +382,18 @@ def test_commit_and_manifests_are_write_once_and_a_committed_step_is_never_overw
     assert store.objects.read_text(f"{JOB}/steps/5/COMMIT") == commit
     assert store.commit_if_complete(JOB, 5, nodes=1)
 
-    other_dir, other = make_step(tmp_path / "other", 5, 0, rank_files(0))  # other random bytes, same step
+    other_dir, other = write_step(tmp_path / "other", 5, 0, rank_files(0))  # other random bytes, same step
     with pytest.raises(BackupError, match="committed with other data"):
         store.upload_rank(JOB, 5, 0, other_dir, other)
-    same_dir, same = make_step(tmp_path / "src-5-0", 5, 0, sources[0])  # a retried upload: accepted as is
+    same_dir, same = write_step(tmp_path / "src-5-0", 5, 0, sources[0])  # a retried upload: accepted as is
     assert store.upload_rank(JOB, 5, 0, same_dir, same) == store.rank_manifest(JOB, 5, 0)
     store.download_rank(JOB, 5, 0, str(tmp_path / "restored"))
     assert read_tree(tmp_path / "restored") == sources[0]
 
     # An uncommitted manifest left by another incarnation is replaced by the new upload of the step.
-    store.upload_rank(JOB, 8, 0, *make_step(tmp_path / "old", 8, 0, {"f": b"old"}), incarnation="old")
+    store.upload_rank(JOB, 8, 0, *write_step(tmp_path / "old", 8, 0, {"f": b"old"}), incarnation="old")
     assert not store.commit_if_complete(JOB, 8, nodes=1, incarnation="new")
-    store.upload_rank(JOB, 8, 0, *make_step(tmp_path / "new", 8, 0, {"f": b"new"}), incarnation="new")
+    store.upload_rank(JOB, 8, 0, *write_step(tmp_path / "new", 8, 0, {"f": b"new"}), incarnation="new")
     assert store.commit_if_complete(JOB, 8, nodes=1, incarnation="new")
     store.download_rank(JOB, 8, 0, str(tmp_path / "restored-8"))
     assert read_tree(tmp_path / "restored-8") == {"f": b"new"}
@@ -421,7 +408,7 @@ def test_minio_is_probed_as_crc32c_with_conditional_writes_and_multipart_objects
     store = open_backup_store("s3://probe/x", s3_endpoint_url=minio_module.url)
     assert store.objects.features() == S3Features(crc32c=True, conditional_writes=True)
     files = {"big": os.urandom(3 * PART_BYTES + 5), "small": b"abc"}
-    step_dir, manifest = make_step(tmp_path / "src", 1, 0, files)
+    step_dir, manifest = write_step(tmp_path / "src", 1, 0, files)
     store.upload_rank(JOB, 1, 0, step_dir, manifest)
     for rel, (size, crc) in manifest.files.items():
         head = client.head_object(Bucket="probe", Key=f"x/{JOB}/steps/1/rank-0/{rel}", ChecksumMode="ENABLED")

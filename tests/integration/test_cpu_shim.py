@@ -14,8 +14,9 @@ import pytest
 import yaml
 
 from tests.e2e_maxtext import MTC_FLAGS, TRAINER, jobset_flags
+from tests.helpers import REPO
 
-SHIM_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "maxtext")
+SHIM_DIR = str(REPO / "examples" / "maxtext")
 
 PROBE = """
 import json, sys, types

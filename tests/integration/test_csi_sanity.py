@@ -1,11 +1,10 @@
 """kubernetes-csi/csi-test's csi-sanity v5.4.0 against a real ``mtc node`` (installed by ``make test``)."""
 
-import os
-import shutil
 import subprocess
 import xml.etree.ElementTree as ElementTree
 
 from examples.local_cluster import can_mount_tmpfs
+from tests.helpers.tools import require_tool
 
 # Only specs that cannot apply to a node-only driver of ephemeral volumes; README names each.
 SKIPPED_SPECS = [
@@ -15,18 +14,12 @@ SKIPPED_SPECS = [
 ]
 
 
-def csi_sanity_binary() -> str:
-    found = shutil.which("csi-sanity") or os.path.join(os.path.dirname(__file__), "..", ".tools", "bin", "csi-sanity")
-    assert os.path.exists(found), "csi-sanity is not installed: run `make tools` (make test does)"
-    return found
-
-
 def test_csi_sanity_passes_against_node_agent(start_agent, tmp_path):
     agent = start_agent(backend="tmpfs" if can_mount_tmpfs() else "dir")
     report = tmp_path / "csi-sanity.xml"
     result = subprocess.run(
         [
-            csi_sanity_binary(),
+            require_tool("csi-sanity"),
             f"--csi.endpoint={agent.endpoint}",
             f"--csi.mountdir={tmp_path / 'sanity-mount'}",
             f"--csi.stagingdir={tmp_path / 'sanity-staging'}",

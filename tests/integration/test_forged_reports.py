@@ -4,6 +4,7 @@ report is neither believed nor able to make real nodes delete or hand out data; 
 import json
 import os
 import re
+import time
 import urllib.error
 import urllib.request
 
@@ -11,8 +12,9 @@ import pytest
 
 from csi_driver import kubelet
 from replicator.wire.messages import PROTOCOL_VERSION, HeldStep, NodeReport, PodReport, to_json
-from tests.jobs import scrape
-from tests.test_node_protocol import wait_for
+from tests.helpers.agents import scrape, start_fresh
+from tests.helpers.polling import wait_until
+from tests.helpers.steps import commit_step
 
 JOB = "real-slice"
 
@@ -42,20 +44,12 @@ def run_real_job(cluster, tmp_path):
         target = tmp_path / "pods" / str(i) / "mount"
         kubelet.publish(agent.endpoint, str(target), f"real-slice-0-{i}-a", attributes={"nodes": "2", "size": "16Mi"})
         targets.append(target)
-    assert wait_for(lambda: all((t / "jax-init-info.txt").exists() for t in targets))
-    for target in targets:
-        rank = int((target / "jax-init-info.txt").read_text().split()[0])
-        (target / "replicator.yaml").write_text(f"job-name: real\nframework: orbax\nassume-data-parallelism: 1\nnode-rank: {rank}\n"
-                                                "nodes: 2\npeer-ranks: []\nbackup-interval-minutes: 60\n")  # fmt: skip
-    assert wait_for(lambda: all(any(n.endswith(".restore") for n in os.listdir(t)) for t in targets))
+    start_fresh(targets, "real", nodes=2, backup_interval_minutes=60)
     for step in (1, 2):
         for target in targets:
-            (target / f"{step}.orbax-checkpoint-tmp" / "state").mkdir(parents=True)
-            (target / f"{step}.orbax-checkpoint-tmp" / "state" / "data").write_bytes(os.urandom(1000))
-            (target / f"{step}.orbax-checkpoint-tmp" / "_CHECKPOINT_METADATA").write_bytes(b"{}")
-            os.rename(target / f"{step}.orbax-checkpoint-tmp", target / str(step))
-        assert wait_for(lambda: all(len(held(cluster).get(r, {}).get(step, ())) == 2 for r in (0, 1)), timeout=30), held(cluster)
-    assert wait_for(lambda: held(cluster) == {r: {2: held(cluster)[r][2]} for r in (0, 1)}, timeout=30), held(cluster)
+            commit_step(target, step, {"state/data": os.urandom(1000), "_CHECKPOINT_METADATA": b"{}"})
+        wait_until(lambda: all(len(held(cluster).get(r, {}).get(step, ())) == 2 for r in (0, 1)), 30, lambda: f"step {step} held twice per rank: {held(cluster)}")
+    wait_until(lambda: held(cluster) == {r: {2: held(cluster)[r][2]} for r in (0, 1)}, 30, lambda: f"only step 2 held: {held(cluster)}")
     return targets
 
 
@@ -76,7 +70,7 @@ def test_a_forged_claim_of_every_rank_deletes_nothing_and_is_logged_and_counted(
         for ghost, url in (("ghost-a", "http://127.0.0.98:1"), ("ghost-b", "http://127.0.0.99:1")):
             status, _ = post_report(cluster, forged_claim(ghost, url))
             assert status == 200
-        wait_for(lambda: False, timeout=1.5)
+        time.sleep(1.5)  # a report round or more
     assert all((t / "2" / "state" / "data").exists() for t in targets)
     assert held(cluster) == before and 10**9 not in {s for steps in held(cluster).values() for s in steps}
     assert cluster.coordinator.status(JOB)["jobs"][0]["safe_step"] == 2
@@ -88,7 +82,7 @@ def test_a_forged_claim_of_every_rank_deletes_nothing_and_is_logged_and_counted(
 
 def test_a_live_node_id_claimed_from_another_url_is_refused(start_cluster):
     cluster = start_cluster(nodes=1)
-    assert wait_for(lambda: cluster.coordinator.status()["nodes"] == ["node-0"])
+    wait_until(lambda: cluster.coordinator.status()["nodes"] == ["node-0"], 20, "node-0 registered")
     status, body = post_report(cluster, NodeReport("node-0", "http://127.0.0.66:9", None, {}, (), (), protocol=PROTOCOL_VERSION))
     assert status == 409 and "node-0" in body["error"] and "127.0.0.66" in body["error"]
     with open(cluster.coordinator.log_path, encoding="utf-8") as log:

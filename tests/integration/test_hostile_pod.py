@@ -20,9 +20,11 @@ import pytest
 from csi_driver import kubelet
 from examples.local_cluster import LocalCluster, unmount_all_below
 from replicator.local_tier.frameworks.orbax import ERRORS_FILE, FAILED_FILE, JAX_INIT_INFO_FILE, REPLICATOR_FILE
-from tests.conftest import free_listen_address, requires_root
-from tests.jobs import scrape
-from tests.test_node_protocol import wait_for
+from tests.helpers.agents import rank_of, replicator_yaml, scrape
+from tests.helpers.polling import wait_until
+from tests.helpers.ports import listen_address
+from tests.helpers.steps import commit_step
+from tests.helpers.tools import requires_root
 
 pytestmark = requires_root
 
@@ -43,7 +45,7 @@ def world(tmp_path_factory):
     (host / "victim.txt").write_bytes(b"host file the agent must never write\n")
     bucket = base / "bucket"
     bucket.mkdir()
-    cluster = LocalCluster(str(base / "cluster"), free_listen_address, backup=f"file://{bucket}").start(2)
+    cluster = LocalCluster(str(base / "cluster"), listen_address, backup=f"file://{bucket}").start(2)
     world = {"host": host, "bucket": bucket, "cluster": cluster, "pods": base / "pods"}
     world["host_files"] = _snapshot(host)
     yield world
@@ -70,23 +72,6 @@ def publish_job(world, name, nodes=2):
     return targets
 
 
-def yaml_for(rank, job, nodes=2):
-    return (f"job-name: {job}\nframework: orbax\nassume-data-parallelism: 1\nnode-rank: {rank}\nnodes: {nodes}\n"
-            f"peer-ranks: []\nbackup-interval-steps: 1\n")  # fmt: skip
-
-
-def rank_of(target):
-    return int((target / JAX_INIT_INFO_FILE).read_text().split("\n")[0])
-
-
-def commit_step(target, step, files):
-    tmp = target / f"{step}.orbax-checkpoint-tmp"
-    for rel, data in files.items():
-        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp / rel).write_bytes(data)
-    os.rename(tmp, target / str(step))
-
-
 def held(world, job) -> dict[int, set[int]]:
     """rank -> steps the coordinator believes are held for the job (pods ``<job>-slice-0-<i>-a``)."""
     jobs = world["cluster"].coordinator.status(f"{job}-slice")["jobs"]
@@ -105,14 +90,14 @@ def assert_aftermath(world):
     # Another tenant publishes, trains and is reported on the same agents.
     job = f"good{next(_jobs)}"
     targets = publish_job(world, job)
-    assert wait_for(lambda: all((t / JAX_INIT_INFO_FILE).exists() for t in targets))
+    wait_until(lambda: all((t / JAX_INIT_INFO_FILE).exists() for t in targets), 20, "ranks assigned")
     for target in targets:
-        (target / REPLICATOR_FILE).write_text(yaml_for(rank_of(target), job))
+        (target / REPLICATOR_FILE).write_text(replicator_yaml(job, rank_of(target), 2, backup_interval_steps=1))
     # As Orbax does: train only once the restore marker (here: start fresh) is there.
-    assert wait_for(lambda: all(any(n.endswith(".restore") for n in os.listdir(t)) for t in targets))
+    wait_until(lambda: all(any(n.endswith(".restore") for n in os.listdir(t)) for t in targets), 20, "restore markers")
     for target in targets:
         commit_step(target, 1, {"_CHECKPOINT_METADATA": b"{}", "state/data": os.urandom(4096)})
-    assert wait_for(lambda: held(world, job) == {0: {1}, 1: {1}}), held(world, job)
+    wait_until(lambda: held(world, job) == {0: {1}, 1: {1}}, 20, lambda: f"step 1 held by both ranks: {held(world, job)}")
 
 
 def _regular_files(top):
@@ -128,7 +113,7 @@ def evil(world):
     """The hostile job's two pods, ranks assigned; returns their client dirs."""
     job = f"evil{next(_jobs)}"
     targets = publish_job(world, job)
-    assert wait_for(lambda: all((t / JAX_INIT_INFO_FILE).exists() for t in targets))
+    wait_until(lambda: all((t / JAX_INIT_INFO_FILE).exists() for t in targets), 20, "ranks assigned")
     return job, targets
 
 
@@ -136,7 +121,7 @@ def test_failed_file_symlinked_to_a_host_file_is_replaced_not_read(world, evil):
     _, (pod, _) = evil
     os.symlink(world["host"] / "secret.txt", pod / FAILED_FILE)
     (pod / REPLICATOR_FILE).write_text("not: [valid")
-    assert wait_for(lambda: not (pod / FAILED_FILE).is_symlink() and (pod / FAILED_FILE).exists())
+    wait_until(lambda: not (pod / FAILED_FILE).is_symlink() and (pod / FAILED_FILE).exists(), 20, "replicator.failed replaced")
     assert b"not valid YAML" in (pod / FAILED_FILE).read_bytes() and SECRET not in (pod / FAILED_FILE).read_bytes()
     assert_aftermath(world)
 
@@ -144,7 +129,7 @@ def test_failed_file_symlinked_to_a_host_file_is_replaced_not_read(world, evil):
 def test_replicator_yaml_symlinked_to_a_host_file_is_refused_without_reading_it(world, evil):
     _, (_, pod) = evil
     os.symlink(world["host"] / "settings.yaml", pod / REPLICATOR_FILE)
-    assert wait_for(lambda: (pod / FAILED_FILE).exists())
+    wait_until(lambda: (pod / FAILED_FILE).exists(), 20, "replicator.failed written")
     failed = (pod / FAILED_FILE).read_bytes()
     assert b"replicator.yaml is unusable" in failed and b"symlink" in failed and SECRET not in failed
     assert not os.path.lexists(pod / REPLICATOR_FILE)  # consumed, so Orbax reads replicator.failed
@@ -162,7 +147,7 @@ def test_protocol_temp_names_symlinked_to_host_files_are_never_written_through(w
         os.symlink(victim, target / name)
     other = world["pods"] / f"{job}-1" / "mount"
     kubelet.publish(cluster.agents[1].endpoint, str(other), f"{job}-slice-0-1-a", attributes={"nodes": "2", "size": "16Mi"})
-    assert wait_for(lambda: (target / JAX_INIT_INFO_FILE).exists() and not (target / JAX_INIT_INFO_FILE).is_symlink())
+    wait_until(lambda: (target / JAX_INIT_INFO_FILE).exists() and not (target / JAX_INIT_INFO_FILE).is_symlink(), 20, "jax-init-info.txt written in place")
     assert rank_of(target) in (0, 1)
     assert_aftermath(world)
 
@@ -178,11 +163,11 @@ def test_steps_that_are_or_hold_symlinks_or_fifos_are_refused_and_reported(world
     other_tenant = world["cluster"].agents[0].root
     os.symlink(other_tenant, pod / "9")  # another tenant's ramdisks
     commit_step(pod, 8, {"_CHECKPOINT_METADATA": b"{}", "state/data": b"fine"})  # a proper step still counts
-    assert wait_for(lambda: (pod / ERRORS_FILE).exists() and all(f"step {s} " in (pod / ERRORS_FILE).read_text() for s in (5, 6, 7, 9)))
+    wait_until(lambda: (pod / ERRORS_FILE).exists() and all(f"step {s} " in (pod / ERRORS_FILE).read_text() for s in (5, 6, 7, 9)), 20, "steps 5, 6, 7 and 9 reported refused")
     errors = (pod / ERRORS_FILE).read_bytes()
     assert not (pod / ERRORS_FILE).is_symlink() and SECRET not in errors
     assert b"not replicated or backed up" in errors and b"fifo is a FIFO" in errors and b"stolen is a symlink" in errors
-    assert wait_for(lambda: 8 in held(world, job).get(rank_of(pod), set()))
+    wait_until(lambda: 8 in held(world, job).get(rank_of(pod), set()), 20, "step 8 held")
     assert set().union(*held(world, job).values()).isdisjoint({5, 6, 7, 9})
     refused = re.search(r"^mtc_refused_steps_total (\S+)$", scrape(world["cluster"].agents[0].url), re.MULTILINE)
     assert refused and float(refused[1]) >= 4
@@ -197,7 +182,7 @@ def test_non_ascii_digit_names_neither_crash_nor_alias_steps(world, evil):
     (pod / ".mtc-staged-\u00b2").mkdir()  # '²'.isdigit() is True, int('²') raises
     commit_step(pod, "\u0663", {"data": b"x"})  # an Arabic-Indic 3: must not alias step 3
     commit_step(pod, 4, {"_CHECKPOINT_METADATA": b"{}"})
-    assert wait_for(lambda: 4 in held(world, job).get(rank_of(pod), set()))
+    wait_until(lambda: 4 in held(world, job).get(rank_of(pod), set()), 20, "step 4 held")
     assert set().union(*held(world, job).values()) == {4}
     assert_aftermath(world)
 

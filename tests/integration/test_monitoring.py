@@ -18,11 +18,13 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from csi_driver import kubelet
-from replicator.local_tier.frameworks.orbax import JAX_INIT_INFO_FILE, REPLICATOR_FILE
-from tests.conftest import requires_root
-from tests.jobs import scrape, wait_until
+from tests.helpers import REPO
+from tests.helpers.agents import scrape, start_fresh
+from tests.helpers.polling import wait_until
+from tests.helpers.steps import commit_step
+from tests.helpers.tools import requires_root
 
-MONITORING = Path(__file__).resolve().parent.parent / "manifests" / "monitoring"
+MONITORING = REPO / "manifests" / "monitoring"
 # Labels Prometheus adds to every scraped series: `instance`, and what the ServiceMonitors relabel.
 SCRAPE_LABELS = {"instance"} | {
     relabel["targetLabel"]
@@ -160,22 +162,6 @@ def _publish(agent, tmp_path, pod: str, attrs: dict) -> Path:
     return target
 
 
-def _replicator_yaml(target: Path, job: str, nodes: int, interval: str) -> None:
-    rank = int((target / JAX_INIT_INFO_FILE).read_text().split("\n")[0])
-    fields = {"job-name": job, "framework": "orbax", "assume-data-parallelism": 1, "node-rank": rank,
-              "nodes": nodes, "peer-ranks": [], **dict([interval.split(": ")])}  # fmt: skip
-    (target / REPLICATOR_FILE).write_text("\n".join(f"{k}: {v}" for k, v in fields.items()))
-
-
-def _commit(target: Path, step: int) -> None:
-    """What Orbax does: write ``<step>.orbax-checkpoint-tmp`` and rename it to ``<step>``."""
-    tmp = target / f"{step}.orbax-checkpoint-tmp"
-    (tmp / "state").mkdir(parents=True)
-    (tmp / "state" / "data").write_bytes(os.urandom(256 * 1024))
-    (tmp / "_CHECKPOINT_METADATA").write_text("{}")
-    tmp.rename(target / str(step))
-
-
 @requires_root
 def test_every_metric_and_label_the_dashboard_and_rules_use_is_exported(start_cluster, tmp_path):
     cluster = start_cluster(nodes=2, backup=f"file://{tmp_path / 'store'}")
@@ -185,13 +171,10 @@ def test_every_metric_and_label_the_dashboard_and_rules_use_is_exported(start_cl
     targets = [_publish(agent, tmp_path, f"mon-slice-0-{i}-a", attrs) for i, agent in enumerate(agents)]
     # Job "hourly": one rank, backup-interval-minutes (the other interval gauge).
     hourly = _publish(agents[0], tmp_path, "hourly-slice-0-0-a", {"nodes": "1", "slices": "1", "size": "8Mi", "jobset": "hourly"})
-    wait_until(lambda: all((t / JAX_INIT_INFO_FILE).exists() for t in [*targets, hourly]), 30, "ranks assigned")
+    start_fresh(targets, "mon", nodes=2, backup_interval_steps=1)
+    start_fresh([hourly], "hourly", nodes=1, backup_interval_minutes=60)
     for target in targets:
-        _replicator_yaml(target, "mon", 2, "backup-interval-steps: 1")
-    _replicator_yaml(hourly, "hourly", 1, "backup-interval-minutes: 60")
-    wait_until(lambda: all(any(n.endswith(".restore") for n in os.listdir(t)) for t in [*targets, hourly]), 30, "restore markers")
-    for target in targets:
-        _commit(target, 4)
+        commit_step(target, 4, {"state/data": os.urandom(256 * 1024), "_CHECKPOINT_METADATA": b"{}"})
 
     coordinator = cluster.coordinator
 

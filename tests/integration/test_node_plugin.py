@@ -13,7 +13,7 @@ import pytest
 from csi_driver import kubelet, mounts
 from protos import csi_pb2, csi_pb2_grpc
 from replicator.local_tier.frameworks.orbax import JAX_INIT_INFO_FILE
-from tests.conftest import requires_root
+from tests.helpers.tools import requires_root
 
 MiB = 1 << 20
 JOB_POD = "train-slice-0-1-abcde"  # JobSet naming: job "train-slice", slice 0, worker 1

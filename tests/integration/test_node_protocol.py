@@ -2,7 +2,6 @@
 
 import json
 import os
-import time
 import urllib.error
 import urllib.request
 
@@ -11,15 +10,8 @@ import pytest
 from csi_driver import kubelet
 from replicator.local_tier.frameworks.orbax import ERRORS_FILE, FAILED_FILE, JAX_INIT_INFO_FILE, REPLICATOR_FILE
 from replicator.wire.messages import PROTOCOL_VERSION
-
-
-def wait_for(condition, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return False
+from tests.helpers.agents import rank_of, replicator_yaml
+from tests.helpers.polling import wait_until
 
 
 def publish_job(agents, tmp_path, suffix="a"):
@@ -29,18 +21,13 @@ def publish_job(agents, tmp_path, suffix="a"):
         attrs = {"nodes": "4", "slices": "2", "size": "32Mi", "jobset": "hand"}
         kubelet.publish(agent.endpoint, str(target), f"hand-slice-{i // 2}-{i % 2}-{suffix}", attributes=attrs)
         targets.append(target)
-    assert wait_for(lambda: all((t / JAX_INIT_INFO_FILE).exists() for t in targets))
+    wait_until(lambda: all((t / JAX_INIT_INFO_FILE).exists() for t in targets), 20, "ranks assigned")
     return targets
 
 
 def yaml_for(rank, **override):
-    fields = {"job-name": "hand", "framework": "orbax", "assume-data-parallelism": 2, "node-rank": rank,
-              "nodes": 4, "peer-ranks": [(rank + 2) % 4], "backup-interval-minutes": 30, **override}  # fmt: skip
-    return "\n".join(f"{k}: {v}" for k, v in fields.items())
-
-
-def rank_of(target):
-    return int((target / JAX_INIT_INFO_FILE).read_text().split("\n")[0])
+    fields = {"assume-data-parallelism": 2, "peer-ranks": [(rank + 2) % 4], "backup-interval-minutes": 30, **override}
+    return replicator_yaml("hand", rank, 4, **fields)
 
 
 def test_ranks_and_jax_coordinator_address_follow_jobset_order(cluster, tmp_path):
@@ -55,12 +42,12 @@ def test_invalid_replicator_yaml_fails_with_field_named_and_agent_keeps_running(
     targets = publish_job(agents, tmp_path)
     bad = targets[1]
     (bad / REPLICATOR_FILE).write_text(yaml_for(rank_of(bad), **{"node-rank": 3}))
-    assert wait_for(lambda: (bad / FAILED_FILE).exists())
+    wait_until(lambda: (bad / FAILED_FILE).exists(), 20, "replicator.failed written")
     assert "node-rank" in (bad / FAILED_FILE).read_text() and "3" in (bad / FAILED_FILE).read_text()
     assert not (bad / REPLICATOR_FILE).exists()  # Orbax reads replicator.failed once the yaml is gone
     good = targets[0]
     (good / REPLICATOR_FILE).write_text(yaml_for(rank_of(good)))
-    assert wait_for(lambda: not (good / REPLICATOR_FILE).exists())
+    wait_until(lambda: not (good / REPLICATOR_FILE).exists(), 20, "replicator.yaml taken")
     assert not (good / FAILED_FILE).exists()
     metrics = urllib.request.urlopen(agents[1].url + "/metrics").read().decode()
     assert 'mtc_replicator_yaml_total{result="rejected"} 1.0' in metrics
@@ -73,13 +60,13 @@ def test_unreachable_coordinator_is_a_recoverable_error_and_retried(cluster, tmp
     coordinator.kill()
     for target in targets:
         (target / REPLICATOR_FILE).write_text(yaml_for(rank_of(target)))
-    assert wait_for(lambda: (targets[0] / ERRORS_FILE).exists())
+    wait_until(lambda: (targets[0] / ERRORS_FILE).exists(), 20, "the error file written")
     assert "coordinator" in (targets[0] / ERRORS_FILE).read_text()
     assert (targets[0] / REPLICATOR_FILE).exists()  # not consumed: the job keeps waiting
     coordinator.start()
     # Soft state: the restarted coordinator rebuilds the same incarnation from node reports.
-    assert wait_for(lambda: all(not (t / REPLICATOR_FILE).exists() for t in targets))
-    assert wait_for(lambda: all(any(n.endswith(".restore") for n in os.listdir(t)) for t in targets))
+    wait_until(lambda: all(not (t / REPLICATOR_FILE).exists() for t in targets), 20, "replicator.yaml taken")
+    wait_until(lambda: all(any(n.endswith(".restore") for n in os.listdir(t)) for t in targets), 20, "restore markers")
     assert coordinator.status("hand-slice")["jobs"][0]["incarnation"] == before
 
 

@@ -25,9 +25,9 @@ import pytest
 import yaml
 from cryptography import x509
 
-from tests.conftest import require_tool
+from tests.helpers import REPO
+from tests.helpers.tools import require_tool
 
-REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "charts" / "mtc"
 MANIFESTS = REPO / "manifests"
 MONITORING = MANIFESTS / "monitoring"

@@ -8,18 +8,14 @@ import time
 
 import pytest
 
-from csi_driver import file_cache, kubelet
+from csi_driver import file_cache
 from csi_driver.ramdisk import DirBackend, Ramdisk, RamdiskManager
 from replicator.local_tier.frameworks import orbax
-from replicator.local_tier.frameworks.orbax import JAX_INIT_INFO_FILE, REPLICATOR_FILE, RESTORE_SUFFIX
 from replicator.local_tier.job_meta import JobMeta, PodProgress
 from replicator.local_tier.step_manifest import StepManifest
 from replicator.node.commit_detection import CommitDetector
-from tests.conftest import requires_root
-from tests.test_crash_consistency import write_step
-from tests.test_hostile_pod import commit_step, yaml_for
-from tests.test_node_protocol import wait_for
-from tests.test_ramdisk_manager import ignore_new_pod, spec
+from tests.helpers.ramdisks import ignore_new_pod, spec
+from tests.helpers.steps import write_tree
 
 TICK = 0.05  # longer than a file system's timestamp tick, so the next change stamps a new time
 
@@ -98,15 +94,15 @@ def test_progress_is_the_callers_own_copy_and_follows_each_save(tmp_path, no_rac
 
 def test_a_step_committed_by_rename_is_seen_by_the_next_scan(tmp_path, no_racy_window):
     client = str(tmp_path)
-    write_step(os.path.join(client, "1"), {"_CHECKPOINT_METADATA": b"{}"})
+    write_tree(os.path.join(client, "1"), {"_CHECKPOINT_METADATA": b"{}"})
     assert orbax.scan_steps(client).committed == [1]
     assert orbax.cached_scan(client).committed == [1]
     time.sleep(TICK)
-    write_step(os.path.join(client, "2.orbax-checkpoint-tmp"), {"_CHECKPOINT_METADATA": b"{}"})
+    write_tree(os.path.join(client, "2.orbax-checkpoint-tmp"), {"_CHECKPOINT_METADATA": b"{}"})
     assert orbax.cached_scan(client) is None  # the dir changed
     assert orbax.scan_steps(client).committed == [1]
     time.sleep(TICK)
-    write_step(os.path.join(client, "2.orbax-checkpoint-tmp"), {"state/data": b"x"})  # inside: the dir is unchanged
+    write_tree(os.path.join(client, "2.orbax-checkpoint-tmp"), {"state/data": b"x"})  # inside: the dir is unchanged
     assert orbax.cached_scan(client).committed == [1]
     os.rename(os.path.join(client, "2.orbax-checkpoint-tmp"), os.path.join(client, "2"))
     assert orbax.cached_scan(client) is None
@@ -115,8 +111,8 @@ def test_a_step_committed_by_rename_is_seen_by_the_next_scan(tmp_path, no_racy_w
 
 def test_a_step_swapped_for_a_symlink_is_refused_though_the_dir_mtime_was_set_back(tmp_path, no_racy_window):
     client = str(tmp_path / "client")
-    write_step(os.path.join(client, "1"), {"_CHECKPOINT_METADATA": b"{}"})
-    write_step(os.path.join(client, "2"), {"_CHECKPOINT_METADATA": b"{}"})
+    write_tree(os.path.join(client, "1"), {"_CHECKPOINT_METADATA": b"{}"})
+    write_tree(os.path.join(client, "2"), {"_CHECKPOINT_METADATA": b"{}"})
     assert orbax.scan_steps(client).committed == [1, 2]
     before = os.stat(client)
     time.sleep(TICK)
@@ -132,12 +128,12 @@ def test_commit_detection_checksums_a_step_committed_after_the_scan_was_cached(t
     meta = JobMeta(disk.path)
     detector = CommitDetector(None, lambda: None)
     progress = PodProgress("uid", "inc", 0, "h:1", True)
-    write_step(os.path.join(disk.client_dir, "1"), {"_CHECKPOINT_METADATA": b"{}"})
+    write_tree(os.path.join(disk.client_dir, "1"), {"_CHECKPOINT_METADATA": b"{}"})
     asyncio.run(detector.detect(disk, meta, progress))
     asyncio.run(detector.detect(disk, meta, progress))
     assert set(meta.manifests()) == {1} and orbax.cached_scan(disk.client_dir) is not None
     time.sleep(TICK)
-    write_step(os.path.join(disk.client_dir, "2.orbax-checkpoint-tmp"), {"_CHECKPOINT_METADATA": b"{}", "state/a": b"xy"})
+    write_tree(os.path.join(disk.client_dir, "2.orbax-checkpoint-tmp"), {"_CHECKPOINT_METADATA": b"{}", "state/a": b"xy"})
     os.rename(os.path.join(disk.client_dir, "2.orbax-checkpoint-tmp"), os.path.join(disk.client_dir, "2"))
     asyncio.run(detector.detect(disk, meta, progress))
     manifests = meta.manifests()
@@ -157,25 +153,3 @@ def test_a_ramdisk_snapshot_follows_the_state_another_process_saves(tmp_path, no
     assert reader.ramdisks()[("default", "train")].publications == {}
     writer.release("default", "train")
     assert reader.ramdisks() == {}
-
-
-@requires_root
-def test_an_agent_checksums_a_step_committed_into_a_quiet_dir_within_a_second(start_cluster, tmp_path):
-    cluster = start_cluster(nodes=1, peer_tier=False)
-    agent = cluster.agents[0]
-    target = tmp_path / "pods" / "quick" / "mount"
-    kubelet.publish(agent.endpoint, str(target), "quick-slice-0-0-a", attributes={"nodes": "1", "size": "16Mi"})
-    assert wait_for(lambda: (target / JAX_INIT_INFO_FILE).exists())
-    (target / REPLICATOR_FILE).write_text(yaml_for(0, "quick", nodes=1))
-    assert wait_for(lambda: any(n.endswith(RESTORE_SUFFIX) for n in os.listdir(target)))
-    for name in os.listdir(target):
-        if name.endswith(RESTORE_SUFFIX):
-            os.unlink(target / name)  # as Orbax takes the fresh-start marker
-    manifests = os.path.join(agent.ramdisk("quick-slice"), "mtc", "manifests")
-    commit_step(target, 1, {"_CHECKPOINT_METADATA": b"{}", "state/data": os.urandom(4096)})
-    assert wait_for(lambda: os.path.exists(os.path.join(manifests, "1.json")))
-    time.sleep(2 * file_cache.RACY_SECONDS)  # every cache of the job is settled and served
-    commit_step(target, 2, {"_CHECKPOINT_METADATA": b"{}", "state/data": os.urandom(4096)})
-    committed = time.monotonic()
-    assert wait_for(lambda: os.path.exists(os.path.join(manifests, "2.json")), timeout=5.0)
-    assert time.monotonic() - committed < 1.0

@@ -10,19 +10,12 @@ from replicator.local_tier import pod_files, steps
 from replicator.local_tier.frameworks import orbax
 from replicator.local_tier.job_meta import JobMeta, PodProgress
 from replicator.local_tier.step_manifest import build_manifest
-
-
-def write_step(directory, files):
-    for rel, data in files.items():
-        os.makedirs(os.path.dirname(os.path.join(directory, rel)), exist_ok=True)
-        with open(os.path.join(directory, rel), "wb") as f:
-            f.write(data)
-    return str(directory)
+from tests.helpers.steps import write_tree
 
 
 def test_a_crash_mid_delete_leaves_no_partial_step_and_the_next_start_finishes_it(tmp_path, monkeypatch):
     client = tmp_path / "client"
-    write_step(client / "4", {"_CHECKPOINT_METADATA": b"{}", "state/a": b"x" * 100})
+    write_tree(client / "4", {"_CHECKPOINT_METADATA": b"{}", "state/a": b"x" * 100})
 
     def crash(fd, name):
         raise KeyboardInterrupt("the agent dies here")
@@ -40,10 +33,10 @@ def test_a_crash_mid_delete_leaves_no_partial_step_and_the_next_start_finishes_i
 def test_replicas_without_a_manifest_are_swept_at_start(tmp_path):
     meta = JobMeta(str(tmp_path))
     incoming = meta.new_incoming_dir()
-    write_step(incoming, {"_CHECKPOINT_METADATA": b"{}"})
+    write_tree(incoming, {"_CHECKPOINT_METADATA": b"{}"})
     meta.install_replica(incoming, build_manifest(incoming, 3, 1))
     partial = meta.replica_dir(1, 4)
-    write_step(partial, {"half": b"x"})  # a push that died before its manifest
+    write_tree(partial, {"half": b"x"})  # a push that died before its manifest
     meta.sweep_partial()
     assert set(meta.replicas()) == {(1, 3)} and not os.path.exists(partial)
     assert os.path.isdir(meta.replica_dir(1, 3))
@@ -52,15 +45,15 @@ def test_replicas_without_a_manifest_are_swept_at_start(tmp_path):
 def test_a_replayed_hand_over_never_clears_steps_written_since(tmp_path):
     disk = Ramdisk("default", "run", 1 << 20, str(tmp_path))
     meta = JobMeta(disk.path)
-    write_step(orbax.staged_step_dir(disk.client_dir, 5), {"_CHECKPOINT_METADATA": b"{}"})
-    write_step(os.path.join(disk.client_dir, "7"), {"_CHECKPOINT_METADATA": b"{}"})  # newer, not restorable everywhere
+    write_tree(orbax.staged_step_dir(disk.client_dir, 5), {"_CHECKPOINT_METADATA": b"{}"})
+    write_tree(os.path.join(disk.client_dir, "7"), {"_CHECKPOINT_METADATA": b"{}"})  # newer, not restorable everywhere
     progress = PodProgress("uid", "inc", 0, "h:1", True)
     hand_over(disk, meta, progress, 5, "local")
     marker = os.path.join(disk.client_dir, orbax.restore_marker_name("run", 5, 0))
     assert os.path.islink(marker) and orbax.committed_steps(disk.client_dir) == []
     # Orbax takes the marker and trains on; then the agent crashes before recording restore_done.
     os.replace(marker, os.path.join(disk.client_dir, "5"))
-    write_step(os.path.join(disk.client_dir, "8"), {"_CHECKPOINT_METADATA": b"{}"})
+    write_tree(os.path.join(disk.client_dir, "8"), {"_CHECKPOINT_METADATA": b"{}"})
     progress.restore_done = False
     hand_over(disk, meta, progress, 5, "resumed")
     assert orbax.committed_steps(disk.client_dir) == [5, 8]  # step 8 survived the replay

@@ -11,8 +11,9 @@ import pytest
 import yaml
 
 from csi_driver.quantity import parse_quantity
+from tests.helpers import REPO
 
-MANIFESTS = Path(__file__).resolve().parent.parent / "manifests"
+MANIFESTS = REPO / "manifests"
 EXAMPLE = "example-jobset.yaml"
 KUSTOMIZATION = "kustomization.yaml"
 

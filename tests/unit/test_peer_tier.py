@@ -1,32 +1,23 @@
-"""The peer tier over real HTTP on loopback: push, list, fetch, Range, corruption, auth, traversal, full disk."""
+"""The peer tier over real HTTP on loopback, in the test's event loop: push, list, fetch, Range, corruption,
+auth, traversal (a full disk, a real tmpfs: tests/integration/test_peer_tier.py)."""
 
 import contextlib
 import dataclasses
-import errno
 import os
 import socket
-import subprocess
 
-import aiohttp
 import google_crc32c
 import pytest
-import yarl
-from aiohttp import web
 
-from examples.local_cluster import unmount_all_below
 from prefetch import staging
 from replicator.local_tier import pod_files
 from replicator.local_tier.frameworks import orbax
-from replicator.local_tier.job_meta import JobMeta
 from replicator.local_tier.step_manifest import StepManifest, build_manifest, checksum_files, crc32c_combine
-from replicator.peer_tier.client import PeerFetchError, fetch_manifest, fetch_step, push_step
+from replicator.peer_tier.client import PeerFetchError, fetch_step, push_step
 from replicator.peer_tier.protocol import UPLOAD_HEADER
-from replicator.peer_tier.service import add_peer_routes
-from tests.conftest import requires_root
+from tests.helpers.peer import AUTH, JOB, NS, TOKEN, commit_own_step, fetch
+from tests.helpers.steps import flip_byte, read_tree, write_tree
 
-TOKEN = "peer-secret-0123456789"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-NS, JOB = "default", "train"
 SECRET = b"TOP SECRET host data"
 FILES = {
     "_CHECKPOINT_METADATA": b'{"format": "orbax"}',
@@ -34,88 +25,6 @@ FILES = {
     "state/d/0a1b2c": os.urandom(70_000),
     "state/empty": b"",
 }
-
-
-@dataclasses.dataclass
-class Peer:
-    base_url: str
-    meta: JobMeta
-
-    def url(self, path: str) -> yarl.URL:
-        """``path`` below the job's peer routes, sent exactly as written (no client-side normalising)."""
-        return yarl.URL(f"{self.base_url}/v1/peer/jobs/{path}", encoded=True)
-
-    def incoming(self) -> list[str]:
-        return os.listdir(os.path.join(self.meta.root, "incoming"))
-
-
-def write_tree(directory: str, files: dict[str, bytes]) -> str:
-    for rel, data in files.items():
-        os.makedirs(os.path.dirname(os.path.join(directory, rel)), exist_ok=True)
-        with open(os.path.join(directory, rel), "wb") as f:
-            f.write(data)
-    return directory
-
-
-def read_tree(directory: str) -> dict[str, bytes]:
-    found = {}
-    for parent, _, names in os.walk(directory):
-        for name in names:
-            with open(os.path.join(parent, name), "rb") as f:
-                found[os.path.relpath(os.path.join(parent, name), directory)] = f.read()
-    return found
-
-
-def commit_own_step(meta: JobMeta, step: int, rank: int, files: dict[str, bytes]) -> None:
-    """A step the training pod committed on this node, with its manifest recorded."""
-    step_dir = write_tree(os.path.join(meta.client_dir, str(step)), files)
-    meta.save_manifest(build_manifest(step_dir, step, rank))
-
-
-def flip_byte(path: str, offset: int = 10) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0xFF]))
-
-
-async def fetch(session, peer: Peer, rank: int, step: int, dest: str, **kwargs) -> StepManifest:
-    """Fetches what the peer holds, verified against the manifest it serves."""
-    manifest = await fetch_manifest(session, peer.base_url, TOKEN, NS, JOB, rank, step)
-    await fetch_step(peer.base_url, TOKEN, NS, JOB, manifest, dest, **kwargs)
-    return manifest
-
-
-@pytest.fixture
-async def serve():
-    """Factory: ``await serve(ramdisk)`` -> a Peer whose job NS/JOB lives on ``ramdisk``."""
-    runners = []
-
-    async def start(ramdisk: str) -> Peer:
-        os.makedirs(ramdisk, exist_ok=True)
-        app = web.Application()
-        add_peer_routes(app, lambda namespace, job: ramdisk if (namespace, job) == (NS, JOB) else None, TOKEN)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        runners.append(runner)
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        return Peer(f"http://127.0.0.1:{runner.addresses[0][1]}", JobMeta(ramdisk))
-
-    yield start
-    for runner in runners:
-        await runner.cleanup()
-
-
-@pytest.fixture
-async def peer(serve, tmp_path) -> Peer:
-    return await serve(str(tmp_path / "ramdisk"))
-
-
-@pytest.fixture
-async def session():
-    async with aiohttp.ClientSession() as client:
-        yield client
 
 
 async def test_push_list_fetch_round_trip_gives_identical_bytes(peer, session, tmp_path):
@@ -328,58 +237,6 @@ async def test_put_outside_an_upload_is_refused_and_writes_nothing(peer, session
     assert peer.incoming() == []
     escaped = [os.path.join(d, n) for d, _, names in os.walk(tmp_path.parent) for n in names if n == "escaped"]
     assert escaped == []
-
-
-@pytest.fixture
-def small_ramdisk(tmp_path):
-    """A real 2 MiB tmpfs, always unmounted."""
-    path = str(tmp_path / "small")
-    os.mkdir(path)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2M", "mtc-test-small", path], check=True)
-    yield path
-    unmount_all_below(path)
-
-
-def _free_bytes(path: str) -> int:
-    stats = os.statvfs(path)
-    return stats.f_bavail * stats.f_frsize
-
-
-@requires_root
-async def test_push_larger_than_free_space_is_507_and_leaves_nothing(serve, session, small_ramdisk, tmp_path):
-    peer = await serve(small_ramdisk)
-    empty = _free_bytes(small_ramdisk)
-    small = write_tree(str(tmp_path / "small-step"), {"a": os.urandom(512 << 10)})
-    await push_step(session, peer.base_url, TOKEN, NS, JOB, small, build_manifest(small, 3, 1))
-    assert set(peer.meta.replicas()) == {(1, 3)}
-    free = _free_bytes(small_ramdisk)
-
-    big = write_tree(str(tmp_path / "big-step"), {"a": os.urandom(1 << 20), "b": os.urandom(3 << 20)})
-    with pytest.raises(PeerFetchError, match="HTTP 507.*does not fit"):
-        await push_step(session, peer.base_url, TOKEN, NS, JOB, big, build_manifest(big, 4, 1), concurrency=1)
-    assert peer.incoming() == [] and _free_bytes(small_ramdisk) == free
-
-    async def chunks():  # no Content-Length: the limit is hit while streaming
-        for _ in range(3):
-            yield os.urandom(1 << 20)
-
-    headers = {**AUTH, UPLOAD_HEADER: "ef" * 16}
-    async with session.put(peer.url(f"{NS}/{JOB}/ranks/1/steps/4/files/b"), data=chunks(), headers=headers) as response:
-        assert response.status == 507
-        assert "does not fit" in (await response.json())["error"]
-    assert peer.incoming() == [] and _free_bytes(small_ramdisk) == free
-    assert set(peer.meta.replicas()) == {(1, 3)} and free < empty
-    async with session.put(peer.url(f"{NS}/{JOB}/ranks/1/steps/4/files/a"), data=b"a", headers=headers) as response:
-        assert response.status == 410  # the rest of a failed upload is refused, not started afresh
-    assert peer.incoming() == []
-
-
-@requires_root
-async def test_fetch_into_a_ramdisk_too_small_fails_before_writing(peer, session, small_ramdisk):
-    commit_own_step(peer.meta, 5, 0, {"big": os.urandom(3 << 20)})
-    with pytest.raises(OSError, match="needs 3145728") as raised:
-        await fetch(session, peer, 0, 5, small_ramdisk)
-    assert raised.value.errno == errno.ENOSPC and os.listdir(small_ramdisk) == []
 
 
 def test_crc32c_combine_equals_the_crc_of_the_concatenation():

@@ -1,50 +1,13 @@
 """RamdiskManager without a socket: recovery from the mount table, retention, and parsing."""
 
-import os
 import time
 
 import pytest
 
-from csi_driver import mounts
 from csi_driver.quantity import parse_quantity
-from csi_driver.ramdisk import DirBackend, InsufficientMemory, JobBusy, RamdiskManager, TmpfsBackend, make_backend
+from csi_driver.ramdisk import DirBackend, InsufficientMemory, RamdiskManager, TmpfsBackend, make_backend
 from csi_driver.volume_request import POD_UID_KEY, InvalidVolumeRequest, VolumeLimits, parse_volume_context
-from examples.local_cluster import unmount_all_below
-from tests.conftest import requires_root
-
-
-def spec(job="train", pod="p", size=8 << 20, **extra):
-    context = {"csi.storage.k8s.io/pod.name": pod, "job": job, "size": str(size), **extra}
-    return parse_volume_context(context, default_size_bytes=1 << 20)
-
-
-def ignore_new_pod(client_dir: str) -> None:
-    """The publish hook of tests about the ramdisks themselves (the hook has its own test)."""
-
-
-@pytest.fixture
-def tmpfs_manager(tmp_path):
-    yield RamdiskManager(str(tmp_path / "root"), TmpfsBackend(), on_new_pod=ignore_new_pod)
-    unmount_all_below(str(tmp_path))
-
-
-@requires_root
-def test_recover_adopts_tmpfs_missing_from_state_and_drops_vanished_ones(tmp_path, tmpfs_manager):
-    tmpfs_manager.publish("v1", str(tmp_path / "t1"), spec("kept"))
-    gone = tmpfs_manager.publish("v2", str(tmp_path / "t2"), spec("gone"))
-    # A crash between mount and state save: the tmpfs exists, the state file does not know it.
-    orphan = os.path.join(tmpfs_manager.root, "jobs", "default", "orphan")
-    os.makedirs(orphan)
-    mounts.mount_tmpfs(orphan, 4 << 20)
-    # A node reboot lost one ramdisk (and the pod's bind on it).
-    mounts.unmount(str(tmp_path / "t2"))
-    mounts.unmount(gone.path)
-
-    survivors = {(d.namespace, d.job): d for d in RamdiskManager(tmpfs_manager.root, TmpfsBackend(), on_new_pod=ignore_new_pod).recover()}
-    assert set(survivors) == {("default", "kept"), ("default", "orphan")}
-    assert survivors[("default", "orphan")].size_bytes == 4 << 20
-    assert survivors[("default", "orphan")].idle_since is not None
-    assert list(survivors[("default", "kept")].publications) == [str(tmp_path / "t1")]
+from tests.helpers.ramdisks import ignore_new_pod, spec
 
 
 def test_publish_hook_runs_for_each_new_pod_and_not_for_a_retried_publish(tmp_path):
@@ -57,19 +20,6 @@ def test_publish_hook_runs_for_each_new_pod_and_not_for_a_retried_publish(tmp_pa
     other = manager.publish("v3", str(tmp_path / "other"), spec("other", **{POD_UID_KEY: "uid-3"}))
     assert seen == [first.client_dir, first.client_dir, other.client_dir]
     assert manager.find_by_target(target)[1].spec.pod_uid == "uid-2"
-
-
-@requires_root
-def test_retention_releases_only_idle_ramdisks_past_ttl(tmp_path, tmpfs_manager):
-    tmpfs_manager.publish("v1", str(tmp_path / "busy"), spec("busy"))
-    tmpfs_manager.publish("v2", str(tmp_path / "idle"), spec("idle"))
-    idle = tmpfs_manager.unpublish(str(tmp_path / "idle"))
-    assert tmpfs_manager.reap_idle(retention_seconds=3600) == []
-    released = tmpfs_manager.reap_idle(retention_seconds=3600, now=idle.idle_since + 3601)
-    assert released == [("default", "idle")]
-    assert mounts.find_mount(idle.path) is None
-    with pytest.raises(JobBusy):
-        tmpfs_manager.release("default", "busy")
 
 
 def test_jobset_pod_name_gives_job_slice_and_worker():

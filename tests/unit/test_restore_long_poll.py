@@ -7,7 +7,7 @@ import time
 from aiohttp.test_utils import TestClient, TestServer
 
 from replicator.coordinator import service
-from tests.test_cluster_state import KEY, running_job
+from tests.unit.test_cluster_state import KEY, running_job  # to tests/helpers once the state branch has reshaped it
 
 
 def test_a_restore_request_is_held_until_the_coordinator_can_plan():

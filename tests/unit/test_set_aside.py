@@ -17,13 +17,13 @@ from replicator.node.config import NodeConfig
 from replicator.node.garbage_collection import collect_garbage
 from replicator.node.loop import NodeReplicator
 from replicator.wire.messages import RetainOrder
-from tests.test_crash_consistency import write_step
+from tests.helpers.steps import write_tree
 
 RANK = 1
 
 
 def committed(disk, meta, step):
-    path = write_step(os.path.join(disk.client_dir, str(step)), {"_CHECKPOINT_METADATA": b"{}", "state/a": bytes([step]) * 64})
+    path = write_tree(os.path.join(disk.client_dir, str(step)), {"_CHECKPOINT_METADATA": b"{}", "state/a": bytes([step]) * 64})
     meta.save_manifest(build_manifest(path, step, RANK))
 
 
@@ -84,14 +84,14 @@ def test_a_rollback_deletes_the_abandoned_newer_steps(tmp_path):
 async def test_a_learnt_rollback_deletes_the_abandoned_timelines_copies_and_new_steps_carry_the_new_timeline(tmp_path):
     disk, meta, replicator = restored_at(tmp_path, 3, [6, 9])  # 6 and 9 set aside, in timeline 0
     for step in (4, 7):  # replicas of the other rank, pushed by its node
-        path = write_step(os.path.join(tmp_path, f"pushed-{step}"), {"_CHECKPOINT_METADATA": b"{}", "state/b": bytes([step])})
+        path = write_tree(os.path.join(tmp_path, f"pushed-{step}"), {"_CHECKPOINT_METADATA": b"{}", "state/b": bytes([step])})
         meta.install_replica(path, build_manifest(path, step, 0))
     assert meta.learn_lineage((5,)) and not meta.learn_lineage((5,)) and not meta.learn_lineage((4,))
     drop_abandoned(disk)
     assert set(meta.replicas()) == {(0, 4)} and set(meta.manifests()) == {3}  # steps after 5 of timeline 0: gone
     assert meta.locate(RANK, 9) is None and meta.locate(0, 4) is not None
 
-    committed_again = write_step(os.path.join(disk.client_dir, "6"), {"_CHECKPOINT_METADATA": b"{}", "state/a": b"new values"})
+    committed_again = write_tree(os.path.join(disk.client_dir, "6"), {"_CHECKPOINT_METADATA": b"{}", "state/a": b"new values"})
     assert orbax.committed_steps(disk.client_dir) == [6] and os.path.isdir(committed_again)
     await CommitDetector(None, lambda: None).detect(disk, meta, PodProgress("uid", "inc", RANK, "h:1", True, restore_done=True))
     assert meta.manifests()[6].timeline == 1
