@@ -31,7 +31,7 @@ from tests.helpers.tools import require_tool
 CHART = REPO / "charts" / "mtc"
 MANIFESTS = REPO / "manifests"
 MONITORING = MANIFESTS / "monitoring"
-SCHEMAS = Path(__file__).resolve().parent / "schemas"
+SCHEMAS = REPO / "tests" / "schemas"
 # (apiVersion, kind) -> the vendored openAPIV3Schema of its CRD (each file's $comment names its source).
 CRD_SCHEMAS = {
     ("jobset.x-k8s.io/v1alpha2", "JobSet"): SCHEMAS / "jobset-v0.10.1-v1alpha2.json",
