@@ -25,7 +25,7 @@ MAXTEXT_PYTHON ?= $(firstword $(foreach p,python3.12 $(wildcard $(HOME)/.pyenv/v
 MAXTEXT_VENV   := .venv-maxtext
 MAXTEXT_STAMP  := $(MAXTEXT_VENV)/.installed
 
-.PHONY: setup tools test demo bench e2e-maxtext chaos clean
+.PHONY: setup tools test test-fast demo bench e2e-maxtext chaos clean
 
 setup: $(STAMP) $(STUBS)
 
@@ -59,6 +59,10 @@ $(KUSTOMIZE):
 test: setup tools
 	$(BIN)/lint-imports --no-cache --no-logo
 	PATH=$(TOOLS):$$PATH $(BIN)/python -m pytest -q -p no:cacheprovider
+
+# The unit layer only (tests/unit: no processes, no mounts, no Go tools), for the edit-test loop.
+test-fast: setup
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m unit
 
 demo: setup
 	$(BIN)/python -m examples.demo

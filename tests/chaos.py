@@ -25,7 +25,6 @@ when the work had visibly finished before the kill.
 import argparse
 import contextlib
 import dataclasses
-import itertools
 import json
 import os
 import random
@@ -40,7 +39,10 @@ import urllib.request
 from collections.abc import Callable
 
 from examples.local_cluster import LocalCluster, LocalJob, NodeAgentProcess, unmount_all_below
-from tests.jobs import assert_same_state, by_event, flip_byte, recreate, replace_node, wait_until
+from tests.helpers.jobs import assert_same_state, by_event, recreate, replace_node
+from tests.helpers.polling import wait_until
+from tests.helpers.ports import free_port, listen_address
+from tests.helpers.steps import flip_byte
 
 NODES, DP_PEER_OFFSET = 4, 2  # rank r's data-parallel peer in dp2 is r +- 2 (same worker, other slice)
 SAVE_EVERY, BACKUP_EVERY = 3, 6
@@ -83,11 +85,10 @@ class Chaos:
     def __init__(self, workdir: str, variant: str, rng: random.Random):
         self.workdir, self.variant, self.rng = workdir, variant, rng
         replicas, train = VARIANTS[variant]
-        self._ports = ports = itertools.count(20000 + (os.getpid() % 400) * 50)  # JAX's coordinator binds all addresses
         self.store = os.path.join(workdir, "object-store")
-        self.cluster = LocalCluster(os.path.join(workdir, "cluster"), lambda host: f"{host}:{next(ports)}",
+        self.cluster = LocalCluster(os.path.join(workdir, "cluster"), listen_address,
                                     replicas=replicas, backup=f"file://{self.store}")  # fmt: skip
-        self.job = LocalJob("chaos", [], workdir, [*TRAIN, *train, "--dump-dir", ""], jax_port=next(ports))
+        self.job = LocalJob("chaos", [], workdir, [*TRAIN, *train, "--dump-dir", ""], jax_port=free_port("0.0.0.0"))
         self.all_pods = []  # every pod of every incarnation, for its events
         self.corrupt: set[tuple[int, int, str]] = set()  # (rank, step, holder) copies the suite damaged
         self.rollback: tuple[int, int, float] | None = None  # (step, first incarnation of the new timeline, its start time)
@@ -324,7 +325,7 @@ class Chaos:
         reference = LocalJob("reference", list(self.job.agents), os.path.join(self.workdir, "reference"),
                              ["--steps", str(max(steps)), "--save-interval-steps", str(SAVE_EVERY), "--backup-interval-steps",
                               str(BACKUP_EVERY), "--dump-dir", os.path.join(self.workdir, "reference-dump")],
-                             jax_port=next(self._ports))  # fmt: skip
+                             jax_port=free_port("0.0.0.0"))  # fmt: skip
         reference.create_pods()
         reference.start_training()
         reference.wait_done(timeout=600)

@@ -30,7 +30,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -41,6 +40,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from examples.local_cluster import LocalCluster, LocalJob, NodeAgentProcess, Pod, can_mount_tmpfs
+from tests.helpers.polling import wait_until
+from tests.helpers.ports import free_port, listen_address
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _EXAMPLE_DIR = os.path.join(_REPO_ROOT, "examples", "maxtext")
@@ -164,24 +165,16 @@ def restore_seconds(agent: NodeAgentProcess) -> float:
                for s in family.samples if s.name == "mtc_restore_seconds_sum")  # fmt: skip
 
 
-def wait_for(condition, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not reached within {timeout} s")
-        time.sleep(0.2)
-
-
 def fail_and_restore(cluster: LocalCluster, job: MaxTextJob, shape: str, lose_node: bool) -> Restore:
     """SIGKILLs the trainers (and loses node 1 when ``lose_node``), recreates the pods, checks the restore."""
     job.kill_training()
     before = [job.losses(p) for p in job.pods]
     newest = job.newest_step()
     status = lambda: cluster.coordinator.status(job.job)["jobs"][0]  # noqa: E731
-    wait_for(lambda: status()["newest_complete_step"] == newest, f"the coordinator seeing step {newest}")
+    wait_until(lambda: status()["newest_complete_step"] == newest, 60, f"the coordinator seeing step {newest}")
     if lose_node:
         # Only a step held elsewhere survives the node: wait until the peer tier covers the newest.
-        wait_for(lambda: status()["safe_step"] == newest, f"step {newest} held off node 1")
+        wait_until(lambda: status()["safe_step"] == newest, 60, f"step {newest} held off node 1")
         lost = job.agents[1]
         cluster.lose_node(lost)
         job.agents[1] = cluster.add_node(len(cluster.agents), block="b0")
@@ -205,18 +198,12 @@ def fail_and_restore(cluster: LocalCluster, job: MaxTextJob, shape: str, lose_no
                    status()["restore"]["sources"])  # fmt: skip
 
 
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def run_shape(python: str, slices: int, workdir: str) -> list[Restore]:
     """One job of 2 pods in ``slices`` slices through a preemption and a node loss."""
     shape = f"{slices}x{2 // slices}"
     flags = {**jobset_flags(), "local_checkpoint_period": str(LOCAL_PERIOD),
              "multi_tier_checkpointing_backup_interval_minutes": "1", **TINY_MODEL}  # fmt: skip
-    cluster = LocalCluster(workdir, lambda host: f"{host}:{free_port(host)}")
+    cluster = LocalCluster(workdir, listen_address)
     job = MaxTextJob("maxtext", [], workdir, [f"{k}={v}" for k, v in flags.items()], slices=slices,
                      size="256Mi", jax_port=free_port("127.0.0.1"), python=python)  # fmt: skip
     try:

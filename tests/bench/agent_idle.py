@@ -36,8 +36,10 @@ from csi_driver import kubelet
 from examples.local_cluster import LocalCluster, can_mount_tmpfs, scratch_dir
 from replicator.local_tier.frameworks.orbax import JAX_INIT_INFO_FILE, REPLICATOR_FILE, RESTORE_SUFFIX
 from tests.bench.replication_overhead import cpu_seconds
-from tests.bench.scratch import free_port
-from tests.jobs import wait_until
+from tests.helpers.agents import replicator_yaml
+from tests.helpers.polling import wait_until
+from tests.helpers.ports import listen_address
+from tests.helpers.steps import commit_step
 
 JOBS = 3
 NODES = (0, 1)  # each job has a pod on each agent; agent 0 is measured
@@ -61,21 +63,6 @@ def step_files() -> dict[str, int]:
     return {**fixed, **data}
 
 
-def commit_step(client_dir: str, step: int) -> None:
-    """Writes a step under Orbax's temporary name and commits it by renaming it, as Orbax does."""
-    tmp = os.path.join(client_dir, f"{step}.orbax-checkpoint-tmp")
-    for rel, size in step_files().items():
-        os.makedirs(os.path.dirname(os.path.join(tmp, rel)), exist_ok=True)
-        with open(os.path.join(tmp, rel), "wb") as f:
-            f.write(os.urandom(size))
-    os.rename(tmp, os.path.join(client_dir, str(step)))
-
-
-def replicator_yaml(job: str, rank: int) -> str:
-    return (f"job-name: {job}\nframework: orbax\nassume-data-parallelism: 1\nnode-rank: {rank}\nnodes: {len(NODES)}\n"
-            f"peer-ranks: []\nbackup-interval-minutes: 30\n")  # fmt: skip
-
-
 def start_jobs(cluster: LocalCluster, workdir: str) -> list[str]:
     """Publishes JOBS jobs, one pod per agent, and takes each pod through the protocol to STEPS
     held; returns the job keys."""
@@ -92,7 +79,7 @@ def start_jobs(cluster: LocalCluster, workdir: str) -> list[str]:
         with open(init_info, encoding="utf-8") as f:
             rank = int(f.read().split("\n")[0])
         with open(os.path.join(target, REPLICATOR_FILE + ".tmp"), "w", encoding="utf-8") as f:
-            f.write(replicator_yaml(job, rank))
+            f.write(replicator_yaml(job, rank, len(NODES), backup_interval_minutes=30))
         os.replace(os.path.join(target, REPLICATOR_FILE + ".tmp"), os.path.join(target, REPLICATOR_FILE))
     for job, target in pods:
         markers = lambda: [n for n in os.listdir(target) if n.endswith(RESTORE_SUFFIX)]  # noqa: E731
@@ -100,7 +87,7 @@ def start_jobs(cluster: LocalCluster, workdir: str) -> list[str]:
         for marker in markers():
             os.unlink(os.path.join(target, marker))  # Orbax removes the fresh-start marker and trains
         for step in STEPS:
-            commit_step(target, step)
+            commit_step(target, step, {rel: os.urandom(size) for rel, size in step_files().items()})
     want = {str(rank): {str(s) for s in STEPS} for rank in range(len(NODES))}
     jobs = sorted({job for job, _ in pods})
     for job in jobs:
@@ -154,7 +141,7 @@ def main() -> int:
         print("note: not root, the agent uses the dir backend (ramdisks on disk)", file=sys.stderr)
     with scratch_dir("mtc-bench-idle-") as (workdir, cleanup):
         profile_path = os.path.join(workdir, "agent.pstats")
-        cluster = LocalCluster(workdir, lambda host: f"{host}:{free_port(host)}", peer_tier=False, backup=f"file://{workdir}/bucket" if args.backup else None,
+        cluster = LocalCluster(workdir, listen_address, peer_tier=False, backup=f"file://{workdir}/bucket" if args.backup else None,
                                agent_wrapper=["tests.bench.profiled", profile_path] if args.profile else None)  # fmt: skip
         cleanup.callback(cluster.stop)
         cluster.start(len(NODES))

@@ -39,10 +39,11 @@ from boto3.s3.transfer import TransferConfig
 
 warnings.simplefilter("ignore", FutureWarning)  # google-auth's import-time notice about grpcio versions
 
-from examples.local_cluster import FakeGcsServer, MinioServer, ServerProcess, find_tool  # noqa: E402
 from replicator.backup_tier.backends import open_backup_store  # noqa: E402
 from replicator.backup_tier.store import BackupStore  # noqa: E402
 from replicator.local_tier.step_manifest import build_manifest  # noqa: E402
+from tests.helpers.servers import FakeGcsServer, MinioServer, ServerProcess  # noqa: E402
+from tests.helpers.tools import find_tool  # noqa: E402
 
 MiB = 1 << 20
 FILES = 8

@@ -74,7 +74,7 @@ from replicator.pacing import timing
 from replicator.wire.coordinator_client import CoordinatorClient, CoordinatorUnavailable
 from replicator.wire.messages import BackedUp, Files, JobRef, JobSettings, PodRank, PodReport, ReportReply
 from tests.bench.agent_idle import step_files
-from tests.bench.scratch import free_port
+from tests.helpers.ports import free_port
 
 NAMESPACE = "bench"
 SLICE_NODES = 250  # the steady job: N/250 slices of 250 nodes (40 x 250 at 10,000)

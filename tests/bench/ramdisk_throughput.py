@@ -15,13 +15,13 @@ ratios. Run as root: ``python -m tests.bench.ramdisk_throughput``.
 
 import mmap
 import os
-import socket
 import statistics
 import subprocess
 import time
 
 from csi_driver import kubelet
 from examples.local_cluster import NodeAgentProcess, scratch_dir
+from tests.helpers.ports import listen_address
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -30,13 +30,6 @@ FILE_SIZE = GiB
 BLOCK = 8 * MiB
 REPETITIONS = 15
 GOAL = 0.95
-
-
-def free_listen_address() -> str:
-    """A loopback HOST:PORT the kernel reports free."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 def write_file(path: str, block: memoryview) -> float:
@@ -113,7 +106,7 @@ def report(samples: list[Sample]) -> None:
 def main() -> None:
     with scratch_dir("mtc-bench-") as (workdir, cleanup):
 
-        agent = NodeAgentProcess("bench", os.path.join(workdir, "agent"), free_listen_address(), "tmpfs")
+        agent = NodeAgentProcess("bench", os.path.join(workdir, "agent"), listen_address(), "tmpfs")
         cleanup.callback(agent.stop)
         agent.start()
         target = os.path.join(workdir, "pods", "bench-pod", "volumes", "ramdisk")

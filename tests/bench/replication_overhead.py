@@ -39,7 +39,7 @@ import psutil
 warnings.simplefilter("ignore", FutureWarning)  # google-auth's import-time notice about grpcio versions
 
 from examples.local_cluster import LocalCluster, LocalJob, NodeAgentProcess, can_mount_tmpfs, scratch_dir  # noqa: E402
-from tests.bench.scratch import free_port  # noqa: E402
+from tests.helpers.ports import free_port, listen_address  # noqa: E402
 
 NODES = 4
 SLICES = 2
@@ -108,7 +108,7 @@ class CpuSampler:
 def run_job(replication: bool) -> dict:
     """One fresh cluster and one training run; returns rank 0's step times and what was replicated."""
     with scratch_dir("mtc-bench-repl-") as (workdir, cleanup):
-        cluster = LocalCluster(workdir, lambda host: f"{host}:{free_port(host)}", replicas=1, peer_tier=replication,
+        cluster = LocalCluster(workdir, listen_address, replicas=1, peer_tier=replication,
                                agent_args=["--background-cpu", str(CAP)])  # fmt: skip
         cleanup.callback(cluster.stop)
         cluster.start(NODES)

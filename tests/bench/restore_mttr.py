@@ -24,7 +24,7 @@ import warnings
 warnings.simplefilter("ignore", FutureWarning)  # google-auth's import-time notice about grpcio versions
 
 from examples.local_cluster import LocalCluster, LocalJob, can_mount_tmpfs, scratch_dir  # noqa: E402
-from tests.bench.scratch import free_port  # noqa: E402
+from tests.helpers.ports import free_port, listen_address  # noqa: E402
 
 NODES = 4
 SLICES = 2
@@ -81,7 +81,7 @@ def main() -> None:
         print("note: not root, agents use the dir backend (ramdisks on disk)", file=sys.stderr)
     samples = []
     with scratch_dir("mtc-bench-mttr-") as (workdir, cleanup):
-        cluster = LocalCluster(workdir, lambda host: f"{host}:{free_port(host)}", replicas=1)
+        cluster = LocalCluster(workdir, listen_address, replicas=1)
         cleanup.callback(cluster.stop)
         job = LocalJob("mttr", list(cluster.start(NODES).agents), os.path.join(workdir, "job"), TRAIN_ARGS, slices=SLICES,
                        size="4Gi", jax_port=free_port("0.0.0.0"))  # fmt: skip

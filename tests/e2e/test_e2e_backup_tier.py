@@ -1,0 +1,118 @@
+"""The backup tier end to end, real node agents and real Orbax processes against each real object
+store: google-cloud-storage with fake-gcs-server (``gs://``), boto3 with MinIO (``s3://``)."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+from replicator.local_tier.frameworks.orbax import ERRORS_FILE
+from tests.helpers.agents import scrape
+from tests.helpers.jobs import (
+    UNTIL_KILLED,
+    UNTIL_KILLED_STEPS,
+    assert_same_state,
+    by_event,
+    losses,
+    rerun,
+    run_job,
+    status_of,
+)
+from tests.helpers.polling import wait_until
+
+
+def backups_settled(cluster, job):
+    status = status_of(cluster, job)
+    return status["backup_pending"] is None and status["backups"]
+
+
+def test_whole_cluster_loss_restores_newest_backup_and_never_an_interrupted_one(start_cluster, object_server, tmp_path):
+    cluster = start_cluster(backup=object_server.backup_url, env=object_server.env)
+    job = run_job("big", list(cluster.agents), tmp_path / "big",
+                  [*UNTIL_KILLED, "--dump-dir", str(tmp_path / "dump-1")])  # fmt: skip
+    job.wait(lambda: max(status_of(cluster, job)["backups"] or [0]) >= 12, 180, "a backup of step 12 or later")
+    before = losses(job.pods)
+    job.kill_training()
+    wait_until(lambda: backups_settled(cluster, job), 60, "backups settled")
+    backed_up = max(status_of(cluster, job)["backups"])
+    # What an agent killed mid-upload leaves: a newer step with data and a rank manifest, no COMMIT.
+    interrupted = f"mtc/default/{job.job}/steps/{backed_up + 3}"
+    object_server.put(f"{interrupted}/rank-0/state/_METADATA", b"partial")
+    object_server.put(f"{interrupted}/rank-0.manifest.json",
+                      json.dumps({"step": backed_up + 3, "rank": 0, "files": {}, "incarnation": "gone"}).encode())
+
+    # Whole-cluster repair: every agent dies with its RAM, the coordinator restarts, fresh nodes join.
+    for agent in list(job.agents):
+        cluster.lose_node(agent)
+    cluster.coordinator.kill()
+    cluster.coordinator.start()
+    fresh = [cluster.add_node(4 + i, block=f"b{i // 2}") for i in range(4)]
+    assert max(before) < UNTIL_KILLED_STEPS, "the job finished before it was killed"
+    rerun(job, tmp_path / "dump-2", agents=fresh, steps=backed_up + 24, timeout=240)
+
+    assert [by_event(p, "restored")[0]["step"] for p in job.pods] == [backed_up] * 4
+    after = losses(job.pods)
+    assert min(after) == backed_up + 1 and all(after[s] == before[s] for s in after if s in before)
+    for rank in range(4):
+        name = f"rank{rank}-step{backed_up}.npz"
+        assert_same_state(tmp_path / "dump-1" / name, tmp_path / "dump-2" / name)
+    restore = status_of(cluster, job)["restore"]
+    assert restore["sources"] == {str(r): "backup:backup" for r in range(4)}
+    # The interrupted upload is cleaned up once a newer backup commits.
+    wait_until(lambda: not object_server.keys(interrupted + "/"), 90, "interrupted upload cleaned")
+
+
+def backup_failures(agent) -> float:
+    found = re.search(r"^mtc_backup_failures_total (\S+)$", scrape(agent.url), re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_storage_outage_does_not_block_training_and_backups_resume(start_cluster, object_server, tmp_path):
+    cluster = start_cluster(backup=object_server.backup_url, env=object_server.env)
+    job = run_job("steady", list(cluster.agents), tmp_path / "steady", ["--step-sleep", "0.5"])
+    job.wait(lambda: status_of(cluster, job)["backups"], 120, "a first backup")
+    object_server.server.stop()
+    outage_step = max(e["step"] for e in by_event(job.pods[0], "step"))
+    # Local and peer tiers carry on: the job keeps saving while storage is down.
+    job.wait(lambda: max(e["step"] for e in by_event(job.pods[0], "saved")) >= outage_step + 6, 60, "saves during the outage")
+    wait_until(lambda: any(backup_failures(agent) > 0 for agent in cluster.agents), 60, "failed backups counted")
+    before_return = max(status_of(cluster, job)["backups"])
+    object_server.server.start()
+    job.wait_done(timeout=180)
+    wait_until(lambda: max(status_of(cluster, job)["backups"]) > before_return, 90, "backups resumed")
+    assert max(losses(job.pods)) == 30
+    # Reported where Orbax reads recoverable errors (it logs them at the job's next start).
+    errors = [os.path.join(p.target, ERRORS_FILE) for p in job.pods]
+    assert any(os.path.exists(e) and "backup tier" in open(e).read() for e in errors)
+
+
+def test_restore_from_rolls_back_to_an_older_backup(start_cluster, tmp_path):
+    cluster = start_cluster(backup=f"file://{tmp_path / 'objects'}")
+    job = run_job("roll", list(cluster.agents), tmp_path / "roll", ["--step-sleep", "0.2", "--dump-dir", str(tmp_path / "dump-1")])
+    job.wait(lambda: len(status_of(cluster, job)["backups"]) >= 2, 180, "two backups")
+    job.kill_training()
+    wait_until(lambda: backups_settled(cluster, job), 60, "backups settled")
+    older = min(status_of(cluster, job)["backups"])
+    mtc = [sys.executable, "-m", "replicator.cli", "restore-from", "--coordinator", cluster.coordinator.url,
+           "--ca", cluster.coordinator.ca_file, "--token-file", cluster.token_file, "--job"]  # fmt: skip
+    refused = subprocess.run([*mtc, f"default/{job.job}", "--step", "7"], capture_output=True, text=True)
+    assert refused.returncode == 1 and "HTTP 409" in refused.stderr and "step 7" in refused.stderr
+    subprocess.run([*mtc, f"default/{job.job}", "--step", str(older)], check=True, capture_output=True)
+
+    rerun(job, tmp_path / "dump-2")
+    assert [by_event(p, "restored")[0]["step"] for p in job.pods] == [older] * 4
+    for rank in range(4):
+        name = f"rank{rank}-step{older}.npz"
+        assert_same_state(tmp_path / "dump-1" / name, tmp_path / "dump-2" / name)
+    assert status_of(cluster, job)["forced_step"] is None  # the next restore takes the newest step again
+
+    # The rollback began timeline 1: its backups are stored apart, and once one commits, retention
+    # deletes the abandoned timeline's backups of the steps after ``older``.
+    steps_dir = tmp_path / "objects" / "default" / job.job / "steps"
+    committed = lambda: {e for e in os.listdir(steps_dir) if os.path.exists(steps_dir / e / "COMMIT")}  # noqa: E731
+    wait_until(lambda: any(e.endswith("-t1") for e in committed()) and backups_settled(cluster, job), 90, "a backup of timeline 1")
+    assert not [e for e in os.listdir(steps_dir) if "-t" not in e and int(e) > older]
+    status = status_of(cluster, job)
+    assert (status["timeline"], status["rollbacks"]) == (1, [older])
+    assert max(status["backups"]) > older

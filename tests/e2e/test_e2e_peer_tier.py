@@ -1,0 +1,115 @@
+"""The peer tier end to end: a node and its ramdisk are lost, a fresh node joins, and the job
+resumes at the newest step from data held by its peers, through real Orbax processes."""
+
+import http.client
+import os
+import ssl
+import subprocess
+import urllib.error
+import urllib.request
+
+import pytest
+
+from csi_driver import kubelet
+from tests.helpers.agents import scrape
+from tests.helpers.jobs import UNTIL_KILLED, assert_resumed_exactly, lose_node_and_resume, losses, run_job, status_of
+from tests.helpers.polling import wait_until
+from tests.helpers.steps import flip_byte
+
+LONG_RUN = UNTIL_KILLED
+
+
+def test_data_parallel_job_restores_lost_node_from_identical_peer_without_copies(start_cluster, tmp_path):
+    cluster = start_cluster()
+    job = run_job("dp", list(cluster.agents), tmp_path / "dp", [*LONG_RUN, "--dump-dir", str(tmp_path / "dump-1")])
+    job.wait(lambda: (s := status_of(cluster, job))["safe_step"] is not None and s["safe_step"] >= 9, 180, "identity established at step 9")
+    status = status_of(cluster, job)
+    assert status["identical_peers"] == [[0, 2], [1, 3], [2, 0], [3, 1]]
+    # Deduplicated: no node holds another rank's data, so the ramdisk holds about one shard.
+    assert all(holders == [f"node-{rank}"] for rank, steps in status["held"].items() for holders in steps.values())
+    before = losses(job.pods)
+    job.kill_training()
+    wait_until(lambda: status_of(cluster, job)["safe_step"] == status_of(cluster, job)["newest_complete_step"], 30, "identity of the last step")
+    safe = status_of(cluster, job)["safe_step"]
+
+    fresh = lose_node_and_resume(cluster, job, 1, tmp_path, steps=safe + 6)
+    assert_resumed_exactly(job, safe, before, tmp_path)
+    restore = status_of(cluster, job)["restore"]
+    assert restore["step"] == safe
+    assert restore["sources"]["1"] == "peer_distant:node-3"  # rank 3 is rank 1's data-parallel peer
+    assert status_of(cluster, job)["ranks"][1]["node"] == fresh.node_id
+
+
+def test_replicated_job_restores_lost_node_and_skips_a_corrupt_replica(start_cluster, tmp_path):
+    cluster = start_cluster(replicas=2)
+    # A save every ~3 s, above the 2 s push interval: every rank replicates every step. Saving faster,
+    # ranks replicate whichever step is newest for them when their push lane frees, and a step with
+    # replicas of every rank can be long in coming (README "Peer tier"); not what this test is about.
+    job = run_job("solo", list(cluster.agents), tmp_path / "solo",
+                  ["--data-parallelism", "1", *LONG_RUN, "--step-sleep", "1.0", "--dump-dir", str(tmp_path / "dump-1")])  # fmt: skip
+    job.wait(lambda: (s := status_of(cluster, job))["safe_step"] is not None and s["safe_step"] >= 9, 180, "replicated step 9")
+    before = losses(job.pods)
+    job.kill_training()
+    wait_until(lambda: status_of(cluster, job)["safe_step"] == status_of(cluster, job)["newest_complete_step"], 30, "replicas caught up")
+    status = status_of(cluster, job)
+    safe = status["safe_step"]
+    assert status["held"]["1"][str(safe)] == ["node-0", "node-1", "node-3"]  # own, close (b0) and distant (b1)
+    # Flip one byte in the close replica of rank 1: the restore must skip it and use the distant one.
+    replica = os.path.join(cluster.agents[0].root, "jobs", "default", job.job, "mtc", "replicas", "rank-1", str(safe))
+    flip_byte(replica)
+
+    fresh = lose_node_and_resume(cluster, job, 1, tmp_path, steps=safe + 6)
+    assert_resumed_exactly(job, safe, before, tmp_path)
+    restore = status_of(cluster, job)["restore"]
+    assert restore["sources"]["1"] == "peer_distant:node-3"
+    # Excluded from planning: the corrupt replica, and the lost node's copy if it was still listed.
+    assert [safe, 1, "node-0"] in restore["unusable_copies"]
+    assert "mtc_corrupt_copies_total 1.0" in scrape(fresh.url)
+    assert f"step {safe} copy on node-0 unusable" in open(fresh.log_path).read()
+
+
+VALID = object()  # stands for the cluster's real peer token
+
+
+@pytest.mark.parametrize(
+    "path, token, statuses",
+    [
+        ("/v1/peer/jobs/default/x/steps", None, {401}),
+        ("/v1/peer/jobs/default/x/steps", "wrong", {401}),
+        ("/v1/peer/jobs/default/x/ranks/0/steps/1/files/..%2F..%2F..%2Fstate.json", VALID, {400}),
+        ("/v1/peer/jobs/default/x/ranks/0/steps/1/files/%2Fetc%2Fpasswd", VALID, {400}),
+        ("/v1/peer/jobs/..%2F..%2Fetc/x/steps", VALID, {400}),
+        ("/v1/peer/jobs/default/nojob/steps", VALID, {404}),
+    ],
+)
+def test_peer_service_refuses_missing_token_and_traversal(start_cluster, tmp_path, path, token, statuses):
+    cluster = start_cluster(nodes=1)
+    agent = cluster.agents[0]
+    # Job x exists on the node, so a refusal comes from the path guard, not from an unknown job.
+    kubelet.publish(agent.endpoint, str(tmp_path / "pod-x" / "mount"), "x-0", attributes={"job": "x", "nodes": "1", "size": "8Mi"})
+    if token is VALID:
+        token = open(cluster.token_file).read().strip()
+    request = urllib.request.Request(agent.url + path, headers={"Authorization": f"Bearer {token}"} if token else {})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request)
+    assert err.value.code in statuses
+    assert b"root" not in err.value.read()
+
+
+def test_peer_service_over_tls(start_agent, tmp_path):
+    cert, key = tmp_path / "peer.crt", tmp_path / "peer.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=mtc-peer",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    (tmp_path / "token").write_text("tls-token\n")
+    agent = start_agent(backend="dir", extra_args=["--peer-token-file", str(tmp_path / "token"),
+                                                   "--peer-tls-cert", str(cert), "--peer-tls-key", str(key)])  # fmt: skip
+    context = ssl.create_default_context(cafile=str(cert))
+    request = urllib.request.Request(f"https://{agent.listen}/v1/peer/jobs/default/x/steps", headers={"Authorization": "Bearer tls-token"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, context=context)
+    assert err.value.code == 404  # reached the peer service, over TLS, with the token
+    with pytest.raises((urllib.error.URLError, ConnectionError, http.client.HTTPException)):
+        urllib.request.urlopen(f"http://{agent.listen}/healthz", timeout=5)

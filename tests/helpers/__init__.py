@@ -1,0 +1,17 @@
+"""What the tests, the chaos runner and the benches share; no test module imports another.
+
+- ``fixtures``: the pytest fixtures (agents, clusters, object stores, a peer service), registered for
+  every layer by ``tests/conftest.py``.
+- ``servers``: fake-gcs-server and MinIO as processes; ``tools``: the Go tools and the root check.
+- ``ports``: the one port allocator; ``polling``: the one ``wait_until``.
+- ``steps``: files, steps and their manifests on disk; ``pods``: a pod driven through the Orbax
+  protocol by hand; ``peer``: a peer service in the test's own event loop; ``jobs``: real training jobs.
+
+The processes themselves (coordinator, node agents, training pods) run through
+``examples/local_cluster.py``: ``make demo`` runs the same harness, so it stays a user-facing example.
+"""
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+"""The repository's root (manifests, charts, examples)."""

@@ -1,0 +1,110 @@
+"""Helpers for end-to-end tests that run real training jobs on a local cluster."""
+
+import os
+
+import numpy as np
+
+from examples.local_cluster import LocalJob, unmount_all_below
+from tests.helpers.ports import free_port
+
+TRAIN = ["--steps", "30", "--save-interval-steps", "3", "--backup-interval-steps", "6"]
+# A job that trains until the test kills it, however slow or fast the machine.
+UNTIL_KILLED_STEPS = 100_000
+UNTIL_KILLED = ["--steps", str(UNTIL_KILLED_STEPS), "--step-sleep", "0.2"]
+
+
+# Every job ``run_job`` started: a test that ends (or fails) while its job trains leaves no trainer
+# behind; one that trains UNTIL_KILLED would otherwise run on after pytest, taking the machine's CPU.
+_started: list[LocalJob] = []
+
+
+def run_job(name, agents, workdir, extra):
+    job = LocalJob(name, agents, str(workdir), [*TRAIN, *extra], jax_port=free_port("0.0.0.0"))  # JAX's coordinator binds every address
+    _started.append(job)
+    job.create_pods()
+    job.start_training()
+    return job
+
+
+def kill_started_jobs() -> None:
+    """SIGKILLs the training processes of every job ``run_job`` started (the fixtures, after each test)."""
+    while _started:
+        _started.pop().kill_training()
+
+
+def rerun(job, dump_dir, agents=None, steps=None, timeout=180):
+    """Deletes the pods, recreates them (on ``agents`` when the nodes changed), runs the job to the
+    end (step ``steps`` if given) with its state dumped to ``dump_dir``."""
+    recreate(job, dump_dir, agents, steps)
+    job.wait_done(timeout=timeout)
+
+
+def recreate(job, dump_dir, agents=None, steps=None):
+    """Deletes the pods and starts new ones (on ``agents`` when the nodes changed) that train to step
+    ``steps`` if given, with their state dumped to ``dump_dir``; returns without waiting."""
+    job.delete_pods()
+    if agents is not None:
+        job.agents[:] = agents
+    job.train_args[job.train_args.index("--dump-dir") + 1] = str(dump_dir)
+    if steps is not None:
+        job.train_args += ["--steps", str(steps)]  # the last --steps wins
+    job.create_pods()
+    job.start_training()
+
+
+def replace_node(cluster, job, index):
+    """Node ``index`` of the job is lost with its ramdisk (and its dead pod's mount); a fresh node joins
+    the same topology block. Returns the job's agents with the fresh node in place; the pods are not
+    recreated."""
+    cluster.lose_node(job.agents[index])
+    if job.pods:
+        unmount_all_below(os.path.dirname(job.pods[index].target))  # the dead pod's mount went with the node
+    agents = list(job.agents)
+    agents[index] = cluster.add_node(len(cluster.agents), block=f"b{index // 2}")
+    return agents
+
+
+def by_event(pod, event):
+    return [e for e in pod.events() if e["event"] == event]
+
+
+def losses(pods):
+    return {e["step"]: e["loss"] for pod in pods for e in by_event(pod, "step")}
+
+
+def assert_same_state(left_npz, right_npz):
+    left, right = np.load(left_npz), np.load(right_npz)
+    assert sorted(left.files) == sorted(right.files)
+    for key in left.files:
+        np.testing.assert_array_equal(left[key], right[key], err_msg=key)
+
+
+def newest_complete_step(coordinator, job):
+    jobs = coordinator.status(job)["jobs"]
+    return jobs[0]["newest_complete_step"] if jobs else None
+
+
+def status_of(cluster, job):
+    """The coordinator's status of ``job``."""
+    return cluster.coordinator.status(job.job)["jobs"][0]
+
+
+def lose_node_and_resume(cluster, job, lost_index, tmp_path, steps):
+    """Kills the job, loses node ``lost_index`` with its ramdisk, adds a fresh node, recreates the pods."""
+    job.kill_training()
+    agents = replace_node(cluster, job, lost_index)
+    rerun(job, tmp_path / "dump-2", agents=agents, steps=steps)
+    return agents[lost_index]
+
+
+def assert_resumed_exactly(job, step, before_losses, tmp_path):
+    """Every rank of the 4-rank ``job`` restored ``step`` and went on with the losses and state of
+    before (``dump-1`` against ``dump-2`` below ``tmp_path``)."""
+    assert max(before_losses) < UNTIL_KILLED_STEPS, "the job finished before it was killed"
+    assert [by_event(p, "restored")[0]["step"] for p in job.pods] == [step] * 4
+    after = losses(job.pods)
+    assert min(after) == step + 1
+    assert all(after[s] == before_losses[s] for s in after if s in before_losses)
+    for rank in range(4):
+        name = f"rank{rank}-step{step}.npz"
+        assert_same_state(tmp_path / "dump-1" / name, tmp_path / "dump-2" / name)

@@ -1,0 +1,144 @@
+"""The object stores the backup tier is tested against, as real processes on loopback:
+fake-gcs-server (GCS's JSON API) and MinIO (S3). ``make tools`` builds both; ``tools.require_tool``
+finds them."""
+
+import os
+import subprocess
+import tempfile
+import time
+import urllib.request
+import uuid
+
+import boto3
+from google.auth.credentials import AnonymousCredentials
+from google.cloud import storage
+
+from tests.helpers.ports import free_port
+
+
+class ServerProcess:
+    """A test server on a free 127.0.0.1 port, ready once ``health_path`` answers; what the emulators share.
+
+    Subclasses give ``name``, ``health_path`` and ``command()``, and may add environment in ``env()``.
+
+    Args:
+      binary: the server's executable.
+    """
+
+    name = "server"
+    health_path = "/"
+
+    def __init__(self, binary: str):
+        self.binary = binary
+        self.port = free_port("127.0.0.1")
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = tempfile.TemporaryFile()
+        self._process: subprocess.Popen | None = None
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def env(self) -> dict[str, str]:
+        return {}
+
+    def start(self, timeout_seconds: float = 30.0) -> "ServerProcess":
+        """Starts the server (again, after ``stop``, on the same port) and waits until it answers.
+
+        Raises:
+          RuntimeError: it exited or did not answer in time; the message holds its output.
+        """
+        if self._log.closed:
+            self._log = tempfile.TemporaryFile()
+        self._process = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
+                                         env={**os.environ, **self.env()})  # fmt: skip
+        deadline = time.monotonic() + timeout_seconds
+        while time.monotonic() < deadline and self._process.poll() is None:
+            try:
+                with urllib.request.urlopen(self.url + self.health_path, timeout=1):
+                    return self
+            except OSError:
+                time.sleep(0.05)
+        self._log.seek(0)
+        output = self._log.read().decode(errors="replace")
+        self.stop()
+        raise RuntimeError(f"{self.name} on {self.url} did not start: {output}")
+
+    def stop(self) -> None:
+        """Stops the server (SIGTERM, then SIGKILL after 10 s); idempotent."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        self._log.close()
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+
+class FakeGcsServer(ServerProcess):
+    """fake-gcs-server: GCS's JSON API for the real google-cloud-storage client, as an emulator.
+
+    ``-external-url`` is set so that resumable uploads (files over 8 MiB) are sent back to it.
+
+    Args:
+      binary: the fake-gcs-server executable.
+      data_dir: keep objects in this directory (they survive a restart), or None for memory.
+    """
+
+    name = "fake-gcs-server"
+    health_path = "/storage/v1/b"
+
+    def __init__(self, binary: str, data_dir: str | None = None):
+        super().__init__(binary)
+        self.data_dir = data_dir
+
+    def command(self) -> list[str]:
+        if self.data_dir:
+            os.makedirs(self.data_dir, exist_ok=True)
+        backend = ["-backend", "filesystem", "-filesystem-root", self.data_dir] if self.data_dir else ["-backend", "memory"]
+        return [self.binary, "-scheme", "http", *backend, "-host", "127.0.0.1", "-port", str(self.port),
+                "-external-url", self.url, "-log-level", "error"]  # fmt: skip
+
+    def client(self) -> storage.Client:
+        """A google-cloud-storage client of this server (anonymous, project ``test``)."""
+        return storage.Client(project="test", credentials=AnonymousCredentials(),
+                              client_options={"api_endpoint": self.url})
+
+
+class MinioServer(ServerProcess):
+    """A real MinIO server (S3 API), single drive, for tests and benches only: MinIO is AGPL and is
+    never linked or shipped. The console is off; root credentials are random per server.
+
+    Args:
+      binary: the minio executable (``make tools``).
+      data_dir: where it keeps objects; they survive a restart.
+    """
+
+    name = "minio"
+    health_path = "/minio/health/live"
+
+    def __init__(self, binary: str, data_dir: str):
+        super().__init__(binary)
+        self.data_dir = data_dir
+        self.access_key, self.secret_key = "mtc-" + uuid.uuid4().hex[:12], uuid.uuid4().hex
+
+    def command(self) -> list[str]:
+        return [self.binary, "server", self.data_dir, "--address", f"127.0.0.1:{self.port}", "--quiet"]
+
+    def env(self) -> dict[str, str]:
+        return {"MINIO_ROOT_USER": self.access_key, "MINIO_ROOT_PASSWORD": self.secret_key,
+                "MINIO_BROWSER": "off", "MINIO_UPDATE": "off"}  # fmt: skip
+
+    def client_env(self) -> dict[str, str]:
+        """What an S3 client needs to reach this server through boto3's standard configuration."""
+        return {"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key,
+                "AWS_ENDPOINT_URL": self.url, "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
+
+    def client(self):
+        """A boto3 S3 client of this server, with its root credentials."""
+        return boto3.client("s3", endpoint_url=self.url, region_name="us-east-1",
+                            aws_access_key_id=self.access_key, aws_secret_access_key=self.secret_key)  # fmt: skip

@@ -1,0 +1,292 @@
+"""The install paths, rendered by the real tools and checked against real schemas.
+
+- ``helm lint --strict`` and ``helm template`` of ``charts/mtc`` (helm v3.22.0), ``kustomize build``
+  of ``manifests/`` and ``manifests/monitoring/`` (kustomize v5.7.1), all from ``.tools/bin``.
+- Every built-in object validated in strict mode (unknown fields are errors) by PyPI
+  ``kubernetes-validate`` against the oldest and the newest Kubernetes version we support.
+- Custom resources validated with ``jsonschema`` against their CRD's schema, vendored in
+  ``tests/schemas/`` and made strict the same way: the example JobSet (kubernetes-sigs/jobset
+  v0.10.1) and the ServiceMonitors and PrometheusRule (prometheus-operator v0.82.0).
+- The chart and the kustomize base agree on every contract field: they render the same specs.
+"""
+
+import base64
+import copy
+import json
+import socket
+import ssl
+import subprocess
+import threading
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from cryptography import x509
+
+from tests.helpers import REPO
+from tests.helpers.tools import require_tool
+
+CHART = REPO / "charts" / "mtc"
+MANIFESTS = REPO / "manifests"
+MONITORING = MANIFESTS / "monitoring"
+SCHEMAS = REPO / "tests" / "schemas"
+# (apiVersion, kind) -> the vendored openAPIV3Schema of its CRD (each file's $comment names its source).
+CRD_SCHEMAS = {
+    ("jobset.x-k8s.io/v1alpha2", "JobSet"): SCHEMAS / "jobset-v0.10.1-v1alpha2.json",
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): SCHEMAS / "prometheus-operator-v0.82.0-servicemonitors-v1.json",
+    ("monitoring.coreos.com/v1", "PrometheusRule"): SCHEMAS / "prometheus-operator-v0.82.0-prometheusrules-v1.json",
+}
+
+# Oldest: ValidatingAdmissionPolicy (admissionregistration.k8s.io/v1) is GA from 1.30.
+# Newest: the newest schema set kubernetes-validate 1.37.0 ships.
+KUBERNETES_VERSIONS = ["1.30.0", "1.37.0"]
+ALL_MONITORING = ["serviceMonitor.enabled=true", "prometheusRule.enabled=true", "grafanaDashboard.enabled=true"]
+
+
+def _run(argv: list[str]) -> str:
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"{' '.join(argv)} failed:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+def _docs(text: str) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(text) if doc]
+
+
+def helm_template(*settings: str, kube_version: str = KUBERNETES_VERSIONS[0]) -> list[dict]:
+    """The chart rendered as release ``mtc`` in ``mtc-system`` with ``--set`` ``settings``."""
+    argv = [require_tool("helm"), "template", "mtc", str(CHART), "--namespace", "mtc-system", "--kube-version", kube_version]
+    for setting in settings:
+        argv += ["--set", setting]
+    return _docs(_run(argv))
+
+
+def kustomize_build(directory: Path) -> list[dict]:
+    return _docs(_run([require_tool("kustomize"), "build", str(directory)]))
+
+
+def _by_key(docs: list[dict]) -> dict[tuple[str, str], dict]:
+    keyed = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    assert len(keyed) == len(docs), "two objects share a kind and name"
+    return keyed
+
+
+def _pod_spec(obj: dict) -> dict:
+    return obj["spec"]["template"]["spec"]
+
+
+def _container(obj: dict, name: str) -> dict:
+    return next(c for c in _pod_spec(obj)["containers"] if c["name"] == name)
+
+
+def _argv(container: dict) -> list[str]:
+    return [str(a) for a in container.get("command", []) + container.get("args", [])]
+
+
+def _flag(argv: list[str], flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv else None
+
+
+def test_helm_lint_is_clean_with_every_toggle():
+    for settings in ([], ALL_MONITORING, ["tls.enabled=false", "backup.url=gs://b/p"]):
+        argv = [require_tool("helm"), "lint", "--strict", str(CHART)]
+        for setting in settings:
+            argv += ["--set", setting]
+        assert "0 chart(s) failed" in _run(argv)
+
+
+@pytest.mark.parametrize("kube_version", KUBERNETES_VERSIONS)
+def test_rendered_objects_are_valid_in_strict_mode(kube_version):
+    rendered = {
+        "helm (defaults)": helm_template(kube_version=kube_version),
+        "helm (every toggle)": helm_template(*ALL_MONITORING, "backup.url=gs://b/p", "backup.credentials.secretName=c",
+                                             "backup.credentials.fileEnv.GOOGLE_APPLICATION_CREDENTIALS=key.json",
+                                             kube_version=kube_version),  # fmt: skip
+        "helm (no TLS)": helm_template("tls.enabled=false", kube_version=kube_version),
+        "kustomize manifests/": kustomize_build(MANIFESTS),
+        "kustomize manifests/monitoring/": kustomize_build(MONITORING),
+    }
+    checked = set()
+    for source, docs in rendered.items():
+        for doc in docs:
+            if (doc["apiVersion"], doc["kind"]) in CRD_SCHEMAS:
+                continue  # test_custom_resources_match_their_crd_schemas
+            try:
+                kubernetes_validate.validate(doc, kube_version, strict=True)
+            except kubernetes_validate.ValidationError as err:
+                pytest.fail(f"{source}: {doc['kind']} {doc['metadata']['name']} is invalid for {kube_version}: "
+                            f"{str(err).splitlines()[0]} at {list(err.path)}")  # fmt: skip
+            checked.add(doc["kind"])
+    assert {"CSIDriver", "DaemonSet", "Deployment", "Service", "ServiceAccount", "Secret", "ConfigMap",
+            "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"} <= checked  # fmt: skip
+
+
+def test_strict_validation_rejects_an_unknown_field():
+    # The check above can fail: a misspelt field is an error, not silently dropped.
+    daemonset = _by_key(kustomize_build(MANIFESTS))[("DaemonSet", "mtc-node")]
+    _container(daemonset, "mtc-node")["volumeMount"] = []
+    with pytest.raises(kubernetes_validate.ValidationError, match="volumeMount"):
+        kubernetes_validate.validate(daemonset, KUBERNETES_VERSIONS[0], strict=True)
+
+
+def _strict(schema):
+    """Rejects unknown fields, as the API server's strict field validation does: every object
+    schema with properties and no x-kubernetes-preserve-unknown-fields gets additionalProperties false."""
+    if isinstance(schema, list):
+        return [_strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    strict = {k: _strict(v) for k, v in schema.items()}
+    if "properties" in schema and not schema.get("x-kubernetes-preserve-unknown-fields"):
+        strict.setdefault("additionalProperties", False)
+    return strict
+
+
+def crd_validator(api_version: str, kind: str) -> jsonschema.Draft202012Validator:
+    schema = json.loads(CRD_SCHEMAS[(api_version, kind)].read_text())
+    return jsonschema.Draft202012Validator(_strict(schema))
+
+
+def _example_jobset() -> dict:
+    with open(MANIFESTS / "example-jobset.yaml", encoding="utf-8") as f:
+        (jobset,) = _docs(f.read())
+    return jobset
+
+
+def test_custom_resources_match_their_crd_schemas():
+    resources = [("example-jobset.yaml", _example_jobset())]
+    resources += [("chart", d) for d in helm_template(*ALL_MONITORING) if (d["apiVersion"], d["kind"]) in CRD_SCHEMAS]
+    resources += [("manifests/monitoring/", d) for d in kustomize_build(MONITORING) if (d["apiVersion"], d["kind"]) in CRD_SCHEMAS]
+    assert {d["kind"] for _, d in resources} == {"JobSet", "ServiceMonitor", "PrometheusRule"}
+    for source, doc in resources:
+        errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+                  for e in crd_validator(doc["apiVersion"], doc["kind"]).iter_errors(doc)]  # fmt: skip
+        assert not errors, f"{source}: {doc['kind']} {doc['metadata']['name']}: {errors}"
+
+
+def test_crd_schema_rejects_a_misspelt_field():
+    jobset = _example_jobset()
+    jobset["spec"]["replicatedJobs"][0]["replica"] = 2
+    assert any("replica" in e.message for e in crd_validator(jobset["apiVersion"], "JobSet").iter_errors(jobset))
+
+
+# -- the chart and the kustomize base install the same thing --------------------------------------
+
+# Labels and annotations differ on purpose (the chart adds helm's); selectors are compared in spec.
+_PRESENTATION = ("labels", "annotations")
+
+
+def _contract(obj: dict) -> dict:
+    obj = copy.deepcopy(obj)
+    for key in _PRESENTATION:
+        obj["metadata"].pop(key, None)
+    template = obj.get("spec", {}).get("template", {}).get("metadata")
+    if template is not None:
+        for key in _PRESENTATION:
+            template.pop(key, None)
+    return obj
+
+
+def test_chart_and_kustomize_base_render_the_same_objects():
+    # Secrets: the chart generates the token and TLS Secrets the base asks the operator to create.
+    # Namespace: helm installs into a namespace that exists (README: create and label it first).
+    chart = _by_key(helm_template("image.tag=latest"))
+    base = _by_key(kustomize_build(MANIFESTS))
+    assert set(chart) - set(base) == {("Secret", "mtc-peer-token"), ("Secret", "mtc-tls")}
+    assert set(base) - set(chart) == {("Namespace", "mtc-system")}
+    for key in sorted(set(chart) & set(base)):
+        assert _contract(chart[key]) == _contract(base[key]), f"{key} differs between the chart and manifests/"
+
+
+def test_chart_monitoring_is_the_monitoring_base():
+    chart = _by_key(helm_template("image.tag=latest", *ALL_MONITORING))
+    base = _by_key(kustomize_build(MONITORING))
+    for key, obj in base.items():
+        assert key in chart, f"the chart has no {key}"
+        assert _contract(chart[key]) == _contract(obj), f"{key} differs between the chart and manifests/monitoring/"
+    dashboard = json.loads(chart[("ConfigMap", "mtc-dashboard")]["data"]["mtc-dashboard.json"])
+    assert dashboard == json.loads((MONITORING / "mtc-dashboard.json").read_text())
+    assert chart[("ConfigMap", "mtc-dashboard")]["metadata"]["labels"]["grafana_dashboard"] == "1"
+
+
+def test_chart_secrets_hold_a_token_and_a_certificate_for_the_coordinator_service(tmp_path):
+    secrets = {d["metadata"]["name"]: d for d in helm_template() if d["kind"] == "Secret"}
+    token = base64.b64decode(secrets["mtc-peer-token"]["data"]["token"])
+    assert len(token) == 64
+    tls = {k: base64.b64decode(v) for k, v in secrets["mtc-tls"]["data"].items()}
+    assert set(tls) == {"tls.crt", "tls.key", "ca.crt"}
+    cert, ca = x509.load_pem_x509_certificate(tls["tls.crt"]), x509.load_pem_x509_certificate(tls["ca.crt"])
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+    assert "mtc-coordinator.mtc-system.svc" in names  # the host in the agents' --coordinator URL
+    assert cert.issuer == ca.subject
+    cert.verify_directly_issued_by(ca)
+    for name, data in tls.items():
+        (tmp_path / name).write_bytes(data)
+    assert _tls_handshake(tmp_path, "mtc-coordinator.mtc-system.svc") == "TLSv1.3"
+
+
+def _tls_handshake(directory: Path, host: str) -> str:
+    """A real TLS handshake: a server with ``directory``'s tls.crt/tls.key, a client that checks
+    it against ca.crt for ``host``, strictly (RFC 5280, as Python 3.13 does by default)."""
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server.load_cert_chain(directory / "tls.crt", directory / "tls.key")
+    client = ssl.create_default_context(cafile=directory / "ca.crt")
+    client.verify_flags |= ssl.VERIFY_X509_STRICT
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        accepted = threading.Thread(target=lambda: server.wrap_socket(listener.accept()[0], server_side=True).close())
+        accepted.start()
+        with socket.create_connection(listener.getsockname()) as raw, client.wrap_socket(raw, server_hostname=host) as tls:
+            version = tls.version()
+        accepted.join(10)
+    return version
+
+
+def test_chart_values_reach_the_agents_and_the_coordinator():
+    rendered = _by_key(helm_template(
+        "image.repository=registry.example/mtc", "image.tag=1.2.3", "driverName=ram.example.dev",
+        "ramdisk.defaultSize=8Gi", "ramdisk.retentionSeconds=600", "replicas=2", "topologyKey=example.dev/rack",
+        "backup.url=s3://bucket/prefix", "backup.keep=5", "backup.s3EndpointURL=https://s3.example:9000",
+        "backup.credentials.secretName=s3-creds", "backup.credentials.fileEnv.AWS_SHARED_CREDENTIALS_FILE=credentials",
+        "node.priorityClassName=high",
+        "node.nodeSelector.pool=tpu", "node.resources.requests.cpu=2", "token.existingSecret=my-token",
+        "tls.existingSecret=my-tls", "admissionPolicy.namespaceLabel=example.dev/ckpt",
+    ))  # fmt: skip
+    node = rendered[("DaemonSet", "mtc-node")]
+    agent = _container(node, "mtc-node")
+    argv = _argv(agent)
+    assert agent["image"] == "registry.example/mtc:1.2.3"
+    expected = {"--driver-name": "ram.example.dev", "--default-size": "8Gi", "--retention-seconds": "600",
+                "--replicas": "2", "--backup": "s3://bucket/prefix", "--backup-keep": "5",
+                "--s3-endpoint-url": "https://s3.example:9000",
+                "--coordinator": "https://mtc-coordinator.mtc-system.svc:8471"}  # fmt: skip
+    assert {flag: _flag(argv, flag) for flag in expected} == expected
+    env = {e["name"]: e for e in agent["env"]}
+    assert env["NODE_BLOCK"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['example.dev/rack']"
+    assert env["AWS_SHARED_CREDENTIALS_FILE"]["value"] == "/etc/mtc/backup-credentials/credentials"
+    volumes = {v["name"]: v for v in _pod_spec(node)["volumes"]}
+    assert volumes["backup-credentials"]["secret"]["secretName"] == "s3-creds"
+    assert volumes["peer-token"]["secret"]["secretName"] == "my-token"
+    assert volumes["tls-ca"]["secret"]["secretName"] == "my-tls"
+    assert _pod_spec(node)["priorityClassName"] == "high"
+    assert _pod_spec(node)["nodeSelector"] == {"pool": "tpu"}
+    assert agent["resources"]["requests"]["cpu"] == 2
+    registrar = _argv(_container(node, "node-driver-registrar"))
+    assert "--kubelet-registration-path=/var/lib/kubelet/plugins/ram.example.dev/csi.sock" in registrar
+    assert ("CSIDriver", "ram.example.dev") in rendered
+    assert not {k for k in rendered if k[0] == "Secret"}, "existing Secrets are referenced, not generated"
+    policy = rendered[("ValidatingAdmissionPolicyBinding", "mtc-ramdisk-namespaces")]
+    assert policy["spec"]["matchResources"]["namespaceSelector"]["matchExpressions"][0]["key"] == "example.dev/ckpt"
+
+
+def test_chart_without_tls_serves_and_calls_plain_http():
+    rendered = _by_key(helm_template("tls.enabled=false"))
+    agent = _argv(_container(rendered[("DaemonSet", "mtc-node")], "mtc-node"))
+    assert _flag(agent, "--coordinator") == "http://mtc-coordinator.mtc-system.svc:8471"
+    assert "--coordinator-ca" not in agent
+    coordinator = _container(rendered[("Deployment", "mtc-coordinator")], "mtc-coordinator")
+    assert "--tls-cert" not in _argv(coordinator)
+    assert coordinator["readinessProbe"]["httpGet"]["scheme"] == "HTTP"
+    assert _flag(_argv(coordinator), "--token-file") == "/etc/mtc/peer-token/token"  # the token stays required
+    assert ("Secret", "mtc-tls") not in rendered

@@ -1,0 +1,373 @@
+"""The Kubernetes manifests honour the contract in DESIGN.md section 3.
+
+Static checks of the files as written (parsed with PyYAML); test_rendered_manifests.py renders
+them with kustomize and helm and validates them against the Kubernetes schemas.
+"""
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from csi_driver.quantity import parse_quantity
+from tests.helpers import REPO
+
+MANIFESTS = REPO / "manifests"
+EXAMPLE = "example-jobset.yaml"
+KUSTOMIZATION = "kustomization.yaml"
+
+DRIVER_NAME = "ramdisk.csi.mtc.dev"
+PLUGIN_DIR = f"/var/lib/kubelet/plugins/{DRIVER_NAME}"
+KUBELET_PODS_DIR = "/var/lib/kubelet/pods"
+DATA_ROOT = "/var/lib/mtc"
+COORDINATOR_URL = "https://mtc-coordinator.mtc-system.svc:8471"
+TLS_DIR = "/etc/mtc/tls"
+CLUSTER_SCOPED = ("Namespace", "CSIDriver", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
+
+
+def _load(name: str) -> list[dict]:
+    with open(MANIFESTS / name, encoding="utf-8") as f:
+        return [doc for doc in yaml.safe_load_all(f) if doc is not None]
+
+
+def _resource_files() -> list[str]:
+    return sorted(
+        p.name for p in MANIFESTS.glob("*.y*ml") if p.name not in (KUSTOMIZATION, EXAMPLE)
+    )
+
+
+def _all_objects() -> list[dict]:
+    return [doc for name in _resource_files() + [EXAMPLE] for doc in _load(name)]
+
+
+def _one(kind: str, name: str | None = None) -> dict:
+    found = [
+        o
+        for o in _all_objects()
+        if o.get("kind") == kind and (name is None or o["metadata"]["name"] == name)
+    ]
+    assert len(found) == 1, f"expected exactly one {kind} {name or ''}, found {len(found)}"
+    return found[0]
+
+
+def _container(pod_spec: dict, name: str) -> dict:
+    by_name = {c["name"]: c for c in pod_spec.get("containers", [])}
+    assert name in by_name, f"no container {name!r}; have {sorted(by_name)}"
+    return by_name[name]
+
+
+def _argv(container: dict) -> list[str]:
+    return [str(a) for a in container.get("command", []) + container.get("args", [])]
+
+
+def _flags(argv: list[str], flag: str) -> list[str]:
+    """Values of every ``--flag value`` or ``--flag=value``."""
+    values = []
+    for i, arg in enumerate(argv):
+        if arg == flag:
+            assert i + 1 < len(argv), f"{flag} has no value"
+            values.append(argv[i + 1])
+        elif arg.startswith(flag + "="):
+            values.append(arg[len(flag) + 1 :])
+    return values
+
+
+def _flag(argv: list[str], flag: str) -> str:
+    """Value of ``--flag``; fails the test if absent or repeated."""
+    values = _flags(argv, flag)
+    assert len(values) == 1, f"expected {flag} once in {argv}, found {values}"
+    return values[0]
+
+
+def _sidecar_with_image(pod_spec: dict, image_name: str) -> dict:
+    found = [c for c in pod_spec["containers"] if c["image"].split(":")[0].endswith("/" + image_name)]
+    assert len(found) == 1, f"expected one {image_name} container"
+    return found[0]
+
+
+def _host_path_at(pod_spec: dict, container: dict, mount_path: str) -> tuple[str, dict]:
+    """(host path, volumeMount) of the hostPath volume mounted at ``mount_path``."""
+    volumes = {v["name"]: v for v in pod_spec["volumes"]}
+    mounts = [m for m in container.get("volumeMounts", []) if m["mountPath"] == mount_path]
+    assert len(mounts) == 1, f"{container['name']} has no single mount at {mount_path}"
+    volume = volumes[mounts[0]["name"]]
+    assert "hostPath" in volume, f"volume {volume['name']} is not a hostPath"
+    return volume["hostPath"]["path"].rstrip("/"), mounts[0]
+
+
+@pytest.fixture(scope="module")
+def node_pod() -> dict:
+    return _one("DaemonSet", "mtc-node")["spec"]["template"]["spec"]
+
+
+@pytest.fixture(scope="module")
+def node_container(node_pod) -> dict:
+    return _container(node_pod, "mtc-node")
+
+
+def test_every_manifest_parses_into_kubernetes_objects():
+    for name in _resource_files() + [EXAMPLE, KUSTOMIZATION]:
+        docs = _load(name)
+        assert docs, f"{name} is empty"
+        for doc in docs:
+            assert doc.get("apiVersion") and doc.get("kind"), f"{name}: object without apiVersion/kind"
+            if name != KUSTOMIZATION:
+                assert doc.get("metadata", {}).get("name"), f"{name}: {doc['kind']} without a name"
+
+
+def test_kustomization_lists_exactly_the_resource_files():
+    (kustomization,) = _load(KUSTOMIZATION)
+    listed = kustomization["resources"]
+    assert len(listed) == len(set(listed)), f"duplicate resources: {listed}"
+    for name in listed:
+        assert (MANIFESTS / name).is_file(), f"kustomization lists missing file {name}"
+    assert EXAMPLE not in listed, "the example JobSet is a user workload, not part of the base"
+    assert sorted(listed) == _resource_files()
+
+
+def test_namespaced_objects_live_in_mtc_system():
+    assert _one("Namespace")["metadata"]["name"] == "mtc-system"
+    for name in _resource_files():
+        for doc in _load(name):
+            if doc["kind"] not in CLUSTER_SCOPED:
+                assert doc["metadata"].get("namespace") == "mtc-system", f"{doc['kind']} {doc['metadata']['name']}"
+
+
+def test_csidriver_is_node_only_ephemeral_with_pod_info():
+    spec = _one("CSIDriver")["spec"]
+    assert _one("CSIDriver")["metadata"]["name"] == DRIVER_NAME
+    assert spec["attachRequired"] is False
+    assert spec["podInfoOnMount"] is True
+    assert spec["volumeLifecycleModes"] == ["Ephemeral"]
+    assert spec["fsGroupPolicy"] == "File"
+
+
+def test_no_pod_gets_kubernetes_api_access():
+    # Neither the agents nor the coordinator call the API: no roles, no mounted API token.
+    kinds = {doc["kind"] for doc in _all_objects()}
+    assert not kinds & {"Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding"}, kinds
+    account = _one("ServiceAccount")
+    assert account["automountServiceAccountToken"] is False
+    for kind, name in [("DaemonSet", "mtc-node"), ("Deployment", "mtc-coordinator")]:
+        pod = _one(kind, name)["spec"]["template"]["spec"]
+        assert pod["serviceAccountName"] == account["metadata"]["name"]
+        assert pod["automountServiceAccountToken"] is False
+
+
+def test_admission_policy_admits_the_driver_only_in_opted_in_namespaces():
+    policy = _one("ValidatingAdmissionPolicy", "mtc-ramdisk-namespaces")["spec"]
+    (rule,) = policy["matchConstraints"]["resourceRules"]
+    assert rule["resources"] == ["pods"] and "CREATE" in rule["operations"]
+    assert policy["failurePolicy"] == "Fail"
+    (validation,) = policy["validations"]
+    assert f"v.csi.driver == '{DRIVER_NAME}'" in validation["expression"]
+    binding = _one("ValidatingAdmissionPolicyBinding", "mtc-ramdisk-namespaces")["spec"]
+    assert binding["policyName"] == "mtc-ramdisk-namespaces"
+    assert binding["validationActions"] == ["Deny"]
+    (selector,) = binding["matchResources"]["namespaceSelector"]["matchExpressions"]
+    assert selector == {"key": "mtc.dev/checkpointing", "operator": "NotIn", "values": ["enabled"]}
+
+
+def test_node_plugin_is_privileged_and_critical_on_every_node(node_pod, node_container):
+    ds = _one("DaemonSet", "mtc-node")
+    assert node_container["securityContext"] == {"privileged": True, "readOnlyRootFilesystem": True}
+    assert node_container["image"] == "mtc-agent:latest"
+    assert node_pod["priorityClassName"] == "system-node-critical"
+    assert {"operator": "Exists"} in node_pod["tolerations"], "must tolerate every taint"
+    assert ds["spec"]["updateStrategy"]["type"] == "RollingUpdate"
+    assert node_container["resources"]["requests"]["cpu"]
+    assert node_container["resources"]["requests"]["memory"]
+
+
+def test_node_plugin_runs_the_node_agent_with_the_contract_flags(node_container):
+    argv = _argv(node_container)
+    assert argv[:2] == ["mtc", "node"], argv
+    assert _flag(argv, "--node-id") == "$(NODE_NAME)"
+    assert _flag(argv, "--root") == DATA_ROOT
+    assert _flag(argv, "--listen") == "0.0.0.0:8470"
+    assert _flag(argv, "--coordinator") == COORDINATOR_URL
+    assert _flag(argv, "--peer-token-file") == "/etc/mtc/peer-token/token"
+    assert parse_quantity(_flag(argv, "--default-size")) == 2**30
+    assert float(_flag(argv, "--retention-seconds")) == 86400
+    assert _flag(argv, "--replicas") == "1"
+    topology = dict(value.split("=", 1) for value in _flags(argv, "--topology"))
+    assert {"topology.kubernetes.io/zone", "block"} <= set(topology)  # block: close vs distant replicas
+    env = {e["name"]: e for e in node_container["env"]}
+    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    # Every $(VAR) the args use must be defined, or kubelet passes it through literally.
+    for var in re.findall(r"\$\((\w+)\)", " ".join(argv)):
+        assert var in env, f"{var} is referenced in args but not defined"
+
+
+def test_node_agent_checks_the_coordinator_certificate_against_the_cluster_ca(node_pod, node_container):
+    ca = Path(_flag(_argv(node_container), "--coordinator-ca"))
+    assert ca == Path(TLS_DIR, "ca.crt")
+    (mount,) = [m for m in node_container["volumeMounts"] if m["mountPath"] == str(ca.parent)]
+    volume = next(v for v in node_pod["volumes"] if v["name"] == mount["name"])
+    # Only the CA: the coordinator's private key never reaches the nodes.
+    assert volume["secret"] == {"secretName": "mtc-tls", "items": [{"key": "ca.crt", "path": "ca.crt"}]}
+
+
+def test_node_plugin_keeps_only_the_host_paths_it_needs(node_pod):
+    host_paths = sorted(v["hostPath"]["path"] for v in node_pod["volumes"] if "hostPath" in v)
+    assert host_paths == sorted([PLUGIN_DIR, "/var/lib/kubelet/plugins_registry", KUBELET_PODS_DIR, DATA_ROOT])
+    registration = next(v["name"] for v in node_pod["volumes"] if v.get("hostPath", {}).get("path", "").endswith("plugins_registry"))
+    users = [c["name"] for c in node_pod["containers"] if any(m["name"] == registration for m in c["volumeMounts"])]
+    assert users == ["node-driver-registrar"]
+    for sidecar in node_pod["containers"][1:]:
+        assert sidecar["securityContext"] == {
+            "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}
+        }, sidecar["name"]
+
+
+def test_node_plugin_driver_name_matches_csidriver(node_container):
+    assert _flag(_argv(node_container), "--driver-name") == _one("CSIDriver")["metadata"]["name"]
+
+
+def test_node_plugin_mounts_kubelet_pods_and_data_root_bidirectionally(node_pod, node_container):
+    host, mount = _host_path_at(node_pod, node_container, KUBELET_PODS_DIR)
+    assert host == KUBELET_PODS_DIR
+    assert mount["mountPropagation"] == "Bidirectional"
+
+    host, mount = _host_path_at(node_pod, node_container, DATA_ROOT)
+    assert host == DATA_ROOT
+    assert mount["mountPropagation"] == "Bidirectional"
+    volume = next(v for v in node_pod["volumes"] if v["name"] == mount["name"])
+    assert volume["hostPath"]["type"] == "DirectoryOrCreate"
+
+
+def _assert_mounts_token_secret(pod: dict, container: dict, token_file: Path) -> None:
+    mounts = [m for m in container["volumeMounts"] if m["mountPath"] == str(token_file.parent)]
+    assert len(mounts) == 1
+    volume = next(v for v in pod["volumes"] if v["name"] == mounts[0]["name"])
+    assert volume["secret"]["secretName"] == "mtc-peer-token"
+
+
+def test_node_plugin_mounts_the_peer_token_secret(node_pod, node_container):
+    _assert_mounts_token_secret(node_pod, node_container, Path(_flag(_argv(node_container), "--peer-token-file")))
+
+
+def test_coordinator_requires_the_same_token(node_container):
+    pod = _one("Deployment", "mtc-coordinator")["spec"]["template"]["spec"]
+    container = _container(pod, "mtc-coordinator")
+    argv = _argv(container)
+    token_file = _flag(argv, "--token-file")
+    assert token_file == _flag(_argv(node_container), "--peer-token-file")
+    assert "--insecure" not in argv
+    _assert_mounts_token_secret(pod, container, Path(token_file))
+
+
+def test_coordinator_serves_https_with_the_mtc_tls_certificate():
+    pod = _one("Deployment", "mtc-coordinator")["spec"]["template"]["spec"]
+    container = _container(pod, "mtc-coordinator")
+    argv = _argv(container)
+    assert _flag(argv, "--tls-cert") == f"{TLS_DIR}/tls.crt"
+    assert _flag(argv, "--tls-key") == f"{TLS_DIR}/tls.key"
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == TLS_DIR]
+    assert mount["readOnly"] is True
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert volume["secret"]["secretName"] == "mtc-tls"
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["scheme"] == "HTTPS", probe
+
+
+def test_csi_socket_path_agrees_between_plugin_registrar_and_kubelet(node_pod, node_container):
+    endpoint = _flag(_argv(node_container), "--csi-endpoint")
+    assert endpoint.startswith("unix://"), endpoint
+    socket_in_container = Path(endpoint[len("unix://") :])
+    host_dir, _ = _host_path_at(node_pod, node_container, str(socket_in_container.parent))
+    assert host_dir == PLUGIN_DIR
+    socket_on_host = f"{host_dir}/{socket_in_container.name}"
+
+    registrar = _sidecar_with_image(node_pod, "csi-node-driver-registrar")
+    assert registrar["image"] == "registry.k8s.io/sig-storage/csi-node-driver-registrar:v2.13.0"
+    registrar_argv = _argv(registrar)
+    assert _flag(registrar_argv, "--kubelet-registration-path") == socket_on_host
+    registrar_socket = Path(_flag(registrar_argv, "--csi-address"))
+    assert registrar_socket == Path("/csi/csi.sock")
+    assert _host_path_at(node_pod, registrar, str(registrar_socket.parent))[0] == host_dir
+    assert _host_path_at(node_pod, registrar, "/registration")[0] == "/var/lib/kubelet/plugins_registry"
+
+
+def test_livenessprobe_sidecar_backs_the_plugin_liveness_probe(node_pod, node_container):
+    probe = _sidecar_with_image(node_pod, "livenessprobe")
+    assert probe["image"] == "registry.k8s.io/sig-storage/livenessprobe:v2.15.0"
+    argv = _argv(probe)
+    assert _flag(argv, "--csi-address") == "/csi/csi.sock"
+    assert _host_path_at(node_pod, probe, "/csi")[0] == PLUGIN_DIR
+    health_port = int(_flag(argv, "--health-port"))
+    assert health_port == 9808
+
+    http_get = node_container["livenessProbe"]["httpGet"]
+    assert http_get["path"] == "/healthz"
+    port = http_get["port"]
+    if isinstance(port, str):
+        port = next(p["containerPort"] for p in node_container["ports"] if p.get("name") == port)
+    assert port == health_port
+
+
+def test_coordinator_is_one_replica_behind_its_service():
+    deploy = _one("Deployment", "mtc-coordinator")
+    assert deploy["spec"]["replicas"] == 1
+    pod = deploy["spec"]["template"]["spec"]
+    container = _container(pod, "mtc-coordinator")
+    argv = _argv(container)
+    assert argv[:2] == ["mtc", "coordinator"], argv
+    assert _flag(argv, "--listen") == "0.0.0.0:8471"
+    state_dir = _flag(argv, "--state-dir")
+    assert state_dir in {m["mountPath"] for m in container["volumeMounts"]}
+
+    readiness = container["readinessProbe"]["httpGet"]
+    assert readiness["path"] == "/healthz"
+    assert readiness["port"] in (8471, "https")
+    assert {"name": "https", "containerPort": 8471, "protocol": "TCP"} in container["ports"]
+
+    service = _one("Service", "mtc-coordinator")
+    (port,) = service["spec"]["ports"]
+    assert port["port"] == 8471
+    assert port["targetPort"] in (8471, "https")
+    labels = deploy["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert deploy["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+def test_example_jobset_volume_matches_its_shape_and_fits_in_memory():
+    jobset = _one("JobSet", "llama-train")
+    assert jobset["apiVersion"] == "jobset.x-k8s.io/v1alpha2"
+    (replicated,) = jobset["spec"]["replicatedJobs"]
+    assert replicated["name"] == "slice"
+    slices = replicated["replicas"]
+    job_spec = replicated["template"]["spec"]
+    assert job_spec["parallelism"] == job_spec["completions"]
+    pod = job_spec["template"]["spec"]
+
+    (volume,) = [v for v in pod["volumes"] if "csi" in v]
+    csi = volume["csi"]
+    assert csi["driver"] == _one("CSIDriver")["metadata"]["name"]
+    attributes = csi["volumeAttributes"]
+    assert all(isinstance(v, str) for v in attributes.values()), "volumeAttributes must be strings"
+    assert int(attributes["nodes"]) == slices * job_spec["parallelism"]
+    assert int(attributes["slices"]) == slices
+    ramdisk = parse_quantity(attributes["size"])
+
+    (container,) = pod["containers"]
+    mounts = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+    assert [m["mountPath"] for m in mounts] == ["/local"]
+    # tmpfs pages are charged to the writing pod: its limit must hold the ramdisk and more.
+    limit = parse_quantity(container["resources"]["limits"]["memory"])
+    assert limit > ramdisk, f"memory limit {limit} B leaves no room beyond the {ramdisk} B ramdisk"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("16Gi", 16 * 2**30), ("64Gi", 64 * 2**30), ("60000Mi", 60000 * 2**20), ("1G", 10**9), ("1e9", 10**9)],
+)
+def test_parse_quantity_reads_memory_sizes(text, expected):
+    assert parse_quantity(text) == expected
+
+
+@pytest.mark.parametrize("text", ["-1Gi", "0.5", "1.5k5", "Gi", "", "12 GB"])
+def test_parse_quantity_rejects_bad_input(text):
+    with pytest.raises(ValueError):
+        parse_quantity(text)
