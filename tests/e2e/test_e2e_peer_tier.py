@@ -44,7 +44,7 @@ def test_replicated_job_restores_lost_node_and_skips_a_corrupt_replica(start_clu
     cluster = start_cluster(replicas=2)
     # A save every ~3 s, above the 2 s push interval: every rank replicates every step. Saving faster,
     # ranks replicate whichever step is newest for them when their push lane frees, and a step with
-    # replicas of every rank can be long in coming (README "Peer tier"); not what this test is about.
+    # replicas of every rank can be long in coming (docs/tiers.md, "Save path" of the peer tier); not what this test is about.
     job = run_job("solo", list(cluster.agents), tmp_path / "solo",
                   ["--data-parallelism", "1", *LONG_RUN, "--step-sleep", "1.0", "--dump-dir", str(tmp_path / "dump-1")])  # fmt: skip
     job.wait(lambda: (s := status_of(cluster, job))["safe_step"] is not None and s["safe_step"] >= 9, 180, "replicated step 9")

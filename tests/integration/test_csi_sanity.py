@@ -6,7 +6,7 @@ import xml.etree.ElementTree as ElementTree
 from examples.local_cluster import can_mount_tmpfs
 from tests.helpers.tools import require_tool
 
-# Only specs that cannot apply to a node-only driver of ephemeral volumes; README names each.
+# Only specs that cannot apply to a node-only driver of ephemeral volumes; docs/development.md (csi-sanity) names each.
 SKIPPED_SPECS = [
     "Controller Server",  # no controller service: volumes are inline, created at publish
     "should remove target path",  # provisions its volume with CreateVolume

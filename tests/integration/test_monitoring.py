@@ -4,7 +4,7 @@ A real coordinator and real node agents (``examples/local_cluster.py``) serve a 
 through the Orbax protocol, replication and a ``file://`` backup; their ``/metrics`` are scraped
 and every metric and label the dashboard's queries, legends and variables and the rules'
 expressions and annotations name must be there. PromQL is parsed with PyPI ``promql-parser``
-(Prometheus's ``promtool`` cannot be ``go install``ed; see the README).
+(Prometheus's ``promtool`` cannot be ``go install``ed; see docs/operations.md, Monitoring).
 """
 
 import json

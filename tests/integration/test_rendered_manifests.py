@@ -191,7 +191,7 @@ def _contract(obj: dict) -> dict:
 
 def test_chart_and_kustomize_base_render_the_same_objects():
     # Secrets: the chart generates the token and TLS Secrets the base asks the operator to create.
-    # Namespace: helm installs into a namespace that exists (README: create and label it first).
+    # Namespace: helm installs into a namespace that exists (docs/install.md, Helm: create and label it first).
     chart = _by_key(helm_template("image.tag=latest"))
     base = _by_key(kustomize_build(MANIFESTS))
     assert set(chart) - set(base) == {("Secret", "mtc-peer-token"), ("Secret", "mtc-tls")}
