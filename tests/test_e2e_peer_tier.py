@@ -11,7 +11,8 @@ import urllib.request
 import pytest
 
 from csi_driver import kubelet
-from tests.jobs import UNTIL_KILLED, UNTIL_KILLED_STEPS, assert_same_state, by_event, flip_byte, losses, replace_node, rerun, run_job, scrape, wait_until
+from tests.jobs import (UNTIL_KILLED, UNTIL_KILLED_STEPS, assert_same_state, by_event, compared_losses, flip_byte, kill_past_newest_commit,
+                        losses, replace_node, rerun, run_job, scrape, wait_until)
 
 LONG_RUN = UNTIL_KILLED
 
@@ -33,7 +34,7 @@ def assert_resumed_exactly(job, step, before_losses, tmp_path):
     assert [by_event(p, "restored")[0]["step"] for p in job.pods] == [step] * 4
     after = losses(job.pods)
     assert min(after) == step + 1
-    assert all(after[s] == before_losses[s] for s in after if s in before_losses)
+    compared_losses(before_losses, after)  # the first losses after the restore are the killed run's
     for rank in range(4):
         name = f"rank{rank}-step{step}.npz"
         assert_same_state(tmp_path / "dump-1" / name, tmp_path / "dump-2" / name)
@@ -47,8 +48,7 @@ def test_data_parallel_job_restores_lost_node_from_identical_peer_without_copies
     assert status["identical_peers"] == [[0, 2], [1, 3], [2, 0], [3, 1]]
     # Deduplicated: no node holds another rank's data, so the ramdisk holds about one shard.
     assert all(holders == [f"node-{rank}"] for rank, steps in status["held"].items() for holders in steps.values())
-    before = losses(job.pods)
-    job.kill_training()
+    before = kill_past_newest_commit(job)
     wait_until(lambda: status_of(cluster, job)["safe_step"] == status_of(cluster, job)["newest_complete_step"], 30, "identity of the last step")
     safe = status_of(cluster, job)["safe_step"]
 
@@ -68,8 +68,7 @@ def test_replicated_job_restores_lost_node_and_skips_a_corrupt_replica(start_clu
     job = run_job("solo", list(cluster.agents), tmp_path / "solo",
                   ["--data-parallelism", "1", *LONG_RUN, "--step-sleep", "1.0", "--dump-dir", str(tmp_path / "dump-1")])  # fmt: skip
     job.wait(lambda: (s := status_of(cluster, job))["safe_step"] is not None and s["safe_step"] >= 9, 180, "replicated step 9")
-    before = losses(job.pods)
-    job.kill_training()
+    before = kill_past_newest_commit(job)
     wait_until(lambda: status_of(cluster, job)["safe_step"] == status_of(cluster, job)["newest_complete_step"], 30, "replicas caught up")
     status = status_of(cluster, job)
     safe = status["safe_step"]
