@@ -25,9 +25,9 @@ MAXTEXT_PYTHON ?= $(firstword $(foreach p,python3.12 $(wildcard $(HOME)/.pyenv/v
 MAXTEXT_VENV   := .venv-maxtext
 MAXTEXT_STAMP  := $(MAXTEXT_VENV)/.installed
 
-# The oldest Orbax pyproject.toml accepts, with the JAX that was current at its release (orbax-checkpoint
-# 0.11.20: 2025-07-28; jax 0.7.0: 2025-07-22; jax 0.7 needs Python >= 3.11).
-ORBAX_OLDEST        := orbax-checkpoint==0.11.20 jax[cpu]==0.7.0
+# The oldest Orbax pyproject.toml accepts, with the JAX that was current at its release on Python 3.11
+# (orbax-checkpoint 0.12.3: 2026-08-11; jax 0.10.2: 2026-06-17; jax 0.11 needs Python >= 3.12).
+ORBAX_OLDEST        := orbax-checkpoint==0.12.3 jax[cpu]==0.10.2
 ORBAX_OLDEST_PYTHON ?= $(PYTHON)
 ORBAX_OLDEST_VENV   := .venv-orbax-oldest
 ORBAX_OLDEST_STAMP  := $(ORBAX_OLDEST_VENV)/.installed
