@@ -15,11 +15,11 @@ machine; a tiny model and ``dataset_type=synthetic`` are added. The trainers get
    and the pods are recreated; rank 1 restores from node 0 (its peer replica, or with two slices
    its data-parallel peer's identical data).
 
-Each failure comes only once every trainer has logged the loss of a step after the newest step
-every rank committed (MaxText writes a step's loss to its ``metrics_file`` one step late): the
-trainers are SIGSTOPped, the condition is read from their ramdisks and metrics files, and they are
-SIGKILLed if it holds (resumed and polled again if not, for at most ``TIMEOUT``). So the killed run
-has losses to compare with. Each time it checks that every trainer logs ``restoring from this run's
+Each failure comes only once every rank's newest commit is the same step and every trainer has
+logged the loss of a step after it (MaxText writes a step's loss to its ``metrics_file`` one step
+late): the trainers are SIGSTOPped, the condition is read from their ramdisks and metrics files,
+and they are SIGKILLed if it holds (resumed and polled again if not, for at most
+``KILL_TIMEOUT``). So the killed run has losses to compare with. Each time it checks that every trainer logs ``restoring from this run's
 directory step S`` where S is the newest step every rank had committed before the failure, that
 training goes on at step S + 1, and that the losses MaxText writes to its ``metrics_file`` after the
 restore equal, bit for bit, those it wrote before the failure for the same steps. A pod with no step
