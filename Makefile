@@ -25,7 +25,18 @@ MAXTEXT_PYTHON ?= $(firstword $(foreach p,python3.12 $(wildcard $(HOME)/.pyenv/v
 MAXTEXT_VENV   := .venv-maxtext
 MAXTEXT_STAMP  := $(MAXTEXT_VENV)/.installed
 
-.PHONY: setup tools test test-fast demo bench e2e-maxtext chaos clean
+# The oldest Orbax pyproject.toml accepts, with the JAX that was current at its release on Python 3.11
+# (orbax-checkpoint 0.12.3: 2026-08-11; jax 0.10.2: 2026-06-17; jax 0.11 needs Python >= 3.12).
+ORBAX_OLDEST        := orbax-checkpoint==0.12.3 jax[cpu]==0.10.2
+ORBAX_OLDEST_PYTHON ?= $(PYTHON)
+ORBAX_OLDEST_VENV   := .venv-orbax-oldest
+ORBAX_OLDEST_STAMP  := $(ORBAX_OLDEST_VENV)/.installed
+# The Orbax end-to-end subset: a local restore, and node losses restored from a peer (identical data, a replica).
+ORBAX_OLDEST_TESTS  := tests/e2e/test_e2e_orbax.py::test_sigkilled_job_resumes_at_newest_complete_step_with_identical_values \
+                       tests/e2e/test_e2e_peer_tier.py::test_data_parallel_job_restores_lost_node_from_identical_peer_without_copies \
+                       tests/e2e/test_e2e_peer_tier.py::test_replicated_job_restores_lost_node_and_skips_a_corrupt_replica
+
+.PHONY: setup tools test test-fast demo bench e2e-maxtext e2e-orbax-oldest chaos clean
 
 setup: $(STAMP) $(STUBS)
 
@@ -87,6 +98,18 @@ $(MAXTEXT_STAMP):
 	$(MAXTEXT_VENV)/bin/pip install -q 'maxtext[tpu]==0.2.5'
 	touch $@
 
+# The Orbax end-to-end subset against the oldest claimed orbax-checkpoint, in its own virtualenv (the
+# agents and trainers run on its Python too).
+e2e-orbax-oldest: $(STUBS) $(ORBAX_OLDEST_STAMP)
+	$(ORBAX_OLDEST_VENV)/bin/python -c 'import importlib.metadata as m; print("orbax-checkpoint", m.version("orbax-checkpoint"), "jax", m.version("jax"), "jaxlib", m.version("jaxlib"))'
+	PATH=$(TOOLS):$$PATH $(ORBAX_OLDEST_VENV)/bin/python -m pytest -q -p no:cacheprovider $(ORBAX_OLDEST_TESTS)
+
+$(ORBAX_OLDEST_STAMP): pyproject.toml
+	$(ORBAX_OLDEST_PYTHON) -m venv $(ORBAX_OLDEST_VENV)
+	$(ORBAX_OLDEST_VENV)/bin/pip install -q --upgrade pip
+	$(ORBAX_OLDEST_VENV)/bin/pip install -q -e '.[client]' $(foreach p,$(ORBAX_OLDEST),'$(p)') 'pytest>=8' 'pytest-asyncio>=0.23'
+	touch $@
+
 # A long seeded random fault sequence per variant (the seed is printed; replay with --seed).
 CHAOS_FAULTS ?= 20
 CHAOS_ARGS   ?=
@@ -94,4 +117,4 @@ chaos: setup
 	rc=0; for v in dp2 dp1; do $(BIN)/python -m tests.chaos --faults $(CHAOS_FAULTS) --variant $$v $(CHAOS_ARGS) || rc=1; done; exit $$rc
 
 clean:
-	rm -rf $(VENV) $(MAXTEXT_VENV) .tools $(STUBS) protos/csi_pb2.pyi
+	rm -rf $(VENV) $(MAXTEXT_VENV) $(ORBAX_OLDEST_VENV) .tools $(STUBS) protos/csi_pb2.pyi

@@ -56,8 +56,28 @@ def job_status(cluster: LocalCluster, job: LocalJob) -> dict:
     return cluster.coordinator.status(job.job)["jobs"][0]
 
 
+def committed_everywhere(job: LocalJob) -> int | None:
+    """The newest step every pod has committed (a bare integer directory in its local dir)."""
+    held = [{int(n) for n in os.listdir(p.target) if n.isdigit()} for p in job.pods]
+    return max(set.intersection(*held), default=None)
+
+
 def train_until(job: LocalJob, step: int) -> dict[int, dict]:
+    """Trains past ``step``, then SIGKILLs the job once it has logged a step after the newest step
+    committed everywhere (for at most 60 s), so the first step after the restore has a loss from
+    before the failure to be compared with. The trainers are SIGSTOPped while that is read."""
     job.wait(lambda: max(step_events(job), default=0) >= step, 300, f"step {step}")
+    deadline = time.monotonic() + 60
+    while True:
+        running = [p.process for p in job.pods if p.process and p.process.poll() is None]
+        for process in running:
+            process.send_signal(signal.SIGSTOP)
+        committed = committed_everywhere(job)
+        if committed is None or max(step_events(job)) > committed or time.monotonic() > deadline:
+            break
+        for process in running:
+            process.send_signal(signal.SIGCONT)
+        time.sleep(0.1)
     job.kill_training()
     return step_events(job)
 
@@ -74,11 +94,16 @@ def recreate_and_resume(cluster: LocalCluster, job: LocalJob, phase: str, before
     restore = job_status(cluster, job)["restore"]
     step = restore["step"]
     last = max(before)
-    continued = first == step + 1 and after[first]["loss"] == before[first]["loss"]
+    # Continued: the first step is the one after the restored step, with the loss it had before the
+    # failure. A first step never logged before the failure compares nothing: not continued.
+    compared = first in before
+    continued = compared and first == step + 1 and after[first]["loss"] == before[first]["loss"]
     outcome = Outcome(phase, step, last - step, after[first]["time"] - recreated_at, restore["sources"], continued)
     print(f"resumed at step {first} after restoring step {step} "
           f"({outcome.steps_lost} steps lost, {outcome.seconds_to_first_step:.1f} s from pod recreation); "
-          f"loss at step {first}: {after[first]['loss']:.6f} now, {before[first]['loss']:.6f} before the failure")  # fmt: skip
+          f"loss at step {first}: {after[first]['loss']:.6f} now, "
+          + (f"{before[first]['loss']:.6f} before the failure" if compared else
+             f"HARNESS ERROR: never logged before the failure (steps {min(before)}-{last}), nothing compared"))  # fmt: skip
     print("restore sources: " + ", ".join(f"rank {r}: {s}" for r, s in sorted(restore["sources"].items())))
     return outcome
 

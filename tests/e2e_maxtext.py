@@ -15,10 +15,16 @@ machine; a tiny model and ``dataset_type=synthetic`` are added. The trainers get
    and the pods are recreated; rank 1 restores from node 0 (its peer replica, or with two slices
    its data-parallel peer's identical data).
 
-Each time it checks that every trainer logs ``restoring from this run's directory step S`` where
-S is the newest step every rank had committed before the failure, that training goes on at step
-S + 1, and that the losses MaxText writes to its ``metrics_file`` after the restore equal, bit for
-bit, those it wrote before the failure for the same steps. The closing report gives, per restore,
+Each failure comes only once every rank's newest commit is the same step and every trainer has
+logged the loss of a step after it (MaxText writes a step's loss to its ``metrics_file`` one step
+late): the trainers are SIGSTOPped, the condition is read from their ramdisks and metrics files,
+and they are SIGKILLed if it holds (resumed and polled again if not, for at most
+``KILL_TIMEOUT``). So the killed run has losses to compare with. Each time it checks that every trainer logs ``restoring from this run's
+directory step S`` where S is the newest step every rank had committed before the failure, that
+training goes on at step S + 1, and that the losses MaxText writes to its ``metrics_file`` after the
+restore equal, bit for bit, those it wrote before the failure for the same steps. A pod with no step
+logged both before the failure and after the restore is a harness error (the row fails and says
+so): an empty comparison proves nothing. The closing report gives, per restore,
 the seconds from the pods' republish to the first step and the agents' share of them (from
 replicator.yaml consumed to restore marker written, ``mtc_restore_seconds`` on every agent).
 Exit status 0 when every check passed.
@@ -30,6 +36,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -64,6 +71,7 @@ POD_FLAGS = ("run_name", "local_checkpoint_directory", "base_output_directory", 
 RESTORED = re.compile(r"restoring from this run's directory step (\d+)")
 FRESH = "No existing checkpoints found"
 TIMEOUT = 600.0  # seconds for any one wait: MaxText's import and XLA compile take a minute on 2 cores
+KILL_TIMEOUT = 120.0  # seconds for the trainers, training, to log a loss past the newest commit (a step takes < 1 s)
 
 
 def jobset_flags(path: str = JOBSET) -> dict[str, str]:
@@ -126,13 +134,61 @@ class MaxTextJob(LocalJob):
         found = RESTORED.search(text)
         return int(found.group(1)) if found else (None if FRESH in text else "")
 
-    def newest_step(self) -> int:
-        """The newest step every pod has committed (a bare integer directory in its ramdisk)."""
-        held = [{int(n) for n in os.listdir(p.target) if n.isdigit()} for p in self.pods]
-        return max(set.intersection(*held))
+    def committed(self) -> list[set[int]]:
+        """The steps each pod has committed (bare integer directories in its ramdisk)."""
+        return [{int(n) for n in os.listdir(p.target) if n.isdigit()} for p in self.pods]
+
+    def newest_step(self) -> int | None:
+        """The newest step every pod has committed, None before any."""
+        return max(set.intersection(*self.committed()), default=None)
+
+    def signal_training(self, signum: int) -> None:
+        for pod in self.pods:
+            if pod.process and pod.process.poll() is None:
+                pod.process.send_signal(signum)
+
+    def kill_past_newest_commit(self, timeout: float = KILL_TIMEOUT) -> tuple[int, list[dict[int, float]]]:
+        """SIGKILLs the trainers once every pod has committed the same newest step and logged the
+        loss of a step after it; returns that step and each pod's losses.
+
+        The same newest step: a pod that committed a newer step than the others replicates that one
+        first, and the step complete everywhere may then never get a copy off its node (the node
+        loss would restore an older step). The trainers are SIGSTOPped while the ramdisks and
+        metrics files are read, so no commit or loss lands between the check and the kill; if the
+        condition does not hold they are resumed and it is polled again.
+
+        Raises:
+          HarnessError: not reached within ``timeout`` seconds (the trainers are left running).
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            self.signal_training(signal.SIGSTOP)
+            committed, losses = self.committed(), [self.losses(p) for p in self.pods]
+            newest = max(set.intersection(*committed), default=None)
+            if newest is not None and all(max(c) == newest for c in committed) and logged_past(newest, losses):
+                self.kill_training()
+                return newest, losses
+            self.signal_training(signal.SIGCONT)
+            if time.monotonic() > deadline:
+                raise HarnessError(f"no moment within {timeout} s when every pod's newest commit was step {newest} and every pod "
+                                   f"had logged a loss after it (last: commits {[max(c, default=None) for c in committed]}, "
+                                   f"losses {[max(l, default=None) for l in losses]})")  # fmt: skip
+            failed = [p for p in self.pods if p.process and p.process.poll() not in (None, 0)]
+            if failed:
+                raise RuntimeError(f"training process {failed[0].name} exited {failed[0].process.returncode}: {self._stderr(failed[0])}")
+            time.sleep(0.1)
 
     def train_past(self, step: int) -> None:
         self.wait(lambda: all(max(self.losses(p), default=-1) >= step for p in self.pods), TIMEOUT, f"step {step}")
+
+
+class HarnessError(RuntimeError):
+    """The harness could not set up what it checks (not a verdict on the restore)."""
+
+
+def logged_past(newest: int, losses: list[dict[int, float]]) -> bool:
+    """Whether every pod has logged the loss of a step after ``newest``."""
+    return all(max(pod_losses, default=-1) > newest for pod_losses in losses)
 
 
 @dataclasses.dataclass
@@ -143,18 +199,49 @@ class Restore:
     failure: str
     newest_step: int
     logged_steps: list[int | None | str]
-    first_steps: list[int]
+    first_steps: list[int | None]
     compared_steps: list[int]
     equal_losses: bool
     seconds_to_first_step: float
     agent_seconds: float
     sources: dict[str, str]
+    harness_error: str | None = None
 
     @property
     def passed(self) -> bool:
-        return (self.logged_steps == [self.newest_step] * len(self.logged_steps)
+        return (self.harness_error is None
+                and self.logged_steps == [self.newest_step] * len(self.logged_steps)
                 and self.first_steps == [self.newest_step + 1] * len(self.first_steps)
                 and bool(self.compared_steps) and self.equal_losses)  # fmt: skip
+
+
+@dataclasses.dataclass
+class LossComparison:
+    """The losses of the steps each pod logged both before the failure and after the restore."""
+
+    compared: list[tuple[int, float, float]]  # (step, before, after) over every pod
+    differing: list[tuple[int, float, float]]
+    harness_error: str | None  # a pod compared nothing: no verdict either way
+
+    @property
+    def steps(self) -> list[int]:
+        return sorted({s for s, _, _ in self.compared})
+
+
+def compare_losses(before: list[dict[int, float]], after: list[dict[int, float]]) -> LossComparison:
+    """Compares, pod by pod, the losses of the steps logged both before and after; a pod with no
+    such step is a harness error, never an equality."""
+    compared, empty = [], []
+    for pod, (b, a) in enumerate(zip(before, after, strict=True)):
+        common = sorted(set(b) & set(a))
+        if not common:
+            empty.append(f"pod {pod} (before: steps {min(b, default=None)}-{max(b, default=None)}, "
+                         f"after: {min(a, default=None)}-{max(a, default=None)})")  # fmt: skip
+        compared += [(s, b[s], a[s]) for s in common]
+    if not before:
+        empty.append("every pod (no pod)")
+    error = f"no step's loss logged both before the failure and after the restore by {', '.join(empty)}: nothing compared" if empty else None
+    return LossComparison(compared, [(s, b, a) for s, b, a in compared if b != a], error)
 
 
 def restore_seconds(agent: NodeAgentProcess) -> float:
@@ -166,10 +253,9 @@ def restore_seconds(agent: NodeAgentProcess) -> float:
 
 
 def fail_and_restore(cluster: LocalCluster, job: MaxTextJob, shape: str, lose_node: bool) -> Restore:
-    """SIGKILLs the trainers (and loses node 1 when ``lose_node``), recreates the pods, checks the restore."""
-    job.kill_training()
-    before = [job.losses(p) for p in job.pods]
-    newest = job.newest_step()
+    """SIGKILLs the trainers once each logged a loss past the newest commit (and loses node 1 when
+    ``lose_node``), recreates the pods, checks the restore."""
+    newest, before = job.kill_past_newest_commit()
     status = lambda: cluster.coordinator.status(job.job)["jobs"][0]  # noqa: E731
     wait_until(lambda: status()["newest_complete_step"] == newest, 60, f"the coordinator seeing step {newest}")
     if lose_node:
@@ -188,14 +274,22 @@ def fail_and_restore(cluster: LocalCluster, job: MaxTextJob, shape: str, lose_no
     seconds = time.monotonic() - republished
     job.train_past(max(max(b) for b in before) + 1)
     after = [job.losses(p) for p in job.pods]
-    compared = [(s, b[s], a[s]) for b, a in zip(before, after) for s in sorted(set(b) & set(a))]
-    differing = [(s, b, a) for s, b, a in compared if b != a]
-    if differing:
-        print(f"   losses differ (step, before, after): {differing[:5]}", flush=True)
     agent_seconds = max(restore_seconds(a) - b for a, b in zip(job.agents, agent_before))
-    return Restore(shape, "node loss" if lose_node else "preemption", newest, [job.restore_log(p) for p in job.pods],
-                   [min(a) for a in after], sorted({s for s, _, _ in compared}), not differing, seconds, agent_seconds,
-                   status()["restore"]["sources"])  # fmt: skip
+    return judge(shape, "node loss" if lose_node else "preemption", newest, [job.restore_log(p) for p in job.pods],
+                 before, after, seconds, agent_seconds, status()["restore"]["sources"])  # fmt: skip
+
+
+def judge(shape: str, failure: str, newest: int, logged_steps: list[int | None | str], before: list[dict[int, float]],
+          after: list[dict[int, float]], seconds: float, agent_seconds: float, sources: dict[str, str]) -> Restore:
+    """The oracle of one failure: ``before`` and ``after`` are each pod's losses (step -> loss) of
+    the killed run and of the restored one; prints what differs or could not be compared."""
+    comparison = compare_losses(before, after)
+    if comparison.differing:
+        print(f"   losses differ (step, before, after): {comparison.differing[:5]}", flush=True)
+    if comparison.harness_error:
+        print(f"   HARNESS ERROR: {comparison.harness_error}", flush=True)
+    return Restore(shape, failure, newest, logged_steps, [min(a, default=None) for a in after], comparison.steps,
+                   not comparison.differing, seconds, agent_seconds, sources, comparison.harness_error)  # fmt: skip
 
 
 def run_shape(python: str, slices: int, workdir: str) -> list[Restore]:
@@ -220,9 +314,9 @@ def run_shape(python: str, slices: int, workdir: str) -> list[Restore]:
         for lose_node, target in ((False, 19), (True, 29)):
             job.train_past(target)
             result = fail_and_restore(cluster, job, shape, lose_node)
+            verdict = f"bit-identical: {result.equal_losses}" if result.harness_error is None else "HARNESS ERROR, nothing compared"
             print(f"   {result.failure}: newest step {result.newest_step}; MaxText restored {result.logged_steps}, "
-                  f"resumed at {result.first_steps}; losses of steps {result.compared_steps} bit-identical: "
-                  f"{result.equal_losses}; first step {result.seconds_to_first_step:.1f} s after the republish, "
+                  f"resumed at {result.first_steps}; losses of steps {result.compared_steps} {verdict}; first step {result.seconds_to_first_step:.1f} s after the republish, "
                   f"agents {result.agent_seconds:.3f} s; sources {result.sources}", flush=True)  # fmt: skip
             results.append(result)
         return results
@@ -241,11 +335,15 @@ def main() -> int:
     if not os.access(args.python, os.X_OK):
         parser.error(f"{args.python} is not executable: run `make e2e-maxtext`, which installs MaxText")
     print(f"ramdisks: {'tmpfs' if can_mount_tmpfs() else 'directories (not root)'}", flush=True)
-    results = []
+    results, errors = [], []
     workdir = tempfile.mkdtemp(prefix="mtc-e2e-maxtext-")
     try:
         for slices in args.slices:
-            results += run_shape(args.python, slices, os.path.join(workdir, f"slices-{slices}"))
+            try:
+                results += run_shape(args.python, slices, os.path.join(workdir, f"slices-{slices}"))
+            except HarnessError as err:
+                errors.append(f"{slices}x{2 // slices}: {err}")
+                print(f"   HARNESS ERROR: {err}", flush=True)
     finally:
         if len(results) == 2 * len(args.slices) and all(r.passed for r in results):
             shutil.rmtree(workdir)
@@ -258,14 +356,19 @@ def main() -> int:
         compared = f"{r.compared_steps[0]}-{r.compared_steps[-1]}" if r.compared_steps else "none"
         print(f"{r.shape:<6}{r.failure:<12}{r.newest_step:>7}{restored:>10}{compared:>16}"
               f"{r.seconds_to_first_step:>12.1f}s{r.agent_seconds:>8.3f}s{r.agent_seconds / r.seconds_to_first_step:>7.1%}  "
-              f"{'ok' if r.passed else 'FAILED'}")  # fmt: skip
+              f"{'ok' if r.passed else 'HARNESS ERROR' if r.harness_error else 'FAILED'}")  # fmt: skip
+    for error in errors:
+        print(f"HARNESS ERROR {error}")
     firsts = [r.seconds_to_first_step for r in results]
     agents = [r.agent_seconds for r in results]
-    print(f"republish to first step: median {statistics.median(firsts):.1f} s (range {min(firsts):.1f}-{max(firsts):.1f} s); "
-          f"agents (replicator.yaml consumed to restore marker): median {statistics.median(agents):.3f} s "
-          f"(range {min(agents):.3f}-{max(agents):.3f} s); the rest is MaxText's import and XLA compile, and Orbax's 1 s polls")  # fmt: skip
-    passed = all(r.passed for r in results)
-    print(f"{sum(r.passed for r in results)} passed, {sum(not r.passed for r in results)} failed")
+    if results:
+        print(f"republish to first step: median {statistics.median(firsts):.1f} s (range {min(firsts):.1f}-{max(firsts):.1f} s); "
+              f"agents (replicator.yaml consumed to restore marker): median {statistics.median(agents):.3f} s "
+              f"(range {min(agents):.3f}-{max(agents):.3f} s); the rest is MaxText's import and XLA compile, and Orbax's 1 s polls")  # fmt: skip
+    # Every shape asked for ran both failures, and each compared at least one step per pod.
+    passed = len(results) == 2 * len(args.slices) and all(r.passed for r in results)
+    print(f"{sum(r.passed for r in results)} passed, {len(results) - sum(r.passed for r in results)} failed, "
+          f"{sum(r.harness_error is not None for r in results) + len(errors)} harness error(s)")
     return 0 if passed else 1
 
 

@@ -3,6 +3,8 @@
 six seeded faults, each restoring the newest possible step with values identical to an
 uninterrupted run. ``make chaos`` runs the long random sequence over every fault and both variants."""
 
+import random
+
 from tests import chaos
 
 SEED = 10
@@ -21,3 +23,10 @@ def test_fixed_seed_faults_restore_the_newest_possible_step_with_identical_value
     assert len(rows) >= 6, table
     assert all(row.right for row in rows), table
     assert all(row.restored is not None for row in rows), table  # never a fresh start: a complete step always existed
+
+
+def test_a_sequence_that_restored_no_step_compared_no_value_and_is_wrong(tmp_path):
+    suite = chaos.Chaos(str(tmp_path), "dp2", random.Random(SEED))  # nothing started
+    suite.rows = [chaos.Row("preemption", restored=None, possible=None)]  # a fresh start, "right" on its own
+    suite.check_values()
+    assert not suite.rows[-1].right and "no value compared" in suite.rows[-1].problems[0]

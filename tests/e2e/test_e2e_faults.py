@@ -3,7 +3,14 @@
 import threading
 
 from tests.helpers.jobs import UNTIL_KILLED as LONG_RUN
-from tests.helpers.jobs import assert_resumed_exactly, lose_node_and_resume, losses, run_job, status_of
+from tests.helpers.jobs import (
+    assert_resumed_exactly,
+    kill_past_newest_commit,
+    lose_node_and_resume,
+    losses,
+    run_job,
+    status_of,
+)
 from tests.helpers.polling import wait_until
 
 
@@ -31,8 +38,7 @@ def test_node_loss_while_the_only_other_holder_is_frozen_restores_the_newest_ste
     cluster = start_cluster()
     job = run_job("dpf", list(cluster.agents), tmp_path / "dpf", [*LONG_RUN, "--dump-dir", str(tmp_path / "dump-1")])
     job.wait(lambda: (s := status_of(cluster, job))["safe_step"] is not None and s["safe_step"] >= 9, 180, "identity at step 9")
-    before = losses(job.pods)
-    job.kill_training()
+    before = kill_past_newest_commit(job)
     wait_until(lambda: status_of(cluster, job)["safe_step"] == status_of(cluster, job)["newest_complete_step"], 30, "identity of the last step")
     safe = status_of(cluster, job)["safe_step"]
     # Rank 1's only other copy is rank 3's identical data on node-3: freeze it for 20 s (5x the node

@@ -12,7 +12,14 @@ import pytest
 
 from csi_driver import kubelet
 from tests.helpers.agents import scrape
-from tests.helpers.jobs import UNTIL_KILLED, assert_resumed_exactly, lose_node_and_resume, losses, run_job, status_of
+from tests.helpers.jobs import (
+    UNTIL_KILLED,
+    assert_resumed_exactly,
+    kill_past_newest_commit,
+    lose_node_and_resume,
+    run_job,
+    status_of,
+)
 from tests.helpers.polling import wait_until
 from tests.helpers.steps import flip_byte
 
@@ -27,8 +34,7 @@ def test_data_parallel_job_restores_lost_node_from_identical_peer_without_copies
     assert status["identical_peers"] == [[0, 2], [1, 3], [2, 0], [3, 1]]
     # Deduplicated: no node holds another rank's data, so the ramdisk holds about one shard.
     assert all(holders == [f"node-{rank}"] for rank, steps in status["held"].items() for holders in steps.values())
-    before = losses(job.pods)
-    job.kill_training()
+    before = kill_past_newest_commit(job)
     wait_until(lambda: status_of(cluster, job)["safe_step"] == status_of(cluster, job)["newest_complete_step"], 30, "identity of the last step")
     safe = status_of(cluster, job)["safe_step"]
 
@@ -48,8 +54,7 @@ def test_replicated_job_restores_lost_node_and_skips_a_corrupt_replica(start_clu
     job = run_job("solo", list(cluster.agents), tmp_path / "solo",
                   ["--data-parallelism", "1", *LONG_RUN, "--step-sleep", "1.0", "--dump-dir", str(tmp_path / "dump-1")])  # fmt: skip
     job.wait(lambda: (s := status_of(cluster, job))["safe_step"] is not None and s["safe_step"] >= 9, 180, "replicated step 9")
-    before = losses(job.pods)
-    job.kill_training()
+    before = kill_past_newest_commit(job)
     wait_until(lambda: status_of(cluster, job)["safe_step"] == status_of(cluster, job)["newest_complete_step"], 30, "replicas caught up")
     status = status_of(cluster, job)
     safe = status["safe_step"]

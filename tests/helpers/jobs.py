@@ -1,6 +1,8 @@
 """Helpers for end-to-end tests that run real training jobs on a local cluster."""
 
 import os
+import signal
+import time
 
 import numpy as np
 
@@ -72,8 +74,57 @@ def losses(pods):
     return {e["step"]: e["loss"] for pod in pods for e in by_event(pod, "step")}
 
 
+def committed(job) -> list[set[int]]:
+    """The steps each pod of ``job`` has committed (bare integer directories in its local dir)."""
+    return [{int(n) for n in os.listdir(p.target) if n.isdigit()} if os.path.isdir(p.target) else set() for p in job.pods]
+
+
+def kill_past_newest_commit(job, timeout=60.0):
+    """SIGKILLs ``job``'s trainers once every pod's newest commit is the same step and rank 0 has
+    logged the loss of a step after it, so the restored run's first losses have the killed run's to
+    be compared with (and no rank holds a newer step that its replication would take first). The
+    trainers are SIGSTOPped while that is read (no commit or loss lands between the check and the
+    kill), and resumed if it does not hold yet. Returns the killed run's losses.
+
+    Raises:
+      TimeoutError: not reached within ``timeout`` seconds (the trainers are left running).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        running = [p.process for p in job.pods if p.process and p.process.poll() is None]
+        for process in running:
+            process.send_signal(signal.SIGSTOP)
+        held, logged = committed(job), losses(job.pods)
+        newest = max(set.intersection(*held), default=None) if held else None
+        if newest is not None and all(max(h) == newest for h in held) and max(logged, default=-1) > newest:
+            job.kill_training()
+            return logged
+        for process in running:
+            process.send_signal(signal.SIGCONT)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"harness: no moment within {timeout} s when every pod's newest commit was step {newest} and "
+                               f"rank 0 had logged a step after it (commits {[max(h, default=None) for h in held]}, "
+                               f"losses to {max(logged, default=None)})")  # fmt: skip
+        exited = [p for p in job.pods if p.process and p.process.poll() is not None]
+        if exited:
+            raise RuntimeError(f"training process {exited[0].name} exited {exited[0].process.returncode} before the kill")
+        time.sleep(0.1)
+
+
+def compared_losses(before, after):
+    """The steps whose loss was logged both before a failure and after the restore, asserted equal;
+    an empty comparison fails as a harness error (it proves nothing)."""
+    common = sorted(set(before) & set(after))
+    assert common, (f"harness error: no step logged both before the failure (steps {min(before, default=None)}-"
+                    f"{max(before, default=None)}) and after the restore ({min(after, default=None)}-"
+                    f"{max(after, default=None)}): nothing compared")  # fmt: skip
+    assert [after[s] for s in common] == [before[s] for s in common], f"losses of steps {common} differ"
+    return common
+
+
 def assert_same_state(left_npz, right_npz):
     left, right = np.load(left_npz), np.load(right_npz)
+    assert left.files, f"{left_npz} holds no arrays: nothing compared"
     assert sorted(left.files) == sorted(right.files)
     for key in left.files:
         np.testing.assert_array_equal(left[key], right[key], err_msg=key)
@@ -104,7 +155,7 @@ def assert_resumed_exactly(job, step, before_losses, tmp_path):
     assert [by_event(p, "restored")[0]["step"] for p in job.pods] == [step] * 4
     after = losses(job.pods)
     assert min(after) == step + 1
-    assert all(after[s] == before_losses[s] for s in after if s in before_losses)
+    compared_losses(before_losses, after)  # the first losses after the restore are the killed run's
     for rank in range(4):
         name = f"rank{rank}-step{step}.npz"
         assert_same_state(tmp_path / "dump-1" / name, tmp_path / "dump-2" / name)
