@@ -22,12 +22,14 @@ from collections.abc import Callable, Iterator
 
 import boto3
 import grpc
+import msgspec
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
 from csi_driver import kubelet, mounts
 from protos import csi_pb2, csi_pb2_grpc
 from replicator.coordinator.status import fetch_status
+from replicator.wire.messages import ClusterStatus
 
 
 def unmount_all_below(prefix: str) -> None:
@@ -221,9 +223,13 @@ class CoordinatorProcess(_Stoppable):
         """What a client checks this coordinator's certificate with."""
         return ssl.create_default_context(cafile=self.ca_file) if self.tls else None
 
-    def status(self, job: str | None = None) -> dict:
-        """``mtc status --json`` of this coordinator."""
+    def status_struct(self, job: str | None = None) -> ClusterStatus:
+        """``GET /v1/status`` of this coordinator, typed."""
         return fetch_status(self.url, job, self.ca_file)
+
+    def status(self, job: str | None = None) -> dict:
+        """``mtc status --json`` of this coordinator: plain JSON values, as the wire carries them."""
+        return msgspec.to_builtins(self.status_struct(job), str_keys=True)
 
     @property
     def log_path(self) -> str:
