@@ -72,7 +72,7 @@ def test_a_complete_backup_counts_as_a_holder_while_the_replicas_are_in_flight()
         state.apply_report(report(node, f"http://{node}", [pod(index, incarnation, rank_of[node])], held), 1.0)
     state.tick(3.0)
     assert state.safe_step(KEY) == 5  # one holder of step 7 per rank: not safe in the cluster
-    lister = state.nodes["a"].report
+    lister = state.liveness.nodes["a"].report
     state.apply_report(msgspec.structs.replace(lister, has_backup=True, backed_up=(BackedUp(*NAMES, ((7, 0),), 4.0),)), 4.0)
     state.tick(6.0)
     assert state.safe_step(KEY) == 7 and state.job(KEY).retain.keep_from == 7  # GC may delete step 5 now
@@ -87,9 +87,9 @@ def test_a_node_id_is_bound_to_its_url_until_it_falls_silent():
     state.apply_report(report("a", "http://a"), 0.0)
     with pytest.raises(NodeIdTaken, match="http://a"):
         state.apply_report(report("a", "http://evil"), 5.0)
-    assert state.nodes["a"].report.url == "http://a"
+    assert state.liveness.nodes["a"].report.url == "http://a"
     state.apply_report(report("a", "http://a-restarted"), 20.0)  # silent past the timeout: a new registration
-    assert state.nodes["a"].report.url == "http://a-restarted"
+    assert state.liveness.nodes["a"].report.url == "http://a-restarted"
 
 
 def test_a_silent_node_keeps_its_pods_in_the_incarnation_and_gets_orders_again_when_back():
@@ -115,7 +115,7 @@ def test_a_replacement_pod_ends_the_incarnation_of_a_silent_node():
     replacement = PodReport("default", "run", "run-0-1-y", "uid-new", 0, 1, 2, 1, 8476, "run", 30.0)
     state.apply_report(report("c", "http://c", [replacement]), 30.0)
     assert state.job(KEY).incarnation is None or state.job(KEY).incarnation.incarnation_id != incarnation
-    assert lost in state.nodes  # its data is still a restore source within the grace period
+    assert lost in state.liveness.nodes  # its data is still a restore source within the grace period
 
 
 def test_restore_waits_for_a_silent_holder_within_grace_then_replans_without_it():
@@ -210,7 +210,7 @@ def test_a_rollback_starts_a_timeline_whose_reused_step_numbers_never_mix_with_t
 
     # The backup tier lists timeline 0's step 5 and timeline 1's step 3: only the latter is the job's.
     listing = BackedUp(*NAMES, ((3, 1), (5, 0)), 24.0)
-    a = state.nodes["a"].report
+    a = state.liveness.nodes["a"].report
     state.apply_report(msgspec.structs.replace(a, has_backup=True, backed_up=(listing,)), 24.0)
     assert state.backed_up(KEY) == {3}
 

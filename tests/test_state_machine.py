@@ -150,7 +150,7 @@ def test_every_rank_restarting_at_once_costs_a_few_decision_passes_not_one_per_r
     rank_of = form_job(state, nodes, SLICES, JobSettings((), 2, None, 100), now=0.0)
     heartbeat_round(state, nodes, rank_of, lambda rank: [own(10, rank)], 1.0, with_files=True)
     for node in range(nodes):  # the nodes have a backup tier that nobody listed yet: restores wait for it
-        state.apply_report(msgspec.structs.replace(state.nodes[f"n{node}"].report, has_backup=True), 39.0)
+        state.apply_report(msgspec.structs.replace(state.liveness.nodes[f"n{node}"].report, has_backup=True), 39.0)
     state.tick(39.0 + decide_interval(nodes))
     decisions, incarnation = state.decisions, state.job(KEY).incarnation.incarnation_id
 
@@ -161,7 +161,7 @@ def test_every_rank_restarting_at_once_costs_a_few_decision_passes_not_one_per_r
             state.restore_view(KEY, incarnation, rank, 40.0)
     assert state.decisions - decisions <= 2  # not one decision pass per rank
     lister = state.job(KEY).lister
-    state.apply_report(msgspec.structs.replace(state.nodes[lister].report, backed_up=(BackedUp(*NAMES, (), 41.0),)), 41.0)
+    state.apply_report(msgspec.structs.replace(state.liveness.nodes[lister].report, backed_up=(BackedUp(*NAMES, (), 41.0),)), 41.0)
     state.tick(41.0 + decide_interval(nodes))
     assert {state.restore_view(KEY, incarnation, rank, 42.0).step for rank in range(nodes)} == {10}
     assert state.identical(KEY)[10] == frozenset((r, (r + half) % nodes) for r in range(nodes))
@@ -206,7 +206,7 @@ def test_heartbeats_slow_down_as_the_cluster_grows_and_the_timeout_follows(live,
     state = ClusterState(node_timeout_seconds=15.0)
     for node in range(live):
         state.apply_report(report(node), 0.0)
-    assert state.heartbeat_seconds == heartbeat and state.node_timeout_seconds == timeout
+    assert state.heartbeat_seconds == heartbeat and state.liveness.node_timeout_seconds == timeout
 
 
 def form_job_of_40_slices(state: ClusterState) -> tuple[dict[int, int], str]:
@@ -299,13 +299,13 @@ def test_nodes_falling_silent_do_not_shorten_the_timeout_of_the_others():
     state = ClusterState(node_timeout_seconds=15.0)
     for node in range(NODES):
         state.apply_report(report(node), 0.0)
-    assert state.heartbeat_seconds == 10.0 and state.node_timeout_seconds == 30.0
+    assert state.heartbeat_seconds == 10.0 and state.liveness.node_timeout_seconds == 30.0
     for node in range(2_000):  # the others lag (a loaded network or agents): silent at 31 s
         state.apply_report(report(node), 25.0)
     state.expire(31.0)
     assert len(state.status().silent_nodes) == NODES - 2_000
     # The agents that reported at 25 s were told 10 s heartbeats: the timeout stays three of them.
-    assert state.node_timeout_seconds == 30.0
+    assert state.liveness.node_timeout_seconds == 30.0
     state.expire(50.0)
     assert "n1" in state.status().nodes
 
@@ -316,14 +316,14 @@ def test_the_silence_check_finds_silent_nodes_however_recently_the_others_report
         state.apply_report(report(node), float(node))
     state.apply_report(report(0), 10.0)  # heard from again: no longer the oldest
     state.expire(19.0)
-    assert [n for n in ("n0", "n1", "n2", "n3") if state.nodes[n].silent] == ["n1", "n2", "n3"]
-    assert state.live_nodes() == 1  # mtc_live_nodes
+    assert [n for n in ("n0", "n1", "n2", "n3") if state.liveness.nodes[n].silent] == ["n1", "n2", "n3"]
+    assert state.liveness.live_count() == 1  # mtc_live_nodes
     state.apply_report(report(2), 20.0)  # back from silence
     state.expire(26.0)
-    assert [n for n in ("n0", "n1", "n2", "n3") if state.nodes[n].silent] == ["n0", "n1", "n3"]
-    assert state.live_nodes() == 1
+    assert [n for n in ("n0", "n1", "n2", "n3") if state.liveness.nodes[n].silent] == ["n0", "n1", "n3"]
+    assert state.liveness.live_count() == 1
     state.apply_report(report(1), 27.0)
-    assert state.live_nodes() == 2
+    assert state.liveness.live_count() == 2
 
 
 def test_a_complete_step_is_walked_once_until_a_holder_falls_silent():
@@ -348,5 +348,5 @@ def test_a_complete_step_is_walked_once_until_a_holder_falls_silent():
     assert state.safe_step(KEY) == 10 and state.rank_checks == checks
     heartbeat([n for n in range(4) if rank_of[n] != 0], 10.0)
     state.tick(20.0)  # rank 0's only copy is on a node silent past the timeout: nothing is safe
-    assert state.nodes[f"n{[n for n in range(4) if rank_of[n] == 0][0]}"].silent
+    assert state.liveness.nodes[f"n{[n for n in range(4) if rank_of[n] == 0][0]}"].silent
     assert state.safe_step(KEY) is None and state.rank_checks > checks

@@ -8,7 +8,6 @@ unpublished or a new pod replaces one. Pure decisions over the job's pods (``pla
 import dataclasses
 import logging
 import re
-import typing
 import uuid
 
 from replicator.coordinator import planner
@@ -17,6 +16,10 @@ from replicator.wire.messages import Assignment, JobRef, PodReport
 log = logging.getLogger(__name__)
 
 _JOBSET_SUFFIX = re.compile(r"-[a-z0-9]+$")
+
+
+class UnknownIncarnation(LookupError):
+    """A request names an incarnation or rank that is not (or no longer) current."""
 
 
 @dataclasses.dataclass

@@ -109,6 +109,10 @@ class Liveness:
             stale.append(node_id)
         return stale
 
+    def live_count(self) -> int:
+        """How many nodes reported within the node timeout."""
+        return len(self.nodes) - len(self.silent())
+
     def touch(self, node_id: str, now: float) -> NodeState | None:
         """The node is alive at ``now``. Returns its state if it was silent until now (its jobs are
         to be decided again: its copies count again, orders resume), else None."""

@@ -28,6 +28,28 @@ PEER_SOURCES_PER_VIEW = 4
 _PEER_TIERS = frozenset({planner.Tier.PEER_CLOSE, planner.Tier.PEER_DISTANT})
 
 
+class NotReady(Exception):
+    """The answer depends on reports that have not arrived yet; ask again shortly."""
+
+
+def check_started(incarnation: Incarnation, liveness: Liveness, now: float) -> None:
+    """Raises ``NotReady`` while the coordinator started less than a node timeout ago and the
+    incarnation has no plan: a holder that has not reported yet would make it choose an older step."""
+    if incarnation.plan is None and now - liveness.started < liveness.node_timeout_seconds:
+        raise NotReady(f"the coordinator started {now - liveness.started:.0f} s ago; waiting for every node's report")
+
+
+def check_plannable(job: JobState, incarnation: Incarnation, nodes: dict, now: float, grace_seconds: float) -> None:
+    """Raises ``NotReady`` while the job's newest reports are undecided, or while its nodes (of
+    ``nodes``) with a backup tier have not listed it, within ``grace_seconds`` of the incarnation:
+    planning without it could start from scratch a job a backup would resume."""
+    if job.decided.dirty:
+        raise NotReady("the job's newest reports are being decided")
+    backup_nodes = [n for n in incarnation.node_of_rank.values() if n in nodes and nodes[n].report.has_backup]
+    if backup_nodes and not any(n in job.listings for n in backup_nodes) and now - incarnation.created_at < grace_seconds:
+        raise NotReady(f"waiting for {job.decided.lister or 'a node with a backup tier'} to list the backup tier")
+
+
 def plan(incarnation: Incarnation, copies: list[planner.StepCopy], forced: int | None, blocks, identical) -> planner.RestorePlan:
     """The restore plan over ``copies`` not proven unusable (only ``forced``'s, if given).
 
@@ -76,14 +98,6 @@ def sources_lost(incarnation: Incarnation, rank: int, liveness: Liveness) -> boo
         return False
     sources = incarnation.plan.sources.get(rank, ())
     return bool(sources) and not any(s.tier == planner.Tier.BACKUP or liveness.holds_data(s.holder) for s in sources)
-
-
-def listing_awaited(job: JobState, incarnation: Incarnation, nodes: dict, now: float, grace_seconds: float) -> bool:
-    """Whether the job's nodes (of ``nodes``) with a backup tier have not listed it yet, within
-    ``grace_seconds`` of the incarnation: planning without it could start from scratch a job a
-    backup would resume."""
-    backup_nodes = [n for n in incarnation.node_of_rank.values() if n in nodes and nodes[n].report.has_backup]
-    return bool(backup_nodes) and not any(n in job.listings for n in backup_nodes) and now - incarnation.created_at < grace_seconds
 
 
 def view(key: JobRef, job: JobState, incarnation: Incarnation, rank: int, liveness: Liveness, backups: dict[int, int],

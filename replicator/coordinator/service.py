@@ -339,7 +339,7 @@ class _ClusterGauges:
                 every_steps.add_metric(values, settings.backup_interval_steps)
             elif settings is not None and settings.backup_interval_minutes is not None:
                 every_seconds.add_metric(values, settings.backup_interval_minutes * 60)
-        live = GaugeMetricFamily("mtc_live_nodes", "Node agents reporting", value=state.live_nodes())
+        live = GaugeMetricFamily("mtc_live_nodes", "Node agents reporting", value=state.liveness.live_count())
         return [newest, backed, backed_at, every_steps, every_seconds, live]
 
 

@@ -33,10 +33,10 @@ from replicator.coordinator import (
     sync,
     views,
 )
-from replicator.coordinator.incarnations import Incarnation
+from replicator.coordinator.incarnations import Incarnation, UnknownIncarnation
 from replicator.coordinator.job import JobState
 from replicator.coordinator.liveness import Liveness
-from replicator.coordinator.restores import PEER_SOURCES_PER_VIEW, USABLE_TIERS  # noqa: F401  (re-exported)
+from replicator.coordinator.restores import PEER_SOURCES_PER_VIEW, USABLE_TIERS, NotReady  # noqa: F401  (re-exported)
 from replicator.wire.messages import (
     Assignment,
     BadCopy,
@@ -74,16 +74,11 @@ class NodeIdTaken(Exception):
     """A report names a live node's id from another address: a second claimant is refused."""
 
 
-class UnknownIncarnation(LookupError):
-    """A request names an incarnation or rank that is not (or no longer) current."""
-
-
-class NotReady(Exception):
-    """The answer depends on reports that have not arrived yet; ask again shortly."""
-
-
 class ClusterState:
     """Nodes, pods, held steps and job incarnations: the façade over the coordinator's state.
+
+    (About 330 lines, a third of them docstrings: it is the state's one API, for the sync step, the
+    decision pass, restores and queries; each body delegates to a part.)
 
     A silent node is not a lost pod: silence past the node timeout stops orders to the node and its
     copies from counting toward safety (GC keeps more), but its pods stay in their incarnation until
@@ -117,42 +112,22 @@ class ClusterState:
     # -- time and liveness ---------------------------------------------------------------------
 
     @property
-    def nodes(self):
-        """Node id -> its state (``liveness.NodeState``): its last report and when it was seen."""
-        return self.liveness.nodes
-
-    @property
     def heartbeat_seconds(self) -> float:
         return self.liveness.heartbeat_seconds
 
-    @property
-    def node_timeout_seconds(self) -> float:
-        return self.liveness.node_timeout_seconds
-
-    @property
-    def holder_grace_seconds(self) -> float:
-        return self.liveness.holder_grace_seconds
-
     def is_live(self, node_id: str) -> bool:
         return self.liveness.is_live(node_id)
-
-    def live_nodes(self) -> int:
-        """How many nodes reported within the node timeout."""
-        return len(self.liveness.nodes) - len(self.liveness.silent())
 
     def expire(self, now: float) -> None:
         """Marks nodes silent, and forgets those silent past the grace period whose pods no
         incarnation holds (a lost node's pods leave their incarnation when they are replaced).
         Every job of a node whose liveness changed is decided again."""
-        forget, changed = self.liveness.expire(now, self._nodes_in_use)
+        forget, changed = self.liveness.expire(now, lambda: {n for job in self._jobs.values() if job.incarnation for n in job.incarnation.nodes})
         for node_id in forget:
             self._apply(sync.absorb(self._jobs, self.liveness, node_id, self.liveness.nodes[node_id], None, self._warned))
             self.liveness.forget(node_id)
         for state in changed:
             self._mark_dirty(state.job_keys())
-
-    def _nodes_in_use(self) -> set[str]:
-        return {n for job in self._jobs.values() if job.incarnation for n in job.incarnation.node_of_rank.values()}
 
     def tick(self, now: float) -> None:
         """Expires nodes (at most every ``_EXPIRE_SECONDS``: it visits every silent node) and runs every
@@ -180,7 +155,7 @@ class ClusterState:
         bound = self.liveness.nodes.get(report.node_id)
         if bound is not None and self.is_live(report.node_id) and bound.report.url != report.url:
             raise NodeIdTaken(f"node id {report.node_id!r} is registered from {bound.report.url}, not {report.url}; "
-                              f"refused until it has been silent for {self.node_timeout_seconds:.0f} s")
+                              f"refused until it has been silent for {self.liveness.node_timeout_seconds:.0f} s")
         if bound is not None and bound.silent:
             self._mark_dirty(bound.job_keys())  # back from silence: its copies count again, orders resume
             self.liveness.stamp += 1
@@ -377,20 +352,16 @@ class ClusterState:
         self.liveness.advance(now)
         incarnation = self._incarnation(key, incarnation_id, rank)
         job = self._jobs[key]
-        if incarnation.plan is None and now - self.liveness.started < self.node_timeout_seconds:
-            raise NotReady(f"the coordinator started {now - self.liveness.started:.0f} s ago; waiting for every node's report")
+        restores.check_started(incarnation, self.liveness, now)
         if restores.sources_lost(incarnation, rank, self.liveness):
             log.warning("job %s rank %d: every holder of step %d silent past the grace period; replanning", key, rank, incarnation.plan.step)
             self._replan(key, incarnation)
         if incarnation.plan is None:
+            # Plan on every report that has arrived, but decide a large job at most every
+            # ``decide_interval``: its N ranks asking at once must not cost N decision passes.
             if job.decided.dirty:
-                # Plan on every report that has arrived, but decide a large job at most every
-                # ``decide_interval``: its N ranks asking at once must not cost N decision passes.
                 self._decide_if_due(key)
-                if job.decided.dirty:
-                    raise NotReady("the job's newest reports are being decided")
-            if restores.listing_awaited(job, incarnation, self.liveness.nodes, now, _BACKUP_LISTING_GRACE_SECONDS):
-                raise NotReady(f"waiting for {job.decided.lister or 'a node with a backup tier'} to list the backup tier")
+            restores.check_plannable(job, incarnation, self.liveness.nodes, now, _BACKUP_LISTING_GRACE_SECONDS)
             self._replan(key, incarnation)
         return restores.view(key, job, incarnation, rank, self.liveness, backups.complete(job, self.liveness.nodes), self._warned)
 
