@@ -229,7 +229,7 @@ class CoordinatorProcess(_Stoppable):
 
     def status(self, job: str | None = None) -> dict:
         """``mtc status --json`` of this coordinator: plain JSON values, as the wire carries them."""
-        return msgspec.to_builtins(self.status_struct(job), str_keys=True)
+        return msgspec.json.decode(msgspec.json.encode(self.status_struct(job)))
 
     @property
     def log_path(self) -> str:
