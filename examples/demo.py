@@ -162,7 +162,7 @@ def run(workdir: str, cleanup: contextlib.ExitStack, backup: str | None) -> int:
 
     job.wait_done(timeout=300)
     print()
-    print(render_status(cluster.coordinator.status(job.job)))
+    print(render_status(cluster.coordinator.status_struct(job.job)))
     banner("report")
     print(f"{'failure':<14}{'restored':>9}{'lost':>6}{'to 1st step':>13}  {'sources (ranks)':<36}continued")
     for o in outcomes:

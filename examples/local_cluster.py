@@ -23,10 +23,13 @@ import uuid
 from collections.abc import Callable, Iterator
 
 import grpc
+import msgspec
 
 from csi_driver import kubelet, mounts
 from protos import csi_pb2, csi_pb2_grpc
 from replicator.coordinator.status import fetch_status
+from replicator.wire import tls
+from replicator.wire.messages import ClusterStatus
 
 
 def unmount_all_below(prefix: str) -> None:
@@ -218,11 +221,15 @@ class CoordinatorProcess(_Stoppable):
 
     def ssl_context(self) -> ssl.SSLContext | None:
         """What a client checks this coordinator's certificate with."""
-        return ssl.create_default_context(cafile=self.ca_file) if self.tls else None
+        return tls.client_context(self.ca_file)
+
+    def status_struct(self, job: str | None = None) -> ClusterStatus:
+        """``GET /v1/status`` of this coordinator, typed."""
+        return fetch_status(self.url, job, self.ca_file)
 
     def status(self, job: str | None = None) -> dict:
-        """``mtc status --json`` of this coordinator."""
-        return fetch_status(self.url, job, self.ca_file)
+        """``mtc status --json`` of this coordinator: plain JSON values, as the wire carries them."""
+        return msgspec.json.decode(msgspec.json.encode(self.status_struct(job)))
 
     @property
     def log_path(self) -> str:
@@ -235,9 +242,9 @@ class CoordinatorProcess(_Stoppable):
           RuntimeError: it exited or did not answer within ``timeout`` seconds.
         """
         os.makedirs(self.workdir, exist_ok=True)
-        tls = ["--tls-cert", self.tls[0], "--tls-key", self.tls[1]] if self.tls else []
+        tls_flags = ["--tls-cert", self.tls[0], "--tls-key", self.tls[1]] if self.tls else []
         command = [sys.executable, "-m", "replicator.cli", "coordinator", "--listen", self.listen,
-                   "--state-dir", os.path.join(self.workdir, "state"), *tls, *self.extra_args]  # fmt: skip
+                   "--state-dir", os.path.join(self.workdir, "state"), *tls_flags, *self.extra_args]  # fmt: skip
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout

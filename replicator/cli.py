@@ -1,12 +1,12 @@
 """``mtc``: the one console script. Each subcommand parses its flags into typed values here."""
 
 import argparse
-import json
 import logging
 import os
 import sys
 
 import grpc
+import msgspec
 
 from csi_driver import kubelet
 from csi_driver.identity import DEFAULT_DRIVER_NAME
@@ -27,6 +27,7 @@ from replicator.node.config import (
 from replicator.pacing import timing
 from replicator.wire import tls
 from replicator.wire.bearer import read_token
+from replicator.wire.messages import JobRef
 
 
 def _key_value(text: str) -> tuple[str, str]:
@@ -173,12 +174,13 @@ def _run_gc(args: argparse.Namespace) -> int:
         for namespace, job in manager.reap_idle(retention_seconds=0):
             print(f"released {namespace}/{job}")
         return 0
-    namespace, sep, job = args.job.partition("/")
-    if not sep:
-        print(f"--job {args.job!r} must be NAMESPACE/JOB", file=sys.stderr)
+    try:
+        ref = JobRef.parse(args.job)
+    except ValueError as err:
+        print(f"--job {err}", file=sys.stderr)
         return 2
     try:
-        released = manager.release(namespace, job, force=args.force)
+        released = manager.release(ref.namespace, ref.job, force=args.force)
     except JobBusy as err:
         print(f"FAILED_PRECONDITION: {err}; pass --force to release anyway", file=sys.stderr)
         return 1
@@ -231,7 +233,7 @@ def _run_status(args: argparse.Namespace) -> int:
     except OSError as err:
         print(f"UNAVAILABLE: coordinator {args.coordinator}: {err}", file=sys.stderr)
         return 1
-    print(json.dumps(status, indent=2) if args.json else render_status(status))
+    print(msgspec.json.format(msgspec.json.encode(status), indent=2).decode() if args.json else render_status(status))
     return 0
 
 
@@ -245,13 +247,14 @@ def _add_restore_from(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_restore_from(args: argparse.Namespace) -> int:
-    namespace, sep, job = args.job.partition("/")
-    if not sep:
-        print(f"--job {args.job!r} must be NAMESPACE/JOB", file=sys.stderr)
+    try:
+        ref = JobRef.parse(args.job)
+    except ValueError as err:
+        print(f"--job {err}", file=sys.stderr)
         return 2
     try:
         token = read_token(args.token_file) if args.token_file else None
-        error = request_restore_from(args.coordinator, namespace, job, args.step, token, args.ca)
+        error = request_restore_from(args.coordinator, ref, args.step, token, args.ca)
     except OSError as err:
         print(f"UNAVAILABLE: coordinator {args.coordinator}: {err}", file=sys.stderr)
         return 1

@@ -5,15 +5,18 @@ Routes (JSON; errors are ``{"error": "..."}``):
 - ``POST /v1/report``: a node agent's ``NodeReport``; answers a ``ReportReply``. A report whose
   ``waiting`` is set is held (long poll, up to ``MAX_WAIT_SECONDS``) until one of the node's waiting
   pods has its assignment. 409 names both versions when the agent's ``protocol`` is not ours.
-- ``POST /v1/jobs/{namespace}/{job}/settings``: ``{"incarnation", "rank", "settings"}``.
+- ``POST /v1/jobs/{namespace}/{job}/settings``: a ``SettingsRequest`` (``{"incarnation", "rank", "settings"}``).
 - ``GET  /v1/jobs/{namespace}/{job}/restore?incarnation=I&rank=R[&seen=G&wait=S]``: a ``RestoreView``;
   with ``seen`` (``<generation>:<ready>`` of the view the rank has), held up to ``wait`` seconds
   until the view differs from it.
-- ``POST /v1/jobs/{namespace}/{job}/restore``: ``{"incarnation", "generation", "rank", "source", "bad": [[step, rank, holder]],
-  "retrying"}``: ``retrying`` when the rank will try unreachable sources again (no replan).
-- ``POST /v1/jobs/{namespace}/{job}/restore-from``: ``{"step"}``; the next restore uses that step
+- ``POST /v1/jobs/{namespace}/{job}/restore``: a ``StagedReport`` (``{"incarnation", "generation", "rank", "source",
+  "bad": [[step, rank, holder]], "retrying"}``): ``retrying`` when the rank will try unreachable sources again (no replan).
+- ``POST /v1/jobs/{namespace}/{job}/restore-from``: a ``RestoreFrom`` (``{"step"}``); the next restore uses that step
   (a rollback); 409 when no tier holds it complete.
-- ``GET  /v1/status[?job=NAME]``, ``GET /healthz``, ``GET /metrics``.
+- ``GET  /v1/status[?job=NAME]``: a ``ClusterStatus``; ``GET /healthz``, ``GET /metrics``.
+
+Bodies are typed (``replicator.wire.messages``) and decoded here, at the edge: a body that does not
+decode is answered 400 with an error naming the field. Acknowledgements are a ``Done``.
 """
 
 import asyncio
@@ -26,6 +29,7 @@ import logging
 import os
 import ssl
 import time
+from typing import TypeVar
 
 import msgspec
 from aiohttp import web
@@ -33,16 +37,21 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, 
 from prometheus_client.core import GaugeMetricFamily
 
 from csi_driver import atomic_file
-from replicator.coordinator.state import ClusterState, JobState, NodeIdTaken, NotReady, UnknownIncarnation
+from replicator.coordinator.state import ClusterState, NodeIdTaken, NotReady, UnknownIncarnation
 from replicator.wire import tls
 from replicator.wire.bearer import read_token, require_bearer
 from replicator.wire.http_errors import error_response
 from replicator.wire.messages import (
     MAX_RANKS,
     MAX_WAIT_SECONDS,
+    Done,
+    JobRef,
     JobSettings,
     NodeReport,
     ProtocolMismatch,
+    RestoreFrom,
+    SettingsRequest,
+    StagedReport,
     Versioned,
     check_version,
     decode,
@@ -56,6 +65,7 @@ REPORT_BYTES = Counter("mtc_coordinator_report_bytes_total", "Bytes of report bo
 LOOP_LAG = Histogram("mtc_coordinator_loop_lag_seconds", "How late the coordinator's ticker woke: its event loop was busy that long",
                      buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0))  # fmt: skip
 
+M = TypeVar("M")
 _STATE_KEY = web.AppKey("state", ClusterState)
 _CONFIG_KEY = web.AppKey("config", "CoordinatorConfig")
 _CHANGES_KEY = web.AppKey("changes", "JobChanges")
@@ -105,14 +115,20 @@ class CoordinatorConfig:
 BadRequest = functools.partial(error_response, web.HTTPBadRequest)
 
 
-async def _json_body(request: web.Request) -> dict:
+async def _body(request: web.Request, kind: type[M]) -> M:
+    """The request's JSON body as ``kind``, decoded in one pass.
+
+    Raises:
+      BadRequest: not JSON, or a field is missing, of the wrong type or out of bounds (named).
+    """
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise BadRequest(f"body is not JSON: {err}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("body must be a JSON object")
-    return body
+        return decode_json(await request.read(), kind)
+    except ValueError as err:
+        raise BadRequest(f"bad {kind.__name__}: {err}") from None
+
+
+def _reply(message) -> web.Response:
+    return web.Response(body=msgspec.json.encode(message), content_type="application/json")
 
 
 class JobChanges:
@@ -121,9 +137,9 @@ class JobChanges:
 
     def __init__(self, state: ClusterState):
         self._state = state
-        self._events: dict[tuple[str, str], asyncio.Event] = {}
+        self._events: dict[JobRef, asyncio.Event] = {}
 
-    def event(self, key: tuple[str, str]) -> asyncio.Event:
+    def event(self, key: JobRef) -> asyncio.Event:
         return self._events.setdefault(key, asyncio.Event())
 
     def publish(self) -> None:
@@ -148,8 +164,8 @@ class JobChanges:
 NOT_READY_RECHECK_SECONDS = 1.0
 
 
-def _job_key(request: web.Request) -> tuple[str, str]:
-    return request.match_info["namespace"], request.match_info["job"]
+def _job_key(request: web.Request) -> JobRef:
+    return JobRef(request.match_info["namespace"], request.match_info["job"])
 
 
 def _not_found(err: Exception) -> web.HTTPException:
@@ -206,7 +222,7 @@ async def post_report(request: web.Request) -> web.Response:
     # cancelled with the connection) when it has something new to report.
     while report.waiting and time.monotonic() < deadline:
         assigned = {a.pod_uid for a in reply.assignments}
-        waiting = {(p.namespace, p.job) for p in report.pods if p.incarnation is None and p.pod_uid not in assigned}
+        waiting = {JobRef(p.namespace, p.job) for p in report.pods if p.incarnation is None and p.pod_uid not in assigned}
         if not waiting:
             break
         await changes.wait(waiting, min(deadline - time.monotonic(), state.heartbeat_seconds))
@@ -216,18 +232,13 @@ async def post_report(request: web.Request) -> web.Response:
 
 
 async def post_settings(request: web.Request) -> web.Response:
-    body = await _json_body(request)
+    body = await _body(request, SettingsRequest)
     try:
-        settings = decode(body.get("settings"), JobSettings)
-        incarnation, rank = str(body["incarnation"]), int(body["rank"])
-    except (ValueError, KeyError, TypeError) as err:
-        raise BadRequest(f"bad settings request: {err}") from None
-    try:
-        request.app[_STATE_KEY].record_settings(_job_key(request), incarnation, rank, settings)
+        request.app[_STATE_KEY].record_settings(_job_key(request), body.incarnation, body.rank, body.settings)
     except UnknownIncarnation as err:
         raise _not_found(err) from None
     request.app[_SNAPSHOT_KEY].due = True
-    return web.json_response({"ok": True})
+    return _reply(Done(True))
 
 
 async def get_restore(request: web.Request) -> web.Response:
@@ -260,33 +271,23 @@ async def get_restore(request: web.Request) -> web.Response:
 
 
 async def post_restore(request: web.Request) -> web.Response:
-    body = await _json_body(request)
+    body = await _body(request, StagedReport)
     try:
-        bad = [(int(step), int(rank), str(holder)) for step, rank, holder in body.get("bad", [])]
-        source = None if body.get("source") is None else str(body["source"])
-        args = (str(body["incarnation"]), str(body["generation"]), int(body["rank"]))
-        retrying = bool(body.get("retrying", False))
-    except (ValueError, KeyError, TypeError) as err:
-        raise BadRequest(f"bad restore report: {err}") from None
-    try:
-        request.app[_STATE_KEY].report_staged(_job_key(request), *args, source, bad, retrying)
+        request.app[_STATE_KEY].report_staged(_job_key(request), body.incarnation, body.generation, body.rank, body.source,
+                                              body.bad, body.retrying)  # fmt: skip
     except UnknownIncarnation as err:
         raise _not_found(err) from None
     request.app[_CHANGES_KEY].publish()
-    return web.json_response({"ok": True})
+    return _reply(Done(True))
 
 
 async def post_restore_from(request: web.Request) -> web.Response:
-    body = await _json_body(request)
+    body = await _body(request, RestoreFrom)
     try:
-        step = int(body["step"])
-    except (KeyError, ValueError, TypeError) as err:
-        raise BadRequest(f"body must be {{\"step\": <int>}}: {err}") from None
-    try:
-        request.app[_STATE_KEY].force_restore_step(_job_key(request), step)
+        request.app[_STATE_KEY].force_restore_step(_job_key(request), body.step)
     except LookupError as err:
         raise _conflict(err) from None
-    return web.json_response({"ok": True, "step": step})
+    return _reply(Done(True, body.step))
 
 
 async def get_status(request: web.Request) -> web.Response:
@@ -294,12 +295,12 @@ async def get_status(request: web.Request) -> web.Response:
     state.tick(time.time())
     status = state.status()
     if "job" in request.query:
-        status["jobs"] = [j for j in status["jobs"] if j["job"] == request.query["job"]]
-    return web.json_response(status)
+        status = msgspec.structs.replace(status, jobs=tuple(j for j in status.jobs if j.job == request.query["job"]))
+    return _reply(status)
 
 
 async def healthz(request: web.Request) -> web.Response:
-    return web.json_response({"ok": True})
+    return _reply(Done(True))
 
 
 class _ClusterGauges:
@@ -318,17 +319,18 @@ class _ClusterGauges:
         backed_at = GaugeMetricFamily("mtc_last_backup_timestamp_seconds", "Unix time this coordinator saw the last backup complete", labels=labels)
         every_steps = GaugeMetricFamily("mtc_backup_interval_steps", "The job's backup-interval-steps", labels=labels)
         every_seconds = GaugeMetricFamily("mtc_backup_interval_seconds", "The job's backup-interval-minutes, in seconds", labels=labels)
-        for key, job in state.jobs.items():
+        for key in state.job_keys():
+            job, values = state.job(key), [key.namespace, key.job]
             for family, value in [(newest, state.newest_complete_step(key)), (backed, max(state.backed_up(key), default=None)),
                                   (backed_at, job.last_backup_time)]:  # fmt: skip
                 if value is not None:
-                    family.add_metric(key, value)
+                    family.add_metric(values, value)
             settings = next(iter(job.settings.values()), None)
             if settings is not None and settings.backup_interval_steps is not None:
-                every_steps.add_metric(key, settings.backup_interval_steps)
+                every_steps.add_metric(values, settings.backup_interval_steps)
             elif settings is not None and settings.backup_interval_minutes is not None:
-                every_seconds.add_metric(key, settings.backup_interval_minutes * 60)
-        live = GaugeMetricFamily("mtc_live_nodes", "Node agents reporting", value=state.live_nodes())
+                every_seconds.add_metric(values, settings.backup_interval_minutes * 60)
+        live = GaugeMetricFamily("mtc_live_nodes", "Node agents reporting", value=state.liveness.live_count())
         return [newest, backed, backed_at, every_steps, every_seconds, live]
 
 
@@ -366,8 +368,8 @@ class SettingsSnapshot:
             return None
         self.due, self._encoded_at = False, now
         return msgspec.json.encode([
-            {"namespace": ns, "job": job, "settings": {str(r): s for r, s in state.settings.items()}}
-            for (ns, job), state in cluster.jobs.items()
+            {"namespace": key.namespace, "job": key.job, "settings": {str(r): s for r, s in cluster.job(key).settings.items()}}
+            for key in cluster.job_keys()
         ])  # fmt: skip
 
     def write(self, data: bytes) -> None:
@@ -382,9 +384,9 @@ def _load_snapshot(app: web.Application) -> None:
     try:
         with open(path, encoding="utf-8") as f:
             for item in json.load(f):
-                job = app[_STATE_KEY].jobs.setdefault((item["namespace"], item["job"]), JobState())
+                key = JobRef(item["namespace"], item["job"])
                 for rank, settings in item["settings"].items():
-                    job.add_settings(int(rank), decode(settings, JobSettings))
+                    app[_STATE_KEY].restore_settings(key, int(rank), decode(settings, JobSettings))
     except (OSError, ValueError, KeyError) as err:
         log.warning("ignoring unreadable state snapshot %s: %s", path, err)
 

@@ -14,11 +14,14 @@ from replicator.wire.bearer import auth_header
 from replicator.wire.http_errors import error_of
 from replicator.wire.messages import (
     MAX_WAIT_SECONDS,
+    BadCopy,
     JobSettings,
     NodeReport,
     PodRank,
     ReportReply,
     RestoreView,
+    SettingsRequest,
+    StagedReport,
     check_version,
     decode_json,
 )
@@ -39,7 +42,7 @@ class CoordinatorClient:
         self._json_headers = {**self._headers, "Content-Type": "application/json"}
 
     async def _call(self, method: str, path: str, body: Any = None, wait: float = 0.0, params: dict | None = None) -> bytes:
-        """One request with ``body`` (messages, or plain values holding them) as JSON; its reply's
+        """One request with ``body`` (a message) as JSON; its reply's
         body. A long poll (``wait`` seconds) gets that much more time.
 
         Raises:
@@ -72,8 +75,7 @@ class CoordinatorClient:
         return reply
 
     async def record_settings(self, pod: PodRank, settings: JobSettings) -> None:
-        payload = {"incarnation": pod.incarnation, "rank": pod.rank, "settings": settings}
-        await self._call("POST", f"/v1/jobs/{pod.job.namespace}/{pod.job.job}/settings", payload)
+        await self._call("POST", f"/v1/jobs/{pod.job.namespace}/{pod.job.job}/settings", SettingsRequest(pod.incarnation, pod.rank, settings))
 
     async def restore_view(self, pod: PodRank, seen: str | None = None) -> RestoreView:
         """The rank's restore view, a long poll of up to ``MAX_WAIT_SECONDS``: it returns once the
@@ -92,10 +94,11 @@ class CoordinatorClient:
         except ValueError as err:
             raise CoordinatorUnavailable(f"GET {path}: {err}") from None
 
-    async def report_staged(self, pod: PodRank, generation: str, source: str | None, bad: list, retrying: bool = False) -> None:
-        payload = {"incarnation": pod.incarnation, "generation": generation, "rank": pod.rank, "source": source,
-                   "bad": bad, "retrying": retrying}  # fmt: skip
-        await self._call("POST", f"/v1/jobs/{pod.job.namespace}/{pod.job.job}/restore", payload)
+    async def report_staged(self, pod: PodRank, generation: str, source: str | None, bad: list[BadCopy], retrying: bool = False) -> None:
+        """Reports the rank's staging result (``StagedReport``): the source it used, or None, and the
+        copies proven unusable (step, rank, holder)."""
+        report = StagedReport(pod.incarnation, generation, pod.rank, source, tuple(tuple(b) for b in bad), retrying)
+        await self._call("POST", f"/v1/jobs/{pod.job.namespace}/{pod.job.job}/restore", report)
 
 
 

@@ -151,10 +151,28 @@ class Lineage(msgspec.Struct, frozen=True, gc=False):
 
 
 class JobRef(msgspec.Struct, frozen=True, gc=False):
-    """A job, by namespace and name."""
+    """A job, by namespace and name: the one job key of the coordinator and its clients.
+
+    Hashed like a tuple of its two strings (msgspec hashes the fields; a string caches its hash).
+    """
 
     namespace: Name
     job: Name
+
+    @classmethod
+    def parse(cls, text: str) -> "JobRef":
+        """The job named ``NAMESPACE/JOB`` (the CLI's ``--job``).
+
+        Raises:
+          ValueError: ``text`` is not two non-empty names joined by ``/``.
+        """
+        namespace, sep, job = text.partition("/")
+        if not sep or not namespace or not job or "/" in job:
+            raise ValueError(f"{text!r} must be NAMESPACE/JOB")
+        return cls(namespace, job)
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.job}"
 
 
 class PodRank(msgspec.Struct, frozen=True, gc=False):
@@ -359,6 +377,105 @@ class RestoreView(msgspec.Struct, frozen=True, gc=False):
     def token(self) -> str:
         """What a rank knows of this view, to long-poll for a different one (``seen``)."""
         return f"{self.generation}:{int(self.ready)}"
+
+
+# Typed routes of the coordinator besides reports (``replicator.coordinator.service``). The JSON field
+# names are the routes' wire format: ``mtc`` clients of older releases send and read the same.
+
+BadCopy = tuple[Step, Rank, Name]  # (step, rank, holder): a copy a rank found corrupt or gone
+
+
+class SettingsRequest(msgspec.Struct, frozen=True, gc=False):
+    """``POST /v1/jobs/{ns}/{job}/settings``: the settings a rank's ``replicator.yaml`` carried."""
+
+    incarnation: Name
+    rank: Rank
+    settings: JobSettings
+
+
+class StagedReport(msgspec.Struct, frozen=True, gc=False):
+    """``POST /v1/jobs/{ns}/{job}/restore``: a rank's staging result.
+
+    Attributes:
+      incarnation, generation, rank: the view it staged (``RestoreView.generation``).
+      source: ``tier:holder`` it staged the step from, or None when no source served.
+      bad: copies proven unusable (a checksum mismatch, or the holder no longer has it).
+      retrying: the rank will try unreachable sources again (no replan).
+    """
+
+    incarnation: Name
+    generation: Text
+    rank: Rank
+    source: Text | None = None
+    bad: Annotated[tuple[BadCopy, ...], msgspec.Meta(max_length=MAX_LIST)] = ()
+    retrying: bool = False
+
+
+class RestoreFrom(msgspec.Struct, frozen=True, gc=False):
+    """``POST /v1/jobs/{ns}/{job}/restore-from``: the step the job's next restore uses (a rollback)."""
+
+    step: Step
+
+
+class Done(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
+    """The reply of a route that only acknowledges (``{"ok": true}``); ``step`` echoes ``restore-from``'s."""
+
+    ok: bool
+    step: Step | None = None
+
+
+class RankPlace(msgspec.Struct, frozen=True, gc=False):
+    """A rank of a job's incarnation: its node and pod."""
+
+    rank: int
+    node: str
+    pod: str
+
+
+class RestoreStatus(msgspec.Struct, frozen=True, gc=False):
+    """The incarnation's restore: the planned step, rank -> ``tier:holder`` it staged from, and the
+    copies proven unusable."""
+
+    step: int | None
+    sources: dict[int, str]
+    unusable_copies: tuple[tuple[int, int, str], ...]
+
+
+class JobStatus(msgspec.Struct, frozen=True, gc=False):
+    """One job as ``GET /v1/status`` shows it.
+
+    Attributes:
+      incarnation: the current incarnation id, or None while ``waiting_pods`` wait for one.
+      held: rank -> step -> the nodes holding a believed copy (``backup`` for the backup tier).
+      identical_peers: pairs of ranks found to hold the same data at ``newest_complete_step``.
+      timeline, rollbacks: how many rollbacks the job had, and their steps.
+    """
+
+    namespace: str
+    job: str
+    incarnation: str | None
+    waiting_pods: int
+    ranks: tuple[RankPlace, ...]
+    newest_complete_step: int | None
+    restore: RestoreStatus | None
+    held: dict[int, dict[int, tuple[str, ...]]]
+    identical_peers: tuple[tuple[int, int], ...]
+    safe_step: int | None
+    backups: tuple[int, ...]
+    backup_pending: int | None
+    backup_lister: str | None
+    forced_step: int | None
+    timeline: int
+    rollbacks: tuple[int, ...]
+
+
+class ClusterStatus(msgspec.Struct, frozen=True, gc=False):
+    """``GET /v1/status``: live and silent nodes, the jobs, and the heartbeat interval agents are told."""
+
+    nodes: tuple[str, ...]
+    silent_nodes: tuple[str, ...]
+    jobs: tuple[JobStatus, ...]
+    heartbeat_seconds: float
 
 
 # The longest a coordinator holds a long-poll request (a waiting report, a restore view), seconds.

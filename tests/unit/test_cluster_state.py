@@ -4,41 +4,8 @@ import msgspec
 import pytest
 
 from replicator.coordinator.state import ClusterState, NodeIdTaken, NotReady
-from replicator.wire.messages import BackedUp, HeldStep, JobSettings, Lineage, NodeReport, PodReport
-
-KEY = ("default", "run")
-OWN = {0: {"state/a": (10, "00000001")}, 1: {"state/b": (10, "00000002")}}
-SETTINGS = JobSettings((), 1, None, 1)
-
-
-def pod(index, incarnation=None, rank=None):
-    return PodReport("default", "run", f"run-0-{index}-x", f"uid{index}", 0, index, 2, 1, 8476, "run", 0.0, incarnation, rank,
-                     SETTINGS if rank is not None else None)  # fmt: skip
-
-
-def report(node, url, pods=(), held=(), has_backup=False):
-    return NodeReport(node, url, "127.0.0.1", {"block": node}, tuple(pods), tuple(held), has_backup=has_backup)
-
-
-def held_by(node, rank_of):
-    """Node ``node``'s own step 5 and its replica of the other rank (node a's does not match)."""
-    mine, theirs = rank_of[node], rank_of["b" if node == "a" else "a"]
-    replica = {path: (size, "0000bad0") for path, (size, _) in OWN[theirs].items()} if node == "a" else OWN[theirs]
-    return [HeldStep(*KEY, 5, mine, OWN[mine]), HeldStep(*KEY, 5, theirs, replica, replica=True)]
-
-
-def running_job(state: ClusterState, now=0.0, has_backup=False):
-    """Nodes a and b run the two ranks of a DP=1 job; each holds its own step 5 and the other's
-    replica. Node a's replica does not match what the rank's own node (b) reported."""
-    state.apply_report(report("a", "http://a", [pod(0)]), now)
-    incarnation = state.apply_report(report("b", "http://b", [pod(1)]), now).assignments[0].incarnation
-    rank_of_pod = state.jobs[KEY].incarnation.rank_of_pod
-    rank_of = {"a": rank_of_pod["uid0"], "b": rank_of_pod["uid1"]}
-    for node in ("a", "b"):
-        state.record_settings(KEY, incarnation, rank_of[node], SETTINGS)
-    for index, node in enumerate(("a", "b")):
-        state.apply_report(report(node, f"http://{node}", [pod(index, incarnation, rank_of[node])], held_by(node, rank_of), has_backup), now)
-    return incarnation, rank_of
+from replicator.wire.messages import BackedUp, HeldStep, Lineage, PodReport
+from tests.helpers.coordinator import KEY, NAMES, OWN, held_by, pod, report, running_job
 
 
 def test_restore_sources_carry_the_owners_checksums_not_the_holders():
@@ -55,7 +22,7 @@ def test_claims_of_unassigned_nodes_count_for_nothing():
     state = ClusterState()
     running_job(state)
     before = state.safe_step(KEY)
-    forged = [HeldStep(*KEY, 10**9, rank, OWN[rank], replica) for rank in (0, 1) for replica in (False, True)]
+    forged = [HeldStep(*NAMES, 10**9, rank, OWN[rank], replica) for rank in (0, 1) for replica in (False, True)]
     for ghost in ("ghost-1", "ghost-2"):
         state.apply_report(report(ghost, f"http://{ghost}", (), forged), 0.5)
     assert {c.step for c in state.copies(KEY)} == {5}
@@ -67,16 +34,16 @@ def test_a_complete_backup_counts_as_a_holder_while_the_replicas_are_in_flight()
     state.expire(0.0)
     incarnation, rank_of = running_job(state)
     for index, node in enumerate(("a", "b")):  # step 7 is committed everywhere, not replicated yet
-        held = [*held_by(node, rank_of), HeldStep(*KEY, 7, rank_of[node], OWN[rank_of[node]])]
+        held = [*held_by(node, rank_of), HeldStep(*NAMES, 7, rank_of[node], OWN[rank_of[node]])]
         state.apply_report(report(node, f"http://{node}", [pod(index, incarnation, rank_of[node])], held), 1.0)
     state.tick(3.0)
     assert state.safe_step(KEY) == 5  # one holder of step 7 per rank: not safe in the cluster
-    lister = state.nodes["a"].report
-    state.apply_report(msgspec.structs.replace(lister, has_backup=True, backed_up=(BackedUp(*KEY, ((7, 0),), 4.0),)), 4.0)
+    lister = state.liveness.nodes["a"].report
+    state.apply_report(msgspec.structs.replace(lister, has_backup=True, backed_up=(BackedUp(*NAMES, ((7, 0),), 4.0),)), 4.0)
     state.tick(6.0)
-    assert state.safe_step(KEY) == 7 and state.jobs[KEY].retain.keep_from == 7  # GC may delete step 5 now
+    assert state.safe_step(KEY) == 7 and state.job(KEY).retain.keep_from == 7  # GC may delete step 5 now
     # A backup of a step some rank's node does not hold is not enough: its copies there are what GC keeps.
-    state.apply_report(msgspec.structs.replace(lister, has_backup=True, backed_up=(BackedUp(*KEY, ((7, 0), (9, 0)), 7.0),)), 7.0)
+    state.apply_report(msgspec.structs.replace(lister, has_backup=True, backed_up=(BackedUp(*NAMES, ((7, 0), (9, 0)), 7.0),)), 7.0)
     state.tick(9.0)
     assert state.safe_step(KEY) == 7
 
@@ -86,9 +53,9 @@ def test_a_node_id_is_bound_to_its_url_until_it_falls_silent():
     state.apply_report(report("a", "http://a"), 0.0)
     with pytest.raises(NodeIdTaken, match="http://a"):
         state.apply_report(report("a", "http://evil"), 5.0)
-    assert state.nodes["a"].report.url == "http://a"
+    assert state.liveness.nodes["a"].report.url == "http://a"
     state.apply_report(report("a", "http://a-restarted"), 20.0)  # silent past the timeout: a new registration
-    assert state.nodes["a"].report.url == "http://a-restarted"
+    assert state.liveness.nodes["a"].report.url == "http://a-restarted"
 
 
 def test_a_silent_node_keeps_its_pods_in_the_incarnation_and_gets_orders_again_when_back():
@@ -97,12 +64,12 @@ def test_a_silent_node_keeps_its_pods_in_the_incarnation_and_gets_orders_again_w
     incarnation, rank_of = running_job(state, now=0.0)
     # a is frozen for 40 s: past the node timeout, within the grace period.
     reply = state.apply_report(report("b", "http://b", [pod(1, incarnation, rank_of["b"])], held_by("b", rank_of)), 40.0)
-    assert state.jobs[KEY].incarnation.incarnation_id == incarnation
-    assert state.status()["silent_nodes"] == ["a"]
+    assert state.job(KEY).incarnation.incarnation_id == incarnation
+    assert state.status().silent_nodes == ("a",)
     assert all(t.node != "a" for order in reply.replicate for t in order.targets)  # no pushes to a silent node
     assert {c.holder for c in state.copies(KEY, live_only=True)} == {"b"}  # a's copies do not count as safe now
     state.apply_report(report("a", "http://a", [pod(0, incarnation, rank_of["a"])], held_by("a", rank_of)), 41.0)
-    assert state.jobs[KEY].incarnation.incarnation_id == incarnation and state.status()["silent_nodes"] == []
+    assert state.job(KEY).incarnation.incarnation_id == incarnation and state.status().silent_nodes == ()
     assert {c.holder for c in state.copies(KEY, live_only=True)} == {"a", "b"} and state.safe_step(KEY) == 5
 
 
@@ -113,8 +80,8 @@ def test_a_replacement_pod_ends_the_incarnation_of_a_silent_node():
     lost = next(n for n in ("a", "b") if rank_of[n] == 1)
     replacement = PodReport("default", "run", "run-0-1-y", "uid-new", 0, 1, 2, 1, 8476, "run", 30.0)
     state.apply_report(report("c", "http://c", [replacement]), 30.0)
-    assert state.jobs[KEY].incarnation is None or state.jobs[KEY].incarnation.incarnation_id != incarnation
-    assert lost in state.nodes  # its data is still a restore source within the grace period
+    assert state.job(KEY).incarnation is None or state.job(KEY).incarnation.incarnation_id != incarnation
+    assert lost in state.liveness.nodes  # its data is still a restore source within the grace period
 
 
 def test_restore_waits_for_a_silent_holder_within_grace_then_replans_without_it():
@@ -156,16 +123,16 @@ def test_restore_from_works_while_the_job_has_no_pods_and_the_next_incarnation_u
     state = ClusterState()
     state.expire(0.0)
     incarnation, rank_of = running_job(state, now=20.0)
-    older = {node: [HeldStep(*KEY, 2, rank_of[node], OWN[rank_of[node]])] + held_by(node, rank_of) for node in ("a", "b")}
+    older = {node: [HeldStep(*NAMES, 2, rank_of[node], OWN[rank_of[node]])] + held_by(node, rank_of) for node in ("a", "b")}
     for node in ("a", "b"):  # the pods are deleted; the nodes still hold steps 2 and 5
         state.apply_report(report(node, f"http://{node}", [], older[node]), 21.0)
-    assert state.jobs[KEY].incarnation is None
+    assert state.job(KEY).incarnation is None
     state.force_restore_step(KEY, 2)
     with pytest.raises(LookupError, match="step 3"):
         state.force_restore_step(KEY, 3)
     state.apply_report(report("a", "http://a", [pod(2)], older["a"]), 22.0)
     state.apply_report(report("b", "http://b", [pod(3)], older["b"]), 22.0)
-    fresh = state.jobs[KEY].incarnation
+    fresh = state.job(KEY).incarnation
     assert fresh is not None and fresh.incarnation_id != incarnation
     view = state.restore_view(KEY, fresh.incarnation_id, 0, now=22.5)
     assert view.step == 2 and view.rollback  # the ranks delete the abandoned newer steps, not set them aside
@@ -176,13 +143,13 @@ def rolled_back_to_2(state, older_steps):
     come. Returns (rank_of, the new incarnation id, its first restore view of rank 0)."""
     state.expire(0.0)
     _, rank_of = running_job(state, now=20.0)
-    held = {node: [HeldStep(*KEY, s, rank_of[node], OWN[rank_of[node]]) for s in older_steps] + held_by(node, rank_of) for node in ("a", "b")}
+    held = {node: [HeldStep(*NAMES, s, rank_of[node], OWN[rank_of[node]]) for s in older_steps] + held_by(node, rank_of) for node in ("a", "b")}
     for node in ("a", "b"):
         state.apply_report(report(node, f"http://{node}", [], held[node]), 21.0)
     state.force_restore_step(KEY, 2)
     for index, node in enumerate(("a", "b")):
         state.apply_report(report(node, f"http://{node}", [pod(index + 2)], held[node]), 22.0)
-    fresh = state.jobs[KEY].incarnation.incarnation_id
+    fresh = state.job(KEY).incarnation.incarnation_id
     return rank_of, fresh, state.restore_view(KEY, fresh, 0, now=22.5)
 
 
@@ -192,54 +159,54 @@ def test_a_rollback_starts_a_timeline_whose_reused_step_numbers_never_mix_with_t
     assert (view.step, view.rollback, view.forks) == (2, True, (2,))
     # Step 5 of timeline 0 is abandoned: not a copy any more although the nodes still report it.
     assert {c.step for c in state.copies(KEY)} == {2}
-    assert state.reply_for("a").lineages == (Lineage(*KEY, (2,)),)
+    assert state.reply_for("a").lineages == (Lineage(*NAMES, (2,)),)
     for rank in (0, 1):
         state.report_staged(KEY, fresh, view.generation, rank, f"local:{'a' if rank == rank_of['a'] else 'b'}", [])
-    assert state.restore_view(KEY, fresh, 0, now=22.6).ready and state.jobs[KEY].forced_step is None
+    assert state.restore_view(KEY, fresh, 0, now=22.6).ready and state.job(KEY).forced_step is None
 
     # Timeline 1 writes step 5 again, with other values; node a still holds timeline 0's replica.
     new = {rank: {"state/a": (10, f"0000000{rank + 5}")} for rank in (0, 1)}
-    rank_now = {node: state.jobs[KEY].incarnation.rank_of_pod[f"uid{index + 2}"] for index, node in enumerate(("a", "b"))}
+    rank_now = {node: state.job(KEY).incarnation.rank_of_pod[f"uid{index + 2}"] for index, node in enumerate(("a", "b"))}
     for index, node in enumerate(("a", "b")):
-        held = [HeldStep(*KEY, 2, rank_now[node], OWN[rank_now[node]]), HeldStep(*KEY, 5, rank_now[node], new[rank_now[node]], timeline=1),
-                HeldStep(*KEY, 5, 1 - rank_now[node], replica=True)]  # fmt: skip
+        held = [HeldStep(*NAMES, 2, rank_now[node], OWN[rank_now[node]]), HeldStep(*NAMES, 5, rank_now[node], new[rank_now[node]], timeline=1),
+                HeldStep(*NAMES, 5, 1 - rank_now[node], replica=True)]  # fmt: skip
         state.apply_report(report(node, f"http://{node}", [pod(index + 2, fresh, rank_now[node])], held), 23.0)
     assert {(c.step, c.holder) for c in state.copies(KEY)} == {(2, "a"), (2, "b"), (5, "a"), (5, "b")}
-    assert state.jobs[KEY].owner_files[(5, 0)] == new[0]  # the new timeline's checksums, not the abandoned ones
+    assert state.job(KEY).owner_files(5, 0) == new[0]  # the new timeline's checksums, not the abandoned ones
 
     # The backup tier lists timeline 0's step 5 and timeline 1's step 3: only the latter is the job's.
-    listing = BackedUp(*KEY, ((3, 1), (5, 0)), 24.0)
-    a = state.nodes["a"].report
+    listing = BackedUp(*NAMES, ((3, 1), (5, 0)), 24.0)
+    a = state.liveness.nodes["a"].report
     state.apply_report(msgspec.structs.replace(a, has_backup=True, backed_up=(listing,)), 24.0)
     assert state.backed_up(KEY) == {3}
 
     # A node the job never ran on cannot roll it back.
-    ghost = msgspec.structs.replace(report("ghost", "http://ghost"), lineages=(Lineage(*KEY, (2, 0)),))
+    ghost = msgspec.structs.replace(report("ghost", "http://ghost"), lineages=(Lineage(*NAMES, (2, 0)),))
     state.apply_report(ghost, 24.5)
-    assert state.jobs[KEY].forks == (2,)
+    assert state.job(KEY).forks == (2,)
 
     # A restarted coordinator learns the rollback from the nodes and indexes only the lineage.
     again = ClusterState()
-    stale = {node: [HeldStep(*KEY, 5, rank_now[node], OWN[rank_now[node]])] for node in ("a", "b")}  # timeline 0's, not collected yet
+    stale = {node: [HeldStep(*NAMES, 5, rank_now[node], OWN[rank_now[node]])] for node in ("a", "b")}  # timeline 0's, not collected yet
     for index, node in enumerate(("a", "b")):  # the pods still report their incarnation: it is adopted
         again.apply_report(report(node, f"http://{node}", [pod(index + 2, fresh, rank_now[node])], stale[node]), 30.0)
-    assert again.jobs[KEY].incarnation.incarnation_id == fresh and {c.step for c in again.copies(KEY)} == {5}
+    assert again.job(KEY).incarnation.incarnation_id == fresh and {c.step for c in again.copies(KEY)} == {5}
     again.apply_report(msgspec.structs.replace(report("a", "http://a", [pod(2, fresh, rank_now["a"])], stale["a"]),
-                                               lineages=(Lineage(*KEY, (2,)),)), 30.5)  # fmt: skip
-    assert again.jobs[KEY].forks == (2,) and not again.jobs[KEY].claims
+                                               lineages=(Lineage(*NAMES, (2,)),)), 30.5)  # fmt: skip
+    assert again.job(KEY).forks == (2,) and not again.job(KEY).claimed()
 
     # Every heartbeat carries the rollback (and no checksums: the agents sent them before), the first
     # ones before the incarnation is adopted (the nodes are not yet the job's, so not believed): the
     # unchanged heartbeat after it is looked at again.
     third = ClusterState()
-    acked = {node: [HeldStep(*KEY, 5, rank_now[node])] for node in ("a", "b")}
+    acked = {node: [HeldStep(*NAMES, 5, rank_now[node])] for node in ("a", "b")}
     reports = {node: msgspec.structs.replace(report(node, f"http://{node}", [pod(index + 2, fresh, rank_now[node])], acked[node]),
-                                             lineages=(Lineage(*KEY, (2,)),)) for index, node in enumerate(("a", "b"))}  # fmt: skip
+                                             lineages=(Lineage(*NAMES, (2,)),)) for index, node in enumerate(("a", "b"))}  # fmt: skip
     for node in ("a", "b"):
         third.apply_report(reports[node], 30.0)
-    assert third.jobs[KEY].incarnation.incarnation_id == fresh and third.jobs[KEY].forks == ()
+    assert third.job(KEY).incarnation.incarnation_id == fresh and third.job(KEY).forks == ()
     third.apply_report(reports["a"], 31.0)
-    assert third.jobs[KEY].forks == (2,) and not third.jobs[KEY].claims
+    assert third.job(KEY).forks == (2,) and not third.job(KEY).claimed()
 
 
 def test_no_step_a_rollback_may_need_is_collected_while_it_is_pending_or_by_the_abandoned_safe_step():
@@ -247,8 +214,8 @@ def test_no_step_a_rollback_may_need_is_collected_while_it_is_pending_or_by_the_
     state.expire(0.0)
     _, rank_of = running_job(state, now=20.0)
     state.tick(21.0)
-    assert state.safe_step(KEY) == 5 and state.jobs[KEY].retain.keep_from == 5  # steps 1 and 2 may go
-    held = {node: [HeldStep(*KEY, s, rank_of[node], OWN[rank_of[node]]) for s in (1, 2)] + held_by(node, rank_of) for node in ("a", "b")}
+    assert state.safe_step(KEY) == 5 and state.job(KEY).retain.keep_from == 5  # steps 1 and 2 may go
+    held = {node: [HeldStep(*NAMES, s, rank_of[node], OWN[rank_of[node]]) for s in (1, 2)] + held_by(node, rank_of) for node in ("a", "b")}
     for node in ("a", "b"):
         state.apply_report(report(node, f"http://{node}", [], held[node]), 21.0)
     state.force_restore_step(KEY, 2)
@@ -256,7 +223,7 @@ def test_no_step_a_rollback_may_need_is_collected_while_it_is_pending_or_by_the_
         state.apply_report(report(node, f"http://{node}", [pod(index + 2)], held[node]), 22.0)
     state.tick(23.0)
     assert state.reply_for("a").retain == () and state.reply_for("b").retain == ()  # step 1 is the rollback's fallback
-    fresh = state.jobs[KEY].incarnation.incarnation_id
+    fresh = state.job(KEY).incarnation.incarnation_id
     assert state.restore_view(KEY, fresh, 0, now=23.5).step == 2
     assert state.reply_for("a").retain == ()  # step 5 was safe, but it is abandoned now
 
@@ -270,14 +237,14 @@ def test_a_rollback_to_a_step_that_proves_unrestorable_restores_the_newest_step_
     state.report_staged(KEY, fresh, view.generation, 0, None, [(2, 0, node_of[0])])
     view = state.restore_view(KEY, fresh, 0, now=22.6)
     assert (view.step, view.rollback, view.forks) == (1, False, (2,))  # newer steps are set aside, not deleted
-    assert state.jobs[KEY].forced_step is None
+    assert state.job(KEY).forced_step is None
 
 
 def test_a_step_set_aside_by_a_restore_counts_as_its_nodes_own_copy():
     state = ClusterState()
     state.expire(0.0)
     incarnation, rank_of = running_job(state, now=20.0)
-    aside = [HeldStep(*KEY, 9, rank_of[n], replica=True) for n in ("a", "b")]  # both ranks' step 9, set aside
+    aside = [HeldStep(*NAMES, 9, rank_of[n], replica=True) for n in ("a", "b")]  # both ranks' step 9, set aside
     for index, node in enumerate(("a", "b")):
         state.apply_report(report(node, f"http://{node}", [pod(index, incarnation, rank_of[node])], held_by(node, rank_of) + [aside[index]]), 20.2)
     assert {(c.step, c.rank, c.holder) for c in state.copies(KEY) if c.step == 9} == {(9, rank_of["a"], "a"), (9, rank_of["b"], "b")}
@@ -291,15 +258,15 @@ def test_a_step_written_anew_after_a_restore_to_an_older_one_supersedes_its_old_
     incarnation, rank_of = running_job(state, has_backup=True)
     rank = rank_of["b"]
     new = {"_CHECKPOINT_METADATA": (3, "0000000a"), "state/b": (10, "0000000b")}  # the same step number, other bytes
-    assert state.jobs[KEY].backup_pending == 5
+    assert state.job(KEY).backup_pending == 5
     # Node b restored an older step, set its step 5 aside, and the job wrote step 5 again.
-    held = [HeldStep(*KEY, 5, rank, new), HeldStep(*KEY, 5, rank_of["a"], OWN[rank_of["a"]], replica=True)]
+    held = [HeldStep(*NAMES, 5, rank, new), HeldStep(*NAMES, 5, rank_of["a"], OWN[rank_of["a"]], replica=True)]
     state.apply_report(report("b", "http://b", [pod(1, incarnation, rank)], held), 1.0)
     state.tick(1.0)
-    assert state.jobs[KEY].owner_files[(5, rank)] == new
+    assert state.job(KEY).owner_files(5, rank) == new
     # Its backup is abandoned for good: the ranks' uploads could be of either version under one COMMIT.
     state.tick(7.0)
-    assert state.jobs[KEY].backup_pending is None
+    assert state.job(KEY).backup_pending is None
     # Node a's replica of rank b's step 5 is of the old version: no copy, even when a reports it again unchanged.
     state.apply_report(report("a", "http://a", [pod(0, incarnation, rank_of["a"])], held_by("a", rank_of)), 2.0)
     state.tick(2.0)

@@ -1,8 +1,8 @@
 """The coordinator's settings snapshot: written at most every few seconds during a burst of settings, not once per request."""
 
 from replicator.coordinator import service
-from replicator.coordinator.state import ClusterState, JobState
-from replicator.wire.messages import JobSettings
+from replicator.coordinator.state import ClusterState
+from replicator.wire.messages import JobRef, JobSettings
 
 RANKS = 300
 
@@ -13,11 +13,10 @@ def settings(rank: int) -> JobSettings:
 
 def test_a_job_start_encodes_one_snapshot_that_a_restarted_coordinator_loads(tmp_path):
     state = ClusterState()
-    job = state.jobs.setdefault(("default", "big"), JobState())
     snapshot = service.SettingsSnapshot(str(tmp_path))
     assert snapshot.encode(state, 0.0) is None  # nothing recorded: nothing to write
     for rank in range(RANKS):  # what post_settings does for each rank of a starting job
-        job.add_settings(rank, settings(rank))
+        state.restore_settings(JobRef("default", "big"), rank, settings(rank))
         snapshot.due = True
         if rank == RANKS // 2:
             first = snapshot.encode(state, 0.0)  # the ticker, halfway through the burst
@@ -27,7 +26,7 @@ def test_a_job_start_encodes_one_snapshot_that_a_restarted_coordinator_loads(tmp
     assert data is not None and snapshot.encode(state, 10 * service.SNAPSHOT_INTERVAL_SECONDS) is None  # then nothing is due
     snapshot.write(data)
     restarted = service.make_app(service.CoordinatorConfig("127.0.0.1:0", state_dir=str(tmp_path)))
-    loaded = restarted[service._STATE_KEY].jobs[("default", "big")].settings
+    loaded = restarted[service._STATE_KEY].job(JobRef("default", "big")).settings
     assert loaded == {rank: settings(rank) for rank in range(RANKS)}
 
 

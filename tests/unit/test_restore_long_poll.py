@@ -7,7 +7,7 @@ import time
 from aiohttp.test_utils import TestClient, TestServer
 
 from replicator.coordinator import service
-from tests.unit.test_cluster_state import KEY, running_job  # to tests/helpers once the state branch has reshaped it
+from tests.helpers.coordinator import KEY, running_job
 
 
 def test_a_restore_request_is_held_until_the_coordinator_can_plan():
@@ -15,8 +15,8 @@ def test_a_restore_request_is_held_until_the_coordinator_can_plan():
         app = service.make_app(service.CoordinatorConfig("127.0.0.1:0"))
         state = app[service._STATE_KEY]
         incarnation, rank_of = running_job(state, now=time.time())
-        state._started = time.time() - state.node_timeout_seconds + 1.5  # a fresh coordinator: 1.5 s left to wait
-        path = f"/v1/jobs/{KEY[0]}/{KEY[1]}/restore"
+        state.liveness.started = time.time() - state.liveness.node_timeout_seconds + 1.5  # a fresh coordinator: 1.5 s left to wait
+        path = f"/v1/jobs/{KEY.namespace}/{KEY.job}/restore"
         query = {"incarnation": incarnation, "rank": str(rank_of["a"])}
         async with TestClient(TestServer(app)) as client:
             refused = await client.get(path, params=query)  # no wait: answered at once

@@ -11,17 +11,18 @@ from replicator.coordinator.state import (
     UnknownIncarnation,
     decide_interval,
 )
-from replicator.wire.messages import PROTOCOL_VERSION, BackedUp, HeldStep, JobSettings, NodeReport, PodReport
+from replicator.wire.messages import PROTOCOL_VERSION, BackedUp, HeldStep, JobRef, JobSettings, NodeReport, PodReport
 
 NODES = 10_000
 SLICES = 40
-KEY = ("default", "big")
+KEY = JobRef("default", "big")
+NAMES = (KEY.namespace, KEY.job)  # a message's namespace and job fields
 STEP_FILES = {"_CHECKPOINT_METADATA": (10, "00000001"), "state/_METADATA": (20, "00000002"), "state/d/a": (30, "00000003")}
 
 
 def pod(node: int, nodes: int, slices: int, incarnation=None, rank=None, settings=None) -> PodReport:
     per_slice = nodes // slices
-    return PodReport(*KEY, f"big-{node // per_slice}-{node % per_slice}-x", f"uid-{node}", node // per_slice, node % per_slice, nodes,
+    return PodReport(*NAMES, f"big-{node // per_slice}-{node % per_slice}-x", f"uid-{node}", node // per_slice, node % per_slice, nodes,
                      slices, 8476, "big", 0.0, incarnation, rank, settings)  # fmt: skip
 
 
@@ -31,7 +32,7 @@ def report(node: int, pods=(), held=(), has_backup=False) -> NodeReport:
 
 
 def own(step: int, rank: int, files=STEP_FILES, signature=None) -> HeldStep:
-    return HeldStep(*KEY, step, rank, files, signature=signature or f"sig-{step}")
+    return HeldStep(*NAMES, step, rank, files, signature=signature or f"sig-{step}")
 
 
 def form_job(state: ClusterState, nodes: int, slices: int, settings: JobSettings, now: float) -> dict[int, int]:
@@ -39,7 +40,7 @@ def form_job(state: ClusterState, nodes: int, slices: int, settings: JobSettings
     for node in range(nodes):
         state.apply_report(report(node, [pod(node, nodes, slices)]), now)
     state.tick(now + decide_interval(nodes))
-    incarnation = state.jobs[KEY].incarnation
+    incarnation = state.job(KEY).incarnation
     assert incarnation is not None
     rank_of = {int(node[1:]): rank for rank, node in incarnation.node_of_rank.items()}
     for node, rank in rank_of.items():
@@ -48,12 +49,12 @@ def form_job(state: ClusterState, nodes: int, slices: int, settings: JobSettings
 
 
 def heartbeat_round(state, nodes, rank_of, held, now, with_files=False):
-    incarnation = state.jobs[KEY].incarnation.incarnation_id
-    settings = next(iter(state.jobs[KEY].settings.values()))
+    incarnation = state.job(KEY).incarnation.incarnation_id
+    settings = next(iter(state.job(KEY).settings.values()))
     replies = {}
     for node in range(nodes):
         rank = rank_of[node]
-        steps = tuple(held(rank) if with_files else (h.__class__(*KEY, h.step, h.rank, None, h.replica, h.signature) for h in held(rank)))
+        steps = tuple(held(rank) if with_files else (h.__class__(*NAMES, h.step, h.rank, None, h.replica, h.signature) for h in held(rank)))
         replies[node] = state.apply_report(report(node, [pod(node, nodes, SLICES, incarnation, rank, settings)], steps), now)
     return replies
 
@@ -68,7 +69,7 @@ def test_assignments_follow_the_jobset_order_and_stay_stable_across_heartbeats()
     again = heartbeat_round(state, NODES, rank_of, lambda rank: [own(10, rank)], 2.0)
     assert [r.assignments for r in first.values()] == [r.assignments for r in again.values()]
     assert all(r.assignments[0].rank == node for node, r in again.items())
-    assert state.status()["nodes"][:2] == ["n0", "n1"] and len(state.status()["nodes"]) == NODES
+    assert state.status().nodes[:2] == ("n0", "n1") and len(state.status().nodes) == NODES
 
 
 def test_unchanged_heartbeats_recompute_nothing():
@@ -84,7 +85,7 @@ def test_unchanged_heartbeats_recompute_nothing():
     assert state.decisions == before
     assert not any(r.want_files for r in replies.values())
     # One changed report (a new step) makes the job dirty: exactly one pass once it is due.
-    state.apply_report(report(7, [pod(7, NODES, SLICES, state.jobs[KEY].incarnation.incarnation_id, 7)], [own(10, 7), own(20, 7)]), 4.6)
+    state.apply_report(report(7, [pod(7, NODES, SLICES, state.job(KEY).incarnation.incarnation_id, 7)], [own(10, 7), own(20, 7)]), 4.6)
     state.tick(4.6 + decide_interval(NODES))
     assert state.decisions == before + 1
 
@@ -97,10 +98,10 @@ def test_replicate_and_backup_orders_are_issued_exactly_when_due():
 
     def held(node, steps, replicas=()):
         rank = rank_of[node]
-        return [own(s, rank) for s in steps] + [HeldStep(*KEY, s, r, None, replica=True) for s, r in replicas]
+        return [own(s, rank) for s in steps] + [HeldStep(*NAMES, s, r, None, replica=True) for s, r in replicas]
 
-    incarnation = state.jobs[KEY].incarnation
-    targets = state.jobs[KEY].targets
+    incarnation = state.job(KEY).incarnation
+    targets = state.job(KEY).replica_targets
     reply = state.apply_report(report(0, [pod(0, nodes, 2, incarnation.incarnation_id, rank_of[0])], held(0, [4])), 1.0)
     assert [(o.step, [t.node for t in o.targets]) for o in reply.replicate] == [(4, targets[rank_of[0]])]
     # Once the target holds the replica, no order any more.
@@ -113,12 +114,12 @@ def test_replicate_and_backup_orders_are_issued_exactly_when_due():
         reply = state.apply_report(report(node, [pod(node, nodes, 2, incarnation.incarnation_id, rank_of[node])], held(node, [4])), 1.3)
         assert reply.backup == ()
     state.tick(1.3 + decide_interval(nodes))
-    assert state.jobs[KEY].backup_pending is None
+    assert state.job(KEY).backup_pending is None
     # With backup tiers: no backup before every rank holds the step; then one order per rank, for its own node only.
     for node in range(nodes):
         reply = state.apply_report(report(node, [pod(node, nodes, 2, incarnation.incarnation_id, rank_of[node])], held(node, [6]), has_backup=True), 1.4)
         assert [(o.step, o.rank) for o in reply.backup] == ([(6, rank_of[node])] if node == nodes - 1 else [])
-    assert state.jobs[KEY].backup_pending == 6
+    assert state.job(KEY).backup_pending == 6
 
 
 def test_data_parallel_identity_is_decided_once_per_step_and_pair():
@@ -129,7 +130,7 @@ def test_data_parallel_identity_is_decided_once_per_step_and_pair():
     for node in range(nodes):
         state.apply_report(report(node, [pod(node, nodes, SLICES)]), 0.0)
     state.tick(decide_interval(nodes))
-    incarnation = state.jobs[KEY].incarnation
+    incarnation = state.job(KEY).incarnation
     rank_of = {int(node[1:]): rank for rank, node in incarnation.node_of_rank.items()}
     for node, rank in rank_of.items():
         state.record_settings(KEY, incarnation.incarnation_id, rank, settings[rank])
@@ -149,9 +150,9 @@ def test_every_rank_restarting_at_once_costs_a_few_decision_passes_not_one_per_r
     rank_of = form_job(state, nodes, SLICES, JobSettings((), 2, None, 100), now=0.0)
     heartbeat_round(state, nodes, rank_of, lambda rank: [own(10, rank)], 1.0, with_files=True)
     for node in range(nodes):  # the nodes have a backup tier that nobody listed yet: restores wait for it
-        state.apply_report(msgspec.structs.replace(state.nodes[f"n{node}"].report, has_backup=True), 39.0)
+        state.apply_report(msgspec.structs.replace(state.liveness.nodes[f"n{node}"].report, has_backup=True), 39.0)
     state.tick(39.0 + decide_interval(nodes))
-    decisions, incarnation = state.decisions, state.jobs[KEY].incarnation.incarnation_id
+    decisions, incarnation = state.decisions, state.job(KEY).incarnation.incarnation_id
 
     state.expire(40.0)  # past the fresh-coordinator wait: each rank records its settings and asks, in turn
     for rank in range(nodes):
@@ -159,8 +160,8 @@ def test_every_rank_restarting_at_once_costs_a_few_decision_passes_not_one_per_r
         with pytest.raises(NotReady):
             state.restore_view(KEY, incarnation, rank, 40.0)
     assert state.decisions - decisions <= 2  # not one decision pass per rank
-    lister = state.jobs[KEY].lister
-    state.apply_report(msgspec.structs.replace(state.nodes[lister].report, backed_up=(BackedUp(*KEY, (), 41.0),)), 41.0)
+    lister = state.job(KEY).lister
+    state.apply_report(msgspec.structs.replace(state.liveness.nodes[lister].report, backed_up=(BackedUp(*NAMES, (), 41.0),)), 41.0)
     state.tick(41.0 + decide_interval(nodes))
     assert {state.restore_view(KEY, incarnation, rank, 42.0).step for rank in range(nodes)} == {10}
     assert state.identical(KEY)[10] == frozenset((r, (r + half) % nodes) for r in range(nodes))
@@ -171,13 +172,13 @@ def test_a_job_forms_when_its_last_pod_reports_not_at_its_next_paced_pass():
     state.expire(0.0)
     for node in range(NODES):  # every pod of a new job within 0.1 s: its passes are paced a second apart
         state.apply_report(report(node, [pod(node, NODES, SLICES)]), node * 1e-5)
-    first = state.jobs[KEY].incarnation
+    first = state.job(KEY).incarnation
     assert first is not None  # formed by the last pod's report, no tick needed: every long poll waits on it
     decisions = state.decisions
     for node in range(NODES):  # a job restart: a new pod on every node, again within 0.1 s
         new_pod = msgspec.structs.replace(pod(node, NODES, SLICES), pod_uid=f"new-{node}")
         state.apply_report(report(node, [new_pod]), 10.0 + node * 1e-5)
-    second = state.jobs[KEY].incarnation
+    second = state.job(KEY).incarnation
     assert second is not None and second.incarnation_id != first.incarnation_id
     assert set(second.rank_of_pod) == {f"new-{node}" for node in range(NODES)}
     assert state.decisions - decisions <= 3  # the one that ended the old incarnation, the one that formed the new
@@ -188,15 +189,15 @@ def test_a_restarted_coordinator_asks_once_for_the_checksums_it_lacks():
     state.expire(0.0)
     rank_of = form_job(state, 4, 1, JobSettings((), 1, None, 100), now=0.0)
     fresh = ClusterState()
-    incarnation = state.jobs[KEY].incarnation.incarnation_id
+    incarnation = state.job(KEY).incarnation.incarnation_id
     settings = JobSettings((), 1, None, 100)
-    bare = lambda node: [HeldStep(*KEY, 10, rank_of[node], None, signature="s")]  # noqa: E731
+    bare = lambda node: [HeldStep(*NAMES, 10, rank_of[node], None, signature="s")]  # noqa: E731
     replies = [fresh.apply_report(report(n, [pod(n, 4, 1, incarnation, rank_of[n], settings)], bare(n)), 50.0) for n in range(4)]
     assert all(r.want_files for r in replies)
     replies = [fresh.apply_report(report(n, [pod(n, 4, 1, incarnation, rank_of[n], settings)], [own(10, rank_of[n])]), 51.0) for n in range(4)]
     assert not any(r.want_files for r in replies)
-    assert fresh.jobs[KEY].incarnation.incarnation_id == incarnation  # adopted, not reassigned
-    assert fresh.jobs[KEY].owner_files[(10, 0)] == STEP_FILES
+    assert fresh.job(KEY).incarnation.incarnation_id == incarnation  # adopted, not reassigned
+    assert fresh.job(KEY).owner_files(10, 0) == STEP_FILES
     assert not any(fresh.apply_report(report(n, [pod(n, 4, 1, incarnation, rank_of[n], settings)], bare(n)), 52.0).want_files for n in range(4))
 
 
@@ -205,7 +206,7 @@ def test_heartbeats_slow_down_as_the_cluster_grows_and_the_timeout_follows(live,
     state = ClusterState(node_timeout_seconds=15.0)
     for node in range(live):
         state.apply_report(report(node), 0.0)
-    assert state.heartbeat_seconds == heartbeat and state.node_timeout_seconds == timeout
+    assert state.heartbeat_seconds == heartbeat and state.liveness.node_timeout_seconds == timeout
 
 
 def form_job_of_40_slices(state: ClusterState) -> tuple[dict[int, int], str]:
@@ -214,7 +215,7 @@ def form_job_of_40_slices(state: ClusterState) -> tuple[dict[int, int], str]:
     state.expire(0.0)
     per_slice = NODES // SLICES
     rank_of = form_job(state, NODES, SLICES, JobSettings((), SLICES, None, 100), now=0.0)
-    incarnation = state.jobs[KEY].incarnation.incarnation_id
+    incarnation = state.job(KEY).incarnation.incarnation_id
     for rank in range(NODES):
         peers = tuple(p for p in range(rank % per_slice, NODES, per_slice) if p != rank)
         state.record_settings(KEY, incarnation, rank, JobSettings(peers, SLICES, None, 100))
@@ -268,11 +269,11 @@ def test_a_decision_pass_looks_rank_by_rank_only_at_steps_every_rank_holds():
     # The per-step rank counts follow the claims as copies come and go.
     heartbeat_round(state, NODES, rank_of, newest, 5.0)
     state.tick(5.0 + decide_interval(NODES))
-    job = state.jobs[KEY]
+    job = state.job(KEY)
     recount: dict[int, int] = {}
-    for step, _ in job.claims:
+    for step, _ in job.claimed():
         recount[step] = recount.get(step, 0) + 1
-    assert job.step_ranks == recount == {20: NODES // 2}
+    assert job.ranks_claimed() == recount == {20: NODES // 2}
     assert state.safe_step(KEY) is None
 
 
@@ -280,16 +281,16 @@ def test_a_silent_node_asking_for_its_restore_is_live_again():
     state = ClusterState(node_timeout_seconds=15.0)
     state.expire(0.0)
     rank_of = form_job(state, 4, 1, JobSettings((), 1, None, 100), now=0.0)
-    incarnation = state.jobs[KEY].incarnation.incarnation_id
+    incarnation = state.job(KEY).incarnation.incarnation_id
     for node in range(1, 4):
         state.apply_report(report(node, [pod(node, 4, 1, incarnation, rank_of[node])]), 20.0)
     state.expire(20.0)
     state.tick(20.0)
-    assert not state.is_live("n0") and not state.jobs[KEY].dirty
+    assert not state.is_live("n0") and not state.job(KEY).undecided
     state.touch_rank(KEY, incarnation, rank_of[0], 21.0)  # its restore long poll, the agent's only connection
-    assert state.is_live("n0") and state.jobs[KEY].dirty  # its copies count again: the job is decided again
+    assert state.is_live("n0") and state.job(KEY).undecided  # its copies count again: the job is decided again
     state.expire(22.0)
-    assert state.status()["silent_nodes"] == []
+    assert state.status().silent_nodes == ()
     with pytest.raises(UnknownIncarnation):
         state.touch_rank(KEY, "another", 0, 22.0)
 
@@ -298,15 +299,15 @@ def test_nodes_falling_silent_do_not_shorten_the_timeout_of_the_others():
     state = ClusterState(node_timeout_seconds=15.0)
     for node in range(NODES):
         state.apply_report(report(node), 0.0)
-    assert state.heartbeat_seconds == 10.0 and state.node_timeout_seconds == 30.0
+    assert state.heartbeat_seconds == 10.0 and state.liveness.node_timeout_seconds == 30.0
     for node in range(2_000):  # the others lag (a loaded network or agents): silent at 31 s
         state.apply_report(report(node), 25.0)
     state.expire(31.0)
-    assert len(state.status()["silent_nodes"]) == NODES - 2_000
+    assert len(state.status().silent_nodes) == NODES - 2_000
     # The agents that reported at 25 s were told 10 s heartbeats: the timeout stays three of them.
-    assert state.node_timeout_seconds == 30.0
+    assert state.liveness.node_timeout_seconds == 30.0
     state.expire(50.0)
-    assert "n1" in state.status()["nodes"]
+    assert "n1" in state.status().nodes
 
 
 def test_the_silence_check_finds_silent_nodes_however_recently_the_others_reported():
@@ -315,28 +316,28 @@ def test_the_silence_check_finds_silent_nodes_however_recently_the_others_report
         state.apply_report(report(node), float(node))
     state.apply_report(report(0), 10.0)  # heard from again: no longer the oldest
     state.expire(19.0)
-    assert [n for n in ("n0", "n1", "n2", "n3") if state.nodes[n].silent] == ["n1", "n2", "n3"]
-    assert state.live_nodes() == 1  # mtc_live_nodes
+    assert [n for n in ("n0", "n1", "n2", "n3") if state.liveness.nodes[n].silent] == ["n1", "n2", "n3"]
+    assert state.liveness.live_count() == 1  # mtc_live_nodes
     state.apply_report(report(2), 20.0)  # back from silence
     state.expire(26.0)
-    assert [n for n in ("n0", "n1", "n2", "n3") if state.nodes[n].silent] == ["n0", "n1", "n3"]
-    assert state.live_nodes() == 1
+    assert [n for n in ("n0", "n1", "n2", "n3") if state.liveness.nodes[n].silent] == ["n0", "n1", "n3"]
+    assert state.liveness.live_count() == 1
     state.apply_report(report(1), 27.0)
-    assert state.live_nodes() == 2
+    assert state.liveness.live_count() == 2
 
 
 def test_a_complete_step_is_walked_once_until_a_holder_falls_silent():
     state = ClusterState(node_timeout_seconds=15.0)
     state.expire(0.0)
     rank_of = form_job(state, 4, 2, JobSettings((), 1, None, 100), now=0.0)
-    incarnation = state.jobs[KEY].incarnation.incarnation_id
+    incarnation = state.job(KEY).incarnation.incarnation_id
     for rank in range(4):  # ranks r and r + 2 are data-parallel peers
         state.record_settings(KEY, incarnation, rank, JobSettings(((rank + 2) % 4,), 2, None, 100))
 
     def heartbeat(nodes, now):
         for node in nodes:
             rank = rank_of[node]
-            settings = state.jobs[KEY].settings[rank]
+            settings = state.job(KEY).settings[rank]
             state.apply_report(report(node, [pod(node, 4, 2, incarnation, rank, settings)], [own(10, rank, signature=f"sig-{rank % 2}")]), now)
 
     heartbeat(range(4), 1.0)
@@ -347,5 +348,5 @@ def test_a_complete_step_is_walked_once_until_a_holder_falls_silent():
     assert state.safe_step(KEY) == 10 and state.rank_checks == checks
     heartbeat([n for n in range(4) if rank_of[n] != 0], 10.0)
     state.tick(20.0)  # rank 0's only copy is on a node silent past the timeout: nothing is safe
-    assert state.nodes[f"n{[n for n in range(4) if rank_of[n] == 0][0]}"].silent
+    assert state.liveness.nodes[f"n{[n for n in range(4) if rank_of[n] == 0][0]}"].silent
     assert state.safe_step(KEY) is None and state.rank_checks > checks

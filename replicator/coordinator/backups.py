@@ -1,0 +1,90 @@
+"""Backup scheduling: which backups of a job's lineage are complete, which node lists them, which
+step is backed up next and when, and the upload orders of a node."""
+
+import logging
+
+from replicator.coordinator.job import JobState
+from replicator.coordinator.liveness import Liveness, NodeState
+from replicator.wire.messages import BackupOrder, JobRef, in_lineage
+
+log = logging.getLogger(__name__)
+
+_GIVE_UP_SECONDS = 600.0  # a chosen backup step that never completes is chosen anew
+
+
+def complete(job: JobState, nodes: dict[str, NodeState]) -> dict[int, int]:
+    """Step -> timeline of the complete backups of the job's lineage, by the newest listing of a
+    known node the job ran on (the newest timeline if a step was backed up in several)."""
+    members = job.beliefs.members
+    listings = [b for node_id, b in job.listings.items() if node_id in members and node_id in nodes]
+    if not listings:
+        return {}
+    found: dict[int, int] = {}
+    for step, timeline in sorted(max(listings, key=lambda b: b.listed_at).steps):
+        if in_lineage(job.forks, step, timeline):
+            found[step] = timeline
+    return found
+
+
+def choose_lister(job: JobState, liveness: Liveness) -> str | None:
+    """The one node that lists the job's backups: rank 0's node if it can, else the lowest
+    rank's live node with a backup tier, else any live node with the job's pods."""
+    incarnation, lister = job.incarnation, job.decided.lister
+    nodes = incarnation.nodes if incarnation is not None else {node for _, node in job.pods.values()}
+    if lister in nodes and lister in liveness.backup_nodes and liveness.is_live(lister):
+        return lister  # stable while it can: a new lister lists again
+    able = [n for n in liveness.backup_nodes.intersection(nodes) if liveness.is_live(n)]
+    order = incarnation.rank_of_node.get if incarnation is not None else None
+    return min(able, key=lambda n: (order(n), n) if order else n, default=None)
+
+
+def advance(key: JobRef, job: JobState, now: float, backed: set[int], newest_complete) -> None:
+    """Finishes the pending backup once listed complete (``backed``); starts the next one when due.
+
+    Args:
+      newest_complete: called for the newest step every rank holds on nodes (not in backups).
+    """
+    if job.backup_pending is not None:
+        if job.backup_pending in backed:
+            log.info("job %s: step %d backed up", key, job.backup_pending)
+            job.last_backup_time, job.backup_pending = now, None
+        elif now - job.backup_pending_since > _GIVE_UP_SECONDS:
+            log.warning("job %s: backup of step %d did not complete; choosing anew", key, job.backup_pending)
+            job.backup_pending = None
+        return
+    if job.decided.lister is None:
+        return  # no live node of the job has a backup tier: a chosen step would only be kept from GC
+    newest = newest_complete()
+    last = max(backed, default=None)
+    if newest is None or (last is not None and newest <= last) or newest in job.rewritten:
+        return
+    settings = next(iter(job.settings.values()))
+    if settings.backup_interval_steps is not None:
+        due = last is None or newest >= last + settings.backup_interval_steps
+    else:
+        due = job.last_backup_time is None or now - job.last_backup_time >= settings.backup_interval_minutes * 60
+    if due:
+        job.backup_pending, job.backup_pending_since = newest, now
+        log.info("job %s: backing up step %d", key, newest)
+
+
+def orders(key: JobRef, job: JobState, state: NodeState) -> list[BackupOrder]:
+    """Uploads of the step being backed up for the ranks whose own data this node holds.
+
+    In a data-parallel group one member (rotating with the step, to spread the load) uploads;
+    the others reference its objects and upload only what differs.
+    """
+    incarnation = job.incarnation
+    step = job.backup_pending
+    if incarnation is None or step is None:
+        return []
+    node_id = state.report.node_id
+    protected = (incarnation.plan.step,) if incarnation.plan and incarnation.plan.step is not None else ()
+    result = []
+    for claim in state.claims:
+        if claim.job != key or claim.replica or claim.step != step or incarnation.node_of_rank.get(claim.rank) != node_id:
+            continue
+        leader = job.memo.leaders.leader(job.identity, step, claim.rank)
+        result.append(BackupOrder(key.namespace, key.job, step, claim.rank, incarnation.incarnation_id, len(incarnation.node_of_rank),
+                                  None if leader == claim.rank else leader, protected, len(job.forks), job.forks))  # fmt: skip
+    return result

@@ -1,0 +1,180 @@
+"""One job as the coordinator knows it: its domain data, with its indices, decisions and memo caches
+each in a small object of its own.
+
+- domain data (``JobState``): pods, incarnation, settings, lineage, the operator's rollback, backups;
+- indices: ``claims`` (``claims.ClaimIndex``), ``beliefs`` (``claims.Beliefs``), ``owners``
+  (``OwnerReports``), ``identity`` (``identity.Identity``);
+- the decision pass's cached results: ``decided`` (``Decisions``);
+- memo caches with their stamps: ``memo`` (``Memos``).
+"""
+
+import dataclasses
+
+from replicator.coordinator.claims import Beliefs, ClaimIndex, HeldMemo
+from replicator.coordinator.identity import Identity, LeaderMemo
+from replicator.coordinator.incarnations import Incarnation
+from replicator.wire.messages import (
+    BackedUp,
+    Files,
+    JobSettings,
+    PodReport,
+    RetainOrder,
+)
+
+
+class OwnerReports:
+    """What each rank's own node reported of its data.
+
+    Attributes:
+      files: (step, rank) -> the checksums the rank's own node reported: what every copy restored
+        for that rank must match, whoever serves it.
+      pending: (step, rank, node) -> (checksums, signature) a node reported for its own data, until
+        the node is believed for the rank (then they become ``files`` and the identity's signatures).
+    """
+
+    __slots__ = ("files", "pending")
+
+    def __init__(self):
+        self.files: dict[tuple[int, int], Files] = {}
+        self.pending: dict[tuple[int, int, str], tuple[Files | None, str | None]] = {}
+
+    def promote(self, beliefs: Beliefs, identity: Identity) -> None:
+        """Checksums and signatures reported by nodes now believed for the rank become the job's."""
+        for (step, rank, node_id), (files, signature) in list(self.pending.items()):
+            if not beliefs.believed(node_id, rank, False):
+                continue
+            if files is not None:
+                self.files.setdefault((step, rank), files)
+            if signature is not None:
+                identity.add_signature(step, rank, signature)
+            if files is not None or (step, rank) in self.files:
+                del self.pending[(step, rank, node_id)]
+
+    def forget_above(self, lowest: int) -> None:
+        for table in (self.files, self.pending):
+            for key in [k for k in table if k[0] > lowest]:
+                del table[key]
+
+    def forget_gone(self, steps: frozenset[int]) -> None:
+        for key in [k for k in self.files if k[0] not in steps]:
+            del self.files[key]
+
+
+@dataclasses.dataclass
+class Decisions:
+    """The decision pass's results, cached for replies (see ``ClusterState.decide``).
+
+    Attributes:
+      dirty: something changed since the last pass; decided_at: unix seconds of the last pass.
+      version: bumped whenever assignments or restore views may have changed (long polls wake).
+      safe: the newest step GC may keep from (``retention.safe_step``); retain: its order.
+      targets: rank -> replica target nodes (``replicas.place``); lister: the node that lists backups.
+    """
+
+    dirty: bool = True
+    decided_at: float = float("-inf")
+    version: int = 0
+    safe: int | None = None
+    retain: RetainOrder | None = None
+    targets: dict[int, list[str]] = dataclasses.field(default_factory=dict)
+    lister: str | None = None
+
+
+@dataclasses.dataclass
+class Memos:
+    """Memo caches and the stamps they hold for.
+
+    Attributes:
+      held: ``walk_ranks``'s answers (``claims.HeldMemo``).
+      leaders: backup leaders at one step (``identity.LeaderMemo``).
+      targets_for: (incarnation id, replicas) ``Decisions.targets`` were chosen for...
+      ordered_for: ...and were added to the beliefs' ``ordered`` for.
+      replicas: the replicas the incarnation's nodes are configured for, as of ``replicas_for``:
+        (incarnation id, ``Liveness.replicas_epoch``).
+      known_steps: the steps held in any tier at the last sweep (tables are swept on a change).
+    """
+
+    held: HeldMemo = dataclasses.field(default_factory=HeldMemo)
+    leaders: LeaderMemo = dataclasses.field(default_factory=LeaderMemo)
+    targets_for: tuple[str, int] | None = None
+    ordered_for: tuple[str, int] | None = None
+    replicas: int = 1
+    replicas_for: tuple[str, int] | None = None
+    known_steps: frozenset[int] = frozenset()
+
+
+@dataclasses.dataclass
+class JobState:
+    """A job's domain data, its indices, decisions and memo caches.
+
+    Attributes:
+      pods: pod uid -> (its report, its node), for the pods published on every known node.
+      pods_changed: a pod was published, changed or unpublished since the last decision pass.
+      retired_pods: pods of incarnations that ended and are still published; they never join another one.
+      incarnation: the current set of pods and their ranks, or None.
+      nodes: ranks of the newest incarnation: known after its pods are gone (``restore-from``).
+      settings: rank -> its ``replicator.yaml`` settings.
+      forks: the job's rollbacks (``messages.in_lineage``): only copies of its lineage are indexed.
+      forced_step: a step an operator asked the next restore to use (``mtc restore-from``).
+      forked: the timeline for ``forced_step`` has begun (once per request, however often it is planned).
+      listings: node -> its last listing of the job's backups.
+      backup_pending: the step being backed up now (since ``backup_pending_since``), or None.
+      last_backup_time: unix seconds the last backup completed (for ``backup-interval-minutes``).
+      rewritten: steps some rank's own node holds in other bytes than it first reported: never
+        backed up, since the ranks' uploads could join both versions under one ``COMMIT``.
+    """
+
+    pods: dict[str, tuple[PodReport, str]] = dataclasses.field(default_factory=dict)
+    pods_changed: bool = True
+    retired_pods: set[str] = dataclasses.field(default_factory=set)
+    incarnation: Incarnation | None = None
+    nodes: int = 0
+    settings: dict[int, JobSettings] = dataclasses.field(default_factory=dict)
+    forks: tuple[int, ...] = ()
+    forced_step: int | None = None
+    forked: bool = False
+    listings: dict[str, BackedUp] = dataclasses.field(default_factory=dict)
+    backup_pending: int | None = None
+    backup_pending_since: float = 0.0
+    last_backup_time: float | None = None
+    rewritten: set[int] = dataclasses.field(default_factory=set)
+    claims: ClaimIndex = dataclasses.field(default_factory=ClaimIndex)
+    beliefs: Beliefs = dataclasses.field(default_factory=Beliefs)
+    owners: OwnerReports = dataclasses.field(default_factory=OwnerReports)
+    identity: Identity = dataclasses.field(default_factory=Identity)
+    decided: Decisions = dataclasses.field(default_factory=Decisions)
+    memo: Memos = dataclasses.field(default_factory=Memos)
+
+    def add_settings(self, rank: int, settings: JobSettings) -> None:
+        """Records a rank's settings (and its data-parallel peers); the job is to be decided again."""
+        self.settings[rank] = settings
+        self.identity.add_peers(rank, settings)
+        self.decided.dirty = True
+
+    def ranks(self) -> int:
+        """The job's rank count: its incarnation's, else its pods' shape, else the last incarnation's."""
+        if self.incarnation:
+            return len(self.incarnation.node_of_rank)
+        if self.pods:
+            return next(iter(self.pods.values()))[0].nodes
+        return self.nodes
+
+    def may_form(self) -> bool:
+        """Whether a job without an incarnation may have a new pod for every rank since its last pass:
+        then it is decided at once, not at its paced interval, for every pod's long poll waits on it.
+        ``retired_pods`` is a subset of ``pods`` (a pod leaves both when it is gone), so the count is
+        an upper bound of the new pods: at worst a pass runs early."""
+        if self.incarnation is not None or not self.pods_changed or not self.pods:
+            return False
+        return len(self.pods) - len(self.retired_pods) >= next(iter(self.pods.values()))[0].nodes
+
+    def forget_gone_steps(self, steps: frozenset[int]) -> None:
+        """Checksums, signatures and identities of steps not in ``steps`` (held in no tier)."""
+        if steps == self.memo.known_steps:
+            return  # the tables hold only steps that were held at the last sweep
+        self.memo.known_steps = steps
+        self.owners.forget_gone(steps)
+        self.identity.forget_gone(steps)
+        self.rewritten &= steps
+        self.claims.sweep_stamps()
+        self.memo.held.sweep(self.claims.step_stamps)

@@ -1,0 +1,163 @@
+"""Restore planning: each incarnation's frozen plan (``planner.plan_restore`` over the believed
+copies not proven unusable), its replans, the operator's rollback, and each rank's view of it.
+
+The façade (``ClusterState``) decides when to plan and bumps the job's version; these functions
+take the job and what they read explicitly.
+"""
+
+import enum
+import logging
+import uuid
+
+from replicator.coordinator import planner
+from replicator.coordinator.incarnations import Incarnation
+from replicator.coordinator.job import JobState
+from replicator.coordinator.liveness import Liveness
+from replicator.coordinator.sync import LogOnce
+from replicator.wire.messages import BadCopy, Files, JobRef, RestoreView, Source
+
+log = logging.getLogger(__name__)
+
+# Tiers whose restore path exists in this release; the planner already knows the others.
+USABLE_TIERS = frozenset(planner.Tier)
+BACKUP_HOLDER = "backup"
+# A rank's restore view lists at most this many peer copies (live holders first), besides its own
+# and the backup: each carries the step's checksums, and a rank of a 40-slice job has 39 identical
+# peers. A peer proven bad is excluded and the replan lists the next ones.
+PEER_SOURCES_PER_VIEW = 4
+_PEER_TIERS = frozenset({planner.Tier.PEER_CLOSE, planner.Tier.PEER_DISTANT})
+
+
+class NotReady(Exception):
+    """The answer depends on reports that have not arrived yet; ask again shortly."""
+
+
+def check_started(incarnation: Incarnation, liveness: Liveness, now: float) -> None:
+    """Raises ``NotReady`` while the coordinator started less than a node timeout ago and the
+    incarnation has no plan: a holder that has not reported yet would make it choose an older step."""
+    if incarnation.plan is None and now - liveness.started < liveness.node_timeout_seconds:
+        raise NotReady(f"the coordinator started {now - liveness.started:.0f} s ago; waiting for every node's report")
+
+
+def check_plannable(job: JobState, incarnation: Incarnation, nodes: dict, now: float, grace_seconds: float) -> None:
+    """Raises ``NotReady`` while the job's newest reports are undecided, or while its nodes (of
+    ``nodes``) with a backup tier have not listed it, within ``grace_seconds`` of the incarnation:
+    planning without it could start from scratch a job a backup would resume."""
+    if job.decided.dirty:
+        raise NotReady("the job's newest reports are being decided")
+    backup_nodes = [n for n in incarnation.node_of_rank.values() if n in nodes and nodes[n].report.has_backup]
+    if backup_nodes and not any(n in job.listings for n in backup_nodes) and now - incarnation.created_at < grace_seconds:
+        raise NotReady(f"waiting for {job.decided.lister or 'a node with a backup tier'} to list the backup tier")
+
+
+def plan(incarnation: Incarnation, copies: list[planner.StepCopy], forced: int | None, blocks, identical) -> planner.RestorePlan:
+    """The restore plan over ``copies`` not proven unusable (only ``forced``'s, if given).
+
+    Args:
+      blocks: called with node ids for node -> topology block; identical: the job's identical pairs.
+    """
+    usable = [c for c in copies if (c.step, c.rank, c.holder) not in incarnation.excluded and (forced is None or c.step == forced)]
+    return planner.plan_restore(len(incarnation.node_of_rank), incarnation.node_of_rank, usable,
+                                blocks({c.holder for c in usable} | set(incarnation.node_of_rank.values())), USABLE_TIERS, identical)  # fmt: skip
+
+
+def rollback_forks(job: JobState) -> tuple[int, ...] | None:
+    """The lineage a pending rollback starts, once per request (it is marked begun), else None. What
+    the job trains from there on reuses the step numbers after the forced step, so the copies of
+    those steps it abandons must never be restored."""
+    if job.forced_step is None or job.forked:
+        return None
+    job.forked = True
+    return job.forks + (job.forced_step,)
+
+
+def replan(key: JobRef, job: JobState, incarnation: Incarnation, plan_for) -> None:
+    """Plans the incarnation's restore anew (``plan_for(forced)``), under a new generation.
+
+    An operator's step that turned out unrestorable (a rank's every copy proven unusable) is never
+    a fresh start: the newest restorable step of the lineage, which the rollback capped at it,
+    is planned; newer steps up to it are set aside, not deleted.
+    """
+    forced = job.forced_step
+    incarnation.plan = plan_for(forced)
+    if incarnation.plan.step is None and forced is not None:
+        log.error("job %s: step %d of the rollback cannot be restored; restoring the newest restorable step before it", key, forced)
+        job.forced_step = forced = None
+        incarnation.plan = plan_for(None)
+    incarnation.generation = uuid.uuid4().hex[:12]
+    incarnation.rollback = forced is not None
+    incarnation.staged.clear()
+    incarnation.used_sources.clear()
+    log.info("job %s incarnation %s: restore step %s", key, incarnation.incarnation_id, incarnation.plan.step)
+
+
+def sources_lost(incarnation: Incarnation, rank: int, liveness: Liveness) -> bool:
+    """Whether the rank has not staged the planned step and every holder of its sources is silent
+    past the grace period (none is the backup)."""
+    if incarnation.plan is None or rank in incarnation.staged or incarnation.plan.step is None:
+        return False
+    sources = incarnation.plan.sources.get(rank, ())
+    return bool(sources) and not any(s.tier == planner.Tier.BACKUP or liveness.holds_data(s.holder) for s in sources)
+
+
+def view(key: JobRef, job: JobState, incarnation: Incarnation, rank: int, liveness: Liveness, backups: dict[int, int],
+         warned: LogOnce) -> RestoreView:  # fmt: skip
+    """The rank's view of the plan: its sources, live holders first (a silent one, within the grace
+    period, is waited for only when needed), at most ``PEER_SOURCES_PER_VIEW`` peers."""
+    plan_ = incarnation.plan
+    # Liveness inlined: all 10,000 ranks' views are built at once when the job turns ready.
+    timeout, now, states = liveness.node_timeout_seconds, liveness.now, liveness.nodes
+    live, silent = [], []
+    for s in plan_.sources.get(rank, ()):
+        state = states.get(s.holder)
+        (live if s.tier == planner.Tier.BACKUP or (state is not None and now - state.last_seen <= timeout) else silent).append(s)
+    planned, peers = [], 0
+    for s in live + silent:
+        peers += s.tier in _PEER_TIERS
+        if s.tier not in _PEER_TIERS or peers <= PEER_SOURCES_PER_VIEW:
+            planned.append(s)
+    sources = tuple(
+        Source(s.tier, s.holder, liveness.url(s.holder), s.data_rank, _expected_files(key, job, plan_.step, s, warned),
+               backups.get(plan_.step, 0) if s.tier == planner.Tier.BACKUP else 0)
+        for s in planned
+    )  # fmt: skip
+    ready = plan_.step is None or len(incarnation.staged) == len(incarnation.node_of_rank)
+    if ready and plan_.step is not None and plan_.step == job.forced_step:
+        job.forced_step, job.forked = None, False  # done: later restores take the newest step again
+    return RestoreView(incarnation.generation, plan_.step, sources, ready, incarnation.rollback, job.forks)
+
+
+def _expected_files(key: JobRef, job: JobState, step: int, source: planner.Source, warned: LogOnce) -> Files | None:
+    """The checksums a copy from ``source`` must match: those the data rank's own node reported.
+    None when the coordinator never saw them (it restarted after that node was lost): the
+    fetching node then checks the holder's manifest."""
+    owner = job.owners.files.get((step, source.data_rank))
+    if owner is None and source.tier != planner.Tier.BACKUP and warned.first((key, step, source.data_rank)):
+        log.warning("job %s: owner checksums of rank %d step %d unknown; %s's manifest will be checked", key,
+                    source.data_rank, step, source.holder)  # fmt: skip
+    return owner
+
+
+class Staged(enum.Enum):
+    """What a rank's staging result asks of the façade."""
+
+    NOTHING = "nothing"
+    READY = "ready"  # every rank staged: every view turns ready (bump)
+    REPLAN = "replan"  # a rank was left with proven-unusable sources only
+
+
+def record_staged(key: JobRef, incarnation: Incarnation, generation: str, rank: int, source: str | None,
+                  bad: tuple[BadCopy, ...], retrying: bool) -> Staged:  # fmt: skip
+    """Records a rank's staging result: the source it used (``tier:holder``), or None when no
+    source served, and the copies proven unusable (never planned again). A copy that was merely
+    unreachable is not in ``bad``: the rank retries it (``retrying``) and nothing is replanned."""
+    if generation != incarnation.generation:
+        return Staged.NOTHING  # a result for a plan that has since been replaced
+    if bad:
+        log.warning("job %s rank %d: unusable copies %s", key, rank, list(bad))
+        incarnation.excluded.update(tuple(b) for b in bad)
+    if source is not None:
+        incarnation.staged.add(rank)
+        incarnation.used_sources[rank] = source
+        return Staged.READY if len(incarnation.staged) == len(incarnation.node_of_rank) else Staged.NOTHING
+    return Staged.NOTHING if retrying else Staged.REPLAN
