@@ -2,6 +2,9 @@
 
     python -m tests.chaos [--seed N] [--faults K] [--variant dp2|dp1] [--only FAULT,...]
 
+(Over 500 lines on purpose: one runnable tool whose faults, oracle and report read best together;
+what it shares with the tests lives in ``tests/helpers``.)
+
 A coordinator, four node agents (2 slices x 2 nodes, tmpfs, peer tier, backups to a ``file://``
 store) and ``examples/train.py`` training without end. Each fault runs one cycle: the fault, a
 failure (every training process SIGKILLed), the pods recreated, and the checks. ``dp2`` is data

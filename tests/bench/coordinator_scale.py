@@ -1,5 +1,8 @@
 """The coordinator at scale: one real ``mtc coordinator`` process, N simulated node agents, goals of issue 9.
 
+(Over 500 lines on purpose: one runnable bench whose simulated agents, phases and goal table read
+best together.)
+
 The coordinator runs as in production (``examples.local_cluster.CoordinatorProcess``: HTTPS with a
 self-signed certificate, the cluster token required). A load generator in this process simulates N
 node agents on one asyncio loop. Each agent reports through the node's own code: ``ReportSession``
