@@ -22,6 +22,7 @@ from prometheus_client import Counter, Histogram
 from csi_driver.ramdisk import Ramdisk
 from prefetch import staging
 from replicator.backup_tier.store import BackupError
+from replicator.local_tier.job_keys import job_of
 from replicator.local_tier.job_meta import JobMeta, PodProgress
 from replicator.local_tier.log_once import LogOnce, report_to_job
 from replicator.local_tier.step_manifest import CorruptCopy, StepManifest, UnusableCopy
@@ -117,7 +118,7 @@ class Restorer:
         while time.monotonic() - started < self._deadline_seconds:
             beat()
             try:
-                view = await client.restore_view(progress.pod_rank(disk.namespace, disk.job), seen)
+                view = await client.restore_view(progress.pod_rank(job_of(disk)), seen)
                 seen = None
                 if view.step is not None and view.generation != staged_generation:
                     staged = await self._stage(session, disk, meta, progress, view, unusable)
@@ -126,14 +127,14 @@ class Restorer:
                     if used is None and unreachable:
                         # Transient is not corrupt: report only proven-bad copies, retry the rest.
                         if bad:
-                            await client.report_staged(progress.pod_rank(disk.namespace, disk.job), view.generation, None, bad, retrying=True)
+                            await client.report_staged(progress.pod_rank(job_of(disk)), view.generation, None, bad, retrying=True)
                         self._log_once(f"restore-retry-{disk.job}", f"step {view.step}: sources unreachable "
                                        f"({'; '.join(unreachable[:3])}); retrying in {backoff:.0f} s", meta)  # fmt: skip
                         await asyncio.sleep(backoff)
                         backoff = min(2 * backoff, timing.RESTORE_RETRY_MAX_SECONDS)
                         continue
                     source = used.tier if used else NO_SOURCE
-                    await client.report_staged(progress.pod_rank(disk.namespace, disk.job), view.generation, used and f"{used.tier}:{used.holder}", bad)
+                    await client.report_staged(progress.pod_rank(job_of(disk)), view.generation, used and f"{used.tier}:{used.holder}", bad)
                     staged_generation, backoff = view.generation, timing.RESTORE_RETRY_FIRST_SECONDS
                     continue
             except CoordinatorUnavailable as err:

@@ -10,16 +10,17 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import tenacity
 from prometheus_client import Counter, Histogram
 
 from replicator.backup_tier.store import BackupError, BackupStore
+from replicator.local_tier.job_keys import BusySteps
 from replicator.local_tier.job_meta import JobMeta
 from replicator.local_tier.step_manifest import StepManifest
 from replicator.pacing.cpu_share import CpuShare
-from replicator.wire.messages import BackedUp, BackupOrder
+from replicator.wire.messages import BackedUp, BackupOrder, JobRef
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +40,13 @@ class BackupWorker:
     Args:
       store: the backup tier (``--backup``).
       keep: complete backups to keep per job (``--backup-keep``).
-      busy_steps: (namespace, job, step) being read; shared with garbage collection, which skips them.
+      busy_steps: the steps being read; shared with garbage collection, which skips them.
       report_error: called with (the job's JobMeta, message) for errors the job should see.
       on_change: called when the listing of complete backups changed.
       share: the agent's CPU cap while jobs train (content identities), or None.
     """
 
-    def __init__(self, store: BackupStore, keep: int, busy_steps: set, report_error: Callable[[JobMeta, str], None],
+    def __init__(self, store: BackupStore, keep: int, busy_steps: BusySteps, report_error: Callable[[JobMeta, str], None],
                  on_change: Callable[[], None], share: CpuShare | None = None):
         self.store = store
         self._share = share
@@ -53,21 +54,21 @@ class BackupWorker:
         self._busy = busy_steps
         self._report_error = report_error
         self._on_change = on_change
-        self.listing: dict[tuple[str, str], BackedUp] = {}
-        self._listed_at: dict[tuple[str, str], float] = {}
+        self.listing: dict[JobRef, BackedUp] = {}
+        self._listed_at: dict[JobRef, float] = {}
         # The coordinator repeats a wanted order with every reply; one it stopped repeating for this
         # long (done, given up, or the coordinator is away) is not retried. Set from the heartbeat.
         self.order_ttl_seconds = 10.0
-        self._wanted: dict[tuple[str, str], tuple[str, BackupOrder, float]] = {}  # job -> (ramdisk, order, asked at)
-        self._tasks: dict[tuple[str, str], asyncio.Task] = {}  # job -> its uploads, one at a time
+        self._wanted: dict[JobRef, tuple[str, BackupOrder, float]] = {}  # job -> (ramdisk, order, asked at)
+        self._tasks: dict[JobRef, asyncio.Task] = {}  # job -> its uploads, one at a time
         self._uploaded: set[tuple] = set()  # the coordinator hears of it only from the next listing
 
-    async def refresh(self, ramdisks: dict[tuple[str, str], str], force: bool = False) -> None:
+    async def refresh(self, ramdisks: Mapping[JobRef, str], force: bool = False) -> None:
         """Lists complete backups of each job at most every ``_LIST_INTERVAL_SECONDS`` (``force``:
         now); keeps the last listing on failure.
 
         Args:
-          ramdisks: (namespace, job) -> the job's ramdisk path on this node.
+          ramdisks: job -> its ramdisk path on this node.
         """
         now = time.monotonic()
         for key, ramdisk_path in ramdisks.items():
@@ -75,18 +76,18 @@ class BackupWorker:
                 continue
             self._listed_at[key] = now
             try:
-                steps = tuple(await asyncio.to_thread(self.store.complete_steps, f"{key[0]}/{key[1]}"))
+                steps = tuple(await asyncio.to_thread(self.store.complete_steps, str(key)))
             except BackupError as err:
                 BACKUP_FAILURES.inc()
                 self._report_error(JobMeta(ramdisk_path), f"listing the backup tier failed, retrying: {err}")
                 continue
-            self.listing[key] = BackedUp(*key, steps, time.time())
+            self.listing[key] = BackedUp(key.namespace, key.job, steps, time.time())
             self._on_change()
 
     def start(self, ramdisk_path: str, order: BackupOrder) -> None:
         """Wants the upload ``order`` asks for: its job's task runs it (now, or after the backoff of a
         failed attempt); a newer order of the same job replaces it."""
-        job = (order.namespace, order.job)
+        job = JobRef(order.namespace, order.job)
         self._wanted[job] = (ramdisk_path, order, time.monotonic())
         if job not in self._tasks or self._tasks[job].done():
             self._tasks[job] = asyncio.create_task(self._back_up(job))
@@ -96,7 +97,7 @@ class BackupWorker:
             task.cancel()
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
 
-    async def _back_up(self, job: tuple[str, str]) -> None:
+    async def _back_up(self, job: JobRef) -> None:
         """Runs the job's wanted order until it is done or no longer asked for. A failed attempt is
         reported and retried after an exponential backoff; each attempt takes the newest order."""
         retrying = tenacity.AsyncRetrying(wait=_RETRY_WAIT, retry=tenacity.retry_if_exception_type((BackupError, OSError)),
@@ -109,12 +110,12 @@ class BackupWorker:
                     return
                 await self._upload(ramdisk_path, order, key)
 
-    def _report_failure(self, job: tuple[str, str], state: tenacity.RetryCallState) -> None:
+    def _report_failure(self, job: JobRef, state: tenacity.RetryCallState) -> None:
         BACKUP_FAILURES.inc()
         ramdisk_path, order, _ = self._wanted[job]
         message = (f"backup of step {order.step} rank {order.rank} to the backup tier {self.store.url} failed "
                    f"(retrying in {state.next_action.sleep:.0f} s): {state.outcome.exception()}")  # fmt: skip
-        log.warning("%s/%s: %s", *job, message)
+        log.warning("%s: %s", job, message)
         self._report_error(JobMeta(ramdisk_path), message)
 
     async def _upload(self, ramdisk_path: str, order: BackupOrder, key: tuple) -> None:
@@ -127,11 +128,10 @@ class BackupWorker:
         located = meta.locate(order.rank, order.step)
         if located is None:
             return
-        job_key = f"{order.namespace}/{order.job}"
-        busy = (order.namespace, order.job, order.step)
-        self._busy.add(busy)
+        job = JobRef(order.namespace, order.job)
+        job_key = str(job)  # the store's name of the job
         started = time.monotonic()
-        try:
+        with self._busy.reading(job, order.step):
             dedup = None
             if order.dedup_from_rank is not None:
                 dedup = await asyncio.to_thread(self.store.rank_manifest, job_key, order.step, order.dedup_from_rank, order.timeline)
@@ -150,10 +150,8 @@ class BackupWorker:
             if await asyncio.to_thread(self.store.commit_if_complete, job_key, order.step, order.nodes, order.incarnation, order.timeline):
                 deleted = await asyncio.to_thread(self.store.retain, job_key, self._keep, order.protected, order.forks)
                 log.info("%s: backup of step %d complete; retention deleted %s", job_key, order.step, deleted or "nothing")
-                await self.refresh({(order.namespace, order.job): ramdisk_path}, force=True)
+                await self.refresh({job: ramdisk_path}, force=True)
             self._uploaded.add(key)
-        finally:
-            self._busy.discard(busy)
 
     async def download(self, meta: JobMeta, namespace: str, job: str, step: int, rank: int, timeline: int = 0) -> tuple[str, StepManifest]:
         """Downloads and verifies ``rank``'s ``step`` of ``timeline`` into the ramdisk's incoming area.

@@ -58,9 +58,9 @@ class PodProgress:
     handing_over: int | None = None
     restore_done: bool = False
 
-    def pod_rank(self, namespace: str, job: str) -> PodRank:
-        """This pod's place in the job (the coordinator client's key); only once it has a rank."""
-        return PodRank(JobRef(namespace, job), self.incarnation, self.rank)
+    def pod_rank(self, job: JobRef) -> PodRank:
+        """This pod's place in ``job`` (the coordinator client's key); only once it has a rank."""
+        return PodRank(job, self.incarnation, self.rank)
 
 
 def _parse_manifest(data: bytes) -> StepManifest:

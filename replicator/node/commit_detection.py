@@ -13,10 +13,12 @@ from collections.abc import Callable
 from prometheus_client import Counter, Gauge
 
 from csi_driver.ramdisk import Ramdisk
+from replicator.local_tier.job_keys import job_of
 from replicator.local_tier.job_meta import JobMeta, PodProgress
 from replicator.local_tier.log_once import report_to_job
 from replicator.local_tier.step_manifest import build_manifest
 from replicator.pacing.cpu_share import CpuShare
+from replicator.wire.messages import JobRef
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +37,7 @@ class CommitDetector:
     def __init__(self, share: CpuShare | None, poke: Callable[[], None]):
         self._share = share
         self._poke = poke
-        self._refused: dict[tuple[str, str], set[int]] = {}  # steps never to checksum again, per job
+        self._refused: dict[JobRef, set[int]] = {}  # steps never to checksum again, per job
 
     async def detect(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress) -> None:
         """One look at the pod's client dir: manifests for new steps, dropped ones for removed steps."""
@@ -46,7 +48,7 @@ class CommitDetector:
         scan = framework.cached_scan(disk.client_dir) or await asyncio.to_thread(framework.scan_steps, disk.client_dir)
         for step in set(known) - set(scan.committed) - set(scan.staged):
             meta.drop_manifest(step)  # Orbax removed an old step itself
-        refused = self._refused.setdefault((disk.namespace, disk.job), set())
+        refused = self._refused.setdefault(job_of(disk), set())
         refused &= set(scan.committed) | set(scan.refused)  # a name reused later is looked at afresh
         for step in set(scan.refused) - refused:
             self._refuse(disk, meta, refused, step, "is not a directory (a symlink, FIFO or file where Orbax commits a step)")

@@ -1,20 +1,21 @@
 """Garbage collection on the node: carries out the coordinator's retain orders for a job's ramdisk."""
 
 from csi_driver.ramdisk import Ramdisk
+from replicator.local_tier.job_keys import BusySteps, job_of
 from replicator.local_tier.job_meta import JobMeta
 from replicator.local_tier.steps import GC_DELETED, delete_step, drop_abandoned
 from replicator.node.handshake import current_pod
 from replicator.wire.messages import RetainOrder
 
 
-def collect_garbage(disk: Ramdisk, order: RetainOrder, busy_steps: set[tuple[str, str, int]]) -> None:
+def collect_garbage(disk: Ramdisk, order: RetainOrder, busy_steps: BusySteps) -> None:
     """Deletes own steps and replicas older than the newest safe step (see ``RetainOrder``), the
     steps the pod's restore set aside once a step newer than the restored one is safe, and
     copies of abandoned timelines (finishing a deletion an agent restart interrupted).
-    Steps in ``busy_steps`` ((namespace, job, step) being read by a push or an upload) are kept."""
+    Steps in ``busy_steps`` (being read by a push or an upload) are kept."""
     drop_abandoned(disk)
     meta = JobMeta(disk.path)
-    keep = set(order.protected) | {step for ns, job, step in busy_steps if (ns, job) == (disk.namespace, disk.job)}
+    keep = set(order.protected) | busy_steps.of(job_of(disk))
     for step in meta.manifests():
         if step < order.keep_from and step not in keep:
             meta.drop_manifest(step)  # first: a step is never reported once its deletion began

@@ -9,6 +9,7 @@ from prometheus_client import Counter
 from csi_driver.ramdisk import Ramdisk
 from replicator.local_tier import pod_files
 from replicator.local_tier.frameworks import InvalidReplicatorConfig
+from replicator.local_tier.job_keys import job_of
 from replicator.local_tier.job_meta import JobMeta, PodProgress
 from replicator.local_tier.log_once import LogOnce
 from replicator.wire.coordinator_client import CoordinatorClient, CoordinatorUnavailable
@@ -56,7 +57,7 @@ async def consume_replicator_yaml(client: CoordinatorClient, disk: Ramdisk, meta
         REPLICATOR_YAML.labels("rejected").inc()
         return
     try:
-        await client.record_settings(progress.pod_rank(disk.namespace, disk.job), settings)
+        await client.record_settings(progress.pod_rank(job_of(disk)), settings)
     except CoordinatorUnavailable as err:
         log_once(f"settings-{disk.job}", f"cannot record job settings with the coordinator, retrying: {err}", meta)
         return

@@ -12,15 +12,17 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Mapping
 
 import aiohttp
 from prometheus_client import Counter, Gauge, Histogram
 
-from csi_driver.ramdisk import RamdiskManager
+from csi_driver.ramdisk import Ramdisk, RamdiskManager
 from prefetch.restore import Restorer
 from replicator.backup_tier.store import BackupStore
 from replicator.backup_tier.worker import BackupWorker
 from replicator.local_tier import steps
+from replicator.local_tier.job_keys import BusySteps, by_job
 from replicator.local_tier.job_meta import JobMeta
 from replicator.local_tier.log_once import LogOnce
 from replicator.local_tier.steps import drop_abandoned
@@ -29,12 +31,12 @@ from replicator.node.commit_detection import CommitDetector
 from replicator.node.config import NodeConfig
 from replicator.node.garbage_collection import collect_garbage
 from replicator.node.pushes import Pusher
-from replicator.node.report_session import ReportSession
+from replicator.node.report_session import OwnStep, ReportSession, StepCopy
 from replicator.pacing import timing
 from replicator.pacing.cpu_share import CpuShare
 from replicator.wire import tls
 from replicator.wire.coordinator_client import CoordinatorClient, CoordinatorUnavailable
-from replicator.wire.messages import Assignment, Lineage, NodeReport, PodReport
+from replicator.wire.messages import Assignment, JobRef, Lineage, NodeReport, PodReport
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +72,7 @@ class NodeReplicator:
         self._coordinator_ssl = tls.client_context(config.coordinator_ca)
         self._wedged_after_seconds = config.pacing.wedged_after_seconds
         self._session: aiohttp.ClientSession | None = None
-        self._busy_steps: set[tuple[str, str, int]] = set()  # (namespace, job, step) being read: GC keeps them
+        self._busy_steps = BusySteps()  # being read by a push or an upload: GC keeps them
         self._log_once = LogOnce()
         self._assignments: dict[str, Assignment] = {}
         self._backup = (
@@ -85,8 +87,8 @@ class NodeReplicator:
         self._reporting = ReportSession(config.node_id, config.peer.url, config.pod_address, config.topology, config.peer.replicas,
                                         backup_store is not None)  # fmt: skip
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._workers: dict[tuple[str, str], asyncio.Task] = {}
-        self._beats: dict[object, float] = {_ROUND: time.monotonic()}  # loop -> when it last completed a pass
+        self._workers: dict[JobRef, asyncio.Task] = {}
+        self._beats: dict[JobRef | str, float] = {_ROUND: time.monotonic()}  # loop -> when it last completed a pass
 
     def poke(self) -> None:
         """Asks for a report now; safe to call from any thread (the gRPC servicer's)."""
@@ -135,7 +137,7 @@ class NodeReplicator:
                     await self._backup.stop()
 
     async def _round(self, client: CoordinatorClient) -> None:
-        disks = await asyncio.to_thread(self._manager.ramdisks)
+        disks = by_job(await asyncio.to_thread(self._manager.ramdisks))
         if self._backup and (self._listing is None or self._listing.done()):
             # In the background: a store outage must not hold up reports and restores. Only the
             # jobs the coordinator made this node the lister of (one node per job).
@@ -144,7 +146,7 @@ class NodeReplicator:
         await self._report(client, disks)
         self._sync_workers(client, disks)
 
-    def _beat(self, loop: object) -> None:
+    def _beat(self, loop: JobRef | str) -> None:
         """Records that ``loop`` (the report round or a job's key) is alive (see ``healthy``)."""
         self._beats[loop] = time.monotonic()
 
@@ -159,7 +161,7 @@ class NodeReplicator:
 
     # -- reporting -----------------------------------------------------------------------------
 
-    async def _report(self, client: CoordinatorClient, disks: dict) -> None:
+    async def _report(self, client: CoordinatorClient, disks: Mapping[JobRef, Ramdisk]) -> None:
         """Sends a report when something changed, when poked, or when a heartbeat is due."""
         report = await asyncio.to_thread(self._build_report, disks)
         reporting = self._reporting
@@ -189,7 +191,7 @@ class NodeReplicator:
             self._wake.set()
         self._assignments = {a.pod_uid: a for a in reply.assignments}
         for lineage in reply.lineages:
-            if (disk := disks.get((lineage.namespace, lineage.job))) is not None and JobMeta(disk.path).learn_lineage(lineage.forks):
+            if (disk := disks.get(JobRef(lineage.namespace, lineage.job))) is not None and JobMeta(disk.path).learn_lineage(lineage.forks):
                 log.warning("%s/%s: rolled back to step %d (timeline %d): deleting the abandoned timeline's copies",
                             disk.namespace, disk.job, lineage.forks[-1], len(lineage.forks))  # fmt: skip
                 await asyncio.to_thread(drop_abandoned, disk)
@@ -197,21 +199,21 @@ class NodeReplicator:
             for order in reply.replicate:
                 self._pusher.start(self._session, disks, order)
         for order in reply.retain:
-            if (disk := disks.get((order.namespace, order.job))) is not None:
+            if (disk := disks.get(JobRef(order.namespace, order.job))) is not None:
                 await asyncio.to_thread(collect_garbage, disk, order, self._busy_steps)
         if self._backup:
             # Orders are repeated with every reply: one missing from three heartbeats was withdrawn.
             self._backup.order_ttl_seconds = max(timing.MIN_BACKUP_ORDER_TTL_SECONDS, 3 * reply.heartbeat_seconds)
         for order in reply.backup:
-            if self._backup and (disk := disks.get((order.namespace, order.job))) is not None:
+            if self._backup and (disk := disks.get(JobRef(order.namespace, order.job))) is not None:
                 self._backup.start(disk.path, order)
 
-    def _build_report(self, disks: dict) -> NodeReport:
+    def _build_report(self, disks: Mapping[JobRef, Ramdisk]) -> NodeReport:
         """The node's report (see ``ReportSession.build``), from its ramdisks."""
         pods, own, replicas, lineages, waiting, job_frameworks = [], [], [], [], False, {}
-        for disk in disks.values():
+        for job, disk in disks.items():
             meta = JobMeta(disk.path)
-            framework = job_frameworks[(disk.namespace, disk.job)] = meta.framework
+            framework = job_frameworks[job] = meta.framework
             if forks := meta.lineage():
                 lineages.append(Lineage(disk.namespace, disk.job, forks))
             for publication in disk.publications.values():
@@ -226,25 +228,25 @@ class NodeReplicator:
                 ))  # fmt: skip
                 waiting |= progress.incarnation is None and spec.pod_uid not in self._assignments
             present = set(framework.scan_steps(disk.client_dir).held)
-            own += [(disk.namespace, disk.job, step, m.rank, m.files, m.timeline) for step, m in meta.manifests().items() if step in present]
+            own += [OwnStep(StepCopy(job, step, m.rank, m.timeline), m.files) for step, m in meta.manifests().items() if step in present]
             mine = {(m.rank, step) for step, m in meta.manifests().items()}
-            replicas += [(disk.namespace, disk.job, step, rank, m.timeline) for (rank, step), m in meta.replicas().items() if (rank, step) not in mine]
+            replicas += [StepCopy(job, step, rank, m.timeline) for (rank, step), m in meta.replicas().items() if (rank, step) not in mine]
         backed_up = self._backup.listing.values() if self._backup else ()
         return self._reporting.build(pods, own, replicas, backed_up, waiting, lineages, job_frameworks)
 
     # -- per-job workers -----------------------------------------------------------------------
 
-    def _sync_workers(self, client: CoordinatorClient, disks: dict) -> None:
+    def _sync_workers(self, client: CoordinatorClient, disks: Mapping[JobRef, Ramdisk]) -> None:
         for key in [k for k in self._workers if k not in disks or self._workers[k].done()]:
             task = self._workers.pop(key)
             if task.done() and not task.cancelled() and task.exception():
-                log.error("worker for %s/%s failed: %r", *key, task.exception())
+                log.error("worker for %s failed: %r", key, task.exception())
             task.cancel()
         for key, disk in disks.items():
             if key not in self._workers and disk.publications:
-                self._workers[key] = asyncio.create_task(self._watch(client, key), name=f"watch-{key[0]}-{key[1]}")
+                self._workers[key] = asyncio.create_task(self._watch(client, key), name=f"watch-{key.namespace}-{key.job}")
 
-    async def _watch(self, client: CoordinatorClient, key: tuple[str, str]) -> None:
+    async def _watch(self, client: CoordinatorClient, key: JobRef) -> None:
         try:
             while await self._watch_once(client, key):
                 self._beat(key)
@@ -252,10 +254,11 @@ class NodeReplicator:
         finally:
             self._beats.pop(key, None)
 
-    async def _watch_once(self, client: CoordinatorClient, key: tuple[str, str]) -> bool:
+    async def _watch_once(self, client: CoordinatorClient, key: JobRef) -> bool:
         """One pass over a job's ramdisk; False once no pod has it published. An error is logged,
         counted and retried on the next pass: it never stops the job's protocol for good."""
-        disk = self._manager.ramdisks().get(key)  # a stat; the state file is parsed only when it changed
+        # A stat; the state file is parsed only when it changed. The CSI driver keys by (namespace, job).
+        disk = self._manager.ramdisks().get((key.namespace, key.job))
         spec = handshake.current_pod(disk) if disk else None
         if spec is None:
             return False
@@ -270,5 +273,5 @@ class NodeReplicator:
             await self._commits.detect(disk, meta, progress)
         except Exception as err:
             LOOP_ERRORS.labels("job").inc()
-            self._log_once(f"watch-{key}", f"{key[0]}/{key[1]}: error in the job's protocol loop, retrying: {err!r}")
+            self._log_once(f"watch-{key}", f"{key}: error in the job's protocol loop, retrying: {err!r}")
         return True

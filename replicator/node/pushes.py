@@ -8,17 +8,19 @@ most one starts per ``min_interval_seconds``: a job saving faster replicates onl
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 
 import aiohttp
 from prometheus_client import Counter
 
 from csi_driver.ramdisk import Ramdisk
+from replicator.local_tier.job_keys import BusySteps
 from replicator.local_tier.job_meta import JobMeta
 from replicator.local_tier.log_once import LogOnce
 from replicator.pacing import timing
 from replicator.pacing.cpu_share import CpuShare
 from replicator.peer_tier.client import PeerFetchError, push_step
-from replicator.wire.messages import ReplicateOrder, Target
+from replicator.wire.messages import JobRef, ReplicateOrder, Target
 
 log = logging.getLogger(__name__)
 
@@ -34,63 +36,62 @@ class Pusher:
     Args:
       peer_token: bearer token of the peer tier.
       share: the CPU cap of pushes while jobs train, or None.
-      busy_steps: (namespace, job, step) being read; a push adds its step so GC keeps it.
+      busy_steps: the steps being read; a push marks its step so GC keeps it.
       log_once: the agent's throttled error log.
-      min_interval_seconds: at most one push per (namespace, job, peer) this often.
+      min_interval_seconds: at most one push per job and peer this often.
     """
 
-    def __init__(self, peer_token: str, share: CpuShare | None, busy_steps: set[tuple[str, str, int]], log_once: LogOnce,
+    def __init__(self, peer_token: str, share: CpuShare | None, busy_steps: BusySteps, log_once: LogOnce,
                  min_interval_seconds: float = timing.MIN_PUSH_INTERVAL_SECONDS):  # fmt: skip
         self._peer_token = peer_token
         self._share = share
         self._busy_steps = busy_steps
         self._log_once = log_once
         self._min_interval_seconds = min_interval_seconds
-        self._pushes: dict[tuple, asyncio.Task] = {}
-        self._pushed: dict[tuple, float] = {}  # push key -> when it succeeded
-        self._push_started: dict[tuple[str, str, str], float] = {}  # (namespace, job, target) -> monotonic
+        self._pushes: dict[tuple[JobRef, int, int, str], asyncio.Task] = {}  # (job, rank, step, target) -> its push
+        self._pushed: dict[tuple[JobRef, int, int, str], float] = {}  # push key -> when it succeeded
+        self._push_started: dict[tuple[JobRef, str], float] = {}  # (job, target) -> monotonic
 
     def tasks(self) -> list[asyncio.Task]:
         """The pushes started (to cancel them at shutdown)."""
         return list(self._pushes.values())
 
-    def start(self, session: aiohttp.ClientSession, disks: dict, order: ReplicateOrder) -> None:
+    def start(self, session: aiohttp.ClientSession, disks: Mapping[JobRef, Ramdisk], order: ReplicateOrder) -> None:
         """Starts the order's pushes that are due, in the background over the peer ``session``."""
-        disk = disks.get((order.namespace, order.job))
+        job = JobRef(order.namespace, order.job)
+        disk = disks.get(job)
         if disk is None:
             return
         now = time.monotonic()
         self._pushes = {k: t for k, t in self._pushes.items() if not t.done()}
         self._pushed = {k: t for k, t in self._pushed.items() if now - t < timing.PUSH_REPEAT_SECONDS}
         for target in order.targets:
-            key = (order.namespace, order.job, order.rank, order.step, target.node)
-            lane = (order.namespace, order.job, target.node)
+            key = (job, order.rank, order.step, target.node)
+            lane = (job, target.node)
             # The coordinator learns of a finished push only from the target's next report.
             if key in self._pushes or key in self._pushed or now - self._push_started.get(lane, -1e9) < self._min_interval_seconds:
                 continue
             self._push_started[lane] = now
-            self._pushes[key] = asyncio.create_task(self._push(session, disk, order, target, key))
+            self._pushes[key] = asyncio.create_task(self._push(session, job, disk, order, target, key))
 
-    async def _push(self, session: aiohttp.ClientSession, disk: Ramdisk, order: ReplicateOrder, target: Target, key: tuple) -> None:
+    async def _push(self, session: aiohttp.ClientSession, job: JobRef, disk: Ramdisk, order: ReplicateOrder, target: Target,
+                    key: tuple[JobRef, int, int, str]) -> None:  # fmt: skip
         """Pushes one committed step to one peer; the peer verifies it before it becomes visible."""
         meta = JobMeta(disk.path)
         located = meta.locate(order.rank, order.step)
         if located is None:
             return
-        busy = (disk.namespace, disk.job, order.step)
-        self._busy_steps.add(busy)
         started = time.monotonic()
-        try:
-            step_dir, manifest = located
-            await push_step(session, target.url, self._peer_token, disk.namespace, disk.job, step_dir, manifest,
-                            share=self._share)  # fmt: skip
-            REPLICATED.labels("ok").inc()
-            REPLICATED_BYTES.inc(manifest.total_bytes)
-            self._pushed[key] = time.monotonic()
-            log.info("%s/%s: replicated step %d of rank %d to %s in %.2f s (%d bytes)", disk.namespace, disk.job,
-                     order.step, order.rank, target.node, time.monotonic() - started, manifest.total_bytes)  # fmt: skip
-        except (PeerFetchError, OSError, aiohttp.ClientError, asyncio.TimeoutError) as err:
-            REPLICATED.labels("failed").inc()
-            self._log_once(f"push-{target.node}", f"replicating step {order.step} to {target.node} failed: {err}")
-        finally:
-            self._busy_steps.discard(busy)
+        with self._busy_steps.reading(job, order.step):
+            try:
+                step_dir, manifest = located
+                await push_step(session, target.url, self._peer_token, job.namespace, job.job, step_dir, manifest,
+                                share=self._share)  # fmt: skip
+                REPLICATED.labels("ok").inc()
+                REPLICATED_BYTES.inc(manifest.total_bytes)
+                self._pushed[key] = time.monotonic()
+                log.info("%s: replicated step %d of rank %d to %s in %.2f s (%d bytes)", job, order.step, order.rank,
+                         target.node, time.monotonic() - started, manifest.total_bytes)  # fmt: skip
+            except (PeerFetchError, OSError, aiohttp.ClientError, asyncio.TimeoutError) as err:
+                REPLICATED.labels("failed").inc()
+                self._log_once(f"push-{target.node}", f"replicating step {order.step} to {target.node} failed: {err}")

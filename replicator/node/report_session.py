@@ -18,6 +18,8 @@ No I/O: the node agent and the coordinator scale bench's simulated nodes share i
 import random
 from collections.abc import Iterable, Mapping
 
+import msgspec
+
 from replicator.local_tier import frameworks
 from replicator.pacing import timing
 from replicator.wire.messages import (
@@ -25,13 +27,29 @@ from replicator.wire.messages import (
     BackedUp,
     Files,
     HeldStep,
+    JobRef,
     Lineage,
     NodeReport,
     PodReport,
     ReportReply,
 )
 
-StepKey = tuple[str, str, int, int, int]  # (namespace, job, step, rank, timeline)
+
+class StepCopy(msgspec.Struct, frozen=True, gc=False):
+    """A copy the node holds of ``rank``'s ``step`` of ``job``, written in ``timeline``: a replica,
+    or the node's own data (``OwnStep``)."""
+
+    job: JobRef
+    step: int
+    rank: int
+    timeline: int = 0
+
+
+class OwnStep(msgspec.Struct, frozen=True, gc=False):
+    """A committed step of the node's own data, with its checksums (relative path -> (size, CRC32C))."""
+
+    copy: StepCopy
+    files: Files
 
 
 def report_shape(report: NodeReport) -> tuple:
@@ -52,44 +70,43 @@ class ReportSession:
         self._identity = (node_id, url, pod_address, topology)
         self._replicas = replicas
         self._has_backup = has_backup
-        self._sent_files: set[StepKey] = set()
-        self._signatures: dict[StepKey, str | None] = {}
+        self._sent_files: set[StepCopy] = set()
+        self._signatures: dict[StepCopy, str | None] = {}
         self._acknowledged: tuple | None = None
         self._next_heartbeat = float("-inf")
         self._failures = 0
         self._retry_at = float("-inf")
         self.poked = True
         self.heartbeat_seconds = 1.0
-        self.list_backups: set[tuple[str, str]] = set()
+        self.list_backups: set[JobRef] = set()
 
-    def build(self, pods: Iterable[PodReport], own: Iterable[tuple[str, str, int, int, Files, int]],
-              replicas: Iterable[StepKey], backed_up: Iterable[BackedUp], waiting: bool,
-              lineages: Iterable[Lineage] = (), job_frameworks: Mapping[tuple[str, str], frameworks.Framework] | None = None,
+    def build(self, pods: Iterable[PodReport], own: Iterable[OwnStep], replicas: Iterable[StepCopy], backed_up: Iterable[BackedUp],
+              waiting: bool, lineages: Iterable[Lineage] = (), job_frameworks: Mapping[JobRef, frameworks.Framework] | None = None,
               ) -> NodeReport:  # fmt: skip
         """The node's report.
 
         Args:
           pods: the pods published on the node.
-          own: (namespace, job, step, rank, checksums, timeline) of every committed step of the node's own data.
-          replicas: (namespace, job, step, rank, timeline) of every replica it holds.
+          own: every committed step of the node's own data.
+          replicas: every replica it holds.
           backed_up: its latest listings of backup tiers.
           waiting: a pod of the node waits for its assignment (the coordinator may hold the reply).
           lineages: the rollbacks of its jobs it knows of.
-          job_frameworks: (namespace, job) -> the job's framework, which signs its steps
+          job_frameworks: job -> the job's framework, which signs its steps
             (``Framework.logical_signature``); a job not listed is ``frameworks.DEFAULT``'s.
         """
-        held = []
-        for namespace, job, step, rank, files, timeline in own:
-            key = (namespace, job, step, rank, timeline)
+        held, keys = [], set()
+        for own_step in own:
+            key, files = own_step.copy, own_step.files
+            keys.add(key)
             if key not in self._signatures:
-                framework = (job_frameworks or {}).get((namespace, job)) or frameworks.get(frameworks.DEFAULT)
+                framework = (job_frameworks or {}).get(key.job) or frameworks.get(frameworks.DEFAULT)
                 self._signatures[key] = framework.logical_signature(files)
-            held.append(HeldStep(namespace, job, step, rank, None if key in self._sent_files else files, signature=self._signatures[key],
-                                 timeline=timeline))  # fmt: skip
-        keys = {(h.namespace, h.job, h.step, h.rank, h.timeline) for h in held}
+            held.append(HeldStep(key.job.namespace, key.job.job, key.step, key.rank, None if key in self._sent_files else files,
+                                 signature=self._signatures[key], timeline=key.timeline))  # fmt: skip
         self._signatures = {k: v for k, v in self._signatures.items() if k in keys}
         self._sent_files &= keys
-        held.extend(HeldStep(namespace, job, step, rank, replica=True, timeline=timeline) for namespace, job, step, rank, timeline in replicas)
+        held.extend(HeldStep(r.job.namespace, r.job.job, r.step, r.rank, replica=True, timeline=r.timeline) for r in replicas)
         return NodeReport(*self._identity, tuple(pods), tuple(held), self._replicas, tuple(backed_up), self._has_backup,
                           protocol=PROTOCOL_VERSION, waiting=waiting, lineages=tuple(lineages))  # fmt: skip
 
@@ -109,8 +126,8 @@ class ReportSession:
         if reply.want_files:
             self._sent_files.clear()
         else:
-            self._sent_files.update((h.namespace, h.job, h.step, h.rank, h.timeline) for h in report.held if h.files is not None)
-        self.list_backups = {(j.namespace, j.job) for j in reply.list_backups}
+            self._sent_files.update(StepCopy(JobRef(h.namespace, h.job), h.step, h.rank, h.timeline) for h in report.held if h.files is not None)
+        self.list_backups = set(reply.list_backups)
 
     def failed(self, now: float) -> None:
         """A report sent at ``now`` (monotonic seconds) got no reply: it goes again, whatever changes,

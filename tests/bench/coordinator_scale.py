@@ -72,7 +72,7 @@ import psutil
 from examples.local_cluster import CoordinatorProcess, scratch_dir, self_signed_certificate
 from replicator.backup_tier import worker as backup_worker
 from replicator.coordinator.service import GC_THRESHOLDS
-from replicator.node.report_session import ReportSession
+from replicator.node.report_session import OwnStep, ReportSession, StepCopy
 from replicator.pacing import timing
 from replicator.wire.coordinator_client import CoordinatorClient, CoordinatorUnavailable
 from replicator.wire.messages import BackedUp, Files, JobRef, JobSettings, PodRank, PodReport, ReportReply
@@ -145,7 +145,7 @@ class Stats:
         self.offered = 0
         self.errors = 0
         self.list_calls = 0
-        self.designations: set[tuple[tuple[str, str], str]] = set()  # (job, lister node) seen in replies
+        self.designations: set[tuple[JobRef, str]] = set()  # (job, lister node) seen in replies
         self.publish_sent: dict[str, float] = {}
         self.assigned: dict[str, float] = {}
         self.staged: dict[str, float] = {}
@@ -166,14 +166,15 @@ class SimAgent:
     def __init__(self, cluster: "SimCluster", index: int, job: JobSpec, position: int):
         self.cluster, self.index, self.job, self.position = cluster, index, job, position
         self.node_id = f"node-{index:05d}"
+        self.key = JobRef(NAMESPACE, job.name)
         self.session = ReportSession(self.node_id, f"https://{self.node_id}.sim:8470", None, {"block": f"b{index // SLICE_NODES}"},
                                      replicas=1, has_backup=True)  # fmt: skip
         self.pod: PodReport | None = None
         self.own: dict[int, Files] = {}
         self.own_rank: int | None = None
-        self.replicas: set[tuple[str, str, int, int, int]] = set()  # (namespace, job, step, rank, timeline)
-        self.listing: dict[tuple[str, str], BackedUp] = {}
-        self.listed_at: dict[tuple[str, str], float] = {}
+        self.replicas: set[StepCopy] = set()
+        self.listing: dict[JobRef, BackedUp] = {}
+        self.listed_at: dict[JobRef, float] = {}
         self.pushed: set[tuple] = set()
         self.uploaded: set[tuple] = set()
         self.training = False
@@ -189,10 +190,6 @@ class SimAgent:
         self.http: aiohttp.ClientSession | None = None
         self.task: asyncio.Task | None = None
         self.training_task: asyncio.Task | None = None
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return NAMESPACE, self.job.name
 
     # -- what changes on the node ---------------------------------------------------------------
 
@@ -236,11 +233,11 @@ class SimAgent:
             if now - self.listed_at.get(key, float("-inf")) >= LIST_INTERVAL_SECONDS:
                 self._list(key)
 
-    def _list(self, key: tuple[str, str]) -> None:
+    def _list(self, key: JobRef) -> None:
         now = time.monotonic()
         self.listed_at[key] = now
         self.cluster.stats.list_calls += self.cluster.stats.inside(now)
-        self.listing[key] = BackedUp(*key, tuple((step, 0) for step in sorted(self.cluster.complete_backups(key))), time.time())
+        self.listing[key] = BackedUp(key.namespace, key.job, tuple((step, 0) for step in sorted(self.cluster.complete_backups(key))), time.time())
         self.note_change()
 
     # -- the report loop ------------------------------------------------------------------------
@@ -252,7 +249,7 @@ class SimAgent:
             self._commit_if_due(now)
             self._list_if_due(now)
             pod = self.pod
-            own = [(*self.key, step, self.own_rank, files, 0) for step, files in self.own.items()]  # timeline 0: no rollback
+            own = [OwnStep(StepCopy(self.key, step, self.own_rank), files) for step, files in self.own.items()]  # timeline 0: no rollback
             waiting = pod.incarnation is None
             report = self.session.build([pod], own, self.replicas, self.listing.values(), waiting)
             if self.session.due(report, now):
@@ -285,7 +282,7 @@ class SimAgent:
         done = time.monotonic()
         if stats.inside(done):
             stats.replies += 1
-            stats.designations.update(((j.namespace, j.job), self.node_id) for j in reply.list_backups)
+            stats.designations.update((j, self.node_id) for j in reply.list_backups)
             if not report.waiting:
                 stats.latencies.append(done - started)
         self.session.acknowledge(report, reply, done)
@@ -302,13 +299,14 @@ class SimAgent:
             self.note_change()
         for order in reply.replicate:
             for target in order.targets:
-                key = (order.namespace, order.job, order.rank, order.step, target.node)
+                key = (JobRef(order.namespace, order.job), order.rank, order.step, target.node)
                 if key not in self.pushed:
                     self.pushed.add(key)
                     asyncio.get_running_loop().call_later(PUSH_SECONDS, self.cluster.land_replica, target.node, key)
         for order in reply.retain:
             dropped = [s for s in self.own if s < order.keep_from and s not in order.protected]
-            gone = {r for r in self.replicas if r[:2] == (order.namespace, order.job) and r[2] < order.keep_from and r[2] not in order.protected}
+            job = JobRef(order.namespace, order.job)
+            gone = {r for r in self.replicas if r.job == job and r.step < order.keep_from and r.step not in order.protected}
             for step in dropped:
                 del self.own[step]
             self.replicas -= gone
@@ -329,7 +327,7 @@ class SimAgent:
     async def _start_training(self) -> None:
         """Consumes ``replicator.yaml`` (records the settings), runs the restore, then trains."""
         pod = self.pod
-        seat = PodRank(JobRef(*self.key), pod.incarnation, pod.rank)
+        seat = PodRank(self.key, pod.incarnation, pod.rank)
         settings = self.job.settings(pod.rank)
         await self._retry(self.client.record_settings, seat, settings)
         self.pod = msgspec.structs.replace(self.pod, settings=settings)
@@ -377,8 +375,8 @@ class SimCluster:
         self.by_id = {a.node_id: a for a in self.agents}
         self.jobs = jobs
         self.epoch = time.monotonic() - HELD_STEPS * STEP_SECONDS  # the jobs trained before the bench
-        self.bucket: dict[tuple[str, str], dict[int, set[int]]] = {}
-        self.complete: dict[tuple[str, str], set[int]] = {}
+        self.bucket: dict[JobRef, dict[int, set[int]]] = {}
+        self.complete: dict[JobRef, set[int]] = {}
         self.failure: BaseException | None = None
         self.stopping = False
         self.connections = connections_per_agent(len(self.agents))
@@ -403,13 +401,13 @@ class SimCluster:
 
     # -- peers and the backup store -------------------------------------------------------------
 
-    def land_replica(self, node_id: str, key: tuple) -> None:
-        namespace, job, rank, step, _ = key
+    def land_replica(self, node_id: str, key: tuple[JobRef, int, int, str]) -> None:
+        job, rank, step, _ = key
         target = self.by_id[node_id]
-        target.replicas.add((namespace, job, step, rank, 0))
+        target.replicas.add(StepCopy(job, step, rank))
         target.note_change()
 
-    def upload(self, key: tuple[str, str], step: int, rank: int, nodes: int) -> bool:
+    def upload(self, key: JobRef, step: int, rank: int, nodes: int) -> bool:
         """Records a rank's upload; True when it completes the step (that rank writes COMMIT)."""
         ranks = self.bucket.setdefault(key, {}).setdefault(step, set())
         ranks.add(rank)
@@ -418,7 +416,7 @@ class SimCluster:
             return True
         return False
 
-    def complete_backups(self, key: tuple[str, str]) -> set[int]:
+    def complete_backups(self, key: JobRef) -> set[int]:
         return self.complete.get(key, set())
 
     # -- phases ---------------------------------------------------------------------------------

@@ -1,23 +1,26 @@
 """The agent's change-driven reporting as a pure function of what it holds, replies and time."""
 
-from replicator.node.report_session import ReportSession
+from replicator.node.report_session import OwnStep, ReportSession, StepCopy
 from replicator.wire.messages import BackedUp, JobRef, ReportReply
 
+JOB = JobRef("default", "j")
 FILES = {"_CHECKPOINT_METADATA": (10, "00000001"), "state/_METADATA": (20, "00000002")}
-OWN = [("default", "j", 5, 0, FILES, 0)]
+OWN = [OwnStep(StepCopy(JOB, 5, 0), FILES)]
+REPLICA = StepCopy(JOB, 5, 1)
 
 
 def test_checksums_go_once_then_heartbeats_are_small_and_paced_by_the_coordinator():
     session = ReportSession("n0", "http://n0", None, {}, 1, True)
-    first = session.build((), OWN, [("default", "j", 5, 1, 0)], (), waiting=False)
+    first = session.build((), OWN, [REPLICA], (), waiting=False)
     assert first.held[0].files == FILES and first.held[0].signature and first.held[1].files is None
     assert session.due(first, 0.0)
-    session.acknowledge(first, ReportReply((), heartbeat_seconds=10.0, list_backups=(JobRef("default", "j"),)), 0.0)
-    again = session.build((), OWN, [("default", "j", 5, 1, 0)], (), waiting=False)
+    session.acknowledge(first, ReportReply((), heartbeat_seconds=10.0, list_backups=(JOB,)), 0.0)
+    again = session.build((), OWN, [REPLICA], (), waiting=False)
     assert again.held[0].files is None and again.held[0].signature == first.held[0].signature
     assert not session.due(again, 7.9)  # nothing changed: wait for the jittered heartbeat (8-10 s)
     assert session.due(again, 10.0)
-    assert session.list_backups == {("default", "j")}
+    assert [(h.namespace, h.job, h.step, h.rank, h.replica) for h in again.held] == [("default", "j", 5, 0, False), ("default", "j", 5, 1, True)]
+    assert session.list_backups == {JOB}
 
 
 def test_a_change_or_a_poke_is_reported_at_once():

@@ -11,6 +11,7 @@ from csi_driver.volume_request import parse_volume_context
 from prefetch import staging
 from prefetch.restore import hand_over
 from replicator.local_tier import frameworks
+from replicator.local_tier.job_keys import BusySteps
 from replicator.local_tier.job_meta import JobMeta, PodProgress
 from replicator.local_tier.step_manifest import CorruptCopy, build_manifest
 from replicator.local_tier.steps import drop_abandoned
@@ -18,7 +19,7 @@ from replicator.node.commit_detection import CommitDetector
 from replicator.node.config import CoordinatorSettings, CsiSettings, NodeConfig, PeerSettings
 from replicator.node.garbage_collection import collect_garbage
 from replicator.node.loop import NodeReplicator
-from replicator.wire.messages import RetainOrder
+from replicator.wire.messages import JobRef, RetainOrder
 from tests.helpers.steps import write_tree
 
 ORBAX = frameworks.get("orbax")
@@ -51,7 +52,7 @@ def test_newer_steps_are_set_aside_not_deleted_and_stay_reported(tmp_path):
     assert ORBAX.scan_steps(disk.client_dir).committed == []  # Orbax sees only the marker's step
     assert set(meta.manifests()) == {3}
     assert set(meta.replicas()) == {(RANK, 6), (RANK, 9)}
-    report = replicator._build_report({("default", "run"): disk})
+    report = replicator._build_report({JobRef("default", "run"): disk})
     held = {(h.step, h.rank, h.replica) for h in report.held}
     assert {(6, RANK, True), (9, RANK, True)} <= held
 
@@ -70,10 +71,10 @@ def test_a_set_aside_step_is_restored_verified_and_a_corrupt_one_refused(tmp_pat
 
 def test_set_aside_steps_go_once_a_step_newer_than_the_restored_one_is_safe(tmp_path):
     disk, meta, replicator = restored_at(tmp_path, 3, [6, 9])
-    collect_garbage(disk, RetainOrder("default", "run", 3, ()), set())
+    collect_garbage(disk, RetainOrder("default", "run", 3, ()), BusySteps())
     assert set(meta.replicas()) == {(RANK, 6), (RANK, 9)}  # only the restored step is safe: kept
     committed(disk, meta, 4)
-    collect_garbage(disk, RetainOrder("default", "run", 4, ()), set())
+    collect_garbage(disk, RetainOrder("default", "run", 4, ()), BusySteps())
     assert meta.replicas() == {} and set(meta.manifests()) == {4}  # step 3 is older than the safe step: collected too
 
 
@@ -101,6 +102,6 @@ async def test_a_learnt_rollback_deletes_the_abandoned_timelines_copies_and_new_
     assert ORBAX.scan_steps(disk.client_dir).committed == [6] and os.path.isdir(committed_again)
     await CommitDetector(None, lambda: None).detect(disk, meta, PodProgress("uid", "inc", RANK, "h:1", True, restore_done=True))
     assert meta.manifests()[6].timeline == 1
-    report = replicator._build_report({("default", "run"): disk})
+    report = replicator._build_report({JobRef("default", "run"): disk})
     assert {(h.step, h.rank, h.replica, h.timeline) for h in report.held} == {(3, RANK, False, 0), (6, RANK, False, 1), (4, 0, True, 0)}
     assert [(lineage.job, lineage.forks) for lineage in report.lineages] == [("run", (5,))]
