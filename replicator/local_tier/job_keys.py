@@ -4,6 +4,7 @@ The CSI driver (which knows nothing of ``replicator``) keys its ramdisks by a (n
 pair; the node side turns them into ``JobRef`` here, once, and keys everything by it.
 """
 
+import collections
 import contextlib
 from collections.abc import Iterator, Mapping
 
@@ -29,17 +30,21 @@ class BusySteps:
     """
 
     def __init__(self) -> None:
-        self._steps: set[tuple[JobRef, int]] = set()
+        # (job, step) -> how many readers: a push and an upload may read one step at once, and the
+        # first to finish must not free it while the other still reads.
+        self._steps: collections.Counter[tuple[JobRef, int]] = collections.Counter()
 
     @contextlib.contextmanager
     def reading(self, job: JobRef, step: int) -> Iterator[None]:
-        """Marks ``job``'s ``step`` busy for the block."""
+        """Marks ``job``'s ``step`` busy for the block (blocks may nest and overlap)."""
         busy = (job, step)
-        self._steps.add(busy)
+        self._steps[busy] += 1
         try:
             yield
         finally:
-            self._steps.discard(busy)
+            self._steps[busy] -= 1
+            if not self._steps[busy]:
+                del self._steps[busy]
 
     def of(self, job: JobRef) -> set[int]:
         """The steps of ``job`` being read now."""

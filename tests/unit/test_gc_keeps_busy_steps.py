@@ -32,6 +32,15 @@ def test_a_step_being_read_survives_garbage_collection_until_the_read_ends(tmp_p
     assert set(meta.manifests()) == {3}
 
 
+def test_a_step_two_readers_share_stays_busy_until_the_last_one_ends():
+    busy, job = BusySteps(), JobRef("default", "run")
+    with busy.reading(job, 4):  # a push
+        with busy.reading(job, 4):  # an upload of the same step, ending first
+            assert busy.of(job) == {4}
+        assert busy.of(job) == {4}
+    assert busy.of(job) == set()
+
+
 def test_the_csi_drivers_ramdisks_are_keyed_by_jobref_on_the_node_side(tmp_path):
     disks = {(ns, job): Ramdisk(ns, job, 1, str(tmp_path / f"{ns}-{job}")) for ns, job in [("a", "x"), ("b", "x")]}
     keyed = by_job(disks)
