@@ -29,7 +29,7 @@ from csi_driver import kubelet, mounts
 from protos import csi_pb2, csi_pb2_grpc
 from replicator.coordinator.status import fetch_status
 from replicator.wire import tls
-from replicator.wire.messages import ClusterStatus
+from replicator.wire.operator import ClusterStatus
 
 
 def unmount_all_below(prefix: str) -> None:

@@ -60,24 +60,24 @@ import sys
 import time
 from typing import Any
 
-from absl import flags
-from etils import epath
 import jax
-from jax.experimental import multihost_utils
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from orbax.checkpoint.experimental.emergency.multi_tier_checkpointing import (
-    initialization as mtc_initialization,
-)
+from absl import flags
+
+# Registers the CPU-only process-count ClusterEnv (this script runs with examples/ on sys.path).
+from cpu_cluster import NUM_PROCESSES_ENV
+from etils import epath
+from jax.experimental import multihost_utils
 
 # This module path works on Orbax 0.11.x and (as a re-export) on 0.12.x.
 from orbax.checkpoint.experimental.emergency import (
     replicator_checkpoint_manager as mtc_manager,
 )
-
-# Registers the CPU-only process-count ClusterEnv (this script runs with examples/ on sys.path).
-from cpu_cluster import NUM_PROCESSES_ENV
+from orbax.checkpoint.experimental.emergency.multi_tier_checkpointing import (
+    initialization as mtc_initialization,
+)
 
 INPUT_DIM = 16
 HIDDEN_PER_SHARD = 16

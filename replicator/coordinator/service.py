@@ -44,12 +44,10 @@ from replicator.wire.http_errors import error_response
 from replicator.wire.messages import (
     MAX_RANKS,
     MAX_WAIT_SECONDS,
-    Done,
     JobRef,
     JobSettings,
     NodeReport,
     ProtocolMismatch,
-    RestoreFrom,
     SettingsRequest,
     StagedReport,
     Versioned,
@@ -57,6 +55,7 @@ from replicator.wire.messages import (
     decode,
     decode_json,
 )
+from replicator.wire.operator import Done, RestoreFrom
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,6 @@ from replicator.coordinator.restores import PEER_SOURCES_PER_VIEW, USABLE_TIERS,
 from replicator.wire.messages import (
     Assignment,
     BadCopy,
-    ClusterStatus,
     JobRef,
     JobSettings,
     Lineage,
@@ -49,6 +48,7 @@ from replicator.wire.messages import (
     ReportReply,
     RestoreView,
 )
+from replicator.wire.operator import ClusterStatus
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """``mtc status`` and ``mtc restore-from``: the coordinator's client for operators. Replies are the
-typed structs of ``replicator.wire.messages`` (``ClusterStatus``, ``Done``); errors are
+typed structs of ``replicator.wire.operator`` (``ClusterStatus``, ``Done``); errors are
 ``replicator.wire.http_errors`` bodies."""
 
 import urllib.error
@@ -11,7 +11,8 @@ import msgspec
 from replicator.wire import tls
 from replicator.wire.bearer import auth_header
 from replicator.wire.http_errors import error_of
-from replicator.wire.messages import ClusterStatus, JobRef, RestoreFrom, decode_json
+from replicator.wire.messages import JobRef, decode_json
+from replicator.wire.operator import ClusterStatus, RestoreFrom
 
 
 def fetch_status(coordinator_url: str, job: str | None = None, ca_file: str | None = None, timeout: float = 10.0) -> ClusterStatus:

@@ -1,5 +1,5 @@
 """Views of a job: read-only answers about it (``JobView``, the façade's query API) and the status
-view (``messages.JobStatus``) that ``GET /v1/status`` and ``mtc status`` show."""
+view (``operator.JobStatus``) that ``GET /v1/status`` and ``mtc status`` show."""
 
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -7,15 +7,8 @@ from types import MappingProxyType
 from replicator.coordinator import planner
 from replicator.coordinator.incarnations import Incarnation
 from replicator.coordinator.job import JobState
-from replicator.wire.messages import (
-    Files,
-    JobRef,
-    JobSettings,
-    JobStatus,
-    RankPlace,
-    RestoreStatus,
-    RetainOrder,
-)
+from replicator.wire.messages import Files, JobRef, JobSettings, RetainOrder
+from replicator.wire.operator import JobStatus, RankPlace, RestoreStatus
 
 
 class JobView:

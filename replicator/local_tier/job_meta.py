@@ -26,8 +26,7 @@ import uuid
 
 from csi_driver import file_cache
 from csi_driver.ramdisk import CLIENT_DIR
-from replicator.local_tier import pod_files
-from replicator.local_tier import frameworks
+from replicator.local_tier import frameworks, pod_files
 from replicator.local_tier.step_manifest import StepManifest
 from replicator.wire.messages import JobRef, JobSettings, PodRank, abandoned, decode, extends, to_json
 

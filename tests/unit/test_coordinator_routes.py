@@ -11,7 +11,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from replicator.coordinator import service
 from replicator.coordinator.status import render_status
-from replicator.wire.messages import ClusterStatus, HeldStep, JobRef, JobSettings, NodeReport, PodReport, decode_json
+from replicator.wire.messages import HeldStep, JobRef, JobSettings, NodeReport, PodReport, decode_json
+from replicator.wire.operator import ClusterStatus
 
 KEY = JobRef("default", "routes")
 JOB_PATH = f"/v1/jobs/{KEY.namespace}/{KEY.job}"
