@@ -13,19 +13,19 @@ from replicator.coordinator import planner
 from replicator.coordinator.incarnations import Incarnation
 from replicator.coordinator.job import JobState
 from replicator.coordinator.liveness import Liveness
-from replicator.coordinator.sync import LogOnce
-from replicator.wire.messages import BadCopy, Files, JobRef, RestoreView, Source
+from replicator.coordinator.sync import WarnedOnce
+from replicator.wire.messages import BadCopy, Files, JobRef, RestoreView, Source, Tier
 
 log = logging.getLogger(__name__)
 
 # Tiers whose restore path exists in this release; the planner already knows the others.
-USABLE_TIERS = frozenset(planner.Tier)
+USABLE_TIERS = frozenset(Tier)
 BACKUP_HOLDER = "backup"
 # A rank's restore view lists at most this many peer copies (live holders first), besides its own
 # and the backup: each carries the step's checksums, and a rank of a 40-slice job has 39 identical
 # peers. A peer proven bad is excluded and the replan lists the next ones.
 PEER_SOURCES_PER_VIEW = 4
-_PEER_TIERS = frozenset({planner.Tier.PEER_CLOSE, planner.Tier.PEER_DISTANT})
+_PEER_TIERS = frozenset({Tier.PEER_CLOSE, Tier.PEER_DISTANT})
 
 
 class NotReady(Exception):
@@ -97,11 +97,11 @@ def sources_lost(incarnation: Incarnation, rank: int, liveness: Liveness) -> boo
     if incarnation.plan is None or rank in incarnation.staged or incarnation.plan.step is None:
         return False
     sources = incarnation.plan.sources.get(rank, ())
-    return bool(sources) and not any(s.tier == planner.Tier.BACKUP or liveness.holds_data(s.holder) for s in sources)
+    return bool(sources) and not any(s.tier == Tier.BACKUP or liveness.holds_data(s.holder) for s in sources)
 
 
 def view(key: JobRef, job: JobState, incarnation: Incarnation, rank: int, liveness: Liveness, backups: dict[int, int],
-         warned: LogOnce) -> RestoreView:  # fmt: skip
+         warned: WarnedOnce) -> RestoreView:  # fmt: skip
     """The rank's view of the plan: its sources, live holders first (a silent one, within the grace
     period, is waited for only when needed), at most ``PEER_SOURCES_PER_VIEW`` peers."""
     plan_ = incarnation.plan
@@ -110,7 +110,7 @@ def view(key: JobRef, job: JobState, incarnation: Incarnation, rank: int, livene
     live, silent = [], []
     for s in plan_.sources.get(rank, ()):
         state = states.get(s.holder)
-        (live if s.tier == planner.Tier.BACKUP or (state is not None and now - state.last_seen <= timeout) else silent).append(s)
+        (live if s.tier == Tier.BACKUP or (state is not None and now - state.last_seen <= timeout) else silent).append(s)
     planned, peers = [], 0
     for s in live + silent:
         peers += s.tier in _PEER_TIERS
@@ -118,7 +118,7 @@ def view(key: JobRef, job: JobState, incarnation: Incarnation, rank: int, livene
             planned.append(s)
     sources = tuple(
         Source(s.tier, s.holder, liveness.url(s.holder), s.data_rank, _expected_files(key, job, plan_.step, s, warned),
-               backups.get(plan_.step, 0) if s.tier == planner.Tier.BACKUP else 0)
+               backups.get(plan_.step, 0) if s.tier == Tier.BACKUP else 0)
         for s in planned
     )  # fmt: skip
     ready = plan_.step is None or len(incarnation.staged) == len(incarnation.node_of_rank)
@@ -127,12 +127,12 @@ def view(key: JobRef, job: JobState, incarnation: Incarnation, rank: int, livene
     return RestoreView(incarnation.generation, plan_.step, sources, ready, incarnation.rollback, job.forks)
 
 
-def _expected_files(key: JobRef, job: JobState, step: int, source: planner.Source, warned: LogOnce) -> Files | None:
+def _expected_files(key: JobRef, job: JobState, step: int, source: planner.Source, warned: WarnedOnce) -> Files | None:
     """The checksums a copy from ``source`` must match: those the data rank's own node reported.
     None when the coordinator never saw them (it restarted after that node was lost): the
     fetching node then checks the holder's manifest."""
     owner = job.owners.files.get((step, source.data_rank))
-    if owner is None and source.tier != planner.Tier.BACKUP and warned.first((key, step, source.data_rank)):
+    if owner is None and source.tier != Tier.BACKUP and warned.first((key, step, source.data_rank)):
         log.warning("job %s: owner checksums of rank %d step %d unknown; %s's manifest will be checked", key,
                     source.data_rank, step, source.holder)  # fmt: skip
     return owner

@@ -106,7 +106,7 @@ class ClusterState:
         self.identity_checks = 0
         self.rank_checks = 0
         self._changed: set[JobRef] = set()  # jobs whose version moved since ``drain_changed``
-        self._warned = sync.LogOnce()
+        self._warned = sync.WarnedOnce()
         self._expired_at = float("-inf")
 
     # -- time and liveness ---------------------------------------------------------------------

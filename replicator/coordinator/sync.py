@@ -29,7 +29,7 @@ class Changes:
     bumped: set[JobRef] = dataclasses.field(default_factory=set)
 
 
-class LogOnce:
+class WarnedOnce:
     """What was logged once: (node, job) untrusted claims, (job, step, rank) unknown owner checksums."""
 
     def __init__(self):
@@ -43,7 +43,7 @@ class LogOnce:
 
 
 def absorb(jobs: dict[JobRef, JobState], liveness: Liveness, node_id: str, bound: NodeState | None, report: NodeReport | None,
-           warned: LogOnce) -> Changes:  # fmt: skip
+           warned: WarnedOnce) -> Changes:  # fmt: skip
     """Updates the job indices with what changed between the node's last report (``bound``) and
     ``report`` (None: the node is forgotten), and records the report as the node's."""
     changes = Changes()
@@ -112,7 +112,7 @@ def _indexed(jobs, held) -> tuple[HeldStep, ...]:
     return tuple(kept)
 
 
-def _claims(jobs, node_id: str, old_claims: frozenset[Claim], held, new_claims: frozenset[Claim], warned: LogOnce,
+def _claims(jobs, node_id: str, old_claims: frozenset[Claim], held, new_claims: frozenset[Claim], warned: WarnedOnce,
             changes: Changes) -> None:  # fmt: skip
     """Claims the node no longer makes are dropped (with what it reported of them); new ones are
     indexed, and a claim the coordinator does not believe is counted and logged once."""
