@@ -110,7 +110,7 @@ class Restorer:
         if progress.handing_over is not None:  # staged and agreed before a crash: finish the hand-over only
             await asyncio.to_thread(hand_over, disk, meta, progress, None if progress.handing_over < 0 else progress.handing_over, "resumed")
             return
-        started = time.monotonic()
+        started, pod = time.monotonic(), progress.pod_rank(job_of(disk))
         # One loop, not a tenacity retry: every pass re-reads the plan (it may have changed while this
         # rank waited), and the backoff applies only while the plan's sources are unreachable.
         staged_generation, source, backoff, seen = None, NO_SOURCE, timing.RESTORE_RETRY_FIRST_SECONDS, None
@@ -118,7 +118,7 @@ class Restorer:
         while time.monotonic() - started < self._deadline_seconds:
             beat()
             try:
-                view = await client.restore_view(progress.pod_rank(job_of(disk)), seen)
+                view = await client.restore_view(pod, seen)
                 seen = None
                 if view.step is not None and view.generation != staged_generation:
                     staged = await self._stage(session, disk, meta, progress, view, unusable)
@@ -127,14 +127,14 @@ class Restorer:
                     if used is None and unreachable:
                         # Transient is not corrupt: report only proven-bad copies, retry the rest.
                         if bad:
-                            await client.report_staged(progress.pod_rank(job_of(disk)), view.generation, None, bad, retrying=True)
+                            await client.report_staged(pod, view.generation, None, bad, retrying=True)
                         self._log_once(f"restore-retry-{disk.job}", f"step {view.step}: sources unreachable "
                                        f"({'; '.join(unreachable[:3])}); retrying in {backoff:.0f} s", meta)  # fmt: skip
                         await asyncio.sleep(backoff)
                         backoff = min(2 * backoff, timing.RESTORE_RETRY_MAX_SECONDS)
                         continue
                     source = used.tier if used else NO_SOURCE
-                    await client.report_staged(progress.pod_rank(job_of(disk)), view.generation, used and f"{used.tier}:{used.holder}", bad)
+                    await client.report_staged(pod, view.generation, used and f"{used.tier}:{used.holder}", bad)
                     staged_generation, backoff = view.generation, timing.RESTORE_RETRY_FIRST_SECONDS
                     continue
             except CoordinatorUnavailable as err:
