@@ -169,16 +169,16 @@ def _add_gc(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_gc(args: argparse.Namespace) -> int:
-    manager = open_ramdisks(args.root, args.ramdisk_backend)
-    if args.idle:
-        for namespace, job in manager.reap_idle(retention_seconds=0):
-            print(f"released {namespace}/{job}")
-        return 0
-    try:
-        ref = JobRef.parse(args.job)
+    try:  # flags first: a bad one touches nothing
+        ref = None if args.idle else JobRef.parse(args.job)
     except ValueError as err:
         print(f"--job {err}", file=sys.stderr)
         return 2
+    manager = open_ramdisks(args.root, args.ramdisk_backend)
+    if ref is None:
+        for namespace, job in manager.reap_idle(retention_seconds=0):
+            print(f"released {namespace}/{job}")
+        return 0
     try:
         released = manager.release(ref.namespace, ref.job, force=args.force)
     except JobBusy as err:
