@@ -69,14 +69,11 @@ def train_until(job: LocalJob, step: int) -> dict[int, dict]:
     job.wait(lambda: max(step_events(job), default=0) >= step, 300, f"step {step}")
     deadline = time.monotonic() + 60
     while True:
-        running = [p.process for p in job.pods if p.process and p.process.poll() is None]
-        for process in running:
-            process.send_signal(signal.SIGSTOP)
+        job.signal_training(signal.SIGSTOP)
         committed = committed_everywhere(job)
         if committed is None or max(step_events(job)) > committed or time.monotonic() > deadline:
             break
-        for process in running:
-            process.send_signal(signal.SIGCONT)
+        job.signal_training(signal.SIGCONT)
         time.sleep(0.1)
     job.kill_training()
     return step_events(job)

@@ -369,6 +369,7 @@ class LocalJob:
       slices: number of slices.
       size: ramdisk size attribute.
       jax_port: the JAX coordinator port (``jaxCoordinatorPort``).
+      framework: the volume attribute ``framework``: the files the trainer speaks.
     """
 
     name: str
@@ -378,6 +379,7 @@ class LocalJob:
     slices: int = 2
     size: str = "256Mi"
     jax_port: int = 8476
+    framework: str = "orbax"
     pods: list[Pod] = dataclasses.field(default_factory=list)
     incarnations: int = 0
 
@@ -391,7 +393,7 @@ class LocalJob:
         self.incarnations += 1
         per_slice = len(self.agents) // self.slices
         attrs = {"nodes": str(len(self.agents)), "slices": str(self.slices), "size": self.size,
-                 "jaxCoordinatorPort": str(self.jax_port), "jobset": self.name}  # fmt: skip
+                 "jaxCoordinatorPort": str(self.jax_port), "jobset": self.name, "framework": self.framework}  # fmt: skip
         self.pods = []
         for index, agent in enumerate(self.agents):
             name = f"{self.job}-{index // per_slice}-{index % per_slice}-i{self.incarnations}"
@@ -411,18 +413,27 @@ class LocalJob:
         return {**os.environ, "JAX_PLATFORMS": "cpu", "MTC_NUM_PROCESSES": str(len(self.agents))}
 
     def start_training(self) -> None:
-        """Starts the trainer in every pod; each learns its rank from ``jax-init-info.txt``."""
+        """Starts the trainer in every pod, each in its own process group (a launcher such as torchrun
+        and its workers are signalled together, as a container's processes are)."""
         env = self.train_env()
         for pod in self.pods:
             os.makedirs(os.path.dirname(pod.log_path), exist_ok=True)
             with open(pod.log_path, "wb") as out, open(pod.log_path + ".stderr", "wb") as err:
-                pod.process = subprocess.Popen(self.train_command(pod), stdout=out, stderr=err, env=env)
+                pod.process = subprocess.Popen(self.train_command(pod), stdout=out, stderr=err, env=env, start_new_session=True)
+
+    def signal_training(self, signum: int) -> None:
+        """Sends ``signum`` to every pod's running trainer and the processes it started."""
+        for pod in self.pods:
+            if pod.process and pod.process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pod.process.pid, signum)
 
     def kill_training(self) -> None:
         """SIGKILLs every training process, as a preemption or node failure would."""
         for pod in self.pods:
             if pod.process and pod.process.poll() is None:
-                pod.process.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pod.process.pid, signal.SIGKILL)
                 pod.process.wait()
 
     def delete_pods(self) -> None:

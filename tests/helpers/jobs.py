@@ -91,16 +91,13 @@ def kill_past_newest_commit(job, timeout=60.0):
     """
     deadline = time.monotonic() + timeout
     while True:
-        running = [p.process for p in job.pods if p.process and p.process.poll() is None]
-        for process in running:
-            process.send_signal(signal.SIGSTOP)
+        job.signal_training(signal.SIGSTOP)
         held, logged = committed(job), losses(job.pods)
         newest = max(set.intersection(*held), default=None) if held else None
         if newest is not None and all(max(h) == newest for h in held) and max(logged, default=-1) > newest:
             job.kill_training()
             return logged
-        for process in running:
-            process.send_signal(signal.SIGCONT)
+        job.signal_training(signal.SIGCONT)
         if time.monotonic() > deadline:
             raise TimeoutError(f"harness: no moment within {timeout} s when every pod's newest commit was step {newest} and "
                                f"rank 0 had logged a step after it (commits {[max(h, default=None) for h in held]}, "
