@@ -20,8 +20,10 @@ UNTIL_KILLED = ["--steps", str(UNTIL_KILLED_STEPS), "--step-sleep", "0.2"]
 _started: list[LocalJob] = []
 
 
-def run_job(name, agents, workdir, extra):
-    job = LocalJob(name, agents, str(workdir), [*TRAIN, *extra], jax_port=free_port("0.0.0.0"))  # JAX's coordinator binds every address
+def run_job(name, agents, workdir, extra, job_class=LocalJob, **fields):
+    """Starts a ``job_class`` job (``LocalJob``: ``examples/train.py``) with ``TRAIN`` plus ``extra`` flags on ``agents``."""
+    # JAX's coordinator (torchrun's store) binds every address.
+    job = job_class(name, agents, str(workdir), [*TRAIN, *extra], jax_port=free_port("0.0.0.0"), **fields)
     _started.append(job)
     job.create_pods()
     job.start_training()
