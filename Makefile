@@ -36,7 +36,14 @@ ORBAX_OLDEST_TESTS  := tests/e2e/test_e2e_orbax.py::test_sigkilled_job_resumes_a
                        tests/e2e/test_e2e_peer_tier.py::test_data_parallel_job_restores_lost_node_from_identical_peer_without_copies \
                        tests/e2e/test_e2e_peer_tier.py::test_replicated_job_restores_lost_node_and_skips_a_corrupt_replica
 
-.PHONY: setup tools test test-fast demo bench e2e-maxtext e2e-orbax-oldest chaos clean
+# The PyTorch client's venv (mtc_torch, examples/train_torch.py, its integration test): torch's Linux wheel is a
+# CUDA build (about 3 GB download, 5 GB installed). The project goes in with --no-deps: the client needs only these.
+TORCH_PYTHON ?= python3  # Python 3.11 (torch 2.15 wheels: 3.10-3.14)
+TORCH_VENV   := .venv-torch
+TORCH_STAMP  := $(TORCH_VENV)/.installed
+TORCH_PKGS   := torch==2.15.0 numpy==2.4.6 PyYAML==6.0.4
+
+.PHONY: setup tools test test-fast demo torch-setup bench e2e-maxtext e2e-orbax-oldest chaos clean
 
 setup: $(STAMP) $(STUBS)
 
@@ -44,6 +51,15 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev,client]'
+	touch $@
+
+torch-setup: $(TORCH_STAMP)
+
+$(TORCH_STAMP): pyproject.toml
+	$(TORCH_PYTHON) -m venv $(TORCH_VENV)
+	$(TORCH_VENV)/bin/pip install -q --upgrade pip
+	$(TORCH_VENV)/bin/pip install -q $(TORCH_PKGS)
+	$(TORCH_VENV)/bin/pip install -q --no-deps -e .
 	touch $@
 
 $(STUBS): protos/csi.proto $(STAMP)
