@@ -38,7 +38,8 @@ ORBAX_OLDEST_TESTS  := tests/e2e/test_e2e_orbax.py::test_sigkilled_job_resumes_a
 
 # The PyTorch client's venv (mtc_torch, examples/train_torch.py, its integration test): torch's Linux wheel is a
 # CUDA build (about 3 GB download, 5 GB installed). The project goes in with --no-deps: the client needs only these.
-TORCH_PYTHON ?= python3  # Python 3.11 (torch 2.15 wheels: 3.10-3.14)
+# Python 3.11 here; torch 2.15's wheels cover 3.10-3.14.
+TORCH_PYTHON ?= python3
 TORCH_VENV   := .venv-torch
 TORCH_STAMP  := $(TORCH_VENV)/.installed
 TORCH_PKGS   := torch==2.15.0 numpy==2.4.6 PyYAML==6.0.4
@@ -83,7 +84,7 @@ $(KUSTOMIZE):
 	GOBIN=$(TOOLS) go install $(KUSTOMIZE_PKG)
 
 # The import contracts first (pyproject.toml [tool.importlinter]): a new cycle fails before any test runs.
-test: setup tools
+test: setup tools torch-setup
 	$(BIN)/lint-imports --no-cache --no-logo
 	PATH=$(TOOLS):$$PATH $(BIN)/python -m pytest -q -p no:cacheprovider
 

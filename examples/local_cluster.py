@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 
 import grpc
 import msgspec
+import psutil
 
 from csi_driver import kubelet, mounts
 from protos import csi_pb2, csi_pb2_grpc
@@ -413,27 +414,39 @@ class LocalJob:
         return {**os.environ, "JAX_PLATFORMS": "cpu", "MTC_NUM_PROCESSES": str(len(self.agents))}
 
     def start_training(self) -> None:
-        """Starts the trainer in every pod, each in its own process group (a launcher such as torchrun
-        and its workers are signalled together, as a container's processes are)."""
+        """Starts the trainer in every pod."""
         env = self.train_env()
         for pod in self.pods:
             os.makedirs(os.path.dirname(pod.log_path), exist_ok=True)
             with open(pod.log_path, "wb") as out, open(pod.log_path + ".stderr", "wb") as err:
-                pod.process = subprocess.Popen(self.train_command(pod), stdout=out, stderr=err, env=env, start_new_session=True)
+                pod.process = subprocess.Popen(self.train_command(pod), stdout=out, stderr=err, env=env)
 
-    def signal_training(self, signum: int) -> None:
-        """Sends ``signum`` to every pod's running trainer and the processes it started."""
+    def _trainers(self) -> list[psutil.Process]:
+        """Every pod's running trainer and every process below it (torchrun starts its workers in
+        their own sessions: a process group would miss them, as a container's cgroup does not)."""
+        found = []
         for pod in self.pods:
             if pod.process and pod.process.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pod.process.pid, signum)
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    parent = psutil.Process(pod.process.pid)
+                    found += [parent, *parent.children(recursive=True)]
+        return found
+
+    def signal_training(self, signum: int) -> None:
+        """Sends ``signum`` to every pod's trainer and the processes it started."""
+        for process in self._trainers():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.send_signal(signum)
 
     def kill_training(self) -> None:
         """SIGKILLs every training process, as a preemption or node failure would."""
+        trainers = self._trainers()
+        for process in trainers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        psutil.wait_procs(trainers, timeout=30)
         for pod in self.pods:
-            if pod.process and pod.process.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pod.process.pid, signal.SIGKILL)
+            if pod.process:
                 pod.process.wait()
 
     def delete_pods(self) -> None:

@@ -19,9 +19,13 @@ Every event goes to stdout as one JSON object per line, from every node's local 
   {"event": "saved", "step": 9, "node": 0}  # after the commit rename of <local>/9.tmp to <local>/9
   {"event": "done", "node": 0}
 
-With ``--dump-dir``, every rank writes its local shards of the model and optimizer state after the restore
-(``restored-rank<global rank>.npz``, only when a step was restored) and at the end (``final-rank<global rank>.npz``)
-for bit-identical comparisons. ``--steps`` larger than the run's life trains until the process is killed.
+With ``--dump-dir``, every rank writes its local shards of the model and optimizer state as
+``<dump-dir>/rank<global rank>-step<s>.npz`` at every saved step and after a restore (as ``examples/train.py``
+does), for bit-identical comparisons. ``--steps`` larger than the run's life trains until the process is killed.
+
+``--data-parallelism D`` shards with HSDP instead: D replica groups of ``world / D`` ranks each (consecutive
+nodes), so local rank r of every node in the same position of each group holds identical shards and the agent
+keeps one copy of them (``assume-data-parallelism``).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -110,10 +115,14 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, np.ndarray]:
     return out
 
 
-def dump(dump_dir: str | None, name: str, state: TrainState) -> None:
+def dump(dump_dir: str | None, step: int, state: TrainState) -> None:
+    """``<dump_dir>/rank<global rank>-step<step>.npz``, written whole (tmp + rename)."""
     if dump_dir:
         os.makedirs(dump_dir, exist_ok=True)
-        np.savez(os.path.join(dump_dir, f"{name}-rank{dist.get_rank()}.npz"), **flatten(state.state_dict()))
+        final = os.path.join(dump_dir, f"rank{dist.get_rank()}-step{step}.npz")
+        with open(final + ".tmp", "wb") as f:
+            np.savez(f, **flatten(state.state_dict()))
+        os.replace(final + ".tmp", final)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -124,10 +133,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--save-interval-steps", type=int, default=5)
     parser.add_argument("--backup-interval-steps", type=int, default=None,
                         help="backup-interval-steps for the agent (default: backup-interval-minutes 30)")
-    parser.add_argument("--data-parallelism", type=int, default=None, help="assume-data-parallelism for the agent")
+    parser.add_argument("--data-parallelism", type=int, default=None,
+                        help="HSDP with this many replica groups, told to the agent as assume-data-parallelism")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep after each step")
     parser.add_argument("--async-save", action="store_true", help="save with async_save (blocking: staging only)")
-    parser.add_argument("--dump-dir", default=None, help="write each rank's state after restore and at the end")
+    parser.add_argument("--dump-dir", default=None, help="write each rank's state at every save and after a restore")
     return parser.parse_args(argv)
 
 
@@ -137,9 +147,12 @@ def main(argv: list[str] | None = None) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = Model()
+    # HSDP: replicate across the groups, shard within one; else FSDP over every rank.
+    groups = args.data_parallelism or 1
+    mesh = init_device_mesh("cpu", (groups, world // groups), mesh_dim_names=("replicate", "shard")) if groups > 1 else None
     for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     state = TrainState(model, optimizer)
 
@@ -155,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     if speaker:
         emit(event="restored", step=restored, node=node)
     if restored is not None:
-        dump(args.dump_dir, "restored", state)
+        dump(args.dump_dir, restored, state)
 
     pending: list[tuple[int, Any]] = []
     for step in range((restored or 0) + 1, args.steps + 1):
@@ -169,6 +182,7 @@ def main(argv: list[str] | None = None) -> None:
         if speaker:
             emit(event="step", step=step, loss=float(mean) / world, node=node, time=time.time())
         if step % args.save_interval_steps == 0:
+            dump(args.dump_dir, step, state)
             if args.async_save:
                 pending.append((step, manager.async_save(app, step)))
             else:
@@ -187,7 +201,6 @@ def main(argv: list[str] | None = None) -> None:
         future.result()
         if speaker:
             emit(event="saved", step=saved, node=node)
-    dump(args.dump_dir, "final", state)
     dist.barrier()
     if speaker:
         emit(event="done", node=node)

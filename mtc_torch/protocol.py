@@ -116,7 +116,7 @@ class ReplicatorConfig:
     """The content of ``replicator.yaml``; Resiliency's keys plus our optional ones.
 
     Attributes:
-        job_name: ``job-name``; also the prefix of the restore marker.
+        job_name: ``job-name``.
         node_rank: ``node-rank``, this node's rank in ``range(nodes)``.
         nodes: ``nodes``.
         peers_per_node: ``peers-per-node`` (>= 1), how many peers hold a copy of this node's steps.
@@ -396,13 +396,15 @@ def wait_prerestore(dir_fd: int, waits: Waits) -> int:
     return int(_wait(f"no {PRERESTORE_FILE}", waits.prerestore_s, waits, dir_fd, ready))  # type: ignore[arg-type]
 
 
-def find_marker(dir_fd: int, job_name: str, node_rank: int) -> tuple[str, int] | None:
-    """The restore marker for this job and node: ``(name, step)``, or None. Names not matching the strict marker
-    pattern, or naming another job or node, are ignored; if several match, the highest step wins."""
+def find_marker(dir_fd: int, node_rank: int) -> tuple[str, int] | None:
+    """The restore marker for this node: ``(name, step)``, or None. Names not matching the strict marker pattern,
+    or naming another node, are ignored; if several match, the highest step wins. The job part is not compared:
+    the agent names markers after the volume's job key (a JobSet's ``<jobset>-<replicatedJob>``), which need not
+    be ``job-name``; the directory is the job's own."""
     found = []
     for name in os.listdir(dir_fd):
         match = _MARKER_RE.match(name)
-        if match and match["job"] == job_name and int(match["node"]) == node_rank:
+        if match and int(match["node"]) == node_rank:
             found.append((int(match["step"]), name))
     if not found:
         return None
@@ -463,8 +465,8 @@ def handshake(local_dir: str | os.PathLike[str], config: ReplicatorConfig, waits
             log.info("removed unfinished saves of an earlier run: %s", removed)
         write_replicator_config(dir_fd, config, waits)
         prerestore_step = wait_prerestore(dir_fd, waits)
-        marker = _wait(f"no restore marker {config.job_name}-s<step>-n{config.node_rank}-w<worker>{MARKER_SUFFIX}",
-                       waits.marker_s, waits, dir_fd, lambda: find_marker(dir_fd, config.job_name, config.node_rank))
+        marker = _wait(f"no restore marker <job>-s<step>-n{config.node_rank}-w<worker>{MARKER_SUFFIX}",
+                       waits.marker_s, waits, dir_fd, lambda: find_marker(dir_fd, config.node_rank))
         name, step = marker  # type: ignore[misc]
         if step != prerestore_step:
             log.warning("%s announced step %d, the marker %s names step %d: the marker wins",

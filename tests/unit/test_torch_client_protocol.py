@@ -104,11 +104,10 @@ def test_each_timeout_names_what_was_missing(tmp_path):
         protocol.handshake(tmp_path, CONFIG, SHORT)
     thread.join()
     (tmp_path / "replicator.prerestore").write_text("{}")
-    (tmp_path / "other-s0-n1-w0.restore").touch()  # another job's marker is not ours
-    (tmp_path / "llama-s0-n2-w0.restore").touch()  # nor another node's
+    (tmp_path / "llama-s0-n2-w0.restore").touch()  # another node's marker is not ours
     thread = threading.Thread(target=consume_only)
     thread.start()
-    with pytest.raises(TimeoutError, match=r"no restore marker llama-s<step>-n1-w<worker>\.restore"):
+    with pytest.raises(TimeoutError, match=r"no restore marker <job>-s<step>-n1-w<worker>\.restore"):
         protocol.handshake(tmp_path, CONFIG, SHORT)
     thread.join()
 
@@ -146,9 +145,9 @@ def test_marker_names_are_matched_strictly(tmp_path):
                  "j-s5-n00-w0.restore.bak", "j-s99999999999999999999-n0-w0.restore", "j-s6-n1-w0.restore"]:
         if "/" not in name:
             (tmp_path / name).touch()
-    (tmp_path / "j-s2-n0-w0.restore").touch()
+    (tmp_path / "j-slice-s2-n0-w0.restore").touch()  # the agent names it after the volume's job key
     with protocol.open_dir(tmp_path) as fd:
-        assert protocol.find_marker(fd, "j", 0) == ("j-s2-n0-w0.restore", 2)
+        assert protocol.find_marker(fd, 0) == ("j-slice-s2-n0-w0.restore", 2)
 
 
 def test_control_files_that_are_symlinks_or_huge_are_not_followed_or_read_whole(tmp_path, caplog):
