@@ -92,8 +92,10 @@ test: setup tools torch-setup
 test-fast: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m unit
 
-demo: setup
-	$(BIN)/python -m examples.demo
+# FRAMEWORK=pytorch: the PyTorch job (torchrun, mtc_torch) instead of the JAX one.
+FRAMEWORK ?= jax
+demo: setup $(if $(filter pytorch,$(FRAMEWORK)),torch-setup)
+	$(BIN)/python -m examples.demo --framework $(FRAMEWORK)
 
 # Each entry is a module of tests/bench and its flags.
 BENCHES := ramdisk_throughput "peer_restore --cores" "peer_restore --gib 4 --repetitions 5" step_checksums \

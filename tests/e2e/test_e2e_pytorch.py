@@ -86,3 +86,23 @@ def test_torchrun_job_resumes_exactly_after_preemption_node_loss_and_cluster_los
     job.agents[:] = [cluster.add_node(len(cluster.agents) + i, block="b0") for i in range(NODES)]
     resume(job, tmp_path, "dump-4", step, before, timeout=240)
     assert set(source.split(":")[0] for source in status_of(cluster, job)["restore"]["sources"].values()) == {"backup"}
+
+
+def test_hsdp_job_restores_a_lost_node_from_its_identical_replica_without_copies(start_cluster, tmp_path):
+    cluster = start_cluster(nodes=NODES)
+    # HSDP: 2 replica groups (one per node) sharded over the 2 local ranks; local rank r of both nodes
+    # holds the same shards, and mtc_torch's deterministic .metadata makes both nodes' steps sign equal.
+    job = run_job("hs", list(cluster.agents), tmp_path / "hs", [*UNTIL_KILLED, "--data-parallelism", "2", "--dump-dir", str(tmp_path / "dump-1")],
+                  job_class=TorchrunJob, slices=2, nproc_per_node=LOCAL_RANKS)  # fmt: skip
+    job.wait(lambda: (s := status_of(cluster, job))["safe_step"] is not None and s["safe_step"] >= 6, 180, "identity established at step 6")
+    status = status_of(cluster, job)
+    assert status["identical_peers"] == [[0, 1], [1, 0]]
+    # Deduplicated: no node holds the other's data.
+    assert all(holders == [f"node-{rank}"] for rank, steps in status["held"].items() for holders in steps.values())
+    before = kill_past_newest_commit(job, timeout=120)
+    wait_until(lambda: status_of(cluster, job)["safe_step"] == status_of(cluster, job)["newest_complete_step"], 30, "identity of the last step")
+    step = status_of(cluster, job)["safe_step"]
+
+    job.agents[:] = replace_node(cluster, job, 1)
+    resume(job, tmp_path, "dump-2", step, before)
+    assert status_of(cluster, job)["restore"]["sources"]["1"] == "peer_close:node-0"  # node 0 holds rank 1's data
