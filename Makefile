@@ -136,4 +136,4 @@ chaos: setup
 	rc=0; for v in dp2 dp1; do $(BIN)/python -m tests.chaos --faults $(CHAOS_FAULTS) --variant $$v $(CHAOS_ARGS) || rc=1; done; exit $$rc
 
 clean:
-	rm -rf $(VENV) $(MAXTEXT_VENV) $(ORBAX_OLDEST_VENV) .tools $(STUBS) protos/csi_pb2.pyi
+	rm -rf $(VENV) $(TORCH_VENV) $(MAXTEXT_VENV) $(ORBAX_OLDEST_VENV) .tools $(STUBS) protos/csi_pb2.pyi
