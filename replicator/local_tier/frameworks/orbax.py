@@ -20,7 +20,6 @@ files, the scan) is ``client_dir.ClientDirProtocol``.
 
 import hashlib
 import json
-import os
 from typing import Annotated, Literal
 
 import msgspec
