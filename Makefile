@@ -44,7 +44,7 @@ TORCH_VENV   := .venv-torch
 TORCH_STAMP  := $(TORCH_VENV)/.installed
 TORCH_PKGS   := torch==2.15.0 numpy==2.4.6 PyYAML==6.0.4
 
-.PHONY: setup tools test test-fast demo torch-setup bench e2e-maxtext e2e-orbax-oldest chaos clean
+.PHONY: setup tools test test-fast demo torch-setup bench e2e-maxtext e2e-torchtitan e2e-orbax-oldest chaos clean
 
 setup: $(STAMP) $(STUBS)
 
@@ -117,6 +117,26 @@ $(MAXTEXT_STAMP):
 	$(MAXTEXT_VENV)/bin/pip install -q 'maxtext[tpu]==0.2.5'
 	touch $@
 
+# The stock TorchTitan trainer (its llama3 debug model) on CPU, 2 nodes x 2 processes under torchrun,
+# checkpointing through mtc_torch, through a preemption and a node loss (tests/e2e_torchtitan.py); not
+# part of `make test`. torch's Linux wheel is a CUDA build (~4 GB); numpy is pinned because DCP over gloo
+# needs it and torch does not declare it. The project goes in with --no-deps (the trainer imports only
+# mtc_torch: torch, numpy, PyYAML).
+TITAN_PYTHON ?= python3.11
+TITAN_VENV   := .venv-titan
+TITAN_STAMP  := $(TITAN_VENV)/.installed
+TITAN_PKGS   := torch==2.15.0 numpy==2.4.6 torchtitan==0.3.0 PyYAML
+
+e2e-torchtitan: setup $(TITAN_STAMP)
+	$(BIN)/python -m tests.e2e_torchtitan --python $(TITAN_VENV)/bin/python
+
+$(TITAN_STAMP): pyproject.toml
+	$(TITAN_PYTHON) -m venv $(TITAN_VENV)
+	$(TITAN_VENV)/bin/pip install -q --upgrade pip
+	$(TITAN_VENV)/bin/pip install -q $(foreach p,$(TITAN_PKGS),'$(p)')
+	$(TITAN_VENV)/bin/pip install -q --no-deps -e .
+	touch $@
+
 # The Orbax end-to-end subset against the oldest claimed orbax-checkpoint, in its own virtualenv (the
 # agents and trainers run on its Python too).
 e2e-orbax-oldest: $(STUBS) $(ORBAX_OLDEST_STAMP)
@@ -136,4 +156,4 @@ chaos: setup
 	rc=0; for v in dp2 dp1; do $(BIN)/python -m tests.chaos --faults $(CHAOS_FAULTS) --variant $$v $(CHAOS_ARGS) || rc=1; done; exit $$rc
 
 clean:
-	rm -rf $(VENV) $(TORCH_VENV) $(MAXTEXT_VENV) $(ORBAX_OLDEST_VENV) .tools $(STUBS) protos/csi_pb2.pyi
+	rm -rf $(VENV) $(TORCH_VENV) $(MAXTEXT_VENV) $(TITAN_VENV) $(ORBAX_OLDEST_VENV) .tools $(STUBS) protos/csi_pb2.pyi
