@@ -25,7 +25,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-import torch.nn as nn
+from torch import nn
 from torchtitan.components.checkpointer.base import (
     DATALOADER,
     LR_SCHEDULER,

@@ -36,19 +36,20 @@ import json
 import os
 import re
 import shutil
-import signal
 import statistics
 import sys
 import tempfile
-import time
-import urllib.request
 
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
-from examples.local_cluster import LocalCluster, LocalJob, NodeAgentProcess, Pod, can_mount_tmpfs
-from tests.helpers.polling import wait_until
+from examples.local_cluster import LocalCluster, Pod, can_mount_tmpfs
 from tests.helpers.ports import free_port, listen_address
+from tests.helpers.trainer_oracle import (
+    HarnessError,
+    Restore,
+    TrainerJob,
+    fail_and_restore,
+)
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _EXAMPLE_DIR = os.path.join(_REPO_ROOT, "examples", "maxtext")
@@ -70,8 +71,6 @@ TINY_MODEL = {
 POD_FLAGS = ("run_name", "local_checkpoint_directory", "base_output_directory", "metrics_file")
 RESTORED = re.compile(r"restoring from this run's directory step (\d+)")
 FRESH = "No existing checkpoints found"
-TIMEOUT = 600.0  # seconds for any one wait: MaxText's import and XLA compile take a minute on 2 cores
-KILL_TIMEOUT = 120.0  # seconds for the trainers, training, to log a loss past the newest commit (a step takes < 1 s)
 
 
 def jobset_flags(path: str = JOBSET) -> dict[str, str]:
@@ -96,7 +95,7 @@ def jobset_flags(path: str = JOBSET) -> dict[str, str]:
 
 
 @dataclasses.dataclass
-class MaxTextJob(LocalJob):
+class MaxTextJob(TrainerJob):
     """A LocalJob whose pods run the stock MaxText trainer; ``train_args`` are its ``key=value`` flags."""
 
     python: str = "python3.12"
@@ -133,159 +132,6 @@ class MaxTextJob(LocalJob):
             text = f.read()
         found = RESTORED.search(text)
         return int(found.group(1)) if found else (None if FRESH in text else "")
-
-    def committed(self) -> list[set[int]]:
-        """The steps each pod has committed (bare integer directories in its ramdisk)."""
-        return [{int(n) for n in os.listdir(p.target) if n.isdigit()} for p in self.pods]
-
-    def newest_step(self) -> int | None:
-        """The newest step every pod has committed, None before any."""
-        return max(set.intersection(*self.committed()), default=None)
-
-    def kill_past_newest_commit(self, timeout: float = KILL_TIMEOUT) -> tuple[int, list[dict[int, float]]]:
-        """SIGKILLs the trainers once every pod has committed the same newest step and logged the
-        loss of a step after it; returns that step and each pod's losses.
-
-        The same newest step: a pod that committed a newer step than the others replicates that one
-        first, and the step complete everywhere may then never get a copy off its node (the node
-        loss would restore an older step). The trainers are SIGSTOPped while the ramdisks and
-        metrics files are read, so no commit or loss lands between the check and the kill; if the
-        condition does not hold they are resumed and it is polled again.
-
-        Raises:
-          HarnessError: not reached within ``timeout`` seconds (the trainers are left running).
-        """
-        deadline = time.monotonic() + timeout
-        while True:
-            self.signal_training(signal.SIGSTOP)
-            committed, losses = self.committed(), [self.losses(p) for p in self.pods]
-            newest = max(set.intersection(*committed), default=None)
-            if newest is not None and all(max(c) == newest for c in committed) and logged_past(newest, losses):
-                self.kill_training()
-                return newest, losses
-            self.signal_training(signal.SIGCONT)
-            if time.monotonic() > deadline:
-                raise HarnessError(f"no moment within {timeout} s when every pod's newest commit was step {newest} and every pod "
-                                   f"had logged a loss after it (last: commits {[max(c, default=None) for c in committed]}, "
-                                   f"losses {[max(l, default=None) for l in losses]})")  # fmt: skip
-            failed = [p for p in self.pods if p.process and p.process.poll() not in (None, 0)]
-            if failed:
-                raise RuntimeError(f"training process {failed[0].name} exited {failed[0].process.returncode}: {self._stderr(failed[0])}")
-            time.sleep(0.1)
-
-    def train_past(self, step: int) -> None:
-        self.wait(lambda: all(max(self.losses(p), default=-1) >= step for p in self.pods), TIMEOUT, f"step {step}")
-
-
-class HarnessError(RuntimeError):
-    """The harness could not set up what it checks (not a verdict on the restore)."""
-
-
-def logged_past(newest: int, losses: list[dict[int, float]]) -> bool:
-    """Whether every pod has logged the loss of a step after ``newest``."""
-    return all(max(pod_losses, default=-1) > newest for pod_losses in losses)
-
-
-@dataclasses.dataclass
-class Restore:
-    """What one failure and restore looked like."""
-
-    shape: str
-    failure: str
-    newest_step: int
-    logged_steps: list[int | None | str]
-    first_steps: list[int | None]
-    compared_steps: list[int]
-    equal_losses: bool
-    seconds_to_first_step: float
-    agent_seconds: float
-    sources: dict[str, str]
-    harness_error: str | None = None
-
-    @property
-    def passed(self) -> bool:
-        return (self.harness_error is None
-                and self.logged_steps == [self.newest_step] * len(self.logged_steps)
-                and self.first_steps == [self.newest_step + 1] * len(self.first_steps)
-                and bool(self.compared_steps) and self.equal_losses)  # fmt: skip
-
-
-@dataclasses.dataclass
-class LossComparison:
-    """The losses of the steps each pod logged both before the failure and after the restore."""
-
-    compared: list[tuple[int, float, float]]  # (step, before, after) over every pod
-    differing: list[tuple[int, float, float]]
-    harness_error: str | None  # a pod compared nothing: no verdict either way
-
-    @property
-    def steps(self) -> list[int]:
-        return sorted({s for s, _, _ in self.compared})
-
-
-def compare_losses(before: list[dict[int, float]], after: list[dict[int, float]]) -> LossComparison:
-    """Compares, pod by pod, the losses of the steps logged both before and after; a pod with no
-    such step is a harness error, never an equality."""
-    compared, empty = [], []
-    for pod, (b, a) in enumerate(zip(before, after, strict=True)):
-        common = sorted(set(b) & set(a))
-        if not common:
-            empty.append(f"pod {pod} (before: steps {min(b, default=None)}-{max(b, default=None)}, "
-                         f"after: {min(a, default=None)}-{max(a, default=None)})")  # fmt: skip
-        compared += [(s, b[s], a[s]) for s in common]
-    if not before:
-        empty.append("every pod (no pod)")
-    error = f"no step's loss logged both before the failure and after the restore by {', '.join(empty)}: nothing compared" if empty else None
-    return LossComparison(compared, [(s, b, a) for s, b, a in compared if b != a], error)
-
-
-def restore_seconds(agent: NodeAgentProcess) -> float:
-    """Sum of the agent's ``mtc_restore_seconds`` over every source (seconds)."""
-    with urllib.request.urlopen(agent.url + "/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return sum(s.value for family in text_string_to_metric_families(text) if family.name == "mtc_restore_seconds"
-               for s in family.samples if s.name == "mtc_restore_seconds_sum")  # fmt: skip
-
-
-def fail_and_restore(cluster: LocalCluster, job: MaxTextJob, shape: str, lose_node: bool) -> Restore:
-    """SIGKILLs the trainers once each logged a loss past the newest commit (and loses node 1 when
-    ``lose_node``), recreates the pods, checks the restore."""
-    newest, before = job.kill_past_newest_commit()
-    status = lambda: cluster.coordinator.status(job.job)["jobs"][0]  # noqa: E731
-    wait_until(lambda: status()["newest_complete_step"] == newest, 60, f"the coordinator seeing step {newest}")
-    if lose_node:
-        # Only a step held elsewhere survives the node: wait until the peer tier covers the newest.
-        wait_until(lambda: status()["safe_step"] == newest, 60, f"step {newest} held off node 1")
-        lost = job.agents[1]
-        cluster.lose_node(lost)
-        job.agents[1] = cluster.add_node(len(cluster.agents), block="b0")
-        print(f"   {lost.node_id} lost with its ramdisk; {job.agents[1].node_id} joins", flush=True)
-    agent_before = [restore_seconds(a) for a in job.agents]
-    job.delete_pods()
-    republished = time.monotonic()
-    job.create_pods()
-    job.start_training()
-    job.wait(lambda: all(job.losses(p) for p in job.pods), TIMEOUT, "the first step after the restore")
-    seconds = time.monotonic() - republished
-    job.train_past(max(max(b) for b in before) + 1)
-    after = [job.losses(p) for p in job.pods]
-    agent_seconds = max(restore_seconds(a) - b for a, b in zip(job.agents, agent_before))
-    return judge(shape, "node loss" if lose_node else "preemption", newest, [job.restore_log(p) for p in job.pods],
-                 before, after, seconds, agent_seconds, status()["restore"]["sources"])  # fmt: skip
-
-
-def judge(shape: str, failure: str, newest: int, logged_steps: list[int | None | str], before: list[dict[int, float]],
-          after: list[dict[int, float]], seconds: float, agent_seconds: float, sources: dict[str, str]) -> Restore:
-    """The oracle of one failure: ``before`` and ``after`` are each pod's losses (step -> loss) of
-    the killed run and of the restored one; prints what differs or could not be compared."""
-    comparison = compare_losses(before, after)
-    if comparison.differing:
-        print(f"   losses differ (step, before, after): {comparison.differing[:5]}", flush=True)
-    if comparison.harness_error:
-        print(f"   HARNESS ERROR: {comparison.harness_error}", flush=True)
-    return Restore(shape, failure, newest, logged_steps, [min(a, default=None) for a in after], comparison.steps,
-                   not comparison.differing, seconds, agent_seconds, sources, comparison.harness_error)  # fmt: skip
-
 
 def run_shape(python: str, slices: int, workdir: str) -> list[Restore]:
     """One job of 2 pods in ``slices`` slices through a preemption and a node loss."""
