@@ -155,10 +155,7 @@ def run_shape(python: str, slices: int, workdir: str) -> list[Restore]:
         for lose_node, target in ((False, 19), (True, 29)):
             job.train_past(target)
             result = fail_and_restore(cluster, job, shape, lose_node)
-            verdict = f"bit-identical: {result.equal_losses}" if result.harness_error is None else "HARNESS ERROR, nothing compared"
-            print(f"   {result.failure}: newest step {result.newest_step}; MaxText restored {result.logged_steps}, "
-                  f"resumed at {result.first_steps}; losses of steps {result.compared_steps} {verdict}; first step {result.seconds_to_first_step:.1f} s after the republish, "
-                  f"agents {result.agent_seconds:.3f} s; sources {result.sources}", flush=True)  # fmt: skip
+            print(f"   {result.describe()}", flush=True)
             results.append(result)
         return results
     finally:

@@ -54,6 +54,9 @@ SHIM_DIR = os.path.join(_REPO_ROOT, "tests", "torchtitan")
 TRAINER = "torchtitan.train"
 REGISTRY = ("examples.torchtitan", "llama3_debugmodel_mtc")
 INTERVAL = 2  # steps between checkpoints
+# A step of the debug model is ~50 MB per node (2 ranks, model and AdamW state); the ramdisk holds a few
+# own steps and the peer's replicas (256Mi ran out: HTTP 507 on the replication PUTs).
+RAMDISK = "1Gi"
 # Flags for 2 shared cores: the debug model as TorchTitan defines it, shorter sequences and batches.
 FLAGS = ["--training.seq-len", "128", "--training.local-batch-size", "2", "--debug.seed", "0", "--metrics.disable-color-printing", "--checkpoint.interval", str(INTERVAL),
          "--checkpoint.backup-interval-minutes", "1"]  # fmt: skip
@@ -193,7 +196,7 @@ def measure_step_time(python: str, assets: str, workdir: str, checkpointing: boo
     """Mean step time (s) of an uninterrupted 2x2 run of ``steps`` steps, with or without mtc checkpoints."""
     cluster = LocalCluster(workdir, listen_address)
     flags = [*FLAGS, "--training.steps", str(steps)] + ([] if checkpointing else ["--checkpoint.no-enable"])
-    job = TitanJob("titanbench", [], workdir, flags, slices=1, jax_port=free_port("127.0.0.1"), python=python, assets=assets)
+    job = TitanJob("titanbench", [], workdir, flags, slices=1, size=RAMDISK, jax_port=free_port("127.0.0.1"), python=python, assets=assets)
     try:
         job.agents = list(cluster.start(2).agents)
         job.create_pods()
@@ -208,7 +211,7 @@ def measure_step_time(python: str, assets: str, workdir: str, checkpointing: boo
 def run(python: str, assets: str, workdir: str) -> list[Restore]:
     """One 2-node job of 2 processes per node through a preemption and a node loss."""
     cluster = LocalCluster(workdir, listen_address)
-    job = TitanJob("titan", [], workdir, [*FLAGS, "--training.steps", "100000"], slices=1, jax_port=free_port("127.0.0.1"), python=python, assets=assets)
+    job = TitanJob("titan", [], workdir, [*FLAGS, "--training.steps", "100000"], slices=1, size=RAMDISK, jax_port=free_port("127.0.0.1"), python=python, assets=assets)
     try:
         job.agents = list(cluster.start(2).agents)
         print(f"== 2 nodes x {job.nproc_per_node} processes: torchrun ... -m {TRAINER} --module {REGISTRY[0]} --config {REGISTRY[1]} "
@@ -223,11 +226,7 @@ def run(python: str, assets: str, workdir: str) -> list[Restore]:
         for lose_node, target in ((False, 4 * INTERVAL + 1), (True, 6 * INTERVAL + 1)):
             job.train_past(target)
             result = fail_and_restore(cluster, job, "2x2", lose_node)
-            verdict = f"bit-identical: {result.equal_losses}" if result.harness_error is None else "HARNESS ERROR, nothing compared"
-            print(f"   {result.failure}: newest step {result.newest_step}; restored {result.logged_steps}, resumed at "
-                  f"{result.first_steps}; losses of steps {result.compared_steps} {verdict}; first step "
-                  f"{result.seconds_to_first_step:.1f} s after the republish, agents {result.agent_seconds:.3f} s; "
-                  f"sources {result.sources}", flush=True)  # fmt: skip
+            print(f"   {result.describe()}", flush=True)
             results.append(result)
         return results
     finally:

@@ -111,6 +111,13 @@ class Restore:
     sources: dict[str, str]
     harness_error: str | None = None
 
+    def describe(self) -> str:
+        """One line: what was restored, what was compared and how long the restore took."""
+        verdict = f"bit-identical: {self.equal_losses}" if self.harness_error is None else "HARNESS ERROR, nothing compared"
+        return (f"{self.failure}: newest step {self.newest_step}; restored {self.logged_steps}, resumed at {self.first_steps}; "
+                f"losses of steps {self.compared_steps} {verdict}; first step {self.seconds_to_first_step:.1f} s after the "
+                f"republish, agents {self.agent_seconds:.3f} s; sources {self.sources}")  # fmt: skip
+
     @property
     def passed(self) -> bool:
         return (self.harness_error is None
@@ -160,7 +167,7 @@ def fail_and_restore(cluster: LocalCluster, job: TrainerJob, shape: str, lose_no
     """SIGKILLs the trainers once each logged a loss past the newest commit (and loses node 1 when
     ``lose_node``), recreates the pods, checks the restore."""
     newest, before = job.kill_past_newest_commit()
-    status = lambda: cluster.coordinator.status(job.job)["jobs"][0]  # noqa: E731
+    status = lambda: cluster.coordinator.status(job.job)["jobs"][0]
     wait_until(lambda: status()["newest_complete_step"] == newest, 60, f"the coordinator seeing step {newest}")
     if lose_node:
         # Only a step held elsewhere survives the node: wait until the peer tier covers the newest.
