@@ -122,7 +122,7 @@ $(MAXTEXT_STAMP):
 # part of `make test`. torch's Linux wheel is a CUDA build (~4 GB); numpy is pinned because DCP over gloo
 # needs it and torch does not declare it. The project goes in with --no-deps (the trainer imports only
 # mtc_torch: torch, numpy, PyYAML).
-TITAN_PYTHON ?= python3.11
+TITAN_PYTHON ?= $(TORCH_PYTHON)
 TITAN_VENV   := .venv-titan
 TITAN_STAMP  := $(TITAN_VENV)/.installed
 TITAN_PKGS   := torch==2.15.0 numpy==2.4.6 torchtitan==0.3.0 PyYAML

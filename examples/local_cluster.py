@@ -440,6 +440,7 @@ class LocalJob:
 
     def kill_training(self) -> None:
         """SIGKILLs every training process, as a preemption or node failure would."""
+        self.signal_training(signal.SIGSTOP)  # no process forks or exits while the tree is read
         trainers = self._trainers()
         for process in trainers:
             with contextlib.suppress(psutil.NoSuchProcess):

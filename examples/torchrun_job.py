@@ -23,16 +23,22 @@ class TorchrunJob(LocalJob):
 
     Attributes:
       nproc_per_node: local ranks per node (torchrun's ``--nproc-per-node``).
+      python: the virtualenv's Python that runs torchrun and its workers.
     """
 
     framework: str = "pytorch.distributed"
     nproc_per_node: int = 2
+    python: str = TORCH_PYTHON
 
     def train_command(self, pod: Pod) -> list[str]:
-        nodes = len(self.agents)
-        return [TORCH_PYTHON, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node", str(self.nproc_per_node),
-                "--node-rank", str(self.pods.index(pod)), "--master-addr", "127.0.0.1", "--master-port", str(self.jax_port),
-                TRAIN_TORCH, "--local-dir", pod.target, "--job-name", self.name, *self.train_args]  # fmt: skip
+        """torchrun for ``pod`` followed by ``worker_command(pod)``."""
+        return [self.python, "-m", "torch.distributed.run", "--nnodes", str(len(self.agents)), "--nproc-per-node", str(self.nproc_per_node),
+                "--node-rank", str(self.pods.index(pod)), "--rdzv-backend", "static", "--master-addr", "127.0.0.1",
+                "--master-port", str(self.jax_port), *self.worker_command(pod)]  # fmt: skip
+
+    def worker_command(self, pod: Pod) -> list[str]:
+        """What torchrun starts on every local rank: ``examples/train_torch.py`` (a subclass may run another trainer)."""
+        return [TRAIN_TORCH, "--local-dir", pod.target, "--job-name", self.name, *self.train_args]
 
     def train_env(self) -> dict[str, str]:
         """One thread per local rank (the machine's cores are shared by every pod) and ``NNODES``."""

@@ -27,13 +27,11 @@ failures). Exit status 0 when every check passed.
 """
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -69,22 +67,17 @@ class TitanJob(TorchrunJob, TrainerJob):
     """A TorchrunJob whose pods run the stock TorchTitan trainer; ``train_args`` are its flags.
 
     Attributes:
-      python: the TorchTitan virtualenv's Python.
       assets: the directory ``tests/torchtitan/assets.py`` wrote (``tokenizer/``, ``dataset/``).
     """
 
-    python: str = ""
     assets: str = ""
 
     def loss_dir(self) -> str:
         """Where this incarnation's trainers record their losses (one file per global rank)."""
         return os.path.join(self.workdir, "losses", f"i{self.incarnations}")
 
-    def train_command(self, pod: Pod) -> list[str]:
-        index = self.pods.index(pod)
-        return [self.python, "-m", "torch.distributed.run", "--nnodes", str(len(self.agents)), "--nproc-per-node",
-                str(self.nproc_per_node), "--node-rank", str(index), "--rdzv-backend", "static", "--master-addr", "127.0.0.1",
-                "--master-port", str(self.jax_port), "-m", TRAINER, "--module", REGISTRY[0], "--config", REGISTRY[1],
+    def worker_command(self, pod: Pod) -> list[str]:
+        return ["-m", TRAINER, "--module", REGISTRY[0], "--config", REGISTRY[1],
                 "--hf-assets-path", os.path.join(self.assets, "tokenizer"),
                 "--dataloader.dataset-path", os.path.join(self.assets, "dataset"),
                 "--dump-folder", os.path.join(self.workdir, "output", pod.name),
@@ -94,24 +87,6 @@ class TitanJob(TorchrunJob, TrainerJob):
         os.makedirs(self.loss_dir(), exist_ok=True)
         return {**super().train_env(), "PYTHONPATH": os.pathsep.join([SHIM_DIR, _REPO_ROOT]), "MTC_TORCHTITAN_CPU_SHIM": "1",
                 "MTC_TORCHTITAN_LOSS_DIR": self.loss_dir(), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # fmt: skip
-
-    def signal_training(self, signum: int) -> None:
-        """Sends ``signum`` to every process of every pod: torchrun starts each worker in a session of its
-        own, so signalling torchrun's process group (``LocalJob``) leaves the workers running, where a
-        container's end would take them all."""
-        for pod in self.pods:
-            if pod.process and pod.process.poll() is None:
-                for pid in process_tree(pod.process.pid):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signum)
-
-    def kill_training(self) -> None:
-        """SIGKILLs every process of every pod (torchrun and its workers), as a preemption does."""
-        self.signal_training(signal.SIGSTOP)  # no worker forks or exits while the tree is read
-        self.signal_training(signal.SIGKILL)
-        for pod in self.pods:
-            if pod.process:
-                pod.process.wait()
 
     def losses(self, pod: Pod) -> dict[int, float]:
         """Step -> loss as the node's local rank 0 recorded it (every rank logs the same global loss)."""
@@ -133,22 +108,6 @@ class TitanJob(TorchrunJob, TrainerJob):
         if fresh and not restored:
             return None
         return restored.pop() if len(restored) == 1 and not fresh else f"mixed: {sorted(restored)}, {fresh} fresh"
-
-
-def process_tree(root: int) -> list[int]:
-    """``root`` and every process descended from it, parents first (read from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError), open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(entry))
-    tree, queue = [], [root]
-    while queue:
-        pid = queue.pop(0)
-        tree.append(pid)
-        queue += children.get(pid, [])
-    return tree
 
 
 def trainer_log(pod: Pod) -> str:
