@@ -369,6 +369,7 @@ class LocalJob:
       slices: number of slices.
       size: ramdisk size attribute.
       jax_port: the JAX coordinator port (``jaxCoordinatorPort``).
+      attributes: further volume attributes (e.g. ``{"framework": "pytorch.distributed"}``).
     """
 
     name: str
@@ -378,6 +379,7 @@ class LocalJob:
     slices: int = 2
     size: str = "256Mi"
     jax_port: int = 8476
+    attributes: dict[str, str] = dataclasses.field(default_factory=dict)
     pods: list[Pod] = dataclasses.field(default_factory=list)
     incarnations: int = 0
 
@@ -391,7 +393,7 @@ class LocalJob:
         self.incarnations += 1
         per_slice = len(self.agents) // self.slices
         attrs = {"nodes": str(len(self.agents)), "slices": str(self.slices), "size": self.size,
-                 "jaxCoordinatorPort": str(self.jax_port), "jobset": self.name}  # fmt: skip
+                 "jaxCoordinatorPort": str(self.jax_port), "jobset": self.name, **self.attributes}  # fmt: skip
         self.pods = []
         for index, agent in enumerate(self.agents):
             name = f"{self.job}-{index // per_slice}-{index % per_slice}-i{self.incarnations}"

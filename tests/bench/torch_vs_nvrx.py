@@ -1,0 +1,322 @@
+"""Our PyTorch checkpointing against NVIDIA NVRx local checkpointing on the same job, in one run.
+
+The job (``tests/bench/torch_job.py``): 2 nodes x 2 processes under torchrun (static rendezvous on 127.0.0.1,
+gloo, CPU), FSDP2 over LAYERS x Linear(WIDTH, WIDTH) with AdamW, each rank checkpointing its own shards
+(about 25 MiB per rank at the defaults). It runs three ways, one after the other:
+
+- none: no checkpointing: the step time every ratio is taken against;
+- NVRx: ``nvidia-resiliency-ext`` 0.7.0 ``LocalCheckpointManager`` on a tmpfs per node, replicated in-process by
+  ``CliqueReplicationStrategy`` to the rank LOCAL_WORLD_SIZE away (the other node), synchronous ``save()``. NVRx's
+  local checkpointing is CUDA-only in four device calls; it runs here through a device-only shim
+  (``tests/bench/nvrx_device_shim.py``), which the output names;
+- ours: ``mtc_torch.CheckpointManager`` (blocking ``save``) on each pod's mount of our ramdisk, with a coordinator
+  and two real ``mtc node`` agents (peer tier, one replica per step, ``framework: pytorch.distributed``).
+
+Per checkpointing setup:
+
+- blocking: the job saves every SAVE_EVERY steps; the median of (train + save) seconds over the saving steps
+  after WARMUP_STEPS, divided by the median step time without checkpointing;
+- node-loss restore: after the last save (and, for ours, its replica on the other node), the job's processes are
+  killed, node 1's local storage is wiped (NVRx: its tmpfs; ours: the agent dies with its ramdisk and a fresh node
+  joins), the pods are recreated and the job restarted: seconds from the recreation to the first training step
+  (global rank 0's ``step`` event). Each restore is checked against the state the job had when it saved that step
+  (a CRC32 of every rank's tensors).
+
+The goal is ours at or below NVRx on both. Timings are printed, not asserted. Run as root (tmpfs mounts):
+``python -m tests.bench.torch_vs_nvrx --python .venv-nvrx/bin/python`` (``make bench`` builds that venv).
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+
+warnings.simplefilter("ignore", FutureWarning)  # google-auth's import-time notice about grpcio versions
+
+from examples.local_cluster import LocalCluster, LocalJob, Pod, can_mount_tmpfs, scratch_dir  # noqa: E402
+from tests.bench.nvrx_device_shim import NAME as SHIM  # noqa: E402
+from tests.helpers.ports import free_port, listen_address  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+JOB_SCRIPT = os.path.join(ROOT, "tests", "bench", "torch_job.py")
+NODES, PROCS = 2, 2
+SAVE_EVERY = 2
+WARMUP_STEPS = 4
+SAVES = 6
+STEPS = WARMUP_STEPS + SAVES * SAVE_EVERY
+WAIT_SECONDS = 300.0
+
+
+def torchrun(python: str, node_rank: int, port: int, mode: str, local_dir: str, job_args: list[str]) -> list[str]:
+    return [python, "-m", "torch.distributed.run", "--nnodes", str(NODES), "--nproc-per-node", str(PROCS),
+            "--node-rank", str(node_rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
+            JOB_SCRIPT, "--mode", mode, "--local-dir", local_dir, *job_args]  # fmt: skip
+
+
+def job_env(node_rank: int) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": ROOT, "GLOO_SOCKET_IFNAME": "lo", "NODE_RANK": str(node_rank), "NNODES": str(NODES),
+            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # fmt: skip
+
+
+def start(command: list[str], env: dict[str, str], log_path: str) -> subprocess.Popen:
+    """One node's torchrun in its own session, so that killing the node kills its workers too."""
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    with open(log_path, "wb") as out, open(log_path + ".stderr", "wb") as err:
+        return subprocess.Popen(command, stdout=out, stderr=err, env=env, start_new_session=True)
+
+
+def kill(process: subprocess.Popen | None) -> None:
+    """SIGKILLs a node's torchrun and its workers."""
+    if process is not None and process.poll() is None:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
+
+
+def events(log_path: str) -> list[dict]:
+    try:
+        with open(log_path, encoding="utf-8") as log:
+            return [json.loads(line) for line in log if line.startswith("{")]
+    except FileNotFoundError:
+        return []
+
+
+def wait_for(condition, processes: list[subprocess.Popen], logs: list[str], what: str) -> None:
+    deadline = time.monotonic() + WAIT_SECONDS
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        for process, log in zip(processes, logs):
+            if process.poll() not in (None, 0):
+                with open(log + ".stderr", encoding="utf-8", errors="replace") as err:
+                    raise RuntimeError(f"{what}: a node exited {process.returncode}: {err.read()[-3000:]}")
+        time.sleep(0.05)
+    raise TimeoutError(f"{what} not reached within {WAIT_SECONDS} s")
+
+
+@dataclasses.dataclass
+class Run:
+    """What one setup measured."""
+
+    step_s: list[float] = dataclasses.field(default_factory=list)  # train + save of the steps timed
+    save_s: list[float] = dataclasses.field(default_factory=list)
+    restore_s: float | None = None
+    restored_step: int | None = None
+    bit_identical: bool | None = None
+    note: str = ""
+
+
+def timed_steps(run_events: list[dict], saving: bool) -> tuple[list[float], list[float]]:
+    steps = [e for e in run_events if e["event"] == "step" and e["step"] > WARMUP_STEPS and (e["saved"] or not saving)]
+    return [e["train_s"] + e["save_s"] for e in steps], [e["save_s"] for e in steps]
+
+
+def check_restore(run: Run, first: list[dict], second: list[dict], recreated_at: float) -> None:
+    restored = next(e for e in second if e["event"] == "restored")
+    saved = {e["step"]: e["crcs"] for e in first if e["event"] == "saved"}
+    run.restored_step = restored["step"]
+    run.bit_identical = saved.get(restored["step"]) == restored["crcs"]
+    run.restore_s = min(e["time"] for e in second if e["event"] == "step") - recreated_at
+
+
+class NVRxSetup:
+    """NVRx on a tmpfs per node (a plain directory when not root); its node loss wipes node 1's."""
+
+    name = "NVRx 0.7.0"
+
+    def __init__(self, python: str, workdir: str, job_args: list[str]):
+        self.python, self.workdir, self.job_args = python, workdir, job_args
+        self.dirs = [os.path.join(workdir, f"node-{n}") for n in range(NODES)]
+
+    def _mount(self, n: int) -> None:
+        os.makedirs(self.dirs[n], exist_ok=True)
+        if can_mount_tmpfs():
+            subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2g", "tmpfs", self.dirs[n]], check=True)
+
+    def _launch(self, incarnation: int, steps: int) -> tuple[list[subprocess.Popen], list[str]]:
+        port = free_port("127.0.0.1")
+        logs = [os.path.join(self.workdir, "logs", f"i{incarnation}-node-{n}.jsonl") for n in range(NODES)]
+        args = [*self.job_args, "--steps", str(steps), "--save-every", str(SAVE_EVERY)]
+        return [start(torchrun(self.python, n, port, "nvrx", self.dirs[n], args), job_env(n), logs[n]) for n in range(NODES)], logs
+
+    def run(self) -> Run:
+        run = Run()
+        for n in range(NODES):
+            self._mount(n)
+        processes, logs = self._launch(1, STEPS)
+        try:
+            wait_for(lambda: all(p.poll() == 0 for p in processes), processes, logs, "NVRx: training done")
+            first = events(logs[0])
+            run.step_s, run.save_s = timed_steps(first, saving=True)
+            subprocess.run(["umount", "-l", self.dirs[1]], check=False, capture_output=True)  # node 1 lost, RAM gone
+            subprocess.run(["rm", "-rf", "--one-file-system", self.dirs[1]], check=True)
+            recreated_at = time.time()
+            self._mount(1)
+            processes, logs = self._launch(2, STEPS + 1)
+            wait_for(lambda: any(e["event"] == "step" for e in events(logs[0])), processes, logs, "NVRx: the first step after the node loss")
+            check_restore(run, first, events(logs[0]), recreated_at)
+        finally:
+            for p in processes:
+                kill(p)
+        return run
+
+
+@dataclasses.dataclass
+class TorchJob(LocalJob):
+    """A ``LocalJob`` whose pods run torchrun (one per pod: a node of PROCS processes).
+
+    Attributes:
+      python: the job's Python (torch 2.15.0).
+      job_args: ``torch_job.py`` flags.
+      port: torchrun's master port, a fresh one per start.
+    """
+
+    python: str = sys.executable
+    job_args: list[str] = dataclasses.field(default_factory=list)
+    port: int = 0
+
+    def train_command(self, pod: Pod) -> list[str]:
+        return torchrun(self.python, self.pods.index(pod), self.port, "ours", pod.target, [*self.job_args, "--job-name", self.job])
+
+    def start_training(self) -> None:
+        self.port = free_port("127.0.0.1")
+        for index, pod in enumerate(self.pods):
+            pod.process = start(self.train_command(pod), job_env(index), pod.log_path)
+
+    def kill_training(self) -> None:
+        for pod in self.pods:
+            kill(pod.process)
+
+
+class OurSetup:
+    """Ours: a coordinator and two node agents (blocks b0, b1), one replica per step; node 1 is lost and replaced."""
+
+    name = "ours (mtc_torch)"
+
+    def __init__(self, python: str, workdir: str, job_args: list[str]):
+        self.python, self.workdir, self.job_args = python, workdir, job_args
+
+    def available(self) -> str:
+        """Empty when the job's Python can import our client, else why not."""
+        probe = subprocess.run([self.python, "-c", "import mtc_torch; mtc_torch.CheckpointManager"], env=job_env(0),
+                               capture_output=True, text=True)  # fmt: skip
+        return "" if probe.returncode == 0 else probe.stderr.strip().splitlines()[-1]
+
+    def newest_replicated_step(self, cluster: LocalCluster, job: TorchJob) -> int:
+        """The newest step every node holds on both nodes (its own and a replica), or -1."""
+        status = cluster.coordinator.status(job.job)["jobs"]
+        held = status[0]["held"] if status else {}
+        if len(held) < NODES:
+            return -1
+        return max(set.intersection(*({int(s) for s, nodes in steps.items() if len(nodes) >= 2} for steps in held.values())), default=-1)
+
+    def run(self) -> Run:
+        run = Run()
+        cluster = LocalCluster(os.path.join(self.workdir, "cluster"), listen_address, replicas=1)
+        job = None
+        try:
+            cluster.coordinator.start()
+            agents = [cluster.add_node(n, block=f"b{n}") for n in range(NODES)]
+            job = TorchJob("torchbench", agents, os.path.join(self.workdir, "job"), [], slices=1, size="2Gi",
+                           attributes={"framework": "pytorch.distributed"}, python=self.python,
+                           job_args=[*self.job_args, "--steps", str(STEPS), "--save-every", str(SAVE_EVERY)])  # fmt: skip
+            job.create_pods()
+            job.start_training()
+            logs = [pod.log_path for pod in job.pods]
+            processes = lambda: [pod.process for pod in job.pods]  # noqa: E731
+            wait_for(lambda: all(p.poll() == 0 for p in processes()), processes(), logs, "ours: training done")
+            first = events(logs[0])
+            run.step_s, run.save_s = timed_steps(first, saving=True)
+            wait_for(lambda: self.newest_replicated_step(cluster, job) >= STEPS, processes(), logs, f"ours: step {STEPS} replicated")
+            cluster.lose_node(job.agents[1])
+            job.agents[1] = cluster.add_node(NODES, block="b1")
+            job.delete_pods()
+            recreated_at = time.time()
+            job.create_pods()
+            job.job_args[job.job_args.index("--steps") + 1] = str(STEPS + 1)
+            job.start_training()
+            logs = [pod.log_path for pod in job.pods]
+            wait_for(lambda: any(e["event"] == "step" for e in events(logs[0])), processes(), logs, "ours: the first step after the node loss")
+            check_restore(run, first, events(logs[0]), recreated_at)
+        finally:
+            if job is not None:
+                job.kill_training()
+            cluster.stop()
+        return run
+
+
+class Baseline:
+    name = "no checkpointing"
+
+    def __init__(self, python: str, workdir: str, job_args: list[str]):
+        self.python, self.workdir, self.job_args = python, workdir, job_args
+
+    def run(self) -> Run:
+        port = free_port("127.0.0.1")
+        logs = [os.path.join(self.workdir, "logs", f"node-{n}.jsonl") for n in range(NODES)]
+        args = [*self.job_args, "--steps", str(STEPS)]
+        processes = [start(torchrun(self.python, n, port, "none", "", args), job_env(n), logs[n]) for n in range(NODES)]
+        try:
+            wait_for(lambda: all(p.poll() == 0 for p in processes), processes, logs, "no checkpointing: training done")
+        finally:
+            for p in processes:
+                kill(p)
+        run = Run()
+        run.step_s, run.save_s = timed_steps(events(logs[0]), saving=False)
+        return run
+
+
+def report(base: Run, results: dict[str, Run]) -> None:
+    step0 = statistics.median(base.step_s)
+    print(f"{'setup':<22}{'step s':>8}{'save s':>8}{'ratio':>7}{'restore s':>11}  restored step, bit-identical")
+    print(f"{'no checkpointing':<22}{step0:>8.3f}{'':>8}{1.0:>7.2f}{'':>11}  ({len(base.step_s)} steps)")
+    for name, run in results.items():
+        if run.note:
+            print(f"{name:<22}  not measured: {run.note}")
+            continue
+        step, save = statistics.median(run.step_s), statistics.median(run.save_s)
+        print(f"{name:<22}{step:>8.3f}{save:>8.3f}{step / step0:>7.2f}{run.restore_s:>11.1f}  "
+              f"{run.restored_step}, {'yes' if run.bit_identical else 'NO'} ({len(run.step_s)} saves)")  # fmt: skip
+    nvrx, ours = results.get(NVRxSetup.name), results.get(OurSetup.name)
+    if nvrx and ours and not nvrx.note and not ours.note:
+        blocking = statistics.median(ours.step_s) <= statistics.median(nvrx.step_s)
+        restore = ours.restore_s <= nvrx.restore_s
+        print(f"goal ours <= NVRx: blocking per save {'met' if blocking else 'MISSED'}, "
+              f"node-loss restore {'met' if restore else 'MISSED'}")  # fmt: skip
+    else:
+        print("goal ours <= NVRx: not measured (a setup did not run)")
+    print(f"NVRx ran with the {SHIM}. Medians over the steps after {WARMUP_STEPS} (save every {SAVE_EVERY}); "
+          f"step s = train + save of a saving step (the ratio: against no checkpointing); restore s = pod recreation "
+          f"-> first step after node 1's storage was wiped. {NODES} nodes x {PROCS} processes, gloo on CPU; "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end.")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--python", required=True, help="the Python of the job (torch 2.15.0, NVRx 0.7.0): .venv-nvrx/bin/python")
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
+    args = parser.parse_args()
+    job_args = ["--width", str(args.width), "--layers", str(args.layers)]
+    if not can_mount_tmpfs():
+        print("note: not root: NVRx and the agents keep their files on disk, not tmpfs", file=sys.stderr)
+    results: dict[str, Run] = {}
+    with scratch_dir("mtc-bench-torch-") as (workdir, _cleanup):
+        base = Baseline(args.python, os.path.join(workdir, "none"), job_args).run()
+        results[NVRxSetup.name] = NVRxSetup(args.python, os.path.join(workdir, "nvrx"), job_args).run()
+        ours = OurSetup(args.python, os.path.join(workdir, "ours"), job_args)
+        missing = ours.available()
+        results[OurSetup.name] = Run(note=f"our client is not importable here ({missing})") if missing else ours.run()
+    report(base, results)
+
+
+if __name__ == "__main__":
+    main()
