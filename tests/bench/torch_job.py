@@ -26,10 +26,10 @@ import zlib
 
 START = time.time()
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.distributed.fsdp import fully_shard  # noqa: E402
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
 
 
 def emit(**event) -> None:
@@ -101,9 +101,15 @@ class NVRxCheckpoint:
         from tests.bench import nvrx_device_shim
 
         nvrx_device_shim.install()
-        from nvidia_resiliency_ext.checkpointing.local.basic_state_dict import BasicTensorAwareStateDict
-        from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import LocalCheckpointManager
-        from nvidia_resiliency_ext.checkpointing.local.replication.strategies import CliqueReplicationStrategy
+        from nvidia_resiliency_ext.checkpointing.local.basic_state_dict import (
+            BasicTensorAwareStateDict,
+        )
+        from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import (
+            LocalCheckpointManager,
+        )
+        from nvidia_resiliency_ext.checkpointing.local.replication.strategies import (
+            CliqueReplicationStrategy,
+        )
 
         self._wrap = BasicTensorAwareStateDict
         strategy = CliqueReplicationStrategy.from_replication_params(replication_jump, replication_factor)

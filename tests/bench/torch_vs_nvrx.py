@@ -39,9 +39,15 @@ import warnings
 
 warnings.simplefilter("ignore", FutureWarning)  # google-auth's import-time notice about grpcio versions
 
-from examples.local_cluster import LocalCluster, LocalJob, Pod, can_mount_tmpfs, scratch_dir  # noqa: E402
-from tests.bench.nvrx_device_shim import NAME as SHIM  # noqa: E402
-from tests.helpers.ports import free_port, listen_address  # noqa: E402
+from examples.local_cluster import (
+    LocalCluster,
+    LocalJob,
+    Pod,
+    can_mount_tmpfs,
+    scratch_dir,
+)
+from tests.bench.nvrx_device_shim import NAME as SHIM
+from tests.helpers.ports import free_port, listen_address
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 JOB_SCRIPT = os.path.join(ROOT, "tests", "bench", "torch_job.py")
@@ -206,7 +212,7 @@ class OurSetup:
 
     def available(self) -> str:
         """Empty when the job's Python can import our client, else why not."""
-        probe = subprocess.run([self.python, "-c", "import mtc_torch; mtc_torch.CheckpointManager"], env=job_env(0),
+        probe = subprocess.run([self.python, "-c", "import mtc_torch; mtc_torch.CheckpointManager"], check=False, env=job_env(0),
                                capture_output=True, text=True)  # fmt: skip
         return "" if probe.returncode == 0 else probe.stderr.strip().splitlines()[-1]
 
@@ -231,7 +237,7 @@ class OurSetup:
             job.create_pods()
             job.start_training()
             logs = [pod.log_path for pod in job.pods]
-            processes = lambda: [pod.process for pod in job.pods]  # noqa: E731
+            processes = lambda: [pod.process for pod in job.pods]
             wait_for(lambda: all(p.poll() == 0 for p in processes()), processes(), logs, "ours: training done")
             first = events(logs[0])
             run.step_s, run.save_s = timed_steps(first, saving=True)
