@@ -9,7 +9,7 @@ batches, so a resumed run computes what an uninterrupted one does. What it check
   ``CliqueReplicationStrategy`` in cliques of ``--replication-factor`` ranks ``LOCAL_WORLD_SIZE`` apart (so each
   rank's replica is on the other node), sync save; on CPU through ``tests/bench/nvrx_device_shim.py``;
 - ``--mode ours``: ``mtc_torch.CheckpointManager`` on the pod's mount of our ramdisk (``--local-dir``), blocking
-  ``save``; the node agents replicate.
+  ``save`` (``--async-save``: ``async_save``, whose blocking part is the staging); the node agents replicate.
 
 Global rank 0 prints one JSON line per event on stdout: ``start`` (process start), ``restored`` (step and a
 CRC32 of every rank's state right after the load), ``step`` (``train_s``: forward/backward/optimizer,
@@ -93,6 +93,9 @@ class NoCheckpoint:
     def save(self, state: dict, step: int) -> None:
         pass
 
+    def wait(self) -> None:
+        pass
+
 
 class NVRxCheckpoint:
     """NVRx 0.7.0 local checkpointing with clique replication, as its docs use it."""
@@ -127,20 +130,30 @@ class NVRxCheckpoint:
         # NVRx hollows the dict it is given (replaces its tensors by placeholders): a fresh dict of the live tensors.
         self.manager.save(self._wrap(fresh_dicts(state)), step)
 
+    def wait(self) -> None:
+        pass
+
 
 class OurCheckpoint:
-    """``mtc_torch.CheckpointManager``, blocking save (TORCH.md's API)."""
+    """``mtc_torch.CheckpointManager``: blocking ``save``, or ``async_save`` (TORCH.md's API)."""
 
-    def __init__(self, local_dir: str, job_name: str):
+    def __init__(self, local_dir: str, job_name: str, async_save: bool):
         from mtc_torch import CheckpointManager
 
         self.manager = CheckpointManager(local_dir, job_name=job_name, backup_interval_steps=1_000_000)
+        self.async_save = async_save
 
     def load(self, state: dict) -> int | None:
         return self.manager.load(state)
 
     def save(self, state: dict, step: int) -> None:
-        self.manager.save(state, step)
+        if self.async_save:
+            self.manager.async_save(state, step)
+        else:
+            self.manager.save(state, step)
+
+    def wait(self) -> None:
+        self.manager.wait()
 
 
 def main() -> None:
@@ -154,6 +167,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--replication-factor", type=int, default=2)
+    parser.add_argument("--async-save", action="store_true", help="ours: async_save instead of save")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -162,7 +176,7 @@ def main() -> None:
     if args.mode == "nvrx":
         checkpoint = NVRxCheckpoint(args.local_dir, args.job_name, int(os.environ["LOCAL_WORLD_SIZE"]), args.replication_factor)
     elif args.mode == "ours":
-        checkpoint = OurCheckpoint(args.local_dir, args.job_name)
+        checkpoint = OurCheckpoint(args.local_dir, args.job_name, args.async_save)
     else:
         checkpoint = NoCheckpoint()
     emit(event="start", time=START)
@@ -188,6 +202,7 @@ def main() -> None:
         emit(event="step", step=step, loss=loss.item(), train_s=trained - began, save_s=done - trained, saved=saving, time=done)
         if saving:
             emit(event="saved", step=step, crcs=all_crcs(state))
+    checkpoint.wait()
     dist.destroy_process_group()
 
 

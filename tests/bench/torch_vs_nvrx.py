@@ -10,7 +10,9 @@ gloo, CPU), FSDP2 over LAYERS x Linear(WIDTH, WIDTH) with AdamW, each rank check
   local checkpointing is CUDA-only in four device calls; it runs here through a device-only shim
   (``tests/bench/nvrx_device_shim.py``), which the output names;
 - ours: ``mtc_torch.CheckpointManager`` (blocking ``save``) on each pod's mount of our ramdisk, with a coordinator
-  and two real ``mtc node`` agents (peer tier, one replica per step, ``framework: pytorch.distributed``).
+  and two real ``mtc node`` agents (peer tier, one replica per step, ``framework: pytorch.distributed``);
+- ours, async: the same with ``async_save`` (its blocking part is the staging; NVRx's async path is not run,
+  see ``nvrx_device_shim``).
 
 Per checkpointing setup:
 
@@ -22,7 +24,7 @@ Per checkpointing setup:
   (global rank 0's ``step`` event). Each restore is checked against the state the job had when it saved that step
   (a CRC32 of every rank's tensors).
 
-The goal is ours at or below NVRx on both. Timings are printed, not asserted. Run as root (tmpfs mounts):
+The goal is ours at or below NVRx on both, like for like: ours with the blocking ``save`` against NVRx's sync save. Timings are printed, not asserted. Run as root (tmpfs mounts):
 ``python -m tests.bench.torch_vs_nvrx --python .venv-nvrx/bin/python`` (``make bench`` builds that venv).
 """
 
@@ -55,6 +57,7 @@ NODES, PROCS = 2, 2
 SAVE_EVERY = 2
 WARMUP_STEPS = 4
 SAVES = 6
+OURS, OURS_ASYNC, NVRX = "ours (mtc_torch save)", "ours (async_save)", "NVRx 0.7.0 (sync save)"
 STEPS = WARMUP_STEPS + SAVES * SAVE_EVERY
 WAIT_SECONDS = 300.0
 
@@ -136,7 +139,7 @@ def check_restore(run: Run, first: list[dict], second: list[dict], recreated_at:
 class NVRxSetup:
     """NVRx on a tmpfs per node (a plain directory when not root); its node loss wipes node 1's."""
 
-    name = "NVRx 0.7.0"
+    name = NVRX
 
     def __init__(self, python: str, workdir: str, job_args: list[str]):
         self.python, self.workdir, self.job_args = python, workdir, job_args
@@ -205,10 +208,9 @@ class TorchJob(LocalJob):
 class OurSetup:
     """Ours: a coordinator and two node agents (blocks b0, b1), one replica per step; node 1 is lost and replaced."""
 
-    name = "ours (mtc_torch)"
-
-    def __init__(self, python: str, workdir: str, job_args: list[str]):
-        self.python, self.workdir, self.job_args = python, workdir, job_args
+    def __init__(self, python: str, workdir: str, job_args: list[str], async_save: bool = False):
+        self.python, self.workdir, self.job_args = python, workdir, [*job_args, *(["--async-save"] if async_save else [])]
+        self.name = OURS_ASYNC if async_save else OURS
 
     def available(self) -> str:
         """Empty when the job's Python can import our client, else why not."""
@@ -291,7 +293,7 @@ def report(base: Run, results: dict[str, Run]) -> None:
         step, save = statistics.median(run.step_s), statistics.median(run.save_s)
         print(f"{name:<22}{step:>8.3f}{save:>8.3f}{step / step0:>7.2f}{run.restore_s:>11.1f}  "
               f"{run.restored_step}, {'yes' if run.bit_identical else 'NO'} ({len(run.step_s)} saves)")  # fmt: skip
-    nvrx, ours = results.get(NVRxSetup.name), results.get(OurSetup.name)
+    nvrx, ours = results.get(NVRX), results.get(OURS)
     if nvrx and ours and not nvrx.note and not ours.note:
         blocking = statistics.median(ours.step_s) <= statistics.median(nvrx.step_s)
         restore = ours.restore_s <= nvrx.restore_s
@@ -317,10 +319,11 @@ def main() -> None:
     results: dict[str, Run] = {}
     with scratch_dir("mtc-bench-torch-") as (workdir, _cleanup):
         base = Baseline(args.python, os.path.join(workdir, "none"), job_args).run()
-        results[NVRxSetup.name] = NVRxSetup(args.python, os.path.join(workdir, "nvrx"), job_args).run()
-        ours = OurSetup(args.python, os.path.join(workdir, "ours"), job_args)
-        missing = ours.available()
-        results[OurSetup.name] = Run(note=f"our client is not importable here ({missing})") if missing else ours.run()
+        results[NVRX] = NVRxSetup(args.python, os.path.join(workdir, "nvrx"), job_args).run()
+        for async_save in (False, True):
+            ours = OurSetup(args.python, os.path.join(workdir, f"ours-{async_save}"), job_args, async_save)
+            missing = ours.available()
+            results[ours.name] = Run(note=f"our client is not importable here ({missing})") if missing else ours.run()
     report(base, results)
 
 
