@@ -69,7 +69,8 @@ def torchrun(python: str, node_rank: int, port: int, mode: str, local_dir: str, 
 
 
 def job_env(node_rank: int) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": ROOT, "GLOO_SOCKET_IFNAME": "lo", "NODE_RANK": str(node_rank), "NNODES": str(NODES),
+    inherited = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": f"{ROOT}:{inherited}" if inherited else ROOT, "GLOO_SOCKET_IFNAME": "lo", "NODE_RANK": str(node_rank), "NNODES": str(NODES),
             "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # fmt: skip
 
 
@@ -98,6 +99,14 @@ def events(log_path: str) -> list[dict]:
         return []
 
 
+def tail(path: str, chars: int = 2000) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()[-chars:]
+    except FileNotFoundError:
+        return ""
+
+
 def wait_for(condition, processes: list[subprocess.Popen], logs: list[str], what: str) -> None:
     deadline = time.monotonic() + WAIT_SECONDS
     while time.monotonic() < deadline:
@@ -105,8 +114,9 @@ def wait_for(condition, processes: list[subprocess.Popen], logs: list[str], what
             return
         for process, log in zip(processes, logs):
             if process.poll() not in (None, 0):
-                with open(log + ".stderr", encoding="utf-8", errors="replace") as err:
-                    raise RuntimeError(f"{what}: a node exited {process.returncode}: {err.read()[-3000:]}")
+                last = (events(logs[0]) or [None])[-1]
+                tails = "".join(f"\n--- node {n} ({p.poll()}), {path}.stderr:\n{tail(path + '.stderr')}" for n, (p, path) in enumerate(zip(processes, logs)))
+                raise RuntimeError(f"{what}: a node exited {process.returncode} (rank 0's last event: {last}){tails}")
         time.sleep(0.05)
     raise TimeoutError(f"{what} not reached within {WAIT_SECONDS} s")
 
@@ -120,6 +130,7 @@ class Run:
     restore_s: float | None = None
     restored_step: int | None = None
     bit_identical: bool | None = None
+    sources: str = ""  # where each node's restore came from, as the coordinator reports it
     note: str = ""
 
 
@@ -172,6 +183,7 @@ class NVRxSetup:
             processes, logs = self._launch(2, STEPS + 1)
             wait_for(lambda: any(e["event"] == "step" for e in events(logs[0])), processes, logs, "NVRx: the first step after the node loss")
             check_restore(run, first, events(logs[0]), recreated_at)
+            run.sources = "NVRx's retrieve plan: node 1's ranks from their clique peers on node 0"
         finally:
             for p in processes:
                 kill(p)
@@ -254,6 +266,8 @@ class OurSetup:
             logs = [pod.log_path for pod in job.pods]
             wait_for(lambda: any(e["event"] == "step" for e in events(logs[0])), processes(), logs, "ours: the first step after the node loss")
             check_restore(run, first, events(logs[0]), recreated_at)
+            restore = cluster.coordinator.status(job.job)["jobs"][0]["restore"]
+            run.sources = f"step {restore['step']} from {dict(sorted(restore['sources'].items()))}"
         finally:
             if job is not None:
                 job.kill_training()
@@ -293,6 +307,7 @@ def report(base: Run, results: dict[str, Run]) -> None:
         step, save = statistics.median(run.step_s), statistics.median(run.save_s)
         print(f"{name:<22}{step:>8.3f}{save:>8.3f}{step / step0:>7.2f}{run.restore_s:>11.1f}  "
               f"{run.restored_step}, {'yes' if run.bit_identical else 'NO'} ({len(run.step_s)} saves)")  # fmt: skip
+        print(f"{'':<22}  restore: {run.sources}")
     nvrx, ours = results.get(NVRX), results.get(OURS)
     if nvrx and ours and not nvrx.note and not ours.note:
         blocking = statistics.median(ours.step_s) <= statistics.median(nvrx.step_s)
@@ -312,15 +327,18 @@ def main() -> None:
     parser.add_argument("--python", required=True, help="the Python of the job (torch 2.15.0, NVRx 0.7.0): .venv-nvrx/bin/python")
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--setups", default="nvrx,ours,ours-async", help="which to run besides no checkpointing (default: all)")
     args = parser.parse_args()
+    setups = set(args.setups.split(","))
     job_args = ["--width", str(args.width), "--layers", str(args.layers)]
     if not can_mount_tmpfs():
         print("note: not root: NVRx and the agents keep their files on disk, not tmpfs", file=sys.stderr)
     results: dict[str, Run] = {}
     with scratch_dir("mtc-bench-torch-") as (workdir, _cleanup):
         base = Baseline(args.python, os.path.join(workdir, "none"), job_args).run()
-        results[NVRX] = NVRxSetup(args.python, os.path.join(workdir, "nvrx"), job_args).run()
-        for async_save in (False, True):
+        if "nvrx" in setups:
+            results[NVRX] = NVRxSetup(args.python, os.path.join(workdir, "nvrx"), job_args).run()
+        for async_save in [a for a, name in ((False, "ours"), (True, "ours-async")) if name in setups]:
             ours = OurSetup(args.python, os.path.join(workdir, f"ours-{async_save}"), job_args, async_save)
             missing = ours.available()
             results[ours.name] = Run(note=f"our client is not importable here ({missing})") if missing else ours.run()
