@@ -47,7 +47,15 @@ ORBAX_OLDEST_TESTS  := tests/e2e/test_e2e_orbax.py::test_sigkilled_job_resumes_a
                        tests/e2e/test_e2e_peer_tier.py::test_data_parallel_job_restores_lost_node_from_identical_peer_without_copies \
                        tests/e2e/test_e2e_peer_tier.py::test_replicated_job_restores_lost_node_and_skips_a_corrupt_replica
 
-.PHONY: setup tools test test-fast demo bench e2e-maxtext e2e-orbax-oldest chaos clean
+# The PyTorch client's venv (mtc_torch, examples/train_torch.py, its integration test): torch's Linux wheel is a
+# CUDA build (about 3 GB download, 5 GB installed). The project goes in with --no-deps: the client needs only these.
+# Python 3.11 here; torch 2.15's wheels cover 3.10-3.14.
+TORCH_PYTHON ?= python3
+TORCH_VENV   := .venv-torch
+TORCH_STAMP  := $(TORCH_VENV)/.installed
+TORCH_PKGS   := torch==2.15.0 numpy==2.4.6 PyYAML==6.0.4
+
+.PHONY: setup tools test test-fast demo torch-setup bench e2e-maxtext e2e-orbax-oldest chaos clean
 
 setup: $(STAMP) $(STUBS)
 
@@ -55,6 +63,15 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev,client]'
+	touch $@
+
+torch-setup: $(TORCH_STAMP)
+
+$(TORCH_STAMP): pyproject.toml
+	$(TORCH_PYTHON) -m venv $(TORCH_VENV)
+	$(TORCH_VENV)/bin/pip install -q --upgrade pip
+	$(TORCH_VENV)/bin/pip install -q $(TORCH_PKGS)
+	$(TORCH_VENV)/bin/pip install -q --no-deps -e .
 	touch $@
 
 $(STUBS): protos/csi.proto $(STAMP)
@@ -78,7 +95,7 @@ $(KUSTOMIZE):
 	GOBIN=$(TOOLS) go install $(KUSTOMIZE_PKG)
 
 # The import contracts first (pyproject.toml [tool.importlinter]): a new cycle fails before any test runs.
-test: setup tools
+test: setup tools torch-setup
 	$(BIN)/lint-imports --no-cache --no-logo
 	PATH=$(TOOLS):$$PATH $(BIN)/python -m pytest -q -p no:cacheprovider
 
@@ -86,8 +103,10 @@ test: setup tools
 test-fast: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m unit
 
-demo: setup
-	$(BIN)/python -m examples.demo
+# FRAMEWORK=pytorch: the PyTorch job (torchrun, mtc_torch) instead of the JAX one.
+FRAMEWORK ?= jax
+demo: setup $(if $(filter pytorch,$(FRAMEWORK)),torch-setup)
+	$(BIN)/python -m examples.demo --framework $(FRAMEWORK)
 
 # Each entry is a module of tests/bench and its flags.
 BENCHES := ramdisk_throughput "peer_restore --cores" "peer_restore --gib 4 --repetitions 5" step_checksums \
@@ -139,4 +158,4 @@ chaos: setup
 	rc=0; for v in dp2 dp1; do $(BIN)/python -m tests.chaos --faults $(CHAOS_FAULTS) --variant $$v $(CHAOS_ARGS) || rc=1; done; exit $$rc
 
 clean:
-	rm -rf $(VENV) $(MAXTEXT_VENV) $(NVRX_VENV) $(ORBAX_OLDEST_VENV) .tools $(STUBS) protos/csi_pb2.pyi
+	rm -rf $(VENV) $(TORCH_VENV) $(MAXTEXT_VENV) $(NVRX_VENV) $(ORBAX_OLDEST_VENV) .tools $(STUBS) protos/csi_pb2.pyi

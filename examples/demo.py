@@ -3,7 +3,9 @@
 On this machine, with nothing to set up: a coordinator and four node agents on loopback
 (2 slices x 2 nodes; tmpfs ramdisks when run as root, directories otherwise; peer tier on; backups
 to an embedded ``file://`` store), four pods published as kubelet would, and ``examples/train.py``
-running Orbax's multi-tier checkpointing path. Then:
+running Orbax's multi-tier checkpointing path. ``--framework pytorch`` (``make demo
+FRAMEWORK=pytorch``) runs a PyTorch job instead: two nodes, each a torchrun pod with two local ranks
+of ``examples/train_torch.py`` (FSDP2 over gloo) saving through ``mtc_torch``. Then:
 
 1. preemption: every training process is SIGKILLed; the pods are recreated and restore from
    their own ramdisks;
@@ -25,6 +27,7 @@ import sys
 import time
 
 from examples.local_cluster import LocalCluster, LocalJob, can_mount_tmpfs, scratch_dir
+from examples.torchrun_job import TorchrunJob
 from replicator.coordinator.status import render_status
 
 STEPS = 75
@@ -69,14 +72,11 @@ def train_until(job: LocalJob, step: int) -> dict[int, dict]:
     job.wait(lambda: max(step_events(job), default=0) >= step, 300, f"step {step}")
     deadline = time.monotonic() + 60
     while True:
-        running = [p.process for p in job.pods if p.process and p.process.poll() is None]
-        for process in running:
-            process.send_signal(signal.SIGSTOP)
+        job.signal_training(signal.SIGSTOP)
         committed = committed_everywhere(job)
         if committed is None or max(step_events(job)) > committed or time.monotonic() > deadline:
             break
-        for process in running:
-            process.send_signal(signal.SIGCONT)
+        job.signal_training(signal.SIGCONT)
         time.sleep(0.1)
     job.kill_training()
     return step_events(job)
@@ -111,33 +111,40 @@ def recreate_and_resume(cluster: LocalCluster, job: LocalJob, phase: str, before
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backup", help="backup tier URL (default: an embedded file:// store)")
+    parser.add_argument("--framework", choices=("jax", "pytorch"), default="jax",
+                        help="jax: Orbax on 4 nodes; pytorch: torchrun with 2 local ranks on 2 nodes (make torch-setup)")
     args = parser.parse_args()
     # SIGTERM ends the demo like Ctrl-C does: through scratch_dir's teardown.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     with scratch_dir("mtc-demo-") as (workdir, cleanup):
-        return run(workdir, cleanup, args.backup)
+        return run(workdir, cleanup, args.backup, args.framework)
 
 
-def run(workdir: str, cleanup: contextlib.ExitStack, backup: str | None) -> int:
-    """The demo in ``workdir`` with the backup tier ``backup`` (None: a file:// store in it);
-    ``cleanup`` stops its processes (then everything below ``workdir`` is unmounted and removed)."""
+def run(workdir: str, cleanup: contextlib.ExitStack, backup: str | None, framework: str = "jax") -> int:
+    """The demo in ``workdir`` with the backup tier ``backup`` (None: a file:// store in it) and the
+    ``framework``'s job; ``cleanup`` stops its processes (then everything below ``workdir`` is
+    unmounted and removed)."""
     ports = itertools.count(18400)
     backup_url = backup or f"file://{os.path.join(workdir, 'object-store')}"
     cluster = LocalCluster(os.path.join(workdir, "cluster"), lambda host: f"{host}:{next(ports)}", backup=backup_url)
     cleanup.callback(cluster.stop)
-    job = LocalJob("demo", [], workdir, ["--steps", str(STEPS), "--save-interval-steps", str(SAVE_EVERY),
-                                         "--backup-interval-steps", str(BACKUP_EVERY), "--step-sleep", "0.1"])  # fmt: skip
+    train = ["--steps", str(STEPS), "--save-interval-steps", str(SAVE_EVERY), "--backup-interval-steps", str(BACKUP_EVERY), "--step-sleep", "0.1"]
+    if framework == "pytorch":
+        nodes, job = 2, TorchrunJob("demo", [], workdir, train, slices=1, jax_port=next(ports))
+    else:
+        nodes, job = 4, LocalJob("demo", [], workdir, train)
     cleanup.callback(job.kill_training)
     outcomes = []
-    banner(f"a coordinator and 4 node agents on 127.0.0.1-4 ({'tmpfs' if can_mount_tmpfs() else 'directory'} "
+    banner(f"a coordinator and {nodes} node agents on 127.0.0.1-{nodes} ({'tmpfs' if can_mount_tmpfs() else 'directory'} "
            f"ramdisks, peer tier, backups to {backup_url})")  # fmt: skip
-    job.agents = list(cluster.start(4).agents)
-    banner(f"4 pods train {STEPS} steps: a local checkpoint every {SAVE_EVERY}, a backup every {BACKUP_EVERY}")
+    job.agents = list(cluster.start(nodes).agents)
+    trainers = f"{nodes} torchrun pods of 2 local ranks" if framework == "pytorch" else f"{nodes} pods"
+    banner(f"{trainers} train {STEPS} steps: a local checkpoint every {SAVE_EVERY}, a backup every {BACKUP_EVERY}")
     job.create_pods()
     job.start_training()
 
     before = train_until(job, 22)
-    banner(f"1. preemption: all 4 training processes SIGKILLed after step {max(before)}")
+    banner(f"1. preemption: every training process of the {nodes} pods SIGKILLed after step {max(before)}")
     outcomes.append(recreate_and_resume(cluster, job, "preemption", before))
 
     before = train_until(job, 38)
@@ -157,7 +164,7 @@ def run(workdir: str, cleanup: contextlib.ExitStack, backup: str | None) -> int:
     cluster.coordinator.kill()
     cluster.coordinator.start()
     first_fresh = len(cluster.agents)
-    job.agents[:] = [cluster.add_node(first_fresh + i, block=f"b{i // 2}") for i in range(4)]
+    job.agents[:] = [cluster.add_node(first_fresh + i, block=f"b{i // 2}") for i in range(nodes)]
     outcomes.append(recreate_and_resume(cluster, job, "cluster loss", before))
 
     job.wait_done(timeout=300)

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 
 import grpc
 import msgspec
+import psutil
 
 from csi_driver import kubelet, mounts
 from protos import csi_pb2, csi_pb2_grpc
@@ -369,7 +370,7 @@ class LocalJob:
       slices: number of slices.
       size: ramdisk size attribute.
       jax_port: the JAX coordinator port (``jaxCoordinatorPort``).
-      attributes: further volume attributes (e.g. ``{"framework": "pytorch.distributed"}``).
+      framework: the volume attribute ``framework``: the files the trainer speaks.
     """
 
     name: str
@@ -379,7 +380,7 @@ class LocalJob:
     slices: int = 2
     size: str = "256Mi"
     jax_port: int = 8476
-    attributes: dict[str, str] = dataclasses.field(default_factory=dict)
+    framework: str = "orbax"
     pods: list[Pod] = dataclasses.field(default_factory=list)
     incarnations: int = 0
 
@@ -393,7 +394,7 @@ class LocalJob:
         self.incarnations += 1
         per_slice = len(self.agents) // self.slices
         attrs = {"nodes": str(len(self.agents)), "slices": str(self.slices), "size": self.size,
-                 "jaxCoordinatorPort": str(self.jax_port), "jobset": self.name, **self.attributes}  # fmt: skip
+                 "jaxCoordinatorPort": str(self.jax_port), "jobset": self.name, "framework": self.framework}  # fmt: skip
         self.pods = []
         for index, agent in enumerate(self.agents):
             name = f"{self.job}-{index // per_slice}-{index % per_slice}-i{self.incarnations}"
@@ -413,18 +414,39 @@ class LocalJob:
         return {**os.environ, "JAX_PLATFORMS": "cpu", "MTC_NUM_PROCESSES": str(len(self.agents))}
 
     def start_training(self) -> None:
-        """Starts the trainer in every pod; each learns its rank from ``jax-init-info.txt``."""
+        """Starts the trainer in every pod."""
         env = self.train_env()
         for pod in self.pods:
             os.makedirs(os.path.dirname(pod.log_path), exist_ok=True)
             with open(pod.log_path, "wb") as out, open(pod.log_path + ".stderr", "wb") as err:
                 pod.process = subprocess.Popen(self.train_command(pod), stdout=out, stderr=err, env=env)
 
-    def kill_training(self) -> None:
-        """SIGKILLs every training process, as a preemption or node failure would."""
+    def _trainers(self) -> list[psutil.Process]:
+        """Every pod's running trainer and every process below it (torchrun starts its workers in
+        their own sessions: a process group would miss them, as a container's cgroup does not)."""
+        found = []
         for pod in self.pods:
             if pod.process and pod.process.poll() is None:
-                pod.process.kill()
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    parent = psutil.Process(pod.process.pid)
+                    found += [parent, *parent.children(recursive=True)]
+        return found
+
+    def signal_training(self, signum: int) -> None:
+        """Sends ``signum`` to every pod's trainer and the processes it started."""
+        for process in self._trainers():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.send_signal(signum)
+
+    def kill_training(self) -> None:
+        """SIGKILLs every training process, as a preemption or node failure would."""
+        trainers = self._trainers()
+        for process in trainers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        psutil.wait_procs(trainers, timeout=30)
+        for pod in self.pods:
+            if pod.process:
                 pod.process.wait()
 
     def delete_pods(self) -> None:

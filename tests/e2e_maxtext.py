@@ -142,11 +142,6 @@ class MaxTextJob(LocalJob):
         """The newest step every pod has committed, None before any."""
         return max(set.intersection(*self.committed()), default=None)
 
-    def signal_training(self, signum: int) -> None:
-        for pod in self.pods:
-            if pod.process and pod.process.poll() is None:
-                pod.process.send_signal(signum)
-
     def kill_past_newest_commit(self, timeout: float = KILL_TIMEOUT) -> tuple[int, list[dict[int, float]]]:
         """SIGKILLs the trainers once every pod has committed the same newest step and logged the
         loss of a step after it; returns that step and each pod's losses.

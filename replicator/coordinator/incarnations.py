@@ -87,7 +87,8 @@ def assign(pods: dict[str, tuple[PodReport, str]], retired: set[str], newest_hel
 
     Args:
       newest_held: called for node -> rank -> newest own step held (``ClaimIndex.newest_own``),
-        only when there are pods for every rank: ranks follow the data.
+        only when there are pods for every rank: ranks follow the data, unless the pods'
+        ``ranks_follow_data`` says the job's launcher fixes them.
     """
     fresh = {uid: v for uid, v in pods.items() if v[0].incarnation is None and uid not in retired}
     if not fresh:
@@ -99,7 +100,8 @@ def assign(pods: dict[str, tuple[PodReport, str]], retired: set[str], newest_hel
     chosen = planner.select_pods(slots, any_pod.nodes)
     if chosen is None:
         return None
-    ranks = planner.assign_ranks(chosen, any_pod.nodes, any_pod.slices, newest_held())
+    # A launcher that fixes ranks (torchrun) needs each pod at its JobSet index, wherever the data is.
+    ranks = planner.assign_ranks(chosen, any_pod.nodes, any_pod.slices, newest_held() if any_pod.ranks_follow_data else {})
     return Incarnation(uuid.uuid4().hex[:12], ranks, {rank: fresh[uid][1] for uid, rank in ranks.items()}, now)
 
 

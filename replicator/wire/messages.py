@@ -67,7 +67,7 @@ PROTOCOL_VERSION = 2
 
 
 class JobSettings(msgspec.Struct, frozen=True, gc=False):
-    """A job's settings from its consumed ``replicator.yaml`` (see ``local_tier.frameworks.orbax``)."""
+    """A job's settings from its consumed ``replicator.yaml`` (see ``local_tier.frameworks``)."""
 
     peer_ranks: Annotated[tuple[Rank, ...], msgspec.Meta(max_length=MAX_RANKS)]
     data_parallelism: Count
@@ -87,6 +87,9 @@ class PodReport(msgspec.Struct, frozen=True, gc=False):
       published_at: unix seconds of its NodePublishVolume.
       incarnation, rank: the assignment the node holds for it, or None.
       settings: its consumed ``replicator.yaml``, or None.
+      ranks_follow_data: False when the job's launcher fixes its rank (torchrun's ``--node-rank``):
+        the coordinator then gives each pod the rank of its JobSet index, never the rank whose data
+        its node holds (``Framework.ranks_follow_data``).
     """
 
     namespace: Name
@@ -103,6 +106,7 @@ class PodReport(msgspec.Struct, frozen=True, gc=False):
     incarnation: Name | None = None
     rank: Rank | None = None
     settings: JobSettings | None = None
+    ranks_follow_data: bool = True
 
 
 class HeldStep(msgspec.Struct, frozen=True, gc=False):

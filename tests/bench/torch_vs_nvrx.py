@@ -29,25 +29,22 @@ The goal is ours at or below NVRx on both, like for like: ours with the blocking
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import time
 import warnings
 
+import psutil
+
 warnings.simplefilter("ignore", FutureWarning)  # google-auth's import-time notice about grpcio versions
 
-from examples.local_cluster import (
-    LocalCluster,
-    LocalJob,
-    Pod,
-    can_mount_tmpfs,
-    scratch_dir,
-)
+from examples.local_cluster import LocalCluster, Pod, can_mount_tmpfs, scratch_dir
+from examples.torchrun_job import TorchrunJob
 from tests.bench.nvrx_device_shim import NAME as SHIM
 from tests.helpers.ports import free_port, listen_address
 
@@ -68,27 +65,31 @@ def torchrun(python: str, node_rank: int, port: int, mode: str, local_dir: str, 
             JOB_SCRIPT, "--mode", mode, "--local-dir", local_dir, *job_args]  # fmt: skip
 
 
-def job_env(node_rank: int) -> dict[str, str]:
-    inherited = os.environ.get("PYTHONPATH")
-    return {**os.environ, "PYTHONPATH": f"{ROOT}:{inherited}" if inherited else ROOT, "GLOO_SOCKET_IFNAME": "lo", "NODE_RANK": str(node_rank), "NNODES": str(NODES),
-            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # fmt: skip
+def job_env() -> dict[str, str]:
+    """The job's environment: this checkout first on the path (``mtc_torch``, the shim), gloo on loopback,
+    one thread per process; torchrun gives each worker its ranks (the node rank as ``GROUP_RANK``)."""
+    return {**os.environ, "PYTHONPATH": ROOT, "GLOO_SOCKET_IFNAME": "lo", "NNODES": str(NODES), "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1"}  # fmt: skip
 
 
-def start(command: list[str], env: dict[str, str], log_path: str) -> subprocess.Popen:
-    """One node's torchrun in its own session, so that killing the node kills its workers too."""
+def start(command: list[str], log_path: str) -> subprocess.Popen:
+    """One node's torchrun."""
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     with open(log_path, "wb") as out, open(log_path + ".stderr", "wb") as err:
-        return subprocess.Popen(command, stdout=out, stderr=err, env=env, start_new_session=True)
+        return subprocess.Popen(command, stdout=out, stderr=err, env=job_env())
 
 
 def kill(process: subprocess.Popen | None) -> None:
-    """SIGKILLs a node's torchrun and its workers."""
-    if process is not None and process.poll() is None:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        process.wait()
+    """SIGKILLs a node's torchrun and every process below it (torchrun starts its workers in their own sessions)."""
+    if process is None or process.poll() is not None:
+        return
+    with contextlib.suppress(psutil.NoSuchProcess):
+        tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+        for member in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                member.kill()
+        psutil.wait_procs(tree, timeout=30)
+    process.wait()
 
 
 def events(log_path: str) -> list[dict]:
@@ -170,7 +171,7 @@ class NVRxSetup:
         port = free_port("127.0.0.1")
         logs = [os.path.join(self.workdir, "logs", f"i{incarnation}-node-{n}.jsonl") for n in range(NODES)]
         args = [*self.job_args, "--steps", str(steps), "--save-every", str(SAVE_EVERY)]
-        return [start(torchrun(self.python, n, port, "nvrx", self.dirs[n], args), job_env(n), logs[n]) for n in range(NODES)], logs
+        return [start(torchrun(self.python, n, port, "nvrx", self.dirs[n], args), logs[n]) for n in range(NODES)], logs
 
     def run(self) -> Run:
         run = Run()
@@ -196,30 +197,26 @@ class NVRxSetup:
 
 
 @dataclasses.dataclass
-class TorchJob(LocalJob):
-    """A ``LocalJob`` whose pods run torchrun (one per pod: a node of PROCS processes).
+class BenchTorchrunJob(TorchrunJob):
+    """``TorchrunJob`` running ``torch_job.py --mode ours`` on the bench's Python, a fresh master port per start.
 
     Attributes:
       python: the job's Python (torch 2.15.0).
       job_args: ``torch_job.py`` flags.
-      port: torchrun's master port, a fresh one per start.
     """
 
     python: str = sys.executable
     job_args: list[str] = dataclasses.field(default_factory=list)
-    port: int = 0
 
     def train_command(self, pod: Pod) -> list[str]:
-        return torchrun(self.python, self.pods.index(pod), self.port, "ours", pod.target, [*self.job_args, "--job-name", self.job])
+        return torchrun(self.python, self.pods.index(pod), self.jax_port, "ours", pod.target, [*self.job_args, "--job-name", self.job])
+
+    def train_env(self) -> dict[str, str]:
+        return job_env()
 
     def start_training(self) -> None:
-        self.port = free_port("127.0.0.1")
-        for index, pod in enumerate(self.pods):
-            pod.process = start(self.train_command(pod), job_env(index), pod.log_path)
-
-    def kill_training(self) -> None:
-        for pod in self.pods:
-            kill(pod.process)
+        self.jax_port = free_port("127.0.0.1")
+        super().start_training()
 
 
 class OurSetup:
@@ -231,11 +228,11 @@ class OurSetup:
 
     def available(self) -> str:
         """Empty when the job's Python can import our client, else why not."""
-        probe = subprocess.run([self.python, "-c", "import mtc_torch; mtc_torch.CheckpointManager"], check=False, env=job_env(0),
+        probe = subprocess.run([self.python, "-c", "import mtc_torch; mtc_torch.CheckpointManager"], check=False, env=job_env(),
                                capture_output=True, text=True)  # fmt: skip
         return "" if probe.returncode == 0 else probe.stderr.strip().splitlines()[-1]
 
-    def newest_replicated_step(self, cluster: LocalCluster, job: TorchJob) -> int:
+    def newest_replicated_step(self, cluster: LocalCluster, job: BenchTorchrunJob) -> int:
         """The newest step every node holds on both nodes (its own and a replica), or -1."""
         status = cluster.coordinator.status(job.job)["jobs"]
         held = status[0]["held"] if status else {}
@@ -250,8 +247,8 @@ class OurSetup:
         try:
             cluster.coordinator.start()
             agents = [cluster.add_node(n, block=f"b{n}") for n in range(NODES)]
-            job = TorchJob("torchbench", agents, os.path.join(self.workdir, "job"), [], slices=1, size="2Gi",
-                           attributes={"framework": "pytorch.distributed"}, python=self.python,
+            job = BenchTorchrunJob("torchbench", agents, os.path.join(self.workdir, "job"), [], slices=1, size="2Gi",
+                                   nproc_per_node=PROCS, python=self.python,
                            job_args=[*self.job_args, "--steps", str(STEPS), "--save-every", str(SAVE_EVERY)])  # fmt: skip
             job.create_pods()
             job.start_training()
@@ -290,7 +287,7 @@ class Baseline:
         port = free_port("127.0.0.1")
         logs = [os.path.join(self.workdir, "logs", f"node-{n}.jsonl") for n in range(NODES)]
         args = [*self.job_args, "--steps", str(STEPS)]
-        processes = [start(torchrun(self.python, n, port, "none", "", args), job_env(n), logs[n]) for n in range(NODES)]
+        processes = [start(torchrun(self.python, n, port, "none", "", args), logs[n]) for n in range(NODES)]
         try:
             wait_for(lambda: all(p.poll() == 0 for p in processes), processes, logs, "no checkpointing: training done")
         finally:

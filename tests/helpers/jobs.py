@@ -20,8 +20,10 @@ UNTIL_KILLED = ["--steps", str(UNTIL_KILLED_STEPS), "--step-sleep", "0.2"]
 _started: list[LocalJob] = []
 
 
-def run_job(name, agents, workdir, extra):
-    job = LocalJob(name, agents, str(workdir), [*TRAIN, *extra], jax_port=free_port("0.0.0.0"))  # JAX's coordinator binds every address
+def run_job(name, agents, workdir, extra, job_class=LocalJob, **fields):
+    """Starts a ``job_class`` job (``LocalJob``: ``examples/train.py``) with ``TRAIN`` plus ``extra`` flags on ``agents``."""
+    # JAX's coordinator (torchrun's store) binds every address.
+    job = job_class(name, agents, str(workdir), [*TRAIN, *extra], jax_port=free_port("0.0.0.0"), **fields)
     _started.append(job)
     job.create_pods()
     job.start_training()
@@ -91,16 +93,13 @@ def kill_past_newest_commit(job, timeout=60.0):
     """
     deadline = time.monotonic() + timeout
     while True:
-        running = [p.process for p in job.pods if p.process and p.process.poll() is None]
-        for process in running:
-            process.send_signal(signal.SIGSTOP)
+        job.signal_training(signal.SIGSTOP)
         held, logged = committed(job), losses(job.pods)
         newest = max(set.intersection(*held), default=None) if held else None
         if newest is not None and all(max(h) == newest for h in held) and max(logged, default=-1) > newest:
             job.kill_training()
             return logged
-        for process in running:
-            process.send_signal(signal.SIGCONT)
+        job.signal_training(signal.SIGCONT)
         if time.monotonic() > deadline:
             raise TimeoutError(f"harness: no moment within {timeout} s when every pod's newest commit was step {newest} and "
                                f"rank 0 had logged a step after it (commits {[max(h, default=None) for h in held]}, "

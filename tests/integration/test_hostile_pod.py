@@ -20,6 +20,7 @@ import pytest
 from csi_driver import kubelet
 from examples.local_cluster import LocalCluster, unmount_all_below
 from replicator.local_tier.frameworks.orbax import ERRORS_FILE, FAILED_FILE, JAX_INIT_INFO_FILE, REPLICATOR_FILE
+from replicator.local_tier.frameworks.pytorch import PRERESTORE_FILE
 from tests.helpers.agents import rank_of, replicator_yaml, scrape
 from tests.helpers.polling import wait_until
 from tests.helpers.ports import listen_address
@@ -62,12 +63,12 @@ def _snapshot(directory):
     return {p: _read(os.path.join(directory, p)) for p in ("secret.txt", "secret-dir/data", "settings.yaml", "victim.txt")}
 
 
-def publish_job(world, name, nodes=2):
+def publish_job(world, name, nodes=2, framework="orbax"):
     """Publishes one pod of job ``name`` on each agent; returns their client dirs (the pod's view)."""
     targets = []
     for i, agent in enumerate(world["cluster"].agents[:nodes]):
         target = world["pods"] / f"{name}-{i}" / "mount"
-        kubelet.publish(agent.endpoint, str(target), f"{name}-slice-0-{i}-a", attributes={"nodes": str(nodes), "size": "16Mi"})
+        kubelet.publish(agent.endpoint, str(target), f"{name}-slice-0-{i}-a", attributes={"nodes": str(nodes), "size": "16Mi", "framework": framework})
         targets.append(target)
     return targets
 
@@ -174,6 +175,26 @@ def test_steps_that_are_or_hold_symlinks_or_fifos_are_refused_and_reported(world
     # The pod removes its links: nothing of them comes back into it from any tier.
     for name in ("5", "9"):
         os.unlink(pod / name)
+    assert_aftermath(world)
+
+
+def test_a_pytorch_pods_planted_prerestore_adopted_names_and_partial_steps_are_replaced_or_refused(world):
+    job = f"evil{next(_jobs)}"
+    pod, peer_pod = publish_job(world, job, framework="pytorch.distributed")
+    os.symlink(world["host"] / "victim.txt", pod / PRERESTORE_FILE)  # the agent's write must replace it
+    for rank, target in enumerate((pod, peer_pod)):  # ranks are the pods' JobSet indexes
+        (target / REPLICATOR_FILE).write_text(f"job-name: {job}\nframework: pytorch.distributed\nnode-rank: {rank}\nnodes: 2\n"
+                                              f"peers-per-node: 1\nbackup-interval-minutes: 30\n")  # fmt: skip
+    wait_until(lambda: all(any(n.endswith(".restore") for n in os.listdir(t)) for t in (pod, peer_pod)), 20, "restore markers")
+    assert (pod / PRERESTORE_FILE).read_text() == "{}\n" and not (pod / PRERESTORE_FILE).is_symlink()
+    os.symlink(world["host"] / "secret-dir", pod / "step=5")  # an adopted marker's name, pointing at the host
+    commit_step(pod, 6, {"rank-0-of-2/.metadata": b"m", "rank-1-of-2/__0_0.distcp": b"half a node"})  # local rank 1 unfinished
+    commit_step(pod, 7, {"rank-0-of-1/.metadata": b"m", "rank-0-of-1/__0_0.distcp": b"fine"})
+    wait_until(lambda: (pod / ERRORS_FILE).exists() and all(f"step {s} " in (pod / ERRORS_FILE).read_text() for s in (5, 6)), 20, "steps 5 and 6 refused")
+    assert "lacks DCP's .metadata of local rank(s) [1] of 2" in (pod / ERRORS_FILE).read_text()
+    wait_until(lambda: 7 in held(world, job).get(0, set()), 20, "step 7 held")
+    assert set().union(*held(world, job).values()).isdisjoint({5, 6})
+    os.unlink(pod / "step=5")
     assert_aftermath(world)
 
 

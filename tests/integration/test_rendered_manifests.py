@@ -149,14 +149,14 @@ def crd_validator(api_version: str, kind: str) -> jsonschema.Draft202012Validato
     return jsonschema.Draft202012Validator(_strict(schema))
 
 
-def _example_jobset() -> dict:
-    with open(MANIFESTS / "example-jobset.yaml", encoding="utf-8") as f:
+def _example_jobset(name: str = "example-jobset.yaml") -> dict:
+    with open(MANIFESTS / name, encoding="utf-8") as f:
         (jobset,) = _docs(f.read())
     return jobset
 
 
 def test_custom_resources_match_their_crd_schemas():
-    resources = [("example-jobset.yaml", _example_jobset())]
+    resources = [(name, _example_jobset(name)) for name in ("example-jobset.yaml", "example-torchrun-jobset.yaml")]
     resources += [("chart", d) for d in helm_template(*ALL_MONITORING) if (d["apiVersion"], d["kind"]) in CRD_SCHEMAS]
     resources += [("manifests/monitoring/", d) for d in kustomize_build(MONITORING) if (d["apiVersion"], d["kind"]) in CRD_SCHEMAS]
     assert {d["kind"] for _, d in resources} == {"JobSet", "ServiceMonitor", "PrometheusRule"}

@@ -15,6 +15,8 @@ from tests.helpers import REPO
 
 MANIFESTS = REPO / "manifests"
 EXAMPLE = "example-jobset.yaml"
+TORCH_EXAMPLE = "example-torchrun-jobset.yaml"
+EXAMPLES = (EXAMPLE, TORCH_EXAMPLE)
 KUSTOMIZATION = "kustomization.yaml"
 
 DRIVER_NAME = "ramdisk.csi.mtc.dev"
@@ -33,12 +35,12 @@ def _load(name: str) -> list[dict]:
 
 def _resource_files() -> list[str]:
     return sorted(
-        p.name for p in MANIFESTS.glob("*.y*ml") if p.name not in (KUSTOMIZATION, EXAMPLE)
+        p.name for p in MANIFESTS.glob("*.y*ml") if p.name not in (KUSTOMIZATION, *EXAMPLES)
     )
 
 
 def _all_objects() -> list[dict]:
-    return [doc for name in _resource_files() + [EXAMPLE] for doc in _load(name)]
+    return [doc for name in _resource_files() + list(EXAMPLES) for doc in _load(name)]
 
 
 def _one(kind: str, name: str | None = None) -> dict:
@@ -107,7 +109,7 @@ def node_container(node_pod) -> dict:
 
 
 def test_every_manifest_parses_into_kubernetes_objects():
-    for name in _resource_files() + [EXAMPLE, KUSTOMIZATION]:
+    for name in _resource_files() + [*EXAMPLES, KUSTOMIZATION]:
         docs = _load(name)
         assert docs, f"{name} is empty"
         for doc in docs:
@@ -122,7 +124,7 @@ def test_kustomization_lists_exactly_the_resource_files():
     assert len(listed) == len(set(listed)), f"duplicate resources: {listed}"
     for name in listed:
         assert (MANIFESTS / name).is_file(), f"kustomization lists missing file {name}"
-    assert EXAMPLE not in listed, "the example JobSet is a user workload, not part of the base"
+    assert not set(EXAMPLES) & set(listed), "the example JobSets are user workloads, not part of the base"
     assert sorted(listed) == _resource_files()
 
 
@@ -332,11 +334,11 @@ def test_coordinator_is_one_replica_behind_its_service():
     assert deploy["spec"]["selector"]["matchLabels"].items() <= labels.items()
 
 
-def test_example_jobset_volume_matches_its_shape_and_fits_in_memory():
-    jobset = _one("JobSet", "llama-train")
+@pytest.mark.parametrize("name", ["llama-train", "torch-train"])
+def test_example_jobset_volume_matches_its_shape_and_fits_in_memory(name):
+    jobset = _one("JobSet", name)
     assert jobset["apiVersion"] == "jobset.x-k8s.io/v1alpha2"
     (replicated,) = jobset["spec"]["replicatedJobs"]
-    assert replicated["name"] == "slice"
     slices = replicated["replicas"]
     job_spec = replicated["template"]["spec"]
     assert job_spec["parallelism"] == job_spec["completions"]
@@ -357,6 +359,20 @@ def test_example_jobset_volume_matches_its_shape_and_fits_in_memory():
     # tmpfs pages are charged to the writing pod: its limit must hold the ramdisk and more.
     limit = parse_quantity(container["resources"]["limits"]["memory"])
     assert limit > ramdisk, f"memory limit {limit} B leaves no room beyond the {ramdisk} B ramdisk"
+
+
+def test_torchrun_example_runs_each_node_at_its_jobset_index_with_the_pytorch_protocol():
+    jobset = _one("JobSet", "torch-train")
+    (replicated,) = jobset["spec"]["replicatedJobs"]
+    pod = replicated["template"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    argv = _argv(container)
+    # mtc gives each pod the rank of its JobSet index; torchrun must use the same (static rendezvous).
+    assert _flag(argv, "--node-rank") == "$(JOB_COMPLETION_INDEX)" and not _flags(argv, "--rdzv-backend")
+    assert int(_flag(argv, "--nnodes")) == replicated["template"]["spec"]["parallelism"]
+    assert _flag(argv, "--master-addr") == f"{jobset['metadata']['name']}-{replicated['name']}-0-0.{jobset['metadata']['name']}"
+    (volume,) = [v for v in pod["volumes"] if "csi" in v]
+    assert volume["csi"]["volumeAttributes"]["framework"] == "pytorch.distributed"
 
 
 @pytest.mark.parametrize(

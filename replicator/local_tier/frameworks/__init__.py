@@ -1,4 +1,5 @@
-"""The training frameworks the node agent speaks with through files in the client dir (Orbax today).
+"""The training frameworks the node agent speaks with through files in the client dir: Orbax, and
+PyTorch jobs that save with ``torch.distributed.checkpoint`` (``pytorch.distributed``).
 
 ``base.Framework`` names what the node needs from one; each module here implements it for one
 framework, and ``REGISTRY`` maps the framework's name to its instance. A job chooses its framework
@@ -15,11 +16,12 @@ A second framework is one module with a class satisfying ``Framework`` plus one 
 from csi_driver.volume_request import DEFAULT_FRAMEWORK as DEFAULT
 from replicator.local_tier.frameworks.base import Files, Framework, InvalidReplicatorConfig, StepScan
 from replicator.local_tier.frameworks.orbax import Orbax
+from replicator.local_tier.frameworks.pytorch import PyTorchDistributed
 
 __all__ = ["DEFAULT", "REGISTRY", "Files", "Framework", "InvalidReplicatorConfig", "StepScan", "UnknownFramework", "get"]
 
 # Framework name -> its (shared, stateless) implementation.
-REGISTRY: dict[str, Framework] = {framework.name: framework for framework in (Orbax(),)}
+REGISTRY: dict[str, Framework] = {framework.name: framework for framework in (Orbax(), PyTorchDistributed())}
 
 
 class UnknownFramework(ValueError):

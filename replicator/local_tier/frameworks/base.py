@@ -1,7 +1,7 @@
 """What the node agent needs from a training framework: the ``Framework`` protocol and its shared types.
 
 The agent and the training job speak only through files in the job's client dir (the ramdisk's
-``client/``, the pod's local checkpoint directory). A framework module (``orbax``) knows their names
+``client/``, the pod's local checkpoint directory). A framework module (``orbax``, ``pytorch``) knows their names
 and formats; the node code (``replicator.node``, ``prefetch``, the peer tier, ``local_tier``) asks
 the job's ``Framework`` (``JobMeta.framework``) and never names a file of the protocol itself.
 
@@ -60,9 +60,13 @@ class Framework(Protocol):
     Attributes:
       name: the framework's name, as the job writes it in ``replicator.yaml`` (``framework:``) and
         the pod asks for it in the volume attribute ``framework``: the registry key.
+      ranks_follow_data: True when the job takes the rank the node gives it (Orbax reads it from
+        ``jax-init-info.txt``), so a pod may get the rank whose data its node holds; False when the
+        job's launcher fixes it (torchrun): each pod then gets the rank of its JobSet index.
     """
 
     name: str
+    ranks_follow_data: bool
 
     # -- the client dir's layout -----------------------------------------------------------------
 

@@ -1,0 +1,39 @@
+"""A PyTorch job on the local cluster: each pod runs torchrun with several local ranks of
+``examples/train_torch.py``, checkpointing through ``mtc_torch`` (the ``pytorch.distributed`` files).
+
+torchrun runs under the torch virtualenv (``make torch-setup``: ``.venv-torch``, or ``MTC_TORCH_PYTHON``),
+which holds torch, numpy, PyYAML and the client only: none of the node agent's dependencies.
+"""
+
+import dataclasses
+import os
+
+from examples.local_cluster import LocalJob, Pod
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN_TORCH = os.path.join(ROOT, "examples", "train_torch.py")
+TORCH_PYTHON = os.environ.get("MTC_TORCH_PYTHON", os.path.join(ROOT, ".venv-torch", "bin", "python"))
+
+
+@dataclasses.dataclass
+class TorchrunJob(LocalJob):
+    """``LocalJob`` with torchrun pods: pod ``i`` is node rank ``i`` (``--node-rank``, static
+    rendezvous at 127.0.0.1:``jax_port``), with ``nproc_per_node`` local ranks, as a JobSet that
+    launches torchrun with ``--node-rank=$JOB_COMPLETION_INDEX`` does.
+
+    Attributes:
+      nproc_per_node: local ranks per node (torchrun's ``--nproc-per-node``).
+    """
+
+    framework: str = "pytorch.distributed"
+    nproc_per_node: int = 2
+
+    def train_command(self, pod: Pod) -> list[str]:
+        nodes = len(self.agents)
+        return [TORCH_PYTHON, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node", str(self.nproc_per_node),
+                "--node-rank", str(self.pods.index(pod)), "--master-addr", "127.0.0.1", "--master-port", str(self.jax_port),
+                TRAIN_TORCH, "--local-dir", pod.target, "--job-name", self.name, *self.train_args]  # fmt: skip
+
+    def train_env(self) -> dict[str, str]:
+        """One thread per local rank (the machine's cores are shared by every pod) and ``NNODES``."""
+        return {**os.environ, "NNODES": str(len(self.agents)), "OMP_NUM_THREADS": "1"}

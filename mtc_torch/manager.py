@@ -1,0 +1,240 @@
+"""``CheckpointManager``: torch.distributed.checkpoint saves and restores through the node's ramdisk.
+
+Every local rank r of W writes its own self-contained DCP checkpoint (``no_dist=True``) into
+``<local>/<S>.tmp/rank-<r>-of-<W>/``; local rank 0 commits the step by renaming ``<S>.tmp`` to ``<S>`` once every
+rank's ``.metadata`` exists. The node agent replicates, backs up and restores committed steps; a restore arrives
+as ``<local>/step=<S>/`` (see :mod:`mtc_torch.protocol` for the handshake, after Google's Resiliency library).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from mtc_torch import protocol
+from mtc_torch.protocol import NodeTopology, ReplicatorConfig, RestoreResult, Waits
+from mtc_torch.storage import BoundedReader, DeterministicWriter
+
+log = logging.getLogger(__name__)
+
+_RANK_DIR_RE = re.compile(r"^rank-([0-9]{1,6})-of-([0-9]{1,6})$")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Restore:
+    """One node's local rank 0 handshake result, as gathered by every rank."""
+
+    node_rank: int
+    step: int | None
+    directory: str | None
+
+
+class CheckpointManager:
+    """Saves and restores a state dict through the node agent's ramdisk (the ``pytorch.distributed`` protocol).
+
+    Every process of the job builds one; each node's local rank 0 speaks to the agent. With more than one local
+    rank, ``torch.distributed`` must be initialized before :meth:`load` (the other ranks learn the step from it).
+
+    Args:
+        local_dir: the pod's mount of the node's ramdisk (e.g. ``/local``).
+        job_name: ``job-name`` of ``replicator.yaml`` and the prefix of restore markers.
+        backup_interval_minutes: ``backup-interval-minutes``; exactly one of it and ``backup_interval_steps``.
+        backup_interval_steps: ``backup-interval-steps`` (our extension).
+        peers_per_node: ``peers-per-node`` (>= 1).
+        peer_ranks: optional ``peer-ranks``.
+        assume_data_parallelism: optional ``assume-data-parallelism``: how many nodes hold identical steps.
+        env: where the topology is read (``NODE_RANK``/``GROUP_RANK``, ``NNODES``/``WORLD_SIZE``,
+            ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``); ``os.environ`` by default.
+        waits: bounds of the handshake's waits, in seconds (300 s each by default).
+        commit_timeout_s: how long local rank 0 waits for the other local ranks' ``.metadata``, in seconds.
+
+    Raises:
+        ValueError: a bad argument or environment (no ``NODE_RANK``/``GROUP_RANK``, a rank out of range).
+    """
+
+    def __init__(self, local_dir: str | os.PathLike[str], job_name: str, *,
+                 backup_interval_minutes: float | None = None, backup_interval_steps: int | None = None,
+                 peers_per_node: int = 1, peer_ranks: list[int] | None = None,
+                 assume_data_parallelism: int | None = None, env: Mapping[str, str] | None = None,
+                 waits: Waits = Waits(), commit_timeout_s: float = protocol.DEFAULT_TIMEOUT_S) -> None:
+        self.local_dir = Path(local_dir)
+        self.topology = NodeTopology.from_env(os.environ if env is None else env)
+        self.config = ReplicatorConfig(
+            job_name=job_name, node_rank=self.topology.node_rank, nodes=self.topology.nodes,
+            peers_per_node=peers_per_node, backup_interval_minutes=backup_interval_minutes,
+            backup_interval_steps=backup_interval_steps,
+            peer_ranks=None if peer_ranks is None else tuple(peer_ranks),
+            assume_data_parallelism=assume_data_parallelism, workers_per_node=self.topology.local_world_size)
+        self.waits = waits
+        self.commit_timeout_s = commit_timeout_s
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtc-torch-save")
+        self._pending: concurrent.futures.Future[int] | None = None
+        self._lock = threading.Lock()
+
+    # -- restore -------------------------------------------------------------------------------------
+
+    def load(self, state_dict: dict[str, Any]) -> int | None:
+        """Runs the handshake and loads the restored step into ``state_dict`` in place.
+
+        Call it once, before the first save, on every rank (it is collective when ``torch.distributed`` is
+        initialized). ``state_dict`` is what ``dcp.load`` takes: tensors, DTensors and ``Stateful`` objects.
+
+        Returns:
+            The restored step, or None when the job starts fresh.
+
+        Raises:
+            ReplicatorFailed: the agent refused the job (``replicator.failed``).
+            TimeoutError: the agent did not answer within the handshake's bounds.
+            ProtocolError: a malformed prerestore file or marker.
+            ValueError: the step was written by a different number of local ranks, or nodes got different steps.
+            RuntimeError: several local ranks but ``torch.distributed`` is not initialized.
+        """
+        mine = self._handshake_on_local_rank_0()
+        restore = self._share(mine)
+        if restore.step is None:
+            log.info("node %d: starting fresh", self.topology.node_rank)
+            return None
+        assert restore.directory is not None
+        rank_dir = self._rank_dir_of(Path(restore.directory))
+        dcp.load(state_dict, storage_reader=BoundedReader(rank_dir), no_dist=True)
+        log.info("node %d local rank %d: restored step %d from %s", self.topology.node_rank,
+                 self.topology.local_rank, restore.step, rank_dir)
+        return restore.step
+
+    def _handshake_on_local_rank_0(self) -> _Restore | None:
+        if self.topology.local_rank != 0:
+            return None
+        result: RestoreResult = protocol.handshake(self.local_dir, self.config, self.waits)
+        return _Restore(self.topology.node_rank, result.step,
+                        None if result.directory is None else str(result.directory))
+
+    def _share(self, mine: _Restore | None) -> _Restore:
+        """Every rank gets its node's local-rank-0 result; all nodes must agree on the step."""
+        distributed = dist.is_available() and dist.is_initialized()
+        if not distributed:
+            if self.topology.local_world_size > 1:
+                raise RuntimeError(f"{self.topology.local_world_size} local ranks need torch.distributed initialized "
+                                   "before load(): the other ranks learn the restored step from local rank 0")
+            assert mine is not None
+            return mine
+        gathered: list[_Restore | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        results = [r for r in gathered if r is not None]
+        steps = {r.node_rank: r.step for r in results}
+        if len(set(steps.values())) > 1:
+            raise ValueError(f"nodes were told to restore different steps (node rank: step, None = fresh): {steps}")
+        for result in results:
+            if result.node_rank == self.topology.node_rank:
+                return result
+        raise RuntimeError(f"no local rank 0 reported for node rank {self.topology.node_rank}: "
+                           f"is LOCAL_RANK/NODE_RANK consistent across processes? (got nodes {sorted(steps)})")
+
+    def _rank_dir_of(self, step_dir: Path) -> Path:
+        world = self.topology.local_world_size
+        wanted = protocol.rank_dir_name(self.topology.local_rank, world)
+        if (step_dir / wanted / protocol.METADATA_FILE).is_file():
+            return step_dir / wanted
+        found = sorted(name for name in os.listdir(step_dir) if _RANK_DIR_RE.match(name))
+        other = {int(_RANK_DIR_RE.match(name)[2]) for name in found}  # type: ignore[index]
+        if other and world not in other:
+            raise ValueError(f"{step_dir} was saved by {sorted(other)} local ranks per node, this job runs {world}: "
+                             "restore with the same --nproc-per-node")
+        raise ValueError(f"{step_dir} holds no complete {wanted}/{protocol.METADATA_FILE} (found {found})")
+
+    # -- save ----------------------------------------------------------------------------------------
+
+    def save(self, state_dict: dict[str, Any], step: int) -> None:
+        """Saves ``step`` and returns after the commit (on local rank 0: after renaming ``<S>.tmp`` to ``<S>``).
+
+        Waits for a pending :meth:`async_save` first. Every local rank must call it with the same step.
+
+        Raises:
+            FileExistsError: ``<local>/<S>`` is already committed (a step saved twice).
+            TimeoutError: local rank 0 did not see every local rank's ``.metadata`` within ``commit_timeout_s``.
+        """
+        self.wait()
+        rank_dir = self._prepare(step)
+        dcp.save(state_dict, storage_writer=DeterministicWriter(rank_dir), no_dist=True)
+        self._commit(step)
+
+    def async_save(self, state_dict: dict[str, Any], step: int) -> concurrent.futures.Future[int]:
+        """Saves ``step`` in the background; blocks only while the state is copied to CPU memory (DCP's staging).
+
+        Waits for the previous pending save first (one save in flight at a time). The state dict may be changed
+        as soon as this returns.
+
+        Returns:
+            A future that resolves to ``step`` after the commit (on local rank 0: after the rename), or holds the
+            error :meth:`save` would have raised.
+        """
+        self.wait()
+        rank_dir = self._prepare(step)
+        upload = dcp.async_save(state_dict, storage_writer=DeterministicWriter(rank_dir), no_dist=True)
+
+        def finish() -> int:
+            upload.result()
+            self._commit(step)
+            return step
+
+        with self._lock:
+            self._pending = self._executor.submit(finish)
+            return self._pending
+
+    def wait(self) -> None:
+        """Waits for the pending :meth:`async_save`, if any, and raises its error."""
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        """Waits for the pending save and stops the background thread."""
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
+
+    def _prepare(self, step: int) -> Path:
+        if (self.local_dir / protocol.step_name(step)).exists():
+            raise FileExistsError(f"step {step} is already committed in {self.local_dir}: a step is saved once")
+        rank_dir = (self.local_dir / protocol.tmp_step_name(step)
+                    / protocol.rank_dir_name(self.topology.local_rank, self.topology.local_world_size))
+        rank_dir.mkdir(parents=True, exist_ok=True)
+        return rank_dir
+
+    def _commit(self, step: int) -> None:
+        """On local rank 0: waits for every ``rank-*-of-W/.metadata``, then renames ``<S>.tmp`` to ``<S>``."""
+        if self.topology.local_rank != 0:
+            return
+        world = self.topology.local_world_size
+        tmp = self.local_dir / protocol.tmp_step_name(step)
+        needed = [tmp / protocol.rank_dir_name(r, world) / protocol.METADATA_FILE for r in range(world)]
+        deadline = time.monotonic() + self.commit_timeout_s
+        while True:
+            missing = [str(p.parent.name) for p in needed if not p.is_file()]
+            if not missing:
+                break
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"step {step}: local ranks {missing} wrote no {protocol.METADATA_FILE} within "
+                                   f"{self.commit_timeout_s:g} s; {tmp} stays uncommitted")
+            time.sleep(self.waits.poll_s)
+        with protocol.open_dir(self.local_dir) as dir_fd:
+            os.rename(tmp.name, protocol.step_name(step), src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        log.info("node %d: committed step %d", self.topology.node_rank, step)
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
