@@ -50,11 +50,12 @@ def build(width: int, layers: int) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """{"model": {name: local shard}, "optim": {name: {key: tensor}}}: this rank's live tensors (not copies)."""
+    """{"model": {name: local shard}, "optim": {name: {key: tensor}}}: this rank's live tensors (not copies), detached
+    (they share the parameters' storage without their autograd history, so a checkpointer may write into them)."""
     params = dict(model.named_parameters())
     return {
-        "model": {name: p.to_local() for name, p in params.items()},
-        "optim": {name: {k: (v.to_local() if hasattr(v, "to_local") else v) for k, v in optimizer.state[p].items()} for name, p in params.items()},
+        "model": {name: p.to_local().detach() for name, p in params.items()},
+        "optim": {name: {k: (v.to_local() if hasattr(v, "to_local") else v).detach() for k, v in optimizer.state[p].items()} for name, p in params.items()},
     }
 
 
@@ -153,7 +154,7 @@ class OurCheckpoint:
             self.manager.save(state, step)
 
     def wait(self) -> None:
-        self.manager.wait()
+        self.manager.close()  # waits for the pending save, then stops the client's background thread
 
 
 def main() -> None:
