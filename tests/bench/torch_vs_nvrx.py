@@ -139,6 +139,7 @@ class Run:
     restored_steps: list[int] = dataclasses.field(default_factory=list)
     bit_identical: list[bool] = dataclasses.field(default_factory=list)
     sources: list[str] = dataclasses.field(default_factory=list)  # where each node's restore came from
+    exits: list[str] = dataclasses.field(default_factory=list)  # trainers that failed after their last save
     note: str = ""
 
 
@@ -161,6 +162,19 @@ def check_restore(run: Run, before: list[dict], after: list[dict], recreated_at:
     run.restore_s.append(min(e["time"] for e in after if e["event"] == "step") - recreated_at)
     run.launch_s.append(started - recreated_at)
     run.load_s.append(restored["time"] - started)
+
+
+def wait_trained(run: Run, processes: list[subprocess.Popen], logs: list[str], step: int, who: str) -> None:
+    """Waits until rank 0 reported step ``step`` saved and every node's torchrun exited. A node that fails after that
+    (at exit) is recorded in ``run.exits`` and printed, not hidden: the next restore then shows which step survived."""
+    wait_for(lambda: any(e["event"] == "saved" and e["step"] == step for e in events(logs[0])), processes, logs, f"{who}: step {step} saved")
+    deadline = time.monotonic() + WAIT_SECONDS
+    while any(p.poll() is None for p in processes) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for node, (process, log) in enumerate(zip(processes, logs)):
+        if process.poll() != 0:
+            causes = [line for line in tail(log + ".stderr", 100_000).splitlines() if "terminate called" in line or "Error:" in line]
+            run.exits.append(f"node {node}'s torchrun exited {process.poll()} after step {step} was saved ({'; '.join(causes[-2:])})")
 
 
 def target(loss: int) -> int:
@@ -195,7 +209,7 @@ class NVRxSetup:
         processes, logs = self._launch(0, target(0))
         try:
             for loss in range(NODE_LOSSES):
-                wait_for(lambda: all(p.poll() == 0 for p in processes), processes, logs, f"NVRx: training to step {target(loss)}")  # noqa: B023
+                wait_trained(run, processes, logs, target(loss), "NVRx")
                 before = events(logs[0])
                 if loss == 0:
                     measure(run, before)
@@ -272,7 +286,7 @@ class OurSetup:
             processes = lambda: [pod.process for pod in job.pods]
             for loss in range(NODE_LOSSES):
                 logs = [pod.log_path for pod in job.pods]
-                wait_for(lambda: all(p.poll() == 0 for p in processes()), processes(), logs, f"ours: training to step {target(loss)}")
+                wait_trained(run, processes(), logs, target(loss), "ours")
                 before = events(logs[0])
                 if loss == 0:
                     measure(run, before)
@@ -332,6 +346,9 @@ def report(base: Run, results: dict[str, Run]) -> None:
         print(f"{'':<24}  restores {' '.join(f'{r:.1f}' for r in run.restore_s)} s = recreation -> process started "
               f"{' '.join(f'{r:.1f}' for r in run.launch_s)} s + started -> loaded {' '.join(f'{r:.1f}' for r in run.load_s)} s "
               f"+ the first step; node 1 restored: {run.sources[0]}")  # fmt: skip
+    for name, run in results.items():
+        for line in run.exits:
+            print(f"note: {name}: {line}")
     nvrx, ours = results.get(NVRX), results.get(OURS)
     if nvrx and ours and not nvrx.note and not ours.note:
         blocking = statistics.median(ours.step_s) <= statistics.median(nvrx.step_s)
