@@ -25,6 +25,17 @@ MAXTEXT_PYTHON ?= $(firstword $(foreach p,python3.12 $(wildcard $(HOME)/.pyenv/v
 MAXTEXT_VENV   := .venv-maxtext
 MAXTEXT_STAMP  := $(MAXTEXT_VENV)/.installed
 
+# NVIDIA NVRx local checkpointing, the peer of `make bench`'s torch_vs_nvrx (tests/bench/torch_vs_nvrx.py).
+# 0.7.0's wheels are tagged manylinux_2_39 (this glibc may be older, and pip would fall back to 0.4.1, whose
+# local checkpointing is CUDA-only in the same places): the wheel is downloaded and its platform tag renamed
+# to linux_x86_64 (the wheel holds no compiled code for that part). Python 3.12, as the wheel is cp312.
+NVRX         := nvidia-resiliency-ext==0.7.0
+NVRX_WHEEL   := nvidia_resiliency_ext-0.7.0-cp312-cp312
+NVRX_TORCH   := torch==2.15.0 numpy==2.4.6 PyYAML
+NVRX_PYTHON  ?= $(MAXTEXT_PYTHON)
+NVRX_VENV    := .venv-nvrx
+NVRX_STAMP   := $(NVRX_VENV)/.installed
+
 # The oldest Orbax pyproject.toml accepts, with the JAX that was current at its release on Python 3.11
 # (orbax-checkpoint 0.12.3: 2026-08-11; jax 0.10.2: 2026-06-17; jax 0.11 needs Python >= 3.12).
 ORBAX_OLDEST        := orbax-checkpoint==0.12.3 jax[cpu]==0.10.2
@@ -99,10 +110,21 @@ demo: setup $(if $(filter pytorch,$(FRAMEWORK)),torch-setup)
 
 # Each entry is a module of tests/bench and its flags.
 BENCHES := ramdisk_throughput "peer_restore --cores" "peer_restore --gib 4 --repetitions 5" step_checksums \
-           backup_restore replication_overhead restore_mttr agent_idle "coordinator_scale --nodes 1000 --seconds 30"
+           backup_restore replication_overhead restore_mttr agent_idle "coordinator_scale --nodes 1000 --seconds 30" \
+           "torch_vs_nvrx --python $(NVRX_VENV)/bin/python"
 
-bench: setup tools
+bench: setup tools $(NVRX_STAMP)
 	set -e; for b in $(BENCHES); do echo "== $$b"; PATH=$(TOOLS):$$PATH $(BIN)/python -m tests.bench.$$b; done
+
+$(NVRX_STAMP):
+	@test -n "$(NVRX_PYTHON)" || { echo "No Python >= 3.12 found (python3.12 or ~/.pyenv/versions/3.12*): NVRx 0.7.0's wheel is cp312; set NVRX_PYTHON=..."; exit 1; }
+	$(NVRX_PYTHON) -m venv $(NVRX_VENV)
+	$(NVRX_VENV)/bin/pip install -q --upgrade pip
+	rm -rf $(NVRX_VENV)/wheel && $(NVRX_VENV)/bin/pip download -q --no-deps --only-binary=:all: --platform manylinux_2_39_x86_64 \
+	    --python-version 3.12 -d $(NVRX_VENV)/wheel '$(NVRX)'
+	mv $(NVRX_VENV)/wheel/$(NVRX_WHEEL)-manylinux_2_39_x86_64.whl $(NVRX_VENV)/wheel/$(NVRX_WHEEL)-linux_x86_64.whl
+	$(NVRX_VENV)/bin/pip install -q $(foreach p,$(NVRX_TORCH),'$(p)') $(NVRX_VENV)/wheel/$(NVRX_WHEEL)-linux_x86_64.whl
+	touch $@
 
 # The stock MaxText trainer on CPU through a preemption and a node loss (tests/e2e_maxtext.py); not
 # part of `make test`. maxtext's wheel declares its dependencies only in extras: [tpu] brings
@@ -156,4 +178,4 @@ chaos: setup
 	rc=0; for v in dp2 dp1; do $(BIN)/python -m tests.chaos --faults $(CHAOS_FAULTS) --variant $$v $(CHAOS_ARGS) || rc=1; done; exit $$rc
 
 clean:
-	rm -rf $(VENV) $(TORCH_VENV) $(MAXTEXT_VENV) $(TITAN_VENV) $(ORBAX_OLDEST_VENV) .tools $(STUBS) protos/csi_pb2.pyi
+	rm -rf $(VENV) $(TORCH_VENV) $(MAXTEXT_VENV) $(TITAN_VENV) $(NVRX_VENV) $(ORBAX_OLDEST_VENV) .tools $(STUBS) protos/csi_pb2.pyi
