@@ -11,7 +11,8 @@ import os
 import pytest
 
 from examples.local_cluster import Pod
-from tests.e2e_maxtext import HarnessError, MaxTextJob, compare_losses, judge, logged_past
+from tests.e2e_maxtext import MaxTextJob
+from tests.helpers.trainer_oracle import HarnessError, compare_losses, judge, logged_past
 
 COMMITTED = 20
 # What MaxText wrote before the kill (its metrics lag a step) and after restoring step 20.
