@@ -33,9 +33,11 @@ K8S_SRC        := $(TOOLS_DIR)/src/kubernetes-$(K8S_VERSION)
 K8S_BINARIES   := kube-apiserver kube-controller-manager kube-scheduler
 K8S_LDFLAGS    := $(foreach p,k8s.io/component-base/version k8s.io/client-go/pkg/version,\
                     -X $(p).gitVersion=$(K8S_VERSION) -X $(p).gitMajor=1 -X $(p).gitMinor=34 -X $(p).gitTreeState=clean)
-# JobSet v0.10.1 (k8s 0.34.1): `go install` works, as its go.mod has no replaces. Its CRD and webhook manifests
-# come from its module (tests/helpers/kube reads them there: keep JOBSET_VERSION in step with it).
+# JobSet v0.10.1 (k8s 0.34.1), built in a writable copy of its module: `go install ...@v0.10.1` fails, as the
+# proxy answers its version listing (which go install reads for deprecations) with 403. Its CRD and webhook
+# manifests come from the same copy (tests/helpers/kube reads them there: keep JOBSET_VERSION in step with it).
 JOBSET_VERSION := v0.10.1
+JOBSET_SRC     := $(TOOLS_DIR)/src/jobset-$(JOBSET_VERSION)
 JOBSET         := $(TOOLS)/jobset
 JOBSET_CONFIG  := $(TOOLS_DIR)/jobset-$(JOBSET_VERSION)
 JOBSET_FILES   := crd/bases/jobset.x-k8s.io_jobsets.yaml webhook/manifests.yaml
@@ -136,15 +138,21 @@ $(addprefix $(TOOLS)/,$(K8S_BINARIES)): $(TOOLS)/%: $(K8S_SRC)/go.mod
 	cd $(K8S_SRC) && GOWORK=off GOFLAGS=-mod=mod $(TIMED) go build -o $@.tmp -ldflags "$(K8S_LDFLAGS)" ./cmd/$*
 	mv $@.tmp $@
 
-$(JOBSET):
-	mkdir -p $(TOOLS)
-	GOWORK=off GOBIN=$(TOOLS) $(TIMED) go install sigs.k8s.io/jobset@$(JOBSET_VERSION)
-
-$(JOBSET_CONFIG)/manifests.yaml:
-	rm -rf $(JOBSET_CONFIG) $(JOBSET_CONFIG).tmp && mkdir -p $(JOBSET_CONFIG).tmp
+$(JOBSET_SRC)/go.mod:
+	rm -rf $(JOBSET_SRC) $(JOBSET_SRC).tmp && mkdir -p $(dir $(JOBSET_SRC))
 	dir=$$(GOWORK=off GOFLAGS=-mod=mod go mod download -json sigs.k8s.io/jobset@$(JOBSET_VERSION) | sed -n 's/^\t"Dir": "\(.*\)",$$/\1/p') && \
-	    test -n "$$dir" && cp $(foreach f,$(JOBSET_FILES),"$$dir/config/components/$(f)") $(JOBSET_CONFIG).tmp/
-	chmod -R u+w $(JOBSET_CONFIG).tmp && mv $(JOBSET_CONFIG).tmp $(JOBSET_CONFIG)
+	    test -n "$$dir" && cp -r "$$dir" $(JOBSET_SRC).tmp
+	chmod -R u+w $(JOBSET_SRC).tmp && mv $(JOBSET_SRC).tmp $(JOBSET_SRC)
+
+$(JOBSET): $(JOBSET_SRC)/go.mod
+	mkdir -p $(TOOLS)
+	cd $(JOBSET_SRC) && GOWORK=off GOFLAGS=-mod=mod $(TIMED) go build -o $@.tmp .
+	mv $@.tmp $@
+
+$(JOBSET_CONFIG)/manifests.yaml: $(JOBSET_SRC)/go.mod
+	rm -rf $(JOBSET_CONFIG) && mkdir -p $(JOBSET_CONFIG).tmp
+	cp $(foreach f,$(JOBSET_FILES),$(JOBSET_SRC)/config/components/$(f)) $(JOBSET_CONFIG).tmp/
+	mv $(JOBSET_CONFIG).tmp $(JOBSET_CONFIG)
 
 # A real API server, controller-manager, scheduler and JobSet controller on 127.0.0.1 (tests/k8s); not part
 # of `make test`.

@@ -180,6 +180,9 @@ class ControlPlane:
         serving = ca.issue("apiserver", "kube-apiserver", dns_names=apiserver_names, ips=("127.0.0.1", "10.0.0.1"))
         admin = ca.issue("admin", "mtc-admin", organizations=("system:masters",))
         kubelet_client = ca.issue("apiserver-kubelet-client", "kube-apiserver-kubelet-client", organizations=("system:masters",))
+        # The front proxy's identity (aggregated APIs), as kubeadm sets it: without it the controller-manager and
+        # the scheduler log, every few seconds, that the request-header CA is missing.
+        front_proxy = ca.issue("front-proxy-client", "front-proxy-client")
 
         ports = {name: free_port() for name in ("etcd", "etcd-peer", "apiserver", "kcm", "scheduler",
                                                   "jobset-webhook", "jobset-health")}  # fmt: skip
@@ -212,6 +215,13 @@ class ControlPlane:
             f"--service-account-key-file={sa.cert}", f"--service-account-signing-key-file={sa.key}",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
+            f"--requestheader-client-ca-file={ca.pair.cert}", "--requestheader-allowed-names=front-proxy-client",
+            "--requestheader-username-headers=X-Remote-User", "--requestheader-group-headers=X-Remote-Group",
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+            f"--proxy-client-cert-file={front_proxy.cert}", f"--proxy-client-key-file={front_proxy.key}",
+            # The `kubernetes` Service gets no endpoints: Endpoints may not hold a loopback address, and nothing
+            # (no kube-proxy) would route its cluster IP. A pod that needs the API server is given its URL.
+            "--endpoint-reconciler-type=none",
             "--authorization-mode=Node,RBAC", "--allow-privileged=true", "--profiling=false",
         ])  # fmt: skip
         admin_tls = ssl.create_default_context(cafile=str(ca.pair.cert))
@@ -338,4 +348,4 @@ def register_node(client: Client, name: str, *, labels: dict[str, str] | None = 
     capacity = {"cpu": cpu, "memory": memory, "pods": pods}
     status = NodeStatus(capacity=capacity, allocatable=capacity,
                         conditions=[NodeCondition(type="Ready", status="True", reason="FakeNode", message="no kubelet")])  # fmt: skip
-    return client.patch(Node, name, {"status": status.to_dict()}, subresource="status")
+    return client.patch(Node.Status, name, {"status": status.to_dict()})
