@@ -31,6 +31,7 @@ K8S_VERSION    := v1.34.4
 K8S_STAGING    := v0.34.4
 K8S_SRC        := $(TOOLS_DIR)/src/kubernetes-$(K8S_VERSION)
 K8S_BINARIES   := kube-apiserver kube-controller-manager kube-scheduler
+K8S_NODE       := kubelet
 K8S_LDFLAGS    := $(foreach p,k8s.io/component-base/version k8s.io/client-go/pkg/version,\
                     -X $(p).gitVersion=$(K8S_VERSION) -X $(p).gitMajor=1 -X $(p).gitMinor=34 -X $(p).gitTreeState=clean)
 # JobSet v0.10.1 (k8s 0.34.1), built in a writable copy of its module: `go install ...@v0.10.1` fails, as the
@@ -79,7 +80,7 @@ TORCH_VENV   := .venv-torch
 TORCH_STAMP  := $(TORCH_VENV)/.installed
 TORCH_PKGS   := torch==2.15.0 numpy==2.4.6 PyYAML==6.0.4
 
-.PHONY: setup tools k8s-tools e2e-k8s etcd test test-fast demo torch-setup bench e2e-maxtext e2e-torchtitan e2e-orbax-oldest chaos clean
+.PHONY: setup tools k8s-tools k8s-node-tools e2e-k8s etcd test test-fast demo torch-setup bench e2e-maxtext e2e-torchtitan e2e-orbax-oldest chaos clean
 
 setup: $(STAMP) $(STUBS)
 
@@ -133,7 +134,13 @@ $(K8S_SRC)/go.mod:
 	    go mod edit -replace $$m=$$m@$(K8S_STAGING); done
 	mv $(K8S_SRC).tmp $(K8S_SRC)
 
-$(addprefix $(TOOLS)/,$(K8S_BINARIES)): $(TOOLS)/%: $(K8S_SRC)/go.mod
+# A real node (tests/helpers/kube/node.py): the kubelet, Debian's containerd and runc (crun fails here: "cgroups
+# in hybrid mode not supported"), CNI's loopback plugin and busybox for the locally built images.
+k8s-node-tools: k8s-tools $(TOOLS)/$(K8S_NODE)
+	@command -v containerd >/dev/null && command -v runc >/dev/null && test -x /usr/lib/cni/loopback && command -v busybox >/dev/null || \
+	    apt-get install -y -q containerd runc containernetworking-plugins busybox-static
+
+$(addprefix $(TOOLS)/,$(K8S_BINARIES) $(K8S_NODE)): $(TOOLS)/%: $(K8S_SRC)/go.mod
 	mkdir -p $(TOOLS)
 	cd $(K8S_SRC) && GOWORK=off GOFLAGS=-mod=mod $(TIMED) go build -o $@.tmp -ldflags "$(K8S_LDFLAGS)" ./cmd/$*
 	mv $@.tmp $@

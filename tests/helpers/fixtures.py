@@ -153,3 +153,12 @@ def control_plane():
         pytest.fail(str(missing))
     with ControlPlane(binaries) as plane:
         yield plane
+
+
+@pytest.fixture(scope="session")
+def kubelet_node(control_plane):
+    """A real node on 127.0.0.2 (containerd, runc and a kubelet) in ``control_plane``: busybox images, host network."""
+    from tests.helpers.kube.node import KubeletNode
+
+    with KubeletNode(control_plane, "127.0.0.2") as node:
+        yield node

@@ -172,7 +172,7 @@ class ControlPlane:
         self.workdir = work = Path(workdir)
         pki = work / "pki"
         pki.mkdir()
-        ca = CertificateAuthority(pki)
+        self.ca = ca = CertificateAuthority(pki)
         sa = service_account_keys(pki)
         loopback = {"dns_names": ("localhost",), "ips": ("127.0.0.1",)}
         apiserver_names = ("localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
@@ -212,6 +212,8 @@ class ControlPlane:
             f"--tls-cert-file={serving.cert}", f"--tls-private-key-file={serving.key}", f"--client-ca-file={ca.pair.cert}",
             f"--kubelet-client-certificate={kubelet_client.cert}", f"--kubelet-client-key={kubelet_client.key}",
             f"--kubelet-certificate-authority={ca.pair.cert}",
+            # A kubelet here serves on its own loopback address, which is its node's name (tests/helpers/kube/node.py).
+            "--kubelet-preferred-address-types=Hostname,InternalIP,ExternalIP",
             f"--service-account-key-file={sa.cert}", f"--service-account-signing-key-file={sa.key}",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
