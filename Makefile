@@ -161,9 +161,9 @@ $(JOBSET_CONFIG)/manifests.yaml: $(JOBSET_SRC)/go.mod
 	cp $(foreach f,$(JOBSET_FILES),$(JOBSET_SRC)/config/components/$(f)) $(JOBSET_CONFIG).tmp/
 	mv $(JOBSET_CONFIG).tmp $(JOBSET_CONFIG)
 
-# A real API server, controller-manager, scheduler and JobSet controller on 127.0.0.1 (tests/k8s); not part
-# of `make test`.
-e2e-k8s: setup k8s-tools
+# A real API server, controller-manager, scheduler and JobSet controller on 127.0.0.1, and a real kubelet node on
+# 127.0.0.2 (tests/k8s); not part of `make test`.
+e2e-k8s: setup k8s-node-tools
 	PATH=$(TOOLS):$$PATH $(BIN)/python -m pytest -q -p no:cacheprovider tests/k8s
 
 # The import contracts first (pyproject.toml [tool.importlinter]): a new cycle fails before any test runs.
