@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import yaml
+from lightkube import ApiError, Client
 from lightkube.resources.core_v1 import Node
 
 from tests.helpers.kube.control_plane import ControlPlane, _Process, write_kubeconfig
@@ -250,9 +251,7 @@ state = "{self.dir / 'containerd-state'}"
             time.sleep(0.3)
 
 
-def _ready(client, name: str) -> bool:
-    from lightkube import ApiError
-
+def _ready(client: Client, name: str) -> bool:
     try:
         node = client.get(Node, name)
     except ApiError as error:
