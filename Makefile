@@ -3,7 +3,8 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-TOOLS  := $(CURDIR)/.tools/bin
+TOOLS_DIR ?= $(CURDIR)/.tools
+TOOLS  := $(TOOLS_DIR)/bin
 STAMP  := $(VENV)/.installed
 STUBS  := protos/csi_pb2.py protos/csi_pb2_grpc.py
 
@@ -19,6 +20,30 @@ MINIO_PKG      := github.com/minio/minio@v0.0.0-20260212201848-7aac2a2c5b7c
 HELM_PKG       := helm.sh/helm/v3/cmd/helm@v3.22.0
 # Newer kustomize releases need a newer Go than 1.26.
 KUSTOMIZE_PKG  := sigs.k8s.io/kustomize/kustomize/v5@v5.7.1
+
+# A real Kubernetes control plane for `make e2e-k8s` (tests/k8s): kube-apiserver, kube-controller-manager and
+# kube-scheduler built from k8s.io/kubernetes through the module proxy, and the JobSet controller with its CRD.
+# k8s.io/kubernetes is not meant to be a dependency: its go.mod replaces the 31 k8s.io staging modules with
+# ./staging directories its module zip lacks. So it is copied somewhere writable, each replace points at the
+# published staging module of the same release, and it builds with GOWORK=off (it ships a go.work) and
+# -mod=mod (its vendor/ holds only an OWNERS file). Without the version ldflags the server says v0.0.0-master.
+K8S_VERSION    := v1.34.4
+K8S_STAGING    := v0.34.4
+K8S_SRC        := $(TOOLS_DIR)/src/kubernetes-$(K8S_VERSION)
+K8S_BINARIES   := kube-apiserver kube-controller-manager kube-scheduler
+K8S_NODE       := kubelet
+K8S_LDFLAGS    := $(foreach p,k8s.io/component-base/version k8s.io/client-go/pkg/version,\
+                    -X $(p).gitVersion=$(K8S_VERSION) -X $(p).gitMajor=1 -X $(p).gitMinor=34 -X $(p).gitTreeState=clean)
+# JobSet v0.10.1 (k8s 0.34.1), built in a writable copy of its module: `go install ...@v0.10.1` fails, as the
+# proxy answers its version listing (which go install reads for deprecations) with 403. Its CRD and webhook
+# manifests come from the same copy (tests/helpers/kube reads them there: keep JOBSET_VERSION in step with it).
+JOBSET_VERSION := v0.10.1
+JOBSET_SRC     := $(TOOLS_DIR)/src/jobset-$(JOBSET_VERSION)
+JOBSET         := $(TOOLS)/jobset
+JOBSET_CONFIG  := $(TOOLS_DIR)/jobset-$(JOBSET_VERSION)
+JOBSET_FILES   := crd/bases/jobset.x-k8s.io_jobsets.yaml webhook/manifests.yaml
+# Each build's wall time and peak memory, for docs/: /usr/bin/time -v where it exists.
+TIMED           = $(if $(wildcard /usr/bin/time),/usr/bin/time -v -o $(TOOLS_DIR)/build-$(notdir $@).time)
 
 # MaxText needs Python >= 3.12: python3.12 on PATH, else pyenv's (make e2e-maxtext only).
 MAXTEXT_PYTHON ?= $(firstword $(foreach p,python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12),$(shell $(p) -c 'import sys; print("$(p)" if sys.version_info >= (3, 12) else "")' 2>/dev/null)))
@@ -55,7 +80,7 @@ TORCH_VENV   := .venv-torch
 TORCH_STAMP  := $(TORCH_VENV)/.installed
 TORCH_PKGS   := torch==2.15.0 numpy==2.4.6 PyYAML==6.0.4
 
-.PHONY: setup tools test test-fast demo torch-setup bench e2e-maxtext e2e-torchtitan e2e-orbax-oldest chaos clean
+.PHONY: setup tools k8s-tools k8s-node-tools e2e-k8s etcd test test-fast demo torch-setup bench e2e-maxtext e2e-torchtitan e2e-orbax-oldest chaos clean
 
 setup: $(STAMP) $(STUBS)
 
@@ -93,6 +118,53 @@ $(HELM):
 
 $(KUSTOMIZE):
 	GOBIN=$(TOOLS) go install $(KUSTOMIZE_PKG)
+
+k8s-tools: $(addprefix $(TOOLS)/,$(K8S_BINARIES)) $(JOBSET) $(JOBSET_CONFIG)/manifests.yaml etcd
+
+# Debian's etcd-server (3.4) is what the control plane stores its objects in.
+etcd:
+	@command -v etcd >/dev/null || { apt-get install -y -q etcd-server || { apt-get update -q && apt-get install -y -q etcd-server; }; }
+
+$(K8S_SRC)/go.mod:
+	rm -rf $(K8S_SRC) && mkdir -p $(dir $(K8S_SRC))
+	dir=$$(GOWORK=off GOFLAGS=-mod=mod go mod download -json k8s.io/kubernetes@$(K8S_VERSION) | sed -n 's/^\t"Dir": "\(.*\)",$$/\1/p') && \
+	    test -n "$$dir" && cp -r "$$dir" $(K8S_SRC).tmp
+	chmod -R u+w $(K8S_SRC).tmp
+	cd $(K8S_SRC).tmp && for m in $$(sed -n 's|^[[:space:]]*\(k8s.io/[^ ]*\) => ./staging/.*|\1|p' go.mod); do \
+	    go mod edit -replace $$m=$$m@$(K8S_STAGING); done
+	mv $(K8S_SRC).tmp $(K8S_SRC)
+
+# A real node (tests/helpers/kube/node.py): the kubelet, Debian's containerd and runc (crun fails here: "cgroups
+# in hybrid mode not supported"), CNI's loopback plugin and busybox for the locally built images.
+k8s-node-tools: k8s-tools $(TOOLS)/$(K8S_NODE)
+	@command -v containerd >/dev/null && command -v runc >/dev/null && test -x /usr/lib/cni/loopback && command -v busybox >/dev/null || \
+	    apt-get install -y -q containerd runc containernetworking-plugins busybox-static
+
+$(addprefix $(TOOLS)/,$(K8S_BINARIES) $(K8S_NODE)): $(TOOLS)/%: $(K8S_SRC)/go.mod
+	mkdir -p $(TOOLS)
+	cd $(K8S_SRC) && GOWORK=off GOFLAGS=-mod=mod $(TIMED) go build -o $@.tmp -ldflags "$(K8S_LDFLAGS)" ./cmd/$*
+	mv $@.tmp $@
+
+$(JOBSET_SRC)/go.mod:
+	rm -rf $(JOBSET_SRC) $(JOBSET_SRC).tmp && mkdir -p $(dir $(JOBSET_SRC))
+	dir=$$(GOWORK=off GOFLAGS=-mod=mod go mod download -json sigs.k8s.io/jobset@$(JOBSET_VERSION) | sed -n 's/^\t"Dir": "\(.*\)",$$/\1/p') && \
+	    test -n "$$dir" && cp -r "$$dir" $(JOBSET_SRC).tmp
+	chmod -R u+w $(JOBSET_SRC).tmp && mv $(JOBSET_SRC).tmp $(JOBSET_SRC)
+
+$(JOBSET): $(JOBSET_SRC)/go.mod
+	mkdir -p $(TOOLS)
+	cd $(JOBSET_SRC) && GOWORK=off GOFLAGS=-mod=mod $(TIMED) go build -o $@.tmp .
+	mv $@.tmp $@
+
+$(JOBSET_CONFIG)/manifests.yaml: $(JOBSET_SRC)/go.mod
+	rm -rf $(JOBSET_CONFIG) && mkdir -p $(JOBSET_CONFIG).tmp
+	cp $(foreach f,$(JOBSET_FILES),$(JOBSET_SRC)/config/components/$(f)) $(JOBSET_CONFIG).tmp/
+	mv $(JOBSET_CONFIG).tmp $(JOBSET_CONFIG)
+
+# A real API server, controller-manager, scheduler and JobSet controller on 127.0.0.1, and a real kubelet node on
+# 127.0.0.2 (tests/k8s); not part of `make test`.
+e2e-k8s: setup k8s-node-tools
+	PATH=$(TOOLS):$$PATH $(BIN)/python -m pytest -q -p no:cacheprovider tests/k8s
 
 # The import contracts first (pyproject.toml [tool.importlinter]): a new cycle fails before any test runs.
 test: setup tools torch-setup

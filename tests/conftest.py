@@ -7,7 +7,16 @@ import pytest
 
 pytest_plugins = ["tests.helpers.fixtures"]
 
-LAYERS = ("unit", "integration", "e2e")
+LAYERS = ("unit", "integration", "e2e", "k8s")
+K8S = Path(__file__).resolve().parent / "k8s"
+"""A real Kubernetes control plane (``make e2e-k8s``): collected only when named, as in ``pytest tests/k8s``."""
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    if collection_path.resolve() != K8S:
+        return None
+    named = (Path(arg.split("::")[0]).resolve() for arg in config.args)
+    return not any(path == K8S or K8S in path.parents for path in named) or None
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -1,0 +1,261 @@
+"""A real node: Debian's containerd and runc and a kubelet, registered with a ``ControlPlane``, for pods with
+``hostNetwork: true`` and images built here (``images.py``, ``imagePullPolicy: Never``).
+
+What the kubelet changes outside its scratch directory is put back on ``stop``: the kernel settings it sets, the
+cgroup root made for it in every cgroup v1 hierarchy, and the directories under /var/lib and /run that it or
+containerd's shims create.
+"""
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import yaml
+from lightkube import ApiError, Client
+from lightkube.resources.core_v1 import Node
+
+from tests.helpers.kube.control_plane import ControlPlane, _Process, write_kubeconfig
+from tests.helpers.kube.images import busybox_image
+from tests.helpers.ports import free_port
+
+PAUSE_IMAGE = "mtc.local/pause:1"
+BUSYBOX_IMAGE = "mtc.local/busybox:1"
+
+# What the kubelet sets when protectKernelDefaults is false (pkg/kubelet/cm/container_manager_linux.go).
+_SYSCTLS = ("vm/overcommit_memory", "vm/panic_on_oom", "kernel/panic", "kernel/panic_on_oops",
+            "kernel/keys/root_maxkeys", "kernel/keys/root_maxbytes")  # fmt: skip
+# Created outside the scratch directory by the kubelet or containerd's shims (1.6 puts shim sockets in
+# /run/containerd/s whatever its state directory); removed when they were not there before.
+_HOST_DIRS = ("/var/lib/kubelet", "/var/lib/cni", "/run/containerd", "/run/netns")
+_CNI_BIN = "/usr/lib/cni"
+
+
+def _cgroup_hierarchies() -> list[Path]:
+    """The cgroup v1 hierarchies, the kubelet's cgroup root is made in each; the unified one (cgroup v2, hybrid
+    mode) is left to the kubelet, which makes it there too."""
+    root = Path("/sys/fs/cgroup")
+    return [h for h in sorted(root.iterdir()) if h.is_dir() and h.name != "unified" and (h / "cgroup.procs").exists()]
+
+
+def _remove_cgroup_tree(path: Path) -> None:
+    if not path.is_dir():
+        return
+    for child in sorted((p for p in path.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+        with contextlib.suppress(OSError):
+            child.rmdir()
+    with contextlib.suppress(OSError):
+        path.rmdir()
+
+
+class KubeletNode:
+    """One node: containerd (its own root, state and socket) and a kubelet (its own root dir, ports, cgroup root
+    and client certificate ``system:node:<name>``).
+
+    The node is named after the loopback address its kubelet serves on (``127.0.0.2``: a valid node name). The
+    API server reaches a kubelet (logs, exec) at the Node's ``Hostname`` address first, which is that name; the
+    kubelet refuses a loopback ``--node-ip``, and its InternalIP (this machine's own address) is not one the
+    tests may send to.
+
+    Args:
+      plane: a started control plane; the node's files go in its scratch directory.
+      address: a 127.0.0.0/8 address other than 127.0.0.1 (the control plane's); also the node's name.
+    """
+
+    def __init__(self, plane: ControlPlane, address: str = "127.0.0.2"):
+        self.plane = plane
+        self.address = self.name = address
+        self.dir = plane.workdir / "nodes" / address
+        self.processes: dict[str, _Process] = {}
+        self._stack = contextlib.ExitStack()
+        self.socket = self.dir / "containerd.sock"
+
+    def __enter__(self) -> "KubeletNode":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self, timeout_seconds: float = 120.0) -> "KubeletNode":
+        """Starts containerd, imports the images, starts the kubelet, and returns once the Node is Ready.
+
+        Raises:
+          RuntimeError: a process exited or the node was not Ready in time; the message has the log's tail.
+        """
+        try:
+            self._start(time.monotonic() + timeout_seconds)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Stops the kubelet, every container, containerd (each by PID), and puts the host back."""
+        self._stack.close()
+        self.processes.clear()
+
+    def ctr(self, *args: str) -> str:
+        """``ctr`` against this node's containerd, in the CRI's namespace."""
+        return subprocess.run(["ctr", "--address", str(self.socket), "-n", "k8s.io", *args], check=True,
+                              capture_output=True, text=True, timeout=60).stdout  # fmt: skip
+
+    def _start(self, deadline: float) -> None:
+        self.dir.mkdir(parents=True)
+        self._protect_host()
+        containerd = self._start_containerd()
+        self._wait(lambda: self.socket.exists() and self._ctr_answers(), deadline, "containerd answers", containerd)
+        for reference, entrypoint in ((PAUSE_IMAGE, ["/bin/sleep", "2147483647"]), (BUSYBOX_IMAGE, None)):
+            archive = busybox_image(self.dir / f"{reference.split('/')[-1].replace(':', '-')}.tar", reference, entrypoint)
+            self.ctr("images", "import", "--snapshotter", "native", str(archive))
+        kubelet = self._start_kubelet()
+        client = self.plane.client()
+        self._wait(lambda: _ready(client, self.name), deadline, f"Node {self.name} Ready", kubelet)
+
+    def _protect_host(self) -> None:
+        sysctls = {name: Path("/proc/sys", name).read_text() for name in _SYSCTLS}
+
+        def restore() -> None:
+            for name, value in sysctls.items():
+                with contextlib.suppress(OSError):
+                    Path("/proc/sys", name).write_text(value)
+
+        self._stack.callback(restore)
+        for directory in _HOST_DIRS:
+            if not os.path.exists(directory):
+                self._stack.callback(shutil.rmtree, directory, ignore_errors=True)
+        self.cgroup_root = f"/mtc-kubelet-{self.name}"
+        for hierarchy in _cgroup_hierarchies():
+            path = hierarchy / self.cgroup_root.lstrip("/")
+            path.mkdir(exist_ok=True)
+            if hierarchy.name == "cpuset":  # a new cpuset cgroup has no CPUs and memory nodes until given them
+                for knob in ("cpuset.cpus", "cpuset.mems"):
+                    (path / knob).write_text((hierarchy / knob).read_text())
+            self._stack.callback(_remove_cgroup_tree, path)
+        unified = Path("/sys/fs/cgroup/unified") / self.cgroup_root.lstrip("/")
+        if unified.parent.is_dir() and not unified.exists():
+            self._stack.callback(_remove_cgroup_tree, unified)
+
+    def _start_containerd(self) -> _Process:
+        cni = self.dir / "cni"
+        cni.mkdir()
+        (cni / "10-loopback.conflist").write_text(json.dumps(
+            {"cniVersion": "0.4.0", "name": "mtc-loopback", "plugins": [{"type": "loopback"}]}))  # fmt: skip
+        cri = '[plugins."io.containerd.grpc.v1.cri"]'
+        config = f"""version = 2
+root = "{self.dir / 'containerd-root'}"
+state = "{self.dir / 'containerd-state'}"
+[grpc]
+  address = "{self.socket}"
+[ttrpc]
+  address = "{self.socket}.ttrpc"
+[plugins."io.containerd.internal.v1.opt"]
+  path = "{self.dir / 'containerd-opt'}"
+{cri}
+  sandbox_image = "{PAUSE_IMAGE}"
+  restrict_oom_score_adj = true
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "{free_port()}"
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "native"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "{_CNI_BIN}"
+    conf_dir = "{cni}"
+"""
+        config_file = self.dir / "containerd.toml"
+        config_file.write_text(config)
+        process = _Process("containerd", ["containerd", "--config", str(config_file)], self.dir / "containerd.log")
+        self.processes["containerd"] = process
+        self._stack.callback(process.stop)
+        self._stack.callback(self._remove_containers)
+        return process
+
+    def _remove_containers(self) -> None:
+        """Every task killed and deleted, then every container, so no shim outlives the node."""
+        with contextlib.suppress(subprocess.SubprocessError, OSError):
+            tasks = [line.split()[0] for line in self.ctr("tasks", "ls").splitlines()[1:] if line.strip()]
+            for task in tasks:
+                with contextlib.suppress(subprocess.SubprocessError):
+                    self.ctr("tasks", "kill", "-s", "SIGKILL", task)
+            for task in tasks:
+                for _ in range(50):
+                    try:
+                        self.ctr("tasks", "delete", "-f", task)
+                        break
+                    except subprocess.SubprocessError:
+                        time.sleep(0.1)
+            containers = self.ctr("containers", "ls", "-q").split()
+            if containers:
+                self.ctr("containers", "delete", *containers)
+
+    def _ctr_answers(self) -> bool:
+        try:
+            self.ctr("version")
+            return True
+        except subprocess.SubprocessError:
+            return False
+
+    def _start_kubelet(self) -> _Process:
+        ca = self.plane.ca
+        identity = ca.issue(f"kubelet-{self.name}", f"system:node:{self.name}", organizations=("system:nodes",))
+        serving = ca.issue(f"kubelet-{self.name}-serving", self.name, dns_names=("localhost",), ips=(self.address,))
+        kubeconfig = write_kubeconfig(self.dir / "kubelet.kubeconfig", self.plane.url, ca.pair, identity, self.name)
+        self.port = free_port(self.address)
+        config = {
+            "apiVersion": "kubelet.config.k8s.io/v1beta1",
+            "kind": "KubeletConfiguration",
+            "address": self.address,
+            "port": self.port,
+            "readOnlyPort": 0,
+            "healthzBindAddress": self.address,
+            "healthzPort": free_port(self.address),
+            "tlsCertFile": str(serving.cert),
+            "tlsPrivateKeyFile": str(serving.key),
+            "authentication": {"anonymous": {"enabled": False}, "webhook": {"enabled": True},
+                               "x509": {"clientCAFile": str(ca.pair.cert)}},  # fmt: skip
+            "authorization": {"mode": "Webhook"},
+            "cgroupDriver": "cgroupfs",
+            "cgroupRoot": self.cgroup_root,
+            "failCgroupV1": False,
+            "failSwapOn": False,
+            "containerRuntimeEndpoint": f"unix://{self.socket}",
+            "podLogsDir": str(self.dir / "pod-logs"),
+            "evictionHard": {"memory.available": "1Mi", "nodefs.available": "1%", "imagefs.available": "1%"},
+            "imageGCHighThresholdPercent": 100,
+            "imageGCLowThresholdPercent": 99,
+            "localStorageCapacityIsolation": False,
+            "registerNode": True,
+        }
+        config_file = self.dir / "kubelet.yaml"
+        config_file.write_text(yaml.safe_dump(config))
+        process = _Process("kubelet", [
+            shutil.which("kubelet") or str(Path(self.plane.binaries.apiserver).parent / "kubelet"),
+            f"--config={config_file}", f"--kubeconfig={kubeconfig}", f"--root-dir={self.dir / 'kubelet'}",
+            f"--hostname-override={self.name}",
+        ], self.dir / "kubelet.log")  # fmt: skip
+        self.processes["kubelet"] = process
+        self._stack.callback(process.stop)
+        return process
+
+    def _wait(self, condition, deadline: float, what: str, process: _Process) -> None:
+        while not condition():
+            if process.popen.poll() is not None:
+                raise RuntimeError(f"{process.name} exited with {process.popen.returncode}:\n{process.tail()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what}: not reached in time:\n{process.tail()}")
+            time.sleep(0.3)
+
+
+def _ready(client: Client, name: str) -> bool:
+    try:
+        node = client.get(Node, name)
+    except ApiError as error:
+        if error.status.code == 404:
+            return False
+        raise
+    return any(c.type == "Ready" and c.status == "True" for c in (node.status.conditions or []))
