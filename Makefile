@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TOOLS_DIR ?= $(CURDIR)/.tools
 TOOLS  := $(TOOLS_DIR)/bin
 STAMP  := $(VENV)/.installed
-STUBS  := protos/csi_pb2.py protos/csi_pb2_grpc.py
+STUBS  := protos/csi_pb2.py protos/csi_pb2_grpc.py protos/pluginregistration_pb2.py protos/pluginregistration_pb2_grpc.py
 
 CSI_SANITY     := $(TOOLS)/csi-sanity
 FAKE_GCS       := $(TOOLS)/fake-gcs-server
@@ -99,8 +99,10 @@ $(TORCH_STAMP): pyproject.toml
 	$(TORCH_VENV)/bin/pip install -q --no-deps -e .
 	touch $@
 
-$(STUBS): protos/csi.proto $(STAMP)
-	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. protos/csi.proto
+# One stub pair per vendored proto: csi.proto (the CSI spec) and pluginregistration.proto (the kubelet's plugin
+# registration, k8s.io/kubelet; served by csi_driver/registration.py).
+protos/%_pb2.py protos/%_pb2_grpc.py: protos/%.proto $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. $<
 
 tools: $(CSI_SANITY) $(FAKE_GCS) $(MINIO) $(HELM) $(KUSTOMIZE)
 
@@ -250,4 +252,4 @@ chaos: setup
 	rc=0; for v in dp2 dp1; do $(BIN)/python -m tests.chaos --faults $(CHAOS_FAULTS) --variant $$v $(CHAOS_ARGS) || rc=1; done; exit $$rc
 
 clean:
-	rm -rf $(VENV) $(TORCH_VENV) $(MAXTEXT_VENV) $(TITAN_VENV) $(NVRX_VENV) $(ORBAX_OLDEST_VENV) .tools $(STUBS) protos/csi_pb2.pyi
+	rm -rf $(VENV) $(TORCH_VENV) $(MAXTEXT_VENV) $(TITAN_VENV) $(NVRX_VENV) $(ORBAX_OLDEST_VENV) .tools $(STUBS) protos/*_pb2.pyi

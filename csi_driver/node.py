@@ -22,6 +22,12 @@ _STATUS_OF = {
     ramdisk.TargetInUse: grpc.StatusCode.ALREADY_EXISTS,
 }
 _NODE_RPC = csi_pb2.NodeServiceCapability.RPC
+# Set by the kubelet when the CSIDriver asks for tokens (``tokenRequests``); never logged.
+_SECRET_CONTEXT_KEYS = frozenset({"csi.storage.k8s.io/serviceAccount.tokens"})
+
+
+def _loggable(volume_context: dict[str, str]) -> dict[str, str]:
+    return {key: "<redacted>" if key in _SECRET_CONTEXT_KEYS else value for key, value in sorted(volume_context.items())}
 
 
 def _rpc_capability(rpc_type: int) -> csi_pb2.NodeServiceCapability:
@@ -68,14 +74,16 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "target_path is required")
         if request.volume_capability.HasField("block"):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "block access is not supported: the ramdisk is a filesystem")
+        volume_context = dict(request.volume_context)
         try:
-            spec = parse_volume_context(dict(request.volume_context), self._default_size_bytes, self._limits)
+            spec = parse_volume_context(volume_context, self._default_size_bytes, self._limits)
             self._manager.publish(request.volume_id, request.target_path, spec, readonly=request.readonly)
         except InvalidVolumeRequest as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except ramdisk.RamdiskError as err:
             context.abort(_STATUS_OF[type(err)], str(err))
-        log.info("published %s/%s for pod %s at %s", spec.namespace, spec.job, spec.pod_name, request.target_path)
+        log.info("published %s/%s for pod %s at %s, volume_context %s",
+                 spec.namespace, spec.job, spec.pod_name, request.target_path, _loggable(volume_context))  # fmt: skip
         self._on_publish(request.target_path, spec)
         return csi_pb2.NodePublishVolumeResponse()
 

@@ -66,6 +66,9 @@ def _add_node(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--topology", type=_key_value, action="append", default=[], help="topology label KEY=VALUE")
     p.add_argument("--pod-address", help="address pods on this node are reachable at (local runs, hostNetwork)")
     p.add_argument("--driver-name", default=DEFAULT_DRIVER_NAME, help="CSI driver name (default %(default)s)")
+    p.add_argument("--kubelet-registration-dir", metavar="DIR",
+                   help="register the driver with the kubelet through a socket in DIR, its plugins_registry "
+                        "(e.g. /var/lib/kubelet/plugins_registry; default: none, a node-driver-registrar sidecar does it)")
     p.add_argument("--ramdisk-backend", choices=["tmpfs", "dir"], default="tmpfs",
                    help="tmpfs (RAM, needs root) or dir (unprivileged: data lives on disk)")
     p.add_argument("--default-size", type=_quantity, default=parse_quantity("1Gi"),
@@ -101,7 +104,8 @@ def _node_config(args: argparse.Namespace) -> NodeConfig:
         node_id=args.node_id,
         root=args.root,
         csi=CsiSettings(endpoint=args.csi_endpoint, driver_name=args.driver_name, ramdisk_backend=args.ramdisk_backend,
-                        default_size_bytes=args.default_size, retention_seconds=args.retention_seconds, max_nodes=args.max_nodes),
+                        default_size_bytes=args.default_size, retention_seconds=args.retention_seconds, max_nodes=args.max_nodes,
+                        kubelet_registration_dir=args.kubelet_registration_dir),
         peer=PeerSettings(listen=args.listen, token_file=args.peer_token_file, replicas=args.replicas,
                           tls_cert=args.peer_tls_cert, tls_key=args.peer_tls_key, tls_ca=args.peer_tls_ca),
         backup=BackupSettings(

@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, Gauge, generate_latest
 from csi_driver.identity import IdentityServicer
 from csi_driver.node import NodeServicer
 from csi_driver.ramdisk import Ramdisk, RamdiskManager, make_backend
+from csi_driver.registration import RegistrationServer, RegistrationServicer
 from csi_driver.server import start_csi_server
 from csi_driver.volume_request import VolumeLimits, VolumeSpec
 from replicator.backup_tier.backends import open_backup_store
@@ -119,6 +120,12 @@ class NodeAgent:
         survivors = await asyncio.to_thread(self.manager.recover)
         log.info("recovered %d ramdisk(s): %s", len(survivors), [f"{d.namespace}/{d.job}" for d in survivors])
         csi_server = start_csi_server(csi.endpoint, identity, node)
+        # After the CSI socket serves: registering, the kubelet calls NodeGetInfo on it.
+        registration = (
+            RegistrationServer(csi.kubelet_registration_dir, RegistrationServicer(csi.driver_name, csi.endpoint)).start()
+            if csi.kubelet_registration_dir
+            else None
+        )
         runner = web.AppRunner(self._make_http_app())
         await runner.setup()
         try:
@@ -136,6 +143,8 @@ class NodeAgent:
                 await replicating
         finally:
             self.ready.clear()
+            if registration:
+                registration.stop()
             csi_server.stop(grace=timing.CSI_STOP_GRACE_SECONDS).wait()
             await runner.cleanup()
 

@@ -21,6 +21,8 @@ class CsiSettings:
       default_size_bytes: ramdisk size when a volume sets none, bytes.
       retention_seconds: an idle ramdisk (no pod) is released after this long, seconds.
       max_nodes: the largest job (``nodes`` volume attribute) a publish accepts.
+      kubelet_registration_dir: the kubelet's ``plugins_registry`` directory to register the driver in
+        (``csi_driver.registration``), or None when a node-driver-registrar sidecar does it or no kubelet runs.
     """
 
     endpoint: str
@@ -29,6 +31,7 @@ class CsiSettings:
     default_size_bytes: int = 1 << 30
     retention_seconds: float = 24 * 3600
     max_nodes: int = DEFAULT_MAX_NODES
+    kubelet_registration_dir: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,10 +12,12 @@ def test_flags_land_in_their_sections(monkeypatch):
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:4443")
     assert cli.main(["node", "--node-id", "n1", "--root", "/r", "--csi-endpoint", "unix:///c.sock", "--listen", "127.0.0.1:8470",
                      "--backup", "gs://bucket/p", "--backup-keep", "5", "--coordinator", "https://c:8471", "--peer-tls-ca", "ca.pem",
-                     "--replicas", "2", "--max-nodes", "64", "--background-cpu", "0.5", "--topology", "zone=a"]) == 0  # fmt: skip
+                     "--replicas", "2", "--max-nodes", "64", "--background-cpu", "0.5", "--topology", "zone=a",
+                     "--kubelet-registration-dir", "/var/lib/kubelet/plugins_registry"]) == 0  # fmt: skip
     (config,) = built
     assert isinstance(config, NodeConfig) and (config.node_id, config.root, config.topology) == ("n1", "/r", {"zone": "a"})
     assert (config.csi.endpoint, config.csi.max_nodes, config.csi.ramdisk_backend) == ("unix:///c.sock", 64, "tmpfs")
+    assert config.csi.kubelet_registration_dir == "/var/lib/kubelet/plugins_registry"
     assert (config.peer.listen, config.peer.replicas, config.peer.tls_ca, config.peer.url) == ("127.0.0.1:8470", 2, "ca.pem",
                                                                                                "http://127.0.0.1:8470")  # fmt: skip
     assert (config.backup.url, config.backup.keep, config.backup.storage_emulator_host) == ("gs://bucket/p", 5, "http://127.0.0.1:4443")
