@@ -72,6 +72,8 @@ class KubeletNode:
         self.processes: dict[str, _Process] = {}
         self._stack = contextlib.ExitStack()
         self.socket = self.dir / "containerd.sock"
+        # The kubelet's --root-dir: pods/<uid>/volumes/... and plugins_registry are below it.
+        self.root_dir = self.dir / "kubelet"
 
     def __enter__(self) -> "KubeletNode":
         return self.start()
@@ -235,7 +237,7 @@ state = "{self.dir / 'containerd-state'}"
         config_file.write_text(yaml.safe_dump(config))
         process = _Process("kubelet", [
             shutil.which("kubelet") or str(Path(self.plane.binaries.apiserver).parent / "kubelet"),
-            f"--config={config_file}", f"--kubeconfig={kubeconfig}", f"--root-dir={self.dir / 'kubelet'}",
+            f"--config={config_file}", f"--kubeconfig={kubeconfig}", f"--root-dir={self.root_dir}",
             f"--hostname-override={self.name}",
         ], self.dir / "kubelet.log")  # fmt: skip
         self.processes["kubelet"] = process
