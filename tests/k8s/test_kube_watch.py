@@ -6,20 +6,26 @@ kubelet (they stay Pending, with no pod IP)."""
 
 import asyncio
 import contextlib
+from pathlib import Path
 
 import pytest
+import yaml
 from lightkube import ApiError, AsyncClient, KubeConfig, codecs
+from lightkube.models.authentication_v1 import TokenRequestSpec
 from lightkube.models.core_v1 import NamespaceSpec
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Namespace, Node, ServiceAccount
+from lightkube.resources.rbac_authorization_v1 import ClusterRole, ClusterRoleBinding
 
 from replicator.coordinator.kube_shape import FailureDomains, JobShape, ShapeSettings
 from replicator.coordinator.kube_watch import JobSet, ShapeWatcher, WatchSettings
 from replicator.wire.messages import JobRef
+from tests.helpers import REPO
 from tests.helpers.kube import ControlPlane, register_node
 from tests.helpers.kube.workloads import NO_PULL_IMAGE, example_jobset
 
 NAMESPACE = "shapes"
+COORDINATOR_NAMESPACE = "mtc-system"
 WAIT_SECONDS = 60.0
 OUTAGE_SECONDS = 5.0
 BLOCK_LABEL = "example.com/rack"
@@ -62,12 +68,12 @@ async def kube(control_plane):
 
 
 @contextlib.asynccontextmanager
-async def running_watcher(plane: ControlPlane, namespace: str):
+async def running_watcher(kubeconfig: Path, namespace: str):
     """A ``ShapeWatcher`` on ``namespace`` with its own client and a short backoff bound, running in the test's
     loop until the block ends."""
     settings = WatchSettings(namespace=namespace, backoff_initial_seconds=0.2, backoff_max_seconds=1.0,
                              shape=ShapeSettings(block_label=BLOCK_LABEL))  # fmt: skip
-    client = AsyncClient(KubeConfig.from_file(plane.kubeconfig), field_manager="mtc-coordinator")
+    client = AsyncClient(KubeConfig.from_file(kubeconfig), field_manager="mtc-coordinator")
     watcher = ShapeWatcher(client, settings)
     task = asyncio.create_task(watcher.run())
     try:
@@ -79,16 +85,41 @@ async def running_watcher(plane: ControlPlane, namespace: str):
         await client.close()
 
 
+def coordinator_kubeconfig(plane: ControlPlane, path: Path) -> Path:
+    """A kubeconfig with the coordinator's own identity: ``manifests/coordinator-rbac.yaml`` applied (in
+    ``mtc-system``) and a token of its ServiceAccount, so the watcher runs with exactly the rights the manifests
+    grant."""
+    client = plane.client()
+    client.create(Namespace(metadata=ObjectMeta(name=COORDINATOR_NAMESPACE), spec=NamespaceSpec()))
+    for obj in codecs.load_all_yaml((REPO / "manifests" / "coordinator-rbac.yaml").read_text()):
+        client.create(obj)
+    request = ServiceAccount.Token(metadata=ObjectMeta(name="mtc-coordinator", namespace=COORDINATOR_NAMESPACE),
+                                   spec=TokenRequestSpec(audiences=[], expirationSeconds=3600))  # fmt: skip
+    token = client.create(request, "mtc-coordinator", namespace=COORDINATOR_NAMESPACE).status.token
+    config = yaml.safe_load(plane.kubeconfig.read_text())
+    config["users"] = [{"name": "mtc-coordinator", "user": {"token": token}}]
+    for context in config["contexts"]:
+        context["context"]["user"] = "mtc-coordinator"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
 @pytest.fixture
-async def watcher(control_plane, kube):
-    """A watcher of the ``shapes`` namespace of the session's control plane; the namespace is deleted after."""
+async def watcher(control_plane, kube, tmp_path):
+    """A watcher of the ``shapes`` namespace of the session's control plane, with the coordinator's own identity;
+    the namespaces are deleted after."""
     await kube.create(Namespace(metadata=ObjectMeta(name=NAMESPACE), spec=NamespaceSpec()))
     await eventually(lambda: _exists(kube, ServiceAccount, "default", NAMESPACE), "the namespace's default ServiceAccount")
     try:
-        async with running_watcher(control_plane, NAMESPACE) as shapes:
+        kubeconfig = await asyncio.to_thread(coordinator_kubeconfig, control_plane, tmp_path / "coordinator.kubeconfig")
+        async with running_watcher(kubeconfig, NAMESPACE) as shapes:
             yield shapes
     finally:
         await kube.delete(Namespace, NAMESPACE)
+        with contextlib.suppress(ApiError):
+            await kube.delete(Namespace, COORDINATOR_NAMESPACE)
+            for kind in (ClusterRole, ClusterRoleBinding):
+                await kube.delete(kind, "mtc-coordinator")
 
 
 @pytest.fixture
@@ -166,7 +197,7 @@ async def test_last_shapes_stand_through_an_api_server_outage_and_updates_resume
     nodes = register_nodes(plane, "outage-node", 4)
     client = AsyncClient(KubeConfig.from_file(plane.kubeconfig), field_manager="mtc-tests")
     try:
-        async with running_watcher(plane, "default") as watcher:
+        async with running_watcher(plane.kubeconfig, "default") as watcher:
             await client.create(codecs.from_dict(example_jobset()), namespace="default")
             shapes = await watcher.wait_for(lambda s: _bound(s, OUTAGE_EXAMPLE), WAIT_SECONDS)
             for place in shapes.jobs[OUTAGE_EXAMPLE].pods:  # only this test's nodes here
