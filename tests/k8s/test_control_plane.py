@@ -3,33 +3,21 @@ Job controller of kube-controller-manager, and kube-scheduler binding to Node ob
 Everything is read back through lightkube's asyncio client, the library the coordinator will use."""
 
 import asyncio
-import copy
 from collections.abc import Callable
 
 import pytest
-import yaml
 from lightkube import AsyncClient, KubeConfig, codecs
 from lightkube.generic_resource import create_namespaced_resource
 from lightkube.resources.batch_v1 import Job
 from lightkube.resources.core_v1 import Pod, Service
 
-from tests.helpers import REPO
 from tests.helpers.kube import register_node
+from tests.helpers.kube.workloads import example_jobset
 
 JobSet = create_namespaced_resource("jobset.x-k8s.io", "v1alpha2", "JobSet", "jobsets")
 
 NAMESPACE = "default"
 WAIT_SECONDS = 60.0
-
-
-def example_jobset(image: str = "registry.invalid/no-kubelet-pulls-this:0") -> dict:
-    """``manifests/example-jobset.yaml`` as a dict, with its placeholder image replaced (no kubelet runs here)."""
-    document = yaml.safe_load((REPO / "manifests" / "example-jobset.yaml").read_text())
-    document = copy.deepcopy(document)
-    for replicated in document["spec"]["replicatedJobs"]:
-        for container in replicated["template"]["spec"]["template"]["spec"]["containers"]:
-            container["image"] = image
-    return document
 
 
 async def watch_until(client: AsyncClient, kind, labels: dict[str, str], done: Callable[[dict], bool]) -> dict:

@@ -25,7 +25,10 @@ KUBELET_PODS_DIR = "/var/lib/kubelet/pods"
 DATA_ROOT = "/var/lib/mtc"
 COORDINATOR_URL = "https://mtc-coordinator.mtc-system.svc:8471"
 TLS_DIR = "/etc/mtc/tls"
-CLUSTER_SCOPED = ("Namespace", "CSIDriver", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
+CLUSTER_SCOPED = ("Namespace", "CSIDriver", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
+                  "ClusterRole", "ClusterRoleBinding")  # fmt: skip
+# What the coordinator reads from the API server (replicator/coordinator/kube_watch.py), and only that.
+COORDINATOR_READS = {("", "pods"), ("", "nodes"), ("jobset.x-k8s.io", "jobsets")}
 
 
 def _load(name: str) -> list[dict]:
@@ -145,16 +148,34 @@ def test_csidriver_is_node_only_ephemeral_with_pod_info():
     assert spec["fsGroupPolicy"] == "File"
 
 
-def test_no_pod_gets_kubernetes_api_access():
-    # Neither the agents nor the coordinator call the API: no roles, no mounted API token.
-    kinds = {doc["kind"] for doc in _all_objects()}
-    assert not kinds & {"Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding"}, kinds
-    account = _one("ServiceAccount")
+def test_node_agents_get_no_kubernetes_api_access():
+    # The agents talk to kubelet and the coordinator only: no role for their account, no mounted API token.
+    account = _one("ServiceAccount", "mtc")
     assert account["automountServiceAccountToken"] is False
-    for kind, name in [("DaemonSet", "mtc-node"), ("Deployment", "mtc-coordinator")]:
-        pod = _one(kind, name)["spec"]["template"]["spec"]
-        assert pod["serviceAccountName"] == account["metadata"]["name"]
-        assert pod["automountServiceAccountToken"] is False
+    pod = _one("DaemonSet", "mtc-node")["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "mtc"
+    assert pod["automountServiceAccountToken"] is False
+    bound = [s for o in _all_objects() if o["kind"] in ("RoleBinding", "ClusterRoleBinding") for s in o["subjects"]]
+    assert all(s["name"] != "mtc" for s in bound), bound
+
+
+def test_coordinator_alone_may_get_list_and_watch_exactly_pods_nodes_and_jobsets():
+    kinds = [doc["kind"] for doc in _all_objects()]
+    assert "Role" not in kinds and "RoleBinding" not in kinds
+    assert kinds.count("ClusterRole") == 1 and kinds.count("ClusterRoleBinding") == 1
+    role = _one("ClusterRole", "mtc-coordinator")
+    granted = {(group, resource) for rule in role["rules"] for group in rule["apiGroups"] for resource in rule["resources"]}
+    assert granted == COORDINATOR_READS
+    assert all(sorted(rule["verbs"]) == ["get", "list", "watch"] for rule in role["rules"])
+    assert not any("resourceNames" in rule or "nonResourceURLs" in rule for rule in role["rules"])
+    binding = _one("ClusterRoleBinding", "mtc-coordinator")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "mtc-coordinator"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "mtc-coordinator", "namespace": "mtc-system"}]
+    account = _one("ServiceAccount", "mtc-coordinator")
+    assert account["automountServiceAccountToken"] is False  # the pod asks for it
+    pod = _one("Deployment", "mtc-coordinator")["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "mtc-coordinator"
+    assert pod["automountServiceAccountToken"] is True
 
 
 def test_admission_policy_admits_the_driver_only_in_opted_in_namespaces():

@@ -78,8 +78,15 @@ class _Process:
     def __init__(self, name: str, command: list[str], log: Path):
         self.name = name
         self.log = log
+        self.command = command
         with log.open("wb") as out:
             self.popen = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def restart(self) -> None:
+        """Stops it (if running) and starts its command again, appending to its log."""
+        self.stop()
+        with self.log.open("ab") as out:
+            self.popen = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     @property
     def pid(self) -> int:
@@ -132,6 +139,7 @@ class ControlPlane:
     def __init__(self, binaries: Binaries | None = None):
         self.binaries = binaries or Binaries.find()
         self.processes: dict[str, _Process] = {}
+        self._readiness: dict[str, tuple[str, ssl.SSLContext | None]] = {}
         self._stack = contextlib.ExitStack()
         self.workdir: Path | None = None
 
@@ -166,6 +174,22 @@ class ControlPlane:
 
     def log_tail(self, name: str, lines: int = 40) -> str:
         return self.processes[name].tail(lines)
+
+    def stop_component(self, name: str) -> None:
+        """Stops one component by its PID (SIGTERM, then SIGKILL), as an outage would: ``kube-apiserver``, ...
+        ``start_component`` brings it back; ``stop`` stops it for good either way."""
+        self.processes[name].stop()
+
+    def start_component(self, name: str, timeout_seconds: float = 60.0) -> None:
+        """Starts a component ``stop_component`` stopped, with the same command, and returns once it is ready.
+
+        Raises:
+          RuntimeError: it exited or was not ready in time; the message has its log's tail.
+        """
+        process = self.processes[name]
+        process.restart()
+        url, tls = self._readiness[name]
+        self._wait_ready(process, url, tls, time.monotonic() + timeout_seconds)
 
     def _start(self, deadline: float) -> None:
         workdir, cleanup = self._stack.enter_context(scratch_dir("mtc-k8s-"))
@@ -304,6 +328,7 @@ class ControlPlane:
             client.create(configuration)
 
     def _wait_ready(self, process: _Process, url: str, tls: ssl.SSLContext | None, deadline: float) -> None:
+        self._readiness[process.name] = (url, tls)
         def answers() -> bool:
             if process.popen.poll() is not None:
                 raise RuntimeError(f"{process.name} exited with {process.popen.returncode}:\n{process.tail()}")
