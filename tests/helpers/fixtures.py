@@ -10,7 +10,6 @@ import pytest
 
 from examples.local_cluster import LocalCluster, NodeAgentProcess, unmount_all_below
 from tests.helpers.jobs import kill_started_jobs
-from tests.helpers.kube import Binaries, ControlPlane
 from tests.helpers.peer import Peer, serve_peer
 from tests.helpers.ports import listen_address
 from tests.helpers.servers import FakeGcsServer, MinioServer, ServerProcess
@@ -141,24 +140,3 @@ async def peer(serve, tmp_path) -> Peer:
 async def session():
     async with aiohttp.ClientSession() as client:
         yield client
-
-
-@pytest.fixture(scope="session")
-def control_plane():
-    """A real Kubernetes control plane on 127.0.0.1 (etcd, kube-apiserver, kube-controller-manager,
-    kube-scheduler, the JobSet controller), shared by the session's tests and stopped after them."""
-    try:
-        binaries = Binaries.find()
-    except FileNotFoundError as missing:
-        pytest.fail(str(missing))
-    with ControlPlane(binaries) as plane:
-        yield plane
-
-
-@pytest.fixture(scope="session")
-def kubelet_node(control_plane):
-    """A real node on 127.0.0.2 (containerd, runc and a kubelet) in ``control_plane``: busybox images, host network."""
-    from tests.helpers.kube.node import KubeletNode
-
-    with KubeletNode(control_plane, "127.0.0.2") as node:
-        yield node

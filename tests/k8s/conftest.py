@@ -1,0 +1,27 @@
+"""The fixtures of the real-Kubernetes layer (``make e2e-k8s``), apart from ``tests/helpers/fixtures.py``
+so that the other layers (and virtualenvs without lightkube, such as ``make e2e-orbax-oldest``'s) never
+import the Kubernetes client."""
+
+import pytest
+
+from tests.helpers.kube import Binaries, ControlPlane
+from tests.helpers.kube.node import KubeletNode
+
+
+@pytest.fixture(scope="session")
+def control_plane():
+    """A real Kubernetes control plane on 127.0.0.1 (etcd, kube-apiserver, kube-controller-manager,
+    kube-scheduler, the JobSet controller), shared by the session's tests and stopped after them."""
+    try:
+        binaries = Binaries.find()
+    except FileNotFoundError as missing:
+        pytest.fail(str(missing))
+    with ControlPlane(binaries) as plane:
+        yield plane
+
+
+@pytest.fixture(scope="session")
+def kubelet_node(control_plane):
+    """A real node on 127.0.0.2 (containerd, runc and a kubelet) in ``control_plane``: busybox images, host network."""
+    with KubeletNode(control_plane, "127.0.0.2") as node:
+        yield node
