@@ -48,7 +48,7 @@ from tests.helpers.trainer_oracle import (
     HarnessError,
     Restore,
     TrainerJob,
-    fail_and_restore,
+    preempt_then_lose_a_node,
 )
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -141,26 +141,10 @@ def run_shape(python: str, slices: int, workdir: str) -> list[Restore]:
     cluster = LocalCluster(workdir, listen_address)
     job = MaxTextJob("maxtext", [], workdir, [f"{k}={v}" for k, v in flags.items()], slices=slices,
                      size="256Mi", jax_port=free_port("127.0.0.1"), python=python)  # fmt: skip
-    try:
-        job.agents = list(cluster.start(2).agents)
-        shown = " ".join(arg for arg in job.train_args if arg.split("=", 1)[0] not in POD_FLAGS)
-        print(f"== {shape} ({slices} slice(s) x {2 // slices} node(s)): python -m {TRAINER} {shown} + {', '.join(POD_FLAGS)} per pod", flush=True)
-        job.create_pods()
-        job.start_training()
-        job.train_past(9)
-        fresh = [job.restore_log(p) for p in job.pods]
-        if fresh != [None, None]:
-            raise RuntimeError(f"the first run should start fresh (s0 marker), MaxText logged {fresh}")
-        results = []
-        for lose_node, target in ((False, 19), (True, 29)):
-            job.train_past(target)
-            result = fail_and_restore(cluster, job, shape, lose_node)
-            print(f"   {result.describe()}", flush=True)
-            results.append(result)
-        return results
-    finally:
-        job.kill_training()
-        cluster.stop()
+    job.agents = list(cluster.start(2).agents)
+    shown = " ".join(arg for arg in job.train_args if arg.split("=", 1)[0] not in POD_FLAGS)
+    print(f"== {shape} ({slices} slice(s) x {2 // slices} node(s)): python -m {TRAINER} {shown} + {', '.join(POD_FLAGS)} per pod", flush=True)
+    return preempt_then_lose_a_node(cluster, 2, job, shape, 9, (19, 29), "MaxText")
 
 
 def main() -> int:

@@ -44,7 +44,7 @@ from tests.helpers.trainer_oracle import (
     HarnessError,
     Restore,
     TrainerJob,
-    fail_and_restore,
+    preempt_then_lose_a_node,
 )
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -171,26 +171,9 @@ def run(python: str, assets: str, workdir: str) -> list[Restore]:
     """One 2-node job of 2 processes per node through a preemption and a node loss."""
     cluster = LocalCluster(workdir, listen_address)
     job = TitanJob("titan", [], workdir, [*FLAGS, "--training.steps", "100000"], slices=1, size=RAMDISK, jax_port=free_port("127.0.0.1"), python=python, assets=assets)
-    try:
-        job.agents = list(cluster.start(2).agents)
-        print(f"== 2 nodes x {job.nproc_per_node} processes: torchrun ... -m {TRAINER} --module {REGISTRY[0]} --config {REGISTRY[1]} "
-              f"{' '.join(FLAGS)} + assets, dump folder and ramdisk per pod", flush=True)  # fmt: skip
-        job.create_pods()
-        job.start_training()
-        job.train_past(2 * INTERVAL + 1)
-        fresh = [job.restore_log(p) for p in job.pods]
-        if fresh != [None, None]:
-            raise RuntimeError(f"the first run should start fresh (s0 marker), the trainers logged {fresh}")
-        results = []
-        for lose_node, target in ((False, 4 * INTERVAL + 1), (True, 6 * INTERVAL + 1)):
-            job.train_past(target)
-            result = fail_and_restore(cluster, job, "2x2", lose_node)
-            print(f"   {result.describe()}", flush=True)
-            results.append(result)
-        return results
-    finally:
-        job.kill_training()
-        cluster.stop()
+    print(f"== 2 nodes x {job.nproc_per_node} processes: torchrun ... -m {TRAINER} --module {REGISTRY[0]} --config {REGISTRY[1]} "
+          f"{' '.join(FLAGS)} + assets, dump folder and ramdisk per pod", flush=True)  # fmt: skip
+    return preempt_then_lose_a_node(cluster, 2, job, "2x2", 2 * INTERVAL + 1, (4 * INTERVAL + 1, 6 * INTERVAL + 1), "the trainers")
 
 
 def main() -> int:

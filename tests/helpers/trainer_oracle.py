@@ -201,3 +201,33 @@ def judge(shape: str, failure: str, newest: int, logged_steps: list[int | None |
         print(f"   HARNESS ERROR: {comparison.harness_error}", flush=True)
     return Restore(shape, failure, newest, logged_steps, [min(a, default=None) for a in after], comparison.steps,
                    not comparison.differing, seconds, agent_seconds, sources, comparison.harness_error)  # fmt: skip
+
+
+def preempt_then_lose_a_node(cluster: LocalCluster, nodes: int, job: TrainerJob, shape: str, first: int, targets: tuple[int, int],
+                             trainer: str) -> list[Restore]:  # fmt: skip
+    """Starts ``cluster`` with ``nodes`` nodes and ``job``'s pods on them, checks that the first run started fresh (the
+    trainers logged the s0 marker by step ``first``), then fails it twice: a preemption once past step
+    ``targets[0]``, a node loss once past ``targets[1]``. Returns each ``Restore``, printed as it
+    comes; the job and the cluster are stopped in the end, whatever happens.
+
+    Raises:
+      RuntimeError: the first run did not start fresh (``trainer`` names who logged what).
+    """
+    try:
+        job.agents = list(cluster.start(nodes).agents)
+        job.create_pods()
+        job.start_training()
+        job.train_past(first)
+        fresh = [job.restore_log(p) for p in job.pods]
+        if fresh != [None] * len(job.pods):
+            raise RuntimeError(f"the first run should start fresh (s0 marker), {trainer} logged {fresh}")
+        results = []
+        for lose_node, target in zip((False, True), targets):
+            job.train_past(target)
+            result = fail_and_restore(cluster, job, shape, lose_node)
+            print(f"   {result.describe()}", flush=True)
+            results.append(result)
+        return results
+    finally:
+        job.kill_training()
+        cluster.stop()
