@@ -408,3 +408,23 @@ def test_parse_quantity_reads_memory_sizes(text, expected):
 def test_parse_quantity_rejects_bad_input(text):
     with pytest.raises(ValueError):
         parse_quantity(text)
+
+
+@pytest.mark.parametrize("name", ["llama-train", "torch-train"])
+def test_example_jobsets_rank0_address_is_the_pods_jobset_dns_name(name):
+    """The coordinator writes rank 0's address as ``<pod name without suffix>.<subdomain>``; in a JobSet
+    with DNS hostnames that resolves only when the subdomain is the JobSet's name (its headless Service)."""
+    from csi_driver.volume_request import VolumeLimits, parse_volume_context
+    from replicator.coordinator.incarnations import _JOBSET_SUFFIX
+    from replicator.local_tier import frameworks
+
+    jobset = _one("JobSet", name)
+    (replicated,) = jobset["spec"]["replicatedJobs"]
+    pod = replicated["template"]["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if "csi" in v]
+    pod_name = f"{name}-{replicated['name']}-0-0-x7k2p"  # what JobSet and the Job controller name rank 0's pod
+    context = {**volume["csi"]["volumeAttributes"], "csi.storage.k8s.io/pod.name": pod_name, "csi.storage.k8s.io/pod.namespace": "default"}
+    spec = parse_volume_context(context, 1 << 30, VolumeLimits(frameworks=frozenset(frameworks.REGISTRY)))
+    hostname = f"{name}-{replicated['name']}-0-0"  # JobSet's pod hostname
+    assert f"{_JOBSET_SUFFIX.sub('', pod_name)}.{spec.subdomain}" == f"{hostname}.{jobset['metadata']['name']}"
+    assert spec.job == f"{name}-{replicated['name']}"
