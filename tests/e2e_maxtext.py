@@ -141,7 +141,6 @@ def run_shape(python: str, slices: int, workdir: str) -> list[Restore]:
     cluster = LocalCluster(workdir, listen_address)
     job = MaxTextJob("maxtext", [], workdir, [f"{k}={v}" for k, v in flags.items()], slices=slices,
                      size="256Mi", jax_port=free_port("127.0.0.1"), python=python)  # fmt: skip
-    job.agents = list(cluster.start(2).agents)
     shown = " ".join(arg for arg in job.train_args if arg.split("=", 1)[0] not in POD_FLAGS)
     print(f"== {shape} ({slices} slice(s) x {2 // slices} node(s)): python -m {TRAINER} {shown} + {', '.join(POD_FLAGS)} per pod", flush=True)
     return preempt_then_lose_a_node(cluster, 2, job, shape, 9, (19, 29), "MaxText")
