@@ -20,7 +20,6 @@ from lightkube import ApiError, Client, KubeConfig
 from lightkube.codecs import load_all_yaml
 from lightkube.models.core_v1 import NodeCondition, NodeSpec, NodeStatus
 from lightkube.models.meta_v1 import ObjectMeta
-from lightkube.resources.admissionregistration_v1 import MutatingWebhookConfiguration, ValidatingWebhookConfiguration
 from lightkube.resources.apiextensions_v1 import CustomResourceDefinition
 from lightkube.resources.core_v1 import Node, ServiceAccount
 
@@ -122,7 +121,44 @@ def write_kubeconfig(path: Path, server: str, ca: KeyPair, user: KeyPair, name: 
     return path
 
 
-class ControlPlane:
+class _Started:
+    """Processes started in order and stopped in reverse by ``stop`` (idempotent; it also stops what a
+    failed ``start`` left half way). Use as a context manager, or ``start()`` then ``stop()``; a subclass
+    implements ``_start(deadline)`` and registers every cleanup on ``self._stack``."""
+
+    def __init__(self):
+        self.processes: dict[str, _Process] = {}
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self, timeout_seconds: float = 120.0):
+        """Starts everything and returns self once it is ready.
+
+        Raises:
+          RuntimeError: a process exited or was not ready in time; the message has its log's tail.
+        """
+        try:
+            self._start(time.monotonic() + timeout_seconds)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Stops every process by its PID, newest first, and undoes what ``start`` did."""
+        self._stack.close()
+        self.processes.clear()
+
+    def _start(self, deadline: float) -> None:
+        raise NotImplementedError
+
+
+class ControlPlane(_Started):
     """etcd, kube-apiserver, kube-controller-manager, kube-scheduler and the JobSet controller on free
     127.0.0.1 ports, in a scratch directory that ``stop`` removes.
 
@@ -137,36 +173,10 @@ class ControlPlane:
     """
 
     def __init__(self, binaries: Binaries | None = None):
+        super().__init__()
         self.binaries = binaries or Binaries.find()
-        self.processes: dict[str, _Process] = {}
         self._readiness: dict[str, tuple[str, ssl.SSLContext | None]] = {}
-        self._stack = contextlib.ExitStack()
         self.workdir: Path | None = None
-
-    def __enter__(self) -> "ControlPlane":
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def start(self, timeout_seconds: float = 120.0) -> "ControlPlane":
-        """Starts every component in order and returns once each is ready, the JobSet webhooks answer and the
-        ``default`` ServiceAccount exists (Pods can be created).
-
-        Raises:
-          RuntimeError: a component exited or was not ready in time; the message has its log's tail.
-        """
-        try:
-            self._start(time.monotonic() + timeout_seconds)
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def stop(self) -> None:
-        """Stops every component by its PID, newest first, and removes the scratch directory."""
-        self._stack.close()
-        self.processes.clear()
 
     def client(self) -> Client:
         """A synchronous lightkube client with the admin identity."""

@@ -18,7 +18,7 @@ import yaml
 from lightkube import ApiError, Client
 from lightkube.resources.core_v1 import Node
 
-from tests.helpers.kube.control_plane import ControlPlane, _Process, write_kubeconfig
+from tests.helpers.kube.control_plane import ControlPlane, _Process, _Started, write_kubeconfig
 from tests.helpers.kube.images import busybox_image
 from tests.helpers.ports import free_port
 
@@ -51,14 +51,15 @@ def _remove_cgroup_tree(path: Path) -> None:
         path.rmdir()
 
 
-class KubeletNode:
+class KubeletNode(_Started):
     """One node: containerd (its own root, state and socket) and a kubelet (its own root dir, ports, cgroup root
     and client certificate ``system:node:<name>``).
 
     The node is named after the loopback address its kubelet serves on (``127.0.0.2``: a valid node name). The
     API server reaches a kubelet (logs, exec) at the Node's ``Hostname`` address first, which is that name; the
     kubelet refuses a loopback ``--node-ip``, and its InternalIP (this machine's own address) is not one the
-    tests may send to.
+    tests may send to. ``start`` starts containerd, imports the images, starts the kubelet and returns once the
+    Node is Ready; ``stop`` also puts the host back (sysctls, cgroup roots, host directories).
 
     Args:
       plane: a started control plane; the node's files go in its scratch directory.
@@ -66,38 +67,13 @@ class KubeletNode:
     """
 
     def __init__(self, plane: ControlPlane, address: str = "127.0.0.2"):
+        super().__init__()
         self.plane = plane
         self.address = self.name = address
         self.dir = plane.workdir / "nodes" / address
-        self.processes: dict[str, _Process] = {}
-        self._stack = contextlib.ExitStack()
         self.socket = self.dir / "containerd.sock"
         # The kubelet's --root-dir: pods/<uid>/volumes/... and plugins_registry are below it.
         self.root_dir = self.dir / "kubelet"
-
-    def __enter__(self) -> "KubeletNode":
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def start(self, timeout_seconds: float = 120.0) -> "KubeletNode":
-        """Starts containerd, imports the images, starts the kubelet, and returns once the Node is Ready.
-
-        Raises:
-          RuntimeError: a process exited or the node was not Ready in time; the message has the log's tail.
-        """
-        try:
-            self._start(time.monotonic() + timeout_seconds)
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def stop(self) -> None:
-        """Stops the kubelet, every container, containerd (each by PID), and puts the host back."""
-        self._stack.close()
-        self.processes.clear()
 
     def ctr(self, *args: str) -> str:
         """``ctr`` against this node's containerd, in the CRI's namespace."""
