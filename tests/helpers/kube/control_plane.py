@@ -269,29 +269,21 @@ class ControlPlane(_Started):
             client.create(crd)
             self._wait(lambda: _established(client, crd.metadata.name), deadline, f"CRD {crd.metadata.name} established")
 
-        kcm_identity = ca.issue("kube-controller-manager", "system:kube-controller-manager")
-        kcm_kubeconfig = write_kubeconfig(work / "kcm.kubeconfig", self.url, ca.pair, kcm_identity, "kcm")
-        kcm_serving = ca.issue("kcm-serving", "kube-controller-manager", **loopback)
-        kcm = start("kube-controller-manager", [
-            self.binaries.controller_manager, f"--kubeconfig={kcm_kubeconfig}",
-            f"--authentication-kubeconfig={kcm_kubeconfig}", f"--authorization-kubeconfig={kcm_kubeconfig}",
-            "--bind-address=127.0.0.1", f"--secure-port={ports['kcm']}",
-            f"--tls-cert-file={kcm_serving.cert}", f"--tls-private-key-file={kcm_serving.key}",
-            "--leader-elect=false", "--use-service-account-credentials=true",
-            f"--service-account-private-key-file={sa.key}", f"--root-ca-file={ca.pair.cert}",
-            f"--service-cluster-ip-range={SERVICE_CIDR}",
-        ])  # fmt: skip
+        def start_controller(name: str, short: str, binary: str, port: int, *extra: str) -> _Process:
+            """A controller of the control plane: its own identity ``system:<name>``, a kubeconfig for it, and a
+            loopback serving certificate."""
+            kubeconfig = write_kubeconfig(work / f"{short}.kubeconfig", self.url, ca.pair, ca.issue(name, f"system:{name}"), short)
+            serving = ca.issue(f"{short}-serving", name, **loopback)
+            return start(name, [
+                binary, f"--kubeconfig={kubeconfig}", f"--authentication-kubeconfig={kubeconfig}",
+                f"--authorization-kubeconfig={kubeconfig}", "--bind-address=127.0.0.1", f"--secure-port={port}",
+                f"--tls-cert-file={serving.cert}", f"--tls-private-key-file={serving.key}", "--leader-elect=false", *extra,
+            ])  # fmt: skip
 
-        scheduler_identity = ca.issue("kube-scheduler", "system:kube-scheduler")
-        scheduler_kubeconfig = write_kubeconfig(work / "scheduler.kubeconfig", self.url, ca.pair, scheduler_identity, "scheduler")
-        scheduler_serving = ca.issue("scheduler-serving", "kube-scheduler", **loopback)
-        scheduler = start("kube-scheduler", [
-            self.binaries.scheduler, f"--kubeconfig={scheduler_kubeconfig}",
-            f"--authentication-kubeconfig={scheduler_kubeconfig}", f"--authorization-kubeconfig={scheduler_kubeconfig}",
-            "--bind-address=127.0.0.1", f"--secure-port={ports['scheduler']}",
-            f"--tls-cert-file={scheduler_serving.cert}", f"--tls-private-key-file={scheduler_serving.key}",
-            "--leader-elect=false",
-        ])  # fmt: skip
+        kcm = start_controller("kube-controller-manager", "kcm", self.binaries.controller_manager, ports["kcm"],
+                               "--use-service-account-credentials=true", f"--service-account-private-key-file={sa.key}",
+                               f"--root-ca-file={ca.pair.cert}", f"--service-cluster-ip-range={SERVICE_CIDR}")  # fmt: skip
+        scheduler = start_controller("kube-scheduler", "scheduler", self.binaries.scheduler, ports["scheduler"])
 
         jobset = self._start_jobset(start, work, ca, ports)
 
