@@ -72,13 +72,16 @@ ORBAX_OLDEST_TESTS  := tests/e2e/test_e2e_orbax.py::test_sigkilled_job_resumes_a
                        tests/e2e/test_e2e_peer_tier.py::test_data_parallel_job_restores_lost_node_from_identical_peer_without_copies \
                        tests/e2e/test_e2e_peer_tier.py::test_replicated_job_restores_lost_node_and_skips_a_corrupt_replica
 
-# The PyTorch client's venv (mtc_torch, examples/train_torch.py, its integration test): torch's Linux wheel is a
-# CUDA build (about 3 GB download, 5 GB installed). The project goes in with --no-deps: the client needs only these.
+# The PyTorch venv: the client (mtc_torch, examples/train_torch.py, its integration test in `make test`) and
+# the stock TorchTitan trainer (make e2e-torchtitan) share it. torch's Linux wheel is a CUDA build (about 3 GB
+# download, 5 GB installed), so there is one such venv, installed without pip's cache (a fresh CI disk ran out
+# with two venvs plus the cached wheels). numpy is pinned because DCP over gloo needs it and torch does not
+# declare it. The project goes in with --no-deps: the client imports only torch, numpy and PyYAML.
 # Python 3.11 here; torch 2.15's wheels cover 3.10-3.14.
 TORCH_PYTHON ?= python3
 TORCH_VENV   := .venv-torch
 TORCH_STAMP  := $(TORCH_VENV)/.installed
-TORCH_PKGS   := torch==2.15.0 numpy==2.4.6 PyYAML==6.0.4
+TORCH_PKGS   := torch==2.15.0 numpy==2.4.6 PyYAML==6.0.4 torchtitan==0.3.0
 
 .PHONY: setup tools k8s-tools k8s-node-tools e2e-k8s etcd test test-fast demo torch-setup bench e2e-maxtext e2e-torchtitan e2e-orbax-oldest chaos clean
 
@@ -95,7 +98,7 @@ torch-setup: $(TORCH_STAMP)
 $(TORCH_STAMP): pyproject.toml
 	$(TORCH_PYTHON) -m venv $(TORCH_VENV)
 	$(TORCH_VENV)/bin/pip install -q --upgrade pip
-	$(TORCH_VENV)/bin/pip install -q $(TORCH_PKGS)
+	$(TORCH_VENV)/bin/pip install -q --no-cache-dir $(TORCH_PKGS)
 	$(TORCH_VENV)/bin/pip install -q --no-deps -e .
 	touch $@
 
@@ -215,23 +218,9 @@ $(MAXTEXT_STAMP):
 
 # The stock TorchTitan trainer (its llama3 debug model) on CPU, 2 nodes x 2 processes under torchrun,
 # checkpointing through mtc_torch, through a preemption and a node loss (tests/e2e_torchtitan.py); not
-# part of `make test`. torch's Linux wheel is a CUDA build (~4 GB); numpy is pinned because DCP over gloo
-# needs it and torch does not declare it. The project goes in with --no-deps (the trainer imports only
-# mtc_torch: torch, numpy, PyYAML).
-TITAN_PYTHON ?= $(TORCH_PYTHON)
-TITAN_VENV   := .venv-titan
-TITAN_STAMP  := $(TITAN_VENV)/.installed
-TITAN_PKGS   := torch==2.15.0 numpy==2.4.6 torchtitan==0.3.0 PyYAML
-
-e2e-torchtitan: setup $(TITAN_STAMP)
-	$(BIN)/python -m tests.e2e_torchtitan --python $(TITAN_VENV)/bin/python
-
-$(TITAN_STAMP): pyproject.toml
-	$(TITAN_PYTHON) -m venv $(TITAN_VENV)
-	$(TITAN_VENV)/bin/pip install -q --upgrade pip
-	$(TITAN_VENV)/bin/pip install -q $(foreach p,$(TITAN_PKGS),'$(p)')
-	$(TITAN_VENV)/bin/pip install -q --no-deps -e .
-	touch $@
+# part of `make test`. It runs from the PyTorch venv above.
+e2e-torchtitan: setup $(TORCH_STAMP)
+	$(BIN)/python -m tests.e2e_torchtitan --python $(TORCH_VENV)/bin/python
 
 # The Orbax end-to-end subset against the oldest claimed orbax-checkpoint, in its own virtualenv (the
 # agents and trainers run on its Python too).
@@ -252,4 +241,4 @@ chaos: setup
 	rc=0; for v in dp2 dp1; do $(BIN)/python -m tests.chaos --faults $(CHAOS_FAULTS) --variant $$v $(CHAOS_ARGS) || rc=1; done; exit $$rc
 
 clean:
-	rm -rf $(VENV) $(TORCH_VENV) $(MAXTEXT_VENV) $(TITAN_VENV) $(NVRX_VENV) $(ORBAX_OLDEST_VENV) .tools $(STUBS) protos/*_pb2.pyi
+	rm -rf $(VENV) $(TORCH_VENV) $(MAXTEXT_VENV) $(NVRX_VENV) $(ORBAX_OLDEST_VENV) .tools $(STUBS) protos/*_pb2.pyi

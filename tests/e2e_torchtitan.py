@@ -1,7 +1,7 @@
 """``make e2e-torchtitan``: the stock TorchTitan 0.3.0 trainer checkpoints through mtc, unchanged.
 
-Not part of ``make test``: it needs TorchTitan in its own Python 3.11 virtualenv (``make`` installs
-``.venv-titan``) and takes minutes. On this machine a coordinator and 2 node agents run as a
+Not part of ``make test``: it needs TorchTitan, which the PyTorch virtualenv holds (``make`` installs
+``.venv-torch``) and takes minutes. On this machine a coordinator and 2 node agents run as a
 LocalCluster (tmpfs ramdisks as root, peer tier on), 2 pods are published as kubelet would (volume
 attribute ``framework: pytorch.distributed``), and each runs ``torchrun --nnodes 2
 --nproc-per-node 2 --node-rank <pod index>`` (static rendezvous on 127.0.0.1, gloo) of
@@ -178,7 +178,7 @@ def run(python: str, assets: str, workdir: str) -> list[Restore]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--python", default=os.path.join(_REPO_ROOT, ".venv-titan", "bin", "python"),
+    parser.add_argument("--python", default=os.path.join(_REPO_ROOT, ".venv-torch", "bin", "python"),
                         help="Python of the TorchTitan virtualenv (default: the one `make e2e-torchtitan` installs).")
     parser.add_argument("--bench-steps", type=int, default=12,
                         help="Steps of each uninterrupted run timing a step with and without checkpointing (0: skip).")  # fmt: skip
