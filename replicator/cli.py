@@ -13,7 +13,8 @@ from csi_driver.identity import DEFAULT_DRIVER_NAME
 from csi_driver.quantity import parse_quantity
 from csi_driver.ramdisk import JobBusy
 from csi_driver.volume_request import DEFAULT_MAX_NODES
-from replicator.coordinator.service import CoordinatorConfig, run_coordinator
+from replicator.coordinator.kube_shape import DEFAULT_BLOCK_LABEL, ShapeSettings
+from replicator.coordinator.service import CoordinatorConfig, KubeSettings, run_coordinator
 from replicator.coordinator.status import fetch_status, render_status, request_restore_from
 from replicator.node.agent import open_ramdisks, run_node
 from replicator.node.config import (
@@ -207,6 +208,15 @@ def _add_coordinator(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tls-cert", help="serve HTTPS with this certificate (PEM)")
     p.add_argument("--tls-key", help="the certificate's private key (PEM)")
     p.add_argument("--max-nodes", type=int, default=DEFAULT_MAX_NODES, help="largest job accepted in a report (default %(default)s)")
+    p.add_argument("--kube", action="store_true",
+                   help="read JobSet jobs' shape, ranks, rank 0's address and nodes' failure domains from the API server "
+                        "(in cluster: the pod's service account; else $KUBECONFIG or ~/.kube/config)")
+    p.add_argument("--kubeconfig", help="with --kube: this kubeconfig file")
+    p.add_argument("--kube-namespace", help="with --kube: watch Pods and JobSets in this namespace only (default: all)")
+    p.add_argument("--driver-name", default=DEFAULT_DRIVER_NAME, help="with --kube: the CSI driver whose volumes make a pod part of a job")
+    p.add_argument("--block-label", default=DEFAULT_BLOCK_LABEL,
+                   help="with --kube: the node label naming a node's block or rack; close peers share it "
+                        "(else the node pool, else the zone; a node's --topology block=... overrides) (default %(default)s)")
 
 
 def _run_coordinator(args: argparse.Namespace) -> int:
@@ -218,8 +228,15 @@ def _run_coordinator(args: argparse.Namespace) -> int:
     if args.token_file is None and not args.insecure:
         print("--token-file is required (the cluster token); pass --insecure to run without one on a one-machine experiment", file=sys.stderr)
         return 2
+    if (args.kubeconfig or args.kube_namespace) and not args.kube:
+        print("--kubeconfig and --kube-namespace need --kube", file=sys.stderr)
+        return 2
+    if args.kubeconfig and not os.path.isfile(args.kubeconfig):
+        print(f"--kubeconfig {args.kubeconfig}: no such file", file=sys.stderr)
+        return 2
+    kube = KubeSettings(args.kubeconfig, args.kube_namespace, ShapeSettings(args.driver_name, args.block_label)) if args.kube else None
     run_coordinator(CoordinatorConfig(args.listen, args.state_dir, args.node_timeout_seconds, args.token_file,
-                                      args.tls_cert, args.tls_key, args.max_nodes, args.holder_grace_seconds))  # fmt: skip
+                                      args.tls_cert, args.tls_key, args.max_nodes, args.holder_grace_seconds, kube))  # fmt: skip
     return 0
 
 

@@ -109,12 +109,13 @@ def assignment(pod: PodReport, incarnation: Incarnation | None, pods: dict[str, 
     """The pod's rank in ``incarnation``, or None while it waits.
 
     Args:
-      rank0_address: the ``pod_address`` of rank 0's node, or None for JobSet DNS.
+      rank0_address: the ``pod_address`` of rank 0's node (its ``--pod-address``), or None: then rank 0's
+        ``address`` from the API server, else the JobSet DNS name derived from its pod name and attributes.
     """
     if incarnation is None or pod.pod_uid not in incarnation.rank_of_pod:
         return None
     rank0 = pods[incarnation.pod_of_rank0][0]
-    address = rank0_address or f"{_JOBSET_SUFFIX.sub('', rank0.pod_name)}.{rank0.subdomain}"
+    address = rank0_address or rank0.address or f"{_JOBSET_SUFFIX.sub('', rank0.pod_name)}.{rank0.subdomain}"
     return Assignment(pod.pod_uid, incarnation.incarnation_id, incarnation.rank_of_pod[pod.pod_uid], f"{address}:{rank0.jax_coordinator_port}")
 
 

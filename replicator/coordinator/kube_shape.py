@@ -332,10 +332,12 @@ class Shapes:
     Attributes:
       jobs: each job key's shape.
       problems: bad or missing data; a pod named here is in no shape, a JobSet named here gives no shape.
+      domains: every node's failure domains, by node name.
     """
 
     jobs: Mapping[JobRef, JobShape]
     problems: tuple[ShapeProblem, ...]
+    domains: Mapping[str, FailureDomains] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -423,7 +425,7 @@ def _index(value: str | None, bound: int) -> int | None:
 
 
 def _place(pod: PodRecord, jobsets: Mapping[tuple[str, str], JobSetRecord],
-           groups: Mapping[JobRef, _Group], nodes: Mapping[str, NodeRecord]) -> tuple[JobRef, PodPlace] | ShapeProblem:  # fmt: skip
+           groups: Mapping[JobRef, _Group], nodes: Mapping[str, FailureDomains]) -> tuple[JobRef, PodPlace] | ShapeProblem:  # fmt: skip
     """A pod's place in its job, or the first problem with it."""
 
     def problem(field: str, reason: str) -> ShapeProblem:
@@ -470,8 +472,7 @@ def _place(pod: PodRecord, jobsets: Mapping[tuple[str, str], JobSetRecord],
             return problem(f"volume attribute {attribute}", f"{given!r} contradicts the API server's {value!r}")
     if pod.subdomain is not None and pod.subdomain != jobset.subdomain:
         return problem("spec.subdomain", f"{pod.subdomain!r} is not JobSet {jobset.name!r}'s subdomain {jobset.subdomain!r}")
-    node = nodes.get(pod.node) if pod.node else None
-    domains = FailureDomains(node.zone, node.nodepool, node.block) if node else None
+    domains = nodes.get(pod.node) if pod.node else None
     dns_name = f"{pod.hostname}.{pod.subdomain}" if pod.hostname and pod.subdomain else None
     return key, PodPlace(pod.name, pod.uid, slice_index, worker, dns_name, pod.ip, pod.node, domains)
 
@@ -503,13 +504,13 @@ def compute_shapes(pods: Iterable[PodRecord], nodes: Iterable[NodeRecord], jobse
                                              f"job {key.job!r} is also JobSet {groups[key].jobset.name!r}'s"))  # fmt: skip
                 continue
             groups[key] = group
-    node_by_name = {node.name: node for node in nodes}
+    domains = {node.name: FailureDomains(node.zone, node.nodepool, node.block) for node in nodes}
     placed: dict[JobRef, dict[tuple[int, int], tuple[PodRecord, PodPlace]]] = {key: {} for key in groups}
     clashes: set[tuple[JobRef, tuple[int, int]]] = set()
     for pod in pods:
         if not pod.live:
             continue
-        found = _place(pod, by_name, groups, node_by_name)
+        found = _place(pod, by_name, groups, domains)
         if isinstance(found, ShapeProblem):
             problems.append(found)
             continue
@@ -538,7 +539,7 @@ def compute_shapes(pods: Iterable[PodRecord], nodes: Iterable[NodeRecord], jobse
             nodes_per_slice=group.nodes_per_slice,
             pods=tuple(place for _, (_, place) in sorted(placed[key].items())),
         )
-    return Shapes(types.MappingProxyType(shapes), tuple(problems))
+    return Shapes(types.MappingProxyType(shapes), tuple(problems), types.MappingProxyType(domains))
 
 
 def shapes_of(pods: Iterable[Any], nodes: Iterable[Any], jobsets: Iterable[Any],

@@ -17,6 +17,9 @@ Routes (JSON; errors are ``{"error": "..."}``):
 
 Bodies are typed (``replicator.wire.messages``) and decoded here, at the edge: a body that does not
 decode is answered 400 with an error naming the field. Acknowledgements are a ``Done``.
+
+With ``kube`` settings the coordinator also watches the API server (``kube_watch``), and every report passes
+through ``kube_overlay`` first: JobSet pods take their shape, ranks and rank 0's address from there.
 """
 
 import asyncio
@@ -33,10 +36,14 @@ from typing import TypeVar
 
 import msgspec
 from aiohttp import web
+from lightkube import AsyncClient, KubeConfig
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from csi_driver import atomic_file
+from replicator.coordinator.kube_overlay import KubeOverlay
+from replicator.coordinator.kube_shape import ShapeSettings
+from replicator.coordinator.kube_watch import ShapeWatcher, WatchSettings
 from replicator.coordinator.state import ClusterState, NodeIdTaken, NotReady, UnknownIncarnation
 from replicator.wire import tls
 from replicator.wire.bearer import read_token, require_bearer
@@ -69,6 +76,7 @@ _STATE_KEY = web.AppKey("state", ClusterState)
 _CONFIG_KEY = web.AppKey("config", "CoordinatorConfig")
 _CHANGES_KEY = web.AppKey("changes", "JobChanges")
 _SNAPSHOT_KEY = web.AppKey("snapshot", "SettingsSnapshot")
+_OVERLAY_KEY = web.AppKey("overlay", KubeOverlay)
 # Expiry and due decision passes run this often, seconds.
 _TICK_SECONDS = 0.25
 # A report of a node holding 16k steps of 60 files stays well below this; anything larger is refused (413).
@@ -91,6 +99,8 @@ class CoordinatorConfig:
         runs open (``--insecure``), with a warning.
       tls_cert, tls_key: serve HTTPS with this certificate (PEM files), or None for plain HTTP.
       max_nodes: the largest job a report may describe (a pod's ``nodes``).
+      kube: read job shapes, ranks, rank 0's address and failure domains from the API server, or None to take
+        them from the volumes' attributes alone.
     """
 
     listen: str
@@ -101,6 +111,7 @@ class CoordinatorConfig:
     tls_key: str | None = None
     max_nodes: int = MAX_RANKS
     holder_grace_seconds: float = 60.0
+    kube: "KubeSettings | None" = None
 
     def server_ssl(self) -> ssl.SSLContext | None:
         """The TLS context to serve with, or None for plain HTTP.
@@ -109,6 +120,21 @@ class CoordinatorConfig:
           OSError, ssl.SSLError: the certificate or key cannot be loaded.
         """
         return tls.server_context(self.tls_cert, self.tls_key)
+
+
+@dataclasses.dataclass(frozen=True)
+class KubeSettings:
+    """How the coordinator reads the API server (``mtc coordinator --kube``).
+
+    Attributes:
+      kubeconfig: a kubeconfig file, or None for the pod's service account (in cluster) or ``$KUBECONFIG``.
+      namespace: the one namespace to watch Pods and JobSets in, or None for all.
+      shape: our CSI driver's name and the node label naming a block or rack.
+    """
+
+    kubeconfig: str | None = None
+    namespace: str | None = None
+    shape: ShapeSettings = dataclasses.field(default_factory=ShapeSettings)
 
 
 BadRequest = functools.partial(error_response, web.HTTPBadRequest)
@@ -143,7 +169,11 @@ class JobChanges:
 
     def publish(self) -> None:
         """Fires the events of every job the state marked changed."""
-        for key in self._state.drain_changed():
+        self.wake(self._state.drain_changed())
+
+    def wake(self, keys) -> None:
+        """Fires the events of ``keys``."""
+        for key in keys:
             if (event := self._events.pop(key, None)) is not None:
                 event.set()
 
@@ -209,12 +239,9 @@ async def post_report(request: web.Request) -> web.Response:
     for index, pod in enumerate(report.pods):
         if pod.nodes > max_nodes or pod.slices > pod.nodes:
             raise BadRequest(f"pods[{index}]: nodes={pod.nodes} must be at most {max_nodes} and slices={pod.slices} at most nodes")
-    state, changes = request.app[_STATE_KEY], request.app[_CHANGES_KEY]
-    try:
-        reply = state.apply_report(report, time.time())
-    except NodeIdTaken as err:
-        log.warning("refused a report from %s: %s", request.remote, err)
-        raise _conflict(err) from None
+    state, changes, overlay = request.app[_STATE_KEY], request.app[_CHANGES_KEY], request.app.get(_OVERLAY_KEY)
+    seen = overlay.version if overlay else 0
+    reply = _take_report(state, overlay, report, request.remote)
     changes.publish()
     deadline = time.monotonic() + MAX_WAIT_SECONDS
     # Long poll: held while a pod waits for its assignment. The agent cancels it (the handler is
@@ -225,9 +252,27 @@ async def post_report(request: web.Request) -> web.Response:
         if not waiting:
             break
         await changes.wait(waiting, min(deadline - time.monotonic(), state.heartbeat_seconds))
+        if overlay and overlay.version != seen:  # the API server placed (or moved) pods: the report again
+            seen = overlay.version
+            reply = _take_report(state, overlay, report, request.remote)
+            changes.publish()
+            continue
         state.touch(report.node_id, time.time())
         reply = state.reply_for(report.node_id)
     return web.Response(body=msgspec.json.encode(reply), content_type="application/json")
+
+
+def _take_report(state: ClusterState, overlay: KubeOverlay | None, report: NodeReport, remote: str | None):
+    """The state's reply to ``report``, laid under the API server's shapes when the coordinator reads them.
+
+    Raises:
+      HTTPConflict: the node id is taken by a live node at another URL.
+    """
+    try:
+        return state.apply_report(overlay.apply(report) if overlay else report, time.time())
+    except NodeIdTaken as err:
+        log.warning("refused a report from %s: %s", remote, err)
+        raise _conflict(err) from None
 
 
 async def post_settings(request: web.Request) -> web.Response:
@@ -417,6 +462,23 @@ async def _ticker(app: web.Application):
         app[_SNAPSHOT_KEY].write(data)
 
 
+async def _kube_watcher(app: web.Application):
+    """Watches the API server for job shapes while the app runs; each new set goes to the overlay and wakes
+    the long polls of the jobs whose shape changed."""
+    settings: KubeSettings = app[_CONFIG_KEY].kube
+    config = KubeConfig.from_file(settings.kubeconfig) if settings.kubeconfig else KubeConfig.from_env()
+    client = AsyncClient(config, field_manager="mtc-coordinator")
+    watcher = ShapeWatcher(client, WatchSettings(namespace=settings.namespace, shape=settings.shape),
+                           on_change=lambda shapes: app[_CHANGES_KEY].wake(app[_OVERLAY_KEY].update(shapes)))  # fmt: skip
+    task = asyncio.create_task(watcher.run(), name="kube shapes")
+    log.info("reading job shapes from the API server at %s", config.cluster.server)
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await client.close()
+
+
 def make_app(config: CoordinatorConfig) -> web.Application:
     """The coordinator's aiohttp application."""
     app = web.Application(client_max_size=MAX_BODY_BYTES)
@@ -425,6 +487,9 @@ def make_app(config: CoordinatorConfig) -> web.Application:
     app[_CHANGES_KEY] = JobChanges(app[_STATE_KEY])
     app[_SNAPSHOT_KEY] = SettingsSnapshot(config.state_dir)
     app.cleanup_ctx.append(_ticker)
+    if config.kube is not None:
+        app[_OVERLAY_KEY] = KubeOverlay()
+        app.cleanup_ctx.append(_kube_watcher)
     if config.state_dir:
         os.makedirs(config.state_dir, exist_ok=True)
         _load_snapshot(app)

@@ -224,7 +224,7 @@ class NodeReplicator:
                     slice_index=spec.slice_index, worker_index=spec.worker_index, nodes=spec.nodes or 1,
                     slices=spec.slices, jax_coordinator_port=spec.jax_coordinator_port, subdomain=spec.subdomain,
                     published_at=publication.published_at, incarnation=progress.incarnation, rank=progress.rank,
-                    settings=progress.settings, ranks_follow_data=framework.ranks_follow_data,
+                    settings=progress.settings, ranks_follow_data=framework.ranks_follow_data, nodes_given=spec.nodes is not None,
                 ))  # fmt: skip
                 waiting |= progress.incarnation is None and spec.pod_uid not in self._assignments
             present = set(framework.scan_steps(disk.client_dir).held)

@@ -90,6 +90,10 @@ class PodReport(msgspec.Struct, frozen=True, gc=False):
       ranks_follow_data: False when the job's launcher fixes its rank (torchrun's ``--node-rank``):
         the coordinator then gives each pod the rank of its JobSet index, never the rank whose data
         its node holds (``Framework.ranks_follow_data``).
+      nodes_given: whether the volume's attributes set ``nodes``; when not, and the coordinator reads
+        shapes from the API server, the pod waits for its shape there (``coordinator/kube_overlay.py``).
+      address: where the pod is reachable (its IP, else its JobSet DNS name), from the API server. Set
+        by the coordinator's overlay, never by a node: it is rank 0's JAX coordinator address.
     """
 
     namespace: Name
@@ -107,6 +111,8 @@ class PodReport(msgspec.Struct, frozen=True, gc=False):
     rank: Rank | None = None
     settings: JobSettings | None = None
     ranks_follow_data: bool = True
+    nodes_given: bool = True
+    address: Text | None = None
 
 
 class HeldStep(msgspec.Struct, frozen=True, gc=False):

@@ -1,0 +1,86 @@
+"""The API server's shapes laid over node reports (replicator/coordinator/kube_overlay.py), and through the cluster
+state: a volume with no attributes gets its job's shape, ranks by JobSet index, and rank 0's pod IP as the JAX
+coordinator address."""
+
+import msgspec
+
+from replicator.coordinator.kube_overlay import KubeOverlay
+from replicator.coordinator.kube_shape import shapes_of
+from replicator.coordinator.state import ClusterState
+from replicator.wire.messages import JobRef, NodeReport, PodReport
+from tests.helpers.kube_objects import EXAMPLE_NODES, NS, example_pods, jobset, replicated_job
+
+KEY = JobRef(NS, "llama-train-slice")
+
+
+def agent_pod(slice_index: int, worker: int, *, nodes_given: bool = False) -> PodReport:
+    """The pod as the node agent reports a volume with no attributes: shape 1 x 1, indices from the pod name."""
+    name = f"llama-train-slice-{slice_index}-{worker}"
+    return PodReport(NS, KEY.job, f"{name}-abcde", f"pod-{name}", slice_index, worker, 1, 1, 8476, KEY.job, 0.0,
+                     nodes_given=nodes_given)  # fmt: skip
+
+
+def agent_report(node: str, *pods: PodReport, topology: dict | None = None) -> NodeReport:
+    return NodeReport(node, f"http://{node}", None, topology or {}, tuple(pods), ())
+
+
+def example_overlay(pods: list[dict] | None = None) -> KubeOverlay:
+    overlay = KubeOverlay()
+    overlay.update(shapes_of(example_pods() if pods is None else pods, EXAMPLE_NODES, [jobset("llama-train", replicated_job("slice", 2, 2))]))
+    return overlay
+
+
+def test_a_placed_pod_takes_the_shape_indices_and_ip_and_its_node_the_labels_domains():
+    report = example_overlay().apply(agent_report("n10", agent_pod(1, 0)))
+    (pod,) = report.pods
+    assert (pod.nodes, pod.slices, pod.slice_index, pod.worker_index, pod.address) == (4, 2, 1, 0, "10.1.1.0")
+    assert report.topology == {"zone": "zone-1", "nodepool": "pool-1", "block": "block-0"}
+
+
+def test_without_a_pod_ip_the_address_is_the_jobset_dns_name_and_without_a_block_label_the_pool_is_the_block():
+    pods = [{**p, "status": {"phase": "Pending"}} for p in example_pods()]
+    overlay = example_overlay(pods)
+    overlay.update(shapes_of(pods, [{"metadata": {"name": "n10", "labels": {"cloud.google.com/gke-nodepool": "pool-1"}}}],
+                             [jobset("llama-train", replicated_job("slice", 2, 2))]))  # fmt: skip
+    report = overlay.apply(agent_report("n10", agent_pod(1, 0)))
+    assert report.pods[0].address == "llama-train-slice-1-0.llama-train"
+    assert report.topology == {"nodepool": "pool-1", "block": "pool-1"}
+
+
+def test_an_unplaced_pod_without_nodes_waits_and_one_with_nodes_keeps_its_attributes():
+    overlay = example_overlay(example_pods()[:1])  # only (0, 0) is placed yet
+    waiting, given = agent_pod(0, 1), agent_pod(1, 1, nodes_given=True)
+    report = overlay.apply(agent_report("n01", waiting, given))
+    assert [p.pod_uid for p in report.pods] == [given.pod_uid]
+    assert (report.pods[0].nodes, report.pods[0].address) == (1, None)
+
+
+def test_the_agents_own_block_overrides_the_node_labels():
+    report = example_overlay().apply(agent_report("n10", agent_pod(1, 0), topology={"block": "rack-7"}))
+    assert report.topology == {"block": "rack-7"}
+
+
+def test_update_names_the_jobs_whose_shape_changed():
+    overlay = example_overlay(example_pods()[:3])
+    js = [jobset("llama-train", replicated_job("slice", 2, 2))]
+    assert overlay.update(shapes_of(example_pods(), EXAMPLE_NODES, js)) == {KEY}
+    assert overlay.update(shapes_of(example_pods(), EXAMPLE_NODES, js)) == set()
+    assert overlay.update(shapes_of([], EXAMPLE_NODES, [])) == {KEY}
+
+
+def test_attribute_less_volumes_form_an_incarnation_with_jobset_ranks_and_rank0_ip():
+    overlay, state = example_overlay(), ClusterState(15.0, 60.0)
+    replies = [state.apply_report(overlay.apply(agent_report(f"n{s}{w}", agent_pod(s, w))), 0.0) for s in range(2) for w in range(2)]
+    assert [len(r.assignments) for r in replies] == [0, 0, 0, 1]
+    incarnation = state.job(KEY).incarnation
+    assert {uid: rank for uid, rank in incarnation.rank_of_pod.items()} == {
+        f"pod-llama-train-slice-{s}-{w}": 2 * s + w for s in range(2) for w in range(2)
+    }
+    assert replies[-1].assignments[0].jax_coordinator == "10.1.0.0:8476"
+
+
+def test_an_unchanged_report_is_returned_as_is_so_heartbeats_stay_cheap():
+    overlay = KubeOverlay()
+    report = agent_report("n10", agent_pod(1, 0, nodes_given=True), topology={"block": "b"})
+    assert overlay.apply(msgspec.structs.replace(report)) == report
+    assert overlay.apply(report) is report
