@@ -246,10 +246,10 @@ def _tls_handshake(directory: Path, host: str) -> str:
 def test_chart_values_reach_the_agents_and_the_coordinator():
     rendered = _by_key(helm_template(
         "image.repository=registry.example/mtc", "image.tag=1.2.3", "driverName=ram.example.dev",
-        "ramdisk.defaultSize=8Gi", "ramdisk.retentionSeconds=600", "replicas=2", "topologyKey=example.dev/rack",
+        "ramdisk.defaultSize=8Gi", "ramdisk.retentionSeconds=600", "replicas=2", "blockLabel=example.dev/rack",
         "backup.url=s3://bucket/prefix", "backup.keep=5", "backup.s3EndpointURL=https://s3.example:9000",
         "backup.credentials.secretName=s3-creds", "backup.credentials.fileEnv.AWS_SHARED_CREDENTIALS_FILE=credentials",
-        "node.priorityClassName=high",
+        "node.priorityClassName=high", "node.topologyOverride.block=rack-7", "node.topologyOverride.zone=z-$(NODE_NAME)",
         "node.nodeSelector.pool=tpu", "node.resources.requests.cpu=2", "token.existingSecret=my-token",
         "tls.existingSecret=my-tls", "admissionPolicy.namespaceLabel=example.dev/ckpt",
     ))  # fmt: skip
@@ -262,8 +262,8 @@ def test_chart_values_reach_the_agents_and_the_coordinator():
                 "--s3-endpoint-url": "https://s3.example:9000",
                 "--coordinator": "https://mtc-coordinator.mtc-system.svc:8471"}  # fmt: skip
     assert {flag: _flag(argv, flag) for flag in expected} == expected
+    assert [argv[i + 1] for i, arg in enumerate(argv) if arg == "--topology"] == ["block=rack-7", "zone=z-$(NODE_NAME)"]
     env = {e["name"]: e for e in agent["env"]}
-    assert env["NODE_BLOCK"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['example.dev/rack']"
     assert env["AWS_SHARED_CREDENTIALS_FILE"]["value"] == "/etc/mtc/backup-credentials/credentials"
     volumes = {v["name"]: v for v in _pod_spec(node)["volumes"]}
     assert volumes["backup-credentials"]["secret"]["secretName"] == "s3-creds"
@@ -272,12 +272,25 @@ def test_chart_values_reach_the_agents_and_the_coordinator():
     assert _pod_spec(node)["priorityClassName"] == "high"
     assert _pod_spec(node)["nodeSelector"] == {"pool": "tpu"}
     assert agent["resources"]["requests"]["cpu"] == 2
-    registrar = _argv(_container(node, "node-driver-registrar"))
-    assert "--kubelet-registration-path=/var/lib/kubelet/plugins/ram.example.dev/csi.sock" in registrar
+    assert _flag(argv, "--csi-endpoint") == "unix:///var/lib/kubelet/plugins/ram.example.dev/csi.sock"
+    assert "/var/lib/kubelet/plugins/ram.example.dev" in {m["mountPath"] for m in agent["volumeMounts"]}
+    coordinator = _argv(_container(rendered[("Deployment", "mtc-coordinator")], "mtc-coordinator"))
+    assert {flag: _flag(coordinator, flag) for flag in ("--driver-name", "--block-label")} == {
+        "--driver-name": "ram.example.dev", "--block-label": "example.dev/rack"}
     assert ("CSIDriver", "ram.example.dev") in rendered
     assert not {k for k in rendered if k[0] == "Secret"}, "existing Secrets are referenced, not generated"
     policy = rendered[("ValidatingAdmissionPolicyBinding", "mtc-ramdisk-namespaces")]
     assert policy["spec"]["matchResources"]["namespaceSelector"]["matchExpressions"][0]["key"] == "example.dev/ckpt"
+
+
+def test_chart_without_kube_runs_the_coordinator_without_api_access():
+    rendered = _by_key(helm_template("coordinator.kube=false"))
+    coordinator = rendered[("Deployment", "mtc-coordinator")]
+    argv = _argv(_container(coordinator, "mtc-coordinator"))
+    assert not {"--kube", "--block-label", "--driver-name"} & set(argv)
+    assert _pod_spec(coordinator)["automountServiceAccountToken"] is False
+    agent = _argv(_container(rendered[("DaemonSet", "mtc-node")], "mtc-node"))
+    assert "--topology" not in agent  # node.topologyOverride is empty by default
 
 
 def test_chart_without_tls_serves_and_calls_plain_http():

@@ -22,6 +22,7 @@ KUSTOMIZATION = "kustomization.yaml"
 DRIVER_NAME = "ramdisk.csi.mtc.dev"
 PLUGIN_DIR = f"/var/lib/kubelet/plugins/{DRIVER_NAME}"
 KUBELET_PODS_DIR = "/var/lib/kubelet/pods"
+PLUGINS_REGISTRY = "/var/lib/kubelet/plugins_registry"
 DATA_ROOT = "/var/lib/mtc"
 COORDINATOR_URL = "https://mtc-coordinator.mtc-system.svc:8471"
 TLS_DIR = "/etc/mtc/tls"
@@ -29,6 +30,7 @@ CLUSTER_SCOPED = ("Namespace", "CSIDriver", "ValidatingAdmissionPolicy", "Valida
                   "ClusterRole", "ClusterRoleBinding")  # fmt: skip
 # What the coordinator reads from the API server (replicator/coordinator/kube_watch.py), and only that.
 COORDINATOR_READS = {("", "pods"), ("", "nodes"), ("jobset.x-k8s.io", "jobsets")}
+BLOCK_LABEL = "cloud.google.com/gce-topology-block"
 
 
 def _load(name: str) -> list[dict]:
@@ -214,9 +216,10 @@ def test_node_plugin_runs_the_node_agent_with_the_contract_flags(node_container)
     assert parse_quantity(_flag(argv, "--default-size")) == 2**30
     assert float(_flag(argv, "--retention-seconds")) == 86400
     assert _flag(argv, "--replicas") == "1"
-    topology = dict(value.split("=", 1) for value in _flags(argv, "--topology"))
-    assert {"topology.kubernetes.io/zone", "block"} <= set(topology)  # block: close vs distant replicas
+    # Failure domains come from the Node labels, which the coordinator reads; a --topology here would override them.
+    assert _flags(argv, "--topology") == []
     env = {e["name"]: e for e in node_container["env"]}
+    assert not {"NODE_ZONE", "NODE_BLOCK"} & set(env), "the pod's own labels carry no node topology"
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     # Every $(VAR) the args use must be defined, or kubelet passes it through literally.
     for var in re.findall(r"\$\((\w+)\)", " ".join(argv)):
@@ -234,10 +237,11 @@ def test_node_agent_checks_the_coordinator_certificate_against_the_cluster_ca(no
 
 def test_node_plugin_keeps_only_the_host_paths_it_needs(node_pod):
     host_paths = sorted(v["hostPath"]["path"] for v in node_pod["volumes"] if "hostPath" in v)
-    assert host_paths == sorted([PLUGIN_DIR, "/var/lib/kubelet/plugins_registry", KUBELET_PODS_DIR, DATA_ROOT])
+    assert host_paths == sorted([PLUGIN_DIR, PLUGINS_REGISTRY, KUBELET_PODS_DIR, DATA_ROOT])
     registration = next(v["name"] for v in node_pod["volumes"] if v.get("hostPath", {}).get("path", "").endswith("plugins_registry"))
     users = [c["name"] for c in node_pod["containers"] if any(m["name"] == registration for m in c["volumeMounts"])]
-    assert users == ["node-driver-registrar"]
+    assert users == ["mtc-node"]
+    assert [c["name"] for c in node_pod["containers"]] == ["mtc-node", "liveness-probe"]
     for sidecar in node_pod["containers"][1:]:
         assert sidecar["securityContext"] == {
             "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}
@@ -295,22 +299,21 @@ def test_coordinator_serves_https_with_the_mtc_tls_certificate():
         assert container[probe]["httpGet"]["scheme"] == "HTTPS", probe
 
 
-def test_csi_socket_path_agrees_between_plugin_registrar_and_kubelet(node_pod, node_container):
-    endpoint = _flag(_argv(node_container), "--csi-endpoint")
+def test_agent_registers_with_the_kubelet_itself_and_its_csi_socket_sits_at_the_host_path(node_pod, node_container):
+    # csi_driver/registration.py tells the kubelet the agent's own --csi-endpoint path: the kubelet dials it on the host.
+    assert "node-driver-registrar" not in {c["name"] for c in node_pod["containers"]}
+    argv = _argv(node_container)
+    endpoint = _flag(argv, "--csi-endpoint")
     assert endpoint.startswith("unix://"), endpoint
     socket_in_container = Path(endpoint[len("unix://") :])
     host_dir, _ = _host_path_at(node_pod, node_container, str(socket_in_container.parent))
     assert host_dir == PLUGIN_DIR
-    socket_on_host = f"{host_dir}/{socket_in_container.name}"
+    assert socket_in_container == Path(PLUGIN_DIR, "csi.sock")
 
-    registrar = _sidecar_with_image(node_pod, "csi-node-driver-registrar")
-    assert registrar["image"] == "registry.k8s.io/sig-storage/csi-node-driver-registrar:v2.13.0"
-    registrar_argv = _argv(registrar)
-    assert _flag(registrar_argv, "--kubelet-registration-path") == socket_on_host
-    registrar_socket = Path(_flag(registrar_argv, "--csi-address"))
-    assert registrar_socket == Path("/csi/csi.sock")
-    assert _host_path_at(node_pod, registrar, str(registrar_socket.parent))[0] == host_dir
-    assert _host_path_at(node_pod, registrar, "/registration")[0] == "/var/lib/kubelet/plugins_registry"
+    registration_dir = _flag(argv, "--kubelet-registration-dir")
+    host_dir, mount = _host_path_at(node_pod, node_container, registration_dir)
+    assert host_dir == PLUGINS_REGISTRY
+    assert not mount.get("readOnly"), "the agent creates its registration socket there"
 
 
 def test_livenessprobe_sidecar_backs_the_plugin_liveness_probe(node_pod, node_container):
@@ -353,6 +356,15 @@ def test_coordinator_is_one_replica_behind_its_service():
     labels = deploy["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= labels.items()
     assert deploy["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+def test_coordinator_reads_job_shapes_and_node_failure_domains_from_the_api_server():
+    pod = _one("Deployment", "mtc-coordinator")["spec"]["template"]["spec"]
+    argv = _argv(_container(pod, "mtc-coordinator"))
+    assert argv.count("--kube") == 1
+    assert _flag(argv, "--block-label") == BLOCK_LABEL
+    assert _flag(argv, "--driver-name") == _one("CSIDriver")["metadata"]["name"]
+    assert not _flags(argv, "--kube-namespace"), "JobSets in every namespace use the driver"
 
 
 @pytest.mark.parametrize("name", ["llama-train", "torch-train"])
