@@ -276,10 +276,14 @@ class LocalCluster:
       env: environment of the agents (e.g. ``STORAGE_EMULATOR_HOST``).
       agent_args: further ``mtc node`` flags of every agent (e.g. ``--background-cpu``).
       agent_wrapper: ``NodeAgentProcess.wrapper`` of every agent.
+      kubeconfig: a kubeconfig of a real API server: the coordinator runs ``--kube`` with it, and the agents pass
+        no ``--pod-address`` or ``--topology`` (pod IPs and node labels come from the API server). Node ``i`` is
+        then the API server's Node ``node-<i>``.
     """
 
     def __init__(self, workdir: str, listen_address: Callable[[str], str], replicas: int = 1, peer_tier: bool = True,
-                 backup: str | None = None, env: dict[str, str] | None = None, agent_args: list[str] | None = None, agent_wrapper: list[str] | None = None):  # fmt: skip
+                 backup: str | None = None, env: dict[str, str] | None = None, agent_args: list[str] | None = None, agent_wrapper: list[str] | None = None,
+                 kubeconfig: str | None = None):  # fmt: skip
         self.workdir = workdir
         self._listen_address = listen_address
         self.replicas = replicas
@@ -288,13 +292,15 @@ class LocalCluster:
         self.env = env or {}
         self.agent_args = agent_args or []
         self.agent_wrapper = agent_wrapper or []
+        self.kubeconfig = kubeconfig
         self.token_file = os.path.join(workdir, "peer-token")
         os.makedirs(workdir, exist_ok=True)
         with open(self.token_file, "w", encoding="utf-8") as f:
             f.write(uuid.uuid4().hex + "\n")
         self.coordinator = CoordinatorProcess(
             os.path.join(workdir, "coordinator"), listen_address("127.0.0.1"),
-            ["--node-timeout-seconds", "4", *(["--token-file", self.token_file] if peer_tier else ["--insecure"])],
+            ["--node-timeout-seconds", "4", *(["--token-file", self.token_file] if peer_tier else ["--insecure"]),
+             *(["--kube", "--kubeconfig", kubeconfig] if kubeconfig else [])],
             tls=self_signed_certificate(os.path.join(workdir, "tls")),
         )  # fmt: skip
         self.agents: list[NodeAgentProcess] = []
@@ -314,8 +320,9 @@ class LocalCluster:
             os.path.join(self.workdir, f"node-{index}"),
             self._listen_address(host),
             "tmpfs" if can_mount_tmpfs() else "dir",
-            ["--coordinator", self.coordinator.url, "--coordinator-ca", self.coordinator.ca_file, "--pod-address", host,
-             "--topology", f"block={block or f'b{index // 2}'}", "--replicas", str(self.replicas),
+            ["--coordinator", self.coordinator.url, "--coordinator-ca", self.coordinator.ca_file,
+             *([] if self.kubeconfig else ["--pod-address", host, "--topology", f"block={block or f'b{index // 2}'}"]),
+             "--replicas", str(self.replicas),
              *(["--peer-token-file", self.token_file] if self.peer_tier else []),
              *(["--backup", self.backup] if self.backup else []), *self.agent_args],
             env=self.env, wrapper=self.agent_wrapper,

@@ -116,7 +116,8 @@ def assignment(pod: PodReport, incarnation: Incarnation | None, pods: dict[str, 
         return None
     rank0 = pods[incarnation.pod_of_rank0][0]
     address = rank0_address or rank0.address or f"{_JOBSET_SUFFIX.sub('', rank0.pod_name)}.{rank0.subdomain}"
-    return Assignment(pod.pod_uid, incarnation.incarnation_id, incarnation.rank_of_pod[pod.pod_uid], f"{address}:{rank0.jax_coordinator_port}")
+    return Assignment(pod.pod_uid, incarnation.incarnation_id, incarnation.rank_of_pod[pod.pod_uid], f"{address}:{rank0.jax_coordinator_port}",
+                      len(incarnation.node_of_rank))  # fmt: skip
 
 
 def reconcile(key: JobRef, job, now: float) -> bool:

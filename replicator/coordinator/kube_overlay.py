@@ -4,9 +4,13 @@ node's failure domains.
 With ``mtc coordinator --kube``, ``kube_watch.ShapeWatcher`` keeps every JobSet job's shape, and each node report is
 passed through ``KubeOverlay.apply`` before the cluster state takes it in:
 
-- a pod the shape places gets the shape's ``nodes`` and ``slices``, its slice (the JobSet job index, offset for
-  several replicatedJobs) and worker (the Job completion index), and its ``address``: the pod IP, else
-  ``<hostname>.<subdomain>``. Its volume's attributes do not matter then (a contradiction was refused by the shape);
+- a pod the shape places, once the API server has its IP, gets the shape's ``nodes`` and ``slices``, its slice (the
+  JobSet job index, offset for several replicatedJobs) and worker (the Job completion index), and its ``address``:
+  the pod IP, as the managed product's ``jax-init-info.txt`` holds. Its volume's attributes do not matter then (a
+  contradiction was refused by the shape). Until the IP is known the pod waits: the kubelet mounts volumes before it
+  creates the pod's sandbox, so the IP follows the publish by moments, and the job's container cannot start before
+  it anyway; an assignment made without it would fix an address (the DNS name) that resolves only once the pod is
+  ready, or not at all without cluster DNS;
 - a pod the shape does not place waits, unassigned, when its volume sets no ``nodes`` (a JobSet pod not yet seen,
   or refused: the watcher logs the pod and the field); a pod whose volume sets ``nodes`` keeps its attributes (a
   pod outside any JobSet);
@@ -57,7 +61,7 @@ class KubeOverlay:
         changed = {key for key in shapes.jobs.keys() | self._shapes.jobs.keys() if shapes.jobs.get(key) != self._shapes.jobs.get(key)}
         self._shapes = shapes
         self._placed = {place.uid: (shape, place) for shape in shapes.jobs.values() for place in shape.pods}
-        self._told_waiting -= self._placed.keys()
+        self._told_waiting -= {uid for uid, (_, place) in self._placed.items() if place.ip}
         self.version += 1
         return changed
 
@@ -66,18 +70,17 @@ class KubeOverlay:
         pods = []
         for pod in report.pods:
             found = self._placed.get(pod.pod_uid)
-            if found is not None:
+            if found is not None and found[1].ip:
                 shape, place = found
                 pods.append(msgspec.structs.replace(
-                    pod, nodes=shape.nodes, slices=shape.slices, slice_index=place.slice, worker_index=place.worker,
-                    address=place.ip or place.dns_name,
+                    pod, nodes=shape.nodes, slices=shape.slices, slice_index=place.slice, worker_index=place.worker, address=place.ip,
                 ))  # fmt: skip
-            elif pod.nodes_given:
+            elif found is None and pod.nodes_given:
                 pods.append(msgspec.structs.replace(pod, address=None))
             elif pod.pod_uid not in self._told_waiting:
                 self._told_waiting.add(pod.pod_uid)
-                log.info("pod %s/%s (node %s) waits for its job's shape from the API server: its volume sets no nodes and "
-                         "no JobSet places it yet", pod.namespace, pod.pod_name, report.node_id)  # fmt: skip
+                why = "its pod IP" if found else "its job's shape (its volume sets no nodes and no JobSet places it yet)"
+                log.info("pod %s/%s (node %s) waits for %s from the API server", pod.namespace, pod.pod_name, report.node_id, why)
         topology = report.topology
         if not topology.get(BLOCK) and (domains := self._shapes.domains.get(report.node_id)) is not None:
             topology = topology_of(domains)

@@ -49,7 +49,9 @@ class WatchSettings:
     Attributes:
       namespace: the one namespace to watch Pods and JobSets in, or None for every namespace.
       backoff_initial_seconds: the first wait after an error; doubled on each further error in a row.
-      backoff_max_seconds: the longest wait between attempts (the bound of the backoff).
+      backoff_max_seconds: the longest wait between attempts (the bound of the backoff): how late, at most, the
+        shapes catch up once the API server is back (pods recreated meanwhile wait for them). One watcher per
+        cluster, three kinds: a short bound costs the API server nothing.
       server_timeout_seconds: the API server ends each watch request after this long (then it resumes from the
         last version, which keeps the version fresh).
       idle_seconds: a watch with no event for this long is taken as a dead connection and resumed; longer than
@@ -60,7 +62,7 @@ class WatchSettings:
 
     namespace: str | None = None
     backoff_initial_seconds: float = 0.5
-    backoff_max_seconds: float = 30.0
+    backoff_max_seconds: float = 5.0
     server_timeout_seconds: int = 240
     idle_seconds: float = 270.0
     recompute_delay_seconds: float = 0.05

@@ -471,7 +471,7 @@ async def _kube_watcher(app: web.Application):
     watcher = ShapeWatcher(client, WatchSettings(namespace=settings.namespace, shape=settings.shape),
                            on_change=lambda shapes: app[_CHANGES_KEY].wake(app[_OVERLAY_KEY].update(shapes)))  # fmt: skip
     task = asyncio.create_task(watcher.run(), name="kube shapes")
-    log.info("reading job shapes from the API server at %s", config.cluster.server)
+    log.info("reading job shapes from the API server at %s", config.get().cluster.server)
     yield
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):

@@ -265,9 +265,13 @@ class NodeReplicator:
         try:
             meta = JobMeta(disk.path)
             progress = meta.progress(spec.pod_uid)
-            progress = handshake.apply_assignment(disk, meta, progress, self._assignments.get(progress.pod_uid))
-            if progress.jax_init_written and progress.settings is None:
-                await handshake.consume_replicator_yaml(client, disk, meta, progress, spec.nodes or 1, self._log_once)
+            assignment = self._assignments.get(progress.pod_uid)
+            progress = handshake.apply_assignment(disk, meta, progress, assignment)
+            # The job's size: the volume's ``nodes``, else the incarnation's (the API server's shape); unknown
+            # until this agent has the assignment again (after its restart), when the file waits a pass.
+            nodes = spec.nodes or (assignment.nodes or 1 if assignment else None)
+            if progress.jax_init_written and progress.settings is None and nodes is not None:
+                await handshake.consume_replicator_yaml(client, disk, meta, progress, nodes, self._log_once)
             if progress.settings is not None and not progress.restore_done:
                 await self._restorer.restore(client, self._session, disk, meta, progress, lambda: self._beat(key))
             await self._commits.detect(disk, meta, progress)

@@ -239,12 +239,15 @@ class Assignment(msgspec.Struct, frozen=True, gc=False):
       incarnation: id of the set of pods this assignment belongs to.
       rank: the pod's node rank (JAX process id).
       jax_coordinator: ``host:port`` of rank 0's JAX coordinator.
+      nodes: the incarnation's node count (``replicator.yaml``'s ``nodes`` must match it), or None from an
+        older coordinator.
     """
 
     pod_uid: Text
     incarnation: Name
     rank: Rank
     jax_coordinator: Text
+    nodes: Count | None = None
 
 
 class Target(msgspec.Struct, frozen=True, gc=False):

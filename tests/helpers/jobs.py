@@ -147,9 +147,9 @@ def lose_node_and_resume(cluster, job, lost_index, tmp_path, steps):
     return agents[lost_index]
 
 
-def assert_resumed_exactly(job, step, before_losses, tmp_path):
+def assert_resumed_exactly(job, step, before_losses, tmp_path, before_dump="dump-1", after_dump="dump-2"):
     """Every rank of the 4-rank ``job`` restored ``step`` and went on with the losses and state of
-    before (``dump-1`` against ``dump-2`` below ``tmp_path``)."""
+    before (``before_dump`` against ``after_dump`` below ``tmp_path``)."""
     assert max(before_losses) < UNTIL_KILLED_STEPS, "the job finished before it was killed"
     assert [by_event(p, "restored")[0]["step"] for p in job.pods] == [step] * 4
     after = losses(job.pods)
@@ -157,4 +157,4 @@ def assert_resumed_exactly(job, step, before_losses, tmp_path):
     compared_losses(before_losses, after)  # the first losses after the restore are the killed run's
     for rank in range(4):
         name = f"rank{rank}-step{step}.npz"
-        assert_same_state(tmp_path / "dump-1" / name, tmp_path / "dump-2" / name)
+        assert_same_state(tmp_path / before_dump / name, tmp_path / after_dump / name)

@@ -20,6 +20,14 @@ def control_plane():
         yield plane
 
 
+@pytest.fixture
+def own_control_plane():
+    """A control plane of the test's own: stopping its API server disturbs no other test's watches (a restarted
+    API server answers watches from old resource versions with "Too large resource version" for a while)."""
+    with ControlPlane() as plane:
+        yield plane
+
+
 @pytest.fixture(scope="session")
 def kubelet_node(control_plane):
     """A real node on 127.0.0.2 (containerd, runc and a kubelet) in ``control_plane``: busybox images, host network."""

@@ -17,7 +17,15 @@ from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Namespace, Node, ServiceAccount
 from lightkube.resources.rbac_authorization_v1 import ClusterRole, ClusterRoleBinding
 
-from replicator.coordinator.kube_shape import FailureDomains, JobShape, ShapeSettings
+from replicator.coordinator.kube_shape import (
+    COMPLETION_INDEX,
+    JOB_INDEX,
+    JOBSET_NAME,
+    REPLICATED_JOB,
+    FailureDomains,
+    JobShape,
+    ShapeSettings,
+)
 from replicator.coordinator.kube_watch import JobSet, ShapeWatcher, WatchSettings
 from replicator.wire.messages import JobRef
 from tests.helpers import REPO
@@ -25,6 +33,7 @@ from tests.helpers.kube import ControlPlane, register_node
 from tests.helpers.kube.workloads import NO_PULL_IMAGE, example_jobset
 
 NAMESPACE = "shapes"
+REFUSALS = "refusals"
 COORDINATOR_NAMESPACE = "mtc-system"
 WAIT_SECONDS = 60.0
 OUTAGE_SECONDS = 5.0
@@ -120,14 +129,6 @@ async def watcher(control_plane, kube, tmp_path):
             await kube.delete(Namespace, COORDINATOR_NAMESPACE)
             for kind in (ClusterRole, ClusterRoleBinding):
                 await kube.delete(kind, "mtc-coordinator")
-
-
-@pytest.fixture
-def own_control_plane():
-    """A control plane of the test's own: stopping its API server disturbs no other test's watches (a restarted
-    API server answers watches from old resource versions with "Too large resource version" for a while)."""
-    with ControlPlane() as plane:
-        yield plane
 
 
 def register_nodes(plane: ControlPlane, prefix: str, count: int) -> list[str]:
@@ -229,3 +230,39 @@ async def test_last_shapes_stand_through_an_api_server_outage_and_updates_resume
             await eventually(lambda: all(watcher.connected.values()), "every watch connected again")
     finally:
         await client.close()
+
+
+async def test_pods_naming_a_missing_jobset_or_contradicting_theirs_are_refused_by_pod_and_field(control_plane, kube):
+    # A namespace of its own: the ``watcher`` fixture's is still being deleted (its pods are bound to nodes without
+    # a kubelet, so their deletion is never confirmed).
+    await kube.create(Namespace(metadata=ObjectMeta(name=REFUSALS), spec=NamespaceSpec()))
+    await eventually(lambda: _exists(kube, ServiceAccount, "default", REFUSALS), "the namespace's default ServiceAccount")
+    async with running_watcher(control_plane.kubeconfig, REFUSALS) as watcher:
+        await _refusals(kube, watcher)
+
+
+async def _refusals(kube: AsyncClient, watcher: ShapeWatcher) -> None:
+    # A JobSet whose volume says 3 nodes where the API server counts 4: each of its pods is refused.
+    wrong = example_jobset()
+    wrong["metadata"]["name"] = "wrong"
+    for replicated in wrong["spec"]["replicatedJobs"]:
+        replicated["template"]["spec"]["template"]["spec"]["volumes"][0]["csi"]["volumeAttributes"]["nodes"] = "3"
+    await kube.create(codecs.from_dict(wrong), namespace=REFUSALS)
+    # A pod that claims a JobSet no one made (a hand-written pod, or one whose JobSet is gone).
+    ghost = {"apiVersion": "v1", "kind": "Pod",
+             "metadata": {"name": "ghost-slice-0-0-x", "labels": {JOBSET_NAME: "ghost"},
+                          "annotations": {JOBSET_NAME: "ghost", REPLICATED_JOB: "slice", JOB_INDEX: "0", COMPLETION_INDEX: "0"}},
+             "spec": {"containers": [{"name": "c", "image": NO_PULL_IMAGE}],
+                      "volumes": [{"name": "v", "csi": {"driver": "ramdisk.csi.mtc.dev"}}]}}  # fmt: skip
+    await kube.create(codecs.from_dict(ghost), namespace=REFUSALS)
+
+    def refused(shapes) -> dict[str, tuple[str, str]]:
+        return {p.name: (p.field, p.reason) for p in shapes.problems if p.kind == "Pod" and p.namespace == REFUSALS}
+
+    shapes = await watcher.wait_for(lambda s: len(refused(s)) == 5, WAIT_SECONDS)
+    problems = refused(shapes)
+    assert problems.pop("ghost-slice-0-0-x") == (f"annotation {JOBSET_NAME}", "JobSet 'ghost' is gone from namespace 'refusals'")
+    assert sorted(name.rsplit("-", 1)[0] for name in problems) == [f"wrong-slice-{j}-{i}" for j in range(2) for i in range(2)]
+    assert {field for field, _ in problems.values()} == {"volume attribute nodes"}
+    assert all("'3' contradicts the API server's '4'" == reason for _, reason in problems.values())
+    assert shapes.jobs[JobRef(REFUSALS, "wrong-slice")].pods == ()  # refused pods get no place, so no rank

@@ -1,6 +1,6 @@
 """The API server's shapes laid over node reports (replicator/coordinator/kube_overlay.py), and through the cluster
 state: a volume with no attributes gets its job's shape, ranks by JobSet index, and rank 0's pod IP as the JAX
-coordinator address."""
+coordinator address; a placed pod waits for its IP."""
 
 import msgspec
 
@@ -37,13 +37,13 @@ def test_a_placed_pod_takes_the_shape_indices_and_ip_and_its_node_the_labels_dom
     assert report.topology == {"zone": "zone-1", "nodepool": "pool-1", "block": "block-0"}
 
 
-def test_without_a_pod_ip_the_address_is_the_jobset_dns_name_and_without_a_block_label_the_pool_is_the_block():
+def test_a_placed_pod_waits_for_its_ip_and_without_a_block_label_the_pool_is_the_block():
     pods = [{**p, "status": {"phase": "Pending"}} for p in example_pods()]
-    overlay = example_overlay(pods)
+    overlay = KubeOverlay()
     overlay.update(shapes_of(pods, [{"metadata": {"name": "n10", "labels": {"cloud.google.com/gke-nodepool": "pool-1"}}}],
                              [jobset("llama-train", replicated_job("slice", 2, 2))]))  # fmt: skip
-    report = overlay.apply(agent_report("n10", agent_pod(1, 0)))
-    assert report.pods[0].address == "llama-train-slice-1-0.llama-train"
+    report = overlay.apply(agent_report("n10", agent_pod(1, 0), agent_pod(1, 1, nodes_given=True)))
+    assert report.pods == ()  # both placed, neither has an IP yet: even nodes given in attributes wait
     assert report.topology == {"nodepool": "pool-1", "block": "pool-1"}
 
 

@@ -80,7 +80,7 @@ def check_job_shape(raw: Mapping[str, Any], node_rank: int, nodes: int, data_par
       InvalidReplicatorConfig: naming the field and the value.
     """
     if nodes != expected_nodes:
-        raise InvalidReplicatorConfig("nodes", f"{nodes} does not match the volume's nodes={expected_nodes}")
+        raise InvalidReplicatorConfig("nodes", f"{nodes} does not match the job's nodes={expected_nodes} (the volume's attribute, else the API server's shape)")
     if node_rank != expected_rank:
         raise InvalidReplicatorConfig("node-rank", f"{node_rank} is not the rank assigned to this pod ({expected_rank}){rank_hint}")
     if nodes % data_parallelism:

@@ -282,7 +282,10 @@ class ControlPlane(_Started):
 
         kcm = start_controller("kube-controller-manager", "kcm", self.binaries.controller_manager, ports["kcm"],
                                "--use-service-account-credentials=true", f"--service-account-private-key-file={sa.key}",
-                               f"--root-ca-file={ca.pair.cert}", f"--service-cluster-ip-range={SERVICE_CIDR}")  # fmt: skip
+                               f"--root-ca-file={ca.pair.cert}", f"--service-cluster-ip-range={SERVICE_CIDR}",
+                               # Nodes without a kubelet (``register_node``) renew no lease: an hour's grace keeps them
+                               # Ready (and untainted) for the session, so recreated pods schedule there again.
+                               "--node-monitor-grace-period=1h")  # fmt: skip
         scheduler = start_controller("kube-scheduler", "scheduler", self.binaries.scheduler, ports["scheduler"])
 
         jobset = self._start_jobset(start, work, ca, ports)
@@ -369,8 +372,8 @@ def register_node(client: Client, name: str, *, labels: dict[str, str] | None = 
                   cpu: str = "64", memory: str = "512Gi", pods: str = "110") -> Node:  # fmt: skip
     """A Node object with no kubelet behind it, Ready, with room for ``pods`` pods, so the scheduler binds to it.
 
-    Without a kubelet nothing renews its lease: the node-lifecycle controller marks it NotReady after its
-    grace period (40 s by default) and taints it, so later Pods no longer schedule there.
+    Without a kubelet nothing renews its lease; the control plane's node-monitor grace period (an hour) keeps it
+    Ready meanwhile, so recreated Pods schedule there again.
     """
     labels = {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux", **(labels or {})}
     client.create(Node(metadata=ObjectMeta(name=name, labels=labels), spec=NodeSpec()))
