@@ -92,7 +92,7 @@ def _add_node(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--wedged-after-seconds", type=_positive_float, default=timing.WEDGED_AFTER_SECONDS,
                    help="a replicator loop stalled this long makes /healthz and CSI Probe fail (default %(default)s)")
     p.add_argument("--min-push-interval-seconds", type=float, default=timing.MIN_PUSH_INTERVAL_SECONDS,
-                   help="at most one replica push per job and peer this often; faster saves replicate only the newest step (default %(default)s)")
+                   help="at most one replica push per job and peer this often; faster saves replicate one step per round (default %(default)s)")
 
 
 def _node_config(args: argparse.Namespace) -> NodeConfig:

@@ -69,6 +69,7 @@ class Decisions:
       version: bumped whenever assignments or restore views may have changed (long polls wake).
       safe: the newest step GC may keep from (``retention.safe_step``); retain: its order.
       targets: rank -> replica target nodes (``replicas.place``); lister: the node that lists backups.
+      round: the step every rank replicates now (``replicas.choose_round``), or None.
     """
 
     dirty: bool = True
@@ -78,6 +79,7 @@ class Decisions:
     retain: RetainOrder | None = None
     targets: dict[int, list[str]] = dataclasses.field(default_factory=dict)
     lister: str | None = None
+    round: int | None = None
 
 
 @dataclasses.dataclass
@@ -92,6 +94,7 @@ class Memos:
       replicas: the replicas the incarnation's nodes are configured for, as of ``replicas_for``:
         (incarnation id, ``Liveness.replicas_epoch``).
       known_steps: the steps held in any tier at the last sweep (tables are swept on a change).
+      round_for: the incarnation id ``Decisions.round`` was chosen in.
     """
 
     held: HeldMemo = dataclasses.field(default_factory=HeldMemo)
@@ -101,6 +104,7 @@ class Memos:
     replicas: int = 1
     replicas_for: tuple[str, int] | None = None
     known_steps: frozenset[int] = frozenset()
+    round_for: str | None = None
 
 
 @dataclasses.dataclass

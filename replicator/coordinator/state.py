@@ -241,8 +241,9 @@ class ClusterState:
             safe, checks = retention.safe_step(job, liveness, wanted, self.backed_up(key), lambda: retention.copies(job, liveness, True))
             self.rank_checks += checks
             job.decided.safe = safe
+            job.decided.round = replicas.choose_round(job, safe)
         else:
-            job.decided.safe = None
+            job.decided.safe = job.decided.round = None
         job.decided.lister = backups.choose_lister(job, liveness)
         if job.incarnation is not None and job.settings:
             backups.advance(key, job, liveness.now, self.backed_up(key), lambda: self._newest_complete(job, set()))

@@ -2,7 +2,8 @@
 
 The peer verifies every checksum before the replica becomes visible (``replicator.peer_tier.client.push_step``).
 A push is not repeated while one is running or soon after one succeeded, and per job and peer at
-most one starts per ``min_interval_seconds``: a job saving faster replicates only its newest step.
+most one starts per ``min_interval_seconds``. The coordinator orders one step per replication round
+(``coordinator/replicas.py``), so a job saving faster replicates only its rounds' steps.
 """
 
 import asyncio

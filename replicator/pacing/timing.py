@@ -21,8 +21,8 @@ RESTORE_DEADLINE_SECONDS = 270.0
 # report timeout plus GC of a few steps). *flag*
 WEDGED_AFTER_SECONDS = 120.0
 
-# Replicas of a step are superseded by the next one: a job saving faster than this replicates only
-# its newest step, so the agent's CPU use stays bounded however often the job saves. *flag*
+# At most one push per job and peer this often: a job saving faster replicates one step per round (the
+# coordinator's, replicas.py), so the agent's CPU use stays bounded however often the job saves. *flag*
 MIN_PUSH_INTERVAL_SECONDS = 2.0
 
 # The agent keeps its connection to the coordinator open this long between requests: longer than

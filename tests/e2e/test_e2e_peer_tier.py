@@ -8,15 +8,20 @@ import subprocess
 import urllib.error
 import urllib.request
 
+import time
+
 import pytest
 
 from csi_driver import kubelet
+from replicator.pacing import timing
 from tests.helpers.agents import scrape
 from tests.helpers.jobs import (
     UNTIL_KILLED,
     assert_resumed_exactly,
+    by_event,
     kill_past_newest_commit,
     lose_node_and_resume,
+    losses,
     run_job,
     status_of,
 )
@@ -24,6 +29,32 @@ from tests.helpers.polling import wait_until
 from tests.helpers.steps import flip_byte
 
 LONG_RUN = UNTIL_KILLED
+# Data parallelism 1 saving about every 0.5 s, while a node starts at most one push per peer every 2 s
+# (--min-push-interval-seconds): replication is slower than saving. A replication round takes at most two push
+# lanes' turns plus the coordinator's latency (replicator/coordinator/replicas.py), so the safe step must advance
+# at least every ADVANCE_BOUND_SECONDS, and trail the newest complete step by at most LAG_BOUND_STEPS.
+FAST_SAVES = ["--data-parallelism", "1", *LONG_RUN, "--save-interval-steps", "1", "--step-sleep", "0.3"]
+ADVANCE_BOUND_SECONDS = 4 * timing.MIN_PUSH_INTERVAL_SECONDS
+LAG_BOUND_STEPS = 30
+SAMPLE_SECONDS = 20.0
+
+
+def safe_step_advances(cluster, job) -> tuple[float, int]:
+    """Samples the job's status for SAMPLE_SECONDS; returns the longest time the safe step stood still (from the
+    first sample to its first advance, between advances, and from the last advance to the end) and the largest
+    lag of the safe step behind the newest complete step, in steps."""
+    samples = []
+    deadline = time.monotonic() + SAMPLE_SECONDS
+    while time.monotonic() < deadline:
+        status = status_of(cluster, job)
+        samples.append((time.monotonic(), status["newest_complete_step"], status["safe_step"]))
+        time.sleep(0.2)
+    moments = [samples[0][0]] + [t for (t, _, safe), (_, _, before) in zip(samples[1:], samples) if safe != before] + [samples[-1][0]]
+    assert samples[-1][1] - samples[0][1] >= SAMPLE_SECONDS, f"harness: the job saved too slowly to outpace its pushes ({samples[0][1]} -> {samples[-1][1]})"
+    still, lag = max(b - a for a, b in zip(moments, moments[1:])), max(newest - (safe or 0) for _, newest, safe in samples)
+    print(f"safe step: stood still at most {still:.1f} s, at most {lag} steps behind the newest complete step "
+          f"({samples[0][1]} -> {samples[-1][1]} in {SAMPLE_SECONDS:.0f} s)")
+    return still, lag
 
 
 def test_data_parallel_job_restores_lost_node_from_identical_peer_without_copies(start_cluster, tmp_path):
@@ -46,14 +77,12 @@ def test_data_parallel_job_restores_lost_node_from_identical_peer_without_copies
     assert status_of(cluster, job)["ranks"][1]["node"] == fresh.node_id
 
 
-def test_replicated_job_restores_lost_node_and_skips_a_corrupt_replica(start_cluster, tmp_path):
+def test_replicated_job_saving_faster_than_it_replicates_restores_lost_node_and_skips_a_corrupt_replica(start_cluster, tmp_path):
     cluster = start_cluster(replicas=2)
-    # A save every ~3 s, above the 2 s push interval: every rank replicates every step. Saving faster,
-    # ranks replicate whichever step is newest for them when their push lane frees, and a step with
-    # replicas of every rank can be long in coming (docs/tiers.md, "Save path" of the peer tier); not what this test is about.
-    job = run_job("solo", list(cluster.agents), tmp_path / "solo",
-                  ["--data-parallelism", "1", *LONG_RUN, "--step-sleep", "1.0", "--dump-dir", str(tmp_path / "dump-1")])  # fmt: skip
+    job = run_job("solo", list(cluster.agents), tmp_path / "solo", [*FAST_SAVES, "--dump-dir", str(tmp_path / "dump-1")])
     job.wait(lambda: (s := status_of(cluster, job))["safe_step"] is not None and s["safe_step"] >= 9, 180, "replicated step 9")
+    still, lag = safe_step_advances(cluster, job)
+    assert still <= ADVANCE_BOUND_SECONDS and lag <= LAG_BOUND_STEPS, (still, lag)
     before = kill_past_newest_commit(job)
     wait_until(lambda: status_of(cluster, job)["safe_step"] == status_of(cluster, job)["newest_complete_step"], 30, "replicas caught up")
     status = status_of(cluster, job)
@@ -71,6 +100,23 @@ def test_replicated_job_restores_lost_node_and_skips_a_corrupt_replica(start_clu
     assert [safe, 1, "node-0"] in restore["unusable_copies"]
     assert "mtc_corrupt_copies_total 1.0" in scrape(fresh.url)
     assert f"step {safe} copy on node-0 unusable" in open(fresh.log_path).read()
+
+
+def test_node_lost_while_saving_faster_than_it_replicates_restores_a_step_within_the_bound(start_cluster, tmp_path):
+    cluster = start_cluster(replicas=1)
+    job = run_job("fast", list(cluster.agents), tmp_path / "fast", [*FAST_SAVES, "--dump-dir", str(tmp_path / "dump-1")])
+    job.wait(lambda: status_of(cluster, job)["safe_step"] is not None, 120, "a first safe step")
+    still, lag = safe_step_advances(cluster, job)
+    assert still <= ADVANCE_BOUND_SECONDS and lag <= LAG_BOUND_STEPS, (still, lag)
+    # The node is lost the moment the job is: its last round's replicas are what its rank has.
+    status = status_of(cluster, job)
+    newest = status["newest_complete_step"]
+    job.kill_training()
+    before = losses(job.pods)
+    lose_node_and_resume(cluster, job, 1, tmp_path, steps=max(before) + 6)
+    restored = by_event(job.pods[0], "restored")[0]["step"]
+    assert newest - LAG_BOUND_STEPS <= restored <= max(before), (newest, restored)
+    assert_resumed_exactly(job, restored, before, tmp_path)
 
 
 VALID = object()  # stands for the cluster's real peer token

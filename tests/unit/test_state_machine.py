@@ -102,6 +102,12 @@ def test_replicate_and_backup_orders_are_issued_exactly_when_due():
 
     incarnation = state.job(KEY).incarnation
     targets = state.job(KEY).replica_targets
+    # Step 4 is every rank's round once every rank holds it (replicas.choose_round), not before.
+    reply = state.apply_report(report(0, [pod(0, nodes, 2, incarnation.incarnation_id, rank_of[0])], held(0, [4])), 1.0)
+    assert reply.replicate == ()
+    for node in range(1, nodes):
+        state.apply_report(report(node, [pod(node, nodes, 2, incarnation.incarnation_id, rank_of[node])], held(node, [4])), 1.0)
+    state.tick(1.0 + decide_interval(nodes))
     reply = state.apply_report(report(0, [pod(0, nodes, 2, incarnation.incarnation_id, rank_of[0])], held(0, [4])), 1.0)
     assert [(o.step, [t.node for t in o.targets]) for o in reply.replicate] == [(4, targets[rank_of[0]])]
     # Once the target holds the replica, no order any more.
@@ -350,3 +356,46 @@ def test_a_complete_step_is_walked_once_until_a_holder_falls_silent():
     state.tick(20.0)  # rank 0's only copy is on a node silent past the timeout: nothing is safe
     assert state.liveness.nodes[f"n{[n for n in range(4) if rank_of[n] == 0][0]}"].silent
     assert state.safe_step(KEY) is None and state.rank_checks > checks
+
+
+def test_ranks_saving_out_of_phase_replicate_one_round_step_until_it_is_safe():
+    """Data parallelism 1: each rank's newest step differs, yet every rank pushes the round's step (the newest
+    every rank holds); the round stands until safe, then moves to the newest step every rank holds by then."""
+    state = ClusterState()
+    state.expire(0.0)
+    nodes = 4
+    rank_of = form_job(state, nodes, 1, JobSettings((), 1, None, 100), now=0.0)
+    incarnation = state.job(KEY).incarnation.incarnation_id
+    targets = state.job(KEY).replica_targets
+    replicas: dict[int, list[tuple[int, int]]] = {node: [] for node in range(nodes)}  # node -> (step, rank) it holds
+
+    def heartbeat(newest: dict[int, int], now: float) -> dict[int, list[int]]:
+        """Each rank holds its steps 1..newest[rank] and the replicas pushed so far; returns node -> steps ordered."""
+        orders = {}
+        for node in range(nodes):
+            rank = rank_of[node]
+            held = [own(s, rank) for s in range(1, newest[rank] + 1)] + [HeldStep(*NAMES, s, r, None, replica=True) for s, r in replicas[node]]
+            reply = state.apply_report(report(node, [pod(node, nodes, 1, incarnation, rank)], held), now)
+            orders[node] = [o.step for o in reply.replicate]
+        state.tick(now + decide_interval(nodes))
+        return orders
+
+    def push_round(orders: dict[int, list[int]]) -> None:
+        for node, steps in orders.items():
+            for step in steps:
+                replicas[int(targets[rank_of[node]][0][1:])].append((step, rank_of[node]))
+
+    heartbeat({0: 3, 1: 2, 2: 3, 3: 1}, 1.0)
+    orders = heartbeat({0: 3, 1: 2, 2: 3, 3: 1}, 1.5)
+    assert orders == {node: [1] for node in range(nodes)}  # not each rank's newest (3, 2, 3, 1)
+    # Saves go on while the round's pushes run: the round stands until step 1 is safe.
+    orders = heartbeat({0: 5, 1: 4, 2: 5, 3: 4}, 2.0)
+    assert orders == {node: [1] for node in range(nodes)} and state.safe_step(KEY) is None
+    push_round(orders)
+    heartbeat({0: 5, 1: 4, 2: 5, 3: 4}, 2.5)
+    assert state.safe_step(KEY) == 1
+    orders = heartbeat({0: 5, 1: 4, 2: 5, 3: 4}, 3.0)
+    assert orders == {node: [4] for node in range(nodes)}  # the newest step every rank holds
+    push_round(orders)
+    heartbeat({0: 6, 1: 6, 2: 6, 3: 5}, 3.5)
+    assert state.safe_step(KEY) == 4
