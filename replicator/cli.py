@@ -14,8 +14,17 @@ from csi_driver.quantity import parse_quantity
 from csi_driver.ramdisk import JobBusy
 from csi_driver.volume_request import DEFAULT_MAX_NODES
 from replicator.coordinator.kube_shape import DEFAULT_BLOCK_LABEL, ShapeSettings
-from replicator.coordinator.service import CoordinatorConfig, KubeSettings, run_coordinator
-from replicator.coordinator.status import fetch_status, render_status, request_restore_from
+from replicator.coordinator.service import (
+    CoordinatorConfig,
+    KubeSettings,
+    kube_config,
+    run_coordinator,
+)
+from replicator.coordinator.status import (
+    fetch_status,
+    render_status,
+    request_restore_from,
+)
 from replicator.node.agent import open_ramdisks, run_node
 from replicator.node.config import (
     BackupSettings,
@@ -231,10 +240,13 @@ def _run_coordinator(args: argparse.Namespace) -> int:
     if (args.kubeconfig or args.kube_namespace) and not args.kube:
         print("--kubeconfig and --kube-namespace need --kube", file=sys.stderr)
         return 2
-    if args.kubeconfig and not os.path.isfile(args.kubeconfig):
-        print(f"--kubeconfig {args.kubeconfig}: no such file", file=sys.stderr)
-        return 2
     kube = KubeSettings(args.kubeconfig, args.kube_namespace, ShapeSettings(args.driver_name, args.block_label)) if args.kube else None
+    try:
+        if kube is not None:
+            kube_config(kube)
+    except ValueError as err:
+        print(err, file=sys.stderr)
+        return 2
     run_coordinator(CoordinatorConfig(args.listen, args.state_dir, args.node_timeout_seconds, args.token_file,
                                       args.tls_cert, args.tls_key, args.max_nodes, args.holder_grace_seconds, kube))  # fmt: skip
     return 0

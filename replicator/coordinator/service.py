@@ -35,16 +35,30 @@ import time
 from typing import TypeVar
 
 import msgspec
+import yaml
 from aiohttp import web
 from lightkube import AsyncClient, KubeConfig
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
+from lightkube.core.exceptions import ConfigError
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily
 
 from csi_driver import atomic_file
 from replicator.coordinator.kube_overlay import KubeOverlay
 from replicator.coordinator.kube_shape import ShapeSettings
 from replicator.coordinator.kube_watch import ShapeWatcher, WatchSettings
-from replicator.coordinator.state import ClusterState, NodeIdTaken, NotReady, UnknownIncarnation
+from replicator.coordinator.state import (
+    ClusterState,
+    NodeIdTaken,
+    NotReady,
+    UnknownIncarnation,
+)
 from replicator.wire import tls
 from replicator.wire.bearer import read_token, require_bearer
 from replicator.wire.http_errors import error_response
@@ -135,6 +149,22 @@ class KubeSettings:
     kubeconfig: str | None = None
     namespace: str | None = None
     shape: ShapeSettings = dataclasses.field(default_factory=ShapeSettings)
+
+
+def kube_config(settings: KubeSettings) -> KubeConfig:
+    """Where the API server is and how to authenticate: ``settings.kubeconfig``, else the pod's service account,
+    else ``$KUBECONFIG`` or ``~/.kube/config`` (lightkube's order).
+
+    Raises:
+      ValueError: none of them is usable; the message names what was tried and why it failed.
+    """
+    tried = settings.kubeconfig or "the pod's service account, $KUBECONFIG, ~/.kube/config"
+    try:
+        config = KubeConfig.from_file(settings.kubeconfig) if settings.kubeconfig else KubeConfig.from_env()
+        config.get()  # the current context: its cluster and user
+        return config
+    except (ConfigError, OSError, KeyError, TypeError, ValueError, yaml.YAMLError) as err:
+        raise ValueError(f"--kube: no usable API server configuration in {tried}: {err!r}") from None
 
 
 BadRequest = functools.partial(error_response, web.HTTPBadRequest)
@@ -466,7 +496,7 @@ async def _kube_watcher(app: web.Application):
     """Watches the API server for job shapes while the app runs; each new set goes to the overlay and wakes
     the long polls of the jobs whose shape changed."""
     settings: KubeSettings = app[_CONFIG_KEY].kube
-    config = KubeConfig.from_file(settings.kubeconfig) if settings.kubeconfig else KubeConfig.from_env()
+    config = kube_config(settings)
     client = AsyncClient(config, field_manager="mtc-coordinator")
     watcher = ShapeWatcher(client, WatchSettings(namespace=settings.namespace, shape=settings.shape),
                            on_change=lambda shapes: app[_CHANGES_KEY].wake(app[_OVERLAY_KEY].update(shapes)))  # fmt: skip

@@ -1,6 +1,8 @@
 """``mtc node``'s flags become one ``NodeConfig`` in sections, built once; flags that do not go
 together are refused before anything starts."""
 
+import pytest
+
 from replicator import cli
 from replicator.node.config import NodeConfig
 from replicator.pacing import timing
@@ -31,3 +33,17 @@ def test_a_peer_certificate_without_its_key_is_refused_before_the_agent_starts(m
     assert cli.main(["node", "--node-id", "n1", "--root", "/r", "--csi-endpoint", "unix:///c.sock", "--listen", "127.0.0.1:1",
                      "--peer-tls-cert", "cert.pem"]) == 2  # fmt: skip
     assert built == [] and "--peer-tls-cert and --peer-tls-key go together" in capsys.readouterr().err
+
+
+def test_coordinator_kube_without_a_usable_kubeconfig_is_one_line_and_exit_2(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(cli, "run_coordinator", lambda config: pytest.fail("the coordinator must not start"))
+    broken = tmp_path / "kubeconfig"
+    broken.write_text("apiVersion: v1\nkind: Config\n")
+    argv = ["coordinator", "--listen", "127.0.0.1:1", "--insecure", "--kube"]
+    assert cli.main([*argv, "--kubeconfig", str(broken)]) == 2
+    assert cli.main([*argv, "--kubeconfig", str(tmp_path / "missing")]) == 2
+    assert cli.main(["coordinator", "--listen", "127.0.0.1:1", "--insecure", "--kubeconfig", str(broken)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith(f"--kube: no usable API server configuration in {broken}: KeyError")
+    assert lines[1].startswith(f"--kube: no usable API server configuration in {tmp_path / 'missing'}: ConfigError")
+    assert lines[2] == "--kubeconfig and --kube-namespace need --kube"
