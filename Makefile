@@ -74,7 +74,7 @@ ORBAX_OLDEST_STAMP  := $(ORBAX_OLDEST_VENV)/.installed
 # The Orbax end-to-end subset: a local restore, and node losses restored from a peer (identical data, a replica).
 ORBAX_OLDEST_TESTS  := tests/e2e/test_e2e_orbax.py::test_sigkilled_job_resumes_at_newest_complete_step_with_identical_values \
                        tests/e2e/test_e2e_peer_tier.py::test_data_parallel_job_restores_lost_node_from_identical_peer_without_copies \
-                       tests/e2e/test_e2e_peer_tier.py::test_replicated_job_restores_lost_node_and_skips_a_corrupt_replica
+                       tests/e2e/test_e2e_peer_tier.py::test_replicated_job_saving_faster_than_it_replicates_restores_lost_node_and_skips_a_corrupt_replica
 
 # The PyTorch venv: the client (mtc_torch, examples/train_torch.py, its integration test in `make test`) and
 # the stock TorchTitan trainer (make e2e-torchtitan) share it. torch's Linux wheel is a CUDA build (about 3 GB
