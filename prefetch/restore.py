@@ -22,6 +22,7 @@ from prometheus_client import Counter, Histogram
 from csi_driver.ramdisk import Ramdisk
 from prefetch import staging
 from replicator.backup_tier.store import BackupError
+from replicator.local_tier import space
 from replicator.local_tier.job_keys import job_of
 from replicator.local_tier.job_meta import JobMeta, PodProgress
 from replicator.local_tier.log_once import LogOnce, report_to_job
@@ -49,6 +50,9 @@ for _label in (*Tier, NO_SOURCE, TIMED_OUT):
 # (meta, namespace, job, step, data rank, timeline) -> (verified step dir on the ramdisk, its manifest);
 # raises BackupError or OSError. ``BackupWorker.download``.
 BackupDownload = Callable[[JobMeta, str, str, int, int, int], Awaitable[tuple[str, StepManifest]]]
+# (ramdisk, bytes wanted free) -> None: gives up unsafe copies to make room (``space.make_room`` with the
+# job's latest retain order). ``NodeReplicator.make_room``.
+MakeRoom = Callable[[Ramdisk, int], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,11 +92,13 @@ class Restorer:
       download: the backup tier's verified download, or None to run without it.
       log_once: the agent's throttled error log.
       deadline_seconds: a restore gives up (and tells the job) after this long; below Orbax's 300 s.
+      make_room: called before a copy is fetched into a ramdisk without room for it, or None.
     """
 
     def __init__(self, node_id: str, peer_token: str | None, peer_ssl: ssl.SSLContext | None, download: BackupDownload | None,
-                 log_once: LogOnce, deadline_seconds: float = timing.RESTORE_DEADLINE_SECONDS):  # fmt: skip
+                 log_once: LogOnce, deadline_seconds: float = timing.RESTORE_DEADLINE_SECONDS, make_room: MakeRoom | None = None):  # fmt: skip
         self.node_id = node_id
+        self._make_room = make_room
         self._peer_token = peer_token
         self._peer_ssl = peer_ssl
         self._download = download
@@ -188,13 +194,27 @@ class Restorer:
         """
         if source.files is not None and (missing := meta.framework.missing_commit_evidence(source.files)):
             raise UnusableCopy(f"its checksums lack {missing}")
-        if source.holder == self.node_id and source.data_rank == progress.rank:
+        local = source.holder == self.node_id and source.data_rank == progress.rank
+        if not local and source.files is not None:
+            await asyncio.to_thread(self._room_for, disk, view.step, sum(size for size, _ in source.files.values()))
+        if local:
             await asyncio.to_thread(staging.stage_local, meta.framework, disk.client_dir, view.step, meta.manifests().get(view.step), meta,
                                     progress.rank)  # fmt: skip
         elif source.tier == Tier.BACKUP:
             await self._stage_from_backup(disk, meta, progress, view, source)
         else:
             await self._stage_from_peer(session, disk, meta, progress, view, source)
+
+    def _room_for(self, disk: Ramdisk, step: int, need: int) -> None:
+        """Makes room for a fetched copy of ``need`` bytes, giving up unsafe copies if it must.
+
+        Raises:
+          _Unreachable: it does not fit even so (tried again: GC or a restore elsewhere may free space).
+        """
+        if space.free_bytes(disk.path) < need and self._make_room is not None:
+            self._make_room(disk, need)
+        if (free := space.free_bytes(disk.path)) < need:
+            raise _Unreachable(f"step {step} ({need} bytes) does not fit, not fetched: {free} bytes free; {space.describe_use(disk)}")
 
     async def _stage_from_peer(self, session: aiohttp.ClientSession, disk: Ramdisk, meta: JobMeta, progress: PodProgress, view: RestoreView,
                                source: Source) -> None:  # fmt: skip

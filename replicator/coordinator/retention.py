@@ -56,7 +56,8 @@ def _every_rank_held(job: JobState, liveness: Liveness, step: int, nodes: int, w
 
 
 def retain_order(key: JobRef, job: JobState) -> RetainOrder | None:
-    """Keep from the safe step, protecting the step being backed up and the step being restored;
+    """Keep from the safe step, protecting the step being backed up, the step being restored and the
+    replication round's step (a node under pressure gives up only unsafe steps no order protects);
     None while nothing is safe or a rollback is pending (any step up to it may be needed)."""
     if job.decided.safe is None or (job.forced_step is not None and not job.forked):
         return None
@@ -64,6 +65,8 @@ def retain_order(key: JobRef, job: JobState) -> RetainOrder | None:
     protected = {job.backup_pending} if job.backup_pending is not None else set()
     if incarnation and incarnation.plan and incarnation.plan.step is not None:
         protected.add(incarnation.plan.step)
+    if job.decided.round is not None:
+        protected.add(job.decided.round)
     return RetainOrder(key.namespace, key.job, job.decided.safe, tuple(sorted(protected)))
 
 

@@ -21,8 +21,8 @@ from csi_driver.ramdisk import Ramdisk, RamdiskManager
 from prefetch.restore import Restorer
 from replicator.backup_tier.store import BackupStore
 from replicator.backup_tier.worker import BackupWorker
-from replicator.local_tier import steps
-from replicator.local_tier.job_keys import BusySteps, by_job
+from replicator.local_tier import space, steps
+from replicator.local_tier.job_keys import BusySteps, by_job, job_of
 from replicator.local_tier.job_meta import JobMeta
 from replicator.local_tier.log_once import LogOnce
 from replicator.local_tier.steps import drop_abandoned
@@ -36,7 +36,7 @@ from replicator.pacing import timing
 from replicator.pacing.cpu_share import CpuShare
 from replicator.wire import tls
 from replicator.wire.coordinator_client import CoordinatorClient, CoordinatorUnavailable
-from replicator.wire.messages import Assignment, JobRef, Lineage, NodeReport, PodReport
+from replicator.wire.messages import Assignment, JobRef, Lineage, NodeReport, PodReport, RetainOrder
 
 log = logging.getLogger(__name__)
 
@@ -75,12 +75,13 @@ class NodeReplicator:
         self._busy_steps = BusySteps()  # being read by a push or an upload: GC keeps them
         self._log_once = LogOnce()
         self._assignments: dict[str, Assignment] = {}
+        self._retain: dict[JobRef, RetainOrder] = {}  # the latest reply's: what ``space.make_room`` may give up
         self._backup = (
             BackupWorker(backup_store, config.backup.keep, self._busy_steps, self._error_to_job, self.poke, share) if backup_store else None
         )
         self._pusher = Pusher(peer_token, share, self._busy_steps, self._log_once, config.pacing.min_push_interval_seconds) if peer_token else None
         self._restorer = Restorer(config.node_id, peer_token, self._peer_ssl, self._backup.download if self._backup else None,
-                                  self._log_once, config.pacing.restore_deadline_seconds)  # fmt: skip
+                                  self._log_once, config.pacing.restore_deadline_seconds, self.make_room)  # fmt: skip
         self._commits = CommitDetector(share, self.poke)
         self._listing: asyncio.Task | None = None
         self._wake = asyncio.Event()
@@ -198,6 +199,7 @@ class NodeReplicator:
         if self._pusher is not None:
             for order in reply.replicate:
                 self._pusher.start(self._session, disks, order)
+        self._retain = {JobRef(order.namespace, order.job): order for order in reply.retain}
         for order in reply.retain:
             if (disk := disks.get(JobRef(order.namespace, order.job))) is not None:
                 await asyncio.to_thread(collect_garbage, disk, order, self._busy_steps)
@@ -275,7 +277,34 @@ class NodeReplicator:
             if progress.settings is not None and not progress.restore_done:
                 await self._restorer.restore(client, self._session, disk, meta, progress, lambda: self._beat(key))
             await self._commits.detect(disk, meta, progress)
+            if progress.restore_done:
+                await asyncio.to_thread(self._keep_room, key, disk, meta)
         except Exception as err:
             LOOP_ERRORS.labels("job").inc()
             self._log_once(f"watch-{key}", f"{key}: error in the job's protocol loop, retrying: {err!r}")
         return True
+
+    def make_room(self, disk: Ramdisk, need: int) -> None:
+        """Gives up unsafe copies on ``disk`` until ``need`` bytes are free or none is left
+        (``space.make_room``, with the job's latest retain order); logs each one."""
+        key = job_of(disk)
+        order = self._retain.get(key)
+        for copy in space.make_room(disk, order, self._busy_steps.of(key), need):
+            space.GIVEN_UP.inc()
+            log.warning("%s/%s: gave up %s step %d (%d bytes, not safe) to free %d bytes; the newest safe step is %d",
+                        key.namespace, key.job, "its own" if copy.own else f"rank {copy.rank}'s replica of", copy.step, copy.bytes, need,
+                        order.keep_from)  # fmt: skip
+
+    def _keep_room(self, key: JobRef, disk: Ramdisk, meta: JobMeta) -> None:
+        """Keeps the job's next save's bytes free (``space``): gives up unsafe copies when they are not,
+        and tells the job, with the numbers, when its ramdisk is full anyway (a save that does not fit)."""
+        need = space.next_save_bytes(meta)
+        if space.free_bytes(disk.path) >= need and not space.is_full(disk.path):
+            return
+        self.make_room(disk, need)
+        if space.is_full(disk.path):
+            order = self._retain.get(key)
+            safe = f"the newest safe step is {order.keep_from}" if order else "no step is safe yet"
+            expected = f"the next save needs about {need} bytes" if need else "no save has completed on it yet"
+            self._log_once(f"full-{key}", f"ramdisk too small: {space.describe_use(disk)}; {expected}, and nothing unsafe is left to give up"
+                           f" ({safe}); make the volume's size larger (docs/operations.md#sizing)", meta)  # fmt: skip

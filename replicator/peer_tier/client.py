@@ -32,7 +32,7 @@ from replicator.local_tier.incoming import pwrite_all
 from replicator.local_tier.step_manifest import CorruptCopy, StepManifest, UnusableCopy, crc32c_combine, safe_relpath
 from replicator.pacing import timing
 from replicator.pacing.cpu_share import CpuShare
-from replicator.peer_tier.protocol import COMMIT_SUFFIX, FILES_SUFFIX, MANIFEST_SUFFIX, STEP_PATH, UPLOAD_HEADER
+from replicator.peer_tier.protocol import COMMIT_SUFFIX, FILES_SUFFIX, MANIFEST_SUFFIX, STEP_BYTES_HEADER, STEP_PATH, UPLOAD_HEADER
 from replicator.wire.bearer import auth_header
 from replicator.wire.http_errors import error_of
 
@@ -345,13 +345,13 @@ async def push_step(session: aiohttp.ClientSession, base_url: str, token: str, n
       share: the agent's CPU cap while the job trains, or None.
 
     Raises:
-      PeerFetchError: the peer could not be reached or refused a file or the commit (507 when its
-        ramdisk is full, 422 with the problems when the files do not match ``manifest``).
+      PeerFetchError: the peer could not be reached or refused a file or the commit (507 when the
+        step does not fit on its ramdisk beside its job's next save, 422 with the problems when the files do not match ``manifest``).
       OSError: a file of ``step_dir`` could not be read; ``pod_files.UnsafeEntry`` when it is not a
         regular file.
     """
     url = _step_url(base_url, namespace, job, manifest.rank, manifest.step)
-    headers = {**auth_header(token), UPLOAD_HEADER: uuid.uuid4().hex}
+    headers = {**auth_header(token), UPLOAD_HEADER: uuid.uuid4().hex, STEP_BYTES_HEADER: str(manifest.total_bytes)}
 
     async def put(root: int, rel: str) -> None:
         # Opened without following links: the step may be the pod's own directory.

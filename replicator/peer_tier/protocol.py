@@ -19,3 +19,6 @@ COMMIT_SUFFIX = "/commit"  # POST the manifest: verify a push and install it as 
 # A push names its upload with this header on every PUT and on the commit; the client picks the id.
 UPLOAD_HEADER = "X-MTC-Upload"
 UPLOAD_ID = re.compile(r"^[0-9a-f]{16,64}$")
+# ... and declares the step's total bytes on every PUT: the receiver refuses a step that would not fit
+# beside the job's next save before any byte of it is written (``replicator.local_tier.space``).
+STEP_BYTES_HEADER = "X-MTC-Step-Bytes"

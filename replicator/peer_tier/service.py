@@ -10,9 +10,11 @@ requiring ``Authorization: Bearer <token>`` (401 otherwise); paths and header na
   A 404 from these two proves the node no longer holds the copy (the fetching node never tries it
   again), so a lookup that met the step's directory being moved is made again before it is sent.
 - ``PUT  .../ranks/{rank}/steps/{step}/files/{path}``: one file of a replica push, with header
-  ``X-MTC-Upload: <hex id>`` chosen by the client; the body streams into that upload's incoming dir.
-  201 ``{"bytes": n}``; 507 when it does not fit on the ramdisk. Any failed PUT discards the upload
-  (410 for its later PUTs).
+  ``X-MTC-Upload: <hex id>`` chosen by the client and ``X-MTC-Step-Bytes: <the step's total bytes>``;
+  the body streams into that upload's incoming dir. 201 ``{"bytes": n}``; 507 when it does not fit on
+  the ramdisk, and already on the upload's first PUT when the whole step would not fit beside the job's
+  next save and the other uploads in progress (``replicator.local_tier.space``). Any failed PUT
+  discards the upload (410 for its later PUTs).
 - ``POST .../ranks/{rank}/steps/{step}/commit``: body = the manifest, same header. Verifies the upload
   against it and only then installs it as a replica: 200 ``{"rank", "step", "bytes"}``, or 422
   ``{"error", "problems": [...]}`` and the upload is deleted. A half-received replica is never visible.
@@ -34,7 +36,7 @@ import tenacity
 from aiohttp import web
 
 from csi_driver.volume_request import DNS1123_LABEL
-from replicator.local_tier import pod_files
+from replicator.local_tier import pod_files, space
 from replicator.local_tier.job_meta import JobMeta
 from replicator.local_tier.step_manifest import StepManifest, safe_relpath, verify_step
 from replicator.pacing.cpu_share import CpuShare
@@ -42,6 +44,7 @@ from replicator.peer_tier.protocol import (
     COMMIT_SUFFIX,
     FILES_SUFFIX,
     MANIFEST_SUFFIX,
+    STEP_BYTES_HEADER,
     STEP_PATH,
     STEPS_PATH,
     UPLOAD_HEADER,
@@ -60,12 +63,6 @@ _LOOKUP_ATTEMPTS = tenacity.stop_after_attempt(3)
 _LOOKUP_WAIT = tenacity.wait_fixed(0.05)  # seconds between lookups
 
 
-def _free_bytes(path: str) -> int:
-    """Bytes an unprivileged writer may still put on the filesystem of ``path``."""
-    stats = os.statvfs(path)
-    return stats.f_bavail * stats.f_frsize
-
-
 @dataclasses.dataclass(frozen=True)
 class _StepRef:
     """A request's job and (rank, step), parsed and with the job's ramdisk found."""
@@ -82,6 +79,8 @@ class _Upload:
 
     directory: str
     target: tuple[str, int, int]  # (ramdisk, rank, step)
+    declared: int = 0  # the step's total bytes, as the client declared them
+    written: int = 0  # bytes received so far
     active: int = 0
     last_used: float = dataclasses.field(default_factory=time.monotonic)
     discarded: bool = False
@@ -99,18 +98,28 @@ class _Uploads:
     def __init__(self):
         self._by_id: dict[str, _Upload] = {}
 
-    def acquire(self, upload_id: str, ref: _StepRef) -> _Upload:
-        """The upload for a PUT (created on first use); pair with ``release``."""
+    def acquire(self, upload_id: str, ref: _StepRef, declared: int) -> _Upload:
+        """The upload for a PUT (created on first use, if the step's ``declared`` bytes fit); pair with ``release``."""
         upload = self._by_id.get(upload_id)
         if upload is None:
             self._forget_idle()
-            upload = self._by_id[upload_id] = _Upload(ref.meta.new_incoming_dir(), (ref.ramdisk, ref.rank, ref.step))
+            self._check_room(ref, declared)
+            upload = self._by_id[upload_id] = _Upload(ref.meta.new_incoming_dir(), (ref.ramdisk, ref.rank, ref.step), declared)
         elif upload.discarded:
             raise error_response(web.HTTPGone, f"upload {upload_id} was discarded after an error; push again with a new id")
         elif upload.target != (ref.ramdisk, ref.rank, ref.step):
             raise error_response(web.HTTPConflict, f"upload {upload_id} belongs to another job, rank or step")
         upload.active += 1
         return upload
+
+    def _check_room(self, ref: _StepRef, declared: int) -> None:
+        """Refuses (507) a new upload of ``declared`` bytes that would not leave the job's next save
+        room beside it and the bytes other uploads to the ramdisk still have to write."""
+        free, kept = space.free_bytes(ref.ramdisk), space.next_save_bytes(ref.meta)
+        pending = sum(max(0, u.declared - u.written) for u in self._by_id.values() if u.target[0] == ref.ramdisk and not u.discarded)
+        if declared + kept + pending > free:
+            raise error_response(web.HTTPInsufficientStorage, f"rank {ref.rank} step {ref.step} ({declared} bytes) does not fit: the ramdisk has"
+                                 f" {free} bytes free, keeps {kept} for the job's next save and {pending} for uploads in progress")  # fmt: skip
 
     def release(self, upload: _Upload) -> None:
         upload.active -= 1
@@ -160,6 +169,14 @@ def _upload_id(request: web.Request) -> str:
     if not UPLOAD_ID.match(value):
         raise error_response(web.HTTPBadRequest, f"header {UPLOAD_HEADER} must be 16-64 lowercase hex digits")
     return value
+
+
+def _declared_bytes(request: web.Request) -> int:
+    """The push's ``X-MTC-Step-Bytes`` (0 when a client sends none: each file is then checked alone)."""
+    value = request.headers.get(STEP_BYTES_HEADER, "0")
+    if not (value.isascii() and value.isdigit() and len(value) <= 20):
+        raise error_response(web.HTTPBadRequest, f"header {STEP_BYTES_HEADER} must be a non-negative integer")
+    return int(value)
 
 
 def _open_inside(step_dir: str, rel: str) -> int:
@@ -287,12 +304,13 @@ class _PeerService:
 
     async def put_file(self, request: web.Request) -> web.Response:
         ref, rel, upload_id = self._step_ref(request), _path_param(request), _upload_id(request)
-        free = _free_bytes(ref.ramdisk)
-        upload = self._uploads.acquire(upload_id, ref)
+        free = space.free_bytes(ref.ramdisk)
+        upload = self._uploads.acquire(upload_id, ref, _declared_bytes(request))
         try:
             if request.content_length is not None and request.content_length > free:
                 raise OSError(errno.ENOSPC, "Content-Length exceeds free space")  # handled as a full disk below
             written = await _receive(request, os.path.join(upload.directory, rel), self._share)
+            upload.written += written
         except BaseException as err:
             self._uploads.discard(upload)
             if isinstance(err, OSError) and err.errno == errno.ENOSPC:

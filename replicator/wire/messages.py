@@ -268,7 +268,9 @@ class ReplicateOrder(msgspec.Struct, frozen=True, gc=False):
 
 
 class RetainOrder(msgspec.Struct, frozen=True, gc=False):
-    """Garbage collection: delete the job's steps and replicas older than ``keep_from``, except ``protected``."""
+    """Garbage collection: delete the job's steps and replicas older than ``keep_from``, except ``protected``.
+    Under pressure a node may also give up steps newer than ``keep_from`` that are not ``protected``
+    (``replicator.local_tier.space``)."""
 
     namespace: Name
     job: Name

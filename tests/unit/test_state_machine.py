@@ -396,6 +396,8 @@ def test_ranks_saving_out_of_phase_replicate_one_round_step_until_it_is_safe():
     assert state.safe_step(KEY) == 1
     orders = heartbeat({0: 5, 1: 4, 2: 5, 3: 4}, 3.0)
     assert orders == {node: [4] for node in range(nodes)}  # the newest step every rank holds
+    retain = state.job(KEY).retain
+    assert (retain.keep_from, retain.protected) == (1, (4,))  # the round's step is never given up under pressure
     push_round(orders)
     heartbeat({0: 6, 1: 6, 2: 6, 3: 5}, 3.5)
     assert state.safe_step(KEY) == 4

@@ -1,0 +1,114 @@
+"""Space on a job's ramdisk: what the job's next save needs, and giving up unsafe copies to make room.
+
+A ramdisk holds the job's own steps, other ranks' replicas, replicas being received and a restore's
+staging. Our copies must never take the space of the job's own next save:
+
+- a replica receive starts only if the job's next save still fits beside it (``next_save_bytes``;
+  the peer service refuses it with 507 otherwise, and the push is tried again later);
+- a restore staging starts only if it fits;
+- when less than the next save is free, copies of steps newer than the newest safe step are given up,
+  oldest first (``make_room``), but never the safe step's (so no rank loses its last restorable
+  copy), never a step the coordinator protects (the replication round's, the one being restored,
+  the one being backed up), and never the job's newest committed step (about to become safe, and
+  the one a restore of every node would pick). While nothing is safe or a rollback is pending (no
+  retain order), nothing is given up: any step may be the one restored.
+
+What a ramdisk must hold at most, then (docs/operations.md, Sizing): the safe step, the newest step,
+the save in flight, and for data parallelism 1 with ``--replicas r`` also the r replicas this node
+hosts of the safe step and of the round's step and the round's own step: 3 x shard, (2r + 4) x
+shard for data parallelism 1; each plus ``SAVE_MARGIN``.
+"""
+
+import dataclasses
+import os
+
+from prometheus_client import Counter
+
+from csi_driver.ramdisk import Ramdisk
+from replicator.local_tier.job_meta import JobMeta
+from replicator.local_tier.steps import delete_step
+from replicator.wire.messages import RetainOrder
+
+GIVEN_UP = Counter("mtc_copies_given_up_total", "Unsafe copies deleted to keep room for the job's next save")
+
+# The next save is taken as the newest own save's bytes plus this share: tmpfs rounds every file up
+# to a page, and a save writes metadata beside its arrays.
+SAVE_MARGIN = 0.1
+# Below this many bytes free (or 1 % of the ramdisk, whichever is more) the ramdisk counts as full.
+FULL_BYTES = 1 << 20
+
+
+def free_bytes(path: str) -> int:
+    """Bytes still free on the filesystem of ``path`` for an unprivileged writer."""
+    stats = os.statvfs(path)
+    return stats.f_bavail * stats.f_frsize
+
+
+def is_full(path: str) -> bool:
+    """True when the filesystem of ``path`` has less than ``FULL_BYTES`` or 1 % of its size free."""
+    stats = os.statvfs(path)
+    return stats.f_bavail * stats.f_frsize < max(FULL_BYTES, stats.f_blocks * stats.f_frsize // 100)
+
+
+def next_save_bytes(meta: JobMeta) -> int:
+    """Bytes the job's next save is expected to need: its newest committed step's bytes plus
+    ``SAVE_MARGIN``; 0 before its first save."""
+    manifests = meta.manifests()
+    return int(manifests[max(manifests)].total_bytes * (1 + SAVE_MARGIN)) if manifests else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class GivenUp:
+    """A copy ``make_room`` deleted: ``rank``'s ``step`` (the node's own step when ``own``), ``bytes`` of it."""
+
+    rank: int
+    step: int
+    bytes: int
+    own: bool
+
+
+def make_room(disk: Ramdisk, order: RetainOrder | None, busy: set[int], need: int) -> list[GivenUp]:
+    """Gives up unsafe copies, oldest step first (replicas before own steps of the same step), until
+    ``need`` bytes are free or none is left to give up (see the module docstring for what is kept).
+
+    Args:
+      disk: the job's ramdisk.
+      order: the coordinator's latest retain order for the job (its ``keep_from`` is the newest safe
+        step), or None: nothing is given up.
+      busy: steps being read (a push, an upload): kept.
+      need: bytes wanted free.
+
+    Returns:
+      The copies deleted, in order.
+    """
+    if order is None or free_bytes(disk.path) >= need:
+        return []
+    meta = JobMeta(disk.path)
+    manifests = meta.manifests()
+    keep = set(order.protected) | busy | ({max(manifests)} if manifests else set())
+    candidates = [(step, 0, m.rank, m.total_bytes) for step, m in manifests.items()]
+    candidates += [(step, -1, rank, m.total_bytes) for (rank, step), m in meta.replicas().items()]
+    given: list[GivenUp] = []
+    for step, own, rank, size in sorted(candidates):
+        if free_bytes(disk.path) >= need:
+            break
+        if step <= order.keep_from or step in keep:
+            continue
+        if own == 0:
+            meta.drop_manifest(step)  # first: a step is never reported once its deletion began
+            delete_step(meta.framework, disk.client_dir, step)
+        else:
+            meta.drop_replica(rank, step)
+        given.append(GivenUp(rank, step, size, own == 0))
+    return given
+
+
+def describe_use(disk: Ramdisk) -> str:
+    """One line on what fills the ramdisk: its size, our copies and the job's other files, in bytes."""
+    meta = JobMeta(disk.path)
+    stats = os.statvfs(disk.path)
+    size, free = stats.f_blocks * stats.f_frsize, stats.f_bavail * stats.f_frsize
+    own = sum(m.total_bytes for m in meta.manifests().values())
+    replicas = sum(m.total_bytes for m in meta.replicas().values())
+    return (f"the ramdisk holds {size} bytes, {free} free: committed steps {own}, other ranks' replicas {replicas},"
+            f" the rest ({max(0, size - free - own - replicas)}) is being written by the job or received")
