@@ -13,12 +13,10 @@ staging. Our copies must never take the space of the job's own next save:
   the one a restore of every node would pick). While nothing is safe or a rollback is pending (no
   retain order), nothing is given up: any step may be the one restored.
 
-What a ramdisk must hold at most, then (docs/operations.md, Sizing): the safe step, the newest step,
-the save in flight, and for data parallelism 1 with ``--replicas r`` also the r replicas this node
-hosts of the safe step and of the round's step and the round's own step: 3 x shard, (2r + 4) x
-shard for data parallelism 1; each plus ``SAVE_MARGIN``.
+What a ramdisk must hold, then (``shards_needed``, docs/operations.md, Sizing).
 """
 
+import contextlib
 import dataclasses
 import os
 
@@ -34,8 +32,34 @@ GIVEN_UP = Counter("mtc_copies_given_up_total", "Unsafe copies deleted to keep r
 # The next save is taken as the newest own save's bytes plus this share: tmpfs rounds every file up
 # to a page, and a save writes metadata beside its arrays.
 SAVE_MARGIN = 0.1
-# Below this many bytes free (or 1 % of the ramdisk, whichever is more) the ramdisk counts as full.
-FULL_BYTES = 1 << 20
+# Below 1 % of its size free (at least a page) a ramdisk counts as full: a save cannot go on.
+_PAGE = 4096
+
+
+# Kept allocated in the agent's area of every ramdisk, and deleted just before the agent tells the job
+# its ramdisk is full: a report needs a few pages, and a full ramdisk has none.
+RESERVE_BYTES = 16 << 10
+_RESERVE = "space-reserve"
+
+
+def keep_reserve(meta: JobMeta) -> None:
+    """Creates the reserve (``RESERVE_BYTES`` of pages) when it is missing and fits."""
+    path = os.path.join(meta.root, _RESERVE)
+    if os.path.exists(path) or free_bytes(meta.root) < 2 * RESERVE_BYTES:
+        return
+    try:
+        with open(path + ".tmp", "wb") as f:
+            f.write(bytes(RESERVE_BYTES))  # written, not truncated: tmpfs allocates pages only as they are written
+        os.replace(path + ".tmp", path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(path + ".tmp")
+
+
+def release_reserve(meta: JobMeta) -> None:
+    """Deletes the reserve, freeing its pages for a report to the job."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(meta.root, _RESERVE))
 
 
 def free_bytes(path: str) -> int:
@@ -45,9 +69,20 @@ def free_bytes(path: str) -> int:
 
 
 def is_full(path: str) -> bool:
-    """True when the filesystem of ``path`` has less than ``FULL_BYTES`` or 1 % of its size free."""
+    """True when the filesystem of ``path`` has less than 1 % of its size (or a page) free."""
     stats = os.statvfs(path)
-    return stats.f_bavail * stats.f_frsize < max(FULL_BYTES, stats.f_blocks * stats.f_frsize // 100)
+    return stats.f_bavail * stats.f_frsize < max(_PAGE, stats.f_blocks * stats.f_frsize // 100)
+
+
+def shards_needed(data_parallelism: int, replicas: int) -> int:
+    """How many shards (one rank's save) a ramdisk must hold, by the sizing rule; add ``SAVE_MARGIN``.
+
+    Data parallelism 2 or more: the newest safe step and the save in flight (a step is safe once its
+    data-parallel peer reported the same checksums, a report round after the save). Data parallelism 1
+    with ``replicas`` replicas per step: the safe step and the replicas this node hosts of it, the
+    replication round's step and the replicas it receives of it, the newest save, and the save in flight.
+    """
+    return 2 if data_parallelism > 1 else 2 * replicas + 4
 
 
 def next_save_bytes(meta: JobMeta) -> int:

@@ -82,6 +82,12 @@ class NodeAgent:
         disk = self.manager.ramdisks().get((namespace, job))
         return disk.path if disk else None
 
+    def _make_room(self, namespace: str, job: str, need: int) -> None:
+        """Gives up unsafe copies of the job's ramdisk for a replica it receives (``NodeReplicator.make_room``)."""
+        disk = self.manager.ramdisks().get((namespace, job))
+        if disk is not None and self.replicator is not None:
+            self.replicator.make_room(disk, need)
+
     def healthy(self) -> bool:
         """Recovered and serving, and no replicator loop is wedged."""
         return self.ready.is_set() and (self.replicator is None or self.replicator.healthy())
@@ -104,7 +110,7 @@ class NodeAgent:
         app = web.Application()
         app.add_routes([web.get("/healthz", healthz), web.get("/metrics", metrics)])
         if self.peer_token is not None:
-            add_peer_routes(app, self._ramdisk_path, self.peer_token, self.share)
+            add_peer_routes(app, self._ramdisk_path, self.peer_token, self.share, self._make_room)
         return app
 
     async def run(self, stop: asyncio.Event) -> None:

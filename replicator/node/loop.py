@@ -23,7 +23,7 @@ from replicator.backup_tier.store import BackupStore
 from replicator.backup_tier.worker import BackupWorker
 from replicator.local_tier import space, steps
 from replicator.local_tier.job_keys import BusySteps, by_job, job_of
-from replicator.local_tier.job_meta import JobMeta
+from replicator.local_tier.job_meta import JobMeta, PodProgress
 from replicator.local_tier.log_once import LogOnce
 from replicator.local_tier.steps import drop_abandoned
 from replicator.node import handshake
@@ -75,6 +75,7 @@ class NodeReplicator:
         self._busy_steps = BusySteps()  # being read by a push or an upload: GC keeps them
         self._log_once = LogOnce()
         self._assignments: dict[str, Assignment] = {}
+        self._replicas = config.peer.replicas if peer_token else 0  # replicas of each step this node may host
         self._retain: dict[JobRef, RetainOrder] = {}  # the latest reply's: what ``space.make_room`` may give up
         self._backup = (
             BackupWorker(backup_store, config.backup.keep, self._busy_steps, self._error_to_job, self.poke, share) if backup_store else None
@@ -278,7 +279,7 @@ class NodeReplicator:
                 await self._restorer.restore(client, self._session, disk, meta, progress, lambda: self._beat(key))
             await self._commits.detect(disk, meta, progress)
             if progress.restore_done:
-                await asyncio.to_thread(self._keep_room, key, disk, meta)
+                await asyncio.to_thread(self._keep_room, key, disk, meta, progress)
         except Exception as err:
             LOOP_ERRORS.labels("job").inc()
             self._log_once(f"watch-{key}", f"{key}: error in the job's protocol loop, retrying: {err!r}")
@@ -295,16 +296,30 @@ class NodeReplicator:
                         key.namespace, key.job, "its own" if copy.own else f"rank {copy.rank}'s replica of", copy.step, copy.bytes, need,
                         order.keep_from)  # fmt: skip
 
-    def _keep_room(self, key: JobRef, disk: Ramdisk, meta: JobMeta) -> None:
+    def _keep_room(self, key: JobRef, disk: Ramdisk, meta: JobMeta, progress: PodProgress) -> None:
         """Keeps the job's next save's bytes free (``space``): gives up unsafe copies when they are not,
-        and tells the job, with the numbers, when its ramdisk is full anyway (a save that does not fit)."""
+        and tells the job, with the numbers, when its ramdisk is below the sizing rule for the saves it
+        makes, or full anyway (a save that does not fit)."""
         need = space.next_save_bytes(meta)
+        if need and progress.settings is not None:
+            shards = space.shards_needed(progress.settings.data_parallelism, self._replicas)
+            if disk.size_bytes < shards * need:
+                self._log_once(f"sizing-{key}-{progress.incarnation}", f"ramdisk below the sizing rule: it holds {disk.size_bytes} bytes, a save of"
+                               f" this job takes about {need}, and with data parallelism {progress.settings.data_parallelism} it needs"
+                               f" {shards} of them ({shards * need} bytes); saves may fail or steps become safe later"
+                               f" (docs/operations.md#sizing)", meta)  # fmt: skip
         if space.free_bytes(disk.path) >= need and not space.is_full(disk.path):
+            space.keep_reserve(meta)
             return
         self.make_room(disk, need)
         if space.is_full(disk.path):
             order = self._retain.get(key)
             safe = f"the newest safe step is {order.keep_from}" if order else "no step is safe yet"
-            expected = f"the next save needs about {need} bytes" if need else "no save has completed on it yet"
-            self._log_once(f"full-{key}", f"ramdisk too small: {space.describe_use(disk)}; {expected}, and nothing unsafe is left to give up"
-                           f" ({safe}); make the volume's size larger (docs/operations.md#sizing)", meta)  # fmt: skip
+            expected = f"a save of this job takes about {need} bytes" if need else "no save has completed on it yet"
+            message = (f"ramdisk too small: {space.describe_use(disk)}; {expected}, and nothing unsafe is left to give up ({safe});"
+                       f" make the volume's size larger (docs/operations.md#sizing)")  # fmt: skip
+            space.release_reserve(meta)  # the report needs pages; each pod of the job hears it once
+            try:
+                self._log_once(f"full-{key}-{progress.pod_uid}", message, meta)
+            except OSError as err:  # no page left even so: the log line has it
+                log.warning("%s/%s: could not write replicator.errors on the full ramdisk: %s", key.namespace, key.job, err)

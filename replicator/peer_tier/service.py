@@ -53,6 +53,9 @@ from replicator.peer_tier.protocol import (
 from replicator.wire.bearer import require_bearer
 from replicator.wire.http_errors import error_response
 
+# (namespace, job, bytes wanted free) -> None: ``NodeReplicator.make_room`` for that job's ramdisk.
+MakeRoom = Callable[[str, str, int], None]
+
 _MAX_MANIFEST_BYTES = 16 << 20
 _RECEIVE_CHUNK_BYTES = 1 << 20
 _UPLOAD_IDLE_SECONDS = 600.0  # an upload untouched this long was abandoned by its client
@@ -112,14 +115,23 @@ class _Uploads:
         upload.active += 1
         return upload
 
-    def _check_room(self, ref: _StepRef, declared: int) -> None:
-        """Refuses (507) a new upload of ``declared`` bytes that would not leave the job's next save
-        room beside it and the bytes other uploads to the ramdisk still have to write."""
-        free, kept = space.free_bytes(ref.ramdisk), space.next_save_bytes(ref.meta)
+    def known(self, upload_id: str) -> bool:
+        return upload_id in self._by_id
+
+    def room_needed(self, ref: _StepRef, declared: int) -> tuple[int, int]:
+        """(bytes a new upload of ``declared`` bytes needs free: itself, the job's next save and what
+        other uploads to the ramdisk still have to write; the part of it that is the next save's)."""
+        kept = space.next_save_bytes(ref.meta)
         pending = sum(max(0, u.declared - u.written) for u in self._by_id.values() if u.target[0] == ref.ramdisk and not u.discarded)
-        if declared + kept + pending > free:
+        return declared + kept + pending, kept
+
+    def _check_room(self, ref: _StepRef, declared: int) -> None:
+        """Refuses (507) a new upload of ``declared`` bytes that does not fit (``room_needed``)."""
+        (needed, kept), free = self.room_needed(ref, declared), space.free_bytes(ref.ramdisk)
+        if needed > free:
             raise error_response(web.HTTPInsufficientStorage, f"rank {ref.rank} step {ref.step} ({declared} bytes) does not fit: the ramdisk has"
-                                 f" {free} bytes free, keeps {kept} for the job's next save and {pending} for uploads in progress")  # fmt: skip
+                                 f" {free} bytes free, keeps {kept} for the job's next save and {needed - declared - kept} for uploads"
+                                 f" in progress")  # fmt: skip
 
     def release(self, upload: _Upload) -> None:
         upload.active -= 1
@@ -246,9 +258,10 @@ async def _receive(request: web.Request, path: str, share: CpuShare | None) -> i
 class _PeerService:
     """The handlers, sharing the job lookup and the uploads in progress."""
 
-    def __init__(self, locate_ramdisk: Callable[[str, str], str | None], share: CpuShare | None):
+    def __init__(self, locate_ramdisk: Callable[[str, str], str | None], share: CpuShare | None, make_room: MakeRoom | None):
         self._locate_ramdisk = locate_ramdisk
         self._share = share
+        self._make_room = make_room
         self._uploads = _Uploads()
         self._install_lock = asyncio.Lock()  # install_replica of the same (rank, step) must not interleave
 
@@ -303,9 +316,13 @@ class _PeerService:
         return _DescriptorFileResponse(fd)
 
     async def put_file(self, request: web.Request) -> web.Response:
-        ref, rel, upload_id = self._step_ref(request), _path_param(request), _upload_id(request)
+        ref, rel, upload_id, declared = self._step_ref(request), _path_param(request), _upload_id(request), _declared_bytes(request)
+        if self._make_room is not None and not self._uploads.known(upload_id):
+            needed, _ = self._uploads.room_needed(ref, declared)
+            if needed > space.free_bytes(ref.ramdisk):
+                await asyncio.to_thread(self._make_room, request.match_info["namespace"], request.match_info["job"], needed)
         free = space.free_bytes(ref.ramdisk)
-        upload = self._uploads.acquire(upload_id, ref, _declared_bytes(request))
+        upload = self._uploads.acquire(upload_id, ref, declared)
         try:
             if request.content_length is not None and request.content_length > free:
                 raise OSError(errno.ENOSPC, "Content-Length exceeds free space")  # handled as a full disk below
@@ -341,7 +358,7 @@ class _PeerService:
 
 
 def add_peer_routes(app: web.Application, locate_ramdisk: Callable[[str, str], str | None], token: str,
-                    share: CpuShare | None = None) -> None:
+                    share: CpuShare | None = None, make_room: MakeRoom | None = None) -> None:
     """Adds the ``/v1/peer`` routes to the node agent's app.
 
     Args:
@@ -350,11 +367,13 @@ def add_peer_routes(app: web.Application, locate_ramdisk: Callable[[str, str], s
         Called with validated DNS-1123 labels only.
       token: the shared peer secret every request must present as ``Authorization: Bearer <token>``.
       share: the agent's CPU cap for receiving and verifying replicas (not for serving restores), or None.
+      make_room: called (in a thread) before a replica that does not fit is refused: it may give up
+        unsafe copies of the job (``replicator.local_tier.space``); or None.
 
     Raises:
       ValueError: ``token`` is empty.
     """
-    service = _PeerService(locate_ramdisk, share)
+    service = _PeerService(locate_ramdisk, share, make_room)
     app.add_routes([
         web.get(STEPS_PATH, require_bearer(service.list_steps, token)),
         web.get(STEP_PATH + MANIFEST_SUFFIX, require_bearer(service.get_manifest, token)),
