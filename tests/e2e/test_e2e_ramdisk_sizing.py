@@ -84,6 +84,8 @@ def test_ramdisk_sized_by_the_rule_never_fails_a_save_and_a_lost_node_restores_t
     given_up = sum(float(line.split()[-1]) for agent in cluster.agents for line in scrape(agent.url).splitlines()
                    if line.startswith("mtc_copies_given_up_total"))  # fmt: skip
     assert given_up > 0
+    warned = [line for agent in cluster.agents for line in open(agent.log_path) if "ramdisk below the sizing rule" in line or "ramdisk too small" in line]
+    assert warned == [], warned[:2]  # the rule holds for what the job saves
 
     lose_node_and_resume(cluster, job, 1, tmp_path, steps=max(before) + 6)
     restored = by_event(job.pods[0], "restored")[0]["step"]
