@@ -263,7 +263,8 @@ class CoordinatorProcess(_Stoppable):
 class LocalCluster:
     """A coordinator and node agents on 127.0.0.x, each a real process.
 
-    Node ``i`` listens on 127.0.0.<i+1> (pods on it too) and sits in topology block ``b<i // 2>``.
+    Node ``i`` listens on ``<subnet>.<i+1>`` (127.0.0.<i+1> by default; pods on it too) and sits in topology
+    block ``b<i // 2>``.
 
     Args:
       workdir: where every process keeps its root, socket and log.
@@ -279,11 +280,12 @@ class LocalCluster:
       kubeconfig: a kubeconfig of a real API server: the coordinator runs ``--kube`` with it, and the agents pass
         no ``--pod-address`` or ``--topology`` (pod IPs and node labels come from the API server). Node ``i`` is
         then the API server's Node ``node-<i>``.
+      subnet: the first three bytes of the nodes' loopback addresses, e.g. ``127.0.0``.
     """
 
     def __init__(self, workdir: str, listen_address: Callable[[str], str], replicas: int = 1, peer_tier: bool = True,
                  backup: str | None = None, env: dict[str, str] | None = None, agent_args: list[str] | None = None, agent_wrapper: list[str] | None = None,
-                 kubeconfig: str | None = None):  # fmt: skip
+                 kubeconfig: str | None = None, subnet: str = "127.0.0"):  # fmt: skip
         self.workdir = workdir
         self._listen_address = listen_address
         self.replicas = replicas
@@ -293,6 +295,7 @@ class LocalCluster:
         self.agent_args = agent_args or []
         self.agent_wrapper = agent_wrapper or []
         self.kubeconfig = kubeconfig
+        self.subnet = subnet
         self.token_file = os.path.join(workdir, "peer-token")
         os.makedirs(workdir, exist_ok=True)
         with open(self.token_file, "w", encoding="utf-8") as f:
@@ -314,7 +317,7 @@ class LocalCluster:
 
     def add_node(self, index: int, block: str | None = None) -> NodeAgentProcess:
         """Starts node ``index`` (a fresh node when its predecessor was lost)."""
-        host = f"127.0.0.{index + 1}"
+        host = f"{self.subnet}.{index + 1}"
         agent = NodeAgentProcess(
             f"node-{index}",
             os.path.join(self.workdir, f"node-{index}"),

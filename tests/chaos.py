@@ -20,6 +20,10 @@ deletes its copies older than that backup, but for the restored step), that each
 coordinator exited or reports unhealthy, and, at the end, that every restored array is
 bit-identical to an uninterrupted reference run of the same job.
 
+Network faults cut one node's agent from the coordinator or from the other agents (iptables drops), or
+put one node behind a lossy, rate-limited link; each node sits on this run's own loopback /24 and its
+agent sends from its own address (``tests/helpers/network.py``), so the rules touch nothing else.
+
 "Mid-push", "mid-upload", "mid-GC" and "mid-stage" kills are approximated by timing (a random
 delay after the event that starts the work, or the coordinator's pending backup); a row says
 when the work had visibly finished before the kill.
@@ -42,6 +46,7 @@ import urllib.request
 from collections.abc import Callable
 
 from examples.local_cluster import LocalCluster, LocalJob, NodeAgentProcess, unmount_all_below
+from tests.helpers import network
 from tests.helpers.jobs import assert_same_state, by_event, recreate, replace_node
 from tests.helpers.polling import wait_until
 from tests.helpers.ports import free_port, listen_address
@@ -57,6 +62,10 @@ _RAMDISK_FULL = 0.9
 _RESUME_TIMEOUT = 240.0  # seconds from recreation to the first step: beyond Orbax's 300 s marker wait is a failure anyway
 _BACKUP_TIMEOUT = 120.0
 _OUTAGE_SECONDS = 30.0
+# Partitions: past the coordinator's node timeout (4 s in LocalCluster), short of its holder grace (60 s).
+_PARTITION_SECONDS = (6.0, 30.0)
+_LOSS_PERCENT, _SLOW_LINK_MBIT = 1.0, 100.0
+_HOSTS = 100  # loopback hosts whose agents send from their own address: 4 nodes and the fresh nodes of losses
 
 
 @dataclasses.dataclass
@@ -89,8 +98,10 @@ class Chaos:
         self.workdir, self.variant, self.rng = workdir, variant, rng
         replicas, train = VARIANTS[variant]
         self.store = os.path.join(workdir, "object-store")
-        self.cluster = LocalCluster(os.path.join(workdir, "cluster"), listen_address,
-                                    replicas=replicas, backup=f"file://{self.store}")  # fmt: skip
+        # Nodes on this run's own /24, each agent sending from its address: network faults touch this run only.
+        self.cluster = LocalCluster(os.path.join(workdir, "cluster"), listen_address, replicas=replicas,
+                                    backup=f"file://{self.store}", agent_wrapper=network.AS_HOST, subnet=network.run_subnet())  # fmt: skip
+        self.network = contextlib.ExitStack()  # the loopback hosts' SNAT while the cluster runs
         self.job = LocalJob("chaos", [], workdir, [*TRAIN, *train, "--dump-dir", ""], jax_port=free_port("0.0.0.0"))
         self.all_pods = []  # every pod of every incarnation, for its events
         self.corrupt: set[tuple[int, int, str]] = set()  # (rank, step, holder) copies the suite damaged
@@ -101,6 +112,7 @@ class Chaos:
     # -- the job -----------------------------------------------------------------------------
 
     def start(self) -> None:
+        self.network.enter_context(network.loopback_hosts(f"{self.cluster.subnet}.{i}" for i in range(1, _HOSTS + 1)))
         self.cluster.start(NODES)
         self.job.agents = list(self.cluster.agents)
         self._start_pods()
@@ -353,6 +365,7 @@ class Chaos:
         for agent in self.cluster.agents:
             agent.resume()
         self.cluster.stop()
+        self.network.close()
         unmount_all_below(self.workdir)  # the pods' bind mounts
 
 
@@ -529,6 +542,59 @@ def store_outage(chaos: Chaos) -> None:
     chaos.restart(f"object store gone {_OUTAGE_SECONDS:.0f}s", chaos.newest_possible())
 
 
+def _cut(chaos: Chaos, what: str, side: list[str], others: list[str]) -> None:
+    """Cuts ``side`` from ``others`` for a random time past the coordinator's node timeout while the job
+    saves. Half of the cycles heal it, then a failure; the other half fail while it is on, so the restart
+    begins cut off and heals whenever the time is up (it may be in the restore)."""
+    seconds, during_failure = chaos.rng.uniform(*_PARTITION_SECONDS), chaos.rng.random() < 0.5
+    fail_at = chaos.rng.uniform(3.0, seconds - 2.0) if during_failure else seconds
+    installed = threading.Event()
+
+    def hold():
+        with network.partition(side, others):
+            installed.set()
+            time.sleep(seconds)
+
+    cut = threading.Thread(target=hold, name="partition")
+    cut.start()
+    try:
+        if not installed.wait(30):
+            raise RuntimeError("the partition's rules were not installed")
+        time.sleep(fail_at)
+        if not during_failure:
+            cut.join()
+            chaos.wait_saves(2)
+        chaos.fail()
+        label = f"{what} {seconds:.0f}s" + (f", failure {fail_at:.0f}s in" if during_failure else ", healed, failure")
+        chaos.restart(label, chaos.newest_possible())
+    finally:
+        cut.join()
+
+
+def partition_from_coordinator(chaos: Chaos) -> None:
+    """One node's agent cannot reach the coordinator (nor it the agent); the nodes still reach each other."""
+    agent = chaos.rng.choice(chaos.job.agents)
+    _cut(chaos, f"{agent.node_id} cut from the coordinator", [agent.listen], [chaos.cluster.coordinator.listen])
+
+
+def partition_from_peers(chaos: Chaos) -> None:
+    """One node's agent cannot reach the other agents (nor they it): in dp1 its pushes, and the pushes to it, fail.
+    The coordinator reaches every node."""
+    agent = chaos.rng.choice(chaos.job.agents)
+    _cut(chaos, f"{agent.node_id} cut from its peers", [agent.listen], [a.listen for a in chaos.job.agents if a is not agent])
+
+
+def lossy_slow_link(chaos: Chaos) -> None:
+    """Every packet from or to one node (its agent and its pod) crosses a lossy, slow link through a few
+    saves, the failure, the restore and the checks after it. No delay: this kernel has no netem."""
+    agent = chaos.rng.choice(chaos.job.agents)
+    host = agent.listen.rpartition(":")[0]
+    with network.lossy([host], _LOSS_PERCENT), network.rate_limited([host], _SLOW_LINK_MBIT):
+        chaos.wait_saves(2)
+        chaos.fail()
+        chaos.restart(f"{agent.node_id} link {_LOSS_PERCENT:g}% loss, {_SLOW_LINK_MBIT:g} Mbit/s", chaos.newest_possible())
+
+
 def _rollback(chaos: Chaos, pods_gone: bool) -> None:
     """``mtc restore-from`` the second newest backup (with the pods gone, or still published), then a
     preemption on the new timeline before it passes the abandoned one."""
@@ -577,6 +643,9 @@ FAULTS: dict[str, tuple[Callable[[Chaos], None], tuple[str, ...]]] = {
     "flip_replica": (flip_replica, ("dp2", "dp1")),
     "flip_backup": (flip_backup, ("dp2", "dp1")),
     "store_outage": (store_outage, ("dp2", "dp1")),
+    "partition_from_coordinator": (partition_from_coordinator, ("dp2", "dp1")),
+    "partition_from_peers": (partition_from_peers, ("dp2", "dp1")),
+    "lossy_slow_link": (lossy_slow_link, ("dp2", "dp1")),
     "rollback": (rollback, ("dp2", "dp1")),
     "rollback_no_pods": (rollback_no_pods, ("dp2", "dp1")),
 }

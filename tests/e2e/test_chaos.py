@@ -1,7 +1,8 @@
 """The chaos suite's fixed-seed subset, part of ``make test``: a real Orbax job (4 processes,
 2 slices, data parallelism 2) on real agents, coordinator and ``file://`` backup store survives
 six seeded faults, each restoring the newest possible step with values identical to an
-uninterrupted run. ``make chaos`` runs the long random sequence over every fault and both variants."""
+uninterrupted run; and, with data parallelism 1, a node cut from its peers. ``make chaos`` runs the
+long random sequence over every fault and both variants."""
 
 import random
 
@@ -23,6 +24,20 @@ def test_fixed_seed_faults_restore_the_newest_possible_step_with_identical_value
     assert len(rows) >= 6, table
     assert all(row.right for row in rows), table
     assert all(row.restored is not None for row in rows), table  # never a fresh start: a complete step always existed
+
+
+PARTITION_SEED = 101  # draws a cut that heals before the failure; the agent's pushes to its peers fail meanwhile
+
+
+def test_a_node_cut_from_its_peers_while_the_job_saves_costs_no_step(tmp_path):
+    """Data parallelism 1, ``--replicas 2``: one node's agent is cut from the other agents (iptables on its own
+    loopback address) for 6-30 s while the job saves, then every training process fails."""
+    rows = chaos.run(PARTITION_SEED, 1, "dp1", ["partition_from_peers"], str(tmp_path))
+    table = chaos.render(rows) + "\n" + chaos.summary(rows)
+    print(table)
+    assert len(rows) == 1 and "cut from its peers" in rows[0].fault, table
+    assert all(row.right for row in rows), table
+    assert rows[0].restored is not None, table
 
 
 def test_a_sequence_that_restored_no_step_compared_no_value_and_is_wrong(tmp_path):

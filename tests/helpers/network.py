@@ -1,0 +1,223 @@
+"""Network faults between processes on loopback: partitions (iptables drops) and slow or lossy links
+(``tc netem``), scoped to the addresses and ports of one run so that other runs on the machine are untouched.
+
+Every process on one machine sends from 127.0.0.1, whatever address it listens on, so a rule could not tell
+one node agent's traffic from another's. A *loopback host* fixes that: a process started under
+``python -m tests.helpers.network -m MODULE ... --listen HOST:PORT ...`` (``AS_HOST``, a
+``NodeAgentProcess.wrapper``) carries the supplementary group ``int(HOST)``, and ``loopback_hosts`` SNATs
+that group's connections to HOST. Its packets then leave from its own address, as on a real network, and
+the faults below match addresses as they are on the wire: partitions and loss drop in ``raw PREROUTING``
+(after the source NAT, before replies are translated back), rate limits shape ``lo``'s egress (the same
+view). This kernel has no ``netem`` (nor ``prio``): there is no delay here, only loss, rate and cuts.
+
+Every rule lives in chains or ``tc`` handles of this process's own; each context manager removes what it
+added on exit, on error too, and never flushes or edits rules it did not create. Needs root.
+"""
+
+import contextlib
+import dataclasses
+import ipaddress
+import os
+import runpy
+import subprocess
+import sys
+import threading
+from collections.abc import Iterable, Iterator
+
+AS_HOST = ["tests.helpers.network"]
+"""``NodeAgentProcess.wrapper`` / ``LocalCluster(agent_wrapper=...)``: the agent runs as the loopback host it listens on."""
+
+_LO = "lo"
+_TC_ROOT = "7a31"  # the root htb qdisc of lo while any rate limit is on (hex handle)
+
+
+@dataclasses.dataclass(frozen=True)
+class Endpoint:
+    """An address on loopback, and a port when only connections to that port are meant (a server that
+    shares its address with other processes, like a coordinator on 127.0.0.1).
+
+    Attributes:
+      address: an IPv4 address in 127.0.0.0/8.
+      port: a TCP port the endpoint listens on, or None for every packet from or to ``address``.
+    """
+
+    address: str
+    port: int | None = None
+
+    def __post_init__(self):
+        if ipaddress.IPv4Address(self.address) not in ipaddress.IPv4Network("127.0.0.0/8"):
+            raise ValueError(f"{self.address} is not a loopback address")
+
+    @classmethod
+    def of(cls, value: "Endpoint | str") -> "Endpoint":
+        """``value`` itself, or ``"HOST"`` / ``"HOST:PORT"`` parsed."""
+        if isinstance(value, Endpoint):
+            return value
+        address, _, port = value.partition(":")
+        return cls(address, int(port) if port else None)
+
+
+def run_subnet() -> str:
+    """A /24 of 127.0.0.0/8 for this process's loopback hosts, e.g. ``127.83.41``: other runs (other pids)
+    get another one, so an address rule of one run never meets another run's traffic."""
+    pid = os.getpid()
+    return f"127.{1 + pid % 254}.{pid // 254 % 256}"
+
+
+def _run(command: list[str], stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(command, input=stdin, capture_output=True, text=True, check=check)
+
+
+def _iptables_restore(table: str, lines: list[str]) -> None:
+    """Applies ``lines`` to ``table`` in one transaction, leaving every other rule as it is."""
+    _run(["iptables-restore", "-w", "--noflush"], stdin="\n".join([f"*{table}", *lines, "COMMIT", ""]))
+
+
+@contextlib.contextmanager
+def _own_chain(table: str, hook: str, name: str, rules: list[str]) -> Iterator[None]:
+    """Creates chain ``name`` in ``table`` holding ``rules`` (``iptables`` arguments after ``-A name``),
+    jumped to from ``hook`` while the context lasts; removes the jump and the chain on exit."""
+    try:
+        _iptables_restore(table, [f":{name} - [0:0]", *(f"-A {name} {r}" for r in rules), f"-I {hook} -j {name}"])
+        yield
+    finally:
+        while not _run(["iptables", "-w", "-t", table, "-D", hook, "-j", name], check=False).returncode:
+            pass  # every jump to it, should an interrupted start have added two
+        _run(["iptables", "-w", "-t", table, "-F", name], check=False)
+        _run(["iptables", "-w", "-t", table, "-X", name], check=False)
+
+
+_chains = iter(range(1 << 30))
+_chains_lock = threading.Lock()
+
+
+def _chain_name(kind: str) -> str:
+    """``MTC-<kind>-<pid>-<n>``: unique in this machine's tables (at most 28 characters)."""
+    with _chains_lock:
+        return f"MTC-{kind}-{os.getpid()}-{next(_chains)}"[:28]
+
+
+@contextlib.contextmanager
+def loopback_hosts(addresses: Iterable[str]) -> Iterator[None]:
+    """SNATs the connections of every process started under ``AS_HOST`` with one of ``addresses`` to that
+    address, while the context lasts. Start the processes inside it: a connection keeps the source it
+    was opened with."""
+    rules = [f"-m owner --gid-owner {int(ipaddress.IPv4Address(a))} --suppl-groups -j SNAT --to-source {a}" for a in addresses]
+    with _own_chain("nat", "POSTROUTING", _chain_name("SNAT"), rules):
+        yield
+
+
+def _pair_rules(one: Endpoint, other: Endpoint) -> list[str]:
+    """Drops for the traffic ``one`` sends to ``other``: to its port and the replies from it (``other``
+    has a port), or every packet from ``one``'s address to ``other``'s."""
+    if other.port is None:
+        return [f"-s {one.address} -d {other.address} -j DROP"]
+    return [f"-p tcp -s {one.address} -d {other.address} --dport {other.port} -j DROP",
+            f"-p tcp -s {other.address} --sport {other.port} -d {one.address} -j DROP"]  # fmt: skip
+
+
+@contextlib.contextmanager
+def partition(side: Iterable[Endpoint | str], others: Iterable[Endpoint | str]) -> Iterator[None]:
+    """Drops every packet between any of ``side`` and any of ``others``, both ways, while the context lasts.
+
+    An endpoint with a port is reached only at that port: connections to it are cut, the rest of its
+    address's traffic is not. Connections already open stall (nothing is reset), as behind a real partition.
+    """
+    side, others = [Endpoint.of(e) for e in side], [Endpoint.of(e) for e in others]
+    rules = [r for a in side for b in others for r in (*_pair_rules(a, b), *_pair_rules(b, a))]
+    with _own_chain("raw", "PREROUTING", _chain_name("CUT"), list(dict.fromkeys(rules))):
+        yield
+
+
+class _LoShaper:
+    """The root htb qdisc of ``lo`` while any rate limit is on. Unclassified packets (``default 0``) pass
+    htb's direct queue unshaped; each limit is a class of its own with u32 filters into it."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._classes: set[int] = set()
+
+    def take(self) -> int:
+        with self._lock:
+            if not self._classes:
+                root = _run(["tc", "qdisc", "show", "dev", _LO, "root"]).stdout
+                if f"qdisc htb {_TC_ROOT}:" not in root and "qdisc noqueue" not in root:
+                    raise RuntimeError(f"{_LO} has a root qdisc that is not ours, left alone: {root.strip()}")
+                _run(["tc", "qdisc", "replace", "dev", _LO, "root", "handle", f"{_TC_ROOT}:", "htb", "r2q", "1000"])
+            number = min(set(range(1, 1 << 12)) - self._classes)
+            self._classes.add(number)
+            return number
+
+    def give_back(self, number: int) -> None:
+        with self._lock:
+            self._classes.discard(number)
+            _run(["tc", "filter", "del", "dev", _LO, "parent", f"{_TC_ROOT}:", "pref", str(number)], check=False)
+            _run(["tc", "class", "del", "dev", _LO, "classid", f"{_TC_ROOT}:{number:x}"], check=False)
+            if not self._classes:
+                _run(["tc", "qdisc", "del", "dev", _LO, "root", "handle", f"{_TC_ROOT}:"], check=False)
+
+
+_lo = _LoShaper()
+
+
+def _u32_matches(endpoint: Endpoint) -> list[list[str]]:
+    """u32 matches for the packets from and to ``endpoint``."""
+    port = [str(endpoint.port), "0xffff"] if endpoint.port is not None else []
+    return [["match", "ip", "src", f"{endpoint.address}/32", *(["match", "ip", "sport", *port] if port else [])],
+            ["match", "ip", "dst", f"{endpoint.address}/32", *(["match", "ip", "dport", *port] if port else [])]]  # fmt: skip
+
+
+@contextlib.contextmanager
+def rate_limited(endpoints: Iterable[Endpoint | str], rate_mbit: float) -> Iterator[None]:
+    """Every packet from or to ``endpoints`` shares one link of ``rate_mbit`` megabits per second (10^6 bit/s,
+    both directions together) while the context lasts; other traffic on ``lo`` is not shaped (an htb class)."""
+    number = _lo.take()
+    try:
+        burst = max(64 * 1024, int(rate_mbit * 1e6 / 8 / 100))  # 10 ms of the rate, at least one GSO packet on lo
+        _run(["tc", "class", "add", "dev", _LO, "parent", f"{_TC_ROOT}:", "classid", f"{_TC_ROOT}:{number:x}", "htb",
+              "rate", f"{rate_mbit}mbit", "burst", str(burst), "cburst", str(burst)])  # fmt: skip
+        for endpoint in (Endpoint.of(e) for e in endpoints):
+            for match in _u32_matches(endpoint):
+                _run(["tc", "filter", "add", "dev", _LO, "parent", f"{_TC_ROOT}:", "protocol", "ip", "pref", str(number), "u32",
+                      *match, "flowid", f"{_TC_ROOT}:{number:x}"])  # fmt: skip
+        yield
+    finally:
+        _lo.give_back(number)
+
+
+@contextlib.contextmanager
+def lossy(endpoints: Iterable[Endpoint | str], loss_percent: float) -> Iterator[None]:
+    """Drops each packet from or to ``endpoints`` with a chance of ``loss_percent`` percent (0-100), at
+    random and independently, while the context lasts (iptables ``statistic``; TCP retransmits)."""
+    rules = []
+    for endpoint in (Endpoint.of(e) for e in endpoints):
+        port = "" if endpoint.port is None else f"-p tcp --{{}}port {endpoint.port} "
+        for way in ("s", "d"):
+            rules.append(f"-{way} {endpoint.address} {port.format(way)}-m statistic --mode random "
+                         f"--probability {loss_percent / 100:.6f} -j DROP")  # fmt: skip
+    with _own_chain("raw", "PREROUTING", _chain_name("LOSS"), rules):
+        yield
+
+
+def main() -> None:
+    """``python -m tests.helpers.network [--host HOST] (-m MODULE | SCRIPT) ARGS...``: runs MODULE (or SCRIPT)
+    with ARGS as loopback host HOST (supplementary group ``int(HOST)``, see ``loopback_hosts``); without
+    ``--host``, the host of its ``--listen HOST:PORT`` argument."""
+    args = sys.argv[1:]
+    host = args[1] if args[:1] == ["--host"] else None
+    args = args[2:] if host else args
+    if not args or (args[0] == "-m" and len(args) < 2) or (host is None and "--listen" not in args):
+        sys.exit("usage: python -m tests.helpers.network [--host HOST] (-m MODULE | SCRIPT) ... [--listen HOST:PORT ...]")
+    if host is None:
+        host = args[args.index("--listen") + 1].rpartition(":")[0]
+    os.setgroups([*os.getgroups(), int(ipaddress.IPv4Address(host))])
+    if args[0] == "-m":
+        sys.argv = [args[1], *args[2:]]
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = args
+        runpy.run_path(args[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""The network faults of ``tests/helpers/network.py`` do what they say, to real sockets on loopback, and leave
+no rule behind: a loopback host sends from its own address, a partition cuts exactly the pairs it names, a
+netem delay slows exactly the traffic of its host."""
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from tests.helpers import REPO, network
+from tests.helpers.tools import requires_root
+
+pytestmark = requires_root
+
+# Connects to HOST:PORT, sends SIZE bytes, prints the seconds until the server acknowledged them all, or "timeout".
+_CLIENT = """
+import socket, sys, time
+started = time.monotonic()
+try:
+    with socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3])) as s:
+        s.sendall(bytes(int(sys.argv[4])))
+        s.shutdown(socket.SHUT_WR)
+        assert s.recv(1) == b"k"
+    print(time.monotonic() - started)
+except OSError:
+    print("timeout")
+"""
+
+
+class SinkServer:
+    """Reads each connection to its end, then answers ``k``; remembers the source address of every connection."""
+
+    def __init__(self, address: str):
+        self.sock = socket.create_server((address, 0))
+        self.address, self.port = address, self.sock.getsockname()[1]
+        self.sources: list[str] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, (source, _) = self.sock.accept()
+            except OSError:
+                return
+            self.sources.append(source)
+            with conn:
+                while conn.recv(1 << 20):
+                    pass
+                conn.sendall(b"k")
+
+
+@pytest.fixture
+def hosts(tmp_path):
+    """Three loopback hosts of this run's subnet (SNAT on), a sink server on the second, and
+    ``connect(host, timeout, size)``: the seconds ``host`` took to send ``size`` bytes to it, None if it timed out."""
+    subnet = network.run_subnet()
+    one, two, three = f"{subnet}.2", f"{subnet}.3", f"{subnet}.4"
+    client = tmp_path / "client.py"
+    client.write_text(_CLIENT)
+    server = SinkServer(two)
+
+    def connect(host: str, timeout: float = 2.0, size: int = 5) -> float | None:
+        out = subprocess.run([sys.executable, "-m", "tests.helpers.network", "--host", host, str(client), two, str(server.port),
+                              str(timeout), str(size)], capture_output=True, text=True, cwd=REPO, check=True).stdout.strip()  # fmt: skip
+        return None if out == "timeout" else float(out)
+
+    with network.loopback_hosts([one, two, three]):
+        yield one, three, server, connect
+    server.sock.close()
+
+
+def _our_rules() -> str:
+    tables = [subprocess.run(["iptables", "-w", "-t", t, "-S"], capture_output=True, text=True).stdout for t in ("nat", "raw")]
+    return "\n".join(line for t in tables for line in t.splitlines() if f"-{os.getpid()}-" in line)
+
+
+def test_a_loopback_host_connects_from_its_own_address(hosts):
+    one, three, server, connect = hosts
+    assert connect(one) is not None
+    assert server.sources == [one]
+
+
+def test_a_partition_cuts_the_named_pair_both_ways_then_heals(hosts):
+    one, three, server, connect = hosts
+    with network.partition([one], [network.Endpoint(server.address, server.port)]):
+        assert connect(one, timeout=1.0) is None
+        assert connect(three, timeout=2.0) is not None  # another host still gets through
+    assert connect(one) is not None
+    assert server.sources == [three, one]
+
+
+def test_a_rate_limit_slows_only_its_hosts_traffic_and_is_removed(hosts):
+    one, three, server, connect = hosts
+    payload = 4 * 1024 * 1024  # 33.6 Mbit: 4.2 s at 8 Mbit/s
+    with network.rate_limited([one], rate_mbit=8):
+        slow = connect(one, 30.0, payload)
+        other = connect(three, 30.0, payload)
+    after = connect(one, 30.0, payload)
+    assert slow is not None and 3.5 < slow < 8.0, slow
+    assert other is not None and other < 1.0 and after is not None and after < 1.0, (other, after)
+    assert "7a31" not in subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout
+
+
+def test_loss_drops_about_its_share_of_packets_and_tcp_still_delivers(hosts):
+    one, _, server, connect = hosts
+    with network.lossy([one], loss_percent=50):
+        answered = [connect(one, timeout=3.0) for _ in range(6)]
+    assert any(a is None or a > 0.2 for a in answered), answered  # half the packets lost: retransmissions (>= 200 ms)
+    assert connect(one) is not None and "LOSS" not in _our_rules()
+
+
+def test_no_rule_is_left_after_the_contexts_even_on_error(hosts):
+    one, _, server, _ = hosts
+    with pytest.raises(ZeroDivisionError):
+        with network.partition([one], [server.address]), network.lossy([one], 1), network.rate_limited([one], 100):
+            assert "CUT" in _our_rules() and "LOSS" in _our_rules()
+            raise ZeroDivisionError
+    assert "CUT" not in _our_rules() and "LOSS" not in _our_rules()  # the SNAT of the fixture is still on
+    assert "7a31" not in subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout
