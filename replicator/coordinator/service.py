@@ -53,6 +53,8 @@ from csi_driver import atomic_file
 from replicator.coordinator.kube_overlay import KubeOverlay
 from replicator.coordinator.kube_shape import ShapeSettings
 from replicator.coordinator.kube_watch import ShapeWatcher, WatchSettings
+from replicator.coordinator import report_order
+from replicator.coordinator.report_order import ReportOrder, StaleReport
 from replicator.coordinator.state import (
     ClusterState,
     NodeIdTaken,
@@ -65,6 +67,7 @@ from replicator.wire.http_errors import error_response
 from replicator.wire.messages import (
     MAX_RANKS,
     MAX_WAIT_SECONDS,
+    REPORT_ORDER_HEADER,
     JobRef,
     JobSettings,
     NodeReport,
@@ -91,6 +94,7 @@ _CONFIG_KEY = web.AppKey("config", "CoordinatorConfig")
 _CHANGES_KEY = web.AppKey("changes", "JobChanges")
 _SNAPSHOT_KEY = web.AppKey("snapshot", "SettingsSnapshot")
 _OVERLAY_KEY = web.AppKey("overlay", KubeOverlay)
+_ORDER_KEY = web.AppKey("report_order", ReportOrder)
 # Expiry and due decision passes run this often, seconds.
 _TICK_SECONDS = 0.25
 # A report of a node holding 16k steps of 60 files stays well below this; anything larger is refused (413).
@@ -265,12 +269,21 @@ async def post_report(request: web.Request) -> web.Response:
         raise _conflict(err) from None
     except ValueError as err:
         raise BadRequest(str(err)) from None
+    try:
+        order = report_order.parse(request.headers.get(REPORT_ORDER_HEADER))
+    except ValueError as err:
+        raise BadRequest(f"{REPORT_ORDER_HEADER}: {err}") from None
     max_nodes = request.app[_CONFIG_KEY].max_nodes
     for index, pod in enumerate(report.pods):
         if pod.nodes > max_nodes or pod.slices > pod.nodes:
             raise BadRequest(f"pods[{index}]: nodes={pod.nodes} must be at most {max_nodes} and slices={pod.slices} at most nodes")
     state, changes, overlay = request.app[_STATE_KEY], request.app[_CHANGES_KEY], request.app.get(_OVERLAY_KEY)
     seen = overlay.version if overlay else 0
+    try:
+        request.app[_ORDER_KEY].admit(report.node_id, order)
+    except StaleReport as err:
+        log.warning("refused a report from %s: %s", request.remote, err)
+        raise _conflict(err) from None
     reply = _take_report(state, overlay, report, request.remote)
     changes.publish()
     deadline = time.monotonic() + MAX_WAIT_SECONDS
@@ -284,6 +297,8 @@ async def post_report(request: web.Request) -> web.Response:
         await changes.wait(waiting, min(deadline - time.monotonic(), state.heartbeat_seconds))
         if overlay and overlay.version != seen:  # the API server placed (or moved) pods: the report again
             seen = overlay.version
+            if not request.app[_ORDER_KEY].is_newest(report.node_id, order):
+                break  # the node has reported since: this held report is not its state any more
             reply = _take_report(state, overlay, report, request.remote)
             changes.publish()
             continue
@@ -514,6 +529,7 @@ def make_app(config: CoordinatorConfig) -> web.Application:
     app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[_CONFIG_KEY] = config
     app[_STATE_KEY] = ClusterState(config.node_timeout_seconds, config.holder_grace_seconds)
+    app[_ORDER_KEY] = ReportOrder()
     app[_CHANGES_KEY] = JobChanges(app[_STATE_KEY])
     app[_SNAPSHOT_KEY] = SettingsSnapshot(config.state_dir)
     app.cleanup_ctx.append(_ticker)

@@ -4,6 +4,7 @@ The wire types are ``replicator.wire.messages``; the coordinator's side is ``rep
 """
 
 import asyncio
+import uuid
 from typing import Any
 
 import aiohttp
@@ -14,6 +15,7 @@ from replicator.wire.bearer import auth_header
 from replicator.wire.http_errors import error_of
 from replicator.wire.messages import (
     MAX_WAIT_SECONDS,
+    REPORT_ORDER_HEADER,
     BadCopy,
     JobSettings,
     NodeReport,
@@ -40,8 +42,10 @@ class CoordinatorClient:
         self._base = base_url.rstrip("/")
         self._headers = auth_header(token) if token else {}
         self._json_headers = {**self._headers, "Content-Type": "application/json"}
+        self._report_session, self._reports = uuid.uuid4().hex, 0  # the order of this process's reports
 
-    async def _call(self, method: str, path: str, body: Any = None, wait: float = 0.0, params: dict | None = None) -> bytes:
+    async def _call(self, method: str, path: str, body: Any = None, wait: float = 0.0, params: dict | None = None,
+                    headers: dict[str, str] | None = None) -> bytes:  # fmt: skip
         """One request with ``body`` (a message) as JSON; its reply's
         body. A long poll (``wait`` seconds) gets that much more time.
 
@@ -50,7 +54,8 @@ class CoordinatorClient:
             JSON error in the message).
         """
         timeout = aiohttp.ClientTimeout(total=timing.REQUEST_TIMEOUT_SECONDS + wait)
-        data, headers = (None, self._headers) if body is None else (msgspec.json.encode(body), self._json_headers)
+        data, base = (None, self._headers) if body is None else (msgspec.json.encode(body), self._json_headers)
+        headers = {**base, **headers} if headers else base
         try:
             async with self._session.request(method, self._base + path, headers=headers, data=data, params=params, timeout=timeout) as response:
                 raw = await response.read()
@@ -66,7 +71,9 @@ class CoordinatorClient:
         Raises:
           CoordinatorUnavailable: unreachable, refused, or of another protocol version (named).
         """
-        raw = await self._call("POST", "/v1/report", report, wait=MAX_WAIT_SECONDS if report.waiting else 0.0)
+        self._reports += 1
+        order = {REPORT_ORDER_HEADER: f"{self._report_session}:{self._reports}"}
+        raw = await self._call("POST", "/v1/report", report, wait=MAX_WAIT_SECONDS if report.waiting else 0.0, headers=order)
         try:
             reply = decode_json(raw, ReportReply)
             check_version(reply.protocol, "the coordinator")

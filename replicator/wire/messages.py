@@ -64,6 +64,9 @@ def extends(longer: tuple[int, ...], shorter: tuple[int, ...]) -> bool:
 # Version 2: reports driven by change (checksums sent once, small heartbeats at a pace the coordinator
 # sets), data-parallel signatures computed by the agent, one backup lister per job.
 PROTOCOL_VERSION = 2
+# A node report's place in its agent's sequence, ``<session hex>:<sequence>`` (``coordinator.report_order``):
+# a report delayed past a newer one is refused instead of undoing it.
+REPORT_ORDER_HEADER = "X-MTC-Report-Order"
 
 
 class JobSettings(msgspec.Struct, frozen=True, gc=False):

@@ -11,7 +11,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from replicator.coordinator import service
 from replicator.coordinator.status import render_status
-from replicator.wire.messages import HeldStep, JobRef, JobSettings, NodeReport, PodReport, decode_json
+from replicator.wire.messages import PROTOCOL_VERSION, HeldStep, JobRef, JobSettings, NodeReport, PodReport, decode_json
 from replicator.wire.operator import ClusterStatus
 
 KEY = JobRef("default", "routes")
@@ -117,3 +117,31 @@ def test_a_job_name_must_be_namespace_slash_job(text):
 
 def test_a_job_name_parses_to_its_ref_and_back():
     assert JobRef.parse("default/routes") == KEY and str(KEY) == "default/routes"
+
+
+def test_a_report_delayed_past_a_newer_one_is_refused_and_undoes_nothing():
+    """Found by the chaos suite's partitions: a report sent while its node was cut off, retransmitted after the cut
+    healed, arrived after the node's new pod had joined the incarnation; taken in, its old pod list ended that
+    incarnation for good. Reports carry their agent's order (``X-MTC-Report-Order``); an older one is a 409."""
+
+    def report(pod_uid, incarnation=None, rank=None):
+        pod = PodReport(KEY.namespace, KEY.job, f"routes-0-1-{pod_uid}", pod_uid, 0, 1, 2, 1, 8476, "routes", 0.0, incarnation, rank)
+        return msgspec.to_builtins(NodeReport("b", "http://b", "127.0.0.1", {}, (pod,), (), protocol=PROTOCOL_VERSION))
+
+    async def scenario(client, state, incarnation, rank_of):
+        session = "ab" * 16
+        order = lambda n: {"X-MTC-Report-Order": f"{session}:{n}"}  # noqa: E731
+        old = await client.post("/v1/report", json=report("uid1", incarnation, rank_of["b"]), headers=order(1))
+        newer = await client.post("/v1/report", json=report("uid1", incarnation, rank_of["b"]), headers=order(3))
+        late = await client.post("/v1/report", json=report("uid-gone"), headers=order(2))  # an older pod list, delivered late
+        restarted = await client.post("/v1/report", json=report("uid1", incarnation, rank_of["b"]), headers={"X-MTC-Report-Order": f"{'cd' * 16}:1"})
+        replaced = await client.post("/v1/report", json=report("uid-gone"), headers=order(9))  # the agent process before the restart
+        malformed = await client.post("/v1/report", json=report("uid1", incarnation, rank_of["b"]), headers={"X-MTC-Report-Order": "x"})
+        return (old.status, newer.status, late.status, (await late.json())["error"], restarted.status, replaced.status,
+                (await replaced.json())["error"], malformed.status, state.job(KEY).incarnation, incarnation)  # fmt: skip
+
+    old, newer, late, late_error, restarted, replaced, replaced_error, malformed, current, formed = serve(scenario)
+    assert (old, newer, late, restarted, replaced, malformed) == (200, 200, 409, 200, 409, 400)
+    assert "report 2 of node b is not newer than report 3" in late_error
+    assert "replaced since by" in replaced_error
+    assert current is not None and current.incarnation_id == formed  # the incarnation the late report would have ended
