@@ -587,10 +587,11 @@ def partition_from_peers(chaos: Chaos) -> None:
 def lossy_slow_link(chaos: Chaos) -> None:
     """Every packet from or to one node (its agent and its pod) crosses a lossy, slow link, and each TCP
     connection from or to it waits ``_DELAY_MS`` each way, through a few saves, the failure, the restore
-    and the checks after it."""
+    and the checks after it. Its open connections are reset as the delay begins (they reconnect through
+    it), but the training processes' JAX connections, which stay undelayed until the failure."""
     agent = chaos.rng.choice(chaos.job.agents)
     host = agent.listen.rpartition(":")[0]
-    with network.delayed([host], _DELAY_MS), network.lossy([host], _LOSS_PERCENT), network.rate_limited([host], _SLOW_LINK_MBIT):
+    with network.delayed([host], _DELAY_MS, keep_open=[chaos.job.jax_port]), network.lossy([host], _LOSS_PERCENT), network.rate_limited([host], _SLOW_LINK_MBIT):
         chaos.wait_saves(2)
         chaos.fail()
         label = f"{agent.node_id} link {_LOSS_PERCENT:g}% loss, {_DELAY_MS:g} ms delay, {_SLOW_LINK_MBIT:g} Mbit/s"

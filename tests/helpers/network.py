@@ -309,7 +309,7 @@ class _DelayProxy:
 
 
 @contextlib.contextmanager
-def delayed(endpoints: Iterable[Endpoint | str], milliseconds: float) -> Iterator[None]:
+def delayed(endpoints: Iterable[Endpoint | str], milliseconds: float, keep_open: Iterable[int] = ()) -> Iterator[None]:
     """Delays each direction of every TCP connection opened from or to ``endpoints`` by ``milliseconds``
     (a request's round trip takes at least twice that) while the context lasts.
 
@@ -318,14 +318,19 @@ def delayed(endpoints: Iterable[Endpoint | str], milliseconds: float) -> Iterato
     loopback host's processes (``AS_HOST``) or sockets bound to its address open. The destination then
     sees them come from 127.0.0.1, so the address rules of ``lossy`` and ``rate_limited`` meet each byte
     once (on the leg between the endpoint and the proxy), but a ``partition`` does not cut a delayed
-    connection. Connections open before the context are not delayed; those open at its end are forwarded
-    without delay until they close. UDP is not delayed.
+    connection. UDP is not delayed.
+
+    The proxy can only take new connections: those already open from or to ``endpoints`` are reset when
+    the context begins (``ss -K``), so that their owners reconnect, through it, as a pooled HTTP client
+    would after a link fault; but for those with a port in ``keep_open``, which stay open and undelayed.
+    Connections open when the context ends are forwarded without delay until they close.
     """
+    endpoints = [Endpoint.of(e) for e in endpoints]
     proxy = _DelayProxy(milliseconds / 1000)
     try:
         to_proxy = f"-j DNAT --to-destination 127.0.0.1:{proxy.port}"
         rules = [f"-m mark --mark {_PROXY_MARK} -j RETURN"]
-        for endpoint in (Endpoint.of(e) for e in endpoints):
+        for endpoint in endpoints:
             if endpoint.port is not None:
                 rules.append(f"-p tcp -d {endpoint.address} --dport {endpoint.port} {to_proxy}")
                 continue
@@ -333,9 +338,21 @@ def delayed(endpoints: Iterable[Endpoint | str], milliseconds: float) -> Iterato
             rules += [f"-p tcp -d {endpoint.address} {to_proxy}", f"-p tcp -s {endpoint.address} {to_proxy}",
                       f"-p tcp -m owner --gid-owner {group} --suppl-groups {to_proxy}"]  # fmt: skip
         with _own_chain("nat", "OUTPUT", _chain_name("DELAY"), rules):
+            _reset_open(endpoints, keep_open)
             yield
     finally:
         proxy.stop()
+
+
+def _reset_open(endpoints: list[Endpoint], keep_open: Iterable[int]) -> None:
+    """Destroys (``ss -K``: the peer gets a reset) every established TCP socket from or to ``endpoints``,
+    but those with a local or remote port in ``keep_open``."""
+    ways = []
+    for e in endpoints:
+        port = f" and {{}}port = :{e.port}" if e.port else ""
+        ways += [f"( dst {e.address}{port.format('d')} )", f"( src {e.address}{port.format('s')} )"]
+    kept = [f"and not ( sport = :{p} or dport = :{p} )" for p in keep_open]
+    _run(["ss", "-K", "-t", "-n", "state", "established", f"( {' or '.join(ways)} )", *kept])
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 no rule behind: a loopback host sends from its own address, a partition cuts exactly the pairs it names, a
 rate limit, a loss or a delay slows exactly the traffic of its host."""
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -117,7 +118,7 @@ def _echo(listener: socket.socket) -> None:
     """Sends back every byte each connection to ``listener`` sends, until it closes."""
 
     def serve(conn):
-        with conn:
+        with conn, contextlib.suppress(OSError):  # a reset ends it too
             while chunk := conn.recv(1 << 16):
                 conn.sendall(chunk)
 
@@ -171,6 +172,22 @@ def test_a_delayed_connection_keeps_its_bytes_in_order_and_outlives_the_delay_un
     listener.close()
     assert received == payload
     assert delayed_trip >= 0.1 and after < 0.1, (delayed_trip, after)
+
+
+def test_a_delay_resets_the_connections_already_open_but_those_it_keeps_open(hosts):
+    _, three, _, _ = hosts
+    listener, kept = socket.create_server((three, 0)), socket.create_server((three, 0))
+    for server in (listener, kept):
+        threading.Thread(target=_echo, args=(server,), daemon=True).start()
+    opened = socket.create_connection((three, listener.getsockname()[1]), timeout=5)
+    spared = socket.create_connection((three, kept.getsockname()[1]), timeout=5)
+    assert _round_trip(opened) < 1.0 and _round_trip(spared) < 1.0
+    with network.delayed([three], milliseconds=50, keep_open=[kept.getsockname()[1]]):
+        with pytest.raises(OSError):  # reset: its owner reconnects, through the delay
+            _round_trip(opened)
+        assert _round_trip(spared) < 0.1  # open before, kept: not delayed
+    for sock in (opened, spared, listener, kept):
+        sock.close()
 
 
 def test_no_rule_is_left_after_the_contexts_even_on_error(hosts):
