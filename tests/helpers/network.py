@@ -210,6 +210,16 @@ _CHUNK = 64 * 1024
 _CHUNKS_IN_FLIGHT = 64  # per direction of a connection: at most 4 MiB held back by the delay
 
 
+async def _together(*steps) -> None:
+    """Runs ``steps`` (coroutines or tasks) at once until all are done; the first to fail cancels the others."""
+    tasks = [asyncio.ensure_future(s) for s in steps]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 class _DelayProxy:
     """A TCP proxy on 127.0.0.1 for connections DNATed to it: it opens each to its original destination
     (``SO_ORIGINAL_DST``) and forwards every chunk, each direction on its own, ``seconds`` after it arrived,
@@ -262,16 +272,20 @@ class _DelayProxy:
             upstream.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, _PROXY_MARK)
             upstream.setblocking(False)
             arrivals = asyncio.Queue(_CHUNKS_IN_FLIGHT)
-            async with asyncio.TaskGroup() as tasks:  # one failing direction cancels the others
-                tasks.create_task(self._read(client_reader, arrivals))  # the client may send before the connect
+            reading = asyncio.ensure_future(self._read(client_reader, arrivals))  # the client may send before the connect
+            try:
                 await asyncio.sleep(self.seconds)
                 await self._loop.sock_connect(upstream, (socket.inet_ntoa(address), port))
                 server_reader, server_writer = await asyncio.open_connection(sock=upstream)
-                writers.append(server_writer)
-                tasks.create_task(self._write(arrivals, server_writer))
-                tasks.create_task(self._pipe(server_reader, client_writer))
-        except* Exception:  # a reset, a refused connect: the other end sees a reset
+            except BaseException:
+                reading.cancel()
+                raise
+            writers.append(server_writer)
+            await _together(reading, self._write(arrivals, server_writer), self._pipe(server_reader, client_writer))
+        except Exception:  # a reset, a refused connect: the other end sees a reset
             for writer in writers:
+                with contextlib.suppress(OSError):  # linger 0: close sends a reset, not an end of stream
+                    writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 writer.transport.abort()
             if len(writers) == 1:
                 upstream.close()  # not connected, or no transport took it
@@ -284,9 +298,7 @@ class _DelayProxy:
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         arrivals = asyncio.Queue(_CHUNKS_IN_FLIGHT)
-        async with asyncio.TaskGroup() as tasks:
-            tasks.create_task(self._read(reader, arrivals))
-            tasks.create_task(self._write(arrivals, writer))
+        await _together(self._read(reader, arrivals), self._write(arrivals, writer))
 
     @staticmethod
     async def _read(reader: asyncio.StreamReader, arrivals: asyncio.Queue) -> None:
