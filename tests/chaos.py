@@ -21,7 +21,7 @@ coordinator exited or reports unhealthy, and, at the end, that every restored ar
 bit-identical to an uninterrupted reference run of the same job.
 
 Network faults cut one node's agent from the coordinator or from the other agents (iptables drops), or
-put one node behind a lossy, rate-limited link; each node sits on this run's own loopback /24 and its
+put one node behind a lossy, delayed, rate-limited link; each node sits on this run's own loopback /24 and its
 agent sends from its own address (``tests/helpers/network.py``), so the rules touch nothing else.
 
 "Mid-push", "mid-upload", "mid-GC" and "mid-stage" kills are approximated by timing (a random
@@ -64,7 +64,7 @@ _BACKUP_TIMEOUT = 120.0
 _OUTAGE_SECONDS = 30.0
 # Partitions: past the coordinator's node timeout (4 s in LocalCluster), short of its holder grace (60 s).
 _PARTITION_SECONDS = (6.0, 30.0)
-_LOSS_PERCENT, _SLOW_LINK_MBIT = 1.0, 100.0
+_LOSS_PERCENT, _DELAY_MS, _SLOW_LINK_MBIT = 1.0, 50.0, 100.0
 _HOSTS = 100  # loopback hosts whose agents send from their own address: 4 nodes and the fresh nodes of losses
 
 
@@ -585,14 +585,17 @@ def partition_from_peers(chaos: Chaos) -> None:
 
 
 def lossy_slow_link(chaos: Chaos) -> None:
-    """Every packet from or to one node (its agent and its pod) crosses a lossy, slow link through a few
-    saves, the failure, the restore and the checks after it. No delay: this kernel has no netem."""
+    """Every packet from or to one node (its agent and its pod) crosses a lossy, slow link, and each TCP
+    connection from or to it waits ``_DELAY_MS`` each way, through a few saves, the failure, the restore
+    and the checks after it. Its open connections are reset as the delay begins (they reconnect through
+    it), but the training processes' JAX connections, which stay undelayed until the failure."""
     agent = chaos.rng.choice(chaos.job.agents)
     host = agent.listen.rpartition(":")[0]
-    with network.lossy([host], _LOSS_PERCENT), network.rate_limited([host], _SLOW_LINK_MBIT):
+    with network.delayed([host], _DELAY_MS, keep_open=[chaos.job.jax_port]), network.lossy([host], _LOSS_PERCENT), network.rate_limited([host], _SLOW_LINK_MBIT):
         chaos.wait_saves(2)
         chaos.fail()
-        chaos.restart(f"{agent.node_id} link {_LOSS_PERCENT:g}% loss, {_SLOW_LINK_MBIT:g} Mbit/s", chaos.newest_possible())
+        label = f"{agent.node_id} link {_LOSS_PERCENT:g}% loss, {_DELAY_MS:g} ms delay, {_SLOW_LINK_MBIT:g} Mbit/s"
+        chaos.restart(label, chaos.newest_possible())
 
 
 def _rollback(chaos: Chaos, pods_gone: bool) -> None:

@@ -6,8 +6,12 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import time
+import urllib.request
 
 from replicator.local_tier.frameworks.orbax import ERRORS_FILE
+from tests.helpers import network
 from tests.helpers.agents import scrape
 from tests.helpers.jobs import (
     UNTIL_KILLED,
@@ -22,6 +26,7 @@ from tests.helpers.jobs import (
     status_of,
 )
 from tests.helpers.polling import wait_until
+from tests.helpers.tools import requires_root
 
 
 def backups_settled(cluster, job):
@@ -118,3 +123,62 @@ def test_restore_from_rolls_back_to_an_older_backup(start_cluster, tmp_path):
     status = status_of(cluster, job)
     assert (status["timeline"], status["rollbacks"]) == (1, [older])
     assert max(status["backups"]) > older
+
+
+_STORE_ANSWERS_AFTER = 20.0  # seconds: each request to the store waits half of it each way
+_SLOW_STORE_SECONDS = 60.0
+
+
+@requires_root
+def test_a_store_answering_after_20_s_slows_no_save_and_backups_then_complete_and_restore(start_cluster, fake_gcs, tmp_path):
+    cluster = start_cluster(backup="gs://ckpt/mtc", env={"STORAGE_EMULATOR_HOST": fake_gcs.url})
+    job = run_job("slowstore", list(cluster.agents), tmp_path / "slow", [*UNTIL_KILLED, "--dump-dir", str(tmp_path / "dump-1")])
+    job.wait(lambda: status_of(cluster, job)["backups"], 120, "a first backup")
+    newest_saved = lambda: max(set.intersection(*({e["step"] for e in by_event(p, "saved")} for p in job.pods)), default=0)  # noqa: E731
+    probe: list[float] = []
+
+    def ask_store():
+        started = time.monotonic()
+        with urllib.request.urlopen(fake_gcs.url + "/storage/v1/b/ckpt", timeout=60):
+            probe.append(time.monotonic() - started)
+
+    samples = []  # (seconds into the slow store, newest step every rank saved)
+    with network.delayed([network.Endpoint("127.0.0.1", fake_gcs.port)], milliseconds=_STORE_ANSWERS_AFTER * 1000 / 2):
+        started, asking = time.monotonic(), threading.Thread(target=ask_store)
+        asking.start()
+        backups_before = set(status_of(cluster, job)["backups"])
+        while time.monotonic() - started < _SLOW_STORE_SECONDS:
+            samples.append((time.monotonic() - started, newest_saved()))
+            for agent in cluster.agents:  # every agent answers, its backups waiting on the store
+                with urllib.request.urlopen(agent.url + "/healthz", timeout=5):
+                    pass
+            time.sleep(3)
+        asking.join()
+        backups_during = set(status_of(cluster, job)["backups"]) - backups_before
+    saved_during = samples[-1][1] - samples[0][1]
+    stalls = [later[0] - earlier[0] for earlier, later in zip(samples, samples[1:]) if later[1] == earlier[1]]
+    print(f"store answered in {probe} s; saves {samples[0][1]} -> {samples[-1][1]} in {samples[-1][0]:.0f} s, "
+          f"backups committed meanwhile {sorted(backups_during)}")
+    assert probe and probe[0] >= _STORE_ANSWERS_AFTER, probe
+    assert saved_during >= 15, samples  # ~0.3 s a step here when unloaded: about 60 steps in 60 s
+    assert sum(stalls) < 20, samples  # never 20 s without a new save, in all
+
+    # Once the store answers again, a backup of a step saved after the slow spell commits, and a whole
+    # cluster lost restores from it, with the values it had.
+    after_slow = newest_saved()
+    job.wait(lambda: max(status_of(cluster, job)["backups"]) > after_slow, 180, f"a backup newer than step {after_slow}")
+    before = kill_past_newest_commit(job)
+    wait_until(lambda: backups_settled(cluster, job), 90, "backups settled")
+    backed_up = max(status_of(cluster, job)["backups"])
+    for agent in list(job.agents):
+        cluster.lose_node(agent)
+    cluster.coordinator.kill()
+    cluster.coordinator.start()
+    fresh = [cluster.add_node(4 + i, block=f"b{i // 2}") for i in range(4)]
+    rerun(job, tmp_path / "dump-2", agents=fresh, steps=backed_up + 6, timeout=240)
+    assert [by_event(p, "restored")[0]["step"] for p in job.pods] == [backed_up] * 4
+    assert status_of(cluster, job)["restore"]["sources"] == {str(r): "backup:backup" for r in range(4)}
+    compared_losses(before, losses(job.pods))
+    for rank in range(4):
+        name = f"rank{rank}-step{backed_up}.npz"
+        assert_same_state(tmp_path / "dump-1" / name, tmp_path / "dump-2" / name)

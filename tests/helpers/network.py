@@ -1,5 +1,5 @@
-"""Network faults between processes on loopback: partitions (iptables drops) and slow or lossy links
-(``tc netem``), scoped to the addresses and ports of one run so that other runs on the machine are untouched.
+"""Network faults between processes on loopback: partitions (iptables drops), lossy links (iptables
+``statistic``), slow links (htb) and delayed links (a delaying proxy), scoped to the addresses and ports of one run so that other runs on the machine are untouched.
 
 Every process on one machine sends from 127.0.0.1, whatever address it listens on, so a rule could not tell
 one node agent's traffic from another's. A *loopback host* fixes that: a process started under
@@ -8,20 +8,25 @@ one node agent's traffic from another's. A *loopback host* fixes that: a process
 that group's connections to HOST. Its packets then leave from its own address, as on a real network, and
 the faults below match addresses as they are on the wire: partitions and loss drop in ``raw PREROUTING``
 (after the source NAT, before replies are translated back), rate limits shape ``lo``'s egress (the same
-view). This kernel has no ``netem`` (nor ``prio``): there is no delay here, only loss, rate and cuts.
+view). This kernel has no ``netem`` (nor ``prio``): a delay is a proxy instead (``delayed``), which the
+node's connections are DNATed to.
 
 Every rule lives in chains or ``tc`` handles of this process's own; each context manager removes what it
 added on exit, on error too, and never flushes or edits rules it did not create. Needs root.
 """
 
+import asyncio
 import contextlib
 import dataclasses
 import ipaddress
 import os
 import runpy
+import socket
+import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterable, Iterator
 
 AS_HOST = ["tests.helpers.network"]
@@ -197,6 +202,169 @@ def lossy(endpoints: Iterable[Endpoint | str], loss_percent: float) -> Iterator[
                          f"--probability {loss_percent / 100:.6f} -j DROP")  # fmt: skip
     with _own_chain("raw", "PREROUTING", _chain_name("LOSS"), rules):
         yield
+
+
+_SO_ORIGINAL_DST = 80  # getsockopt(SOL_IP, ...): a DNATed connection's destination before the DNAT
+_PROXY_MARK = 0x6D7463  # SO_MARK of the delaying proxies' own connections: the DNAT rules let them pass
+_CHUNK = 64 * 1024
+_CHUNKS_IN_FLIGHT = 64  # per direction of a connection: at most 4 MiB held back by the delay
+
+
+async def _together(*steps) -> None:
+    """Runs ``steps`` (coroutines or tasks) at once until all are done; the first to fail cancels the others."""
+    tasks = [asyncio.ensure_future(s) for s in steps]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+class _DelayProxy:
+    """A TCP proxy on 127.0.0.1 for connections DNATed to it: it opens each to its original destination
+    (``SO_ORIGINAL_DST``) and forwards every chunk, each direction on its own, ``seconds`` after it arrived,
+    in order, with at most ``_CHUNKS_IN_FLIGHT`` chunks held (then it stops reading: TCP back-pressure).
+    The connection to the destination is opened ``seconds`` after the client's, as a delayed SYN would be.
+    It runs an asyncio loop on a thread of its own.
+
+    Args:
+      seconds: the delay of each direction.
+    """
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self._loop = asyncio.new_event_loop()
+        self._server: asyncio.Server | None = None
+        self._connections = 0
+        self._stopping = False
+        started = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(started,), name="delay-proxy", daemon=True)
+        self._thread.start()
+        started.wait()
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    def _run(self, started: threading.Event) -> None:
+        self._server = self._loop.run_until_complete(asyncio.start_server(self._forward, "127.0.0.1", 0))
+        started.set()
+        self._loop.run_forever()
+        self._loop.close()
+
+    def stop(self, wait_seconds: float = 5.0) -> None:
+        """Takes no more connections and forwards the open ones without delay until they end (the loop ends
+        with the last one); waits up to ``wait_seconds`` for that. Connections that outlive the wait (a
+        training process's) keep being forwarded, on the daemon thread, as long as they stay open."""
+
+        def close():
+            self._stopping, self.seconds = True, 0.0
+            self._server.close()
+            if not self._connections:
+                self._loop.stop()
+
+        self._loop.call_soon_threadsafe(close)
+        self._thread.join(wait_seconds)
+
+    async def _forward(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        self._connections += 1
+        writers, upstream = [client_writer], socket.socket()
+        try:
+            raw = client_writer.get_extra_info("socket").getsockopt(socket.SOL_IP, _SO_ORIGINAL_DST, 16)
+            port, address = struct.unpack_from("!2xH4s", raw)
+            upstream.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, _PROXY_MARK)
+            upstream.setblocking(False)
+            arrivals = asyncio.Queue(_CHUNKS_IN_FLIGHT)
+            reading = asyncio.ensure_future(self._read(client_reader, arrivals))  # the client may send before the connect
+            try:
+                await asyncio.sleep(self.seconds)
+                await self._loop.sock_connect(upstream, (socket.inet_ntoa(address), port))
+                server_reader, server_writer = await asyncio.open_connection(sock=upstream)
+            except BaseException:
+                reading.cancel()
+                raise
+            writers.append(server_writer)
+            await _together(reading, self._write(arrivals, server_writer), self._pipe(server_reader, client_writer))
+        except Exception:  # a reset, a refused connect: the other end sees a reset
+            for writer in writers:
+                with contextlib.suppress(OSError):  # linger 0: close sends a reset, not an end of stream
+                    writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                writer.transport.abort()
+            if len(writers) == 1:
+                upstream.close()  # not connected, or no transport took it
+        finally:
+            for writer in writers:
+                writer.close()
+            self._connections -= 1
+            if self._stopping and not self._connections:
+                self._loop.stop()
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        arrivals = asyncio.Queue(_CHUNKS_IN_FLIGHT)
+        await _together(self._read(reader, arrivals), self._write(arrivals, writer))
+
+    @staticmethod
+    async def _read(reader: asyncio.StreamReader, arrivals: asyncio.Queue) -> None:
+        """Queues each chunk with its arrival time, then ``b""`` for the end of the stream."""
+        while chunk := await reader.read(_CHUNK):
+            await arrivals.put((time.monotonic(), chunk))
+        await arrivals.put((time.monotonic(), b""))
+
+    async def _write(self, arrivals: asyncio.Queue, writer: asyncio.StreamWriter) -> None:
+        """Writes each queued chunk ``seconds`` after its arrival; half-closes at the end of the stream."""
+        while True:
+            arrived, chunk = await arrivals.get()
+            await asyncio.sleep(arrived + self.seconds - time.monotonic())
+            if not chunk:
+                if writer.can_write_eof():
+                    writer.write_eof()
+                return
+            writer.write(chunk)
+            await writer.drain()
+
+
+@contextlib.contextmanager
+def delayed(endpoints: Iterable[Endpoint | str], milliseconds: float, keep_open: Iterable[int] = ()) -> Iterator[None]:
+    """Delays each direction of every TCP connection opened from or to ``endpoints`` by ``milliseconds``
+    (a request's round trip takes at least twice that) while the context lasts.
+
+    An iptables ``nat OUTPUT`` DNAT sends the new connections to a local proxy (``_DelayProxy``): those to
+    an endpoint's address (and port, if it has one), and, for an endpoint without a port, those its
+    loopback host's processes (``AS_HOST``) or sockets bound to its address open. The destination then
+    sees them come from 127.0.0.1, so the address rules of ``lossy`` and ``rate_limited`` meet each byte
+    once (on the leg between the endpoint and the proxy), but a ``partition`` does not cut a delayed
+    connection. UDP is not delayed.
+
+    The proxy can only take new connections: those already open from or to ``endpoints`` are reset when
+    the context begins (``ss -K``), so that their owners reconnect, through it, as a pooled HTTP client
+    would after a link fault; but for those with a port in ``keep_open``, which stay open and undelayed.
+    Connections open when the context ends are forwarded without delay until they close.
+    """
+    endpoints = [Endpoint.of(e) for e in endpoints]
+    proxy = _DelayProxy(milliseconds / 1000)
+    try:
+        to_proxy = f"-j DNAT --to-destination 127.0.0.1:{proxy.port}"
+        rules = [f"-m mark --mark {_PROXY_MARK} -j RETURN"]
+        for endpoint in endpoints:
+            if endpoint.port is not None:
+                rules.append(f"-p tcp -d {endpoint.address} --dport {endpoint.port} {to_proxy}")
+                continue
+            group = int(ipaddress.IPv4Address(endpoint.address))
+            rules += [f"-p tcp -d {endpoint.address} {to_proxy}", f"-p tcp -s {endpoint.address} {to_proxy}",
+                      f"-p tcp -m owner --gid-owner {group} --suppl-groups {to_proxy}"]  # fmt: skip
+        with _own_chain("nat", "OUTPUT", _chain_name("DELAY"), rules):
+            _reset_open(endpoints, keep_open)
+            yield
+    finally:
+        proxy.stop()
+
+
+def _reset_open(endpoints: list[Endpoint], keep_open: Iterable[int]) -> None:
+    """Destroys (``ss -K``: the peer gets a reset) every established TCP socket from or to ``endpoints``,
+    but those with a local or remote port in ``keep_open``."""
+    ways = []
+    for e in endpoints:
+        port = f" and {{}}port = :{e.port}" if e.port else ""
+        ways += [f"( dst {e.address}{port.format('d')} )", f"( src {e.address}{port.format('s')} )"]
+    kept = [f"and not ( sport = :{p} or dport = :{p} )" for p in keep_open]
+    _run(["ss", "-K", "-t", "-n", "state", "established", f"( {' or '.join(ways)} )", *kept])
 
 
 def main() -> None:

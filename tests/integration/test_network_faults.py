@@ -1,12 +1,14 @@
 """The network faults of ``tests/helpers/network.py`` do what they say, to real sockets on loopback, and leave
 no rule behind: a loopback host sends from its own address, a partition cuts exactly the pairs it names, a
-netem delay slows exactly the traffic of its host."""
+rate limit, a loss or a delay slows exactly the traffic of its host."""
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -112,11 +114,87 @@ def test_loss_drops_about_its_share_of_packets_and_tcp_still_delivers(hosts):
     assert connect(one) is not None and "LOSS" not in _our_rules()
 
 
+def _echo(listener: socket.socket) -> None:
+    """Sends back every byte each connection to ``listener`` sends, until it closes."""
+
+    def serve(conn):
+        with conn, contextlib.suppress(OSError):  # a reset ends it too
+            while chunk := conn.recv(1 << 16):
+                conn.sendall(chunk)
+
+    while True:
+        try:
+            threading.Thread(target=serve, args=(listener.accept()[0],), daemon=True).start()
+        except OSError:
+            return
+
+
+def _round_trip(conn: socket.socket) -> float:
+    started = time.monotonic()
+    conn.sendall(b"?")
+    assert conn.recv(1) == b"?"
+    return time.monotonic() - started
+
+
+def test_a_delay_slows_each_round_trip_from_and_to_its_host_only(hosts):
+    one, three, server, connect = hosts
+    with network.delayed([one], milliseconds=50):
+        outgoing = connect(one)
+        others = [connect(three) for _ in range(3)]
+    with network.delayed([server.address], milliseconds=50):
+        incoming = connect(three)
+    after = [connect(one) for _ in range(3)]
+    # 50 ms each way: the request reaches the sink 50 ms late, its answer comes back 50 ms late.
+    assert 0.1 <= outgoing < 1.0 and 0.1 <= incoming < 1.0, (outgoing, incoming)
+    assert min(others) < 0.1 and min(after) < 0.1, (others, after)  # the best of three: the machine may be busy
+    assert "DELAY" not in _our_rules()
+
+
+def test_a_delayed_connection_keeps_its_bytes_in_order_and_outlives_the_delay_undelayed(hosts):
+    _, three, _, _ = hosts
+    listener = socket.create_server((three, 0))
+    threading.Thread(target=_echo, args=(listener,), daemon=True).start()
+    payload, received = os.urandom(8 << 20), bytearray()
+
+    def receive(conn):
+        while len(received) < len(payload) and (chunk := conn.recv(1 << 20)):
+            received.extend(chunk)
+
+    with network.delayed([three], milliseconds=50):
+        conn = socket.create_connection((three, listener.getsockname()[1]), timeout=30)
+        delayed_trip = _round_trip(conn)
+        reader = threading.Thread(target=receive, args=(conn,))
+        reader.start()
+        conn.sendall(payload)  # more than the proxy holds back: it pushes back and carries on
+        reader.join(30)
+    after = min(_round_trip(conn) for _ in range(3))  # the connection is still forwarded, without delay
+    conn.close()
+    listener.close()
+    assert received == payload
+    assert delayed_trip >= 0.1 and after < 0.1, (delayed_trip, after)
+
+
+def test_a_delay_resets_the_connections_already_open_but_those_it_keeps_open(hosts):
+    _, three, _, _ = hosts
+    listener, kept = socket.create_server((three, 0)), socket.create_server((three, 0))
+    for server in (listener, kept):
+        threading.Thread(target=_echo, args=(server,), daemon=True).start()
+    opened = socket.create_connection((three, listener.getsockname()[1]), timeout=5)
+    spared = socket.create_connection((three, kept.getsockname()[1]), timeout=5)
+    assert _round_trip(opened) < 1.0 and _round_trip(spared) < 1.0
+    with network.delayed([three], milliseconds=50, keep_open=[kept.getsockname()[1]]):
+        with pytest.raises(OSError):  # reset: its owner reconnects, through the delay
+            _round_trip(opened)
+        assert _round_trip(spared) < 0.1  # open before, kept: not delayed
+    for sock in (opened, spared, listener, kept):
+        sock.close()
+
+
 def test_no_rule_is_left_after_the_contexts_even_on_error(hosts):
     one, _, server, _ = hosts
     with pytest.raises(ZeroDivisionError):
-        with network.partition([one], [server.address]), network.lossy([one], 1), network.rate_limited([one], 100):
-            assert "CUT" in _our_rules() and "LOSS" in _our_rules()
+        with network.partition([one], [server.address]), network.lossy([one], 1), network.rate_limited([one], 100), network.delayed([one], 50):
+            assert "CUT" in _our_rules() and "LOSS" in _our_rules() and "DELAY" in _our_rules()
             raise ZeroDivisionError
-    assert "CUT" not in _our_rules() and "LOSS" not in _our_rules()  # the SNAT of the fixture is still on
+    assert "CUT" not in _our_rules() and "LOSS" not in _our_rules() and "DELAY" not in _our_rules()  # the SNAT of the fixture is still on
     assert "7a31" not in subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout
