@@ -696,7 +696,7 @@ def run(seed: int, faults: int, variant: str, allowed: list[str], workdir: str) 
             cycle, first_row = time.monotonic(), len(chaos.rows)
             try:
                 FAULTS[name][0](chaos)
-            except (TimeoutError, RuntimeError, OSError, ValueError) as err:  # the fault itself could not be set up
+            except (TimeoutError, RuntimeError, OSError, ValueError, subprocess.CalledProcessError) as err:  # the fault itself could not be set up
                 chaos.rows.append(Row(name, problems=[f"cycle failed: {str(err).splitlines()[0][:160]}"]))
             for line in render(chaos.rows[first_row:]).splitlines()[1:]:
                 print(f"[{time.monotonic() - cycle:4.0f} s] {line}", flush=True)

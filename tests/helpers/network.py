@@ -17,9 +17,11 @@ added on exit, on error too, and never flushes or edits rules it did not create.
 
 import asyncio
 import contextlib
+import fcntl
 import dataclasses
 import ipaddress
 import os
+import re
 import runpy
 import socket
 import struct
@@ -34,6 +36,7 @@ AS_HOST = ["tests.helpers.network"]
 
 _LO = "lo"
 _TC_ROOT = "7a31"  # the root htb qdisc of lo while any rate limit is on (hex handle)
+_LO_LOCK = "/run/lock/mtc-test-lo-shaper.lock" if os.path.isdir("/run/lock") else "/tmp/mtc-test-lo-shaper.lock"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,30 +138,42 @@ def partition(side: Iterable[Endpoint | str], others: Iterable[Endpoint | str]) 
 
 
 class _LoShaper:
-    """The root htb qdisc of ``lo`` while any rate limit is on. Unclassified packets (``default 0``) pass
-    htb's direct queue unshaped; each limit is a class of its own with u32 filters into it."""
+    """The root htb qdisc of ``lo`` while any rate limit is on, shared by every process of the machine (the
+    root is one per device): an ``flock`` orders the changes, and the classes in use are read from ``tc``,
+    so one run's exit never removes the root under another's limits. Unclassified packets (``default 0``)
+    pass htb's direct queue unshaped; each limit is a class of its own with u32 filters into it."""
 
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._classes: set[int] = set()
+    @staticmethod
+    @contextlib.contextmanager
+    def _machine_lock() -> Iterator[None]:
+        with open(_LO_LOCK, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            yield
 
-    def take(self) -> int:
-        with self._lock:
-            if not self._classes:
-                root = _run(["tc", "qdisc", "show", "dev", _LO, "root"]).stdout
-                if f"qdisc htb {_TC_ROOT}:" not in root and "qdisc noqueue" not in root:
+    @staticmethod
+    def _classes() -> set[int]:
+        shown = _run(["tc", "class", "show", "dev", _LO]).stdout
+        return {int(number, 16) for number in re.findall(rf"class htb {_TC_ROOT}:([0-9a-f]+) ", shown)}
+
+    def add_class(self, rate_mbit: float, burst: int) -> int:
+        """A new class of ``rate_mbit`` under the root (created if need be); returns its number."""
+        with self._machine_lock():
+            root = _run(["tc", "qdisc", "show", "dev", _LO, "root"]).stdout
+            if f"qdisc htb {_TC_ROOT}:" not in root:
+                if "qdisc noqueue" not in root:
                     raise RuntimeError(f"{_LO} has a root qdisc that is not ours, left alone: {root.strip()}")
-                _run(["tc", "qdisc", "replace", "dev", _LO, "root", "handle", f"{_TC_ROOT}:", "htb", "r2q", "1000"])
-            number = min(set(range(1, 1 << 12)) - self._classes)
-            self._classes.add(number)
+                _run(["tc", "qdisc", "add", "dev", _LO, "root", "handle", f"{_TC_ROOT}:", "htb", "r2q", "1000"])
+            number = min(set(range(1, 1 << 12)) - self._classes())
+            _run(["tc", "class", "add", "dev", _LO, "parent", f"{_TC_ROOT}:", "classid", f"{_TC_ROOT}:{number:x}", "htb",
+                  "rate", f"{rate_mbit}mbit", "burst", str(burst), "cburst", str(burst)])  # fmt: skip
             return number
 
-    def give_back(self, number: int) -> None:
-        with self._lock:
-            self._classes.discard(number)
+    def remove_class(self, number: int) -> None:
+        """Removes the class and its filters; the root too when no class is left."""
+        with self._machine_lock():
             _run(["tc", "filter", "del", "dev", _LO, "parent", f"{_TC_ROOT}:", "pref", str(number)], check=False)
             _run(["tc", "class", "del", "dev", _LO, "classid", f"{_TC_ROOT}:{number:x}"], check=False)
-            if not self._classes:
+            if not self._classes():
                 _run(["tc", "qdisc", "del", "dev", _LO, "root", "handle", f"{_TC_ROOT}:"], check=False)
 
 
@@ -176,18 +191,16 @@ def _u32_matches(endpoint: Endpoint) -> list[list[str]]:
 def rate_limited(endpoints: Iterable[Endpoint | str], rate_mbit: float) -> Iterator[None]:
     """Every packet from or to ``endpoints`` shares one link of ``rate_mbit`` megabits per second (10^6 bit/s,
     both directions together) while the context lasts; other traffic on ``lo`` is not shaped (an htb class)."""
-    number = _lo.take()
+    burst = max(64 * 1024, int(rate_mbit * 1e6 / 8 / 100))  # 10 ms of the rate, at least one GSO packet on lo
+    number = _lo.add_class(rate_mbit, burst)
     try:
-        burst = max(64 * 1024, int(rate_mbit * 1e6 / 8 / 100))  # 10 ms of the rate, at least one GSO packet on lo
-        _run(["tc", "class", "add", "dev", _LO, "parent", f"{_TC_ROOT}:", "classid", f"{_TC_ROOT}:{number:x}", "htb",
-              "rate", f"{rate_mbit}mbit", "burst", str(burst), "cburst", str(burst)])  # fmt: skip
         for endpoint in (Endpoint.of(e) for e in endpoints):
             for match in _u32_matches(endpoint):
                 _run(["tc", "filter", "add", "dev", _LO, "parent", f"{_TC_ROOT}:", "protocol", "ip", "pref", str(number), "u32",
                       *match, "flowid", f"{_TC_ROOT}:{number:x}"])  # fmt: skip
         yield
     finally:
-        _lo.give_back(number)
+        _lo.remove_class(number)
 
 
 @contextlib.contextmanager
