@@ -1,19 +1,23 @@
 """The peer tier end to end: a node and its ramdisk are lost, a fresh node joins, and the job
 resumes at the newest step from data held by its peers, through real Orbax processes."""
 
+import contextlib
 import http.client
 import os
+import re
 import ssl
+import statistics
 import subprocess
+import time
 import urllib.error
 import urllib.request
-
-import time
+from collections.abc import Iterator
 
 import pytest
 
 from csi_driver import kubelet
 from replicator.pacing import timing
+from tests.helpers import network
 from tests.helpers.agents import scrape
 from tests.helpers.jobs import (
     UNTIL_KILLED,
@@ -22,6 +26,8 @@ from tests.helpers.jobs import (
     kill_past_newest_commit,
     lose_node_and_resume,
     losses,
+    replace_node,
+    rerun,
     run_job,
     status_of,
 )
@@ -29,14 +35,34 @@ from tests.helpers.polling import wait_until
 from tests.helpers.steps import flip_byte
 
 LONG_RUN = UNTIL_KILLED
-# Data parallelism 1 saving about every 0.5 s, while a node starts at most one push per peer every 2 s
-# (--min-push-interval-seconds): replication is slower than saving. A replication round takes at most two push
-# lanes' turns plus the coordinator's latency (replicator/coordinator/replicas.py), so the safe step must advance
-# at least every ADVANCE_BOUND_SECONDS, and trail the newest complete step by at most LAG_BOUND_STEPS.
+# Data parallelism 1 saving about every 0.5 s, while every connection to a node agent's peer port is delayed
+# PUSH_DELAY_MS each way (tests/helpers/network.py) so that one push takes longer than a save interval, and a node
+# starts at most one push per peer every 2 s (--min-push-interval-seconds): replication is slower than saving. A
+# replication round takes at most two push lanes' turns plus the coordinator's latency
+# (replicator/coordinator/replicas.py), so the safe step must advance at least every ADVANCE_BOUND_SECONDS, and
+# trail the newest complete step by at most LAG_BOUND_STEPS.
 FAST_SAVES = ["--data-parallelism", "1", *LONG_RUN, "--save-interval-steps", "1", "--step-sleep", "0.3"]
+PUSH_DELAY_MS = 100
 ADVANCE_BOUND_SECONDS = 4 * timing.MIN_PUSH_INTERVAL_SECONDS
 LAG_BOUND_STEPS = 30
 SAMPLE_SECONDS = 20.0
+_PUSHED = re.compile(r"replicated step \d+ of rank \d+ to \S+ in ([0-9.]+) s")
+
+
+@contextlib.contextmanager
+def slowed_pushes(cluster) -> Iterator[None]:
+    """Delays the agents' peer ports (pushes and fetches) by PUSH_DELAY_MS each way while the context lasts, and
+    checks that the pushes made meanwhile took longer than the job's save interval (about 0.5 s)."""
+    logs = {agent.log_path: os.path.getsize(agent.log_path) for agent in cluster.agents}
+    with network.delayed([agent.listen for agent in cluster.agents], PUSH_DELAY_MS):
+        yield
+    pushes = []
+    for path, offset in logs.items():
+        with contextlib.suppress(FileNotFoundError), open(path, encoding="utf-8", errors="replace") as log:  # a lost node's is gone
+            log.seek(offset)
+            pushes += [float(m.group(1)) for m in _PUSHED.finditer(log.read())]
+    print(f"pushes while slowed: {len(pushes)}, median {statistics.median(pushes):.2f} s, shortest {min(pushes):.2f} s")
+    assert statistics.median(pushes) > 0.5, pushes  # the premise: a push takes longer than a save interval
 
 
 def safe_step_advances(cluster, job) -> tuple[float, int]:
@@ -81,7 +107,8 @@ def test_replicated_job_saving_faster_than_it_replicates_restores_lost_node_and_
     cluster = start_cluster(replicas=2)
     job = run_job("solo", list(cluster.agents), tmp_path / "solo", [*FAST_SAVES, "--dump-dir", str(tmp_path / "dump-1")])
     job.wait(lambda: (s := status_of(cluster, job))["safe_step"] is not None and s["safe_step"] >= 9, 180, "replicated step 9")
-    still, lag = safe_step_advances(cluster, job)
+    with slowed_pushes(cluster):
+        still, lag = safe_step_advances(cluster, job)
     assert still <= ADVANCE_BOUND_SECONDS and lag <= LAG_BOUND_STEPS, (still, lag)
     before = kill_past_newest_commit(job)
     wait_until(lambda: status_of(cluster, job)["safe_step"] == status_of(cluster, job)["newest_complete_step"], 30, "replicas caught up")
@@ -106,14 +133,15 @@ def test_node_lost_while_saving_faster_than_it_replicates_restores_a_step_within
     cluster = start_cluster(replicas=1)
     job = run_job("fast", list(cluster.agents), tmp_path / "fast", [*FAST_SAVES, "--dump-dir", str(tmp_path / "dump-1")])
     job.wait(lambda: status_of(cluster, job)["safe_step"] is not None, 120, "a first safe step")
-    still, lag = safe_step_advances(cluster, job)
+    with slowed_pushes(cluster):
+        still, lag = safe_step_advances(cluster, job)
+        # The node is lost the moment the job is: its last round's replicas are what its rank has.
+        newest = status_of(cluster, job)["newest_complete_step"]
+        job.kill_training()
+        before = losses(job.pods)
+        agents = replace_node(cluster, job, 1)
     assert still <= ADVANCE_BOUND_SECONDS and lag <= LAG_BOUND_STEPS, (still, lag)
-    # The node is lost the moment the job is: its last round's replicas are what its rank has.
-    status = status_of(cluster, job)
-    newest = status["newest_complete_step"]
-    job.kill_training()
-    before = losses(job.pods)
-    lose_node_and_resume(cluster, job, 1, tmp_path, steps=max(before) + 6)
+    rerun(job, tmp_path / "dump-2", agents=agents, steps=max(before) + 6)
     restored = by_event(job.pods[0], "restored")[0]["step"]
     assert newest - LAG_BOUND_STEPS <= restored <= max(before), (newest, restored)
     assert_resumed_exactly(job, restored, before, tmp_path)
