@@ -2,15 +2,14 @@
 
 import errno
 import os
-import subprocess
 
 import pytest
 
-from examples.local_cluster import unmount_all_below
 from replicator.local_tier.step_manifest import build_manifest
 from replicator.peer_tier.client import PeerFetchError, push_step
 from replicator.peer_tier.protocol import UPLOAD_HEADER
 from tests.helpers.peer import AUTH, JOB, NS, TOKEN, commit_own_step, fetch
+from tests.helpers.ramdisks import small_tmpfs
 from tests.helpers.steps import write_tree
 from tests.helpers.tools import requires_root
 
@@ -20,11 +19,8 @@ pytestmark = requires_root
 @pytest.fixture
 def small_ramdisk(tmp_path):
     """A real 2 MiB tmpfs, always unmounted."""
-    path = str(tmp_path / "small")
-    os.mkdir(path)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2M", "mtc-test-small", path], check=True)
-    yield path
-    unmount_all_below(path)
+    with small_tmpfs(str(tmp_path / "small"), "2M") as path:
+        yield path
 
 
 def _free_bytes(path: str) -> int:

@@ -2,18 +2,17 @@
 pressure gives up only unsafe, unprotected copies, oldest first."""
 
 import os
-import subprocess
 
 import pytest
 
 from csi_driver.ramdisk import Ramdisk
-from examples.local_cluster import unmount_all_below
 from replicator.local_tier import space
 from replicator.local_tier.job_meta import JobMeta
 from replicator.local_tier.step_manifest import build_manifest
 from replicator.peer_tier.client import PeerFetchError, push_step
 from replicator.wire.messages import RetainOrder
 from tests.helpers.peer import JOB, NS, TOKEN, commit_own_step
+from tests.helpers.ramdisks import small_tmpfs
 from tests.helpers.steps import write_tree
 from tests.helpers.tools import requires_root
 
@@ -24,11 +23,8 @@ MiB = 1 << 20
 @pytest.fixture
 def ramdisk(tmp_path):
     """A real 12 MiB tmpfs, always unmounted."""
-    path = str(tmp_path / "ramdisk")
-    os.mkdir(path)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12M", "mtc-test-space", path], check=True)
-    yield path
-    unmount_all_below(path)
+    with small_tmpfs(str(tmp_path / "ramdisk"), "12M") as path:
+        yield path
 
 
 def _replica(meta, tmp_path, rank: int, step: int, size: int) -> None:
