@@ -82,11 +82,12 @@ class NodeAgent:
         disk = self.manager.ramdisks().get((namespace, job))
         return disk.path if disk else None
 
-    def _make_room(self, namespace: str, job: str, need: int) -> None:
-        """Gives up unsafe copies of the job's ramdisk for a replica it receives (``NodeReplicator.make_room``)."""
+    def _make_room(self, namespace: str, job: str, need: int, step: int) -> None:
+        """Gives up unsafe copies of the job's ramdisk, but of ``step``, for a replica of ``step`` it
+        receives (``NodeReplicator.make_room``)."""
         disk = self.manager.ramdisks().get((namespace, job))
         if disk is not None and self.replicator is not None:
-            self.replicator.make_room(disk, need)
+            self.replicator.make_room(disk, need, keep=step)
 
     def healthy(self) -> bool:
         """Recovered and serving, and no replicator loop is wedged."""

@@ -23,9 +23,26 @@ def collect_garbage(disk: Ramdisk, order: RetainOrder, busy_steps: BusySteps) ->
             GC_DELETED.inc()
     spec = current_pod(disk)
     progress = meta.progress(spec.pod_uid) if spec else None
-    restored = progress.handing_over if progress and progress.restore_done else None
+    restored = restored_step(disk, meta)
     for rank, step in meta.replicas():
         set_aside = progress is not None and rank == progress.rank and restored is not None
         if (step < order.keep_from or (set_aside and order.keep_from > restored)) and step not in keep:
             meta.drop_replica(rank, step)
             GC_DELETED.inc()
+
+
+def restored_step(disk: Ramdisk, meta: JobMeta) -> int | None:
+    """The step the current pod's restore handed over (-1: a fresh start), or None before it is done."""
+    spec = current_pod(disk)
+    progress = meta.progress(spec.pod_uid) if spec else None
+    return progress.handing_over if progress and progress.restore_done else None
+
+
+def pressure_order(disk: Ramdisk, order: RetainOrder | None) -> RetainOrder | None:
+    """What ``space.make_room`` may go by: the coordinator's latest retain order, else, once the pod restored a
+    step, everything newer than it (the job's unsafe new saves, steps a restore set aside): no step newer than the
+    one every rank restored is safe. None (nothing given up) before a restore, or after a fresh start."""
+    if order is not None:
+        return order
+    restored = restored_step(disk, JobMeta(disk.path))
+    return RetainOrder(disk.namespace, disk.job, restored, ()) if restored is not None and restored >= 0 else None

@@ -11,6 +11,7 @@
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Mapping
 
@@ -29,7 +30,7 @@ from replicator.local_tier.steps import drop_abandoned
 from replicator.node import handshake
 from replicator.node.commit_detection import CommitDetector
 from replicator.node.config import NodeConfig
-from replicator.node.garbage_collection import collect_garbage
+from replicator.node.garbage_collection import collect_garbage, pressure_order
 from replicator.node.pushes import Pusher
 from replicator.node.report_session import OwnStep, ReportSession, StepCopy
 from replicator.pacing import timing
@@ -76,7 +77,8 @@ class NodeReplicator:
         self._log_once = LogOnce()
         self._assignments: dict[str, Assignment] = {}
         self._replicas = config.peer.replicas if peer_token else 0  # replicas of each step this node may host
-        self._retain: dict[JobRef, RetainOrder] = {}  # the latest reply's: what ``space.make_room`` may give up
+        self._retain: dict[JobRef, RetainOrder] = {}
+        self._making_room = threading.Lock()  # the latest reply's: what ``space.make_room`` may give up
         self._backup = (
             BackupWorker(backup_store, config.backup.keep, self._busy_steps, self._error_to_job, self.poke, share) if backup_store else None
         )
@@ -285,14 +287,16 @@ class NodeReplicator:
             self._log_once(f"watch-{key}", f"{key}: error in the job's protocol loop, retrying: {err!r}")
         return True
 
-    def make_room(self, disk: Ramdisk, need: int) -> None:
+    def make_room(self, disk: Ramdisk, need: int, keep: int | None = None) -> None:
         """Gives up unsafe copies on ``disk`` until ``need`` bytes are free or none is left
-        (``space.make_room``, with the job's latest retain order); logs each one."""
+        (``space.make_room``, with the job's latest retain order), but of step ``keep``; logs each one."""
         key = job_of(disk)
-        order = self._retain.get(key)
-        for copy in space.make_room(disk, order, self._busy_steps.of(key), need):
+        order = pressure_order(disk, self._retain.get(key))
+        with self._making_room:  # the watch pass, the peer service and a restore may all ask at once
+            given_up = space.make_room(disk, order, self._busy_steps.of(key) | ({keep} if keep is not None else set()), need)
+        for copy in given_up:
             space.GIVEN_UP.inc()
-            log.warning("%s/%s: gave up %s step %d (%d bytes, not safe) to free %d bytes; the newest safe step is %d",
+            log.warning("%s/%s: gave up %s step %d (%d bytes, not safe) to free %d bytes; steps up to %d are kept (safe, or restored)",
                         key.namespace, key.job, "its own" if copy.own else f"rank {copy.rank}'s replica of", copy.step, copy.bytes, need,
                         order.keep_from)  # fmt: skip
 

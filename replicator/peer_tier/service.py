@@ -53,8 +53,10 @@ from replicator.peer_tier.protocol import (
 from replicator.wire.bearer import require_bearer
 from replicator.wire.http_errors import error_response
 
-# (namespace, job, bytes wanted free) -> None: ``NodeReplicator.make_room`` for that job's ramdisk.
-MakeRoom = Callable[[str, str, int], None]
+# (namespace, job, bytes wanted free, step to keep) -> None: ``NodeReplicator.make_room`` for that job's
+# ramdisk, keeping the step being received (a push is of the replication round's step, which the node's
+# last retain order may not protect yet).
+MakeRoom = Callable[[str, str, int, int], None]
 
 _MAX_MANIFEST_BYTES = 16 << 20
 _RECEIVE_CHUNK_BYTES = 1 << 20
@@ -320,7 +322,7 @@ class _PeerService:
         if self._make_room is not None and not self._uploads.known(upload_id):
             needed, _ = self._uploads.room_needed(ref, declared)
             if needed > space.free_bytes(ref.ramdisk):
-                await asyncio.to_thread(self._make_room, request.match_info["namespace"], request.match_info["job"], needed)
+                await asyncio.to_thread(self._make_room, request.match_info["namespace"], request.match_info["job"], needed, ref.step)
         free = space.free_bytes(ref.ramdisk)
         upload = self._uploads.acquire(upload_id, ref, declared)
         try:

@@ -115,6 +115,8 @@ class ClientDirProtocol:
     """
 
     handshake_files: tuple[str, ...] = (REPLICATOR_FILE, ERRORS_FILE, FAILED_FILE)
+    # The name a save has while the job writes it (``clear_previous_pod`` removes those of earlier pods).
+    unfinished_save: re.Pattern = re.compile(r"^[0-9]{1,18}\.tmp$")
 
     def __init__(self):
         # local dir -> its last scan; the agent scans every job's dir five times a second.
@@ -229,12 +231,17 @@ class ClientDirProtocol:
 
     def clear_previous_pod(self, local_dir: str) -> None:
         """Removes what a previous pod's protocol run left: the ``handshake_files`` (its unconsumed
-        ``replicator.yaml``: the job waits for it to vanish before writing its own), markers and
-        temporary files of interrupted writes."""
+        ``replicator.yaml``: the job waits for it to vanish before writing its own), markers,
+        temporary files of interrupted writes, and saves it never committed (``unfinished_save``: a
+        pod killed mid-save leaves up to a whole shard that no process will ever finish, space the
+        sizing rule does not have)."""
         with pod_files.open_dir(local_dir) as fd:
             for name in self.handshake_files:
                 pod_files.remove(fd, name)
             pod_files.sweep_temp_files(fd)
+            for name, _ in pod_files.names(fd):
+                if self.unfinished_save.match(name):
+                    pod_files.remove(fd, name)
         self.remove_markers(local_dir)
 
     # -- restore markers ---------------------------------------------------------------------------

@@ -20,6 +20,7 @@ files, the scan) is ``client_dir.ClientDirProtocol``.
 
 import hashlib
 import json
+import re
 from typing import Annotated, Literal
 
 import msgspec
@@ -100,6 +101,7 @@ class Orbax(ClientDirProtocol):
     name = "orbax"
     ranks_follow_data = True
     handshake_files = (JAX_INIT_INFO_FILE, *ClientDirProtocol.handshake_files)
+    unfinished_save = re.compile(r"^[0-9]{1,18}\.orbax-checkpoint-tmp(-[0-9]+)?$")  # older Orbax adds a timestamp
 
     # -- commit evidence ---------------------------------------------------------------------------
 
