@@ -4,13 +4,14 @@ together are refused before anything starts."""
 import pytest
 
 from replicator import cli
+from replicator.cli import coordinator_command, node_commands
 from replicator.node.config import NodeConfig
 from replicator.pacing import timing
 
 
 def test_flags_land_in_their_sections(monkeypatch):
     built = []
-    monkeypatch.setattr(cli, "run_node", built.append)
+    monkeypatch.setattr(node_commands, "run_node", built.append)
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:4443")
     assert cli.main(["node", "--node-id", "n1", "--root", "/r", "--csi-endpoint", "unix:///c.sock", "--listen", "127.0.0.1:8470",
                      "--backup", "gs://bucket/p", "--backup-keep", "5", "--coordinator", "https://c:8471", "--peer-tls-ca", "ca.pem",
@@ -29,14 +30,14 @@ def test_flags_land_in_their_sections(monkeypatch):
 
 def test_a_peer_certificate_without_its_key_is_refused_before_the_agent_starts(monkeypatch, capsys):
     built = []
-    monkeypatch.setattr(cli, "run_node", built.append)
+    monkeypatch.setattr(node_commands, "run_node", built.append)
     assert cli.main(["node", "--node-id", "n1", "--root", "/r", "--csi-endpoint", "unix:///c.sock", "--listen", "127.0.0.1:1",
                      "--peer-tls-cert", "cert.pem"]) == 2  # fmt: skip
     assert built == [] and "--peer-tls-cert and --peer-tls-key go together" in capsys.readouterr().err
 
 
 def test_coordinator_kube_without_a_usable_kubeconfig_is_one_line_and_exit_2(monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(cli, "run_coordinator", lambda config: pytest.fail("the coordinator must not start"))
+    monkeypatch.setattr(coordinator_command, "run_coordinator", lambda config: pytest.fail("the coordinator must not start"))
     broken = tmp_path / "kubeconfig"
     broken.write_text("apiVersion: v1\nkind: Config\n")
     argv = ["coordinator", "--listen", "127.0.0.1:1", "--insecure", "--kube"]
