@@ -1,29 +1,73 @@
 """``mtc``: the one console script. Each subcommand's module parses its flags into typed values."""
 
 import argparse
+import importlib.metadata
 import logging
+import os
 import sys
 
 import grpc
 
-from replicator.cli import coordinator_command, node_commands, operator_commands
+from replicator.cli import coordinator_command, logs, node_commands, operator_commands
+from replicator.cli.arguments import Parser, log_level
+
+DISTRIBUTION = "mtc-checkpointing"
+log = logging.getLogger(__name__)
+
+
+def version() -> str:
+    """The installed distribution's version; from a source tree that is not installed, ``pyproject.toml``'s."""
+    try:
+        return importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    pyproject = os.path.join(os.path.dirname(__file__), "..", "..", "pyproject.toml")
+    try:
+        import tomllib  # Python 3.11 on; the agent's image has it
+
+        with open(pyproject, "rb") as f:
+            return str(tomllib.load(f)["project"]["version"])
+    except (ImportError, OSError, KeyError, ValueError):
+        return "unknown"
+
+
+def _add_log_flags(parser: argparse.ArgumentParser, level: int | str = argparse.SUPPRESS, log_format: str = argparse.SUPPRESS) -> None:
+    parser.add_argument("--log-level", type=log_level, default=level, metavar="LEVEL",
+                        help="debug, info, warning, error or critical, in any case (default info)")  # fmt: skip
+    parser.add_argument("--log-format", choices=logs.FORMATS, default=log_format,
+                        help="text, or json: one object a line with time, level, logger, message (default text)")  # fmt: skip
+
+
+def parser() -> Parser:
+    """``mtc``'s flags; ``--log-level`` and ``--log-format`` go before or after the subcommand."""
+    main_parser = Parser(prog="mtc", description="Multi-tier checkpointing for ML training on Kubernetes.")
+    main_parser.add_argument("--version", action="version", version=f"mtc {version()}")
+    _add_log_flags(main_parser, logging.INFO, "text")
+    sub = main_parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module in (node_commands, coordinator_command, operator_commands):
+        module.add(sub)
+    for command in sub.choices.values():  # the subcommand's value, when given, wins
+        _add_log_flags(command)
+    return main_parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Runs one ``mtc`` subcommand.
 
     Returns:
-      The exit code: 0, 1 when the command failed, 2 for bad flags.
+      The exit code: 0, 1 when the command failed, 2 for bad flags (one line on stderr, no traceback).
     """
-    parser = argparse.ArgumentParser(prog="mtc", description="Multi-tier checkpointing for ML training on Kubernetes.")
-    parser.add_argument("--log-level", default="INFO")
-    sub = parser.add_subparsers(dest="command", required=True)
-    for module in (node_commands, coordinator_command, operator_commands):
-        module.add(sub)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as done:  # a usage error (2, its line printed), or --help or --version (0)
+        return done.code
+    logs.configure(args.log_level, args.log_format)
     try:
         return args.run(args)
     except grpc.RpcError as err:
         print(f"{err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    except OSError as err:  # a file, socket or address the flags named: the user's to fix, so no traceback
+        log.debug("mtc %s failed", args.command, exc_info=True)
+        print(f"mtc {args.command}: {err}", file=sys.stderr)
         return 1

@@ -9,7 +9,27 @@ from csi_driver.identity import DEFAULT_DRIVER_NAME
 from csi_driver.quantity import parse_quantity
 from csi_driver.ramdisk import JobBusy
 from csi_driver.volume_request import DEFAULT_MAX_NODES
-from replicator.cli.arguments import key_value, positive_float, quantity
+from replicator.cli.arguments import (
+    backup_url,
+    ca_bundle,
+    csi_endpoint,
+    csi_socket,
+    directory,
+    existing_directory,
+    http_url,
+    job_ref,
+    key_value,
+    listen_address,
+    non_negative_float,
+    positive_float,
+    positive_int,
+    quantity,
+    readable_file,
+    server_pair_error,
+    text,
+    token_file,
+    usage_error,
+)
 from replicator.node.agent import open_ramdisks, run_node
 from replicator.node.config import (
     BackupSettings,
@@ -20,58 +40,53 @@ from replicator.node.config import (
     PeerSettings,
 )
 from replicator.pacing import timing
-from replicator.wire.messages import JobRef
 
 
 def add(sub: argparse._SubParsersAction) -> None:
     """Adds ``node``, ``publish``, ``unpublish`` and ``gc``."""
     p = sub.add_parser("node", help="run this node's agent: the CSI plugin and the HTTP side")
     p.set_defaults(run=_run_node)
-    p.add_argument("--node-id", required=True, help="this node's name")
-    p.add_argument("--root", required=True, help="data directory; job ramdisks are mounted below it")
-    p.add_argument("--csi-endpoint", required=True, help="unix:///path/csi.sock")
-    p.add_argument("--listen", required=True, help="HOST:PORT of the HTTP side (health, metrics)")
-    p.add_argument("--coordinator", help="coordinator base URL")
-    p.add_argument("--backup", help="backup tier URL: gs://bucket/prefix, s3://bucket/prefix or file:///path")
-    p.add_argument("--s3-endpoint-url", help="S3-compatible endpoint for s3:// backups (default: AWS_ENDPOINT_URL, else AWS)")
+    p.add_argument("--node-id", type=text, required=True, help="this node's name")
+    p.add_argument("--root", type=directory, required=True, help="data directory (created if missing); job ramdisks are mounted below it")
+    p.add_argument("--csi-endpoint", type=csi_endpoint, required=True, help="unix:///path/csi.sock")
+    p.add_argument("--listen", type=listen_address, required=True, help="HOST:PORT of the HTTP side (health, metrics)")
+    p.add_argument("--coordinator", type=http_url, help="coordinator base URL (http:// or https://)")
+    p.add_argument("--backup", type=backup_url, help="backup tier URL: gs://bucket/prefix, s3://bucket/prefix or file:///path")
+    p.add_argument("--s3-endpoint-url", type=http_url, help="S3-compatible endpoint for s3:// backups (default: AWS_ENDPOINT_URL, else AWS)")
     p.add_argument("--topology", type=key_value, action="append", default=[], help="topology label KEY=VALUE")
-    p.add_argument("--pod-address", help="address pods on this node are reachable at (local runs, hostNetwork)")
-    p.add_argument("--driver-name", default=DEFAULT_DRIVER_NAME, help="CSI driver name (default %(default)s)")
-    p.add_argument("--kubelet-registration-dir", metavar="DIR",
+    p.add_argument("--pod-address", type=text, help="address pods on this node are reachable at (local runs, hostNetwork)")
+    p.add_argument("--driver-name", type=text, default=DEFAULT_DRIVER_NAME, help="CSI driver name (default %(default)s)")
+    p.add_argument("--kubelet-registration-dir", type=existing_directory, metavar="DIR",
                    help="register the driver with the kubelet through a socket in DIR, its plugins_registry "
                         "(e.g. /var/lib/kubelet/plugins_registry; default: none, a node-driver-registrar sidecar does it)")
     p.add_argument("--ramdisk-backend", choices=["tmpfs", "dir"], default="tmpfs",
                    help="tmpfs (RAM, needs root) or dir (unprivileged: data lives on disk)")
     p.add_argument("--default-size", type=quantity, default=parse_quantity("1Gi"),
                    help="ramdisk size when a volume sets none (default 1Gi)")
-    p.add_argument("--retention-seconds", type=float, default=24 * 3600.0,
+    p.add_argument("--retention-seconds", type=non_negative_float, default=24 * 3600.0,
                    help="release a job's ramdisk this long after its last pod unpublished (default one day)")
-    p.add_argument("--peer-token-file", help="bearer token for the peer service (a Kubernetes Secret); enables the peer tier")
+    p.add_argument("--peer-token-file", type=token_file, help="bearer token for the peer service (a Kubernetes Secret); enables the peer tier")
     p.add_argument("--replicas", type=int, choices=[1, 2], default=1,
                    help="peers holding replicas of each step when data parallelism is 1 (default 1)")
-    p.add_argument("--backup-keep", type=int, default=3, help="complete backups kept per job (default 3)")
-    p.add_argument("--peer-tls-cert", help="serve the HTTP side over TLS with this certificate (PEM)")
-    p.add_argument("--peer-tls-key", help="the certificate's private key (PEM)")
-    p.add_argument("--peer-tls-ca", help="CA bundle (PEM) that peers' certificates are checked against")
-    p.add_argument("--coordinator-ca", help="CA bundle (PEM) the coordinator's certificate is checked against (default: --peer-tls-ca)")
-    p.add_argument("--max-nodes", type=int, default=DEFAULT_MAX_NODES, help="largest job (nodes attribute) accepted (default %(default)s)")
+    p.add_argument("--backup-keep", type=positive_int, default=3, help="complete backups kept per job (default 3)")
+    p.add_argument("--peer-tls-cert", type=readable_file, help="serve the HTTP side over TLS with this certificate (PEM)")
+    p.add_argument("--peer-tls-key", type=readable_file, help="the certificate's private key (PEM)")
+    p.add_argument("--peer-tls-ca", type=ca_bundle, help="CA bundle (PEM) that peers' certificates are checked against")
+    p.add_argument("--coordinator-ca", type=ca_bundle, help="CA bundle (PEM) the coordinator's certificate is checked against (default: --peer-tls-ca)")
+    p.add_argument("--max-nodes", type=positive_int, default=DEFAULT_MAX_NODES, help="largest job (nodes attribute) accepted (default %(default)s)")
     p.add_argument("--background-cpu", type=positive_float, metavar="CPUS",
                    help="CPUs the agent may use while it replicates and backs up, e.g. 0.5 (default: no cap; restores never capped)")
     p.add_argument("--restore-deadline-seconds", type=positive_float, default=timing.RESTORE_DEADLINE_SECONDS,
                    help="a restore gives up and tells the job after this long; keep it below Orbax's 300 s wait (default %(default)s)")
     p.add_argument("--wedged-after-seconds", type=positive_float, default=timing.WEDGED_AFTER_SECONDS,
                    help="a replicator loop stalled this long makes /healthz and CSI Probe fail (default %(default)s)")
-    p.add_argument("--min-push-interval-seconds", type=float, default=timing.MIN_PUSH_INTERVAL_SECONDS,
+    p.add_argument("--min-push-interval-seconds", type=non_negative_float, default=timing.MIN_PUSH_INTERVAL_SECONDS,
                    help="at most one replica push per job and peer this often; faster saves replicate one step per round (default %(default)s)")
     _add_publish(sub)
     _add_gc(sub)
 
 def _node_config(args: argparse.Namespace) -> NodeConfig:
-    """``mtc node``'s flags as the agent's settings.
-
-    Raises:
-      ValueError: flags that do not go together.
-    """
+    """``mtc node``'s flags, checked by ``_run_node``, as the agent's settings."""
     return NodeConfig(
         node_id=args.node_id,
         root=args.root,
@@ -96,30 +111,30 @@ def _node_config(args: argparse.Namespace) -> NodeConfig:
 
 
 def _run_node(args: argparse.Namespace) -> int:
-    try:
-        config = _node_config(args)
-    except ValueError as err:
-        print(err, file=sys.stderr)
-        return 2
-    run_node(config)
+    if args.s3_endpoint_url and not (args.backup or "").startswith("s3://"):
+        return usage_error("node", f"--s3-endpoint-url {args.s3_endpoint_url}: needs an s3:// --backup")
+    error = server_pair_error(args.peer_tls_cert, args.peer_tls_key, "--peer-tls-cert", "--peer-tls-key")
+    if error:
+        return usage_error("node", error)
+    run_node(_node_config(args))
     return 0
 
 
 def _add_publish(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("publish", help="call NodePublishVolume as kubelet would (kubelet stand-in)")
     p.set_defaults(run=_run_publish)
-    p.add_argument("--csi-endpoint", required=True)
-    p.add_argument("--target", required=True, help="target_path to mount the ramdisk at")
-    p.add_argument("--pod", required=True, help="pod name, e.g. myjob-slice-0-1-abcde")
-    p.add_argument("--namespace", default="default")
-    p.add_argument("--pod-uid", help="pod UID (default: a fresh random UID)")
-    p.add_argument("--volume-id", help="default: kubelet-style csi-<sha256(podUID+volume)>")
+    p.add_argument("--csi-endpoint", type=csi_socket, required=True, help="unix:///path/csi.sock of a running node agent")
+    p.add_argument("--target", type=text, required=True, help="target_path to mount the ramdisk at")
+    p.add_argument("--pod", type=text, required=True, help="pod name, e.g. myjob-slice-0-1-abcde")
+    p.add_argument("--namespace", type=text, default="default")
+    p.add_argument("--pod-uid", type=text, help="pod UID (default: a fresh random UID)")
+    p.add_argument("--volume-id", type=text, help="default: kubelet-style csi-<sha256(podUID+volume)>")
     p.add_argument("--attr", type=key_value, action="append", default=[], help="volumeAttributes KEY=VALUE")
     p = sub.add_parser("unpublish", help="call NodeUnpublishVolume as kubelet would (kubelet stand-in)")
     p.set_defaults(run=_run_unpublish)
-    p.add_argument("--csi-endpoint", required=True)
-    p.add_argument("--target", required=True)
-    p.add_argument("--volume-id", default="unknown", help="the plugin finds the volume by target path")
+    p.add_argument("--csi-endpoint", type=csi_socket, required=True, help="unix:///path/csi.sock of a running node agent")
+    p.add_argument("--target", type=text, required=True)
+    p.add_argument("--volume-id", type=text, default="unknown", help="the plugin finds the volume by target path")
 
 
 def _run_publish(args: argparse.Namespace) -> int:
@@ -139,21 +154,17 @@ def _run_unpublish(args: argparse.Namespace) -> int:
 def _add_gc(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("gc", help="release job ramdisks on this node (deletes their checkpoints)")
     p.set_defaults(run=_run_gc)
-    p.add_argument("--root", required=True, help="the node agent's --root")
+    p.add_argument("--root", type=existing_directory, required=True, help="the node agent's --root (an existing directory)")
     p.add_argument("--ramdisk-backend", choices=["tmpfs", "dir"], default="tmpfs")
     which = p.add_mutually_exclusive_group(required=True)
-    which.add_argument("--job", help="NAMESPACE/JOB to release")
+    which.add_argument("--job", type=job_ref, help="NAMESPACE/JOB to release")
     which.add_argument("--idle", action="store_true", help="release every ramdisk no pod has published")
     p.add_argument("--force", action="store_true", help="release even while pods have it published")
 
 
 def _run_gc(args: argparse.Namespace) -> int:
-    try:  # flags first: a bad one touches nothing
-        ref = None if args.idle else JobRef.parse(args.job)
-    except ValueError as err:
-        print(f"--job {err}", file=sys.stderr)
-        return 2
     manager = open_ramdisks(args.root, args.ramdisk_backend)
+    ref = args.job
     if ref is None:
         for namespace, job in manager.reap_idle(retention_seconds=0):
             print(f"released {namespace}/{job}")
@@ -163,5 +174,5 @@ def _run_gc(args: argparse.Namespace) -> int:
     except JobBusy as err:
         print(f"FAILED_PRECONDITION: {err}; pass --force to release anyway", file=sys.stderr)
         return 1
-    print(f"released {args.job}" if released else f"no ramdisk for {args.job}")
+    print(f"released {ref}" if released else f"no ramdisk for {ref}")
     return 0
