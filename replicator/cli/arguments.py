@@ -48,11 +48,11 @@ def _refuse(text: str, expected: str) -> argparse.ArgumentTypeError:
     return argparse.ArgumentTypeError(f"{shown}: {expected}")
 
 
-def text(value: str) -> str:
+def non_empty(text: str) -> str:
     """Any text but the empty one (names, paths that need not exist yet)."""
-    if not value:
-        raise _refuse(value, "must not be empty")
-    return value
+    if not text:
+        raise _refuse(text, "must not be empty")
+    return text
 
 
 def key_value(text: str) -> tuple[str, str]:
@@ -217,9 +217,7 @@ def existing_directory(text: str) -> str:
 
 def directory(text: str) -> str:
     """A directory the command may create: it must not be something else already."""
-    if not text:
-        raise _refuse(text, "must not be empty")
-    if os.path.lexists(text) and not os.path.isdir(text):
+    if os.path.lexists(non_empty(text)) and not os.path.isdir(text):
         raise _refuse(text, "not a directory")
     return text
 

@@ -4,23 +4,23 @@ import argparse
 
 from csi_driver.identity import DEFAULT_DRIVER_NAME
 from csi_driver.volume_request import DEFAULT_MAX_NODES
+from replicator.cli.arguments import (
+    directory,
+    listen_address,
+    non_empty,
+    positive_float,
+    positive_int,
+    readable_file,
+    server_pair_error,
+    token_file,
+    usage_error,
+)
 from replicator.coordinator.kube_shape import DEFAULT_BLOCK_LABEL, ShapeSettings
 from replicator.coordinator.service import (
     CoordinatorConfig,
     KubeSettings,
     kube_config,
     run_coordinator,
-)
-from replicator.cli.arguments import (
-    directory,
-    listen_address,
-    positive_float,
-    positive_int,
-    readable_file,
-    server_pair_error,
-    text,
-    token_file,
-    usage_error,
 )
 
 
@@ -45,9 +45,9 @@ def add(sub: argparse._SubParsersAction) -> None:
                    help="read JobSet jobs' shape, ranks, rank 0's address and nodes' failure domains from the API server "
                         "(in cluster: the pod's service account; else $KUBECONFIG or ~/.kube/config)")
     p.add_argument("--kubeconfig", type=readable_file, help="with --kube: this kubeconfig file")
-    p.add_argument("--kube-namespace", type=text, help="with --kube: watch Pods and JobSets in this namespace only (default: all)")
-    p.add_argument("--driver-name", type=text, default=DEFAULT_DRIVER_NAME, help="with --kube: the CSI driver whose volumes make a pod part of a job")
-    p.add_argument("--block-label", type=text, default=DEFAULT_BLOCK_LABEL,
+    p.add_argument("--kube-namespace", type=non_empty, help="with --kube: watch Pods and JobSets in this namespace only (default: all)")
+    p.add_argument("--driver-name", type=non_empty, default=DEFAULT_DRIVER_NAME, help="with --kube: the CSI driver whose volumes make a pod part of a job")
+    p.add_argument("--block-label", type=non_empty, default=DEFAULT_BLOCK_LABEL,
                    help="with --kube: the node label naming a node's block or rack; close peers share it "
                         "(else the node pool, else the zone; a node's --topology block=... overrides) (default %(default)s)")
 

@@ -9,6 +9,7 @@ from csi_driver.identity import DEFAULT_DRIVER_NAME
 from csi_driver.quantity import parse_quantity
 from csi_driver.ramdisk import JobBusy
 from csi_driver.volume_request import DEFAULT_MAX_NODES
+from replicator.backup_tier.object_store import BackupError
 from replicator.cli.arguments import (
     backup_url,
     ca_bundle,
@@ -20,13 +21,13 @@ from replicator.cli.arguments import (
     job_ref,
     key_value,
     listen_address,
+    non_empty,
     non_negative_float,
     positive_float,
     positive_int,
     quantity,
     readable_file,
     server_pair_error,
-    text,
     token_file,
     usage_error,
 )
@@ -46,7 +47,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     """Adds ``node``, ``publish``, ``unpublish`` and ``gc``."""
     p = sub.add_parser("node", help="run this node's agent: the CSI plugin and the HTTP side")
     p.set_defaults(run=_run_node)
-    p.add_argument("--node-id", type=text, required=True, help="this node's name")
+    p.add_argument("--node-id", type=non_empty, required=True, help="this node's name")
     p.add_argument("--root", type=directory, required=True, help="data directory (created if missing); job ramdisks are mounted below it")
     p.add_argument("--csi-endpoint", type=csi_endpoint, required=True, help="unix:///path/csi.sock")
     p.add_argument("--listen", type=listen_address, required=True, help="HOST:PORT of the HTTP side (health, metrics)")
@@ -54,8 +55,8 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backup", type=backup_url, help="backup tier URL: gs://bucket/prefix, s3://bucket/prefix or file:///path")
     p.add_argument("--s3-endpoint-url", type=http_url, help="S3-compatible endpoint for s3:// backups (default: AWS_ENDPOINT_URL, else AWS)")
     p.add_argument("--topology", type=key_value, action="append", default=[], help="topology label KEY=VALUE")
-    p.add_argument("--pod-address", type=text, help="address pods on this node are reachable at (local runs, hostNetwork)")
-    p.add_argument("--driver-name", type=text, default=DEFAULT_DRIVER_NAME, help="CSI driver name (default %(default)s)")
+    p.add_argument("--pod-address", type=non_empty, help="address pods on this node are reachable at (local runs, hostNetwork)")
+    p.add_argument("--driver-name", type=non_empty, default=DEFAULT_DRIVER_NAME, help="CSI driver name (default %(default)s)")
     p.add_argument("--kubelet-registration-dir", type=existing_directory, metavar="DIR",
                    help="register the driver with the kubelet through a socket in DIR, its plugins_registry "
                         "(e.g. /var/lib/kubelet/plugins_registry; default: none, a node-driver-registrar sidecar does it)")
@@ -116,7 +117,11 @@ def _run_node(args: argparse.Namespace) -> int:
     error = server_pair_error(args.peer_tls_cert, args.peer_tls_key, "--peer-tls-cert", "--peer-tls-key")
     if error:
         return usage_error("node", error)
-    run_node(_node_config(args))
+    try:
+        run_node(_node_config(args))
+    except BackupError as err:  # the store cannot be opened: no credentials for it
+        print(f"mtc node: --backup {args.backup}: {err}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -124,17 +129,17 @@ def _add_publish(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("publish", help="call NodePublishVolume as kubelet would (kubelet stand-in)")
     p.set_defaults(run=_run_publish)
     p.add_argument("--csi-endpoint", type=csi_socket, required=True, help="unix:///path/csi.sock of a running node agent")
-    p.add_argument("--target", type=text, required=True, help="target_path to mount the ramdisk at")
-    p.add_argument("--pod", type=text, required=True, help="pod name, e.g. myjob-slice-0-1-abcde")
-    p.add_argument("--namespace", type=text, default="default")
-    p.add_argument("--pod-uid", type=text, help="pod UID (default: a fresh random UID)")
-    p.add_argument("--volume-id", type=text, help="default: kubelet-style csi-<sha256(podUID+volume)>")
+    p.add_argument("--target", type=non_empty, required=True, help="target_path to mount the ramdisk at")
+    p.add_argument("--pod", type=non_empty, required=True, help="pod name, e.g. myjob-slice-0-1-abcde")
+    p.add_argument("--namespace", type=non_empty, default="default")
+    p.add_argument("--pod-uid", type=non_empty, help="pod UID (default: a fresh random UID)")
+    p.add_argument("--volume-id", type=non_empty, help="default: kubelet-style csi-<sha256(podUID+volume)>")
     p.add_argument("--attr", type=key_value, action="append", default=[], help="volumeAttributes KEY=VALUE")
     p = sub.add_parser("unpublish", help="call NodeUnpublishVolume as kubelet would (kubelet stand-in)")
     p.set_defaults(run=_run_unpublish)
     p.add_argument("--csi-endpoint", type=csi_socket, required=True, help="unix:///path/csi.sock of a running node agent")
-    p.add_argument("--target", type=text, required=True)
-    p.add_argument("--volume-id", type=text, default="unknown", help="the plugin finds the volume by target path")
+    p.add_argument("--target", type=non_empty, required=True)
+    p.add_argument("--volume-id", type=non_empty, default="unknown", help="the plugin finds the volume by target path")
 
 
 def _run_publish(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from replicator import cli
+from replicator.backup_tier.object_store import BackupError
 from replicator.cli import coordinator_command, logs, node_commands
 from tests.helpers.kube.pki import CertificateAuthority
 
@@ -91,7 +92,7 @@ CASES = [
     (["publish", "--csi-endpoint", "unix://{files}/csi.sock", "--target", "t/mount", "--pod", "p", "--attr", "=x"], "mtc publish: --attr =x: not KEY=VALUE"),
     (["unpublish", "--csi-endpoint", "unix://{files}/token", "--target", "t/mount"], "mtc unpublish: --csi-endpoint unix://{files}/token: not a socket"),
     # gc
-    (["gc", "--root", "/nonexistent/mtc", "--job", "ns/j"], "mtc gc: --root /nonexistent/mtc: no such directory"),
+    (["gc", "--root", "missing/root", "--job", "ns/j"], "mtc gc: --root missing/root: no such directory"),
     (["gc", "--root", "notpem", "--idle"], "mtc gc: --root notpem: not a directory"),
     (["gc", "--root", "dir", "--job", "nojob"], "mtc gc: --job nojob: not NAMESPACE/JOB (e.g. default/llama)"),
     (["gc", "--root", "dir", "--job", "a/b/c"], "mtc gc: --job a/b/c: not NAMESPACE/JOB (e.g. default/llama)"),
@@ -186,6 +187,15 @@ def test_a_failure_after_the_flags_is_one_line_and_logs_go_out_as_json_lines(tmp
     assert (warning["level"], warning["logger"]) == ("WARNING", "replicator.coordinator.service")
     assert warning["message"].startswith(f"INSECURE: no --token-file; anyone who reaches 127.0.0.1:{port} can")
     assert warning["time"].endswith("+00:00")
+
+
+def test_a_backup_store_without_credentials_is_one_line_naming_the_flag(files, monkeypatch, capsys):
+    def no_credentials(config):
+        raise BackupError("gs://bucket: no Application Default Credentials")
+
+    monkeypatch.setattr(node_commands, "run_node", no_credentials)
+    assert cli.main([*_NODE, "--root", "r", "--backup", "gs://bucket/p"]) == 1
+    assert capsys.readouterr().err == "mtc node: --backup gs://bucket/p: gs://bucket: no Application Default Credentials\n"
 
 
 def test_version_is_the_installed_distributions():
