@@ -71,3 +71,6 @@ def main(argv: list[str] | None = None) -> int:
         log.debug("mtc %s failed", args.command, exc_info=True)
         print(f"mtc {args.command}: {err}", file=sys.stderr)
         return 1
+    except Exception:  # a bug: its traceback goes out as a log record, a JSON line under --log-format json
+        log.exception("mtc %s failed", args.command)
+        return 1

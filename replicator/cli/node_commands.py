@@ -67,7 +67,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--retention-seconds", type=non_negative_float, default=24 * 3600.0,
                    help="release a job's ramdisk this long after its last pod unpublished (default one day)")
     p.add_argument("--peer-token-file", type=token_file, help="bearer token for the peer service (a Kubernetes Secret); enables the peer tier")
-    p.add_argument("--replicas", type=int, choices=[1, 2], default=1,
+    p.add_argument("--replicas", type=positive_int, choices=[1, 2], default=1,
                    help="peers holding replicas of each step when data parallelism is 1 (default 1)")
     p.add_argument("--backup-keep", type=positive_int, default=3, help="complete backups kept per job (default 3)")
     p.add_argument("--peer-tls-cert", type=readable_file, help="serve the HTTP side over TLS with this certificate (PEM)")

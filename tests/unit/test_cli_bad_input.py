@@ -68,6 +68,7 @@ CASES = [
     ([*_NODE, "--root", "r", "--default-size", "0"], "mtc node: --default-size 0: must be above zero"),
     ([*_NODE, "--root", "r", "--retention-seconds", "-1"], "mtc node: --retention-seconds -1: not a number of at least 0"),
     ([*_NODE, "--root", "r", "--replicas", "3"], "mtc node: --replicas 3: not one of 1, 2"),
+    ([*_NODE, "--root", "r", "--replicas", "two"], "mtc node: --replicas two: not a whole number of at least 1"),
     ([*_NODE, "--root", "r", "--backup-keep", "0"], "mtc node: --backup-keep 0: not a whole number of at least 1"),
     ([*_NODE, "--root", "r", "--max-nodes", "many"], "mtc node: --max-nodes many: not a whole number of at least 1"),
     ([*_NODE, "--root", "r", "--background-cpu", "nan"], "mtc node: --background-cpu nan: not a positive number"),
@@ -196,6 +197,13 @@ def test_a_backup_store_without_credentials_is_one_line_naming_the_flag(files, m
     monkeypatch.setattr(node_commands, "run_node", no_credentials)
     assert cli.main([*_NODE, "--root", "r", "--backup", "gs://bucket/p"]) == 1
     assert capsys.readouterr().err == "mtc node: --backup gs://bucket/p: gs://bucket: no Application Default Credentials\n"
+
+
+def test_a_bug_is_logged_with_its_traceback_not_swallowed(files, monkeypatch, caplog):
+    monkeypatch.setattr(node_commands, "run_node", lambda config: {}["missing"])
+    assert cli.main([*_NODE, "--root", "r"]) == 1
+    (record,) = [r for r in caplog.records if r.name == "replicator.cli"]
+    assert record.getMessage() == "mtc node failed" and record.exc_info[0] is KeyError
 
 
 def test_version_is_the_installed_distributions():
