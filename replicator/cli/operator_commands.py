@@ -5,6 +5,7 @@ a terminal unless ``--yes``; ``--dry-run`` only shows; ``--cancel`` withdraws it
 """
 
 import argparse
+import ssl
 import sys
 
 import msgspec
@@ -51,7 +52,14 @@ def _coordinator(args: argparse.Namespace, token: str | None = None) -> Coordina
 
 def _failed(args: argparse.Namespace, err: OSError) -> int:
     """Prints why a request failed on one line: the coordinator's refusal, or that it is unreachable."""
-    print(str(err) if isinstance(err, Refused) else f"UNAVAILABLE: coordinator {args.coordinator}: {err}", file=sys.stderr)
+    if isinstance(err, Refused):
+        print(err, file=sys.stderr)
+        return 1
+    reason = getattr(err, "reason", None)
+    hint = ""
+    if isinstance(reason, ssl.SSLCertVerificationError) and "mismatch" in (reason.verify_message or "") and not args.tls_server_name:
+        hint = " (its certificate names another host: through a port-forward, give --tls-server-name with the name it covers)"
+    print(f"UNAVAILABLE: coordinator {args.coordinator}: {err}{hint}", file=sys.stderr)
     return 1
 
 
