@@ -71,7 +71,7 @@ def test_coordinator_restart_mid_job_does_not_disturb_training(cluster, tmp_path
     status = coordinator.status(job.job)["jobs"][0]
     assert status["incarnation"] == incarnation
     assert {r["rank"]: r["node"] for r in status["ranks"]} == {r: f"node-{r}" for r in range(4)}
-    mtc_status = [sys.executable, "-m", "replicator.cli", "status", "--coordinator", coordinator.url, "--ca", coordinator.ca_file, "--job", job.job]
+    mtc_status = [sys.executable, "-m", "replicator.cli", "status", "--coordinator", coordinator.url, "--ca", coordinator.ca_file, "--job", f"default/{job.job}"]
     table = subprocess.run(mtc_status, capture_output=True, text=True, check=True).stdout
     assert f"incarnation {incarnation}" in table and "newest complete step: 30" in table
     # The agents still collect garbage after step 30 is safe, so compare the CLI's JSON with a status
