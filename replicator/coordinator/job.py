@@ -166,6 +166,10 @@ class JobState:
             return next(iter(self.pods.values()))[0].nodes
         return self.nodes
 
+    def pending_rollback(self) -> int | None:
+        """``forced_step`` while its restore is not planned: cancellable, nothing abandoned for it yet."""
+        return self.forced_step if not self.forked else None
+
     def may_form(self) -> bool:
         """Whether a job without an incarnation may have a new pod for every rank since its last pass:
         then it is decided at once, not at its paced interval, for every pod's long poll waits on it.

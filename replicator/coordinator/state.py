@@ -82,7 +82,7 @@ class UnknownJob(LookupError):
 class ClusterState:
     """Nodes, pods, held steps and job incarnations: the façade over the coordinator's state.
 
-    (About 330 lines, a third of them docstrings: it is the state's one API, for the sync step, the
+    (About 370 lines, a third of them docstrings: it is the state's one API, for the sync step, the
     decision pass, restores and queries; each body delegates to a part.)
 
     A silent node is not a lost pod: silence past the node timeout stops orders to the node and its
@@ -378,57 +378,33 @@ class ClusterState:
             raise UnknownJob(f"no job {key}")
         return self._jobs[key]
 
-    def _check_restorable(self, key: JobRef, step: int) -> JobState:
-        job = self._known(key)
-        ranks = job.ranks()
-        held = {c.rank for c in self.copies(key) if c.step == step}
-        if not ranks or held != set(range(ranks)):
-            raise LookupError(f"step {step} of {key} is not complete for every rank in any tier")
-        return job
-
     def rollback_preview(self, key: JobRef, step: int) -> RollbackPreview:
         """What ``force_restore_step(key, step)`` would abandon (``rollbacks.preview``); changes nothing.
 
         Raises:
-          UnknownJob: the job is unknown.
-          LookupError: no tier holds ``step`` complete for every rank.
+          UnknownJob; LookupError: no tier holds ``step`` complete for every rank.
         """
-        job = self._check_restorable(key, step)
-        return rollbacks.preview(key, job, step, self.backed_up(key))
+        return rollbacks.preview(key, self._known(key), step, self.copies(key), self.backed_up(key))
 
     def force_restore_step(self, key: JobRef, step: int) -> None:
-        """Makes the job's next restore use ``step`` (a rollback), from whichever tier holds it.
-        Works while the job has no pods (its nodes still report its data): that is when an
-        operator rolls back. Until the restore is planned, nothing is deleted (no retain order) and
-        the request can be cancelled (``cancel_restore_step``).
+        """Makes the job's next restore use ``step`` (a rollback), from whichever tier holds it, also
+        while the job has no pods. Cancellable until the restore is planned (``rollbacks.request``).
 
         Raises:
-          UnknownJob: the job is unknown.
-          LookupError: no tier holds ``step`` complete for every rank.
+          UnknownJob; LookupError: no tier holds ``step`` complete for every rank.
         """
-        job = self._check_restorable(key, step)
-        rollbacks.request(key, job, step)
-        self._retain_now(key, job)
+        rollbacks.request(key, self._known(key), step, self.copies(key))
+        self._mark_dirty([key])
 
     def cancel_restore_step(self, key: JobRef) -> int:
-        """Withdraws the job's pending rollback (``rollbacks.cancel``); its retain order is given again.
-
-        Returns:
-          The step the rollback was to.
+        """Withdraws the job's pending rollback (``rollbacks.cancel``); returns its step.
 
         Raises:
-          UnknownJob: the job is unknown.
-          rollbacks.NotCancellable: none is pending, or its restore is planned.
+          UnknownJob; rollbacks.NotCancellable: none is pending, or its restore is planned.
         """
-        job = self._known(key)
-        step = rollbacks.cancel(key, job)
-        self._retain_now(key, job)
+        step = rollbacks.cancel(key, self._known(key))
+        self._mark_dirty([key])
         return step
-
-    def _retain_now(self, key: JobRef, job: JobState) -> None:
-        # At once, not at the next decision pass: the standing order must not outlive a request that withdraws it.
-        job.decided.retain = retention.retain_order(key, job)
-        job.decided.dirty = True
 
     def _replan(self, key: JobRef, incarnation: Incarnation) -> None:
         job = self._jobs[key]

@@ -4,7 +4,7 @@ view (``operator.JobStatus``) that ``GET /v1/status`` and ``mtc status`` show.""
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from replicator.coordinator import planner, rollbacks
+from replicator.coordinator import planner
 from replicator.coordinator.incarnations import Incarnation
 from replicator.coordinator.job import JobState
 from replicator.wire.messages import Files, JobRef, JobSettings, RetainOrder
@@ -125,7 +125,7 @@ def job_status(key: JobRef, job: JobState, copies: list[planner.StepCopy], newes
         timeline=len(job.forks),
         rollbacks=job.forks,
         silent_nodes={n: round(s, 1) for n, s in sorted(silence.items()) if n in job_nodes},
-        pending_rollback=rollbacks.pending(job),
+        pending_rollback=job.pending_rollback(),
         last_backup_step=last_backup,
         last_backup_age_seconds=None if seen is None else round(max(0.0, now - seen), 1),
     )
