@@ -159,7 +159,8 @@ def _job_summary(job: JobStatus) -> list[str]:
         copies = "; ".join(f"rank {c.rank} step {c.step} on {c.holder}" for c in restore.unusable_copies)
         lines.append(f"  unusable copies ({len(restore.unusable_copies)}): {copies}")
     if job.pending_rollback is not None:
-        lines.append(f"  PENDING ROLLBACK to step {job.pending_rollback}: not planned yet (cancel: mtc restore-from --cancel)")
+        lines.append(f"  PENDING ROLLBACK to step {job.pending_rollback}: not planned yet "
+                     f"(mtc restore-from --job {job.namespace}/{job.job} --cancel withdraws it)")  # fmt: skip
     if job.silent_nodes:
         lines.append(f"  SILENT NODES ({len(job.silent_nodes)}): " + ", ".join(f"{n} ({s:.0f} s)" for n, s in job.silent_nodes.items()))
     return lines
@@ -169,7 +170,9 @@ def render_preview(preview: RollbackPreview) -> str:
     """Renders what a rollback abandons: per newer step, its ranks' holders on each tier."""
     lines = [f"{preview.namespace}/{preview.job}: the next restore uses step {preview.step} ({preview.ranks} ranks); "
              f"timeline {preview.timeline} begins when that restore is planned."]  # fmt: skip
-    if preview.pending_rollback is not None:
+    if preview.pending_rollback == preview.step:
+        lines.append(f"A rollback to step {preview.step} is already pending.")
+    elif preview.pending_rollback is not None:
         lines.append(f"It replaces the pending rollback to step {preview.pending_rollback}.")
     if not preview.abandoned:
         lines.append(f"Nothing newer than step {preview.step} is held: nothing is abandoned.")
