@@ -225,8 +225,10 @@ class CoordinatorProcess(_Stoppable):
         return tls.client_context(self.ca_file)
 
     def status_struct(self, job: str | None = None) -> ClusterStatus:
-        """``GET /v1/status`` of this coordinator, typed."""
-        return fetch_status(self.url, job, self.ca_file)
+        """``GET /v1/status`` of this coordinator, typed; with ``job`` (a name), only the jobs of that name:
+        none while no node has reported one (where ``mtc status --job`` is refused with a 404)."""
+        status = fetch_status(self.url, None, self.ca_file)
+        return status if job is None else msgspec.structs.replace(status, jobs=tuple(j for j in status.jobs if j.job == job))
 
     def status(self, job: str | None = None) -> dict:
         """``mtc status --json`` of this coordinator: plain JSON values, as the wire carries them."""

@@ -608,8 +608,8 @@ def _rollback(chaos: Chaos, pods_gone: bool) -> None:
     step = sorted(chaos.backups())[-2]  # older than the newest; the oldest may be going to retention
     command = [sys.executable, "-m", "replicator.cli", "restore-from", "--coordinator", chaos.cluster.coordinator.url,
                "--ca", chaos.cluster.coordinator.ca_file, "--token-file", chaos.cluster.token_file,
-               "--job", f"default/{chaos.job.job}", "--step", str(step)]  # fmt: skip
-    answer = subprocess.run(command, capture_output=True, text=True)
+               "--job", f"default/{chaos.job.job}", "--step", str(step), "--yes"]  # fmt: skip
+    answer = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     chaos.rollback = (step, chaos.job.incarnations + 1, time.time())  # the abandoned timeline's pods are dead
     if not answer.returncode:
         chaos.forks.append(step)

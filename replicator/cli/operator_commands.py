@@ -1,17 +1,26 @@
-"""``mtc status`` and ``mtc restore-from``: the operator's commands, clients of the coordinator."""
+"""``mtc status`` and ``mtc restore-from``: the operator's commands, clients of the coordinator.
+
+A rollback shows what it abandons first (the coordinator's preview), then asks for a typed ``yes`` on
+a terminal unless ``--yes``; ``--dry-run`` only shows; ``--cancel`` withdraws it until its restore is planned.
+"""
 
 import argparse
+import ssl
 import sys
 
 import msgspec
 
-from replicator.cli.arguments import ca_bundle, http_url, job_ref, non_negative_int, token_file
+from replicator.cli.arguments import ca_bundle, http_url, job_ref, non_empty, non_negative_int, token_file
 from replicator.coordinator.status import (
-    fetch_status,
+    Coordinator,
+    Refused,
+    render_preview,
     render_status,
-    request_restore_from,
 )
 from replicator.wire.bearer import read_token
+from replicator.wire.messages import JobRef
+
+_SERVER_NAME_HELP = "check the coordinator's certificate against NAME, not the URL's host (through kubectl port-forward)"
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -19,21 +28,48 @@ def add(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("status", help="jobs, ranks, and which steps are held where")
     p.set_defaults(run=_run_status)
     p.add_argument("--coordinator", type=http_url, required=True, help="coordinator base URL")
-    p.add_argument("--job", type=job_ref, help="only this job (NAMESPACE/JOB)")
+    p.add_argument("--job", type=job_ref, help="only this job, NAMESPACE/JOB")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--ca", type=ca_bundle, help="CA bundle (PEM) for an https:// coordinator")
+    p.add_argument("--tls-server-name", type=non_empty, metavar="NAME", help=_SERVER_NAME_HELP)
     _add_restore_from(sub)
+
+
+def _json(message) -> str:
+    return msgspec.json.format(msgspec.json.encode(message), indent=2).decode()
+
+
+def _coordinator(args: argparse.Namespace, token: str | None = None) -> Coordinator:
+    """The coordinator the flags name. Raises ValueError: ``--tls-server-name`` without https://."""
+    if args.tls_server_name and not args.coordinator.startswith("https://"):
+        raise ValueError(f"--tls-server-name needs an https:// --coordinator, not {args.coordinator!r}")
+    return Coordinator(args.coordinator, args.ca, args.tls_server_name, token)
+
+
+def _failed(args: argparse.Namespace, err: OSError) -> int:
+    """Prints why a request failed on one line: the coordinator's refusal, or that it is unreachable."""
+    if isinstance(err, Refused):
+        print(err, file=sys.stderr)
+        return 1
+    reason = getattr(err, "reason", None)
+    hint = ""
+    if isinstance(reason, ssl.SSLCertVerificationError) and "mismatch" in (reason.verify_message or "") and not args.tls_server_name:
+        hint = " (its certificate names another host: through a port-forward, give --tls-server-name with the name it covers)"
+    print(f"UNAVAILABLE: coordinator {args.coordinator}: {err}{hint}", file=sys.stderr)
+    return 1
 
 
 def _run_status(args: argparse.Namespace) -> int:
     try:
-        status = fetch_status(args.coordinator, args.job and args.job.job, args.ca)
+        coordinator = _coordinator(args)
+    except ValueError as err:
+        print(f"mtc status: {err}", file=sys.stderr)
+        return 2
+    try:
+        status = coordinator.status(args.job)
     except OSError as err:
-        print(f"UNAVAILABLE: coordinator {args.coordinator}: {err}", file=sys.stderr)
-        return 1
-    if args.job:  # the coordinator filters by the job's name
-        status = msgspec.structs.replace(status, jobs=tuple(j for j in status.jobs if j.namespace == args.job.namespace))
-    print(msgspec.json.format(msgspec.json.encode(status), indent=2).decode() if args.json else render_status(status))
+        return _failed(args, err)
+    print(_json(status) if args.json else render_status(status))
     return 0
 
 
@@ -42,20 +78,52 @@ def _add_restore_from(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=_run_restore_from)
     p.add_argument("--coordinator", type=http_url, required=True, help="coordinator base URL")
     p.add_argument("--job", type=job_ref, required=True, help="NAMESPACE/JOB")
-    p.add_argument("--step", type=non_negative_int, required=True)
+    p.add_argument("--step", type=non_negative_int, help="the step to restore (required unless --cancel)")
     p.add_argument("--token-file", type=token_file, help="the cluster token, when the coordinator requires one")
     p.add_argument("--ca", type=ca_bundle, help="CA bundle (PEM) for an https:// coordinator")
+    p.add_argument("--tls-server-name", type=non_empty, metavar="NAME", help=_SERVER_NAME_HELP)
+    p.add_argument("--dry-run", action="store_true", help="only show what the rollback would abandon")
+    p.add_argument("--yes", action="store_true", help="do not ask for confirmation (needed without a terminal)")
+    p.add_argument("--cancel", action="store_true", help="cancel the job's pending rollback (until its restore is planned)")
+    p.add_argument("--json", action="store_true", help="print the preview as JSON")
 
 
 def _run_restore_from(args: argparse.Namespace) -> int:
     try:
+        ref = args.job
+        if (args.step is None) != args.cancel:
+            raise ValueError("give --step S to roll back, or --cancel to cancel a pending rollback")
+        if not (args.yes or args.dry_run or args.cancel) and not sys.stdin.isatty():
+            raise ValueError("no terminal to confirm on: pass --yes (or --dry-run to only see what it abandons)")
         token = read_token(args.token_file) if args.token_file else None
-        error = request_restore_from(args.coordinator, args.job, args.step, token, args.ca)
+        coordinator = _coordinator(args, token)
+    except (OSError, ValueError) as err:
+        print(f"mtc restore-from: {err}", file=sys.stderr)
+        return 2
+    try:
+        if args.cancel:
+            step = coordinator.cancel_restore_from(ref)
+            print(f"{ref}: the rollback to step {step} is cancelled; the next restore takes the newest step")
+            return 0
+        preview = coordinator.preview_restore_from(ref, args.step)
+        print(_json(preview) if args.json else render_preview(preview))
+        if args.dry_run or not (args.yes or _confirmed(ref, args.step)):
+            return 0 if args.dry_run else 1
+        coordinator.restore_from(ref, args.step)
     except OSError as err:
-        print(f"UNAVAILABLE: coordinator {args.coordinator}: {err}", file=sys.stderr)
-        return 1
-    if error:
-        print(error, file=sys.stderr)
-        return 1
-    print(f"{args.job} will restore step {args.step} when its pods are next recreated")
+        return _failed(args, err)
+    print(f"{ref} will restore step {args.step} when its pods are next recreated; until that restore is planned, "
+          f"mtc restore-from --job {ref} --cancel withdraws it")  # fmt: skip
     return 0
+
+
+def _confirmed(ref: JobRef, step: int) -> bool:
+    """Asks on the terminal; only a typed ``yes`` confirms."""
+    try:
+        answer = input(f"Roll {ref} back to step {step}, abandoning the steps above? Type yes to confirm: ")
+    except EOFError:
+        answer = ""
+    if answer.strip() != "yes":
+        print("not rolled back", file=sys.stderr)
+        return False
+    return True

@@ -26,6 +26,19 @@ def complete(job: JobState, nodes: dict[str, NodeState]) -> dict[int, int]:
     return found
 
 
+def note_seen(job: JobState, backed: set[int], now: float) -> None:
+    """Records when this coordinator first saw each complete backup of ``backed`` (``JobState.backup_seen``),
+    forgetting those no longer listed. Listings carry steps, not commit times: a backup that committed
+    before this coordinator started is dated by its first listing here."""
+    seen = job.backup_seen
+    if seen.keys() == backed:
+        return
+    for step in backed.difference(seen):
+        seen[step] = now
+    for step in set(seen).difference(backed):
+        del seen[step]
+
+
 def choose_lister(job: JobState, liveness: Liveness) -> str | None:
     """The one node that lists the job's backups: rank 0's node if it can, else the lowest
     rank's live node with a backup tier, else any live node with the job's pods."""
@@ -80,6 +93,8 @@ def orders(key: JobRef, job: JobState, state: NodeState) -> list[BackupOrder]:
         return []
     node_id = state.report.node_id
     protected = (incarnation.plan.step,) if incarnation.plan and incarnation.plan.step is not None else ()
+    if job.forced_step is not None:
+        protected += (job.forced_step,)  # a rollback's step: kept from retention until its restore is done or it is cancelled
     result = []
     for claim in state.claims:
         if claim.job != key or claim.replica or claim.step != step or incarnation.node_of_rank.get(claim.rank) != node_id:

@@ -124,6 +124,8 @@ class JobState:
       listings: node -> its last listing of the job's backups.
       backup_pending: the step being backed up now (since ``backup_pending_since``), or None.
       last_backup_time: unix seconds the last backup completed (for ``backup-interval-minutes``).
+      backup_seen: step -> unix seconds this coordinator first saw each complete backup of the
+        lineage (``backups.note_seen``; the backup tier's listings carry no commit times).
       rewritten: steps some rank's own node holds in other bytes than it first reported: never
         backed up, since the ranks' uploads could join both versions under one ``COMMIT``.
     """
@@ -141,6 +143,7 @@ class JobState:
     backup_pending: int | None = None
     backup_pending_since: float = 0.0
     last_backup_time: float | None = None
+    backup_seen: dict[int, float] = dataclasses.field(default_factory=dict)
     rewritten: set[int] = dataclasses.field(default_factory=set)
     claims: ClaimIndex = dataclasses.field(default_factory=ClaimIndex)
     beliefs: Beliefs = dataclasses.field(default_factory=Beliefs)
@@ -162,6 +165,10 @@ class JobState:
         if self.pods:
             return next(iter(self.pods.values()))[0].nodes
         return self.nodes
+
+    def pending_rollback(self) -> int | None:
+        """``forced_step`` while its restore is not planned: cancellable, nothing abandoned for it yet."""
+        return self.forced_step if not self.forked else None
 
     def may_form(self) -> bool:
         """Whether a job without an incarnation may have a new pod for every rank since its last pass:

@@ -12,8 +12,13 @@ Routes (JSON; errors are ``{"error": "..."}``):
 - ``POST /v1/jobs/{namespace}/{job}/restore``: a ``StagedReport`` (``{"incarnation", "generation", "rank", "source",
   "bad": [[step, rank, holder]], "retrying"}``): ``retrying`` when the rank will try unreachable sources again (no replan).
 - ``POST /v1/jobs/{namespace}/{job}/restore-from``: a ``RestoreFrom`` (``{"step"}``); the next restore uses that step
-  (a rollback); 409 when no tier holds it complete.
-- ``GET  /v1/status[?job=NAME]``: a ``ClusterStatus``; ``GET /healthz``, ``GET /metrics``.
+  (a rollback); 409 when no tier holds it complete. ``GET ...?step=N`` previews it (a ``RollbackPreview``: the
+  newer steps it abandons, per tier), changing nothing. ``DELETE`` cancels it until the restore is planned
+  (409 after that, or when none is pending).
+- ``GET  /v1/status[?job=NAMESPACE/JOB]``: a ``ClusterStatus`` (``job=NAME`` takes every job of that name);
+  ``GET /healthz``, ``GET /metrics``.
+
+A job no node has reported is a 404.
 
 Bodies are typed (``replicator.wire.messages``) and decoded here, at the edge: a body that does not
 decode is answered 400 with an error naming the field. Acknowledgements are a ``Done``.
@@ -55,11 +60,13 @@ from replicator.coordinator.kube_shape import ShapeSettings
 from replicator.coordinator.kube_watch import ShapeWatcher, WatchSettings
 from replicator.coordinator import report_order
 from replicator.coordinator.report_order import ReportOrder, StaleReport
+from replicator.coordinator.rollbacks import NotCancellable
 from replicator.coordinator.state import (
     ClusterState,
     NodeIdTaken,
     NotReady,
     UnknownIncarnation,
+    UnknownJob,
 )
 from replicator.wire import tls
 from replicator.wire.bearer import read_token, require_bearer
@@ -74,6 +81,7 @@ from replicator.wire.messages import (
     ProtocolMismatch,
     SettingsRequest,
     StagedReport,
+    Step,
     Versioned,
     check_version,
     decode,
@@ -374,18 +382,62 @@ async def post_restore_from(request: web.Request) -> web.Response:
     body = await _body(request, RestoreFrom)
     try:
         request.app[_STATE_KEY].force_restore_step(_job_key(request), body.step)
+    except UnknownJob as err:
+        raise _not_found(err) from None
     except LookupError as err:
         raise _conflict(err) from None
     return _reply(Done(True, body.step))
 
 
+async def get_restore_from(request: web.Request) -> web.Response:
+    try:
+        step = decode(int(request.query["step"]), Step)
+    except (KeyError, ValueError) as err:
+        raise BadRequest(f"the step query parameter must be a step number: {err}") from None
+    try:
+        return _reply(request.app[_STATE_KEY].rollback_preview(_job_key(request), step))
+    except UnknownJob as err:
+        raise _not_found(err) from None
+    except LookupError as err:
+        raise _conflict(err) from None
+
+
+async def delete_restore_from(request: web.Request) -> web.Response:
+    try:
+        step = request.app[_STATE_KEY].cancel_restore_step(_job_key(request))
+    except UnknownJob as err:
+        raise _not_found(err) from None
+    except NotCancellable as err:
+        raise _conflict(err) from None
+    return _reply(Done(True, step))
+
+
+def _status_keys(state: ClusterState, job: str | None) -> list[JobRef] | None:
+    """The jobs ``?job=`` names: ``NAMESPACE/JOB``, or every job of a bare name (as before).
+
+    Raises:
+      BadRequest: a malformed name; HTTPNotFound: no such job.
+    """
+    if job is None:
+        return None
+    if "/" not in job:
+        keys = [k for k in state.job_keys() if k.job == job]
+        if not keys:
+            raise error_response(web.HTTPNotFound, f"no job named {job!r}")
+        return keys
+    try:
+        return [JobRef.parse(job)]
+    except ValueError as err:
+        raise BadRequest(f"job: {err}") from None
+
+
 async def get_status(request: web.Request) -> web.Response:
     state = request.app[_STATE_KEY]
     state.tick(time.time())
-    status = state.status()
-    if "job" in request.query:
-        status = msgspec.structs.replace(status, jobs=tuple(j for j in status.jobs if j.job == request.query["job"]))
-    return _reply(status)
+    try:
+        return _reply(state.status(_status_keys(state, request.query.get("job"))))
+    except UnknownJob as err:
+        raise _not_found(err) from None
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -550,6 +602,8 @@ def make_app(config: CoordinatorConfig) -> web.Application:
         web.get("/v1/jobs/{namespace}/{job}/restore", guard(get_restore)),
         web.post("/v1/jobs/{namespace}/{job}/restore", guard(post_restore)),
         web.post("/v1/jobs/{namespace}/{job}/restore-from", guard(post_restore_from)),
+        web.get("/v1/jobs/{namespace}/{job}/restore-from", get_restore_from),  # a preview: read-only, like status
+        web.delete("/v1/jobs/{namespace}/{job}/restore-from", guard(delete_restore_from)),
         web.get("/v1/status", get_status),
         web.get("/healthz", healthz),
         web.get("/metrics", metrics),

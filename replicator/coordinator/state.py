@@ -30,6 +30,7 @@ from replicator.coordinator import (
     replicas,
     restores,
     retention,
+    rollbacks,
     sync,
     views,
 )
@@ -48,7 +49,7 @@ from replicator.wire.messages import (
     ReportReply,
     RestoreView,
 )
-from replicator.wire.operator import ClusterStatus
+from replicator.wire.operator import ClusterStatus, RollbackPreview
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +75,14 @@ class NodeIdTaken(Exception):
     """A report names a live node's id from another address: a second claimant is refused."""
 
 
+class UnknownJob(LookupError):
+    """No node has reported the job (or the coordinator has forgotten it)."""
+
+
 class ClusterState:
     """Nodes, pods, held steps and job incarnations: the façade over the coordinator's state.
 
-    (About 330 lines, a third of them docstrings: it is the state's one API, for the sync step, the
+    (About 370 lines, a third of them docstrings: it is the state's one API, for the sync step, the
     decision pass, restores and queries; each body delegates to a part.)
 
     A silent node is not a lost pod: silence past the node timeout stops orders to the node and its
@@ -234,19 +239,21 @@ class ClusterState:
             self._bump(key)
         job.owners.promote(job.beliefs, job.identity)
         self.identity_checks += job.identity.compare()
-        job.forget_gone_steps(frozenset(job.claims.step_ranks) | self.backed_up(key))
+        backed = self.backed_up(key)
+        job.forget_gone_steps(frozenset(job.claims.step_ranks) | backed)
         if job.incarnation is not None:
             wanted = replicas.wanted(job, liveness)
             replicas.place(job, liveness, wanted)
-            safe, checks = retention.safe_step(job, liveness, wanted, self.backed_up(key), lambda: retention.copies(job, liveness, True))
+            safe, checks = retention.safe_step(job, liveness, wanted, backed, lambda: retention.copies(job, liveness, True))
             self.rank_checks += checks
             job.decided.safe = safe
             job.decided.round = replicas.choose_round(job, safe)
         else:
             job.decided.safe = job.decided.round = None
         job.decided.lister = backups.choose_lister(job, liveness)
+        backups.note_seen(job, backed, liveness.now)
         if job.incarnation is not None and job.settings:
-            backups.advance(key, job, liveness.now, self.backed_up(key), lambda: self._newest_complete(job, set()))
+            backups.advance(key, job, liveness.now, backed, lambda: self._newest_complete(job, set()))
         job.decided.retain = retention.retain_order(key, job)  # after the backup choice: it protects the step being backed up
 
     def _newest_complete(self, job: JobState, backed: set[int]) -> int | None:
@@ -366,20 +373,38 @@ class ClusterState:
             self._replan(key, incarnation)
         return restores.view(key, job, incarnation, rank, self.liveness, backups.complete(job, self.liveness.nodes), self._warned)
 
-    def force_restore_step(self, key: JobRef, step: int) -> None:
-        """Makes the job's next restore use ``step`` (a rollback), from whichever tier holds it.
-        Works while the job has no pods (its nodes still report its data): that is when an
-        operator rolls back.
+    def _known(self, key: JobRef) -> JobState:
+        if key not in self._jobs:
+            raise UnknownJob(f"no job {key}")
+        return self._jobs[key]
+
+    def rollback_preview(self, key: JobRef, step: int) -> RollbackPreview:
+        """What ``force_restore_step(key, step)`` would abandon (``rollbacks.preview``); changes nothing.
 
         Raises:
-          LookupError: no tier holds ``step`` complete for every rank.
+          UnknownJob; LookupError: no tier holds ``step`` complete for every rank.
         """
-        ranks = self._jobs[key].ranks() if key in self._jobs else 0
-        held = {c.rank for c in self.copies(key) if c.step == step}
-        if not ranks or held != set(range(ranks)):
-            raise LookupError(f"step {step} of {key} is not complete for every rank in any tier")
-        self._jobs[key].forced_step, self._jobs[key].forked = step, False
-        log.warning("job %s: the next restore will use step %d (operator request)", key, step)
+        return rollbacks.preview(key, self._known(key), step, self.copies(key), self.backed_up(key))
+
+    def force_restore_step(self, key: JobRef, step: int) -> None:
+        """Makes the job's next restore use ``step`` (a rollback), from whichever tier holds it, also
+        while the job has no pods. Cancellable until the restore is planned (``rollbacks.request``).
+
+        Raises:
+          UnknownJob; LookupError: no tier holds ``step`` complete for every rank.
+        """
+        rollbacks.request(key, self._known(key), step, self.copies(key))
+        self._mark_dirty([key])
+
+    def cancel_restore_step(self, key: JobRef) -> int:
+        """Withdraws the job's pending rollback (``rollbacks.cancel``); returns its step.
+
+        Raises:
+          UnknownJob; rollbacks.NotCancellable: none is pending, or its restore is planned.
+        """
+        step = rollbacks.cancel(key, self._known(key))
+        self._mark_dirty([key])
+        return step
 
     def _replan(self, key: JobRef, incarnation: Incarnation) -> None:
         job = self._jobs[key]
@@ -407,11 +432,20 @@ class ClusterState:
 
     # -- views ---------------------------------------------------------------------------------
 
-    def status(self) -> ClusterStatus:
-        """Jobs, their incarnation (rank -> node and pod), newest complete step, and held steps."""
+    def status(self, keys: list[JobRef] | None = None) -> ClusterStatus:
+        """Jobs (``keys``, else every one), their incarnation (rank -> node and pod), newest complete
+        step, held steps, silent nodes, pending rollback, last backup and restore progress (``views``).
+
+        Raises:
+          UnknownJob: a job of ``keys`` is unknown.
+        """
+        for key in keys or ():
+            self._known(key)
+        silence = {n: self.liveness.silence(n) for n in self.liveness.silent()}
         jobs = []
-        for key, job in sorted(self._jobs.items(), key=lambda item: (item[0].namespace, item[0].job)):
-            jobs.append(views.job_status(key, job, self.copies(key), self.newest_complete_step(key), self.identical(key), self.backed_up(key)))
+        for key in sorted(self._jobs if keys is None else keys, key=lambda k: (k.namespace, k.job)):
+            jobs.append(views.job_status(key, self._jobs[key], self.copies(key), self.newest_complete_step(key), self.identical(key),
+                                         self.backed_up(key), silence, self.liveness.now))  # fmt: skip
         nodes = self.liveness.nodes
         return ClusterStatus(nodes=tuple(sorted(n for n in nodes if self.is_live(n))), silent_nodes=tuple(sorted(n for n in nodes if not self.is_live(n))),
                              jobs=tuple(jobs), heartbeat_seconds=self.heartbeat_seconds)  # fmt: skip

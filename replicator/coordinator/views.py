@@ -8,7 +8,7 @@ from replicator.coordinator import planner
 from replicator.coordinator.incarnations import Incarnation
 from replicator.coordinator.job import JobState
 from replicator.wire.messages import Files, JobRef, JobSettings, RetainOrder
-from replicator.wire.operator import JobStatus, RankPlace, RestoreStatus
+from replicator.wire.operator import JobStatus, RankPlace, RestoreStatus, UnusableCopy
 
 
 class JobView:
@@ -82,23 +82,29 @@ class JobView:
 
 
 def job_status(key: JobRef, job: JobState, copies: list[planner.StepCopy], newest_complete: int | None, identical,
-               backups: set[int]) -> JobStatus:  # fmt: skip
+               backups: set[int], silence: Mapping[str, float], now: float) -> JobStatus:  # fmt: skip
     """The job's incarnation (rank -> node and pod), its restore, the copies held and its decisions.
 
     Args:
       copies: every believed copy (restore sources) and complete backup.
       identical: step -> pairs of ranks found identical (``Identity.pairs``).
       backups: the complete backups of the lineage.
+      silence: the silent nodes of the cluster -> seconds since each last reported.
+      now: unix seconds, for the last backup's age.
     """
     incarnation = job.incarnation
     ranks = []
     if incarnation:
         for uid, rank in sorted(incarnation.rank_of_pod.items(), key=lambda item: item[1]):
-            ranks.append(RankPlace(rank, incarnation.node_of_rank[rank], job.pods[uid][0].pod_name))
+            node = incarnation.node_of_rank[rank]
+            ranks.append(RankPlace(rank, node, job.pods[uid][0].pod_name, node in silence))
     held: dict[int, dict[int, list[str]]] = {}
     for copy in copies:
         held.setdefault(copy.rank, {}).setdefault(copy.step, []).append(copy.holder)
     plan = incarnation.plan if incarnation else None
+    job_nodes = incarnation.nodes if incarnation else {node for _, node in job.pods.values()}
+    last_backup = max(backups, default=None)
+    seen = job.backup_seen.get(last_backup) if last_backup is not None else None
     return JobStatus(
         namespace=key.namespace,
         job=key.job,
@@ -106,7 +112,9 @@ def job_status(key: JobRef, job: JobState, copies: list[planner.StepCopy], newes
         waiting_pods=0 if incarnation else len(job.pods),
         ranks=tuple(ranks),
         newest_complete_step=newest_complete,
-        restore=None if plan is None else RestoreStatus(plan.step, dict(sorted(incarnation.used_sources.items())), tuple(sorted(incarnation.excluded))),
+        restore=None if plan is None else RestoreStatus(plan.step, dict(sorted(incarnation.used_sources.items())),
+                                                        tuple(UnusableCopy(*c) for c in sorted(incarnation.excluded)),
+                                                        len(incarnation.staged), len(incarnation.node_of_rank)),  # fmt: skip
         held={rank: {step: tuple(sorted(h)) for step, h in sorted(steps.items())} for rank, steps in sorted(held.items())},
         identical_peers=tuple(sorted(identical.get(newest_complete, ()))),
         safe_step=job.decided.safe,
@@ -116,4 +124,8 @@ def job_status(key: JobRef, job: JobState, copies: list[planner.StepCopy], newes
         forced_step=job.forced_step,
         timeline=len(job.forks),
         rollbacks=job.forks,
+        silent_nodes={n: round(s, 1) for n, s in sorted(silence.items()) if n in job_nodes},
+        pending_rollback=job.pending_rollback(),
+        last_backup_step=last_backup,
+        last_backup_age_seconds=None if seen is None else round(max(0.0, now - seen), 1),
     )

@@ -1,6 +1,9 @@
 """What operators ask the coordinator: ``GET /v1/status`` (``mtc status``) and the rollback
-``POST /v1/jobs/{ns}/{job}/restore-from`` (``mtc restore-from``). The node agents' messages are in
-``replicator.wire.messages``."""
+``/v1/jobs/{ns}/{job}/restore-from`` (``mtc restore-from``: ``GET`` previews, ``POST`` requests,
+``DELETE`` cancels). The node agents' messages are in ``replicator.wire.messages``.
+
+Fields added after the first release have defaults, so a newer ``mtc`` reads an older coordinator's
+replies."""
 
 import msgspec
 
@@ -21,20 +24,34 @@ class Done(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
 
 
 class RankPlace(msgspec.Struct, frozen=True, gc=False):
-    """A rank of a job's incarnation: its node and pod."""
+    """A rank of a job's incarnation: its node and pod; ``silent``: the node has not reported
+    within the node timeout (its rank's pod may be gone with it)."""
 
     rank: int
     node: str
     pod: str
+    silent: bool = False
+
+
+class UnusableCopy(msgspec.Struct, frozen=True, gc=False, array_like=True):
+    """A copy a rank found unusable while restoring (corrupt, or gone from its holder): never planned
+    again for this incarnation. On the wire ``[step, rank, holder]``."""
+
+    step: int
+    rank: int
+    holder: str
 
 
 class RestoreStatus(msgspec.Struct, frozen=True, gc=False):
-    """The incarnation's restore: the planned step, rank -> ``tier:holder`` it staged from, and the
-    copies proven unusable."""
+    """The incarnation's restore: the planned step (None: start fresh), rank -> ``tier:holder`` it
+    staged from, the copies proven unusable, and how many of its ``ranks`` have staged the step (the
+    restore is in progress while fewer have)."""
 
     step: int | None
     sources: dict[int, str]
-    unusable_copies: tuple[tuple[int, int, str], ...]
+    unusable_copies: tuple[UnusableCopy, ...]
+    staged_ranks: int = 0
+    ranks: int = 0
 
 
 class JobStatus(msgspec.Struct, frozen=True, gc=False):
@@ -44,7 +61,16 @@ class JobStatus(msgspec.Struct, frozen=True, gc=False):
       incarnation: the current incarnation id, or None while ``waiting_pods`` wait for one.
       held: rank -> step -> the nodes holding a believed copy (``backup`` for the backup tier).
       identical_peers: pairs of ranks found to hold the same data at ``newest_complete_step``.
+      forced_step: the step an operator asked the next restore to use, until a restore to it completes.
       timeline, rollbacks: how many rollbacks the job had, and their steps.
+      silent_nodes: the job's nodes (of its incarnation, or of its pods) that have not reported
+        within the node timeout -> seconds since they last did.
+      pending_rollback: ``forced_step`` while its restore is not planned yet: it can still be
+        cancelled, and nothing has been abandoned for it.
+      last_backup_step: the newest complete backup of the job's lineage.
+      last_backup_age_seconds: seconds since this coordinator first saw that backup complete. The
+        backup tier's listings carry steps, not commit times: after a coordinator restart this is
+        the time since its first listing, a lower bound of the backup's age. None if not seen yet.
     """
 
     namespace: str
@@ -63,6 +89,10 @@ class JobStatus(msgspec.Struct, frozen=True, gc=False):
     forced_step: int | None
     timeline: int
     rollbacks: tuple[int, ...]
+    silent_nodes: dict[str, float] = msgspec.field(default_factory=dict)
+    pending_rollback: int | None = None
+    last_backup_step: int | None = None
+    last_backup_age_seconds: float | None = None
 
 
 class ClusterStatus(msgspec.Struct, frozen=True, gc=False):
@@ -72,3 +102,38 @@ class ClusterStatus(msgspec.Struct, frozen=True, gc=False):
     silent_nodes: tuple[str, ...]
     jobs: tuple[JobStatus, ...]
     heartbeat_seconds: float
+
+
+class AbandonedStep(msgspec.Struct, frozen=True, gc=False):
+    """A step newer than a rollback's, and where it is held: abandoned on every tier if the rollback
+    is planned (never restored again; nodes delete their copies, retention the backup).
+
+    Attributes:
+      local: rank -> the nodes holding the rank's own data of the step (the local tier).
+      peer: rank -> the nodes holding a replica of it (the peer tier).
+      backup: the backup tier holds the step complete.
+    """
+
+    step: int
+    local: dict[int, tuple[str, ...]]
+    peer: dict[int, tuple[str, ...]]
+    backup: bool
+
+
+class RollbackPreview(msgspec.Struct, frozen=True, gc=False):
+    """``GET /v1/jobs/{ns}/{job}/restore-from?step=N``: what ``POST`` of that step would do, changing nothing.
+
+    Attributes:
+      ranks: the job's rank count (every one of them holds ``step`` in some tier).
+      abandoned: the steps newer than ``step`` held in any tier, ascending.
+      timeline: the timeline the rollback begins when its restore is planned.
+      pending_rollback: a rollback already requested and not planned, which the request would replace.
+    """
+
+    namespace: str
+    job: str
+    step: int
+    ranks: int
+    abandoned: tuple[AbandonedStep, ...]
+    timeline: int
+    pending_rollback: int | None

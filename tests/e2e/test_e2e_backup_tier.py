@@ -100,12 +100,27 @@ def test_restore_from_rolls_back_to_an_older_backup(start_cluster, tmp_path):
     job.wait(lambda: len(status_of(cluster, job)["backups"]) >= 2, 180, "two backups")
     job.kill_training()
     wait_until(lambda: backups_settled(cluster, job), 60, "backups settled")
-    older = min(status_of(cluster, job)["backups"])
+    before = status_of(cluster, job)
+    older, newest = min(before["backups"]), max(before["backups"])
+    assert before["last_backup_step"] == newest and 0 <= before["last_backup_age_seconds"] < 300
     mtc = [sys.executable, "-m", "replicator.cli", "restore-from", "--coordinator", cluster.coordinator.url,
-           "--ca", cluster.coordinator.ca_file, "--token-file", cluster.token_file, "--job"]  # fmt: skip
-    refused = subprocess.run([*mtc, f"default/{job.job}", "--step", "7"], capture_output=True, text=True)
+           "--ca", cluster.coordinator.ca_file, "--token-file", cluster.token_file, "--job", f"default/{job.job}"]  # fmt: skip
+    run = lambda *argv: subprocess.run([*mtc, *argv], capture_output=True, text=True, stdin=subprocess.DEVNULL)  # noqa: E731
+    refused = run("--step", "7", "--yes")
     assert refused.returncode == 1 and "HTTP 409" in refused.stderr and "step 7" in refused.stderr
-    subprocess.run([*mtc, f"default/{job.job}", "--step", str(older)], check=True, capture_output=True)
+    # The preview names the newer backups it would abandon, and changes nothing; without a terminal, --yes is needed.
+    dry = run("--step", str(older), "--dry-run")
+    assert dry.returncode == 0 and [line for line in dry.stdout.splitlines() if line.startswith(f"  step {newest}: ") and line.endswith("backup yes")], dry.stdout
+    unconfirmed = run("--step", str(older))
+    assert unconfirmed.returncode == 2 and "pass --yes" in unconfirmed.stderr
+    unchanged = lambda: {k: status_of(cluster, job)[k] for k in ("forced_step", "pending_rollback", "timeline", "backups")}  # noqa: E731
+    assert unchanged() == {"forced_step": None, "pending_rollback": None, "timeline": 0, "backups": before["backups"]}
+    # Requested, then cancelled before the pods return: the job is as before, its backups kept.
+    assert run("--step", str(older), "--yes").returncode == 0 and status_of(cluster, job)["pending_rollback"] == older
+    cancelled = run("--cancel")
+    assert cancelled.returncode == 0 and f"rollback to step {older} is cancelled" in cancelled.stdout
+    assert unchanged() == {"forced_step": None, "pending_rollback": None, "timeline": 0, "backups": before["backups"]}
+    assert run("--step", str(older), "--yes").returncode == 0
 
     rerun(job, tmp_path / "dump-2")
     assert [by_event(p, "restored")[0]["step"] for p in job.pods] == [older] * 4
@@ -123,6 +138,8 @@ def test_restore_from_rolls_back_to_an_older_backup(start_cluster, tmp_path):
     status = status_of(cluster, job)
     assert (status["timeline"], status["rollbacks"]) == (1, [older])
     assert max(status["backups"]) > older
+    late = run("--cancel")  # the rollback was planned and done: nothing to cancel
+    assert late.returncode == 1 and f"HTTP 409: job default/{job.job} has no pending rollback; the last rollback, to step {older}" in late.stderr
 
 
 _STORE_ANSWERS_AFTER = 20.0  # seconds: each request to the store waits half of it each way

@@ -128,7 +128,8 @@ CASES = [
     ([*_RESTORE, "--job", "j"], "mtc restore-from: --job j: not NAMESPACE/JOB (e.g. default/llama)"),
     ([*_RESTORE, "--token-file", "empty"], "mtc restore-from: --token-file empty: empty (expected the cluster token)"),
     ([*_RESTORE, "--ca", "dir"], "mtc restore-from: --ca dir: not a regular file"),
-    (["restore-from", "--coordinator", "http://c:8471"], "mtc restore-from: the following arguments are required: --job, --step"),
+    (["restore-from", "--coordinator", "http://c:8471"], "mtc restore-from: the following arguments are required: --job"),
+    ([*_RESTORE[:-2]], "mtc restore-from: give --step S to roll back, or --cancel to cancel a pending rollback"),
     # the log flags, in either position; no command
     (["--log-level", "verbose", *_STATUS], "mtc: --log-level verbose: not a log level (debug, info, warning, error, critical)"),
     ([*_STATUS, "--log-level", "trace"], "mtc status: --log-level trace: not a log level (debug, info, warning, error, critical)"),

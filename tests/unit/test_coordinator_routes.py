@@ -90,11 +90,12 @@ def test_the_routes_answer_with_the_same_json_as_before():
     (job,) = plain["jobs"]
     assert list(job) == ["namespace", "job", "incarnation", "waiting_pods", "ranks", "newest_complete_step", "restore", "held",
                          "identical_peers", "safe_step", "backups", "backup_pending", "backup_lister", "forced_step", "timeline",
-                         "rollbacks"]  # fmt: skip
+                         "rollbacks", "silent_nodes", "pending_rollback", "last_backup_step", "last_backup_age_seconds"]  # fmt: skip
     node_of = {str(rank): node for rank, node in state.job(KEY).incarnation.node_of_rank.items()}
     assert job["held"] == {"0": {"5": [node_of["0"]]}, "1": {"5": [node_of["1"]]}}
-    assert job["ranks"][0] == {"rank": 0, "node": node_of["0"], "pod": job["ranks"][0]["pod"]}
+    assert job["ranks"][0] == {"rank": 0, "node": node_of["0"], "pod": job["ranks"][0]["pod"], "silent": False}
     assert job["restore"]["unusable_copies"] == [[5, 0, "a"]]
+    assert (job["restore"]["staged_ranks"], job["restore"]["ranks"]) == (0, 2)
     typed = decode_json(raw, ClusterStatus)
     assert typed.jobs[0].held[0][5] == tuple(job["held"]["0"]["5"])
     table = render_status(typed)
