@@ -95,6 +95,10 @@ BASE_IMAGE ?= python:3.11-slim
 DEBIAN_SUITE  ?= bookworm
 DEBIAN_MIRROR ?= http://deb.debian.org/debian
 IMAGE_BASE    ?= localhost/mtc-base:$(DEBIAN_SUITE)
+# A CA bundle pip inside the build trusts (a proxy that re-signs TLS), passed as a build secret.
+BUILD_CA   ?=
+IMAGE_ARGS  = --build-arg BASE=$(BASE_IMAGE) $(if $(BUILD_CA),--secret id=pip-ca$(comma)src=$(BUILD_CA)) -t $(IMAGE)
+comma := ,
 
 .PHONY: setup tools k8s-tools k8s-node-tools e2e-k8s etcd test test-fast demo torch-setup bench e2e-maxtext e2e-torchtitan e2e-orbax-oldest chaos clean image image-base
 
@@ -258,9 +262,9 @@ chaos: setup
 
 image:
 	@if command -v docker >/dev/null && docker info >/dev/null 2>&1; then \
-	    set -x; docker build --build-arg BASE=$(BASE_IMAGE) -t $(IMAGE) .; \
+	    set -x; docker build $(IMAGE_ARGS) .; \
 	elif command -v buildah >/dev/null; then \
-	    set -x; buildah bud --build-arg BASE=$(BASE_IMAGE) -t $(IMAGE) .; \
+	    set -x; buildah bud $(IMAGE_ARGS) .; \
 	else echo "make image needs docker (with a running daemon) or buildah (apt-get install buildah)"; exit 1; fi
 
 # python3-venv: the Dockerfile installs into a virtualenv; util-linux and mount: the ramdisks.
