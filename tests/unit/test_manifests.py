@@ -459,3 +459,26 @@ def test_example_jobsets_rank0_address_is_the_pods_jobset_dns_name(name):
     hostname = f"{name}-{replicated['name']}-0-0"  # JobSet's pod hostname
     assert f"{_JOBSET_SUFFIX.sub('', pod_name)}.{spec.subdomain}" == f"{hostname}.{jobset['metadata']['name']}"
     assert spec.job == f"{name}-{replicated['name']}"
+
+
+# Kubernetes objects passed through whole: documented as one value.
+_PASSED_THROUGH = ("resources", "updateStrategy", "strategy", "labels", "annotations", "volume", "affinity")
+
+
+def _value_keys(values: dict, prefix: str = "") -> list[str]:
+    keys = []
+    for key, value in values.items():
+        if isinstance(value, dict) and value and key not in _PASSED_THROUGH:
+            keys += _value_keys(value, f"{prefix}{key}.")
+        else:
+            keys.append(prefix + key)
+    return keys
+
+
+def test_chart_readme_documents_every_value():
+    chart = REPO / "charts" / "mtc"
+    with open(chart / "values.yaml", encoding="utf-8") as f:
+        keys = _value_keys(yaml.safe_load(f))
+    readme = (chart / "README.md").read_text()
+    assert len(keys) > 50
+    assert [k for k in keys if f"| `{k}` |" not in readme] == []
