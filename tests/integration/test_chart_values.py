@@ -9,11 +9,13 @@
 
 import subprocess
 
+import kubernetes_validate
 import pytest
 import yaml
 
 from tests.helpers.chart import (
     CHART,
+    KUBERNETES_VERSIONS,
     argv_of,
     by_key,
     container,
@@ -108,6 +110,9 @@ def test_every_knob_renders_into_the_pod_specs(tmp_path):
     (tmp_path / "values.yaml").write_text(yaml.safe_dump(values))
     rendered = by_key(helm_template(values=tmp_path / "values.yaml"))
     node, coordinator = rendered[("DaemonSet", "mtc-node")], rendered[("Deployment", "mtc-coordinator")]
+    for obj in (node, coordinator, rendered[STATUS_POD]):  # each knob in its place: unknown fields are errors
+        for version in KUBERNETES_VERSIONS:
+            kubernetes_validate.validate(obj, version, strict=True)
 
     agent = argv_of(container(node, "mtc-node"))
     assert {f: flag(agent, f) for f in ("--background-cpu", "--restore-deadline-seconds", "--wedged-after-seconds",
