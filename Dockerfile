@@ -1,7 +1,10 @@
 # mtc-agent: the node agent (CSI plugin, replicator, pre-fetcher) and the coordinator.
-#   docker build -t mtc-agent:latest .
+#   make image IMAGE=REGISTRY/mtc-agent:TAG      (docker build, else buildah bud; docs/install.md)
 #   node:        mtc node ...        coordinator:  mtc coordinator ...
-FROM python:3.11-slim
+# BASE: any Debian-based image with Python 3.11+ and its venv module; `make image-base` makes one from
+# Debian's packages alone (debootstrap), for machines that cannot pull from Docker Hub.
+ARG BASE=python:3.11-slim
+FROM ${BASE}
 
 # mount/umount (util-linux) for the tmpfs ramdisks.
 RUN apt-get update \
@@ -10,7 +13,8 @@ RUN apt-get update \
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PATH=/opt/mtc/bin:$PATH
 
 WORKDIR /src
 
@@ -21,14 +25,19 @@ COPY prefetch/ prefetch/
 COPY replicator/ replicator/
 COPY protos/ protos/
 
-# CSI stubs are generated at build time with the grpcio-tools that matches the pinned
-# grpcio (see pyproject.toml), then the build-only tool is removed again.
-RUN pip install grpcio-tools==1.85.1 \
- && python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. protos/csi.proto \
+# A virtualenv, so that a Debian base's Python (which refuses pip installs of its own, PEP 668) serves too.
+# CSI stubs are generated at build time with the grpcio-tools that matches the pinned grpcio (see
+# pyproject.toml), then the build-only tool is removed again. The optional build secret `pip-ca` is a CA
+# bundle pip trusts, for networks whose proxy re-signs TLS (`make image BUILD_CA=FILE`); it stays out of the image.
+RUN --mount=type=secret,id=pip-ca,required=false \
+    if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi \
+ && python3 -m venv /opt/mtc \
+ && pip install grpcio-tools==1.85.1 \
+ && python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. protos/csi.proto protos/pluginregistration.proto \
  && pip install . \
  && pip uninstall -y grpcio-tools \
  && cd / && rm -rf /src \
- && python -c "import protos.csi_pb2_grpc, replicator.cli" \
+ && python -c "import protos.csi_pb2_grpc, protos.pluginregistration_pb2_grpc, replicator.cli" \
  && command -v mtc && command -v mount && command -v umount
 
 WORKDIR /

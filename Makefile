@@ -87,7 +87,20 @@ TORCH_VENV   := .venv-torch
 TORCH_STAMP  := $(TORCH_VENV)/.installed
 TORCH_PKGS   := torch==2.15.0 numpy==2.4.6 PyYAML==6.0.4 torchtitan==0.3.0
 
-.PHONY: setup tools k8s-tools k8s-node-tools e2e-k8s etcd test test-fast demo torch-setup bench e2e-maxtext e2e-torchtitan e2e-orbax-oldest chaos clean
+# The mtc-agent image (Dockerfile): docker where a daemon answers, else buildah. BASE_IMAGE is the Dockerfile's
+# BASE; `make image-base` makes one from Debian's packages alone (debootstrap), for machines without Docker Hub.
+VERSION    := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml)
+IMAGE      ?= mtc-agent:$(VERSION)
+BASE_IMAGE ?= python:3.11-slim
+DEBIAN_SUITE  ?= bookworm
+DEBIAN_MIRROR ?= http://deb.debian.org/debian
+IMAGE_BASE    ?= localhost/mtc-base:$(DEBIAN_SUITE)
+# A CA bundle pip inside the build trusts (a proxy that re-signs TLS), passed as a build secret.
+BUILD_CA   ?=
+IMAGE_ARGS  = --build-arg BASE=$(BASE_IMAGE) $(if $(BUILD_CA),--secret id=pip-ca$(comma)src=$(BUILD_CA)) -t $(IMAGE)
+comma := ,
+
+.PHONY: setup tools k8s-tools k8s-node-tools e2e-k8s etcd test test-fast demo torch-setup bench e2e-maxtext e2e-torchtitan e2e-orbax-oldest chaos clean image image-base
 
 setup: $(STAMP) $(STUBS)
 
@@ -246,6 +259,24 @@ CHAOS_FAULTS ?= 20
 CHAOS_ARGS   ?=
 chaos: setup
 	rc=0; for v in dp2 dp1; do $(BIN)/python -m tests.chaos --faults $(CHAOS_FAULTS) --variant $$v $(CHAOS_ARGS) || rc=1; done; exit $$rc
+
+image:
+	@if command -v docker >/dev/null && docker info >/dev/null 2>&1; then \
+	    set -x; docker build $(IMAGE_ARGS) .; \
+	elif command -v buildah >/dev/null; then \
+	    set -x; buildah bud $(IMAGE_ARGS) .; \
+	else echo "make image needs docker (with a running daemon) or buildah (apt-get install buildah)"; exit 1; fi
+
+# python3-venv: the Dockerfile installs into a virtualenv; util-linux and mount: the ramdisks.
+image-base:
+	@command -v debootstrap >/dev/null && command -v buildah >/dev/null || { echo "make image-base needs debootstrap and buildah (apt-get install debootstrap buildah)"; exit 1; }
+	rm -rf build/image-base && mkdir -p build
+	debootstrap --variant=minbase --include=python3,python3-venv,util-linux,mount $(DEBIAN_SUITE) build/image-base $(DEBIAN_MIRROR)
+	rm -rf build/image-base/var/lib/apt/lists/* build/image-base/var/cache/apt/*.bin
+	ctr=$$(buildah from scratch) && buildah copy $$ctr build/image-base / >/dev/null && \
+	    buildah config --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin $$ctr && \
+	    buildah commit --rm $$ctr $(IMAGE_BASE)
+	rm -rf build/image-base
 
 clean:
 	rm -rf $(VENV) $(TORCH_VENV) $(MAXTEXT_VENV) $(NVRX_VENV) $(ORBAX_OLDEST_VENV) .tools $(STUBS) protos/*_pb2.pyi

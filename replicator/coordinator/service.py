@@ -35,6 +35,7 @@ import gc
 import json
 import logging
 import os
+import resource
 import ssl
 import time
 from typing import TypeVar
@@ -626,9 +627,37 @@ def make_app(config: CoordinatorConfig) -> web.Application:
 GC_THRESHOLDS = (10_000, 5, 14_400)
 
 
+# Each node keeps one or two connections open to the coordinator (its reports and a restore's long poll),
+# each an open file; the rest is the coordinator's own (listening socket, API watches, logs).
+CONNECTIONS_PER_NODE = 2
+OTHER_OPEN_FILES = 1_000
+
+
+def raise_open_file_limit() -> int:
+    """Raises this process's soft limit on open files to its hard limit, as Go programs do at start.
+
+    Container runtimes commonly give a soft limit of 1,024 under a hard one of 524,288 or more; at
+    ``CONNECTIONS_PER_NODE`` files a node, 1,024 runs out before 500 nodes.
+
+    Returns:
+      The soft limit in force afterwards (``resource.RLIM_INFINITY`` when unlimited).
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as err:  # a platform that refuses the hard limit keeps the soft one
+            log.warning("cannot raise the open-file limit from %d to %d: %s", soft, hard, err)
+    return soft
+
+
 def run_coordinator(config: CoordinatorConfig) -> None:
     """Serves until SIGTERM or SIGINT."""
     host, _, port = config.listen.rpartition(":")
+    files = raise_open_file_limit()
+    if files != resource.RLIM_INFINITY:
+        log.info("open-file limit %d: enough for about %d nodes", files, max(0, files - OTHER_OPEN_FILES) // CONNECTIONS_PER_NODE)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     app = make_app(config)
     gc.freeze()  # the modules and the app live as long as the process: no collection need walk them

@@ -15,20 +15,25 @@ import copy
 import json
 import socket
 import ssl
-import subprocess
 import threading
 from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
 import pytest
-import yaml
 from cryptography import x509
 
 from tests.helpers import REPO
+from tests.helpers.chart import CHART, KUBERNETES_VERSIONS, helm_template
+from tests.helpers.chart import argv_of as _argv
+from tests.helpers.chart import by_key as _by_key
+from tests.helpers.chart import container as _container
+from tests.helpers.chart import docs as _docs
+from tests.helpers.chart import flag as _flag
+from tests.helpers.chart import pod_spec as _pod_spec
+from tests.helpers.chart import run as _run
 from tests.helpers.tools import require_tool
 
-CHART = REPO / "charts" / "mtc"
 MANIFESTS = REPO / "manifests"
 MONITORING = MANIFESTS / "monitoring"
 SCHEMAS = REPO / "tests" / "schemas"
@@ -38,55 +43,11 @@ CRD_SCHEMAS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): SCHEMAS / "prometheus-operator-v0.82.0-servicemonitors-v1.json",
     ("monitoring.coreos.com/v1", "PrometheusRule"): SCHEMAS / "prometheus-operator-v0.82.0-prometheusrules-v1.json",
 }
-
-# Oldest: ValidatingAdmissionPolicy (admissionregistration.k8s.io/v1) is GA from 1.30.
-# Newest: the newest schema set kubernetes-validate 1.37.0 ships.
-KUBERNETES_VERSIONS = ["1.30.0", "1.37.0"]
 ALL_MONITORING = ["serviceMonitor.enabled=true", "prometheusRule.enabled=true", "grafanaDashboard.enabled=true"]
-
-
-def _run(argv: list[str]) -> str:
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, f"{' '.join(argv)} failed:\n{done.stdout}\n{done.stderr}"
-    return done.stdout
-
-
-def _docs(text: str) -> list[dict]:
-    return [doc for doc in yaml.safe_load_all(text) if doc]
-
-
-def helm_template(*settings: str, kube_version: str = KUBERNETES_VERSIONS[0]) -> list[dict]:
-    """The chart rendered as release ``mtc`` in ``mtc-system`` with ``--set`` ``settings``."""
-    argv = [require_tool("helm"), "template", "mtc", str(CHART), "--namespace", "mtc-system", "--kube-version", kube_version]
-    for setting in settings:
-        argv += ["--set", setting]
-    return _docs(_run(argv))
 
 
 def kustomize_build(directory: Path) -> list[dict]:
     return _docs(_run([require_tool("kustomize"), "build", str(directory)]))
-
-
-def _by_key(docs: list[dict]) -> dict[tuple[str, str], dict]:
-    keyed = {(d["kind"], d["metadata"]["name"]): d for d in docs}
-    assert len(keyed) == len(docs), "two objects share a kind and name"
-    return keyed
-
-
-def _pod_spec(obj: dict) -> dict:
-    return obj["spec"]["template"]["spec"]
-
-
-def _container(obj: dict, name: str) -> dict:
-    return next(c for c in _pod_spec(obj)["containers"] if c["name"] == name)
-
-
-def _argv(container: dict) -> list[str]:
-    return [str(a) for a in container.get("command", []) + container.get("args", [])]
-
-
-def _flag(argv: list[str], flag: str) -> str | None:
-    return argv[argv.index(flag) + 1] if flag in argv else None
 
 
 def test_helm_lint_is_clean_with_every_toggle():
@@ -192,16 +153,17 @@ def _contract(obj: dict) -> dict:
 def test_chart_and_kustomize_base_render_the_same_objects():
     # Secrets: the chart generates the token and TLS Secrets the base asks the operator to create.
     # Namespace: helm installs into a namespace that exists (docs/install.md, Helm: create and label it first).
-    chart = _by_key(helm_template("image.tag=latest"))
+    # The Pod: the chart's `helm test` hook.
+    chart = _by_key(helm_template())
     base = _by_key(kustomize_build(MANIFESTS))
-    assert set(chart) - set(base) == {("Secret", "mtc-peer-token"), ("Secret", "mtc-tls")}
+    assert set(chart) - set(base) == {("Secret", "mtc-peer-token"), ("Secret", "mtc-tls"), ("Pod", "mtc-test-status")}
     assert set(base) - set(chart) == {("Namespace", "mtc-system")}
     for key in sorted(set(chart) & set(base)):
         assert _contract(chart[key]) == _contract(base[key]), f"{key} differs between the chart and manifests/"
 
 
 def test_chart_monitoring_is_the_monitoring_base():
-    chart = _by_key(helm_template("image.tag=latest", *ALL_MONITORING))
+    chart = _by_key(helm_template(*ALL_MONITORING))
     base = _by_key(kustomize_build(MONITORING))
     for key, obj in base.items():
         assert key in chart, f"the chart has no {key}"

@@ -5,6 +5,7 @@ them with kustomize and helm and validates them against the Kubernetes schemas.
 """
 
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -123,6 +124,24 @@ def test_every_manifest_parses_into_kubernetes_objects():
                 assert doc.get("metadata", {}).get("name"), f"{name}: {doc['kind']} without a name"
 
 
+def _app_version() -> str:
+    with open(REPO / "charts" / "mtc" / "Chart.yaml", encoding="utf-8") as f:
+        return yaml.safe_load(f)["appVersion"]
+
+
+def test_images_name_the_release_not_latest():
+    # The chart's image tag defaults to its appVersion; the base names the same tag in every file and in
+    # kustomization.yaml's images: entry (which an overlay's `kustomize edit set image` replaces).
+    with open(REPO / "pyproject.toml", "rb") as f:
+        version = tomllib.load(f)["project"]["version"]
+    assert _app_version() == version
+    (kustomization,) = _load(KUSTOMIZATION)
+    assert kustomization["images"] == [{"name": "mtc-agent", "newTag": version}]
+    images = [c["image"] for o in _all_objects() if o["kind"] in ("DaemonSet", "Deployment")
+              for c in o["spec"]["template"]["spec"]["containers"] if c["image"].startswith("mtc-agent")]  # fmt: skip
+    assert images == [f"mtc-agent:{version}"] * 2
+
+
 def test_kustomization_lists_exactly_the_resource_files():
     (kustomization,) = _load(KUSTOMIZATION)
     listed = kustomization["resources"]
@@ -197,7 +216,7 @@ def test_admission_policy_admits_the_driver_only_in_opted_in_namespaces():
 def test_node_plugin_is_privileged_and_critical_on_every_node(node_pod, node_container):
     ds = _one("DaemonSet", "mtc-node")
     assert node_container["securityContext"] == {"privileged": True, "readOnlyRootFilesystem": True}
-    assert node_container["image"] == "mtc-agent:latest"
+    assert node_container["image"] == f"mtc-agent:{_app_version()}"
     assert node_pod["priorityClassName"] == "system-node-critical"
     assert {"operator": "Exists"} in node_pod["tolerations"], "must tolerate every taint"
     assert ds["spec"]["updateStrategy"]["type"] == "RollingUpdate"
@@ -440,3 +459,26 @@ def test_example_jobsets_rank0_address_is_the_pods_jobset_dns_name(name):
     hostname = f"{name}-{replicated['name']}-0-0"  # JobSet's pod hostname
     assert f"{_JOBSET_SUFFIX.sub('', pod_name)}.{spec.subdomain}" == f"{hostname}.{jobset['metadata']['name']}"
     assert spec.job == f"{name}-{replicated['name']}"
+
+
+# Kubernetes objects passed through whole: documented as one value.
+_PASSED_THROUGH = ("resources", "updateStrategy", "strategy", "labels", "annotations", "volume", "affinity")
+
+
+def _value_keys(values: dict, prefix: str = "") -> list[str]:
+    keys = []
+    for key, value in values.items():
+        if isinstance(value, dict) and value and key not in _PASSED_THROUGH:
+            keys += _value_keys(value, f"{prefix}{key}.")
+        else:
+            keys.append(prefix + key)
+    return keys
+
+
+def test_chart_readme_documents_every_value():
+    chart = REPO / "charts" / "mtc"
+    with open(chart / "values.yaml", encoding="utf-8") as f:
+        keys = _value_keys(yaml.safe_load(f))
+    readme = (chart / "README.md").read_text()
+    assert len(keys) > 50
+    assert [k for k in keys if f"| `{k}` |" not in readme] == []

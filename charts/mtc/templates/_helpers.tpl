@@ -31,3 +31,47 @@ mtc-coordinator.{{ .Release.Namespace }}.svc
 {{- define "mtc.pluginDir" -}}
 {{ .Values.kubeletDir }}/plugins/{{ .Values.driverName }}
 {{- end }}
+
+{{- /* Where a pod may run: priority, nodeSelector, affinity, tolerations of one component's values. */}}
+{{- define "mtc.podScheduling" -}}
+{{- with .priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{- define "mtc.imagePullSecrets" -}}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{- /* Args of (list FLAG VALUE FLAG VALUE ...): each flag whose value is not null, as two items. */}}
+{{- define "mtc.flags" -}}
+{{- $args := list }}
+{{- range $i, $flag := . }}
+{{- if and (eq (mod $i 2) 0) (not (kindIs "invalid" (index $ (add1 $i)))) }}
+{{- $args = append (append $args $flag) (index $ (add1 $i) | toString) }}
+{{- end }}
+{{- end }}
+{{- with $args }}{{ toYaml . }}{{ end }}
+{{- end }}
+
+{{- define "mtc.logFlags" -}}
+- --log-level
+- {{ .Values.logging.level }}
+- --log-format
+- {{ .Values.logging.format }}
+{{- end }}

@@ -1,0 +1,212 @@
+"""The chart's values, rendered by the real ``helm`` (v3.22.0, ``make tools``).
+
+- ``values.schema.json`` refuses bad values before anything renders (helm checks it on install,
+  upgrade, template and lint): each case asserts helm's own message.
+- Every operator knob reaches the pod specs; the image tag is the chart's appVersion.
+- Renders are reproducible when the Secrets are the operator's (``existingSecret``), as GitOps needs.
+- The ``helm test`` Pod runs ``mtc status`` against the coordinator Service with the cluster CA.
+"""
+
+import subprocess
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.helpers.chart import (
+    CHART,
+    KUBERNETES_VERSIONS,
+    argv_of,
+    by_key,
+    container,
+    flag,
+    helm_template,
+    pod_spec,
+    run,
+    template_argv,
+)
+from tests.helpers.tools import require_tool
+
+SCHEMA_ERROR = "values don't meet the specifications of the schema(s)"
+STATUS_POD = ("Pod", "mtc-test-status")
+
+
+def _app_version() -> str:
+    return yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+
+
+def _refused(argv: list[str]) -> str:
+    """helm's output (lint reports on stdout, template on stderr); fails the test unless helm exited non-zero."""
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0, f"{' '.join(argv)} was accepted"
+    return done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ("replicas=3", "at '/replicas': value must be one of 1, 2"),
+        ("backup.ulr=gs://bucket/mtc", "at '/backup': additional properties 'ulr' not allowed"),
+        ("node.bakgroundCPU=0.5", "at '/node': additional properties 'bakgroundCPU' not allowed"),
+        ("logging.level=verbose", "at '/logging/level': value must be one of 'debug', 'info', 'warning', 'error'"),
+        ("logging.format=xml", "at '/logging/format': value must be one of 'text', 'json'"),
+        ("backup.url=bucket/mtc", "at '/backup/url': 'bucket/mtc' does not match pattern"),
+        ("backup.url=https://bucket/mtc", "at '/backup/url': 'https://bucket/mtc' does not match pattern"),
+        ("backup.keep=three", "at '/backup/keep': got string, want integer"),
+        ("ramdisk.defaultSize=12GB", "at '/ramdisk/defaultSize': '12GB' does not match pattern"),
+        ("ramdisk.retentionSeconds=-1", "at '/ramdisk/retentionSeconds': minimum: got -1, want 0"),
+        ("node.backgroundCPU=0", "at '/node/backgroundCPU': exclusiveMinimum: got 0, want 0"),
+        ("node.wedgedAfterSeconds=-3", "at '/node/wedgedAfterSeconds': exclusiveMinimum: got -3, want 0"),
+        ("coordinator.nodeTimeoutSeconds=soon", "at '/coordinator/nodeTimeoutSeconds': 'soon' does not match pattern"),
+        ("node.extraArgs=--x", "at '/node/extraArgs': got string, want array"),
+        ("image.pullPolicy=Sometimes", "at '/image/pullPolicy': value must be one of 'Always', 'IfNotPresent', 'Never'"),
+        ("tls.existingSecret=My_Secret", "at '/tls/existingSecret': 'My_Secret' does not match pattern"),
+        ("peerTLS.enabled=true", "at '/peerTLS': 'anyOf' failed"),
+    ],
+)
+def test_schema_refuses_a_bad_value_before_rendering(setting, message):
+    output = _refused(template_argv(setting))
+    assert SCHEMA_ERROR in output and message in output, output
+
+
+def test_lint_refuses_what_the_schema_refuses():
+    output = _refused([require_tool("helm"), "lint", "--strict", str(CHART), "--set", "replicas=3"])
+    assert "at '/replicas': value must be one of 1, 2" in output, output
+
+
+def test_schema_accepts_every_documented_value_form():
+    # Each good form of the values the schema checks by pattern renders (the cases above show it can refuse).
+    for setting in ("backup.url=s3://my-bucket/a/b", "backup.url=file:///mnt/backups", "backup.url=gs://b",
+                    "ramdisk.defaultSize=60000Mi", "ramdisk.defaultSize=1e9", "replicas=2",
+                    "logging.level=debug", "logging.format=json", "node.backgroundCPU=0.5",
+                    "node.minPushIntervalSeconds=0", "coordinator.holderGraceSeconds=2.5", "peerTLS.enabled=true,peerTLS.existingSecret=peer-tls"):  # fmt: skip
+        assert helm_template(setting), setting
+
+
+def test_every_knob_renders_into_the_pod_specs(tmp_path):
+    pod_knobs = {
+        "extraArgs": ["--ramdisk-backend", "tmpfs"],
+        "env": [{"name": "AWS_REGION", "value": "eu-west-1"}],
+        "envFrom": [{"configMapRef": {"name": "proxy"}}],
+        "podAnnotations": {"example.dev/owner": "ml-infra"},
+        "podLabels": {"team": "ml"},
+        "nodeSelector": {"pool": "tpu"},
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["tpu"]}]}]}}},
+        "tolerations": [{"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "priorityClassName": "high",
+        "resources": {"requests": {"cpu": "1", "memory": "4Gi"}, "limits": {"memory": "8Gi"}},
+    }  # fmt: skip
+    values = {
+        "imagePullSecrets": [{"name": "regcred"}],
+        "maxNodes": 20000,
+        "logging": {"level": "debug", "format": "json"},
+        "peerTLS": {"enabled": True, "existingSecret": "peer-tls"},
+        "node": {**pod_knobs, "backgroundCPU": 0.5, "restoreDeadlineSeconds": 200, "wedgedAfterSeconds": 90,
+                 "minPushIntervalSeconds": 5, "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": "10%"}}},
+        "coordinator": {**pod_knobs, "kubeNamespace": "training", "nodeTimeoutSeconds": 30, "holderGraceSeconds": 120,
+                        "strategy": {"type": "RollingUpdate"}},
+    }  # fmt: skip
+    (tmp_path / "values.yaml").write_text(yaml.safe_dump(values))
+    rendered = by_key(helm_template(values=tmp_path / "values.yaml"))
+    node, coordinator = rendered[("DaemonSet", "mtc-node")], rendered[("Deployment", "mtc-coordinator")]
+    for obj in (node, coordinator, rendered[STATUS_POD]):  # each knob in its place: unknown fields are errors
+        for version in KUBERNETES_VERSIONS:
+            kubernetes_validate.validate(obj, version, strict=True)
+
+    agent = argv_of(container(node, "mtc-node"))
+    assert {f: flag(agent, f) for f in ("--background-cpu", "--restore-deadline-seconds", "--wedged-after-seconds",
+                                        "--min-push-interval-seconds", "--max-nodes", "--log-level", "--log-format",
+                                        "--peer-tls-cert", "--peer-tls-key", "--peer-tls-ca")} == {
+        "--background-cpu": "0.5", "--restore-deadline-seconds": "200", "--wedged-after-seconds": "90",
+        "--min-push-interval-seconds": "5", "--max-nodes": "20000", "--log-level": "debug", "--log-format": "json",
+        "--peer-tls-cert": "/etc/mtc/peer-tls/tls.crt", "--peer-tls-key": "/etc/mtc/peer-tls/tls.key",
+        "--peer-tls-ca": "/etc/mtc/peer-tls/ca.crt"}  # fmt: skip
+    assert agent[-2:] == ["--ramdisk-backend", "tmpfs"], "extraArgs come last"
+    peer_tls = next(v for v in pod_spec(node)["volumes"] if v["name"] == "peer-tls")
+    assert peer_tls["secret"]["secretName"] == "peer-tls"
+    assert node["spec"]["updateStrategy"]["rollingUpdate"]["maxUnavailable"] == "10%"
+
+    served = argv_of(container(coordinator, "mtc-coordinator"))
+    assert {f: flag(served, f) for f in ("--node-timeout-seconds", "--holder-grace-seconds", "--kube-namespace",
+                                         "--max-nodes", "--log-level", "--log-format")} == {
+        "--node-timeout-seconds": "30", "--holder-grace-seconds": "120", "--kube-namespace": "training",
+        "--max-nodes": "20000", "--log-level": "debug", "--log-format": "json"}  # fmt: skip
+    assert coordinator["spec"]["strategy"] == {"type": "RollingUpdate"}
+
+    for obj, name in ((node, "mtc-node"), (coordinator, "mtc-coordinator")):
+        spec, main = pod_spec(obj), container(obj, name)
+        assert argv_of(main)[-2:] == ["--ramdisk-backend", "tmpfs"]
+        assert {"name": "AWS_REGION", "value": "eu-west-1"} in main["env"]
+        assert main["envFrom"] == [{"configMapRef": {"name": "proxy"}}]
+        assert main["resources"] == pod_knobs["resources"]
+        assert spec["imagePullSecrets"] == [{"name": "regcred"}]
+        for key in ("nodeSelector", "affinity", "tolerations", "priorityClassName"):
+            assert spec[key] == pod_knobs[key], (name, key)
+        template = obj["spec"]["template"]["metadata"]
+        assert template["annotations"]["example.dev/owner"] == "ml-infra"
+        assert template["labels"]["team"] == "ml"
+        assert template["labels"]["app.kubernetes.io/name"] == "mtc", "the selector's labels stay"
+
+
+def test_unset_flags_leave_the_programs_defaults():
+    rendered = by_key(helm_template())
+    agent = argv_of(container(rendered[("DaemonSet", "mtc-node")], "mtc-node"))
+    served = argv_of(container(rendered[("Deployment", "mtc-coordinator")], "mtc-coordinator"))
+    unset = {"--background-cpu", "--restore-deadline-seconds", "--wedged-after-seconds", "--min-push-interval-seconds",
+             "--peer-tls-cert", "--node-timeout-seconds", "--holder-grace-seconds", "--kube-namespace"}  # fmt: skip
+    assert not unset & set(agent + served)
+    for argv in (agent, served):
+        assert (flag(argv, "--log-level"), flag(argv, "--log-format")) == ("info", "text")
+        assert argv.index("--log-level") > 1, "after the subcommand"
+
+
+def test_peer_tls_can_come_from_a_volume_of_the_operators(tmp_path):
+    # e.g. cert-manager's csi-driver, which issues each pod a certificate for its own IP.
+    volume = {"csi": {"driver": "csi.cert-manager.io", "readOnly": True,
+                      "volumeAttributes": {"csi.cert-manager.io/issuer-name": "mtc-peers", "csi.cert-manager.io/ip-sans": "${POD_IP}"}}}  # fmt: skip
+    (tmp_path / "values.yaml").write_text(yaml.safe_dump({"peerTLS": {"enabled": True, "volume": volume}}))
+    rendered = by_key(helm_template(values=tmp_path / "values.yaml"))
+    peer_tls = next(v for v in pod_spec(rendered[("DaemonSet", "mtc-node")])["volumes"] if v["name"] == "peer-tls")
+    assert peer_tls == {"name": "peer-tls", **volume}
+
+
+def test_image_tag_defaults_to_the_charts_app_version():
+    rendered = by_key(helm_template())
+    images = {c["image"] for obj in rendered.values() if obj["kind"] in ("DaemonSet", "Deployment", "Pod")
+              for c in pod_spec(obj)["containers"] if c["name"] != "liveness-probe"}  # fmt: skip
+    assert images == {f"mtc-agent:{_app_version()}"}
+    assert _app_version() != "latest"
+
+
+def test_renders_with_existing_secrets_are_identical():
+    settings = ("token.existingSecret=mtc-token", "tls.existingSecret=mtc-coordinator-tls")
+    first, second = run(template_argv(*settings)), run(template_argv(*settings))
+    assert first == second
+    assert "kind: Secret" not in first
+    # Without them, helm template (no cluster to look up) generates new ones each time: why GitOps needs them.
+    assert run(template_argv()) != run(template_argv())
+
+
+def test_helm_test_pod_runs_status_against_the_coordinator_service_with_the_cluster_ca():
+    rendered = by_key(helm_template("tls.existingSecret=mtc-coordinator-tls"))
+    pod = rendered[STATUS_POD]
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    (main,) = pod["spec"]["containers"]
+    argv = argv_of(main)
+    assert argv[:2] == ["mtc", "status"]
+    service = rendered[("Service", "mtc-coordinator")]
+    assert flag(argv, "--coordinator") == f"https://{service['metadata']['name']}.mtc-system.svc:{service['spec']['ports'][0]['port']}"
+    (mount,) = main["volumeMounts"]
+    assert flag(argv, "--ca") == f"{mount['mountPath']}/ca.crt"
+    (volume,) = pod["spec"]["volumes"]
+    assert volume["secret"] == {"secretName": "mtc-coordinator-tls", "items": [{"key": "ca.crt", "path": "ca.crt"}]}
+    assert pod["spec"]["restartPolicy"] == "Never"
+    assert main["image"] == container(rendered[("Deployment", "mtc-coordinator")], "mtc-coordinator")["image"]
+
+
+def test_helm_test_pod_follows_tls_and_can_be_left_out():
+    plain = by_key(helm_template("tls.enabled=false"))[STATUS_POD]
+    argv = argv_of(plain["spec"]["containers"][0])
+    assert flag(argv, "--coordinator") == "http://mtc-coordinator.mtc-system.svc:8471" and "--ca" not in argv
+    assert STATUS_POD not in by_key(helm_template("tests.enabled=false"))
