@@ -25,6 +25,7 @@ from tests.helpers.chart import (
     run,
     template_argv,
 )
+from replicator import cli
 from tests.helpers.tools import require_tool
 
 SCHEMA_ERROR = "values don't meet the specifications of the schema(s)"
@@ -147,6 +148,24 @@ def test_every_knob_renders_into_the_pod_specs(tmp_path):
         assert template["annotations"]["example.dev/owner"] == "ml-infra"
         assert template["labels"]["team"] == "ml"
         assert template["labels"]["app.kubernetes.io/name"] == "mtc", "the selector's labels stay"
+
+
+def _unknown_flags(argv: list[str]) -> list[str]:
+    """The ``--flags`` in a rendered ``mtc`` command line that its subcommand does not take."""
+    command = next(a for a in argv if not a.startswith("-") and a != "mtc")
+    known = cli.parser()._subparsers._group_actions[0].choices[command]._option_string_actions
+    return [a for a in argv if a.startswith("--") and a.split("=")[0] not in known]
+
+
+@pytest.mark.parametrize("setting", [[], ["peerTLS.enabled=true,peerTLS.existingSecret=peer-tls,maxNodes=500,node.backgroundCPU=0.5,logging.level=debug,"
+                                       "coordinator.nodeTimeoutSeconds=30,coordinator.kubeNamespace=training"]])
+def test_every_rendered_command_line_is_one_the_program_takes(setting):
+    """A flag the program does not take crash-loops every pod of the DaemonSet: none is rendered."""
+    rendered = by_key(helm_template(*setting))
+    for key, name in ((("DaemonSet", "mtc-node"), "mtc-node"), (("Deployment", "mtc-coordinator"), "mtc-coordinator"),
+                      (STATUS_POD, "mtc-status")):  # fmt: skip
+        argv = argv_of(container(rendered[key], name))
+        assert _unknown_flags(argv) == [], (name, argv)
 
 
 def test_unset_flags_leave_the_programs_defaults():
