@@ -411,7 +411,7 @@ class _ClusterGauges:
         every_steps = GaugeMetricFamily("mtc_backup_interval_steps", "The job's backup-interval-steps", labels=labels)
         every_seconds = GaugeMetricFamily("mtc_backup_interval_seconds", "The job's backup-interval-minutes, in seconds", labels=labels)
         ranks = GaugeMetricFamily("mtc_restore_ranks", "Ranks of the job's current incarnation, once its restore is planned", labels=labels)
-        staged = GaugeMetricFamily("mtc_restore_ranks_staged", "Ranks that staged the planned step; the restore is done at mtc_restore_ranks",
+        staged = GaugeMetricFamily("mtc_restore_ranks_staged", "Ranks that staged the planned step (all for a fresh start); done at mtc_restore_ranks",
                                    labels=labels)  # fmt: skip
         for key in state.job_keys():
             job, values = state.job(key), [key.namespace, key.job]
@@ -426,7 +426,8 @@ class _ClusterGauges:
                 every_seconds.add_metric(values, settings.backup_interval_minutes * 60)
             if (incarnation := job.incarnation) is not None and incarnation.plan is not None:
                 ranks.add_metric(values, len(incarnation.node_of_rank))
-                staged.add_metric(values, len(incarnation.staged))
+                # A fresh start (no step) has nothing to stage: every rank is ready at once.
+                staged.add_metric(values, len(incarnation.node_of_rank if incarnation.plan.step is None else incarnation.staged))
         live = GaugeMetricFamily("mtc_live_nodes", "Node agents reporting", value=state.liveness.live_count())
         silent_ids = state.liveness.silent()
         silent = GaugeMetricFamily("mtc_silent_nodes", "Node agents silent past the node timeout, not yet forgotten", value=len(silent_ids))

@@ -280,6 +280,12 @@ def test_every_metric_and_label_the_dashboard_and_rules_use_is_exported(start_cl
     wait_until(lambda: f'mtc_node_silent_seconds{{node="{idle.node_id}"}}' in scrape(coordinator.url, coordinator.ssl_context()), 30,
                "the lost node silent")  # fmt: skip
 
+    page = {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(scrape(coordinator.url, coordinator.ssl_context())) for s in f.samples}  # fmt: skip
+    assert page[("mtc_silent_nodes", ())] == 1 and page[("mtc_live_nodes", ())] == 2
+    assert page[("mtc_node_silent_seconds", (("node", idle.node_id),))] > 4  # past the node timeout
+    mon = (("training_job", "mon-slice"), ("training_namespace", "default"))
+    assert page[("mtc_restore_ranks", mon)] == page[("mtc_restore_ranks_staged", mon)] == 2  # both ranks started fresh
     exported = merged(exported_series(scrape(coordinator.url, coordinator.ssl_context()), target_labels("mtc-coordinator")),
                       *(exported_series(scrape(a.url), target_labels("mtc-node")) for a in agents))  # fmt: skip
     assert problems(dashboard_queries() + rule_queries(), exported) == []
