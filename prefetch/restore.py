@@ -66,6 +66,7 @@ def forget_job_series(namespace: str, job: str) -> None:
             RESTORE_SECONDS.remove(source, namespace, job)
     RESTORE_IN_FLIGHT.forget(namespace, job)
 
+
 # (meta, namespace, job, step, data rank, timeline, called with each range's bytes as it lands) ->
 # (verified step dir on the ramdisk, its manifest); raises BackupError or OSError. ``BackupWorker.download``.
 BackupDownload = Callable[[JobMeta, str, str, int, int, int, Callable[[int], None]], Awaitable[tuple[str, StepManifest]]]
