@@ -8,6 +8,7 @@ source is retried; only a proven mismatch gives a copy up (reported, so the plan
 """
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -23,6 +24,7 @@ from csi_driver.ramdisk import Ramdisk
 from prefetch import staging
 from replicator.backup_tier.store import BackupError
 from replicator.local_tier import space
+from replicator.local_tier.in_flight import InFlight
 from replicator.local_tier.job_keys import job_of
 from replicator.local_tier.job_meta import JobMeta, PodProgress
 from replicator.local_tier.log_once import LogOnce, report_to_job
@@ -32,24 +34,42 @@ from replicator.pacing import timing
 from replicator.peer_tier.client import PeerFetchError, fetch_manifest, fetch_step
 from replicator.wire.coordinator_client import CoordinatorClient, CoordinatorUnavailable
 from replicator.wire.messages import RestoreView, Source, Tier
+from replicator.wire.metric_labels import JOB_LABELS
 
 log = logging.getLogger(__name__)
 
 # Buckets up to Orbax's 300 s wait for the marker; 150 s (half of it) is an alert threshold.
 RESTORE_SECONDS = Histogram("mtc_restore_seconds", "Seconds from replicator.yaml consumed to restore marker written "
-                            "(source timeout: no marker within the deadline)", ["source"],
+                            "(source timeout: no marker within the deadline)", ["source", *JOB_LABELS],
                             buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 150, 270, 300))  # fmt: skip
 CORRUPT_COPIES = Counter("mtc_corrupt_copies_total", "Step copies that failed checksum verification")
+# The copies being fetched from a peer or the backup tier (not staged in place from this node).
+RESTORE_IN_FLIGHT = InFlight("mtc_restore", "fetched", "restores")
 # The ``source`` label: the tier a restore staged from (``Tier``'s values), or one of these.
 NO_SOURCE = "none"  # nothing to restore: the job starts fresh
 TIMED_OUT = "timeout"  # no marker within the deadline
-# Known label values start at zero, so dashboards and alerts see the series before the first event.
-for _label in (*Tier, NO_SOURCE, TIMED_OUT):
-    RESTORE_SECONDS.labels(_label)
+SOURCES = (*Tier, NO_SOURCE, TIMED_OUT)
 
-# (meta, namespace, job, step, data rank, timeline) -> (verified step dir on the ramdisk, its manifest);
-# raises BackupError or OSError. ``BackupWorker.download``.
-BackupDownload = Callable[[JobMeta, str, str, int, int, int], Awaitable[tuple[str, StepManifest]]]
+
+def seed_job_series(namespace: str, job: str) -> None:
+    """Creates the job's restore series at zero (at publish, before its restore), so rates and alerts
+    count its first restore: Prometheus sees no increase in a series that starts at 1."""
+    for source in SOURCES:
+        RESTORE_SECONDS.labels(source, namespace, job)
+    RESTORE_IN_FLIGHT.seed(namespace, job)
+
+
+def forget_job_series(namespace: str, job: str) -> None:
+    """Removes the job's restore series (its ramdisk left the node)."""
+    for source in SOURCES:
+        with contextlib.suppress(KeyError):
+            RESTORE_SECONDS.remove(source, namespace, job)
+    RESTORE_IN_FLIGHT.forget(namespace, job)
+
+
+# (meta, namespace, job, step, data rank, timeline, called with each range's bytes as it lands) ->
+# (verified step dir on the ramdisk, its manifest); raises BackupError or OSError. ``BackupWorker.download``.
+BackupDownload = Callable[[JobMeta, str, str, int, int, int, Callable[[int], None]], Awaitable[tuple[str, StepManifest]]]
 # (ramdisk, bytes wanted free) -> None: gives up unsafe copies to make room (``space.make_room`` with the
 # job's latest retain order). ``NodeReplicator.make_room``.
 MakeRoom = Callable[[Ramdisk, int], None]
@@ -149,10 +169,10 @@ class Restorer:
                 continue
             if view.ready:
                 await asyncio.to_thread(hand_over, disk, meta, progress, view.step, source, view.forks, not view.rollback)
-                RESTORE_SECONDS.labels(source).observe(time.monotonic() - started)
+                RESTORE_SECONDS.labels(source, disk.namespace, disk.job).observe(time.monotonic() - started)
                 return
             seen = view.token  # staged: wait (long poll) until every rank has, or the plan changes
-        RESTORE_SECONDS.labels(TIMED_OUT).observe(time.monotonic() - started)
+        RESTORE_SECONDS.labels(TIMED_OUT, disk.namespace, disk.job).observe(time.monotonic() - started)
         report_to_job(meta, f"restore did not complete within {self._deadline_seconds:.0f} s")
 
     async def _stage(self, session: aiohttp.ClientSession, disk: Ramdisk, meta: JobMeta, progress: PodProgress, view: RestoreView,
@@ -194,16 +214,18 @@ class Restorer:
         """
         if source.files is not None and (missing := meta.framework.missing_commit_evidence(source.files)):
             raise UnusableCopy(f"its checksums lack {missing}")
-        local = source.holder == self.node_id and source.data_rank == progress.rank
-        if not local and source.files is not None:
-            await asyncio.to_thread(self._room_for, disk, view.step, sum(size for size, _ in source.files.values()))
-        if local:
+        if source.holder == self.node_id and source.data_rank == progress.rank:
             await asyncio.to_thread(staging.stage_local, meta.framework, disk.client_dir, view.step, meta.manifests().get(view.step), meta,
                                     progress.rank)  # fmt: skip
-        elif source.tier == Tier.BACKUP:
-            await self._stage_from_backup(disk, meta, progress, view, source)
-        else:
-            await self._stage_from_peer(session, disk, meta, progress, view, source)
+            return
+        need = sum(size for size, _ in source.files.values()) if source.files is not None else 0
+        if source.files is not None:
+            await asyncio.to_thread(self._room_for, disk, view.step, need)
+        with RESTORE_IN_FLIGHT.transfer(disk.namespace, disk.job, need) as fetched:
+            if source.tier == Tier.BACKUP:
+                await self._stage_from_backup(disk, meta, progress, view, source, fetched)
+            else:
+                await self._stage_from_peer(session, disk, meta, progress, view, source, fetched)
 
     def _room_for(self, disk: Ramdisk, step: int, need: int) -> None:
         """Makes room for a fetched copy of ``need`` bytes, giving up unsafe copies if it must.
@@ -217,10 +239,10 @@ class Restorer:
             raise _Unreachable(f"step {step} ({need} bytes) does not fit, not fetched: {free} bytes free; {space.describe_use(disk)}")
 
     async def _stage_from_peer(self, session: aiohttp.ClientSession, disk: Ramdisk, meta: JobMeta, progress: PodProgress, view: RestoreView,
-                               source: Source) -> None:  # fmt: skip
+                               source: Source, fetched: Callable[[int], None]) -> None:  # fmt: skip
         """Pulls the view's step from a peer (or this node's own replica) into the ramdisk, verified,
         then stages it; it is this rank's copy of the step from then on, in the view's timeline.
-        Raises as ``_stage_from``."""
+        ``fetched`` is called with each range's bytes. Raises as ``_stage_from``."""
         step = view.step
         if self._peer_token is None or not source.url:
             raise UnusableCopy(f"peer tier unavailable for {source.holder}")
@@ -229,7 +251,8 @@ class Restorer:
             # Verified against the owner's checksums from the plan; the peer's own manifest only when the plan has none.
             manifest = (StepManifest(step, source.data_rank, dict(source.files)) if source.files is not None else
                         await fetch_manifest(session, source.url, self._peer_token, disk.namespace, disk.job, source.data_rank, step))
-            await fetch_step(source.url, self._peer_token, disk.namespace, disk.job, manifest, incoming, ssl_context=self._peer_ssl)
+            await fetch_step(source.url, self._peer_token, disk.namespace, disk.job, manifest, incoming, ssl_context=self._peer_ssl,
+                             on_range=fetched)
         except UnusableCopy:
             shutil.rmtree(incoming, ignore_errors=True)
             raise
@@ -240,14 +263,15 @@ class Restorer:
         # Recorded as this rank's step: from now on this node serves it for this rank.
         meta.save_manifest(dataclasses.replace(manifest, rank=progress.rank, timeline=len(view.forks)))
 
-    async def _stage_from_backup(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress, view: RestoreView, source: Source) -> None:
+    async def _stage_from_backup(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress, view: RestoreView, source: Source,
+                                 fetched: Callable[[int], None]) -> None:  # fmt: skip
         """Downloads the view's step from the backup tier into the ramdisk, verified, then stages it.
-        Raises as ``_stage_from``."""
+        ``fetched`` is called with each range's bytes. Raises as ``_stage_from``."""
         step = view.step
         if self._download is None:
             raise UnusableCopy("no backup tier on this node (--backup)")
         try:
-            verified, manifest = await self._download(meta, disk.namespace, disk.job, step, source.data_rank, source.timeline)
+            verified, manifest = await self._download(meta, disk.namespace, disk.job, step, source.data_rank, source.timeline, fetched)
         except UnusableCopy:
             raise
         except (BackupError, OSError) as err:

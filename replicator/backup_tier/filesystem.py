@@ -10,7 +10,7 @@ import contextlib
 import os
 import urllib.parse
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import google_crc32c
 
@@ -110,7 +110,7 @@ class FileObjects(ObjectStore):
             self._write_atomically(upload.name, iter(lambda: source.read(_CHUNK_BYTES), b""),
                                    (upload.size, upload.crc32c))
 
-    def put_files(self, uploads: Sequence[Upload], workers: int) -> None:
+    def put_files(self, uploads: Sequence[Upload], workers: int, stored: Callable[[Upload], None] | None = None) -> None:
         failures: list[str] = []
 
         def put(upload: Upload) -> None:
@@ -118,6 +118,9 @@ class FileObjects(ObjectStore):
                 self._put(upload)
             except BackupError as exc:
                 failures.append(f"{upload.name}: {exc}")
+                return
+            if stored is not None:
+                stored(upload)
 
         run_parallel(put, uploads, workers)
         if failures:

@@ -1,6 +1,6 @@
 """The ``gs://`` backend: Google Cloud Storage with Application Default Credentials (or an emulator).
 
-Uploads go through ``transfer_manager.upload_many`` on threads. Each blob declares the CRC32C from the
+Uploads run on a thread pool, one ``upload_from_filename`` per file. Each blob declares the CRC32C from the
 step's manifest in its metadata, so GCS refuses bytes that do not match what was checksummed when the
 step committed (end to end: a file changed since, or damaged in transit, is never stored); the
 stored object's ``crc32c`` is compared once more after the upload.
@@ -14,10 +14,11 @@ so they could not make a parallel restore faster than a serial one.
 """
 
 import base64
+import concurrent.futures
 import contextlib
 import http.client
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import google.auth
 import requests
@@ -28,7 +29,6 @@ from google.auth.credentials import AnonymousCredentials
 from google.auth.transport.requests import AuthorizedSession
 from google.cloud import storage
 from google.cloud.storage import exceptions as storage_exceptions
-from google.cloud.storage import transfer_manager
 from google.cloud.storage.retry import DEFAULT_RETRY
 
 from replicator.backup_tier.object_store import (
@@ -113,16 +113,24 @@ class GcsObjects(ObjectStore):
     def _errors(self, name: str, what: str) -> contextlib.AbstractContextManager[None]:
         return store_errors(self.url, name, what, _STORE_ERRORS)
 
-    def put_files(self, uploads: Sequence[Upload], workers: int) -> None:
+    def put_files(self, uploads: Sequence[Upload], workers: int, stored: Callable[[Upload], None] | None = None) -> None:
         pairs = []
         for upload in uploads:
             blob = self._bucket.blob(self._prefix + upload.name)
             blob.crc32c = _crc32c_b64(upload.crc32c)  # declared: GCS refuses other bytes
             pairs.append((upload.local_path, blob))
-        # checksum=None: with the library's own checksum a small (multipart) upload would declare the
-        # CRC32C of the bytes it read instead of the manifest's.
-        results = transfer_manager.upload_many(pairs, upload_kwargs={"checksum": None, "retry": _RETRY, "timeout": _TIMEOUT_SECONDS},
-                                               worker_type=transfer_manager.THREAD, max_workers=workers)
+
+        def put(upload: Upload, blob: storage.Blob) -> None:
+            # checksum=None: with the library's own checksum a small (multipart) upload would declare
+            # the CRC32C of the bytes it read instead of the manifest's.
+            blob.upload_from_filename(upload.local_path, checksum=None, retry=_RETRY, timeout=_TIMEOUT_SECONDS)
+            if stored is not None:
+                stored(upload)
+
+        # Our own pool, not transfer_manager.upload_many: that reports nothing until every file is done.
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+            futures = [pool.submit(put, upload, blob) for upload, (_, blob) in zip(uploads, pairs)]
+        results = [future.exception() for future in futures]
         failures = []
         for upload, (_, blob), result in zip(uploads, pairs, results):
             if isinstance(result, _STORE_ERRORS):

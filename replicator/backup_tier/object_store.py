@@ -62,11 +62,12 @@ class ObjectStore(abc.ABC):
         """
 
     @abc.abstractmethod
-    def put_files(self, uploads: Sequence[Upload], workers: int) -> None:
+    def put_files(self, uploads: Sequence[Upload], workers: int, stored: Callable[[Upload], None] | None = None) -> None:
         """Stores every upload, up to ``workers`` at a time, each checked end to end; tries them all.
 
         An object is kept only if the store holds exactly the bytes whose size and CRC32C the manifest
-        recorded; an upload that does not match is removed (or never becomes visible).
+        recorded; an upload that does not match is removed (or never becomes visible). ``stored``, if
+        given, is called (from a worker thread) with each upload once its bytes are sent.
 
         Raises:
           BackupError: one or more uploads failed or did not match (``uploads_failed``).

@@ -43,7 +43,7 @@ import http.client
 import logging
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import boto3
 import botocore.config
@@ -51,6 +51,7 @@ import botocore.exceptions
 import google_crc32c
 import urllib3
 from s3transfer.manager import TransferConfig, TransferManager
+from s3transfer.subscribers import BaseSubscriber
 from s3transfer.utils import ChunksizeAdjuster
 
 from replicator.backup_tier.object_store import (
@@ -113,6 +114,20 @@ def _add_content_md5(params: dict, **_) -> None:
         body.seek(start)
         digest = md5.digest()
     params["headers"]["Content-MD5"] = _b64(digest)
+
+
+class _Sent(BaseSubscriber):
+    """Tells ``stored`` of an upload once s3transfer has sent all of it (not when it failed)."""
+
+    def __init__(self, upload: Upload, stored: Callable[[Upload], None]):
+        self._upload, self._stored = upload, stored
+
+    def on_done(self, future, **kwargs) -> None:
+        try:
+            future.result()  # done: returns or raises at once
+        except Exception:  # the failure is collected with the others in put_files
+            return
+        self._stored(self._upload)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,7 +244,7 @@ class S3Objects(ObjectStore):
                     self._client.delete_object(Bucket=self._bucket, Key=key)
         return S3Features(crc32c, conditional)
 
-    def put_files(self, uploads: Sequence[Upload], workers: int) -> None:
+    def put_files(self, uploads: Sequence[Upload], workers: int, stored: Callable[[Upload], None] | None = None) -> None:
         features = self.features()
         failures: list[str] = []
         etags: dict[str, str] = {}
@@ -247,7 +262,8 @@ class S3Objects(ObjectStore):
                                 max_request_concurrency=workers, io_chunksize=_READ_BYTES)  # fmt: skip
         with TransferManager(self._client, config) as manager:
             futures = [manager.upload(u.local_path, self._bucket, self._prefix + u.name,
-                                      extra_args={"ChecksumCRC32C": _crc32c_b64(u.crc32c)} if features.crc32c else {})
+                                      extra_args={"ChecksumCRC32C": _crc32c_b64(u.crc32c)} if features.crc32c else {},
+                                      subscribers=[] if stored is None else [_Sent(u, stored)])
                        for u in sending]  # fmt: skip
         for upload, future in zip(sending, futures):
             try:

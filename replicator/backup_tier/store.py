@@ -26,12 +26,13 @@ for a complete one.
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from csi_driver.volume_request import DNS1123_LABEL
 from replicator.backup_tier.object_store import BackupError, ObjectStore, Upload, run_parallel
@@ -175,7 +176,7 @@ class BackupStore:
 
     def upload_rank(self, job_key: str, step: int, rank: int, step_dir: str, manifest: StepManifest,
                     dedup_from: RankManifest | None = None, incarnation: str = "", share: CpuShare | None = None,
-                    timeline: int = 0) -> RankManifest:  # fmt: skip
+                    timeline: int = 0, on_file: Callable[[int], None] | None = None) -> RankManifest:  # fmt: skip
         """Stores one rank's committed step, then its rank manifest.
 
         A file whose relative path, size and content identity equal a file of ``dedup_from`` (a rank manifest of
@@ -195,6 +196,8 @@ class BackupStore:
           incarnation: the uploading job incarnation (see ``RankManifest``).
           share: the agent's CPU cap for computing content identities, or None.
           timeline: the job's timeline to store the step as (see the module's layout).
+          on_file: called (from a worker thread) with each file's size in bytes once it is stored,
+            or found stored already (a deduplicated file at once), or None.
 
         Returns:
           The stored rank manifest (pass it as ``dedup_from`` for the next peer).
@@ -229,10 +232,12 @@ class BackupStore:
                 identity = file_identity(fd, peer_scheme if peer_scheme in IDENTITY_SCHEMES else IDENTITY_SCHEME, share=share)
                 if same is not None and (same.size, same.crc32c, same.identity) == (size, crc, identity):
                     files[rel] = same
+                    if on_file is not None:
+                        on_file(size)
                     continue
                 files[rel] = StoredFile(size, crc, f"rank-{rank}/{rel}", identity)
                 uploads.append(Upload(pod_files.proc_path(fd), prefix + files[rel].object, size, crc))
-            self.objects.put_files(uploads, self.workers)
+            self.objects.put_files(uploads, self.workers, None if on_file is None else lambda upload: on_file(upload.size))
         stored = RankManifest(step, rank, files, incarnation, timeline)
         name = prefix + _manifest_name(rank)
         if not self.objects.create_text(name, stored.to_json()) and self.rank_manifest(job_key, step, rank, timeline) != stored:
@@ -329,7 +334,7 @@ class BackupStore:
         return sorted(step for step, committed in self._steps(job_key, partial=True).items() if not committed)
 
     def download_rank(self, job_key: str, step: int, rank: int, dest_dir: str,
-                      workers: int = DEFAULT_WORKERS, timeline: int = 0) -> StepManifest:
+                      workers: int = DEFAULT_WORKERS, timeline: int = 0, on_range: Callable[[int], None] | None = None) -> StepManifest:
         """Restores one rank's data of a committed step into ``dest_dir``, verified.
 
         Files are fetched as ranged reads of up to ``RANGE_BYTES`` (32 MiB), ``workers`` at a time,
@@ -344,6 +349,7 @@ class BackupStore:
           dest_dir: must not exist; its parent must. Files land at their relative paths below it.
           workers: concurrent ranged reads.
           timeline: the step's timeline (as ``complete_steps`` lists it).
+          on_range: called (from a worker thread) with each range's length in bytes once it is written, or None.
 
         Returns:
           The manifest ``dest_dir`` was verified against.
@@ -375,7 +381,7 @@ class BackupStore:
                     out.truncate(f.size)
                 ranges += [(prefix + f.object, path, start, min(RANGE_BYTES, f.size - start))
                            for start in range(0, f.size, RANGE_BYTES)]
-            run_parallel(self._fetch_range, ranges, workers)
+            run_parallel(functools.partial(self._fetch_range, on_range=on_range), ranges, workers)
             manifest = stored.step_manifest()
             check_step(tmp, manifest, f"{self.url}/{prefix} rank {rank}", unusable=UnusableBackup, corrupt=CorruptBackup)
             os.rename(tmp, dest_dir)
@@ -384,13 +390,15 @@ class BackupStore:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
 
-    def _fetch_range(self, item: tuple[str, str, int, int]) -> None:
+    def _fetch_range(self, item: tuple[str, str, int, int], on_range: Callable[[int], None] | None) -> None:
         name, path, start, length = item
         fd = os.open(path, os.O_WRONLY)
         try:
             self.objects.download_range(name, start, length, fd)
         finally:
             os.close(fd)
+        if on_range is not None:
+            on_range(length)
 
     def delete_step(self, job_key: str, step: int, timeline: int = 0) -> None:
         """Deletes everything stored for ``step`` of ``timeline``: ``COMMIT`` first, then rank

@@ -16,6 +16,7 @@ import tenacity
 from prometheus_client import Counter, Histogram
 
 from replicator.backup_tier.store import BackupError, BackupStore
+from replicator.local_tier.in_flight import InFlight
 from replicator.local_tier.job_keys import BusySteps
 from replicator.local_tier.job_meta import JobMeta
 from replicator.local_tier.step_manifest import StepManifest
@@ -27,6 +28,8 @@ log = logging.getLogger(__name__)
 BACKUP_FAILURES = Counter("mtc_backup_failures_total", "Backup uploads or listings that failed")
 BACKUP_SECONDS = Histogram("mtc_backup_upload_seconds", "Seconds to upload one rank's step")
 BACKUP_BYTES = Counter("mtc_backup_uploaded_bytes_total", "Bytes of step data this node uploaded (deduplicated files excluded)")
+# A rank's step being uploaded: its bytes, and those stored so far (deduplicated files count at once).
+BACKUP_IN_FLIGHT = InFlight("mtc_backup", "uploaded", "backups")
 
 # The lister of a job lists its backups this often (30 list calls an hour); the node that writes a
 # step's COMMIT lists at once, so the coordinator learns of new backups without waiting for it.
@@ -138,10 +141,11 @@ class BackupWorker:
                 if dedup is None or dedup.incarnation != order.incarnation:
                     return  # the group's uploader has not finished; the next order retries
             step_dir, manifest = located
-            stored = await asyncio.to_thread(
-                self.store.upload_rank, job_key, order.step, order.rank, step_dir, manifest, dedup, order.incarnation, self._share,
-                order.timeline,
-            )
+            with BACKUP_IN_FLIGHT.transfer(order.namespace, order.job, manifest.total_bytes) as sent:
+                stored = await asyncio.to_thread(
+                    self.store.upload_rank, job_key, order.step, order.rank, step_dir, manifest, dedup, order.incarnation, self._share,
+                    order.timeline, sent,
+                )
             uploaded = sum(f.size for f in stored.files.values() if f.object.startswith(f"rank-{order.rank}/"))
             BACKUP_BYTES.inc(uploaded)
             BACKUP_SECONDS.observe(time.monotonic() - started)
@@ -153,8 +157,10 @@ class BackupWorker:
                 await self.refresh({job: ramdisk_path}, force=True)
             self._uploaded.add(key)
 
-    async def download(self, meta: JobMeta, namespace: str, job: str, step: int, rank: int, timeline: int = 0) -> tuple[str, StepManifest]:
-        """Downloads and verifies ``rank``'s ``step`` of ``timeline`` into the ramdisk's incoming area.
+    async def download(self, meta: JobMeta, namespace: str, job: str, step: int, rank: int, timeline: int = 0,
+                       on_range: Callable[[int], None] | None = None) -> tuple[str, StepManifest]:  # fmt: skip
+        """Downloads and verifies ``rank``'s ``step`` of ``timeline`` into the ramdisk's incoming area;
+        ``on_range`` is called with each range's bytes as it lands.
 
         Returns:
           The verified directory (rename it into place) and its manifest.
@@ -166,7 +172,8 @@ class BackupWorker:
         incoming = meta.new_incoming_dir()
         dest = os.path.join(incoming, "step")
         try:
-            manifest = await asyncio.to_thread(self.store.download_rank, f"{namespace}/{job}", step, rank, dest, timeline=timeline)
+            manifest = await asyncio.to_thread(self.store.download_rank, f"{namespace}/{job}", step, rank, dest, timeline=timeline,
+                                             on_range=on_range)
         except (BackupError, OSError):
             shutil.rmtree(incoming, ignore_errors=True)
             raise

@@ -27,17 +27,19 @@ from replicator.backup_tier.backends import open_backup_store
 from replicator.local_tier import frameworks
 from replicator.local_tier.job_meta import JobMeta
 from replicator.node.config import NodeConfig
+from replicator.node.job_series import JobSeries
 from replicator.node.loop import NodeReplicator
 from replicator.pacing import timing
 from replicator.pacing.cpu_share import CpuShare
 from replicator.peer_tier.service import add_peer_routes
 from replicator.wire import tls
+from replicator.wire.metric_labels import JOB_LABELS
 
 log = logging.getLogger(__name__)
 
-RAMDISK_BYTES = Gauge("mtc_ramdisk_size_bytes", "Size limit of each job ramdisk on this node", ["namespace", "job"])
+RAMDISK_BYTES = Gauge("mtc_ramdisk_size_bytes", "Size limit of each job ramdisk on this node", JOB_LABELS)
 # The dir backend has no size of its own: there it is the use of the file system holding it.
-RAMDISK_USED = Gauge("mtc_ramdisk_used_bytes", "Bytes in use in each job ramdisk on this node", ["namespace", "job"])
+RAMDISK_USED = Gauge("mtc_ramdisk_used_bytes", "Bytes in use in each job ramdisk on this node", JOB_LABELS)
 
 
 def on_new_pod(disk: Ramdisk, spec: VolumeSpec) -> None:
@@ -48,14 +50,21 @@ def on_new_pod(disk: Ramdisk, spec: VolumeSpec) -> None:
     JobMeta(disk.path).record_framework(framework)
 
 
-def open_ramdisks(root: str, backend: str) -> RamdiskManager:
+def open_ramdisks(root: str, backend: str, series: JobSeries | None = None) -> RamdiskManager:
     """The node's ramdisk manager (``--root``, ``--ramdisk-backend`` ``tmpfs`` or ``dir``), with the
     framework protocol's cleanup as its publish hook: a new pod never reads the previous pod's rank.
+    With ``series``, the hook also creates the job's metric series.
 
     Raises:
       ValueError: an unknown backend.
     """
-    return RamdiskManager(root, make_backend(backend), on_new_pod=on_new_pod)
+
+    def published(disk: Ramdisk, spec: VolumeSpec) -> None:
+        on_new_pod(disk, spec)
+        if series is not None:
+            series.seed(disk.namespace, disk.job)
+
+    return RamdiskManager(root, make_backend(backend), on_new_pod=published)
 
 
 class NodeAgent:
@@ -64,7 +73,8 @@ class NodeAgent:
     def __init__(self, config: NodeConfig):
         self.config = config
         self.ready = threading.Event()
-        self.manager = open_ramdisks(config.root, config.csi.ramdisk_backend)
+        self.series = JobSeries()
+        self.manager = open_ramdisks(config.root, config.csi.ramdisk_backend, self.series)
         self.peer_token = config.peer.token()
         if self.peer_token is None:
             log.warning("no --peer-token-file: the peer tier (replication, restore from peers) is off")
@@ -101,7 +111,9 @@ class NodeAgent:
         async def metrics(request: web.Request) -> web.Response:
             RAMDISK_BYTES.clear()
             RAMDISK_USED.clear()
-            for (namespace, job), disk in self.manager.ramdisks().items():
+            ramdisks = self.manager.ramdisks()
+            self.series.keep_only(set(ramdisks))
+            for (namespace, job), disk in ramdisks.items():
                 RAMDISK_BYTES.labels(namespace, job).set(disk.size_bytes)
                 with contextlib.suppress(OSError):  # released between listing and statvfs
                     usage = shutil.disk_usage(disk.path)

@@ -19,10 +19,11 @@ from replicator.local_tier.log_once import report_to_job
 from replicator.local_tier.step_manifest import build_manifest
 from replicator.pacing.cpu_share import CpuShare
 from replicator.wire.messages import JobRef
+from replicator.wire.metric_labels import JOB_LABELS
 
 log = logging.getLogger(__name__)
 
-NEWEST_STEP = Gauge("mtc_newest_committed_step", "Newest committed local step", ["namespace", "job", "rank"])
+NEWEST_STEP = Gauge("mtc_newest_committed_step", "Newest committed local step", [*JOB_LABELS, "rank"])
 REFUSED_STEPS = Counter("mtc_refused_steps_total", "Committed steps refused: they hold a symlink, FIFO, device or socket, or cannot be walked")
 
 

@@ -230,9 +230,10 @@ def _get_range(connection: http.client.HTTPConnection, peer: _Peer, path: str, f
 
 
 def _download(peer: _Peer, step_path: str, ranges: list[tuple[str, int, int]], fds: dict[str, int], workers: int,
-              stop: threading.Event) -> list[int]:
+              stop: threading.Event, on_range: Callable[[int], None] | None = None) -> list[int]:
     """Fetches ``ranges`` ((relative path, start, end)) on ``workers`` threads, one connection each;
-    returns each range's CRC-32C, in order. The first failure stops the others and is raised."""
+    returns each range's CRC-32C, in order, and calls ``on_range`` with each range's length as it
+    lands. The first failure stops the others and is raised."""
     pending: queue.SimpleQueue = queue.SimpleQueue()
     for index in range(len(ranges)):
         pending.put(index)
@@ -249,6 +250,8 @@ def _download(peer: _Peer, step_path: str, ranges: list[tuple[str, int, int]], f
                 rel, start, end = ranges[index]
                 path = _file_url(step_path, rel)
                 crcs[index] = _get_range(connection, peer, path, fds[rel], start, end, stop)
+                if on_range is not None:
+                    on_range(end - start)
         except BaseException:
             stop.set()
             raise
@@ -265,7 +268,8 @@ def _download(peer: _Peer, step_path: str, ranges: list[tuple[str, int, int]], f
 
 async def fetch_step(base_url: str, token: str, namespace: str, job: str, manifest: StepManifest, dest_dir: str, *,
                      ssl_context: ssl.SSLContext | None = None, workers: int | None = None,
-                     range_bytes: int = DEFAULT_RANGE_BYTES, timeout: float = timing.PEER_READ_TIMEOUT_SECONDS) -> None:
+                     range_bytes: int = DEFAULT_RANGE_BYTES, timeout: float = timing.PEER_READ_TIMEOUT_SECONDS,
+                     on_range: Callable[[int], None] | None = None) -> None:
     """Downloads ``manifest``'s rank and step from a peer into ``dest_dir`` and checks every byte against it.
 
     Args:
@@ -280,6 +284,7 @@ async def fetch_step(base_url: str, token: str, namespace: str, job: str, manife
       workers: threads, each with its own connection; None for one per CPU.
       range_bytes: the largest range one GET asks for, bytes.
       timeout: seconds allowed to connect and for each read; a stalled peer fails the fetch.
+      on_range: called (from a worker thread) with each range's length in bytes once it is written, or None.
 
     Raises:
       PeerFetchError: the peer could not be reached or answered an error, or ``manifest`` has an
@@ -299,7 +304,7 @@ async def fetch_step(base_url: str, token: str, namespace: str, job: str, manife
     fds = await asyncio.to_thread(_create_files, dest_dir, manifest)
     stop = threading.Event()
     try:
-        download = asyncio.ensure_future(asyncio.to_thread(_download, peer, step_path, ranges, fds, workers or os.cpu_count() or 1, stop))
+        download = asyncio.ensure_future(asyncio.to_thread(_download, peer, step_path, ranges, fds, workers or os.cpu_count() or 1, stop, on_range))
         try:
             range_crcs = await asyncio.shield(download)
         except asyncio.CancelledError:

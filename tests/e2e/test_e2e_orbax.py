@@ -50,10 +50,12 @@ def test_sigkilled_job_resumes_at_newest_complete_step_with_identical_values(clu
     assert status["restore"]["step"] == expected
     assert set(status["restore"]["sources"].values()) == {f"local:node-{i}" for i in range(4)}
     job.wait(lambda: newest_complete_step(coordinator, job.job) == 30, 20, "final step reported")
-    assert 'mtc_newest_complete_step{job="run-slice",namespace="default"} 30.0' in scrape(coordinator.url, coordinator.ssl_context())
+    coordinator_metrics = scrape(coordinator.url, coordinator.ssl_context())
+    assert 'mtc_newest_complete_step{training_job="run-slice",training_namespace="default"} 30.0' in coordinator_metrics
+    assert 'mtc_restore_ranks_staged{training_job="run-slice",training_namespace="default"} 4.0' in coordinator_metrics
     node_metrics = scrape(agents[0].url)
-    assert 'mtc_restore_seconds_count{source="local"} 1.0' in node_metrics
-    assert 'mtc_newest_committed_step{job="run-slice",namespace="default",rank="0"} 30.0' in node_metrics
+    assert 'mtc_restore_seconds_count{source="local",training_job="run-slice",training_namespace="default"} 1.0' in node_metrics
+    assert 'mtc_newest_committed_step{rank="0",training_job="run-slice",training_namespace="default"} 30.0' in node_metrics
 
 
 def test_coordinator_restart_mid_job_does_not_disturb_training(cluster, tmp_path):

@@ -25,10 +25,11 @@ def docs(text: str) -> list[dict]:
     return [doc for doc in yaml.safe_load_all(text) if doc]
 
 
-def template_argv(*settings: str, values: Path | None = None, kube_version: str = KUBERNETES_VERSIONS[0]) -> list[str]:
-    """``helm template`` of the chart as release ``mtc`` in ``mtc-system``, with ``--set`` ``settings``
+def template_argv(*settings: str, values: Path | None = None, kube_version: str = KUBERNETES_VERSIONS[0],
+                  namespace: str = "mtc-system") -> list[str]:  # fmt: skip
+    """``helm template`` of the chart as release ``mtc`` in ``namespace``, with ``--set`` ``settings``
     and an optional values file."""
-    argv = [require_tool("helm"), "template", "mtc", str(CHART), "--namespace", "mtc-system", "--kube-version", kube_version]
+    argv = [require_tool("helm"), "template", "mtc", str(CHART), "--namespace", namespace, "--kube-version", kube_version]
     if values is not None:
         argv += ["--values", str(values)]
     for setting in settings:
@@ -36,9 +37,10 @@ def template_argv(*settings: str, values: Path | None = None, kube_version: str 
     return argv
 
 
-def helm_template(*settings: str, values: Path | None = None, kube_version: str = KUBERNETES_VERSIONS[0]) -> list[dict]:
+def helm_template(*settings: str, values: Path | None = None, kube_version: str = KUBERNETES_VERSIONS[0],
+                  namespace: str = "mtc-system") -> list[dict]:  # fmt: skip
     """The chart's objects, rendered as ``template_argv`` says."""
-    return docs(run(template_argv(*settings, values=values, kube_version=kube_version)))
+    return docs(run(template_argv(*settings, values=values, kube_version=kube_version, namespace=namespace)))
 
 
 def by_key(objects: list[dict]) -> dict[tuple[str, str], dict]:

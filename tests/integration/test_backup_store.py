@@ -272,6 +272,23 @@ def test_dedup_stores_identical_files_of_data_parallel_peers_once(backend, tmp_p
         store.upload_rank(JOB, 5, 1, *write_step(tmp_path / "src-5", 5, 1, sources[1]), dedup_from=peer)
 
 
+def test_progress_counts_each_file_as_it_is_stored_and_each_range_as_it_lands(backend, tmp_path):
+    # What the in-flight gauges add up (BACKUP_IN_FLIGHT, RESTORE_IN_FLIGHT): every byte once, a call per file or range.
+    store = backend.store
+    shared = {"state/d/big": os.urandom(9 * MiB), "_CHECKPOINT_METADATA": b'{"step": 4}', "commit_success.txt": b""}
+    sources = {rank: {**shared, f"state/ocdbt.process_{rank}/d/x": os.urandom(1000)} for rank in range(2)}
+    stored: dict[int, list[int]] = {0: [], 1: []}
+    first = store.upload_rank(JOB, 4, 0, *write_step(tmp_path / "src-0", 4, 0, sources[0]), on_file=stored[0].append)
+    store.upload_rank(JOB, 4, 1, *write_step(tmp_path / "src-1", 4, 1, sources[1]), dedup_from=first, on_file=stored[1].append)
+    for rank in range(2):  # rank 1's shared files count at once, as deduplicated
+        assert sorted(stored[rank]) == sorted(len(data) for data in sources[rank].values())
+    assert store.commit_if_complete(JOB, 4, nodes=2)
+    fetched: list[int] = []
+    store.download_rank(JOB, 4, 1, str(tmp_path / "restored-1"), on_range=fetched.append)
+    assert sorted(fetched) == sorted(len(data) for data in sources[1].values() if data)  # one range each below 32 MiB
+    assert read_tree(tmp_path / "restored-1") == sources[1]
+
+
 def test_dedup_against_a_rank_manifest_written_before_blake3_compares_sha256(backend, tmp_path):
     store = backend.store
     shared = {"state/d/big": os.urandom(9 * MiB)}

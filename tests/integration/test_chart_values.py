@@ -63,6 +63,7 @@ def _refused(argv: list[str]) -> str:
         ("image.pullPolicy=Sometimes", "at '/image/pullPolicy': value must be one of 'Always', 'IfNotPresent', 'Never'"),
         ("tls.existingSecret=My_Secret", "at '/tls/existingSecret': 'My_Secret' does not match pattern"),
         ("peerTLS.enabled=true", "at '/peerTLS': 'anyOf' failed"),
+        ("monitoring.runbookBaseUrl=https://wiki", "at '/monitoring': additional properties 'runbookBaseUrl' not allowed"),
     ],
 )
 def test_schema_refuses_a_bad_value_before_rendering(setting, message):

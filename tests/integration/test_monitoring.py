@@ -3,8 +3,11 @@
 A real coordinator and real node agents (``examples/local_cluster.py``) serve a hand-driven job
 through the Orbax protocol, replication and a ``file://`` backup; their ``/metrics`` are scraped
 and every metric and label the dashboard's queries, legends and variables and the rules'
-expressions and annotations name must be there. PromQL is parsed with PyPI ``promql-parser``
-(Prometheus's ``promtool`` cannot be ``go install``ed; see docs/operations.md, Monitoring).
+expressions and annotations name must be there, with the labels Prometheus adds to each target.
+No metric may carry a label Prometheus sets on its target (the scrape needs no ``honorLabels``).
+Every alert links a runbook section that exists in docs/, and the alerts the coordinator's outage
+causes are held back while it is down. PromQL is parsed with PyPI ``promql-parser`` (Prometheus's
+``promtool`` cannot be ``go install``ed; see docs/operations.md, Monitoring).
 """
 
 import json
@@ -20,19 +23,32 @@ from prometheus_client.parser import text_string_to_metric_families
 from csi_driver import kubelet
 from tests.helpers import REPO
 from tests.helpers.agents import scrape, start_fresh
+from tests.helpers.markdown import anchors, slug
 from tests.helpers.polling import wait_until
 from tests.helpers.steps import commit_step
 from tests.helpers.tools import requires_root
 
 MONITORING = REPO / "manifests" / "monitoring"
-# Labels Prometheus adds to every scraped series: `instance`, and what the ServiceMonitors relabel.
-SCRAPE_LABELS = {"instance"} | {
-    relabel["targetLabel"]
-    for doc in yaml.safe_load_all((MONITORING / "servicemonitors.yaml").read_text())
-    if doc["kind"] == "ServiceMonitor"
-    for endpoint in doc["spec"]["endpoints"]
-    for relabel in endpoint.get("relabelings", [])
-}
+DOCS = REPO / "docs"
+RUNBOOK_BASE = "https://github.com/mtc-dev/mtc/blob/main/docs/"
+# Labels the Prometheus Operator gives every target of a ServiceMonitor (job: the Service's name).
+TARGET_LABELS = {"instance", "job", "namespace", "service", "pod", "container", "endpoint"}
+# Series the rules read from elsewhere: Prometheus's own, and kube-state-metrics' (with their labels).
+EXTERNAL = {"up": TARGET_LABELS, "kube_node_info": {"node"}, "kube_node_spec_unschedulable": {"node"}}
+COORDINATOR_DOWN = 'absent(up{job="mtc-coordinator",namespace="mtc-system"} == 1)'
+
+
+def target_labels(service_monitor: str) -> set[str]:
+    """The labels Prometheus puts on every series the ServiceMonitor scrapes: the operator's, and
+    what its relabelings set."""
+    (monitor,) = [d for d in yaml.safe_load_all((MONITORING / "servicemonitors.yaml").read_text())
+                  if d["kind"] == "ServiceMonitor" and d["metadata"]["name"] == service_monitor]  # fmt: skip
+    return TARGET_LABELS | {r["targetLabel"] for e in monitor["spec"]["endpoints"] for r in e.get("relabelings", [])}
+
+
+def alert_rules() -> list[dict]:
+    (rule,) = yaml.safe_load_all((MONITORING / "prometheusrule.yaml").read_text())
+    return [r for group in rule["spec"]["groups"] for r in group["rules"] if "alert" in r]
 
 
 def dashboard_queries() -> list[tuple[str, str, set[str]]]:
@@ -58,12 +74,8 @@ def dashboard_variables() -> list[tuple[str, str]]:
 
 def rule_queries() -> list[tuple[str, str, set[str]]]:
     """(where, PromQL, labels its annotations name) of every alert."""
-    (rule,) = yaml.safe_load_all((MONITORING / "prometheusrule.yaml").read_text())
-    return [
-        (f"alert {r['alert']}", r["expr"], set(re.findall(r"\$labels\.(\w+)", " ".join(r.get("annotations", {}).values()))))
-        for group in rule["spec"]["groups"]
-        for r in group["rules"]
-    ]
+    return [(f"alert {r['alert']}", r["expr"], set(re.findall(r"\$labels\.(\w+)", " ".join(r.get("annotations", {}).values()))))
+            for r in alert_rules()]  # fmt: skip
 
 
 def selectors(expr: str) -> list[tuple[str, set[str]]]:
@@ -103,28 +115,43 @@ def selectors(expr: str) -> list[tuple[str, set[str]]]:
 
 
 def problems(queries: list[tuple[str, str, set[str]]], exported: dict[str, set[str]]) -> list[str]:
-    """What ``queries`` reference that ``exported`` (metric -> label names) does not have."""
+    """What ``queries`` reference that ``exported`` (metric -> label names, as Prometheus stores
+    them) does not have."""
     found = []
     for where, expr, output_labels in queries:
         used = selectors(expr)
         for metric, labels in used:
             if metric not in exported:
                 found.append(f"{where}: no metric {metric}")
-            elif missing := labels - exported[metric] - SCRAPE_LABELS - {"__name__"}:
+            elif missing := labels - exported[metric] - {"__name__"}:
                 found.append(f"{where}: {metric} has no label {sorted(missing)}")
-        available = set().union(*(exported.get(m, set()) for m, _ in used)) | SCRAPE_LABELS
+        available = set().union(*(exported.get(m, set()) for m, _ in used))
         if missing := output_labels - available:
             found.append(f"{where}: legend or annotation names {sorted(missing)}, which no series of it has")
     return found
 
 
-def exported_series(*texts: str) -> dict[str, set[str]]:
-    """Sample name -> the label names its samples carry, over several ``/metrics`` pages."""
+def exported_series(text: str, scrape_labels: set[str]) -> dict[str, set[str]]:
+    """Sample name -> the label names its samples carry in Prometheus: their own and ``scrape_labels``.
+
+    Raises:
+      AssertionError: a sample carries a label of ``scrape_labels`` itself: Prometheus would rename
+        it ``exported_<label>`` (or, with honorLabels, overwrite the target's).
+    """
     exported: dict[str, set[str]] = {}
-    for text in texts:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                exported.setdefault(sample.name, set()).update(sample.labels)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            clash = set(sample.labels) & scrape_labels
+            assert not clash, f"{sample.name} carries {sorted(clash)}, which Prometheus sets on its target"
+            exported.setdefault(sample.name, set()).update(sample.labels, scrape_labels)
+    return exported
+
+
+def merged(*pages: dict[str, set[str]]) -> dict[str, set[str]]:
+    exported: dict[str, set[str]] = {}
+    for page in (EXTERNAL, *pages):
+        for name, labels in page.items():
+            exported.setdefault(name, set()).update(labels)
     return exported
 
 
@@ -137,12 +164,76 @@ def test_every_query_is_valid_promql():
 
 
 def test_dashboard_and_rules_cover_what_operators_need():
-    titles = {where.split("'")[1] for where, _, _ in dashboard_queries()}
-    assert len(titles) >= 10
+    dashboard = json.loads((MONITORING / "mtc-dashboard.json").read_text())
+    assert len(dashboard["panels"]) >= 20
+    stats = {p["title"] for p in dashboard["panels"] if p["type"] == "stat"}
+    assert {"Coordinator up", "Live / silent nodes", "Coordinator loop lag p99", "Newest safe step", "Backup age"} <= stats
     alerts = {where.removeprefix("alert ") for where, _, _ in rule_queries()}
-    assert alerts == {"MTCBackupBehind", "MTCCorruptCopy", "MTCSlowRestore", "MTCNodeSilent", "MTCNodeCannotReport",
-                      "MTCRamdiskNearlyFull", "MTCReplicatorLoopErrors", "MTCRefusedStep", "MTCUntrustedClaims"}  # fmt: skip
-    assert "node" in SCRAPE_LABELS, "panels group by node: the ServiceMonitors must set it"
+    assert alerts == {"MTCCoordinatorDown", "MTCBackupBehind", "MTCCorruptCopy", "MTCSlowRestore", "MTCRestoreWaitingForRanks",
+                      "MTCNodeSilent", "MTCNodeDrained", "MTCNodeCannotReport", "MTCRamdiskNearlyFull",
+                      "MTCReplicatorLoopErrors", "MTCRefusedStep", "MTCUntrustedClaims"}  # fmt: skip
+    assert "node" in target_labels("mtc-node"), "panels group by node: the agents' ServiceMonitor must set it"
+    assert "node" not in target_labels("mtc-coordinator"), "the coordinator's own node label names a silent node"
+
+
+def test_the_dashboard_draws_no_line_per_node():
+    # At 1,000 nodes a line per node is unreadable: per-node queries are top-10 tables.
+    dashboard = json.loads((MONITORING / "mtc-dashboard.json").read_text())
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            per_node = re.search(r"{{\s*node\s*}}", target.get("legendFormat", "")) or re.search(r"by \([^)]*\bnode\b", target["expr"])
+            if per_node:
+                assert panel["type"] == "table" and target["expr"].startswith("topk(10,"), f"{panel['title']}: {target['expr']}"
+
+
+def test_no_scrape_config_needs_honor_labels():
+    for doc in yaml.safe_load_all((MONITORING / "servicemonitors.yaml").read_text()):
+        for endpoint in doc["spec"].get("endpoints", []):
+            assert "honorLabels" not in endpoint, doc["metadata"]["name"]
+    with pytest.raises(AssertionError, match=r"mtc_x carries \['job'\]"):
+        exported_series('mtc_x{job="train"} 1.0\n', TARGET_LABELS)
+
+
+def test_every_alert_links_a_runbook_section_that_exists():
+    pages = {path.name: anchors(path) for path in DOCS.glob("*.md")}
+    for rule in alert_rules():
+        url = rule["annotations"].get("runbook_url", "")
+        assert url.startswith(RUNBOOK_BASE), f"{rule['alert']}: runbook_url {url!r} is not under {RUNBOOK_BASE}"
+        page, _, anchor = url.removeprefix(RUNBOOK_BASE).partition("#")
+        assert page in pages and anchor in pages[page], f"{rule['alert']}: no heading #{anchor} in docs/{page}"
+        assert anchor == rule["alert"].lower()
+
+
+def test_a_runbook_anchor_is_githubs():
+    assert slug("MTCNodeSilent") == "mtcnodesilent"
+    assert slug("Roll back: `mtc restore-from`, step 1.5!") == "roll-back-mtc-restore-from-step-15"
+
+
+def test_alerts_the_coordinators_outage_causes_are_held_back_while_it_is_down():
+    rules = {r["alert"]: r for r in alert_rules()}
+    assert promql_parser.parse(rules["MTCCoordinatorDown"]["expr"]).prettify() == promql_parser.parse(COORDINATOR_DOWN).prettify()
+    held = set()
+    for name, rule in rules.items():
+        tree = promql_parser.parse(rule["expr"])
+        if isinstance(tree, promql_parser.BinaryExpr) and str(tree.op) == "unless":
+            assert tree.modifier.matching.labels == [] and tree.modifier.matching.type == promql_parser.LabelModifierType.Include, name  # on ()
+            assert tree.rhs.prettify() == promql_parser.parse(COORDINATOR_DOWN).prettify(), name
+            held.add(name)
+    assert held == {"MTCNodeCannotReport", "MTCNodeSilent", "MTCNodeDrained", "MTCBackupBehind", "MTCSlowRestore", "MTCRestoreWaitingForRanks"}
+    # The chart's optional Alertmanager inhibit rule holds back the same alerts.
+    values = yaml.safe_load((REPO / "charts" / "mtc" / "values.yaml").read_text())
+    assert set(values["monitoring"]["alertmanagerConfig"]["inhibitedAlerts"]) == held
+    inhibit_example = (DOCS / "troubleshooting.md").read_text().split("inhibit_rules:")[1].split("```")[0]
+    assert all(name in inhibit_example for name in held)
+
+
+def test_alerts_name_what_they_are_about():
+    for rule in alert_rules():
+        named = set(re.findall(r"\$labels\.(\w+)", rule["annotations"]["summary"]))
+        if rule["alert"] not in ("MTCCoordinatorDown", "MTCUntrustedClaims"):  # the cluster's, no node or job
+            assert named & {"node", "training_job"}, f"{rule['alert']}: its summary names neither the node nor the job"
+        assert rule["labels"]["severity"] in {"critical", "warning", "info"}
+        assert rule["labels"]["namespace"] == "mtc-system"
 
 
 def test_reference_check_catches_a_missing_metric_and_label():
@@ -164,8 +255,8 @@ def _publish(agent, tmp_path, pod: str, attrs: dict) -> Path:
 
 @requires_root
 def test_every_metric_and_label_the_dashboard_and_rules_use_is_exported(start_cluster, tmp_path):
-    cluster = start_cluster(nodes=2, backup=f"file://{tmp_path / 'store'}")
-    agents = cluster.agents
+    cluster = start_cluster(nodes=3, backup=f"file://{tmp_path / 'store'}")
+    agents, idle = cluster.agents[:2], cluster.agents[2]
     # Job "mon": 2 ranks, replicated to each other, backed up every step.
     attrs = {"nodes": "2", "slices": "1", "size": "32Mi", "jobset": "mon"}
     targets = [_publish(agent, tmp_path, f"mon-slice-0-{i}-a", attrs) for i, agent in enumerate(agents)]
@@ -184,8 +275,19 @@ def test_every_metric_and_label_the_dashboard_and_rules_use_is_exported(start_cl
 
     wait_until(backed_up, 60, "step 4 backed up")
     wait_until(lambda: any("mtc_replicated_bytes_total 0.0" not in scrape(a.url) for a in agents), 30, "a replica pushed")
+    # A node lost: the coordinator lists it as silent (node timeout 4 s) until it forgets it.
+    cluster.lose_node(idle)
+    wait_until(lambda: f'mtc_node_silent_seconds{{node="{idle.node_id}"}}' in scrape(coordinator.url, coordinator.ssl_context()), 30,
+               "the lost node silent")  # fmt: skip
 
-    exported = exported_series(scrape(coordinator.url, coordinator.ssl_context()), *(scrape(a.url) for a in agents))
+    page = {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(scrape(coordinator.url, coordinator.ssl_context())) for s in f.samples}  # fmt: skip
+    assert page[("mtc_silent_nodes", ())] == 1 and page[("mtc_live_nodes", ())] == 2
+    assert page[("mtc_node_silent_seconds", (("node", idle.node_id),))] > 4  # past the node timeout
+    mon = (("training_job", "mon-slice"), ("training_namespace", "default"))
+    assert page[("mtc_restore_ranks", mon)] == page[("mtc_restore_ranks_staged", mon)] == 2  # both ranks started fresh
+    exported = merged(exported_series(scrape(coordinator.url, coordinator.ssl_context()), target_labels("mtc-coordinator")),
+                      *(exported_series(scrape(a.url), target_labels("mtc-node")) for a in agents))  # fmt: skip
     assert problems(dashboard_queries() + rule_queries(), exported) == []
     for metric, label in dashboard_variables():
         assert label in exported.get(metric, set()), f"variable label_values({metric}, {label})"

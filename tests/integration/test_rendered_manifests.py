@@ -42,8 +42,10 @@ CRD_SCHEMAS = {
     ("jobset.x-k8s.io/v1alpha2", "JobSet"): SCHEMAS / "jobset-v0.10.1-v1alpha2.json",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): SCHEMAS / "prometheus-operator-v0.82.0-servicemonitors-v1.json",
     ("monitoring.coreos.com/v1", "PrometheusRule"): SCHEMAS / "prometheus-operator-v0.82.0-prometheusrules-v1.json",
+    ("monitoring.coreos.com/v1alpha1", "AlertmanagerConfig"): SCHEMAS / "prometheus-operator-v0.82.0-alertmanagerconfigs-v1alpha1.json",
 }
-ALL_MONITORING = ["serviceMonitor.enabled=true", "prometheusRule.enabled=true", "grafanaDashboard.enabled=true"]
+ALL_MONITORING = ["serviceMonitor.enabled=true", "prometheusRule.enabled=true", "grafanaDashboard.enabled=true",
+                  "monitoring.alertmanagerConfig.enabled=true"]
 
 
 def kustomize_build(directory: Path) -> list[dict]:
@@ -120,7 +122,7 @@ def test_custom_resources_match_their_crd_schemas():
     resources = [(name, _example_jobset(name)) for name in ("example-jobset.yaml", "example-torchrun-jobset.yaml")]
     resources += [("chart", d) for d in helm_template(*ALL_MONITORING) if (d["apiVersion"], d["kind"]) in CRD_SCHEMAS]
     resources += [("manifests/monitoring/", d) for d in kustomize_build(MONITORING) if (d["apiVersion"], d["kind"]) in CRD_SCHEMAS]
-    assert {d["kind"] for _, d in resources} == {"JobSet", "ServiceMonitor", "PrometheusRule"}
+    assert {d["kind"] for _, d in resources} == {"JobSet", "ServiceMonitor", "PrometheusRule", "AlertmanagerConfig"}
     for source, doc in resources:
         errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
                   for e in crd_validator(doc["apiVersion"], doc["kind"]).iter_errors(doc)]  # fmt: skip
@@ -171,6 +173,26 @@ def test_chart_monitoring_is_the_monitoring_base():
     dashboard = json.loads(chart[("ConfigMap", "mtc-dashboard")]["data"]["mtc-dashboard.json"])
     assert dashboard == json.loads((MONITORING / "mtc-dashboard.json").read_text())
     assert chart[("ConfigMap", "mtc-dashboard")]["metadata"]["labels"]["grafana_dashboard"] == "1"
+
+
+def test_chart_rules_follow_the_release_namespace_and_the_runbook_base():
+    docs = _by_key(helm_template("prometheusRule.enabled=true", "monitoring.alertmanagerConfig.enabled=true",
+                                 "monitoring.runbookBaseURL=https://wiki.example/mtc/", namespace="ops"))  # fmt: skip
+    rules = [r for g in docs[("PrometheusRule", "mtc")]["spec"]["groups"] for r in g["rules"]]
+    for rule in rules:
+        assert rule["annotations"]["runbook_url"] == f"https://wiki.example/mtc/troubleshooting.md#{rule['alert'].lower()}"
+        assert rule["labels"]["namespace"] == "ops"
+        assert "mtc-system" not in rule["expr"]
+    (down,) = [r for r in rules if r["alert"] == "MTCCoordinatorDown"]
+    assert down["expr"] == 'absent(up{job="mtc-coordinator",namespace="ops"} == 1)'
+    # The Alertmanager inhibit rule holds back what the rules hold back while the coordinator is down.
+    inhibit = docs[("AlertmanagerConfig", "mtc-inhibit")]
+    assert inhibit["metadata"]["namespace"] == "ops"
+    ((rule),) = inhibit["spec"]["inhibitRules"]
+    assert rule["sourceMatch"] == [{"name": "alertname", "value": "MTCCoordinatorDown"}]
+    held = {r["alert"] for r in rules if down["expr"] in r["expr"] and r is not down}
+    assert set(rule["targetMatch"][0]["value"].split("|")) == held and rule["targetMatch"][0]["matchType"] == "=~"
+    assert ("AlertmanagerConfig", "mtc-inhibit") not in _by_key(helm_template("prometheusRule.enabled=true"))  # off by default
 
 
 def test_chart_secrets_hold_a_token_and_a_certificate_for_the_coordinator_service(tmp_path):

@@ -3,10 +3,11 @@ path the pages name exists, and the README stays a front door (at most 300 lines
 """
 
 import re
-import unicodedata
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.markdown import CODE_SPAN, anchors, prose_lines
 
 ROOT = Path(__file__).resolve().parent
 while not (ROOT / "pyproject.toml").exists():  # tests/ may gain subdirectories; the repository root holds pyproject
@@ -17,10 +18,7 @@ README_MAX_LINES = 300
 PAGES = sorted({ROOT / "README.md", *ROOT.glob("docs/**/*.md"), *ROOT.glob("charts/*/README.md"),
                 *ROOT.glob("examples/**/README.md")})
 
-_FENCE = re.compile(r"^\s*(```|~~~)")
 _LINK = re.compile(r"(?<!!)\[(?P<text>[^\]]*)\]\((?P<target>[^)\s]+)(?:\s+\"[^\"]*\")?\)")
-_HEADING = re.compile(r"^(#{1,6})\s+(?P<title>.+?)\s*#*\s*$")
-_CODE_SPAN = re.compile(r"`([^`]+)`")
 # A code span that names a file or directory of this repository (its first segment is a top-level entry).
 _TOP_LEVEL = ("csi_driver/", "replicator/", "prefetch/", "examples/", "manifests/", "charts/", "protos/", "docs/",
               "tests/")
@@ -33,45 +31,10 @@ _NOT_MODULES = {"replicator.yaml", "replicator.errors", "replicator.failed"}
 _OTHER_PROJECTS = {"initialization.py", "replicator_checkpoint_manager.py"}
 
 
-def _prose_lines(path: Path) -> list[str]:
-    """The page's lines with fenced code blocks blanked (links and headings there are not markdown)."""
-    lines, fenced = [], False
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if _FENCE.match(line):
-            fenced = not fenced
-            lines.append("")
-            continue
-        lines.append("" if fenced else line)
-    return lines
-
-
-def slug(title: str) -> str:
-    """GitHub's anchor for a heading: rendered text, lower case, punctuation dropped, spaces to hyphens."""
-    text = _CODE_SPAN.sub(r"\1", title)
-    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)  # a link in a heading renders as its text
-    text = text.replace("*", "").lower()
-    kept = "".join(ch for ch in text if ch in " -_" or unicodedata.category(ch)[0] in "LN")
-    return kept.replace(" ", "-")
-
-
-def anchors(path: Path) -> set[str]:
-    seen: dict[str, int] = {}
-    result = set()
-    for line in _prose_lines(path):
-        match = _HEADING.match(line)
-        if not match:
-            continue
-        base = slug(match.group("title"))
-        count = seen.get(base, 0)
-        seen[base] = count + 1
-        result.add(base if count == 0 else f"{base}-{count}")
-    return result
-
-
 def links(path: Path) -> list[tuple[int, str]]:
     found = []
-    for number, line in enumerate(_prose_lines(path), 1):
-        line = _CODE_SPAN.sub("", line)  # `[x](y)` inside a code span is not a link
+    for number, line in enumerate(prose_lines(path), 1):
+        line = CODE_SPAN.sub("", line)  # `[x](y)` inside a code span is not a link
         found += [(number, m.group("target")) for m in _LINK.finditer(line)]
     return found
 
@@ -101,10 +64,10 @@ def missing_paths(path: Path, root: Path = ROOT) -> list[str]:
     problems = []
     tests = {p.name for p in (root / "tests").rglob("*.py")}
     modules = {p.name for top in _TOP_LEVEL if (root / top).is_dir() for p in (root / top).rglob("*.py")}
-    for number, line in enumerate(_prose_lines(path), 1):
+    for number, line in enumerate(prose_lines(path), 1):
         if _TO_CHECK in line:
             continue  # describes what a change not merged yet brings; the lead checks it and drops the marker
-        for span in _CODE_SPAN.findall(line):
+        for span in CODE_SPAN.findall(line):
             span = span.strip()
             if " " in span or "<" in span or "*" in span or "{" in span:
                 continue  # a command, a template or a glob, not a path

@@ -4,11 +4,13 @@ The dashboard's "Restores by source" panel reads one series per tier; its close-
 the one a restore from a close peer increments (metric and ``source`` label). Here a real
 ``Restorer`` fetches a step over HTTP on loopback from a real peer service, as the restore plan's
 ``peer_close`` source, and the series the dashboard's query selects is read from this process's
-``/metrics`` page before and after. The label values every dashboard query and alert rule matches
-must also be ones the agent exports from its start (seeded at zero).
+``/metrics`` page before and after, and the job's in-flight gauges are read while the copy is
+fetched. The label values every dashboard query and alert rule matches must also be ones the agent
+exports for a job from its publish (seeded at zero).
 """
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -21,6 +23,7 @@ from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from csi_driver.ramdisk import Ramdisk
+from prefetch import restore
 from prefetch.restore import NO_SOURCE, TIMED_OUT, Restorer
 from replicator.local_tier import frameworks
 from replicator.local_tier.frameworks import orbax
@@ -39,10 +42,15 @@ FILES = {orbax.COMMIT_EVIDENCE: b"{}", "state/manifest.ocdbt": os.urandom(50_000
 
 
 def dashboard_target(ref_id: str) -> str:
-    """The PromQL of the dashboard target ``ref_id``."""
+    """The PromQL of the dashboard target ``ref_id``, with every job selected (Grafana's "All")."""
     dashboard = json.loads((MONITORING / "mtc-dashboard.json").read_text())
     (expr,) = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"] if t["refId"] == ref_id]
-    return expr
+    return expr.replace("$namespace", ".*").replace("$job", ".*")
+
+
+def gauge(metric: str) -> float:
+    """This process's sample of ``metric`` for the test's job."""
+    return selected_total(metric, [m for _, ms in selectors(f'{metric}{{training_namespace="{NS}", training_job="{JOB}"}}') for m in ms])
 
 
 def selectors(expr: str) -> list[tuple[str, list]]:
@@ -98,7 +106,7 @@ class PlanOfOneSource:
         self.staged.append(source)
 
 
-async def test_a_restore_from_a_close_peer_counts_in_the_dashboards_close_peer_series(tmp_path):
+async def test_a_restore_from_a_close_peer_counts_in_the_dashboards_close_peer_series(tmp_path, monkeypatch):
     ((metric, matchers),) = selectors(dashboard_target("peer_close"))
     assert metric == "mtc_restore_seconds_count"
 
@@ -119,6 +127,16 @@ async def test_a_restore_from_a_close_peer_counts_in_the_dashboards_close_peer_s
         meta = JobMeta(disk.path)
         plan = PlanOfOneSource(Source(Tier.PEER_CLOSE, "node-b", url, RANK, holder.manifests()[STEP].files))
         before = selected_total(metric, matchers)
+        # The in-flight gauges as the fetch ends, still inside its transfer.
+        in_flight, transfer = [], restore.RESTORE_IN_FLIGHT.transfer
+
+        @contextlib.contextmanager
+        def observed(namespace, job, total):
+            with transfer(namespace, job, total) as fetched:
+                yield fetched
+                in_flight.append((gauge("mtc_restore_in_flight_planned_bytes"), gauge("mtc_restore_in_flight_fetched_bytes")))
+
+        monkeypatch.setattr(restore.RESTORE_IN_FLIGHT, "transfer", observed)
         async with aiohttp.ClientSession() as session:
             restorer = Restorer("node-a", TOKEN, None, None, LogOnce(), deadline_seconds=30)
             await asyncio.wait_for(restorer.restore(plan, session, disk, meta, PodProgress("uid", "inc", RANK), lambda: None), 60)
@@ -128,12 +146,19 @@ async def test_a_restore_from_a_close_peer_counts_in_the_dashboards_close_peer_s
     assert plan.staged == ["peer_close:node-b"]
     assert frameworks.get("orbax").scan_steps(disk.client_dir).staged == [STEP]  # staged from the peer, marker written
     assert selected_total(metric, matchers) - before == 1
+    total = sum(len(data) for data in FILES.values())
+    assert in_flight == [(total, total)]
+    assert (gauge("mtc_restore_in_flight_planned_bytes"), gauge("mtc_restore_in_flight_fetched_bytes")) == (0, 0)
 
 
-def test_every_restore_source_the_dashboard_and_rules_match_is_exported_from_the_start():
+def test_every_restore_source_the_dashboard_and_rules_match_is_exported_from_the_jobs_publish():
+    restore.seed_job_series("ns-seeded", "job-seeded")  # what the publish hook does (replicator.node.job_series)
     exported = {sample.labels["source"] for family in text_string_to_metric_families(generate_latest(REGISTRY).decode())
-                for sample in family.samples if sample.name == "mtc_restore_seconds_count"}  # fmt: skip
-    assert exported >= {*Tier, NO_SOURCE, TIMED_OUT}, "every tier's series exists at zero before the first restore"
+                for sample in family.samples if sample.name == "mtc_restore_seconds_count" and sample.value == 0
+                and sample.labels["training_job"] == "job-seeded"}  # fmt: skip
+    assert exported >= {*Tier, NO_SOURCE, TIMED_OUT}, "every tier's series exists at zero before the job's first restore"
+    restore.forget_job_series("ns-seeded", "job-seeded")
+    assert "job-seeded" not in generate_latest(REGISTRY).decode()
     dashboard = json.loads((MONITORING / "mtc-dashboard.json").read_text())
     (rules,) = yaml.safe_load_all((MONITORING / "prometheusrule.yaml").read_text())
     queries = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
