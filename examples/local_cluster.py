@@ -331,9 +331,10 @@ class LocalCluster:
             self.add_node(index)
         return self
 
-    def add_node(self, index: int, block: str | None = None, source: str | None = None) -> NodeAgentProcess:
+    def add_node(self, index: int, block: str | None = None, source: str | None = None, token_file: str | None = None) -> NodeAgentProcess:
         """Starts node ``index`` (a fresh node when its predecessor was lost), from the source tree
-        ``source`` (``NodeAgentProcess.source``) or this one."""
+        ``source`` (``NodeAgentProcess.source``) or this one, with ``token_file`` (its own copy of the
+        cluster's Secret) or the cluster's."""
         host = f"{self.subnet}.{index + 1}"
         agent = NodeAgentProcess(
             f"node-{index}",
@@ -343,7 +344,7 @@ class LocalCluster:
             ["--coordinator", self.coordinator.url, "--coordinator-ca", self.coordinator.ca_file,
              *([] if self.kubeconfig else ["--pod-address", host, "--topology", f"block={block or f'b{index // 2}'}"]),
              "--replicas", str(self.replicas),
-             *(["--peer-token-file", self.token_file] if self.peer_tier else []),
+             *(["--peer-token-file", token_file or self.token_file] if self.peer_tier else []),
              *(["--backup", self.backup] if self.backup else []), *self.agent_args],
             env=self.env, wrapper=self.agent_wrapper, source=source,
         )  # fmt: skip

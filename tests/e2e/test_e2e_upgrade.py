@@ -3,45 +3,20 @@ node agents (``git archive`` of its commit, ``tests/helpers/releases.py``) besid
 order docs/upgrading.md gives. Each pairing must keep the report and assignment cycle, replication
 between the two releases' agents, the safe step and a restore after a preemption working."""
 
-import json
 import os
 import subprocess
 import sys
-import urllib.request
 
 from csi_driver import kubelet
 from examples.local_cluster import LocalCluster, source_env, unmount_all_below
 from replicator.local_tier.frameworks.client_dir import RESTORE_SUFFIX, restore_marker_name
-from tests.helpers.agents import rank_of, start_fresh
+from tests.helpers.agents import job_status, publish_pods, rank_of, save_until_safe, start_fresh
 from tests.helpers.polling import wait_until
 from tests.helpers.ports import listen_address
-from tests.helpers.steps import commit_step
 from tests.helpers.tools import requires_root
 
-NODES = 2
-JOB = "upgrade-slice"
-
-
-def status(cluster: LocalCluster) -> dict:
-    """The job's row of ``GET /v1/status`` as plain JSON (either release's coordinator), or {}."""
-    with urllib.request.urlopen(f"{cluster.coordinator.url}/v1/status?job={JOB}", context=cluster.coordinator.ssl_context(), timeout=5) as r:
-        jobs = json.load(r)["jobs"]
-    return jobs[0] if jobs else {}
-
-
-def holders(cluster: LocalCluster, step: int) -> dict[int, list[str]]:
-    """Rank -> the nodes the coordinator knows to hold ``step`` of it."""
-    return {int(rank): steps[str(step)] for rank, steps in status(cluster).get("held", {}).items() if str(step) in steps}
-
-
-def publish(cluster: LocalCluster, tmp_path, pod: str) -> list:
-    """Publishes pod ``pod`` of the job on every node, as the kubelet does for a (re)created JobSet."""
-    targets = []
-    for index, agent in enumerate(cluster.agents):
-        target = tmp_path / "pods" / f"{pod}-{index}" / "mount"
-        kubelet.publish(agent.endpoint, str(target), f"{JOB}-0-{index}-{pod}", attributes={"nodes": str(NODES), "size": "16Mi"})
-        targets.append(target)
-    return targets
+NODES = ["node-0", "node-1"]
+JOB = "upgrade"
 
 
 def restore_markers(targets) -> list[str]:
@@ -54,26 +29,20 @@ def restore_markers(targets) -> list[str]:
     return found
 
 
-def save_safely(cluster: LocalCluster, targets, step: int) -> None:
-    """Every pod commits ``step`` (as Orbax does); waits until each rank's step is held by both nodes (its
-    own and the other's replica) and is the job's safe step."""
-    for target in targets:
-        commit_step(target, step, {"state/data": os.urandom(4096), "_CHECKPOINT_METADATA": b"{}"})
-    wait_until(lambda: all(sorted(holders(cluster, step).get(rank, ())) == ["node-0", "node-1"] for rank in range(NODES)), 60,
-               lambda: f"step {step} held by both nodes for each rank: {status(cluster).get('held')}")  # fmt: skip
-    wait_until(lambda: status(cluster).get("safe_step") == step, 30, lambda: f"step {step} safe: {status(cluster)}")
-
-
 def preempt_and_restore(cluster: LocalCluster, tmp_path, targets, pod: str, step: int) -> list:
     """Deletes the pods and recreates them (a preemption): the new pods get ranks and restore ``step``."""
     for agent, target in zip(cluster.agents, targets):
         kubelet.unpublish(agent.endpoint, str(target))
-    targets = publish(cluster, tmp_path, pod)
-    start_fresh(targets, "upgrade", nodes=NODES, timeout=60, backup_interval_minutes=60)
+    targets = publish_pods(cluster.agents, tmp_path / "pods", JOB, pod)
+    start_fresh(targets, JOB, nodes=len(NODES), timeout=60, backup_interval_minutes=60)
     ranks = [rank_of(t) for t in targets]
-    assert sorted(ranks) == list(range(NODES))
-    assert restore_markers(targets) == [restore_marker_name(JOB, step, rank) for rank in ranks]
+    assert sorted(ranks) == list(range(len(NODES)))
+    assert restore_markers(targets) == [restore_marker_name(f"{JOB}-slice", step, rank) for rank in ranks]
     return targets
+
+
+def safe_step(cluster: LocalCluster) -> int | None:
+    return job_status(cluster.coordinator, f"{JOB}-slice").get("safe_step")
 
 
 @requires_root
@@ -87,33 +56,33 @@ def test_a_release_upgrade_and_rollback_keep_reports_replication_and_restores_wo
     try:
         # The previous release everywhere: a job gets ranks, saves, and step 1 becomes safe.
         cluster.coordinator.start()
-        for index in range(NODES):
+        for index in range(len(NODES)):
             cluster.add_node(index, source=old)
-        targets = publish(cluster, tmp_path, "a")
-        start_fresh(targets, "upgrade", nodes=NODES, timeout=60, take_markers=True, backup_interval_minutes=60)
-        save_safely(cluster, targets, 1)
+        targets = publish_pods(cluster.agents, tmp_path / "pods", JOB, "a")
+        start_fresh(targets, JOB, nodes=len(NODES), timeout=60, take_markers=True, backup_interval_minutes=60)
+        save_until_safe(cluster.coordinator, targets, JOB, 1, NODES)
 
         # The coordinator first: the previous release's agents report to this release's coordinator.
         cluster.restart_coordinator()
-        wait_until(lambda: holders(cluster, 1) and status(cluster).get("safe_step") == 1, 30, lambda: f"state rebuilt: {status(cluster)}")
-        save_safely(cluster, targets, 2)
+        wait_until(lambda: safe_step(cluster) == 1, 30, lambda: f"state rebuilt: {job_status(cluster.coordinator, f'{JOB}-slice')}")
+        save_until_safe(cluster.coordinator, targets, JOB, 2, NODES)
 
         # The DaemonSet's rolling update, one node at a time: this release's agent beside the previous
         # release's, on the same ramdisks (the job keeps running).
         cluster.restart_node(0)
-        save_safely(cluster, targets, 3)
+        save_until_safe(cluster.coordinator, targets, JOB, 3, NODES)
         targets = preempt_and_restore(cluster, tmp_path, targets, "b", 3)
-        save_safely(cluster, targets, 4)
+        save_until_safe(cluster.coordinator, targets, JOB, 4, NODES)
 
         # A rollback of the coordinator: this release's agent reports to the previous release's coordinator.
         cluster.restart_coordinator(old)
-        wait_until(lambda: status(cluster).get("safe_step") == 4, 30, lambda: f"state rebuilt by the previous release: {status(cluster)}")
-        save_safely(cluster, targets, 5)
+        wait_until(lambda: safe_step(cluster) == 4, 30, lambda: f"rebuilt by the previous release: {job_status(cluster.coordinator, f'{JOB}-slice')}")
+        save_until_safe(cluster.coordinator, targets, JOB, 5, NODES)
         targets = preempt_and_restore(cluster, tmp_path, targets, "c", 5)
 
         # Both agents of this release against the previous coordinator, then against this one.
         cluster.restart_node(1)
-        save_safely(cluster, targets, 6)
+        save_until_safe(cluster.coordinator, targets, JOB, 6, NODES)
         cluster.restart_coordinator()
         targets = preempt_and_restore(cluster, tmp_path, targets, "d", 6)
         refused = [line for p in (*cluster.agents, cluster.coordinator) for line in open(p.log_path, encoding="utf-8") if "protocol version" in line]

@@ -8,13 +8,7 @@ from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
 from replicator.wire.bearer import Tokens, read_token, require_bearer
-
-
-def swap_in(path, text: str) -> None:
-    """What the kubelet does to a mounted Secret: the new content under another name, renamed over it."""
-    with open(f"{path}.new", "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(f"{path}.new", path)
+from tests.helpers.secrets import project_secret
 
 
 def test_the_first_token_is_sent_and_every_token_is_accepted(tmp_path):
@@ -34,7 +28,7 @@ def test_each_stage_of_a_rotation_is_seen_on_the_next_use(tmp_path):
     tokens = Tokens(str(path))
     seen = []
     for text in ("old\nnew\n", "new\nold\n", "new\n"):
-        swap_in(path, text)
+        project_secret(path, text)
         seen.append((tokens.current, tokens.accepts("old"), tokens.accepts("new")))
     assert seen == [("old", True, True), ("new", True, True), ("new", False, True)]
 
@@ -43,14 +37,15 @@ def test_an_unusable_rewrite_keeps_the_tokens_last_read_until_a_good_one(tmp_pat
     path = tmp_path / "token"
     path.write_text("old\n")
     tokens = Tokens(str(path))
-    swap_in(path, "\n \n")
+    project_secret(path, "\n \n")
+    assert os.path.islink(path)
     assert tokens.current == "old" and tokens.accepts("old")
     assert tokens.current == "old"
     assert [r.getMessage() for r in caplog.records].count(f"token file {path} changed but cannot be used, keeping its previous 1 token(s): "
                                                            f"token file {path} is empty") == 1  # logged once per change
     os.unlink(path)  # gone for a moment
     assert tokens.current == "old"
-    swap_in(path, "new\n")
+    project_secret(path, "new\n")
     assert tokens.current == "new" and not tokens.accepts("old")
 
 
@@ -85,7 +80,7 @@ async def test_a_guarded_route_accepts_every_token_of_the_file_and_refuses_other
             return err.status
 
     assert [await status(v) for v in ("Bearer old", "Bearer new", None, "Basic old", "Bearer  old")] == [200, 401, 401, 401, 401]
-    swap_in(path, "new\nold\n")
+    project_secret(path, "new\nold\n")
     assert [await status(v) for v in ("Bearer old", "Bearer new")] == [200, 200]
-    swap_in(path, "new\n")
+    project_secret(path, "new\n")
     assert [await status(v) for v in ("Bearer old", "Bearer new")] == [401, 200]
