@@ -80,11 +80,16 @@ def test_a_release_upgrade_and_rollback_keep_reports_replication_and_restores_wo
         save_until_safe(cluster.coordinator, targets, JOB, 5, NODES)
         targets = preempt_and_restore(cluster, tmp_path, targets, "c", 5)
 
-        # Both agents of this release against the previous coordinator, then against this one.
+        # Both agents of this release against the previous coordinator; then an agent rolled back on the
+        # same ramdisks; then this release everywhere.
         cluster.restart_node(1)
         save_until_safe(cluster.coordinator, targets, JOB, 6, NODES)
+        cluster.restart_node(0, old)
+        save_until_safe(cluster.coordinator, targets, JOB, 7, NODES)
         cluster.restart_coordinator()
-        targets = preempt_and_restore(cluster, tmp_path, targets, "d", 6)
+        cluster.restart_node(0)
+        targets = preempt_and_restore(cluster, tmp_path, targets, "d", 7)
+        save_until_safe(cluster.coordinator, targets, JOB, 8, NODES)
         refused = [line for p in (*cluster.agents, cluster.coordinator) for line in open(p.log_path, encoding="utf-8") if "protocol version" in line]
         assert refused == []
     finally:
