@@ -1,7 +1,8 @@
 """An upgrade and a rollback across releases with real processes: the previous release's coordinator and
 node agents (``git archive`` of its commit, ``tests/helpers/releases.py``) beside this tree's, in the
 order docs/upgrading.md gives. Each pairing must keep the report and assignment cycle, replication
-between the two releases' agents, the safe step and a restore after a preemption working."""
+between the two releases' agents, the safe step and a restore after a preemption working; a real
+training job keeps saving through a rolling upgrade and restores after it."""
 
 import os
 import subprocess
@@ -11,6 +12,7 @@ from csi_driver import kubelet
 from examples.local_cluster import LocalCluster, source_env, unmount_all_below
 from replicator.local_tier.frameworks.client_dir import RESTORE_SUFFIX, restore_marker_name
 from tests.helpers.agents import job_status, publish_pods, rank_of, save_until_safe, start_fresh
+from tests.helpers.jobs import UNTIL_KILLED, by_event, committed, compared_losses, kill_past_newest_commit, losses, rerun, run_job
 from tests.helpers.polling import wait_until
 from tests.helpers.ports import listen_address
 from tests.helpers.tools import requires_root
@@ -92,6 +94,37 @@ def test_a_release_upgrade_and_rollback_keep_reports_replication_and_restores_wo
         save_until_safe(cluster.coordinator, targets, JOB, 8, NODES)
         refused = [line for p in (*cluster.agents, cluster.coordinator) for line in open(p.log_path, encoding="utf-8") if "protocol version" in line]
         assert refused == []
+    finally:
+        cluster.stop()
+        unmount_all_below(str(tmp_path))
+
+
+@requires_root
+def test_a_training_job_keeps_saving_through_a_rolling_upgrade_and_resumes_exactly_after_it(tmp_path, previous_release):
+    cluster = LocalCluster(str(tmp_path / "cluster"), listen_address, coordinator_source=previous_release)
+    try:
+        cluster.coordinator.start()
+        for index in range(len(NODES)):
+            cluster.add_node(index, source=previous_release)
+        job = run_job("roll", cluster.agents, tmp_path / "roll", [*UNTIL_KILLED, "--data-parallelism", "1", "--dump-dir", str(tmp_path / "dump-1")],
+                      slices=1)  # fmt: skip
+
+        def safe_past(step: int) -> bool:
+            return (job_status(cluster.coordinator, job.job).get("safe_step") or 0) > step
+
+        job.wait(lambda: safe_past(0), 240, "a step safe under the previous release")
+        # The upgrade while the job trains: the coordinator, then each node's agent on the same ramdisks.
+        for restart in (cluster.restart_coordinator, lambda: cluster.restart_node(0), lambda: cluster.restart_node(1)):
+            newest = max(max(steps, default=0) for steps in committed(job))
+            restart()
+            job.wait(lambda: safe_past(newest), 120, f"a step after {newest} safe after the restart")
+        before = kill_past_newest_commit(job)
+        step = max(set.intersection(*committed(job)))
+        rerun(job, tmp_path / "dump-2", steps=step + 6)
+        assert [by_event(p, "restored")[0]["step"] for p in job.pods] == [step] * len(NODES)
+        after = losses(job.pods)
+        assert min(after) == step + 1
+        compared_losses(before, after)  # the restored run goes on exactly as the killed one did
     finally:
         cluster.stop()
         unmount_all_below(str(tmp_path))
