@@ -54,7 +54,8 @@ class CoordinatorClient:
         """
         timeout = aiohttp.ClientTimeout(total=timing.REQUEST_TIMEOUT_SECONDS + wait)
         data = None if body is None else msgspec.json.encode(body)
-        headers = {**(self._tokens.header() if self._tokens else {}), **({"Content-Type": "application/json"} if data else {}), **(headers or {})}
+        headers = {**(self._tokens.header() if self._tokens is not None else {}),
+                   **({"Content-Type": "application/json"} if data is not None else {}), **(headers or {})}  # fmt: skip
         try:
             async with self._session.request(method, self._base + path, headers=headers, data=data, params=params, timeout=timeout) as response:
                 raw = await response.read()
