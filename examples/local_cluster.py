@@ -67,6 +67,14 @@ def can_mount_tmpfs() -> bool:
     return os.geteuid() == 0
 
 
+def source_env(source: str | None, env: dict[str, str] | None = None) -> tuple[dict[str, str], str | None]:
+    """(environment, working directory) of a process that runs the code of ``source``, a source tree
+    (an older release's, extracted with ``git archive``), or of this tree for None. The working
+    directory too: ``python -m`` puts it before ``PYTHONPATH``."""
+    merged = {**os.environ, **(env or {})}
+    return ({**merged, "PYTHONPATH": source}, source) if source else (merged, None)
+
+
 class _Stoppable:
     """Kill and stop for a class holding its ``subprocess.Popen`` in ``self.process``."""
 
@@ -112,6 +120,7 @@ class NodeAgentProcess(_Stoppable):
       env: further environment variables (e.g. ``STORAGE_EMULATOR_HOST``).
       wrapper: a module that runs the agent's module (``python -m WRAPPER ... -m <agent module>``),
         e.g. ``["tests.bench.profiled", OUT]``; empty to run it directly.
+      source: the source tree the agent runs from (another release's: ``source_env``), or None for this one.
     """
 
     node_id: str
@@ -121,6 +130,7 @@ class NodeAgentProcess(_Stoppable):
     extra_args: list[str] = dataclasses.field(default_factory=list)
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     wrapper: list[str] = dataclasses.field(default_factory=list)
+    source: str | None = None
     process: subprocess.Popen | None = None
 
     @property
@@ -157,8 +167,9 @@ class NodeAgentProcess(_Stoppable):
           RuntimeError: the agent exited or did not become ready within ``timeout`` seconds.
         """
         os.makedirs(self.workdir, exist_ok=True)
+        env, cwd = source_env(self.source, self.env)
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env})
+            self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -204,12 +215,14 @@ class CoordinatorProcess(_Stoppable):
 
     Attributes:
       tls: (certificate, key) to serve HTTPS with, the certificate being its own CA; None for HTTP.
+      source: the source tree it runs from (another release's: ``source_env``), or None for this one.
     """
 
     workdir: str
     listen: str
     extra_args: list[str] = dataclasses.field(default_factory=list)
     tls: tuple[str, str] | None = None
+    source: str | None = None
     process: subprocess.Popen | None = None
 
     @property
@@ -248,8 +261,9 @@ class CoordinatorProcess(_Stoppable):
         tls_flags = ["--tls-cert", self.tls[0], "--tls-key", self.tls[1]] if self.tls else []
         command = [sys.executable, "-m", "replicator.cli", "coordinator", "--listen", self.listen,
                    "--state-dir", os.path.join(self.workdir, "state"), *tls_flags, *self.extra_args]  # fmt: skip
+        env, cwd = source_env(self.source)
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -283,11 +297,13 @@ class LocalCluster:
         no ``--pod-address`` or ``--topology`` (pod IPs and node labels come from the API server). Node ``i`` is
         then the API server's Node ``node-<i>``.
       subnet: the first three bytes of the nodes' loopback addresses, e.g. ``127.0.0``.
+      coordinator_source: the source tree the coordinator runs from (``CoordinatorProcess.source``), or
+        None for this one; ``add_node`` takes the agents'.
     """
 
     def __init__(self, workdir: str, listen_address: Callable[[str], str], replicas: int = 1, peer_tier: bool = True,
                  backup: str | None = None, env: dict[str, str] | None = None, agent_args: list[str] | None = None, agent_wrapper: list[str] | None = None,
-                 kubeconfig: str | None = None, subnet: str = "127.0.0"):  # fmt: skip
+                 kubeconfig: str | None = None, subnet: str = "127.0.0", coordinator_source: str | None = None):  # fmt: skip
         self.workdir = workdir
         self._listen_address = listen_address
         self.replicas = replicas
@@ -306,7 +322,7 @@ class LocalCluster:
             os.path.join(workdir, "coordinator"), listen_address("127.0.0.1"),
             ["--node-timeout-seconds", "4", *(["--token-file", self.token_file] if peer_tier else ["--insecure"]),
              *(["--kube", "--kubeconfig", kubeconfig] if kubeconfig else [])],
-            tls=self_signed_certificate(os.path.join(workdir, "tls")),
+            tls=self_signed_certificate(os.path.join(workdir, "tls")), source=coordinator_source,
         )  # fmt: skip
         self.agents: list[NodeAgentProcess] = []
 
@@ -317,8 +333,10 @@ class LocalCluster:
             self.add_node(index)
         return self
 
-    def add_node(self, index: int, block: str | None = None) -> NodeAgentProcess:
-        """Starts node ``index`` (a fresh node when its predecessor was lost)."""
+    def add_node(self, index: int, block: str | None = None, source: str | None = None, token_file: str | None = None) -> NodeAgentProcess:
+        """Starts node ``index`` (a fresh node when its predecessor was lost), from the source tree
+        ``source`` (``NodeAgentProcess.source``) or this one, with ``token_file`` (its own copy of the
+        cluster's Secret) or the cluster's."""
         host = f"{self.subnet}.{index + 1}"
         agent = NodeAgentProcess(
             f"node-{index}",
@@ -328,12 +346,26 @@ class LocalCluster:
             ["--coordinator", self.coordinator.url, "--coordinator-ca", self.coordinator.ca_file,
              *([] if self.kubeconfig else ["--pod-address", host, "--topology", f"block={block or f'b{index // 2}'}"]),
              "--replicas", str(self.replicas),
-             *(["--peer-token-file", self.token_file] if self.peer_tier else []),
+             *(["--peer-token-file", token_file or self.token_file] if self.peer_tier else []),
              *(["--backup", self.backup] if self.backup else []), *self.agent_args],
-            env=self.env, wrapper=self.agent_wrapper,
+            env=self.env, wrapper=self.agent_wrapper, source=source,
         )  # fmt: skip
         self.agents.append(agent)
         return agent.start()
+
+    def restart_node(self, index: int, source: str | None = None) -> NodeAgentProcess:
+        """Replaces node ``index``'s agent by one with the same root, address and flags, running from the
+        source tree ``source`` or this one: what a DaemonSet's rolling update does (the ramdisks outlive it)."""
+        self.agents[index].stop()
+        self.agents[index] = dataclasses.replace(self.agents[index], source=source, process=None)
+        return self.agents[index].start()
+
+    def restart_coordinator(self, source: str | None = None) -> CoordinatorProcess:
+        """Replaces the coordinator by one with the same address, state and flags, running from the source
+        tree ``source`` or this one (an upgrade or a rollback of its Deployment)."""
+        self.coordinator.stop()
+        self.coordinator = dataclasses.replace(self.coordinator, source=source, process=None)
+        return self.coordinator.start()
 
     def lose_node(self, agent: NodeAgentProcess) -> None:
         """What a node failure does: the agent dies and the node's RAM (every ramdisk) is gone."""

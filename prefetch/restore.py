@@ -32,6 +32,7 @@ from replicator.local_tier.step_manifest import CorruptCopy, StepManifest, Unusa
 from replicator.local_tier.steps import drop_abandoned
 from replicator.pacing import timing
 from replicator.peer_tier.client import PeerFetchError, fetch_manifest, fetch_step
+from replicator.wire.bearer import Tokens
 from replicator.wire.coordinator_client import CoordinatorClient, CoordinatorUnavailable
 from replicator.wire.messages import RestoreView, Source, Tier
 from replicator.wire.metric_labels import JOB_LABELS
@@ -107,7 +108,7 @@ class Restorer:
 
     Args:
       node_id: this node's name (a source held here is staged in place).
-      peer_token: bearer token of the peer tier, or None to run without it.
+      peer_token: bearer tokens of the peer tier (the current one is sent), or None to run without it.
       peer_ssl: TLS context for calls to peers, or None for the default.
       download: the backup tier's verified download, or None to run without it.
       log_once: the agent's throttled error log.
@@ -115,7 +116,7 @@ class Restorer:
       make_room: called before a copy is fetched into a ramdisk without room for it, or None.
     """
 
-    def __init__(self, node_id: str, peer_token: str | None, peer_ssl: ssl.SSLContext | None, download: BackupDownload | None,
+    def __init__(self, node_id: str, peer_token: Tokens | None, peer_ssl: ssl.SSLContext | None, download: BackupDownload | None,
                  log_once: LogOnce, deadline_seconds: float = timing.RESTORE_DEADLINE_SECONDS, make_room: MakeRoom | None = None):  # fmt: skip
         self.node_id = node_id
         self._make_room = make_room
@@ -250,8 +251,8 @@ class Restorer:
         try:
             # Verified against the owner's checksums from the plan; the peer's own manifest only when the plan has none.
             manifest = (StepManifest(step, source.data_rank, dict(source.files)) if source.files is not None else
-                        await fetch_manifest(session, source.url, self._peer_token, disk.namespace, disk.job, source.data_rank, step))
-            await fetch_step(source.url, self._peer_token, disk.namespace, disk.job, manifest, incoming, ssl_context=self._peer_ssl,
+                        await fetch_manifest(session, source.url, self._peer_token.current, disk.namespace, disk.job, source.data_rank, step))
+            await fetch_step(source.url, self._peer_token.current, disk.namespace, disk.job, manifest, incoming, ssl_context=self._peer_ssl,
                              on_range=fetched)
         except UnusableCopy:
             shutil.rmtree(incoming, ignore_errors=True)

@@ -70,7 +70,7 @@ from replicator.coordinator.state import (
     UnknownJob,
 )
 from replicator.wire import tls
-from replicator.wire.bearer import read_token, require_bearer
+from replicator.wire.bearer import Tokens, require_bearer
 from replicator.wire.http_errors import error_response
 from replicator.wire.messages import (
     MAX_RANKS,
@@ -122,8 +122,8 @@ class CoordinatorConfig:
       node_timeout_seconds: a node silent this long is silent: no orders to it, its copies not counted
         as safe; its pods stay in their incarnation until unpublished or replaced, seconds.
       holder_grace_seconds: a silent node's copies stay restore sources (waited for) this long, seconds.
-      token_file: the cluster's shared token (the peer token's Secret): every route that changes
-        state or hands out a restore plan requires it. Status, health and metrics stay open. None
+      token_file: the cluster's shared tokens (the peer token's Secret, one per line, read again when it
+        changes): every route that changes state or hands out a restore plan requires one of them. Status, health and metrics stay open. None
         runs open (``--insecure``), with a warning.
       tls_cert, tls_key: serve HTTPS with this certificate (PEM files), or None for plain HTTP.
       max_nodes: the largest job a report may describe (a pod's ``nodes``).
@@ -607,11 +607,11 @@ def make_app(config: CoordinatorConfig) -> web.Application:
     if config.state_dir:
         os.makedirs(config.state_dir, exist_ok=True)
         _load_snapshot(app)
-    token = read_token(config.token_file) if config.token_file else None
-    if token is None:
+    tokens = Tokens(config.token_file) if config.token_file else None  # read again when the file changes
+    if tokens is None:
         log.warning("INSECURE: no --token-file; anyone who reaches %s can assign ranks, plan restores and order "
                     "deletions. Use --insecure only on a one-machine experiment.", config.listen)  # fmt: skip
-    guard = (lambda handler: require_bearer(handler, token)) if token else (lambda handler: handler)
+    guard = (lambda handler: require_bearer(handler, tokens)) if tokens else (lambda handler: handler)
     app.add_routes([
         web.post("/v1/report", guard(post_report)),
         web.post("/v1/jobs/{namespace}/{job}/settings", guard(post_settings)),

@@ -75,7 +75,7 @@ class NodeAgent:
         self.ready = threading.Event()
         self.series = JobSeries()
         self.manager = open_ramdisks(config.root, config.csi.ramdisk_backend, self.series)
-        self.peer_token = config.peer.token()
+        self.peer_token = config.peer.tokens()
         if self.peer_token is None:
             log.warning("no --peer-token-file: the peer tier (replication, restore from peers) is off")
         backup = config.backup

@@ -7,7 +7,7 @@ from csi_driver.identity import DEFAULT_DRIVER_NAME
 from csi_driver.volume_request import DEFAULT_MAX_NODES
 from replicator.pacing import timing
 from replicator.wire import tls
-from replicator.wire.bearer import read_token
+from replicator.wire.bearer import Tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +40,9 @@ class PeerSettings:
 
     Attributes:
       listen: ``HOST:PORT`` of the HTTP side.
-      token_file: file holding the cluster's bearer token (a Kubernetes Secret): required by the
-        peer service and presented to peers and the coordinator; None runs without the peer tier.
+      token_file: file holding the cluster's bearer tokens (a Kubernetes Secret, one per line; ``Tokens``):
+        the first is presented to peers and the coordinator, each is accepted by the peer service; read
+        again when it changes. None runs without the peer tier.
       replicas: peers that hold replicas of this node's steps when data parallelism is 1 (1 or 2).
       tls_cert, tls_key: serve the HTTP side over TLS with this certificate (PEM files), or None
         for plain HTTP.
@@ -61,14 +62,14 @@ class PeerSettings:
     def __post_init__(self):
         tls.check_pair(self.tls_cert, self.tls_key, "--peer-tls-cert and --peer-tls-key")
 
-    def token(self) -> str | None:
-        """Reads the peer token; None when no file is configured.
+    def tokens(self) -> Tokens | None:
+        """The peer tokens (read again whenever the file changes); None when no file is configured.
 
         Raises:
           OSError: the file cannot be read.
-          ValueError: the file is empty.
+          ValueError: the file holds no token, or a malformed one.
         """
-        return read_token(self.token_file) if self.token_file else None
+        return Tokens(self.token_file) if self.token_file else None
 
     @property
     def host_port(self) -> tuple[str, int]:

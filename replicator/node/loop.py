@@ -36,6 +36,7 @@ from replicator.node.report_session import OwnStep, ReportSession, StepCopy
 from replicator.pacing import timing
 from replicator.pacing.cpu_share import CpuShare
 from replicator.wire import tls
+from replicator.wire.bearer import Tokens
 from replicator.wire.coordinator_client import CoordinatorClient, CoordinatorUnavailable
 from replicator.wire.messages import Assignment, JobRef, Lineage, NodeReport, PodReport, RetainOrder
 
@@ -57,13 +58,13 @@ class NodeReplicator:
     Args:
       config: the node's settings (``coordinator.url`` set); TLS contexts and timings are taken from it.
       manager: the node's ramdisks.
-      peer_token: bearer token of the peer service (read from ``config.peer.token_file``), or None
+      peer_token: bearer tokens of the peer service and the coordinator (``config.peer.tokens()``), or None
         to run without the peer tier.
       backup_store: the backup tier, or None to run without it.
       share: the CPU cap of replication and backup while jobs train, or None (restores never pace).
     """
 
-    def __init__(self, config: NodeConfig, manager: RamdiskManager, peer_token: str | None = None,
+    def __init__(self, config: NodeConfig, manager: RamdiskManager, peer_token: Tokens | None = None,
                  backup_store: BackupStore | None = None, share: CpuShare | None = None):  # fmt: skip
         self.node_id = config.node_id
         self._manager = manager
@@ -76,13 +77,13 @@ class NodeReplicator:
         self._busy_steps = BusySteps()  # being read by a push or an upload: GC keeps them
         self._log_once = LogOnce()
         self._assignments: dict[str, Assignment] = {}
-        self._replicas = config.peer.replicas if peer_token else 0  # replicas of each step this node may host
+        self._replicas = config.peer.replicas if peer_token is not None else 0  # replicas of each step this node may host
         self._retain: dict[JobRef, RetainOrder] = {}
         self._making_room = threading.Lock()  # the latest reply's: what ``space.make_room`` may give up
         self._backup = (
             BackupWorker(backup_store, config.backup.keep, self._busy_steps, self._error_to_job, self.poke, share) if backup_store else None
         )
-        self._pusher = Pusher(peer_token, share, self._busy_steps, self._log_once, config.pacing.min_push_interval_seconds) if peer_token else None
+        self._pusher = Pusher(peer_token, share, self._busy_steps, self._log_once, config.pacing.min_push_interval_seconds) if peer_token is not None else None
         self._restorer = Restorer(config.node_id, peer_token, self._peer_ssl, self._backup.download if self._backup else None,
                                   self._log_once, config.pacing.restore_deadline_seconds, self.make_room)  # fmt: skip
         self._commits = CommitDetector(share, self.poke)

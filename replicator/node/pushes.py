@@ -21,6 +21,7 @@ from replicator.local_tier.log_once import LogOnce
 from replicator.pacing import timing
 from replicator.pacing.cpu_share import CpuShare
 from replicator.peer_tier.client import PeerFetchError, push_step
+from replicator.wire.bearer import Tokens
 from replicator.wire.messages import JobRef, ReplicateOrder, Target
 
 log = logging.getLogger(__name__)
@@ -35,14 +36,14 @@ class Pusher:
     """The node's pushes of its steps to peers.
 
     Args:
-      peer_token: bearer token of the peer tier.
+      peer_token: bearer tokens of the peer tier (the current one is sent).
       share: the CPU cap of pushes while jobs train, or None.
       busy_steps: the steps being read; a push marks its step so GC keeps it.
       log_once: the agent's throttled error log.
       min_interval_seconds: at most one push per job and peer this often.
     """
 
-    def __init__(self, peer_token: str, share: CpuShare | None, busy_steps: BusySteps, log_once: LogOnce,
+    def __init__(self, peer_token: Tokens, share: CpuShare | None, busy_steps: BusySteps, log_once: LogOnce,
                  min_interval_seconds: float = timing.MIN_PUSH_INTERVAL_SECONDS):  # fmt: skip
         self._peer_token = peer_token
         self._share = share
@@ -86,7 +87,7 @@ class Pusher:
         with self._busy_steps.reading(job, order.step):
             try:
                 step_dir, manifest = located
-                await push_step(session, target.url, self._peer_token, job.namespace, job.job, step_dir, manifest,
+                await push_step(session, target.url, self._peer_token.current, job.namespace, job.job, step_dir, manifest,
                                 share=self._share)  # fmt: skip
                 REPLICATED.labels("ok").inc()
                 REPLICATED_BYTES.inc(manifest.total_bytes)

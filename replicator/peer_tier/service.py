@@ -50,7 +50,7 @@ from replicator.peer_tier.protocol import (
     UPLOAD_HEADER,
     UPLOAD_ID,
 )
-from replicator.wire.bearer import require_bearer
+from replicator.wire.bearer import Tokens, require_bearer
 from replicator.wire.http_errors import error_response
 
 # (namespace, job, bytes wanted free, step to keep) -> None: ``NodeReplicator.make_room`` for that job's
@@ -359,7 +359,7 @@ class _PeerService:
         return web.json_response({"rank": ref.rank, "step": ref.step, "bytes": manifest.total_bytes})
 
 
-def add_peer_routes(app: web.Application, locate_ramdisk: Callable[[str, str], str | None], token: str,
+def add_peer_routes(app: web.Application, locate_ramdisk: Callable[[str, str], str | None], tokens: Tokens,
                     share: CpuShare | None = None, make_room: MakeRoom | None = None) -> None:
     """Adds the ``/v1/peer`` routes to the node agent's app.
 
@@ -367,19 +367,17 @@ def add_peer_routes(app: web.Application, locate_ramdisk: Callable[[str, str], s
       app: the node agent's aiohttp application, not yet started.
       locate_ramdisk: ``(namespace, job) -> ramdisk path``, or None when the job has none on this node.
         Called with validated DNS-1123 labels only.
-      token: the shared peer secret every request must present as ``Authorization: Bearer <token>``.
+      tokens: the shared peer secrets: every request must present one as ``Authorization: Bearer <token>``
+        (a rotation in the token file takes effect on the next request).
       share: the agent's CPU cap for receiving and verifying replicas (not for serving restores), or None.
       make_room: called (in a thread) before a replica that does not fit is refused: it may give up
         unsafe copies of the job (``replicator.local_tier.space``); or None.
-
-    Raises:
-      ValueError: ``token`` is empty.
     """
     service = _PeerService(locate_ramdisk, share, make_room)
     app.add_routes([
-        web.get(STEPS_PATH, require_bearer(service.list_steps, token)),
-        web.get(STEP_PATH + MANIFEST_SUFFIX, require_bearer(service.get_manifest, token)),
-        web.get(STEP_PATH + FILES_SUFFIX + "{path:.+}", require_bearer(service.get_file, token)),
-        web.put(STEP_PATH + FILES_SUFFIX + "{path:.+}", require_bearer(service.put_file, token)),
-        web.post(STEP_PATH + COMMIT_SUFFIX, require_bearer(service.commit, token)),
+        web.get(STEPS_PATH, require_bearer(service.list_steps, tokens)),
+        web.get(STEP_PATH + MANIFEST_SUFFIX, require_bearer(service.get_manifest, tokens)),
+        web.get(STEP_PATH + FILES_SUFFIX + "{path:.+}", require_bearer(service.get_file, tokens)),
+        web.put(STEP_PATH + FILES_SUFFIX + "{path:.+}", require_bearer(service.put_file, tokens)),
+        web.post(STEP_PATH + COMMIT_SUFFIX, require_bearer(service.commit, tokens)),
     ])

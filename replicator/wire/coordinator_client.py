@@ -11,7 +11,7 @@ import aiohttp
 import msgspec
 
 from replicator.pacing import timing
-from replicator.wire.bearer import auth_header
+from replicator.wire.bearer import Tokens
 from replicator.wire.http_errors import error_of
 from replicator.wire.messages import (
     MAX_WAIT_SECONDS,
@@ -37,11 +37,10 @@ class CoordinatorClient:
     """The node agent's HTTP client of the coordinator. Bodies are encoded and replies decoded by
     msgspec, in one pass each (an agent's reports are its most frequent work)."""
 
-    def __init__(self, session: aiohttp.ClientSession, base_url: str, token: str | None):
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, tokens: Tokens | None):
         self._session = session
         self._base = base_url.rstrip("/")
-        self._headers = auth_header(token) if token else {}
-        self._json_headers = {**self._headers, "Content-Type": "application/json"}
+        self._tokens = tokens  # the current one is sent: a rotation takes effect on the next request
         self._report_session, self._reports = uuid.uuid4().hex, 0  # the order of this process's reports
 
     async def _call(self, method: str, path: str, body: Any = None, wait: float = 0.0, params: dict | None = None,
@@ -54,8 +53,9 @@ class CoordinatorClient:
             JSON error in the message).
         """
         timeout = aiohttp.ClientTimeout(total=timing.REQUEST_TIMEOUT_SECONDS + wait)
-        data, base = (None, self._headers) if body is None else (msgspec.json.encode(body), self._json_headers)
-        headers = {**base, **headers} if headers else base
+        data = None if body is None else msgspec.json.encode(body)
+        headers = {**(self._tokens.header() if self._tokens is not None else {}),
+                   **({"Content-Type": "application/json"} if data is not None else {}), **(headers or {})}  # fmt: skip
         try:
             async with self._session.request(method, self._base + path, headers=headers, data=data, params=params, timeout=timeout) as response:
                 raw = await response.read()

@@ -1,7 +1,8 @@
 """JSON messages between node agents and the coordinator: msgspec structs, decoded and validated at the edge.
 
-The format is versioned (``PROTOCOL_VERSION``): an agent and a coordinator of different versions refuse
-each other's messages with an error naming both versions, never half-understand them.
+The format is versioned (``PROTOCOL_VERSION``): agents and coordinators of adjacent versions work together
+(a rolling upgrade); further apart they refuse each other's messages with an error naming both versions,
+never half-understand them.
 
 ``decode`` turns a body into a typed message or raises ``ValueError`` naming the bad field (msgspec's
 ``... - at `$.held[3].files```), so a handler answers 400. Every list, map and string is bounded,
@@ -62,8 +63,14 @@ def extends(longer: tuple[int, ...], shorter: tuple[int, ...]) -> bool:
 # up much of what its collector visited.
 
 # Version 2: reports driven by change (checksums sent once, small heartbeats at a pace the coordinator
-# sets), data-parallel signatures computed by the agent, one backup lister per job.
+# sets), data-parallel signatures computed by the agent, one backup lister per job. Release 0.2.0 speaks
+# version 2 too: it added only optional headers (``REPORT_ORDER_HEADER``, the peer tier's step bytes).
 PROTOCOL_VERSION = 2
+# Adjacent versions interoperate, so a rolling upgrade never stops reports (``check_version``): a release
+# that changes the wire bumps PROTOCOL_VERSION by one, gives every new field a default (msgspec ignores
+# fields it does not know) and still serves and understands the previous version. Version 1 predates the
+# rule: version 2 refuses it.
+OLDEST_PROTOCOL_VERSION = 2
 # A node report's place in its agent's sequence, ``<session hex>:<sequence>`` (``coordinator.report_order``):
 # a report delayed past a newer one is refused instead of undoing it.
 REPORT_ORDER_HEADER = "X-MTC-Report-Order"
@@ -435,14 +442,23 @@ MAX_WAIT_SECONDS = 20.0
 
 
 class ProtocolMismatch(ValueError):
-    """The other side speaks another ``PROTOCOL_VERSION``."""
+    """The other side speaks a ``PROTOCOL_VERSION`` this one does not interoperate with."""
+
+
+def compatible_versions(ours: int = PROTOCOL_VERSION, oldest: int = OLDEST_PROTOCOL_VERSION) -> range:
+    """The protocol versions a side speaking ``ours`` works with: its own and the adjacent ones (an
+    agent or coordinator one release behind or ahead: both directions of a rolling upgrade), but none
+    below ``oldest``."""
+    return range(max(ours - 1, oldest), ours + 2)
 
 
 def check_version(theirs: int, who: str) -> None:
-    """Raises ``ProtocolMismatch`` naming both versions unless ``theirs`` is ours."""
-    if theirs != PROTOCOL_VERSION:
-        raise ProtocolMismatch(f"{who} speaks mtc protocol version {theirs}, this side speaks version {PROTOCOL_VERSION}: "
-                               "run the same mtc release for the coordinator and every node agent")
+    """Raises ``ProtocolMismatch`` naming both versions unless ``theirs`` is in ``compatible_versions()``."""
+    accepted = compatible_versions()
+    if theirs not in accepted:
+        raise ProtocolMismatch(f"{who} speaks mtc protocol version {theirs}; this side speaks version {PROTOCOL_VERSION} and works with "
+                               f"versions {accepted.start}-{accepted.stop - 1} (adjacent releases): upgrade one release at a time, "
+                               "the coordinator first (docs/upgrading.md)")
 
 
 def decode_json(body: bytes, kind: type[M]) -> M:

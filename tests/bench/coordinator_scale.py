@@ -74,6 +74,7 @@ from replicator.backup_tier import worker as backup_worker
 from replicator.coordinator.service import GC_THRESHOLDS
 from replicator.node.report_session import OwnStep, ReportSession, StepCopy
 from replicator.pacing import timing
+from replicator.wire.bearer import Tokens
 from replicator.wire.coordinator_client import CoordinatorClient, CoordinatorUnavailable
 from replicator.wire.messages import BackedUp, Files, JobRef, JobSettings, PodRank, PodReport, ReportReply
 from tests.bench.agent_idle import step_files
@@ -430,7 +431,7 @@ class SimCluster:
             connector = aiohttp.TCPConnector(ssl=context, limit=self.connections, keepalive_timeout=timing.COORDINATOR_KEEPALIVE_SECONDS)
             agent.http = aiohttp.ClientSession(connector=connector, timeout=timeout)
             agent.turn = asyncio.Lock() if self.connections == 1 else contextlib.nullcontext()
-            agent.client = CoordinatorClient(agent.http, self.coordinator.url, self.token)
+            agent.client = CoordinatorClient(agent.http, self.coordinator.url, Tokens.of(self.token))
             agent.publish()
             agent.task = asyncio.create_task(agent.run())
             agent.task.add_done_callback(self._died)

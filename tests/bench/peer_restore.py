@@ -46,6 +46,7 @@ from replicator.local_tier.job_meta import JobMeta
 from replicator.local_tier.step_manifest import StepManifest, build_manifest
 from replicator.peer_tier.client import fetch_step
 from replicator.peer_tier.service import add_peer_routes
+from replicator.wire.bearer import Tokens
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -63,7 +64,7 @@ def serve_peer(ramdisk: str) -> None:
 
     async def serve() -> None:
         app = web.Application()
-        add_peer_routes(app, lambda namespace, job: ramdisk if (namespace, job) == (NAMESPACE, JOB) else None, TOKEN)
+        add_peer_routes(app, lambda namespace, job: ramdisk if (namespace, job) == (NAMESPACE, JOB) else None, Tokens.of(TOKEN))
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", 0).start()

@@ -5,7 +5,8 @@
 - ``servers``: fake-gcs-server and MinIO as processes; ``tools``: the Go tools and the root check.
 - ``ports``: the one port allocator; ``polling``: the one ``wait_until``.
 - ``steps``: files, steps and their manifests on disk; ``agents``: an agent's metrics, a pod's rank and the Orbax
-  hand-shake driven by hand; ``ramdisks``: volume requests; ``peer``: a peer service in the test's own event loop; ``jobs``: real training jobs.
+  hand-shake driven by hand; ``ramdisks``: volume requests; ``peer``: a peer service in the test's own event loop; ``jobs``: real training jobs;
+  ``releases``: the previous release's source tree, to run beside this one.
 
 The processes themselves (coordinator, node agents, training pods) run through
 ``examples/local_cluster.py``: ``make demo`` runs the same harness, so it stays a user-facing example.

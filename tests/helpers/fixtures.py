@@ -12,6 +12,7 @@ from examples.local_cluster import LocalCluster, NodeAgentProcess, unmount_all_b
 from tests.helpers.jobs import kill_started_jobs
 from tests.helpers.peer import Peer, serve_peer
 from tests.helpers.ports import listen_address
+from tests.helpers.releases import PREVIOUS_RELEASE, release_tree
 from tests.helpers.servers import FakeGcsServer, MinioServer, ServerProcess
 from tests.helpers.tools import require_tool
 
@@ -53,6 +54,13 @@ def start_cluster(tmp_path):
     yield start
     for cluster in clusters:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def previous_release(tmp_path_factory) -> str:
+    """The source tree of the previous release (``tests/helpers/releases.py``), extracted once per run."""
+    version, commit = PREVIOUS_RELEASE
+    return release_tree(commit, str(tmp_path_factory.mktemp(f"release-{version}")))
 
 
 @pytest.fixture

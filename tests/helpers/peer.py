@@ -10,6 +10,7 @@ from replicator.local_tier.job_meta import JobMeta
 from replicator.local_tier.step_manifest import StepManifest, build_manifest
 from replicator.peer_tier.client import fetch_manifest, fetch_step
 from replicator.peer_tier.service import add_peer_routes
+from replicator.wire.bearer import Tokens
 from tests.helpers.steps import write_tree
 
 TOKEN = "peer-secret-0123456789"
@@ -34,7 +35,7 @@ async def serve_peer(ramdisk: str) -> tuple[Peer, web.AppRunner]:
     """Serves job NS/JOB from ``ramdisk`` on a free 127.0.0.1 port; the caller cleans the runner up."""
     os.makedirs(ramdisk, exist_ok=True)
     app = web.Application()
-    add_peer_routes(app, lambda namespace, job: ramdisk if (namespace, job) == (NS, JOB) else None, TOKEN)
+    add_peer_routes(app, lambda namespace, job: ramdisk if (namespace, job) == (NS, JOB) else None, Tokens.of(TOKEN))
     runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()

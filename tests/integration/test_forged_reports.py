@@ -109,8 +109,8 @@ def test_report_sizes_are_bounded_and_named(start_cluster, shape, status, named)
         assert named in body["error"]
 
 
-@pytest.mark.parametrize("version", [None, 1, PROTOCOL_VERSION + 1])
-def test_an_agent_of_another_protocol_version_is_refused_with_both_versions_named(start_cluster, version):
+@pytest.mark.parametrize("version", [None, 1, PROTOCOL_VERSION + 2])
+def test_an_agent_of_a_protocol_version_two_apart_is_refused_with_both_versions_named(start_cluster, version):
     cluster = start_cluster(nodes=1)
     report = to_json(NodeReport("old-node", "http://127.0.0.78:1", None, {}, (), ()))
     if version is None:
@@ -122,3 +122,13 @@ def test_an_agent_of_another_protocol_version_is_refused_with_both_versions_name
     assert code == 409, body
     assert f"version {version or 1}" in body["error"] and f"version {PROTOCOL_VERSION}" in body["error"]
     assert "old-node" not in cluster.coordinator.status()["nodes"]
+
+
+def test_an_agent_one_version_ahead_is_served_its_new_fields_left_out(start_cluster):
+    cluster = start_cluster(nodes=1)
+    report = to_json(NodeReport("next-node", "http://127.0.0.78:1", None, {}, (), (), protocol=PROTOCOL_VERSION + 1))
+    report["a_field_of_the_next_version"] = [1, 2, 3]
+    code, body = post_report(cluster, report)
+    assert code == 200, body
+    assert body["protocol"] == PROTOCOL_VERSION
+    assert "next-node" in cluster.coordinator.status()["nodes"]

@@ -31,6 +31,7 @@ from replicator.local_tier.job_meta import JobMeta, PodProgress
 from replicator.local_tier.log_once import LogOnce
 from replicator.local_tier.step_manifest import build_manifest
 from replicator.peer_tier.service import add_peer_routes
+from replicator.wire.bearer import Tokens
 from replicator.wire.messages import RestoreView, Source, Tier
 from tests.helpers import REPO
 from tests.helpers.steps import write_tree
@@ -115,7 +116,7 @@ async def test_a_restore_from_a_close_peer_counts_in_the_dashboards_close_peer_s
     write_tree(os.path.join(holder.client_dir, str(STEP)), FILES)
     holder.save_manifest(build_manifest(os.path.join(holder.client_dir, str(STEP)), STEP, RANK))
     app = web.Application()
-    add_peer_routes(app, lambda namespace, job: str(tmp_path / "holder") if (namespace, job) == (NS, JOB) else None, TOKEN)
+    add_peer_routes(app, lambda namespace, job: str(tmp_path / "holder") if (namespace, job) == (NS, JOB) else None, Tokens.of(TOKEN))
     runner = web.AppRunner(app)
     await runner.setup()
     try:
@@ -138,7 +139,7 @@ async def test_a_restore_from_a_close_peer_counts_in_the_dashboards_close_peer_s
 
         monkeypatch.setattr(restore.RESTORE_IN_FLIGHT, "transfer", observed)
         async with aiohttp.ClientSession() as session:
-            restorer = Restorer("node-a", TOKEN, None, None, LogOnce(), deadline_seconds=30)
+            restorer = Restorer("node-a", Tokens.of(TOKEN), None, None, LogOnce(), deadline_seconds=30)
             await asyncio.wait_for(restorer.restore(plan, session, disk, meta, PodProgress("uid", "inc", RANK), lambda: None), 60)
     finally:
         await runner.cleanup()

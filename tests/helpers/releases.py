@@ -1,0 +1,41 @@
+"""An earlier release's source tree, to run its coordinator or node agents beside this tree's
+(``NodeAgentProcess.source``, ``CoordinatorProcess.source``) in the same virtual environment."""
+
+import glob
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from tests.helpers import REPO
+
+# The release before this one, as the commit it was cut from (release 0.1.0).
+PREVIOUS_RELEASE = ("0.1.0", "3f293dc")
+
+
+def release_tree(commit: str, dest: str) -> str:
+    """Extracts the tree of ``commit`` into ``dest`` with ``git archive``, plus this checkout's
+    generated gRPC stubs (``protos/*_pb2*.py``, not in git; the CSI protos are the same); returns ``dest``.
+
+    Fails the test (never skips: CI clones the whole history) when git or the commit is missing.
+    """
+    git = shutil.which("git")
+    if git is None:
+        pytest.fail("git is not on PATH: the cross-release test extracts the previous release with `git archive`")
+    found = subprocess.run([git, "-C", str(REPO), "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True, text=True)
+    if found.returncode != 0:
+        pytest.fail(f"commit {commit} (the previous release) is not in the history of {REPO}: clone the whole repository (no --depth), "
+                    f"or `git fetch --unshallow`; git said: {found.stderr.strip() or found.returncode}")
+    os.makedirs(dest, exist_ok=True)
+    archive = subprocess.Popen([git, "-C", str(REPO), "archive", "--format=tar", commit], stdout=subprocess.PIPE)
+    subprocess.run(["tar", "-x", "-C", dest], stdin=archive.stdout, check=True)
+    archive.stdout.close()
+    if archive.wait() != 0:
+        pytest.fail(f"git archive {commit} failed with {archive.returncode}")
+    stubs = glob.glob(os.path.join(REPO, "protos", "*_pb2*.py"))
+    if not stubs:
+        pytest.fail(f"no generated stubs in {REPO}/protos: run `make setup` first")
+    for stub in stubs:
+        shutil.copy(stub, os.path.join(dest, "protos"))
+    return dest
