@@ -1,5 +1,7 @@
-"""CSI Identity service: plugin name, capabilities and readiness."""
+"""CSI Identity service: plugin name, version, capabilities and readiness."""
 
+import importlib.metadata
+import os
 from collections.abc import Callable
 
 import grpc
@@ -7,7 +9,23 @@ import grpc
 from protos import csi_pb2, csi_pb2_grpc
 
 DEFAULT_DRIVER_NAME = "ramdisk.csi.mtc.dev"
-DRIVER_VERSION = "0.1.0"
+DISTRIBUTION = "mtc-checkpointing"
+
+
+def version() -> str:
+    """The installed distribution's version; from a source tree that is not installed, ``pyproject.toml``'s."""
+    try:
+        return importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    pyproject = os.path.join(os.path.dirname(__file__), "..", "pyproject.toml")
+    try:
+        import tomllib  # Python 3.11 on; the agent's image has it
+
+        with open(pyproject, "rb") as f:
+            return str(tomllib.load(f)["project"]["version"])
+    except (ImportError, OSError, KeyError, ValueError):
+        return "unknown"
 
 
 class IdentityServicer(csi_pb2_grpc.IdentityServicer):
@@ -24,7 +42,7 @@ class IdentityServicer(csi_pb2_grpc.IdentityServicer):
         self._ready = ready
 
     def GetPluginInfo(self, request, context):
-        return csi_pb2.GetPluginInfoResponse(name=self._driver_name, vendor_version=DRIVER_VERSION)
+        return csi_pb2.GetPluginInfoResponse(name=self._driver_name, vendor_version=version())
 
     def GetPluginCapabilities(self, request, context):
         # No CONTROLLER_SERVICE: this is a node-only driver for ephemeral inline volumes.

@@ -1,34 +1,16 @@
 """``mtc``: the one console script. Each subcommand's module parses its flags into typed values."""
 
 import argparse
-import importlib.metadata
 import logging
-import os
 import sys
 
 import grpc
 
+from csi_driver.identity import version
 from replicator.cli import coordinator_command, logs, node_commands, operator_commands
 from replicator.cli.arguments import Parser, log_level
 
-DISTRIBUTION = "mtc-checkpointing"
 log = logging.getLogger(__name__)
-
-
-def version() -> str:
-    """The installed distribution's version; from a source tree that is not installed, ``pyproject.toml``'s."""
-    try:
-        return importlib.metadata.version(DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    pyproject = os.path.join(os.path.dirname(__file__), "..", "..", "pyproject.toml")
-    try:
-        import tomllib  # Python 3.11 on; the agent's image has it
-
-        with open(pyproject, "rb") as f:
-            return str(tomllib.load(f)["project"]["version"])
-    except (ImportError, OSError, KeyError, ValueError):
-        return "unknown"
 
 
 def _add_log_flags(parser: argparse.ArgumentParser, level: int | str = argparse.SUPPRESS, log_format: str = argparse.SUPPRESS) -> None:

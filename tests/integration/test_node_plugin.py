@@ -3,6 +3,7 @@
 import concurrent.futures
 import contextlib
 import errno
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -246,7 +247,8 @@ def test_identity_and_node_info(start_agent):
 
 def check_identity_and_node_info(channel):
     identity = csi_pb2_grpc.IdentityStub(channel)
-    assert identity.GetPluginInfo(csi_pb2.GetPluginInfoRequest()).name == "ram.example.org"
+    info = identity.GetPluginInfo(csi_pb2.GetPluginInfoRequest())
+    assert (info.name, info.vendor_version) == ("ram.example.org", importlib.metadata.version("mtc-checkpointing"))  # mtc --version's
     assert identity.Probe(csi_pb2.ProbeRequest()).ready.value is True
     plugin_caps = identity.GetPluginCapabilities(csi_pb2.GetPluginCapabilitiesRequest()).capabilities
     assert all(c.service.type != csi_pb2.PluginCapability.Service.CONTROLLER_SERVICE for c in plugin_caps)
