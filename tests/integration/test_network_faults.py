@@ -33,7 +33,10 @@ except OSError:
 
 
 class SinkServer:
-    """Reads each connection to its end, then answers ``k``; remembers the source address of every connection."""
+    """Reads each connection to its end, then answers ``k``; remembers the source address of every connection.
+
+    Each connection has its own thread: under loss a timed-out client's reset can be dropped, and a server
+    reading connections one at a time would wait on that dead one forever and refuse every later client."""
 
     def __init__(self, address: str):
         self.sock = socket.create_server((address, 0))
@@ -48,10 +51,14 @@ class SinkServer:
             except OSError:
                 return
             self.sources.append(source)
-            with conn:
-                while conn.recv(1 << 20):
-                    pass
-                conn.sendall(b"k")
+            threading.Thread(target=self._drain, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _drain(conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):  # a reset or an abort ends it too
+            while conn.recv(1 << 20):
+                pass
+            conn.sendall(b"k")
 
 
 @pytest.fixture
