@@ -223,6 +223,14 @@ class JobChanges:
 
     async def wait(self, keys, timeout: float) -> None:
         """Waits until one of ``keys`` changes or ``timeout`` seconds pass."""
+        keys = list(keys)
+        if len(keys) == 1:
+            # The common case (a node's one waiting pod): no task per waiter. A new incarnation of a
+            # 10,000-node job starts and wakes 10,000 of these at once.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self.event(keys[0]).wait()
+            return
         waiters = [asyncio.ensure_future(self.event(key).wait()) for key in keys]
         if not waiters:
             return
