@@ -10,7 +10,8 @@ memory is walked object by object from ``ClusterState`` (``deep_size``): the sim
 data is not in it. The nodes and their steps are ``coordinator_scale``'s: one
 pod per node, ``HELD_STEPS`` Orbax-like steps of 60 files per rank, one replica each.
 
-Layouts: ``steady``, one job of N/250 slices x 250 nodes (data parallelism = slices), or ``many``,
+Layouts: ``steady``, one job of N/250 slices x 250 nodes (data parallelism = slices; ``--slices``
+sets another count), or ``many``,
 N/8 jobs of 8 nodes. ``--shards K`` splits the jobs over K coordinators by job (``shard_of``, as a
 router in front of them would), runs each shard's state in turn and prints the largest shard's
 figures: what one of K coordinator processes would hold and spend.
@@ -87,9 +88,11 @@ def shard_of(key: JobRef, shards: int) -> int:
     return zlib.crc32(f"{key.namespace}/{key.job}".encode()) % shards
 
 
-def layout(nodes: int, kind: str) -> list[JobSpec]:
+def layout(nodes: int, kind: str, slices: int | None = None) -> list[JobSpec]:
+    """The jobs: ``steady``, one job of ``slices`` slices (default N/250 of 250 nodes), or ``many``."""
     if kind == "steady":
-        return [JobSpec("steady", max(1, nodes // SLICE_NODES), min(nodes, SLICE_NODES))]
+        slices = slices or max(1, nodes // SLICE_NODES)
+        return [JobSpec("steady", slices, nodes // slices)]
     return [JobSpec(f"small-{i:05d}", 1, SMALL_JOB_NODES) for i in range(nodes // SMALL_JOB_NODES)]
 
 
@@ -212,11 +215,11 @@ def deep_size(root) -> dict[str, tuple[int, int]]:
     return sizes
 
 
-def run(nodes: int, kind: str, shards: int, by_type_too: bool) -> dict:
-    jobs = layout(nodes, kind)
+def run(nodes: int, kind: str, slices: int | None, shards: int, by_type_too: bool) -> dict:
+    jobs = layout(nodes, kind, slices)
     mine = [j for j in jobs if shard_of(JobRef(NAMESPACE, j.name), shards) == 0] if shards > 1 else jobs
     sim = Sim(mine)
-    figures = {"nodes": sum(j.nodes for j in mine), "jobs": len(mine)}
+    figures = {"nodes": sum(j.nodes for j in mine), "jobs": len(mine), "slices": max(j.slices for j in mine)}
     sim.form(1)
     sim.train(STEP_NUMBERS)
     sim.now += 60.0  # past the start-up grace: restores plan at once
@@ -236,14 +239,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, action="append", help="nodes in all (repeatable; default 10,000)")
     parser.add_argument("--layout", choices=("steady", "many"), default="steady")
+    parser.add_argument("--slices", type=int, help="slices of the steady job (data parallelism; default N/250)")
     parser.add_argument("--shards", type=int, default=1, help="coordinators the jobs are split over by job; figures of shard 0")
     parser.add_argument("--by-type", action="store_true", help="also print the state's memory by type")
     args = parser.parse_args()
     gc.set_threshold(50_000, 50, 1_000)  # as the coordinator's service runs (GC_THRESHOLDS' young generation)
     for nodes in args.nodes or [10_000]:
-        f = run(nodes, args.layout, args.shards, args.by_type)
+        f = run(nodes, args.layout, args.slices, args.shards, args.by_type)
         per_node = f["state_bytes"] / f["nodes"]
-        print(f"{args.layout}, {nodes:,} nodes" + (f", shard 0 of {args.shards}: {f['nodes']:,} nodes in {f['jobs']:,} jobs" if args.shards > 1 else ""))
+        print(f"{args.layout}, {nodes:,} nodes" + (f" ({f['slices']} slices)" if args.layout == "steady" else "") + (f", shard 0 of {args.shards}: {f['nodes']:,} nodes in {f['jobs']:,} jobs" if args.shards > 1 else ""))
         print(f"  memory of the state: {f['state_bytes'] / 2**20:,.0f} MiB ({per_node / 1e3:.1f} KB per node)")
         print(f"  apply_report: unchanged heartbeat {f['heartbeat_ms']:.3f} ms, new step with checksums {f['commit_ms']:.3f} ms (median)")
         print(f"  decision pass of the largest job after a change: {f['decide_ms']:.2f} ms (median)")
