@@ -131,7 +131,7 @@ def _expected_files(key: JobRef, job: JobState, step: int, source: planner.Sourc
     """The checksums a copy from ``source`` must match: those the data rank's own node reported.
     None when the coordinator never saw them (it restarted after that node was lost): the
     fetching node then checks the holder's manifest."""
-    owner = job.owners.files.get((step, source.data_rank))
+    owner = job.owners.checksums(step, source.data_rank)
     if owner is None and source.tier != Tier.BACKUP and warned.first((key, step, source.data_rank)):
         log.warning("job %s: owner checksums of rank %d step %d unknown; %s's manifest will be checked", key,
                     source.data_rank, step, source.holder)  # fmt: skip

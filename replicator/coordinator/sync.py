@@ -12,7 +12,7 @@ from prometheus_client import Counter
 
 from replicator.coordinator import lineage
 from replicator.coordinator.claims import Claim
-from replicator.coordinator.job import JobState
+from replicator.coordinator.job import JobState, pack_files
 from replicator.coordinator.liveness import Liveness, NodeState
 from replicator.wire.messages import HeldStep, JobRef, NodeReport, extends, in_lineage
 
@@ -147,14 +147,15 @@ def _owner_reports(jobs, node_id: str, held, changes: Changes) -> None:
         job = jobs[key]
         owners = job.owners
         owner = owners.files.get((h.step, h.rank))
-        if h.files is not None and owner is not None and h.files != owner and job.beliefs.believed(node_id, h.rank, False):
+        packed = pack_files(h.files) if h.files is not None else None
+        if packed is not None and owner is not None and packed != owner and job.beliefs.believed(node_id, h.rank, False):
             _supersede(key, job, h.step, h.rank, node_id)
             changes.dirty.add(key)
         pending = owners.pending.get((h.step, h.rank, node_id))
         adds = (h.files is not None and (h.step, h.rank) not in owners.files) or (
             h.signature is not None and (h.step, h.rank) not in job.identity.signatures)  # fmt: skip
         if adds and (pending is None or (pending[0] is None and h.files is not None)):
-            owners.pending[(h.step, h.rank, node_id)] = (h.files, h.signature)
+            owners.pending[(h.step, h.rank, node_id)] = (packed, h.signature)
             changes.dirty.add(key)
 
 

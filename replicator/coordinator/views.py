@@ -70,7 +70,7 @@ class JobView:
 
     def owner_files(self, step: int, rank: int) -> Files | None:
         """The checksums the rank's own node reported for ``step``, or None."""
-        return self._job.owners.files.get((step, rank))
+        return self._job.owners.checksums(step, rank)
 
     def claimed(self) -> dict[tuple[int, int], dict[str, bool]]:
         """(step, rank) -> {node: replica?}: every copy nodes claim, believed or not (a copy)."""

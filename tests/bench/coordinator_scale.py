@@ -35,7 +35,8 @@ Scenarios, for each ``--nodes`` N:
 - restore: the new incarnation's ranks ask for their restore, stage the planned step and long-poll:
   seconds from the last rank's staged report until every rank saw ``ready``.
 
-Figures: coordinator CPU (psutil, its process), offered and achieved report rates, report p99 latency,
+Figures: coordinator CPU (psutil, its process), its resident memory (at the end of the window, its
+peak over the whole scenario, ``VmHWM``, and per node: the peak above what it held before any agent), offered and achieved report rates, report p99 latency,
 the coordinator's event-loop lag p99 (``mtc_coordinator_loop_lag_seconds``), bytes/s of report bodies
 received (``mtc_coordinator_report_bytes_total``), object-store list calls per job per hour, nodes
 expired (the coordinator's "silent" log lines). The generator shares the machine's cores with the coordinator: its
@@ -103,6 +104,7 @@ GOAL_P99_MS = 250.0
 GOAL_LIST_CALLS = 60.0  # per job per hour
 GOAL_ASSIGN_SECONDS = 2.0
 GOAL_READY_SECONDS = 5.0
+GOAL_KB_PER_NODE = 100.0  # coordinator memory per node: its peak resident above its idle own (issue 27)
 _SILENT_LINE = ": no orders to it;"  # the coordinator's log line when a node turns silent
 
 
@@ -635,6 +637,7 @@ def start_coordinator(workdir: str) -> tuple[CoordinatorProcess, str]:
 async def run_cluster(workdir: str, jobs: list[JobSpec], seconds: float, replace: bool, cleanup) -> dict:
     coordinator, token = start_coordinator(workdir)
     cleanup.callback(coordinator.stop)
+    idle_rss = psutil.Process(coordinator.process.pid).memory_info().rss  # before any agent: the process's own
     cluster = SimCluster(coordinator, token, jobs)
     name = os.path.basename(workdir)
     try:
@@ -648,6 +651,7 @@ async def run_cluster(workdir: str, jobs: list[JobSpec], seconds: float, replace
             progress(f"{name}: replacing every pod")
             with collector_paused():
                 figures |= await replace_every_pod(cluster)
+        figures |= {"coordinator_peak_rss": peak_rss(coordinator.process.pid), "coordinator_idle_rss": idle_rss}
         return figures
     finally:
         progress(f"{name}: stopping")
@@ -657,6 +661,12 @@ async def run_cluster(workdir: str, jobs: list[JobSpec], seconds: float, replace
         await cluster.close_sessions()
 
 
+def peak_rss(pid: int) -> int:
+    """The process's peak resident memory so far, bytes (Linux's ``VmHWM``)."""
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
 def progress(message: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} {message}", file=sys.stderr, flush=True)
 
@@ -664,11 +674,18 @@ def progress(message: str) -> None:
 def judge(nodes: int, steady: dict, many: dict) -> list[tuple[str, str, str, bool | None]]:
     """(figure, value, goal, met or None for no goal) rows for one N."""
     rows = []
+
+    def per_node(f: dict) -> float:
+        """KB of the coordinator's peak resident memory per node, above what it held idle."""
+        return (max(f["coordinator_rss"], f["coordinator_peak_rss"]) - f["coordinator_idle_rss"]) / nodes / 1e3
+
     for name, f in (("steady", steady), ("many jobs", many)):
         generator_bound = f["achieved"] < 0.95 * f["offered"] or f["generator_cpu"] >= 90 or f["loop_lag_p99"] > 0.25
         rows += [
             (f"{name}: coordinator CPU", f"{f['coordinator_cpu']:.1f} % of a core", f"<= {GOAL_CPU:g} %", f["coordinator_cpu"] <= GOAL_CPU),
-            (f"{name}: coordinator memory", f"{f['coordinator_rss'] / 2**20:.0f} MiB resident", "-", None),
+            (f"{name}: coordinator memory", f"{f['coordinator_rss'] / 2**20:.0f} MiB resident (peak {f['coordinator_peak_rss'] / 2**20:.0f} MiB, "
+             f"idle {f['coordinator_idle_rss'] / 2**20:.0f} MiB): {per_node(f):.0f} KB per node", f"<= {GOAL_KB_PER_NODE:g} KB per node",
+             per_node(f) <= GOAL_KB_PER_NODE),
             (f"{name}: coordinator CPU per report", f"{10 * f['coordinator_cpu'] / max(f['achieved'], 1):.2f} ms (report handling plus the decision passes)", "-", None),
             (f"{name}: report p99 latency", f"{f['p99_ms']:.0f} ms", f"<= {GOAL_P99_MS:g} ms", f["p99_ms"] <= GOAL_P99_MS),
             (f"{name}: coordinator event-loop lag p99", f"<= {1000 * f['coordinator_lag_p99']:.0f} ms (its ticker; what every request waited besides its own handling)", "-", None),

@@ -273,3 +273,22 @@ def test_a_step_written_anew_after_a_restore_to_an_older_one_supersedes_its_old_
     assert (5, rank, "a") not in {(c.step, c.rank, c.holder) for c in state.copies(KEY)}
     view = state.restore_view(KEY, incarnation, rank, now=20.0)
     assert view.step == 5 and [(s.holder, s.files) for s in view.sources] == [("b", new)]
+
+
+def test_the_same_checksums_listed_in_another_order_are_the_same_step_not_a_rewrite():
+    # The coordinator keeps checksums packed (sorted JSON): a report of the same manifest in another
+    # order must compare equal, and other checksums must not.
+    state = ClusterState()
+    state.expire(0.0)
+    incarnation, rank_of = running_job(state, has_backup=True)
+    rank = rank_of["b"]
+    first = {"_CHECKPOINT_METADATA": (3, "0000000a"), "state/b": (10, "0000000b")}
+    reordered = dict(reversed(first.items()))
+    for now, files in ((1.0, first), (2.0, reordered)):
+        state.apply_report(report("b", "http://b", [pod(1, incarnation, rank)], [HeldStep(*NAMES, 7, rank, files)]), now)
+        state.tick(now)
+    assert 7 not in state.job(KEY)._job.rewritten and state.job(KEY).owner_files(7, rank) == first
+    changed = {**first, "state/b": (10, "0000000c")}
+    state.apply_report(report("b", "http://b", [pod(1, incarnation, rank)], [HeldStep(*NAMES, 7, rank, changed)]), 3.0)
+    state.tick(3.0)
+    assert 7 in state.job(KEY)._job.rewritten and state.job(KEY).owner_files(7, rank) == changed
