@@ -222,10 +222,12 @@ class Chaos:
         """The newest step every rank can restore a valid copy of, or None (a fresh start is right)."""
         copies = self.copies()
         available = {r: {s for rank, s, _ in copies if rank == r} for r in range(NODES)}
-        if self.variant == "dp2":  # a peer's own step is this rank's data when both committed it
-            own = {r: {s for rank, s, holder in copies if rank == r and holder != "backup"} for r in range(NODES)}
+        if self.variant == "dp2":
+            # A peer's copy of a step, its backup included, is this rank's data when both committed it: the planner
+            # serves a rank from any copy of an identical peer (a flipped backup object of one rank's own files
+            # leaves its peer's backup usable).
             for r in range(NODES):
-                available[r] |= own[(r + DP_PEER_OFFSET) % NODES] & self.saved(r)
+                available[r] |= {s for rank, s, _ in copies if rank == (r + DP_PEER_OFFSET) % NODES} & self.saved(r)
         return max(set.intersection(*available.values()), default=None)
 
     # -- faults' building blocks -------------------------------------------------------------
