@@ -128,6 +128,8 @@ class CoordinatorConfig:
       max_nodes: the largest job a report may describe (a pod's ``nodes``).
       kube: read job shapes, ranks, rank 0's address and failure domains from the API server, or None to take
         them from the volumes' attributes alone.
+      restore_fan_out: a restore from the backup tier alone reads each unique shard once per group
+        of identical data-parallel ranks; the others fetch it from that node (``ClusterState``).
     """
 
     listen: str
@@ -139,6 +141,7 @@ class CoordinatorConfig:
     max_nodes: int = MAX_RANKS
     holder_grace_seconds: float = 60.0
     kube: "KubeSettings | None" = None
+    restore_fan_out: bool = True
 
     def server_ssl(self) -> ssl.SSLContext | None:
         """The TLS context to serve with, or None for plain HTTP.
@@ -581,7 +584,7 @@ def make_app(config: CoordinatorConfig) -> web.Application:
     """The coordinator's aiohttp application."""
     app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[_CONFIG_KEY] = config
-    app[_STATE_KEY] = ClusterState(config.node_timeout_seconds, config.holder_grace_seconds)
+    app[_STATE_KEY] = ClusterState(config.node_timeout_seconds, config.holder_grace_seconds, config.restore_fan_out)
     app[_ORDER_KEY] = ReportOrder()
     app[_CHANGES_KEY] = JobChanges(app[_STATE_KEY])
     app[_SNAPSHOT_KEY] = SettingsSnapshot(config.state_dir)

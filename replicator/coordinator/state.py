@@ -95,6 +95,8 @@ class ClusterState:
         orders, not counted as safe.
       holder_grace_seconds: a silent node's data is given up (and the node forgotten once no
         incarnation holds its pods) after this long.
+      fan_out: a restore from the backup tier alone reads each unique shard once per identical
+        group, the group's other ranks fetch it from the downloader's node (``--no-restore-fan-out``: False).
 
     Attributes:
       liveness: the nodes and their clock (``liveness.Liveness``).
@@ -104,8 +106,9 @@ class ClusterState:
         every rank may hold are: a pass costs about one job size, not one per step held).
     """
 
-    def __init__(self, node_timeout_seconds: float = 15.0, holder_grace_seconds: float = 60.0):
+    def __init__(self, node_timeout_seconds: float = 15.0, holder_grace_seconds: float = 60.0, fan_out: bool = True):
         self.liveness = Liveness(node_timeout_seconds, holder_grace_seconds)
+        self.fan_out = fan_out  # restores read a backup-only step once per identical group (``planner.plan_restore``)
         self._jobs: dict[JobRef, JobState] = {}
         self.decisions = 0
         self.identity_checks = 0
@@ -133,6 +136,9 @@ class ClusterState:
             self.liveness.forget(node_id)
         for state in changed:
             self._mark_dirty(state.job_keys())
+            for key in state.job_keys():  # a fan-out downloader went silent (or came back): its peers stop waiting
+                if key in self._jobs and restores.waits_on(self._jobs[key].incarnation, state.report.node_id):
+                    self._bump(key)
 
     def tick(self, now: float) -> None:
         """Expires nodes (at most every ``_EXPIRE_SECONDS``: it visits every silent node) and runs every
@@ -411,7 +417,8 @@ class ClusterState:
         if (forks := restores.rollback_forks(job)) is not None:
             self._set_lineage(key, forks)  # a rollback starts a new timeline
         identical = job.identity.pairs()
-        restores.replan(key, job, incarnation, lambda forced: restores.plan(incarnation, self.copies(key), forced, self.liveness.blocks, identical))
+        restores.replan(key, job, incarnation,
+                        lambda forced: restores.plan(incarnation, self.copies(key), forced, self.liveness.blocks, identical, self.fan_out))
         job.decided.retain = retention.retain_order(key, job)  # the planned step is protected from now on
         self._bump(key)
 
@@ -425,8 +432,8 @@ class ClusterState:
         """
         incarnation = self._incarnation(key, incarnation_id, rank)
         outcome = restores.record_staged(key, incarnation, generation, rank, source, bad, retrying)
-        if outcome is restores.Staged.READY:
-            self._bump(key)  # every rank's view turns ready
+        if outcome in (restores.Staged.READY, restores.Staged.SERVING):
+            self._bump(key)  # every rank's view turns ready, or a downloader's peers may fetch from it
         elif outcome is restores.Staged.REPLAN:
             self._replan(key, incarnation)
 

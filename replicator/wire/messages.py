@@ -382,6 +382,9 @@ class RestoreView(msgspec.Struct, frozen=True, gc=False):
       rollback: the step is an operator's rollback (``mtc restore-from``): newer steps are
         abandoned and deleted, not set aside.
       forks: the job's rollbacks, this one included: the timeline the job trains in after the restore.
+      fan_out_pending: the step is held only in the backup tier and an identical rank's node is
+        downloading it for this rank (read-once restore): wait for a view that lists that node,
+        up to the agent's fan-out wait, before reading ``sources`` (the store) itself.
     """
 
     generation: Text
@@ -390,11 +393,12 @@ class RestoreView(msgspec.Struct, frozen=True, gc=False):
     ready: bool
     rollback: bool = False
     forks: Forks = ()
+    fan_out_pending: bool = False
 
     @property
     def token(self) -> str:
         """What a rank knows of this view, to long-poll for a different one (``seen``)."""
-        return f"{self.generation}:{int(self.ready)}"
+        return f"{self.generation}:{int(self.ready)}{':w' if self.fan_out_pending else ''}"
 
 
 # Typed routes of the coordinator besides reports (``replicator.coordinator.service``). The JSON field
