@@ -83,11 +83,17 @@ def test_a_downloader_killed_as_it_stages_leaves_its_peer_to_read_the_store(star
     killed = []
 
     def kill_first_downloader():
-        # The downloaders' restores create an incoming directory on their ramdisk as they start
-        # (their peers only once a downloader has staged): SIGKILL the first agent seen doing so.
-        incoming = [os.path.join(a.ramdisk(job.job), "mtc", "incoming", "*") for a in fresh]
-        wait_until(lambda: any(glob.glob(pattern) for pattern in incoming), 120, "a downloader staging", interval=0.005)
-        agent = next(a for a, pattern in zip(fresh, incoming) if glob.glob(pattern))
+        # Once the store serves the step's first shard, a downloader (rank 0 or 1) has started; the
+        # one whose ramdisk has an incoming directory then is staging: SIGKILL its agent.
+        wait_until(lambda: shard_reads(logged_gcs, job, step), 200, "the first shard read", interval=0.01)
+        node_of = {place["rank"]: place["node"] for place in status_of(cluster, job)["ranks"]}
+        downloaders = [a for a in fresh if a.node_id in (node_of[0], node_of[1])]
+
+        def staging():
+            return [a for a in downloaders if glob.glob(os.path.join(a.ramdisk(job.job), "mtc", "incoming", "*"))]
+
+        wait_until(staging, 30, "a downloader staging", interval=0.005)
+        agent = staging()[0]
         agent.kill()
         killed.append(agent)
 
@@ -96,7 +102,7 @@ def test_a_downloader_killed_as_it_stages_leaves_its_peer_to_read_the_store(star
     with network.rate_limited([network.Endpoint("127.0.0.1", logged_gcs.port)], rate_mbit=0.5):
         watcher.start()
         recreate(job, tmp_path / "dump-2", agents=fresh, steps=step + 6)
-        watcher.join(timeout=150)
+        watcher.join(timeout=240)
         assert killed, "harness: no downloader was seen staging"
         node_of = {place["rank"]: place["node"] for place in status_of(cluster, job)["ranks"]}
         lost_rank = next(rank for rank, node in node_of.items() if node == killed[0].node_id)
