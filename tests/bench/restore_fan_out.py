@@ -2,10 +2,11 @@
 downloading (``--no-restore-fan-out``, today's figure, first) against fan-out, in the same run.
 
 A real data-parallel Orbax job (``examples/train.py``, DP slices of one node each, so every rank
-holds the same data) trains on real agents and a real coordinator until a backup of a step whose
-ranks were found identical is complete; then every node is lost (the coordinator survives), fresh
-nodes join and the job restores from fake-gcs-server, whose request log counts what it served.
-Printed per mode:
+holds the same data, with ``--ballast-mib`` MiB per rank replicated across slices) trains on real
+agents and a real coordinator until a backup of a step whose ranks were found identical is
+complete; then every node is lost (the coordinator survives; ``--holder-grace-seconds 5``, so the
+lost nodes' copies are given up within seconds, not the default minute), fresh nodes join and the
+job restores from fake-gcs-server, whose request log counts what it served. Printed per mode:
 
 - store bytes read ÷ unique checkpoint bytes: the bytes of every shard object the store served
   for the restored step, over one rank's shard bytes (DP ranks hold the same data); goal 1.0 with
@@ -14,7 +15,7 @@ Printed per mode:
   marker written, which waits for every rank), the median over ``--repetitions`` restores.
 
 With ``--store-mbit`` the store's loopback traffic is shaped to that rate, as a bucket that is the
-bottleneck would be. Run: ``python -m tests.bench.restore_fan_out [--dp 4] [--repetitions 1]``.
+bottleneck would be. Run: ``python -m tests.bench.restore_fan_out [--dp 4] [--repetitions 1] [--ballast-mib 16] [--store-mbit R]``.
 """
 
 import argparse
@@ -48,7 +49,7 @@ def restore_seconds(agent) -> float:
     return sum(float(value) for _, value in _RESTORE_SUM.findall(scrape(agent.url)))
 
 
-def one_restore(workdir: str, dp: int, fan_out: bool, store_mbit: float | None) -> tuple[float, float, int]:
+def one_restore(workdir: str, dp: int, fan_out: bool, ballast_mib: int, store_mbit: float | None) -> tuple[float, float, int]:
     """Trains, backs up, loses every node and restores once. Returns (store bytes read ÷ unique
     bytes, restore seconds, unique bytes)."""
     with contextlib.ExitStack() as cleanup:
@@ -57,14 +58,13 @@ def one_restore(workdir: str, dp: int, fan_out: bool, store_mbit: float | None) 
         bucket = server.client().create_bucket("ckpt")
         cluster = LocalCluster(os.path.join(workdir, "cluster"), listen_address, backup="gs://ckpt/mtc",
                                env={"STORAGE_EMULATOR_HOST": server.url})  # fmt: skip
-        if not fan_out:
-            cluster.coordinator.extra_args.append("--no-restore-fan-out")
+        cluster.coordinator.extra_args += ["--holder-grace-seconds", "5", *([] if fan_out else ["--no-restore-fan-out"])]
         cleanup.callback(unmount_all_below, workdir)
         cleanup.callback(cluster.stop)
         cleanup.callback(kill_started_jobs)
         cluster.start(dp)
-        job = run_job("fan", list(cluster.agents), os.path.join(workdir, "job"), [*UNTIL_KILLED, "--dump-dir", os.path.join(workdir, "dump")],
-                      slices=dp)  # fmt: skip
+        job = run_job("fan", list(cluster.agents), os.path.join(workdir, "job"), [*UNTIL_KILLED, "--dump-dir", os.path.join(workdir, "dump"),
+                      "--ballast-mib", str(ballast_mib), "--ballast-per-slice"], slices=dp)  # fmt: skip
 
         def identical_backup():
             status = status_of(cluster, job)
@@ -95,6 +95,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dp", type=int, default=4, help="data parallelism: slices of one node each (default 4)")
     parser.add_argument("--repetitions", type=int, default=1, help="restores per mode (default 1)")
+    parser.add_argument("--ballast-mib", type=int, default=16, help="MiB of state per rank, the same on every rank (default 16)")
     parser.add_argument("--store-mbit", type=float, default=None, help="shape the store's loopback traffic to this rate")
     args = parser.parse_args()
     if find_tool("fake-gcs-server") is None:
@@ -105,7 +106,7 @@ def main() -> None:
         for _ in range(args.repetitions):
             workdir = tempfile.mkdtemp(prefix="mtc-bench-fan-out-")
             try:
-                runs.append(one_restore(workdir, args.dp, fan_out, args.store_mbit))
+                runs.append(one_restore(workdir, args.dp, fan_out, args.ballast_mib, args.store_mbit))
             finally:
                 shutil.rmtree(workdir, ignore_errors=True)
         ratio, seconds = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)

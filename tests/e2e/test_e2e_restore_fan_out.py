@@ -53,7 +53,7 @@ def backed_up_and_lost(start_cluster, server, tmp_path):
 def shard_reads(server, job, step) -> dict[str, int]:
     """Object -> times the store served it, for the step's shards (not its manifests or COMMIT)."""
     prefix = f"mtc/default/{job.job}/steps/{step}/"
-    return {name: n for name, n in server.object_reads("ckpt", prefix).items() if name[len(prefix):].startswith("rank-") and "/" in name[len(prefix):]}
+    return {name: n for name, n in server.object_reads("ckpt", prefix + "rank-").items() if "/" in name[len(prefix):]}
 
 
 def objects_of(server, job, step, rank) -> set[str]:

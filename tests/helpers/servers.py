@@ -110,7 +110,7 @@ class FakeGcsServer(ServerProcess):
 
     def _open_log(self):
         # Appended to by the server, so ``requests`` reads it while it runs without moving its offset.
-        return open(self.request_log, "ab") if self.request_log else super()._open_log()  # noqa: SIM115 (closed by ``stop``)
+        return open(self.request_log, "ab") if self.request_log else super()._open_log()  # closed by ``stop``
 
     def requests(self) -> list[tuple[str, str]]:
         """(method, path with query) of every request answered so far, oldest first (``request_log``)."""
