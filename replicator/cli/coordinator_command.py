@@ -43,6 +43,9 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-restore-fan-out", dest="restore_fan_out", action="store_false",
                    help="after a cluster loss every node reads its own shards from the backup tier, instead of one node "
                         "per group of identical data-parallel ranks reading and the others fetching from it")
+    p.add_argument("--no-shared-backup-upload", dest="shared_backup_upload", action="store_false",
+                   help="one rank per group of identical data-parallel ranks uploads a backup, instead of each "
+                        "uploading its share of the files")
     p.add_argument("--max-nodes", type=positive_int, default=DEFAULT_MAX_NODES, help="largest job accepted in a report (default %(default)s)")
     p.add_argument("--kube", action="store_true",
                    help="read JobSet jobs' shape, ranks, rank 0's address and nodes' failure domains from the API server "
@@ -71,5 +74,5 @@ def _run_coordinator(args: argparse.Namespace) -> int:
         return usage_error("coordinator", str(err))
     run_coordinator(CoordinatorConfig(args.listen, args.state_dir, args.node_timeout_seconds, args.token_file,
                                       args.tls_cert, args.tls_key, args.max_nodes, args.holder_grace_seconds, kube,
-                                      args.restore_fan_out))  # fmt: skip
+                                      args.restore_fan_out, args.shared_backup_upload))  # fmt: skip
     return 0

@@ -81,11 +81,13 @@ def advance(key: JobRef, job: JobState, now: float, backed: set[int], newest_com
         log.info("job %s: backing up step %d", key, newest)
 
 
-def orders(key: JobRef, job: JobState, state: NodeState) -> list[BackupOrder]:
+def orders(key: JobRef, job: JobState, state: NodeState, shared: bool = True) -> list[BackupOrder]:
     """Uploads of the step being backed up for the ranks whose own data this node holds.
 
-    In a data-parallel group one member (rotating with the step, to spread the load) uploads;
-    the others reference its objects and upload only what differs.
+    The members of a data-parallel group found identical share the upload (``shared``: each sends
+    its share of the files and references the others', ``backup_tier.shared_upload``); else one
+    member (rotating with the step) uploads and the others reference its objects. Either way each
+    uploads only what differs besides.
     """
     incarnation = job.incarnation
     step = job.backup_pending
@@ -99,7 +101,9 @@ def orders(key: JobRef, job: JobState, state: NodeState) -> list[BackupOrder]:
     for claim in state.claims:
         if claim.job != key or claim.replica or claim.step != step or incarnation.node_of_rank.get(claim.rank) != node_id:
             continue
-        leader = job.memo.leaders.leader(job.identity, step, claim.rank)
+        group = job.memo.leaders.group(job.identity, step, claim.rank)
+        leader = None if shared and len(group) > 1 else job.memo.leaders.leader(job.identity, step, claim.rank)
         result.append(BackupOrder(key.namespace, key.job, step, claim.rank, incarnation.incarnation_id, len(incarnation.node_of_rank),
-                                  None if leader == claim.rank else leader, protected, len(job.forks), job.forks))  # fmt: skip
+                                  None if leader in (None, claim.rank) else leader, protected, len(job.forks), job.forks,
+                                  group if leader is None else ()))  # fmt: skip
     return result

@@ -130,6 +130,7 @@ class CoordinatorConfig:
         them from the volumes' attributes alone.
       restore_fan_out: a restore from the backup tier alone reads each unique shard once per group
         of identical data-parallel ranks; the others fetch it from that node (``ClusterState``).
+      shared_backup_upload: identical data-parallel ranks share a backup's upload (``ClusterState``).
     """
 
     listen: str
@@ -142,6 +143,7 @@ class CoordinatorConfig:
     holder_grace_seconds: float = 60.0
     kube: "KubeSettings | None" = None
     restore_fan_out: bool = True
+    shared_backup_upload: bool = True
 
     def server_ssl(self) -> ssl.SSLContext | None:
         """The TLS context to serve with, or None for plain HTTP.
@@ -584,7 +586,7 @@ def make_app(config: CoordinatorConfig) -> web.Application:
     """The coordinator's aiohttp application."""
     app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[_CONFIG_KEY] = config
-    app[_STATE_KEY] = ClusterState(config.node_timeout_seconds, config.holder_grace_seconds, config.restore_fan_out)
+    app[_STATE_KEY] = ClusterState(config.node_timeout_seconds, config.holder_grace_seconds, config.restore_fan_out, config.shared_backup_upload)
     app[_ORDER_KEY] = ReportOrder()
     app[_CHANGES_KEY] = JobChanges(app[_STATE_KEY])
     app[_SNAPSHOT_KEY] = SettingsSnapshot(config.state_dir)

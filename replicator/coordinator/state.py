@@ -97,6 +97,8 @@ class ClusterState:
         incarnation holds its pods) after this long.
       fan_out: a restore from the backup tier alone reads each unique shard once per identical
         group, the group's other ranks fetch it from the downloader's node (``--no-restore-fan-out``: False).
+      shared_backup: identical ranks share a backup's upload, each sending its share of the files;
+        else one of them uploads (``--no-shared-backup-upload``: False).
 
     Attributes:
       liveness: the nodes and their clock (``liveness.Liveness``).
@@ -106,9 +108,11 @@ class ClusterState:
         every rank may hold are: a pass costs about one job size, not one per step held).
     """
 
-    def __init__(self, node_timeout_seconds: float = 15.0, holder_grace_seconds: float = 60.0, fan_out: bool = True):
+    def __init__(self, node_timeout_seconds: float = 15.0, holder_grace_seconds: float = 60.0, fan_out: bool = True,
+                 shared_backup: bool = True):  # fmt: skip
         self.liveness = Liveness(node_timeout_seconds, holder_grace_seconds)
         self.fan_out = fan_out  # restores read a backup-only step once per identical group (``planner.plan_restore``)
+        self.shared_backup = shared_backup  # identical ranks share a backup's upload (``backups.orders``)
         self._jobs: dict[JobRef, JobState] = {}
         self.decisions = 0
         self.identity_checks = 0
@@ -208,7 +212,7 @@ class ClusterState:
             assignments=tuple(a for p in state.report.pods if (a := self.assignment(p)) is not None),
             replicate=tuple(order for key, job in jobs for order in replicas.orders(key, job, state, self.liveness)),
             retain=tuple(job.decided.retain for _, job in jobs if job.decided.retain is not None),
-            backup=tuple(order for key, job in jobs for order in backups.orders(key, job, state)),
+            backup=tuple(order for key, job in jobs for order in backups.orders(key, job, state, self.shared_backup)),
             heartbeat_seconds=self.heartbeat_seconds,
             want_files=want_files,
             list_backups=tuple(key for key, job in jobs if job.decided.lister == node_id),

@@ -293,6 +293,9 @@ class BackupOrder(msgspec.Struct, frozen=True, gc=False):
       timeline: the job's current timeline: the backup is stored as that timeline's (write-once,
         never mixed with an abandoned timeline's objects of the same step).
       forks: the job's rollbacks: retention deletes backups of abandoned timelines.
+      share_group: the ranks (sorted, this one among them) found identical at the step, which share
+        its upload (``backup_tier.shared_upload``: each uploads its share, then references the
+        others'); empty when ``dedup_from_rank`` applies.
     """
 
     namespace: Name
@@ -305,6 +308,7 @@ class BackupOrder(msgspec.Struct, frozen=True, gc=False):
     protected: Annotated[tuple[Step, ...], msgspec.Meta(max_length=MAX_LIST)]
     timeline: Timeline = 0
     forks: Forks = ()
+    share_group: Annotated[tuple[Rank, ...], msgspec.Meta(max_length=MAX_RANKS)] = ()
 
 
 class ReportReply(msgspec.Struct, frozen=True, gc=False):

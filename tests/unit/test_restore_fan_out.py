@@ -1,6 +1,8 @@
-"""Read-once restores: a step held only in the backup tier is downloaded by one rank of each
-identical group, and its peers are told to wait for that node, then to fetch from it; a silent
-downloader is not waited for. The planner as a pure function, the views through ``ClusterState``."""
+"""Identical data-parallel groups in the backup tier. Read-once restores: a step held only in the
+backup tier is downloaded by one rank of each identical group, and its peers are told to wait for
+that node, then to fetch from it; a silent downloader is not waited for. Shared uploads: each rank
+of a group is ordered to upload its share. The planner as a pure function, the rest through
+``ClusterState``."""
 
 from replicator.coordinator.planner import Source, StepCopy, Tier, plan_restore
 from replicator.coordinator.state import ClusterState, decide_interval
@@ -45,9 +47,9 @@ def report(node, pods=(), held=(), backed_up=()):
                       backed_up=tuple(backed_up), protocol=PROTOCOL_VERSION)  # fmt: skip
 
 
-def lost_cluster(state: ClusterState):
-    """A DP=2 job whose ranks were found identical at step 9, backed up, then lost every copy in the
-    cluster (the ramdisks are gone). Returns (incarnation id, rank -> node index)."""
+def identical_at_9(state: ClusterState, listing=()):
+    """A DP=2 job whose ranks were found identical at step 9 (the backup tier lists ``listing``).
+    Returns (the incarnation, node index -> rank, the backup orders of the last report round)."""
     for node in range(NODES):
         state.apply_report(report(node, [pod(node)]), 0.0)
     state.tick(decide_interval(NODES))
@@ -55,12 +57,30 @@ def lost_cluster(state: ClusterState):
     rank_of = {int(node[1:]): rank for rank, node in incarnation.node_of_rank.items()}
     for node, rank in rank_of.items():
         state.record_settings(KEY, incarnation.incarnation_id, rank, JobSettings(((rank + 2) % NODES,), SLICES, None, 100))
-    listing = BackedUp(*NAMES, ((9, 0),), 1.0)
-    for node, rank in rank_of.items():
-        held = [HeldStep(*NAMES, 9, rank, FILES, signature="sig-9")]
-        state.apply_report(report(node, [pod(node, incarnation.incarnation_id, rank)], held, [listing]), 1.0)
-    state.tick(1.0 + decide_interval(NODES))
+    for now in (1.0, 2.0):  # the second round's replies carry the orders decided after the first
+        orders = []
+        for node, rank in rank_of.items():
+            held = [HeldStep(*NAMES, 9, rank, FILES, signature="sig-9")]
+            orders += state.apply_report(report(node, [pod(node, incarnation.incarnation_id, rank)], held, listing), now).backup
+        state.tick(now + decide_interval(NODES))
     assert state.identical(KEY)[9]
+    return incarnation, rank_of, orders
+
+
+def test_identical_ranks_are_ordered_to_share_the_backup_upload_or_one_of_them_uploads():
+    _, _, orders = identical_at_9(ClusterState())
+    assert sorted((o.rank, o.share_group, o.dedup_from_rank) for o in orders) == [
+        (0, (0, 2), None), (1, (1, 3), None), (2, (0, 2), None), (3, (1, 3), None)]
+    _, _, orders = identical_at_9(ClusterState(shared_backup=False))  # one leader per group, rotating with the step
+    assert sorted((o.rank, o.share_group, o.dedup_from_rank) for o in orders) == [
+        (0, (), 2), (1, (), 3), (2, (), None), (3, (), None)]
+
+
+def lost_cluster(state: ClusterState):
+    """A DP=2 job whose ranks were found identical at step 9, backed up, then lost every copy in the
+    cluster (the ramdisks are gone). Returns (incarnation id, rank -> node index)."""
+    listing = BackedUp(*NAMES, ((9, 0),), 1.0)
+    incarnation, rank_of, _ = identical_at_9(state, [listing])
     for node, rank in rank_of.items():
         state.apply_report(report(node, [pod(node, incarnation.incarnation_id, rank)], (), [listing]), 20.0)
     state.tick(20.0 + decide_interval(NODES))
