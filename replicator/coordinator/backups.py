@@ -12,11 +12,22 @@ log = logging.getLogger(__name__)
 _GIVE_UP_SECONDS = 600.0  # a chosen backup step that never completes is chosen anew
 
 
+def _believed(job: JobState, nodes: dict[str, NodeState]) -> list:
+    """The listings of known nodes the job ran on."""
+    members = job.beliefs.members
+    return [b for node_id, b in job.listings.items() if node_id in members and node_id in nodes]
+
+
+def listed(job: JobState, nodes: dict[str, NodeState]) -> bool:
+    """Whether a listing of the job's backups is believed: False after every node that listed them
+    was lost (a cluster loss) until a new lister lists, when the backups are unknown, not gone."""
+    return bool(_believed(job, nodes))
+
+
 def complete(job: JobState, nodes: dict[str, NodeState]) -> dict[int, int]:
     """Step -> timeline of the complete backups of the job's lineage, by the newest listing of a
     known node the job ran on (the newest timeline if a step was backed up in several)."""
-    members = job.beliefs.members
-    listings = [b for node_id, b in job.listings.items() if node_id in members and node_id in nodes]
+    listings = _believed(job, nodes)
     if not listings:
         return {}
     found: dict[int, int] = {}

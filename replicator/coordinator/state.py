@@ -250,7 +250,10 @@ class ClusterState:
         job.owners.promote(job.beliefs, job.identity)
         self.identity_checks += job.identity.compare()
         backed = self.backed_up(key)
-        job.forget_gone_steps(frozenset(job.claims.step_ranks) | backed)
+        # After a cluster loss no listing is believed until a new lister lists: the backups seen
+        # before are unknown, not gone, and their identities and owner checksums serve the restore.
+        listed = backups.listed(job, liveness.nodes)
+        job.forget_gone_steps(frozenset(job.claims.step_ranks) | (backed if listed else set(job.backup_seen)))
         if job.incarnation is not None:
             wanted = replicas.wanted(job, liveness)
             replicas.place(job, liveness, wanted)
@@ -261,7 +264,8 @@ class ClusterState:
         else:
             job.decided.safe = job.decided.round = None
         job.decided.lister = backups.choose_lister(job, liveness)
-        backups.note_seen(job, backed, liveness.now)
+        if listed:
+            backups.note_seen(job, backed, liveness.now)
         if job.incarnation is not None and job.settings:
             backups.advance(key, job, liveness.now, backed, lambda: self._newest_complete(job, set()))
         job.decided.retain = retention.retain_order(key, job)  # after the backup choice: it protects the step being backed up

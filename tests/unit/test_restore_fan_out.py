@@ -37,8 +37,9 @@ def test_no_fan_out_when_a_copy_is_in_the_cluster_without_identity_or_when_turne
     assert plan_restore(NODES, node_of, backup_only(), identical=IDENTICAL, fan_out=False).fan_out == {}
 
 
-def pod(node, incarnation=None, rank=None, settings=None):
-    return PodReport(*NAMES, f"dp-{node // 2}-{node % 2}-x", f"uid-{node}", node // 2, node % 2, NODES, SLICES, 8476, "dp", 0.0,
+def pod(node, incarnation=None, rank=None, settings=None, published_at=0.0):
+    slot = node % NODES  # a fresh node takes the slot of the lost one
+    return PodReport(*NAMES, f"dp-{slot // 2}-{slot % 2}-x", f"uid-{node}", slot // 2, slot % 2, NODES, SLICES, 8476, "dp", published_at,
                      incarnation, rank, settings)  # fmt: skip
 
 
@@ -118,3 +119,26 @@ def test_a_silent_downloader_is_not_waited_for():
     assert KEY in state.drain_changed()  # the change reaches the waiting rank's long poll
     view = state.restore_view(KEY, incarnation, 3, 60.0)
     assert not view.fan_out_pending and [s.tier for s in view.sources] == [Tier.BACKUP, Tier.BACKUP]
+
+
+def test_a_cluster_replaced_whole_keeps_the_identities_of_its_backups_until_a_new_lister_lists():
+    state = ClusterState(node_timeout_seconds=4.0, holder_grace_seconds=5.0)
+    listing = BackedUp(*NAMES, ((9, 0),), 1.0)
+    identical_at_9(state, [listing])
+    # Every node is lost; fresh nodes 4..7 publish the job's new pods and report nothing held, not
+    # listed yet: the lost nodes (the only listers) are forgotten past the grace meanwhile.
+    for now in (3.0, 10.0, 20.0):
+        for node in range(NODES, 2 * NODES):
+            state.apply_report(report(node, [pod(node, published_at=3.0)]), now)
+        state.tick(now + decide_interval(NODES))
+    incarnation = state.job(KEY).incarnation
+    assert set(incarnation.node_of_rank.values()) == {f"n{node}" for node in range(NODES, 2 * NODES)}
+    assert not state.backed_up(KEY) and state.identical(KEY)[9]  # backups unknown, identities kept
+    node_of = {rank: int(node[1:]) for rank, node in incarnation.node_of_rank.items()}
+    for rank, node in node_of.items():
+        state.record_settings(KEY, incarnation.incarnation_id, rank, JobSettings(((rank + 2) % NODES,), SLICES, None, 100))
+        state.apply_report(report(node, [pod(node, incarnation.incarnation_id, rank, published_at=3.0)], (), [listing]), 21.0)
+    state.tick(21.0 + decide_interval(NODES))
+    views = {rank: state.restore_view(KEY, incarnation.incarnation_id, rank, 22.0) for rank in range(NODES)}
+    assert {v.step for v in views.values()} == {9}
+    assert [views[r].fan_out_pending for r in range(NODES)] == [False, False, True, True]
