@@ -113,8 +113,8 @@ def orders(key: JobRef, job: JobState, state: NodeState, shared: bool = True) ->
         if claim.job != key or claim.replica or claim.step != step or incarnation.node_of_rank.get(claim.rank) != node_id:
             continue
         group = job.memo.leaders.group(job.identity, step, claim.rank)
-        leader = None if shared and len(group) > 1 else job.memo.leaders.leader(job.identity, step, claim.rank)
+        sharing = group if shared and len(group) > 1 else ()
+        leader = claim.rank if sharing else job.memo.leaders.leader(job.identity, step, claim.rank)
         result.append(BackupOrder(key.namespace, key.job, step, claim.rank, incarnation.incarnation_id, len(incarnation.node_of_rank),
-                                  None if leader in (None, claim.rank) else leader, protected, len(job.forks), job.forks,
-                                  group if leader is None else ()))  # fmt: skip
+                                  None if leader == claim.rank else leader, protected, len(job.forks), job.forks, sharing))  # fmt: skip
     return result
