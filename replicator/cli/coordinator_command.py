@@ -43,9 +43,9 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-restore-fan-out", dest="restore_fan_out", action="store_false",
                    help="after a cluster loss every node reads its own shards from the backup tier, instead of one node "
                         "per group of identical data-parallel ranks reading and the others fetching from it")
-    p.add_argument("--no-shared-backup-upload", dest="shared_backup_upload", action="store_false",
-                   help="one rank per group of identical data-parallel ranks uploads a backup, instead of each "
-                        "uploading its share of the files")
+    p.add_argument("--shared-backup-upload", action="store_true",
+                   help="the ranks of a group of identical data-parallel ranks each upload their share of a backup's files "
+                        "that share a path, instead of one of them uploading (Orbax's data files differ per process: no gain there)")
     p.add_argument("--max-nodes", type=positive_int, default=DEFAULT_MAX_NODES, help="largest job accepted in a report (default %(default)s)")
     p.add_argument("--kube", action="store_true",
                    help="read JobSet jobs' shape, ranks, rank 0's address and nodes' failure domains from the API server "

@@ -92,7 +92,7 @@ def advance(key: JobRef, job: JobState, now: float, backed: set[int], newest_com
         log.info("job %s: backing up step %d", key, newest)
 
 
-def orders(key: JobRef, job: JobState, state: NodeState, shared: bool = True) -> list[BackupOrder]:
+def orders(key: JobRef, job: JobState, state: NodeState, shared: bool = False) -> list[BackupOrder]:
     """Uploads of the step being backed up for the ranks whose own data this node holds.
 
     The members of a data-parallel group found identical share the upload (``shared``: each sends

@@ -143,7 +143,7 @@ class CoordinatorConfig:
     holder_grace_seconds: float = 60.0
     kube: "KubeSettings | None" = None
     restore_fan_out: bool = True
-    shared_backup_upload: bool = True
+    shared_backup_upload: bool = False
 
     def server_ssl(self) -> ssl.SSLContext | None:
         """The TLS context to serve with, or None for plain HTTP.

@@ -97,8 +97,8 @@ class ClusterState:
         incarnation holds its pods) after this long.
       fan_out: a restore from the backup tier alone reads each unique shard once per identical
         group, the group's other ranks fetch it from the downloader's node (``--no-restore-fan-out``: False).
-      shared_backup: identical ranks share a backup's upload, each sending its share of the files;
-        else one of them uploads (``--no-shared-backup-upload``: False).
+      shared_backup: identical ranks share a backup's upload, each sending its share of the files
+        (``--shared-backup-upload``); else one of them uploads.
 
     Attributes:
       liveness: the nodes and their clock (``liveness.Liveness``).
@@ -109,7 +109,7 @@ class ClusterState:
     """
 
     def __init__(self, node_timeout_seconds: float = 15.0, holder_grace_seconds: float = 60.0, fan_out: bool = True,
-                 shared_backup: bool = True):  # fmt: skip
+                 shared_backup: bool = False):  # fmt: skip
         self.liveness = Liveness(node_timeout_seconds, holder_grace_seconds)
         self.fan_out = fan_out  # restores read a backup-only step once per identical group (``planner.plan_restore``)
         self.shared_backup = shared_backup  # identical ranks share a backup's upload (``backups.orders``)

@@ -1,6 +1,6 @@
 """Read-once restores and shared backup uploads of a data-parallel job, before (one uploader per
-identical group, every node downloading: ``--no-shared-backup-upload --no-restore-fan-out``, first)
-and after, in the same run.
+identical group, every node downloading: ``--no-restore-fan-out``, first) and after
+(``--shared-backup-upload``, fan-out), in the same run.
 
 A real data-parallel Orbax job (``examples/train.py``, DP slices of one node each, so every rank
 holds the same data, with ``--ballast-mib`` MiB per rank replicated across slices) trains on real
@@ -99,8 +99,8 @@ def one_run(workdir: str, dp: int, after: bool, ballast_mib: int, store_mbit: fl
         bucket = server.client().create_bucket("ckpt")
         cluster = LocalCluster(os.path.join(workdir, "cluster"), listen_address, backup="gs://ckpt/mtc",
                                env={"STORAGE_EMULATOR_HOST": server.url})  # fmt: skip
-        before = [] if after else ["--no-restore-fan-out", "--no-shared-backup-upload"]
-        cluster.coordinator.extra_args += ["--holder-grace-seconds", "5", *before]
+        modes = ["--shared-backup-upload"] if after else ["--no-restore-fan-out"]
+        cluster.coordinator.extra_args += ["--holder-grace-seconds", "5", *modes]
         cleanup.callback(unmount_all_below, workdir)
         cleanup.callback(cluster.stop)
         cleanup.callback(kill_started_jobs)

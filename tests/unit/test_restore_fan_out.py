@@ -69,10 +69,10 @@ def identical_at_9(state: ClusterState, listing=()):
 
 
 def test_identical_ranks_are_ordered_to_share_the_backup_upload_or_one_of_them_uploads():
-    _, _, orders = identical_at_9(ClusterState())
+    _, _, orders = identical_at_9(ClusterState(shared_backup=True))
     assert sorted((o.rank, o.share_group, o.dedup_from_rank) for o in orders) == [
         (0, (0, 2), None), (1, (1, 3), None), (2, (0, 2), None), (3, (1, 3), None)]
-    _, _, orders = identical_at_9(ClusterState(shared_backup=False))  # one leader per group, rotating with the step
+    _, _, orders = identical_at_9(ClusterState())  # one leader per group, rotating with the step
     assert sorted((o.rank, o.share_group, o.dedup_from_rank) for o in orders) == [
         (0, (), 2), (1, (), 3), (2, (), None), (3, (), None)]
 
