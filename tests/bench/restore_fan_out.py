@@ -145,7 +145,7 @@ def main() -> None:
     if find_tool("fake-gcs-server") is None:
         raise SystemExit("fake-gcs-server is neither on PATH nor in .tools/bin; run `make tools`")
     print(f"{'DP = ' + str(args.dp) + ', medians':<44}{'read ÷ unique':>14}{'restore s':>11}{'upload share':>14}{'backup s':>10}")
-    modes = (("before: one uploader, every node downloads", False), ("after: shared upload, fan-out", True))
+    modes = (("before (today): every node downloads", False), ("after: fan-out, shared upload", True))
     for label, after in modes:
         runs = []
         for _ in range(args.repetitions):
