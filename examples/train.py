@@ -138,6 +138,14 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
         ),
     )
     parser.add_argument(
+        '--ballast-per-slice',
+        action='store_true',
+        help=(
+            'Replicate the ballast across slices, like the model state, so'
+            ' data-parallel peers hold the same ballast (read-once restore bench).'
+        ),
+    )
+    parser.add_argument(
         '--step-sleep',
         type=float,
         default=0.0,
@@ -169,8 +177,9 @@ def make_mesh(num_slices: int) -> jax.sharding.Mesh:
     return jax.sharding.Mesh(grid, ('replica', 'model'))
 
 
-def state_specs(ballast: bool) -> dict[str, Any]:
-    """Partition specs of the training state (with the ballast: one shard per process)."""
+def state_specs(ballast: bool, per_slice: bool = False) -> dict[str, Any]:
+    """Partition specs of the training state (with the ballast: one shard per process, or per
+    process of a slice, the same in every slice, when ``per_slice``)."""
     p = jax.sharding.PartitionSpec
     params = {
         'w1': p(None, 'model'),
@@ -179,7 +188,7 @@ def state_specs(ballast: bool) -> dict[str, Any]:
         'b2': p(),
     }
     specs = {'params': params, 'momentum': dict(params), 'step': p()}
-    return {**specs, 'ballast': p(('replica', 'model'))} if ballast else specs
+    return {**specs, 'ballast': p('model' if per_slice else ('replica', 'model'))} if ballast else specs
 
 
 def global_array(
@@ -192,18 +201,19 @@ def global_array(
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
-def make_ballast(mesh: jax.sharding.Mesh, mib: int) -> jax.Array:
+def make_ballast(mesh: jax.sharding.Mesh, mib: int, per_slice: bool = False) -> jax.Array:
     """``mib`` MiB of deterministic random float32 per process, each shard built where it lives."""
     per_shard = (mib << 20) // 4
-    sharding = jax.sharding.NamedSharding(mesh, state_specs(True)['ballast'])
+    sharding = jax.sharding.NamedSharding(mesh, state_specs(True, per_slice)['ballast'])
 
     def shard(index: tuple[slice, ...]) -> np.ndarray:
         return np.random.default_rng(index[0].start or 0).random(per_shard, dtype=np.float32)
 
-    return jax.make_array_from_callback((per_shard * mesh.size,), sharding, shard)
+    shards = mesh.shape['model'] if per_slice else mesh.size
+    return jax.make_array_from_callback((per_shard * shards,), sharding, shard)
 
 
-def init_state(mesh: jax.sharding.Mesh, ballast_mib: int) -> dict[str, Any]:
+def init_state(mesh: jax.sharding.Mesh, ballast_mib: int, per_slice: bool = False) -> dict[str, Any]:
     """Returns the deterministic step-0 training state."""
     hidden = HIDDEN_PER_SHARD * mesh.shape['model']
     rng = np.random.default_rng(0)
@@ -223,7 +233,7 @@ def init_state(mesh: jax.sharding.Mesh, ballast_mib: int) -> dict[str, Any]:
         host_state,
     )
     state = jax.tree.map(lambda v, s: global_array(mesh, s, v), host_state, state_specs(False))
-    return {**state, 'ballast': make_ballast(mesh, ballast_mib)} if ballast_mib else state
+    return {**state, 'ballast': make_ballast(mesh, ballast_mib, per_slice)} if ballast_mib else state
 
 
 def make_batch(mesh: jax.sharding.Mesh, step: int) -> tuple[jax.Array, jax.Array]:
@@ -244,9 +254,9 @@ def loss_fn(params: dict[str, jax.Array], x: jax.Array, y: jax.Array):
     return jnp.mean((pred - y) ** 2)
 
 
-def make_train_step(mesh: jax.sharding.Mesh, ballast: bool):
+def make_train_step(mesh: jax.sharding.Mesh, ballast: bool, per_slice: bool = False):
     """Returns the jitted SGD + momentum step: (state, x, y) -> (state, loss)."""
-    shardings = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), state_specs(ballast))
+    shardings = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), state_specs(ballast, per_slice))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
     def train_step(state, x, y):
@@ -314,7 +324,7 @@ def main() -> None:
         mtc_manager.ReplicatorCheckpointManagerOptions(save_interval_steps=args.save_interval_steps),
         global_mesh=mesh,
     )
-    state = init_state(mesh, args.ballast_mib)
+    state = init_state(mesh, args.ballast_mib, args.ballast_per_slice)
     restored_step = manager.latest_step()
     if restored_step is not None:
         abstract_state = jax.tree.map(
@@ -335,7 +345,7 @@ def main() -> None:
             dump_state(args.dump_dir, rank, restored_step, state)
     events.emit('restored', step=restored_step, rank=rank)
 
-    train_step = make_train_step(mesh, bool(args.ballast_mib))
+    train_step = make_train_step(mesh, bool(args.ballast_mib), args.ballast_per_slice)
     for step in range((restored_step or 0) + 1, args.steps + 1):
         x, y = make_batch(mesh, step)
         state, loss = train_step(state, x, y)

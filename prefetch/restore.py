@@ -5,6 +5,11 @@ node, a peer, the backup tier). ``Restorer.restore`` stages the step from the fi
 serves a copy matching the owner's checksums, reports the outcome, waits (long poll) until every
 rank has staged, then ``hand_over`` writes the job's restore marker. Within the deadline an unreachable
 source is retried; only a proven mismatch gives a copy up (reported, so the plan moves on).
+
+Read-once restores: when the step is held only in the backup tier, a view may say an identical
+rank's node is downloading it (``fan_out_pending``); the rank then waits (long poll) for the view
+that lists that node first, and reads the store itself after ``fan_out_wait_seconds`` or as soon as
+the coordinator sees that node silent.
 """
 
 import asyncio
@@ -34,7 +39,7 @@ from replicator.pacing import timing
 from replicator.peer_tier.client import PeerFetchError, fetch_manifest, fetch_step
 from replicator.wire.bearer import Tokens
 from replicator.wire.coordinator_client import CoordinatorClient, CoordinatorUnavailable
-from replicator.wire.messages import RestoreView, Source, Tier
+from replicator.wire.messages import MAX_WAIT_SECONDS, RestoreView, Source, Tier
 from replicator.wire.metric_labels import JOB_LABELS
 
 log = logging.getLogger(__name__)
@@ -114,10 +119,13 @@ class Restorer:
       log_once: the agent's throttled error log.
       deadline_seconds: a restore gives up (and tells the job) after this long; below Orbax's 300 s.
       make_room: called before a copy is fetched into a ramdisk without room for it, or None.
+      fan_out_wait_seconds: how long a rank waits for an identical rank's node to download the step
+        from the backup tier before it reads the store itself.
     """
 
     def __init__(self, node_id: str, peer_token: Tokens | None, peer_ssl: ssl.SSLContext | None, download: BackupDownload | None,
-                 log_once: LogOnce, deadline_seconds: float = timing.RESTORE_DEADLINE_SECONDS, make_room: MakeRoom | None = None):  # fmt: skip
+                 log_once: LogOnce, deadline_seconds: float = timing.RESTORE_DEADLINE_SECONDS, make_room: MakeRoom | None = None,
+                 fan_out_wait_seconds: float = timing.FAN_OUT_WAIT_SECONDS):  # fmt: skip
         self.node_id = node_id
         self._make_room = make_room
         self._peer_token = peer_token
@@ -125,6 +133,7 @@ class Restorer:
         self._download = download
         self._log_once = log_once
         self._deadline_seconds = deadline_seconds
+        self._fan_out_wait_seconds = fan_out_wait_seconds
 
     async def restore(self, client: CoordinatorClient, session: aiohttp.ClientSession, disk: Ramdisk, meta: JobMeta,
                       progress: PodProgress, beat: Callable[[], None]) -> None:  # fmt: skip
@@ -142,12 +151,21 @@ class Restorer:
         # rank waited), and the backoff applies only while the plan's sources are unreachable.
         staged_generation, source, backoff, seen = None, NO_SOURCE, timing.RESTORE_RETRY_FIRST_SECONDS, None
         unusable: set[tuple[str, str, int]] = set()  # (generation, holder, data rank) proven unusable here
+        wait, fan_out = MAX_WAIT_SECONDS, None  # fan_out: (generation, when this rank began to wait for its downloader)
         while time.monotonic() - started < self._deadline_seconds:
             beat()
             try:
-                view = await client.restore_view(pod, seen)
-                seen = None
+                view = await client.restore_view(pod, seen, wait)
+                seen, wait = None, MAX_WAIT_SECONDS
                 if view.step is not None and view.generation != staged_generation:
+                    if view.fan_out_pending:
+                        if fan_out is None or fan_out[0] != view.generation:
+                            fan_out = (view.generation, time.monotonic())
+                        if (left := self._fan_out_wait_seconds - (time.monotonic() - fan_out[1])) > 0:
+                            seen, wait = view.token, left  # until the downloader has staged (or is silent)
+                            continue
+                        log.warning("%s/%s rank %d: step %d not downloaded by the identical rank's node within %.0f s; reading "
+                                    "the backup tier", disk.namespace, disk.job, progress.rank, view.step, self._fan_out_wait_seconds)  # fmt: skip
                     staged = await self._stage(session, disk, meta, progress, view, unusable)
                     used, bad, unreachable = staged.source, staged.bad, staged.unreachable
                     unusable.update((view.generation, holder, rank) for _, rank, holder in bad)

@@ -9,6 +9,8 @@ Layout below the store's prefix, per job key ``<namespace>/<job>``::
 
   <ns>/<job>/steps/<step>/rank-<r>/<relpath>      data objects, one per file of the rank's step dir
   <ns>/<job>/steps/<step>/rank-<r>.manifest.json  {"step", "rank", "timeline", "files": {relpath: {"size", "crc32c", "object"}}}
+  <ns>/<job>/steps/<step>/rank-<r>.share.json     the same for the files rank r uploaded as its share of its
+                                                  identical group's upload (``shared_upload``); never restored
   <ns>/<job>/steps/<step>/COMMIT                  {"step", "nodes", "ranks": [...]}, written last
 
 That is timeline 0; a step of timeline ``t`` > 0 (written after the job's ``t``-th rollback, see
@@ -153,8 +155,8 @@ def _step_prefix(job_key: str, step: int, timeline: int = 0) -> str:
     return f"{_job_prefix(job_key)}{step}{f'-t{timeline}' if timeline else ''}/"
 
 
-def _manifest_name(rank: int) -> str:
-    return f"rank-{rank}.manifest.json"
+def _manifest_name(rank: int, share: bool = False) -> str:
+    return f"rank-{rank}.share.json" if share else f"rank-{rank}.manifest.json"
 
 
 class BackupStore:
@@ -176,7 +178,7 @@ class BackupStore:
 
     def upload_rank(self, job_key: str, step: int, rank: int, step_dir: str, manifest: StepManifest,
                     dedup_from: RankManifest | None = None, incarnation: str = "", share: CpuShare | None = None,
-                    timeline: int = 0, on_file: Callable[[int], None] | None = None) -> RankManifest:  # fmt: skip
+                    timeline: int = 0, on_file: Callable[[int], None] | None = None, group_share: bool = False) -> RankManifest:  # fmt: skip
         """Stores one rank's committed step, then its rank manifest.
 
         A file whose relative path, size and content identity equal a file of ``dedup_from`` (a rank manifest of
@@ -198,6 +200,8 @@ class BackupStore:
           timeline: the job's timeline to store the step as (see the module's layout).
           on_file: called (from a worker thread) with each file's size in bytes once it is stored,
             or found stored already (a deduplicated file at once), or None.
+          group_share: ``manifest`` holds only the files this rank uploads for its identical group
+            (``shared_upload``): its manifest is stored as the rank's share, which commits nothing.
 
         Returns:
           The stored rank manifest (pass it as ``dedup_from`` for the next peer).
@@ -217,6 +221,8 @@ class BackupStore:
             raise ValueError(f"dedup_from is for step {dedup_from.step} of timeline {dedup_from.timeline}, not {step} of "
                              f"{timeline}: objects are shared within a step only")  # fmt: skip
         if COMMIT in self.objects.list(prefix):
+            if group_share:
+                return RankManifest(step, rank, {}, incarnation, timeline)  # committed: nothing left to share
             return self._committed_as(job_key, step, rank, manifest, incarnation, timeline)
         peer = dedup_from.files if dedup_from is not None else {}
         files: dict[str, StoredFile] = {}
@@ -239,8 +245,8 @@ class BackupStore:
                 uploads.append(Upload(pod_files.proc_path(fd), prefix + files[rel].object, size, crc))
             self.objects.put_files(uploads, self.workers, None if on_file is None else lambda upload: on_file(upload.size))
         stored = RankManifest(step, rank, files, incarnation, timeline)
-        name = prefix + _manifest_name(rank)
-        if not self.objects.create_text(name, stored.to_json()) and self.rank_manifest(job_key, step, rank, timeline) != stored:
+        name = prefix + _manifest_name(rank, group_share)
+        if not self.objects.create_text(name, stored.to_json()) and self.rank_manifest(job_key, step, rank, timeline, group_share) != stored:
             # Left by an interrupted upload (another incarnation, or bytes since changed): the step is
             # not committed (checked above), and a rank's manifest has one writer per incarnation.
             self.objects.delete(name)
@@ -257,14 +263,15 @@ class BackupStore:
                               f"a committed step is never overwritten")
         return stored
 
-    def rank_manifest(self, job_key: str, step: int, rank: int, timeline: int = 0) -> RankManifest | None:
-        """A stored rank manifest, or None when that rank's upload of ``step`` (of ``timeline``) has not finished.
+    def rank_manifest(self, job_key: str, step: int, rank: int, timeline: int = 0, group_share: bool = False) -> RankManifest | None:
+        """A stored rank manifest (``group_share``: the rank's share of its group's upload), or None
+        when that rank's upload of ``step`` (of ``timeline``) has not finished.
 
         Raises:
           ValueError: bad job key.
           BackupError: the store failed, or the manifest is malformed.
         """
-        name = _step_prefix(job_key, step, timeline) + _manifest_name(rank)
+        name = _step_prefix(job_key, step, timeline) + _manifest_name(rank, group_share)
         text = self.objects.read_text(name)
         if text is None:
             return None

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 import tenacity
 from prometheus_client import Counter, Histogram
 
+from replicator.backup_tier import shared_upload
 from replicator.backup_tier.store import BackupError, BackupStore
 from replicator.local_tier.in_flight import InFlight
 from replicator.local_tier.job_keys import BusySteps
@@ -136,11 +137,16 @@ class BackupWorker:
         started = time.monotonic()
         with self._busy.reading(job, order.step):
             dedup = None
-            if order.dedup_from_rank is not None:
+            step_dir, manifest = located
+            if order.share_group:
+                dedup = await asyncio.to_thread(shared_upload.group_dedup, self.store, job_key, order.step, order.rank, step_dir, manifest,
+                                                order.share_group, order.incarnation, self._share, order.timeline)  # fmt: skip
+                if dedup is None:
+                    return  # this rank's share is stored; the others' are not yet: the next order retries
+            elif order.dedup_from_rank is not None:
                 dedup = await asyncio.to_thread(self.store.rank_manifest, job_key, order.step, order.dedup_from_rank, order.timeline)
                 if dedup is None or dedup.incarnation != order.incarnation:
                     return  # the group's uploader has not finished; the next order retries
-            step_dir, manifest = located
             with BACKUP_IN_FLIGHT.transfer(order.namespace, order.job, manifest.total_bytes) as sent:
                 stored = await asyncio.to_thread(
                     self.store.upload_rank, job_key, order.step, order.rank, step_dir, manifest, dedup, order.incarnation, self._share,

@@ -40,6 +40,12 @@ def add(sub: argparse._SubParsersAction) -> None:
                    help="run without --token-file: anyone who reaches the port can steer the cluster (one-machine experiments only)")
     p.add_argument("--tls-cert", type=readable_file, help="serve HTTPS with this certificate (PEM)")
     p.add_argument("--tls-key", type=readable_file, help="the certificate's private key (PEM)")
+    p.add_argument("--no-restore-fan-out", dest="restore_fan_out", action="store_false",
+                   help="after a cluster loss every node reads its own shards from the backup tier, instead of one node "
+                        "per group of identical data-parallel ranks reading and the others fetching from it")
+    p.add_argument("--shared-backup-upload", action="store_true",
+                   help="the ranks of a group of identical data-parallel ranks each upload their share of a backup's files "
+                        "that share a path, instead of one of them uploading (Orbax's data files differ per process: no gain there)")
     p.add_argument("--max-nodes", type=positive_int, default=DEFAULT_MAX_NODES, help="largest job accepted in a report (default %(default)s)")
     p.add_argument("--kube", action="store_true",
                    help="read JobSet jobs' shape, ranks, rank 0's address and nodes' failure domains from the API server "
@@ -67,5 +73,6 @@ def _run_coordinator(args: argparse.Namespace) -> int:
     except ValueError as err:
         return usage_error("coordinator", str(err))
     run_coordinator(CoordinatorConfig(args.listen, args.state_dir, args.node_timeout_seconds, args.token_file,
-                                      args.tls_cert, args.tls_key, args.max_nodes, args.holder_grace_seconds, kube))  # fmt: skip
+                                      args.tls_cert, args.tls_key, args.max_nodes, args.holder_grace_seconds, kube,
+                                      args.restore_fan_out, args.shared_backup_upload))  # fmt: skip
     return 0

@@ -12,11 +12,22 @@ log = logging.getLogger(__name__)
 _GIVE_UP_SECONDS = 600.0  # a chosen backup step that never completes is chosen anew
 
 
+def _believed(job: JobState, nodes: dict[str, NodeState]) -> list:
+    """The listings of known nodes the job ran on."""
+    members = job.beliefs.members
+    return [b for node_id, b in job.listings.items() if node_id in members and node_id in nodes]
+
+
+def listed(job: JobState, nodes: dict[str, NodeState]) -> bool:
+    """Whether a listing of the job's backups is believed: False after every node that listed them
+    was lost (a cluster loss) until a new lister lists, when the backups are unknown, not gone."""
+    return bool(_believed(job, nodes))
+
+
 def complete(job: JobState, nodes: dict[str, NodeState]) -> dict[int, int]:
     """Step -> timeline of the complete backups of the job's lineage, by the newest listing of a
     known node the job ran on (the newest timeline if a step was backed up in several)."""
-    members = job.beliefs.members
-    listings = [b for node_id, b in job.listings.items() if node_id in members and node_id in nodes]
+    listings = _believed(job, nodes)
     if not listings:
         return {}
     found: dict[int, int] = {}
@@ -81,11 +92,13 @@ def advance(key: JobRef, job: JobState, now: float, backed: set[int], newest_com
         log.info("job %s: backing up step %d", key, newest)
 
 
-def orders(key: JobRef, job: JobState, state: NodeState) -> list[BackupOrder]:
+def orders(key: JobRef, job: JobState, state: NodeState, shared: bool = False) -> list[BackupOrder]:
     """Uploads of the step being backed up for the ranks whose own data this node holds.
 
-    In a data-parallel group one member (rotating with the step, to spread the load) uploads;
-    the others reference its objects and upload only what differs.
+    The members of a data-parallel group found identical share the upload (``shared``: each sends
+    its share of the files and references the others', ``backup_tier.shared_upload``); else one
+    member (rotating with the step) uploads and the others reference its objects. Either way each
+    uploads only what differs besides.
     """
     incarnation = job.incarnation
     step = job.backup_pending
@@ -99,7 +112,9 @@ def orders(key: JobRef, job: JobState, state: NodeState) -> list[BackupOrder]:
     for claim in state.claims:
         if claim.job != key or claim.replica or claim.step != step or incarnation.node_of_rank.get(claim.rank) != node_id:
             continue
-        leader = job.memo.leaders.leader(job.identity, step, claim.rank)
+        group = job.memo.leaders.group(job.identity, step, claim.rank)
+        sharing = group if shared and len(group) > 1 else ()
+        leader = claim.rank if sharing else job.memo.leaders.leader(job.identity, step, claim.rank)
         result.append(BackupOrder(key.namespace, key.job, step, claim.rank, incarnation.incarnation_id, len(incarnation.node_of_rank),
-                                  None if leader == claim.rank else leader, protected, len(job.forks), job.forks))  # fmt: skip
+                                  None if leader == claim.rank else leader, protected, len(job.forks), job.forks, sharing))  # fmt: skip
     return result

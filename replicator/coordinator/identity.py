@@ -149,22 +149,27 @@ class IdenticalPairs(Mapping[int, frozenset[tuple[int, int]]]):
 
 
 class LeaderMemo:
-    """The backup leader of each rank at one step, kept while the identities it rests on hold."""
+    """The identical group of each rank at one step (who uploads its backup), kept while the
+    identities it rests on hold."""
 
-    __slots__ = ("leaders", "stamp")
+    __slots__ = ("groups", "stamp")
 
     def __init__(self):
         self.stamp: tuple[int, int] | None = None  # (step, ``Identity.stamp``)
-        self.leaders: dict[int, int] = {}
+        self.groups: dict[int, tuple[int, ...]] = {}
+
+    def group(self, identity: Identity, step: int, rank: int) -> tuple[int, ...]:
+        """``rank`` and the ranks found identical to it at ``step``, sorted: kept per (step, rank)
+        until more ranks are found identical (a report must not walk 39 peers each time)."""
+        if self.stamp != (step, identity.stamp):
+            self.stamp, self.groups = (step, identity.stamp), {}
+        group = self.groups.get(rank)
+        if group is None:
+            group = self.groups[rank] = tuple(sorted([rank] + (identity.identical_peers(step, rank) if rank in identity.covered.get(step, ()) else [])))
+        return group
 
     def leader(self, identity: Identity, step: int, rank: int) -> int:
-        """The rank of ``rank``'s identical group that uploads ``step`` (rotating with the step, to
-        spread the load): kept per (step, rank) until more ranks are found identical (a report must
-        not walk 39 peers each time)."""
-        if self.stamp != (step, identity.stamp):
-            self.stamp, self.leaders = (step, identity.stamp), {}
-        leader = self.leaders.get(rank)
-        if leader is None:
-            group = sorted([rank] + (identity.identical_peers(step, rank) if rank in identity.covered.get(step, ()) else []))
-            leader = self.leaders[rank] = group[step % len(group)]
-        return leader
+        """The rank of ``rank``'s identical group that uploads ``step`` alone (rotating with the
+        step, to spread the load)."""
+        group = self.group(identity, step, rank)
+        return group[step % len(group)]

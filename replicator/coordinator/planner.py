@@ -60,10 +60,14 @@ class RestorePlan:
     """The step every rank restores and, per rank, its sources in preference order.
 
     ``step`` is None when no step is restorable: every rank starts fresh (Orbax's ``s0`` marker).
+    ``fan_out`` maps a rank whose only copies are in the backup tier to the node of its identical
+    group's downloader (a peer source, ``data_rank`` the downloader's rank): once that rank has
+    staged the step, the others fetch it from there instead of reading the store again.
     """
 
     step: int | None
     sources: Mapping[int, tuple[Source, ...]]
+    fan_out: Mapping[int, Source] = dataclasses.field(default_factory=dict)
 
 
 def select_pods(pods: Iterable[PodSlot], nodes: int) -> list[PodSlot] | None:
@@ -132,6 +136,7 @@ def plan_restore(
     block_of: Mapping[str, str] | None = None,
     usable_tiers: frozenset[Tier] = frozenset(Tier),
     identical: Mapping[int, frozenset[tuple[int, int]]] | None = None,
+    fan_out: bool = True,
 ) -> RestorePlan:
     """Picks the newest step that every rank can restore, and each rank's sources.
 
@@ -146,6 +151,8 @@ def plan_restore(
       block_of: node id -> topology block, to tell close peers from distant ones.
       usable_tiers: tiers the restore may use.
       identical: step -> pairs of ranks (both orders) holding the same logical data at that step.
+      fan_out: read each unique shard from the backup tier once per identical group (see
+        ``RestorePlan.fan_out``); False: every rank reads its own.
 
     Returns:
       The plan; ``step`` is None when nothing qualifies.
@@ -166,8 +173,28 @@ def plan_restore(
             candidates = [copy for data_rank in serving for copy in held.get(data_rank, [])]
             sources[rank] = _ranked_sources(candidates, node_of_rank[rank], block_of, usable_tiers)
         if all(sources.values()):
-            return RestorePlan(step, sources)
+            fanned = _fan_out(sources, peers, node_of_rank, block_of, usable_tiers) if fan_out else {}
+            return RestorePlan(step, sources, fanned)
     return RestorePlan(None, {rank: () for rank in range(nodes)})
+
+
+def _fan_out(sources: Mapping[int, tuple[Source, ...]], peers: Mapping[int, list[int]], node_of_rank: Mapping[int, str],
+             block_of: Mapping[str, str], usable: frozenset[Tier]) -> dict[int, Source]:  # fmt: skip
+    """Rank -> its downloader's peer source, for the ranks of identical groups held only in the
+    backup tier: the group's lowest rank downloads (its first source is its own backup), the others
+    wait for its node. A group with any copy in the cluster restores from it as before."""
+    fanned = {}
+    for rank, ranked in sources.items():
+        if not peers.get(rank) or any(s.tier != Tier.BACKUP for s in ranked):
+            continue
+        downloader = min(rank, *peers[rank])
+        if downloader == rank:
+            continue
+        holder, target = node_of_rank[downloader], node_of_rank[rank]
+        tier = _tier(StepCopy(0, downloader, holder), target, block_of)
+        if tier in usable and tier != Tier.LOCAL:
+            fanned[rank] = Source(tier, holder, downloader)
+    return fanned
 
 
 def _tier(copy: StepCopy, target: str, block_of: Mapping[str, str]) -> Tier:

@@ -50,15 +50,18 @@ def check_plannable(job: JobState, incarnation: Incarnation, nodes: dict, now: f
         raise NotReady(f"waiting for {job.decided.lister or 'a node with a backup tier'} to list the backup tier")
 
 
-def plan(incarnation: Incarnation, copies: list[planner.StepCopy], forced: int | None, blocks, identical) -> planner.RestorePlan:
+def plan(incarnation: Incarnation, copies: list[planner.StepCopy], forced: int | None, blocks, identical,
+         fan_out: bool = True) -> planner.RestorePlan:  # fmt: skip
     """The restore plan over ``copies`` not proven unusable (only ``forced``'s, if given).
 
     Args:
       blocks: called with node ids for node -> topology block; identical: the job's identical pairs.
+      fan_out: a backup-only step is read once per identical group (``planner.plan_restore``).
     """
     usable = [c for c in copies if (c.step, c.rank, c.holder) not in incarnation.excluded and (forced is None or c.step == forced)]
     return planner.plan_restore(len(incarnation.node_of_rank), incarnation.node_of_rank, usable,
-                                blocks({c.holder for c in usable} | set(incarnation.node_of_rank.values())), USABLE_TIERS, identical)  # fmt: skip
+                                blocks({c.holder for c in usable} | set(incarnation.node_of_rank.values())), USABLE_TIERS, identical,
+                                fan_out)  # fmt: skip
 
 
 def rollback_forks(job: JobState) -> tuple[int, ...] | None:
@@ -103,7 +106,9 @@ def sources_lost(incarnation: Incarnation, rank: int, liveness: Liveness) -> boo
 def view(key: JobRef, job: JobState, incarnation: Incarnation, rank: int, liveness: Liveness, backups: dict[int, int],
          warned: WarnedOnce) -> RestoreView:  # fmt: skip
     """The rank's view of the plan: its sources, live holders first (a silent one, within the grace
-    period, is waited for only when needed), at most ``PEER_SOURCES_PER_VIEW`` peers."""
+    period, is waited for only when needed), at most ``PEER_SOURCES_PER_VIEW`` peers. A rank of a
+    fan-out group (``RestorePlan.fan_out``) is told to wait while its downloader's node is live and
+    has not staged; once it has, that node comes first, the store after it."""
     plan_ = incarnation.plan
     # Liveness inlined: all 10,000 ranks' views are built at once when the job turns ready.
     timeout, now, states = liveness.node_timeout_seconds, liveness.now, liveness.nodes
@@ -116,6 +121,13 @@ def view(key: JobRef, job: JobState, incarnation: Incarnation, rank: int, livene
         peers += s.tier in _PEER_TIERS
         if s.tier not in _PEER_TIERS or peers <= PEER_SOURCES_PER_VIEW:
             planned.append(s)
+    pending = False
+    if (downloader := plan_.fan_out.get(rank)) is not None and rank not in incarnation.staged:
+        if downloader.data_rank in incarnation.staged:
+            planned.insert(0, downloader)  # staged there: fetch it from that node, the store if that fails
+        else:  # wait for it while its node is live; a silent one is not waited for
+            state = states.get(downloader.holder)
+            pending = state is not None and now - state.last_seen <= timeout
     sources = tuple(
         Source(s.tier, s.holder, liveness.url(s.holder), s.data_rank, _expected_files(key, job, plan_.step, s, warned),
                backups.get(plan_.step, 0) if s.tier == Tier.BACKUP else 0)
@@ -124,7 +136,15 @@ def view(key: JobRef, job: JobState, incarnation: Incarnation, rank: int, livene
     ready = plan_.step is None or len(incarnation.staged) == len(incarnation.node_of_rank)
     if ready and plan_.step is not None and plan_.step == job.forced_step:
         job.forced_step, job.forked = None, False  # done: later restores take the newest step again
-    return RestoreView(incarnation.generation, plan_.step, sources, ready, incarnation.rollback, job.forks)
+    return RestoreView(incarnation.generation, plan_.step, sources, ready, incarnation.rollback, job.forks, pending)
+
+
+def waits_on(incarnation: Incarnation | None, node_id: str) -> bool:
+    """Whether a rank of the incarnation waits for ``node_id`` to download its step (fan-out): its
+    view changes when that node's liveness does."""
+    if incarnation is None or incarnation.plan is None:
+        return False
+    return any(s.holder == node_id and s.data_rank not in incarnation.staged for s in incarnation.plan.fan_out.values())
 
 
 def _expected_files(key: JobRef, job: JobState, step: int, source: planner.Source, warned: WarnedOnce) -> Files | None:
@@ -143,6 +163,7 @@ class Staged(enum.Enum):
 
     NOTHING = "nothing"
     READY = "ready"  # every rank staged: every view turns ready (bump)
+    SERVING = "serving"  # a fan-out downloader staged: its identical ranks' views list its node (bump)
     REPLAN = "replan"  # a rank was left with proven-unusable sources only
 
 
@@ -159,5 +180,8 @@ def record_staged(key: JobRef, incarnation: Incarnation, generation: str, rank: 
     if source is not None:
         incarnation.staged.add(rank)
         incarnation.used_sources[rank] = source
-        return Staged.READY if len(incarnation.staged) == len(incarnation.node_of_rank) else Staged.NOTHING
+        if len(incarnation.staged) == len(incarnation.node_of_rank):
+            return Staged.READY
+        fan_out = incarnation.plan.fan_out if incarnation.plan is not None else {}
+        return Staged.SERVING if any(s.data_rank == rank for s in fan_out.values()) else Staged.NOTHING
     return Staged.NOTHING if retrying else Staged.REPLAN

@@ -130,6 +130,9 @@ class CoordinatorConfig:
       max_nodes: the largest job a report may describe (a pod's ``nodes``).
       kube: read job shapes, ranks, rank 0's address and failure domains from the API server, or None to take
         them from the volumes' attributes alone.
+      restore_fan_out: a restore from the backup tier alone reads each unique shard once per group
+        of identical data-parallel ranks; the others fetch it from that node (``ClusterState``).
+      shared_backup_upload: identical data-parallel ranks share a backup's upload (``ClusterState``).
     """
 
     listen: str
@@ -141,6 +144,8 @@ class CoordinatorConfig:
     max_nodes: int = MAX_RANKS
     holder_grace_seconds: float = 60.0
     kube: "KubeSettings | None" = None
+    restore_fan_out: bool = True
+    shared_backup_upload: bool = False
 
     def server_ssl(self) -> ssl.SSLContext | None:
         """The TLS context to serve with, or None for plain HTTP.
@@ -605,7 +610,7 @@ def make_app(config: CoordinatorConfig) -> web.Application:
     """The coordinator's aiohttp application."""
     app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[_CONFIG_KEY] = config
-    app[_STATE_KEY] = ClusterState(config.node_timeout_seconds, config.holder_grace_seconds)
+    app[_STATE_KEY] = ClusterState(config.node_timeout_seconds, config.holder_grace_seconds, config.restore_fan_out, config.shared_backup_upload)
     app[_ORDER_KEY] = ReportOrder()
     app[_CHANGES_KEY] = JobChanges(app[_STATE_KEY])
     app[_SNAPSHOT_KEY] = SettingsSnapshot(config.state_dir)

@@ -95,6 +95,10 @@ class ClusterState:
         orders, not counted as safe.
       holder_grace_seconds: a silent node's data is given up (and the node forgotten once no
         incarnation holds its pods) after this long.
+      fan_out: a restore from the backup tier alone reads each unique shard once per identical
+        group, the group's other ranks fetch it from the downloader's node (``--no-restore-fan-out``: False).
+      shared_backup: identical ranks share a backup's upload, each sending its share of the files
+        (``--shared-backup-upload``); else one of them uploads.
 
     Attributes:
       liveness: the nodes and their clock (``liveness.Liveness``).
@@ -104,8 +108,11 @@ class ClusterState:
         every rank may hold are: a pass costs about one job size, not one per step held).
     """
 
-    def __init__(self, node_timeout_seconds: float = 15.0, holder_grace_seconds: float = 60.0):
+    def __init__(self, node_timeout_seconds: float = 15.0, holder_grace_seconds: float = 60.0, fan_out: bool = True,
+                 shared_backup: bool = False):  # fmt: skip
         self.liveness = Liveness(node_timeout_seconds, holder_grace_seconds)
+        self.fan_out = fan_out  # restores read a backup-only step once per identical group (``planner.plan_restore``)
+        self.shared_backup = shared_backup  # identical ranks share a backup's upload (``backups.orders``)
         self._jobs: dict[JobRef, JobState] = {}
         self.decisions = 0
         self.identity_checks = 0
@@ -133,6 +140,9 @@ class ClusterState:
             self.liveness.forget(node_id)
         for state in changed:
             self._mark_dirty(state.job_keys())
+            for key in state.job_keys():  # a fan-out downloader went silent (or came back): its peers stop waiting
+                if key in self._jobs and restores.waits_on(self._jobs[key].incarnation, state.report.node_id):
+                    self._bump(key)
 
     def tick(self, now: float) -> None:
         """Expires nodes (at most every ``_EXPIRE_SECONDS``: it visits every silent node) and runs every
@@ -202,7 +212,7 @@ class ClusterState:
             assignments=tuple(a for p in state.report.pods if (a := self.assignment(p)) is not None),
             replicate=tuple(order for key, job in jobs for order in replicas.orders(key, job, state, self.liveness)),
             retain=tuple(job.decided.retain for _, job in jobs if job.decided.retain is not None),
-            backup=tuple(order for key, job in jobs for order in backups.orders(key, job, state)),
+            backup=tuple(order for key, job in jobs for order in backups.orders(key, job, state, self.shared_backup)),
             heartbeat_seconds=self.heartbeat_seconds,
             want_files=want_files,
             list_backups=tuple(key for key, job in jobs if job.decided.lister == node_id),
@@ -240,7 +250,10 @@ class ClusterState:
         job.owners.promote(job.beliefs, job.identity)
         self.identity_checks += job.identity.compare()
         backed = self.backed_up(key)
-        job.forget_gone_steps(frozenset(job.claims.step_ranks) | backed)
+        # After a cluster loss no listing is believed until a new lister lists: the backups seen
+        # before are unknown, not gone, and their identities and owner checksums serve the restore.
+        listed = backups.listed(job, liveness.nodes)
+        job.forget_gone_steps(frozenset(job.claims.step_ranks) | (backed if listed else set(job.backup_seen)))
         if job.incarnation is not None:
             wanted = replicas.wanted(job, liveness)
             replicas.place(job, liveness, wanted)
@@ -251,7 +264,8 @@ class ClusterState:
         else:
             job.decided.safe = job.decided.round = None
         job.decided.lister = backups.choose_lister(job, liveness)
-        backups.note_seen(job, backed, liveness.now)
+        if listed:
+            backups.note_seen(job, backed, liveness.now)
         if job.incarnation is not None and job.settings:
             backups.advance(key, job, liveness.now, backed, lambda: self._newest_complete(job, set()))
         job.decided.retain = retention.retain_order(key, job)  # after the backup choice: it protects the step being backed up
@@ -411,7 +425,8 @@ class ClusterState:
         if (forks := restores.rollback_forks(job)) is not None:
             self._set_lineage(key, forks)  # a rollback starts a new timeline
         identical = job.identity.pairs()
-        restores.replan(key, job, incarnation, lambda forced: restores.plan(incarnation, self.copies(key), forced, self.liveness.blocks, identical))
+        restores.replan(key, job, incarnation,
+                        lambda forced: restores.plan(incarnation, self.copies(key), forced, self.liveness.blocks, identical, self.fan_out))
         job.decided.retain = retention.retain_order(key, job)  # the planned step is protected from now on
         self._bump(key)
 
@@ -425,8 +440,8 @@ class ClusterState:
         """
         incarnation = self._incarnation(key, incarnation_id, rank)
         outcome = restores.record_staged(key, incarnation, generation, rank, source, bad, retrying)
-        if outcome is restores.Staged.READY:
-            self._bump(key)  # every rank's view turns ready
+        if outcome in (restores.Staged.READY, restores.Staged.SERVING):
+            self._bump(key)  # every rank's view turns ready, or a downloader's peers may fetch from it
         elif outcome is restores.Staged.REPLAN:
             self._replan(key, incarnation)
 

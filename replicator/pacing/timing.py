@@ -67,6 +67,12 @@ RESTORE_RETRY_MAX_SECONDS = 10.0
 # seconds, and the deadline above bounds the whole wait.
 RESTORE_PLAN_RETRY_SECONDS = 1.0
 
+# A rank whose identical peer's node downloads their step from the backup tier (read-once restore)
+# waits this long for it before reading the store itself: a node that is slow or stuck costs at most
+# this much, one that dies stops the wait at once (the coordinator sees it silent). About what one
+# node's download of a large shard takes, and well inside the deadline above.
+FAN_OUT_WAIT_SECONDS = 60.0
+
 # A push that succeeded is not repeated for this long, whatever the orders say: the coordinator
 # learns of it only from the target's next report (a heartbeat or two).
 PUSH_REPEAT_SECONDS = 30.0

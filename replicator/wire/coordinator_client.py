@@ -84,20 +84,21 @@ class CoordinatorClient:
     async def record_settings(self, pod: PodRank, settings: JobSettings) -> None:
         await self._call("POST", f"/v1/jobs/{pod.job.namespace}/{pod.job.job}/settings", SettingsRequest(pod.incarnation, pod.rank, settings))
 
-    async def restore_view(self, pod: PodRank, seen: str | None = None) -> RestoreView:
-        """The rank's restore view, a long poll of up to ``MAX_WAIT_SECONDS``: it returns once the
+    async def restore_view(self, pod: PodRank, seen: str | None = None, wait: float = MAX_WAIT_SECONDS) -> RestoreView:
+        """The rank's restore view, a long poll of up to ``wait`` seconds (at most ``MAX_WAIT_SECONDS``): it returns once the
         coordinator can plan (else CoordinatorUnavailable, HTTP 503) and, with ``seen`` (a view's
         ``token``), once the view differs from it.
 
         Raises:
           CoordinatorUnavailable: as ``_call``, or a reply that is not a restore view.
         """
-        params = {"incarnation": pod.incarnation, "rank": str(pod.rank), "wait": str(MAX_WAIT_SECONDS)}
+        wait = min(wait, MAX_WAIT_SECONDS)
+        params = {"incarnation": pod.incarnation, "rank": str(pod.rank), "wait": str(wait)}
         if seen is not None:
             params["seen"] = seen
         path = f"/v1/jobs/{pod.job.namespace}/{pod.job.job}/restore"
         try:
-            return decode_json(await self._call("GET", path, wait=MAX_WAIT_SECONDS, params=params), RestoreView)
+            return decode_json(await self._call("GET", path, wait=wait, params=params), RestoreView)
         except ValueError as err:
             raise CoordinatorUnavailable(f"GET {path}: {err}") from None
 

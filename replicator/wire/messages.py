@@ -300,6 +300,9 @@ class BackupOrder(msgspec.Struct, frozen=True, gc=False):
       timeline: the job's current timeline: the backup is stored as that timeline's (write-once,
         never mixed with an abandoned timeline's objects of the same step).
       forks: the job's rollbacks: retention deletes backups of abandoned timelines.
+      share_group: the ranks (sorted, this one among them) found identical at the step, which share
+        its upload (``backup_tier.shared_upload``: each uploads its share, then references the
+        others'); empty when ``dedup_from_rank`` applies.
     """
 
     namespace: Name
@@ -312,6 +315,7 @@ class BackupOrder(msgspec.Struct, frozen=True, gc=False):
     protected: Annotated[tuple[Step, ...], msgspec.Meta(max_length=MAX_LIST)]
     timeline: Timeline = 0
     forks: Forks = ()
+    share_group: Annotated[tuple[Rank, ...], msgspec.Meta(max_length=MAX_RANKS)] = ()
 
 
 class ReportReply(msgspec.Struct, frozen=True, gc=False):
@@ -389,6 +393,9 @@ class RestoreView(msgspec.Struct, frozen=True, gc=False):
       rollback: the step is an operator's rollback (``mtc restore-from``): newer steps are
         abandoned and deleted, not set aside.
       forks: the job's rollbacks, this one included: the timeline the job trains in after the restore.
+      fan_out_pending: the step is held only in the backup tier and an identical rank's node is
+        downloading it for this rank (read-once restore): wait for a view that lists that node,
+        up to the agent's fan-out wait, before reading ``sources`` (the store) itself.
     """
 
     generation: Text
@@ -397,11 +404,12 @@ class RestoreView(msgspec.Struct, frozen=True, gc=False):
     ready: bool
     rollback: bool = False
     forks: Forks = ()
+    fan_out_pending: bool = False
 
     @property
     def token(self) -> str:
         """What a rank knows of this view, to long-poll for a different one (``seen``)."""
-        return f"{self.generation}:{int(self.ready)}"
+        return f"{self.generation}:{int(self.ready)}{':w' if self.fan_out_pending else ''}"
 
 
 # Typed routes of the coordinator besides reports (``replicator.coordinator.service``). The JSON field

@@ -2,10 +2,13 @@
 fake-gcs-server (GCS's JSON API) and MinIO (S3). ``make tools`` builds both; ``tools.require_tool``
 finds them."""
 
+import collections
 import os
+import re
 import subprocess
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 import uuid
 
@@ -14,6 +17,9 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
 from tests.helpers.ports import free_port
+
+# fake-gcs-server's access log (``-log-level info``): a common-log-format line per request.
+_REQUEST_LINE = re.compile(r'\\?"(GET|POST|PUT|PATCH|DELETE|HEAD) (\S+) HTTP/[\d.]+\\?"')
 
 
 class ServerProcess:
@@ -32,7 +38,7 @@ class ServerProcess:
         self.binary = binary
         self.port = free_port("127.0.0.1")
         self.url = f"http://127.0.0.1:{self.port}"
-        self._log = tempfile.TemporaryFile()
+        self._log = self._open_log()
         self._process: subprocess.Popen | None = None
 
     def command(self) -> list[str]:
@@ -41,6 +47,10 @@ class ServerProcess:
     def env(self) -> dict[str, str]:
         return {}
 
+    def _open_log(self):
+        """Where the server's output goes (read back when it fails to start)."""
+        return tempfile.TemporaryFile()
+
     def start(self, timeout_seconds: float = 30.0) -> "ServerProcess":
         """Starts the server (again, after ``stop``, on the same port) and waits until it answers.
 
@@ -48,7 +58,7 @@ class ServerProcess:
           RuntimeError: it exited or did not answer in time; the message holds its output.
         """
         if self._log.closed:
-            self._log = tempfile.TemporaryFile()
+            self._log = self._open_log()
         self._process = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
                                          env={**os.environ, **self.env()})  # fmt: skip
         deadline = time.monotonic() + timeout_seconds
@@ -87,21 +97,41 @@ class FakeGcsServer(ServerProcess):
     Args:
       binary: the fake-gcs-server executable.
       data_dir: keep objects in this directory (they survive a restart), or None for memory.
+      request_log: log every request the server answers to this file (``requests``), or None.
     """
 
     name = "fake-gcs-server"
     health_path = "/storage/v1/b"
 
-    def __init__(self, binary: str, data_dir: str | None = None):
+    def __init__(self, binary: str, data_dir: str | None = None, request_log: str | None = None):
+        self.request_log = request_log
         super().__init__(binary)
         self.data_dir = data_dir
+
+    def _open_log(self):
+        # Appended to by the server, so ``requests`` reads it while it runs without moving its offset.
+        return open(self.request_log, "ab") if self.request_log else super()._open_log()  # closed by ``stop``
+
+    def requests(self) -> list[tuple[str, str]]:
+        """(method, path with query) of every request answered so far, oldest first (``request_log``)."""
+        with open(self.request_log, encoding="utf-8", errors="replace") as log:
+            return [(m.group(1), m.group(2)) for m in _REQUEST_LINE.finditer(log.read())]
+
+    def object_reads(self, bucket: str, prefix: str = "") -> collections.Counter:
+        """Object name -> how many times its content was served (media downloads), for names under ``prefix``."""
+        reads: collections.Counter = collections.Counter()
+        for method, path in self.requests():
+            found = re.match(rf"/download/storage/v1/b/{bucket}/o/([^?]+)\?(?:.*&)?alt=media", path)
+            if method == "GET" and found and (name := urllib.parse.unquote(found.group(1))).startswith(prefix):
+                reads[name] += 1
+        return reads
 
     def command(self) -> list[str]:
         if self.data_dir:
             os.makedirs(self.data_dir, exist_ok=True)
         backend = ["-backend", "filesystem", "-filesystem-root", self.data_dir] if self.data_dir else ["-backend", "memory"]
         return [self.binary, "-scheme", "http", *backend, "-host", "127.0.0.1", "-port", str(self.port),
-                "-external-url", self.url, "-log-level", "error"]  # fmt: skip
+                "-external-url", self.url, "-log-level", "info" if self.request_log else "error"]  # fmt: skip
 
     def client(self) -> storage.Client:
         """A google-cloud-storage client of this server (anonymous, project ``test``)."""

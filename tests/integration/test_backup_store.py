@@ -14,6 +14,7 @@ import blake3
 import google_crc32c
 import pytest
 
+from replicator.backup_tier import shared_upload
 from replicator.backup_tier.backends import open_backup_store
 from replicator.backup_tier.object_store import BackupError
 from replicator.backup_tier.s3 import PART_BYTES, S3Features, S3Objects
@@ -287,6 +288,37 @@ def test_progress_counts_each_file_as_it_is_stored_and_each_range_as_it_lands(ba
     store.download_rank(JOB, 4, 1, str(tmp_path / "restored-1"), on_range=fetched.append)
     assert sorted(fetched) == sorted(len(data) for data in sources[1].values() if data)  # one range each below 32 MiB
     assert read_tree(tmp_path / "restored-1") == sources[1]
+
+
+def test_identical_ranks_share_an_upload_each_sending_its_share_and_commit_waits_for_every_rank(backend, tmp_path):
+    store, members = backend.store, (0, 1, 2)
+    shared = {f"state/d/chunk-{i}": os.urandom(64 * 1024) for i in range(12)}
+    sources = {rank: {**shared, f"state/ocdbt.process_{rank}/d/x": os.urandom(1000)} for rank in members}
+    steps = {rank: write_step(tmp_path / f"src-{rank}", 4, rank, sources[rank]) for rank in members}
+    owners = {rel: shared_upload.owner(members, rel) for rel in shared}
+    assert set(owners.values()) == set(members)  # every member sends a part
+
+    assert shared_upload.group_dedup(store, JOB, 4, 0, *steps[0], members, "inc") is None  # its share only: the others' are not there
+    assert shared_upload.group_dedup(store, JOB, 4, 1, *steps[1], members, "inc") is None
+    dedup = shared_upload.group_dedup(store, JOB, 4, 2, *steps[2], members, "inc")
+    # The union of the shares: every file of a member that falls to that member (a rank's own path may too).
+    union = {rel: f"rank-{r}/{rel}" for r in members for rel in sources[r] if shared_upload.owner(members, rel) == r}
+    assert {rel: f.object for rel, f in dedup.files.items()} == union and set(shared) <= set(union)
+    store.upload_rank(JOB, 4, 2, *steps[2], dedup_from=dedup, incarnation="inc")
+    assert not store.commit_if_complete(JOB, 4, nodes=3, incarnation="inc")  # ranks 0 and 1 have no full manifest yet
+    for rank in (0, 1):
+        store.upload_rank(JOB, 4, rank, *steps[rank], dedup_from=shared_upload.group_dedup(store, JOB, 4, rank, *steps[rank], members, "inc"),
+                          incarnation="inc")  # fmt: skip
+    assert store.commit_if_complete(JOB, 4, nodes=3, incarnation="inc")
+
+    prefix = f"{JOB}/steps/4/"
+    data = [n for n in backend.names() if n.startswith(prefix + "rank-") and "/" in n[len(prefix):]]
+    # Each shared file once, by its owner; each rank's own file by itself.
+    assert sorted(data) == sorted([prefix + f"rank-{o}/{rel}" for rel, o in owners.items()] +
+                                  [prefix + f"rank-{r}/state/ocdbt.process_{r}/d/x" for r in members])  # fmt: skip
+    for rank in members:
+        store.download_rank(JOB, 4, rank, str(tmp_path / f"restored-{rank}"))
+        assert read_tree(tmp_path / f"restored-{rank}") == sources[rank]
 
 
 def test_dedup_against_a_rank_manifest_written_before_blake3_compares_sha256(backend, tmp_path):

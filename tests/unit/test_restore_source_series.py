@@ -99,7 +99,7 @@ class PlanOfOneSource:
         self.source = source
         self.staged: list[str | None] = []
 
-    async def restore_view(self, pod, seen=None) -> RestoreView:
+    async def restore_view(self, pod, seen=None, wait=None) -> RestoreView:
         return RestoreView("g1", STEP, (self.source,), ready=bool(self.staged))
 
     async def report_staged(self, pod, generation, source, bad, retrying=False) -> None:

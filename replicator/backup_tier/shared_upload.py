@@ -1,0 +1,56 @@
+"""Shared backup uploads: the D ranks of a group found identical at a step split its upload.
+
+Each member uploads the files whose path falls to it (a stable hash of the path over the group), and
+stores them as its *share* (``rank-<r>.share.json``, same format as a rank manifest). Once every
+member's share of the same incarnation is stored, each member uploads its full rank manifest with
+the union of the shares as ``dedup_from``: a file whose path, size and content identity equal a
+share's names that object, anything else (files only this rank has, or whose bytes differ) is
+uploaded by the rank itself. ``COMMIT`` still waits for every rank's full manifest, so a step is
+restorable only once every file of every rank is stored and checked. Each member sends about 1/D of
+the shared bytes instead of one leader sending all of them.
+"""
+
+import dataclasses
+import zlib
+
+from replicator.backup_tier.store import BackupStore, RankManifest
+from replicator.local_tier.step_manifest import StepManifest
+from replicator.pacing.cpu_share import CpuShare
+
+
+def owner(members: tuple[int, ...], rel: str) -> int:
+    """The member of ``members`` (the group's ranks, sorted) that uploads the file at ``rel``; the
+    same on every member, whatever else its step holds."""
+    return members[zlib.crc32(rel.encode()) % len(members)]
+
+
+def group_dedup(store: BackupStore, job_key: str, step: int, rank: int, step_dir: str, manifest: StepManifest,
+                members: tuple[int, ...], incarnation: str, share: CpuShare | None = None, timeline: int = 0) -> RankManifest | None:  # fmt: skip
+    """Stores this rank's share of the group's upload (once per incarnation), then returns the union
+    of the group's shares, to pass to ``BackupStore.upload_rank`` as ``dedup_from``.
+
+    Args:
+      rank: this rank, one of ``members``.
+      manifest: the rank's committed step's checksums (``step_dir``'s).
+      members: the ranks of the group, sorted.
+      other args: as ``BackupStore.upload_rank``.
+
+    Returns:
+      The union of every member's share, or None while a member's share (of ``incarnation``) is not
+      stored yet: call again later.
+
+    Raises:
+      BackupError, OSError, ValueError: as ``BackupStore.upload_rank``.
+    """
+    mine = store.rank_manifest(job_key, step, rank, timeline, group_share=True)
+    if mine is None or mine.incarnation != incarnation:
+        owned = dataclasses.replace(manifest, files={rel: f for rel, f in manifest.files.items() if owner(members, rel) == rank})
+        mine = store.upload_rank(job_key, step, rank, step_dir, owned, None, incarnation, share, timeline, group_share=True)
+    shares = {rank: mine}
+    for member in members:
+        if member != rank:
+            shares[member] = store.rank_manifest(job_key, step, member, timeline, group_share=True)
+            if shares[member] is None or shares[member].incarnation != incarnation:
+                return None
+    files = {rel: f for member in members for rel, f in shares[member].files.items() if owner(members, rel) == member}
+    return RankManifest(step, rank, files, incarnation, timeline)

@@ -1,0 +1,144 @@
+"""Identical data-parallel groups in the backup tier. Read-once restores: a step held only in the
+backup tier is downloaded by one rank of each identical group, and its peers are told to wait for
+that node, then to fetch from it; a silent downloader is not waited for. Shared uploads: each rank
+of a group is ordered to upload its share. The planner as a pure function, the rest through
+``ClusterState``."""
+
+from replicator.coordinator.planner import Source, StepCopy, Tier, plan_restore
+from replicator.coordinator.state import ClusterState, decide_interval
+from replicator.wire.messages import PROTOCOL_VERSION, BackedUp, HeldStep, JobRef, JobSettings, NodeReport, PodReport
+
+KEY = JobRef("default", "dp")
+NAMES = (KEY.namespace, KEY.job)
+FILES = {"_CHECKPOINT_METADATA": (10, "00000001"), "state/d/a": (30, "00000003")}
+NODES, SLICES = 4, 2  # ranks 0 and 2 hold the same data, as do 1 and 3
+IDENTICAL = {9: frozenset({(0, 2), (2, 0), (1, 3), (3, 1)})}
+
+
+def backup_only(step=9):
+    return [StepCopy(step, rank, "backup", backup=True) for rank in range(NODES)]
+
+
+def test_one_rank_per_identical_group_downloads_a_backup_only_step_and_the_others_wait_for_its_node():
+    node_of = {0: "a", 1: "b", 2: "c", 3: "d"}
+    plan = plan_restore(NODES, node_of, backup_only(), block_of={"a": "b0", "b": "b0", "c": "b0", "d": "b1"}, identical=IDENTICAL)
+    assert plan.step == 9
+    assert plan.fan_out == {2: Source(Tier.PEER_CLOSE, "a", 0), 3: Source(Tier.PEER_DISTANT, "b", 1)}
+    # Each downloader reads its own backup first; everyone keeps the store as a fallback.
+    assert plan.sources[0][0] == Source(Tier.BACKUP, "backup", 0) and plan.sources[1][0] == Source(Tier.BACKUP, "backup", 1)
+    assert all(s.tier == Tier.BACKUP for rank in range(NODES) for s in plan.sources[rank])
+
+
+def test_no_fan_out_when_a_copy_is_in_the_cluster_without_identity_or_when_turned_off():
+    node_of = {0: "a", 1: "b", 2: "c", 3: "d"}
+    survived = [*backup_only(), StepCopy(9, 1, "b")]  # rank 1's node kept its copy: its group restores from it
+    assert plan_restore(NODES, node_of, survived, identical=IDENTICAL).fan_out == {2: Source(Tier.PEER_DISTANT, "a", 0)}
+    assert plan_restore(NODES, node_of, backup_only()).fan_out == {}  # identity unknown: every rank reads its own
+    assert plan_restore(NODES, node_of, backup_only(), identical=IDENTICAL, fan_out=False).fan_out == {}
+
+
+def pod(node, incarnation=None, rank=None, settings=None, published_at=0.0):
+    slot = node % NODES  # a fresh node takes the slot of the lost one
+    return PodReport(*NAMES, f"dp-{slot // 2}-{slot % 2}-x", f"uid-{node}", slot // 2, slot % 2, NODES, SLICES, 8476, "dp", published_at,
+                     incarnation, rank, settings)  # fmt: skip
+
+
+def report(node, pods=(), held=(), backed_up=()):
+    return NodeReport(f"n{node}", f"http://n{node}", None, {"block": "b0"}, tuple(pods), tuple(held), has_backup=True,
+                      backed_up=tuple(backed_up), protocol=PROTOCOL_VERSION)  # fmt: skip
+
+
+def identical_at_9(state: ClusterState, listing=()):
+    """A DP=2 job whose ranks were found identical at step 9 (the backup tier lists ``listing``).
+    Returns (the incarnation, node index -> rank, the backup orders of the last report round)."""
+    for node in range(NODES):
+        state.apply_report(report(node, [pod(node)]), 0.0)
+    state.tick(decide_interval(NODES))
+    incarnation = state.job(KEY).incarnation
+    rank_of = {int(node[1:]): rank for rank, node in incarnation.node_of_rank.items()}
+    for node, rank in rank_of.items():
+        state.record_settings(KEY, incarnation.incarnation_id, rank, JobSettings(((rank + 2) % NODES,), SLICES, None, 100))
+    for now in (1.0, 2.0):  # the second round's replies carry the orders decided after the first
+        orders = []
+        for node, rank in rank_of.items():
+            held = [HeldStep(*NAMES, 9, rank, FILES, signature="sig-9")]
+            orders += state.apply_report(report(node, [pod(node, incarnation.incarnation_id, rank)], held, listing), now).backup
+        state.tick(now + decide_interval(NODES))
+    assert state.identical(KEY)[9]
+    return incarnation, rank_of, orders
+
+
+def test_identical_ranks_are_ordered_to_share_the_backup_upload_or_one_of_them_uploads():
+    _, _, orders = identical_at_9(ClusterState(shared_backup=True))
+    assert sorted((o.rank, o.share_group, o.dedup_from_rank) for o in orders) == [
+        (0, (0, 2), None), (1, (1, 3), None), (2, (0, 2), None), (3, (1, 3), None)]
+    _, _, orders = identical_at_9(ClusterState())  # one leader per group, rotating with the step
+    assert sorted((o.rank, o.share_group, o.dedup_from_rank) for o in orders) == [
+        (0, (), 2), (1, (), 3), (2, (), None), (3, (), None)]
+
+
+def lost_cluster(state: ClusterState):
+    """A DP=2 job whose ranks were found identical at step 9, backed up, then lost every copy in the
+    cluster (the ramdisks are gone). Returns (incarnation id, rank -> node index)."""
+    listing = BackedUp(*NAMES, ((9, 0),), 1.0)
+    incarnation, rank_of, _ = identical_at_9(state, [listing])
+    for node, rank in rank_of.items():
+        state.apply_report(report(node, [pod(node, incarnation.incarnation_id, rank)], (), [listing]), 20.0)
+    state.tick(20.0 + decide_interval(NODES))
+    return incarnation.incarnation_id, {rank: node for node, rank in rank_of.items()}
+
+
+def test_a_peer_waits_for_the_downloader_then_fetches_from_its_node_with_the_owner_checksums():
+    state = ClusterState(node_timeout_seconds=15.0)
+    incarnation, node_of = lost_cluster(state)
+    now = 25.0
+    views = {rank: state.restore_view(KEY, incarnation, rank, now) for rank in range(NODES)}
+    assert {v.step for v in views.values()} == {9}
+    assert [views[r].fan_out_pending for r in range(NODES)] == [False, False, True, True]
+    assert all(s.tier == Tier.BACKUP for v in views.values() for s in v.sources)
+    state.drain_changed()
+    state.report_staged(KEY, incarnation, views[0].generation, 0, "backup:backup")
+    assert KEY in state.drain_changed()  # the waiting peer's long poll wakes up
+    after = state.restore_view(KEY, incarnation, 2, now)
+    assert not after.fan_out_pending and after.token != views[2].token
+    first = after.sources[0]
+    assert (first.tier, first.holder, first.url, first.data_rank) == (Tier.PEER_CLOSE, f"n{node_of[0]}", f"http://n{node_of[0]}", 0)
+    assert first.files == FILES  # what rank 0's own node reported, not whatever the downloader holds
+    assert after.sources[1].tier == Tier.BACKUP  # the fallback
+    assert state.restore_view(KEY, incarnation, 3, now).fan_out_pending  # rank 1 has not staged yet
+
+
+def test_a_silent_downloader_is_not_waited_for():
+    state = ClusterState(node_timeout_seconds=15.0)
+    incarnation, node_of = lost_cluster(state)
+    assert state.restore_view(KEY, incarnation, 3, 25.0).fan_out_pending
+    for rank in (0, 2, 3):  # rank 1's node (the downloader of rank 3) falls silent
+        state.apply_report(report(node_of[rank], [pod(node_of[rank], incarnation, rank)]), 60.0)
+    state.drain_changed()
+    state.tick(60.0)
+    assert KEY in state.drain_changed()  # the change reaches the waiting rank's long poll
+    view = state.restore_view(KEY, incarnation, 3, 60.0)
+    assert not view.fan_out_pending and [s.tier for s in view.sources] == [Tier.BACKUP, Tier.BACKUP]
+
+
+def test_a_cluster_replaced_whole_keeps_the_identities_of_its_backups_until_a_new_lister_lists():
+    state = ClusterState(node_timeout_seconds=4.0, holder_grace_seconds=5.0)
+    listing = BackedUp(*NAMES, ((9, 0),), 1.0)
+    identical_at_9(state, [listing])
+    # Every node is lost; fresh nodes 4..7 publish the job's new pods and report nothing held, not
+    # listed yet: the lost nodes (the only listers) are forgotten past the grace meanwhile.
+    for now in (3.0, 10.0, 20.0):
+        for node in range(NODES, 2 * NODES):
+            state.apply_report(report(node, [pod(node, published_at=3.0)]), now)
+        state.tick(now + decide_interval(NODES))
+    incarnation = state.job(KEY).incarnation
+    assert set(incarnation.node_of_rank.values()) == {f"n{node}" for node in range(NODES, 2 * NODES)}
+    assert not state.backed_up(KEY) and state.identical(KEY)[9]  # backups unknown, identities kept
+    node_of = {rank: int(node[1:]) for rank, node in incarnation.node_of_rank.items()}
+    for rank, node in node_of.items():
+        state.record_settings(KEY, incarnation.incarnation_id, rank, JobSettings(((rank + 2) % NODES,), SLICES, None, 100))
+        state.apply_report(report(node, [pod(node, incarnation.incarnation_id, rank, published_at=3.0)], (), [listing]), 21.0)
+    state.tick(21.0 + decide_interval(NODES))
+    views = {rank: state.restore_view(KEY, incarnation.incarnation_id, rank, 22.0) for rank in range(NODES)}
+    assert {v.step for v in views.values()} == {9}
+    assert [views[r].fan_out_pending for r in range(NODES)] == [False, False, True, True]
