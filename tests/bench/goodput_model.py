@@ -62,17 +62,19 @@ def goodput(costs: Costs, mtbf: float, interval_s: float | None = None) -> float
     return max(0.0, tau / cycle * (1 - (costs.restart + cycle / 2) / mtbf))
 
 
-def scaled(measured: Costs, measured_bytes: float, target_bytes: float, bandwidth: float, upload_bandwidth: float | None = None) -> Costs:
-    """``measured`` (at ``measured_bytes`` per host) carried to ``target_bytes`` per host.
+def scaled(measured: Costs, measured_bytes: float, target_bytes: float, copy_bandwidth: float, restore_bandwidth: float,
+           upload_bandwidth: float | None = None) -> Costs:
+    """``measured`` (at ``measured_bytes`` per host) carried to ``target_bytes`` per host; bandwidths in bytes/s per host.
 
-    The blocking grows with the bytes at the measured rate (it is a copy out of the training state); the restart
-    gains the extra bytes read at ``bandwidth`` (bytes/s per host, of the tier restored from); with
-    ``upload_bandwidth`` (bytes/s per host, a background upload), a save takes ``target_bytes /
-    upload_bandwidth`` to finish, the shortest interval.
+    What was measured is kept as a fixed cost (at small sizes it is mostly that: barriers, metadata, start-up), and
+    the extra bytes are added at the stated bandwidths: a save blocks training while it copies them out of the
+    training state (``copy_bandwidth``; the rest of an async save runs in the background), a restart reads them
+    from the tier it restores from (``restore_bandwidth``). With ``upload_bandwidth`` (a background upload), a save
+    takes ``target_bytes / upload_bandwidth`` to finish: the shortest save interval.
     """
     extra = max(0.0, target_bytes - measured_bytes)
     return Costs(
-        blocking=measured.blocking * target_bytes / measured_bytes,
-        restart=measured.restart + extra / bandwidth,
+        blocking=measured.blocking + extra / copy_bandwidth,
+        restart=measured.restart + extra / restore_bandwidth,
         min_interval=target_bytes / upload_bandwidth if upload_bandwidth else 0.0,
     )

@@ -24,10 +24,13 @@ def test_goodput_defaults_to_the_young_daly_interval_and_is_never_negative():
     assert goodput(Costs(blocking=1.0, restart=700.0), 600.0) == 0.0
 
 
-def test_scaled_costs_grow_with_bytes_and_bandwidth():
-    # 100 MB measured, 10 GB target: blocking x100; restart + 9.9 GB at 1 GB/s; the upload 10 GB at 2 GB/s.
-    target = scaled(Costs(blocking=0.1, restart=20.0), 1e8, 1e10, bandwidth=1e9, upload_bandwidth=2e9)
-    assert target == Costs(blocking=pytest.approx(10.0), restart=pytest.approx(29.9), min_interval=pytest.approx(5.0))
+def test_scaled_costs_add_the_extra_bytes_at_the_stated_bandwidths():
+    # 100 MB measured, 10 GB target: 9.9 GB more, copied at 9.9 GB/s (+1 s blocked) and read at 1 GB/s (+9.9 s);
+    # the whole 10 GB uploaded at 2 GB/s takes 5 s.
+    measured = Costs(blocking=0.1, restart=20.0)
+    target = scaled(measured, 1e8, 1e10, copy_bandwidth=9.9e9, restore_bandwidth=1e9, upload_bandwidth=2e9)
+    assert target == Costs(blocking=pytest.approx(1.1), restart=pytest.approx(29.9), min_interval=pytest.approx(5.0))
+    assert scaled(measured, 1e8, 1e10, copy_bandwidth=9.9e9, restore_bandwidth=1e9).min_interval == 0.0
 
 
 def test_bad_parameters_are_refused():
