@@ -1,6 +1,7 @@
 """Goodput under failures: one real JAX job, one seeded failure schedule, three checkpointing setups, one run.
 
     python -m tests.bench.goodput [--seed N] [--failures K] [--gap-seconds S] [--setups persistent,emergency,ours]
+                                  [--save-runs FILE] [--from-runs FILE]  # keep the events; report kept ones again
 
 The job is ``examples/train.py``'s (4 JAX processes, 2 slices x 2, BALLAST_MIB MiB per process, the same across
 slices: a data-parallel state), trained without end and checkpointed three ways:
