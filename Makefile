@@ -208,7 +208,7 @@ demo: setup $(if $(filter pytorch,$(FRAMEWORK)),torch-setup)
 # Each entry is a module of tests/bench and its flags.
 BENCHES := ramdisk_throughput "peer_restore --cores" "peer_restore --gib 4 --repetitions 5" step_checksums \
            backup_restore "restore_fan_out --repetitions 3 --store-mbit 200" replication_overhead restore_mttr agent_idle "coordinator_scale --nodes 1000 --seconds 30" \
-           "torch_vs_nvrx --python $(NVRX_VENV)/bin/python"
+           "torch_vs_nvrx --python $(NVRX_VENV)/bin/python" goodput
 
 bench: setup tools $(NVRX_STAMP)
 	set -e; for b in $(BENCHES); do echo "== $$b"; PATH=$(TOOLS):$$PATH $(BIN)/python -m tests.bench.$$b; done

@@ -138,11 +138,20 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
         ),
     )
     parser.add_argument(
-        '--ballast-per-slice',
+        '--async-save',
         action='store_true',
         help=(
-            'Replicate the ballast across slices, like the model state, so'
-            ' data-parallel peers hold the same ballast (read-once restore bench).'
+            "Train on while Orbax finishes a save (its default); 'saved' then"
+            ' means started (benches).'
+        ),
+    )
+    parser.add_argument(
+        '--ballast-layout',
+        choices=sorted(BALLAST_LAYOUTS),
+        default='per-rank',
+        help=(
+            "per-rank: every process's ballast differs; data-parallel: the"
+            ' same across slices, as a data-parallel state is.'
         ),
     )
     parser.add_argument(
@@ -177,9 +186,15 @@ def make_mesh(num_slices: int) -> jax.sharding.Mesh:
     return jax.sharding.Mesh(grid, ('replica', 'model'))
 
 
-def state_specs(ballast: bool, per_slice: bool = False) -> dict[str, Any]:
-    """Partition specs of the training state (with the ballast: one shard per process, or per
-    process of a slice, the same in every slice, when ``per_slice``)."""
+# The ballast's partition spec per --ballast-layout: one shard per process, or per process of a slice.
+BALLAST_LAYOUTS = {
+    'per-rank': jax.sharding.PartitionSpec(('replica', 'model')),
+    'data-parallel': jax.sharding.PartitionSpec('model'),
+}
+
+
+def state_specs(ballast: str | None) -> dict[str, Any]:
+    """Partition specs of the training state, with the ballast if its layout is given."""
     p = jax.sharding.PartitionSpec
     params = {
         'w1': p(None, 'model'),
@@ -188,7 +203,7 @@ def state_specs(ballast: bool, per_slice: bool = False) -> dict[str, Any]:
         'b2': p(),
     }
     specs = {'params': params, 'momentum': dict(params), 'step': p()}
-    return {**specs, 'ballast': p('model' if per_slice else ('replica', 'model'))} if ballast else specs
+    return {**specs, 'ballast': BALLAST_LAYOUTS[ballast]} if ballast else specs
 
 
 def global_array(
@@ -201,19 +216,19 @@ def global_array(
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
-def make_ballast(mesh: jax.sharding.Mesh, mib: int, per_slice: bool = False) -> jax.Array:
+def make_ballast(mesh: jax.sharding.Mesh, mib: int, layout: str) -> jax.Array:
     """``mib`` MiB of deterministic random float32 per process, each shard built where it lives."""
     per_shard = (mib << 20) // 4
-    sharding = jax.sharding.NamedSharding(mesh, state_specs(True, per_slice)['ballast'])
+    shards = mesh.size if layout == 'per-rank' else mesh.shape['model']
+    sharding = jax.sharding.NamedSharding(mesh, BALLAST_LAYOUTS[layout])
 
     def shard(index: tuple[slice, ...]) -> np.ndarray:
         return np.random.default_rng(index[0].start or 0).random(per_shard, dtype=np.float32)
 
-    shards = mesh.shape['model'] if per_slice else mesh.size
     return jax.make_array_from_callback((per_shard * shards,), sharding, shard)
 
 
-def init_state(mesh: jax.sharding.Mesh, ballast_mib: int, per_slice: bool = False) -> dict[str, Any]:
+def init_state(mesh: jax.sharding.Mesh, ballast_mib: int, ballast_layout: str = 'per-rank') -> dict[str, Any]:
     """Returns the deterministic step-0 training state."""
     hidden = HIDDEN_PER_SHARD * mesh.shape['model']
     rng = np.random.default_rng(0)
@@ -232,8 +247,8 @@ def init_state(mesh: jax.sharding.Mesh, ballast_mib: int, per_slice: bool = Fals
         lambda v: v.astype(np.int32 if v.dtype.kind == 'i' else np.float32),
         host_state,
     )
-    state = jax.tree.map(lambda v, s: global_array(mesh, s, v), host_state, state_specs(False))
-    return {**state, 'ballast': make_ballast(mesh, ballast_mib, per_slice)} if ballast_mib else state
+    state = jax.tree.map(lambda v, s: global_array(mesh, s, v), host_state, state_specs(None))
+    return {**state, 'ballast': make_ballast(mesh, ballast_mib, ballast_layout)} if ballast_mib else state
 
 
 def make_batch(mesh: jax.sharding.Mesh, step: int) -> tuple[jax.Array, jax.Array]:
@@ -254,9 +269,9 @@ def loss_fn(params: dict[str, jax.Array], x: jax.Array, y: jax.Array):
     return jnp.mean((pred - y) ** 2)
 
 
-def make_train_step(mesh: jax.sharding.Mesh, ballast: bool, per_slice: bool = False):
-    """Returns the jitted SGD + momentum step: (state, x, y) -> (state, loss)."""
-    shardings = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), state_specs(ballast, per_slice))
+def make_train_step(mesh: jax.sharding.Mesh, ballast: str | None):
+    """Returns the jitted SGD + momentum step: (state, x, y) -> (state, loss); ``ballast``: its layout, if any."""
+    shardings = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), state_specs(ballast))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
     def train_step(state, x, y):
@@ -324,7 +339,7 @@ def main() -> None:
         mtc_manager.ReplicatorCheckpointManagerOptions(save_interval_steps=args.save_interval_steps),
         global_mesh=mesh,
     )
-    state = init_state(mesh, args.ballast_mib, args.ballast_per_slice)
+    state = init_state(mesh, args.ballast_mib, args.ballast_layout)
     restored_step = manager.latest_step()
     if restored_step is not None:
         abstract_state = jax.tree.map(
@@ -345,7 +360,7 @@ def main() -> None:
             dump_state(args.dump_dir, rank, restored_step, state)
     events.emit('restored', step=restored_step, rank=rank)
 
-    train_step = make_train_step(mesh, bool(args.ballast_mib), args.ballast_per_slice)
+    train_step = make_train_step(mesh, args.ballast_layout if args.ballast_mib else None)
     for step in range((restored_step or 0) + 1, args.steps + 1):
         x, y = make_batch(mesh, step)
         state, loss = train_step(state, x, y)
@@ -354,7 +369,8 @@ def main() -> None:
             events.emit('step', step=step, loss=loss_value, time=time.time())
         save_args = ocp.args.Composite(state=ocp.args.PyTreeSave(state))
         if manager.save(step, args=save_args):
-            manager.wait_until_finished()
+            if not args.async_save:
+                manager.wait_until_finished()
             events.emit('saved', step=step, rank=rank)
             if args.dump_dir:
                 dump_state(args.dump_dir, rank, step, state)

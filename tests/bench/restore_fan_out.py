@@ -106,7 +106,7 @@ def one_run(workdir: str, dp: int, after: bool, ballast_mib: int, store_mbit: fl
         cleanup.callback(kill_started_jobs)
         cluster.start(dp)
         job = run_job("fan", list(cluster.agents), os.path.join(workdir, "job"), [*UNTIL_KILLED, "--dump-dir", os.path.join(workdir, "dump"),
-                      "--ballast-mib", str(ballast_mib), "--ballast-per-slice"], slices=dp)  # fmt: skip
+                      "--ballast-mib", str(ballast_mib), "--ballast-layout", "data-parallel"], slices=dp)  # fmt: skip
 
         def identical_at():
             status = status_of(cluster, job)

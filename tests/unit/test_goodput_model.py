@@ -1,0 +1,40 @@
+"""The goodput bench's checkpoint-interval model (tests/bench/goodput_model.py) against hand computations."""
+
+import pytest
+
+from tests.bench.goodput_model import Costs, goodput, interval, scaled, young_daly_interval
+
+
+def test_young_daly_interval_is_sqrt_of_twice_blocking_times_mtbf():
+    assert young_daly_interval(3.0, 600.0) == pytest.approx(60.0)  # sqrt(2 * 3 * 600) = sqrt(3600)
+    assert interval(Costs(blocking=3.0, restart=0.0, min_interval=100.0), 600.0) == 100.0  # an upload must finish first
+
+
+def test_goodput_at_a_given_interval_matches_the_hand_computation():
+    # A 50 s cycle (48 s of training, 2 s blocked): 0.96 useful. A failure costs 10 s of restart and half a cycle
+    # (25 s) of lost work, 35 s every 600 s: 1 - 35/600. So 0.96 * 565/600 = 0.904.
+    assert goodput(Costs(blocking=2.0, restart=10.0), 600.0, interval_s=48.0) == pytest.approx(0.904)
+
+
+def test_goodput_defaults_to_the_young_daly_interval_and_is_never_negative():
+    costs = Costs(blocking=3.0, restart=0.0)
+    # interval 60 s, cycle 63 s: 60/63 * (1 - 31.5/600)
+    assert goodput(costs, 600.0) == pytest.approx(60 / 63 * (1 - 31.5 / 600))
+    assert goodput(costs, 600.0) > goodput(costs, 600.0, interval_s=30.0)
+    assert goodput(Costs(blocking=1.0, restart=700.0), 600.0) == 0.0
+
+
+def test_scaled_costs_add_the_extra_bytes_at_the_stated_bandwidths():
+    # 100 MB measured, 10 GB target: 9.9 GB more, copied at 9.9 GB/s (+1 s blocked) and read at 1 GB/s (+9.9 s);
+    # the whole 10 GB uploaded at 2 GB/s takes 5 s.
+    measured = Costs(blocking=0.1, restart=20.0)
+    target = scaled(measured, 1e8, 1e10, copy_bandwidth=9.9e9, restore_bandwidth=1e9, upload_bandwidth=2e9)
+    assert target == Costs(blocking=pytest.approx(1.1), restart=pytest.approx(29.9), min_interval=pytest.approx(5.0))
+    assert scaled(measured, 1e8, 1e10, copy_bandwidth=9.9e9, restore_bandwidth=1e9).min_interval == 0.0
+
+
+def test_bad_parameters_are_refused():
+    with pytest.raises(ValueError, match="mtbf"):
+        young_daly_interval(1.0, 0.0)
+    with pytest.raises(ValueError, match="positive"):
+        goodput(Costs(blocking=1.0, restart=1.0), 600.0, interval_s=0.0)
