@@ -8,6 +8,7 @@ take the job and what they read explicitly.
 import enum
 import logging
 import uuid
+from collections.abc import Callable
 
 from replicator.coordinator import planner
 from replicator.coordinator.incarnations import Incarnation
@@ -64,11 +65,22 @@ def plan(incarnation: Incarnation, copies: list[planner.StepCopy], forced: int |
                                 fan_out)  # fmt: skip
 
 
-def rollback_forks(job: JobState) -> tuple[int, ...] | None:
+def rollback_forks(key: JobRef, job: JobState, restorable_up_to: Callable[[int], bool]) -> tuple[int, ...] | None:
     """The lineage a pending rollback starts, once per request (it is marked begun), else None. What
     the job trains from there on reuses the step numbers after the forced step, so the copies of
-    those steps it abandons must never be restored."""
+    those steps it abandons must never be restored.
+
+    A rollback with no restorable step at or before its step (``restorable_up_to(step)`` false: its
+    copies proven unusable, the older ones gone) never begins: it is dropped, with an error, and the
+    job keeps its timeline and restores its newest step. Forking would abandon every newer step for a
+    fresh start.
+    """
     if job.forced_step is None or job.forked:
+        return None
+    if not restorable_up_to(job.forced_step):
+        log.error("job %s: the rollback to step %d is dropped: no step at or before it can be restored; "
+                  "the job keeps its timeline and restores its newest step", key, job.forced_step)  # fmt: skip
+        job.forced_step = None
         return None
     job.forked = True
     return job.forks + (job.forced_step,)

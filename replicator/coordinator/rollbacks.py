@@ -21,10 +21,13 @@ class NotCancellable(Exception):
 
 
 def check_restorable(key: JobRef, job: JobState, step: int, copies: list[planner.StepCopy]) -> None:
-    """Raises LookupError unless ``copies`` (believed copies and complete backups) hold ``step`` for every rank."""
+    """Raises LookupError unless ``copies`` (believed copies and complete backups), less those the
+    current incarnation's restore proved unusable, hold ``step`` for every rank."""
     ranks = job.ranks()
-    if not ranks or {c.rank for c in copies if c.step == step} != set(range(ranks)):
-        raise LookupError(f"step {step} of {key} is not complete for every rank in any tier")
+    unusable = job.incarnation.excluded if job.incarnation is not None else set()
+    if not ranks or {c.rank for c in copies if c.step == step and (c.step, c.rank, c.holder) not in unusable} != set(range(ranks)):
+        raise LookupError(f"step {step} of {key} is not complete for every rank in any tier"
+                          f"{' (copies of it were found unusable)' if any(u[0] == step for u in unusable) else ''}")  # fmt: skip
 
 
 def preview(key: JobRef, job: JobState, step: int, copies: list[planner.StepCopy], backed_up: set[int]) -> RollbackPreview:

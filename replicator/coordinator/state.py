@@ -422,9 +422,14 @@ class ClusterState:
 
     def _replan(self, key: JobRef, incarnation: Incarnation) -> None:
         job = self._jobs[key]
-        if (forks := restores.rollback_forks(job)) is not None:
-            self._set_lineage(key, forks)  # a rollback starts a new timeline
         identical = job.identity.pairs()
+
+        def restorable_up_to(step: int) -> bool:  # checked before the fork: the steps up to it stay in the lineage
+            below = [c for c in self.copies(key) if c.step <= step]
+            return restores.plan(incarnation, below, None, self.liveness.blocks, identical, False).step is not None
+
+        if (forks := restores.rollback_forks(key, job, restorable_up_to)) is not None:
+            self._set_lineage(key, forks)  # a rollback starts a new timeline
         restores.replan(key, job, incarnation,
                         lambda forced: restores.plan(incarnation, self.copies(key), forced, self.liveness.blocks, identical, self.fan_out))
         job.decided.retain = retention.retain_order(key, job)  # the planned step is protected from now on

@@ -219,3 +219,31 @@ def test_restore_from_on_a_terminal_rolls_back_only_on_a_typed_yes(capsys, monke
     assert serve(scenario) == [(1, None), (0, 5)]
     out = capsys.readouterr()
     assert "not rolled back" in out.err and "default/run will restore step 5" in out.out
+
+
+def test_a_rollback_to_copies_this_incarnation_proved_unusable_is_refused():
+    state = ClusterState()
+    state.expire(0.0)
+    incarnation, rank_of = running_job(state, now=20.0, has_backup=True)
+    holding(state, rank_of, (), 21.0, incarnation, listing=(2,))  # step 2 is only in the backup tier
+    state.tick(22.0)
+    # The incarnation's restore found rank 0's backup of step 2 corrupt (what report_staged records).
+    state.job(KEY).incarnation.excluded.add((2, 0, "backup"))
+    with pytest.raises(LookupError, match=r"step 2 of default/run is not complete for every rank in any tier \(copies of it were found unusable\)"):
+        state.force_restore_step(KEY, 2)
+    assert state.job(KEY).forced_step is None
+
+
+def test_a_rollback_with_nothing_restorable_at_or_before_its_step_is_dropped_not_a_fresh_start():
+    state = ClusterState()
+    state.expire(0.0)
+    incarnation, rank_of = running_job(state, now=20.0, has_backup=True)
+    holding(state, rank_of, (), 21.0, incarnation, listing=(2,))
+    state.force_restore_step(KEY, 2)
+    holding(state, rank_of, (), 22.0, pods=False, listing=(5,))  # the backup of step 2 is gone before the restore
+    for index, node in enumerate(("a", "b")):
+        state.apply_report(msgspec.structs.replace(report(node, f"http://{node}", [pod(index + 2)], state.liveness.nodes[node].report.held),
+                                                   has_backup=True, backed_up=state.liveness.nodes[node].report.backed_up), 23.0)  # fmt: skip
+    view = state.restore_view(KEY, state.job(KEY).incarnation.incarnation_id, 0, now=23.5)
+    assert (view.step, view.rollback, view.forks) == (5, False, ())  # the newest step, on the same timeline
+    assert (state.job(KEY).forced_step, state.job(KEY).forks) == (None, ())
