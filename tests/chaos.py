@@ -607,7 +607,10 @@ def _rollback(chaos: Chaos, pods_gone: bool) -> None:
     chaos.fail()
     if pods_gone:
         chaos.job.delete_pods()
-    step = sorted(chaos.backups())[-2]  # older than the newest; the oldest may be going to retention
+    # Older than the newest (the oldest may be going to retention), and not one the suite damaged: an operator
+    # rolls back to a step that restores (a damaged one is refused, or dropped at planning: docs/faults.md).
+    intact = [s for s in sorted(chaos.backups()) if not any((r, s, "backup") in chaos.corrupt for r in range(NODES))]
+    step = intact[-2] if len(intact) >= 2 else sorted(chaos.backups())[-2]
     command = [sys.executable, "-m", "replicator.cli", "restore-from", "--coordinator", chaos.cluster.coordinator.url,
                "--ca", chaos.cluster.coordinator.ca_file, "--token-file", chaos.cluster.token_file,
                "--job", f"default/{chaos.job.job}", "--step", str(step), "--yes"]  # fmt: skip
