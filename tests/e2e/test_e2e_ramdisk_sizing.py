@@ -1,7 +1,7 @@
 """Ramdisks sized by the rule and below it, with real jobs.
 
 A real Orbax job with data parallelism 1 and ``--replicas 1``, saving faster than it replicates, on
-ramdisks sized exactly by the documented rule (``space.shards_needed``: (2r + 4) shards + 10 %): no
+ramdisks sized exactly by the documented rule (``space.shards_needed``: (2r + 5) shards + 10 %): no
 save of the job meets ENOSPC, the ramdisks never hold more than their size, every rank's safe step
 keeps its copies, and a node lost mid-run restores the newest safe step exactly. A real PyTorch job on
 a ramdisk below one save gets a ``replicator.errors`` line with the numbers.
