@@ -107,6 +107,7 @@ def test_every_knob_renders_into_the_pod_specs(tmp_path):
         "node": {**pod_knobs, "backgroundCPU": 0.5, "restoreDeadlineSeconds": 200, "wedgedAfterSeconds": 90,
                  "minPushIntervalSeconds": 5, "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": "10%"}}},
         "coordinator": {**pod_knobs, "kubeNamespace": "training", "nodeTimeoutSeconds": 30, "holderGraceSeconds": 120,
+                        "restoreFanOut": False, "sharedBackupUpload": True,
                         "strategy": {"type": "RollingUpdate"}},
     }  # fmt: skip
     (tmp_path / "values.yaml").write_text(yaml.safe_dump(values))
@@ -134,6 +135,7 @@ def test_every_knob_renders_into_the_pod_specs(tmp_path):
                                          "--max-nodes", "--log-level", "--log-format")} == {
         "--node-timeout-seconds": "30", "--holder-grace-seconds": "120", "--kube-namespace": "training",
         "--max-nodes": "20000", "--log-level": "debug", "--log-format": "json"}  # fmt: skip
+    assert "--no-restore-fan-out" in served and "--shared-backup-upload" in served
     assert coordinator["spec"]["strategy"] == {"type": "RollingUpdate"}
 
     for obj, name in ((node, "mtc-node"), (coordinator, "mtc-coordinator")):
