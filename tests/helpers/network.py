@@ -12,13 +12,16 @@ view). This kernel has no ``netem`` (nor ``prio``): a delay is a proxy instead (
 node's connections are DNATed to.
 
 Every rule lives in chains or ``tc`` handles of this process's own; each context manager removes what it
-added on exit, on error too, and never flushes or edits rules it did not create. Needs root.
+added on exit, on error too (``delayed``: once the connections it carries have ended), and never flushes or
+edits rules it did not create. Needs root.
 """
 
 import asyncio
+import atexit
 import contextlib
-import fcntl
 import dataclasses
+import fcntl
+import functools
 import ipaddress
 import os
 import re
@@ -29,7 +32,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 AS_HOST = ["tests.helpers.network"]
 """``NodeAgentProcess.wrapper`` / ``LocalCluster(agent_wrapper=...)``: the agent runs as the loopback host it listens on."""
@@ -81,18 +84,34 @@ def _iptables_restore(table: str, lines: list[str]) -> None:
     _run(["iptables-restore", "-w", "--noflush"], stdin="\n".join([f"*{table}", *lines, "COMMIT", ""]))
 
 
+def _add_chain(table: str, hook: str, name: str, rules: list[str]) -> None:
+    """Creates chain ``name`` in ``table`` holding ``rules`` (``iptables`` arguments after ``-A name``) and
+    jumps to it from ``hook``, in one transaction."""
+    _iptables_restore(table, [f":{name} - [0:0]", *(f"-A {name} {r}" for r in rules), f"-I {hook} -j {name}"])
+
+
+def _unhook(table: str, hook: str, name: str) -> None:
+    """Removes every jump from ``hook`` to ``name`` (should an interrupted start have added two)."""
+    while not _run(["iptables", "-w", "-t", table, "-D", hook, "-j", name], check=False).returncode:
+        pass
+
+
+def _drop_chain(table: str, name: str) -> None:
+    """Flushes and deletes chain ``name`` (nothing jumps to it any more)."""
+    _run(["iptables", "-w", "-t", table, "-F", name], check=False)
+    _run(["iptables", "-w", "-t", table, "-X", name], check=False)
+
+
 @contextlib.contextmanager
 def _own_chain(table: str, hook: str, name: str, rules: list[str]) -> Iterator[None]:
-    """Creates chain ``name`` in ``table`` holding ``rules`` (``iptables`` arguments after ``-A name``),
-    jumped to from ``hook`` while the context lasts; removes the jump and the chain on exit."""
+    """Chain ``name`` of ``rules``, jumped to from ``hook`` while the context lasts (``_add_chain``); removes
+    the jump and the chain on exit."""
     try:
-        _iptables_restore(table, [f":{name} - [0:0]", *(f"-A {name} {r}" for r in rules), f"-I {hook} -j {name}"])
+        _add_chain(table, hook, name, rules)
         yield
     finally:
-        while not _run(["iptables", "-w", "-t", table, "-D", hook, "-j", name], check=False).returncode:
-            pass  # every jump to it, should an interrupted start have added two
-        _run(["iptables", "-w", "-t", table, "-F", name], check=False)
-        _run(["iptables", "-w", "-t", table, "-X", name], check=False)
+        _unhook(table, hook, name)
+        _drop_chain(table, name)
 
 
 _chains = iter(range(1 << 30))
@@ -250,6 +269,7 @@ class _DelayProxy:
         self._server: asyncio.Server | None = None
         self._connections = 0
         self._stopping = False
+        self._then: Callable[[], None] = lambda: None
         started = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(started,), name="delay-proxy", daemon=True)
         self._thread.start()
@@ -259,22 +279,34 @@ class _DelayProxy:
     def _run(self, started: threading.Event) -> None:
         self._server = self._loop.run_until_complete(asyncio.start_server(self._forward, "127.0.0.1", 0))
         started.set()
-        self._loop.run_forever()
-        self._loop.close()
+        try:
+            self._loop.run_forever()
+            if tasks := asyncio.all_tasks(self._loop):  # the ended connections' cancelled steps
+                for task in tasks:
+                    task.cancel()
+                self._loop.run_until_complete(asyncio.wait(tasks))
+            self._loop.close()
+        finally:
+            self._then()
 
-    def stop(self, wait_seconds: float = 5.0) -> None:
-        """Takes no more connections and forwards the open ones without delay until they end (the loop ends
-        with the last one); waits up to ``wait_seconds`` for that. Connections that outlive the wait (a
-        training process's) keep being forwarded, on the daemon thread, as long as they stay open."""
+    def stop(self, then: Callable[[], None], wait_seconds: float = 5.0) -> None:
+        """Takes no more connections and forwards the open ones without delay until they end; then the loop
+        ends and calls ``then``. Waits up to ``wait_seconds`` for that: connections that outlive the wait (a
+        training process's) keep being forwarded, on the daemon thread, and ``then`` runs after the last."""
 
         def close():
-            self._stopping, self.seconds = True, 0.0
+            self._stopping, self.seconds, self._then = True, 0.0, then
             self._server.close()
-            if not self._connections:
-                self._loop.stop()
+            self._stop_when_idle()
 
         self._loop.call_soon_threadsafe(close)
         self._thread.join(wait_seconds)
+        if self._thread.is_alive():
+            atexit.register(then)
+
+    def _stop_when_idle(self) -> None:
+        # On the next turn of the loop: a connection accepted on this one has started its _forward by then.
+        self._loop.call_soon(lambda: self._stopping and not self._connections and self._loop.stop())
 
     async def _forward(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
         self._connections += 1
@@ -306,8 +338,7 @@ class _DelayProxy:
             for writer in writers:
                 writer.close()
             self._connections -= 1
-            if self._stopping and not self._connections:
-                self._loop.stop()
+            self._stop_when_idle()
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         arrivals = asyncio.Queue(_CHUNKS_IN_FLIGHT)
@@ -348,10 +379,11 @@ def delayed(endpoints: Iterable[Endpoint | str], milliseconds: float, keep_open:
     The proxy can only take new connections: those already open from or to ``endpoints`` are reset when
     the context begins (``ss -K``), so that their owners reconnect, through it, as a pooled HTTP client
     would after a link fault; but for those with a port in ``keep_open``, which stay open and undelayed.
-    Connections open when the context ends are forwarded without delay until they close.
+    Connections open when the context ends are forwarded without delay until they close; the DNAT rules,
+    no longer jumped to, are deleted after the last (at the latest when this process exits).
     """
     endpoints = [Endpoint.of(e) for e in endpoints]
-    proxy = _DelayProxy(milliseconds / 1000)
+    proxy, chain = _DelayProxy(milliseconds / 1000), None
     try:
         to_proxy = f"-j DNAT --to-destination 127.0.0.1:{proxy.port}"
         rules = [f"-m mark --mark {_PROXY_MARK} -j RETURN"]
@@ -362,11 +394,17 @@ def delayed(endpoints: Iterable[Endpoint | str], milliseconds: float, keep_open:
             group = int(ipaddress.IPv4Address(endpoint.address))
             rules += [f"-p tcp -d {endpoint.address} {to_proxy}", f"-p tcp -s {endpoint.address} {to_proxy}",
                       f"-p tcp -m owner --gid-owner {group} --suppl-groups {to_proxy}"]  # fmt: skip
-        with _own_chain("nat", "OUTPUT", _chain_name("DELAY"), rules):
-            _reset_open(endpoints, keep_open)
-            yield
+        chain = _chain_name("DELAY")
+        _add_chain("nat", "OUTPUT", chain, rules)
+        _reset_open(endpoints, keep_open)
+        yield
     finally:
-        proxy.stop()
+        # New connections go straight to their destination at once. The DNAT rules themselves are deleted only
+        # once the proxy's last connection has ended: deleting them under a connection with bytes in flight
+        # left it hanging (this kernel, nf_tables), where the end of a delay must leave it whole.
+        if chain:
+            _unhook("nat", "OUTPUT", chain)
+        proxy.stop(then=functools.partial(_drop_chain, "nat", chain) if chain else lambda: None)
 
 
 def _reset_open(endpoints: list[Endpoint], keep_open: Iterable[int]) -> None:
