@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterator
 
 import blake3
-import google_crc32c
+from awscrt import checksums
 
 from replicator.local_tier import pod_files
 from replicator.pacing.cpu_share import CpuShare
@@ -79,8 +79,8 @@ def safe_relpath(path: str) -> str:
     return path
 
 
-# Reads of 2 MiB: over google_crc32c's 1 MiB threshold for releasing the GIL, and still in the CPU
-# cache when the checksum reads them back (8 MiB reads run at half the speed: the copy spills to RAM).
+# Reads of 2 MiB into one reused buffer: still in the CPU cache when the checksum reads them back (8 MiB
+# reads run at half the speed: the copy spills to RAM), and no fresh pages to fault in for each read.
 _READ_BYTES = 2 << 20
 _PIECE_BYTES = 64 << 20  # a large file is checksummed as pieces on several threads, then combined
 _OPEN_AT_ONCE = 64  # descriptors a step walk holds at once, far below the usual limit of 1024
@@ -123,26 +123,36 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
     return _multiply_mod_poly(shift, crc1) ^ crc2
 
 
-def _chunks(fd: int, start: int = 0, end: int | None = None, share: CpuShare | None = None) -> Iterator[bytes]:
-    """Bytes [start, end) of an open file (to its end when ``end`` is None), in reads of ``_READ_BYTES``,
-    pausing after each for ``share`` when given.
+def crc32c_extend(crc: int, data: bytes | bytearray | memoryview) -> int:
+    """The CRC-32C (Castagnoli, as in the manifest and in GCS's and S3's object checksums) of the bytes
+    checksummed into ``crc`` followed by ``data``; 0 is the CRC-32C of no bytes.
 
-    ``pread`` returns ``bytes``, the one type ``google_crc32c`` checksums with the GIL released, so
-    several threads checksum at once. (Not ``mmap``: a file truncated under the mapping would kill
-    the agent with SIGBUS, and the pod can truncate its own files.)
+    awscrt's (a dependency already, through boto3[crt]): it takes any bytes-like object, so reads go into
+    reused buffers, it releases the GIL, so threads checksum at once, and it runs at about 2.4 times
+    google_crc32c's speed on this machine's CPUs (13 against 5.3 GiB/s on one core, in memory).
+    """
+    return checksums.crc32c(data, crc)
+
+
+def _chunks(fd: int, start: int = 0, end: int | None = None, share: CpuShare | None = None) -> Iterator[memoryview]:
+    """Bytes [start, end) of an open file (to its end when ``end`` is None), in reads of ``_READ_BYTES``,
+    pausing after each for ``share`` when given. Each is a view of one reused buffer: valid until the
+    next is asked for. (Not ``mmap``: a file truncated under the mapping would kill the agent with
+    SIGBUS, and the pod can truncate its own files.)
 
     Raises:
       OSError: the file ends before ``end`` (it changed while being read), or a read failed.
     """
+    buffer = memoryview(bytearray(_READ_BYTES if end is None else min(_READ_BYTES, end - start)))
     offset = start
     while end is None or offset < end:
-        chunk = os.pread(fd, _READ_BYTES if end is None else min(_READ_BYTES, end - offset), offset)
-        if not chunk:
+        read = os.preadv(fd, [buffer if end is None else buffer[:end - offset]], offset)
+        if not read:
             if end is None:
                 return
             raise OSError(errno.EIO, f"file ended at byte {offset} of {end} while being read: it changed")
-        yield chunk
-        offset += len(chunk)
+        yield buffer[:read]
+        offset += read
         if share is not None:
             share.pause()
 
@@ -151,7 +161,7 @@ def _crc32c_of_range(fd: int, start: int, end: int, share: CpuShare | None = Non
     """CRC-32C of bytes [start, end) of an open file; raises OSError as ``_chunks``."""
     crc = 0
     for chunk in _chunks(fd, start, end, share):
-        crc = google_crc32c.extend(crc, chunk)
+        crc = crc32c_extend(crc, chunk)
     return crc
 
 
