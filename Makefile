@@ -100,7 +100,7 @@ BUILD_CA   ?=
 IMAGE_ARGS  = --build-arg BASE=$(BASE_IMAGE) $(if $(BUILD_CA),--secret id=pip-ca$(comma)src=$(BUILD_CA)) -t $(IMAGE)
 comma := ,
 
-.PHONY: setup tools k8s-tools k8s-node-tools e2e-k8s etcd test test-fast demo torch-setup bench e2e-maxtext e2e-torchtitan e2e-orbax-oldest chaos clean image image-base
+.PHONY: setup tools k8s-tools k8s-node-tools e2e-k8s e2e-operations etcd test test-fast demo torch-setup bench e2e-maxtext e2e-torchtitan e2e-orbax-oldest chaos clean image image-base
 
 setup: $(STAMP) $(STUBS)
 
@@ -191,10 +191,19 @@ $(JOBSET_CONFIG)/manifests.yaml: $(JOBSET_SRC)/go.mod
 e2e-k8s: setup k8s-node-tools
 	PATH=$(TOOLS):$$PATH $(BIN)/python -m pytest -q -p no:cacheprovider tests/k8s
 
+# The longest end-to-end tests, run by .ci/run after `make test` (which leaves them out to stay near 20 minutes
+# on 2 cores): an operator's procedures (a rolling upgrade and rollback across releases, a token rotation) and
+# the pressure cases (a ramdisk sized exactly by the rule, read-once restores after a cluster loss). About 7 min.
+E2E_OPERATIONS := tests/e2e/test_e2e_upgrade.py tests/e2e/test_e2e_token_rotation.py \
+                  tests/e2e/test_e2e_ramdisk_sizing.py tests/e2e/test_e2e_restore_fan_out.py
+
 # The import contracts first (pyproject.toml [tool.importlinter]): a new cycle fails before any test runs.
 test: setup tools torch-setup
 	$(BIN)/lint-imports --no-cache --no-logo
-	PATH=$(TOOLS):$$PATH $(BIN)/python -m pytest -q -p no:cacheprovider
+	PATH=$(TOOLS):$$PATH $(BIN)/python -m pytest -q -p no:cacheprovider $(foreach t,$(E2E_OPERATIONS),--ignore=$(t))
+
+e2e-operations: setup tools
+	PATH=$(TOOLS):$$PATH $(BIN)/python -m pytest -q -p no:cacheprovider $(E2E_OPERATIONS)
 
 # The unit layer only (tests/unit: no processes, no mounts, no Go tools), for the edit-test loop.
 test-fast: setup
