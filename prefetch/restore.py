@@ -175,7 +175,8 @@ class Restorer:
                             await client.report_staged(pod, view.generation, None, bad, retrying=True)
                         self._log_once(f"restore-retry-{disk.job}", f"step {view.step}: sources unreachable "
                                        f"({'; '.join(unreachable[:3])}); retrying in {backoff:.0f} s", meta)  # fmt: skip
-                        await asyncio.sleep(backoff)
+                        # The backoff is a long poll: a new plan (a replan to another step or source) ends it at once.
+                        seen, wait = view.token, backoff
                         backoff = min(2 * backoff, timing.RESTORE_RETRY_MAX_SECONDS)
                         continue
                     source = used.tier if used else NO_SOURCE

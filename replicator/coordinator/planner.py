@@ -5,7 +5,7 @@ thousands of fake nodes.
 """
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 
 from replicator.wire.messages import TIER_PREFERENCE, Tier
 
@@ -137,6 +137,7 @@ def plan_restore(
     usable_tiers: frozenset[Tier] = frozenset(Tier),
     identical: Mapping[int, frozenset[tuple[int, int]]] | None = None,
     fan_out: bool = True,
+    silent: Collection[str] = frozenset(),
 ) -> RestorePlan:
     """Picks the newest step that every rank can restore, and each rank's sources.
 
@@ -153,6 +154,9 @@ def plan_restore(
       identical: step -> pairs of ranks (both orders) holding the same logical data at that step.
       fan_out: read each unique shard from the backup tier once per identical group (see
         ``RestorePlan.fan_out``); False: every rank reads its own.
+      silent: nodes silent past the node timeout. Their copies stay sources, but do not keep a group
+        from fanning out: after a cluster loss every lost node is silent, not yet forgotten, for the
+        grace period.
 
     Returns:
       The plan; ``step`` is None when nothing qualifies.
@@ -173,19 +177,19 @@ def plan_restore(
             candidates = [copy for data_rank in serving for copy in held.get(data_rank, [])]
             sources[rank] = _ranked_sources(candidates, node_of_rank[rank], block_of, usable_tiers)
         if all(sources.values()):
-            fanned = _fan_out(sources, peers, node_of_rank, block_of, usable_tiers) if fan_out else {}
+            fanned = _fan_out(sources, peers, node_of_rank, block_of, usable_tiers, silent) if fan_out else {}
             return RestorePlan(step, sources, fanned)
     return RestorePlan(None, {rank: () for rank in range(nodes)})
 
 
 def _fan_out(sources: Mapping[int, tuple[Source, ...]], peers: Mapping[int, list[int]], node_of_rank: Mapping[int, str],
-             block_of: Mapping[str, str], usable: frozenset[Tier]) -> dict[int, Source]:  # fmt: skip
+             block_of: Mapping[str, str], usable: frozenset[Tier], silent: Collection[str]) -> dict[int, Source]:  # fmt: skip
     """Rank -> its downloader's peer source, for the ranks of identical groups held only in the
-    backup tier: the group's lowest rank downloads (its first source is its own backup), the others
-    wait for its node. A group with any copy in the cluster restores from it as before."""
+    backup tier or on ``silent`` nodes: the group's lowest rank downloads (its first source is its own
+    backup), the others wait for its node. A group with any copy on a live node restores from it as before."""
     fanned = {}
     for rank, ranked in sources.items():
-        if not peers.get(rank) or any(s.tier != Tier.BACKUP for s in ranked):
+        if not peers.get(rank) or any(s.tier != Tier.BACKUP and s.holder not in silent for s in ranked):
             continue
         downloader = min(rank, *peers[rank])
         if downloader == rank:

@@ -8,7 +8,7 @@ take the job and what they read explicitly.
 import enum
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from replicator.coordinator import planner
 from replicator.coordinator.incarnations import Incarnation
@@ -52,17 +52,18 @@ def check_plannable(job: JobState, incarnation: Incarnation, nodes: dict, now: f
 
 
 def plan(incarnation: Incarnation, copies: list[planner.StepCopy], forced: int | None, blocks, identical,
-         fan_out: bool = True) -> planner.RestorePlan:  # fmt: skip
+         fan_out: bool = True, silent: Collection[str] = frozenset()) -> planner.RestorePlan:  # fmt: skip
     """The restore plan over ``copies`` not proven unusable (only ``forced``'s, if given).
 
     Args:
       blocks: called with node ids for node -> topology block; identical: the job's identical pairs.
       fan_out: a backup-only step is read once per identical group (``planner.plan_restore``).
+      silent: the nodes silent past the node timeout (``planner.plan_restore``).
     """
     usable = [c for c in copies if (c.step, c.rank, c.holder) not in incarnation.excluded and (forced is None or c.step == forced)]
     return planner.plan_restore(len(incarnation.node_of_rank), incarnation.node_of_rank, usable,
                                 blocks({c.holder for c in usable} | set(incarnation.node_of_rank.values())), USABLE_TIERS, identical,
-                                fan_out)  # fmt: skip
+                                fan_out, silent)  # fmt: skip
 
 
 def rollback_forks(key: JobRef, job: JobState, restorable_up_to: Callable[[int], bool]) -> tuple[int, ...] | None:

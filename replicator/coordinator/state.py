@@ -431,7 +431,8 @@ class ClusterState:
         if (forks := restores.rollback_forks(key, job, restorable_up_to)) is not None:
             self._set_lineage(key, forks)  # a rollback starts a new timeline
         restores.replan(key, job, incarnation,
-                        lambda forced: restores.plan(incarnation, self.copies(key), forced, self.liveness.blocks, identical, self.fan_out))
+                        lambda forced: restores.plan(incarnation, self.copies(key), forced, self.liveness.blocks, identical, self.fan_out,
+                                                     frozenset(self.liveness.silent())))  # fmt: skip
         job.decided.retain = retention.retain_order(key, job)  # the planned step is protected from now on
         self._bump(key)
 

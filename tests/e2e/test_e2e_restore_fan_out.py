@@ -34,7 +34,11 @@ def backed_up_and_lost(start_cluster, server, tmp_path):
     every node and adds four fresh ones (the coordinator survives). Returns (cluster, job, the
     backed-up step, the killed run's losses, the fresh agents)."""
     cluster = start_cluster(backup="gs://ckpt/mtc", env={"STORAGE_EMULATOR_HOST": server.url})
-    job = run_job("dp", list(cluster.agents), tmp_path / "dp", [*UNTIL_KILLED, "--dump-dir", str(tmp_path / "dump-1")])
+    # Every save is backed up, so the newest complete step is in the store when the nodes are lost: the restore
+    # plans it from the backup tier at once. (Were it held only by the lost nodes, the coordinator would plan it
+    # from them and wait out their 60 s grace first, then replan an older backup with some of them still counted.)
+    job = run_job("dp", list(cluster.agents), tmp_path / "dp",
+                  [*UNTIL_KILLED, "--backup-interval-steps", "3", "--dump-dir", str(tmp_path / "dump-1")])
 
     def identical_backup():
         status = status_of(cluster, job)
@@ -42,7 +46,11 @@ def backed_up_and_lost(start_cluster, server, tmp_path):
 
     job.wait(identical_backup, 180, "a backup of a step whose DP peers were found identical")
     before = kill_past_newest_commit(job)
-    wait_until(lambda: status_of(cluster, job)["backup_pending"] is None, 60, "backups settled")
+    def newest_backed_up():
+        status = status_of(cluster, job)
+        return status["backup_pending"] is None and max(status["backups"]) == status["newest_complete_step"]
+
+    wait_until(newest_backed_up, 60, "the newest complete step backed up")
     step = max(status_of(cluster, job)["backups"])
     for agent in list(job.agents):
         cluster.lose_node(agent)

@@ -37,6 +37,18 @@ def test_no_fan_out_when_a_copy_is_in_the_cluster_without_identity_or_when_turne
     assert plan_restore(NODES, node_of, backup_only(), identical=IDENTICAL, fan_out=False).fan_out == {}
 
 
+def test_copies_on_silent_nodes_do_not_keep_a_group_from_fanning_out():
+    # After a cluster loss the lost nodes are silent, not yet forgotten: their copies stay sources, last.
+    node_of = {0: "e", 1: "f", 2: "g", 3: "h"}
+    lost = [*backup_only(), *(StepCopy(9, rank, old) for rank, old in enumerate("abcd"))]
+    assert plan_restore(NODES, node_of, lost, identical=IDENTICAL).fan_out == {}
+    plan = plan_restore(NODES, node_of, lost, identical=IDENTICAL, silent=frozenset("abcd"))
+    assert plan.fan_out == {2: Source(Tier.PEER_DISTANT, "e", 0), 3: Source(Tier.PEER_DISTANT, "f", 1)}
+    assert {s.holder for s in plan.sources[2]} == {"backup", "a", "c"}  # every source kept
+    # A live node's copy still wins over the store for its group.
+    assert plan_restore(NODES, node_of, lost, identical=IDENTICAL, silent=frozenset("abc")).fan_out == {2: Source(Tier.PEER_DISTANT, "e", 0)}
+
+
 def pod(node, incarnation=None, rank=None, settings=None, published_at=0.0):
     slot = node % NODES  # a fresh node takes the slot of the lost one
     return PodReport(*NAMES, f"dp-{slot // 2}-{slot % 2}-x", f"uid-{node}", slot // 2, slot % 2, NODES, SLICES, 8476, "dp", published_at,
