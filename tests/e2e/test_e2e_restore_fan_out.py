@@ -52,8 +52,11 @@ def backed_up_and_lost(start_cluster, server, tmp_path):
 
     wait_until(newest_backed_up, 60, "the newest complete step backed up")
     step = max(status_of(cluster, job)["backups"])
-    for agent in list(job.agents):
+    lost = list(job.agents)
+    for agent in lost:
         cluster.lose_node(agent)
+    # Replacement nodes join after the node timeout, as on a real cluster: the lost ones are silent by then.
+    wait_until(lambda: len(status_of(cluster, job)["silent_nodes"]) == len(lost), 30, "the lost nodes silent")
     fresh = [cluster.add_node(4 + i, block=f"b{i // 2}") for i in range(4)]
     return cluster, job, step, before, fresh
 
