@@ -371,6 +371,8 @@ class LocalCluster:
         """What a node failure does: the agent dies and the node's RAM (every ramdisk) is gone."""
         agent.kill()
         unmount_all_below(agent.workdir)
+        with contextlib.suppress(FileNotFoundError):  # kept beside it, to read after a failed test
+            os.replace(agent.log_path, agent.workdir.rstrip("/") + "-lost-agent.log")
         shutil.rmtree(agent.workdir)
 
     def stop(self) -> None:

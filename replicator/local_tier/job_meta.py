@@ -130,6 +130,13 @@ class JobMeta:
                 found[(manifest.rank, manifest.step)] = manifest
         return found
 
+    def replica_installed_at(self, rank: int, step: int) -> float | None:
+        """When the replica's manifest was written (it is installed last), wall-clock seconds; None if not held."""
+        try:
+            return os.stat(self.replica_dir(rank, step) + ".json").st_mtime
+        except FileNotFoundError:
+            return None
+
     def new_incoming_dir(self) -> str:
         """A fresh directory on the ramdisk for data being received; rename it into place when verified."""
         path = os.path.join(self._incoming, uuid.uuid4().hex)

@@ -78,8 +78,9 @@ class NodeReplicator:
         self._log_once = LogOnce()
         self._assignments: dict[str, Assignment] = {}
         self._replicas = config.peer.replicas if peer_token is not None else 0  # replicas of each step this node may host
-        self._retain: dict[JobRef, RetainOrder] = {}
-        self._making_room = threading.Lock()  # the latest reply's: what ``space.make_room`` may give up
+        self._retain: dict[JobRef, RetainOrder] = {}  # the latest reply's: what ``space.make_room`` may give up
+        self._retain_sent = 0.0  # when the report that brought them was sent (wall clock)
+        self._making_room = threading.Lock()
         self._backup = (
             BackupWorker(backup_store, config.backup.keep, self._busy_steps, self._error_to_job, self.poke, share) if backup_store else None
         )
@@ -173,7 +174,7 @@ class NodeReplicator:
         if not reporting.due(report, time.monotonic()):
             return
         reporting.poked = False
-        started = time.monotonic()
+        started, sent = time.monotonic(), time.time()
         call = asyncio.ensure_future(client.report(report))
         if report.waiting:  # a long poll: give it up as soon as there is something new to say
             woken = asyncio.ensure_future(self._wake.wait())
@@ -204,6 +205,7 @@ class NodeReplicator:
             for order in reply.replicate:
                 self._pusher.start(self._session, disks, order)
         self._retain = {JobRef(order.namespace, order.job): order for order in reply.retain}
+        self._retain_sent = sent
         for order in reply.retain:
             if (disk := disks.get(JobRef(order.namespace, order.job))) is not None:
                 await asyncio.to_thread(collect_garbage, disk, order, self._busy_steps)
@@ -292,9 +294,11 @@ class NodeReplicator:
         """Gives up unsafe copies on ``disk`` until ``need`` bytes are free or none is left
         (``space.make_room``, with the job's latest retain order), but of step ``keep``; logs each one."""
         key = job_of(disk)
-        order = pressure_order(disk, self._retain.get(key))
+        ordered = self._retain.get(key)
+        order = pressure_order(disk, ordered)
+        busy = self._busy_steps.of(key) | ({keep} if keep is not None else set())
         with self._making_room:  # the watch pass, the peer service and a restore may all ask at once
-            given_up = space.make_room(disk, order, self._busy_steps.of(key) | ({keep} if keep is not None else set()), need)
+            given_up = space.make_room(disk, order, busy, need, self._retain_sent if ordered is not None else None)
         for copy in given_up:
             space.GIVEN_UP.inc()
             log.warning("%s/%s: gave up %s step %d (%d bytes, not safe) to free %d bytes; steps up to %d are kept (safe, or restored)",

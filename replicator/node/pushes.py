@@ -1,9 +1,12 @@
 """Pushes: carries out the coordinator's replicate orders, one committed step to one peer at a time.
 
 The peer verifies every checksum before the replica becomes visible (``replicator.peer_tier.client.push_step``).
-A push is not repeated while one is running or soon after one succeeded, and per job and peer at
-most one starts per ``min_interval_seconds``. The coordinator orders one step per replication round
-(``coordinator/replicas.py``), so a job saving faster replicates only its rounds' steps.
+A push is not repeated while one is running, and per job and peer at most one starts per
+``min_interval_seconds``. An order repeated soon after its push succeeded is first checked against the
+target's manifest: the coordinator learns of a push only from the target's next report, so a repeat
+is usually an order made before it; but the target may also have lost the copy (given up under
+pressure, or a restart), and then the round waits on this push. The coordinator orders one step per
+replication round (``coordinator/replicas.py``), so a job saving faster replicates only its rounds' steps.
 """
 
 import asyncio
@@ -20,7 +23,7 @@ from replicator.local_tier.job_meta import JobMeta
 from replicator.local_tier.log_once import LogOnce
 from replicator.pacing import timing
 from replicator.pacing.cpu_share import CpuShare
-from replicator.peer_tier.client import PeerFetchError, push_step
+from replicator.peer_tier.client import PeerFetchError, UnusablePeerCopy, fetch_manifest, push_step
 from replicator.wire.bearer import Tokens
 from replicator.wire.messages import JobRef, ReplicateOrder, Target
 
@@ -70,15 +73,15 @@ class Pusher:
         for target in order.targets:
             key = (job, order.rank, order.step, target.node)
             lane = (job, target.node)
-            # The coordinator learns of a finished push only from the target's next report.
-            if key in self._pushes or key in self._pushed or now - self._push_started.get(lane, -1e9) < self._min_interval_seconds:
+            if key in self._pushes or now - self._push_started.get(lane, -1e9) < self._min_interval_seconds:
                 continue
             self._push_started[lane] = now
-            self._pushes[key] = asyncio.create_task(self._push(session, job, disk, order, target, key))
+            self._pushes[key] = asyncio.create_task(self._push(session, job, disk, order, target, key, key in self._pushed))
 
     async def _push(self, session: aiohttp.ClientSession, job: JobRef, disk: Ramdisk, order: ReplicateOrder, target: Target,
-                    key: tuple[JobRef, int, int, str]) -> None:  # fmt: skip
-        """Pushes one committed step to one peer; the peer verifies it before it becomes visible."""
+                    key: tuple[JobRef, int, int, str], repeated: bool) -> None:  # fmt: skip
+        """Pushes one committed step to one peer; the peer verifies it before it becomes visible. A
+        ``repeated`` push is skipped when the peer still holds the same manifest."""
         meta = JobMeta(disk.path)
         located = meta.locate(order.rank, order.step)
         if located is None:
@@ -87,6 +90,9 @@ class Pusher:
         with self._busy_steps.reading(job, order.step):
             try:
                 step_dir, manifest = located
+                if repeated and await self._still_held(session, job, target, manifest):
+                    self._pushed[key] = time.monotonic()
+                    return
                 await push_step(session, target.url, self._peer_token.current, job.namespace, job.job, step_dir, manifest,
                                 share=self._share)  # fmt: skip
                 REPLICATED.labels("ok").inc()
@@ -97,3 +103,16 @@ class Pusher:
             except (PeerFetchError, OSError, aiohttp.ClientError, asyncio.TimeoutError) as err:
                 REPLICATED.labels("failed").inc()
                 self._log_once(f"push-{target.node}", f"replicating step {order.step} to {target.node} failed: {err}")
+
+    async def _still_held(self, session: aiohttp.ClientSession, job: JobRef, target: Target, manifest) -> bool:
+        """Whether ``target`` holds ``manifest``'s rank and step with the same files.
+
+        Raises:
+          PeerFetchError: the target could not say (not reached, or an error other than 404/410).
+        """
+        try:
+            held = await fetch_manifest(session, target.url, self._peer_token.current, job.namespace, job.job, manifest.rank, manifest.step)
+        except UnusablePeerCopy:
+            log.info("%s: %s no longer holds rank %d step %d: pushing it again", job, target.node, manifest.rank, manifest.step)
+            return False
+        return held.files == manifest.files

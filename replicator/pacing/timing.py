@@ -73,8 +73,8 @@ RESTORE_PLAN_RETRY_SECONDS = 1.0
 # node's download of a large shard takes, and well inside the deadline above.
 FAN_OUT_WAIT_SECONDS = 60.0
 
-# A push that succeeded is not repeated for this long, whatever the orders say: the coordinator
-# learns of it only from the target's next report (a heartbeat or two).
+# For this long after a push succeeded, an order to repeat it first asks the target for its manifest:
+# the coordinator learns of the push only from the target's next report (a heartbeat or two).
 PUSH_REPEAT_SECONDS = 30.0
 
 # Backup orders are repeated with every reply: one missing from three heartbeats was withdrawn, but
