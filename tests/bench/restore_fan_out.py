@@ -42,15 +42,14 @@ warnings.simplefilter("ignore", FutureWarning)  # google-auth's import-time noti
 from examples.local_cluster import LocalCluster, unmount_all_below  # noqa: E402
 from replicator.backup_tier.store import RankManifest  # noqa: E402
 from tests.helpers import network  # noqa: E402
-from tests.helpers.agents import scrape  # noqa: E402
 from tests.helpers.jobs import UNTIL_KILLED, kill_past_newest_commit, kill_started_jobs, recreate, run_job, status_of  # noqa: E402
 from tests.helpers.polling import wait_until  # noqa: E402
 from tests.helpers.ports import listen_address  # noqa: E402
 from tests.helpers.servers import FakeGcsServer  # noqa: E402
 from tests.helpers.tools import find_tool  # noqa: E402
+from tests.helpers.trainer_oracle import restore_seconds  # noqa: E402
 
 GOAL = 1.0
-_RESTORE_SUM = re.compile(r'^mtc_restore_seconds_sum\{source="(\w+)"\} (\S+)$', re.MULTILINE)
 _RANK_OBJECT = re.compile(r"^rank-(\d+)/")
 
 
@@ -72,11 +71,6 @@ class Run:
     unique_bytes: int
     upload_share: float
     backup_seconds: float
-
-
-def restore_seconds(agent) -> float:
-    """Seconds the agent's one restore took (its ``mtc_restore_seconds`` sum over sources)."""
-    return sum(float(value) for _, value in _RESTORE_SUM.findall(scrape(agent.url)))
 
 
 def backup_figures(bucket, prefix: str, unique: int) -> tuple[float, float]:
