@@ -13,7 +13,6 @@ import socket
 import time
 
 import aiohttp
-from aiohttp import web
 
 from csi_driver.ramdisk import Ramdisk
 from prefetch.restore import Restorer
@@ -21,14 +20,11 @@ from replicator.local_tier import frameworks
 from replicator.local_tier.frameworks import orbax
 from replicator.local_tier.job_meta import JobMeta, PodProgress
 from replicator.local_tier.log_once import LogOnce
-from replicator.local_tier.step_manifest import build_manifest
-from replicator.peer_tier.service import add_peer_routes
 from replicator.wire.bearer import Tokens
 from replicator.wire.messages import RestoreView, Source, Tier
-from tests.helpers.steps import write_tree
+from tests.helpers.peer import JOB, NS, TOKEN, commit_own_step
 
-TOKEN = "peer-secret-restore-retry"
-NS, JOB, RANK, STEP = "default", "run", 1, 7
+RANK, STEP = 1, 7
 FILES = {orbax.COMMIT_EVIDENCE: b"{}", "state/manifest.ocdbt": os.urandom(20_000)}
 
 
@@ -65,33 +61,23 @@ def closed_port_url() -> str:
         return f"http://127.0.0.1:{s.getsockname()[1]}"  # closed again: connections are refused
 
 
-async def test_a_replan_ends_the_retry_backoff_at_once(tmp_path):
-    holder = JobMeta(str(tmp_path / "holder"))
-    write_tree(os.path.join(holder.client_dir, str(STEP)), FILES)
-    holder.save_manifest(build_manifest(os.path.join(holder.client_dir, str(STEP)), STEP, RANK))
-    files = holder.manifests()[STEP].files
-    app = web.Application()
-    add_peer_routes(app, lambda namespace, job: str(tmp_path / "holder") if (namespace, job) == (NS, JOB) else None, Tokens.of(TOKEN))
-    runner = web.AppRunner(app)
-    await runner.setup()
-    try:
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        reachable = f"http://127.0.0.1:{runner.addresses[0][1]}"
-        disk = Ramdisk(NS, JOB, 1 << 20, str(tmp_path / "restorer"))
-        os.makedirs(disk.client_dir)
-        plan = LongPolledPlan(RestoreView("g1", STEP, (Source(Tier.PEER_CLOSE, "node-lost", closed_port_url(), RANK, files),), ready=False))
-        async with aiohttp.ClientSession() as session:
-            restorer = Restorer("node-a", Tokens.of(TOKEN), None, None, LogOnce(), deadline_seconds=60)
-            restoring = asyncio.create_task(restorer.restore(plan, session, disk, JobMeta(disk.path), PodProgress("uid", "inc", RANK), lambda: None))
-            while 4.0 not in plan.waits:  # backoffs of 1 s and 2 s done, the 4 s one begun
-                await asyncio.sleep(0.05)
-            await asyncio.sleep(0.5)
-            replanned = time.monotonic()
-            plan.replan(RestoreView("g2", STEP, (Source(Tier.PEER_CLOSE, "node-b", reachable, RANK, files),), ready=False))
-            await asyncio.wait_for(restoring, 30)
-            took = time.monotonic() - replanned
-    finally:
-        await runner.cleanup()
+async def test_a_replan_ends_the_retry_backoff_at_once(serve, tmp_path):
+    holder = await serve(str(tmp_path / "holder"))
+    commit_own_step(holder.meta, STEP, RANK, FILES)
+    files = holder.meta.manifests()[STEP].files
+    disk = Ramdisk(NS, JOB, 1 << 20, str(tmp_path / "restorer"))
+    os.makedirs(disk.client_dir)
+    plan = LongPolledPlan(RestoreView("g1", STEP, (Source(Tier.PEER_CLOSE, "node-lost", closed_port_url(), RANK, files),), ready=False))
+    async with aiohttp.ClientSession() as session:
+        restorer = Restorer("node-a", Tokens.of(TOKEN), None, None, LogOnce(), deadline_seconds=60)
+        restoring = asyncio.create_task(restorer.restore(plan, session, disk, JobMeta(disk.path), PodProgress("uid", "inc", RANK), lambda: None))
+        while 4.0 not in plan.waits:  # backoffs of 1 s and 2 s done, the 4 s one begun
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)
+        replanned = time.monotonic()
+        plan.replan(RestoreView("g2", STEP, (Source(Tier.PEER_CLOSE, "node-b", holder.base_url, RANK, files),), ready=False))
+        await asyncio.wait_for(restoring, 30)
+        took = time.monotonic() - replanned
 
     assert plan.waits == [1.0, 2.0, 4.0]  # each backoff was a long poll on the failed plan's view
     assert plan.staged == [("g2", "peer_close:node-b")]
