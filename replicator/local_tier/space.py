@@ -10,9 +10,10 @@ staging. Our copies must never take the space of the job's own next save:
   oldest first (``make_room``), but never the safe step's (so no rank loses its last restorable
   copy), never a step the coordinator protects (the replication round's, the one being restored,
   the one being backed up), never the job's newest committed step (about to become safe, and
-  the one a restore of every node would pick), and never a replica that arrived after the order
-  was received: the coordinator orders the round's push before this node's next reply names the
-  round, and a replica given up on arrival left the round unsafe until it was pushed again. While
+  the one a restore of every node would pick), and never a replica that arrived after the node asked
+  for the order (sent the report it answered): the coordinator orders the round's push before this
+  node's next reply names the round, and a replica given up on arrival left the round unsafe until
+  it was pushed again. While
   nothing is safe or a rollback is pending (no retain order), nothing is given up: any step may be
   the one restored.
 
@@ -108,7 +109,7 @@ class GivenUp:
     own: bool
 
 
-def make_room(disk: Ramdisk, order: RetainOrder | None, busy: set[int], need: int, order_received: float | None = None) -> list[GivenUp]:
+def make_room(disk: Ramdisk, order: RetainOrder | None, busy: set[int], need: int, order_asked_at: float | None = None) -> list[GivenUp]:
     """Gives up unsafe copies, oldest step first (replicas before own steps of the same step), until
     ``need`` bytes are free or none is left to give up (see the module docstring for what is kept).
 
@@ -118,8 +119,8 @@ def make_room(disk: Ramdisk, order: RetainOrder | None, busy: set[int], need: in
         step), or None: nothing is given up.
       busy: steps being read (a push, an upload): kept.
       need: bytes wanted free.
-      order_received: when ``order`` reached the node (wall-clock seconds); replicas installed since
-        are kept. None: the order is not the coordinator's (nothing newer can come), no replica is kept for this.
+      order_asked_at: when the node sent the report ``order`` answered (wall-clock seconds): replicas
+        installed since are kept. None: the order is not the coordinator's, and no replica is kept for this.
 
     Returns:
       The copies deleted, in order.
@@ -137,7 +138,7 @@ def make_room(disk: Ramdisk, order: RetainOrder | None, busy: set[int], need: in
             break
         if step <= order.keep_from or step in keep:
             continue
-        if own == -1 and order_received is not None and (meta.replica_installed_at(rank, step) or 0.0) >= order_received:
+        if own == -1 and order_asked_at is not None and (meta.replica_installed_at(rank, step) or 0.0) >= order_asked_at:
             continue  # perhaps the round's, which the order predates
         if own == 0:
             meta.drop_manifest(step)  # first: a step is never reported once its deletion began

@@ -84,15 +84,15 @@ def test_pressure_keeps_replicas_that_arrived_after_the_order(ramdisk, tmp_path)
         commit_own_step(meta, step, 0, {"a": os.urandom(MiB)})
     _replica(meta, tmp_path, 1, 2, MiB)
     order = RetainOrder(NS, JOB, keep_from=1, protected=())  # made before the coordinator chose round 3
-    received = meta.replica_installed_at(1, 2) + 0.01
-    os.utime(meta.replica_dir(1, 2) + ".json", (received - 1, received - 1))  # installed before the order came
+    asked = meta.replica_installed_at(1, 2) + 0.01
+    os.utime(meta.replica_dir(1, 2) + ".json", (asked - 1, asked - 1))  # installed before the node asked for the order
     _replica(meta, tmp_path, 1, 3, MiB)
-    os.utime(meta.replica_dir(1, 3) + ".json", (received + 1, received + 1))  # the round's push, after it
+    os.utime(meta.replica_dir(1, 3) + ".json", (asked + 1, asked + 1))  # the round's push, after it
     everything = space.free_bytes(ramdisk) + 8 * MiB
 
-    given = space.make_room(disk, order, set(), everything, order_received=received)
+    given = space.make_room(disk, order, set(), everything, order_asked_at=asked)
     # Rank 1's replica of 3 is kept: the order cannot say whether it is the round's. 4 is the newest save.
     assert [(g.rank, g.step, g.own) for g in given] == [(1, 2, False), (0, 2, True), (0, 3, True)]
     assert sorted(meta.replicas()) == [(1, 3)]
-    # An order received after it judges it like any other copy.
-    assert [(g.rank, g.step) for g in space.make_room(disk, order, set(), everything, order_received=received + 2)] == [(1, 3)]
+    # An order asked for after it judges it like any other copy.
+    assert [(g.rank, g.step) for g in space.make_room(disk, order, set(), everything, order_asked_at=asked + 2)] == [(1, 3)]
