@@ -56,15 +56,15 @@ def recreate(job, dump_dir, agents=None, steps=None):
     job.start_training()
 
 
-def replace_node(cluster, job, index):
+def replace_node(cluster, job, index, spare=None):
     """Node ``index`` of the job is lost with its ramdisk (and its dead pod's mount); a fresh node joins
-    the same topology block. Returns the job's agents with the fresh node in place; the pods are not
-    recreated."""
+    the same topology block (``spare``: one already up there). Returns the job's agents with the fresh
+    node in place; the pods are not recreated."""
     cluster.lose_node(job.agents[index])
     if job.pods:
         unmount_all_below(os.path.dirname(job.pods[index].target))  # the dead pod's mount went with the node
     agents = list(job.agents)
-    agents[index] = cluster.add_node(len(cluster.agents), block=f"b{index // 2}")
+    agents[index] = spare or cluster.add_node(len(cluster.agents), block=f"b{index // 2}")
     return agents
 
 
