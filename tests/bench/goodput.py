@@ -28,7 +28,8 @@ boot is counted for no setup). The job is then started again.
 A setup whose job logs no step within RESTART_TIMEOUT seconds of a restart, or whose process exits with an
 error, stops there; its row says so with the error.
 
-Printed per setup, from rank 0's step events: goodput = steps kept x ideal step time / wall time (the ideal is
+Printed per setup, from rank 0's step events: goodput = steps kept x ideal step time / wall time (from the job's
+first start, with the object store and ours' coordinator and agents already up, as a cluster's are; the ideal is
 the median step time of steps after which nothing was saved, over all setups); steps lost per failure; seconds
 from each failure to the first step after it; training time blocked per save (the step after a save, minus the
 ideal). Beside each row, the model (``tests/bench/goodput_model.py``, Young 1974 / Daly 2006) at the seed's
@@ -175,11 +176,14 @@ class Ours:
                 "--ballast-mib", str(BALLAST_MIB), "--ballast-layout", "data-parallel", "--async-save", "--step-sleep", str(STEP_SLEEP)]  # fmt: skip
         self.job = LocalJob("goodput", [], os.path.join(workdir, "job"), args, slices=SLICES, size="1Gi", jax_port=free_port("0.0.0.0"))
 
-    def start(self) -> None:
+    def bring_up(self) -> None:
+        """Starts the coordinator and the node agents: a cluster's, up before the job (not in its wall time)."""
         self.job.agents = list(self.cluster.start(NODES).agents)
         # The node that replaces the lost one, already up: a new node's boot (its agent's start with it) is
         # counted for no setup.
         self.spare = self.cluster.add_node(NODES, block=f"b{LOST_NODE // 2}")
+
+    def start(self) -> None:
         self.job.create_pods()
         self.job.start_training()
 
@@ -371,6 +375,7 @@ def main() -> None:
             setup = Ours(path, store.url) if name == "ours" else OrbaxOnly(name, path, store)
             if isinstance(setup, Ours):
                 cleanup.callback(setup.stop)
+                setup.bring_up()
             else:
                 cleanup.callback(setup.kill)
             runs.append(run_setup(name, setup, plan, args.gap_seconds))
