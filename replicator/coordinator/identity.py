@@ -26,9 +26,11 @@ class Identity:
         ranks of 40 slices they were 390,000 tuples a step, and most of what the garbage collector
         visited.
       stamp: bumped whenever ``covered`` changes.
+      changed_at: step -> ``stamp`` when that step's ``covered`` last changed (absent: not since it was
+        forgotten or first seen).
     """
 
-    __slots__ = ("covered", "data_parallelism", "new_pairs", "peers", "signatures", "stamp", "uncompared")
+    __slots__ = ("changed_at", "covered", "data_parallelism", "new_pairs", "peers", "signatures", "stamp", "uncompared")
 
     def __init__(self):
         self.data_parallelism = 1
@@ -38,6 +40,7 @@ class Identity:
         self.uncompared: set[tuple[int, int]] = set()
         self.covered: dict[int, set[int]] = {}
         self.stamp = 0
+        self.changed_at: dict[int, int] = {}
 
     def add_peers(self, rank: int, settings: JobSettings) -> None:
         """A rank's settings: its data-parallel peers are peers both ways. The signatures of a new
@@ -94,7 +97,11 @@ class Identity:
     def _record(self, step: int, ranks: list[int]) -> None:
         """Each of ``ranks`` holds the same data as a data-parallel peer at ``step``."""
         self.covered.setdefault(step, set()).update(ranks)
+        self._changed(step)
+
+    def _changed(self, step: int) -> None:
         self.stamp += 1
+        self.changed_at[step] = self.stamp
 
     def supersede(self, step: int, rank: int) -> None:
         """The rank's step now holds other bytes: its signature and the identities resting on it go."""
@@ -102,7 +109,7 @@ class Identity:
         if (covered := self.covered.get(step)) is not None:
             covered.discard(rank)
             covered -= {other for other in self.peers.get(rank, ()) if other in covered and not self.identical_peers(step, other)}
-            self.stamp += 1
+            self._changed(step)
 
     def forget_above(self, lowest: int) -> None:
         """A rollback to ``lowest``: the signatures and identities of newer steps are abandoned."""
@@ -111,6 +118,7 @@ class Identity:
         self.uncompared = {k for k in self.uncompared if k[0] <= lowest}
         for step in [s for s in self.covered if s > lowest]:
             del self.covered[step]
+            self.changed_at.pop(step, None)
 
     def forget_gone(self, steps: frozenset[int]) -> None:
         """Signatures and identities of steps not in ``steps`` (no copy or backup holds them)."""
@@ -118,6 +126,7 @@ class Identity:
             del self.signatures[key]
         for step in set(self.covered) - steps:
             del self.covered[step]
+            self.changed_at.pop(step, None)
 
     def pairs(self) -> Mapping[int, frozenset[tuple[int, int]]]:
         """Step -> pairs of data-parallel peer ranks (both orders) established identical at that
@@ -150,19 +159,20 @@ class IdenticalPairs(Mapping[int, frozenset[tuple[int, int]]]):
 
 class LeaderMemo:
     """The identical group of each rank at one step (who uploads its backup), kept while the
-    identities it rests on hold."""
+    identities at that step hold: the signatures of newer steps, compared about once a second
+    while the job trains, do not clear it."""
 
     __slots__ = ("groups", "stamp")
 
     def __init__(self):
-        self.stamp: tuple[int, int] | None = None  # (step, ``Identity.stamp``)
+        self.stamp: tuple[int, int | None] | None = None  # (step, ``Identity.changed_at`` of the step)
         self.groups: dict[int, tuple[int, ...]] = {}
 
     def group(self, identity: Identity, step: int, rank: int) -> tuple[int, ...]:
         """``rank`` and the ranks found identical to it at ``step``, sorted: kept per (step, rank)
         until more ranks are found identical (a report must not walk 39 peers each time)."""
-        if self.stamp != (step, identity.stamp):
-            self.stamp, self.groups = (step, identity.stamp), {}
+        if self.stamp != (stamp := (step, identity.changed_at.get(step))):
+            self.stamp, self.groups = stamp, {}
         group = self.groups.get(rank)
         if group is None:
             group = self.groups[rank] = tuple(sorted([rank] + (identity.identical_peers(step, rank) if rank in identity.covered.get(step, ()) else [])))

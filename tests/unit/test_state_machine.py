@@ -4,6 +4,7 @@ assignments, orders exactly when due, no recomputation when nothing changed, ide
 import msgspec
 import pytest
 
+from replicator.coordinator.identity import Identity, LeaderMemo
 from replicator.coordinator.state import (
     PEER_SOURCES_PER_VIEW,
     ClusterState,
@@ -256,6 +257,24 @@ def test_signatures_arriving_over_many_passes_are_each_compared_once_per_peer():
         state.tick(now + decide_interval(NODES))
     assert state.identity_checks == NODES * (SLICES - 1) // 2  # every pair once, identical or not
     assert len(state.identical(KEY)[10]) == (NODES - per_slice) * (SLICES - 2)
+
+
+def test_backup_groups_are_kept_while_identities_of_newer_steps_are_found():
+    identity, leaders = Identity(), LeaderMemo()
+    identity.add_peers(0, JobSettings((1,), 2, None, 100))
+    for rank in (0, 1):
+        identity.add_signature(100, rank, "step-100")
+    identity.compare()
+    assert leaders.group(identity, 100, 0) == (0, 1)
+    kept = leaders.groups
+    for rank in (0, 1):  # the next step's identities, found while step 100 is backed up
+        identity.add_signature(200, rank, "step-200")
+    identity.compare()
+    assert leaders.group(identity, 100, 1) == (0, 1)
+    assert leaders.groups is kept  # not walked again for each report
+    identity.supersede(100, 1)  # step 100's own identity changed: the groups are found again
+    assert leaders.group(identity, 100, 0) == (0,)
+    assert leaders.groups is not kept
 
 
 def test_a_decision_pass_looks_rank_by_rank_only_at_steps_every_rank_holds():
