@@ -40,6 +40,7 @@ the node's RAM or a peer at NEAR_BW per host. Run as root (tmpfs): ``python -m t
 import argparse
 import dataclasses
 import json
+import math
 import os
 import random
 import re
@@ -175,6 +176,7 @@ class Ours:
         args = ["--steps", "1000000", "--save-interval-steps", str(SAVE_EVERY), "--backup-interval-steps", str(PERSIST_EVERY),
                 "--ballast-mib", str(BALLAST_MIB), "--ballast-layout", "data-parallel", "--async-save", "--step-sleep", str(STEP_SLEEP)]  # fmt: skip
         self.job = LocalJob("goodput", [], os.path.join(workdir, "job"), args, slices=SLICES, size="1Gi", jax_port=free_port("0.0.0.0"))
+        self.spare = None  # ``bring_up`` starts it
 
     def bring_up(self) -> None:
         """Starts the coordinator and the node agents: a cluster's, up before the job (not in its wall time)."""
@@ -420,7 +422,7 @@ def report(runs: list[Run], ideal: float) -> None:
               f"({ours[0]:.3f} vs {', '.join(f'{n} {g:.3f}' for n, (g, _, _) in results.items() if n != 'ours')}); "
               f"ours >= {GOAL} in the model: {'MET' if ours[1] >= GOAL else 'MISSED'} ({ours[1]:.3f}; modeled: "
               f"{', '.join(f'{n} {m:.3f}' for n, (_, m, _) in results.items())})")  # fmt: skip
-        if ours[1] == ours[1]:  # modeled (not NaN)
+        if not math.isnan(ours[1]):  # modeled: it kept training
             # What the copy out of accelerator memory alone allows: the same blocking with an instant restart.
             costs = modeled("ours", ours[2])[1]
             ceiling = goodput_model.goodput(dataclasses.replace(costs, restart=0.0), MTBF_S)
