@@ -54,6 +54,7 @@ warnings.simplefilter("ignore", FutureWarning)  # google-auth's import-time noti
 
 from examples.local_cluster import LocalCluster, LocalJob, can_mount_tmpfs, scratch_dir, unmount_all_below  # noqa: E402
 from tests.bench import goodput_model  # noqa: E402
+from tests.bench.goodput_model import COPY_BW, MTBF_S, NEAR_BW, STORE_BW, TARGET_BYTES  # noqa: E402
 from tests.helpers.jobs import replace_node  # noqa: E402
 from tests.helpers.ports import free_port, listen_address  # noqa: E402
 from tests.helpers.servers import FakeGcsServer  # noqa: E402
@@ -67,10 +68,6 @@ RESTART_TIMEOUT = 150.0
 STALL_S = 10.0  # no step for this long before a failure: the job had stopped training (the row says so)
 SETUPS = ("persistent", "emergency", "ours")
 BUCKET = "goodput"
-# The model's parameters: the seed's 70B on 32 hosts (001: 26.25 GB per host), a failure every 10 minutes, and
-# stated bandwidths per host: the object store, the node's RAM or a peer, the copy out of accelerator memory.
-TARGET_BYTES, MTBF_S = 26.25e9, 600.0
-STORE_BW, NEAR_BW, COPY_BW = 1.25e9, 5e9, 25e9
 GOAL = 0.95
 ORBAX_JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "orbax_job.py")
 

@@ -48,6 +48,8 @@ warnings.simplefilter("ignore", FutureWarning)  # google-auth's import-time noti
 
 from examples.local_cluster import LocalCluster, Pod, can_mount_tmpfs, scratch_dir
 from examples.torchrun_job import TorchrunJob
+from tests.bench import goodput_model
+from tests.bench.goodput_model import COPY_BW, MTBF_S, NEAR_BW, TARGET_BYTES
 from tests.bench.nvrx_device_shim import NAME as SHIM
 from tests.helpers.ports import free_port, listen_address
 
@@ -331,9 +333,24 @@ class Baseline:
         return run
 
 
-def report(base: Run, results: dict[str, Run]) -> None:
+def state_bytes_per_host(width: int, layers: int) -> float:
+    """The job's checkpoint bytes per node: fp32 weights and biases of ``layers`` Linear(width, width) and AdamW's
+    two moments of each, sharded by FSDP over the NODES nodes."""
+    return 3 * 4 * layers * (width * width + width) / NODES
+
+
+def modeled(run: Run, step0: float, bytes_per_host: float) -> float:
+    """The setup's goodput in the checkpoint-interval model (``goodput_model``) at the seed's TARGET_BYTES per host and
+    a failure every MTBF_S: its measured blocking per save (median saving step minus ``step0``) and node-loss restore,
+    plus the extra bytes copied out at COPY_BW and read back at NEAR_BW (every setup here saves and restores locally
+    or from a peer, so all are charged alike)."""
+    measured = goodput_model.Costs(blocking=max(statistics.median(run.step_s) - step0, 0.0), restart=statistics.median(run.restore_s))
+    return goodput_model.goodput(goodput_model.scaled(measured, bytes_per_host, TARGET_BYTES, COPY_BW, NEAR_BW), MTBF_S)
+
+
+def report(base: Run, results: dict[str, Run], bytes_per_host: float) -> None:
     step0, mean0 = statistics.median(base.step_s), statistics.mean(base.all_s)
-    print(f"{'setup':<24}{'step s':>8}{'save s':>8}{'ratio':>7}{'all steps':>11}{'restore s':>11}  restored step, bit-identical")
+    print(f"{'setup':<24}{'step s':>8}{'save s':>8}{'ratio':>7}{'all steps':>11}{'restore s':>11}{'model':>7}  restored step, bit-identical")
     print(f"{'no checkpointing':<24}{step0:>8.3f}{'':>8}{1.0:>7.2f}{1.0:>11.2f}{'':>11}  ({len(base.step_s)} steps)")
     for name, run in results.items():
         if run.note:
@@ -341,7 +358,7 @@ def report(base: Run, results: dict[str, Run]) -> None:
             continue
         step, save = statistics.median(run.step_s), statistics.median(run.save_s)
         print(f"{name:<24}{step:>8.3f}{save:>8.3f}{step / step0:>7.2f}{statistics.mean(run.all_s) / mean0:>11.2f}"
-              f"{statistics.median(run.restore_s):>11.1f}  {run.restored_steps}, "
+              f"{statistics.median(run.restore_s):>11.1f}{modeled(run, step0, bytes_per_host):>7.3f}  {run.restored_steps}, "
               f"{'yes' if all(run.bit_identical) else 'NO ' + str(run.bit_identical)} ({len(run.step_s)} saves)")  # fmt: skip
         print(f"{'':<24}  restores {' '.join(f'{r:.1f}' for r in run.restore_s)} s = recreation -> process started "
               f"{' '.join(f'{r:.1f}' for r in run.launch_s)} s + started -> loaded {' '.join(f'{r:.1f}' for r in run.load_s)} s "
@@ -353,15 +370,19 @@ def report(base: Run, results: dict[str, Run]) -> None:
     if nvrx and ours and not nvrx.note and not ours.note:
         blocking = statistics.median(ours.step_s) <= statistics.median(nvrx.step_s)
         restore = statistics.median(ours.restore_s) <= statistics.median(nvrx.restore_s)
+        model = modeled(ours, step0, bytes_per_host) >= modeled(nvrx, step0, bytes_per_host)
         print(f"goal ours <= NVRx (ours with save, NVRx sync save): blocking per save {'met' if blocking else 'MISSED'}, "
-              f"node-loss restore {'met' if restore else 'MISSED'}")  # fmt: skip
+              f"node-loss restore {'met' if restore else 'MISSED'}; goodput in the model ours >= NVRx {'met' if model else 'MISSED'}")  # fmt: skip
     else:
         print("goal ours <= NVRx: not measured (a setup did not run)")
     print(f"NVRx ran with the {SHIM}. step s: median train + save of the saving steps after step {WARMUP_STEPS} "
           f"(a save every {SAVE_EVERY}); ratio: that against the median step without checkpointing (blocking per save); "
           f"all steps: mean step time of every step after {WARMUP_STEPS} against no checkpointing (with what the "
           f"background work takes from training); restore s: median over {NODE_LOSSES} node losses of pod recreation -> first step after node 1's "
-          f"storage was wiped. {NODES} nodes x {PROCS} processes, gloo on CPU; {os.cpu_count()} CPUs, load average "
+          f"storage was wiped. model: goodput = τ/(τ+δ) × (1 − (R + (τ+δ)/2)/MTBF) at τ = sqrt(2δ·MTBF) (Young 1974, "
+          f"Daly 2006), a failure every {MTBF_S / 60:.0f} min, δ and R measured plus the extra bytes from "
+          f"{bytes_per_host / 2**20:.0f} MiB to {TARGET_BYTES / 1e9:.2f} GB per node copied out at {COPY_BW / 1e9:.0f} GB/s and "
+          f"read back at {NEAR_BW / 1e9:.0f} GB/s. {NODES} nodes x {PROCS} processes, gloo on CPU; {os.cpu_count()} CPUs, load average "
           f"{os.getloadavg()[0]:.1f} at the end.")  # fmt: skip
 
 
@@ -385,7 +406,7 @@ def main() -> None:
             ours = OurSetup(args.python, os.path.join(workdir, f"ours-{async_save}"), job_args, async_save)
             missing = ours.available()
             results[ours.name] = Run(note=f"our client is not importable here ({missing})") if missing else ours.run()
-    report(base, results)
+    report(base, results, state_bytes_per_host(args.width, args.layers))
 
 
 if __name__ == "__main__":
