@@ -193,9 +193,10 @@ e2e-k8s: setup k8s-node-tools
 
 # The longest end-to-end tests, run by .ci/run after `make test` (which leaves them out to stay near 20 minutes
 # on 2 cores): an operator's procedures (a rolling upgrade and rollback across releases, a token rotation) and
-# the pressure cases (a ramdisk sized exactly by the rule, read-once restores after a cluster loss). About 7 min.
+# the pressure cases (a ramdisk sized exactly by the rule, read-once restores after a cluster loss, the chaos
+# suite's fixed seed). About 10 min.
 E2E_OPERATIONS := tests/e2e/test_e2e_upgrade.py tests/e2e/test_e2e_token_rotation.py \
-                  tests/e2e/test_e2e_ramdisk_sizing.py tests/e2e/test_e2e_restore_fan_out.py
+                  tests/e2e/test_e2e_ramdisk_sizing.py tests/e2e/test_e2e_restore_fan_out.py tests/e2e/test_chaos.py
 
 # The import contracts first (pyproject.toml [tool.importlinter]): a new cycle fails before any test runs. The 20
 # slowest tests are listed at the end: the suite is kept under about 20 minutes on 2 cores.

@@ -1,4 +1,4 @@
-"""The chaos suite's fixed-seed subset, part of ``make test``: a real Orbax job (4 processes,
+"""The chaos suite's fixed-seed subset, part of ``make e2e-operations`` (CI runs it after ``make test``): a real Orbax job (4 processes,
 2 slices, data parallelism 2) on real agents, coordinator and ``file://`` backup store survives
 six seeded faults, each restoring the newest possible step with values identical to an
 uninterrupted run; and, with data parallelism 1, a node cut from its peers. ``make chaos`` runs the
