@@ -209,19 +209,13 @@ async def _body(request: web.Request, kind: type[M]) -> M:
 WRITE_PIECE_BYTES = 4 * 1024
 
 
-async def _reply(request: web.Request, message, close: bool = False) -> web.StreamResponse:
-    """``message`` as the JSON response to ``request``, written in pieces of at most ``WRITE_PIECE_BYTES``;
-    with ``close``, the connection is closed after it (``Connection: close``)."""
+async def _reply(request: web.Request, message) -> web.StreamResponse:
+    """``message`` as the JSON response to ``request``, written in pieces of at most ``WRITE_PIECE_BYTES``."""
     body = msgspec.json.encode(message)
     if len(body) <= WRITE_PIECE_BYTES:
-        response = web.Response(body=body, content_type="application/json")
-        if close:
-            response.force_close()
-        return response
+        return web.Response(body=body, content_type="application/json")
     response = web.StreamResponse(headers={"Content-Type": "application/json"})
     response.content_length = len(body)
-    if close:
-        response.force_close()
     await response.prepare(request)
     pieces = memoryview(body)
     for start in range(0, len(body), WRITE_PIECE_BYTES):
@@ -403,10 +397,7 @@ async def get_restore(request: web.Request) -> web.Response:
             continue
         changes.publish()
         if seen != view.token or time.monotonic() >= deadline:
-            # A ready view is the rank's last restore call. Its connection, a node's second beside its
-            # reports', would stay open idle until the agent's keep-alive ends (60 s), about 35 KB here
-            # each: closed at once, a node holds one connection outside its restores.
-            return await _reply(request, view, close=view.ready)
+            return await _reply(request, view)
         # Not held while waiting: a view carries its sources' checksums unpacked (about 20 KB a
         # listed copy), and every rank of a restoring job long-polls at once.
         del view

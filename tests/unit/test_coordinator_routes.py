@@ -120,26 +120,6 @@ def test_a_reply_larger_than_a_write_piece_arrives_whole_with_its_length():
     assert decode_json(body, RestoreView).sources[0].files == files
 
 
-def test_a_ready_restore_view_closes_its_connection_and_an_unready_one_keeps_it():
-    """A ready view is a rank's last restore call: its connection, a node's second beside its reports',
-    is closed rather than kept idle in the coordinator."""
-
-    async def scenario(client, state, incarnation, rank_of):
-        query = {"incarnation": incarnation, "rank": "0"}
-        unready = await client.get(f"{JOB_PATH}/restore", params=query)
-        view = await unready.json()
-        for rank in (0, 1):
-            staged = await client.post(f"{JOB_PATH}/restore", json={"incarnation": incarnation, "generation": view["generation"], "rank": rank,
-                                                                    "source": f"local:{'ab'[rank]}"})  # fmt: skip
-            assert staged.status == 200
-        ready = await client.get(f"{JOB_PATH}/restore", params=query)
-        return view["ready"], unready.headers.get("Connection", ""), (await ready.json())["ready"], ready.headers.get("Connection", "")
-
-    was_ready, kept, now_ready, closed = serve(scenario)
-    assert (was_ready, now_ready) == (False, True)
-    assert kept.lower() != "close" and closed.lower() == "close"
-
-
 def test_restore_from_a_complete_step_is_echoed():
     async def scenario(client, state, incarnation, rank_of):
         response = await client.post(f"{JOB_PATH}/restore-from", json={"step": 5})
