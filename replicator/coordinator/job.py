@@ -29,7 +29,7 @@ from replicator.wire.messages import (
 # manifests pack to equal bytes, compressed. As decoded dicts, 60 files x 3 steps were 45 KB of the
 # 57 KB a node cost the coordinator (2026-11-25, ``tests.bench.coordinator_sim``); as JSON, about 13 KB.
 # zlib (level 1: the fastest, and within 2 % of level 6's size here) takes a 60-file manifest with
-# Orbax's random data-file names from 4.6 to 2.0 KB, for about 25 us to pack and 15 us to unpack.
+# Orbax's random data-file names from 4.6 to 2.0 KB, for about 25 us more to pack and 15 us more to unpack.
 _FILES_DECODER = msgspec.json.Decoder(dict[str, tuple[int, str]])
 _ZLIB_LEVEL = 1
 

@@ -398,7 +398,7 @@ async def get_restore(request: web.Request) -> web.Response:
         changes.publish()
         if seen != view.token or time.monotonic() >= deadline:
             return await _reply(request, view)
-        # Not held while waiting: a view carries its sources' checksums unpacked (about 20 KB a
+        # Not held while waiting: a view carries its sources' checksums unpacked (about 15 KB a
         # listed copy), and every rank of a restoring job long-polls at once.
         del view
         await changes.wait([key], deadline - time.monotonic())
