@@ -202,8 +202,26 @@ async def _body(request: web.Request, kind: type[M]) -> M:
         raise BadRequest(f"bad {kind.__name__}: {err}") from None
 
 
-def _reply(message) -> web.Response:
-    return web.Response(body=msgspec.json.encode(message), content_type="application/json")
+# A TLS connection keeps room for the largest write it ever made: asyncio passes each write to OpenSSL
+# through a memory buffer (``ssl.MemoryBIO``) that grows to hold that write's records and never shrinks.
+# A restore view of 25 KB, written at once, left about 28 KB on each restoring node's connection for as
+# long as it stayed open. Larger bodies go out in pieces of this size.
+WRITE_PIECE_BYTES = 4 * 1024
+
+
+async def _reply(request: web.Request, message) -> web.StreamResponse:
+    """``message`` as the JSON response to ``request``, written in pieces of at most ``WRITE_PIECE_BYTES``."""
+    body = msgspec.json.encode(message)
+    if len(body) <= WRITE_PIECE_BYTES:
+        return web.Response(body=body, content_type="application/json")
+    response = web.StreamResponse(headers={"Content-Type": "application/json"})
+    response.content_length = len(body)
+    await response.prepare(request)
+    pieces = memoryview(body)
+    for start in range(0, len(body), WRITE_PIECE_BYTES):
+        await response.write(pieces[start:start + WRITE_PIECE_BYTES])
+    await response.write_eof()
+    return response
 
 
 class JobChanges:
@@ -328,7 +346,7 @@ async def post_report(request: web.Request) -> web.Response:
             continue
         state.touch(report.node_id, time.time())
         reply = state.reply_for(report.node_id)
-    return web.Response(body=msgspec.json.encode(reply), content_type="application/json")
+    return await _reply(request, reply)
 
 
 def _take_report(state: ClusterState, overlay: KubeOverlay | None, report: NodeReport, remote: str | None):
@@ -351,7 +369,7 @@ async def post_settings(request: web.Request) -> web.Response:
     except UnknownIncarnation as err:
         raise _not_found(err) from None
     request.app[_SNAPSHOT_KEY].due = True
-    return _reply(Done(True))
+    return await _reply(request, Done(True))
 
 
 async def get_restore(request: web.Request) -> web.Response:
@@ -379,7 +397,10 @@ async def get_restore(request: web.Request) -> web.Response:
             continue
         changes.publish()
         if seen != view.token or time.monotonic() >= deadline:
-            return web.Response(body=msgspec.json.encode(view), content_type="application/json")
+            return await _reply(request, view)
+        # Not held while waiting: a view carries its sources' checksums unpacked (about 15 KB a
+        # listed copy), and every rank of a restoring job long-polls at once.
+        del view
         await changes.wait([key], deadline - time.monotonic())
 
 
@@ -391,7 +412,7 @@ async def post_restore(request: web.Request) -> web.Response:
     except UnknownIncarnation as err:
         raise _not_found(err) from None
     request.app[_CHANGES_KEY].publish()
-    return _reply(Done(True))
+    return await _reply(request, Done(True))
 
 
 async def post_restore_from(request: web.Request) -> web.Response:
@@ -402,7 +423,7 @@ async def post_restore_from(request: web.Request) -> web.Response:
         raise _not_found(err) from None
     except LookupError as err:
         raise _conflict(err) from None
-    return _reply(Done(True, body.step))
+    return await _reply(request, Done(True, body.step))
 
 
 async def get_restore_from(request: web.Request) -> web.Response:
@@ -411,7 +432,7 @@ async def get_restore_from(request: web.Request) -> web.Response:
     except (KeyError, ValueError) as err:
         raise BadRequest(f"the step query parameter must be a step number: {err}") from None
     try:
-        return _reply(request.app[_STATE_KEY].rollback_preview(_job_key(request), step))
+        return await _reply(request, request.app[_STATE_KEY].rollback_preview(_job_key(request), step))
     except UnknownJob as err:
         raise _not_found(err) from None
     except LookupError as err:
@@ -425,7 +446,7 @@ async def delete_restore_from(request: web.Request) -> web.Response:
         raise _not_found(err) from None
     except NotCancellable as err:
         raise _conflict(err) from None
-    return _reply(Done(True, step))
+    return await _reply(request, Done(True, step))
 
 
 def _status_keys(state: ClusterState, job: str | None) -> list[JobRef] | None:
@@ -451,13 +472,13 @@ async def get_status(request: web.Request) -> web.Response:
     state = request.app[_STATE_KEY]
     state.tick(time.time())
     try:
-        return _reply(state.status(_status_keys(state, request.query.get("job"))))
+        return await _reply(request, state.status(_status_keys(state, request.query.get("job"))))
     except UnknownJob as err:
         raise _not_found(err) from None
 
 
 async def healthz(request: web.Request) -> web.Response:
-    return _reply(Done(True))
+    return await _reply(request, Done(True))
 
 
 class _ClusterGauges:
@@ -683,14 +704,33 @@ def raise_open_file_limit() -> int:
 
 # asyncio's TLS transport gives every connection a read buffer of ``SSLProtocol.max_size``, 256 KiB,
 # allocated and zeroed when the connection opens (python/cpython#109534): 2.5 GiB of the 4.2 GB the
-# coordinator held at 10,000 nodes with one connection each. Reports are small and a TLS record holds
-# at most 16 KiB, so one record a read costs nothing measurable; the buffer is per process.
+# coordinator held at 10,000 nodes with one connection each. A TLS record holds at most 16 KiB, so one
+# record a read costs nothing measurable. The buffer is only a landing place: the transport receives into
+# it and the protocol copies what came into OpenSSL's input at once, in the same call, on the event
+# loop's one thread. So every connection can land in the same buffer: 16 KiB per process, not per
+# connection (16 KB of the 49 KB an idle connection held, ``tests.bench.connection_memory``).
 TLS_READ_BUFFER_BYTES = 16 * 1024
 
 
-def shrink_tls_read_buffers() -> None:
-    """Makes every TLS connection this process accepts from now on read into ``TLS_READ_BUFFER_BYTES``."""
-    asyncio.sslproto.SSLProtocol.max_size = TLS_READ_BUFFER_BYTES
+def share_tls_read_buffer() -> None:
+    """Makes every TLS connection this process opens or accepts from now on read into one buffer of
+    ``TLS_READ_BUFFER_BYTES``, shared by all of them. For the selector event loop (Linux's), whose
+    transports fill the buffer and hand it to the protocol in one call; idempotent."""
+    protocol = asyncio.sslproto.SSLProtocol
+    if getattr(protocol.__init__, "shares_read_buffer", False):
+        return
+    protocol.max_size = TLS_READ_BUFFER_BYTES
+    buffer = bytearray(TLS_READ_BUFFER_BYTES)
+    view = memoryview(buffer)
+    init = protocol.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self._ssl_buffer, self._ssl_buffer_view = buffer, view  # what ``get_buffer`` and ``buffer_updated`` use
+
+    __init__.shares_read_buffer = True
+    protocol.__init__ = __init__
 
 
 def run_coordinator(config: CoordinatorConfig) -> None:
@@ -700,7 +740,7 @@ def run_coordinator(config: CoordinatorConfig) -> None:
     if files != resource.RLIM_INFINITY:
         log.info("open-file limit %d: enough for about %d nodes", files, max(0, files - OTHER_OPEN_FILES) // CONNECTIONS_PER_NODE)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-    shrink_tls_read_buffers()
+    share_tls_read_buffer()
     app = make_app(config)
     gc.freeze()  # the modules and the app live as long as the process: no collection need walk them
     gc.set_threshold(*GC_THRESHOLDS)

@@ -1,5 +1,5 @@
 """Resident memory per idle keep-alive HTTPS connection of an aiohttp server, with asyncio's TLS read
-buffer (256 KiB a connection) and with the coordinator's (``shrink_tls_read_buffers``).
+buffer (256 KiB a connection) and with the coordinator's (``share_tls_read_buffer``: one of 16 KiB for all).
 
 The coordinator holds one or two such connections per node, so this is most of what a node costs it
 besides its state (``coordinator_sim``). The server runs in a child process (its resident size is
@@ -22,16 +22,16 @@ import psutil
 from aiohttp import web
 
 from examples.local_cluster import self_signed_certificate
-from replicator.coordinator.service import TLS_READ_BUFFER_BYTES, shrink_tls_read_buffers
+from replicator.coordinator.service import TLS_READ_BUFFER_BYTES, share_tls_read_buffer
 from tests.helpers.ports import free_port
 
 REPORT = b'{"node_id": "node-00001", "held": []}' * 25  # about a heartbeat's size
 SETTLE_SECONDS = 1.0
 
 
-def serve(cert: str, key: str, port: int, shrink: bool) -> None:
-    if shrink:
-        shrink_tls_read_buffers()
+def serve(cert: str, key: str, port: int, shared: bool) -> None:
+    if shared:
+        share_tls_read_buffer()
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(cert, key)
 
@@ -69,10 +69,10 @@ async def per_connection(cert: str, port: int, server: psutil.Process, connectio
         await asyncio.gather(*(s.close() for s in sessions))
 
 
-def measure(cert: str, key: str, connections: int, shrink: bool) -> float:
+def measure(cert: str, key: str, connections: int, shared: bool) -> float:
     port = free_port("127.0.0.1")
     # Spawned, not forked: a fork would start with this process's heap, which the server then reuses.
-    child = multiprocessing.get_context("spawn").Process(target=serve, args=(cert, key, port, shrink), daemon=True)
+    child = multiprocessing.get_context("spawn").Process(target=serve, args=(cert, key, port, shared), daemon=True)
     child.start()
     try:
         return asyncio.run(per_connection(cert, port, psutil.Process(child.pid), connections))
@@ -87,10 +87,10 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:
         cert, key = self_signed_certificate(directory)
-        for shrink in (False, True):
-            read_buffer = TLS_READ_BUFFER_BYTES if shrink else asyncio.sslproto.SSLProtocol.max_size
-            kilobytes = measure(cert, key, args.connections, shrink) / 1e3
-            print(f"TLS read buffer {read_buffer // 1024} KiB: {kilobytes:.1f} KB resident per idle keep-alive connection ({args.connections:,} connections)")
+        for shared in (False, True):
+            buffer = f"one of {TLS_READ_BUFFER_BYTES // 1024} KiB shared" if shared else f"{asyncio.sslproto.SSLProtocol.max_size // 1024} KiB each"
+            kilobytes = measure(cert, key, args.connections, shared) / 1e3
+            print(f"TLS read buffer {buffer}: {kilobytes:.1f} KB resident per idle keep-alive connection ({args.connections:,} connections)")
     return 0
 
 

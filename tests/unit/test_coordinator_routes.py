@@ -11,7 +11,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from replicator.coordinator import service
 from replicator.coordinator.status import render_status
-from replicator.wire.messages import PROTOCOL_VERSION, HeldStep, JobRef, JobSettings, NodeReport, PodReport, decode_json
+from replicator.wire.messages import PROTOCOL_VERSION, HeldStep, JobRef, JobSettings, NodeReport, PodReport, RestoreView, decode_json
 from replicator.wire.operator import ClusterStatus
 
 KEY = JobRef("default", "routes")
@@ -20,8 +20,8 @@ SETTINGS = JobSettings((), 1, None, 1)
 FILES = {"state/a": (10, "00000001")}
 
 
-def running_job(state, now: float) -> tuple[str, dict[str, int]]:
-    """Nodes a and b run the two ranks of a job; each holds its own step 5 (no replicas)."""
+def running_job(state, now: float, files=FILES) -> tuple[str, dict[str, int]]:
+    """Nodes a and b run the two ranks of a job; each holds its own step 5 of ``files`` (no replicas)."""
 
     def report(index, incarnation=None, rank=None, held=()):
         pod = PodReport(KEY.namespace, KEY.job, f"routes-0-{index}-x", f"uid{index}", 0, index, 2, 1, 8476, "routes", 0.0, incarnation, rank)
@@ -32,16 +32,16 @@ def running_job(state, now: float) -> tuple[str, dict[str, int]]:
     rank_of_pod = state.job(KEY).incarnation.rank_of_pod
     rank_of = {"a": rank_of_pod["uid0"], "b": rank_of_pod["uid1"]}
     for index, node in enumerate("ab"):
-        state.apply_report(report(index, incarnation, rank_of[node], [HeldStep(KEY.namespace, KEY.job, 5, rank_of[node], FILES)]), now)
+        state.apply_report(report(index, incarnation, rank_of[node], [HeldStep(KEY.namespace, KEY.job, 5, rank_of[node], files)]), now)
     return incarnation, rank_of
 
 
-def serve(scenario):
+def serve(scenario, files=FILES):
     async def run():
         app = service.make_app(service.CoordinatorConfig("127.0.0.1:0"))
         state = app[service._STATE_KEY]
         state.expire(time.time() - 100.0)  # started long ago: plans need not wait for reports
-        incarnation, rank_of = running_job(state, now=time.time())
+        incarnation, rank_of = running_job(state, now=time.time(), files=files)
         async with TestClient(TestServer(app)) as client:
             return await scenario(client, state, incarnation, rank_of)
 
@@ -100,6 +100,24 @@ def test_the_routes_answer_with_the_same_json_as_before():
     assert typed.jobs[0].held[0][5] == tuple(job["held"]["0"]["5"])
     table = render_status(typed)
     assert f"job {KEY}  incarnation {typed.jobs[0].incarnation}" in table and "5:" in table
+
+
+def test_a_reply_larger_than_a_write_piece_arrives_whole_with_its_length():
+    """Replies above ``WRITE_PIECE_BYTES`` are written in pieces (a TLS connection keeps room for its
+    largest write); the client still gets one body with a Content-Length, equal to the state's view."""
+    files = {f"state/ocdbt.process_0/d/{index:040x}": (1_000 + index, f"{index:08x}") for index in range(200)}
+
+    async def scenario(client, state, incarnation, rank_of):
+        response = await client.get(f"{JOB_PATH}/restore", params={"incarnation": incarnation, "rank": "0"})
+        body = await response.read()
+        return response.status, response.headers, body, state.restore_view(KEY, incarnation, 0, time.time())
+
+    status, headers, body, view = serve(scenario, files)
+    assert len(body) > 2 * service.WRITE_PIECE_BYTES  # written in three pieces or more
+    assert status == 200 and int(headers["Content-Length"]) == len(body) and "Transfer-Encoding" not in headers
+    assert headers["Content-Type"].startswith("application/json")
+    assert body == msgspec.json.encode(view)
+    assert decode_json(body, RestoreView).sources[0].files == files
 
 
 def test_restore_from_a_complete_step_is_echoed():
