@@ -428,8 +428,7 @@ def report(runs: list[Run], ideal: float) -> None:
                   f"{f'copy out at {needed / 1e9:.0f} GB/s per host' if needed else 'copy out at no bandwidth up to 64x: its restart keeps it below'}")  # fmt: skip
     print(f"ideal step {ideal:.3f} s (median of steps without a save, all setups); {BALLAST_MIB} MiB per process; local saves "
           f"every {SAVE_EVERY} steps, persistent every {PERSIST_EVERY}; persistent tier: fake-gcs-server on loopback. "
-          f"Model: goodput = τ/(τ+δ) × (1 − (R + (τ+δ)/2)/MTBF), τ = max(sqrt(2δ·MTBF), upload time) (Young 1974, "
-          f"Daly 2006); δ, R measured plus the extra bytes to {TARGET_BYTES / 1e9:.2f} GB/host: copied out at {COPY_BW / 1e9:.0f} "
+          f"Model: {goodput_model.FORMULA}; δ, R measured plus the extra bytes to {TARGET_BYTES / 1e9:.2f} GB/host: copied out at {COPY_BW / 1e9:.0f} "
           f"GB/s, read from the object store at {STORE_BW / 1e9:.2f} GB/s or RAM/peer at {NEAR_BW / 1e9:.0f} GB/s per host. "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end.")  # fmt: skip
 

@@ -20,6 +20,8 @@ import math
 # bandwidths per host, bytes/s: the object store, the node's RAM or a peer, the copy out of accelerator memory.
 TARGET_BYTES, MTBF_S = 26.25e9, 600.0
 STORE_BW, NEAR_BW, COPY_BW = 1.25e9, 5e9, 25e9
+# The model as the benches print it beside their figures.
+FORMULA = "goodput = τ/(τ+δ) × (1 − (R + (τ+δ)/2)/MTBF), τ = max(sqrt(2δ·MTBF), upload time) (Young 1974, Daly 2006)"
 
 
 @dataclasses.dataclass(frozen=True)

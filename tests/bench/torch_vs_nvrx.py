@@ -379,8 +379,7 @@ def report(base: Run, results: dict[str, Run], bytes_per_host: float) -> None:
           f"(a save every {SAVE_EVERY}); ratio: that against the median step without checkpointing (blocking per save); "
           f"all steps: mean step time of every step after {WARMUP_STEPS} against no checkpointing (with what the "
           f"background work takes from training); restore s: median over {NODE_LOSSES} node losses of pod recreation -> first step after node 1's "
-          f"storage was wiped. model: goodput = τ/(τ+δ) × (1 − (R + (τ+δ)/2)/MTBF) at τ = sqrt(2δ·MTBF) (Young 1974, "
-          f"Daly 2006), a failure every {MTBF_S / 60:.0f} min, δ and R measured plus the extra bytes from "
+          f"storage was wiped. model: {goodput_model.FORMULA} (no upload here), a failure every {MTBF_S / 60:.0f} min, δ and R measured plus the extra bytes from "
           f"{bytes_per_host / 2**20:.0f} MiB to {TARGET_BYTES / 1e9:.2f} GB per node copied out at {COPY_BW / 1e9:.0f} GB/s and "
           f"read back at {NEAR_BW / 1e9:.0f} GB/s. {NODES} nodes x {PROCS} processes, gloo on CPU; {os.cpu_count()} CPUs, load average "
           f"{os.getloadavg()[0]:.1f} at the end.")  # fmt: skip
