@@ -129,6 +129,25 @@ def open_relative(root_fd: int, rel: str) -> int:
         return open_regular(fd, leaf)
 
 
+def read_small(dir_fd: int, name: str, limit_bytes: int) -> tuple[bytes, os.stat_result] | None:
+    """Reads a small regular file written by the pod: its bytes and the ``fstat`` of the descriptor
+    they were read from; None when it does not exist.
+
+    Raises:
+      UnsafeEntry: it is not a regular file, or is larger than ``limit_bytes``.
+    """
+    try:
+        fd = open_regular(dir_fd, name)
+    except FileNotFoundError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        status = os.fstat(fd)
+        data = f.read(limit_bytes + 1)
+    if len(data) > limit_bytes:
+        raise UnsafeEntry(errno.EFBIG, f"{name} is larger than {limit_bytes} bytes")
+    return data, status
+
+
 def read_text(dir_fd: int, name: str, limit_bytes: int) -> str | None:
     """Reads a small regular file written by the pod, or None when it does not exist.
 
@@ -136,15 +155,8 @@ def read_text(dir_fd: int, name: str, limit_bytes: int) -> str | None:
       UnsafeEntry: it is not a regular file, or is larger than ``limit_bytes``.
       UnicodeDecodeError: it is not UTF-8.
     """
-    try:
-        fd = open_regular(dir_fd, name)
-    except FileNotFoundError:
-        return None
-    with os.fdopen(fd, "rb") as f:
-        data = f.read(limit_bytes + 1)
-    if len(data) > limit_bytes:
-        raise UnsafeEntry(errno.EFBIG, f"{name} is larger than {limit_bytes} bytes")
-    return data.decode("utf-8")
+    found = read_small(dir_fd, name, limit_bytes)
+    return None if found is None else found[0].decode("utf-8")
 
 
 # The pod-directory writes are the shared crash-safe ones, named here too so that every I/O in a
@@ -171,7 +183,13 @@ def remove(dir_fd: int, name: str) -> bool:
     if found is None:
         return False
     if stat.S_ISDIR(found.st_mode):
-        shutil.rmtree(name, dir_fd=dir_fd)  # fd-based: never follows a link (rmtree.avoids_symlink_attacks)
+        # fd-based: never follows a link (rmtree.avoids_symlink_attacks). The job may delete the same
+        # tree at once (NeMo's start-up removes its unfinished saves): what vanished meanwhile is no
+        # error, and only what is left afterwards is tried again for its real error.
+        shutil.rmtree(name, dir_fd=dir_fd, ignore_errors=True)
+        if lstat(dir_fd, name) is not None:
+            with contextlib.suppress(FileNotFoundError):
+                shutil.rmtree(name, dir_fd=dir_fd)
     else:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(name, dir_fd=dir_fd)

@@ -52,7 +52,7 @@ class CommitDetector:
         refused = self._refused.setdefault(job_of(disk), set())
         refused &= set(scan.committed) | set(scan.refused)  # a name reused later is looked at afresh
         for step in set(scan.refused) - refused:
-            self._refuse(disk, meta, refused, step, "is not a directory (a symlink, FIFO or file where Orbax commits a step)")
+            self._refuse(disk, meta, refused, step, "is not a directory (a symlink, FIFO or file where the job commits a step)")
         new = [s for s in scan.committed if s not in known and s not in refused]
         for step in new:
             step_dir = framework.find_step_dir(disk.client_dir, step)

@@ -3,21 +3,58 @@
 consumed (or refused through ``replicator.failed``). The file formats are the job's ``Framework``'s."""
 
 import logging
+import time
+from collections.abc import Callable
 
 from prometheus_client import Counter
 
+from csi_driver.file_cache import Key
 from csi_driver.ramdisk import Ramdisk
 from replicator.local_tier import pod_files
 from replicator.local_tier.frameworks import InvalidReplicatorConfig
 from replicator.local_tier.job_keys import job_of
 from replicator.local_tier.job_meta import JobMeta, PodProgress
 from replicator.local_tier.log_once import LogOnce
+from replicator.pacing import timing
 from replicator.wire.coordinator_client import CoordinatorClient, CoordinatorUnavailable
-from replicator.wire.messages import Assignment
+from replicator.wire.messages import Assignment, JobRef
 
 log = logging.getLogger(__name__)
 
 REPLICATOR_YAML = Counter("mtc_replicator_yaml_total", "replicator.yaml files consumed", ["result"])
+
+
+class UnsettledConfigs:
+    """Unusable config files not refused yet: one is refused only once it has stayed unchanged
+    (its ``ConfigFile.version``) for ``settle_seconds`` since it was first read so.
+
+    The Resiliency library writes ``replicator.yaml`` in place (``open("w")``, then ``yaml.dump``),
+    so a pass may read it empty; Orbax and ``mtc_torch`` replace it whole, and a file that validates
+    on its first read is taken at once. A stability check, not inotify's close-after-write: it needs
+    no watch per job, holds for a file written before the agent (re)started looking, and bounds a
+    writer that never closes, which a close event alone would wait for forever.
+
+    Args:
+      settle_seconds: how long an unusable file must stay unchanged before it is refused.
+      clock: monotonic seconds.
+    """
+
+    def __init__(self, settle_seconds: float = timing.CONFIG_SETTLE_SECONDS, clock: Callable[[], float] = time.monotonic):
+        self.settle_seconds = settle_seconds
+        self._clock = clock
+        self._first_read: dict[JobRef, tuple[Key, float]] = {}  # job -> (its file's version, when first read unusable)
+
+    def settled(self, job: JobRef, version: Key) -> bool:
+        """True once ``job``'s unusable file, at ``version``, has been unchanged for ``settle_seconds``;
+        a new version starts the wait again."""
+        now = self._clock()
+        if (seen := self._first_read.get(job)) is None or seen[0] != version:
+            self._first_read[job] = seen = (version, now)
+        return now - seen[1] >= self.settle_seconds
+
+    def forget(self, job: JobRef) -> None:
+        """Drops ``job``'s wait: its file was taken, refused or is gone."""
+        self._first_read.pop(job, None)
 
 
 def current_pod(disk: Ramdisk):
@@ -39,25 +76,32 @@ def apply_assignment(disk: Ramdisk, meta: JobMeta, progress: PodProgress, assign
 
 
 async def consume_replicator_yaml(client: CoordinatorClient, disk: Ramdisk, meta: JobMeta, progress: PodProgress, nodes: int,
-                                  log_once: LogOnce) -> None:  # fmt: skip
+                                  log_once: LogOnce, unsettled: UnsettledConfigs) -> None:  # fmt: skip
     """Validates the job's ``replicator.yaml`` (if written yet), records its settings with the
-    coordinator and in ``progress``, then consumes it; bad content goes to ``replicator.failed``.
-    An unreachable coordinator leaves the file for the next pass."""
-    framework = meta.framework
+    coordinator and in ``progress``, then consumes it. Bad content goes to ``replicator.failed`` once
+    ``unsettled`` says it is no half-written file; a file that is no regular file at once. An
+    unreachable coordinator leaves the file for the next pass."""
+    framework, job = meta.framework, job_of(disk)
     try:
-        text = framework.read_config(disk.client_dir)
-        if text is None:
+        found = framework.read_config(disk.client_dir)
+        if found is None:
+            unsettled.forget(job)
             return
-        settings = framework.parse_config(text, progress.rank, nodes)
-    except (InvalidReplicatorConfig, pod_files.UnsafeEntry, UnicodeDecodeError) as err:
-        message = str(err) if isinstance(err, InvalidReplicatorConfig) else f"replicator.yaml is unusable: {err}"
-        log.error("%s/%s: rejected replicator.yaml: %s", disk.namespace, disk.job, message)
-        framework.report_failure(disk.client_dir, meta.root, message)
-        framework.consume_config(disk.client_dir)  # Orbax reads replicator.failed only once the yaml is gone
-        REPLICATOR_YAML.labels("rejected").inc()
+        settings = framework.parse_config(found.data.decode("utf-8"), progress.rank, nodes)
+    except pod_files.UnsafeEntry as err:
+        _refuse(disk, meta, f"replicator.yaml is unusable: {err}")
+        unsettled.forget(job)
         return
+    except (InvalidReplicatorConfig, UnicodeDecodeError) as err:
+        if not unsettled.settled(job, found.version):
+            return  # perhaps still being written: read again next pass
+        what = str(err) if isinstance(err, InvalidReplicatorConfig) else f"replicator.yaml is unusable: {err}"
+        _refuse(disk, meta, f"{what} (unchanged for {unsettled.settle_seconds:g} s, so not a file still being written)")
+        unsettled.forget(job)
+        return
+    unsettled.forget(job)
     try:
-        await client.record_settings(progress.pod_rank(job_of(disk)), settings)
+        await client.record_settings(progress.pod_rank(job), settings)
     except CoordinatorUnavailable as err:
         log_once(f"settings-{disk.job}", f"cannot record job settings with the coordinator, retrying: {err}", meta)
         return
@@ -66,3 +110,11 @@ async def consume_replicator_yaml(client: CoordinatorClient, disk: Ramdisk, meta
     framework.consume_config(disk.client_dir)
     REPLICATOR_YAML.labels("accepted").inc()
     log.info("%s/%s rank %d: consumed replicator.yaml %s", disk.namespace, disk.job, progress.rank, settings)
+
+
+def _refuse(disk: Ramdisk, meta: JobMeta, message: str) -> None:
+    """Tells the job its ``replicator.yaml`` is refused (``replicator.failed``), then consumes it."""
+    log.error("%s/%s: rejected replicator.yaml: %s", disk.namespace, disk.job, message)
+    meta.framework.report_failure(disk.client_dir, meta.root, message)
+    meta.framework.consume_config(disk.client_dir)  # Orbax reads replicator.failed only once the yaml is gone
+    REPLICATOR_YAML.labels("rejected").inc()

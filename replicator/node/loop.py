@@ -88,6 +88,7 @@ class NodeReplicator:
         self._restorer = Restorer(config.node_id, peer_token, self._peer_ssl, self._backup.download if self._backup else None,
                                   self._log_once, config.pacing.restore_deadline_seconds, self.make_room)  # fmt: skip
         self._commits = CommitDetector(share, self.poke)
+        self._unsettled = handshake.UnsettledConfigs()
         self._listing: asyncio.Task | None = None
         self._wake = asyncio.Event()
         self._reporting = ReportSession(config.node_id, config.peer.url, config.pod_address, config.topology, config.peer.replicas,
@@ -261,6 +262,7 @@ class NodeReplicator:
                 await asyncio.sleep(timing.WATCH_INTERVAL_SECONDS)
         finally:
             self._beats.pop(key, None)
+            self._unsettled.forget(key)
 
     async def _watch_once(self, client: CoordinatorClient, key: JobRef) -> bool:
         """One pass over a job's ramdisk; False once no pod has it published. An error is logged,
@@ -279,7 +281,7 @@ class NodeReplicator:
             # until this agent has the assignment again (after its restart), when the file waits a pass.
             nodes = spec.nodes or (assignment.nodes or 1 if assignment else None)
             if progress.jax_init_written and progress.settings is None and nodes is not None:
-                await handshake.consume_replicator_yaml(client, disk, meta, progress, nodes, self._log_once)
+                await handshake.consume_replicator_yaml(client, disk, meta, progress, nodes, self._log_once, self._unsettled)
             if progress.settings is not None and not progress.restore_done:
                 await self._restorer.restore(client, self._session, disk, meta, progress, lambda: self._beat(key))
             await self._commits.detect(disk, meta, progress)

@@ -38,6 +38,12 @@ ROUND_INTERVAL_SECONDS = 1.0
 # latency on Orbax's polls, while an unchanged job costs a few stats per pass (``file_cache``).
 WATCH_INTERVAL_SECONDS = 0.2
 
+# An unusable replicator.yaml is refused only once it stayed unchanged this long: the Resiliency library
+# writes it in place, so a pass may read it empty (for 0.4 ms on an idle node; 0.1 s stalls were seen to
+# fail every start). 25 passes, far above any stall between create and write, and the job waits 300 s for
+# the file to go; a file that is truly bad is refused this much later, one that validates at once.
+CONFIG_SETTLE_SECONDS = 5.0
+
 # One coordinator request (beyond a long poll's own wait): the coordinator answers from memory, so
 # anything slower is an outage: the report is retried after a backoff (below).
 REQUEST_TIMEOUT_SECONDS = 10.0

@@ -12,6 +12,7 @@ from csi_driver.volume_request import InvalidVolumeRequest, VolumeLimits, parse_
 from prefetch.restore import hand_over
 from replicator.local_tier import frameworks, pod_files
 from replicator.local_tier.frameworks import Framework, StepScan
+from replicator.local_tier.frameworks.base import ConfigFile
 from replicator.local_tier.frameworks.orbax import JAX_INIT_INFO_FILE, restore_marker_name
 from replicator.local_tier.job_meta import JobMeta, PodProgress
 from replicator.node.agent import on_new_pod
@@ -65,7 +66,7 @@ class Fake:
         with open(os.path.join(local_dir, "rank"), "w") as f:
             f.write(str(rank))
 
-    def read_config(self, local_dir: str) -> str | None:
+    def read_config(self, local_dir: str) -> ConfigFile | None:
         return None
 
     def parse_config(self, text: str, expected_rank: int, expected_nodes: int) -> JobSettings:

@@ -97,9 +97,10 @@ def test_the_scan_takes_step_dirs_and_adopted_markers_and_refuses_anything_else_
     (tmp_path / "elsewhere").mkdir()
     os.symlink("elsewhere", tmp_path / "step=8")  # not our staged dir
     (tmp_path / "9").write_text("a file")
-    (tmp_path / "step=10").mkdir()  # a real dir under the adopted name: never ours
+    (tmp_path / "step=11").write_text("a file")
+    (tmp_path / "step=10").mkdir()  # a real dir under the adopted name: the job's save (NeMo's), never ours
     scan = TORCH.scan_steps(str(tmp_path))
-    assert (scan.committed, scan.staged, scan.refused) == ([5], [], [8, 9, 10])
+    assert (scan.committed, scan.staged, scan.refused, scan.uncommitted) == ([5], [], [8, 9, 11], [10])
 
 
 def files(*paths: str) -> dict[str, tuple[int, str]]:

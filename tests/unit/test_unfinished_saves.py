@@ -11,7 +11,8 @@ from replicator.local_tier import frameworks
 
 @pytest.mark.parametrize(("framework", "unfinished", "kept"), [
     ("orbax", ["32.orbax-checkpoint-tmp", "33.orbax-checkpoint-tmp-1764048000"], ["31", "notes.orbax-checkpoint-tmp", "7.tmp"]),
-    ("pytorch.distributed", ["32.tmp"], ["31", "step=30", "x.tmp", "32.orbax-checkpoint-tmp"]),
+    # NeMo's save of global step 33 (committed as 32 by a rename it never made) and its unfinished mark.
+    ("pytorch.distributed", ["32.tmp", "step=33", "step=33-unfinished"], ["31", "step=x", "x.tmp", "32.orbax-checkpoint-tmp"]),
 ])  # fmt: skip
 def test_a_new_pod_finds_no_unfinished_save_of_the_previous_one_and_every_committed_step(tmp_path, framework, unfinished, kept):
     for name in unfinished + kept:
@@ -19,3 +20,10 @@ def test_a_new_pod_finds_no_unfinished_save_of_the_previous_one_and_every_commit
         (tmp_path / name / "state" / "data").write_bytes(b"x" * 4096)
     frameworks.get(framework).clear_previous_pod(str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == sorted(kept)
+
+
+def test_a_new_pod_keeps_the_restore_its_predecessor_took(tmp_path):
+    (tmp_path / ".mtc-staged-30" / "0").mkdir(parents=True)
+    os.symlink(".mtc-staged-30", tmp_path / "step=30")  # NeMo renamed our marker to it
+    frameworks.get("pytorch.distributed").clear_previous_pod(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == [".mtc-staged-30", "step=30"]

@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Protocol, runtime_checkable
 
+from csi_driver import file_cache
 from replicator.wire.messages import JobSettings
 
 # A step's checksums as its manifest holds them: path inside the step -> (size in bytes, CRC32C hex).
@@ -28,16 +29,35 @@ class StepScan:
       staged: steps a restore staged for a marker, under ``Framework.staged_name``.
       refused: steps whose name holds something that is not a directory (a planted symlink, a FIFO,
         a file): never read, never counted as committed.
+      uncommitted: saves the job wrote under a step's name and has not committed: a real directory
+        under the adopted marker's name (NeMo's ``step=<G>/`` before its rename to ``<G-1>``). Never
+        ours (a restore stages under ``staged_name`` and its marker is a symlink), never an error,
+        never counted; a restore removes those the job would load instead of its step.
     """
 
     committed: list[int]
     staged: list[int]
     refused: list[int]
+    uncommitted: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def held(self) -> list[int]:
         """Committed plus staged steps: everything the dir holds, ascending."""
         return sorted(set(self.committed) | set(self.staged))
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigFile:
+    """The job's config file, read once.
+
+    Attributes:
+      data: its bytes (decode them as UTF-8).
+      version: ``file_cache.key_of`` of the descriptor they were read from: any write, truncation or
+        replacement of the file changes it, so equal versions mean the file stayed as read.
+    """
+
+    data: bytes
+    version: file_cache.Key
 
 
 class InvalidReplicatorConfig(ValueError):
@@ -76,7 +96,8 @@ class Framework(Protocol):
         A committed step is the framework's commit (for Orbax ``<step>/``, renamed from
         ``<step>.orbax-checkpoint-tmp/``), or a restore marker the job took (the job renamed our
         marker, a symlink to ``staged_name(step)``, to the step's name): this is how the node sees
-        that the job took the marker. Names still being written (temporary names) never count.
+        that the job took the marker. Names still being written (temporary names) never count, nor
+        do the job's own saves under the adopted name (``StepScan.uncommitted``).
         """
         ...
 
@@ -125,12 +146,11 @@ class Framework(Protocol):
         whole (tmp + rename). A framework whose job learns its rank elsewhere writes nothing."""
         ...
 
-    def read_config(self, local_dir: str) -> str | None:
-        """The job's config file (``replicator.yaml``), or None while it has not written one.
+    def read_config(self, local_dir: str) -> ConfigFile | None:
+        """The job's config file (``replicator.yaml``) as read now, or None while it has not written one.
 
         Raises:
           pod_files.UnsafeEntry: it is not a regular file, or is too large.
-          UnicodeDecodeError: it is not UTF-8.
         """
         ...
 

@@ -20,7 +20,7 @@ import yaml
 
 from csi_driver import file_cache
 from replicator.local_tier import pod_files
-from replicator.local_tier.frameworks.base import InvalidReplicatorConfig, StepScan
+from replicator.local_tier.frameworks.base import ConfigFile, InvalidReplicatorConfig, StepScan
 
 REPLICATOR_FILE = "replicator.yaml"
 ERRORS_FILE = "replicator.errors"
@@ -57,6 +57,8 @@ def load_config(text: str, kind: type[Config]) -> tuple[Config, dict[str, Any]]:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as err:
         raise InvalidReplicatorConfig("(document)", f"not valid YAML: {err}") from None
+    if raw is None and not text.strip():
+        raise InvalidReplicatorConfig("(document)", "the file is empty")
     if not isinstance(raw, dict):
         raise InvalidReplicatorConfig("(document)", f"expected a mapping of keys, got {type(raw).__name__}")
     try:
@@ -112,11 +114,15 @@ class ClientDirProtocol:
 
     Class attributes a subclass sets:
       handshake_files: the hand-shake files a new pod must not find (``clear_previous_pod``).
+      unfinished_save: the names a save has until the job commits it (``clear_previous_pod`` removes
+        those of earlier pods).
+      unfinished_mark: the suffix of the empty file with which the job marks a save under a step's
+        name unfinished beside it (``<name><suffix>``); None when it marks none.
     """
 
     handshake_files: tuple[str, ...] = (REPLICATOR_FILE, ERRORS_FILE, FAILED_FILE)
-    # The name a save has while the job writes it (``clear_previous_pod`` removes those of earlier pods).
     unfinished_save: re.Pattern = re.compile(r"^[0-9]{1,18}\.tmp$")
+    unfinished_mark: str | None = None
 
     def __init__(self):
         # local dir -> its last scan; the agent scans every job's dir five times a second.
@@ -136,10 +142,13 @@ class ClientDirProtocol:
         """What the client dir holds, read without following any link the pod may have planted.
 
         A committed step is a directory named by an integer, or the symlink the job leaves when it
-        adopts our restore marker (``adopted_name(step)`` -> ``.mtc-staged-<step>``, a directory). Any
-        other entry with one of those names (a symlink elsewhere, a FIFO, a file) is returned in
-        ``refused``. Names still being written (``<step>.orbax-checkpoint-tmp``, ``<step>.tmp``) are
-        not step names and never count.
+        adopts our restore marker (``adopted_name(step)`` -> ``.mtc-staged-<step>``, a directory). A
+        real directory under the adopted name is the job's own save, not yet committed: a restore
+        only ever places a symlink there. It is ``uncommitted``, or not a step at all while the job
+        marks it unfinished (``unfinished_mark``: the job removes it itself). Any other entry with
+        one of those names (a symlink elsewhere, a FIFO, a file) is returned in ``refused``. Names
+        still being written (``<step>.orbax-checkpoint-tmp``, ``<step>.tmp``) are not step names and
+        never count.
 
         The dir is listed again only when its ``file_cache.Key`` (``fstat`` of the opened dir) changed:
         every create, delete and rename of an entry, the job's commit rename included, changes its
@@ -164,7 +173,7 @@ class ClientDirProtocol:
         return None if scan is None else _copy(scan)
 
     def _scan(self, fd: int) -> StepScan:
-        committed, staged, refused = set(), set(), set()
+        committed, staged, refused, uncommitted = set(), set(), set(), set()
         entries = dict(pod_files.names(fd))
         for name, status in entries.items():
             if name.startswith(STAGED_PREFIX):
@@ -177,9 +186,12 @@ class ClientDirProtocol:
                 committed.add(step)
             elif adopted is not None and stat.S_ISLNK(status.st_mode) and self._is_adopted_marker(fd, name, adopted, entries):
                 committed.add(adopted)
+            elif adopted is not None and stat.S_ISDIR(status.st_mode):
+                if self.unfinished_mark is None or name + self.unfinished_mark not in entries:
+                    uncommitted.add(adopted)
             elif step is not None or adopted is not None:
                 refused.add(adopted if step is None else step)
-        return StepScan(sorted(committed), sorted(staged), sorted(refused - committed))
+        return StepScan(sorted(committed), sorted(staged), sorted(refused - committed), sorted(uncommitted))
 
     def _is_adopted_marker(self, fd: int, name: str, step: int, entries: dict[str, os.stat_result]) -> bool:
         try:
@@ -208,21 +220,21 @@ class ClientDirProtocol:
 
     def steps_restored_instead(self, scan: StepScan, step: int | None) -> list[int]:
         """The steps of ``scan`` the job could restore instead of ``step`` (every one when None): a job
-        that looks for the newest step it finds (Orbax, NeMo) would take any committed or refused
-        name newer than it."""
-        return [s for s in scan.committed + scan.refused if step is None or s > step]
+        that looks for the newest step it finds (Orbax, NeMo) would take any committed, refused or
+        uncommitted name newer than it (NeMo loads a ``step=<G>/`` it has not marked unfinished)."""
+        return sorted({s for s in scan.committed + scan.refused + scan.uncommitted if step is None or s > step})
 
     # -- the hand-shake ----------------------------------------------------------------------------
 
-    def read_config(self, local_dir: str) -> str | None:
-        """The job's ``replicator.yaml``, or None while it has not written one.
+    def read_config(self, local_dir: str) -> ConfigFile | None:
+        """The job's ``replicator.yaml`` as read now, or None while it has not written one.
 
         Raises:
           pod_files.UnsafeEntry: it is not a regular file (a symlink, a FIFO) or is over 64 KiB.
-          UnicodeDecodeError: it is not UTF-8.
         """
         with pod_files.open_dir(local_dir) as fd:
-            return pod_files.read_text(fd, REPLICATOR_FILE, MAX_REPLICATOR_YAML_BYTES)
+            found = pod_files.read_small(fd, REPLICATOR_FILE, MAX_REPLICATOR_YAML_BYTES)
+        return None if found is None else ConfigFile(found[0], file_cache.key_of(found[1]))
 
     def consume_config(self, local_dir: str) -> None:
         """Deletes ``replicator.yaml``: the job waits for that before it goes on (or reads ``.failed``)."""
@@ -239,8 +251,9 @@ class ClientDirProtocol:
             for name in self.handshake_files:
                 pod_files.remove(fd, name)
             pod_files.sweep_temp_files(fd)
-            for name, _ in pod_files.names(fd):
-                if self.unfinished_save.match(name):
+            for name, status in pod_files.names(fd):
+                # A symlink is no save: under a step's name it is a restore marker the job took.
+                if self.unfinished_save.match(name) and not stat.S_ISLNK(status.st_mode):
                     pod_files.remove(fd, name)
         self.remove_markers(local_dir)
 
@@ -296,4 +309,4 @@ class ClientDirProtocol:
 
 
 def _copy(scan: StepScan) -> StepScan:
-    return StepScan(list(scan.committed), list(scan.staged), list(scan.refused))  # the caller's own lists
+    return StepScan(list(scan.committed), list(scan.staged), list(scan.refused), list(scan.uncommitted))  # the caller's own lists

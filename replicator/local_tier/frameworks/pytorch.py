@@ -18,6 +18,14 @@ client dir (the pod's local checkpoint directory):
 - ``<step>/`` appearing (renamed in whole): a committed save of the node. ``mtc_torch`` writes one
   self-contained DCP checkpoint per local rank into ``<step>.tmp/rank-<r>-of-<W>/`` and renames the
   directory once all ``W`` hold DCP's ``.metadata``, which the commit evidence checks again.
+- NeMo (the library's ``ModelCheckpoint``, ``enable_high_scale_ckpt``, async save) saves global step
+  ``G`` as an empty ``step=G-unfinished``, then ``step=G/`` (``<global rank>/__<rank>_*.distcp`` and
+  ``.metadata`` per rank, ``common.pt``, ``metadata.json``); after its last barrier it deletes the
+  ``-unfinished`` file, reads ``replicator.errors`` and renames ``step=G`` to ``<G-1>``: the commit,
+  of step ``G-1``. So a real ``step=<n>/`` directory is the job's save (``StepScan.uncommitted``, or
+  nothing while it is marked unfinished), never a restore it took: that is always our symlink to
+  ``.mtc-staged-<n>``. NeMo removes its marked saves at start; a restore removes unmarked ones newer
+  than its step (NeMo would load one); a new pod's publish removes both, with their marks.
 
 Unlike Orbax's, a PyTorch job's ranks are fixed by its launcher (torchrun's ``--node-rank``): the
 agent gives each pod the rank of its JobSet index (``ranks_follow_data`` False) and the job's
@@ -107,6 +115,9 @@ class PyTorchDistributed(ClientDirProtocol):
     name = "pytorch.distributed"
     ranks_follow_data = False
     handshake_files = (PRERESTORE_FILE, *ClientDirProtocol.handshake_files)
+    # mtc_torch's ``<step>.tmp``; NeMo's ``step=<G>/`` (a symlink there is a restore: never removed) and its mark.
+    unfinished_save = re.compile(r"^(?:[0-9]{1,18}\.tmp|step=[0-9]{1,18}(?:-unfinished)?)$", re.ASCII)
+    unfinished_mark = "-unfinished"
 
     def adopted_name(self, step: int) -> str:
         """``step=<step>``: the Resiliency library renames our marker to it."""
