@@ -81,7 +81,15 @@ class MtcCheckpointManager(BaseCheckpointManager):
         """How many nodes hold identical steps (HSDP/DDP replicas), if any."""
 
         async_save: bool = True
-        """Save in the background: a step blocks only while the state is staged to CPU memory."""
+        """Save in the background: a step blocks only while the state is copied into host memory."""
+
+        staging_overlaps_step: bool = False
+        """With ``async_save``: return from a save once the copy out of GPU memory is queued, and wait for it just
+        before the next optimizer step (TorchTitan's ``async_with_pinned_mem`` pattern). Only for models whose
+        forward pass changes no saved tensor (no BatchNorm running statistics)."""
+
+        pinned_memory_limit_bytes: int | None = None
+        """The most host memory the staging buffers may pin, in bytes (None: one copy of this rank's state)."""
 
     def __init__(self, config: Config, *, dataloader: Any, model_parts: list[nn.Module], optimizers: Any,
                  lr_schedulers: Any, states: dict[str, Any], sd_adapter: Any = None, base_folder: str = "") -> None:
@@ -93,6 +101,7 @@ class MtcCheckpointManager(BaseCheckpointManager):
         self.load_only = config.load_only
         self.enable_first_step_checkpoint = config.enable_first_step_checkpoint
         self.async_save = config.async_save
+        self.staging_overlaps_step = config.staging_overlaps_step
         if config.load_step != -1:
             log.warning("checkpoint.load_step=%d is ignored: the node agent picks the step to restore", config.load_step)
         self.states = dict(states)
@@ -102,7 +111,8 @@ class MtcCheckpointManager(BaseCheckpointManager):
         self.manager = CheckpointManager(
             config.local_dir, config.job_name, backup_interval_minutes=config.backup_interval_minutes,
             backup_interval_steps=config.backup_interval_steps, peers_per_node=config.peers_per_node,
-            assume_data_parallelism=config.assume_data_parallelism)
+            assume_data_parallelism=config.assume_data_parallelism,
+            pinned_memory_limit_bytes=config.pinned_memory_limit_bytes)
 
     def _load(self, step: int = -1) -> bool:
         """Runs the handshake; loads the step the agent restored, if any. Returns whether a step was loaded."""
@@ -123,13 +133,15 @@ class MtcCheckpointManager(BaseCheckpointManager):
         if not self._should_save(curr_step, last_step):
             return False
         if self.async_save and not last_step:
-            self.save_future = self.manager.async_save(self.states, curr_step)
+            self.save_future = self.manager.async_save(self.states, curr_step,
+                                                       wait_for_staging=not self.staging_overlaps_step)
         else:
             self.manager.save(self.states, curr_step)
         return True
 
     def _maybe_wait_for_staging(self) -> None:
-        """Nothing to wait for: ``async_save`` returns once the state is staged."""
+        """Called before each optimizer step: the last save's copy out of GPU memory must be done by then."""
+        self.manager.wait_for_staging()
 
     def _wait_for_saving(self) -> None:
         self.manager.wait()

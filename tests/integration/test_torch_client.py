@@ -106,9 +106,12 @@ def test_sigkilled_torchrun_job_resumes_from_staged_step_bit_identically(tmp_pat
     newest = committed_steps(local)[-1]
     assert newest in (8, 12), committed_steps(local)
     assert not (local / f"{newest}.tmp").exists()
-    # Deterministic metadata: the same step of two runs in different directories is byte-identical.
+    # Deterministic files: the same step of two runs in different directories is byte-identical.
     for rank in range(2):
-        for name in (".metadata", "__0_0.distcp"):
+        names = sorted(os.listdir(local / "8" / f"rank-{rank}-of-2"))
+        assert ".metadata" in names and "__0_0.distcp" in names
+        assert names == sorted(os.listdir(ref_local / "8" / f"rank-{rank}-of-2"))
+        for name in names:
             assert (local / "8" / f"rank-{rank}-of-2" / name).read_bytes() == \
                    (ref_local / "8" / f"rank-{rank}-of-2" / name).read_bytes()
 
