@@ -100,9 +100,23 @@ BUILD_CA   ?=
 IMAGE_ARGS  = --build-arg BASE=$(BASE_IMAGE) $(if $(BUILD_CA),--secret id=pip-ca$(comma)src=$(BUILD_CA)) -t $(IMAGE)
 comma := ,
 
-.PHONY: setup tools k8s-tools k8s-node-tools e2e-k8s e2e-operations etcd test test-fast demo torch-setup bench e2e-maxtext e2e-torchtitan e2e-orbax-oldest chaos clean image image-base
+.PHONY: setup tools host-tools k8s-tools k8s-node-tools e2e-k8s e2e-operations etcd test test-fast demo torch-setup bench e2e-maxtext e2e-torchtitan e2e-orbax-oldest chaos clean image image-base
 
 setup: $(STAMP) $(STUBS)
+
+# The programs the tests run on this machine come from Debian's packages, listed with their packages in one place,
+# tests/helpers/host_tools.py, by suite (local, etcd, node). Those missing are installed (apt-get install, then after
+# apt-get update should that fail); then the preflight names each tool still missing (or iptables' legacy backend)
+# on a line of its own, with its package, and stops make before minutes of setup and tests. host-tools comes first
+# in a target's prerequisites, with the suites of that target (HOST_SUITES, set for e2e-k8s).
+HOST_TOOLS   := $(PYTHON) -m tests.helpers.host_tools
+HOST_SUITES  := local
+host_tools    = pkgs=$$($(HOST_TOOLS) --packages $(1)) && \
+    { [ -z "$$pkgs" ] || ! command -v apt-get >/dev/null || apt-get install -y -q $$pkgs || \
+      { apt-get update -q && apt-get install -y -q $$pkgs; } || true; } && $(HOST_TOOLS) --check $(1)
+
+host-tools:
+	@$(call host_tools,$(HOST_SUITES))
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -141,13 +155,13 @@ $(HELM):
 $(KUSTOMIZE):
 	GOBIN=$(TOOLS) go install $(KUSTOMIZE_PKG)
 
-k8s-tools: $(addprefix $(TOOLS)/,$(K8S_BINARIES)) $(JOBSET) $(JOBSET_CONFIG)/manifests.yaml etcd
+k8s-tools: etcd $(addprefix $(TOOLS)/,$(K8S_BINARIES)) $(JOBSET) $(JOBSET_CONFIG)/manifests.yaml
 	if [ -d $(K8S_GOMODCACHE) ]; then GOMODCACHE=$(K8S_GOMODCACHE) go clean -modcache; fi
 	rm -rf $(K8S_GOCACHE)
 
 # Debian's etcd-server (3.4) is what the control plane stores its objects in.
 etcd:
-	@command -v etcd >/dev/null || { apt-get install -y -q etcd-server || { apt-get update -q && apt-get install -y -q etcd-server; }; }
+	@$(call host_tools,etcd)
 
 $(K8S_SRC)/go.mod:
 	rm -rf $(K8S_SRC) && mkdir -p $(dir $(K8S_SRC))
@@ -161,8 +175,7 @@ $(K8S_SRC)/go.mod:
 # A real node (tests/helpers/kube/node.py): the kubelet, Debian's containerd and runc (crun fails here: "cgroups
 # in hybrid mode not supported"), CNI's loopback plugin and busybox for the locally built images.
 k8s-node-tools: k8s-tools
-	@command -v containerd >/dev/null && command -v runc >/dev/null && test -x /usr/lib/cni/loopback && command -v busybox >/dev/null || \
-	    apt-get install -y -q containerd runc containernetworking-plugins busybox-static
+	@$(call host_tools,node)
 
 $(addprefix $(TOOLS)/,$(K8S_BINARIES)): $(TOOLS)/%: $(K8S_SRC)/go.mod
 	mkdir -p $(TOOLS)
@@ -188,7 +201,8 @@ $(JOBSET_CONFIG)/manifests.yaml: $(JOBSET_SRC)/go.mod
 # A real API server, controller-manager, scheduler and JobSet controller on 127.0.0.1, and a real kubelet node on
 # 127.0.0.2: all of tests/k8s, with the README's example JobSet trained through failures. About 10 min from a
 # fresh machine (7 to build, 2 to run); run by .ci/run after `make test`.
-e2e-k8s: setup k8s-node-tools
+e2e-k8s: HOST_SUITES := local etcd node
+e2e-k8s: host-tools setup k8s-node-tools
 	PATH=$(TOOLS):$$PATH $(BIN)/python -m pytest -q -p no:cacheprovider tests/k8s
 
 # The longest end-to-end tests, run by .ci/run after `make test` (which leaves them out to stay near 20 minutes
@@ -200,11 +214,11 @@ E2E_OPERATIONS := tests/e2e/test_e2e_upgrade.py tests/e2e/test_e2e_token_rotatio
 
 # The import contracts first (pyproject.toml [tool.importlinter]): a new cycle fails before any test runs. The 20
 # slowest tests are listed at the end: the suite is kept under about 20 minutes on 2 cores.
-test: setup tools torch-setup
+test: host-tools setup tools torch-setup
 	$(BIN)/lint-imports --no-cache --no-logo
 	PATH=$(TOOLS):$$PATH $(BIN)/python -m pytest -q -p no:cacheprovider --durations=20 $(foreach t,$(E2E_OPERATIONS),--ignore=$(t))
 
-e2e-operations: setup tools
+e2e-operations: host-tools setup tools
 	PATH=$(TOOLS):$$PATH $(BIN)/python -m pytest -q -p no:cacheprovider $(E2E_OPERATIONS)
 
 # The unit layer only (tests/unit: no processes, no mounts, no Go tools), for the edit-test loop.
@@ -223,7 +237,7 @@ BENCHES := ramdisk_throughput "peer_restore --cores" "peer_restore --gib 4 --rep
 
 # Every bench runs, whatever the ones before it returned (coordinator_scale and agent_idle exit 1 on a missed goal;
 # the others print their misses); those that exited non-zero are listed at the end.
-bench: setup tools $(NVRX_STAMP)
+bench: host-tools setup tools $(NVRX_STAMP)
 	failed=""; for b in $(BENCHES); do echo "== $$b"; PATH=$(TOOLS):$$PATH $(BIN)/python -m tests.bench.$$b || failed="$$failed; $$b"; done; \
 	if [ -n "$$failed" ]; then echo "== benches that exited non-zero: $${failed#; }"; exit 1; fi
 
@@ -240,7 +254,7 @@ $(NVRX_STAMP):
 # The stock MaxText trainer on CPU through a preemption and a node loss (tests/e2e_maxtext.py); not
 # part of `make test`. maxtext's wheel declares its dependencies only in extras: [tpu] brings
 # jax, orbax-checkpoint and the rest (libtpu stays unused under JAX_PLATFORMS=cpu).
-e2e-maxtext: setup $(MAXTEXT_STAMP)
+e2e-maxtext: host-tools setup $(MAXTEXT_STAMP)
 	$(BIN)/python -m tests.e2e_maxtext --python $(MAXTEXT_VENV)/bin/python
 
 $(MAXTEXT_STAMP):
@@ -253,12 +267,12 @@ $(MAXTEXT_STAMP):
 # The stock TorchTitan trainer (its llama3 debug model) on CPU, 2 nodes x 2 processes under torchrun,
 # checkpointing through mtc_torch, through a preemption and a node loss (tests/e2e_torchtitan.py); not
 # part of `make test`. It runs from the PyTorch venv above.
-e2e-torchtitan: setup $(TORCH_STAMP)
+e2e-torchtitan: host-tools setup $(TORCH_STAMP)
 	$(BIN)/python -m tests.e2e_torchtitan --python $(TORCH_VENV)/bin/python
 
 # The Orbax end-to-end subset against the oldest claimed orbax-checkpoint, in its own virtualenv (the
 # agents and trainers run on its Python too).
-e2e-orbax-oldest: $(STUBS) $(ORBAX_OLDEST_STAMP)
+e2e-orbax-oldest: host-tools $(STUBS) $(ORBAX_OLDEST_STAMP)
 	$(ORBAX_OLDEST_VENV)/bin/python -c 'import importlib.metadata as m; print("orbax-checkpoint", m.version("orbax-checkpoint"), "jax", m.version("jax"), "jaxlib", m.version("jaxlib"))'
 	PATH=$(TOOLS):$$PATH $(ORBAX_OLDEST_VENV)/bin/python -m pytest -q -p no:cacheprovider $(ORBAX_OLDEST_TESTS)
 
@@ -271,7 +285,7 @@ $(ORBAX_OLDEST_STAMP): pyproject.toml
 # A long seeded random fault sequence per variant (the seed is printed; replay with --seed).
 CHAOS_FAULTS ?= 20
 CHAOS_ARGS   ?=
-chaos: setup
+chaos: host-tools setup
 	rc=0; for v in dp2 dp1; do $(BIN)/python -m tests.chaos --faults $(CHAOS_FAULTS) --variant $$v $(CHAOS_ARGS) || rc=1; done; exit $$rc
 
 image:

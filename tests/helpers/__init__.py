@@ -2,7 +2,8 @@
 
 - ``fixtures``: the pytest fixtures (agents, clusters, object stores, a peer service), registered for
   every layer by ``tests/conftest.py``.
-- ``servers``: fake-gcs-server and MinIO as processes; ``tools``: the Go tools and the root check.
+- ``servers``: fake-gcs-server and MinIO as processes; ``tools``: the Go tools and the root check; ``host_tools``:
+  the programs from Debian's packages, which make installs and checks.
 - ``ports``: the one port allocator; ``polling``: the one ``wait_until``.
 - ``steps``: files, steps and their manifests on disk; ``agents``: an agent's metrics, a pod's rank and the Orbax
   hand-shake driven by hand; ``ramdisks``: volume requests; ``peer``: a peer service in the test's own event loop; ``jobs``: real training jobs;
