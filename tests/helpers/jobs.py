@@ -20,10 +20,10 @@ UNTIL_KILLED = ["--steps", str(UNTIL_KILLED_STEPS), "--step-sleep", "0.2"]
 _started: list[LocalJob] = []
 
 
-def run_job(name, agents, workdir, extra, job_class=LocalJob, **fields):
-    """Starts a ``job_class`` job (``LocalJob``: ``examples/train.py``) with ``TRAIN`` plus ``extra`` flags on ``agents``."""
+def run_job(name, agents, workdir, extra, job_class=LocalJob, train=TRAIN, **fields):
+    """Starts a ``job_class`` job (``LocalJob``: ``examples/train.py``) with ``train`` plus ``extra`` flags on ``agents``."""
     # JAX's coordinator (torchrun's store) binds every address.
-    job = job_class(name, agents, str(workdir), [*TRAIN, *extra], jax_port=free_port("0.0.0.0"), **fields)
+    job = job_class(name, agents, str(workdir), [*train, *extra], jax_port=free_port("0.0.0.0"), **fields)
     _started.append(job)
     job.create_pods()
     job.start_training()
@@ -81,10 +81,11 @@ def committed(job) -> list[set[int]]:
     return [{int(n) for n in os.listdir(p.target) if n.isdigit()} if os.path.isdir(p.target) else set() for p in job.pods]
 
 
-def kill_past_newest_commit(job, timeout=60.0):
+def kill_past_newest_commit(job, timeout=60.0, past=1):
     """SIGKILLs ``job``'s trainers once every pod's newest commit is the same step and rank 0 has
-    logged the loss of a step after it, so the restored run's first losses have the killed run's to
-    be compared with (and no rank holds a newer step that its replication would take first). The
+    logged the loss of the step ``past`` steps after it (NeMo's commit of step S holds S + 1, so it
+    resumes at S + 2), so the restored run's first losses have the killed run's to be compared with
+    (and no rank holds a newer step that its replication would take first). The
     trainers are SIGSTOPped while that is read (no commit or loss lands between the check and the
     kill), and resumed if it does not hold yet. Returns the killed run's losses.
 
@@ -96,7 +97,7 @@ def kill_past_newest_commit(job, timeout=60.0):
         job.signal_training(signal.SIGSTOP)
         held, logged = committed(job), losses(job.pods)
         newest = max(set.intersection(*held), default=None) if held else None
-        if newest is not None and all(max(h) == newest for h in held) and max(logged, default=-1) > newest:
+        if newest is not None and all(max(h) == newest for h in held) and max(logged, default=-1) >= newest + past:
             job.kill_training()
             return logged
         job.signal_training(signal.SIGCONT)

@@ -21,10 +21,11 @@ A save of global step G:
 
 Each global rank's state is bytes that every step derives from the last (a hash chain), so a resumed
 run repeats the killed run's losses only if it loaded the exact bytes. ``--dump-dir`` gets
-``rank<r>-step<G>.bin`` at every save and after a restore. Events are JSON lines on stdout: ``restored``
-(``step``: the adopted step or null; ``global_step``: the one loaded, or null), ``step`` (``step``:
-the global step, ``loss``), ``saved`` (``step``: the committed G-1, ``global_step``: G),
-``replicator_error`` (what ``replicator.errors`` held), ``failed``, ``done``.
+``rank<r>-step<G>.bin`` at every save and after a restore. Events are JSON lines on stdout:
+``restored`` (``step``: the adopted step or null; ``global_step``: the one loaded, or null), ``step``
+(node 0's only, as a trainer's rank 0 logs: ``step``, the global step, and ``loss`` of its ranks'
+states), ``saved`` (``step``: the committed G-1; ``global_step``: G), ``replicator_error`` (what
+``replicator.errors`` held), ``failed``, ``done``.
 """
 
 from __future__ import annotations
@@ -237,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
             finalize()
             pending = None
         states = {r: advance(state, global_step) for r, state in states.items()}
-        emit(event="step", step=global_step, loss=loss(states), node=node, time=time.time())
+        if node == 0:
+            emit(event="step", step=global_step, loss=loss(states), time=time.time())
         if global_step % args.save_interval_steps == 0:
             if pending is not None:  # one async save at a time: the earlier one is finalized first
                 finalize()
