@@ -8,7 +8,7 @@ raw (:data:`mtc_torch.storage.RAW_TENSOR_BYTES`) is read in pieces of :data:`PIE
 - into a GPU destination through one pinned piece per thread, each copied on that thread's CUDA stream (the pinned
   memory is ``threads`` × :data:`PIECE_BYTES`, whatever the checkpoint's size);
 - into a destination of another shape, dtype or layout (a resharded load) through one host copy of the stored tensor.
-Items torch's own writer stored (``torch.save`` bytes, from ``mtc_torch`` before 0.9 too) go through
+Items stored as torch's own writer stores them (``torch.save`` bytes, as ``mtc_torch`` 0.2.0 did) go through
 ``FileSystemReader``.
 
 Whether the bytes are the ones saved is the node agent's job: it verifies every file's checksum before a step
