@@ -14,12 +14,17 @@ at least ``min_interval``.
 """
 
 import dataclasses
+import json
 import math
+import statistics
+from collections.abc import Iterable
 
 # What the benches model: the seed's 70B on 32 hosts (001: 26.25 GB per host), a failure every 10 minutes, and stated
 # bandwidths per host, bytes/s: the object store, the node's RAM or a peer, the copy out of accelerator memory.
 TARGET_BYTES, MTBF_S = 26.25e9, 600.0
 STORE_BW, NEAR_BW, COPY_BW = 1.25e9, 5e9, 25e9
+# A GPU host's accelerators, each copying over its own PCIe link: per-GPU rates times this are per-host rates.
+GPUS_PER_HOST = 8
 # The model as the benches print it beside their figures.
 FORMULA = "goodput = τ/(τ+δ) × (1 − (R + (τ+δ)/2)/MTBF), τ = max(sqrt(2δ·MTBF), upload time) (Young 1974, Daly 2006)"
 
@@ -85,3 +90,41 @@ def scaled(measured: Costs, measured_bytes: float, target_bytes: float, copy_ban
         restart=measured.restart + extra / restore_bandwidth,
         min_interval=target_bytes / upload_bandwidth if upload_bandwidth else 0.0,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+    """Per-host bandwidths of the accelerator path, bytes/s, and where they come from.
+
+    Attributes:
+      copy: out of accelerator memory while a save blocks training.
+      restore: into accelerator memory from the node's RAM (a restore from a peer is also bounded by NEAR_BW).
+      source: ``assumed``, or the measurement they were read from.
+    """
+
+    copy: float
+    restore: float
+    source: str
+
+
+ASSUMED = Rates(COPY_BW, NEAR_BW, "assumed")
+
+
+def torch_gpu_rates(lines: Iterable[str], setup: str = "ours async_save") -> Rates:
+    """Per-host rates from ``tests/bench/torch_gpu.py``'s JSON lines: at the largest state it measured, the state's
+    bytes over ``setup``'s median blocking seconds, and its median restore rate, over the saves after the first (the
+    steady state), each times GPUS_PER_HOST.
+
+    Raises:
+      ValueError: the lines hold no error-free steady-state row of ``setup``.
+    """
+    rows = [row for row in map(json.loads, filter(str.strip, lines))
+            if row.get("kind") == "setup" and row.get("setup") == setup and row.get("save", 1) > 1 and "error" not in row]
+    if not rows:
+        raise ValueError(f"no steady-state row of {setup!r} (a save after the first, without an error)")
+    largest = max(row["bytes"] for row in rows)
+    rows = [row for row in rows if row["bytes"] == largest]
+    blocking = statistics.median(row["blocking_s"] for row in rows)
+    restore = statistics.median(row["restore_GBps"] for row in rows) * 1e9
+    return Rates(copy=GPUS_PER_HOST * largest / blocking if blocking > 0 else math.inf, restore=GPUS_PER_HOST * restore,
+                 source=f"torch_gpu, {setup}, {largest / 1e9:.1f} GB per GPU, x{GPUS_PER_HOST} GPUs")

@@ -60,6 +60,8 @@ SAVE_EVERY = 2
 WARMUP_STEPS = 4
 SAVES = 6
 OURS, OURS_ASYNC, NVRX = "ours (mtc_torch save)", "ours (async_save)", "NVRx 0.7.0 (sync save)"
+# Each setup's row in tests/bench/torch_gpu.py's output, whose rates the model takes with --gpu-results.
+GPU_SETUP = {OURS: "ours save", OURS_ASYNC: "ours async_save", NVRX: "NVRx 0.7.0 sync"}
 STEPS = WARMUP_STEPS + SAVES * SAVE_EVERY
 NODE_LOSSES = 2  # per checkpointing setup; each restarted incarnation trains and saves SAVE_EVERY more steps
 WAIT_SECONDS = 300.0
@@ -339,17 +341,35 @@ def state_bytes_per_host(width: int, layers: int) -> float:
     return 3 * 4 * layers * (width * width + width) / NODES
 
 
-def modeled(run: Run, step0: float, bytes_per_host: float) -> float:
+def modeled(run: Run, step0: float, bytes_per_host: float, rates: goodput_model.Rates) -> float:
     """The setup's goodput in the checkpoint-interval model (``goodput_model``) at the seed's TARGET_BYTES per host and
     a failure every MTBF_S: its measured blocking per save (median saving step minus ``step0``) and node-loss restore,
-    plus the extra bytes copied out at COPY_BW and read back at NEAR_BW (every setup here saves and restores locally
-    or from a peer, so all are charged alike)."""
+    plus the extra bytes copied out at ``rates.copy`` and read back from a peer at the slower of ``rates.restore`` and
+    NEAR_BW (every setup here saves and restores locally or from a peer)."""
     measured = goodput_model.Costs(blocking=max(statistics.median(run.step_s) - step0, 0.0), restart=statistics.median(run.restore_s))
-    return goodput_model.goodput(goodput_model.scaled(measured, bytes_per_host, TARGET_BYTES, COPY_BW, NEAR_BW), MTBF_S)
+    costs = goodput_model.scaled(measured, bytes_per_host, TARGET_BYTES, rates.copy, min(rates.restore, NEAR_BW))
+    return goodput_model.goodput(costs, MTBF_S)
 
 
-def report(base: Run, results: dict[str, Run], bytes_per_host: float) -> None:
+def gpu_rates(path: str | None) -> dict[str, goodput_model.Rates]:
+    """Each setup's rates: measured by ``torch_gpu`` (its JSON lines at ``path``) where it has the setup's rows, else
+    the model's assumed ones."""
+    if not path:
+        return {}
+    with open(path, encoding="utf-8") as f:
+        lines = f.readlines()
+    rates = {}
+    for name, setup in GPU_SETUP.items():
+        try:
+            rates[name] = goodput_model.torch_gpu_rates(lines, setup)
+        except ValueError as error:
+            print(f"note: {name}: the model assumes its rates: {path}: {error}")
+    return rates
+
+
+def report(base: Run, results: dict[str, Run], bytes_per_host: float, measured: dict[str, goodput_model.Rates]) -> None:
     step0, mean0 = statistics.median(base.step_s), statistics.mean(base.all_s)
+    rates = {name: measured.get(name, goodput_model.ASSUMED) for name in results}
     print(f"{'setup':<24}{'step s':>8}{'save s':>8}{'ratio':>7}{'all steps':>11}{'restore s':>11}{'model':>7}  restored step, bit-identical")
     print(f"{'no checkpointing':<24}{step0:>8.3f}{'':>8}{1.0:>7.2f}{1.0:>11.2f}{'':>11}  ({len(base.step_s)} steps)")
     for name, run in results.items():
@@ -358,7 +378,7 @@ def report(base: Run, results: dict[str, Run], bytes_per_host: float) -> None:
             continue
         step, save = statistics.median(run.step_s), statistics.median(run.save_s)
         print(f"{name:<24}{step:>8.3f}{save:>8.3f}{step / step0:>7.2f}{statistics.mean(run.all_s) / mean0:>11.2f}"
-              f"{statistics.median(run.restore_s):>11.1f}{modeled(run, step0, bytes_per_host):>7.3f}  {run.restored_steps}, "
+              f"{statistics.median(run.restore_s):>11.1f}{modeled(run, step0, bytes_per_host, rates[name]):>7.3f}  {run.restored_steps}, "
               f"{'yes' if all(run.bit_identical) else 'NO ' + str(run.bit_identical)} ({len(run.step_s)} saves)")  # fmt: skip
         print(f"{'':<24}  restores {' '.join(f'{r:.1f}' for r in run.restore_s)} s = recreation -> process started "
               f"{' '.join(f'{r:.1f}' for r in run.launch_s)} s + started -> loaded {' '.join(f'{r:.1f}' for r in run.load_s)} s "
@@ -366,11 +386,14 @@ def report(base: Run, results: dict[str, Run], bytes_per_host: float) -> None:
     for name, run in results.items():
         for line in run.exits:
             print(f"note: {name}: {line}")
+    for name, rate in rates.items():
+        print(f"model rates: {name}: copy out {rate.copy / 1e9:.0f} GB/s, read back {min(rate.restore, NEAR_BW) / 1e9:.0f} GB/s "
+              f"per host ({rate.source})")
     nvrx, ours = results.get(NVRX), results.get(OURS)
     if nvrx and ours and not nvrx.note and not ours.note:
         blocking = statistics.median(ours.step_s) <= statistics.median(nvrx.step_s)
         restore = statistics.median(ours.restore_s) <= statistics.median(nvrx.restore_s)
-        model = modeled(ours, step0, bytes_per_host) >= modeled(nvrx, step0, bytes_per_host)
+        model = modeled(ours, step0, bytes_per_host, rates[OURS]) >= modeled(nvrx, step0, bytes_per_host, rates[NVRX])
         print(f"goal ours <= NVRx (ours with save, NVRx sync save): blocking per save {'met' if blocking else 'MISSED'}, "
               f"node-loss restore {'met' if restore else 'MISSED'}; goodput in the model ours >= NVRx {'met' if model else 'MISSED'}")  # fmt: skip
     else:
@@ -380,8 +403,8 @@ def report(base: Run, results: dict[str, Run], bytes_per_host: float) -> None:
           f"all steps: mean step time of every step after {WARMUP_STEPS} against no checkpointing (with what the "
           f"background work takes from training); restore s: median over {NODE_LOSSES} node losses of pod recreation -> first step after node 1's "
           f"storage was wiped. model: {goodput_model.FORMULA} (no upload here), a failure every {MTBF_S / 60:.0f} min, δ and R measured plus the extra bytes from "
-          f"{bytes_per_host / 2**20:.0f} MiB to {TARGET_BYTES / 1e9:.2f} GB per node copied out at {COPY_BW / 1e9:.0f} GB/s and "
-          f"read back at {NEAR_BW / 1e9:.0f} GB/s. {NODES} nodes x {PROCS} processes, gloo on CPU; {os.cpu_count()} CPUs, load average "
+          f"{bytes_per_host / 2**20:.0f} MiB to {TARGET_BYTES / 1e9:.2f} GB per node at the model rates above "
+          f"(assumed: copied out at {COPY_BW / 1e9:.0f} GB/s, read back at {NEAR_BW / 1e9:.0f} GB/s). {NODES} nodes x {PROCS} processes, gloo on CPU; {os.cpu_count()} CPUs, load average "
           f"{os.getloadavg()[0]:.1f} at the end.")  # fmt: skip
 
 
@@ -390,6 +413,8 @@ def main() -> None:
     parser.add_argument("--python", required=True, help="the Python of the job (torch 2.15.0, NVRx 0.7.0): .venv-nvrx/bin/python")
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--gpu-results", help="torch_gpu's JSON lines (--out): the model takes each setup's measured "
+                                              "copy and restore rates from them instead of the assumed ones")
     parser.add_argument("--setups", default="nvrx,ours,ours-async", help="which to run besides no checkpointing (default: all)")
     args = parser.parse_args()
     setups = set(args.setups.split(","))
@@ -405,7 +430,7 @@ def main() -> None:
             ours = OurSetup(args.python, os.path.join(workdir, f"ours-{async_save}"), job_args, async_save)
             missing = ours.available()
             results[ours.name] = Run(note=f"our client is not importable here ({missing})") if missing else ours.run()
-    report(base, results, state_bytes_per_host(args.width, args.layers))
+    report(base, results, state_bytes_per_host(args.width, args.layers), gpu_rates(args.gpu_results))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 import pytest
 
-from tests.bench.goodput_model import Costs, goodput, interval, scaled, young_daly_interval
+import json
+
+from tests.bench.goodput_model import GPUS_PER_HOST, Costs, goodput, interval, scaled, torch_gpu_rates, young_daly_interval
 
 
 def test_young_daly_interval_is_sqrt_of_twice_blocking_times_mtbf():
@@ -38,3 +40,20 @@ def test_bad_parameters_are_refused():
         young_daly_interval(1.0, 0.0)
     with pytest.raises(ValueError, match="positive"):
         goodput(Costs(blocking=1.0, restart=1.0), 600.0, interval_s=0.0)
+
+
+def test_torch_gpu_rates_take_the_steady_state_at_the_largest_size_per_host():
+    row = {"kind": "setup", "setup": "ours async_save", "bytes": 16e9}
+    lines = [json.dumps(r) for r in (
+        {"kind": "limit", "what": "D2H pinned", "GBps": 55.0},
+        {**row, "save": 1, "blocking_s": 9.0, "restore_GBps": 1.0},       # the first save: pins its buffers
+        {**row, "save": 2, "blocking_s": 0.4, "restore_GBps": 12.0},
+        {**row, "save": 3, "blocking_s": 0.2, "restore_GBps": 14.0},
+        {**row, "save": 2, "bytes": 1e9, "blocking_s": 0.001, "restore_GBps": 50.0},  # a smaller state
+        {**row, "save": 3, "error": "RuntimeError: x"})]
+    rates = torch_gpu_rates(lines)
+    assert rates.copy == pytest.approx(GPUS_PER_HOST * 16e9 / 0.3)
+    assert rates.restore == pytest.approx(GPUS_PER_HOST * 13e9)
+    assert "16.0 GB" in rates.source
+    with pytest.raises(ValueError, match="no steady-state row"):
+        torch_gpu_rates(lines[:2])
