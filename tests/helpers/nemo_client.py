@@ -111,10 +111,11 @@ def take_restore(local: Path, timeout: float = 300.0) -> int | None:
 
 
 def remove_unfinished(local: Path) -> None:
-    """``_remove_unfinished_checkpoints``: every directory beside an ``-unfinished`` mark, then the marks."""
-    marks = [path for path in local.glob(f"*{UNFINISHED}") if path.is_file()]
-    for path in local.iterdir():
-        if path.is_dir() and Path(f"{path}{UNFINISHED}") in marks:
+    """``_remove_unfinished_checkpoints``: every directory beside an ``-unfinished`` mark, then the marks
+    (paths resolved, as the library does: a ``step=<n>`` link is matched by its target's name)."""
+    marks = [path.resolve() for path in local.glob(f"*{UNFINISHED}") if path.is_file()]
+    for path in {path.resolve() for path in local.iterdir() if path.is_dir()}:
+        if Path(f"{path}{UNFINISHED}") in marks:
             shutil.rmtree(path)
     for mark in marks:
         mark.unlink()
