@@ -33,7 +33,6 @@ log = logging.getLogger(__name__)
 CLIENT_DIR = "client"
 _STATE_FILE = "state.json"
 _LOCK_FILE = ".lock"
-_TMPFS_SOURCE = "mtc-ramdisk"
 
 
 class RamdiskError(Exception):

@@ -20,7 +20,6 @@ log = logging.getLogger(__name__)
 
 CSI_PLUGIN_TYPE = "CSIPlugin"
 SUPPORTED_VERSIONS = ("1.0.0",)
-DEFAULT_REGISTRATION_DIR = "/var/lib/kubelet/plugins_registry"
 
 
 def registration_socket(registration_dir: str, driver_name: str) -> str:

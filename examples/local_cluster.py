@@ -353,20 +353,6 @@ class LocalCluster:
         self.agents.append(agent)
         return agent.start()
 
-    def restart_node(self, index: int, source: str | None = None) -> NodeAgentProcess:
-        """Replaces node ``index``'s agent by one with the same root, address and flags, running from the
-        source tree ``source`` or this one: what a DaemonSet's rolling update does (the ramdisks outlive it)."""
-        self.agents[index].stop()
-        self.agents[index] = dataclasses.replace(self.agents[index], source=source, process=None)
-        return self.agents[index].start()
-
-    def restart_coordinator(self, source: str | None = None) -> CoordinatorProcess:
-        """Replaces the coordinator by one with the same address, state and flags, running from the source
-        tree ``source`` or this one (an upgrade or a rollback of its Deployment)."""
-        self.coordinator.stop()
-        self.coordinator = dataclasses.replace(self.coordinator, source=source, process=None)
-        return self.coordinator.start()
-
     def lose_node(self, agent: NodeAgentProcess) -> None:
         """What a node failure does: the agent dies and the node's RAM (every ramdisk) is gone."""
         agent.kill()

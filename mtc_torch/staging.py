@@ -75,11 +75,6 @@ class HostStager:
         """Host memory this stager holds pinned, in bytes."""
         return sum(t.numel() * t.element_size() for t in self._pinned.values())
 
-    @property
-    def host_bytes(self) -> int:
-        """Host memory of every buffer this stager holds, pinned or not, in bytes."""
-        return sum(b.tensor.numel() * b.tensor.element_size() for b in self._buffers.values())
-
     def stage(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
         """Starts copying ``state_dict`` into this stager's buffers and returns the copy.
 

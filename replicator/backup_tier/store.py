@@ -312,8 +312,17 @@ class BackupStore:
         self.objects.create_text(prefix + COMMIT, json.dumps(commit, sort_keys=True))  # False: a peer was first
         return True
 
-    def _steps(self, job_key: str, partial: bool = False) -> dict[StepId, bool]:
-        """Every (step, timeline) with anything stored (or, with ``partial``, a partial upload) -> whether it has ``COMMIT``."""
+    def steps(self, job_key: str, partial: bool = False) -> dict[StepId, bool]:
+        """Every (step, timeline) with anything stored -> whether it has ``COMMIT``.
+
+        Args:
+          job_key: ``<namespace>/<job>``.
+          partial: also the steps that only have partial (multipart) uploads: one more listing of the store.
+
+        Raises:
+          ValueError: bad job key.
+          BackupError: the store failed.
+        """
         prefix = _job_prefix(job_key)
         entries = self.objects.list(prefix)
         if partial:
@@ -328,17 +337,7 @@ class BackupStore:
           ValueError: bad job key.
           BackupError: the store failed.
         """
-        return sorted(step for step, committed in self._steps(job_key).items() if committed)
-
-    def incomplete_steps(self, job_key: str) -> list[StepId]:
-        """(step, timeline) of the steps with objects or partial uploads but no ``COMMIT``, ascending:
-        uploads in progress or interrupted.
-
-        Raises:
-          ValueError: bad job key.
-          BackupError: the store failed.
-        """
-        return sorted(step for step, committed in self._steps(job_key, partial=True).items() if not committed)
+        return sorted(step for step, committed in self.steps(job_key).items() if committed)
 
     def download_rank(self, job_key: str, step: int, rank: int, dest_dir: str,
                       workers: int = DEFAULT_WORKERS, timeline: int = 0, on_range: Callable[[int], None] | None = None) -> StepManifest:
@@ -449,7 +448,7 @@ class BackupStore:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, not {keep}")
         protected = set(protected)
-        steps = self._steps(job_key, partial=True)
+        steps = self.steps(job_key, partial=True)
         doomed = {s for s in steps if abandoned(forks, *s)}
         complete = sorted(s for s, committed in steps.items() if committed and s not in doomed)
         if complete:

@@ -299,10 +299,6 @@ class JobShape:
     nodes_per_slice: int
     pods: tuple[PodPlace, ...]
 
-    def pod_at(self, slice_index: int, worker: int) -> PodPlace | None:
-        """The pod at (slice, worker), or None."""
-        return next((p for p in self.pods if (p.slice, p.worker) == (slice_index, worker)), None)
-
 
 @dataclasses.dataclass(frozen=True)
 class ShapeProblem:
@@ -541,10 +537,3 @@ def compute_shapes(pods: Iterable[PodRecord], nodes: Iterable[NodeRecord], jobse
         )
     return Shapes(types.MappingProxyType(shapes), tuple(problems), types.MappingProxyType(domains))
 
-
-def shapes_of(pods: Iterable[Any], nodes: Iterable[Any], jobsets: Iterable[Any],
-              settings: ShapeSettings = ShapeSettings()) -> Shapes:  # fmt: skip
-    """``compute_shapes`` over objects as the API server returns them (dicts or lightkube models)."""
-    records = (read_pod(pod, settings) for pod in pods)
-    return compute_shapes([r for r in records if r is not None], [read_node(n, settings) for n in nodes],
-                          [read_jobset(js, settings) for js in jobsets])  # fmt: skip

@@ -15,6 +15,7 @@ from tests.helpers.agents import job_status, publish_pods, rank_of, save_until_s
 from tests.helpers.jobs import UNTIL_KILLED, by_event, committed, compared_losses, kill_past_newest_commit, losses, rerun, run_job
 from tests.helpers.polling import wait_until
 from tests.helpers.ports import listen_address
+from tests.helpers.releases import restart_coordinator, restart_node
 from tests.helpers.tools import requires_root
 
 NODES = ["node-0", "node-1"]
@@ -65,31 +66,31 @@ def test_a_release_upgrade_and_rollback_keep_reports_replication_and_restores_wo
         save_until_safe(cluster.coordinator, targets, JOB, 1, NODES)
 
         # The coordinator first: the previous release's agents report to this release's coordinator.
-        cluster.restart_coordinator()
+        restart_coordinator(cluster)
         wait_until(lambda: safe_step(cluster) == 1, 30, lambda: f"state rebuilt: {job_status(cluster.coordinator, f'{JOB}-slice')}")
         save_until_safe(cluster.coordinator, targets, JOB, 2, NODES)
 
         # The DaemonSet's rolling update, one node at a time: this release's agent beside the previous
         # release's, on the same ramdisks (the job keeps running).
-        cluster.restart_node(0)
+        restart_node(cluster, 0)
         save_until_safe(cluster.coordinator, targets, JOB, 3, NODES)
         targets = preempt_and_restore(cluster, tmp_path, targets, "b", 3)
         save_until_safe(cluster.coordinator, targets, JOB, 4, NODES)
 
         # A rollback of the coordinator: this release's agent reports to the previous release's coordinator.
-        cluster.restart_coordinator(old)
+        restart_coordinator(cluster, old)
         wait_until(lambda: safe_step(cluster) == 4, 30, lambda: f"rebuilt by the previous release: {job_status(cluster.coordinator, f'{JOB}-slice')}")
         save_until_safe(cluster.coordinator, targets, JOB, 5, NODES)
         targets = preempt_and_restore(cluster, tmp_path, targets, "c", 5)
 
         # Both agents of this release against the previous coordinator; then an agent rolled back on the
         # same ramdisks; then this release everywhere.
-        cluster.restart_node(1)
+        restart_node(cluster, 1)
         save_until_safe(cluster.coordinator, targets, JOB, 6, NODES)
-        cluster.restart_node(0, old)
+        restart_node(cluster, 0, old)
         save_until_safe(cluster.coordinator, targets, JOB, 7, NODES)
-        cluster.restart_coordinator()
-        cluster.restart_node(0)
+        restart_coordinator(cluster)
+        restart_node(cluster, 0)
         targets = preempt_and_restore(cluster, tmp_path, targets, "d", 7)
         save_until_safe(cluster.coordinator, targets, JOB, 8, NODES)
         refused = [line for p in (*cluster.agents, cluster.coordinator) for line in open(p.log_path, encoding="utf-8") if "protocol version" in line]
@@ -114,7 +115,8 @@ def test_a_training_job_keeps_saving_through_a_rolling_upgrade_and_resumes_exact
 
         job.wait(lambda: safe_past(0), 240, "a step safe under the previous release")
         # The upgrade while the job trains: the coordinator, then each node's agent on the same ramdisks.
-        for restart in (cluster.restart_coordinator, lambda: cluster.restart_node(0), lambda: cluster.restart_node(1)):
+        restarts = (lambda: restart_coordinator(cluster), lambda: restart_node(cluster, 0), lambda: restart_node(cluster, 1))
+        for restart in restarts:
             newest = max(max(steps, default=0) for steps in committed(job))
             restart()
             job.wait(lambda: safe_past(newest), 120, f"a step after {newest} safe after the restart")

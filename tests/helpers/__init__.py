@@ -8,7 +8,7 @@
 - ``steps``: files, steps and their manifests on disk; ``agents``: an agent's metrics, a pod's rank and the Orbax
   hand-shake driven by hand; ``ramdisks``: volume requests; ``peer``: a peer service in the test's own event loop; ``jobs``: real training jobs;
   ``nemo_client``: a NeMo job's files through the Resiliency library, as a process or as functions;
-  ``releases``: the previous release's source tree, to run beside this one.
+  ``releases``: the previous release's source tree, to run beside this one, and the restarts between the two.
 
 The processes themselves (coordinator, node agents, training pods) run through
 ``examples/local_cluster.py``: ``make demo`` runs the same harness, so it stays a user-facing example.

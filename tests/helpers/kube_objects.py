@@ -1,6 +1,20 @@
 """Kubernetes objects as the API server returns them (plain dicts), for the pure tests of the coordinator's shapes
 (``kube_shape``) and overlay (``kube_overlay``): the README's example JobSet, its pods and nodes."""
 
+from collections.abc import Iterable
+from typing import Any
+
+from replicator.coordinator.kube_shape import (
+    JobShape,
+    PodPlace,
+    Shapes,
+    ShapeSettings,
+    compute_shapes,
+    read_jobset,
+    read_node,
+    read_pod,
+)
+
 NS = "default"
 DRIVER = "ramdisk.csi.mtc.dev"
 
@@ -59,3 +73,21 @@ def example_pods(js: str = "llama-train", rj: str = "slice", **kwargs) -> list[d
 
 
 EXAMPLE_NODES = [node(f"n{s}{w}", f"zone-{s}", f"pool-{s}", f"block-{w}") for s in range(2) for w in range(2)]
+
+
+def shapes_of(
+    pods: Iterable[Any], nodes: Iterable[Any], jobsets: Iterable[Any], settings: ShapeSettings = ShapeSettings()
+) -> Shapes:
+    """``compute_shapes`` over objects as the API server returns them (dicts or lightkube models), read as the
+    coordinator's watcher reads them."""
+    records = [read_pod(p, settings) for p in pods]
+    return compute_shapes(
+        [r for r in records if r is not None],
+        [read_node(n, settings) for n in nodes],
+        [read_jobset(js, settings) for js in jobsets],
+    )
+
+
+def pod_at(shape: JobShape, slice_index: int, worker: int) -> PodPlace | None:
+    """The shape's pod at (slice, worker), or None."""
+    return next((p for p in shape.pods if (p.slice, p.worker) == (slice_index, worker)), None)

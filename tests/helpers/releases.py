@@ -1,6 +1,8 @@
 """An earlier release's source tree, to run its coordinator or node agents beside this tree's
-(``NodeAgentProcess.source``, ``CoordinatorProcess.source``) in the same virtual environment."""
+(``NodeAgentProcess.source``, ``CoordinatorProcess.source``) in the same virtual environment, and the restarts
+that switch a cluster's processes from one tree to the other."""
 
+import dataclasses
 import glob
 import os
 import shutil
@@ -8,6 +10,7 @@ import subprocess
 
 import pytest
 
+from examples.local_cluster import CoordinatorProcess, LocalCluster, NodeAgentProcess
 from tests.helpers import REPO
 
 # The release before this one, as the commit it was cut from (release 0.1.0).
@@ -39,3 +42,19 @@ def release_tree(commit: str, dest: str) -> str:
     for stub in stubs:
         shutil.copy(stub, os.path.join(dest, "protos"))
     return dest
+
+
+def restart_node(cluster: LocalCluster, index: int, source: str | None = None) -> NodeAgentProcess:
+    """Replaces node ``index``'s agent by one with the same root, address and flags, running from the
+    source tree ``source`` or this one: what a DaemonSet's rolling update does (the ramdisks outlive it)."""
+    cluster.agents[index].stop()
+    cluster.agents[index] = dataclasses.replace(cluster.agents[index], source=source, process=None)
+    return cluster.agents[index].start()
+
+
+def restart_coordinator(cluster: LocalCluster, source: str | None = None) -> CoordinatorProcess:
+    """Replaces the coordinator by one with the same address, state and flags, running from the source
+    tree ``source`` or this one (an upgrade or a rollback of its Deployment)."""
+    cluster.coordinator.stop()
+    cluster.coordinator = dataclasses.replace(cluster.coordinator, source=source, process=None)
+    return cluster.coordinator.start()

@@ -167,6 +167,12 @@ def upload_step(store: BackupStore, tmp_path, step: int, ranks: int, files=None,
     return sources
 
 
+def incomplete_steps(store: BackupStore) -> list[tuple[int, int]]:
+    """(step, timeline) of JOB's steps with objects or partial uploads but no ``COMMIT``, ascending: uploads in
+    progress or interrupted."""
+    return sorted(step for step, committed in store.steps(JOB, partial=True).items() if not committed)
+
+
 def test_step_is_restorable_only_after_every_rank_uploaded(backend, tmp_path):
     store = backend.store
     sources = {rank: rank_files(rank) for rank in range(2)}
@@ -175,7 +181,7 @@ def test_step_is_restorable_only_after_every_rank_uploaded(backend, tmp_path):
     store.upload_rank(JOB, 5, 0, *dirs[0])
     assert not store.commit_if_complete(JOB, 5, nodes=2)
     assert store.complete_steps(JOB) == []
-    assert store.incomplete_steps(JOB) == [(5, 0)]
+    assert incomplete_steps(store) == [(5, 0)]
     with pytest.raises(BackupError, match="no COMMIT"):
         store.download_rank(JOB, 5, 0, str(tmp_path / "early"))
     assert not (tmp_path / "early").exists()
@@ -184,7 +190,7 @@ def test_step_is_restorable_only_after_every_rank_uploaded(backend, tmp_path):
     assert store.commit_if_complete(JOB, 5, nodes=2)
     assert store.commit_if_complete(JOB, 5, nodes=2)  # idempotent
     assert store.complete_steps(JOB) == [(5, 0)]
-    assert store.incomplete_steps(JOB) == []
+    assert incomplete_steps(store) == []
     assert json.loads(store.objects.read_text(f"{JOB}/steps/5/COMMIT")) == {"step": 5, "nodes": 2, "ranks": [0, 1]}
 
     for rank in range(2):
@@ -233,14 +239,14 @@ def test_upload_not_matching_manifest_stays_incomplete_and_retain_cleans_it(back
     assert backend.names() == [f"{JOB}/steps/3/rank-0/commit_success.txt", f"{JOB}/steps/3/rank-0/state/manifest.ocdbt"]
     assert store.rank_manifest(JOB, 3, 0) is None
     assert not store.commit_if_complete(JOB, 3, nodes=1)
-    assert (store.complete_steps(JOB), store.incomplete_steps(JOB)) == ([], [(3, 0)])
+    assert (store.complete_steps(JOB), incomplete_steps(store)) == ([], [(3, 0)])
     assert store.retain(JOB, keep=2) == []  # nothing complete yet: an upload may be in progress
 
     upload_step(store, tmp_path, 7, ranks=1)
     step_dir, manifest = write_step(tmp_path / "src-9", 9, 0, files)
     store.upload_rank(JOB, 9, 0, step_dir, manifest)  # rank 1 of step 9 still uploading
     assert store.retain(JOB, keep=2) == [(3, 0)]
-    assert (store.complete_steps(JOB), store.incomplete_steps(JOB)) == ([(7, 0)], [(9, 0)])
+    assert (store.complete_steps(JOB), incomplete_steps(store)) == ([(7, 0)], [(9, 0)])
     assert not [n for n in backend.names() if n.startswith(f"{JOB}/steps/3/")]
 
 
@@ -413,14 +419,14 @@ def test_interrupted_upload_is_swept_by_retention_once_a_newer_step_commits(back
         pytest.skip("an interrupted GCS resumable upload is invisible and expires by itself")
     store = backend.store
     backend.interrupt(f"{JOB}/steps/3/rank-0/state/d/big")  # an agent killed mid-upload
-    assert store.incomplete_steps(JOB) == [(3, 0)]
+    assert incomplete_steps(store) == [(3, 0)]
     assert store.retain(JOB, keep=1) == []  # nothing complete: it may still be uploading
 
     upload_step(store, tmp_path, 7, ranks=1)
     backend.interrupt(f"{JOB}/steps/9/rank-0/state/d/big")  # newer than the newest commit: may be in progress
     assert store.retain(JOB, keep=1) == [(3, 0)]
     assert [n.split("/")[3] for n in backend.partial()] == ["9"]
-    assert (store.complete_steps(JOB), store.incomplete_steps(JOB)) == ([(7, 0)], [(9, 0)])
+    assert (store.complete_steps(JOB), incomplete_steps(store)) == ([(7, 0)], [(9, 0)])
 
 
 def test_commit_and_manifests_are_write_once_and_a_committed_step_is_never_overwritten(backend, tmp_path):

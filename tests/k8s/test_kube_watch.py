@@ -31,6 +31,7 @@ from replicator.wire.messages import JobRef
 from tests.helpers import REPO
 from tests.helpers.kube import ControlPlane, register_node
 from tests.helpers.kube.workloads import NO_PULL_IMAGE, example_jobset
+from tests.helpers.kube_objects import pod_at
 
 NAMESPACE = "shapes"
 REFUSALS = "refusals"
@@ -221,7 +222,8 @@ async def test_last_shapes_stand_through_an_api_server_outage_and_updates_resume
             moved = shapes.jobs[OUTAGE_EXAMPLE].pods[0]
             await client.patch(Node, moved.node, {"metadata": {"labels": {"topology.kubernetes.io/zone": "zone-moved"}}})
             shapes = await watcher.wait_for(
-                lambda s: s.jobs[OUTAGE_EXAMPLE].pod_at(moved.slice, moved.worker).domains.zone == "zone-moved", WAIT_SECONDS)
+                lambda s: pod_at(s.jobs[OUTAGE_EXAMPLE], moved.slice, moved.worker).domains.zone == "zone-moved",
+                WAIT_SECONDS)
             # And a JobSet deleted after the outage takes its shape with it (the JobSet watch resumes once its CRD
             # is served again: 503 and 429 answers first).
             await client.delete(JobSet, "llama-train", namespace="default")

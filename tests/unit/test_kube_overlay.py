@@ -5,10 +5,9 @@ coordinator address; a placed pod waits for its IP."""
 import msgspec
 
 from replicator.coordinator.kube_overlay import KubeOverlay
-from replicator.coordinator.kube_shape import shapes_of
 from replicator.coordinator.state import ClusterState
 from replicator.wire.messages import JobRef, NodeReport, PodReport
-from tests.helpers.kube_objects import EXAMPLE_NODES, NS, example_pods, jobset, replicated_job
+from tests.helpers.kube_objects import EXAMPLE_NODES, NS, example_pods, jobset, replicated_job, shapes_of
 
 KEY = JobRef(NS, "llama-train-slice")
 

@@ -11,10 +11,20 @@ from replicator.coordinator.kube_shape import (
     JobShape,
     ShapeSettings,
     read_pod,
-    shapes_of,
 )
 from replicator.wire.messages import JobRef
-from tests.helpers.kube_objects import DRIVER, EXAMPLE_NODES, NS, example_pods, jobset, node, pod, replicated_job
+from tests.helpers.kube_objects import (
+    DRIVER,
+    EXAMPLE_NODES,
+    NS,
+    example_pods,
+    jobset,
+    node,
+    pod,
+    pod_at,
+    replicated_job,
+    shapes_of,
+)
 
 def places(shape: JobShape) -> list[tuple]:
     return [(p.slice, p.worker, p.name, p.dns_name, p.ip, p.node) for p in shape.pods]
@@ -36,8 +46,8 @@ def test_example_jobset_shape_has_four_nodes_two_slices_and_jobset_dns_names():
         (s, w, f"llama-train-slice-{s}-{w}-abcde", f"llama-train-slice-{s}-{w}.llama-train", f"10.1.{s}.{w}", f"n{s}{w}")
         for s in range(2) for w in range(2)
     ]  # fmt: skip
-    assert shape.pod_at(1, 0).domains == FailureDomains(zone="zone-1", nodepool="pool-1", block="block-0")
-    assert shape.pod_at(2, 0) is None
+    assert pod_at(shape, 1, 0).domains == FailureDomains(zone="zone-1", nodepool="pool-1", block="block-0")
+    assert pod_at(shape, 2, 0) is None
 
 
 def test_lightkube_models_give_the_same_shape_as_dicts():

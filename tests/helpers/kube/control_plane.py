@@ -182,9 +182,6 @@ class ControlPlane(_Started):
         """A synchronous lightkube client with the admin identity."""
         return Client(KubeConfig.from_file(self.kubeconfig), field_manager="mtc-tests")
 
-    def log_tail(self, name: str, lines: int = 40) -> str:
-        return self.processes[name].tail(lines)
-
     def stop_component(self, name: str) -> None:
         """Stops one component by its PID (SIGTERM, then SIGKILL), as an outage would: ``kube-apiserver``, ...
         ``start_component`` brings it back; ``stop`` stops it for good either way."""
