@@ -6,7 +6,9 @@
   the programs from Debian's packages, which make installs and checks.
 - ``ports``: the one port allocator; ``polling``: the one ``wait_until``.
 - ``steps``: files, steps and their manifests on disk; ``agents``: an agent's metrics, a pod's rank and the Orbax
-  hand-shake driven by hand; ``ramdisks``: volume requests; ``peer``: a peer service in the test's own event loop; ``jobs``: real training jobs;
+  hand-shake driven by hand; ``ramdisks``: volume requests; ``peer``: a peer service in the test's own event loop;
+  ``reports``: node reports built by hand, the one builder of ``PodReport`` and ``NodeReport``; ``jobs``: real
+  training jobs;
   ``nemo_client``: a NeMo job's files through the Resiliency library, as a process or as functions;
   ``releases``: the previous release's source tree, to run beside this one, and the restarts between the two.
 

@@ -2,6 +2,7 @@
 
 from replicator.coordinator.state import ClusterState
 from replicator.wire.messages import HeldStep, JobRef, JobSettings, NodeReport, PodReport
+from tests.helpers.reports import node_report, pod_report
 
 KEY = JobRef("default", "run")
 NAMES = (KEY.namespace, KEY.job)  # a message's namespace and job fields
@@ -9,13 +10,13 @@ OWN = {0: {"state/a": (10, "00000001")}, 1: {"state/b": (10, "00000002")}}
 SETTINGS = JobSettings((), 1, None, 1)
 
 
-def pod(index, incarnation=None, rank=None):
-    return PodReport("default", "run", f"run-0-{index}-x", f"uid{index}", 0, index, 2, 1, 8476, "run", 0.0, incarnation, rank,
-                     SETTINGS if rank is not None else None)  # fmt: skip
+def pod(index, incarnation=None, rank=None) -> PodReport:
+    return pod_report(KEY, 0, index, f"uid{index}", incarnation, rank, SETTINGS if rank is not None else None, nodes=2)
 
 
-def report(node, url, pods=(), held=(), has_backup=False):
-    return NodeReport(node, url, "127.0.0.1", {"block": node}, tuple(pods), tuple(held), has_backup=has_backup)
+def report(node, url, pods=(), held=(), has_backup=False) -> NodeReport:
+    topology = {"block": node}
+    return node_report(node, pods, held, url=url, pod_address="127.0.0.1", topology=topology, has_backup=has_backup)
 
 
 def held_by(node, rank_of):

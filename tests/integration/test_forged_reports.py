@@ -14,6 +14,7 @@ from csi_driver import kubelet
 from replicator.wire.messages import PROTOCOL_VERSION, HeldStep, NodeReport, PodReport, to_json
 from tests.helpers.agents import scrape, start_fresh
 from tests.helpers.polling import wait_until
+from tests.helpers.reports import node_report
 from tests.helpers.steps import commit_step
 
 JOB = "real-slice"
@@ -57,7 +58,7 @@ def forged_claim(node_id: str, url: str) -> NodeReport:
     """An invented node claiming a huge step of every rank, as own data and as replicas."""
     files = {"state/data": (1000, "00000000")}
     claims = tuple(HeldStep("default", JOB, 10**9, rank, files, replica) for rank in (0, 1) for replica in (False, True))
-    return NodeReport(node_id, url, None, {"block": "b0"}, (), claims, protocol=PROTOCOL_VERSION)
+    return node_report(node_id, held=claims, url=url, topology={"block": "b0"})
 
 
 def test_a_forged_claim_of_every_rank_deletes_nothing_and_is_logged_and_counted(start_cluster, tmp_path):
@@ -83,7 +84,7 @@ def test_a_forged_claim_of_every_rank_deletes_nothing_and_is_logged_and_counted(
 def test_a_live_node_id_claimed_from_another_url_is_refused(start_cluster):
     cluster = start_cluster(nodes=1)
     wait_until(lambda: cluster.coordinator.status()["nodes"] == ["node-0"], 20, "node-0 registered")
-    status, body = post_report(cluster, NodeReport("node-0", "http://127.0.0.66:9", None, {}, (), (), protocol=PROTOCOL_VERSION))
+    status, body = post_report(cluster, node_report("node-0", url="http://127.0.0.66:9"))
     assert status == 409 and "node-0" in body["error"] and "127.0.0.66" in body["error"]
     with open(cluster.coordinator.log_path, encoding="utf-8") as log:
         assert "refused a report" in log.read()
@@ -99,8 +100,8 @@ def test_report_sizes_are_bounded_and_named(start_cluster, shape, status, named)
     cluster = start_cluster(nodes=1)
     files = {f"state/d/{i:06d}": (1, "00000000") for i in range(shape.get("files", 1))}
     pods = (PodReport("default", "big", "big-0", "uid", None, None, 4, 1, 8476, "big", 0.0),)
-    report = to_json(NodeReport("big-node", "http://127.0.0.77:1", None, {}, pods, (HeldStep("default", "big", 1, 0, files),),
-                                protocol=PROTOCOL_VERSION))  # fmt: skip
+    held = [HeldStep("default", "big", 1, 0, files)]
+    report = to_json(node_report("big-node", pods, held, url="http://127.0.0.77:1"))
     report["pods"][0]["nodes"] = shape.get("nodes", 4)
     report["held"] = report["held"] * shape.get("held", 1)
     code, body = post_report(cluster, report)
@@ -112,7 +113,7 @@ def test_report_sizes_are_bounded_and_named(start_cluster, shape, status, named)
 @pytest.mark.parametrize("version", [None, 1, PROTOCOL_VERSION + 2])
 def test_an_agent_of_a_protocol_version_two_apart_is_refused_with_both_versions_named(start_cluster, version):
     cluster = start_cluster(nodes=1)
-    report = to_json(NodeReport("old-node", "http://127.0.0.78:1", None, {}, (), ()))
+    report = to_json(node_report("old-node", url="http://127.0.0.78:1"))
     if version is None:
         del report["protocol"]  # what a version-1 agent sends
     else:
@@ -126,7 +127,7 @@ def test_an_agent_of_a_protocol_version_two_apart_is_refused_with_both_versions_
 
 def test_an_agent_one_version_ahead_is_served_its_new_fields_left_out(start_cluster):
     cluster = start_cluster(nodes=1)
-    report = to_json(NodeReport("next-node", "http://127.0.0.78:1", None, {}, (), (), protocol=PROTOCOL_VERSION + 1))
+    report = to_json(node_report("next-node", url="http://127.0.0.78:1", protocol=PROTOCOL_VERSION + 1))
     report["a_field_of_the_next_version"] = [1, 2, 3]
     code, body = post_report(cluster, report)
     assert code == 200, body

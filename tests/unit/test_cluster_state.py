@@ -4,8 +4,9 @@ import msgspec
 import pytest
 
 from replicator.coordinator.state import ClusterState, NodeIdTaken, NotReady
-from replicator.wire.messages import BackedUp, HeldStep, Lineage, PodReport
+from replicator.wire.messages import BackedUp, HeldStep, Lineage
 from tests.helpers.coordinator import KEY, NAMES, OWN, held_by, pod, report, running_job
+from tests.helpers.reports import pod_report
 
 
 def test_restore_sources_carry_the_owners_checksums_not_the_holders():
@@ -78,7 +79,7 @@ def test_a_replacement_pod_ends_the_incarnation_of_a_silent_node():
     state.expire(0.0)
     incarnation, rank_of = running_job(state, now=0.0)
     lost = next(n for n in ("a", "b") if rank_of[n] == 1)
-    replacement = PodReport("default", "run", "run-0-1-y", "uid-new", 0, 1, 2, 1, 8476, "run", 30.0)
+    replacement = pod_report(KEY, 0, 1, "uid-new", nodes=2, suffix="y", published_at=30.0)
     state.apply_report(report("c", "http://c", [replacement]), 30.0)
     assert state.job(KEY).incarnation is None or state.job(KEY).incarnation.incarnation_id != incarnation
     assert lost in state.liveness.nodes  # its data is still a restore source within the grace period

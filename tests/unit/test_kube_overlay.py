@@ -8,19 +8,19 @@ from replicator.coordinator.kube_overlay import KubeOverlay
 from replicator.coordinator.state import ClusterState
 from replicator.wire.messages import JobRef, NodeReport, PodReport
 from tests.helpers.kube_objects import EXAMPLE_NODES, NS, example_pods, jobset, replicated_job, shapes_of
+from tests.helpers.reports import node_report, pod_report
 
 KEY = JobRef(NS, "llama-train-slice")
 
 
 def agent_pod(slice_index: int, worker: int, *, nodes_given: bool = False) -> PodReport:
     """The pod as the node agent reports a volume with no attributes: shape 1 x 1, indices from the pod name."""
-    name = f"llama-train-slice-{slice_index}-{worker}"
-    return PodReport(NS, KEY.job, f"{name}-abcde", f"pod-{name}", slice_index, worker, 1, 1, 8476, KEY.job, 0.0,
-                     nodes_given=nodes_given)  # fmt: skip
+    uid = f"pod-{KEY.job}-{slice_index}-{worker}"
+    return pod_report(KEY, slice_index, worker, uid, nodes=1, suffix="abcde", nodes_given=nodes_given)
 
 
 def agent_report(node: str, *pods: PodReport, topology: dict | None = None) -> NodeReport:
-    return NodeReport(node, f"http://{node}", None, topology or {}, tuple(pods), ())
+    return node_report(node, pods, topology=topology)
 
 
 def example_overlay(pods: list[dict] | None = None) -> KubeOverlay:

@@ -14,6 +14,7 @@ from replicator.wire.messages import (
     compatible_versions,
     decode_json,
 )
+from tests.helpers.reports import node_report
 
 
 @pytest.mark.parametrize("ours, oldest, works_with", [(5, 2, [4, 5, 6]), (3, 2, [2, 3, 4]), (2, 2, [2, 3])])
@@ -38,7 +39,7 @@ def test_further_apart_is_refused_with_both_versions_and_the_way_out_named(their
 
 
 def test_messages_of_a_newer_version_decode_with_their_new_fields_left_out():
-    report = msgspec.to_builtins(NodeReport("n", "http://n", None, {}, (), (), protocol=PROTOCOL_VERSION + 1))
+    report = msgspec.to_builtins(node_report("n", protocol=PROTOCOL_VERSION + 1))
     report["a_field_of_the_next_version"] = {"any": [1, 2]}
     decoded = decode_json(msgspec.json.encode(report), NodeReport)
     assert decoded.protocol == PROTOCOL_VERSION + 1 and decoded.node_id == "n"

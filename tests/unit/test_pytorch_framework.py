@@ -12,7 +12,8 @@ from replicator.local_tier import frameworks
 from replicator.local_tier.frameworks import pytorch
 from replicator.local_tier.frameworks.base import InvalidReplicatorConfig
 from replicator.local_tier.frameworks.pytorch import parse_torch_config
-from replicator.wire.messages import PodReport
+from replicator.wire.messages import JobRef, PodReport
+from tests.helpers.reports import pod_report
 
 TORCH = frameworks.get("pytorch.distributed")
 # What resiliency/high_scale_ckpt_utils.py's init_high_scale_ckpt dumps (yaml.dump, sort_keys=False).
@@ -133,8 +134,12 @@ def test_equal_dcp_metadata_signs_equal_and_data_bytes_do_not_count():
 
 def pods(follow: bool) -> dict[str, tuple[PodReport, str]]:
     """Four pods at JobSet indexes 0..3 on nodes n0..n3."""
-    return {f"uid{i}": (PodReport("default", "llama", f"llama-0-{i}-x", f"uid{i}", 0, i, 4, 1, 8476, "llama", float(i),
-                                  ranks_follow_data=follow), f"n{i}") for i in range(4)}  # fmt: skip
+    job = JobRef("default", "llama")
+    pods = {}
+    for i in range(4):
+        pod = pod_report(job, 0, i, f"uid{i}", nodes=4, published_at=float(i), ranks_follow_data=follow)
+        pods[pod.pod_uid] = (pod, f"n{i}")
+    return pods
 
 
 def test_a_launcher_that_fixes_ranks_gets_each_pod_its_jobset_index_wherever_the_data_is():

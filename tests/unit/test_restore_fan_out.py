@@ -6,7 +6,8 @@ of a group is ordered to upload its share. The planner as a pure function, the r
 
 from replicator.coordinator.planner import Source, StepCopy, Tier, plan_restore
 from replicator.coordinator.state import ClusterState, decide_interval
-from replicator.wire.messages import PROTOCOL_VERSION, BackedUp, HeldStep, JobRef, JobSettings, NodeReport, PodReport
+from replicator.wire.messages import BackedUp, HeldStep, JobRef, JobSettings, NodeReport, PodReport
+from tests.helpers.reports import node_report, pod_report
 
 KEY = JobRef("default", "dp")
 NAMES = (KEY.namespace, KEY.job)
@@ -49,15 +50,16 @@ def test_copies_on_silent_nodes_do_not_keep_a_group_from_fanning_out():
     assert plan_restore(NODES, node_of, lost, identical=IDENTICAL, silent=frozenset("abc")).fan_out == {2: Source(Tier.PEER_DISTANT, "e", 0)}
 
 
-def pod(node, incarnation=None, rank=None, settings=None, published_at=0.0):
-    slot = node % NODES  # a fresh node takes the slot of the lost one
-    return PodReport(*NAMES, f"dp-{slot // 2}-{slot % 2}-x", f"uid-{node}", slot // 2, slot % 2, NODES, SLICES, 8476, "dp", published_at,
-                     incarnation, rank, settings)  # fmt: skip
+def pod(node, incarnation=None, rank=None, settings=None, published_at=0.0) -> PodReport:
+    slice_index, worker = divmod(node % NODES, 2)  # a fresh node takes the slot of the lost one
+    uid = f"uid-{node}"
+    return pod_report(
+        KEY, slice_index, worker, uid, incarnation, rank, settings, nodes=NODES, slices=SLICES, published_at=published_at
+    )
 
 
-def report(node, pods=(), held=(), backed_up=()):
-    return NodeReport(f"n{node}", f"http://n{node}", None, {"block": "b0"}, tuple(pods), tuple(held), has_backup=True,
-                      backed_up=tuple(backed_up), protocol=PROTOCOL_VERSION)  # fmt: skip
+def report(node, pods=(), held=(), backed_up=()) -> NodeReport:
+    return node_report(f"n{node}", pods, held, topology={"block": "b0"}, has_backup=True, backed_up=tuple(backed_up))
 
 
 def identical_at_9(state: ClusterState, listing=()):

@@ -12,7 +12,8 @@ from replicator.coordinator.state import (
     UnknownIncarnation,
     decide_interval,
 )
-from replicator.wire.messages import PROTOCOL_VERSION, BackedUp, HeldStep, JobRef, JobSettings, NodeReport, PodReport
+from replicator.wire.messages import BackedUp, HeldStep, JobRef, JobSettings, NodeReport, PodReport
+from tests.helpers.reports import node_report, pod_report
 
 NODES = 10_000
 SLICES = 40
@@ -22,14 +23,12 @@ STEP_FILES = {"_CHECKPOINT_METADATA": (10, "00000001"), "state/_METADATA": (20, 
 
 
 def pod(node: int, nodes: int, slices: int, incarnation=None, rank=None, settings=None) -> PodReport:
-    per_slice = nodes // slices
-    return PodReport(*NAMES, f"big-{node // per_slice}-{node % per_slice}-x", f"uid-{node}", node // per_slice, node % per_slice, nodes,
-                     slices, 8476, "big", 0.0, incarnation, rank, settings)  # fmt: skip
+    slice_index, worker = divmod(node, nodes // slices)
+    return pod_report(KEY, slice_index, worker, f"uid-{node}", incarnation, rank, settings, nodes=nodes, slices=slices)
 
 
 def report(node: int, pods=(), held=(), has_backup=False) -> NodeReport:
-    return NodeReport(f"n{node}", f"http://n{node}", None, {"block": f"b{node // 250}"}, tuple(pods), tuple(held),
-                      has_backup=has_backup, protocol=PROTOCOL_VERSION)  # fmt: skip
+    return node_report(f"n{node}", pods, held, topology={"block": f"b{node // 250}"}, has_backup=has_backup)
 
 
 def own(step: int, rank: int, files=STEP_FILES, signature=None) -> HeldStep:
