@@ -16,12 +16,9 @@ from replicator.cli.arguments import (
     usage_error,
 )
 from replicator.coordinator.kube_shape import DEFAULT_BLOCK_LABEL, ShapeSettings
-from replicator.coordinator.service import (
-    CoordinatorConfig,
-    KubeSettings,
-    kube_config,
-    run_coordinator,
-)
+from replicator.coordinator.config import CoordinatorConfig
+from replicator.coordinator.kube_config import KubeSettings, kube_config
+from replicator.coordinator.service import run_coordinator
 
 
 def add(sub: argparse._SubParsersAction) -> None:

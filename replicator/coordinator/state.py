@@ -16,7 +16,7 @@
   views from the incarnation's frozen plan (``restores``); the status view by ``views``.
 
 The parts' indices (``claims``, ``identity``, ``job``) store; their policies read them. No I/O
-here; ``replicator.coordinator.service`` serves it over HTTP.
+here; ``replicator.coordinator.routes`` serves it over HTTP.
 """
 
 import logging

@@ -412,7 +412,7 @@ class RestoreView(msgspec.Struct, frozen=True, gc=False):
         return f"{self.generation}:{int(self.ready)}{':w' if self.fan_out_pending else ''}"
 
 
-# Typed routes of the coordinator besides reports (``replicator.coordinator.service``). The JSON field
+# Typed routes of the coordinator besides reports (``replicator.coordinator.routes``). The JSON field
 # names are the routes' wire format: ``mtc`` clients of older releases send and read the same.
 
 BadCopy = tuple[Step, Rank, Name]  # (step, rank, holder): a copy a rank found corrupt or gone

@@ -1,4 +1,4 @@
-"""The coordinator's garbage collector runs by the clock (``service.GC_THRESHOLDS``): with many small
+"""The coordinator's garbage collector runs by the clock (``process_tuning.GC_THRESHOLDS``): with many small
 jobs the net allocation count stays near zero while young objects pile up, so a collection that
 waited for the count came late and paused the event loop for up to 0.9 s at 10,000 nodes."""
 
@@ -9,6 +9,7 @@ import time
 from aiohttp.test_utils import TestServer
 
 from replicator.coordinator import service
+from replicator.coordinator.config import CoordinatorConfig
 
 
 def test_the_ticker_collects_the_young_generations_whatever_the_allocation_count_says():
@@ -23,7 +24,7 @@ def test_the_ticker_collects_the_young_generations_whatever_the_allocation_count
         gc.set_threshold(10**9, 10**9, 10**9)  # the count never sets a collection off in this test
         gc.callbacks.append(seen)
         try:
-            async with TestServer(service.make_app(service.CoordinatorConfig("127.0.0.1:0"))):
+            async with TestServer(service.make_app(CoordinatorConfig("127.0.0.1:0"))):
                 await asyncio.sleep(1.4)
         finally:
             gc.callbacks.remove(seen)

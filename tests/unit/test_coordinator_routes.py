@@ -9,7 +9,8 @@ import msgspec
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from replicator.coordinator import service
+from replicator.coordinator import routes, service
+from replicator.coordinator.config import CoordinatorConfig
 from replicator.coordinator.status import render_status
 from replicator.wire.messages import PROTOCOL_VERSION, HeldStep, JobRef, JobSettings, NodeReport, PodReport, RestoreView, decode_json
 from replicator.wire.operator import ClusterStatus
@@ -38,8 +39,8 @@ def running_job(state, now: float, files=FILES) -> tuple[str, dict[str, int]]:
 
 def serve(scenario, files=FILES):
     async def run():
-        app = service.make_app(service.CoordinatorConfig("127.0.0.1:0"))
-        state = app[service._STATE_KEY]
+        app = service.make_app(CoordinatorConfig("127.0.0.1:0"))
+        state = app[routes.STATE_KEY]
         state.expire(time.time() - 100.0)  # started long ago: plans need not wait for reports
         incarnation, rank_of = running_job(state, now=time.time(), files=files)
         async with TestClient(TestServer(app)) as client:
@@ -113,7 +114,7 @@ def test_a_reply_larger_than_a_write_piece_arrives_whole_with_its_length():
         return response.status, response.headers, body, state.restore_view(KEY, incarnation, 0, time.time())
 
     status, headers, body, view = serve(scenario, files)
-    assert len(body) > 2 * service.WRITE_PIECE_BYTES  # written in three pieces or more
+    assert len(body) > 2 * routes.WRITE_PIECE_BYTES  # written in three pieces or more
     assert status == 200 and int(headers["Content-Length"]) == len(body) and "Transfer-Encoding" not in headers
     assert headers["Content-Type"].startswith("application/json")
     assert body == msgspec.json.encode(view)

@@ -11,7 +11,8 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from replicator.cli import main
-from replicator.coordinator import service
+from replicator.coordinator import routes, service
+from replicator.coordinator.config import CoordinatorConfig
 from replicator.coordinator.rollbacks import NotCancellable
 from replicator.coordinator.state import ClusterState, UnknownJob
 from replicator.coordinator.status import render_preview, render_status
@@ -100,8 +101,8 @@ def test_a_pending_rollback_step_is_kept_from_backup_retention_until_cancelled()
 
 def serve(scenario, token_file=None):
     async def run():
-        app = service.make_app(service.CoordinatorConfig("127.0.0.1:0", token_file=token_file))
-        state = app[service._STATE_KEY]
+        app = service.make_app(CoordinatorConfig("127.0.0.1:0", token_file=token_file))
+        state = app[routes.STATE_KEY]
         now = time.time()
         state.expire(now - 100.0)  # started long ago: plans need not wait for reports
         incarnation, rank_of = running_job(state, now=now, has_backup=True)

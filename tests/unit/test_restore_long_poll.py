@@ -6,14 +6,15 @@ import time
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from replicator.coordinator import service
+from replicator.coordinator import routes, service
+from replicator.coordinator.config import CoordinatorConfig
 from tests.helpers.coordinator import KEY, running_job
 
 
 def test_a_restore_request_is_held_until_the_coordinator_can_plan():
     async def scenario():
-        app = service.make_app(service.CoordinatorConfig("127.0.0.1:0"))
-        state = app[service._STATE_KEY]
+        app = service.make_app(CoordinatorConfig("127.0.0.1:0"))
+        state = app[routes.STATE_KEY]
         incarnation, rank_of = running_job(state, now=time.time())
         state.liveness.started = time.time() - state.liveness.node_timeout_seconds + 1.5  # a fresh coordinator: 1.5 s left to wait
         path = f"/v1/jobs/{KEY.namespace}/{KEY.job}/restore"

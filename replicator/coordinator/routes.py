@@ -1,0 +1,359 @@
+"""The coordinator's HTTP API: its routes and their handlers.
+
+Routes (JSON; errors are ``{"error": "..."}``):
+
+- ``POST /v1/report``: a node agent's ``NodeReport``; answers a ``ReportReply``. A report whose
+  ``waiting`` is set is held (long poll, up to ``MAX_WAIT_SECONDS``) until one of the node's waiting
+  pods has its assignment. 409 names both versions when the agent's ``protocol`` is not ours.
+- ``POST /v1/jobs/{namespace}/{job}/settings``: a ``SettingsRequest`` (``{"incarnation", "rank", "settings"}``).
+- ``GET  /v1/jobs/{namespace}/{job}/restore?incarnation=I&rank=R[&seen=G&wait=S]``: a ``RestoreView``;
+  with ``seen`` (``<generation>:<ready>`` of the view the rank has), held up to ``wait`` seconds
+  until the view differs from it.
+- ``POST /v1/jobs/{namespace}/{job}/restore``: a ``StagedReport`` (``{"incarnation", "generation", "rank", "source",
+  "bad": [[step, rank, holder]], "retrying"}``): ``retrying`` when the rank will try unreachable sources again (no replan).
+- ``POST /v1/jobs/{namespace}/{job}/restore-from``: a ``RestoreFrom`` (``{"step"}``); the next restore uses that step
+  (a rollback); 409 when no tier holds it complete. ``GET ...?step=N`` previews it (a ``RollbackPreview``: the
+  newer steps it abandons, per tier), changing nothing. ``DELETE`` cancels it until the restore is planned
+  (409 after that, or when none is pending).
+- ``GET  /v1/status[?job=NAMESPACE/JOB]``: a ``ClusterStatus`` (``job=NAME`` takes every job of that name);
+  ``GET /healthz``, ``GET /metrics``.
+
+A job no node has reported is a 404.
+
+Bodies are typed (``replicator.wire.messages``) and decoded here, at the edge: a body that does not
+decode is answered 400 with an error naming the field. Acknowledgements are a ``Done``. What a handler
+reads lives in the app under the ``*_KEY`` keys, set by ``service.make_app``.
+"""
+
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import msgspec
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, Counter
+
+from replicator.coordinator import cluster_gauges, report_order
+from replicator.coordinator.config import CoordinatorConfig
+from replicator.coordinator.job_changes import JobChanges
+from replicator.coordinator.kube_overlay import KubeOverlay
+from replicator.coordinator.report_order import ReportOrder, StaleReport
+from replicator.coordinator.rollbacks import NotCancellable
+from replicator.coordinator.settings_snapshot import SettingsSnapshot
+from replicator.coordinator.state import (
+    ClusterState,
+    NodeIdTaken,
+    NotReady,
+    UnknownIncarnation,
+    UnknownJob,
+)
+from replicator.wire.http_errors import error_response
+from replicator.wire.messages import (
+    MAX_WAIT_SECONDS,
+    REPORT_ORDER_HEADER,
+    JobRef,
+    NodeReport,
+    ProtocolMismatch,
+    SettingsRequest,
+    StagedReport,
+    Step,
+    Versioned,
+    check_version,
+    decode,
+    decode_json,
+)
+from replicator.wire.operator import Done, RestoreFrom
+
+log = logging.getLogger(__name__)
+
+REPORT_BYTES = Counter("mtc_coordinator_report_bytes_total", "Bytes of report bodies received from node agents")
+
+M = TypeVar("M")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+STATE_KEY = web.AppKey("state", ClusterState)
+CONFIG_KEY = web.AppKey("config", CoordinatorConfig)
+CHANGES_KEY = web.AppKey("changes", JobChanges)
+SNAPSHOT_KEY = web.AppKey("snapshot", SettingsSnapshot)
+OVERLAY_KEY = web.AppKey("overlay", KubeOverlay)
+ORDER_KEY = web.AppKey("report_order", ReportOrder)
+
+BadRequest = functools.partial(error_response, web.HTTPBadRequest)
+
+
+async def _body(request: web.Request, kind: type[M]) -> M:
+    """The request's JSON body as ``kind``, decoded in one pass.
+
+    Raises:
+      BadRequest: not JSON, or a field is missing, of the wrong type or out of bounds (named).
+    """
+    try:
+        return decode_json(await request.read(), kind)
+    except ValueError as err:
+        raise BadRequest(f"bad {kind.__name__}: {err}") from None
+
+
+# A TLS connection keeps room for the largest write it ever made: asyncio passes each write to OpenSSL
+# through a memory buffer (``ssl.MemoryBIO``) that grows to hold that write's records and never shrinks.
+# A restore view of 25 KB, written at once, left about 28 KB on each restoring node's connection for as
+# long as it stayed open. Larger bodies go out in pieces of this size.
+WRITE_PIECE_BYTES = 4 * 1024
+
+
+async def _reply(request: web.Request, message) -> web.StreamResponse:
+    """``message`` as the JSON response to ``request``, written in pieces of at most ``WRITE_PIECE_BYTES``."""
+    body = msgspec.json.encode(message)
+    if len(body) <= WRITE_PIECE_BYTES:
+        return web.Response(body=body, content_type="application/json")
+    response = web.StreamResponse(headers={"Content-Type": "application/json"})
+    response.content_length = len(body)
+    await response.prepare(request)
+    pieces = memoryview(body)
+    for start in range(0, len(body), WRITE_PIECE_BYTES):
+        await response.write(pieces[start:start + WRITE_PIECE_BYTES])
+    await response.write_eof()
+    return response
+
+
+
+# A restore request the plan is not ready for is looked at again this often while it is held.
+NOT_READY_RECHECK_SECONDS = 1.0
+
+
+def _job_key(request: web.Request) -> JobRef:
+    return JobRef(request.match_info["namespace"], request.match_info["job"])
+
+
+def _not_found(err: Exception) -> web.HTTPException:
+    return error_response(web.HTTPNotFound, str(err))
+
+
+def _conflict(err: Exception) -> web.HTTPException:
+    return error_response(web.HTTPConflict, str(err))
+
+
+def _decode_report(body: bytes) -> NodeReport:
+    """The report in ``body``, of our protocol version.
+
+    Raises:
+      ProtocolMismatch: the agent speaks another version (even if its report does not decode).
+      ValueError: the report does not decode; the message names the field.
+    """
+    try:
+        report = decode_json(body, NodeReport)
+    except ValueError:
+        try:
+            theirs = decode_json(body, Versioned).protocol
+        except ValueError:
+            raise ValueError("the report is not a JSON object with a protocol version") from None
+        check_version(theirs, "the node agent")
+        raise
+    check_version(report.protocol, f"node agent {report.node_id}")
+    return report
+
+
+async def post_report(request: web.Request) -> web.Response:
+    body = await request.read()
+    REPORT_BYTES.inc(len(body))
+    try:
+        report = _decode_report(body)
+    except ProtocolMismatch as err:
+        log.error("refused a report from %s: %s", request.remote, err)
+        raise _conflict(err) from None
+    except ValueError as err:
+        raise BadRequest(str(err)) from None
+    try:
+        order = report_order.parse(request.headers.get(REPORT_ORDER_HEADER))
+    except ValueError as err:
+        raise BadRequest(f"{REPORT_ORDER_HEADER}: {err}") from None
+    max_nodes = request.app[CONFIG_KEY].max_nodes
+    for index, pod in enumerate(report.pods):
+        if pod.nodes > max_nodes or pod.slices > pod.nodes:
+            raise BadRequest(f"pods[{index}]: nodes={pod.nodes} must be at most {max_nodes} and slices={pod.slices} at most nodes")
+    state, changes, overlay = request.app[STATE_KEY], request.app[CHANGES_KEY], request.app.get(OVERLAY_KEY)
+    seen = overlay.version if overlay else 0
+    try:
+        request.app[ORDER_KEY].admit(report.node_id, order)
+    except StaleReport as err:
+        log.warning("refused a report from %s: %s", request.remote, err)
+        raise _conflict(err) from None
+    reply = _take_report(state, overlay, report, request.remote)
+    changes.publish()
+    deadline = time.monotonic() + MAX_WAIT_SECONDS
+    # Long poll: held while a pod waits for its assignment. The agent cancels it (the handler is
+    # cancelled with the connection) when it has something new to report.
+    while report.waiting and time.monotonic() < deadline:
+        assigned = {a.pod_uid for a in reply.assignments}
+        waiting = {JobRef(p.namespace, p.job) for p in report.pods if p.incarnation is None and p.pod_uid not in assigned}
+        if not waiting:
+            break
+        await changes.wait(waiting, min(deadline - time.monotonic(), state.heartbeat_seconds))
+        if overlay and overlay.version != seen:  # the API server placed (or moved) pods: the report again
+            seen = overlay.version
+            if not request.app[ORDER_KEY].is_newest(report.node_id, order):
+                break  # the node has reported since: this held report is not its state any more
+            reply = _take_report(state, overlay, report, request.remote)
+            changes.publish()
+            continue
+        state.touch(report.node_id, time.time())
+        reply = state.reply_for(report.node_id)
+    return await _reply(request, reply)
+
+
+def _take_report(state: ClusterState, overlay: KubeOverlay | None, report: NodeReport, remote: str | None):
+    """The state's reply to ``report``, laid under the API server's shapes when the coordinator reads them.
+
+    Raises:
+      HTTPConflict: the node id is taken by a live node at another URL.
+    """
+    try:
+        return state.apply_report(overlay.apply(report) if overlay else report, time.time())
+    except NodeIdTaken as err:
+        log.warning("refused a report from %s: %s", remote, err)
+        raise _conflict(err) from None
+
+
+async def post_settings(request: web.Request) -> web.Response:
+    body = await _body(request, SettingsRequest)
+    try:
+        request.app[STATE_KEY].record_settings(_job_key(request), body.incarnation, body.rank, body.settings)
+    except UnknownIncarnation as err:
+        raise _not_found(err) from None
+    request.app[SNAPSHOT_KEY].due = True
+    return await _reply(request, Done(True))
+
+
+async def get_restore(request: web.Request) -> web.Response:
+    try:
+        incarnation, rank = request.query["incarnation"], int(request.query["rank"])
+        wait = min(float(request.query.get("wait", 0)), MAX_WAIT_SECONDS)
+    except (KeyError, ValueError) as err:
+        raise BadRequest(f"incarnation and rank query parameters are required, wait is seconds: {err}") from None
+    key, seen = _job_key(request), request.query.get("seen")
+    state, changes = request.app[STATE_KEY], request.app[CHANGES_KEY]
+    deadline = time.monotonic() + wait
+    with contextlib.suppress(UnknownIncarnation):  # answered below
+        state.touch_rank(key, incarnation, rank, time.time())  # when it asks: a killed agent's poll may linger
+    while True:
+        try:
+            view = state.restore_view(key, incarnation, rank, time.time())
+        except UnknownIncarnation as err:
+            raise _not_found(err) from None
+        except NotReady as err:
+            # Held here, not retried by the agent: N ranks asking at once must not become N
+            # requests a second while the plan waits for reports.
+            if time.monotonic() >= deadline:
+                raise error_response(web.HTTPServiceUnavailable, str(err)) from None
+            await changes.wait([key], min(deadline - time.monotonic(), NOT_READY_RECHECK_SECONDS))
+            continue
+        changes.publish()
+        if seen != view.token or time.monotonic() >= deadline:
+            return await _reply(request, view)
+        # Not held while waiting: a view carries its sources' checksums unpacked (about 15 KB a
+        # listed copy), and every rank of a restoring job long-polls at once.
+        del view
+        await changes.wait([key], deadline - time.monotonic())
+
+
+async def post_restore(request: web.Request) -> web.Response:
+    body = await _body(request, StagedReport)
+    try:
+        request.app[STATE_KEY].report_staged(_job_key(request), body.incarnation, body.generation, body.rank, body.source,
+                                              body.bad, body.retrying)  # fmt: skip
+    except UnknownIncarnation as err:
+        raise _not_found(err) from None
+    request.app[CHANGES_KEY].publish()
+    return await _reply(request, Done(True))
+
+
+async def post_restore_from(request: web.Request) -> web.Response:
+    body = await _body(request, RestoreFrom)
+    try:
+        request.app[STATE_KEY].force_restore_step(_job_key(request), body.step)
+    except UnknownJob as err:
+        raise _not_found(err) from None
+    except LookupError as err:
+        raise _conflict(err) from None
+    return await _reply(request, Done(True, body.step))
+
+
+async def get_restore_from(request: web.Request) -> web.Response:
+    try:
+        step = decode(int(request.query["step"]), Step)
+    except (KeyError, ValueError) as err:
+        raise BadRequest(f"the step query parameter must be a step number: {err}") from None
+    try:
+        return await _reply(request, request.app[STATE_KEY].rollback_preview(_job_key(request), step))
+    except UnknownJob as err:
+        raise _not_found(err) from None
+    except LookupError as err:
+        raise _conflict(err) from None
+
+
+async def delete_restore_from(request: web.Request) -> web.Response:
+    try:
+        step = request.app[STATE_KEY].cancel_restore_step(_job_key(request))
+    except UnknownJob as err:
+        raise _not_found(err) from None
+    except NotCancellable as err:
+        raise _conflict(err) from None
+    return await _reply(request, Done(True, step))
+
+
+def _status_keys(state: ClusterState, job: str | None) -> list[JobRef] | None:
+    """The jobs ``?job=`` names: ``NAMESPACE/JOB``, or every job of a bare name (as before).
+
+    Raises:
+      BadRequest: a malformed name; HTTPNotFound: no such job.
+    """
+    if job is None:
+        return None
+    if "/" not in job:
+        keys = [k for k in state.job_keys() if k.job == job]
+        if not keys:
+            raise error_response(web.HTTPNotFound, f"no job named {job!r}")
+        return keys
+    try:
+        return [JobRef.parse(job)]
+    except ValueError as err:
+        raise BadRequest(f"job: {err}") from None
+
+
+async def get_status(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    state.tick(time.time())
+    try:
+        return await _reply(request, state.status(_status_keys(state, request.query.get("job"))))
+    except UnknownJob as err:
+        raise _not_found(err) from None
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return await _reply(request, Done(True))
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    state.tick(time.time())
+    return web.Response(body=cluster_gauges.exposition(state), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def add_routes(app: web.Application, guard: Callable[[Handler], Handler]) -> None:
+    """Adds every route to ``app``; ``guard`` wraps the handlers that change state or hand out a restore plan
+    (the bearer check). Status, the rollback preview, health and metrics stay open."""
+    app.add_routes(
+        [
+            web.post("/v1/report", guard(post_report)),
+            web.post("/v1/jobs/{namespace}/{job}/settings", guard(post_settings)),
+            web.get("/v1/jobs/{namespace}/{job}/restore", guard(get_restore)),
+            web.post("/v1/jobs/{namespace}/{job}/restore", guard(post_restore)),
+            web.post("/v1/jobs/{namespace}/{job}/restore-from", guard(post_restore_from)),
+            web.get("/v1/jobs/{namespace}/{job}/restore-from", get_restore_from),  # a preview: read-only, like status
+            web.delete("/v1/jobs/{namespace}/{job}/restore-from", guard(delete_restore_from)),
+            web.get("/v1/status", get_status),
+            web.get("/healthz", healthz),
+            web.get("/metrics", metrics),
+        ]
+    )
