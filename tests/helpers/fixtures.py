@@ -2,6 +2,7 @@
 clusters and object stores on loopback, always stopped with their mounts; a peer service in the
 test's own event loop."""
 
+import asyncio.sslproto
 import dataclasses
 from collections.abc import Callable
 
@@ -9,6 +10,7 @@ import aiohttp
 import pytest
 
 from examples.local_cluster import LocalCluster, NodeAgentProcess, unmount_all_below
+from replicator.coordinator.tls_read_buffer import share_tls_read_buffer
 from tests.helpers.jobs import kill_started_jobs
 from tests.helpers.peer import Peer, serve_peer
 from tests.helpers.ports import listen_address
@@ -148,3 +150,12 @@ async def peer(serve, tmp_path) -> Peer:
 async def session():
     async with aiohttp.ClientSession() as client:
         yield client
+
+
+@pytest.fixture
+def tls_buffer_sharing():
+    """``share_tls_read_buffer`` applied to this process, undone afterwards."""
+    protocol = asyncio.sslproto.SSLProtocol
+    before = protocol.max_size, protocol.__init__
+    yield share_tls_read_buffer
+    protocol.max_size, protocol.__init__ = before

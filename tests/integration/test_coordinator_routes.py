@@ -12,8 +12,9 @@ from aiohttp.test_utils import TestClient, TestServer
 from replicator.coordinator import routes, service
 from replicator.coordinator.config import CoordinatorConfig
 from replicator.coordinator.status import render_status
-from replicator.wire.messages import PROTOCOL_VERSION, HeldStep, JobRef, JobSettings, NodeReport, PodReport, RestoreView, decode_json
+from replicator.wire.messages import HeldStep, JobRef, JobSettings, RestoreView, decode_json
 from replicator.wire.operator import ClusterStatus
+from tests.helpers.reports import node_report, pod_report
 
 KEY = JobRef("default", "routes")
 JOB_PATH = f"/v1/jobs/{KEY.namespace}/{KEY.job}"
@@ -25,8 +26,8 @@ def running_job(state, now: float, files=FILES) -> tuple[str, dict[str, int]]:
     """Nodes a and b run the two ranks of a job; each holds its own step 5 of ``files`` (no replicas)."""
 
     def report(index, incarnation=None, rank=None, held=()):
-        pod = PodReport(KEY.namespace, KEY.job, f"routes-0-{index}-x", f"uid{index}", 0, index, 2, 1, 8476, "routes", 0.0, incarnation, rank)
-        return NodeReport("ab"[index], f"http://{'ab'[index]}", "127.0.0.1", {}, (pod,), tuple(held))
+        pod = pod_report(KEY, 0, index, f"uid{index}", incarnation, rank, nodes=2)
+        return node_report("ab"[index], [pod], held, pod_address="127.0.0.1")
 
     state.apply_report(report(0), now)
     incarnation = state.apply_report(report(1), now).assignments[0].incarnation
@@ -145,8 +146,8 @@ def test_a_report_delayed_past_a_newer_one_is_refused_and_undoes_nothing():
     incarnation for good. Reports carry their agent's order (``X-MTC-Report-Order``); an older one is a 409."""
 
     def report(pod_uid, incarnation=None, rank=None):
-        pod = PodReport(KEY.namespace, KEY.job, f"routes-0-1-{pod_uid}", pod_uid, 0, 1, 2, 1, 8476, "routes", 0.0, incarnation, rank)
-        return msgspec.to_builtins(NodeReport("b", "http://b", "127.0.0.1", {}, (pod,), (), protocol=PROTOCOL_VERSION))
+        pod = pod_report(KEY, 0, 1, pod_uid, incarnation, rank, nodes=2, suffix=pod_uid)
+        return msgspec.to_builtins(node_report("b", [pod], pod_address="127.0.0.1"))
 
     async def scenario(client, state, incarnation, rank_of):
         session = "ab" * 16
