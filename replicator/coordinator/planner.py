@@ -47,8 +47,9 @@ class StepCopy:
 
 
 @dataclasses.dataclass(frozen=True)
-class Source:
-    """Where a rank can restore a step from."""
+class PlannedSource:
+    """Where the plan has a rank restore its step from; the rank's view carries it on the wire as a
+    ``messages.Source``, with the holder's URL and the checksums a copy must match."""
 
     tier: Tier
     holder: str
@@ -66,8 +67,8 @@ class RestorePlan:
     """
 
     step: int | None
-    sources: Mapping[int, tuple[Source, ...]]
-    fan_out: Mapping[int, Source] = dataclasses.field(default_factory=dict)
+    sources: Mapping[int, tuple[PlannedSource, ...]]
+    fan_out: Mapping[int, PlannedSource] = dataclasses.field(default_factory=dict)
 
 
 def select_pods(pods: Iterable[PodSlot], nodes: int) -> list[PodSlot] | None:
@@ -182,8 +183,8 @@ def plan_restore(
     return RestorePlan(None, {rank: () for rank in range(nodes)})
 
 
-def _fan_out(sources: Mapping[int, tuple[Source, ...]], peers: Mapping[int, list[int]], node_of_rank: Mapping[int, str],
-             block_of: Mapping[str, str], usable: frozenset[Tier], silent: Collection[str]) -> dict[int, Source]:  # fmt: skip
+def _fan_out(sources: Mapping[int, tuple[PlannedSource, ...]], peers: Mapping[int, list[int]], node_of_rank: Mapping[int, str],
+             block_of: Mapping[str, str], usable: frozenset[Tier], silent: Collection[str]) -> dict[int, PlannedSource]:  # fmt: skip
     """Rank -> its downloader's peer source, for the ranks of identical groups held only in the
     backup tier or on ``silent`` nodes: the group's lowest rank downloads (its first source is its own
     backup), the others wait for its node. A group with any copy on a live node restores from it as before."""
@@ -197,7 +198,7 @@ def _fan_out(sources: Mapping[int, tuple[Source, ...]], peers: Mapping[int, list
         holder, target = node_of_rank[downloader], node_of_rank[rank]
         tier = _tier(StepCopy(0, downloader, holder), target, block_of)
         if tier in usable and tier != Tier.LOCAL:
-            fanned[rank] = Source(tier, holder, downloader)
+            fanned[rank] = PlannedSource(tier, holder, downloader)
     return fanned
 
 
@@ -217,9 +218,9 @@ def _fastest_first(source: tuple[Tier, str, int]) -> tuple[int, str, int]:
 
 def _ranked_sources(
     copies: list[StepCopy], target: str, block_of: Mapping[str, str], usable: frozenset[Tier]
-) -> tuple[Source, ...]:
+) -> tuple[PlannedSource, ...]:
     ranked = sorted({(_tier(c, target, block_of), c.holder, c.rank) for c in copies}, key=_fastest_first)
-    return tuple(Source(tier, holder, rank) for tier, holder, rank in ranked if tier in usable)
+    return tuple(PlannedSource(tier, holder, rank) for tier, holder, rank in ranked if tier in usable)
 
 
 def replica_targets(node_of_rank: Mapping[int, str], block_of: Mapping[str, str], replicas: int) -> dict[int, list[str]]:

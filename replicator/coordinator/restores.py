@@ -5,10 +5,11 @@ The façade (``ClusterState``) decides when to plan and bumps the job's version;
 take the job and what they read explicitly.
 """
 
+import dataclasses
 import enum
 import logging
 import uuid
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Mapping
 
 from replicator.coordinator import planner
 from replicator.coordinator.incarnations import Incarnation
@@ -51,55 +52,75 @@ def check_plannable(job: JobState, incarnation: Incarnation, nodes: dict, now: f
         raise NotReady(f"waiting for {job.decided.lister or 'a node with a backup tier'} to list the backup tier")
 
 
-def plan(incarnation: Incarnation, copies: list[planner.StepCopy], forced: int | None, blocks, identical,
-         fan_out: bool = True, silent: Collection[str] = frozenset()) -> planner.RestorePlan:  # fmt: skip
-    """The restore plan over ``copies`` not proven unusable (only ``forced``'s, if given).
+@dataclasses.dataclass(frozen=True)
+class PlanInputs:
+    """What a job's restore plan reads besides its incarnation, gathered by the façade.
 
-    Args:
-      blocks: called with node ids for node -> topology block; identical: the job's identical pairs.
+    Attributes:
+      copies: the job's believed copies, complete backups included (``ClusterState.copies``).
+      blocks: called with node ids: node -> its topology block (``Liveness.blocks``).
+      identical: the job's identical pairs (``Identity.pairs``).
       fan_out: a backup-only step is read once per identical group (``planner.plan_restore``).
       silent: the nodes silent past the node timeout (``planner.plan_restore``).
     """
-    usable = [c for c in copies if (c.step, c.rank, c.holder) not in incarnation.excluded and (forced is None or c.step == forced)]
-    return planner.plan_restore(len(incarnation.node_of_rank), incarnation.node_of_rank, usable,
-                                blocks({c.holder for c in usable} | set(incarnation.node_of_rank.values())), USABLE_TIERS, identical,
-                                fan_out, silent)  # fmt: skip
+
+    copies: list[planner.StepCopy]
+    blocks: Callable[[set[str]], Mapping[str, str]]
+    identical: Mapping[int, frozenset[tuple[int, int]]]
+    fan_out: bool
+    silent: frozenset[str]
 
 
-def rollback_forks(key: JobRef, job: JobState, restorable_up_to: Callable[[int], bool]) -> tuple[int, ...] | None:
-    """The lineage a pending rollback starts, once per request (it is marked begun), else None. What
-    the job trains from there on reuses the step numbers after the forced step, so the copies of
-    those steps it abandons must never be restored.
+def plan(incarnation: Incarnation, inputs: PlanInputs, forced: int | None) -> planner.RestorePlan:
+    """The restore plan over the copies of ``inputs`` not proven unusable (only ``forced``'s, if given)."""
+    excluded, node_of_rank = incarnation.excluded, incarnation.node_of_rank
+    usable = [
+        c for c in inputs.copies if (c.step, c.rank, c.holder) not in excluded and (forced is None or c.step == forced)
+    ]
+    block_of = inputs.blocks({c.holder for c in usable} | set(node_of_rank.values()))
+    return planner.plan_restore(
+        len(node_of_rank), node_of_rank, usable, block_of, USABLE_TIERS, inputs.identical, inputs.fan_out, inputs.silent
+    )
 
-    A rollback with no restorable step at or before its step (``restorable_up_to(step)`` false: its
-    copies proven unusable, the older ones gone) never begins: it is dropped, with an error, and the
-    job keeps its timeline and restores its newest step. Forking would abandon every newer step for a
-    fresh start.
+
+def begin_rollback(key: JobRef, job: JobState, incarnation: Incarnation, inputs: PlanInputs) -> tuple[int, ...] | None:
+    """Begins the job's pending rollback (``job.pending_rollback()``, not None), once per request: returns
+    the lineage it starts, else None. What the job trains from there on reuses the step numbers after
+    the forced step, so the copies of those steps it abandons must never be restored.
+
+    A rollback with no restorable step at or before its step (its copies proven unusable, the older
+    ones gone) never begins: it is dropped, with an error, and the job keeps its timeline and
+    restores its newest step. Forking would abandon every newer step for a fresh start.
+
+    Args:
+      inputs: read before the fork, while the steps up to the rollback's are still in the lineage.
     """
-    if job.forced_step is None or job.forked:
-        return None
-    if not restorable_up_to(job.forced_step):
+    step = job.forced_step
+    # What could be restored at or before ``step``, as a check: no fan-out, no silent node set aside.
+    up_to = [c for c in inputs.copies if c.step <= step]
+    below = dataclasses.replace(inputs, copies=up_to, fan_out=False, silent=frozenset())
+    if plan(incarnation, below, None).step is None:
         log.error("job %s: the rollback to step %d is dropped: no step at or before it can be restored; "
-                  "the job keeps its timeline and restores its newest step", key, job.forced_step)  # fmt: skip
+                  "the job keeps its timeline and restores its newest step", key, step)  # fmt: skip
         job.forced_step = None
         return None
     job.forked = True
-    return job.forks + (job.forced_step,)
+    return job.forks + (step,)
 
 
-def replan(key: JobRef, job: JobState, incarnation: Incarnation, plan_for) -> None:
-    """Plans the incarnation's restore anew (``plan_for(forced)``), under a new generation.
+def replan(key: JobRef, job: JobState, incarnation: Incarnation, inputs: PlanInputs) -> None:
+    """Plans the incarnation's restore anew, under a new generation.
 
     An operator's step that turned out unrestorable (a rank's every copy proven unusable) is never
     a fresh start: the newest restorable step of the lineage, which the rollback capped at it,
     is planned; newer steps up to it are set aside, not deleted.
     """
     forced = job.forced_step
-    incarnation.plan = plan_for(forced)
+    incarnation.plan = plan(incarnation, inputs, forced)
     if incarnation.plan.step is None and forced is not None:
         log.error("job %s: step %d of the rollback cannot be restored; restoring the newest restorable step before it", key, forced)
         job.forced_step = forced = None
-        incarnation.plan = plan_for(None)
+        incarnation.plan = plan(incarnation, inputs, None)
     incarnation.generation = uuid.uuid4().hex[:12]
     incarnation.rollback = forced is not None
     incarnation.staged.clear()
@@ -121,7 +142,7 @@ def view(key: JobRef, job: JobState, incarnation: Incarnation, rank: int, livene
     """The rank's view of the plan: its sources, live holders first (a silent one, within the grace
     period, is waited for only when needed), at most ``PEER_SOURCES_PER_VIEW`` peers. A rank of a
     fan-out group (``RestorePlan.fan_out``) is told to wait while its downloader's node is live and
-    has not staged; once it has, that node comes first, the store after it."""
+    has not staged; once it has, that node comes first, the store after it. A query: changes nothing."""
     plan_ = incarnation.plan
     # Liveness inlined: all 10,000 ranks' views are built at once when the job turns ready.
     timeout, now, states = liveness.node_timeout_seconds, liveness.now, liveness.nodes
@@ -147,8 +168,6 @@ def view(key: JobRef, job: JobState, incarnation: Incarnation, rank: int, livene
         for s in planned
     )  # fmt: skip
     ready = plan_.step is None or len(incarnation.staged) == len(incarnation.node_of_rank)
-    if ready and plan_.step is not None and plan_.step == job.forced_step:
-        job.forced_step, job.forked = None, False  # done: later restores take the newest step again
     return RestoreView(incarnation.generation, plan_.step, sources, ready, incarnation.rollback, job.forks, pending)
 
 
@@ -160,7 +179,7 @@ def waits_on(incarnation: Incarnation | None, node_id: str) -> bool:
     return any(s.holder == node_id and s.data_rank not in incarnation.staged for s in incarnation.plan.fan_out.values())
 
 
-def _expected_files(key: JobRef, job: JobState, step: int, source: planner.Source, warned: WarnedOnce) -> Files | None:
+def _expected_files(key: JobRef, job: JobState, step: int, source: planner.PlannedSource, warned: WarnedOnce) -> Files | None:
     """The checksums a copy from ``source`` must match: those the data rank's own node reported.
     None when the coordinator never saw them (it restarted after that node was lost): the
     fetching node then checks the holder's manifest."""
@@ -171,7 +190,7 @@ def _expected_files(key: JobRef, job: JobState, step: int, source: planner.Sourc
     return owner
 
 
-class Staged(enum.Enum):
+class StagingOutcome(enum.Enum):
     """What a rank's staging result asks of the façade."""
 
     NOTHING = "nothing"
@@ -181,12 +200,12 @@ class Staged(enum.Enum):
 
 
 def record_staged(key: JobRef, incarnation: Incarnation, generation: str, rank: int, source: str | None,
-                  bad: tuple[BadCopy, ...], retrying: bool) -> Staged:  # fmt: skip
+                  bad: tuple[BadCopy, ...], retrying: bool) -> StagingOutcome:  # fmt: skip
     """Records a rank's staging result: the source it used (``tier:holder``), or None when no
     source served, and the copies proven unusable (never planned again). A copy that was merely
     unreachable is not in ``bad``: the rank retries it (``retrying``) and nothing is replanned."""
     if generation != incarnation.generation:
-        return Staged.NOTHING  # a result for a plan that has since been replaced
+        return StagingOutcome.NOTHING  # a result for a plan that has since been replaced
     if bad:
         log.warning("job %s rank %d: unusable copies %s", key, rank, list(bad))
         incarnation.excluded.update(tuple(b) for b in bad)
@@ -194,7 +213,14 @@ def record_staged(key: JobRef, incarnation: Incarnation, generation: str, rank: 
         incarnation.staged.add(rank)
         incarnation.used_sources[rank] = source
         if len(incarnation.staged) == len(incarnation.node_of_rank):
-            return Staged.READY
+            return StagingOutcome.READY
         fan_out = incarnation.plan.fan_out if incarnation.plan is not None else {}
-        return Staged.SERVING if any(s.data_rank == rank for s in fan_out.values()) else Staged.NOTHING
-    return Staged.NOTHING if retrying else Staged.REPLAN
+        return StagingOutcome.SERVING if any(s.data_rank == rank for s in fan_out.values()) else StagingOutcome.NOTHING
+    return StagingOutcome.NOTHING if retrying else StagingOutcome.REPLAN
+
+
+def end_rollback(job: JobState, incarnation: Incarnation) -> None:
+    """Every rank of the incarnation staged its planned step (``StagingOutcome.READY``): a rollback to
+    that step is done, and the job's later restores take its newest step again."""
+    if incarnation.plan is not None and incarnation.plan.step is not None and incarnation.plan.step == job.forced_step:
+        job.forced_step, job.forked = None, False

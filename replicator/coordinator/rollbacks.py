@@ -1,7 +1,7 @@
 """The operator's rollback (``mtc restore-from``): its preview, its request and its cancellation.
 
 A request only records the step (``JobState.forced_step``); nothing is abandoned until the job's
-restore is planned, when ``restores.rollback_forks`` begins the new timeline. Until then retention
+restore is planned, when ``restores.begin_rollback`` begins the new timeline. Until then retention
 orders nothing (``retention.retain_order``), backup retention keeps the requested step
 (``backups.orders``), and a cancel leaves the job as if the rollback had never been asked for.
 """

@@ -420,19 +420,18 @@ class ClusterState:
         self._mark_dirty([key])
         return step
 
+    def _plan_inputs(self, key: JobRef) -> restores.PlanInputs:
+        """What the job's restore plan reads now (``restores.PlanInputs``)."""
+        identical, silent = self._jobs[key].identity.pairs(), frozenset(self.liveness.silent())
+        return restores.PlanInputs(self.copies(key), self.liveness.blocks, identical, self.fan_out, silent)
+
     def _replan(self, key: JobRef, incarnation: Incarnation) -> None:
         job = self._jobs[key]
-        identical = job.identity.pairs()
-
-        def restorable_up_to(step: int) -> bool:  # checked before the fork: the steps up to it stay in the lineage
-            below = [c for c in self.copies(key) if c.step <= step]
-            return restores.plan(incarnation, below, None, self.liveness.blocks, identical, False).step is not None
-
-        if (forks := restores.rollback_forks(key, job, restorable_up_to)) is not None:
+        # The inputs are gathered again after a fork: the copies of the timeline it abandons are not copies any more.
+        pending = job.pending_rollback() is not None
+        if pending and (forks := restores.begin_rollback(key, job, incarnation, self._plan_inputs(key))) is not None:
             self._set_lineage(key, forks)  # a rollback starts a new timeline
-        restores.replan(key, job, incarnation,
-                        lambda forced: restores.plan(incarnation, self.copies(key), forced, self.liveness.blocks, identical, self.fan_out,
-                                                     frozenset(self.liveness.silent())))  # fmt: skip
+        restores.replan(key, job, incarnation, self._plan_inputs(key))
         job.decided.retain = retention.retain_order(key, job)  # the planned step is protected from now on
         self._bump(key)
 
@@ -446,9 +445,11 @@ class ClusterState:
         """
         incarnation = self._incarnation(key, incarnation_id, rank)
         outcome = restores.record_staged(key, incarnation, generation, rank, source, bad, retrying)
-        if outcome in (restores.Staged.READY, restores.Staged.SERVING):
+        if outcome is restores.StagingOutcome.READY:
+            restores.end_rollback(self._jobs[key], incarnation)
+        if outcome in (restores.StagingOutcome.READY, restores.StagingOutcome.SERVING):
             self._bump(key)  # every rank's view turns ready, or a downloader's peers may fetch from it
-        elif outcome is restores.Staged.REPLAN:
+        elif outcome is restores.StagingOutcome.REPLAN:
             self._replan(key, incarnation)
 
     # -- views ---------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from replicator.coordinator import planner
 from replicator.coordinator.incarnations import Incarnation
 from replicator.coordinator.job import JobState
 from replicator.wire.messages import Files, JobRef, JobSettings, RetainOrder
-from replicator.wire.operator import JobStatus, RankPlace, RestoreStatus, UnusableCopy
+from replicator.wire.operator import ExcludedCopy, JobStatus, RankPlace, RestoreStatus
 
 
 class JobView:
@@ -113,7 +113,7 @@ def job_status(key: JobRef, job: JobState, copies: list[planner.StepCopy], newes
         ranks=tuple(ranks),
         newest_complete_step=newest_complete,
         restore=None if plan is None else RestoreStatus(plan.step, dict(sorted(incarnation.used_sources.items())),
-                                                        tuple(UnusableCopy(*c) for c in sorted(incarnation.excluded)),
+                                                        tuple(ExcludedCopy(*c) for c in sorted(incarnation.excluded)),
                                                         len(incarnation.staged), len(incarnation.node_of_rank)),  # fmt: skip
         held={rank: {step: tuple(sorted(h)) for step, h in sorted(steps.items())} for rank, steps in sorted(held.items())},
         identical_peers=tuple(sorted(identical.get(newest_complete, ()))),

@@ -32,7 +32,7 @@ from replicator.node.commit_detection import CommitDetector
 from replicator.node.config import NodeConfig
 from replicator.node.garbage_collection import collect_garbage, pressure_order
 from replicator.node.pushes import Pusher
-from replicator.node.report_session import OwnStep, ReportSession, StepCopy
+from replicator.node.report_session import HeldCopy, OwnStep, ReportSession
 from replicator.pacing import timing
 from replicator.pacing.cpu_share import CpuShare
 from replicator.wire import tls
@@ -237,9 +237,9 @@ class NodeReplicator:
                 ))  # fmt: skip
                 waiting |= progress.incarnation is None and spec.pod_uid not in self._assignments
             present = set(framework.scan_steps(disk.client_dir).held)
-            own += [OwnStep(StepCopy(job, step, m.rank, m.timeline), m.files) for step, m in meta.manifests().items() if step in present]
+            own += [OwnStep(HeldCopy(job, step, m.rank, m.timeline), m.files) for step, m in meta.manifests().items() if step in present]
             mine = {(m.rank, step) for step, m in meta.manifests().items()}
-            replicas += [StepCopy(job, step, rank, m.timeline) for (rank, step), m in meta.replicas().items() if (rank, step) not in mine]
+            replicas += [HeldCopy(job, step, rank, m.timeline) for (rank, step), m in meta.replicas().items() if (rank, step) not in mine]
         backed_up = self._backup.listing.values() if self._backup else ()
         return self._reporting.build(pods, own, replicas, backed_up, waiting, lineages, job_frameworks)
 

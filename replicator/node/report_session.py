@@ -35,9 +35,10 @@ from replicator.wire.messages import (
 )
 
 
-class StepCopy(msgspec.Struct, frozen=True, gc=False):
+class HeldCopy(msgspec.Struct, frozen=True, gc=False):
     """A copy the node holds of ``rank``'s ``step`` of ``job``, written in ``timeline``: a replica,
-    or the node's own data (``OwnStep``)."""
+    or the node's own data (``OwnStep``). The coordinator's view of a copy, wherever held, is
+    ``planner.StepCopy``."""
 
     job: JobRef
     step: int
@@ -48,7 +49,7 @@ class StepCopy(msgspec.Struct, frozen=True, gc=False):
 class OwnStep(msgspec.Struct, frozen=True, gc=False):
     """A committed step of the node's own data, with its checksums (relative path -> (size, CRC32C))."""
 
-    copy: StepCopy
+    copy: HeldCopy
     files: Files
 
 
@@ -70,8 +71,8 @@ class ReportSession:
         self._identity = (node_id, url, pod_address, topology)
         self._replicas = replicas
         self._has_backup = has_backup
-        self._sent_files: set[StepCopy] = set()
-        self._signatures: dict[StepCopy, str | None] = {}
+        self._sent_files: set[HeldCopy] = set()
+        self._signatures: dict[HeldCopy, str | None] = {}
         self._acknowledged: tuple | None = None
         self._next_heartbeat = float("-inf")
         self._failures = 0
@@ -80,7 +81,7 @@ class ReportSession:
         self.heartbeat_seconds = 1.0
         self.list_backups: set[JobRef] = set()
 
-    def build(self, pods: Iterable[PodReport], own: Iterable[OwnStep], replicas: Iterable[StepCopy], backed_up: Iterable[BackedUp],
+    def build(self, pods: Iterable[PodReport], own: Iterable[OwnStep], replicas: Iterable[HeldCopy], backed_up: Iterable[BackedUp],
               waiting: bool, lineages: Iterable[Lineage] = (), job_frameworks: Mapping[JobRef, frameworks.Framework] | None = None,
               ) -> NodeReport:  # fmt: skip
         """The node's report.
@@ -126,7 +127,7 @@ class ReportSession:
         if reply.want_files:
             self._sent_files.clear()
         else:
-            self._sent_files.update(StepCopy(JobRef(h.namespace, h.job), h.step, h.rank, h.timeline) for h in report.held if h.files is not None)
+            self._sent_files.update(HeldCopy(JobRef(h.namespace, h.job), h.step, h.rank, h.timeline) for h in report.held if h.files is not None)
         self.list_backups = set(reply.list_backups)
 
     def failed(self, now: float) -> None:

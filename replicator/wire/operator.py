@@ -33,9 +33,10 @@ class RankPlace(msgspec.Struct, frozen=True, gc=False):
     silent: bool = False
 
 
-class UnusableCopy(msgspec.Struct, frozen=True, gc=False, array_like=True):
-    """A copy a rank found unusable while restoring (corrupt, or gone from its holder): never planned
-    again for this incarnation. On the wire ``[step, rank, holder]``."""
+class ExcludedCopy(msgspec.Struct, frozen=True, gc=False, array_like=True):
+    """A copy a rank found unusable while restoring (corrupt, or gone from its holder), excluded from
+    the incarnation's plans (``RestoreStatus.unusable_copies``). On the wire ``[step, rank, holder]``.
+    Not the node side's ``step_manifest.UnusableCopy``, the error that proves a copy unusable."""
 
     step: int
     rank: int
@@ -49,7 +50,7 @@ class RestoreStatus(msgspec.Struct, frozen=True, gc=False):
 
     step: int | None
     sources: dict[int, str]
-    unusable_copies: tuple[UnusableCopy, ...]
+    unusable_copies: tuple[ExcludedCopy, ...]
     staged_ranks: int = 0
     ranks: int = 0
 

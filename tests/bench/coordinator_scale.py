@@ -73,7 +73,7 @@ import psutil
 from examples.local_cluster import CoordinatorProcess, scratch_dir, self_signed_certificate
 from replicator.backup_tier import worker as backup_worker
 from replicator.coordinator.process_tuning import GC_THRESHOLDS
-from replicator.node.report_session import OwnStep, ReportSession, StepCopy
+from replicator.node.report_session import HeldCopy, OwnStep, ReportSession
 from replicator.pacing import timing
 from replicator.wire.bearer import Tokens
 from replicator.wire.coordinator_client import CoordinatorClient, CoordinatorUnavailable
@@ -175,7 +175,7 @@ class SimAgent:
         self.pod: PodReport | None = None
         self.own: dict[int, Files] = {}
         self.own_rank: int | None = None
-        self.replicas: set[StepCopy] = set()
+        self.replicas: set[HeldCopy] = set()
         self.listing: dict[JobRef, BackedUp] = {}
         self.listed_at: dict[JobRef, float] = {}
         self.pushed: set[tuple] = set()
@@ -252,7 +252,7 @@ class SimAgent:
             self._commit_if_due(now)
             self._list_if_due(now)
             pod = self.pod
-            own = [OwnStep(StepCopy(self.key, step, self.own_rank), files) for step, files in self.own.items()]  # timeline 0: no rollback
+            own = [OwnStep(HeldCopy(self.key, step, self.own_rank), files) for step, files in self.own.items()]  # timeline 0: no rollback
             waiting = pod.incarnation is None
             report = self.session.build([pod], own, self.replicas, self.listing.values(), waiting)
             if self.session.due(report, now):
@@ -407,7 +407,7 @@ class SimCluster:
     def land_replica(self, node_id: str, key: tuple[JobRef, int, int, str]) -> None:
         job, rank, step, _ = key
         target = self.by_id[node_id]
-        target.replicas.add(StepCopy(job, step, rank))
+        target.replicas.add(HeldCopy(job, step, rank))
         target.note_change()
 
     def upload(self, key: JobRef, step: int, rank: int, nodes: int) -> bool:

@@ -31,7 +31,7 @@ import zlib
 import msgspec
 
 from replicator.coordinator.state import ClusterState, decide_interval
-from replicator.node.report_session import OwnStep, ReportSession, StepCopy
+from replicator.node.report_session import HeldCopy, OwnStep, ReportSession
 from replicator.wire.messages import BackedUp, JobRef, JobSettings, NodeReport, PodReport, ReportReply, decode_json
 from tests.bench.coordinator_scale import HELD_STEPS, NAMESPACE, SLICE_NODES, SMALL_JOB_NODES, STEP_NUMBERS, JobSpec, rank_files
 
@@ -53,7 +53,7 @@ class SimNode:
         self.pod: PodReport | None = None
         self.rank: int | None = None
         self.own: dict[int, dict] = {}
-        self.replicas: set[StepCopy] = set()
+        self.replicas: set[HeldCopy] = set()
         self.listings: dict[JobRef, BackedUp] = {}
 
     @property
@@ -67,7 +67,7 @@ class SimNode:
                              worker, self.job.nodes, self.job.slices, 8476, self.job.name, float(generation))  # fmt: skip
 
     def report(self) -> NodeReport:
-        own = [OwnStep(StepCopy(self.key, step, self.rank), files) for step, files in self.own.items()]
+        own = [OwnStep(HeldCopy(self.key, step, self.rank), files) for step, files in self.own.items()]
         return self.session.build([self.pod], own, self.replicas, self.listings.values(), self.pod.incarnation is None)
 
     def obey(self, reply: ReportReply, by_id: dict[str, "SimNode"], now: float) -> None:
@@ -80,7 +80,7 @@ class SimNode:
                 self.rank = assignment.rank
         for order in reply.replicate:
             for target in order.targets:
-                by_id[target.node].replicas.add(StepCopy(JobRef(order.namespace, order.job), order.step, order.rank))
+                by_id[target.node].replicas.add(HeldCopy(JobRef(order.namespace, order.job), order.step, order.rank))
 
 
 def shard_of(key: JobRef, shards: int) -> int:

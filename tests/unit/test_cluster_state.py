@@ -229,6 +229,22 @@ def test_no_step_a_rollback_may_need_is_collected_while_it_is_pending_or_by_the_
     assert state.reply_for("a").retain == ()  # step 5 was safe, but it is abandoned now
 
 
+def test_a_rollback_ends_when_its_last_rank_stages_and_a_restore_view_changes_nothing():
+    state = ClusterState()
+    rank_of, fresh, view = rolled_back_to_2(state, (2,))
+    node_of = {rank: node for node, rank in rank_of.items()}
+    state.report_staged(KEY, fresh, view.generation, 0, f"local:{node_of[0]}", [])
+    for _ in range(2):  # asked again and again while rank 1 has not staged: the rollback goes on
+        assert not state.restore_view(KEY, fresh, 0, now=22.6).ready and state.job(KEY).forced_step == 2
+    state.report_staged(KEY, fresh, view.generation, 1, f"local:{node_of[1]}", [])
+    assert state.job(KEY).forced_step is None  # done as the last rank staged, before any rank asks
+    # The operator asks for step 2 again: the ready view of the incarnation that restored it leaves the
+    # request for the next incarnation.
+    state.force_restore_step(KEY, 2)
+    assert state.restore_view(KEY, fresh, 1, now=22.7).ready
+    assert (state.job(KEY).forced_step, state.status().jobs[0].pending_rollback) == (2, 2)
+
+
 def test_a_rollback_to_a_step_that_proves_unrestorable_restores_the_newest_step_before_it_never_a_fresh_start():
     state = ClusterState()
     rank_of, fresh, view = rolled_back_to_2(state, (1, 2))

@@ -5,8 +5,8 @@ import random
 import pytest
 
 from replicator.coordinator.planner import (
+    PlannedSource,
     PodSlot,
-    Source,
     StepCopy,
     Tier,
     assign_ranks,
@@ -105,7 +105,7 @@ def test_data_parallel_peer_copy_serves_a_rank_only_when_identical():
     plan = plan_restore(4, node_of, copies, block_of={"fresh": "b0", "d": "b1"}, identical=identical)
     assert plan.step == 9
     assert [(s.tier, s.holder, s.data_rank) for s in plan.sources[1]] == [(Tier.PEER_DISTANT, "d", 3)]
-    assert plan.sources[0][0] == Source(Tier.LOCAL, "a", 0)
+    assert plan.sources[0][0] == PlannedSource(Tier.LOCAL, "a", 0)
 
 
 class CountingPairs(dict):
@@ -129,7 +129,7 @@ def test_data_parallel_plan_reads_each_steps_pairs_once_not_once_per_rank():
     plan = plan_restore(nodes, node_of, copies, identical=identical)
     assert plan.step == 20 and identical.lookups == 1
     assert {s.data_rank for s in plan.sources[7]} == set(range(7 % per_slice, nodes, per_slice)) - lost
-    assert plan.sources[8][0] == Source(Tier.LOCAL, "n8", 8)
+    assert plan.sources[8][0] == PlannedSource(Tier.LOCAL, "n8", 8)
     assert {s.data_rank for s in plan.sources[8]} == set(range(8, nodes, per_slice)) - lost
 
 

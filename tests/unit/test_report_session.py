@@ -1,12 +1,12 @@
 """The agent's change-driven reporting as a pure function of what it holds, replies and time."""
 
-from replicator.node.report_session import OwnStep, ReportSession, StepCopy
+from replicator.node.report_session import HeldCopy, OwnStep, ReportSession
 from replicator.wire.messages import BackedUp, JobRef, ReportReply
 
 JOB = JobRef("default", "j")
 FILES = {"_CHECKPOINT_METADATA": (10, "00000001"), "state/_METADATA": (20, "00000002")}
-OWN = [OwnStep(StepCopy(JOB, 5, 0), FILES)]
-REPLICA = StepCopy(JOB, 5, 1)
+OWN = [OwnStep(HeldCopy(JOB, 5, 0), FILES)]
+REPLICA = HeldCopy(JOB, 5, 1)
 
 
 def test_checksums_go_once_then_heartbeats_are_small_and_paced_by_the_coordinator():

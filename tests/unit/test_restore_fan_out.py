@@ -4,7 +4,7 @@ that node, then to fetch from it; a silent downloader is not waited for. Shared 
 of a group is ordered to upload its share. The planner as a pure function, the rest through
 ``ClusterState``."""
 
-from replicator.coordinator.planner import Source, StepCopy, Tier, plan_restore
+from replicator.coordinator.planner import PlannedSource, StepCopy, Tier, plan_restore
 from replicator.coordinator.state import ClusterState, decide_interval
 from replicator.wire.messages import BackedUp, HeldStep, JobRef, JobSettings, NodeReport, PodReport
 from tests.helpers.reports import node_report, pod_report
@@ -24,16 +24,16 @@ def test_one_rank_per_identical_group_downloads_a_backup_only_step_and_the_other
     node_of = {0: "a", 1: "b", 2: "c", 3: "d"}
     plan = plan_restore(NODES, node_of, backup_only(), block_of={"a": "b0", "b": "b0", "c": "b0", "d": "b1"}, identical=IDENTICAL)
     assert plan.step == 9
-    assert plan.fan_out == {2: Source(Tier.PEER_CLOSE, "a", 0), 3: Source(Tier.PEER_DISTANT, "b", 1)}
+    assert plan.fan_out == {2: PlannedSource(Tier.PEER_CLOSE, "a", 0), 3: PlannedSource(Tier.PEER_DISTANT, "b", 1)}
     # Each downloader reads its own backup first; everyone keeps the store as a fallback.
-    assert plan.sources[0][0] == Source(Tier.BACKUP, "backup", 0) and plan.sources[1][0] == Source(Tier.BACKUP, "backup", 1)
+    assert plan.sources[0][0] == PlannedSource(Tier.BACKUP, "backup", 0) and plan.sources[1][0] == PlannedSource(Tier.BACKUP, "backup", 1)
     assert all(s.tier == Tier.BACKUP for rank in range(NODES) for s in plan.sources[rank])
 
 
 def test_no_fan_out_when_a_copy_is_in_the_cluster_without_identity_or_when_turned_off():
     node_of = {0: "a", 1: "b", 2: "c", 3: "d"}
     survived = [*backup_only(), StepCopy(9, 1, "b")]  # rank 1's node kept its copy: its group restores from it
-    assert plan_restore(NODES, node_of, survived, identical=IDENTICAL).fan_out == {2: Source(Tier.PEER_DISTANT, "a", 0)}
+    assert plan_restore(NODES, node_of, survived, identical=IDENTICAL).fan_out == {2: PlannedSource(Tier.PEER_DISTANT, "a", 0)}
     assert plan_restore(NODES, node_of, backup_only()).fan_out == {}  # identity unknown: every rank reads its own
     assert plan_restore(NODES, node_of, backup_only(), identical=IDENTICAL, fan_out=False).fan_out == {}
 
@@ -44,10 +44,10 @@ def test_copies_on_silent_nodes_do_not_keep_a_group_from_fanning_out():
     lost = [*backup_only(), *(StepCopy(9, rank, old) for rank, old in enumerate("abcd"))]
     assert plan_restore(NODES, node_of, lost, identical=IDENTICAL).fan_out == {}
     plan = plan_restore(NODES, node_of, lost, identical=IDENTICAL, silent=frozenset("abcd"))
-    assert plan.fan_out == {2: Source(Tier.PEER_DISTANT, "e", 0), 3: Source(Tier.PEER_DISTANT, "f", 1)}
+    assert plan.fan_out == {2: PlannedSource(Tier.PEER_DISTANT, "e", 0), 3: PlannedSource(Tier.PEER_DISTANT, "f", 1)}
     assert {s.holder for s in plan.sources[2]} == {"backup", "a", "c"}  # every source kept
     # A live node's copy still wins over the store for its group.
-    assert plan_restore(NODES, node_of, lost, identical=IDENTICAL, silent=frozenset("abc")).fan_out == {2: Source(Tier.PEER_DISTANT, "e", 0)}
+    assert plan_restore(NODES, node_of, lost, identical=IDENTICAL, silent=frozenset("abc")).fan_out == {2: PlannedSource(Tier.PEER_DISTANT, "e", 0)}
 
 
 def pod(node, incarnation=None, rank=None, settings=None, published_at=0.0) -> PodReport:
