@@ -68,6 +68,7 @@ class HostStager:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._copied: list[torch.cuda.Event] = []
         self._used: set[torch.device] = set()  # devices the current stage copies from
+        self._seen: set[_Path] = set()  # buffers the current stage fills
         self._warned_unpinned = False
 
     @property
@@ -86,9 +87,11 @@ class HostStager:
             while a tensor's shape and dtype hold).
         """
         self.wait()
-        self._used = set()
+        self._used, self._seen = set(), set()
         staged = self._copy(state_dict, ())
         self._copied = [self._streams[device].record_event() for device in self._used]
+        for path in [path for path in self._buffers if path not in self._seen]:  # tensors the state no longer has
+            self._release(self._buffers.pop(path))
         return staged
 
     def wait(self) -> None:
@@ -143,6 +146,7 @@ class HostStager:
         return stream
 
     def _buffer(self, path: _Path, tensor: torch.Tensor) -> torch.Tensor:
+        self._seen.add(path)
         held = self._buffers.get(path)
         if held is not None and held.tensor.shape == tensor.shape and held.tensor.dtype == tensor.dtype:
             return held.tensor
