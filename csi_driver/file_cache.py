@@ -52,6 +52,11 @@ class KeyedCache(Generic[T]):
         entry = self._entries.get(path)
         return entry[1] if entry is not None and entry[0] == key else None
 
+    def forget(self, path: str) -> None:
+        """Forgets ``path``: it is read again next time."""
+        with self._lock:
+            self._entries.pop(path, None)
+
     def put(self, path: str, key: Key | None, since_ns: int, value: T) -> None:
         """Stores ``value`` read from ``path`` as ``key`` describes it, if that is settled (see
         ``settled``); otherwise (or with no key: it is gone) forgets the path, so it is read again."""
@@ -102,7 +107,7 @@ class FileCache(Generic[T]):
             return cached
         found = _read(path, self._parse, since) if key is not None else None
         if found is None:
-            self._cache.put(path, None, since, None)  # forgets it
+            self._cache.forget(path)
             return None
         self._cache.put(path, found[0], since, found[1])
         return found[1]
@@ -117,7 +122,7 @@ class DirCache(Generic[T]):
       parse: bytes of a file -> value.
     """
 
-    def __init__(self, wanted: Callable[[str], bool], parse: Callable[[bytes], T], max_entries: int = MAX_ENTRIES):
+    def __init__(self, wanted: Callable[[str], object], parse: Callable[[bytes], T], max_entries: int = MAX_ENTRIES):
         self._wanted = wanted
         self._parse = parse
         # directory -> name -> (key, None when not settled; value): exactly the files of the last listing

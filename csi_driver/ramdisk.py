@@ -332,7 +332,7 @@ class RamdiskManager:
             same_pod = previous is not None and previous.spec.pod_uid == spec.pod_uid
             if not same_pod:  # a new pod must never read the previous one's rank
                 self._on_new_pod(disk, spec)
-            disk.publications[target_path] = Publication(volume_id, readonly, spec, previous.published_at if same_pod else time.time())
+            disk.publications[target_path] = Publication(volume_id, readonly, spec, previous.published_at if previous is not None and same_pod else time.time())
             disk.idle_since = None
             return disk
 

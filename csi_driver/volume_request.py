@@ -6,6 +6,7 @@ the rest are the pod spec's ``volumeAttributes``.
 
 import dataclasses
 import re
+from typing import overload
 
 from csi_driver.quantity import parse_quantity
 
@@ -83,6 +84,14 @@ def _dns_label(name: str, value: str) -> str:
     if not DNS1123_LABEL.match(value):
         raise InvalidVolumeRequest(f"{name} {value!r} is not a DNS-1123 label (lowercase a-z, 0-9, '-', at most 63 characters)")
     return value
+
+
+@overload
+def _integer(context: dict[str, str], name: str, default: int, minimum: int, maximum: int) -> int: ...
+
+
+@overload
+def _integer(context: dict[str, str], name: str, default: int | None, minimum: int, maximum: int) -> int | None: ...
 
 
 def _integer(context: dict[str, str], name: str, default: int | None, minimum: int, maximum: int) -> int | None:

@@ -36,7 +36,7 @@ def stage_local(framework: Framework, local_dir: str, step: int, manifest: StepM
       UnusableCopy: the step is not held here, has no manifest, or its files are not its manifest's.
     """
     found = framework.find_step_dir(local_dir, step)
-    if found is None and meta is not None and (aside := meta.replicas().get((rank, step))) is not None:
+    if found is None and meta is not None and (aside := meta.replicas().get((rank, step))) is not None:  # type: ignore[arg-type]  # a None rank finds nothing
         _stage_set_aside(framework, local_dir, step, meta, aside)
         return
     if found is None or manifest is None:

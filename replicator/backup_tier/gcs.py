@@ -25,7 +25,7 @@ import requests
 import urllib3
 from google.api_core import exceptions as api_exceptions
 from google.auth import exceptions as auth_exceptions
-from google.auth.credentials import AnonymousCredentials
+from google.auth.credentials import AnonymousCredentials, Credentials
 from google.auth.transport.requests import AuthorizedSession
 from google.cloud import storage
 from google.cloud.storage import exceptions as storage_exceptions
@@ -80,6 +80,8 @@ class GcsObjects(ObjectStore):
     """
 
     def __init__(self, bucket: str, prefix: str = "", *, emulator_host: str | None = None):
+        credentials: Credentials
+        project: str | None
         if emulator_host:
             credentials, project, self._endpoint = AnonymousCredentials(), "test", emulator_host.rstrip("/")
             client = storage.Client(project=project, credentials=credentials,

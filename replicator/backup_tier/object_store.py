@@ -6,6 +6,7 @@ and ``backup_backends.open_backup_store`` picks the backend from the URL scheme.
 """
 
 import abc
+import builtins
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -106,7 +107,7 @@ class ObjectStore(abc.ABC):
     def delete(self, name: str) -> None:
         """Deletes an object; a missing object is not an error."""
 
-    def partial_uploads(self, prefix: str) -> "list[str]":
+    def partial_uploads(self, prefix: str) -> builtins.list[str]:  # builtins: the method list shadows the type here
         """Names below ``prefix`` (relative to it) of uploads started but neither completed nor aborted,
         such as an S3 multipart upload of an agent killed mid-upload. None by default: a backend whose
         interrupted writes are ordinary objects (``file://``) or invisible and self-expiring (GCS
@@ -126,11 +127,11 @@ def run_parallel(fn: Callable[[T], None], items: Iterable[T], workers: int) -> N
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
         futures = [pool.submit(fn, item) for item in items]
         done, _ = concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
-        failed = next((f for f in futures if f in done and f.exception() is not None), None)
+        failed = next((error for f in futures if f in done and (error := f.exception()) is not None), None)
         if failed is not None:
             for future in futures:
                 future.cancel()
-            raise failed.exception()
+            raise failed
 
 
 @contextlib.contextmanager

@@ -36,6 +36,7 @@ Interrupted multipart uploads (an agent killed mid-upload) are listed and aborte
 """
 
 import base64
+import builtins
 import contextlib
 import dataclasses
 import hashlib
@@ -193,9 +194,11 @@ class S3Objects(ObjectStore):
           BackupError: the store failed during the probe (it is probed again next time).
         """
         with self._features_lock:
-            if self._features is None:
-                self._use(self._probe(), "probed")
-            return self._features
+            features = self._features
+            if features is None:
+                features = self._probe()
+                self._use(features, "probed")  # keeps it
+            return features
 
     def _use(self, features: S3Features, how: str) -> None:
         """Adopts ``features`` (``how``: probed or pinned) and logs the modes they imply."""
@@ -279,6 +282,8 @@ class S3Objects(ObjectStore):
         mode); deletes it and raises ``BackupError`` when they differ."""
         key = self._prefix + upload.name
         head = self._client.head_object(Bucket=self._bucket, Key=key, ChecksumMode="ENABLED")
+        stored: tuple[int, str | None]
+        expected: tuple[int, str | None]
         if features.crc32c:
             stored, expected = (head["ContentLength"], head.get("ChecksumCRC32C")), (upload.size, _crc32c_b64(upload.crc32c))
         else:
@@ -353,7 +358,7 @@ class S3Objects(ObjectStore):
         with self._errors(name, "delete"):
             self._client.delete_object(Bucket=self._bucket, Key=self._prefix + name)  # S3 deletes are idempotent
 
-    def _multipart_uploads(self, prefix: str) -> "list[dict]":
+    def _multipart_uploads(self, prefix: str) -> builtins.list[dict]:  # builtins: the method list shadows the type here
         """In-progress multipart uploads below ``prefix``. The bucket's are listed and filtered here:
         MinIO lists them only for an exact key or a whole bucket (measured; AWS takes any prefix),
         and a bucket holds few in-progress uploads."""
@@ -361,7 +366,7 @@ class S3Objects(ObjectStore):
         pages = self._client.get_paginator("list_multipart_uploads").paginate(Bucket=self._bucket)
         return [u for page in pages for u in page.get("Uploads", []) if u["Key"].startswith(full)]
 
-    def partial_uploads(self, prefix: str) -> "list[str]":
+    def partial_uploads(self, prefix: str) -> builtins.list[str]:
         with self._errors(prefix, "list multipart uploads"):
             return [u["Key"][len(self._prefix + prefix):] for u in self._multipart_uploads(prefix)]
 

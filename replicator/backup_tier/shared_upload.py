@@ -49,8 +49,9 @@ def group_dedup(store: BackupStore, job_key: str, step: int, rank: int, step_dir
     shares = {rank: mine}
     for member in members:
         if member != rank:
-            shares[member] = store.rank_manifest(job_key, step, member, timeline, group_share=True)
-            if shares[member] is None or shares[member].incarnation != incarnation:
+            share_of_member = store.rank_manifest(job_key, step, member, timeline, group_share=True)
+            if share_of_member is None or share_of_member.incarnation != incarnation:
                 return None
+            shares[member] = share_of_member
     files = {rel: f for member in members for rel, f in shares[member].files.items() if owner(members, rel) == member}
     return RankManifest(step, rank, files, incarnation, timeline)

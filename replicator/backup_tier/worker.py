@@ -118,7 +118,7 @@ class BackupWorker:
         BACKUP_FAILURES.inc()
         ramdisk_path, order, _ = self._wanted[job]
         message = (f"backup of step {order.step} rank {order.rank} to the backup tier {self.store.url} failed "
-                   f"(retrying in {state.next_action.sleep:.0f} s): {state.outcome.exception()}")  # fmt: skip
+                   f"(retrying in {state.next_action.sleep:.0f} s): {state.outcome.exception()}")  # type: ignore[union-attr]  # fmt: skip
         log.warning("%s: %s", job, message)
         self._report_error(JobMeta(ramdisk_path), message)
 

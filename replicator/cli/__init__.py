@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parser().parse_args(argv)
     except SystemExit as done:  # a usage error (2, its line printed), or --help or --version (0)
-        return done.code
+        return done.code  # type: ignore[return-value]  # argparse exits with an int
     logs.configure(args.log_level, args.log_format)
     try:
         return args.run(args)

@@ -16,7 +16,8 @@ import ssl
 import stat
 import sys
 import urllib.parse
-from typing import NoReturn
+from collections.abc import Callable
+from typing import NoReturn, TypeVar
 
 from csi_driver.quantity import parse_quantity
 from csi_driver.server import socket_path
@@ -73,7 +74,10 @@ def quantity(text: str) -> int:
     return value
 
 
-def _number(text: str, kind: type, at_least: float, above: bool, expected: str) -> float | int:
+_Number = TypeVar("_Number", int, float)
+
+
+def _number(text: str, kind: Callable[[str], _Number], at_least: float, above: bool, expected: str) -> _Number:
     try:
         value = kind(text)
     except ValueError:

@@ -59,7 +59,7 @@ class PodProgress:
 
     def pod_rank(self, job: JobRef) -> PodRank:
         """This pod's place in ``job`` (the coordinator client's key); only once it has a rank."""
-        return PodRank(job, self.incarnation, self.rank)
+        return PodRank(job, self.incarnation, self.rank)  # type: ignore[arg-type]  # both set together, asked only after
 
 
 def _parse_manifest(data: bytes) -> StepManifest:

@@ -227,7 +227,7 @@ def _checksums(step_dir: str, share: CpuShare | None = None) -> dict[str, tuple[
     """relative path -> (size, CRC32C) of every regular file, walked without following any link
     (``pod_files``): a planted symlink, FIFO or device raises instead of being read. Files are
     checksummed ``_OPEN_AT_ONCE`` at a time with ``checksum_files``."""
-    found = {}
+    found: dict[str, tuple[int, str]] = {}
     with pod_files.open_dir(step_dir) as root:
         walk = pod_files.walk_files(root)
         while True:

@@ -130,7 +130,7 @@ class NodeAgent:
         """Serves until ``stop`` is set."""
         csi = self.config.csi
         identity = IdentityServicer(csi.driver_name, self.healthy)
-        poke = (lambda *_: self.replicator.poke()) if self.replicator else (lambda *_: None)
+        poke = (lambda *_: self.replicator.poke()) if self.replicator else (lambda *_: None)  # type: ignore[union-attr]  # made once, not reset
         node = NodeServicer(
             self.manager, self.config.node_id, self.config.topology, csi.default_size_bytes,
             VolumeLimits(csi.max_nodes, psutil.virtual_memory().total, frozenset(frameworks.REGISTRY)), poke, poke,

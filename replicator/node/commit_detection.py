@@ -46,7 +46,9 @@ class CommitDetector:
             return
         known, framework = meta.manifests(), meta.framework
         # A thread lists the pod's dir only when it changed: the hop costs ten times the cached look.
-        scan = framework.cached_scan(disk.client_dir) or await asyncio.to_thread(framework.scan_steps, disk.client_dir)
+        scan = framework.cached_scan(disk.client_dir)
+        if scan is None:
+            scan = await asyncio.to_thread(framework.scan_steps, disk.client_dir)
         for step in set(known) - set(scan.committed) - set(scan.staged):
             meta.drop_manifest(step)  # Orbax removed an old step itself
         refused = self._refused.setdefault(job_of(disk), set())

@@ -87,13 +87,13 @@ async def consume_replicator_yaml(client: CoordinatorClient, disk: Ramdisk, meta
         if found is None:
             unsettled.forget(job)
             return
-        settings = framework.parse_config(found.data.decode("utf-8"), progress.rank, nodes)
+        settings = framework.parse_config(found.data.decode("utf-8"), progress.rank, nodes)  # type: ignore[arg-type]  # called once the pod has its rank
     except pod_files.UnsafeEntry as err:
         _refuse(disk, meta, f"replicator.yaml is unusable: {err}")
         unsettled.forget(job)
         return
     except (InvalidReplicatorConfig, UnicodeDecodeError) as err:
-        if not unsettled.settled(job, found.version):
+        if not unsettled.settled(job, found.version):  # type: ignore[union-attr]  # raised after read_config found the file
             return  # perhaps still being written: read again next pass
         what = str(err) if isinstance(err, InvalidReplicatorConfig) else f"replicator.yaml is unusable: {err}"
         _refuse(disk, meta, f"{what} (unchanged for {unsettled.settle_seconds:g} s, so not a file still being written)")

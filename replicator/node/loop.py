@@ -123,7 +123,7 @@ class NodeReplicator:
             connector=peer_connector, timeout=peer_timeout
         ) as peer_session:
             self._session = peer_session
-            client = CoordinatorClient(session, self._coordinator_url, self._peer_token)
+            client = CoordinatorClient(session, self._coordinator_url, self._peer_token)  # type: ignore[arg-type]  # the agent makes a loop only with a URL
             try:
                 while not stop.is_set():
                     self._wake.clear()
@@ -204,18 +204,18 @@ class NodeReplicator:
                 await asyncio.to_thread(drop_abandoned, disk)
         if self._pusher is not None:
             for order in reply.replicate:
-                self._pusher.start(self._session, disks, order)
+                self._pusher.start(self._session, disks, order)  # type: ignore[arg-type]  # run set it before the first report
         self._retain = {JobRef(order.namespace, order.job): order for order in reply.retain}
         self._retain_sent = sent
-        for order in reply.retain:
-            if (disk := disks.get(JobRef(order.namespace, order.job))) is not None:
-                await asyncio.to_thread(collect_garbage, disk, order, self._busy_steps)
+        for retain in reply.retain:
+            if (disk := disks.get(JobRef(retain.namespace, retain.job))) is not None:
+                await asyncio.to_thread(collect_garbage, disk, retain, self._busy_steps)
         if self._backup:
             # Orders are repeated with every reply: one missing from three heartbeats was withdrawn.
             self._backup.order_ttl_seconds = max(timing.MIN_BACKUP_ORDER_TTL_SECONDS, 3 * reply.heartbeat_seconds)
-        for order in reply.backup:
-            if self._backup and (disk := disks.get(JobRef(order.namespace, order.job))) is not None:
-                self._backup.start(disk.path, order)
+        for backup in reply.backup:
+            if self._backup and (disk := disks.get(JobRef(backup.namespace, backup.job))) is not None:
+                self._backup.start(disk.path, backup)
 
     def _build_report(self, disks: Mapping[JobRef, Ramdisk]) -> NodeReport:
         """The node's report (see ``ReportSession.build``), from its ramdisks."""
@@ -270,7 +270,7 @@ class NodeReplicator:
         # A stat; the state file is parsed only when it changed. The CSI driver keys by (namespace, job).
         disk = self._manager.ramdisks().get((key.namespace, key.job))
         spec = handshake.current_pod(disk) if disk else None
-        if spec is None:
+        if disk is None or spec is None:
             return False
         try:
             meta = JobMeta(disk.path)
@@ -283,7 +283,7 @@ class NodeReplicator:
             if progress.jax_init_written and progress.settings is None and nodes is not None:
                 await handshake.consume_replicator_yaml(client, disk, meta, progress, nodes, self._log_once, self._unsettled)
             if progress.settings is not None and not progress.restore_done:
-                await self._restorer.restore(client, self._session, disk, meta, progress, lambda: self._beat(key))
+                await self._restorer.restore(client, self._session, disk, meta, progress, lambda: self._beat(key))  # type: ignore[arg-type]  # run set it
             await self._commits.detect(disk, meta, progress)
             if progress.restore_done:
                 await asyncio.to_thread(self._keep_room, key, disk, meta, progress)
@@ -305,7 +305,7 @@ class NodeReplicator:
             space.GIVEN_UP.inc()
             log.warning("%s/%s: gave up %s step %d (%d bytes, not safe) to free %d bytes; steps up to %d are kept (safe, or restored)",
                         key.namespace, key.job, "its own" if copy.own else f"rank {copy.rank}'s replica of", copy.step, copy.bytes, need,
-                        order.keep_from)  # fmt: skip
+                        order.keep_from)  # type: ignore[union-attr]  # nothing is given up without an order  # fmt: skip
 
     def _keep_room(self, key: JobRef, disk: Ramdisk, meta: JobMeta, progress: PodProgress) -> None:
         """Keeps the job's next save's bytes free (``space``): gives up unsafe copies when they are not,

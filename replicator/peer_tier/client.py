@@ -260,7 +260,7 @@ def _download(peer: _Peer, step_path: str, ranges: list[tuple[str, int, int]], f
 
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="peer-fetch") as pool:
         futures = [pool.submit(worker) for _ in range(min(workers, len(ranges)))]
-    errors = [f.exception() for f in futures if f.exception() is not None]
+    errors = [error for f in futures if (error := f.exception()) is not None]
     if errors:
         raise next((e for e in errors if not isinstance(e, _Stopped)), errors[0])
     return crcs

@@ -30,6 +30,7 @@ import errno
 import os
 import shutil
 import time
+from typing import overload
 from collections.abc import Callable
 
 import tenacity
@@ -281,7 +282,13 @@ class _PeerService:
         rank, step = _int_param(request, "rank"), _int_param(request, "step")
         return _StepRef(*self._job(request), rank, step)
 
-    async def _looked_up(self, ref: _StepRef, rel: str | None = None) -> tuple[StepManifest, int | None]:
+    @overload
+    async def _looked_up(self, ref: _StepRef) -> tuple[StepManifest, None]: ...
+
+    @overload
+    async def _looked_up(self, ref: _StepRef, rel: str) -> tuple[StepManifest, int]: ...
+
+    async def _looked_up(self, ref: _StepRef, rel: str | None = None) -> tuple[StepManifest, int | None]:  # type: ignore[return]  # tenacity re-raises the last attempt's error
         """The step's manifest and, given ``rel``, an open descriptor of that file of it.
 
         Raises:

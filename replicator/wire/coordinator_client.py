@@ -5,7 +5,7 @@ The wire types are ``replicator.wire.messages``; the coordinator's side is ``rep
 
 import asyncio
 import uuid
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import msgspec
@@ -43,7 +43,7 @@ class CoordinatorClient:
         self._tokens = tokens  # the current one is sent: a rotation takes effect on the next request
         self._report_session, self._reports = uuid.uuid4().hex, 0  # the order of this process's reports
 
-    async def _call(self, method: str, path: str, body: Any = None, wait: float = 0.0, params: dict | None = None,
+    async def _call(self, method: str, path: str, body: Any = None, wait: float = 0.0, params: dict[str, str] | None = None,
                     headers: dict[str, str] | None = None) -> bytes:  # fmt: skip
         """One request with ``body`` (a message) as JSON; its reply's
         body. A long poll (``wait`` seconds) gets that much more time.
@@ -105,7 +105,7 @@ class CoordinatorClient:
     async def report_staged(self, pod: PodRank, generation: str, source: str | None, bad: list[BadCopy], retrying: bool = False) -> None:
         """Reports the rank's staging result (``StagedReport``): the source it used, or None, and the
         copies proven unusable (step, rank, holder)."""
-        report = StagedReport(pod.incarnation, generation, pod.rank, source, tuple(tuple(b) for b in bad), retrying)
+        report = StagedReport(pod.incarnation, generation, pod.rank, source, tuple(cast(BadCopy, tuple(b)) for b in bad), retrying)
         await self._call("POST", f"/v1/jobs/{pod.job.namespace}/{pod.job.job}/restore", report)
 
 

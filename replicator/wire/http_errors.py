@@ -6,11 +6,12 @@ An error answers ``{"error": "<message>"}``, with ``"problems": [...]`` when the
 
 import json
 from collections.abc import Sequence
+from typing import Any
 
 from aiohttp import web
 
 
-def error_response(kind: type[web.HTTPException], message: str, problems: Sequence[str] = (), **kwargs) -> web.HTTPException:
+def error_response(kind: type[web.HTTPException], message: str, problems: Sequence[str] = (), **kwargs: Any) -> web.HTTPException:
     """The HTTP error ``kind`` (e.g. ``web.HTTPNotFound``) to raise, with the JSON error body.
 
     Args:

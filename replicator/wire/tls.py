@@ -10,6 +10,7 @@ import functools
 import http.client
 import ssl
 import urllib.request
+from typing import Any
 
 
 def check_pair(cert: str | None, key: str | None, flags: str) -> None:
@@ -48,7 +49,7 @@ class _NamedHTTPSConnection(http.client.HTTPSConnection):
     """An HTTPS connection to its host that sends ``server_name`` (SNI) and checks the certificate
     against it: what ``kubectl --tls-server-name`` does through a port-forward."""
 
-    def __init__(self, host: str, *, server_name: str, context: ssl.SSLContext, **kwargs):
+    def __init__(self, host: str, *, server_name: str, context: ssl.SSLContext, **kwargs: Any):
         super().__init__(host, context=context, **kwargs)
         self._server_name, self._tls = server_name, context
 
@@ -62,7 +63,7 @@ class _ServerNameHandler(urllib.request.HTTPSHandler):
         super().__init__(context=context)
         self._connection = functools.partial(_NamedHTTPSConnection, server_name=server_name, context=context)
 
-    def https_open(self, req):
+    def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
         return self.do_open(self._connection, req)
 
 

@@ -189,8 +189,10 @@ class ClientDirProtocol:
             elif adopted is not None and stat.S_ISDIR(status.st_mode):
                 if self.unfinished_mark is None or name + self.unfinished_mark not in entries:
                     uncommitted.add(adopted)
-            elif step is not None or adopted is not None:
-                refused.add(adopted if step is None else step)
+            elif step is not None:
+                refused.add(step)
+            elif adopted is not None:
+                refused.add(adopted)
         return StepScan(sorted(committed), sorted(staged), sorted(refused - committed), sorted(uncommitted))
 
     def _is_adopted_marker(self, fd: int, name: str, step: int, entries: dict[str, os.stat_result]) -> bool:

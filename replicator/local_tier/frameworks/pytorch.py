@@ -170,7 +170,8 @@ class PyTorchDistributed(ClientDirProtocol):
           InvalidReplicatorConfig: naming the field and the value.
         """
         config = parse_torch_config(text, expected_rank, expected_nodes)
-        return JobSettings(config.peer_ranks, config.data_parallelism, config.backup_interval_minutes, config.backup_interval_steps)
+        # parse_torch_config derives peer_ranks when absent: never None here.
+        return JobSettings(config.peer_ranks or (), config.data_parallelism, config.backup_interval_minutes, config.backup_interval_steps)
 
     def _before_marker(self, dir_fd: int, step: int | None) -> None:
         """``replicator.prerestore`` (tmp + rename): ``restore-step: <step>``, or ``{}`` for a fresh start.
