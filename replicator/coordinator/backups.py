@@ -2,17 +2,18 @@
 step is backed up next and when, and the upload orders of a node."""
 
 import logging
+from collections.abc import Callable
 
 from replicator.coordinator.job import JobState
 from replicator.coordinator.liveness import Liveness, NodeState
-from replicator.wire.messages import BackupOrder, JobRef, in_lineage
+from replicator.wire.messages import BackedUp, BackupOrder, JobRef, in_lineage
 
 log = logging.getLogger(__name__)
 
 _GIVE_UP_SECONDS = 600.0  # a chosen backup step that never completes is chosen anew
 
 
-def _believed(job: JobState, nodes: dict[str, NodeState]) -> list:
+def _believed(job: JobState, nodes: dict[str, NodeState]) -> list[BackedUp]:
     """The listings of known nodes the job ran on."""
     members = job.beliefs.members
     return [b for node_id, b in job.listings.items() if node_id in members and node_id in nodes]
@@ -62,7 +63,7 @@ def choose_lister(job: JobState, liveness: Liveness) -> str | None:
     return min(able, key=lambda n: (order(n), n) if order else n, default=None)
 
 
-def advance(key: JobRef, job: JobState, now: float, backed: set[int], newest_complete) -> None:
+def advance(key: JobRef, job: JobState, now: float, backed: set[int], newest_complete: Callable[[], int | None]) -> None:
     """Finishes the pending backup once listed complete (``backed``); starts the next one when due.
 
     Args:
@@ -86,6 +87,7 @@ def advance(key: JobRef, job: JobState, now: float, backed: set[int], newest_com
     if settings.backup_interval_steps is not None:
         due = last is None or newest >= last + settings.backup_interval_steps
     else:
+        assert settings.backup_interval_minutes is not None  # exactly one of the two is set
         due = job.last_backup_time is None or now - job.last_backup_time >= settings.backup_interval_minutes * 60
     if due:
         job.backup_pending, job.backup_pending_since = newest, now
@@ -105,7 +107,7 @@ def orders(key: JobRef, job: JobState, state: NodeState, shared: bool = False) -
     if incarnation is None or step is None:
         return []
     node_id = state.report.node_id
-    protected = (incarnation.plan.step,) if incarnation.plan and incarnation.plan.step is not None else ()
+    protected: tuple[int, ...] = (incarnation.plan.step,) if incarnation.plan and incarnation.plan.step is not None else ()
     if job.forced_step is not None:
         protected += (job.forced_step,)  # a rollback's step: kept from retention until its restore is done or it is cancelled
     result = []

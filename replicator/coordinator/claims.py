@@ -7,6 +7,8 @@ by rank), kept a free function over plain data with the belief rule inlined; ``H
 answers until a claim of the step, a belief or a node's liveness changes.
 """
 
+from typing import Any
+
 import msgspec
 
 from replicator.wire.messages import JobRef
@@ -35,7 +37,7 @@ class ClaimIndex:
 
     __slots__ = ("holders", "step_ranks", "step_stamps")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.holders: dict[tuple[int, int], dict[str, bool]] = {}
         self.step_ranks: dict[int, int] = {}
         self.step_stamps: dict[int, int] = {}
@@ -99,7 +101,7 @@ class Beliefs:
 
     __slots__ = ("members", "ordered", "rank_nodes", "stamp")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.rank_nodes: dict[int, set[str]] = {}
         self.members: set[str] = set()
         self.ordered: set[tuple[int, str]] = set()
@@ -125,7 +127,7 @@ class Beliefs:
         self.stamp += 1
 
 
-def walk_ranks(holders: dict, beliefs: Beliefs, states: dict, step: int, ranks: int, wanted: int, live_only: bool) -> tuple[bool, int]:
+def walk_ranks(holders: dict[tuple[int, int], dict[str, bool]], beliefs: Beliefs, states: dict[str, Any], step: int, ranks: int, wanted: int, live_only: bool) -> tuple[bool, int]:
     """Whether each of ranks 0..ranks-1 of ``step`` has at least ``wanted`` believed copies on nodes
     of ``states`` not silent (``live_only``) or not given up; stops at the first rank short.
 
@@ -152,10 +154,10 @@ class HeldMemo:
 
     __slots__ = ("answers",)
 
-    def __init__(self):
-        self.answers: dict[tuple, tuple[tuple, bool]] = {}
+    def __init__(self) -> None:
+        self.answers: dict[tuple[int, int, int, bool], tuple[tuple[int | None, int, int], bool]] = {}
 
-    def every_rank_held(self, claims: ClaimIndex, beliefs: Beliefs, states: dict, liveness_stamp: int,
+    def every_rank_held(self, claims: ClaimIndex, beliefs: Beliefs, states: dict[str, Any], liveness_stamp: int,
                         step: int, ranks: int, wanted: int, live_only: bool) -> tuple[bool, int]:  # fmt: skip
         """``walk_ranks`` for a step every rank may hold (``ClaimIndex.step_ranks``), else False at
         once; answered from memory while the stamps hold. Returns (the answer, ranks looked at)."""

@@ -7,7 +7,7 @@ the agents) are equal. No data moves to establish it. Each (step, pair) is compa
 it is recorded until no copy of the step is left.
 """
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from replicator.wire.messages import JobSettings
 
@@ -32,7 +32,7 @@ class Identity:
 
     __slots__ = ("changed_at", "covered", "data_parallelism", "new_pairs", "peers", "signatures", "stamp", "uncompared")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.data_parallelism = 1
         self.peers: dict[int, set[int]] = {}
         self.new_pairs: set[tuple[int, int]] = set()
@@ -150,7 +150,7 @@ class IdenticalPairs(Mapping[int, frozenset[tuple[int, int]]]):
             self._listed[step] = frozenset((rank, other) for rank in covered[step] for other in self._identity.identical_peers(step, rank))
         return self._listed[step]
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[int]:
         return iter(self._identity.covered)
 
     def __len__(self) -> int:
@@ -164,7 +164,7 @@ class LeaderMemo:
 
     __slots__ = ("groups", "stamp")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.stamp: tuple[int, int | None] | None = None  # (step, ``Identity.changed_at`` of the step)
         self.groups: dict[int, tuple[int, ...]] = {}
 

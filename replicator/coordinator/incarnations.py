@@ -9,6 +9,8 @@ import dataclasses
 import logging
 import re
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 from replicator.coordinator import planner
 from replicator.wire.messages import Assignment, JobRef, PodReport
@@ -50,13 +52,13 @@ class Incarnation:
     used_sources: dict[int, str] = dataclasses.field(default_factory=dict)
     rollback: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.pod_of_rank0 = next(uid for uid, rank in self.rank_of_pod.items() if rank == 0)
         self.nodes = frozenset(self.node_of_rank.values())
         self.rank_of_node = {node: rank for rank, node in sorted(self.node_of_rank.items(), reverse=True)}  # its lowest rank
 
 
-def ended(key: JobRef, current: Incarnation, pods: dict, retired: set[str]) -> bool:
+def ended(key: JobRef, current: Incarnation, pods: dict[str, tuple[PodReport, str]], retired: set[str]) -> bool:
     """Whether ``current`` ends: one of its pods was unpublished, or a new pod replaces one. Its
     still-published pods join ``retired`` (they never join another incarnation)."""
     unpublished = [uid for uid in current.rank_of_pod if uid not in pods]
@@ -82,7 +84,7 @@ def adopt(pods: dict[str, tuple[PodReport, str]], retired: set[str], now: float)
     return None
 
 
-def assign(pods: dict[str, tuple[PodReport, str]], retired: set[str], newest_held, now: float) -> Incarnation | None:
+def assign(pods: dict[str, tuple[PodReport, str]], retired: set[str], newest_held: Callable[[], dict[str, dict[int, int]]], now: float) -> Incarnation | None:
     """A new incarnation from pods that never belonged to one (their group is gone).
 
     Args:
@@ -120,7 +122,7 @@ def assignment(pod: PodReport, incarnation: Incarnation | None, pods: dict[str, 
                       len(incarnation.node_of_rank))  # fmt: skip
 
 
-def reconcile(key: JobRef, job, now: float) -> bool:
+def reconcile(key: JobRef, job: Any, now: float) -> bool:
     """The incarnation of ``job`` (a ``job.JobState``: not imported, it holds an ``Incarnation``) after its pods changed: the current one ends when a pod of it goes or
     is replaced; a new one starts (adopted after a restart, or assigned) when the pods allow, and
     its nodes become believed for their ranks. Returns whether the incarnation changed."""

@@ -56,7 +56,7 @@ class OwnerReports:
 
     __slots__ = ("files", "pending")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.files: dict[tuple[int, int], bytes] = {}
         self.pending: dict[tuple[int, int, str], tuple[bytes | None, str | None]] = {}
 
@@ -78,9 +78,10 @@ class OwnerReports:
         return unpack_files(packed) if packed is not None else None
 
     def forget_above(self, lowest: int) -> None:
-        for table in (self.files, self.pending):
-            for key in [k for k in table if k[0] > lowest]:
-                del table[key]
+        for files_key in [k for k in self.files if k[0] > lowest]:
+            del self.files[files_key]
+        for pending_key in [k for k in self.pending if k[0] > lowest]:
+            del self.pending[pending_key]
 
     def forget_gone(self, steps: frozenset[int]) -> None:
         for key in [k for k in self.files if k[0] not in steps]:

@@ -141,24 +141,26 @@ class JobSetRecord:
     replicated_jobs: tuple[ReplicatedJobRecord, ...]
 
 
-def _as_dict(obj: Any) -> Mapping:
+def _as_dict(obj: Any) -> Mapping[str, Any]:
     """A plain dict of ``obj``: a lightkube model (typed, or generic, which is a dict holding models) through
     ``to_dict``, a dict as it is."""
     to_dict = getattr(obj, "to_dict", None)
     if to_dict is not None:
-        return to_dict()
+        as_dict: Mapping[str, Any] = to_dict()
+        return as_dict
     return obj if isinstance(obj, Mapping) else {}
 
 
-def _get(obj: Mapping, *path: str) -> Any:
+def _get(obj: Mapping[str, Any], *path: str) -> Any:
+    found: Any = obj
     for key in path:
-        if not isinstance(obj, Mapping):
+        if not isinstance(found, Mapping):
             return None
-        obj = obj.get(key)
-    return obj
+        found = found.get(key)
+    return found
 
 
-def _our_volume(pod_spec: Mapping | None, driver: str) -> Mapping | None:
+def _our_volume(pod_spec: Mapping[str, Any] | None, driver: str) -> Mapping[str, Any] | None:
     """The ``csi`` block of the first volume of ``driver`` in a pod spec, or None."""
     for volume in _get(pod_spec or {}, "volumes") or ():
         csi = _get(volume, "csi")

@@ -95,8 +95,8 @@ class _Kind:
     read: Callable[[Any], Any]
     key: Callable[[Any], Hashable]
     namespaced: bool
-    labels: dict | None = None
-    fields: dict | None = None
+    labels: dict[str, Any] | None = None
+    fields: dict[str, Any] | None = None
 
 
 def _namespaced_key(obj: Any) -> tuple[str, str]:
@@ -104,7 +104,8 @@ def _namespaced_key(obj: Any) -> tuple[str, str]:
 
 
 def _name_key(obj: Any) -> str:
-    return obj.metadata.name
+    name: str = obj.metadata.name
+    return name
 
 
 class _Gone(Exception):
@@ -195,7 +196,7 @@ class ShapeWatcher:
 
     async def _list(self, kind: _Kind) -> str:
         """Lists ``kind`` and replaces its store; returns the list's resourceVersion."""
-        namespace = {"namespace": self._settings.namespace or ALL_NS} if kind.namespaced else {}
+        namespace: dict[str, Any] = {"namespace": self._settings.namespace or ALL_NS} if kind.namespaced else {}
         listing = self._client.list(kind.resource, labels=kind.labels, fields=kind.fields, chunk_size=500, **namespace)
         fresh = {}
         async for obj in listing:
@@ -211,7 +212,7 @@ class ShapeWatcher:
 
     async def _watch(self, kind: _Kind, version: str, backoff: Backoff) -> str:
         """Applies ``kind``'s changes from ``version`` on; returns the last version seen when the watch goes idle."""
-        namespace = {"namespace": self._settings.namespace or ALL_NS} if kind.namespaced else {}
+        namespace: dict[str, Any] = {"namespace": self._settings.namespace or ALL_NS} if kind.namespaced else {}
         store = self._stores[kind.name]
         events = self._client.watch(kind.resource, labels=kind.labels, fields=kind.fields, resource_version=version,
                                     server_timeout=self._settings.server_timeout_seconds, **namespace)  # fmt: skip
@@ -237,7 +238,7 @@ class ShapeWatcher:
         except TimeoutError:
             log.info("%s watch: no event for %.0f s, resuming from %s", kind.name, self._settings.idle_seconds, version)
         finally:
-            await events.aclose()
+            await events.aclose()  # type: ignore[attr-defined]  # an async generator, typed AsyncIterable by lightkube
         return version
 
     # --- the shapes ---------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ the caller's (``ClusterState``) to decide again.
 
 import dataclasses
 import logging
+from collections.abc import Callable, Iterable
 
 from replicator.coordinator.claims import Claim
 from replicator.wire.messages import JobRef, NodeReport
@@ -136,7 +137,7 @@ class Liveness:
         if previous is None or previous.report.replicas != state.report.replicas:
             self.replicas_epoch += 1
 
-    def expire(self, now: float, in_use) -> tuple[list[str], list[NodeState]]:
+    def expire(self, now: float, in_use: Callable[[], set[str]]) -> tuple[list[str], list[NodeState]]:
         """Marks nodes silent or given up, and picks those to forget: silent past the grace period
         and in no incarnation (``in_use()``: the nodes incarnations hold; asked at most once).
 
@@ -146,13 +147,15 @@ class Liveness:
         """
         self.advance(now)
         timeout, grace = self.node_timeout_seconds, self.holder_grace_seconds
-        used, forget, changed = None, [], []
+        used: set[str] | None = None
+        forget: list[str] = []
+        changed: list[NodeState] = []
         for node_id in self.silent():
             state = self.nodes[node_id]
             silence = self.now - state.last_seen
             if silence > grace and used is None:
                 used = in_use()
-            if silence > grace and node_id not in used:
+            if silence > grace and used is not None and node_id not in used:
                 log.warning("node %s silent for %.0f s: forgetting it and its data", node_id, silence)
                 forget.append(node_id)
             elif silence > timeout and not state.silent:
@@ -172,7 +175,7 @@ class Liveness:
         self.backup_nodes.discard(node_id)
         self.stamp += 1
 
-    def blocks(self, node_ids) -> dict[str, str]:
+    def blocks(self, node_ids: Iterable[str]) -> dict[str, str]:
         """Node -> its ``block`` topology label, for the known ones of ``node_ids``."""
         return {n: self.nodes[n].report.topology.get("block", "") for n in node_ids if n in self.nodes}
 

@@ -27,6 +27,7 @@ def wanted(job: JobState, liveness: Liveness) -> int:
     """The fewest replicas any node of the incarnation is configured for (``--replicas``);
     recomputed only after a node reported another setting (it visits every node)."""
     memo = job.memo
+    assert job.incarnation is not None  # decided only for a job with an incarnation
     if memo.replicas_for != (job.incarnation.incarnation_id, liveness.replicas_epoch):
         reports = [liveness.nodes[n].report for n in job.incarnation.nodes if n in liveness.nodes]
         memo.replicas_for, memo.replicas = (job.incarnation.incarnation_id, liveness.replicas_epoch), min((r.replicas for r in reports), default=1)
@@ -36,6 +37,7 @@ def wanted(job: JobState, liveness: Liveness) -> int:
 def place(job: JobState, liveness: Liveness, replicas: int) -> None:
     """Chooses the incarnation's replica targets once per (incarnation, replicas): placement only,
     stable across steps. Without data parallelism the targets become believed holders."""
+    assert job.incarnation is not None  # decided only for a job with an incarnation
     chosen_for = (job.incarnation.incarnation_id, replicas)
     node_of_rank = job.incarnation.node_of_rank
     if job.memo.targets_for != chosen_for:

@@ -38,7 +38,7 @@ def parse(value: str | None) -> tuple[str, int] | None:
 class ReportOrder:
     """The newest report taken in per node, as (session, sequence), and the sessions replaced since."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._newest: dict[str, tuple[str, int]] = {}
         self._retired: dict[str, list[str]] = {}
 

@@ -10,11 +10,12 @@ import enum
 import logging
 import uuid
 from collections.abc import Callable, Mapping
+from typing import cast
 
 from replicator.coordinator import planner
 from replicator.coordinator.incarnations import Incarnation
 from replicator.coordinator.job import JobState
-from replicator.coordinator.liveness import Liveness
+from replicator.coordinator.liveness import Liveness, NodeState
 from replicator.coordinator.sync import WarnedOnce
 from replicator.wire.messages import BadCopy, Files, JobRef, RestoreView, Source, Tier
 
@@ -41,7 +42,7 @@ def check_started(incarnation: Incarnation, liveness: Liveness, now: float) -> N
         raise NotReady(f"the coordinator started {now - liveness.started:.0f} s ago; waiting for every node's report")
 
 
-def check_plannable(job: JobState, incarnation: Incarnation, nodes: dict, now: float, grace_seconds: float) -> None:
+def check_plannable(job: JobState, incarnation: Incarnation, nodes: dict[str, NodeState], now: float, grace_seconds: float) -> None:
     """Raises ``NotReady`` while the job's newest reports are undecided, or while its nodes (of
     ``nodes``) with a backup tier have not listed it, within ``grace_seconds`` of the incarnation:
     planning without it could start from scratch a job a backup would resume."""
@@ -96,6 +97,7 @@ def begin_rollback(key: JobRef, job: JobState, incarnation: Incarnation, inputs:
       inputs: read before the fork, while the steps up to the rollback's are still in the lineage.
     """
     step = job.forced_step
+    assert step is not None  # the caller's precondition: a rollback is pending
     # What could be restored at or before ``step``, as a check: no fan-out, no silent node set aside.
     up_to = [c for c in inputs.copies if c.step <= step]
     below = dataclasses.replace(inputs, copies=up_to, fan_out=False, silent=frozenset())
@@ -144,9 +146,11 @@ def view(key: JobRef, job: JobState, incarnation: Incarnation, rank: int, livene
     fan-out group (``RestorePlan.fan_out``) is told to wait while its downloader's node is live and
     has not staged; once it has, that node comes first, the store after it. A query: changes nothing."""
     plan_ = incarnation.plan
+    assert plan_ is not None  # the view of a planned restore: the caller planned it
     # Liveness inlined: all 10,000 ranks' views are built at once when the job turns ready.
     timeout, now, states = liveness.node_timeout_seconds, liveness.now, liveness.nodes
-    live, silent = [], []
+    live: list[planner.PlannedSource] = []
+    silent: list[planner.PlannedSource] = []
     for s in plan_.sources.get(rank, ()):
         state = states.get(s.holder)
         (live if s.tier == Tier.BACKUP or (state is not None and now - state.last_seen <= timeout) else silent).append(s)
@@ -163,8 +167,9 @@ def view(key: JobRef, job: JobState, incarnation: Incarnation, rank: int, livene
             state = states.get(downloader.holder)
             pending = state is not None and now - state.last_seen <= timeout
     sources = tuple(
-        Source(s.tier, s.holder, liveness.url(s.holder), s.data_rank, _expected_files(key, job, plan_.step, s, warned),
-               backups.get(plan_.step, 0) if s.tier == Tier.BACKUP else 0)
+        Source(s.tier, s.holder, liveness.url(s.holder), s.data_rank,
+               _expected_files(key, job, plan_.step, s, warned),  # type: ignore[arg-type]  # no sources without a step
+               backups.get(plan_.step, 0) if s.tier == Tier.BACKUP else 0)  # type: ignore[arg-type]  # as above
         for s in planned
     )  # fmt: skip
     ready = plan_.step is None or len(incarnation.staged) == len(incarnation.node_of_rank)
@@ -208,7 +213,7 @@ def record_staged(key: JobRef, incarnation: Incarnation, generation: str, rank: 
         return StagingOutcome.NOTHING  # a result for a plan that has since been replaced
     if bad:
         log.warning("job %s rank %d: unusable copies %s", key, rank, list(bad))
-        incarnation.excluded.update(tuple(b) for b in bad)
+        incarnation.excluded.update(cast(BadCopy, tuple(b)) for b in bad)
     if source is not None:
         incarnation.staged.add(rank)
         incarnation.used_sources[rank] = source

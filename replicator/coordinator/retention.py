@@ -1,12 +1,15 @@
 """Safety and retention: the newest step GC may keep from, and the order that says so."""
 
+from collections.abc import Callable
+
 from replicator.coordinator import planner
 from replicator.coordinator.job import JobState
 from replicator.coordinator.liveness import Liveness
 from replicator.wire.messages import JobRef, RetainOrder
 
 
-def safe_step(job: JobState, liveness: Liveness, replicas: int, backed_up: set[int], live_copies) -> tuple[int | None, int]:
+def safe_step(job: JobState, liveness: Liveness, replicas: int, backed_up: set[int],
+              live_copies: Callable[[], list[planner.StepCopy]]) -> tuple[int | None, int]:
     """The newest step complete for every rank whose every rank's data also exists elsewhere: on a
     data-parallel peer established identical, or on the wanted number of holders, a complete backup
     of the lineage counting as one. GC may delete anything older. Live copies only: a silent
@@ -20,6 +23,7 @@ def safe_step(job: JobState, liveness: Liveness, replicas: int, backed_up: set[i
       (the step or None, the ranks looked at one by one).
     """
     incarnation = job.incarnation
+    assert incarnation is not None  # decided only for a job with an incarnation
     nodes = len(incarnation.node_of_rank)
     # Holders wanted per rank: 1 + replicas, or fewer while fewer nodes of the job are live.
     wanted = 0

@@ -49,7 +49,9 @@ def preview(key: JobRef, job: JobState, step: int, copies: list[planner.StepCopy
             for node_id, replica in holders.items():
                 (peer if replica else local).setdefault(held, {}).setdefault(rank, []).append(node_id)
     newer = sorted(set(local) | set(peer) | {s for s in backed_up if s > step})
-    by_rank = lambda table: {rank: tuple(sorted(nodes)) for rank, nodes in sorted(table.items())}  # noqa: E731
+    def by_rank(table: dict[int, list[str]]) -> dict[int, tuple[str, ...]]:
+        return {rank: tuple(sorted(nodes)) for rank, nodes in sorted(table.items())}
+
     abandoned = tuple(AbandonedStep(s, by_rank(local.get(s, {})), by_rank(peer.get(s, {})), s in backed_up) for s in newer)
     return RollbackPreview(key.namespace, key.job, step, job.ranks(), abandoned, len(job.forks) + 1, job.pending_rollback())
 

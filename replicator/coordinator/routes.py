@@ -57,6 +57,7 @@ from replicator.wire.messages import (
     JobRef,
     NodeReport,
     ProtocolMismatch,
+    ReportReply,
     SettingsRequest,
     StagedReport,
     Step,
@@ -102,7 +103,7 @@ async def _body(request: web.Request, kind: type[M]) -> M:
 WRITE_PIECE_BYTES = 4 * 1024
 
 
-async def _reply(request: web.Request, message) -> web.StreamResponse:
+async def _reply(request: web.Request, message: object) -> web.StreamResponse:
     """``message`` as the JSON response to ``request``, written in pieces of at most ``WRITE_PIECE_BYTES``."""
     body = msgspec.json.encode(message)
     if len(body) <= WRITE_PIECE_BYTES:
@@ -154,7 +155,7 @@ def _decode_report(body: bytes) -> NodeReport:
     return report
 
 
-async def post_report(request: web.Request) -> web.Response:
+async def post_report(request: web.Request) -> web.StreamResponse:
     body = await request.read()
     REPORT_BYTES.inc(len(body))
     try:
@@ -202,7 +203,7 @@ async def post_report(request: web.Request) -> web.Response:
     return await _reply(request, reply)
 
 
-def _take_report(state: ClusterState, overlay: KubeOverlay | None, report: NodeReport, remote: str | None):
+def _take_report(state: ClusterState, overlay: KubeOverlay | None, report: NodeReport, remote: str | None) -> ReportReply:
     """The state's reply to ``report``, laid under the API server's shapes when the coordinator reads them.
 
     Raises:
@@ -215,7 +216,7 @@ def _take_report(state: ClusterState, overlay: KubeOverlay | None, report: NodeR
         raise _conflict(err) from None
 
 
-async def post_settings(request: web.Request) -> web.Response:
+async def post_settings(request: web.Request) -> web.StreamResponse:
     body = await _body(request, SettingsRequest)
     try:
         request.app[STATE_KEY].record_settings(_job_key(request), body.incarnation, body.rank, body.settings)
@@ -225,7 +226,7 @@ async def post_settings(request: web.Request) -> web.Response:
     return await _reply(request, Done(True))
 
 
-async def get_restore(request: web.Request) -> web.Response:
+async def get_restore(request: web.Request) -> web.StreamResponse:
     try:
         incarnation, rank = request.query["incarnation"], int(request.query["rank"])
         wait = min(float(request.query.get("wait", 0)), MAX_WAIT_SECONDS)
@@ -257,7 +258,7 @@ async def get_restore(request: web.Request) -> web.Response:
         await changes.wait([key], deadline - time.monotonic())
 
 
-async def post_restore(request: web.Request) -> web.Response:
+async def post_restore(request: web.Request) -> web.StreamResponse:
     body = await _body(request, StagedReport)
     try:
         request.app[STATE_KEY].report_staged(_job_key(request), body.incarnation, body.generation, body.rank, body.source,
@@ -268,7 +269,7 @@ async def post_restore(request: web.Request) -> web.Response:
     return await _reply(request, Done(True))
 
 
-async def post_restore_from(request: web.Request) -> web.Response:
+async def post_restore_from(request: web.Request) -> web.StreamResponse:
     body = await _body(request, RestoreFrom)
     try:
         request.app[STATE_KEY].force_restore_step(_job_key(request), body.step)
@@ -279,7 +280,7 @@ async def post_restore_from(request: web.Request) -> web.Response:
     return await _reply(request, Done(True, body.step))
 
 
-async def get_restore_from(request: web.Request) -> web.Response:
+async def get_restore_from(request: web.Request) -> web.StreamResponse:
     try:
         step = decode(int(request.query["step"]), Step)
     except (KeyError, ValueError) as err:
@@ -292,7 +293,7 @@ async def get_restore_from(request: web.Request) -> web.Response:
         raise _conflict(err) from None
 
 
-async def delete_restore_from(request: web.Request) -> web.Response:
+async def delete_restore_from(request: web.Request) -> web.StreamResponse:
     try:
         step = request.app[STATE_KEY].cancel_restore_step(_job_key(request))
     except UnknownJob as err:
@@ -321,7 +322,7 @@ def _status_keys(state: ClusterState, job: str | None) -> list[JobRef] | None:
         raise BadRequest(f"job: {err}") from None
 
 
-async def get_status(request: web.Request) -> web.Response:
+async def get_status(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     state.tick(time.time())
     try:
@@ -330,7 +331,7 @@ async def get_status(request: web.Request) -> web.Response:
         raise _not_found(err) from None
 
 
-async def healthz(request: web.Request) -> web.Response:
+async def healthz(request: web.Request) -> web.StreamResponse:
     return await _reply(request, Done(True))
 
 

@@ -14,6 +14,7 @@ import gc
 import logging
 import os
 import time
+from collections.abc import AsyncIterator
 
 from aiohttp import web
 from lightkube import AsyncClient
@@ -42,11 +43,11 @@ TICK_SECONDS = 0.25
 MAX_BODY_BYTES = 256 << 20
 
 
-async def _ticker(app: web.Application):
+async def _ticker(app: web.Application) -> AsyncIterator[None]:
     """Expires nodes and runs due decision passes in the background, waking long polls they affect,
     and writes the settings snapshot when settings changed (once more on shutdown)."""
 
-    async def tick_forever():
+    async def tick_forever() -> None:
         while True:
             asleep = time.monotonic()
             await asyncio.sleep(TICK_SECONDS)
@@ -69,16 +70,17 @@ async def _ticker(app: web.Application):
         app[SNAPSHOT_KEY].write(data)
 
 
-async def _kube_watcher(app: web.Application):
+async def _kube_watcher(app: web.Application) -> AsyncIterator[None]:
     """Watches the API server for job shapes while the app runs; each new set goes to the overlay and wakes
     the long polls of the jobs whose shape changed."""
-    settings: KubeSettings = app[CONFIG_KEY].kube
+    settings: KubeSettings | None = app[CONFIG_KEY].kube
+    assert settings is not None  # make_app runs the watcher only with kube settings
     config = kube_config(settings)
     client = AsyncClient(config, field_manager="mtc-coordinator")
     watcher = ShapeWatcher(client, WatchSettings(namespace=settings.namespace, shape=settings.shape),
                            on_change=lambda shapes: app[CHANGES_KEY].wake(app[OVERLAY_KEY].update(shapes)))  # fmt: skip
     task = asyncio.create_task(watcher.run(), name="kube shapes")
-    log.info("reading job shapes from the API server at %s", config.get().cluster.server)
+    log.info("reading job shapes from the API server at %s", config.get().cluster.server)  # type: ignore[union-attr]  # its one context
     yield
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):

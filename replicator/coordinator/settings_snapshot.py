@@ -44,6 +44,7 @@ class SettingsSnapshot:
 
     def write(self, data: bytes) -> None:
         """Writes ``data`` crash-safe (tmp, fsync, rename). Raises OSError."""
+        assert self.path is not None  # encode gives data to write only with a path
         atomic_file.write_file_atomic(self.path, data)
 
     def load(self, cluster: ClusterState) -> None:

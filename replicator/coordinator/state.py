@@ -20,7 +20,7 @@ here; ``replicator.coordinator.routes`` serves it over HTTP.
 """
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from replicator.coordinator import (
     backups,
@@ -34,10 +34,12 @@ from replicator.coordinator import (
     sync,
     views,
 )
-from replicator.coordinator.incarnations import Incarnation, UnknownIncarnation
+from replicator.coordinator.incarnations import Incarnation
+from replicator.coordinator.incarnations import UnknownIncarnation as UnknownIncarnation  # re-exported: routes catch it
 from replicator.coordinator.job import JobState
 from replicator.coordinator.liveness import Liveness
-from replicator.coordinator.restores import PEER_SOURCES_PER_VIEW, USABLE_TIERS, NotReady  # noqa: F401  (re-exported)
+from replicator.coordinator.restores import PEER_SOURCES_PER_VIEW, USABLE_TIERS  # noqa: F401  (re-exported)
+from replicator.coordinator.restores import NotReady as NotReady  # re-exported: routes catch it
 from replicator.wire.messages import (
     Assignment,
     BadCopy,
@@ -219,7 +221,7 @@ class ClusterState:
             lineages=tuple(Lineage(key.namespace, key.job, job.forks) for key, job in jobs if job.forks),
         )
 
-    def _mark_dirty(self, keys) -> None:
+    def _mark_dirty(self, keys: Iterable[JobRef]) -> None:
         for key in keys:
             if (job := self._jobs.get(key)) is not None:
                 job.decided.dirty = True
@@ -376,6 +378,7 @@ class ClusterState:
         job = self._jobs[key]
         restores.check_started(incarnation, self.liveness, now)
         if restores.sources_lost(incarnation, rank, self.liveness):
+            assert incarnation.plan is not None  # only a plan's sources are lost
             log.warning("job %s rank %d: every holder of step %d silent past the grace period; replanning", key, rank, incarnation.plan.step)
             self._replan(key, incarnation)
         if incarnation.plan is None:

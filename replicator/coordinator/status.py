@@ -80,7 +80,7 @@ class Coordinator:
         """
         self._call("POST", _rollback_path(job), Done, RestoreFrom(step))
 
-    def cancel_restore_from(self, job: JobRef) -> int:
+    def cancel_restore_from(self, job: JobRef) -> int | None:
         """Cancels the job's pending rollback; returns its step.
 
         Raises:
@@ -88,7 +88,7 @@ class Coordinator:
         """
         return self._call("DELETE", _rollback_path(job), Done).step
 
-    def _call(self, method: str, path: str, kind: type[M], body=None) -> M:
+    def _call(self, method: str, path: str, kind: type[M], body: object = None) -> M:
         url = self.url.rstrip("/") + path
         headers = {"Content-Type": "application/json", **(auth_header(self.token) if self.token else {})}
         data = msgspec.json.encode(body) if body is not None else None

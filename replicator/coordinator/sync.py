@@ -6,6 +6,7 @@ the façade (``ClusterState``) marks and bumps them.
 
 import dataclasses
 import logging
+from collections.abc import Iterable
 
 import msgspec
 from prometheus_client import Counter
@@ -32,10 +33,10 @@ class Changes:
 class WarnedOnce:
     """What was logged once: (node, job) untrusted claims, (job, step, rank) unknown owner checksums."""
 
-    def __init__(self):
-        self._seen: set[tuple] = set()
+    def __init__(self) -> None:
+        self._seen: set[tuple[object, ...]] = set()
 
-    def first(self, what: tuple) -> bool:
+    def first(self, what: tuple[object, ...]) -> bool:
         if what in self._seen:
             return False
         self._seen.add(what)
@@ -62,7 +63,7 @@ def absorb(jobs: dict[JobRef, JobState], liveness: Liveness, node_id: str, bound
     return changes
 
 
-def _pods(jobs, node_id: str, bound: NodeState | None, report: NodeReport | None, changes: Changes) -> None:
+def _pods(jobs: dict[JobRef, JobState], node_id: str, bound: NodeState | None, report: NodeReport | None, changes: Changes) -> None:
     """Pods unpublished from the node leave their job; new or changed ones join it (a job is
     created by its first pod), with the settings they carry."""
     old_pods = {p.pod_uid: p for p in bound.report.pods} if bound else {}
@@ -88,7 +89,7 @@ def _pods(jobs, node_id: str, bound: NodeState | None, report: NodeReport | None
             changes.dirty.add(key)
 
 
-def _lineages(jobs, liveness: Liveness, node_id: str, report: NodeReport, changes: Changes) -> None:
+def _lineages(jobs: dict[JobRef, JobState], liveness: Liveness, node_id: str, report: NodeReport, changes: Changes) -> None:
     """Rollbacks the node reports that extend a job's: adopted if the job ran on the node (a
     lineage abandons data on every node of the job)."""
     for reported in report.lineages:
@@ -100,7 +101,7 @@ def _lineages(jobs, liveness: Liveness, node_id: str, report: NodeReport, change
             changes.bumped.add(key)
 
 
-def _indexed(jobs, held) -> tuple[HeldStep, ...]:
+def _indexed(jobs: dict[JobRef, JobState], held: Iterable[HeldStep]) -> tuple[HeldStep, ...]:
     """The held steps to index: claims about a job no pod ever published are looked at again in the
     next report; copies of an abandoned timeline (or of one this coordinator has not learnt of
     yet) are not indexed."""
@@ -112,7 +113,7 @@ def _indexed(jobs, held) -> tuple[HeldStep, ...]:
     return tuple(kept)
 
 
-def _claims(jobs, node_id: str, old_claims: frozenset[Claim], held, new_claims: frozenset[Claim], warned: WarnedOnce,
+def _claims(jobs: dict[JobRef, JobState], node_id: str, old_claims: frozenset[Claim], held: tuple[HeldStep, ...], new_claims: frozenset[Claim], warned: WarnedOnce,
             changes: Changes) -> None:  # fmt: skip
     """Claims the node no longer makes are dropped (with what it reported of them); new ones are
     indexed, and a claim the coordinator does not believe is counted and logged once."""
@@ -137,7 +138,7 @@ def _claims(jobs, node_id: str, old_claims: frozenset[Claim], held, new_claims: 
                             key, node_id, "a replica" if h.replica else "the data", h.rank, h.step)  # fmt: skip
 
 
-def _owner_reports(jobs, node_id: str, held, changes: Changes) -> None:
+def _owner_reports(jobs: dict[JobRef, JobState], node_id: str, held: tuple[HeldStep, ...], changes: Changes) -> None:
     """Checksums and signatures of the node's own data: other checksums from the rank's believed
     node supersede the step; new ones wait (``OwnerReports.pending``) until the node is believed."""
     for h in held:
@@ -177,7 +178,7 @@ def _supersede(key: JobRef, job: JobState, step: int, rank: int, owner: str) -> 
         job.backup_pending = None
 
 
-def _listings(jobs, node_id: str, bound: NodeState | None, report: NodeReport | None, changes: Changes) -> None:
+def _listings(jobs: dict[JobRef, JobState], node_id: str, bound: NodeState | None, report: NodeReport | None, changes: Changes) -> None:
     """The node's listings of jobs' backups; a forgotten node's listings go."""
     if report is not None:
         old_listings = {JobRef(b.namespace, b.job): b for b in bound.report.backed_up} if bound else {}
