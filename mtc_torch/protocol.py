@@ -22,10 +22,13 @@ import stat
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import TypeVar, overload
 
 import yaml
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 FRAMEWORK = "pytorch.distributed"
 # The Resiliency library's names (high_scale_ckpt_utils.py).
@@ -88,6 +91,12 @@ class NodeTopology:
             ValueError: neither ``NODE_RANK`` nor ``GROUP_RANK`` is set, a value is not an integer, or a rank is out
                 of range.
         """
+
+        @overload
+        def integer(name: str, default: int) -> int: ...
+
+        @overload
+        def integer(name: str, default: None = None) -> int | None: ...
 
         def integer(name: str, default: int | None = None) -> int | None:
             value = env.get(name)
@@ -178,7 +187,8 @@ class ReplicatorConfig:
             data["assume-data-parallelism"] = self.assume_data_parallelism
         if self.workers_per_node is not None:
             data["workers-per-node"] = self.workers_per_node
-        return yaml.safe_dump(data, default_flow_style=False, sort_keys=False)
+        text: str = yaml.safe_dump(data, default_flow_style=False, sort_keys=False)
+        return text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,8 +328,8 @@ def remove_stale_tmp_steps(dir_fd: int) -> list[str]:
     return removed
 
 
-def _wait(what: str, timeout_s: float, waits: Waits, dir_fd: int, ready: Callable[[], object],
-          check: bool = True) -> object:
+def _wait(what: str, timeout_s: float, waits: Waits, dir_fd: int, ready: Callable[[], _T | None],
+          check: bool = True) -> _T:
     """Polls ``ready()`` until it returns non-None; with ``check``, looks at the agent's files before each poll."""
     deadline = waits.clock() + timeout_s
     while True:
@@ -393,7 +403,7 @@ def wait_prerestore(dir_fd: int, waits: Waits) -> int:
         text = read_small_file(dir_fd, PRERESTORE_FILE)
         return None if text is None else parse_prerestore(text)
 
-    return int(_wait(f"no {PRERESTORE_FILE}", waits.prerestore_s, waits, dir_fd, ready))  # type: ignore[arg-type]
+    return int(_wait(f"no {PRERESTORE_FILE}", waits.prerestore_s, waits, dir_fd, ready))
 
 
 def find_marker(dir_fd: int, node_rank: int) -> tuple[str, int] | None:
@@ -467,7 +477,7 @@ def handshake(local_dir: str | os.PathLike[str], config: ReplicatorConfig, waits
         prerestore_step = wait_prerestore(dir_fd, waits)
         marker = _wait(f"no restore marker <job>-s<step>-n{config.node_rank}-w<worker>{MARKER_SUFFIX}",
                        waits.marker_s, waits, dir_fd, lambda: find_marker(dir_fd, config.node_rank))
-        name, step = marker  # type: ignore[misc]
+        name, step = marker
         if step != prerestore_step:
             log.warning("%s announced step %d, the marker %s names step %d: the marker wins",
                         PRERESTORE_FILE, prerestore_step, name, step)

@@ -69,9 +69,10 @@ class BoundedReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The checkpoint's metadata, bounded and allow-listed; ``load_id`` set as torch's reader does."""
         metadata = load_metadata(self._get_metadata_path(kwargs.get("rank")))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -171,7 +172,7 @@ class _Files:
 
     def read_into(self, name: str, offset: int, target: torch.Tensor) -> None:
         """Fills ``target`` (a flat uint8 CPU tensor) with the bytes of ``name`` from ``offset``."""
-        view = memoryview(target.numpy())
+        view = memoryview(target.numpy())  # type: ignore[arg-type]  # numpy's stubs declare no buffer protocol before 3.12
         done = 0
         while done < len(view):
             got = os.preadv(self._fds[name], [view[done:]], offset + done)

@@ -88,7 +88,7 @@ class HostStager:
         """
         self.wait()
         self._used, self._seen = set(), set()
-        staged = self._copy(state_dict, ())
+        staged: dict[str, Any] = self._copy(state_dict, ())
         self._copied = [self._streams[device].record_event() for device in self._used]
         for path in [path for path in self._buffers if path not in self._seen]:  # tensors the state no longer has
             self._release(self._buffers.pop(path))
@@ -123,7 +123,7 @@ class HostStager:
             inner = {name: getattr(tensor, name) for name in names}  # torch >= 2.13 lists its device mesh too
             inner = {name: self._copy_tensor(value, (*path, name)) if isinstance(value, torch.Tensor) else value
                      for name, value in inner.items()}
-            return type(tensor).__tensor_unflatten__(inner, context, tensor.size(), tensor.stride())
+            return type(tensor).__tensor_unflatten__(inner, context, tensor.size(), tensor.stride())  # type: ignore[attr-defined,no-any-return]  # a subclass hook
         if tensor.layout != torch.strided or tensor.is_quantized:  # rare layouts: a plain, synchronous copy
             return tensor.to("cpu", copy=True)
         buffer = self._buffer(path, tensor)

@@ -147,7 +147,7 @@ class _Blob:
             torch.save(tensor, stream)
             return cls(item, stream.getbuffer(), None)
         flat = tensor.contiguous().reshape(-1).view(torch.uint8)
-        return cls(item, memoryview(flat.numpy()), [RAW_TENSOR_BYTES])
+        return cls(item, memoryview(flat.numpy()), [RAW_TENSOR_BYTES])  # type: ignore[arg-type]  # as reader.read_into
 
 
 def _spread(blobs: list[_Blob], files: int) -> list[list[_Blob]]:

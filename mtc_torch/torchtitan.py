@@ -21,6 +21,7 @@ TorchTitan.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -96,7 +97,7 @@ class MtcCheckpointManager(BaseCheckpointManager):
         self.enable = config.enable
         if not self.enable:
             return
-        self.save_future = None
+        self.save_future: concurrent.futures.Future[int] | None = None
         self.interval = config.interval
         self.load_only = config.load_only
         self.enable_first_step_checkpoint = config.enable_first_step_checkpoint
