@@ -50,7 +50,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from mtc_torch import CheckpointManager  # noqa: E402
+from mtc_torch import CheckpointManager
 
 DIM, HIDDEN, BATCH = 16, 64, 8
 _print_lock = threading.Lock()

@@ -114,7 +114,7 @@ class ObjectStore(abc.ABC):
         resumable sessions) has nothing to list."""
         return []
 
-    def abort_partial_uploads(self, prefix: str) -> None:
+    def abort_partial_uploads(self, prefix: str) -> None:  # noqa: B027  # a hook: nothing to abort by default
         """Aborts every upload ``partial_uploads(prefix)`` lists (frees what the store holds for them)."""
 
 

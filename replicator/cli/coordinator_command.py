@@ -15,9 +15,9 @@ from replicator.cli.arguments import (
     token_file,
     usage_error,
 )
-from replicator.coordinator.kube_shape import DEFAULT_BLOCK_LABEL, ShapeSettings
 from replicator.coordinator.config import CoordinatorConfig
 from replicator.coordinator.kube_config import KubeSettings, kube_config
+from replicator.coordinator.kube_shape import DEFAULT_BLOCK_LABEL, ShapeSettings
 from replicator.coordinator.service import run_coordinator
 
 

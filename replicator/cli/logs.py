@@ -13,7 +13,7 @@ class JsonLines(logging.Formatter):
     and ``exception`` (the traceback's text) or ``stack`` when the record carries one."""
 
     def format(self, record: logging.LogRecord) -> str:
-        time = datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc)
+        time = datetime.datetime.fromtimestamp(record.created, datetime.UTC)
         line = {"time": time.isoformat(timespec="milliseconds"), "level": record.levelname, "logger": record.name,
                 "message": record.getMessage()}  # fmt: skip
         if record.exc_info:

@@ -24,7 +24,6 @@ from replicator.wire.messages import (
     RetainOrder,
 )
 
-
 # Checksums are kept packed: one JSON blob of a step's manifest, keys sorted, so that two equal
 # manifests pack to equal bytes, compressed. As decoded dicts, 60 files x 3 steps were 45 KB of the
 # 57 KB a node cost the coordinator (2026-11-25, ``tests.bench.coordinator_sim``); as JSON, about 13 KB.

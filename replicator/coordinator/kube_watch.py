@@ -183,7 +183,7 @@ class ShapeWatcher:
             except _Gone:
                 log.info("%s watch: resourceVersion %s is too old, listing again", kind.name, version)
                 version = None
-            except Exception as error:  # noqa: BLE001 (any failure: the last known objects stand, and it retries)
+            except Exception as error:
                 if isinstance(error, ApiError) and error.status.code == 410:
                     version = None
                     continue

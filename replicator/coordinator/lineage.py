@@ -13,7 +13,8 @@ log = logging.getLogger(__name__)
 
 def news(report: NodeReport, jobs: dict[JobRef, JobState]) -> bool:
     """Whether the report names rollbacks of a known job that its coordinator has not adopted."""
-    return any((job := jobs.get(JobRef(l.namespace, l.job))) is not None and extends(l.forks, job.forks) for l in report.lineages)
+    return any((job := jobs.get(JobRef(lineage.namespace, lineage.job))) is not None and extends(lineage.forks, job.forks)
+               for lineage in report.lineages)
 
 
 def set_lineage(key: JobRef, job: JobState, forks: tuple[int, ...], nodes: dict[str, NodeState]) -> None:

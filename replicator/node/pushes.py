@@ -100,7 +100,7 @@ class Pusher:
                 self._pushed[key] = time.monotonic()
                 log.info("%s: replicated step %d of rank %d to %s in %.2f s (%d bytes)", job, order.step, order.rank,
                          target.node, time.monotonic() - started, manifest.total_bytes)  # fmt: skip
-            except (PeerFetchError, OSError, aiohttp.ClientError, asyncio.TimeoutError) as err:
+            except (TimeoutError, PeerFetchError, OSError, aiohttp.ClientError) as err:
                 REPLICATED.labels("failed").inc()
                 self._log_once(f"push-{target.node}", f"replicating step {order.step} to {target.node} failed: {err}")
 

@@ -28,10 +28,24 @@ import aiohttp
 
 from replicator.local_tier import pod_files
 from replicator.local_tier.incoming import pwrite_all
-from replicator.local_tier.step_manifest import CorruptCopy, StepManifest, UnusableCopy, crc32c_combine, crc32c_extend, safe_relpath
+from replicator.local_tier.step_manifest import (
+    CorruptCopy,
+    StepManifest,
+    UnusableCopy,
+    crc32c_combine,
+    crc32c_extend,
+    safe_relpath,
+)
 from replicator.pacing import timing
 from replicator.pacing.cpu_share import CpuShare
-from replicator.peer_tier.protocol import COMMIT_SUFFIX, FILES_SUFFIX, MANIFEST_SUFFIX, STEP_BYTES_HEADER, STEP_PATH, UPLOAD_HEADER
+from replicator.peer_tier.protocol import (
+    COMMIT_SUFFIX,
+    FILES_SUFFIX,
+    MANIFEST_SUFFIX,
+    STEP_BYTES_HEADER,
+    STEP_PATH,
+    UPLOAD_HEADER,
+)
 from replicator.wire.bearer import auth_header
 from replicator.wire.http_errors import error_of
 
@@ -117,7 +131,7 @@ async def fetch_manifest(session: aiohttp.ClientSession, base_url: str, token: s
             safe_relpath(rel)
     except (ValueError, KeyError, TypeError) as err:
         raise UnusablePeerCopy(f"{url}{MANIFEST_SUFFIX}: not a usable manifest: {err!r}") from None
-    except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+    except (TimeoutError, aiohttp.ClientError) as err:
         raise PeerFetchError(f"GET {url}{MANIFEST_SUFFIX}: {err!r}") from None
     if (manifest.rank, manifest.step) != (rank, step):
         raise UnusablePeerCopy(f"{url}: the peer sent the manifest of rank {manifest.rank} step {manifest.step}")
@@ -375,5 +389,5 @@ async def push_step(session: aiohttp.ClientSession, base_url: str, token: str, n
         async with session.post(url + COMMIT_SUFFIX, data=manifest.to_json(),
                                 headers={**headers, "Content-Type": "application/json"}) as response:
             await _raise_for(response, f"commit of rank {manifest.rank} step {manifest.step} to {base_url}")
-    except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+    except (TimeoutError, aiohttp.ClientError) as err:
         raise PeerFetchError(f"pushing rank {manifest.rank} step {manifest.step} to {base_url}: {err!r}") from None

@@ -30,8 +30,8 @@ import errno
 import os
 import shutil
 import time
-from typing import overload
 from collections.abc import Callable
+from typing import overload
 
 import tenacity
 from aiohttp import web
@@ -249,7 +249,7 @@ async def _receive(request: web.Request, path: str, share: CpuShare | None) -> i
     """Streams the request body into a new file at ``path``, pausing for ``share``; returns its size, bytes."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     written = 0
-    with open(path, "wb", buffering=0) as f:
+    with open(path, "wb", buffering=0) as f:  # noqa: ASYNC230  # a tmpfs file: each write is a memory copy
         async for chunk in request.content.iter_chunked(_RECEIVE_CHUNK_BYTES):
             f.write(chunk)  # unbuffered file: write() writes it all or raises
             written += len(chunk)
@@ -359,7 +359,7 @@ class _PeerService:
                 async with self._install_lock:
                     await asyncio.to_thread(ref.meta.install_replica, upload.directory, manifest)
         finally:
-            if os.path.exists(upload.directory):  # not installed: verification failed or raised
+            if os.path.exists(upload.directory):  # noqa: ASYNC240  # one stat; not installed: verification failed or raised
                 await asyncio.to_thread(shutil.rmtree, upload.directory, True)
         if problems:
             raise error_response(web.HTTPUnprocessableEntity, f"upload {upload_id} does not match its manifest; discarded", problems)

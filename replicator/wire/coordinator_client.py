@@ -3,7 +3,6 @@
 The wire types are ``replicator.wire.messages``; the coordinator's side is ``replicator.coordinator.routes``.
 """
 
-import asyncio
 import uuid
 from typing import Any, cast
 
@@ -59,7 +58,7 @@ class CoordinatorClient:
         try:
             async with self._session.request(method, self._base + path, headers=headers, data=data, params=params, timeout=timeout) as response:
                 raw = await response.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+        except (TimeoutError, aiohttp.ClientError) as err:
             raise CoordinatorUnavailable(f"{method} {path}: {err!r}") from None
         if response.status != 200:
             raise CoordinatorUnavailable(f"{method} {path}: HTTP {response.status}: {error_of(raw)}")

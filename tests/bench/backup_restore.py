@@ -52,15 +52,20 @@ import botocore.session
 import google_crc32c
 import psutil
 from boto3.s3.transfer import TransferConfig, create_transfer_manager
-from s3transfer.crt import BotocoreCRTCredentialsWrapper, BotocoreCRTRequestSerializer, CRTTransferManager, create_s3_crt_client
+from s3transfer.crt import (
+    BotocoreCRTCredentialsWrapper,
+    BotocoreCRTRequestSerializer,
+    CRTTransferManager,
+    create_s3_crt_client,
+)
 
 warnings.simplefilter("ignore", FutureWarning)  # google-auth's import-time notice about grpcio versions
 
-from replicator.backup_tier.backends import open_backup_store  # noqa: E402
-from replicator.backup_tier.store import BackupStore  # noqa: E402
-from replicator.local_tier.step_manifest import StepManifest, build_manifest  # noqa: E402
-from tests.helpers.servers import FakeGcsServer, MinioServer, ServerProcess  # noqa: E402
-from tests.helpers.tools import find_tool  # noqa: E402
+from replicator.backup_tier.backends import open_backup_store
+from replicator.backup_tier.store import BackupStore
+from replicator.local_tier.step_manifest import StepManifest, build_manifest
+from tests.helpers.servers import FakeGcsServer, MinioServer, ServerProcess
+from tests.helpers.tools import find_tool
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -33,7 +33,15 @@ import msgspec
 from replicator.coordinator.state import ClusterState, decide_interval
 from replicator.node.report_session import HeldCopy, OwnStep, ReportSession
 from replicator.wire.messages import BackedUp, JobRef, JobSettings, NodeReport, PodReport, ReportReply, decode_json
-from tests.bench.coordinator_scale import HELD_STEPS, NAMESPACE, SLICE_NODES, SMALL_JOB_NODES, STEP_NUMBERS, JobSpec, rank_files
+from tests.bench.coordinator_scale import (
+    HELD_STEPS,
+    NAMESPACE,
+    SLICE_NODES,
+    SMALL_JOB_NODES,
+    STEP_NUMBERS,
+    JobSpec,
+    rank_files,
+)
 
 REPEATS = 5  # a short figure is the median of this many timed batches
 BATCH = 1_000  # reports per timed batch

@@ -52,13 +52,13 @@ import warnings
 
 warnings.simplefilter("ignore", FutureWarning)  # google-auth's import-time notice about grpcio versions
 
-from examples.local_cluster import LocalCluster, LocalJob, can_mount_tmpfs, scratch_dir, unmount_all_below  # noqa: E402
-from tests.bench import goodput_model  # noqa: E402
-from tests.bench.goodput_model import COPY_BW, MTBF_S, NEAR_BW, STORE_BW, TARGET_BYTES  # noqa: E402
-from tests.helpers.jobs import replace_node  # noqa: E402
-from tests.helpers.ports import free_port, listen_address  # noqa: E402
-from tests.helpers.servers import FakeGcsServer  # noqa: E402
-from tests.helpers.tools import require_tool  # noqa: E402
+from examples.local_cluster import LocalCluster, LocalJob, can_mount_tmpfs, scratch_dir, unmount_all_below
+from tests.bench import goodput_model
+from tests.bench.goodput_model import COPY_BW, MTBF_S, NEAR_BW, STORE_BW, TARGET_BYTES
+from tests.helpers.jobs import replace_node
+from tests.helpers.ports import free_port, listen_address
+from tests.helpers.servers import FakeGcsServer
+from tests.helpers.tools import require_tool
 
 NODES, SLICES, LOST_NODE = 4, 2, 3
 BALLAST_MIB = 64

@@ -20,12 +20,12 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples"))
 
-import cpu_cluster  # noqa: E402  (examples/: the CPU process-count and slice shims)
-import jax  # noqa: E402
-import orbax.checkpoint as ocp  # noqa: E402
-from absl import flags  # noqa: E402
-import train  # noqa: E402  (examples/train.py: the job itself)
-from orbax.checkpoint.experimental.emergency import checkpoint_manager as emergency  # noqa: E402
+import cpu_cluster
+import jax
+import orbax.checkpoint as ocp
+import train
+from absl import flags
+from orbax.checkpoint.experimental.emergency import checkpoint_manager as emergency
 
 
 def parse_args() -> argparse.Namespace:

@@ -39,15 +39,15 @@ import warnings
 
 warnings.simplefilter("ignore", FutureWarning)  # google-auth's import-time notice about grpcio versions
 
-from examples.local_cluster import LocalCluster, unmount_all_below  # noqa: E402
-from replicator.backup_tier.store import RankManifest  # noqa: E402
-from tests.helpers import network  # noqa: E402
-from tests.helpers.jobs import UNTIL_KILLED, kill_past_newest_commit, kill_started_jobs, recreate, run_job, status_of  # noqa: E402
-from tests.helpers.polling import wait_until  # noqa: E402
-from tests.helpers.ports import listen_address  # noqa: E402
-from tests.helpers.servers import FakeGcsServer  # noqa: E402
-from tests.helpers.tools import find_tool  # noqa: E402
-from tests.helpers.trainer_oracle import restore_seconds  # noqa: E402
+from examples.local_cluster import LocalCluster, unmount_all_below
+from replicator.backup_tier.store import RankManifest
+from tests.helpers import network
+from tests.helpers.jobs import UNTIL_KILLED, kill_past_newest_commit, kill_started_jobs, recreate, run_job, status_of
+from tests.helpers.polling import wait_until
+from tests.helpers.ports import listen_address
+from tests.helpers.servers import FakeGcsServer
+from tests.helpers.tools import find_tool
+from tests.helpers.trainer_oracle import restore_seconds
 
 GOAL = 1.0
 _RANK_OBJECT = re.compile(r"^rank-(\d+)/")

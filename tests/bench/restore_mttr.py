@@ -23,8 +23,8 @@ import warnings
 
 warnings.simplefilter("ignore", FutureWarning)  # google-auth's import-time notice about grpcio versions
 
-from examples.local_cluster import LocalCluster, LocalJob, can_mount_tmpfs, scratch_dir  # noqa: E402
-from tests.helpers.ports import free_port, listen_address  # noqa: E402
+from examples.local_cluster import LocalCluster, LocalJob, can_mount_tmpfs, scratch_dir
+from tests.helpers.ports import free_port, listen_address
 
 NODES = 4
 SLICES = 2

@@ -106,9 +106,11 @@ class Bench:
         timed = {}
         for name, run in (("D2H pageable", lambda: src.cpu()), ("D2H pinned", lambda: pinned.copy_(src, non_blocking=True)),
                           ("H2D pinned", lambda: src.copy_(pinned, non_blocking=True))):
-            run(); torch.cuda.synchronize()  # fmt: skip
+            run()  # once to warm up
+            torch.cuda.synchronize()
             start = time.perf_counter()
-            run(); torch.cuda.synchronize()  # fmt: skip
+            run()
+            torch.cuda.synchronize()
             timed[name] = gbps(nbytes, time.perf_counter() - start)
         flat = memoryview(pinned.numpy())
         for threads in (1, 4, 8, 16):

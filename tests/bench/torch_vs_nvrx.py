@@ -121,7 +121,7 @@ def wait_for(condition, processes: list[subprocess.Popen], logs: list[str], what
     while time.monotonic() < deadline:
         if condition():
             return
-        for process, log in zip(processes, logs):
+        for process in processes:
             if process.poll() not in (None, 0):
                 last = (events(logs[0]) or [None])[-1]
                 tails = "".join(f"\n--- node {n} ({p.poll()}), {path}.stderr:\n{tail(path + '.stderr')}" for n, (p, path) in enumerate(zip(processes, logs)))
@@ -222,7 +222,7 @@ class NVRxSetup:
                 recreated_at = time.time()
                 self._mount(1)
                 processes, logs = self._launch(loss + 1, target(loss + 1))
-                wait_for(lambda: any(e["event"] == "step" for e in events(logs[0])), processes, logs, "NVRx: the first step after the node loss")  # noqa: B023
+                wait_for(lambda: any(e["event"] == "step" for e in events(logs[0])), processes, logs, "NVRx: the first step after the node loss")
                 check_restore(run, before, events(logs[0]), recreated_at)
                 run.sources.append("node 1's ranks from their clique peers on node 0 (NVRx's retrieve plan)")
         finally:
@@ -287,14 +287,15 @@ class OurSetup:
                            job_args=[*self.job_args, "--steps", str(target(0)), "--save-every", str(SAVE_EVERY)])  # fmt: skip
             job.create_pods()
             job.start_training()
-            processes = lambda: [pod.process for pod in job.pods]
+            def processes() -> list:
+                return [pod.process for pod in job.pods]
             for loss in range(NODE_LOSSES):
                 logs = [pod.log_path for pod in job.pods]
                 wait_trained(run, processes(), logs, target(loss), "ours")
                 before = events(logs[0])
                 if loss == 0:
                     measure(run, before)
-                wait_for(lambda: self.newest_replicated_step(cluster, job) >= target(loss), processes(), logs, f"ours: step {target(loss)} replicated")  # noqa: B023
+                wait_for(lambda: self.newest_replicated_step(cluster, job) >= target(loss), processes(), logs, f"ours: step {target(loss)} replicated")
                 cluster.lose_node(job.agents[1])
                 job.agents[1] = cluster.add_node(NODES + loss, block="b1")
                 job.delete_pods()
@@ -303,7 +304,7 @@ class OurSetup:
                 job.job_args[job.job_args.index("--steps") + 1] = str(target(loss + 1))
                 job.start_training()
                 logs = [pod.log_path for pod in job.pods]
-                wait_for(lambda: any(e["event"] == "step" for e in events(logs[0])), processes(), logs, "ours: the first step after the node loss")  # noqa: B023
+                wait_for(lambda: any(e["event"] == "step" for e in events(logs[0])), processes(), logs, "ours: the first step after the node loss")
                 check_restore(run, before, events(logs[0]), recreated_at)
                 restore = cluster.coordinator.status(job.job)["jobs"][0]["restore"]
                 run.sources.append(f"step {restore['step']} from {dict(sorted(restore['sources'].items()))}")

@@ -9,7 +9,18 @@ import sys
 from examples.local_cluster import LocalJob, Pod
 from tests.helpers import REPO
 from tests.helpers.agents import scrape
-from tests.helpers.jobs import UNTIL_KILLED_STEPS, by_event, committed, compared_losses, kill_past_newest_commit, losses, recreate, replace_node, run_job, status_of
+from tests.helpers.jobs import (
+    UNTIL_KILLED_STEPS,
+    by_event,
+    committed,
+    compared_losses,
+    kill_past_newest_commit,
+    losses,
+    recreate,
+    replace_node,
+    run_job,
+    status_of,
+)
 from tests.helpers.polling import wait_until
 
 NEMO_CLIENT = str(REPO / "tests" / "helpers" / "nemo_client.py")

@@ -45,7 +45,7 @@ def test_sigkilled_job_resumes_at_newest_complete_step_with_identical_values(clu
     for rank in range(4):
         name = f"rank{rank}-step{expected}.npz"
         assert_same_state(tmp_path / "ref-dump" / name, tmp_path / "dump-2" / name)
-        assert_same_state(tmp_path / "ref-dump" / "rank{}-step30.npz".format(rank), tmp_path / "dump-2" / f"rank{rank}-step30.npz")
+        assert_same_state(tmp_path / "ref-dump" / f"rank{rank}-step30.npz", tmp_path / "dump-2" / f"rank{rank}-step30.npz")
     status = coordinator.status(job.job)["jobs"][0]
     assert status["restore"]["step"] == expected
     assert set(status["restore"]["sources"].values()) == {f"local:node-{i}" for i in range(4)}

@@ -20,7 +20,15 @@ from examples.torchrun_job import TORCH_PYTHON, TorchrunJob
 from replicator.local_tier import space
 from replicator.local_tier.job_meta import JobMeta
 from tests.helpers.agents import scrape
-from tests.helpers.jobs import UNTIL_KILLED, assert_resumed_exactly, by_event, lose_node_and_resume, losses, run_job, status_of
+from tests.helpers.jobs import (
+    UNTIL_KILLED,
+    assert_resumed_exactly,
+    by_event,
+    lose_node_and_resume,
+    losses,
+    run_job,
+    status_of,
+)
 from tests.helpers.polling import wait_until
 
 REPLICAS = 1

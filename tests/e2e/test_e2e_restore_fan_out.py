@@ -11,7 +11,14 @@ import pytest
 
 from replicator.backup_tier.store import RankManifest
 from tests.helpers import network
-from tests.helpers.jobs import UNTIL_KILLED, assert_resumed_exactly, kill_past_newest_commit, recreate, run_job, status_of
+from tests.helpers.jobs import (
+    UNTIL_KILLED,
+    assert_resumed_exactly,
+    kill_past_newest_commit,
+    recreate,
+    run_job,
+    status_of,
+)
 from tests.helpers.polling import wait_until
 from tests.helpers.servers import FakeGcsServer
 from tests.helpers.tools import require_tool, requires_root

@@ -12,7 +12,16 @@ from csi_driver import kubelet
 from examples.local_cluster import LocalCluster, source_env, unmount_all_below
 from replicator.local_tier.frameworks.client_dir import RESTORE_SUFFIX, restore_marker_name
 from tests.helpers.agents import job_status, publish_pods, rank_of, save_until_safe, start_fresh
-from tests.helpers.jobs import UNTIL_KILLED, by_event, committed, compared_losses, kill_past_newest_commit, losses, rerun, run_job
+from tests.helpers.jobs import (
+    UNTIL_KILLED,
+    by_event,
+    committed,
+    compared_losses,
+    kill_past_newest_commit,
+    losses,
+    rerun,
+    run_job,
+)
 from tests.helpers.polling import wait_until
 from tests.helpers.ports import listen_address
 from tests.helpers.releases import restart_coordinator, restart_node

@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     def finalize() -> None:
         emit(event="saved", step=pending.finalize(args.finalize_pause), global_step=pending.global_step, node=node)
 
-    for global_step in range(global_step + 1, args.steps + 1):
+    for global_step in range(global_step + 1, args.steps + 1):  # noqa: B020  # it starts after the restored step
         if pending is not None and pending.done():
             finalize()
             pending = None

@@ -75,7 +75,7 @@ class TrainerJob(LocalJob):
             if time.monotonic() > deadline:
                 raise HarnessError(f"no moment within {timeout} s when every pod's newest commit was step {newest} and every pod "
                                    f"had logged a loss after it (last: commits {[max(c, default=None) for c in committed]}, "
-                                   f"losses {[max(l, default=None) for l in losses]})")  # fmt: skip
+                                   f"losses {[max(pod_losses, default=None) for pod_losses in losses]})")  # fmt: skip
             failed = [p for p in self.pods if p.process and p.process.poll() not in (None, 0)]
             if failed:
                 raise RuntimeError(f"training process {failed[0].name} exited {failed[0].process.returncode}: {self._stderr(failed[0])}")
@@ -167,7 +167,9 @@ def fail_and_restore(cluster: LocalCluster, job: TrainerJob, shape: str, lose_no
     """SIGKILLs the trainers once each logged a loss past the newest commit (and loses node 1 when
     ``lose_node``), recreates the pods, checks the restore."""
     newest, before = job.kill_past_newest_commit()
-    status = lambda: cluster.coordinator.status(job.job)["jobs"][0]
+    def status() -> dict:
+        return cluster.coordinator.status(job.job)["jobs"][0]
+
     wait_until(lambda: status()["newest_complete_step"] == newest, 60, f"the coordinator seeing step {newest}")
     if lose_node:
         # Only a step held elsewhere survives the node: wait until the peer tier covers the newest.

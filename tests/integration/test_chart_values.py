@@ -13,6 +13,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from replicator import cli
 from tests.helpers.chart import (
     CHART,
     KUBERNETES_VERSIONS,
@@ -25,7 +26,6 @@ from tests.helpers.chart import (
     run,
     template_argv,
 )
-from replicator import cli
 from tests.helpers.tools import require_tool
 
 SCHEMA_ERROR = "values don't meet the specifications of the schema(s)"

@@ -5,7 +5,6 @@ is expected, exit code 2, no traceback, and nothing created; ``--version``, ``--
 import importlib.metadata
 import json
 import logging
-import os
 import socket
 import subprocess
 import sys

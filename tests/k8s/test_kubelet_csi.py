@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 from lightkube import ApiError, AsyncClient, KubeConfig, codecs
+from lightkube.generic_resource import create_global_resource
 from lightkube.models.core_v1 import Container, CSIVolumeSource, PodSpec, Volume, VolumeMount
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Pod
-from lightkube.generic_resource import create_global_resource
 from lightkube.resources.storage_v1 import CSIDriver
 
 from csi_driver import mounts

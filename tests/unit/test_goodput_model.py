@@ -1,10 +1,18 @@
 """The goodput bench's checkpoint-interval model (tests/bench/goodput_model.py) against hand computations."""
 
-import pytest
-
 import json
 
-from tests.bench.goodput_model import GPUS_PER_HOST, Costs, goodput, interval, scaled, torch_gpu_rates, young_daly_interval
+import pytest
+
+from tests.bench.goodput_model import (
+    GPUS_PER_HOST,
+    Costs,
+    goodput,
+    interval,
+    scaled,
+    torch_gpu_rates,
+    young_daly_interval,
+)
 
 
 def test_young_daly_interval_is_sqrt_of_twice_blocking_times_mtbf():

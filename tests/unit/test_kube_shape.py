@@ -26,6 +26,7 @@ from tests.helpers.kube_objects import (
     shapes_of,
 )
 
+
 def places(shape: JobShape) -> list[tuple]:
     return [(p.slice, p.worker, p.name, p.dns_name, p.ip, p.node) for p in shape.pods]
 

@@ -70,7 +70,7 @@ def identical_at_9(state: ClusterState, listing=()):
     state.tick(decide_interval(NODES))
     incarnation = state.job(KEY).incarnation
     rank_of = {int(node[1:]): rank for rank, node in incarnation.node_of_rank.items()}
-    for node, rank in rank_of.items():
+    for rank in rank_of.values():
         state.record_settings(KEY, incarnation.incarnation_id, rank, JobSettings(((rank + 2) % NODES,), SLICES, None, 100))
     for now in (1.0, 2.0):  # the second round's replies carry the orders decided after the first
         orders = []

@@ -44,7 +44,7 @@ class LongPolledPlan:
             self.changed.clear()
             try:
                 await asyncio.wait_for(self.changed.wait(), wait)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         return self.view
 

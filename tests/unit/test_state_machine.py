@@ -43,7 +43,7 @@ def form_job(state: ClusterState, nodes: int, slices: int, settings: JobSettings
     incarnation = state.job(KEY).incarnation
     assert incarnation is not None
     rank_of = {int(node[1:]): rank for rank, node in incarnation.node_of_rank.items()}
-    for node, rank in rank_of.items():
+    for rank in rank_of.values():
         state.record_settings(KEY, incarnation.incarnation_id, rank, settings)
     return rank_of
 
@@ -138,7 +138,7 @@ def test_data_parallel_identity_is_decided_once_per_step_and_pair():
     state.tick(decide_interval(nodes))
     incarnation = state.job(KEY).incarnation
     rank_of = {int(node[1:]): rank for rank, node in incarnation.node_of_rank.items()}
-    for node, rank in rank_of.items():
+    for rank in rank_of.values():
         state.record_settings(KEY, incarnation.incarnation_id, rank, settings[rank])
     for now in (1.0, 2.0, 3.0):  # the same step reported three times
         heartbeat_round(state, nodes, rank_of, lambda rank: [own(10, rank)], now, with_files=now == 1.0)
