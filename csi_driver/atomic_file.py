@@ -50,6 +50,7 @@ def write_atomic(dir_fd: int, name: str, data: bytes) -> None:
     Raises:
       OSError: the write, fsync or rename failed; ``name`` is unchanged.
     """
+
     def create(tmp: str) -> None:
         with os.fdopen(os.open(tmp, _CREATE_FLAGS, 0o644, dir_fd=dir_fd), "wb") as f:
             f.write(data)

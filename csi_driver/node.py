@@ -27,7 +27,9 @@ _SECRET_CONTEXT_KEYS = frozenset({"csi.storage.k8s.io/serviceAccount.tokens"})
 
 
 def _loggable(volume_context: dict[str, str]) -> dict[str, str]:
-    return {key: "<redacted>" if key in _SECRET_CONTEXT_KEYS else value for key, value in sorted(volume_context.items())}
+    return {
+        key: "<redacted>" if key in _SECRET_CONTEXT_KEYS else value for key, value in sorted(volume_context.items())
+    }
 
 
 def _rpc_capability(rpc_type: int) -> csi_pb2.NodeServiceCapability:
@@ -73,7 +75,9 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         if not request.target_path:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "target_path is required")
         if request.volume_capability.HasField("block"):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "block access is not supported: the ramdisk is a filesystem")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "block access is not supported: the ramdisk is a filesystem"
+            )
         volume_context = dict(request.volume_context)
         try:
             spec = parse_volume_context(volume_context, self._default_size_bytes, self._limits)
@@ -82,8 +86,14 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except ramdisk.RamdiskError as err:
             context.abort(_STATUS_OF[type(err)], str(err))
-        log.info("published %s/%s for pod %s at %s, volume_context %s",
-                 spec.namespace, spec.job, spec.pod_name, request.target_path, _loggable(volume_context))  # fmt: skip
+        log.info(
+            "published %s/%s for pod %s at %s, volume_context %s",
+            spec.namespace,
+            spec.job,
+            spec.pod_name,
+            request.target_path,
+            _loggable(volume_context),
+        )
         self._on_publish(request.target_path, spec)
         return csi_pb2.NodePublishVolumeResponse()
 
@@ -115,7 +125,9 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "volume_path is required")
         found = self._manager.find_by_target(request.volume_path)
         if found is None or found[1].volume_id != request.volume_id:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"volume {request.volume_id} is not published at {request.volume_path}")
+            context.abort(
+                grpc.StatusCode.NOT_FOUND, f"volume {request.volume_id} is not published at {request.volume_path}"
+            )
         disk = found[0]
         if not self._manager.is_healthy(disk):
             return csi_pb2.NodeGetVolumeStatsResponse(

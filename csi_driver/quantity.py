@@ -13,7 +13,9 @@ _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei"
 _DECIMAL = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
 # Checked before any arithmetic: at most 24 characters and an exponent of at most two digits, so a
 # hostile "1e999999999" is refused at once instead of costing seconds of Decimal work.
-_QUANTITY = re.compile(r"(?P<number>[0-9]{1,20}(?:\.[0-9]{0,20})?|\.[0-9]{1,20})(?P<suffix>[KMGTPE]i|[kMGTPE]|[eE][0-9]{1,2})?", re.ASCII)
+_QUANTITY = re.compile(
+    r"(?P<number>[0-9]{1,20}(?:\.[0-9]{0,20})?|\.[0-9]{1,20})(?P<suffix>[KMGTPE]i|[kMGTPE]|[eE][0-9]{1,2})?", re.ASCII
+)
 _MAX_TEXT = 24
 
 
@@ -32,7 +34,9 @@ def parse_quantity(text: str) -> int:
     """
     match = _QUANTITY.fullmatch(text.strip()) if isinstance(text, str) and len(text) <= _MAX_TEXT else None
     if not match:
-        raise ValueError(f"{str(text)[:32]!r} is not a Kubernetes quantity of at most {_MAX_TEXT} characters (examples: 512Mi, 2Gi, 1e9)")
+        raise ValueError(
+            f"{str(text)[:32]!r} is not a Kubernetes quantity of at most {_MAX_TEXT} characters (examples: 512Mi, 2Gi, 1e9)"
+        )
     try:
         number = Decimal(match["number"])
     except InvalidOperation as err:  # pragma: no cover - the regex admits only decimals

@@ -233,7 +233,9 @@ class RamdiskManager:
         pod's rank; the driver itself knows no framework. An exception from it fails the publish.
     """
 
-    def __init__(self, root: str, backend: TmpfsBackend | DirBackend, *, on_new_pod: Callable[[Ramdisk, VolumeSpec], None]):
+    def __init__(
+        self, root: str, backend: TmpfsBackend | DirBackend, *, on_new_pod: Callable[[Ramdisk, VolumeSpec], None]
+    ):
         self.root = os.path.abspath(root)
         self.backend = backend
         self._on_new_pod = on_new_pod
@@ -332,7 +334,9 @@ class RamdiskManager:
             same_pod = previous is not None and previous.spec.pod_uid == spec.pod_uid
             if not same_pod:  # a new pod must never read the previous one's rank
                 self._on_new_pod(disk, spec)
-            disk.publications[target_path] = Publication(volume_id, readonly, spec, previous.published_at if previous is not None and same_pod else time.time())
+            disk.publications[target_path] = Publication(
+                volume_id, readonly, spec, previous.published_at if previous is not None and same_pod else time.time()
+            )
             disk.idle_since = None
             return disk
 
@@ -377,7 +381,9 @@ class RamdiskManager:
     def reap_idle(self, retention_seconds: float, now: float | None = None) -> list[tuple[str, str]]:
         """Releases ramdisks idle (no pod) for longer than ``retention_seconds``; returns their keys."""
         now = time.time() if now is None else now
-        expired = [k for k, d in self.ramdisks().items() if d.idle_since is not None and now - d.idle_since > retention_seconds]
+        expired = [
+            k for k, d in self.ramdisks().items() if d.idle_since is not None and now - d.idle_since > retention_seconds
+        ]
         return [key for key in expired if self._release_if_idle(*key)]
 
     def _release_if_idle(self, namespace: str, job: str) -> bool:

@@ -41,9 +41,11 @@ class RegistrationServicer(pluginregistration_pb2_grpc.RegistrationServicer):
     def __init__(self, driver_name: str, csi_endpoint: str):
         self.driver_name = driver_name
         self._info = pluginregistration_pb2.PluginInfo(
-            type=CSI_PLUGIN_TYPE, name=driver_name, endpoint=socket_path(csi_endpoint),
+            type=CSI_PLUGIN_TYPE,
+            name=driver_name,
+            endpoint=socket_path(csi_endpoint),
             supported_versions=SUPPORTED_VERSIONS,
-        )  # fmt: skip
+        )
         self.registered = threading.Event()
         self.error: str | None = None
 
@@ -59,8 +61,12 @@ class RegistrationServicer(pluginregistration_pb2_grpc.RegistrationServicer):
         else:
             self.error = request.error or "no reason given"
             self.registered.clear()
-            log.error("kubelet REFUSED to register CSI driver %s (socket %s): %s",
-                      self._info.name, self._info.endpoint, self.error)  # fmt: skip
+            log.error(
+                "kubelet REFUSED to register CSI driver %s (socket %s): %s",
+                self._info.name,
+                self._info.endpoint,
+                self.error,
+            )
         return pluginregistration_pb2.RegistrationStatusResponse()
 
 

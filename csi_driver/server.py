@@ -22,9 +22,9 @@ def socket_path(endpoint: str) -> str:
     Raises:
       ValueError: the endpoint is not a unix socket URL.
     """
-    if not endpoint.startswith("unix://") or not endpoint[len("unix://"):].startswith("/"):
+    if not endpoint.startswith("unix://") or not endpoint[len("unix://") :].startswith("/"):
         raise ValueError(f"CSI endpoint {endpoint!r} must look like unix:///path/to/csi.sock")
-    return endpoint[len("unix://"):]
+    return endpoint[len("unix://") :]
 
 
 def remove_stale_socket(path: str) -> None:
@@ -51,7 +51,9 @@ def remove_stale_socket(path: str) -> None:
     raise RuntimeError(f"another process is serving on {path}")
 
 
-def start_csi_server(endpoint: str, identity: IdentityServicer, node: NodeServicer, max_workers: int = 8) -> grpc.Server:
+def start_csi_server(
+    endpoint: str, identity: IdentityServicer, node: NodeServicer, max_workers: int = 8
+) -> grpc.Server:
     """Serves Identity, Node and the Controller stub on ``endpoint``; returns the started server."""
     path = socket_path(endpoint)
     os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -20,7 +20,9 @@ DEFAULT_JAX_COORDINATOR_PORT = 8476
 DEFAULT_FRAMEWORK = "orbax"
 
 # JobSet pods are named <jobset>-<replicatedJob>-<jobIndex>-<podIndex>-<suffix>.
-_JOBSET_POD_NAME = re.compile(r"(?P<job>[a-z0-9-]+?)-(?P<slice>[0-9]{1,9})-(?P<worker>[0-9]{1,9})-(?P<suffix>[a-z0-9]+)", re.ASCII)
+_JOBSET_POD_NAME = re.compile(
+    r"(?P<job>[a-z0-9-]+?)-(?P<slice>[0-9]{1,9})-(?P<worker>[0-9]{1,9})-(?P<suffix>[a-z0-9]+)", re.ASCII
+)
 _ASCII_INT = re.compile(r"[0-9]{1,9}", re.ASCII)
 DEFAULT_MAX_NODES = 100_000
 # Kubernetes names of namespaces and jobs; shared by everything that builds a path from one.
@@ -82,7 +84,9 @@ class VolumeSpec:
 
 def _dns_label(name: str, value: str) -> str:
     if not DNS1123_LABEL.match(value):
-        raise InvalidVolumeRequest(f"{name} {value!r} is not a DNS-1123 label (lowercase a-z, 0-9, '-', at most 63 characters)")
+        raise InvalidVolumeRequest(
+            f"{name} {value!r} is not a DNS-1123 label (lowercase a-z, 0-9, '-', at most 63 characters)"
+        )
     return value
 
 
@@ -106,7 +110,9 @@ def _integer(context: dict[str, str], name: str, default: int | None, minimum: i
     return value
 
 
-def parse_volume_context(context: dict[str, str], default_size_bytes: int, limits: VolumeLimits = VolumeLimits()) -> VolumeSpec:
+def parse_volume_context(
+    context: dict[str, str], default_size_bytes: int, limits: VolumeLimits = VolumeLimits()
+) -> VolumeSpec:
     """Validates a ``NodePublishVolume`` ``volume_context``.
 
     Args:
@@ -141,7 +147,9 @@ def parse_volume_context(context: dict[str, str], default_size_bytes: int, limit
     except ValueError as err:
         raise InvalidVolumeRequest(f"volume attribute size: {err}") from None
     if not 0 < size_bytes <= limits.max_size_bytes:
-        raise InvalidVolumeRequest(f"volume attribute size={raw_size!r} must be positive and at most the node's memory ({limits.max_size_bytes} bytes)")
+        raise InvalidVolumeRequest(
+            f"volume attribute size={raw_size!r} must be positive and at most the node's memory ({limits.max_size_bytes} bytes)"
+        )
     nodes = _integer(context, "nodes", None, minimum=1, maximum=limits.max_nodes)
     slices = _integer(context, "slices", 1, minimum=1, maximum=nodes or limits.max_nodes)
     if nodes is not None and nodes % slices:
@@ -151,7 +159,9 @@ def parse_volume_context(context: dict[str, str], default_size_bytes: int, limit
     port = _integer(context, "jaxCoordinatorPort", DEFAULT_JAX_COORDINATOR_PORT, minimum=1, maximum=65535)
     framework = context.get("framework", DEFAULT_FRAMEWORK)
     if framework not in limits.frameworks:
-        raise InvalidVolumeRequest(f"volume attribute framework={framework[:64]!r} is not served here: use one of {', '.join(sorted(limits.frameworks))}")
+        raise InvalidVolumeRequest(
+            f"volume attribute framework={framework[:64]!r} is not served here: use one of {', '.join(sorted(limits.frameworks))}"
+        )
     return VolumeSpec(
         namespace=namespace,
         job=job,

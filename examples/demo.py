@@ -99,11 +99,16 @@ def recreate_and_resume(cluster: LocalCluster, job: LocalJob, phase: str, before
     compared = first in before
     continued = compared and first == step + 1 and after[first]["loss"] == before[first]["loss"]
     outcome = Outcome(phase, step, last - step, after[first]["time"] - recreated_at, restore["sources"], continued)
-    print(f"resumed at step {first} after restoring step {step} "
-          f"({outcome.steps_lost} steps lost, {outcome.seconds_to_first_step:.1f} s from pod recreation); "
-          f"loss at step {first}: {after[first]['loss']:.6f} now, "
-          + (f"{before[first]['loss']:.6f} before the failure" if compared else
-             f"HARNESS ERROR: never logged before the failure (steps {min(before)}-{last}), nothing compared"))  # fmt: skip
+    print(
+        f"resumed at step {first} after restoring step {step} "
+        f"({outcome.steps_lost} steps lost, {outcome.seconds_to_first_step:.1f} s from pod recreation); "
+        f"loss at step {first}: {after[first]['loss']:.6f} now, "
+        + (
+            f"{before[first]['loss']:.6f} before the failure"
+            if compared
+            else f"HARNESS ERROR: never logged before the failure (steps {min(before)}-{last}), nothing compared"
+        )
+    )
     print("restore sources: " + ", ".join(f"rank {r}: {s}" for r, s in sorted(restore["sources"].items())))
     return outcome
 
@@ -111,8 +116,12 @@ def recreate_and_resume(cluster: LocalCluster, job: LocalJob, phase: str, before
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backup", help="backup tier URL (default: an embedded file:// store)")
-    parser.add_argument("--framework", choices=("jax", "pytorch"), default="jax",
-                        help="jax: Orbax on 4 nodes; pytorch: torchrun with 2 local ranks on 2 nodes (make torch-setup)")
+    parser.add_argument(
+        "--framework",
+        choices=("jax", "pytorch"),
+        default="jax",
+        help="jax: Orbax on 4 nodes; pytorch: torchrun with 2 local ranks on 2 nodes (make torch-setup)",
+    )
     args = parser.parse_args()
     # SIGTERM ends the demo like Ctrl-C does: through scratch_dir's teardown.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
@@ -128,15 +137,26 @@ def run(workdir: str, cleanup: contextlib.ExitStack, backup: str | None, framewo
     backup_url = backup or f"file://{os.path.join(workdir, 'object-store')}"
     cluster = LocalCluster(os.path.join(workdir, "cluster"), lambda host: f"{host}:{next(ports)}", backup=backup_url)
     cleanup.callback(cluster.stop)
-    train = ["--steps", str(STEPS), "--save-interval-steps", str(SAVE_EVERY), "--backup-interval-steps", str(BACKUP_EVERY), "--step-sleep", "0.1"]
+    train = [
+        "--steps",
+        str(STEPS),
+        "--save-interval-steps",
+        str(SAVE_EVERY),
+        "--backup-interval-steps",
+        str(BACKUP_EVERY),
+        "--step-sleep",
+        "0.1",
+    ]
     if framework == "pytorch":
         nodes, job = 2, TorchrunJob("demo", [], workdir, train, slices=1, jax_port=next(ports))
     else:
         nodes, job = 4, LocalJob("demo", [], workdir, train)
     cleanup.callback(job.kill_training)
     outcomes = []
-    banner(f"a coordinator and {nodes} node agents on 127.0.0.1-{nodes} ({'tmpfs' if can_mount_tmpfs() else 'directory'} "
-           f"ramdisks, peer tier, backups to {backup_url})")  # fmt: skip
+    banner(
+        f"a coordinator and {nodes} node agents on 127.0.0.1-{nodes} ({'tmpfs' if can_mount_tmpfs() else 'directory'} "
+        f"ramdisks, peer tier, backups to {backup_url})"
+    )
     job.agents = list(cluster.start(nodes).agents)
     trainers = f"{nodes} torchrun pods of 2 local ranks" if framework == "pytorch" else f"{nodes} pods"
     banner(f"{trainers} train {STEPS} steps: a local checkpoint every {SAVE_EVERY}, a backup every {BACKUP_EVERY}")
@@ -157,8 +177,10 @@ def run(workdir: str, cleanup: contextlib.ExitStack, backup: str | None, framewo
 
     job.wait(lambda: max(job_status(cluster, job)["backups"] or [0]) >= 50, 300, "a backup of step 50")
     before = train_until(job, 56)
-    banner(f"3. cluster loss after step {max(before)}: every node and the coordinator are gone; "
-           f"the backup tier holds steps {job_status(cluster, job)['backups']}")  # fmt: skip
+    banner(
+        f"3. cluster loss after step {max(before)}: every node and the coordinator are gone; "
+        f"the backup tier holds steps {job_status(cluster, job)['backups']}"
+    )
     for agent in list(job.agents):
         cluster.lose_node(agent)
     cluster.coordinator.kill()
@@ -175,9 +197,13 @@ def run(workdir: str, cleanup: contextlib.ExitStack, backup: str | None, framewo
     for o in outcomes:
         tiers = collections.Counter(source.split(":")[0] for source in o.sources.values())
         sources = ", ".join(f"{tier} x{count}" for tier, count in sorted(tiers.items()))
-        print(f"{o.phase:<14}{o.restored_step:>9}{o.steps_lost:>6}{o.seconds_to_first_step:>12.1f}s  {sources:<36}{o.continued}")
+        print(
+            f"{o.phase:<14}{o.restored_step:>9}{o.steps_lost:>6}{o.seconds_to_first_step:>12.1f}s  {sources:<36}{o.continued}"
+        )
     final = step_events(job)[STEPS]["loss"]
-    print(f"final loss at step {STEPS}: {final:.6f}; training continued after every failure: {all(o.continued for o in outcomes)}")
+    print(
+        f"final loss at step {STEPS}: {final:.6f}; training continued after every failure: {all(o.continued for o in outcomes)}"
+    )
     return 0 if all(o.continued for o in outcomes) else 1
 
 

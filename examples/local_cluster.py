@@ -36,7 +36,11 @@ from replicator.wire.operator import ClusterStatus
 def unmount_all_below(prefix: str) -> None:
     """Unmounts every mount at or below ``prefix``, deepest first (test and demo teardown)."""
     prefix = os.path.realpath(prefix)
-    points = {e.mount_point for e in mounts.mount_table() if e.mount_point == prefix or e.mount_point.startswith(prefix + os.sep)}
+    points = {
+        e.mount_point
+        for e in mounts.mount_table()
+        if e.mount_point == prefix or e.mount_point.startswith(prefix + os.sep)
+    }
     for point in sorted(points, key=len, reverse=True):
         subprocess.run(["umount", "-l", point], check=False, capture_output=True)
 
@@ -155,10 +159,23 @@ class NodeAgentProcess(_Stoppable):
 
     def command(self) -> list[str]:
         return [
-            sys.executable, *(["-m", *self.wrapper] if self.wrapper else []), "-m", "replicator.cli", "node",
-            "--node-id", self.node_id, "--root", self.root, "--csi-endpoint", self.endpoint,
-            "--listen", self.listen, "--ramdisk-backend", self.backend, *self.extra_args,
-        ]  # fmt: skip
+            sys.executable,
+            *(["-m", *self.wrapper] if self.wrapper else []),
+            "-m",
+            "replicator.cli",
+            "node",
+            "--node-id",
+            self.node_id,
+            "--root",
+            self.root,
+            "--csi-endpoint",
+            self.endpoint,
+            "--listen",
+            self.listen,
+            "--ramdisk-backend",
+            self.backend,
+            *self.extra_args,
+        ]
 
     def start(self, timeout: float = 30.0) -> "NodeAgentProcess":
         """Starts the agent and waits until its CSI ``Probe`` reports ready.
@@ -173,7 +190,9 @@ class NodeAgentProcess(_Stoppable):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"node agent {self.node_id} exited with {self.process.returncode}: {self.tail_log()}")
+                raise RuntimeError(
+                    f"node agent {self.node_id} exited with {self.process.returncode}: {self.tail_log()}"
+                )
             if self._probe_ready():
                 return self
             time.sleep(0.05)
@@ -202,10 +221,27 @@ def self_signed_certificate(directory: str, host: str = "127.0.0.1") -> tuple[st
     if not os.path.exists(cert):
         os.makedirs(directory, exist_ok=True)
         subprocess.run(
-            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=mtc-local",
-             "-addext", f"subjectAltName=IP:{host}", "-keyout", key, "-out", cert],
-            check=True, capture_output=True,
-        )  # fmt: skip
+            [
+                "openssl",
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-days",
+                "2",
+                "-subj",
+                "/CN=mtc-local",
+                "-addext",
+                f"subjectAltName=IP:{host}",
+                "-keyout",
+                key,
+                "-out",
+                cert,
+            ],
+            check=True,
+            capture_output=True,
+        )
     return cert, key
 
 
@@ -241,7 +277,11 @@ class CoordinatorProcess(_Stoppable):
         """``GET /v1/status`` of this coordinator, typed; with ``job`` (a name), only the jobs of that name:
         none while no node has reported one (where ``mtc status --job`` is refused with a 404)."""
         status = fetch_status(self.url, None, self.ca_file)
-        return status if job is None else msgspec.structs.replace(status, jobs=tuple(j for j in status.jobs if j.job == job))
+        return (
+            status
+            if job is None
+            else msgspec.structs.replace(status, jobs=tuple(j for j in status.jobs if j.job == job))
+        )
 
     def status(self, job: str | None = None) -> dict:
         """``mtc status --json`` of this coordinator: plain JSON values, as the wire carries them."""
@@ -259,8 +299,18 @@ class CoordinatorProcess(_Stoppable):
         """
         os.makedirs(self.workdir, exist_ok=True)
         tls_flags = ["--tls-cert", self.tls[0], "--tls-key", self.tls[1]] if self.tls else []
-        command = [sys.executable, "-m", "replicator.cli", "coordinator", "--listen", self.listen,
-                   "--state-dir", os.path.join(self.workdir, "state"), *tls_flags, *self.extra_args]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "replicator.cli",
+            "coordinator",
+            "--listen",
+            self.listen,
+            "--state-dir",
+            os.path.join(self.workdir, "state"),
+            *tls_flags,
+            *self.extra_args,
+        ]
         env, cwd = source_env(self.source)
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
@@ -301,9 +351,20 @@ class LocalCluster:
         None for this one; ``add_node`` takes the agents'.
     """
 
-    def __init__(self, workdir: str, listen_address: Callable[[str], str], replicas: int = 1, peer_tier: bool = True,
-                 backup: str | None = None, env: dict[str, str] | None = None, agent_args: list[str] | None = None, agent_wrapper: list[str] | None = None,
-                 kubeconfig: str | None = None, subnet: str = "127.0.0", coordinator_source: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        workdir: str,
+        listen_address: Callable[[str], str],
+        replicas: int = 1,
+        peer_tier: bool = True,
+        backup: str | None = None,
+        env: dict[str, str] | None = None,
+        agent_args: list[str] | None = None,
+        agent_wrapper: list[str] | None = None,
+        kubeconfig: str | None = None,
+        subnet: str = "127.0.0",
+        coordinator_source: str | None = None,
+    ):
         self.workdir = workdir
         self._listen_address = listen_address
         self.replicas = replicas
@@ -319,11 +380,17 @@ class LocalCluster:
         with open(self.token_file, "w", encoding="utf-8") as f:
             f.write(uuid.uuid4().hex + "\n")
         self.coordinator = CoordinatorProcess(
-            os.path.join(workdir, "coordinator"), listen_address("127.0.0.1"),
-            ["--node-timeout-seconds", "4", *(["--token-file", self.token_file] if peer_tier else ["--insecure"]),
-             *(["--kube", "--kubeconfig", kubeconfig] if kubeconfig else [])],
-            tls=self_signed_certificate(os.path.join(workdir, "tls")), source=coordinator_source,
-        )  # fmt: skip
+            os.path.join(workdir, "coordinator"),
+            listen_address("127.0.0.1"),
+            [
+                "--node-timeout-seconds",
+                "4",
+                *(["--token-file", self.token_file] if peer_tier else ["--insecure"]),
+                *(["--kube", "--kubeconfig", kubeconfig] if kubeconfig else []),
+            ],
+            tls=self_signed_certificate(os.path.join(workdir, "tls")),
+            source=coordinator_source,
+        )
         self.agents: list[NodeAgentProcess] = []
 
     def start(self, nodes: int) -> "LocalCluster":
@@ -333,7 +400,9 @@ class LocalCluster:
             self.add_node(index)
         return self
 
-    def add_node(self, index: int, block: str | None = None, source: str | None = None, token_file: str | None = None) -> NodeAgentProcess:
+    def add_node(
+        self, index: int, block: str | None = None, source: str | None = None, token_file: str | None = None
+    ) -> NodeAgentProcess:
         """Starts node ``index`` (a fresh node when its predecessor was lost), from the source tree
         ``source`` (``NodeAgentProcess.source``) or this one, with ``token_file`` (its own copy of the
         cluster's Secret) or the cluster's."""
@@ -343,13 +412,26 @@ class LocalCluster:
             os.path.join(self.workdir, f"node-{index}"),
             self._listen_address(host),
             "tmpfs" if can_mount_tmpfs() else "dir",
-            ["--coordinator", self.coordinator.url, "--coordinator-ca", self.coordinator.ca_file,
-             *([] if self.kubeconfig else ["--pod-address", host, "--topology", f"block={block or f'b{index // 2}'}"]),
-             "--replicas", str(self.replicas),
-             *(["--peer-token-file", token_file or self.token_file] if self.peer_tier else []),
-             *(["--backup", self.backup] if self.backup else []), *self.agent_args],
-            env=self.env, wrapper=self.agent_wrapper, source=source,
-        )  # fmt: skip
+            [
+                "--coordinator",
+                self.coordinator.url,
+                "--coordinator-ca",
+                self.coordinator.ca_file,
+                *(
+                    []
+                    if self.kubeconfig
+                    else ["--pod-address", host, "--topology", f"block={block or f'b{index // 2}'}"]
+                ),
+                "--replicas",
+                str(self.replicas),
+                *(["--peer-token-file", token_file or self.token_file] if self.peer_tier else []),
+                *(["--backup", self.backup] if self.backup else []),
+                *self.agent_args,
+            ],
+            env=self.env,
+            wrapper=self.agent_wrapper,
+            source=source,
+        )
         self.agents.append(agent)
         return agent.start()
 
@@ -425,8 +507,14 @@ class LocalJob:
         """Publishes a new pod on every node, as kubelet does for a recreated JobSet."""
         self.incarnations += 1
         per_slice = len(self.agents) // self.slices
-        attrs = {"nodes": str(len(self.agents)), "slices": str(self.slices), "size": self.size,
-                 "jaxCoordinatorPort": str(self.jax_port), "jobset": self.name, "framework": self.framework}  # fmt: skip
+        attrs = {
+            "nodes": str(len(self.agents)),
+            "slices": str(self.slices),
+            "size": self.size,
+            "jaxCoordinatorPort": str(self.jax_port),
+            "jobset": self.name,
+            "framework": self.framework,
+        }
         self.pods = []
         for index, agent in enumerate(self.agents):
             name = f"{self.job}-{index // per_slice}-{index % per_slice}-i{self.incarnations}"
@@ -437,8 +525,19 @@ class LocalJob:
 
     def train_command(self, pod: Pod) -> list[str]:
         """The training process of ``pod``: ``examples/train.py`` (a subclass may run another trainer)."""
-        return [sys.executable, TRAIN_SCRIPT, "--local-dir", pod.target, "--run-name", self.name,
-                "--num-slices", str(self.slices), "--nodes", str(len(self.agents)), *self.train_args]  # fmt: skip
+        return [
+            sys.executable,
+            TRAIN_SCRIPT,
+            "--local-dir",
+            pod.target,
+            "--run-name",
+            self.name,
+            "--num-slices",
+            str(self.slices),
+            "--nodes",
+            str(len(self.agents)),
+            *self.train_args,
+        ]
 
     def train_env(self) -> dict[str, str]:
         """The training processes' environment: JAX on CPU, with the process count for the CPU-only
@@ -500,7 +599,9 @@ class LocalJob:
                 return
             failed = [p for p in self.pods if p.process and p.process.poll() not in (None, 0)]
             if failed:
-                raise RuntimeError(f"training process {failed[0].name} exited {failed[0].process.returncode}: {self._stderr(failed[0])}")
+                raise RuntimeError(
+                    f"training process {failed[0].name} exited {failed[0].process.returncode}: {self._stderr(failed[0])}"
+                )
             time.sleep(0.1)
         raise TimeoutError(f"{what} not reached within {timeout} s; {self._stderr(self.pods[0])}")
 

@@ -32,9 +32,24 @@ class TorchrunJob(LocalJob):
 
     def train_command(self, pod: Pod) -> list[str]:
         """torchrun for ``pod`` followed by ``worker_command(pod)``."""
-        return [self.python, "-m", "torch.distributed.run", "--nnodes", str(len(self.agents)), "--nproc-per-node", str(self.nproc_per_node),
-                "--node-rank", str(self.pods.index(pod)), "--rdzv-backend", "static", "--master-addr", "127.0.0.1",
-                "--master-port", str(self.jax_port), *self.worker_command(pod)]  # fmt: skip
+        return [
+            self.python,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            str(len(self.agents)),
+            "--nproc-per-node",
+            str(self.nproc_per_node),
+            "--node-rank",
+            str(self.pods.index(pod)),
+            "--rdzv-backend",
+            "static",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(self.jax_port),
+            *self.worker_command(pod),
+        ]
 
     def worker_command(self, pod: Pod) -> list[str]:
         """What torchrun starts on every local rank: ``examples/train_torch.py`` (a subclass may run another trainer)."""

@@ -97,83 +97,80 @@ class EventStream:
 
     def __init__(self) -> None:
         sys.stdout.flush()
-        self._out = os.fdopen(os.dup(1), 'w')
+        self._out = os.fdopen(os.dup(1), "w")
         os.dup2(2, 1)
 
     def emit(self, event: str, **fields: Any) -> None:
-        self._out.write(json.dumps({'event': event, **fields}) + '\n')
+        self._out.write(json.dumps({"event": event, **fields}) + "\n")
         self._out.flush()
 
 
 def parse_args() -> tuple[argparse.Namespace, list[str]]:
     """Parses the script's flags; returns them and the leftover absl flags."""
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    parser.add_argument('--local-dir', required=True, help="The pod's ramdisk directory.")
-    parser.add_argument('--run-name', required=True, help='Job name written to replicator.yaml.')
-    parser.add_argument('--num-slices', type=int, required=True)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--local-dir", required=True, help="The pod's ramdisk directory.")
+    parser.add_argument("--run-name", required=True, help="Job name written to replicator.yaml.")
+    parser.add_argument("--num-slices", type=int, required=True)
     parser.add_argument(
-        '--nodes',
+        "--nodes",
         type=int,
         default=None,
-        help=f'Total number of processes (default: ${NUM_PROCESSES_ENV}).',
+        help=f"Total number of processes (default: ${NUM_PROCESSES_ENV}).",
     )
     parser.add_argument(
-        '--data-parallelism',
+        "--data-parallelism",
         type=int,
         default=None,
-        help='assume-data-parallelism for replicator.yaml (default: num slices).',
+        help="assume-data-parallelism for replicator.yaml (default: num slices).",
     )
-    parser.add_argument('--steps', type=int, required=True, help='Total training steps.')
-    parser.add_argument('--save-interval-steps', type=int, required=True)
+    parser.add_argument("--steps", type=int, required=True, help="Total training steps.")
+    parser.add_argument("--save-interval-steps", type=int, required=True)
     backup = parser.add_mutually_exclusive_group(required=True)
-    backup.add_argument('--backup-interval-steps', type=int)
-    backup.add_argument('--backup-interval-minutes', type=int)
+    backup.add_argument("--backup-interval-steps", type=int)
+    backup.add_argument("--backup-interval-minutes", type=int)
     parser.add_argument(
-        '--ballast-mib',
+        "--ballast-mib",
         type=int,
         default=0,
         help=(
-            'MiB of random data per rank carried in the state unchanged, so'
-            ' checkpoints have realistic sizes without the compute (benches).'
+            "MiB of random data per rank carried in the state unchanged, so"
+            " checkpoints have realistic sizes without the compute (benches)."
         ),
     )
     parser.add_argument(
-        '--async-save',
-        action='store_true',
-        help=(
-            "Train on while Orbax finishes a save (its default); 'saved' then"
-            ' means started (benches).'
-        ),
+        "--async-save",
+        action="store_true",
+        help=("Train on while Orbax finishes a save (its default); 'saved' then means started (benches)."),
     )
     parser.add_argument(
-        '--ballast-layout',
+        "--ballast-layout",
         choices=sorted(BALLAST_LAYOUTS),
-        default='per-rank',
+        default="per-rank",
         help=(
             "per-rank: every process's ballast differs; data-parallel: the"
-            ' same across slices, as a data-parallel state is.'
+            " same across slices, as a data-parallel state is."
         ),
     )
     parser.add_argument(
-        '--step-sleep',
+        "--step-sleep",
         type=float,
         default=0.0,
-        help='Seconds to sleep after every step.',
+        help="Seconds to sleep after every step.",
     )
     parser.add_argument(
-        '--dump-dir',
+        "--dump-dir",
         default=None,
         help=(
-            'If set, every rank writes the full state as'
-            ' <dump-dir>/rank<r>-step<s>.npz at every saved step and after a'
-            ' restore.'
+            "If set, every rank writes the full state as"
+            " <dump-dir>/rank<r>-step<s>.npz at every saved step and after a"
+            " restore."
         ),
     )
     args, absl_argv = parser.parse_known_args()
     if args.nodes is not None:
         os.environ[NUM_PROCESSES_ENV] = str(args.nodes)
     elif NUM_PROCESSES_ENV not in os.environ:
-        parser.error(f'--nodes or ${NUM_PROCESSES_ENV} is required.')
+        parser.error(f"--nodes or ${NUM_PROCESSES_ENV} is required.")
     return args, absl_argv
 
 
@@ -181,15 +178,15 @@ def make_mesh(num_slices: int) -> jax.sharding.Mesh:
     """Builds the ``(replica, model)`` mesh; one mesh row per slice."""
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     if len(devices) % num_slices:
-        raise ValueError(f'{len(devices)} devices cannot be split into {num_slices} slices.')
+        raise ValueError(f"{len(devices)} devices cannot be split into {num_slices} slices.")
     grid = np.array(devices).reshape(num_slices, len(devices) // num_slices)
-    return jax.sharding.Mesh(grid, ('replica', 'model'))
+    return jax.sharding.Mesh(grid, ("replica", "model"))
 
 
 # The ballast's partition spec per --ballast-layout: one shard per process, or per process of a slice.
 BALLAST_LAYOUTS = {
-    'per-rank': jax.sharding.PartitionSpec(('replica', 'model')),
-    'data-parallel': jax.sharding.PartitionSpec('model'),
+    "per-rank": jax.sharding.PartitionSpec(("replica", "model")),
+    "data-parallel": jax.sharding.PartitionSpec("model"),
 }
 
 
@@ -197,13 +194,13 @@ def state_specs(ballast: str | None) -> dict[str, Any]:
     """Partition specs of the training state, with the ballast if its layout is given."""
     p = jax.sharding.PartitionSpec
     params = {
-        'w1': p(None, 'model'),
-        'b1': p('model'),
-        'w2': p('model', None),
-        'b2': p(),
+        "w1": p(None, "model"),
+        "b1": p("model"),
+        "w2": p("model", None),
+        "b2": p(),
     }
-    specs = {'params': params, 'momentum': dict(params), 'step': p()}
-    return {**specs, 'ballast': BALLAST_LAYOUTS[ballast]} if ballast else specs
+    specs = {"params": params, "momentum": dict(params), "step": p()}
+    return {**specs, "ballast": BALLAST_LAYOUTS[ballast]} if ballast else specs
 
 
 def global_array(
@@ -219,7 +216,7 @@ def global_array(
 def make_ballast(mesh: jax.sharding.Mesh, mib: int, layout: str) -> jax.Array:
     """``mib`` MiB of deterministic random float32 per process, each shard built where it lives."""
     per_shard = (mib << 20) // 4
-    shards = mesh.size if layout == 'per-rank' else mesh.shape['model']
+    shards = mesh.size if layout == "per-rank" else mesh.shape["model"]
     sharding = jax.sharding.NamedSharding(mesh, BALLAST_LAYOUTS[layout])
 
     def shard(index: tuple[slice, ...]) -> np.ndarray:
@@ -228,44 +225,44 @@ def make_ballast(mesh: jax.sharding.Mesh, mib: int, layout: str) -> jax.Array:
     return jax.make_array_from_callback((per_shard * shards,), sharding, shard)
 
 
-def init_state(mesh: jax.sharding.Mesh, ballast_mib: int, ballast_layout: str = 'per-rank') -> dict[str, Any]:
+def init_state(mesh: jax.sharding.Mesh, ballast_mib: int, ballast_layout: str = "per-rank") -> dict[str, Any]:
     """Returns the deterministic step-0 training state."""
-    hidden = HIDDEN_PER_SHARD * mesh.shape['model']
+    hidden = HIDDEN_PER_SHARD * mesh.shape["model"]
     rng = np.random.default_rng(0)
     params = {
-        'w1': rng.normal(0, INPUT_DIM**-0.5, (INPUT_DIM, hidden)),
-        'b1': np.zeros((hidden,)),
-        'w2': rng.normal(0, hidden**-0.5, (hidden, 1)),
-        'b2': np.zeros((1,)),
+        "w1": rng.normal(0, INPUT_DIM**-0.5, (INPUT_DIM, hidden)),
+        "b1": np.zeros((hidden,)),
+        "w2": rng.normal(0, hidden**-0.5, (hidden, 1)),
+        "b2": np.zeros((1,)),
     }
     host_state = {
-        'params': params,
-        'momentum': {k: np.zeros_like(v) for k, v in params.items()},
-        'step': np.array(0),
+        "params": params,
+        "momentum": {k: np.zeros_like(v) for k, v in params.items()},
+        "step": np.array(0),
     }
     host_state = jax.tree.map(
-        lambda v: v.astype(np.int32 if v.dtype.kind == 'i' else np.float32),
+        lambda v: v.astype(np.int32 if v.dtype.kind == "i" else np.float32),
         host_state,
     )
     state = jax.tree.map(lambda v, s: global_array(mesh, s, v), host_state, state_specs(None))
-    return {**state, 'ballast': make_ballast(mesh, ballast_mib, ballast_layout)} if ballast_mib else state
+    return {**state, "ballast": make_ballast(mesh, ballast_mib, ballast_layout)} if ballast_mib else state
 
 
 def make_batch(mesh: jax.sharding.Mesh, step: int) -> tuple[jax.Array, jax.Array]:
     """Returns the global batch for ``step``, split across slices."""
     rng = np.random.default_rng(step)
-    batch = EXAMPLES_PER_SLICE * mesh.shape['replica']
+    batch = EXAMPLES_PER_SLICE * mesh.shape["replica"]
     x = rng.standard_normal((batch, INPUT_DIM)).astype(np.float32)
     teacher = np.random.default_rng(1234).standard_normal((INPUT_DIM, 1))
     y = np.tanh(x @ teacher).astype(np.float32)
-    spec = jax.sharding.PartitionSpec('replica', None)
+    spec = jax.sharding.PartitionSpec("replica", None)
     return global_array(mesh, spec, x), global_array(mesh, spec, y)
 
 
 def loss_fn(params: dict[str, jax.Array], x: jax.Array, y: jax.Array):
     """Mean squared error of the MLP on one batch."""
-    hidden = jax.nn.relu(x @ params['w1'] + params['b1'])
-    pred = hidden @ params['w2'] + params['b2']
+    hidden = jax.nn.relu(x @ params["w1"] + params["b1"])
+    pred = hidden @ params["w2"] + params["b2"]
     return jnp.mean((pred - y) ** 2)
 
 
@@ -275,14 +272,14 @@ def make_train_step(mesh: jax.sharding.Mesh, ballast: str | None):
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
     def train_step(state, x, y):
-        loss, grads = jax.value_and_grad(loss_fn)(state['params'], x, y)
-        momentum = jax.tree.map(lambda m, g: MOMENTUM * m + g, state['momentum'], grads)
-        params = jax.tree.map(lambda p, m: p - LEARNING_RATE * m, state['params'], momentum)
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"], x, y)
+        momentum = jax.tree.map(lambda m, g: MOMENTUM * m + g, state["momentum"], grads)
+        params = jax.tree.map(lambda p, m: p - LEARNING_RATE * m, state["params"], momentum)
         new_state = {
             **state,  # the ballast, if any, unchanged
-            'params': params,
-            'momentum': momentum,
-            'step': state['step'] + 1,
+            "params": params,
+            "momentum": momentum,
+            "step": state["step"] + 1,
         }
         return new_state, loss
 
@@ -296,13 +293,13 @@ def dump_state(dump_dir: str, rank: int, step: int, state: dict[str, Any]) -> No
     """
     host_state = multihost_utils.process_allgather(state, tiled=True)
     flat = {
-        jax.tree_util.keystr(path, simple=True, separator='.'): np.asarray(leaf)
+        jax.tree_util.keystr(path, simple=True, separator="."): np.asarray(leaf)
         for path, leaf in jax.tree_util.tree_leaves_with_path(host_state)
     }
     os.makedirs(dump_dir, exist_ok=True)
-    final = os.path.join(dump_dir, f'rank{rank}-step{step}.npz')
-    tmp = final + '.tmp'
-    with open(tmp, 'wb') as f:
+    final = os.path.join(dump_dir, f"rank{rank}-step{step}.npz")
+    tmp = final + ".tmp"
+    with open(tmp, "wb") as f:
         np.savez(f, **flat)
     os.replace(tmp, final)
 
@@ -325,7 +322,7 @@ def main() -> None:
     rank = jax.process_index()
     mesh = make_mesh(args.num_slices)
     events.emit(
-        'init',
+        "init",
         rank=rank,
         process_count=jax.process_count(),
         device_count=jax.device_count(),
@@ -355,10 +352,10 @@ def main() -> None:
                 )
             ),
         )
-        state = restored['state']
+        state = restored["state"]
         if args.dump_dir:
             dump_state(args.dump_dir, rank, restored_step, state)
-    events.emit('restored', step=restored_step, rank=rank)
+    events.emit("restored", step=restored_step, rank=rank)
 
     train_step = make_train_step(mesh, args.ballast_layout if args.ballast_mib else None)
     for step in range((restored_step or 0) + 1, args.steps + 1):
@@ -366,26 +363,26 @@ def main() -> None:
         state, loss = train_step(state, x, y)
         loss_value = float(loss.addressable_data(0))
         if rank == 0:
-            events.emit('step', step=step, loss=loss_value, time=time.time())
+            events.emit("step", step=step, loss=loss_value, time=time.time())
         save_args = ocp.args.Composite(state=ocp.args.PyTreeSave(state))
         if manager.save(step, args=save_args):
             if not args.async_save:
                 manager.wait_until_finished()
-            events.emit('saved', step=step, rank=rank)
+            events.emit("saved", step=step, rank=rank)
             if args.dump_dir:
                 dump_state(args.dump_dir, rank, step, state)
         if manager.reached_preemption(step):
             # JAX turns SIGTERM into a preemption notice that all processes agree
             # on at a common step; the save above has already covered that step.
-            events.emit('preempted', step=step, rank=rank)
+            events.emit("preempted", step=step, rank=rank)
             break
         if args.step_sleep:
             time.sleep(args.step_sleep)
 
     manager.wait_until_finished()
     manager.close()
-    events.emit('done', rank=rank)
+    events.emit("done", rank=rank)
 
 
-if __name__ == '__main__':
+if __name__ == "__main__":
     main()

@@ -86,8 +86,9 @@ class TrainState(Stateful):
         return {"model": model_sd, "optim": optim_sd}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
-                       optim_state_dict=state_dict["optim"])
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"]
+        )
 
 
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,10 +132,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--job-name", required=True)
     parser.add_argument("--steps", type=int, default=20, help="train up to this step")
     parser.add_argument("--save-interval-steps", type=int, default=5)
-    parser.add_argument("--backup-interval-steps", type=int, default=None,
-                        help="backup-interval-steps for the agent (default: backup-interval-minutes 30)")
-    parser.add_argument("--data-parallelism", type=int, default=None,
-                        help="HSDP with this many replica groups, told to the agent as assume-data-parallelism")
+    parser.add_argument(
+        "--backup-interval-steps",
+        type=int,
+        default=None,
+        help="backup-interval-steps for the agent (default: backup-interval-minutes 30)",
+    )
+    parser.add_argument(
+        "--data-parallelism",
+        type=int,
+        default=None,
+        help="HSDP with this many replica groups, told to the agent as assume-data-parallelism",
+    )
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep after each step")
     parser.add_argument("--async-save", action="store_true", help="save with async_save (blocking: staging only)")
     parser.add_argument("--dump-dir", default=None, help="write each rank's state at every save and after a restore")
@@ -149,7 +158,11 @@ def main(argv: list[str] | None = None) -> None:
     model = Model()
     # HSDP: replicate across the groups, shard within one; else FSDP over every rank.
     groups = args.data_parallelism or 1
-    mesh = init_device_mesh("cpu", (groups, world // groups), mesh_dim_names=("replicate", "shard")) if groups > 1 else None
+    mesh = (
+        init_device_mesh("cpu", (groups, world // groups), mesh_dim_names=("replicate", "shard"))
+        if groups > 1
+        else None
+    )
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -157,9 +170,12 @@ def main(argv: list[str] | None = None) -> None:
     state = TrainState(model, optimizer)
 
     manager = CheckpointManager(
-        args.local_dir, args.job_name,
+        args.local_dir,
+        args.job_name,
         backup_interval_minutes=None if args.backup_interval_steps else 30.0,
-        backup_interval_steps=args.backup_interval_steps, assume_data_parallelism=args.data_parallelism)
+        backup_interval_steps=args.backup_interval_steps,
+        assume_data_parallelism=args.data_parallelism,
+    )
     node, speaker = manager.topology.node_rank, manager.topology.local_rank == 0
     if speaker:
         emit(event="init", node=node, rank=rank, world=world, local_world=manager.topology.local_world_size)

@@ -79,21 +79,36 @@ class CheckpointManager:
         ValueError: a bad argument or environment (no ``NODE_RANK``/``GROUP_RANK``, a rank out of range).
     """
 
-    def __init__(self, local_dir: str | os.PathLike[str], job_name: str, *,
-                 backup_interval_minutes: float | None = None, backup_interval_steps: int | None = None,
-                 peers_per_node: int = 1, peer_ranks: list[int] | None = None,
-                 assume_data_parallelism: int | None = None, env: Mapping[str, str] | None = None,
-                 waits: Waits = Waits(), commit_timeout_s: float = protocol.DEFAULT_TIMEOUT_S,
-                 io_threads: int | None = None, pinned_memory_limit_bytes: int | None = None,
-                 files_per_rank: int = DEFAULT_FILES) -> None:
+    def __init__(
+        self,
+        local_dir: str | os.PathLike[str],
+        job_name: str,
+        *,
+        backup_interval_minutes: float | None = None,
+        backup_interval_steps: int | None = None,
+        peers_per_node: int = 1,
+        peer_ranks: list[int] | None = None,
+        assume_data_parallelism: int | None = None,
+        env: Mapping[str, str] | None = None,
+        waits: Waits = Waits(),
+        commit_timeout_s: float = protocol.DEFAULT_TIMEOUT_S,
+        io_threads: int | None = None,
+        pinned_memory_limit_bytes: int | None = None,
+        files_per_rank: int = DEFAULT_FILES,
+    ) -> None:
         self.local_dir = Path(local_dir)
         self.topology = NodeTopology.from_env(os.environ if env is None else env)
         self.config = ReplicatorConfig(
-            job_name=job_name, node_rank=self.topology.node_rank, nodes=self.topology.nodes,
-            peers_per_node=peers_per_node, backup_interval_minutes=backup_interval_minutes,
+            job_name=job_name,
+            node_rank=self.topology.node_rank,
+            nodes=self.topology.nodes,
+            peers_per_node=peers_per_node,
+            backup_interval_minutes=backup_interval_minutes,
             backup_interval_steps=backup_interval_steps,
             peer_ranks=None if peer_ranks is None else tuple(peer_ranks),
-            assume_data_parallelism=assume_data_parallelism, workers_per_node=self.topology.local_world_size)
+            assume_data_parallelism=assume_data_parallelism,
+            workers_per_node=self.topology.local_world_size,
+        )
         self.waits = waits
         self.commit_timeout_s = commit_timeout_s
         self.io_threads = io_threads or default_io_threads(self.topology.local_world_size)
@@ -131,24 +146,32 @@ class CheckpointManager:
         assert restore.directory is not None
         rank_dir = self._rank_dir_of(Path(restore.directory))
         dcp.load(state_dict, storage_reader=BoundedReader(rank_dir, threads=self.io_threads), no_dist=True)
-        log.info("node %d local rank %d: restored step %d from %s", self.topology.node_rank,
-                 self.topology.local_rank, restore.step, rank_dir)
+        log.info(
+            "node %d local rank %d: restored step %d from %s",
+            self.topology.node_rank,
+            self.topology.local_rank,
+            restore.step,
+            rank_dir,
+        )
         return restore.step
 
     def _handshake_on_local_rank_0(self) -> _Restore | None:
         if self.topology.local_rank != 0:
             return None
         result: RestoreResult = protocol.handshake(self.local_dir, self.config, self.waits)
-        return _Restore(self.topology.node_rank, result.step,
-                        None if result.directory is None else str(result.directory))
+        return _Restore(
+            self.topology.node_rank, result.step, None if result.directory is None else str(result.directory)
+        )
 
     def _share(self, mine: _Restore | None) -> _Restore:
         """Every rank gets its node's local-rank-0 result; all nodes must agree on the step."""
         distributed = dist.is_available() and dist.is_initialized()
         if not distributed:
             if self.topology.local_world_size > 1:
-                raise RuntimeError(f"{self.topology.local_world_size} local ranks need torch.distributed initialized "
-                                   "before load(): the other ranks learn the restored step from local rank 0")
+                raise RuntimeError(
+                    f"{self.topology.local_world_size} local ranks need torch.distributed initialized "
+                    "before load(): the other ranks learn the restored step from local rank 0"
+                )
             assert mine is not None
             return mine
         gathered: list[_Restore | None] = [None] * dist.get_world_size()
@@ -160,8 +183,10 @@ class CheckpointManager:
         for result in results:
             if result.node_rank == self.topology.node_rank:
                 return result
-        raise RuntimeError(f"no local rank 0 reported for node rank {self.topology.node_rank}: "
-                           f"is LOCAL_RANK/NODE_RANK consistent across processes? (got nodes {sorted(steps)})")
+        raise RuntimeError(
+            f"no local rank 0 reported for node rank {self.topology.node_rank}: "
+            f"is LOCAL_RANK/NODE_RANK consistent across processes? (got nodes {sorted(steps)})"
+        )
 
     def _rank_dir_of(self, step_dir: Path) -> Path:
         world = self.topology.local_world_size
@@ -171,8 +196,10 @@ class CheckpointManager:
         found = sorted(name for name in os.listdir(step_dir) if _RANK_DIR_RE.match(name))
         other = {int(_RANK_DIR_RE.match(name)[2]) for name in found}  # type: ignore[index]
         if other and world not in other:
-            raise ValueError(f"{step_dir} was saved by {sorted(other)} local ranks per node, this job runs {world}: "
-                             "restore with the same --nproc-per-node")
+            raise ValueError(
+                f"{step_dir} was saved by {sorted(other)} local ranks per node, this job runs {world}: "
+                "restore with the same --nproc-per-node"
+            )
         raise ValueError(f"{step_dir} holds no complete {wanted}/{protocol.METADATA_FILE} (found {found})")
 
     # -- save ----------------------------------------------------------------------------------------
@@ -192,8 +219,9 @@ class CheckpointManager:
         # The trainer waits anyway: a state in host memory is written as it is, without a copy.
         self._write(self._stager.stage(plain) if _on_a_gpu(plain) else plain, rank_dir, step)
 
-    def async_save(self, state_dict: dict[str, Any], step: int, *,
-                   wait_for_staging: bool = True) -> concurrent.futures.Future[int]:
+    def async_save(
+        self, state_dict: dict[str, Any], step: int, *, wait_for_staging: bool = True
+    ) -> concurrent.futures.Future[int]:
         """Saves ``step`` in the background; blocks only while the state is copied into host memory.
 
         Waits for the previous pending save first (one save in flight at a time).
@@ -253,8 +281,11 @@ class CheckpointManager:
     def _prepare(self, step: int) -> Path:
         if (self.local_dir / protocol.step_name(step)).exists():
             raise FileExistsError(f"step {step} is already committed in {self.local_dir}: a step is saved once")
-        rank_dir = (self.local_dir / protocol.tmp_step_name(step)
-                    / protocol.rank_dir_name(self.topology.local_rank, self.topology.local_world_size))
+        rank_dir = (
+            self.local_dir
+            / protocol.tmp_step_name(step)
+            / protocol.rank_dir_name(self.topology.local_rank, self.topology.local_world_size)
+        )
         rank_dir.mkdir(parents=True, exist_ok=True)
         return rank_dir
 
@@ -271,8 +302,10 @@ class CheckpointManager:
             if not missing:
                 break
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"step {step}: local ranks {missing} wrote no {protocol.METADATA_FILE} within "
-                                   f"{self.commit_timeout_s:g} s; {tmp} stays uncommitted")
+                raise TimeoutError(
+                    f"step {step}: local ranks {missing} wrote no {protocol.METADATA_FILE} within "
+                    f"{self.commit_timeout_s:g} s; {tmp} stays uncommitted"
+                )
             time.sleep(self.waits.poll_s)
         with protocol.open_dir(self.local_dir) as dir_fd:
             os.rename(tmp.name, protocol.step_name(step), src_dir_fd=dir_fd, dst_dir_fd=dir_fd)

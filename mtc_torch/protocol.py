@@ -47,8 +47,10 @@ MAX_CONTROL_FILE_BYTES = 64 * 1024
 DEFAULT_TIMEOUT_S = 300.0
 """Each wait of the handshake (consumed ``replicator.yaml``, prerestore, marker), in seconds, as in Resiliency."""
 
-_MARKER_RE = re.compile(r"^(?P<job>[A-Za-z0-9][A-Za-z0-9._-]{0,252})-s(?P<step>[0-9]{1,18})"
-                        r"-n(?P<node>[0-9]{1,9})-w(?P<worker>[0-9]{1,9})\.restore$")
+_MARKER_RE = re.compile(
+    r"^(?P<job>[A-Za-z0-9][A-Za-z0-9._-]{0,252})-s(?P<step>[0-9]{1,18})"
+    r"-n(?P<node>[0-9]{1,9})-w(?P<worker>[0-9]{1,9})\.restore$"
+)
 _TMP_STEP_RE = re.compile(r"^[0-9]{1,18}\.tmp$")
 _JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
 
@@ -116,8 +118,9 @@ class NodeTopology:
         nodes = integer("NNODES")
         if nodes is None:
             nodes = integer("WORLD_SIZE", local_world_size) // local_world_size
-        return cls(node_rank=node_rank, nodes=nodes, local_rank=integer("LOCAL_RANK", 0),
-                   local_world_size=local_world_size)
+        return cls(
+            node_rank=node_rank, nodes=nodes, local_rank=integer("LOCAL_RANK", 0), local_world_size=local_world_size
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +164,8 @@ class ReplicatorConfig:
         if self.backup_interval_steps is not None and self.backup_interval_steps < 1:
             raise ValueError(f"backup_interval_steps must be >= 1, not {self.backup_interval_steps}")
         if self.assume_data_parallelism is not None and (
-                self.assume_data_parallelism < 1 or self.nodes % self.assume_data_parallelism):
+            self.assume_data_parallelism < 1 or self.nodes % self.assume_data_parallelism
+        ):
             raise ValueError(f"assume_data_parallelism={self.assume_data_parallelism} must divide nodes={self.nodes}")
         if self.workers_per_node is not None and self.workers_per_node < 1:
             raise ValueError(f"workers_per_node must be >= 1, not {self.workers_per_node}")
@@ -328,8 +332,9 @@ def remove_stale_tmp_steps(dir_fd: int) -> list[str]:
     return removed
 
 
-def _wait(what: str, timeout_s: float, waits: Waits, dir_fd: int, ready: Callable[[], _T | None],
-          check: bool = True) -> _T:
+def _wait(
+    what: str, timeout_s: float, waits: Waits, dir_fd: int, ready: Callable[[], _T | None], check: bool = True
+) -> _T:
     """Polls ``ready()`` until it returns non-None; with ``check``, looks at the agent's files before each poll."""
     deadline = waits.clock() + timeout_s
     while True:
@@ -339,8 +344,10 @@ def _wait(what: str, timeout_s: float, waits: Waits, dir_fd: int, ready: Callabl
         if result is not None:
             return result
         if waits.clock() >= deadline:
-            raise TimeoutError(f"{what} within {timeout_s:g} s: is the node agent running, and is this volume's "
-                               f"framework attribute {FRAMEWORK!r}?")
+            raise TimeoutError(
+                f"{what} within {timeout_s:g} s: is the node agent running, and is this volume's "
+                f"framework attribute {FRAMEWORK!r}?"
+            )
         waits.sleep(waits.poll_s)
 
 
@@ -353,8 +360,14 @@ def write_replicator_config(dir_fd: int, config: ReplicatorConfig, waits: Waits)
         ReplicatorFailed: ``replicator.failed`` appeared.
     """
     # Files of an earlier run (a restarted container) are not this run's answer: look only once ours is written.
-    _wait(f"an earlier {REPLICATOR_FILE} was not consumed", waits.consumed_s, waits, dir_fd,
-          lambda: None if exists(dir_fd, REPLICATOR_FILE) else True, check=False)
+    _wait(
+        f"an earlier {REPLICATOR_FILE} was not consumed",
+        waits.consumed_s,
+        waits,
+        dir_fd,
+        lambda: None if exists(dir_fd, REPLICATOR_FILE) else True,
+        check=False,
+    )
     tmp = f".{REPLICATOR_FILE}.{os.getpid()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
     try:
@@ -367,8 +380,13 @@ def write_replicator_config(dir_fd: int, config: ReplicatorConfig, waits: Waits)
         unlink_quietly(dir_fd, tmp)
         raise
     log.info("wrote %s: %s", REPLICATOR_FILE, config)
-    _wait(f"the node agent did not consume {REPLICATOR_FILE}", waits.consumed_s, waits, dir_fd,
-          lambda: None if exists(dir_fd, REPLICATOR_FILE) else True)
+    _wait(
+        f"the node agent did not consume {REPLICATOR_FILE}",
+        waits.consumed_s,
+        waits,
+        dir_fd,
+        lambda: None if exists(dir_fd, REPLICATOR_FILE) else True,
+    )
 
 
 def parse_prerestore(text: str) -> int:
@@ -475,10 +493,20 @@ def handshake(local_dir: str | os.PathLike[str], config: ReplicatorConfig, waits
             log.info("removed unfinished saves of an earlier run: %s", removed)
         write_replicator_config(dir_fd, config, waits)
         prerestore_step = wait_prerestore(dir_fd, waits)
-        marker = _wait(f"no restore marker <job>-s<step>-n{config.node_rank}-w<worker>{MARKER_SUFFIX}",
-                       waits.marker_s, waits, dir_fd, lambda: find_marker(dir_fd, config.node_rank))
+        marker = _wait(
+            f"no restore marker <job>-s<step>-n{config.node_rank}-w<worker>{MARKER_SUFFIX}",
+            waits.marker_s,
+            waits,
+            dir_fd,
+            lambda: find_marker(dir_fd, config.node_rank),
+        )
         name, step = marker
         if step != prerestore_step:
-            log.warning("%s announced step %d, the marker %s names step %d: the marker wins",
-                        PRERESTORE_FILE, prerestore_step, name, step)
+            log.warning(
+                "%s announced step %d, the marker %s names step %d: the marker wins",
+                PRERESTORE_FILE,
+                prerestore_step,
+                name,
+                step,
+            )
         return claim_marker(dir_fd, local, name, step)

@@ -77,8 +77,11 @@ class BoundedReader(FileSystemReader):
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
-        self._tensors = {fqn: value for fqn, value in metadata.state_dict_metadata.items()
-                         if isinstance(value, TensorStorageMetadata)}
+        self._tensors = {
+            fqn: value
+            for fqn, value in metadata.state_dict_metadata.items()
+            if isinstance(value, TensorStorageMetadata)
+        }
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Reads every item of ``plan`` into the planner's destinations; done when the future is returned."""
@@ -103,20 +106,29 @@ class BoundedReader(FileSystemReader):
         for item, target in targets:
             info = self.storage_data[item.storage_index]
             dtype, sizes = self._stored(item.storage_index, info.length)
-            if (all(o == 0 for o in item.storage_offsets) and tuple(item.lengths) == tuple(sizes)
-                    and tuple(target.shape) == tuple(sizes) and target.dtype == dtype and target.is_contiguous()
-                    and target.layout == torch.strided):
+            if (
+                all(o == 0 for o in item.storage_offsets)
+                and tuple(item.lengths) == tuple(sizes)
+                and tuple(target.shape) == tuple(sizes)
+                and target.dtype == dtype
+                and target.is_contiguous()
+                and target.layout == torch.strided
+            ):
                 flat = target.reshape(-1).view(torch.uint8)
-                pieces += [_Piece(info.relative_path, info.offset + start, flat[start:start + PIECE_BYTES])
-                           for start in range(0, info.length, PIECE_BYTES)]
+                pieces += [
+                    _Piece(info.relative_path, info.offset + start, flat[start : start + PIECE_BYTES])
+                    for start in range(0, info.length, PIECE_BYTES)
+                ]
             else:
                 resharded.append(self._resharded(item, info.relative_path, info.offset, dtype, sizes, target))
         for device in {target.device for _, target in targets if target.is_cuda}:
             torch.cuda.synchronize(device)  # the destinations' pending work (a zeros_like, say) before ours
         names = {self.storage_data[item.storage_index].relative_path for item in items}
         lanes = _Lanes()
-        with _Files(self.path, names) as files, concurrent.futures.ThreadPoolExecutor(
-                self.threads, thread_name_prefix="mtc-torch-read") as pool:
+        with (
+            _Files(self.path, names) as files,
+            concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="mtc-torch-read") as pool,
+        ):
             jobs = [pool.submit(lanes.read, files, piece) for piece in pieces]
             jobs += [pool.submit(job, files) for job in resharded]
             for job in jobs:
@@ -127,25 +139,30 @@ class BoundedReader(FileSystemReader):
     def _stored(self, index: MetadataIndex, length: int) -> tuple[torch.dtype, torch.Size]:
         """The dtype and shape of the stored chunk at ``index``, checked against its stored ``length``."""
         tensor = self._tensors.get(index.fqn)
-        chunk = next((c for c in (tensor.chunks if tensor else ()) if tuple(c.offsets) == tuple(index.offset or ())),
-                     None)
+        chunk = next(
+            (c for c in (tensor.chunks if tensor else ()) if tuple(c.offsets) == tuple(index.offset or ())), None
+        )
         if tensor is None or chunk is None:
             raise ValueError(f"{self.path}: {index.fqn} at offset {index.offset} has no chunk in the metadata")
         expected = math.prod(chunk.sizes) * torch.empty((), dtype=tensor.properties.dtype).element_size()
         if expected != length:
-            raise ValueError(f"{self.path}: {index.fqn} is stored as {length} bytes where its shape "
-                             f"{list(chunk.sizes)} of {tensor.properties.dtype} makes {expected}")
+            raise ValueError(
+                f"{self.path}: {index.fqn} is stored as {length} bytes where its shape "
+                f"{list(chunk.sizes)} of {tensor.properties.dtype} makes {expected}"
+            )
         return tensor.properties.dtype, chunk.sizes
 
     @staticmethod
-    def _resharded(item: ReadItem, file: str, offset: int, dtype: torch.dtype, sizes: torch.Size,
-                   target: torch.Tensor) -> Callable[[_Files], None]:
+    def _resharded(
+        item: ReadItem, file: str, offset: int, dtype: torch.dtype, sizes: torch.Size, target: torch.Tensor
+    ) -> Callable[[_Files], None]:
         def read(files: _Files) -> None:
             stored = torch.empty(sizes, dtype=dtype)
             files.read_into(file, offset, stored.reshape(-1).view(torch.uint8))
             for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
                 stored = stored.narrow(dim, start, length)
             target.copy_(stored)
+
         return read
 
 
@@ -186,8 +203,9 @@ class _Lanes:
     returns it, so there are at most as many as threads (``threads`` × :data:`PIECE_BYTES` pinned bytes)."""
 
     def __init__(self) -> None:
-        self._free: dict[torch.device, queue.SimpleQueue[tuple[torch.Tensor, torch.cuda.Stream]]] = \
+        self._free: dict[torch.device, queue.SimpleQueue[tuple[torch.Tensor, torch.cuda.Stream]]] = (
             collections.defaultdict(queue.SimpleQueue)
+        )
 
     def read(self, files: _Files, piece: _Piece) -> None:
         if not piece.target.is_cuda:
@@ -200,7 +218,7 @@ class _Lanes:
             buffer = torch.empty(PIECE_BYTES, dtype=torch.uint8, pin_memory=True)
             stream = torch.cuda.Stream(device=piece.target.device)
         try:
-            host = buffer[:piece.target.numel()]
+            host = buffer[: piece.target.numel()]
             files.read_into(piece.file, piece.offset, host)
             with torch.cuda.stream(stream):
                 piece.target.copy_(host, non_blocking=True)

@@ -121,8 +121,10 @@ class HostStager:
         if flatten is not None and type(tensor) is not torch.Tensor:  # DTensor: host copies of its local tensors
             names, context = flatten()
             inner = {name: getattr(tensor, name) for name in names}  # torch >= 2.13 lists its device mesh too
-            inner = {name: self._copy_tensor(value, (*path, name)) if isinstance(value, torch.Tensor) else value
-                     for name, value in inner.items()}
+            inner = {
+                name: self._copy_tensor(value, (*path, name)) if isinstance(value, torch.Tensor) else value
+                for name, value in inner.items()
+            }
             return type(tensor).__tensor_unflatten__(inner, context, tensor.size(), tensor.stride())  # type: ignore[attr-defined,no-any-return]  # a subclass hook
         if tensor.layout != torch.strided or tensor.is_quantized:  # rare layouts: a plain, synchronous copy
             return tensor.to("cpu", copy=True)
@@ -159,9 +161,13 @@ class HostStager:
             pin = False
             if not self._warned_unpinned:
                 self._warned_unpinned = True
-                log.warning("pinned staging memory would pass its limit of %d bytes: %s and any tensor past it are "
-                            "staged in pageable memory, a slower copy out of the GPU (raise pinned_limit_bytes, or "
-                            "give the pod the memory)", self.pinned_limit_bytes, ".".join(map(str, path)))
+                log.warning(
+                    "pinned staging memory would pass its limit of %d bytes: %s and any tensor past it are "
+                    "staged in pageable memory, a slower copy out of the GPU (raise pinned_limit_bytes, or "
+                    "give the pod the memory)",
+                    self.pinned_limit_bytes,
+                    ".".join(map(str, path)),
+                )
         if pin:
             status = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0))
             if status != 0:

@@ -75,8 +75,9 @@ class DeterministicWriter(FileSystemWriter):
     the fast way there.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, files: int = DEFAULT_FILES, threads: int = 1,
-                 sync_files: bool = True) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], *, files: int = DEFAULT_FILES, threads: int = 1, sync_files: bool = True
+    ) -> None:
         if files < 1 or threads < 1:
             raise ValueError(f"files and threads must be >= 1, got {files} and {threads}")
         super().__init__(path, sync_files=sync_files)
@@ -92,8 +93,9 @@ class DeterministicWriter(FileSystemWriter):
         prefix = plan.storage_data.prefix
         blobs = [_Blob.of(item, planner.resolve_data(item)) for item in plan.items]
         files = _spread(blobs, self.files)
-        with concurrent.futures.ThreadPoolExecutor(min(self.threads, max(1, len(files))),
-                                                   thread_name_prefix="mtc-torch-write") as pool:
+        with concurrent.futures.ThreadPoolExecutor(
+            min(self.threads, max(1, len(files))), thread_name_prefix="mtc-torch-write"
+        ) as pool:
             written = pool.map(lambda k: self._write_file(f"{prefix}{k}{DEFAULT_SUFFIX}", files[k]), range(len(files)))
             results = [result for file_results in written for result in file_results]
         future: Future[list[WriteResult]] = Future()
@@ -118,9 +120,14 @@ class DeterministicWriter(FileSystemWriter):
                 view = blob.data
                 done = 0
                 while done < len(view):
-                    done += os.write(fd, view[done:done + _WRITE_BYTES])
-                results.append(WriteResult(index=blob.item.index, size_in_bytes=len(view), storage_data=_StorageInfo(
-                    name, offset, len(view), transform_descriptors=blob.descriptors)))
+                    done += os.write(fd, view[done : done + _WRITE_BYTES])
+                results.append(
+                    WriteResult(
+                        index=blob.item.index,
+                        size_in_bytes=len(view),
+                        storage_data=_StorageInfo(name, offset, len(view), transform_descriptors=blob.descriptors),
+                    )
+                )
                 offset += len(view)
             if self.sync_files:
                 os.fsync(fd)

@@ -92,8 +92,18 @@ class MtcCheckpointManager(BaseCheckpointManager):
         pinned_memory_limit_bytes: int | None = None
         """The most host memory the staging buffers may pin, in bytes (None: one copy of this rank's state)."""
 
-    def __init__(self, config: Config, *, dataloader: Any, model_parts: list[nn.Module], optimizers: Any,
-                 lr_schedulers: Any, states: dict[str, Any], sd_adapter: Any = None, base_folder: str = "") -> None:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        dataloader: Any,
+        model_parts: list[nn.Module],
+        optimizers: Any,
+        lr_schedulers: Any,
+        states: dict[str, Any],
+        sd_adapter: Any = None,
+        base_folder: str = "",
+    ) -> None:
         self.enable = config.enable
         if not self.enable:
             return
@@ -104,16 +114,22 @@ class MtcCheckpointManager(BaseCheckpointManager):
         self.async_save = config.async_save
         self.staging_overlaps_step = config.staging_overlaps_step
         if config.load_step != -1:
-            log.warning("checkpoint.load_step=%d is ignored: the node agent picks the step to restore", config.load_step)
+            log.warning(
+                "checkpoint.load_step=%d is ignored: the node agent picks the step to restore", config.load_step
+            )
         self.states = dict(states)
         self.states.update({MODEL: ModelWrapper(model_parts), OPTIMIZER: optimizers, LR_SCHEDULER: lr_schedulers})
         if dataloader is not None:
             self.states[DATALOADER] = dataloader
         self.manager = CheckpointManager(
-            config.local_dir, config.job_name, backup_interval_minutes=config.backup_interval_minutes,
-            backup_interval_steps=config.backup_interval_steps, peers_per_node=config.peers_per_node,
+            config.local_dir,
+            config.job_name,
+            backup_interval_minutes=config.backup_interval_minutes,
+            backup_interval_steps=config.backup_interval_steps,
+            peers_per_node=config.peers_per_node,
             assume_data_parallelism=config.assume_data_parallelism,
-            pinned_memory_limit_bytes=config.pinned_memory_limit_bytes)
+            pinned_memory_limit_bytes=config.pinned_memory_limit_bytes,
+        )
 
     def _load(self, step: int = -1) -> bool:
         """Runs the handshake; loads the step the agent restored, if any. Returns whether a step was loaded."""
@@ -134,8 +150,9 @@ class MtcCheckpointManager(BaseCheckpointManager):
         if not self._should_save(curr_step, last_step):
             return False
         if self.async_save and not last_step:
-            self.save_future = self.manager.async_save(self.states, curr_step,
-                                                       wait_for_staging=not self.staging_overlaps_step)
+            self.save_future = self.manager.async_save(
+                self.states, curr_step, wait_for_staging=not self.staging_overlaps_step
+            )
         else:
             self.manager.save(self.states, curr_step)
         return True

@@ -18,9 +18,14 @@ from replicator.local_tier.step_manifest import StepManifest, UnusableCopy, chec
 log = logging.getLogger(__name__)
 
 
-
-def stage_local(framework: Framework, local_dir: str, step: int, manifest: StepManifest | None, meta: JobMeta | None = None,
-                rank: int | None = None) -> None:  # fmt: skip
+def stage_local(
+    framework: Framework,
+    local_dir: str,
+    step: int,
+    manifest: StepManifest | None,
+    meta: JobMeta | None = None,
+    rank: int | None = None,
+) -> None:
     """Verifies this node's own copy of ``step`` and moves it to the staged name.
 
     Args:
@@ -69,7 +74,9 @@ def install_staged(framework: Framework, local_dir: str, step: int, verified_dir
         pod_files.fsync_dir(fd)
 
 
-def clear_for_restore(framework: Framework, local_dir: str, step: int | None, meta: JobMeta, rank: int, set_aside: bool = True) -> list[int]:
+def clear_for_restore(
+    framework: Framework, local_dir: str, step: int | None, meta: JobMeta, rank: int, set_aside: bool = True
+) -> list[int]:
     """Takes committed steps newer than ``step`` (all of them when None) out of the client dir, and
     removes old markers.
 
@@ -89,7 +96,12 @@ def clear_for_restore(framework: Framework, local_dir: str, step: int | None, me
     removed = framework.steps_restored_instead(scan, step)
     manifests = meta.manifests()
     for stale in removed:
-        if set_aside and stale in scan.committed and stale in manifests and _set_aside(framework, local_dir, stale, meta, manifests[stale], rank):
+        if (
+            set_aside
+            and stale in scan.committed
+            and stale in manifests
+            and _set_aside(framework, local_dir, stale, meta, manifests[stale], rank)
+        ):
             log.warning("set aside step %d of %s: not restorable on every rank now", stale, local_dir)
         steps.delete_step(framework, local_dir, stale)
         meta.drop_manifest(stale)
@@ -106,7 +118,9 @@ def clear_for_restore(framework: Framework, local_dir: str, step: int | None, me
     return removed
 
 
-def _set_aside(framework: Framework, local_dir: str, step: int, meta: JobMeta, manifest: StepManifest, rank: int) -> bool:
+def _set_aside(
+    framework: Framework, local_dir: str, step: int, meta: JobMeta, manifest: StepManifest, rank: int
+) -> bool:
     """Moves a committed step's directory out of the client dir into ``meta`` as a replica of
     ``rank``; False when what has the step's name is not a directory (then it is deleted)."""
     found = framework.find_step_dir(local_dir, step)

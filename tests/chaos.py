@@ -54,12 +54,22 @@ from tests.helpers.steps import flip_byte
 
 NODES, DP_PEER_OFFSET = 4, 2  # rank r's data-parallel peer in dp2 is r +- 2 (same worker, other slice)
 SAVE_EVERY, BACKUP_EVERY = 3, 6
-TRAIN = ["--steps", "100000", "--save-interval-steps", str(SAVE_EVERY), "--backup-interval-steps", str(BACKUP_EVERY),
-         "--step-sleep", "0.2"]  # fmt: skip
+TRAIN = [
+    "--steps",
+    "100000",
+    "--save-interval-steps",
+    str(SAVE_EVERY),
+    "--backup-interval-steps",
+    str(BACKUP_EVERY),
+    "--step-sleep",
+    "0.2",
+]
 VARIANTS = {"dp2": (1, []), "dp1": (2, ["--data-parallelism", "1"])}  # -> (--replicas, train.py flags)
 _GC_SECONDS = 20.0  # a few report rounds
 _RAMDISK_FULL = 0.9
-_RESUME_TIMEOUT = 240.0  # seconds from recreation to the first step: beyond Orbax's 300 s marker wait is a failure anyway
+_RESUME_TIMEOUT = (
+    240.0  # seconds from recreation to the first step: beyond Orbax's 300 s marker wait is a failure anyway
+)
 _BACKUP_TIMEOUT = 120.0
 _OUTAGE_SECONDS = 30.0
 # Partitions: past the coordinator's node timeout (4 s in LocalCluster), short of its holder grace (60 s).
@@ -99,13 +109,21 @@ class Chaos:
         replicas, train = VARIANTS[variant]
         self.store = os.path.join(workdir, "object-store")
         # Nodes on this run's own /24, each agent sending from its address: network faults touch this run only.
-        self.cluster = LocalCluster(os.path.join(workdir, "cluster"), listen_address, replicas=replicas,
-                                    backup=f"file://{self.store}", agent_wrapper=network.AS_HOST, subnet=network.run_subnet())  # fmt: skip
+        self.cluster = LocalCluster(
+            os.path.join(workdir, "cluster"),
+            listen_address,
+            replicas=replicas,
+            backup=f"file://{self.store}",
+            agent_wrapper=network.AS_HOST,
+            subnet=network.run_subnet(),
+        )
         self.network = contextlib.ExitStack()  # the loopback hosts' SNAT while the cluster runs
         self.job = LocalJob("chaos", [], workdir, [*TRAIN, *train, "--dump-dir", ""], jax_port=free_port("0.0.0.0"))
         self.all_pods = []  # every pod of every incarnation, for its events
         self.corrupt: set[tuple[int, int, str]] = set()  # (rank, step, holder) copies the suite damaged
-        self.rollback: tuple[int, int, float] | None = None  # (step, first incarnation of the new timeline, its start time)
+        self.rollback: tuple[int, int, float] | None = (
+            None  # (step, first incarnation of the new timeline, its start time)
+        )
         self.forks: list[int] = []  # every rollback's step: backups are named by timeline (steps/<step>-t<n>)
         self.rows: list[Row] = []
 
@@ -129,8 +147,12 @@ class Chaos:
     def saved(self, rank: int, pods=None) -> set[int]:
         """Steps ``rank`` committed in the current timeline (every incarnation; before a rollback, up to its step)."""
         step, first, _ = self.rollback or (0, 0, 0.0)
-        return {e["step"] for p in pods or self.all_pods for e in by_event(p, "saved")
-                if e["rank"] == rank and (self._incarnation_of(p) >= first or e["step"] <= step)}  # fmt: skip
+        return {
+            e["step"]
+            for p in pods or self.all_pods
+            for e in by_event(p, "saved")
+            if e["rank"] == rank and (self._incarnation_of(p) >= first or e["step"] <= step)
+        }
 
     @staticmethod
     def _incarnation_of(pod) -> int:
@@ -144,7 +166,9 @@ class Chaos:
         they committed or restored); returns the newest."""
         restored = [e["step"] or 0 for p in self.job.pods for e in by_event(p, "restored")]
         target = max(self.newest_saved_by_all(self.job.pods), *restored, 0) + count * SAVE_EVERY
-        self.job.wait(lambda: self.newest_saved_by_all(self.job.pods) >= target, timeout, f"step {target} saved by every rank")
+        self.job.wait(
+            lambda: self.newest_saved_by_all(self.job.pods) >= target, timeout, f"step {target} saved by every rank"
+        )
         return self.newest_saved_by_all(self.job.pods)
 
     def rank_of(self, agent: NodeAgentProcess) -> int | None:
@@ -172,7 +196,7 @@ class Chaos:
         """Timeline t > 0 (after the t-th rollback) is ``<step>-t<t>``; a timeline's steps after a
         later rollback's step were abandoned."""
         step, _, timeline = entry.partition("-t")
-        later = self.forks[int(timeline or 0):]
+        later = self.forks[int(timeline or 0) :]
         return not later or int(step) <= min(later)
 
     def backups(self) -> dict[int, float]:
@@ -192,7 +216,9 @@ class Chaos:
         """Whether ``rank``'s copy of ``step``, written at ``written`` (unix seconds), is of the current
         timeline: older than the rollback, saved by its pods, or written after the rollback began (a
         step Orbax committed just before its process was killed has no ``saved`` event)."""
-        return self.rollback is None or step <= self.rollback[0] or step in self.saved(rank) or written >= self.rollback[2]
+        return (
+            self.rollback is None or step <= self.rollback[0] or step in self.saved(rank) or written >= self.rollback[2]
+        )
 
     def copies(self) -> set[tuple[int, int, str]]:
         """Every valid (rank, step, holder) copy in the tiers now: committed local steps (with Orbax's
@@ -208,7 +234,11 @@ class Chaos:
             rank, ramdisk = self.rank_of(agent), agent.ramdisk(self.job.job)
             client = os.path.join(ramdisk, "client")
             for n in os.listdir(client) if rank is not None and os.path.isdir(client) else []:
-                if n.isascii() and n.isdigit() and (at := written(os.path.join(client, n, "_CHECKPOINT_METADATA"))) is not None:
+                if (
+                    n.isascii()
+                    and n.isdigit()
+                    and (at := written(os.path.join(client, n, "_CHECKPOINT_METADATA"))) is not None
+                ):
                     found[(rank, int(n), agent.node_id)] = at
             replicas = os.path.join(ramdisk, "mtc", "replicas")
             for rank_dir in os.listdir(replicas) if os.path.isdir(replicas) else []:
@@ -239,13 +269,26 @@ class Chaos:
         self.job.kill_training()
         newest = self.newest_saved_by_all(self.job.pods)
         with contextlib.suppress(TimeoutError, OSError):
-            wait_until(lambda: (s := self.status()).get("newest_complete_step") is not None
-                       and s["newest_complete_step"] >= newest and s["safe_step"] == s["newest_complete_step"], 20, "settled")  # fmt: skip
+            wait_until(
+                lambda: (
+                    (s := self.status()).get("newest_complete_step") is not None
+                    and s["newest_complete_step"] >= newest
+                    and s["safe_step"] == s["newest_complete_step"]
+                ),
+                20,
+                "settled",
+            )
             status = self.status()
-            safe, keep = status.get("safe_step"), {status.get("backup_pending"), (status.get("restore") or {}).get("step")}
+            safe, keep = (
+                status.get("safe_step"),
+                {status.get("backup_pending"), (status.get("restore") or {}).get("step")},
+            )
             if safe is not None:
-                wait_until(lambda: not [c for c in self.copies() if c[2] != "backup" and c[1] < safe and c[1] not in keep], 10,
-                           "GC of what the safe step allows")  # fmt: skip
+                wait_until(
+                    lambda: not [c for c in self.copies() if c[2] != "backup" and c[1] < safe and c[1] not in keep],
+                    10,
+                    "GC of what the safe step allows",
+                )
 
     def lose(self, rank: int) -> NodeAgentProcess:
         """The node holding ``rank`` is lost with its RAM; a fresh node takes its place."""
@@ -267,7 +310,9 @@ class Chaos:
         timer.start()
         return timer
 
-    def restart(self, label: str, possible: int | None, during: Callable[[], None] | None = None, settle: bool = True) -> Row:
+    def restart(
+        self, label: str, possible: int | None, during: Callable[[], None] | None = None, settle: bool = True
+    ) -> Row:
         """Recreates the pods, runs ``during`` (a fault in the restore), waits for the first step,
         checks the restore and (``settle``) that backups and GC go on. The row is also returned."""
         row = Row(label, possible=possible, incarnation=self.job.incarnations + 1)
@@ -277,7 +322,11 @@ class Chaos:
         try:
             if during:
                 during()
-            self.job.wait(lambda: any(by_event(p, "step") for p in self.job.pods), _RESUME_TIMEOUT, "the first step after the restart")
+            self.job.wait(
+                lambda: any(by_event(p, "step") for p in self.job.pods),
+                _RESUME_TIMEOUT,
+                "the first step after the restart",
+            )
             row.seconds = time.monotonic() - started
             self.job.wait(lambda: all(by_event(p, "restored") for p in self.job.pods), 60, "every rank restored")
         except (TimeoutError, RuntimeError) as err:
@@ -289,7 +338,9 @@ class Chaos:
             row.problems.append(f"ranks restored different steps {sorted(restored, key=lambda s: s or 0)}")
         if row.restored != possible:
             older = possible is not None and (row.restored or 0) < possible
-            row.problems.append(f"restored {row.restored}, newest possible {possible}" + (" (unnecessary rollback)" if older else ""))
+            row.problems.append(
+                f"restored {row.restored}, newest possible {possible}" + (" (unnecessary rollback)" if older else "")
+            )
         if settle:
             self._check_backups_and_gc(row, row.restored or 0, started_wall)
         self._check_processes(row)
@@ -300,14 +351,21 @@ class Chaos:
         every node, every copy older than that backup (it is safe), and each ramdisk stays below
         ``_RAMDISK_FULL`` of its size."""
         try:
-            self.job.wait(lambda: any(s > after and t > since for s, t in self.backups().items()), _BACKUP_TIMEOUT,
-                          f"a new backup of a step after {after}")
+            self.job.wait(
+                lambda: any(s > after and t > since for s, t in self.backups().items()),
+                _BACKUP_TIMEOUT,
+                f"a new backup of a step after {after}",
+            )
         except (TimeoutError, RuntimeError) as err:
             row.problems.append(f"backups stopped: {str(err).splitlines()[0][:120]}")
             return
         backed_up = max(self.backups())
         try:
-            wait_until(lambda: not self._older_than(backed_up, row.restored), _GC_SECONDS, f"GC of steps before backup {backed_up}")
+            wait_until(
+                lambda: not self._older_than(backed_up, row.restored),
+                _GC_SECONDS,
+                f"GC of steps before backup {backed_up}",
+            )
         except TimeoutError:
             stale = self._older_than(backed_up, row.restored)
             row.problems.append(f"GC stopped: copies older than backup {backed_up} after {_GC_SECONDS:.0f} s: {stale}")
@@ -322,7 +380,9 @@ class Chaos:
 
     def _check_processes(self, row: Row) -> None:
         coordinator = self.cluster.coordinator
-        named = [(a.node_id, a, None) for a in self.job.agents] + [("coordinator", coordinator, coordinator.ssl_context())]
+        named = [(a.node_id, a, None) for a in self.job.agents] + [
+            ("coordinator", coordinator, coordinator.ssl_context())
+        ]
         for name, process, context in named:
             if process.process.poll() is not None:
                 row.problems.append(f"{name} exited {process.process.returncode}")
@@ -339,13 +399,27 @@ class Chaos:
         steps = [r.restored for r in self.rows if r.restored]
         if not steps:
             if self.rows:
-                self.rows[-1].problems.append("harness error: no restart restored a step, no value compared with the reference")
+                self.rows[-1].problems.append(
+                    "harness error: no restart restored a step, no value compared with the reference"
+                )
             return
         self.job.kill_training()
-        reference = LocalJob("reference", list(self.job.agents), os.path.join(self.workdir, "reference"),
-                             ["--steps", str(max(steps)), "--save-interval-steps", str(SAVE_EVERY), "--backup-interval-steps",
-                              str(BACKUP_EVERY), "--dump-dir", os.path.join(self.workdir, "reference-dump")],
-                             jax_port=free_port("0.0.0.0"))  # fmt: skip
+        reference = LocalJob(
+            "reference",
+            list(self.job.agents),
+            os.path.join(self.workdir, "reference"),
+            [
+                "--steps",
+                str(max(steps)),
+                "--save-interval-steps",
+                str(SAVE_EVERY),
+                "--backup-interval-steps",
+                str(BACKUP_EVERY),
+                "--dump-dir",
+                os.path.join(self.workdir, "reference-dump"),
+            ],
+            jax_port=free_port("0.0.0.0"),
+        )
         reference.create_pods()
         reference.start_training()
         reference.wait_done(timeout=600)
@@ -359,7 +433,9 @@ class Chaos:
                 try:
                     assert_same_state(os.path.join(self._dump_dir(row.incarnation), name), reference_dump)
                 except (AssertionError, FileNotFoundError) as err:
-                    row.problems.append(f"rank {rank} values differ from the reference: {str(err).splitlines()[0][:120]}")
+                    row.problems.append(
+                        f"rank {rank} values differ from the reference: {str(err).splitlines()[0][:120]}"
+                    )
                     break
 
     def stop(self) -> None:
@@ -404,8 +480,11 @@ def freeze_restore(chaos: Chaos) -> None:
     seconds, rank = chaos.rng.uniform(5, 40), chaos.rng.randrange(NODES)
     chaos.fail()
     agent = chaos.agent_of(rank)
-    chaos.restart(f"SIGSTOP {agent.node_id} {seconds:.0f}s in restore", chaos.newest_possible(),
-                  lambda: chaos.freeze([agent], seconds))  # fmt: skip
+    chaos.restart(
+        f"SIGSTOP {agent.node_id} {seconds:.0f}s in restore",
+        chaos.newest_possible(),
+        lambda: chaos.freeze([agent], seconds),
+    )
 
 
 def holders_of(chaos: Chaos, rank: int, step: int | None) -> list[NodeAgentProcess]:
@@ -421,8 +500,11 @@ def freeze_other_holder(chaos: Chaos) -> None:
     chaos.fail()
     holders = holders_of(chaos, rank, chaos.newest_possible())
     chaos.lose(rank)
-    chaos.restart(f"node loss, other holders {'+'.join(a.node_id for a in holders)} SIGSTOP {seconds:.0f}s",
-                  chaos.newest_possible(), lambda: chaos.freeze(holders, seconds))  # fmt: skip
+    chaos.restart(
+        f"node loss, other holders {'+'.join(a.node_id for a in holders)} SIGSTOP {seconds:.0f}s",
+        chaos.newest_possible(),
+        lambda: chaos.freeze(holders, seconds),
+    )
 
 
 def _kill_after_save(chaos: Chaos, what: str, low: float, high: float) -> None:
@@ -453,7 +535,10 @@ def kill_mid_upload(chaos: Chaos) -> None:
     finished = pending in chaos.backups()
     chaos.wait_saves(2)
     chaos.fail()
-    chaos.restart(f"SIGKILL {agent.node_id} mid-upload of {pending}{' (it had finished)' if finished else ''}", chaos.newest_possible())
+    chaos.restart(
+        f"SIGKILL {agent.node_id} mid-upload of {pending}{' (it had finished)' if finished else ''}",
+        chaos.newest_possible(),
+    )
 
 
 def kill_mid_stage(chaos: Chaos) -> None:
@@ -464,7 +549,11 @@ def kill_mid_stage(chaos: Chaos) -> None:
 
     def kill():
         with contextlib.suppress(TimeoutError):
-            wait_until(lambda: any(n.startswith(".mtc-staged") or n.endswith(".restore") for n in os.listdir(client)), 20, "staging")
+            wait_until(
+                lambda: any(n.startswith(".mtc-staged") or n.endswith(".restore") for n in os.listdir(client)),
+                20,
+                "staging",
+            )
         chaos.kill_agent(agent)
 
     chaos.restart(f"SIGKILL {agent.node_id} mid-stage", chaos.newest_possible(), kill)
@@ -502,7 +591,9 @@ def flip_replica(chaos: Chaos) -> None:
         flip_byte(os.path.join(holder.ramdisk(chaos.job.job), "mtc", "replicas", f"rank-{rank}", str(step)))
     chaos.corrupt.add((owner, step, holder.node_id))
     chaos.lose(rank)
-    chaos.restart(f"flipped byte in {holder.node_id}'s copy of step {step}, rank {rank}'s node lost", chaos.newest_possible())
+    chaos.restart(
+        f"flipped byte in {holder.node_id}'s copy of step {step}, rank {rank}'s node lost", chaos.newest_possible()
+    )
 
 
 def flip_backup(chaos: Chaos) -> None:
@@ -583,7 +674,12 @@ def partition_from_peers(chaos: Chaos) -> None:
     """One node's agent cannot reach the other agents (nor they it): in dp1 its pushes, and the pushes to it, fail.
     The coordinator reaches every node."""
     agent = chaos.rng.choice(chaos.job.agents)
-    _cut(chaos, f"{agent.node_id} cut from its peers", [agent.listen], [a.listen for a in chaos.job.agents if a is not agent])
+    _cut(
+        chaos,
+        f"{agent.node_id} cut from its peers",
+        [agent.listen],
+        [a.listen for a in chaos.job.agents if a is not agent],
+    )
 
 
 def lossy_slow_link(chaos: Chaos) -> None:
@@ -593,7 +689,11 @@ def lossy_slow_link(chaos: Chaos) -> None:
     it), but the training processes' JAX connections, which stay undelayed until the failure."""
     agent = chaos.rng.choice(chaos.job.agents)
     host = agent.listen.rpartition(":")[0]
-    with network.delayed([host], _DELAY_MS, keep_open=[chaos.job.jax_port]), network.lossy([host], _LOSS_PERCENT), network.rate_limited([host], _SLOW_LINK_MBIT):
+    with (
+        network.delayed([host], _DELAY_MS, keep_open=[chaos.job.jax_port]),
+        network.lossy([host], _LOSS_PERCENT),
+        network.rate_limited([host], _SLOW_LINK_MBIT),
+    ):
         chaos.wait_saves(2)
         chaos.fail()
         label = f"{agent.node_id} link {_LOSS_PERCENT:g}% loss, {_DELAY_MS:g} ms delay, {_SLOW_LINK_MBIT:g} Mbit/s"
@@ -611,9 +711,23 @@ def _rollback(chaos: Chaos, pods_gone: bool) -> None:
     # rolls back to a step that restores (a damaged one is refused, or dropped at planning: docs/faults.md).
     intact = [s for s in sorted(chaos.backups()) if not any((r, s, "backup") in chaos.corrupt for r in range(NODES))]
     step = intact[-2] if len(intact) >= 2 else sorted(chaos.backups())[-2]
-    command = [sys.executable, "-m", "replicator.cli", "restore-from", "--coordinator", chaos.cluster.coordinator.url,
-               "--ca", chaos.cluster.coordinator.ca_file, "--token-file", chaos.cluster.token_file,
-               "--job", f"default/{chaos.job.job}", "--step", str(step), "--yes"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "replicator.cli",
+        "restore-from",
+        "--coordinator",
+        chaos.cluster.coordinator.url,
+        "--ca",
+        chaos.cluster.coordinator.ca_file,
+        "--token-file",
+        chaos.cluster.token_file,
+        "--job",
+        f"default/{chaos.job.job}",
+        "--step",
+        str(step),
+        "--yes",
+    ]
     answer = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     chaos.rollback = (step, chaos.job.incarnations + 1, time.time())  # the abandoned timeline's pods are dead
     if not answer.returncode:
@@ -664,15 +778,21 @@ def draw(rng: random.Random, count: int, variant: str, allowed: list[str]) -> li
     sequence is long enough, the rest drawn at random."""
     pool = [f for f in allowed if variant in FAULTS[f][1]]
     rng.shuffle(pool)
-    return (pool * (count // len(pool) + 1))[:count] if count <= len(pool) else pool + [rng.choice(pool) for _ in range(count - len(pool))]
+    return (
+        (pool * (count // len(pool) + 1))[:count]
+        if count <= len(pool)
+        else pool + [rng.choice(pool) for _ in range(count - len(pool))]
+    )
 
 
 def render(rows: list[Row]) -> str:
     lines = [f"{'fault':<66}{'restored':>9}{'possible':>9}{'lost':>6}{'resume s':>10}  result"]
     for r in rows:
         seconds = f"{r.seconds:.1f}" if r.seconds is not None else "-"
-        lines.append(f"{r.fault[:65]:<66}{str(r.restored):>9}{str(r.possible):>9}{r.lost:>6}{seconds:>10}  "
-                     f"{'right' if r.right else 'WRONG: ' + '; '.join(r.problems)}")  # fmt: skip
+        lines.append(
+            f"{r.fault[:65]:<66}{str(r.restored):>9}{str(r.possible):>9}{r.lost:>6}{seconds:>10}  "
+            f"{'right' if r.right else 'WRONG: ' + '; '.join(r.problems)}"
+        )
     return "\n".join(lines)
 
 
@@ -682,9 +802,11 @@ def summary(rows: list[Row]) -> str:
     fresh = [r for r in rows if r.possible is not None and r.restored is None]
     seconds = [r.seconds for r in rows if r.seconds is not None]
     median = f"{statistics.median(seconds):.1f}" if seconds else "-"
-    return (f"restarts: {len(rows)}, right: {len(rows) - len(wrong)}, wrong: {len(wrong)}, unnecessary rollbacks: {len(rollbacks)}, "
-            f"fresh starts with a complete step: {len(fresh)}, steps lost beyond the minimum: {sum(r.lost for r in rows)}, "
-            f"median seconds to resume: {median} (goal: 0 wrong, 0 unnecessary rollbacks)")  # fmt: skip
+    return (
+        f"restarts: {len(rows)}, right: {len(rows) - len(wrong)}, wrong: {len(wrong)}, unnecessary rollbacks: {len(rollbacks)}, "
+        f"fresh starts with a complete step: {len(fresh)}, steps lost beyond the minimum: {sum(r.lost for r in rows)}, "
+        f"median seconds to resume: {median} (goal: 0 wrong, 0 unnecessary rollbacks)"
+    )
 
 
 def run(seed: int, faults: int, variant: str, allowed: list[str], workdir: str) -> list[Row]:
@@ -701,11 +823,19 @@ def run(seed: int, faults: int, variant: str, allowed: list[str], workdir: str) 
             cycle, first_row = time.monotonic(), len(chaos.rows)
             try:
                 FAULTS[name][0](chaos)
-            except (TimeoutError, RuntimeError, OSError, ValueError, subprocess.CalledProcessError) as err:  # the fault itself could not be set up
+            except (
+                TimeoutError,
+                RuntimeError,
+                OSError,
+                ValueError,
+                subprocess.CalledProcessError,
+            ) as err:  # the fault itself could not be set up
                 chaos.rows.append(Row(name, problems=[f"cycle failed: {str(err).splitlines()[0][:160]}"]))
             for line in render(chaos.rows[first_row:]).splitlines()[1:]:
                 print(f"[{time.monotonic() - cycle:4.0f} s] {line}", flush=True)
-            if chaos.rows[-1].seconds is None and any(p.process and p.process.poll() not in (None, 0) for p in chaos.job.pods):
+            if chaos.rows[-1].seconds is None and any(
+                p.process and p.process.poll() not in (None, 0) for p in chaos.job.pods
+            ):
                 print("the job is down and did not come back; stopping the sequence", flush=True)
                 break
         started = time.monotonic()
@@ -739,8 +869,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"work directory kept: {workdir}")
     print(render(rows))
     print(summary(rows))
-    print(f"replay: python -m tests.chaos --seed {seed} --faults {args.faults} --variant {args.variant}" +
-          (f" --only {args.only}" if args.only != ",".join(FAULTS) else ""))  # fmt: skip
+    print(
+        f"replay: python -m tests.chaos --seed {seed} --faults {args.faults} --variant {args.variant}"
+        + (f" --only {args.only}" if args.only != ",".join(FAULTS) else "")
+    )
     return 0 if rows and all(r.right for r in rows) else 1  # no row: nothing was checked
 
 

@@ -58,15 +58,28 @@ TRAINER = "maxtext.trainers.pre_train.train"
 
 # The multi-tier checkpointing flags the JobSet must carry; the e2e replaces only the values that
 # name places (the pod's mount, the output directory) or are too long for a test.
-MTC_FLAGS = ("enable_multi_tier_checkpointing", "local_checkpoint_directory", "local_checkpoint_period",
-             "multi_tier_checkpointing_backup_interval_minutes")  # fmt: skip
+MTC_FLAGS = (
+    "enable_multi_tier_checkpointing",
+    "local_checkpoint_directory",
+    "local_checkpoint_period",
+    "multi_tier_checkpointing_backup_interval_minutes",
+)
 LOCAL_PERIOD = 2
 # A model small enough for 2 CPU processes on 2 shared cores; random tokens (no dataset download).
 TINY_MODEL = {
-    "dataset_type": "synthetic", "base_emb_dim": "64", "base_num_decoder_layers": "2", "base_mlp_dim": "128",
-    "base_num_query_heads": "2", "base_num_kv_heads": "2", "head_dim": "32", "max_target_length": "64",
-    "per_device_batch_size": "1", "vocab_size": "256", "steps": "100000", "enable_tensorboard": "False",
-}  # fmt: skip
+    "dataset_type": "synthetic",
+    "base_emb_dim": "64",
+    "base_num_decoder_layers": "2",
+    "base_mlp_dim": "128",
+    "base_num_query_heads": "2",
+    "base_num_kv_heads": "2",
+    "head_dim": "32",
+    "max_target_length": "64",
+    "per_device_batch_size": "1",
+    "vocab_size": "256",
+    "steps": "100000",
+    "enable_tensorboard": "False",
+}
 # Set per pod by MaxTextJob.train_command.
 POD_FLAGS = ("run_name", "local_checkpoint_directory", "base_output_directory", "metrics_file")
 RESTORED = re.compile(r"restoring from this run's directory step (\d+)")
@@ -90,7 +103,9 @@ def jobset_flags(path: str = JOBSET) -> dict[str, str]:
     flags = dict(arg.split("=", 1) for arg in argv[3:])
     missing = [f for f in MTC_FLAGS if f not in flags]
     if missing or flags["enable_multi_tier_checkpointing"] != "True":
-        raise ValueError(f"{path}: multi-tier checkpointing flags missing or off: {missing or flags['enable_multi_tier_checkpointing']}")
+        raise ValueError(
+            f"{path}: multi-tier checkpointing flags missing or off: {missing or flags['enable_multi_tier_checkpointing']}"
+        )
     return flags
 
 
@@ -109,7 +124,12 @@ class MaxTextJob(TrainerJob):
         return pod.log_path + ".stderr"
 
     def train_command(self, pod: Pod) -> list[str]:
-        pod_flags = dict(zip(POD_FLAGS, (self.name, pod.target, os.path.join(self.workdir, "output", pod.name), self.metrics_path(pod))))
+        pod_flags = dict(
+            zip(
+                POD_FLAGS,
+                (self.name, pod.target, os.path.join(self.workdir, "output", pod.name), self.metrics_path(pod)),
+            )
+        )
         flags = {**dict(arg.split("=", 1) for arg in self.train_args), **pod_flags}
         return [self.python, "-m", TRAINER, *(f"{k}={v}" for k, v in flags.items())]
 
@@ -133,25 +153,50 @@ class MaxTextJob(TrainerJob):
         found = RESTORED.search(text)
         return int(found.group(1)) if found else (None if FRESH in text else "")
 
+
 def run_shape(python: str, slices: int, workdir: str) -> list[Restore]:
     """One job of 2 pods in ``slices`` slices through a preemption and a node loss."""
     shape = f"{slices}x{2 // slices}"
-    flags = {**jobset_flags(), "local_checkpoint_period": str(LOCAL_PERIOD),
-             "multi_tier_checkpointing_backup_interval_minutes": "1", **TINY_MODEL}  # fmt: skip
+    flags = {
+        **jobset_flags(),
+        "local_checkpoint_period": str(LOCAL_PERIOD),
+        "multi_tier_checkpointing_backup_interval_minutes": "1",
+        **TINY_MODEL,
+    }
     cluster = LocalCluster(workdir, listen_address)
-    job = MaxTextJob("maxtext", [], workdir, [f"{k}={v}" for k, v in flags.items()], slices=slices,
-                     size="256Mi", jax_port=free_port("127.0.0.1"), python=python)  # fmt: skip
+    job = MaxTextJob(
+        "maxtext",
+        [],
+        workdir,
+        [f"{k}={v}" for k, v in flags.items()],
+        slices=slices,
+        size="256Mi",
+        jax_port=free_port("127.0.0.1"),
+        python=python,
+    )
     shown = " ".join(arg for arg in job.train_args if arg.split("=", 1)[0] not in POD_FLAGS)
-    print(f"== {shape} ({slices} slice(s) x {2 // slices} node(s)): python -m {TRAINER} {shown} + {', '.join(POD_FLAGS)} per pod", flush=True)
+    print(
+        f"== {shape} ({slices} slice(s) x {2 // slices} node(s)): python -m {TRAINER} {shown} + {', '.join(POD_FLAGS)} per pod",
+        flush=True,
+    )
     return preempt_then_lose_a_node(cluster, 2, job, shape, 9, (19, 29), "MaxText")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--python", default=os.path.join(_REPO_ROOT, ".venv-maxtext", "bin", "python"),
-                        help="Python of the MaxText virtualenv (default: the one `make e2e-maxtext` installs).")
-    parser.add_argument("--slices", type=int, nargs="+", default=[1, 2], choices=[1, 2],
-                        help="Job shapes to run: 2 pods in 1 slice, 2 slices, or both (default).")  # fmt: skip
+    parser.add_argument(
+        "--python",
+        default=os.path.join(_REPO_ROOT, ".venv-maxtext", "bin", "python"),
+        help="Python of the MaxText virtualenv (default: the one `make e2e-maxtext` installs).",
+    )
+    parser.add_argument(
+        "--slices",
+        type=int,
+        nargs="+",
+        default=[1, 2],
+        choices=[1, 2],
+        help="Job shapes to run: 2 pods in 1 slice, 2 slices, or both (default).",
+    )
     args = parser.parse_args()
     if not os.access(args.python, os.X_OK):
         parser.error(f"{args.python} is not executable: run `make e2e-maxtext`, which installs MaxText")
@@ -171,25 +216,33 @@ def main() -> int:
         else:
             print(f"logs of the agents and trainers kept in {workdir}", flush=True)
     print("\n== report: MaxText 0.2.5 on CPU, 2 pods on 2 node agents")
-    print(f"{'shape':<6}{'failure':<12}{'newest':>7}{'restored':>10}{'steps compared':>16}{'to 1st step':>13}{'agents':>9}{'share':>7}  result")
+    print(
+        f"{'shape':<6}{'failure':<12}{'newest':>7}{'restored':>10}{'steps compared':>16}{'to 1st step':>13}{'agents':>9}{'share':>7}  result"
+    )
     for r in results:
         restored = "/".join(str(s) for s in r.logged_steps)
         compared = f"{r.compared_steps[0]}-{r.compared_steps[-1]}" if r.compared_steps else "none"
-        print(f"{r.shape:<6}{r.failure:<12}{r.newest_step:>7}{restored:>10}{compared:>16}"
-              f"{r.seconds_to_first_step:>12.1f}s{r.agent_seconds:>8.3f}s{r.agent_seconds / r.seconds_to_first_step:>7.1%}  "
-              f"{'ok' if r.passed else 'HARNESS ERROR' if r.harness_error else 'FAILED'}")  # fmt: skip
+        print(
+            f"{r.shape:<6}{r.failure:<12}{r.newest_step:>7}{restored:>10}{compared:>16}"
+            f"{r.seconds_to_first_step:>12.1f}s{r.agent_seconds:>8.3f}s{r.agent_seconds / r.seconds_to_first_step:>7.1%}  "
+            f"{'ok' if r.passed else 'HARNESS ERROR' if r.harness_error else 'FAILED'}"
+        )
     for error in errors:
         print(f"HARNESS ERROR {error}")
     firsts = [r.seconds_to_first_step for r in results]
     agents = [r.agent_seconds for r in results]
     if results:
-        print(f"republish to first step: median {statistics.median(firsts):.1f} s (range {min(firsts):.1f}-{max(firsts):.1f} s); "
-              f"agents (replicator.yaml consumed to restore marker): median {statistics.median(agents):.3f} s "
-              f"(range {min(agents):.3f}-{max(agents):.3f} s); the rest is MaxText's import and XLA compile, and Orbax's 1 s polls")  # fmt: skip
+        print(
+            f"republish to first step: median {statistics.median(firsts):.1f} s (range {min(firsts):.1f}-{max(firsts):.1f} s); "
+            f"agents (replicator.yaml consumed to restore marker): median {statistics.median(agents):.3f} s "
+            f"(range {min(agents):.3f}-{max(agents):.3f} s); the rest is MaxText's import and XLA compile, and Orbax's 1 s polls"
+        )
     # Every shape asked for ran both failures, and each compared at least one step per pod.
     passed = len(results) == 2 * len(args.slices) and all(r.passed for r in results)
-    print(f"{sum(r.passed for r in results)} passed, {len(results) - sum(r.passed for r in results)} failed, "
-          f"{sum(r.harness_error is not None for r in results) + len(errors)} harness error(s)")
+    print(
+        f"{sum(r.passed for r in results)} passed, {len(results) - sum(r.passed for r in results)} failed, "
+        f"{sum(r.harness_error is not None for r in results) + len(errors)} harness error(s)"
+    )
     return 0 if passed else 1
 
 

@@ -56,8 +56,19 @@ INTERVAL = 2  # steps between checkpoints
 # own steps and the peer's replicas (256Mi ran out: HTTP 507 on the replication PUTs).
 RAMDISK = "1Gi"
 # Flags for 2 shared cores: the debug model as TorchTitan defines it, shorter sequences and batches.
-FLAGS = ["--training.seq-len", "128", "--training.local-batch-size", "2", "--debug.seed", "0", "--metrics.disable-color-printing", "--checkpoint.interval", str(INTERVAL),
-         "--checkpoint.backup-interval-minutes", "1"]  # fmt: skip
+FLAGS = [
+    "--training.seq-len",
+    "128",
+    "--training.local-batch-size",
+    "2",
+    "--debug.seed",
+    "0",
+    "--metrics.disable-color-printing",
+    "--checkpoint.interval",
+    str(INTERVAL),
+    "--checkpoint.backup-interval-minutes",
+    "1",
+]
 RESTORED = re.compile(r"mtc: restored step (\d+)")
 FRESH = "mtc: no checkpoint to restore"
 
@@ -77,23 +88,45 @@ class TitanJob(TorchrunJob, TrainerJob):
         return os.path.join(self.workdir, "losses", f"i{self.incarnations}")
 
     def worker_command(self, pod: Pod) -> list[str]:
-        return ["-m", TRAINER, "--module", REGISTRY[0], "--config", REGISTRY[1],
-                "--hf-assets-path", os.path.join(self.assets, "tokenizer"),
-                "--dataloader.dataset-path", os.path.join(self.assets, "dataset"),
-                "--dump-folder", os.path.join(self.workdir, "output", pod.name),
-                "--checkpoint.local-dir", pod.target, "--checkpoint.job-name", self.job, *self.train_args]  # fmt: skip
+        return [
+            "-m",
+            TRAINER,
+            "--module",
+            REGISTRY[0],
+            "--config",
+            REGISTRY[1],
+            "--hf-assets-path",
+            os.path.join(self.assets, "tokenizer"),
+            "--dataloader.dataset-path",
+            os.path.join(self.assets, "dataset"),
+            "--dump-folder",
+            os.path.join(self.workdir, "output", pod.name),
+            "--checkpoint.local-dir",
+            pod.target,
+            "--checkpoint.job-name",
+            self.job,
+            *self.train_args,
+        ]
 
     def train_env(self) -> dict[str, str]:
         os.makedirs(self.loss_dir(), exist_ok=True)
-        return {**super().train_env(), "PYTHONPATH": os.pathsep.join([SHIM_DIR, _REPO_ROOT]), "MTC_TORCHTITAN_CPU_SHIM": "1",
-                "MTC_TORCHTITAN_LOSS_DIR": self.loss_dir(), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # fmt: skip
+        return {
+            **super().train_env(),
+            "PYTHONPATH": os.pathsep.join([SHIM_DIR, _REPO_ROOT]),
+            "MTC_TORCHTITAN_CPU_SHIM": "1",
+            "MTC_TORCHTITAN_LOSS_DIR": self.loss_dir(),
+            "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+        }
 
     def losses(self, pod: Pod) -> dict[int, float]:
         """Step -> loss as the node's local rank 0 recorded it (every rank logs the same global loss)."""
         path = os.path.join(self.loss_dir(), f"loss-rank{self.pods.index(pod) * self.nproc_per_node}.jsonl")
         try:
             with open(path, encoding="utf-8") as f:
-                records = [json.loads(line) for line in f if line.endswith("\n")]  # a line without its newline is being written
+                records = [
+                    json.loads(line) for line in f if line.endswith("\n")
+                ]  # a line without its newline is being written
         except FileNotFoundError:
             return {}
         return {int(r["step"]): r["loss"] for r in records}
@@ -124,7 +157,9 @@ def trainer_log(pod: Pod) -> str:
 
 def make_assets(python: str, directory: str) -> None:
     """Writes the tokenizer and dataset with the TorchTitan virtualenv's Python (it holds ``tokenizers``)."""
-    subprocess.run([python, "-m", "tests.torchtitan.assets", directory], cwd=_REPO_ROOT, check=True, capture_output=True)
+    subprocess.run(
+        [python, "-m", "tests.torchtitan.assets", directory], cwd=_REPO_ROOT, check=True, capture_output=True
+    )
 
 
 def step_seconds(job: TitanJob, first: int, last: int) -> float:
@@ -155,7 +190,17 @@ def measure_step_time(python: str, assets: str, workdir: str, checkpointing: boo
     """Mean step time (s) of an uninterrupted 2x2 run of ``steps`` steps, with or without mtc checkpoints."""
     cluster = LocalCluster(workdir, listen_address)
     flags = [*FLAGS, "--training.steps", str(steps)] + ([] if checkpointing else ["--checkpoint.no-enable"])
-    job = TitanJob("titanbench", [], workdir, flags, slices=1, size=RAMDISK, jax_port=free_port("127.0.0.1"), python=python, assets=assets)
+    job = TitanJob(
+        "titanbench",
+        [],
+        workdir,
+        flags,
+        slices=1,
+        size=RAMDISK,
+        jax_port=free_port("127.0.0.1"),
+        python=python,
+        assets=assets,
+    )
     try:
         job.agents = list(cluster.start(2).agents)
         job.create_pods()
@@ -170,18 +215,40 @@ def measure_step_time(python: str, assets: str, workdir: str, checkpointing: boo
 def run(python: str, assets: str, workdir: str) -> list[Restore]:
     """One 2-node job of 2 processes per node through a preemption and a node loss."""
     cluster = LocalCluster(workdir, listen_address)
-    job = TitanJob("titan", [], workdir, [*FLAGS, "--training.steps", "100000"], slices=1, size=RAMDISK, jax_port=free_port("127.0.0.1"), python=python, assets=assets)
-    print(f"== 2 nodes x {job.nproc_per_node} processes: torchrun ... -m {TRAINER} --module {REGISTRY[0]} --config {REGISTRY[1]} "
-          f"{' '.join(FLAGS)} + assets, dump folder and ramdisk per pod", flush=True)  # fmt: skip
-    return preempt_then_lose_a_node(cluster, 2, job, "2x2", 2 * INTERVAL + 1, (4 * INTERVAL + 1, 6 * INTERVAL + 1), "the trainers")
+    job = TitanJob(
+        "titan",
+        [],
+        workdir,
+        [*FLAGS, "--training.steps", "100000"],
+        slices=1,
+        size=RAMDISK,
+        jax_port=free_port("127.0.0.1"),
+        python=python,
+        assets=assets,
+    )
+    print(
+        f"== 2 nodes x {job.nproc_per_node} processes: torchrun ... -m {TRAINER} --module {REGISTRY[0]} --config {REGISTRY[1]} "
+        f"{' '.join(FLAGS)} + assets, dump folder and ramdisk per pod",
+        flush=True,
+    )
+    return preempt_then_lose_a_node(
+        cluster, 2, job, "2x2", 2 * INTERVAL + 1, (4 * INTERVAL + 1, 6 * INTERVAL + 1), "the trainers"
+    )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--python", default=os.path.join(_REPO_ROOT, ".venv-torch", "bin", "python"),
-                        help="Python of the TorchTitan virtualenv (default: the one `make e2e-torchtitan` installs).")
-    parser.add_argument("--bench-steps", type=int, default=12,
-                        help="Steps of each uninterrupted run timing a step with and without checkpointing (0: skip).")  # fmt: skip
+    parser.add_argument(
+        "--python",
+        default=os.path.join(_REPO_ROOT, ".venv-torch", "bin", "python"),
+        help="Python of the TorchTitan virtualenv (default: the one `make e2e-torchtitan` installs).",
+    )
+    parser.add_argument(
+        "--bench-steps",
+        type=int,
+        default=12,
+        help="Steps of each uninterrupted run timing a step with and without checkpointing (0: skip).",
+    )
     args = parser.parse_args()
     if not os.access(args.python, os.X_OK):
         parser.error(f"{args.python} is not executable: run `make e2e-torchtitan`, which installs TorchTitan")
@@ -195,8 +262,13 @@ def main() -> int:
         if args.bench_steps:
             for checkpointing in (False, True):
                 label = f"checkpoint every {INTERVAL} steps" if checkpointing else "no checkpointing"
-                times[label] = measure_step_time(args.python, assets, os.path.join(workdir, f"bench-{checkpointing}"),
-                                                 checkpointing, args.bench_steps)  # fmt: skip
+                times[label] = measure_step_time(
+                    args.python,
+                    assets,
+                    os.path.join(workdir, f"bench-{checkpointing}"),
+                    checkpointing,
+                    args.bench_steps,
+                )
                 print(f"   step time, {label}: {times[label]:.3f} s (mean of steps 4-{args.bench_steps})", flush=True)
         try:
             results = run(args.python, assets, os.path.join(workdir, "job"))
@@ -209,19 +281,25 @@ def main() -> int:
             shutil.rmtree(workdir, ignore_errors=True)
         else:
             print(f"logs of the agents and trainers kept in {workdir}", flush=True)
-    print("\n== report: TorchTitan 0.3.0 (llama3 debug model, FSDP, gloo) on CPU, 2 nodes x 2 processes on 2 node agents")
+    print(
+        "\n== report: TorchTitan 0.3.0 (llama3 debug model, FSDP, gloo) on CPU, 2 nodes x 2 processes on 2 node agents"
+    )
     print(f"{'failure':<12}{'newest':>7}{'restored':>10}{'steps compared':>16}{'to 1st step':>13}{'agents':>9}  result")
     for r in results:
         restored = "/".join(str(s) for s in r.logged_steps)
         compared = f"{r.compared_steps[0]}-{r.compared_steps[-1]}" if r.compared_steps else "none"
-        print(f"{r.failure:<12}{r.newest_step:>7}{restored:>10}{compared:>16}{r.seconds_to_first_step:>12.1f}s"
-              f"{r.agent_seconds:>8.3f}s  {'ok' if r.passed else 'HARNESS ERROR' if r.harness_error else 'FAILED'}")  # fmt: skip
+        print(
+            f"{r.failure:<12}{r.newest_step:>7}{restored:>10}{compared:>16}{r.seconds_to_first_step:>12.1f}s"
+            f"{r.agent_seconds:>8.3f}s  {'ok' if r.passed else 'HARNESS ERROR' if r.harness_error else 'FAILED'}"
+        )
     for error in errors:
         print(f"HARNESS ERROR {error}")
     for label, seconds in times.items():
         print(f"step time, {label}: {seconds:.3f} s")
-    print(f"{sum(r.passed for r in results)} passed, {len(results) - sum(r.passed for r in results)} failed, "
-          f"{sum(r.harness_error is not None for r in results) + len(errors)} harness error(s); {time.monotonic() - started:.0f} s in all")
+    print(
+        f"{sum(r.passed for r in results)} passed, {len(results) - sum(r.passed for r in results)} failed, "
+        f"{sum(r.harness_error is not None for r in results) + len(errors)} harness error(s); {time.monotonic() - started:.0f} s in all"
+    )
     return 0 if passed else 1
 
 

@@ -14,6 +14,12 @@ from mtc_torch.torchtitan import MtcCheckpointManager
 def llama3_debugmodel_mtc() -> Trainer.Config:
     """TorchTitan's llama3 debug model, checkpointing every 5 steps to ``/local`` with a backup every 30 min."""
     config = llama3_debugmodel()
-    config.checkpoint = MtcCheckpointManager.Config(enable=True, interval=5, local_dir="/local", job_name="llama3",
-                                                    backup_interval_minutes=30.0, last_save_model_only=False)
+    config.checkpoint = MtcCheckpointManager.Config(
+        enable=True,
+        interval=5,
+        local_dir="/local",
+        job_name="llama3",
+        backup_interval_minutes=30.0,
+        last_save_model_only=False,
+    )
     return config

@@ -18,8 +18,9 @@ _BACKENDS = {
 }
 
 
-def open_backup_store(url: str, *, emulator_host: str | None = None, s3_endpoint_url: str | None = None,
-                      workers: int = DEFAULT_WORKERS) -> BackupStore:  # fmt: skip
+def open_backup_store(
+    url: str, *, emulator_host: str | None = None, s3_endpoint_url: str | None = None, workers: int = DEFAULT_WORKERS
+) -> BackupStore:
     """Opens the backup store at ``url``: credentials are looked up now, objects only when used.
 
     Args:
@@ -41,7 +42,9 @@ def open_backup_store(url: str, *, emulator_host: str | None = None, s3_endpoint
     if s3_endpoint_url is not None and scheme != "s3":
         raise ValueError(f"an S3 endpoint URL applies to s3:// only, not {url!r}")
     if scheme not in _BACKENDS:
-        raise ValueError(f"unsupported backup URL {url!r}: expected gs://BUCKET[/PREFIX], s3://BUCKET[/PREFIX] or file:///PATH")
+        raise ValueError(
+            f"unsupported backup URL {url!r}: expected gs://BUCKET[/PREFIX], s3://BUCKET[/PREFIX] or file:///PATH"
+        )
     module, name = _BACKENDS[scheme]
     backend = getattr(importlib.import_module(module), name)
     return BackupStore(backend.from_url(url, endpoint=emulator_host or s3_endpoint_url), workers=workers)

@@ -58,8 +58,9 @@ class FileObjects(ObjectStore):
     def _errors(self, name: str, what: str) -> contextlib.AbstractContextManager[None]:
         return store_errors(self.url, name, what, (OSError,))
 
-    def _write_atomically(self, name: str, chunks: Iterator[bytes], expected: tuple[int, str] | None,
-                          replace: bool = True) -> bool:  # fmt: skip
+    def _write_atomically(
+        self, name: str, chunks: Iterator[bytes], expected: tuple[int, str] | None, replace: bool = True
+    ) -> bool:
         """Writes ``chunks`` to a temporary sibling, fsyncs, checks (size, CRC32C hex) if given, and
         renames it over ``name``; without ``replace`` links it to ``name`` instead, unless ``name`` exists.
 
@@ -86,8 +87,10 @@ class FileObjects(ObjectStore):
                     os.fsync(out.fileno())
             actual = (size, checksum.digest().hex())
             if expected is not None and actual != expected:
-                raise BackupError(f"{self.url}/{name}: wrote {actual[0]} bytes with crc32c {actual[1]}, "
-                                  f"manifest says {expected[0]} bytes with {expected[1]}")
+                raise BackupError(
+                    f"{self.url}/{name}: wrote {actual[0]} bytes with crc32c {actual[1]}, "
+                    f"manifest says {expected[0]} bytes with {expected[1]}"
+                )
             with self._errors(name, "write"):
                 if replace:
                     os.replace(tmp, path)
@@ -107,10 +110,13 @@ class FileObjects(ObjectStore):
 
     def _put(self, upload: Upload) -> None:
         with open(upload.local_path, "rb") as source:
-            self._write_atomically(upload.name, iter(lambda: source.read(_CHUNK_BYTES), b""),
-                                   (upload.size, upload.crc32c))
+            self._write_atomically(
+                upload.name, iter(lambda: source.read(_CHUNK_BYTES), b""), (upload.size, upload.crc32c)
+            )
 
-    def put_files(self, uploads: Sequence[Upload], workers: int, stored: Callable[[Upload], None] | None = None) -> None:
+    def put_files(
+        self, uploads: Sequence[Upload], workers: int, stored: Callable[[Upload], None] | None = None
+    ) -> None:
         failures: list[str] = []
 
         def put(upload: Upload) -> None:
@@ -145,8 +151,11 @@ class FileObjects(ObjectStore):
         with self._errors(prefix, "list"):
             try:
                 if recursive:
-                    return [os.path.relpath(os.path.join(d, n), directory).replace(os.sep, "/")
-                            for d, _, names in os.walk(directory) for n in names]
+                    return [
+                        os.path.relpath(os.path.join(d, n), directory).replace(os.sep, "/")
+                        for d, _, names in os.walk(directory)
+                        for n in names
+                    ]
                 with os.scandir(directory) as entries:
                     return [e.name + "/" if e.is_dir(follow_symlinks=False) else e.name for e in entries]
             except (FileNotFoundError, NotADirectoryError):

@@ -84,8 +84,9 @@ class GcsObjects(ObjectStore):
         project: str | None
         if emulator_host:
             credentials, project, self._endpoint = AnonymousCredentials(), "test", emulator_host.rstrip("/")
-            client = storage.Client(project=project, credentials=credentials,
-                                    client_options={"api_endpoint": self._endpoint})
+            client = storage.Client(
+                project=project, credentials=credentials, client_options={"api_endpoint": self._endpoint}
+            )
         else:
             try:
                 credentials, project = google.auth.default(scopes=_SCOPES)
@@ -115,7 +116,9 @@ class GcsObjects(ObjectStore):
     def _errors(self, name: str, what: str) -> contextlib.AbstractContextManager[None]:
         return store_errors(self.url, name, what, _STORE_ERRORS)
 
-    def put_files(self, uploads: Sequence[Upload], workers: int, stored: Callable[[Upload], None] | None = None) -> None:
+    def put_files(
+        self, uploads: Sequence[Upload], workers: int, stored: Callable[[Upload], None] | None = None
+    ) -> None:
         pairs = []
         for upload in uploads:
             blob = self._bucket.blob(self._prefix + upload.name)
@@ -140,8 +143,10 @@ class GcsObjects(ObjectStore):
             elif isinstance(result, BaseException):
                 raise result  # reading the local file failed
             elif (blob.size, blob.crc32c) != (upload.size, _crc32c_b64(upload.crc32c)):
-                failures.append(f"{upload.name}: stored {blob.size} bytes with crc32c {blob.crc32c}, manifest says "
-                                f"{upload.size} bytes with {_crc32c_b64(upload.crc32c)}")
+                failures.append(
+                    f"{upload.name}: stored {blob.size} bytes with crc32c {blob.crc32c}, manifest says "
+                    f"{upload.size} bytes with {_crc32c_b64(upload.crc32c)}"
+                )
                 with self._errors(upload.name, "delete mismatching object"):
                     blob.delete(if_generation_match=blob.generation)
         if failures:
@@ -149,8 +154,10 @@ class GcsObjects(ObjectStore):
 
     def download_range(self, name: str, start: int, length: int, dest_fd: int) -> None:
         full = self._prefix + name
-        url = (f"{self._endpoint}/download/storage/v1/b/{urllib.parse.quote(self._bucket.name, safe='')}"
-               f"/o/{urllib.parse.quote(full, safe='')}?alt=media")
+        url = (
+            f"{self._endpoint}/download/storage/v1/b/{urllib.parse.quote(self._bucket.name, safe='')}"
+            f"/o/{urllib.parse.quote(full, safe='')}?alt=media"
+        )
         headers = {"Range": f"bytes={start}-{start + length - 1}", "Accept-Encoding": "identity"}
 
         def attempt() -> None:
@@ -171,10 +178,11 @@ class GcsObjects(ObjectStore):
     def list(self, prefix: str, *, recursive: bool = False) -> list[str]:
         full = self._prefix + prefix
         with self._errors(prefix, "list"):
-            blobs = self._bucket.list_blobs(prefix=full, delimiter=None if recursive else "/", retry=_RETRY,
-                                            timeout=_TIMEOUT_SECONDS)  # fmt: skip
-            names = [blob.name[len(full):] for blob in blobs]
-            return names + [p[len(full):] for p in sorted(blobs.prefixes)]
+            blobs = self._bucket.list_blobs(
+                prefix=full, delimiter=None if recursive else "/", retry=_RETRY, timeout=_TIMEOUT_SECONDS
+            )
+            names = [blob.name[len(full) :] for blob in blobs]
+            return names + [p[len(full) :] for p in sorted(blobs.prefixes)]
 
     def read_text(self, name: str) -> str | None:
         with self._errors(name, "read"):
@@ -187,8 +195,13 @@ class GcsObjects(ObjectStore):
         with self._errors(name, "create"):
             try:
                 self._bucket.blob(self._prefix + name).upload_from_string(
-                    text.encode(), content_type="text/plain; charset=utf-8", checksum="crc32c", retry=_RETRY,
-                    timeout=_TIMEOUT_SECONDS, if_generation_match=0)  # fmt: skip
+                    text.encode(),
+                    content_type="text/plain; charset=utf-8",
+                    checksum="crc32c",
+                    retry=_RETRY,
+                    timeout=_TIMEOUT_SECONDS,
+                    if_generation_match=0,
+                )
                 return True
             except api_exceptions.PreconditionFailed:
                 return False

@@ -63,7 +63,9 @@ class ObjectStore(abc.ABC):
         """
 
     @abc.abstractmethod
-    def put_files(self, uploads: Sequence[Upload], workers: int, stored: Callable[[Upload], None] | None = None) -> None:
+    def put_files(
+        self, uploads: Sequence[Upload], workers: int, stored: Callable[[Upload], None] | None = None
+    ) -> None:
         """Stores every upload, up to ``workers`` at a time, each checked end to end; tries them all.
 
         An object is kept only if the store holds exactly the bytes whose size and CRC32C the manifest
@@ -166,7 +168,7 @@ def copy_body(where: str, readinto: Callable[[memoryview], int], start: int, len
     view = memoryview(bytearray(min(COPY_BYTES, length)))
     offset, end = start, start + length
     while offset < end:
-        received = readinto(view[:min(len(view), end - offset)])
+        received = readinto(view[: min(len(view), end - offset)])
         if not received:
             raise BackupError(f"{where}: object ends at byte {offset}, expected at least {end}")
         offset = pwrite_all(dest_fd, view[:received], offset)

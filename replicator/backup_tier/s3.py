@@ -74,10 +74,15 @@ _POOL_CONNECTIONS = 64
 # botocore's "standard" retries (exponential backoff with jitter, 5xx, throttling, connection errors):
 # 3 attempts of at most 5 s to connect give up within ~20 s, so an outage is reported, and the node
 # agent's own backoff retries the whole upload.
-_CLIENT_CONFIG = dict(connect_timeout=5, read_timeout=60, retries={"mode": "standard", "max_attempts": 3},
-                      max_pool_connections=_POOL_CONNECTIONS,
-                      # Checksums are ours to declare (the manifest's), not botocore's default CRC32.
-                      request_checksum_calculation="when_required", response_checksum_validation="when_required")
+_CLIENT_CONFIG = dict(
+    connect_timeout=5,
+    read_timeout=60,
+    retries={"mode": "standard", "max_attempts": 3},
+    max_pool_connections=_POOL_CONNECTIONS,
+    # Checksums are ours to declare (the manifest's), not botocore's default CRC32.
+    request_checksum_calculation="when_required",
+    response_checksum_validation="when_required",
+)
 
 # What a failing or refusing store raises through boto3 and s3transfer.
 _STORE_ERRORS = (
@@ -159,11 +164,15 @@ class S3Objects(ObjectStore):
       BackupError: boto3 finds no credentials.
     """
 
-    def __init__(self, bucket: str, prefix: str = "", *, endpoint_url: str | None = None, features: S3Features | None = None):
+    def __init__(
+        self, bucket: str, prefix: str = "", *, endpoint_url: str | None = None, features: S3Features | None = None
+    ):
         session = boto3.session.Session()
         if session.get_credentials() is None:
-            raise BackupError(f"s3://{bucket}: boto3 found no credentials (environment, shared config, "
-                              "web identity or instance profile)")
+            raise BackupError(
+                f"s3://{bucket}: boto3 found no credentials (environment, shared config, "
+                "web identity or instance profile)"
+            )
         self._client = session.client("s3", endpoint_url=endpoint_url, config=botocore.config.Config(**_CLIENT_CONFIG))
         self._bucket = bucket
         self._prefix = prefix
@@ -206,11 +215,15 @@ class S3Objects(ObjectStore):
         if not features.crc32c:
             self._client.meta.events.register("before-call.s3.PutObject", _add_content_md5)
             self._client.meta.events.register("before-call.s3.UploadPart", _add_content_md5)
-        integrity = ("crc32c: the store refuses bytes whose CRC32C differs from the manifest's" if features.crc32c else
-                     "md5: the store lacks CRC32C checksums; Content-MD5 per request, ETags checked against the manifest's bytes")
+        integrity = (
+            "crc32c: the store refuses bytes whose CRC32C differs from the manifest's"
+            if features.crc32c
+            else "md5: the store lacks CRC32C checksums; Content-MD5 per request, ETags checked against the manifest's bytes"
+        )
         writes = "If-None-Match: *" if features.conditional_writes else "check-then-write (no conditional writes)"
         (log.info if features.crc32c and features.conditional_writes else log.warning)(
-            "%s (%s): integrity mode %s; COMMIT and manifests: %s", self.url, how, integrity, writes)
+            "%s (%s): integrity mode %s; COMMIT and manifests: %s", self.url, how, integrity, writes
+        )
 
     def _probe(self) -> S3Features:
         key = f"{self._prefix}.mtc-probe-{uuid.uuid4().hex}"
@@ -247,7 +260,9 @@ class S3Objects(ObjectStore):
                     self._client.delete_object(Bucket=self._bucket, Key=key)
         return S3Features(crc32c, conditional)
 
-    def put_files(self, uploads: Sequence[Upload], workers: int, stored: Callable[[Upload], None] | None = None) -> None:
+    def put_files(
+        self, uploads: Sequence[Upload], workers: int, stored: Callable[[Upload], None] | None = None
+    ) -> None:
         features = self.features()
         failures: list[str] = []
         etags: dict[str, str] = {}
@@ -261,13 +276,23 @@ class S3Objects(ObjectStore):
 
             run_parallel(check, uploads, workers)
         sending = [u for u in uploads if features.crc32c or u.name in etags]
-        config = TransferConfig(multipart_threshold=PART_BYTES, multipart_chunksize=PART_BYTES,
-                                max_request_concurrency=workers, io_chunksize=_READ_BYTES)  # fmt: skip
+        config = TransferConfig(
+            multipart_threshold=PART_BYTES,
+            multipart_chunksize=PART_BYTES,
+            max_request_concurrency=workers,
+            io_chunksize=_READ_BYTES,
+        )
         with TransferManager(self._client, config) as manager:
-            futures = [manager.upload(u.local_path, self._bucket, self._prefix + u.name,
-                                      extra_args={"ChecksumCRC32C": _crc32c_b64(u.crc32c)} if features.crc32c else {},
-                                      subscribers=[] if stored is None else [_Sent(u, stored)])
-                       for u in sending]  # fmt: skip
+            futures = [
+                manager.upload(
+                    u.local_path,
+                    self._bucket,
+                    self._prefix + u.name,
+                    extra_args={"ChecksumCRC32C": _crc32c_b64(u.crc32c)} if features.crc32c else {},
+                    subscribers=[] if stored is None else [_Sent(u, stored)],
+                )
+                for u in sending
+            ]
         for upload, future in zip(sending, futures):
             try:
                 future.result()
@@ -285,19 +310,25 @@ class S3Objects(ObjectStore):
         stored: tuple[int, str | None]
         expected: tuple[int, str | None]
         if features.crc32c:
-            stored, expected = (head["ContentLength"], head.get("ChecksumCRC32C")), (upload.size, _crc32c_b64(upload.crc32c))
+            stored, expected = (
+                (head["ContentLength"], head.get("ChecksumCRC32C")),
+                (upload.size, _crc32c_b64(upload.crc32c)),
+            )
         else:
             stored, expected = (head["ContentLength"], head["ETag"].strip('"')), (upload.size, etag)
         if stored != expected:
             with self._errors(upload.name, "delete mismatching object"):
                 self._client.delete_object(Bucket=self._bucket, Key=key)
-            raise BackupError(f"stored {stored[0]} bytes with checksum {stored[1]}, expected {expected[0]} bytes with {expected[1]}")
+            raise BackupError(
+                f"stored {stored[0]} bytes with checksum {stored[1]}, expected {expected[0]} bytes with {expected[1]}"
+            )
 
     def download_range(self, name: str, start: int, length: int, dest_fd: int) -> None:
         with self._errors(name, "read"):
             try:
-                response = self._client.get_object(Bucket=self._bucket, Key=self._prefix + name,
-                                                   Range=f"bytes={start}-{start + length - 1}")  # fmt: skip
+                response = self._client.get_object(
+                    Bucket=self._bucket, Key=self._prefix + name, Range=f"bytes={start}-{start + length - 1}"
+                )
             except botocore.exceptions.ClientError as exc:
                 if _status(exc) == 404:
                     raise BackupError(f"{self.url}/{name}: no such object") from exc
@@ -312,10 +343,11 @@ class S3Objects(ObjectStore):
         names: list[str] = []
         with self._errors(prefix, "list"):
             pages = self._client.get_paginator("list_objects_v2").paginate(
-                Bucket=self._bucket, Prefix=full, **({} if recursive else {"Delimiter": "/"}))
+                Bucket=self._bucket, Prefix=full, **({} if recursive else {"Delimiter": "/"})
+            )
             for page in pages:
-                names += [o["Key"][len(full):] for o in page.get("Contents", [])]
-                names += [p["Prefix"][len(full):] for p in page.get("CommonPrefixes", [])]
+                names += [o["Key"][len(full) :] for o in page.get("Contents", [])]
+                names += [p["Prefix"][len(full) :] for p in page.get("CommonPrefixes", [])]
         return names
 
     def read_text(self, name: str) -> str | None:
@@ -368,13 +400,15 @@ class S3Objects(ObjectStore):
 
     def partial_uploads(self, prefix: str) -> builtins.list[str]:
         with self._errors(prefix, "list multipart uploads"):
-            return [u["Key"][len(self._prefix + prefix):] for u in self._multipart_uploads(prefix)]
+            return [u["Key"][len(self._prefix + prefix) :] for u in self._multipart_uploads(prefix)]
 
     def abort_partial_uploads(self, prefix: str) -> None:
         with self._errors(prefix, "abort multipart uploads"):
             for upload in self._multipart_uploads(prefix):
                 try:
-                    self._client.abort_multipart_upload(Bucket=self._bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                    self._client.abort_multipart_upload(
+                        Bucket=self._bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+                    )
                 except botocore.exceptions.ClientError as exc:
                     if _status(exc) != 404:  # finished or aborted meanwhile
                         raise
@@ -397,8 +431,10 @@ def _checked_etag(upload: Upload) -> str:
             parts.append(hashlib.md5(part, usedforsecurity=False).digest())
             size += len(part)
     if (size, crc.hexdigest().decode()) != (upload.size, upload.crc32c):
-        raise BackupError(f"local file has {size} bytes with crc32c {crc.hexdigest().decode()}, "
-                          f"manifest says {upload.size} bytes with {upload.crc32c}")
+        raise BackupError(
+            f"local file has {size} bytes with crc32c {crc.hexdigest().decode()}, "
+            f"manifest says {upload.size} bytes with {upload.crc32c}"
+        )
     if size < PART_BYTES:  # s3transfer sends one PutObject below its multipart threshold
         return whole.hexdigest()
     return f"{hashlib.md5(b''.join(parts), usedforsecurity=False).hexdigest()}-{len(parts)}"

@@ -24,8 +24,18 @@ def owner(members: tuple[int, ...], rel: str) -> int:
     return members[zlib.crc32(rel.encode()) % len(members)]
 
 
-def group_dedup(store: BackupStore, job_key: str, step: int, rank: int, step_dir: str, manifest: StepManifest,
-                members: tuple[int, ...], incarnation: str, share: CpuShare | None = None, timeline: int = 0) -> RankManifest | None:  # fmt: skip
+def group_dedup(
+    store: BackupStore,
+    job_key: str,
+    step: int,
+    rank: int,
+    step_dir: str,
+    manifest: StepManifest,
+    members: tuple[int, ...],
+    incarnation: str,
+    share: CpuShare | None = None,
+    timeline: int = 0,
+) -> RankManifest | None:
     """Stores this rank's share of the group's upload (once per incarnation), then returns the union
     of the group's shares, to pass to ``BackupStore.upload_rank`` as ``dedup_from``.
 
@@ -44,8 +54,12 @@ def group_dedup(store: BackupStore, job_key: str, step: int, rank: int, step_dir
     """
     mine = store.rank_manifest(job_key, step, rank, timeline, group_share=True)
     if mine is None or mine.incarnation != incarnation:
-        owned = dataclasses.replace(manifest, files={rel: f for rel, f in manifest.files.items() if owner(members, rel) == rank})
-        mine = store.upload_rank(job_key, step, rank, step_dir, owned, None, incarnation, share, timeline, group_share=True)
+        owned = dataclasses.replace(
+            manifest, files={rel: f for rel, f in manifest.files.items() if owner(members, rel) == rank}
+        )
+        mine = store.upload_rank(
+            job_key, step, rank, step_dir, owned, None, incarnation, share, timeline, group_share=True
+        )
     shares = {rank: mine}
     for member in members:
         if member != rank:

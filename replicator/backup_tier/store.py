@@ -117,12 +117,22 @@ class RankManifest:
 
     def step_manifest(self) -> StepManifest:
         """The checksums a restored copy must match."""
-        return StepManifest(self.step, self.rank, {rel: (f.size, f.crc32c) for rel, f in self.files.items()}, self.timeline)
+        return StepManifest(
+            self.step, self.rank, {rel: (f.size, f.crc32c) for rel, f in self.files.items()}, self.timeline
+        )
 
     def to_json(self) -> str:
         files = {rel: dataclasses.asdict(f) for rel, f in self.files.items()}
-        return json.dumps({"step": self.step, "rank": self.rank, "files": files, "incarnation": self.incarnation,
-                           "timeline": self.timeline}, sort_keys=True)  # fmt: skip
+        return json.dumps(
+            {
+                "step": self.step,
+                "rank": self.rank,
+                "files": files,
+                "incarnation": self.incarnation,
+                "timeline": self.timeline,
+            },
+            sort_keys=True,
+        )
 
     @classmethod
     def from_json(cls, text: str) -> "RankManifest":
@@ -134,10 +144,14 @@ class RankManifest:
         try:
             raw = json.loads(text)
             files = {
-                safe_relpath(rel): StoredFile(int(f["size"]), str(f["crc32c"]), safe_relpath(str(f["object"])), _identity(f))
+                safe_relpath(rel): StoredFile(
+                    int(f["size"]), str(f["crc32c"]), safe_relpath(str(f["object"])), _identity(f)
+                )
                 for rel, f in raw["files"].items()
             }
-            return cls(int(raw["step"]), int(raw["rank"]), files, str(raw.get("incarnation", "")), int(raw.get("timeline", 0)))
+            return cls(
+                int(raw["step"]), int(raw["rank"]), files, str(raw.get("incarnation", "")), int(raw.get("timeline", 0))
+            )
         except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as exc:
             raise ValueError(f"malformed rank manifest: {exc!r}") from exc
 
@@ -176,9 +190,20 @@ class BackupStore:
     def url(self) -> str:
         return self.objects.url
 
-    def upload_rank(self, job_key: str, step: int, rank: int, step_dir: str, manifest: StepManifest,
-                    dedup_from: RankManifest | None = None, incarnation: str = "", share: CpuShare | None = None,
-                    timeline: int = 0, on_file: Callable[[int], None] | None = None, group_share: bool = False) -> RankManifest:  # fmt: skip
+    def upload_rank(
+        self,
+        job_key: str,
+        step: int,
+        rank: int,
+        step_dir: str,
+        manifest: StepManifest,
+        dedup_from: RankManifest | None = None,
+        incarnation: str = "",
+        share: CpuShare | None = None,
+        timeline: int = 0,
+        on_file: Callable[[int], None] | None = None,
+        group_share: bool = False,
+    ) -> RankManifest:
         """Stores one rank's committed step, then its rank manifest.
 
         A file whose relative path, size and content identity equal a file of ``dedup_from`` (a rank manifest of
@@ -218,8 +243,10 @@ class BackupStore:
         if (manifest.step, manifest.rank) != (step, rank):
             raise ValueError(f"manifest is for step {manifest.step} rank {manifest.rank}, not step {step} rank {rank}")
         if dedup_from is not None and (dedup_from.step, dedup_from.timeline) != (step, timeline):
-            raise ValueError(f"dedup_from is for step {dedup_from.step} of timeline {dedup_from.timeline}, not {step} of "
-                             f"{timeline}: objects are shared within a step only")  # fmt: skip
+            raise ValueError(
+                f"dedup_from is for step {dedup_from.step} of timeline {dedup_from.timeline}, not {step} of "
+                f"{timeline}: objects are shared within a step only"
+            )
         if COMMIT in self.objects.list(prefix):
             if group_share:
                 return RankManifest(step, rank, {}, incarnation, timeline)  # committed: nothing left to share
@@ -235,7 +262,9 @@ class BackupStore:
                 fd = pod_files.open_relative(root, rel)
                 opened.callback(os.close, fd)
                 peer_scheme = same.identity.partition(":")[0] if same is not None else ""
-                identity = file_identity(fd, peer_scheme if peer_scheme in IDENTITY_SCHEMES else IDENTITY_SCHEME, share=share)
+                identity = file_identity(
+                    fd, peer_scheme if peer_scheme in IDENTITY_SCHEMES else IDENTITY_SCHEME, share=share
+                )
                 if same is not None and (same.size, same.crc32c, same.identity) == (size, crc, identity):
                     files[rel] = same
                     if on_file is not None:
@@ -243,10 +272,15 @@ class BackupStore:
                     continue
                 files[rel] = StoredFile(size, crc, f"rank-{rank}/{rel}", identity)
                 uploads.append(Upload(pod_files.proc_path(fd), prefix + files[rel].object, size, crc))
-            self.objects.put_files(uploads, self.workers, None if on_file is None else lambda upload: on_file(upload.size))
+            self.objects.put_files(
+                uploads, self.workers, None if on_file is None else lambda upload: on_file(upload.size)
+            )
         stored = RankManifest(step, rank, files, incarnation, timeline)
         name = prefix + _manifest_name(rank, group_share)
-        if not self.objects.create_text(name, stored.to_json()) and self.rank_manifest(job_key, step, rank, timeline, group_share) != stored:
+        if (
+            not self.objects.create_text(name, stored.to_json())
+            and self.rank_manifest(job_key, step, rank, timeline, group_share) != stored
+        ):
             # Left by an interrupted upload (another incarnation, or bytes since changed): the step is
             # not committed (checked above), and a rank's manifest has one writer per incarnation.
             self.objects.delete(name)
@@ -254,16 +288,22 @@ class BackupStore:
                 raise BackupError(f"{self.url}/{name}: written by another uploader meanwhile")
         return stored
 
-    def _committed_as(self, job_key: str, step: int, rank: int, manifest: StepManifest, incarnation: str, timeline: int) -> RankManifest:
+    def _committed_as(
+        self, job_key: str, step: int, rank: int, manifest: StepManifest, incarnation: str, timeline: int
+    ) -> RankManifest:
         """The stored rank manifest of a committed ``step`` if it holds ``manifest``'s data from
         ``incarnation`` (a retried upload); raises ``BackupError`` otherwise."""
         stored = self.rank_manifest(job_key, step, rank, timeline)
         if stored is None or stored.incarnation != incarnation or stored.step_manifest().files != manifest.files:
-            raise BackupError(f"{self.url}/{_step_prefix(job_key, step, timeline)} is committed with other data; "
-                              f"a committed step is never overwritten")
+            raise BackupError(
+                f"{self.url}/{_step_prefix(job_key, step, timeline)} is committed with other data; "
+                f"a committed step is never overwritten"
+            )
         return stored
 
-    def rank_manifest(self, job_key: str, step: int, rank: int, timeline: int = 0, group_share: bool = False) -> RankManifest | None:
+    def rank_manifest(
+        self, job_key: str, step: int, rank: int, timeline: int = 0, group_share: bool = False
+    ) -> RankManifest | None:
         """A stored rank manifest (``group_share``: the rank's share of its group's upload), or None
         when that rank's upload of ``step`` (of ``timeline``) has not finished.
 
@@ -280,10 +320,14 @@ class BackupStore:
         except ValueError as exc:
             raise BackupError(f"{self.url}/{name}: {exc}") from exc
         if (stored.step, stored.rank, stored.timeline) != (step, rank, timeline):
-            raise BackupError(f"{self.url}/{name} is for step {stored.step} rank {stored.rank} timeline {stored.timeline}")
+            raise BackupError(
+                f"{self.url}/{name} is for step {stored.step} rank {stored.rank} timeline {stored.timeline}"
+            )
         return stored
 
-    def commit_if_complete(self, job_key: str, step: int, nodes: int, incarnation: str | None = None, timeline: int = 0) -> bool:
+    def commit_if_complete(
+        self, job_key: str, step: int, nodes: int, incarnation: str | None = None, timeline: int = 0
+    ) -> bool:
         """Writes ``COMMIT`` for ``step`` of ``timeline`` when the manifests of ranks ``0 .. nodes-1``
         all exist (and, with ``incarnation``, all come from that incarnation).
 
@@ -305,7 +349,8 @@ class BackupStore:
         if any(_manifest_name(rank) not in entries for rank in range(nodes)):
             return False
         if incarnation is not None and any(
-            getattr(self.rank_manifest(job_key, step, rank, timeline), "incarnation", None) != incarnation for rank in range(nodes)
+            getattr(self.rank_manifest(job_key, step, rank, timeline), "incarnation", None) != incarnation
+            for rank in range(nodes)
         ):
             return False
         commit = {"step": step, "nodes": nodes, "ranks": list(range(nodes))}
@@ -328,7 +373,10 @@ class BackupStore:
         if partial:
             entries += [n.split("/")[0] + "/" for n in self.objects.partial_uploads(prefix)]
         found = {(int(m[1]), int(m[2] or 0)) for entry in entries if (m := _STEP_ENTRY.match(entry))}
-        return {(step, timeline): COMMIT in self.objects.list(_step_prefix(job_key, step, timeline)) for step, timeline in found}
+        return {
+            (step, timeline): COMMIT in self.objects.list(_step_prefix(job_key, step, timeline))
+            for step, timeline in found
+        }
 
     def complete_steps(self, job_key: str) -> list[StepId]:
         """(step, timeline) of the steps with ``COMMIT``, ascending: the restorable ones.
@@ -339,8 +387,16 @@ class BackupStore:
         """
         return sorted(step for step, committed in self.steps(job_key).items() if committed)
 
-    def download_rank(self, job_key: str, step: int, rank: int, dest_dir: str,
-                      workers: int = DEFAULT_WORKERS, timeline: int = 0, on_range: Callable[[int], None] | None = None) -> StepManifest:
+    def download_rank(
+        self,
+        job_key: str,
+        step: int,
+        rank: int,
+        dest_dir: str,
+        workers: int = DEFAULT_WORKERS,
+        timeline: int = 0,
+        on_range: Callable[[int], None] | None = None,
+    ) -> StepManifest:
         """Restores one rank's data of a committed step into ``dest_dir``, verified.
 
         Files are fetched as ranged reads of up to ``RANGE_BYTES`` (32 MiB), ``workers`` at a time,
@@ -385,11 +441,15 @@ class BackupStore:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 with open(path, "wb") as out:
                     out.truncate(f.size)
-                ranges += [(prefix + f.object, path, start, min(RANGE_BYTES, f.size - start))
-                           for start in range(0, f.size, RANGE_BYTES)]
+                ranges += [
+                    (prefix + f.object, path, start, min(RANGE_BYTES, f.size - start))
+                    for start in range(0, f.size, RANGE_BYTES)
+                ]
             run_parallel(functools.partial(self._fetch_range, on_range=on_range), ranges, workers)
             manifest = stored.step_manifest()
-            check_step(tmp, manifest, f"{self.url}/{prefix} rank {rank}", unusable=UnusableBackup, corrupt=CorruptBackup)
+            check_step(
+                tmp, manifest, f"{self.url}/{prefix} rank {rank}", unusable=UnusableBackup, corrupt=CorruptBackup
+            )
             os.rename(tmp, dest_dir)
             return manifest
         except BaseException:
@@ -424,7 +484,9 @@ class BackupStore:
         run_parallel(self.objects.delete, data, self.workers)
         self.objects.abort_partial_uploads(prefix)
 
-    def retain(self, job_key: str, keep: int, protected: Iterable[int] = (), forks: tuple[int, ...] = ()) -> list[StepId]:
+    def retain(
+        self, job_key: str, keep: int, protected: Iterable[int] = (), forks: tuple[int, ...] = ()
+    ) -> list[StepId]:
         """Garbage-collects a job's backups.
 
         Deletes every step of an abandoned timeline (``messages.abandoned``). Of the others, keeps the

@@ -28,7 +28,9 @@ log = logging.getLogger(__name__)
 
 BACKUP_FAILURES = Counter("mtc_backup_failures_total", "Backup uploads or listings that failed")
 BACKUP_SECONDS = Histogram("mtc_backup_upload_seconds", "Seconds to upload one rank's step")
-BACKUP_BYTES = Counter("mtc_backup_uploaded_bytes_total", "Bytes of step data this node uploaded (deduplicated files excluded)")
+BACKUP_BYTES = Counter(
+    "mtc_backup_uploaded_bytes_total", "Bytes of step data this node uploaded (deduplicated files excluded)"
+)
 # A rank's step being uploaded: its bytes, and those stored so far (deduplicated files count at once).
 BACKUP_IN_FLIGHT = InFlight("mtc_backup", "uploaded", "backups")
 
@@ -50,8 +52,15 @@ class BackupWorker:
       share: the agent's CPU cap while jobs train (content identities), or None.
     """
 
-    def __init__(self, store: BackupStore, keep: int, busy_steps: BusySteps, report_error: Callable[[JobMeta, str], None],
-                 on_change: Callable[[], None], share: CpuShare | None = None):
+    def __init__(
+        self,
+        store: BackupStore,
+        keep: int,
+        busy_steps: BusySteps,
+        report_error: Callable[[JobMeta, str], None],
+        on_change: Callable[[], None],
+        share: CpuShare | None = None,
+    ):
         self.store = store
         self._share = share
         self._keep = keep
@@ -104,8 +113,11 @@ class BackupWorker:
     async def _back_up(self, job: JobRef) -> None:
         """Runs the job's wanted order until it is done or no longer asked for. A failed attempt is
         reported and retried after an exponential backoff; each attempt takes the newest order."""
-        retrying = tenacity.AsyncRetrying(wait=_RETRY_WAIT, retry=tenacity.retry_if_exception_type((BackupError, OSError)),
-                                          before_sleep=lambda state: self._report_failure(job, state))  # fmt: skip
+        retrying = tenacity.AsyncRetrying(
+            wait=_RETRY_WAIT,
+            retry=tenacity.retry_if_exception_type((BackupError, OSError)),
+            before_sleep=lambda state: self._report_failure(job, state),
+        )
         async for attempt in retrying:
             with attempt:
                 ramdisk_path, order, asked = self._wanted[job]
@@ -117,8 +129,10 @@ class BackupWorker:
     def _report_failure(self, job: JobRef, state: tenacity.RetryCallState) -> None:
         BACKUP_FAILURES.inc()
         ramdisk_path, order, _ = self._wanted[job]
-        message = (f"backup of step {order.step} rank {order.rank} to the backup tier {self.store.url} failed "
-                   f"(retrying in {state.next_action.sleep:.0f} s): {state.outcome.exception()}")  # type: ignore[union-attr]  # fmt: skip
+        message = (
+            f"backup of step {order.step} rank {order.rank} to the backup tier {self.store.url} failed "
+            f"(retrying in {state.next_action.sleep:.0f} s): {state.outcome.exception()}"  # type: ignore[union-attr]
+        )
         log.warning("%s: %s", job, message)
         self._report_error(JobMeta(ramdisk_path), message)
 
@@ -139,32 +153,74 @@ class BackupWorker:
             dedup = None
             step_dir, manifest = located
             if order.share_group:
-                dedup = await asyncio.to_thread(shared_upload.group_dedup, self.store, job_key, order.step, order.rank, step_dir, manifest,
-                                                order.share_group, order.incarnation, self._share, order.timeline)  # fmt: skip
+                dedup = await asyncio.to_thread(
+                    shared_upload.group_dedup,
+                    self.store,
+                    job_key,
+                    order.step,
+                    order.rank,
+                    step_dir,
+                    manifest,
+                    order.share_group,
+                    order.incarnation,
+                    self._share,
+                    order.timeline,
+                )
                 if dedup is None:
                     return  # this rank's share is stored; the others' are not yet: the next order retries
             elif order.dedup_from_rank is not None:
-                dedup = await asyncio.to_thread(self.store.rank_manifest, job_key, order.step, order.dedup_from_rank, order.timeline)
+                dedup = await asyncio.to_thread(
+                    self.store.rank_manifest, job_key, order.step, order.dedup_from_rank, order.timeline
+                )
                 if dedup is None or dedup.incarnation != order.incarnation:
                     return  # the group's uploader has not finished; the next order retries
             with BACKUP_IN_FLIGHT.transfer(order.namespace, order.job, manifest.total_bytes) as sent:
                 stored = await asyncio.to_thread(
-                    self.store.upload_rank, job_key, order.step, order.rank, step_dir, manifest, dedup, order.incarnation, self._share,
-                    order.timeline, sent,
+                    self.store.upload_rank,
+                    job_key,
+                    order.step,
+                    order.rank,
+                    step_dir,
+                    manifest,
+                    dedup,
+                    order.incarnation,
+                    self._share,
+                    order.timeline,
+                    sent,
                 )
             uploaded = sum(f.size for f in stored.files.values() if f.object.startswith(f"rank-{order.rank}/"))
             BACKUP_BYTES.inc(uploaded)
             BACKUP_SECONDS.observe(time.monotonic() - started)
-            log.info("%s: rank %d step %d backed up to %s (%d of %d bytes uploaded, %.2f s)", job_key, order.rank,
-                     order.step, self.store.url, uploaded, manifest.total_bytes, time.monotonic() - started)  # fmt: skip
-            if await asyncio.to_thread(self.store.commit_if_complete, job_key, order.step, order.nodes, order.incarnation, order.timeline):
+            log.info(
+                "%s: rank %d step %d backed up to %s (%d of %d bytes uploaded, %.2f s)",
+                job_key,
+                order.rank,
+                order.step,
+                self.store.url,
+                uploaded,
+                manifest.total_bytes,
+                time.monotonic() - started,
+            )
+            if await asyncio.to_thread(
+                self.store.commit_if_complete, job_key, order.step, order.nodes, order.incarnation, order.timeline
+            ):
                 deleted = await asyncio.to_thread(self.store.retain, job_key, self._keep, order.protected, order.forks)
-                log.info("%s: backup of step %d complete; retention deleted %s", job_key, order.step, deleted or "nothing")
+                log.info(
+                    "%s: backup of step %d complete; retention deleted %s", job_key, order.step, deleted or "nothing"
+                )
                 await self.refresh({job: ramdisk_path}, force=True)
             self._uploaded.add(key)
 
-    async def download(self, meta: JobMeta, namespace: str, job: str, step: int, rank: int, timeline: int = 0,
-                       on_range: Callable[[int], None] | None = None) -> tuple[str, StepManifest]:  # fmt: skip
+    async def download(
+        self,
+        meta: JobMeta,
+        namespace: str,
+        job: str,
+        step: int,
+        rank: int,
+        timeline: int = 0,
+        on_range: Callable[[int], None] | None = None,
+    ) -> tuple[str, StepManifest]:
         """Downloads and verifies ``rank``'s ``step`` of ``timeline`` into the ramdisk's incoming area;
         ``on_range`` is called with each range's bytes as it lands.
 
@@ -178,8 +234,9 @@ class BackupWorker:
         incoming = meta.new_incoming_dir()
         dest = os.path.join(incoming, "step")
         try:
-            manifest = await asyncio.to_thread(self.store.download_rank, f"{namespace}/{job}", step, rank, dest, timeline=timeline,
-                                             on_range=on_range)
+            manifest = await asyncio.to_thread(
+                self.store.download_rank, f"{namespace}/{job}", step, rank, dest, timeline=timeline, on_range=on_range
+            )
         except (BackupError, OSError):
             shutil.rmtree(incoming, ignore_errors=True)
             raise

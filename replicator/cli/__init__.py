@@ -13,11 +13,22 @@ from replicator.cli.arguments import Parser, log_level
 log = logging.getLogger(__name__)
 
 
-def _add_log_flags(parser: argparse.ArgumentParser, level: int | str = argparse.SUPPRESS, log_format: str = argparse.SUPPRESS) -> None:
-    parser.add_argument("--log-level", type=log_level, default=level, metavar="LEVEL",
-                        help="debug, info, warning, error or critical, in any case (default info)")  # fmt: skip
-    parser.add_argument("--log-format", choices=logs.FORMATS, default=log_format,
-                        help="text, or json: one object a line with time, level, logger, message (default text)")  # fmt: skip
+def _add_log_flags(
+    parser: argparse.ArgumentParser, level: int | str = argparse.SUPPRESS, log_format: str = argparse.SUPPRESS
+) -> None:
+    parser.add_argument(
+        "--log-level",
+        type=log_level,
+        default=level,
+        metavar="LEVEL",
+        help="debug, info, warning, error or critical, in any case (default info)",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=logs.FORMATS,
+        default=log_format,
+        help="text, or json: one object a line with time, level, logger, message (default text)",
+    )
 
 
 def parser() -> Parser:

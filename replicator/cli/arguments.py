@@ -30,8 +30,10 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 # argparse's "argument --ca: /x: no such file" -> "--ca /x: no such file", and its "argument --replicas:
 # invalid choice: 3 (choose from 1, 2)" -> "--replicas 3: not one of 1, 2".
-_REWRITES = ((re.compile(r"^argument (\S+): invalid choice: (.*) \(choose from (.*)\)$"), r"\1 \2: not one of \3"),
-             (re.compile(r"^argument (\S+): "), r"\1 "))  # fmt: skip
+_REWRITES = (
+    (re.compile(r"^argument (\S+): invalid choice: (.*) \(choose from (.*)\)$"), r"\1 \2: not one of \3"),
+    (re.compile(r"^argument (\S+): "), r"\1 "),
+)
 
 
 class Parser(argparse.ArgumentParser):
@@ -236,7 +238,9 @@ def server_pair_error(cert: str | None, key: str | None, cert_flag: str, key_fla
         return str(err)
     except OSError as err:  # ssl.SSLError is one; its reason, when it has one, says more than "PEM lib"
         reason = getattr(err, "reason", None)
-        return f"{cert_flag} {cert} and {key_flag} {key}: not a PEM certificate and its key" + (f" ({reason})" if reason else "")
+        return f"{cert_flag} {cert} and {key_flag} {key}: not a PEM certificate and its key" + (
+            f" ({reason})" if reason else ""
+        )
     return None
 
 

@@ -26,33 +26,78 @@ def add(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("coordinator", help="run the cluster's coordinator (ranks, restore plans)")
     p.set_defaults(run=_run_coordinator)
     p.add_argument("--listen", type=listen_address, required=True, help="HOST:PORT")
-    p.add_argument("--state-dir", type=directory, help="keeps a snapshot to warm a restart; node reports rebuild everything anyway")
-    p.add_argument("--node-timeout-seconds", type=positive_float, default=15.0,
-                   help="a node silent this long (or three missed heartbeats, if longer) gets no orders and its copies "
-                        "do not count as safe (default 15)")
-    p.add_argument("--holder-grace-seconds", type=positive_float, default=60.0,
-                   help="a silent node's copies are waited for as restore sources this long (default 60)")
-    p.add_argument("--token-file", type=token_file, help="the cluster token (the node agents' --peer-token-file): required of callers")
-    p.add_argument("--insecure", action="store_true",
-                   help="run without --token-file: anyone who reaches the port can steer the cluster (one-machine experiments only)")
+    p.add_argument(
+        "--state-dir", type=directory, help="keeps a snapshot to warm a restart; node reports rebuild everything anyway"
+    )
+    p.add_argument(
+        "--node-timeout-seconds",
+        type=positive_float,
+        default=15.0,
+        help="a node silent this long (or three missed heartbeats, if longer) gets no orders and its copies "
+        "do not count as safe (default 15)",
+    )
+    p.add_argument(
+        "--holder-grace-seconds",
+        type=positive_float,
+        default=60.0,
+        help="a silent node's copies are waited for as restore sources this long (default 60)",
+    )
+    p.add_argument(
+        "--token-file",
+        type=token_file,
+        help="the cluster token (the node agents' --peer-token-file): required of callers",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="run without --token-file: anyone who reaches the port can steer the cluster (one-machine experiments only)",
+    )
     p.add_argument("--tls-cert", type=readable_file, help="serve HTTPS with this certificate (PEM)")
     p.add_argument("--tls-key", type=readable_file, help="the certificate's private key (PEM)")
-    p.add_argument("--no-restore-fan-out", dest="restore_fan_out", action="store_false",
-                   help="after a cluster loss every node reads its own shards from the backup tier, instead of one node "
-                        "per group of identical data-parallel ranks reading and the others fetching from it")
-    p.add_argument("--shared-backup-upload", action="store_true",
-                   help="the ranks of a group of identical data-parallel ranks each upload their share of a backup's files "
-                        "that share a path, instead of one of them uploading (Orbax's data files differ per process: no gain there)")
-    p.add_argument("--max-nodes", type=positive_int, default=DEFAULT_MAX_NODES, help="largest job accepted in a report (default %(default)s)")
-    p.add_argument("--kube", action="store_true",
-                   help="read JobSet jobs' shape, ranks, rank 0's address and nodes' failure domains from the API server "
-                        "(in cluster: the pod's service account; else $KUBECONFIG or ~/.kube/config)")
+    p.add_argument(
+        "--no-restore-fan-out",
+        dest="restore_fan_out",
+        action="store_false",
+        help="after a cluster loss every node reads its own shards from the backup tier, instead of one node "
+        "per group of identical data-parallel ranks reading and the others fetching from it",
+    )
+    p.add_argument(
+        "--shared-backup-upload",
+        action="store_true",
+        help="the ranks of a group of identical data-parallel ranks each upload their share of a backup's files "
+        "that share a path, instead of one of them uploading (Orbax's data files differ per process: no gain there)",
+    )
+    p.add_argument(
+        "--max-nodes",
+        type=positive_int,
+        default=DEFAULT_MAX_NODES,
+        help="largest job accepted in a report (default %(default)s)",
+    )
+    p.add_argument(
+        "--kube",
+        action="store_true",
+        help="read JobSet jobs' shape, ranks, rank 0's address and nodes' failure domains from the API server "
+        "(in cluster: the pod's service account; else $KUBECONFIG or ~/.kube/config)",
+    )
     p.add_argument("--kubeconfig", type=readable_file, help="with --kube: this kubeconfig file")
-    p.add_argument("--kube-namespace", type=non_empty, help="with --kube: watch Pods and JobSets in this namespace only (default: all)")
-    p.add_argument("--driver-name", type=non_empty, default=DEFAULT_DRIVER_NAME, help="with --kube: the CSI driver whose volumes make a pod part of a job")
-    p.add_argument("--block-label", type=non_empty, default=DEFAULT_BLOCK_LABEL,
-                   help="with --kube: the node label naming a node's block or rack; close peers share it "
-                        "(else the node pool, else the zone; a node's --topology block=... overrides) (default %(default)s)")
+    p.add_argument(
+        "--kube-namespace",
+        type=non_empty,
+        help="with --kube: watch Pods and JobSets in this namespace only (default: all)",
+    )
+    p.add_argument(
+        "--driver-name",
+        type=non_empty,
+        default=DEFAULT_DRIVER_NAME,
+        help="with --kube: the CSI driver whose volumes make a pod part of a job",
+    )
+    p.add_argument(
+        "--block-label",
+        type=non_empty,
+        default=DEFAULT_BLOCK_LABEL,
+        help="with --kube: the node label naming a node's block or rack; close peers share it "
+        "(else the node pool, else the zone; a node's --topology block=... overrides) (default %(default)s)",
+    )
 
 
 def _run_coordinator(args: argparse.Namespace) -> int:
@@ -60,16 +105,35 @@ def _run_coordinator(args: argparse.Namespace) -> int:
     if error:
         return usage_error("coordinator", error)
     if args.token_file is None and not args.insecure:
-        return usage_error("coordinator", "--token-file is required (the cluster token); pass --insecure to run without one on a one-machine experiment")
+        return usage_error(
+            "coordinator",
+            "--token-file is required (the cluster token); pass --insecure to run without one on a one-machine experiment",
+        )
     if (args.kubeconfig or args.kube_namespace) and not args.kube:
         return usage_error("coordinator", "--kubeconfig and --kube-namespace need --kube")
-    kube = KubeSettings(args.kubeconfig, args.kube_namespace, ShapeSettings(args.driver_name, args.block_label)) if args.kube else None
+    kube = (
+        KubeSettings(args.kubeconfig, args.kube_namespace, ShapeSettings(args.driver_name, args.block_label))
+        if args.kube
+        else None
+    )
     try:
         if kube is not None:
             kube_config(kube)
     except ValueError as err:
         return usage_error("coordinator", str(err))
-    run_coordinator(CoordinatorConfig(args.listen, args.state_dir, args.node_timeout_seconds, args.token_file,
-                                      args.tls_cert, args.tls_key, args.max_nodes, args.holder_grace_seconds, kube,
-                                      args.restore_fan_out, args.shared_backup_upload))  # fmt: skip
+    run_coordinator(
+        CoordinatorConfig(
+            args.listen,
+            args.state_dir,
+            args.node_timeout_seconds,
+            args.token_file,
+            args.tls_cert,
+            args.tls_key,
+            args.max_nodes,
+            args.holder_grace_seconds,
+            kube,
+            args.restore_fan_out,
+            args.shared_backup_upload,
+        )
+    )
     return 0

@@ -14,8 +14,12 @@ class JsonLines(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         time = datetime.datetime.fromtimestamp(record.created, datetime.UTC)
-        line = {"time": time.isoformat(timespec="milliseconds"), "level": record.levelname, "logger": record.name,
-                "message": record.getMessage()}  # fmt: skip
+        line = {
+            "time": time.isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
         if record.stack_info:

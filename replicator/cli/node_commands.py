@@ -48,64 +48,150 @@ def add(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("node", help="run this node's agent: the CSI plugin and the HTTP side")
     p.set_defaults(run=_run_node)
     p.add_argument("--node-id", type=non_empty, required=True, help="this node's name")
-    p.add_argument("--root", type=directory, required=True, help="data directory (created if missing); job ramdisks are mounted below it")
+    p.add_argument(
+        "--root",
+        type=directory,
+        required=True,
+        help="data directory (created if missing); job ramdisks are mounted below it",
+    )
     p.add_argument("--csi-endpoint", type=csi_endpoint, required=True, help="unix:///path/csi.sock")
     p.add_argument("--listen", type=listen_address, required=True, help="HOST:PORT of the HTTP side (health, metrics)")
     p.add_argument("--coordinator", type=http_url, help="coordinator base URL (http:// or https://)")
-    p.add_argument("--backup", type=backup_url, help="backup tier URL: gs://bucket/prefix, s3://bucket/prefix or file:///path")
-    p.add_argument("--s3-endpoint-url", type=http_url, help="S3-compatible endpoint for s3:// backups (default: AWS_ENDPOINT_URL, else AWS)")
+    p.add_argument(
+        "--backup", type=backup_url, help="backup tier URL: gs://bucket/prefix, s3://bucket/prefix or file:///path"
+    )
+    p.add_argument(
+        "--s3-endpoint-url",
+        type=http_url,
+        help="S3-compatible endpoint for s3:// backups (default: AWS_ENDPOINT_URL, else AWS)",
+    )
     p.add_argument("--topology", type=key_value, action="append", default=[], help="topology label KEY=VALUE")
-    p.add_argument("--pod-address", type=non_empty, help="address pods on this node are reachable at (local runs, hostNetwork)")
-    p.add_argument("--driver-name", type=non_empty, default=DEFAULT_DRIVER_NAME, help="CSI driver name (default %(default)s)")
-    p.add_argument("--kubelet-registration-dir", type=existing_directory, metavar="DIR",
-                   help="register the driver with the kubelet through a socket in DIR, its plugins_registry "
-                        "(e.g. /var/lib/kubelet/plugins_registry; default: none, a node-driver-registrar sidecar does it)")
-    p.add_argument("--ramdisk-backend", choices=["tmpfs", "dir"], default="tmpfs",
-                   help="tmpfs (RAM, needs root) or dir (unprivileged: data lives on disk)")
-    p.add_argument("--default-size", type=quantity, default=parse_quantity("1Gi"),
-                   help="ramdisk size when a volume sets none (default 1Gi)")
-    p.add_argument("--retention-seconds", type=non_negative_float, default=24 * 3600.0,
-                   help="release a job's ramdisk this long after its last pod unpublished (default one day)")
-    p.add_argument("--peer-token-file", type=token_file, help="bearer token for the peer service (a Kubernetes Secret); enables the peer tier")
-    p.add_argument("--replicas", type=positive_int, choices=[1, 2], default=1,
-                   help="peers holding replicas of each step when data parallelism is 1 (default 1)")
+    p.add_argument(
+        "--pod-address", type=non_empty, help="address pods on this node are reachable at (local runs, hostNetwork)"
+    )
+    p.add_argument(
+        "--driver-name", type=non_empty, default=DEFAULT_DRIVER_NAME, help="CSI driver name (default %(default)s)"
+    )
+    p.add_argument(
+        "--kubelet-registration-dir",
+        type=existing_directory,
+        metavar="DIR",
+        help="register the driver with the kubelet through a socket in DIR, its plugins_registry "
+        "(e.g. /var/lib/kubelet/plugins_registry; default: none, a node-driver-registrar sidecar does it)",
+    )
+    p.add_argument(
+        "--ramdisk-backend",
+        choices=["tmpfs", "dir"],
+        default="tmpfs",
+        help="tmpfs (RAM, needs root) or dir (unprivileged: data lives on disk)",
+    )
+    p.add_argument(
+        "--default-size",
+        type=quantity,
+        default=parse_quantity("1Gi"),
+        help="ramdisk size when a volume sets none (default 1Gi)",
+    )
+    p.add_argument(
+        "--retention-seconds",
+        type=non_negative_float,
+        default=24 * 3600.0,
+        help="release a job's ramdisk this long after its last pod unpublished (default one day)",
+    )
+    p.add_argument(
+        "--peer-token-file",
+        type=token_file,
+        help="bearer token for the peer service (a Kubernetes Secret); enables the peer tier",
+    )
+    p.add_argument(
+        "--replicas",
+        type=positive_int,
+        choices=[1, 2],
+        default=1,
+        help="peers holding replicas of each step when data parallelism is 1 (default 1)",
+    )
     p.add_argument("--backup-keep", type=positive_int, default=3, help="complete backups kept per job (default 3)")
-    p.add_argument("--peer-tls-cert", type=readable_file, help="serve the HTTP side over TLS with this certificate (PEM)")
+    p.add_argument(
+        "--peer-tls-cert", type=readable_file, help="serve the HTTP side over TLS with this certificate (PEM)"
+    )
     p.add_argument("--peer-tls-key", type=readable_file, help="the certificate's private key (PEM)")
     p.add_argument("--peer-tls-ca", type=ca_bundle, help="CA bundle (PEM) that peers' certificates are checked against")
-    p.add_argument("--coordinator-ca", type=ca_bundle, help="CA bundle (PEM) the coordinator's certificate is checked against (default: --peer-tls-ca)")
-    p.add_argument("--max-nodes", type=positive_int, default=DEFAULT_MAX_NODES, help="largest job (nodes attribute) accepted (default %(default)s)")
-    p.add_argument("--background-cpu", type=positive_float, metavar="CPUS",
-                   help="CPUs the agent may use while it replicates and backs up, e.g. 0.5 (default: no cap; restores never capped)")
-    p.add_argument("--restore-deadline-seconds", type=positive_float, default=timing.RESTORE_DEADLINE_SECONDS,
-                   help="a restore gives up and tells the job after this long; keep it below Orbax's 300 s wait (default %(default)s)")
-    p.add_argument("--wedged-after-seconds", type=positive_float, default=timing.WEDGED_AFTER_SECONDS,
-                   help="a replicator loop stalled this long makes /healthz and CSI Probe fail (default %(default)s)")
-    p.add_argument("--min-push-interval-seconds", type=non_negative_float, default=timing.MIN_PUSH_INTERVAL_SECONDS,
-                   help="at most one replica push per job and peer this often; faster saves replicate one step per round (default %(default)s)")
+    p.add_argument(
+        "--coordinator-ca",
+        type=ca_bundle,
+        help="CA bundle (PEM) the coordinator's certificate is checked against (default: --peer-tls-ca)",
+    )
+    p.add_argument(
+        "--max-nodes",
+        type=positive_int,
+        default=DEFAULT_MAX_NODES,
+        help="largest job (nodes attribute) accepted (default %(default)s)",
+    )
+    p.add_argument(
+        "--background-cpu",
+        type=positive_float,
+        metavar="CPUS",
+        help="CPUs the agent may use while it replicates and backs up, e.g. 0.5 (default: no cap; restores never capped)",
+    )
+    p.add_argument(
+        "--restore-deadline-seconds",
+        type=positive_float,
+        default=timing.RESTORE_DEADLINE_SECONDS,
+        help="a restore gives up and tells the job after this long; keep it below Orbax's 300 s wait (default %(default)s)",
+    )
+    p.add_argument(
+        "--wedged-after-seconds",
+        type=positive_float,
+        default=timing.WEDGED_AFTER_SECONDS,
+        help="a replicator loop stalled this long makes /healthz and CSI Probe fail (default %(default)s)",
+    )
+    p.add_argument(
+        "--min-push-interval-seconds",
+        type=non_negative_float,
+        default=timing.MIN_PUSH_INTERVAL_SECONDS,
+        help="at most one replica push per job and peer this often; faster saves replicate one step per round (default %(default)s)",
+    )
     _add_publish(sub)
     _add_gc(sub)
+
 
 def _node_config(args: argparse.Namespace) -> NodeConfig:
     """``mtc node``'s flags, checked by ``_run_node``, as the agent's settings."""
     return NodeConfig(
         node_id=args.node_id,
         root=args.root,
-        csi=CsiSettings(endpoint=args.csi_endpoint, driver_name=args.driver_name, ramdisk_backend=args.ramdisk_backend,
-                        default_size_bytes=args.default_size, retention_seconds=args.retention_seconds, max_nodes=args.max_nodes,
-                        kubelet_registration_dir=args.kubelet_registration_dir),
-        peer=PeerSettings(listen=args.listen, token_file=args.peer_token_file, replicas=args.replicas,
-                          tls_cert=args.peer_tls_cert, tls_key=args.peer_tls_key, tls_ca=args.peer_tls_ca),
+        csi=CsiSettings(
+            endpoint=args.csi_endpoint,
+            driver_name=args.driver_name,
+            ramdisk_backend=args.ramdisk_backend,
+            default_size_bytes=args.default_size,
+            retention_seconds=args.retention_seconds,
+            max_nodes=args.max_nodes,
+            kubelet_registration_dir=args.kubelet_registration_dir,
+        ),
+        peer=PeerSettings(
+            listen=args.listen,
+            token_file=args.peer_token_file,
+            replicas=args.replicas,
+            tls_cert=args.peer_tls_cert,
+            tls_key=args.peer_tls_key,
+            tls_ca=args.peer_tls_ca,
+        ),
         backup=BackupSettings(
             url=args.backup,
             keep=args.backup_keep,
             # The google-cloud-storage convention for emulators; read once, here at the edge.
-            storage_emulator_host=os.environ.get("STORAGE_EMULATOR_HOST") if (args.backup or "").startswith("gs://") else None,
+            storage_emulator_host=os.environ.get("STORAGE_EMULATOR_HOST")
+            if (args.backup or "").startswith("gs://")
+            else None,
             s3_endpoint_url=args.s3_endpoint_url,
         ),
         coordinator=CoordinatorSettings(url=args.coordinator, ca=args.coordinator_ca),
-        pacing=PacingSettings(background_cpu=args.background_cpu, restore_deadline_seconds=args.restore_deadline_seconds,
-                              wedged_after_seconds=args.wedged_after_seconds, min_push_interval_seconds=args.min_push_interval_seconds),
+        pacing=PacingSettings(
+            background_cpu=args.background_cpu,
+            restore_deadline_seconds=args.restore_deadline_seconds,
+            wedged_after_seconds=args.wedged_after_seconds,
+            min_push_interval_seconds=args.min_push_interval_seconds,
+        ),
         topology=dict(args.topology),
         pod_address=args.pod_address,
     )
@@ -128,7 +214,9 @@ def _run_node(args: argparse.Namespace) -> int:
 def _add_publish(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("publish", help="call NodePublishVolume as kubelet would (kubelet stand-in)")
     p.set_defaults(run=_run_publish)
-    p.add_argument("--csi-endpoint", type=csi_socket, required=True, help="unix:///path/csi.sock of a running node agent")
+    p.add_argument(
+        "--csi-endpoint", type=csi_socket, required=True, help="unix:///path/csi.sock of a running node agent"
+    )
     p.add_argument("--target", type=non_empty, required=True, help="target_path to mount the ramdisk at")
     p.add_argument("--pod", type=non_empty, required=True, help="pod name, e.g. myjob-slice-0-1-abcde")
     p.add_argument("--namespace", type=non_empty, default="default")
@@ -137,7 +225,9 @@ def _add_publish(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--attr", type=key_value, action="append", default=[], help="volumeAttributes KEY=VALUE")
     p = sub.add_parser("unpublish", help="call NodeUnpublishVolume as kubelet would (kubelet stand-in)")
     p.set_defaults(run=_run_unpublish)
-    p.add_argument("--csi-endpoint", type=csi_socket, required=True, help="unix:///path/csi.sock of a running node agent")
+    p.add_argument(
+        "--csi-endpoint", type=csi_socket, required=True, help="unix:///path/csi.sock of a running node agent"
+    )
     p.add_argument("--target", type=non_empty, required=True)
     p.add_argument("--volume-id", type=non_empty, default="unknown", help="the plugin finds the volume by target path")
 
@@ -159,7 +249,9 @@ def _run_unpublish(args: argparse.Namespace) -> int:
 def _add_gc(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("gc", help="release job ramdisks on this node (deletes their checkpoints)")
     p.set_defaults(run=_run_gc)
-    p.add_argument("--root", type=existing_directory, required=True, help="the node agent's --root (an existing directory)")
+    p.add_argument(
+        "--root", type=existing_directory, required=True, help="the node agent's --root (an existing directory)"
+    )
     p.add_argument("--ramdisk-backend", choices=["tmpfs", "dir"], default="tmpfs")
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--job", type=job_ref, help="NAMESPACE/JOB to release")

@@ -20,7 +20,9 @@ from replicator.coordinator.status import (
 from replicator.wire.bearer import read_token
 from replicator.wire.messages import JobRef
 
-_SERVER_NAME_HELP = "check the coordinator's certificate against NAME, not the URL's host (through kubectl port-forward)"
+_SERVER_NAME_HELP = (
+    "check the coordinator's certificate against NAME, not the URL's host (through kubectl port-forward)"
+)
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -53,7 +55,11 @@ def _failed(args: argparse.Namespace, err: OSError) -> int:
         return 1
     reason = getattr(err, "reason", None)
     hint = ""
-    if isinstance(reason, ssl.SSLCertVerificationError) and "mismatch" in (reason.verify_message or "") and not args.tls_server_name:
+    if (
+        isinstance(reason, ssl.SSLCertVerificationError)
+        and "mismatch" in (reason.verify_message or "")
+        and not args.tls_server_name
+    ):
         hint = " (its certificate names another host: through a port-forward, give --tls-server-name with the name it covers)"
     print(f"UNAVAILABLE: coordinator {args.coordinator}: {err}{hint}", file=sys.stderr)
     return 1
@@ -84,7 +90,9 @@ def _add_restore_from(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tls-server-name", type=non_empty, metavar="NAME", help=_SERVER_NAME_HELP)
     p.add_argument("--dry-run", action="store_true", help="only show what the rollback would abandon")
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation (needed without a terminal)")
-    p.add_argument("--cancel", action="store_true", help="cancel the job's pending rollback (until its restore is planned)")
+    p.add_argument(
+        "--cancel", action="store_true", help="cancel the job's pending rollback (until its restore is planned)"
+    )
     p.add_argument("--json", action="store_true", help="print the preview as JSON")
 
 
@@ -112,8 +120,10 @@ def _run_restore_from(args: argparse.Namespace) -> int:
         coordinator.restore_from(ref, args.step)
     except OSError as err:
         return _failed(args, err)
-    print(f"{ref} will restore step {args.step} when its pods are next recreated; until that restore is planned, "
-          f"mtc restore-from --job {ref} --cancel withdraws it")  # fmt: skip
+    print(
+        f"{ref} will restore step {args.step} when its pods are next recreated; until that restore is planned, "
+        f"mtc restore-from --job {ref} --cancel withdraws it"
+    )
     return 0
 
 

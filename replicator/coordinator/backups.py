@@ -63,7 +63,9 @@ def choose_lister(job: JobState, liveness: Liveness) -> str | None:
     return min(able, key=lambda n: (order(n), n) if order else n, default=None)
 
 
-def advance(key: JobRef, job: JobState, now: float, backed: set[int], newest_complete: Callable[[], int | None]) -> None:
+def advance(
+    key: JobRef, job: JobState, now: float, backed: set[int], newest_complete: Callable[[], int | None]
+) -> None:
     """Finishes the pending backup once listed complete (``backed``); starts the next one when due.
 
     Args:
@@ -107,16 +109,38 @@ def orders(key: JobRef, job: JobState, state: NodeState, shared: bool = False) -
     if incarnation is None or step is None:
         return []
     node_id = state.report.node_id
-    protected: tuple[int, ...] = (incarnation.plan.step,) if incarnation.plan and incarnation.plan.step is not None else ()
+    protected: tuple[int, ...] = (
+        (incarnation.plan.step,) if incarnation.plan and incarnation.plan.step is not None else ()
+    )
     if job.forced_step is not None:
-        protected += (job.forced_step,)  # a rollback's step: kept from retention until its restore is done or it is cancelled
+        protected += (
+            job.forced_step,
+        )  # a rollback's step: kept from retention until its restore is done or it is cancelled
     result = []
     for claim in state.claims:
-        if claim.job != key or claim.replica or claim.step != step or incarnation.node_of_rank.get(claim.rank) != node_id:
+        if (
+            claim.job != key
+            or claim.replica
+            or claim.step != step
+            or incarnation.node_of_rank.get(claim.rank) != node_id
+        ):
             continue
         group = job.memo.leaders.group(job.identity, step, claim.rank)
         sharing = group if shared and len(group) > 1 else ()
         leader = claim.rank if sharing else job.memo.leaders.leader(job.identity, step, claim.rank)
-        result.append(BackupOrder(key.namespace, key.job, step, claim.rank, incarnation.incarnation_id, len(incarnation.node_of_rank),
-                                  None if leader == claim.rank else leader, protected, len(job.forks), job.forks, sharing))  # fmt: skip
+        result.append(
+            BackupOrder(
+                key.namespace,
+                key.job,
+                step,
+                claim.rank,
+                incarnation.incarnation_id,
+                len(incarnation.node_of_rank),
+                None if leader == claim.rank else leader,
+                protected,
+                len(job.forks),
+                job.forks,
+                sharing,
+            )
+        )
     return result

@@ -127,7 +127,15 @@ class Beliefs:
         self.stamp += 1
 
 
-def walk_ranks(holders: dict[tuple[int, int], dict[str, bool]], beliefs: Beliefs, states: dict[str, Any], step: int, ranks: int, wanted: int, live_only: bool) -> tuple[bool, int]:
+def walk_ranks(
+    holders: dict[tuple[int, int], dict[str, bool]],
+    beliefs: Beliefs,
+    states: dict[str, Any],
+    step: int,
+    ranks: int,
+    wanted: int,
+    live_only: bool,
+) -> tuple[bool, int]:
     """Whether each of ranks 0..ranks-1 of ``step`` has at least ``wanted`` believed copies on nodes
     of ``states`` not silent (``live_only``) or not given up; stops at the first rank short.
 
@@ -140,8 +148,11 @@ def walk_ranks(holders: dict[tuple[int, int], dict[str, bool]], beliefs: Beliefs
         for node_id, replica in holders.get((step, rank), {}).items():
             state = states.get(node_id)
             # ``Beliefs.believed``, inlined: this runs for every rank of a 10,000-rank job.
-            if state is not None and not (state.silent if live_only else state.given_up) and (
-                    node_id in rank_nodes.get(rank, ()) or (replica and (rank, node_id) in ordered)):  # fmt: skip
+            if (
+                state is not None
+                and not (state.silent if live_only else state.given_up)
+                and (node_id in rank_nodes.get(rank, ()) or (replica and (rank, node_id) in ordered))
+            ):
                 found += 1
         if found < wanted:
             return False, rank + 1
@@ -157,8 +168,17 @@ class HeldMemo:
     def __init__(self) -> None:
         self.answers: dict[tuple[int, int, int, bool], tuple[tuple[int | None, int, int], bool]] = {}
 
-    def every_rank_held(self, claims: ClaimIndex, beliefs: Beliefs, states: dict[str, Any], liveness_stamp: int,
-                        step: int, ranks: int, wanted: int, live_only: bool) -> tuple[bool, int]:  # fmt: skip
+    def every_rank_held(
+        self,
+        claims: ClaimIndex,
+        beliefs: Beliefs,
+        states: dict[str, Any],
+        liveness_stamp: int,
+        step: int,
+        ranks: int,
+        wanted: int,
+        live_only: bool,
+    ) -> tuple[bool, int]:
         """``walk_ranks`` for a step every rank may hold (``ClaimIndex.step_ranks``), else False at
         once; answered from memory while the stamps hold. Returns (the answer, ranks looked at)."""
         if claims.step_ranks.get(step, 0) < ranks:

@@ -23,16 +23,30 @@ class ClusterGauges:
         state, labels = self._state, list(JOB_LABELS)
         newest = GaugeMetricFamily("mtc_newest_complete_step", "Newest step complete for every rank", labels=labels)
         backed = GaugeMetricFamily("mtc_newest_backup_step", "Newest step complete in the backup tier", labels=labels)
-        backed_at = GaugeMetricFamily("mtc_last_backup_timestamp_seconds", "Unix time this coordinator saw the last backup complete", labels=labels)
+        backed_at = GaugeMetricFamily(
+            "mtc_last_backup_timestamp_seconds",
+            "Unix time this coordinator saw the last backup complete",
+            labels=labels,
+        )
         every_steps = GaugeMetricFamily("mtc_backup_interval_steps", "The job's backup-interval-steps", labels=labels)
-        every_seconds = GaugeMetricFamily("mtc_backup_interval_seconds", "The job's backup-interval-minutes, in seconds", labels=labels)
-        ranks = GaugeMetricFamily("mtc_restore_ranks", "Ranks of the job's current incarnation, once its restore is planned", labels=labels)
-        staged = GaugeMetricFamily("mtc_restore_ranks_staged", "Ranks that staged the planned step (all for a fresh start); done at mtc_restore_ranks",
-                                   labels=labels)  # fmt: skip
+        every_seconds = GaugeMetricFamily(
+            "mtc_backup_interval_seconds", "The job's backup-interval-minutes, in seconds", labels=labels
+        )
+        ranks = GaugeMetricFamily(
+            "mtc_restore_ranks", "Ranks of the job's current incarnation, once its restore is planned", labels=labels
+        )
+        staged = GaugeMetricFamily(
+            "mtc_restore_ranks_staged",
+            "Ranks that staged the planned step (all for a fresh start); done at mtc_restore_ranks",
+            labels=labels,
+        )
         for key in state.job_keys():
             job, values = state.job(key), [key.namespace, key.job]
-            for family, value in [(newest, state.newest_complete_step(key)), (backed, max(state.backed_up(key), default=None)),
-                                  (backed_at, job.last_backup_time)]:  # fmt: skip
+            for family, value in [
+                (newest, state.newest_complete_step(key)),
+                (backed, max(state.backed_up(key), default=None)),
+                (backed_at, job.last_backup_time),
+            ]:
                 if value is not None:
                     family.add_metric(values, value)
             settings = next(iter(job.settings.values()), None)
@@ -43,12 +57,19 @@ class ClusterGauges:
             if (incarnation := job.incarnation) is not None and incarnation.plan is not None:
                 ranks.add_metric(values, len(incarnation.node_of_rank))
                 # A fresh start (no step) has nothing to stage: every rank is ready at once.
-                staged.add_metric(values, len(incarnation.node_of_rank if incarnation.plan.step is None else incarnation.staged))
+                staged.add_metric(
+                    values, len(incarnation.node_of_rank if incarnation.plan.step is None else incarnation.staged)
+                )
         live = GaugeMetricFamily("mtc_live_nodes", "Node agents reporting", value=state.liveness.live_count())
         silent_ids = state.liveness.silent()
-        silent = GaugeMetricFamily("mtc_silent_nodes", "Node agents silent past the node timeout, not yet forgotten", value=len(silent_ids))
-        silence = GaugeMetricFamily("mtc_node_silent_seconds", "Seconds since each silent node agent last reported (silent ones only)",
-                                    labels=["node"])  # fmt: skip
+        silent = GaugeMetricFamily(
+            "mtc_silent_nodes", "Node agents silent past the node timeout, not yet forgotten", value=len(silent_ids)
+        )
+        silence = GaugeMetricFamily(
+            "mtc_node_silent_seconds",
+            "Seconds since each silent node agent last reported (silent ones only)",
+            labels=["node"],
+        )
         for node_id in silent_ids:
             silence.add_metric([node_id], state.liveness.silence(node_id))
         return [newest, backed, backed_at, every_steps, every_seconds, ranks, staged, live, silent, silence]

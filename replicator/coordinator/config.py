@@ -50,4 +50,3 @@ class CoordinatorConfig:
           OSError, ssl.SSLError: the certificate or key cannot be loaded.
         """
         return tls.server_context(self.tls_cert, self.tls_key)
-

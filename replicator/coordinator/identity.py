@@ -87,7 +87,12 @@ class Identity:
             steps = {step for step, _ in signatures}
             for rank, other in self.new_pairs:
                 for step in steps:
-                    if (step, rank) in signatures and (step, other) in signatures and (step, rank) not in new and (step, other) not in new:
+                    if (
+                        (step, rank) in signatures
+                        and (step, other) in signatures
+                        and (step, rank) not in new
+                        and (step, other) not in new
+                    ):
                         checks += 1
                         if signatures[(step, rank)] == signatures[(step, other)]:
                             self._record(step, [rank, other])
@@ -108,7 +113,11 @@ class Identity:
         self.signatures.pop((step, rank), None)
         if (covered := self.covered.get(step)) is not None:
             covered.discard(rank)
-            covered -= {other for other in self.peers.get(rank, ()) if other in covered and not self.identical_peers(step, other)}
+            covered -= {
+                other
+                for other in self.peers.get(rank, ())
+                if other in covered and not self.identical_peers(step, other)
+            }
             self._changed(step)
 
     def forget_above(self, lowest: int) -> None:
@@ -147,7 +156,9 @@ class IdenticalPairs(Mapping[int, frozenset[tuple[int, int]]]):
         if step not in covered:
             raise KeyError(step)
         if step not in self._listed:
-            self._listed[step] = frozenset((rank, other) for rank in covered[step] for other in self._identity.identical_peers(step, rank))
+            self._listed[step] = frozenset(
+                (rank, other) for rank in covered[step] for other in self._identity.identical_peers(step, rank)
+            )
         return self._listed[step]
 
     def __iter__(self) -> Iterator[int]:
@@ -175,7 +186,11 @@ class LeaderMemo:
             self.stamp, self.groups = stamp, {}
         group = self.groups.get(rank)
         if group is None:
-            group = self.groups[rank] = tuple(sorted([rank] + (identity.identical_peers(step, rank) if rank in identity.covered.get(step, ()) else [])))
+            group = self.groups[rank] = tuple(
+                sorted(
+                    [rank] + (identity.identical_peers(step, rank) if rank in identity.covered.get(step, ()) else [])
+                )
+            )
         return group
 
     def leader(self, identity: Identity, step: int, rank: int) -> int:

@@ -55,7 +55,9 @@ class Incarnation:
     def __post_init__(self) -> None:
         self.pod_of_rank0 = next(uid for uid, rank in self.rank_of_pod.items() if rank == 0)
         self.nodes = frozenset(self.node_of_rank.values())
-        self.rank_of_node = {node: rank for rank, node in sorted(self.node_of_rank.items(), reverse=True)}  # its lowest rank
+        self.rank_of_node = {
+            node: rank for rank, node in sorted(self.node_of_rank.items(), reverse=True)
+        }  # its lowest rank
 
 
 def ended(key: JobRef, current: Incarnation, pods: dict[str, tuple[PodReport, str]], retired: set[str]) -> bool:
@@ -65,8 +67,12 @@ def ended(key: JobRef, current: Incarnation, pods: dict[str, tuple[PodReport, st
     replacements = [uid for uid in pods if uid not in current.rank_of_pod and uid not in retired]
     if not unpublished and not replacements:
         return False
-    log.info("job %s: incarnation %s ended (%s)", key, current.incarnation_id,
-             "a pod was unpublished" if unpublished else "a new pod replaces one of it")  # fmt: skip
+    log.info(
+        "job %s: incarnation %s ended (%s)",
+        key,
+        current.incarnation_id,
+        "a pod was unpublished" if unpublished else "a new pod replaces one of it",
+    )
     retired.update(uid for uid in current.rank_of_pod if uid in pods)  # the gone ones never come back
     return True
 
@@ -84,7 +90,12 @@ def adopt(pods: dict[str, tuple[PodReport, str]], retired: set[str], now: float)
     return None
 
 
-def assign(pods: dict[str, tuple[PodReport, str]], retired: set[str], newest_held: Callable[[], dict[str, dict[int, int]]], now: float) -> Incarnation | None:
+def assign(
+    pods: dict[str, tuple[PodReport, str]],
+    retired: set[str],
+    newest_held: Callable[[], dict[str, dict[int, int]]],
+    now: float,
+) -> Incarnation | None:
     """A new incarnation from pods that never belonged to one (their group is gone).
 
     Args:
@@ -98,16 +109,22 @@ def assign(pods: dict[str, tuple[PodReport, str]], retired: set[str], newest_hel
     any_pod = next(iter(fresh.values()))[0]
     if len(fresh) < any_pod.nodes:
         return None
-    slots = [planner.PodSlot(uid, node, p.slice_index, p.worker_index, p.published_at) for uid, (p, node) in fresh.items()]
+    slots = [
+        planner.PodSlot(uid, node, p.slice_index, p.worker_index, p.published_at) for uid, (p, node) in fresh.items()
+    ]
     chosen = planner.select_pods(slots, any_pod.nodes)
     if chosen is None:
         return None
     # A launcher that fixes ranks (torchrun) needs each pod at its JobSet index, wherever the data is.
-    ranks = planner.assign_ranks(chosen, any_pod.nodes, any_pod.slices, newest_held() if any_pod.ranks_follow_data else {})
+    ranks = planner.assign_ranks(
+        chosen, any_pod.nodes, any_pod.slices, newest_held() if any_pod.ranks_follow_data else {}
+    )
     return Incarnation(uuid.uuid4().hex[:12], ranks, {rank: fresh[uid][1] for uid, rank in ranks.items()}, now)
 
 
-def assignment(pod: PodReport, incarnation: Incarnation | None, pods: dict[str, tuple[PodReport, str]], rank0_address: str | None) -> Assignment | None:
+def assignment(
+    pod: PodReport, incarnation: Incarnation | None, pods: dict[str, tuple[PodReport, str]], rank0_address: str | None
+) -> Assignment | None:
     """The pod's rank in ``incarnation``, or None while it waits.
 
     Args:
@@ -118,8 +135,13 @@ def assignment(pod: PodReport, incarnation: Incarnation | None, pods: dict[str, 
         return None
     rank0 = pods[incarnation.pod_of_rank0][0]
     address = rank0_address or rank0.address or f"{_JOBSET_SUFFIX.sub('', rank0.pod_name)}.{rank0.subdomain}"
-    return Assignment(pod.pod_uid, incarnation.incarnation_id, incarnation.rank_of_pod[pod.pod_uid], f"{address}:{rank0.jax_coordinator_port}",
-                      len(incarnation.node_of_rank))  # fmt: skip
+    return Assignment(
+        pod.pod_uid,
+        incarnation.incarnation_id,
+        incarnation.rank_of_pod[pod.pod_uid],
+        f"{address}:{rank0.jax_coordinator_port}",
+        len(incarnation.node_of_rank),
+    )
 
 
 def reconcile(key: JobRef, job: Any, now: float) -> bool:
@@ -135,7 +157,9 @@ def reconcile(key: JobRef, job: Any, now: float) -> bool:
             return False
         job.incarnation, changed = None, True
     if job.pods:
-        job.incarnation = adopt(job.pods, job.retired_pods, now) or assign(job.pods, job.retired_pods, job.claims.newest_own, now)
+        job.incarnation = adopt(job.pods, job.retired_pods, now) or assign(
+            job.pods, job.retired_pods, job.claims.newest_own, now
+        )
         if job.incarnation is not None:
             job.nodes = len(job.incarnation.node_of_rank)
             job.beliefs.assign(job.incarnation.node_of_rank)

@@ -39,4 +39,3 @@ def kube_config(settings: KubeSettings) -> KubeConfig:
         return config
     except (ConfigError, OSError, KeyError, TypeError, ValueError, yaml.YAMLError) as err:
         raise ValueError(f"--kube: no usable API server configuration in {tried}: {err!r}") from None
-

@@ -58,7 +58,11 @@ class KubeOverlay:
 
     def update(self, shapes: Shapes) -> set[JobRef]:
         """Takes the watcher's new shapes; returns the jobs whose shape changed (their long polls are woken)."""
-        changed = {key for key in shapes.jobs.keys() | self._shapes.jobs.keys() if shapes.jobs.get(key) != self._shapes.jobs.get(key)}
+        changed = {
+            key
+            for key in shapes.jobs.keys() | self._shapes.jobs.keys()
+            if shapes.jobs.get(key) != self._shapes.jobs.get(key)
+        }
         self._shapes = shapes
         self._placed = {place.uid: (shape, place) for shape in shapes.jobs.values() for place in shape.pods}
         self._told_waiting -= {uid for uid, (_, place) in self._placed.items() if place.ip}
@@ -72,15 +76,30 @@ class KubeOverlay:
             found = self._placed.get(pod.pod_uid)
             if found is not None and found[1].ip:
                 shape, place = found
-                pods.append(msgspec.structs.replace(
-                    pod, nodes=shape.nodes, slices=shape.slices, slice_index=place.slice, worker_index=place.worker, address=place.ip,
-                ))  # fmt: skip
+                pods.append(
+                    msgspec.structs.replace(
+                        pod,
+                        nodes=shape.nodes,
+                        slices=shape.slices,
+                        slice_index=place.slice,
+                        worker_index=place.worker,
+                        address=place.ip,
+                    )
+                )
             elif found is None and pod.nodes_given:
                 pods.append(msgspec.structs.replace(pod, address=None))
             elif pod.pod_uid not in self._told_waiting:
                 self._told_waiting.add(pod.pod_uid)
-                why = "its pod IP" if found else "its job's shape (its volume sets no nodes and no JobSet places it yet)"
-                log.info("pod %s/%s (node %s) waits for %s from the API server", pod.namespace, pod.pod_name, report.node_id, why)
+                why = (
+                    "its pod IP" if found else "its job's shape (its volume sets no nodes and no JobSet places it yet)"
+                )
+                log.info(
+                    "pod %s/%s (node %s) waits for %s from the API server",
+                    pod.namespace,
+                    pod.pod_name,
+                    report.node_id,
+                    why,
+                )
         topology = report.topology
         if not topology.get(BLOCK) and (domains := self._shapes.domains.get(report.node_id)) is not None:
             topology = topology_of(domains)

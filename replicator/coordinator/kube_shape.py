@@ -388,12 +388,16 @@ def _groups(jobset: JobSetRecord, problems: list[ShapeProblem]) -> dict[JobRef, 
                 problem(f"{field}.template.spec.parallelism", f"{rj.parallelism!r} is not a positive count")
                 bad = True
             elif not rj.indexed:
-                problem(f"{field}.template.spec.completionMode",
-                        "must be Indexed: a pod's worker index is its Job completion index")  # fmt: skip
+                problem(
+                    f"{field}.template.spec.completionMode",
+                    "must be Indexed: a pod's worker index is its Job completion index",
+                )
                 bad = True
             elif completions != parallelism:
-                problem(f"{field}.template.spec.completions",
-                        f"{rj.completions!r} differs from parallelism {parallelism}: every worker of a slice must run at once")  # fmt: skip
+                problem(
+                    f"{field}.template.spec.completions",
+                    f"{rj.completions!r} differs from parallelism {parallelism}: every worker of a slice must run at once",
+                )
                 bad = True
             else:
                 first_slice[rj.name], replicas[rj.name] = slices, count
@@ -401,12 +405,18 @@ def _groups(jobset: JobSetRecord, problems: list[ShapeProblem]) -> dict[JobRef, 
                 per_slice.add(parallelism)
         if len(per_slice) > 1:
             names = ", ".join(rj.name for _, rj in members)
-            problem("spec.replicatedJobs", f"replicatedJobs {names} share job {key!r} with different parallelism "
-                                           f"{sorted(per_slice)}: a job's slices must be the same size")  # fmt: skip
+            problem(
+                "spec.replicatedJobs",
+                f"replicatedJobs {names} share job {key!r} with different parallelism "
+                f"{sorted(per_slice)}: a job's slices must be the same size",
+            )
             bad = True
         if not _DNS1123_LABEL.match(key):
-            problem("spec.replicatedJobs", f"job {key!r} is not a DNS-1123 label: the CSI driver refuses its pods; "
-                                           "set a shorter volume attribute job")  # fmt: skip
+            problem(
+                "spec.replicatedJobs",
+                f"job {key!r} is not a DNS-1123 label: the CSI driver refuses its pods; "
+                "set a shorter volume attribute job",
+            )
             bad = True
         if not bad:
             groups[JobRef(jobset.namespace, key)] = _Group(
@@ -422,8 +432,12 @@ def _index(value: str | None, bound: int) -> int | None:
     return index if index < bound else None
 
 
-def _place(pod: PodRecord, jobsets: Mapping[tuple[str, str], JobSetRecord],
-           groups: Mapping[JobRef, _Group], nodes: Mapping[str, FailureDomains]) -> tuple[JobRef, PodPlace] | ShapeProblem:  # fmt: skip
+def _place(
+    pod: PodRecord,
+    jobsets: Mapping[tuple[str, str], JobSetRecord],
+    groups: Mapping[JobRef, _Group],
+    nodes: Mapping[str, FailureDomains],
+) -> tuple[JobRef, PodPlace] | ShapeProblem:
     """A pod's place in its job, or the first problem with it."""
 
     def problem(field: str, reason: str) -> ShapeProblem:
@@ -435,41 +449,60 @@ def _place(pod: PodRecord, jobsets: Mapping[tuple[str, str], JobSetRecord],
     if jobset is None:
         return problem(f"annotation {JOBSET_NAME}", f"JobSet {pod.jobset!r} is gone from namespace {pod.namespace!r}")
     if pod.jobset_uid is not None and jobset.uid and pod.jobset_uid != jobset.uid:
-        return problem(f"label {JOBSET_UID}",
-                       f"{pod.jobset_uid!r} is not JobSet {jobset.name!r}'s UID {jobset.uid!r}: the pod is from an earlier JobSet of that name")  # fmt: skip
+        return problem(
+            f"label {JOBSET_UID}",
+            f"{pod.jobset_uid!r} is not JobSet {jobset.name!r}'s UID {jobset.uid!r}: the pod is from an earlier JobSet of that name",
+        )
     if pod.replicated_job is None:
         return problem(f"annotation {REPLICATED_JOB}", "missing")
     rj = next((r for r in jobset.replicated_jobs if r.name == pod.replicated_job), None)
     if rj is None:
-        return problem(f"annotation {REPLICATED_JOB}", f"JobSet {jobset.name!r} has no replicatedJob {pod.replicated_job!r}")
+        return problem(
+            f"annotation {REPLICATED_JOB}", f"JobSet {jobset.name!r} has no replicatedJob {pod.replicated_job!r}"
+        )
     if not rj.mounts:
-        return problem(f"annotation {REPLICATED_JOB}",
-                       f"replicatedJob {rj.name!r}'s pod template mounts no volume of our driver, but the pod does")  # fmt: skip
+        return problem(
+            f"annotation {REPLICATED_JOB}",
+            f"replicatedJob {rj.name!r}'s pod template mounts no volume of our driver, but the pod does",
+        )
     key = JobRef(pod.namespace, job_key(jobset.name, rj.name, pod.attributes.get("job") or None))
     template_key = JobRef(pod.namespace, job_key(jobset.name, rj.name, rj.job))
     if key != template_key:
-        return problem("volume attribute job", f"{key.job!r} contradicts its replicatedJob template's {template_key.job!r}")
+        return problem(
+            "volume attribute job", f"{key.job!r} contradicts its replicatedJob template's {template_key.job!r}"
+        )
     group = groups.get(key)
     if group is None:
-        return problem(f"JobSet {jobset.name}", f"the JobSet's spec gives job {key.job!r} no shape (see the JobSet's problem)")
+        return problem(
+            f"JobSet {jobset.name}", f"the JobSet's spec gives job {key.job!r} no shape (see the JobSet's problem)"
+        )
     replicas = group.replicas[rj.name]
     job_index = _index(pod.job_index, replicas)
     if job_index is None:
         return problem(f"annotation {JOB_INDEX}", f"{pod.job_index!r} is not an index below replicas {replicas}")
     worker = _index(pod.completion_index, group.nodes_per_slice)
     if worker is None:
-        return problem(f"annotation {COMPLETION_INDEX}",
-                       f"{pod.completion_index!r} is not an index below parallelism {group.nodes_per_slice}")  # fmt: skip
+        return problem(
+            f"annotation {COMPLETION_INDEX}",
+            f"{pod.completion_index!r} is not an index below parallelism {group.nodes_per_slice}",
+        )
     slice_index = group.first_slice[rj.name] + job_index
     slices = sum(group.replicas.values())
-    expected = {"nodes": str(slices * group.nodes_per_slice), "slices": str(slices), "slice": str(slice_index),
-                "worker": str(worker), "jobset": pod.subdomain or jobset.subdomain}  # fmt: skip
+    expected = {
+        "nodes": str(slices * group.nodes_per_slice),
+        "slices": str(slices),
+        "slice": str(slice_index),
+        "worker": str(worker),
+        "jobset": pod.subdomain or jobset.subdomain,
+    }
     for attribute, value in expected.items():
         given = pod.attributes.get(attribute)
         if given is not None and given != value:
             return problem(f"volume attribute {attribute}", f"{given!r} contradicts the API server's {value!r}")
     if pod.subdomain is not None and pod.subdomain != jobset.subdomain:
-        return problem("spec.subdomain", f"{pod.subdomain!r} is not JobSet {jobset.name!r}'s subdomain {jobset.subdomain!r}")
+        return problem(
+            "spec.subdomain", f"{pod.subdomain!r} is not JobSet {jobset.name!r}'s subdomain {jobset.subdomain!r}"
+        )
     domains = nodes.get(pod.node) if pod.node else None
     dns_name = f"{pod.hostname}.{pod.subdomain}" if pod.hostname and pod.subdomain else None
     return key, PodPlace(pod.name, pod.uid, slice_index, worker, dns_name, pod.ip, pod.node, domains)
@@ -498,8 +531,15 @@ def compute_shapes(pods: Iterable[PodRecord], nodes: Iterable[NodeRecord], jobse
     for jobset in by_name.values():
         for key, group in _groups(jobset, problems).items():
             if key in groups:
-                problems.append(ShapeProblem("JobSet", jobset.namespace, jobset.name, "volume attribute job",
-                                             f"job {key.job!r} is also JobSet {groups[key].jobset.name!r}'s"))  # fmt: skip
+                problems.append(
+                    ShapeProblem(
+                        "JobSet",
+                        jobset.namespace,
+                        jobset.name,
+                        "volume attribute job",
+                        f"job {key.job!r} is also JobSet {groups[key].jobset.name!r}'s",
+                    )
+                )
                 continue
             groups[key] = group
     domains = {node.name: FailureDomains(node.zone, node.nodepool, node.block) for node in nodes}
@@ -522,8 +562,15 @@ def compute_shapes(pods: Iterable[PodRecord], nodes: Iterable[NodeRecord], jobse
             clashes.add((key, at))
     for key, at in sorted(clashes, key=lambda c: (c[0].namespace, c[0].job, c[1])):
         pod, _ = placed[key].pop(at)
-        problems.append(ShapeProblem("Pod", pod.namespace, pod.name, f"annotations {JOB_INDEX}, {COMPLETION_INDEX}",
-                                     f"another live pod of job {key.job!r} is at slice {at[0]}, worker {at[1]}"))  # fmt: skip
+        problems.append(
+            ShapeProblem(
+                "Pod",
+                pod.namespace,
+                pod.name,
+                f"annotations {JOB_INDEX}, {COMPLETION_INDEX}",
+                f"another live pod of job {key.job!r} is at slice {at[0]}, worker {at[1]}",
+            )
+        )
     shapes = {}
     for key, group in groups.items():
         slices = sum(group.replicas.values())
@@ -538,4 +585,3 @@ def compute_shapes(pods: Iterable[PodRecord], nodes: Iterable[NodeRecord], jobse
             pods=tuple(place for _, (_, place) in sorted(placed[key].items())),
         )
     return Shapes(types.MappingProxyType(shapes), tuple(problems), types.MappingProxyType(domains))
-

@@ -126,19 +126,29 @@ class ShapeWatcher:
       last_error: the newest error talking to the API server, as text, or None.
     """
 
-    def __init__(self, client: AsyncClient, settings: WatchSettings = WatchSettings(),
-                 on_change: Callable[[Shapes], None] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        client: AsyncClient,
+        settings: WatchSettings = WatchSettings(),
+        on_change: Callable[[Shapes], None] | None = None,
+    ):
         self._client = client
         self._settings = settings
         self._on_change = on_change
         shape = settings.shape
         self._kinds = (
-            _Kind("Pod", Pod, lambda o: read_pod(o, shape), _namespaced_key, True,
-                  labels={JOBSET_NAME: operators.exists()},
-                  fields={"status.phase": operators.not_in(["Succeeded", "Failed"])}),
+            _Kind(
+                "Pod",
+                Pod,
+                lambda o: read_pod(o, shape),
+                _namespaced_key,
+                True,
+                labels={JOBSET_NAME: operators.exists()},
+                fields={"status.phase": operators.not_in(["Succeeded", "Failed"])},
+            ),
             _Kind("JobSet", JobSet, lambda o: read_jobset(o, shape), _namespaced_key, True),
             _Kind("Node", Node, lambda o: read_node(o, shape), _name_key, False),
-        )  # fmt: skip
+        )
         self._stores: dict[str, dict[Hashable, Any]] = {kind.name: {} for kind in self._kinds}
         self._listed: set[str] = set()
         self._dirty = asyncio.Event()
@@ -190,8 +200,12 @@ class ShapeWatcher:
                 self.connected[kind.name] = False
                 self.last_error = f"{kind.name}: {type(error).__name__}: {error}"
                 wait = backoff.next()
-                log.warning("%s list/watch failed (%s); the last known objects stand; retrying in %.1f s",
-                            kind.name, self.last_error, wait)  # fmt: skip
+                log.warning(
+                    "%s list/watch failed (%s); the last known objects stand; retrying in %.1f s",
+                    kind.name,
+                    self.last_error,
+                    wait,
+                )
                 await asyncio.sleep(wait)
 
     async def _list(self, kind: _Kind) -> str:
@@ -214,8 +228,14 @@ class ShapeWatcher:
         """Applies ``kind``'s changes from ``version`` on; returns the last version seen when the watch goes idle."""
         namespace: dict[str, Any] = {"namespace": self._settings.namespace or ALL_NS} if kind.namespaced else {}
         store = self._stores[kind.name]
-        events = self._client.watch(kind.resource, labels=kind.labels, fields=kind.fields, resource_version=version,
-                                    server_timeout=self._settings.server_timeout_seconds, **namespace)  # fmt: skip
+        events = self._client.watch(
+            kind.resource,
+            labels=kind.labels,
+            fields=kind.fields,
+            resource_version=version,
+            server_timeout=self._settings.server_timeout_seconds,
+            **namespace,
+        )
         try:
             async with asyncio.timeout(self._settings.idle_seconds) as idle:
                 async for event, obj in events:
@@ -251,7 +271,9 @@ class ShapeWatcher:
             if not self.synced:
                 continue
             started = time.monotonic()
-            shapes = compute_shapes(self._stores["Pod"].values(), self._stores["Node"].values(), self._stores["JobSet"].values())
+            shapes = compute_shapes(
+                self._stores["Pod"].values(), self._stores["Node"].values(), self._stores["JobSet"].values()
+            )
             elapsed = time.monotonic() - started
             if elapsed > 0.5:
                 log.info("job shapes recomputed in %.2f s (%d pods)", elapsed, len(self._stores["Pod"]))

@@ -13,15 +13,17 @@ log = logging.getLogger(__name__)
 
 def news(report: NodeReport, jobs: dict[JobRef, JobState]) -> bool:
     """Whether the report names rollbacks of a known job that its coordinator has not adopted."""
-    return any((job := jobs.get(JobRef(lineage.namespace, lineage.job))) is not None and extends(lineage.forks, job.forks)
-               for lineage in report.lineages)
+    return any(
+        (job := jobs.get(JobRef(lineage.namespace, lineage.job))) is not None and extends(lineage.forks, job.forks)
+        for lineage in report.lineages
+    )
 
 
 def set_lineage(key: JobRef, job: JobState, forks: tuple[int, ...], nodes: dict[str, NodeState]) -> None:
     """Moves the job to ``forks`` (which extends its own): the nodes' claims of abandoned copies are
     dropped, with the tables' entries of steps above the lowest new rollback point. The caller
     bumps the job's version."""
-    lowest = min(forks[len(job.forks):])  # steps above the lowest new rollback point may be abandoned
+    lowest = min(forks[len(job.forks) :])  # steps above the lowest new rollback point may be abandoned
     job.forks = forks
     job.decided.safe = job.decided.retain = None  # the safe step may be abandoned: GC waits for the next decision pass
     for node_id, state in nodes.items():
@@ -37,5 +39,9 @@ def set_lineage(key: JobRef, job: JobState, forks: tuple[int, ...], nodes: dict[
     if job.backup_pending is not None and job.backup_pending > lowest:
         job.backup_pending = None
     job.decided.dirty = True
-    log.warning("job %s: timeline %d begins at step %d; copies of newer steps of older timelines are abandoned",
-                key, len(forks), forks[-1])  # fmt: skip
+    log.warning(
+        "job %s: timeline %d begins at step %d; copies of newer steps of older timelines are abandoned",
+        key,
+        len(forks),
+        forks[-1],
+    )

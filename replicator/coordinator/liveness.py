@@ -36,9 +36,11 @@ class NodeState:
     given_up: bool = False  # silent past the holder grace period, as of the last ``expire``
 
     def job_keys(self) -> set[JobRef]:
-        return {JobRef(p.namespace, p.job) for p in self.report.pods} | {c.job for c in self.claims} | {
-            JobRef(b.namespace, b.job) for b in self.report.backed_up
-        }
+        return (
+            {JobRef(p.namespace, p.job) for p in self.report.pods}
+            | {c.job for c in self.claims}
+            | {JobRef(b.namespace, b.job) for b in self.report.backed_up}
+        )
 
 
 class Liveness:
@@ -162,8 +164,13 @@ class Liveness:
                 state.silent = True
                 self.stamp += 1
                 changed.append(state)
-                log.warning("node %s silent for %.0f s: no orders to it; its pods stay in their incarnation and its "
-                            "copies stay restore sources for %.0f s", node_id, silence, grace)  # fmt: skip
+                log.warning(
+                    "node %s silent for %.0f s: no orders to it; its pods stay in their incarnation and its "
+                    "copies stay restore sources for %.0f s",
+                    node_id,
+                    silence,
+                    grace,
+                )
             elif silence > grace and not state.given_up:
                 state.given_up = True
                 self.stamp += 1

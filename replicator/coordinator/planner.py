@@ -183,8 +183,14 @@ def plan_restore(
     return RestorePlan(None, {rank: () for rank in range(nodes)})
 
 
-def _fan_out(sources: Mapping[int, tuple[PlannedSource, ...]], peers: Mapping[int, list[int]], node_of_rank: Mapping[int, str],
-             block_of: Mapping[str, str], usable: frozenset[Tier], silent: Collection[str]) -> dict[int, PlannedSource]:  # fmt: skip
+def _fan_out(
+    sources: Mapping[int, tuple[PlannedSource, ...]],
+    peers: Mapping[int, list[int]],
+    node_of_rank: Mapping[int, str],
+    block_of: Mapping[str, str],
+    usable: frozenset[Tier],
+    silent: Collection[str],
+) -> dict[int, PlannedSource]:
     """Rank -> its downloader's peer source, for the ranks of identical groups held only in the
     backup tier or on ``silent`` nodes: the group's lowest rank downloads (its first source is its own
     backup), the others wait for its node. A group with any copy on a live node restores from it as before."""
@@ -223,7 +229,9 @@ def _ranked_sources(
     return tuple(PlannedSource(tier, holder, rank) for tier, holder, rank in ranked if tier in usable)
 
 
-def replica_targets(node_of_rank: Mapping[int, str], block_of: Mapping[str, str], replicas: int) -> dict[int, list[str]]:
+def replica_targets(
+    node_of_rank: Mapping[int, str], block_of: Mapping[str, str], replicas: int
+) -> dict[int, list[str]]:
     """Chooses, per rank, the nodes that hold replicas of its steps (data parallelism 1).
 
     The first replica is "close" (the next node of the same topology block), the second "distant"

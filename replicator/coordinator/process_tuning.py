@@ -49,7 +49,6 @@ def raise_open_file_limit() -> int:
     return soft
 
 
-
 def prepare_for_connections() -> None:
     """Raises the open-file limit (logged with about how many nodes it holds) and makes every TLS
     connection read into one shared buffer (``share_tls_read_buffer``). Called before the app is built."""

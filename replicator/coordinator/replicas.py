@@ -30,7 +30,10 @@ def wanted(job: JobState, liveness: Liveness) -> int:
     assert job.incarnation is not None  # decided only for a job with an incarnation
     if memo.replicas_for != (job.incarnation.incarnation_id, liveness.replicas_epoch):
         reports = [liveness.nodes[n].report for n in job.incarnation.nodes if n in liveness.nodes]
-        memo.replicas_for, memo.replicas = (job.incarnation.incarnation_id, liveness.replicas_epoch), min((r.replicas for r in reports), default=1)
+        memo.replicas_for, memo.replicas = (
+            (job.incarnation.incarnation_id, liveness.replicas_epoch),
+            min((r.replicas for r in reports), default=1),
+        )
     return memo.replicas
 
 
@@ -41,7 +44,10 @@ def place(job: JobState, liveness: Liveness, replicas: int) -> None:
     chosen_for = (job.incarnation.incarnation_id, replicas)
     node_of_rank = job.incarnation.node_of_rank
     if job.memo.targets_for != chosen_for:
-        job.memo.targets_for, job.decided.targets = chosen_for, planner.replica_targets(node_of_rank, liveness.blocks(node_of_rank.values()), replicas)
+        job.memo.targets_for, job.decided.targets = (
+            chosen_for,
+            planner.replica_targets(node_of_rank, liveness.blocks(node_of_rank.values()), replicas),
+        )
     if job.settings and job.identity.data_parallelism == 1 and job.memo.ordered_for != chosen_for:
         job.memo.ordered_for = chosen_for
         job.beliefs.order(job.decided.targets)
@@ -82,4 +88,8 @@ def orders(key: JobRef, job: JobState, state: NodeState, liveness: Liveness) -> 
     missing = [t for t in job.decided.targets.get(rank, ()) if t not in holders and liveness.is_live(t)]
     if not missing:
         return []
-    return [ReplicateOrder(key.namespace, key.job, rank, step, tuple(Target(t, liveness.nodes[t].report.url) for t in missing))]
+    return [
+        ReplicateOrder(
+            key.namespace, key.job, rank, step, tuple(Target(t, liveness.nodes[t].report.url) for t in missing)
+        )
+    ]

@@ -65,6 +65,10 @@ class ReportOrder:
     def _check(self, node_id: str, order: tuple[str, int], newest: tuple[str, int]) -> None:
         session, sequence = order
         if session in self._retired.get(node_id, ()):
-            raise StaleReport(f"report {sequence} of node {node_id} comes from agent session {session}, replaced since by {newest[0]}")
+            raise StaleReport(
+                f"report {sequence} of node {node_id} comes from agent session {session}, replaced since by {newest[0]}"
+            )
         if session == newest[0] and sequence <= newest[1]:
-            raise StaleReport(f"report {sequence} of node {node_id} is not newer than report {newest[1]}, already taken in")
+            raise StaleReport(
+                f"report {sequence} of node {node_id} is not newer than report {newest[1]}, already taken in"
+            )

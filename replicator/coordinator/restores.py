@@ -42,14 +42,20 @@ def check_started(incarnation: Incarnation, liveness: Liveness, now: float) -> N
         raise NotReady(f"the coordinator started {now - liveness.started:.0f} s ago; waiting for every node's report")
 
 
-def check_plannable(job: JobState, incarnation: Incarnation, nodes: dict[str, NodeState], now: float, grace_seconds: float) -> None:
+def check_plannable(
+    job: JobState, incarnation: Incarnation, nodes: dict[str, NodeState], now: float, grace_seconds: float
+) -> None:
     """Raises ``NotReady`` while the job's newest reports are undecided, or while its nodes (of
     ``nodes``) with a backup tier have not listed it, within ``grace_seconds`` of the incarnation:
     planning without it could start from scratch a job a backup would resume."""
     if job.decided.dirty:
         raise NotReady("the job's newest reports are being decided")
     backup_nodes = [n for n in incarnation.node_of_rank.values() if n in nodes and nodes[n].report.has_backup]
-    if backup_nodes and not any(n in job.listings for n in backup_nodes) and now - incarnation.created_at < grace_seconds:
+    if (
+        backup_nodes
+        and not any(n in job.listings for n in backup_nodes)
+        and now - incarnation.created_at < grace_seconds
+    ):
         raise NotReady(f"waiting for {job.decided.lister or 'a node with a backup tier'} to list the backup tier")
 
 
@@ -102,8 +108,12 @@ def begin_rollback(key: JobRef, job: JobState, incarnation: Incarnation, inputs:
     up_to = [c for c in inputs.copies if c.step <= step]
     below = dataclasses.replace(inputs, copies=up_to, fan_out=False, silent=frozenset())
     if plan(incarnation, below, None).step is None:
-        log.error("job %s: the rollback to step %d is dropped: no step at or before it can be restored; "
-                  "the job keeps its timeline and restores its newest step", key, step)  # fmt: skip
+        log.error(
+            "job %s: the rollback to step %d is dropped: no step at or before it can be restored; "
+            "the job keeps its timeline and restores its newest step",
+            key,
+            step,
+        )
         job.forced_step = None
         return None
     job.forked = True
@@ -120,7 +130,11 @@ def replan(key: JobRef, job: JobState, incarnation: Incarnation, inputs: PlanInp
     forced = job.forced_step
     incarnation.plan = plan(incarnation, inputs, forced)
     if incarnation.plan.step is None and forced is not None:
-        log.error("job %s: step %d of the rollback cannot be restored; restoring the newest restorable step before it", key, forced)
+        log.error(
+            "job %s: step %d of the rollback cannot be restored; restoring the newest restorable step before it",
+            key,
+            forced,
+        )
         job.forced_step = forced = None
         incarnation.plan = plan(incarnation, inputs, None)
     incarnation.generation = uuid.uuid4().hex[:12]
@@ -139,8 +153,15 @@ def sources_lost(incarnation: Incarnation, rank: int, liveness: Liveness) -> boo
     return bool(sources) and not any(s.tier == Tier.BACKUP or liveness.holds_data(s.holder) for s in sources)
 
 
-def view(key: JobRef, job: JobState, incarnation: Incarnation, rank: int, liveness: Liveness, backups: dict[int, int],
-         warned: WarnedOnce) -> RestoreView:  # fmt: skip
+def view(
+    key: JobRef,
+    job: JobState,
+    incarnation: Incarnation,
+    rank: int,
+    liveness: Liveness,
+    backups: dict[int, int],
+    warned: WarnedOnce,
+) -> RestoreView:
     """The rank's view of the plan: its sources, live holders first (a silent one, within the grace
     period, is waited for only when needed), at most ``PEER_SOURCES_PER_VIEW`` peers. A rank of a
     fan-out group (``RestorePlan.fan_out``) is told to wait while its downloader's node is live and
@@ -153,7 +174,9 @@ def view(key: JobRef, job: JobState, incarnation: Incarnation, rank: int, livene
     silent: list[planner.PlannedSource] = []
     for s in plan_.sources.get(rank, ()):
         state = states.get(s.holder)
-        (live if s.tier == Tier.BACKUP or (state is not None and now - state.last_seen <= timeout) else silent).append(s)
+        (live if s.tier == Tier.BACKUP or (state is not None and now - state.last_seen <= timeout) else silent).append(
+            s
+        )
     planned, peers = [], 0
     for s in live + silent:
         peers += s.tier in _PEER_TIERS
@@ -167,11 +190,16 @@ def view(key: JobRef, job: JobState, incarnation: Incarnation, rank: int, livene
             state = states.get(downloader.holder)
             pending = state is not None and now - state.last_seen <= timeout
     sources = tuple(
-        Source(s.tier, s.holder, liveness.url(s.holder), s.data_rank,
-               _expected_files(key, job, plan_.step, s, warned),  # type: ignore[arg-type]  # no sources without a step
-               backups.get(plan_.step, 0) if s.tier == Tier.BACKUP else 0)  # type: ignore[arg-type]  # as above
+        Source(
+            s.tier,
+            s.holder,
+            liveness.url(s.holder),
+            s.data_rank,
+            _expected_files(key, job, plan_.step, s, warned),  # type: ignore[arg-type]  # no sources without a step
+            backups.get(plan_.step, 0) if s.tier == Tier.BACKUP else 0,  # type: ignore[arg-type]  # as above
+        )
         for s in planned
-    )  # fmt: skip
+    )
     ready = plan_.step is None or len(incarnation.staged) == len(incarnation.node_of_rank)
     return RestoreView(incarnation.generation, plan_.step, sources, ready, incarnation.rollback, job.forks, pending)
 
@@ -184,14 +212,21 @@ def waits_on(incarnation: Incarnation | None, node_id: str) -> bool:
     return any(s.holder == node_id and s.data_rank not in incarnation.staged for s in incarnation.plan.fan_out.values())
 
 
-def _expected_files(key: JobRef, job: JobState, step: int, source: planner.PlannedSource, warned: WarnedOnce) -> Files | None:
+def _expected_files(
+    key: JobRef, job: JobState, step: int, source: planner.PlannedSource, warned: WarnedOnce
+) -> Files | None:
     """The checksums a copy from ``source`` must match: those the data rank's own node reported.
     None when the coordinator never saw them (it restarted after that node was lost): the
     fetching node then checks the holder's manifest."""
     owner = job.owners.checksums(step, source.data_rank)
     if owner is None and source.tier != Tier.BACKUP and warned.first((key, step, source.data_rank)):
-        log.warning("job %s: owner checksums of rank %d step %d unknown; %s's manifest will be checked", key,
-                    source.data_rank, step, source.holder)  # fmt: skip
+        log.warning(
+            "job %s: owner checksums of rank %d step %d unknown; %s's manifest will be checked",
+            key,
+            source.data_rank,
+            step,
+            source.holder,
+        )
     return owner
 
 
@@ -204,8 +239,15 @@ class StagingOutcome(enum.Enum):
     REPLAN = "replan"  # a rank was left with proven-unusable sources only
 
 
-def record_staged(key: JobRef, incarnation: Incarnation, generation: str, rank: int, source: str | None,
-                  bad: tuple[BadCopy, ...], retrying: bool) -> StagingOutcome:  # fmt: skip
+def record_staged(
+    key: JobRef,
+    incarnation: Incarnation,
+    generation: str,
+    rank: int,
+    source: str | None,
+    bad: tuple[BadCopy, ...],
+    retrying: bool,
+) -> StagingOutcome:
     """Records a rank's staging result: the source it used (``tier:holder``), or None when no
     source served, and the copies proven unusable (never planned again). A copy that was merely
     unreachable is not in ``bad``: the rank retries it (``retrying``) and nothing is replanned."""

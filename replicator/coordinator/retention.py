@@ -8,8 +8,13 @@ from replicator.coordinator.liveness import Liveness
 from replicator.wire.messages import JobRef, RetainOrder
 
 
-def safe_step(job: JobState, liveness: Liveness, replicas: int, backed_up: set[int],
-              live_copies: Callable[[], list[planner.StepCopy]]) -> tuple[int | None, int]:
+def safe_step(
+    job: JobState,
+    liveness: Liveness,
+    replicas: int,
+    backed_up: set[int],
+    live_copies: Callable[[], list[planner.StepCopy]],
+) -> tuple[int | None, int]:
     """The newest step complete for every rank whose every rank's data also exists elsewhere: on a
     data-parallel peer established identical, or on the wanted number of holders, a complete backup
     of the lineage counting as one. GC may delete anything older. Live copies only: a silent
@@ -56,7 +61,9 @@ def safe_step(job: JobState, liveness: Liveness, replicas: int, backed_up: set[i
 
 
 def _every_rank_held(job: JobState, liveness: Liveness, step: int, nodes: int, wanted: int) -> tuple[bool, int]:
-    return job.memo.held.every_rank_held(job.claims, job.beliefs, liveness.nodes, liveness.stamp, step, nodes, wanted, True)
+    return job.memo.held.every_rank_held(
+        job.claims, job.beliefs, liveness.nodes, liveness.stamp, step, nodes, wanted, True
+    )
 
 
 def retain_order(key: JobRef, job: JobState) -> RetainOrder | None:
@@ -91,7 +98,9 @@ def newest_complete(job: JobState, liveness: Liveness, backups: set[int]) -> tup
     for step in sorted(backups.union(job.claims.step_ranks), reverse=True):
         if step in backups:
             return step, checks
-        held, walked = job.memo.held.every_rank_held(job.claims, job.beliefs, liveness.nodes, liveness.stamp, step, nodes, 1, False)
+        held, walked = job.memo.held.every_rank_held(
+            job.claims, job.beliefs, liveness.nodes, liveness.stamp, step, nodes, 1, False
+        )
         checks += walked
         if held:
             return step, checks
@@ -109,6 +118,7 @@ def copies(job: JobState, liveness: Liveness, live_only: bool) -> list[planner.S
         planner.StepCopy(step, rank, node_id)
         for (step, rank), holders in job.claims.holders.items()
         for node_id, replica in holders.items()
-        if (state := nodes.get(node_id)) is not None and now - state.last_seen <= limit
+        if (state := nodes.get(node_id)) is not None
+        and now - state.last_seen <= limit
         and (node_id in rank_nodes.get(rank, ()) or (replica and (rank, node_id) in ordered))
-    ]  # fmt: skip
+    ]

@@ -25,12 +25,18 @@ def check_restorable(key: JobRef, job: JobState, step: int, copies: list[planner
     current incarnation's restore proved unusable, hold ``step`` for every rank."""
     ranks = job.ranks()
     unusable = job.incarnation.excluded if job.incarnation is not None else set()
-    if not ranks or {c.rank for c in copies if c.step == step and (c.step, c.rank, c.holder) not in unusable} != set(range(ranks)):
-        raise LookupError(f"step {step} of {key} is not complete for every rank in any tier"
-                          f"{' (copies of it were found unusable)' if any(u[0] == step for u in unusable) else ''}")  # fmt: skip
+    if not ranks or {c.rank for c in copies if c.step == step and (c.step, c.rank, c.holder) not in unusable} != set(
+        range(ranks)
+    ):
+        raise LookupError(
+            f"step {step} of {key} is not complete for every rank in any tier"
+            f"{' (copies of it were found unusable)' if any(u[0] == step for u in unusable) else ''}"
+        )
 
 
-def preview(key: JobRef, job: JobState, step: int, copies: list[planner.StepCopy], backed_up: set[int]) -> RollbackPreview:
+def preview(
+    key: JobRef, job: JobState, step: int, copies: list[planner.StepCopy], backed_up: set[int]
+) -> RollbackPreview:
     """What a rollback to ``step`` would abandon: every copy (believed or not) and complete backup of
     the job's lineage newer than ``step``.
 
@@ -49,11 +55,16 @@ def preview(key: JobRef, job: JobState, step: int, copies: list[planner.StepCopy
             for node_id, replica in holders.items():
                 (peer if replica else local).setdefault(held, {}).setdefault(rank, []).append(node_id)
     newer = sorted(set(local) | set(peer) | {s for s in backed_up if s > step})
+
     def by_rank(table: dict[int, list[str]]) -> dict[int, tuple[str, ...]]:
         return {rank: tuple(sorted(nodes)) for rank, nodes in sorted(table.items())}
 
-    abandoned = tuple(AbandonedStep(s, by_rank(local.get(s, {})), by_rank(peer.get(s, {})), s in backed_up) for s in newer)
-    return RollbackPreview(key.namespace, key.job, step, job.ranks(), abandoned, len(job.forks) + 1, job.pending_rollback())
+    abandoned = tuple(
+        AbandonedStep(s, by_rank(local.get(s, {})), by_rank(peer.get(s, {})), s in backed_up) for s in newer
+    )
+    return RollbackPreview(
+        key.namespace, key.job, step, job.ranks(), abandoned, len(job.forks) + 1, job.pending_rollback()
+    )
 
 
 def request(key: JobRef, job: JobState, step: int, copies: list[planner.StepCopy]) -> None:
@@ -83,8 +94,10 @@ def cancel(key: JobRef, job: JobState) -> int:
         last = f"; the last rollback, to step {job.forks[-1]}, began timeline {len(job.forks)}" if job.forks else ""
         raise NotCancellable(f"job {key} has no pending rollback{last}")
     if job.forked:
-        raise NotCancellable(f"the rollback of job {key} to step {job.forced_step} cannot be cancelled: its restore is planned "
-                             f"and timeline {len(job.forks)} began (newer steps are abandoned)")  # fmt: skip
+        raise NotCancellable(
+            f"the rollback of job {key} to step {job.forced_step} cannot be cancelled: its restore is planned "
+            f"and timeline {len(job.forks)} began (newer steps are abandoned)"
+        )
     step, job.forced_step = job.forced_step, None
     _retain_now(key, job)
     log.warning("job %s: the rollback to step %d was cancelled (operator request)", key, step)

@@ -113,10 +113,9 @@ async def _reply(request: web.Request, message: object) -> web.StreamResponse:
     await response.prepare(request)
     pieces = memoryview(body)
     for start in range(0, len(body), WRITE_PIECE_BYTES):
-        await response.write(pieces[start:start + WRITE_PIECE_BYTES])
+        await response.write(pieces[start : start + WRITE_PIECE_BYTES])
     await response.write_eof()
     return response
-
 
 
 # A restore request the plan is not ready for is looked at again this often while it is held.
@@ -172,7 +171,9 @@ async def post_report(request: web.Request) -> web.StreamResponse:
     max_nodes = request.app[CONFIG_KEY].max_nodes
     for index, pod in enumerate(report.pods):
         if pod.nodes > max_nodes or pod.slices > pod.nodes:
-            raise BadRequest(f"pods[{index}]: nodes={pod.nodes} must be at most {max_nodes} and slices={pod.slices} at most nodes")
+            raise BadRequest(
+                f"pods[{index}]: nodes={pod.nodes} must be at most {max_nodes} and slices={pod.slices} at most nodes"
+            )
     state, changes, overlay = request.app[STATE_KEY], request.app[CHANGES_KEY], request.app.get(OVERLAY_KEY)
     seen = overlay.version if overlay else 0
     try:
@@ -187,7 +188,9 @@ async def post_report(request: web.Request) -> web.StreamResponse:
     # cancelled with the connection) when it has something new to report.
     while report.waiting and time.monotonic() < deadline:
         assigned = {a.pod_uid for a in reply.assignments}
-        waiting = {JobRef(p.namespace, p.job) for p in report.pods if p.incarnation is None and p.pod_uid not in assigned}
+        waiting = {
+            JobRef(p.namespace, p.job) for p in report.pods if p.incarnation is None and p.pod_uid not in assigned
+        }
         if not waiting:
             break
         await changes.wait(waiting, min(deadline - time.monotonic(), state.heartbeat_seconds))
@@ -203,7 +206,9 @@ async def post_report(request: web.Request) -> web.StreamResponse:
     return await _reply(request, reply)
 
 
-def _take_report(state: ClusterState, overlay: KubeOverlay | None, report: NodeReport, remote: str | None) -> ReportReply:
+def _take_report(
+    state: ClusterState, overlay: KubeOverlay | None, report: NodeReport, remote: str | None
+) -> ReportReply:
     """The state's reply to ``report``, laid under the API server's shapes when the coordinator reads them.
 
     Raises:
@@ -261,8 +266,9 @@ async def get_restore(request: web.Request) -> web.StreamResponse:
 async def post_restore(request: web.Request) -> web.StreamResponse:
     body = await _body(request, StagedReport)
     try:
-        request.app[STATE_KEY].report_staged(_job_key(request), body.incarnation, body.generation, body.rank, body.source,
-                                              body.bad, body.retrying)  # fmt: skip
+        request.app[STATE_KEY].report_staged(
+            _job_key(request), body.incarnation, body.generation, body.rank, body.source, body.bad, body.retrying
+        )
     except UnknownIncarnation as err:
         raise _not_found(err) from None
     request.app[CHANGES_KEY].publish()

@@ -35,8 +35,11 @@ from replicator.wire.bearer import Tokens, require_bearer
 log = logging.getLogger(__name__)
 
 # How late the ticker wakes is how long the event loop was busy: every request waited as long.
-LOOP_LAG = Histogram("mtc_coordinator_loop_lag_seconds", "How late the coordinator's ticker woke: its event loop was busy that long",
-                     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0))  # fmt: skip
+LOOP_LAG = Histogram(
+    "mtc_coordinator_loop_lag_seconds",
+    "How late the coordinator's ticker woke: its event loop was busy that long",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+)
 # Expiry and due decision passes run this often, seconds.
 TICK_SECONDS = 0.25
 # A report of a node holding 16k steps of 60 files stays well below this; anything larger is refused (413).
@@ -66,7 +69,9 @@ async def _ticker(app: web.Application) -> AsyncIterator[None]:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
-    if (data := app[SNAPSHOT_KEY].encode(app[STATE_KEY], float("inf"))) is not None:  # the last changes, whenever the previous write
+    if (
+        data := app[SNAPSHOT_KEY].encode(app[STATE_KEY], float("inf"))
+    ) is not None:  # the last changes, whenever the previous write
         app[SNAPSHOT_KEY].write(data)
 
 
@@ -77,8 +82,11 @@ async def _kube_watcher(app: web.Application) -> AsyncIterator[None]:
     assert settings is not None  # make_app runs the watcher only with kube settings
     config = kube_config(settings)
     client = AsyncClient(config, field_manager="mtc-coordinator")
-    watcher = ShapeWatcher(client, WatchSettings(namespace=settings.namespace, shape=settings.shape),
-                           on_change=lambda shapes: app[CHANGES_KEY].wake(app[OVERLAY_KEY].update(shapes)))  # fmt: skip
+    watcher = ShapeWatcher(
+        client,
+        WatchSettings(namespace=settings.namespace, shape=settings.shape),
+        on_change=lambda shapes: app[CHANGES_KEY].wake(app[OVERLAY_KEY].update(shapes)),
+    )
     task = asyncio.create_task(watcher.run(), name="kube shapes")
     log.info("reading job shapes from the API server at %s", config.get().cluster.server)  # type: ignore[union-attr]  # its one context
     yield
@@ -92,7 +100,9 @@ def make_app(config: CoordinatorConfig) -> web.Application:
     """The coordinator's aiohttp application."""
     app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[CONFIG_KEY] = config
-    app[STATE_KEY] = ClusterState(config.node_timeout_seconds, config.holder_grace_seconds, config.restore_fan_out, config.shared_backup_upload)
+    app[STATE_KEY] = ClusterState(
+        config.node_timeout_seconds, config.holder_grace_seconds, config.restore_fan_out, config.shared_backup_upload
+    )
     app[ORDER_KEY] = ReportOrder()
     app[CHANGES_KEY] = JobChanges(app[STATE_KEY])
     app[SNAPSHOT_KEY] = SettingsSnapshot(config.state_dir)
@@ -105,8 +115,11 @@ def make_app(config: CoordinatorConfig) -> web.Application:
         app[SNAPSHOT_KEY].load(app[STATE_KEY])
     tokens = Tokens(config.token_file) if config.token_file else None  # read again when the file changes
     if tokens is None:
-        log.warning("INSECURE: no --token-file; anyone who reaches %s can assign ranks, plan restores and order "
-                    "deletions. Use --insecure only on a one-machine experiment.", config.listen)  # fmt: skip
+        log.warning(
+            "INSECURE: no --token-file; anyone who reaches %s can assign ranks, plan restores and order "
+            "deletions. Use --insecure only on a one-machine experiment.",
+            config.listen,
+        )
     routes.add_routes(app, (lambda handler: require_bearer(handler, tokens)) if tokens else (lambda handler: handler))
     return app
 

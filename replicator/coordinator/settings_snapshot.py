@@ -37,10 +37,16 @@ class SettingsSnapshot:
         if self.path is None or not self.due or now - self._encoded_at < SNAPSHOT_INTERVAL_SECONDS:
             return None
         self.due, self._encoded_at = False, now
-        return msgspec.json.encode([
-            {"namespace": key.namespace, "job": key.job, "settings": {str(r): s for r, s in cluster.job(key).settings.items()}}
-            for key in cluster.job_keys()
-        ])  # fmt: skip
+        return msgspec.json.encode(
+            [
+                {
+                    "namespace": key.namespace,
+                    "job": key.job,
+                    "settings": {str(r): s for r, s in cluster.job(key).settings.items()},
+                }
+                for key in cluster.job_keys()
+            ]
+        )
 
     def write(self, data: bytes) -> None:
         """Writes ``data`` crash-safe (tmp, fsync, rename). Raises OSError."""

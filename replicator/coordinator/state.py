@@ -70,7 +70,9 @@ _BACKUP_LISTING_GRACE_SECONDS = 60.0
 
 def decide_interval(nodes: int) -> float:
     """The shortest time between two decision passes of a job of ``nodes`` nodes, seconds."""
-    return 0.0 if nodes <= _DECIDED_AT_ONCE_NODES else min(_MAX_DECIDE_INTERVAL_SECONDS, nodes * _DECIDE_SECONDS_PER_NODE)
+    return (
+        0.0 if nodes <= _DECIDED_AT_ONCE_NODES else min(_MAX_DECIDE_INTERVAL_SECONDS, nodes * _DECIDE_SECONDS_PER_NODE)
+    )
 
 
 class NodeIdTaken(Exception):
@@ -110,8 +112,13 @@ class ClusterState:
         every rank may hold are: a pass costs about one job size, not one per step held).
     """
 
-    def __init__(self, node_timeout_seconds: float = 15.0, holder_grace_seconds: float = 60.0, fan_out: bool = True,
-                 shared_backup: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        node_timeout_seconds: float = 15.0,
+        holder_grace_seconds: float = 60.0,
+        fan_out: bool = True,
+        shared_backup: bool = False,
+    ):
         self.liveness = Liveness(node_timeout_seconds, holder_grace_seconds)
         self.fan_out = fan_out  # restores read a backup-only step once per identical group (``planner.plan_restore``)
         self.shared_backup = shared_backup  # identical ranks share a backup's upload (``backups.orders``)
@@ -136,9 +143,13 @@ class ClusterState:
         """Marks nodes silent, and forgets those silent past the grace period whose pods no
         incarnation holds (a lost node's pods leave their incarnation when they are replaced).
         Every job of a node whose liveness changed is decided again."""
-        forget, changed = self.liveness.expire(now, lambda: {n for job in self._jobs.values() if job.incarnation for n in job.incarnation.nodes})
+        forget, changed = self.liveness.expire(
+            now, lambda: {n for job in self._jobs.values() if job.incarnation for n in job.incarnation.nodes}
+        )
         for node_id in forget:
-            self._apply(sync.absorb(self._jobs, self.liveness, node_id, self.liveness.nodes[node_id], None, self._warned))
+            self._apply(
+                sync.absorb(self._jobs, self.liveness, node_id, self.liveness.nodes[node_id], None, self._warned)
+            )
             self.liveness.forget(node_id)
         for state in changed:
             self._mark_dirty(state.job_keys())
@@ -171,8 +182,10 @@ class ClusterState:
         self.liveness.advance(now)
         bound = self.liveness.nodes.get(report.node_id)
         if bound is not None and self.is_live(report.node_id) and bound.report.url != report.url:
-            raise NodeIdTaken(f"node id {report.node_id!r} is registered from {bound.report.url}, not {report.url}; "
-                              f"refused until it has been silent for {self.liveness.node_timeout_seconds:.0f} s")
+            raise NodeIdTaken(
+                f"node id {report.node_id!r} is registered from {bound.report.url}, not {report.url}; "
+                f"refused until it has been silent for {self.liveness.node_timeout_seconds:.0f} s"
+            )
         if bound is not None and bound.silent:
             self._mark_dirty(bound.job_keys())  # back from silence: its copies count again, orders resume
             self.liveness.stamp += 1
@@ -180,7 +193,12 @@ class ClusterState:
         # every claim and rollback of which was taken in, changes nothing: most reports at steady
         # state. A claim or a rollback that could not be taken in yet (its job unknown, the node not
         # yet the job's) is looked at again with every report.
-        if bound is None or report != bound.report or len(bound.claims) != len(report.held) or lineage.news(report, self._jobs):
+        if (
+            bound is None
+            or report != bound.report
+            or len(bound.claims) != len(report.held)
+            or lineage.news(report, self._jobs)
+        ):
             self._apply(sync.absorb(self._jobs, self.liveness, report.node_id, bound, report, self._warned))
         self.touch(report.node_id, now)
         for key in self.liveness.nodes[report.node_id].job_keys():
@@ -239,7 +257,9 @@ class ClusterState:
     def _decide_if_due(self, key: JobRef) -> None:
         job = self._jobs[key]
         since = self.liveness.now - job.decided.decided_at
-        if (job.decided.dirty or since >= _RECHECK_SECONDS) and (since >= decide_interval(job.ranks()) or job.may_form()):
+        if (job.decided.dirty or since >= _RECHECK_SECONDS) and (
+            since >= decide_interval(job.ranks()) or job.may_form()
+        ):
             self.decide(key)
 
     def decide(self, key: JobRef) -> None:
@@ -259,7 +279,9 @@ class ClusterState:
         if job.incarnation is not None:
             wanted = replicas.wanted(job, liveness)
             replicas.place(job, liveness, wanted)
-            safe, checks = retention.safe_step(job, liveness, wanted, backed, lambda: retention.copies(job, liveness, True))
+            safe, checks = retention.safe_step(
+                job, liveness, wanted, backed, lambda: retention.copies(job, liveness, True)
+            )
             self.rank_checks += checks
             job.decided.safe = safe
             job.decided.round = replicas.choose_round(job, safe)
@@ -270,7 +292,9 @@ class ClusterState:
             backups.note_seen(job, backed, liveness.now)
         if job.incarnation is not None and job.settings:
             backups.advance(key, job, liveness.now, backed, lambda: self._newest_complete(job, set()))
-        job.decided.retain = retention.retain_order(key, job)  # after the backup choice: it protects the step being backed up
+        job.decided.retain = retention.retain_order(
+            key, job
+        )  # after the backup choice: it protects the step being backed up
 
     def _newest_complete(self, job: JobState, backed: set[int]) -> int | None:
         step, checks = retention.newest_complete(job, self.liveness, backed)
@@ -293,7 +317,11 @@ class ClusterState:
         if not with_backups:
             return held
         ranks = job.ranks()
-        return held + [planner.StepCopy(step, rank, restores.BACKUP_HOLDER, backup=True) for step in self.backed_up(key) for rank in range(ranks)]
+        return held + [
+            planner.StepCopy(step, rank, restores.BACKUP_HOLDER, backup=True)
+            for step in self.backed_up(key)
+            for rank in range(ranks)
+        ]
 
     def backed_up(self, key: JobRef) -> set[int]:
         """Complete backups of the job's lineage: the newest listing by a node the job ran on."""
@@ -342,7 +370,9 @@ class ClusterState:
         incarnation = job.incarnation
         if incarnation is None or pod.pod_uid not in incarnation.rank_of_pod:
             return None
-        return incarnations.assignment(pod, incarnation, job.pods, self.liveness.nodes[incarnation.node_of_rank[0]].report.pod_address)
+        return incarnations.assignment(
+            pod, incarnation, job.pods, self.liveness.nodes[incarnation.node_of_rank[0]].report.pod_address
+        )
 
     def _incarnation(self, key: JobRef, incarnation_id: str, rank: int) -> Incarnation:
         job = self._jobs.get(key)
@@ -379,7 +409,12 @@ class ClusterState:
         restores.check_started(incarnation, self.liveness, now)
         if restores.sources_lost(incarnation, rank, self.liveness):
             assert incarnation.plan is not None  # only a plan's sources are lost
-            log.warning("job %s rank %d: every holder of step %d silent past the grace period; replanning", key, rank, incarnation.plan.step)
+            log.warning(
+                "job %s rank %d: every holder of step %d silent past the grace period; replanning",
+                key,
+                rank,
+                incarnation.plan.step,
+            )
             self._replan(key, incarnation)
         if incarnation.plan is None:
             # Plan on every report that has arrived, but decide a large job at most every
@@ -388,7 +423,9 @@ class ClusterState:
                 self._decide_if_due(key)
             restores.check_plannable(job, incarnation, self.liveness.nodes, now, _BACKUP_LISTING_GRACE_SECONDS)
             self._replan(key, incarnation)
-        return restores.view(key, job, incarnation, rank, self.liveness, backups.complete(job, self.liveness.nodes), self._warned)
+        return restores.view(
+            key, job, incarnation, rank, self.liveness, backups.complete(job, self.liveness.nodes), self._warned
+        )
 
     def _known(self, key: JobRef) -> JobState:
         if key not in self._jobs:
@@ -438,8 +475,16 @@ class ClusterState:
         job.decided.retain = retention.retain_order(key, job)  # the planned step is protected from now on
         self._bump(key)
 
-    def report_staged(self, key: JobRef, incarnation_id: str, generation: str, rank: int, source: str | None,
-                      bad: tuple[BadCopy, ...] = (), retrying: bool = False) -> None:  # fmt: skip
+    def report_staged(
+        self,
+        key: JobRef,
+        incarnation_id: str,
+        generation: str,
+        rank: int,
+        source: str | None,
+        bad: tuple[BadCopy, ...] = (),
+        retrying: bool = False,
+    ) -> None:
         """Records a rank's staging result (``restores.record_staged``). Only a rank left with no
         source but proven-unusable ones replans the whole job, to an older step if need be.
 
@@ -469,8 +514,22 @@ class ClusterState:
         silence = {n: self.liveness.silence(n) for n in self.liveness.silent()}
         jobs = []
         for key in sorted(self._jobs if keys is None else keys, key=lambda k: (k.namespace, k.job)):
-            jobs.append(views.job_status(key, self._jobs[key], self.copies(key), self.newest_complete_step(key), self.identical(key),
-                                         self.backed_up(key), silence, self.liveness.now))  # fmt: skip
+            jobs.append(
+                views.job_status(
+                    key,
+                    self._jobs[key],
+                    self.copies(key),
+                    self.newest_complete_step(key),
+                    self.identical(key),
+                    self.backed_up(key),
+                    silence,
+                    self.liveness.now,
+                )
+            )
         nodes = self.liveness.nodes
-        return ClusterStatus(nodes=tuple(sorted(n for n in nodes if self.is_live(n))), silent_nodes=tuple(sorted(n for n in nodes if not self.is_live(n))),
-                             jobs=tuple(jobs), heartbeat_seconds=self.heartbeat_seconds)  # fmt: skip
+        return ClusterStatus(
+            nodes=tuple(sorted(n for n in nodes if self.is_live(n))),
+            silent_nodes=tuple(sorted(n for n in nodes if not self.is_live(n))),
+            jobs=tuple(jobs),
+            heartbeat_seconds=self.heartbeat_seconds,
+        )

@@ -62,7 +62,9 @@ class Coordinator:
         Raises:
           Refused: 404, no such job; OSError: unreachable, or a reply that is not a status.
         """
-        return self._call("GET", "/v1/status" + ("?" + urllib.parse.urlencode({"job": str(job)}) if job else ""), ClusterStatus)
+        return self._call(
+            "GET", "/v1/status" + ("?" + urllib.parse.urlencode({"job": str(job)}) if job else ""), ClusterStatus
+        )
 
     def preview_restore_from(self, job: JobRef, step: int) -> RollbackPreview:
         """What rolling ``job`` back to ``step`` would abandon; changes nothing.
@@ -108,7 +110,9 @@ def _rollback_path(job: JobRef) -> str:
     return f"/v1/jobs/{job.namespace}/{job.job}/restore-from"
 
 
-def fetch_status(coordinator_url: str, job: str | None = None, ca_file: str | None = None, timeout: float = 10.0) -> ClusterStatus:
+def fetch_status(
+    coordinator_url: str, job: str | None = None, ca_file: str | None = None, timeout: float = 10.0
+) -> ClusterStatus:
     """``Coordinator(coordinator_url, ca_file).status(job)``.
 
     Raises:
@@ -132,15 +136,19 @@ def render_status(status: ClusterStatus) -> str:
             held = job.held.get(place.rank, {})
             steps = " ".join(f"{s}:{'+'.join(nodes)}" for s, nodes in sorted(held.items()))
             node = f"{place.node} SILENT" if place.silent else place.node
-            lines.append(f"  {'!' if place.silent else ' '} {place.rank:>5}  {node:<16} {place.pod:<36} {sources.get(place.rank, '-'):<22} {steps or '-'}")
+            lines.append(
+                f"  {'!' if place.silent else ' '} {place.rank:>5}  {node:<16} {place.pod:<36} {sources.get(place.rank, '-'):<22} {steps or '-'}"
+            )
     return "\n".join(lines)
 
 
 def _job_summary(job: JobStatus) -> list[str]:
     on_silent = sum(p.silent for p in job.ranks)
     ranks = f"  ranks {len(job.ranks)}" + (f" ({on_silent} on silent nodes)" if on_silent else "") if job.ranks else ""
-    lines = [f"job {job.namespace}/{job.job}  incarnation {job.incarnation or f'(waiting for pods: {job.waiting_pods})'}{ranks}",
-             f"  newest complete step: {job.newest_complete_step}   safe for GC: {job.safe_step}   timeline: {job.timeline}"]  # fmt: skip
+    lines = [
+        f"job {job.namespace}/{job.job}  incarnation {job.incarnation or f'(waiting for pods: {job.waiting_pods})'}{ranks}",
+        f"  newest complete step: {job.newest_complete_step}   safe for GC: {job.safe_step}   timeline: {job.timeline}",
+    ]
     pending = f"  (backing up {job.backup_pending})" if job.backup_pending is not None else ""
     if job.last_backup_step is None:
         lines.append(f"  last backup: none{pending}")
@@ -154,22 +162,31 @@ def _job_summary(job: JobStatus) -> list[str]:
         lines.append("  restore: fresh start (no step held)")
     else:
         progress = "in progress" if restore.staged_ranks < restore.ranks else "done"
-        lines.append(f"  restore: step {restore.step}, {restore.staged_ranks}/{restore.ranks} ranks staged ({progress})")
+        lines.append(
+            f"  restore: step {restore.step}, {restore.staged_ranks}/{restore.ranks} ranks staged ({progress})"
+        )
     if restore is not None and restore.unusable_copies:
         copies = "; ".join(f"rank {c.rank} step {c.step} on {c.holder}" for c in restore.unusable_copies)
         lines.append(f"  unusable copies ({len(restore.unusable_copies)}): {copies}")
     if job.pending_rollback is not None:
-        lines.append(f"  PENDING ROLLBACK to step {job.pending_rollback}: not planned yet "
-                     f"(mtc restore-from --job {job.namespace}/{job.job} --cancel withdraws it)")  # fmt: skip
+        lines.append(
+            f"  PENDING ROLLBACK to step {job.pending_rollback}: not planned yet "
+            f"(mtc restore-from --job {job.namespace}/{job.job} --cancel withdraws it)"
+        )
     if job.silent_nodes:
-        lines.append(f"  SILENT NODES ({len(job.silent_nodes)}): " + ", ".join(f"{n} ({s:.0f} s)" for n, s in job.silent_nodes.items()))
+        lines.append(
+            f"  SILENT NODES ({len(job.silent_nodes)}): "
+            + ", ".join(f"{n} ({s:.0f} s)" for n, s in job.silent_nodes.items())
+        )
     return lines
 
 
 def render_preview(preview: RollbackPreview) -> str:
     """Renders what a rollback abandons: per newer step, its ranks' holders on each tier."""
-    lines = [f"{preview.namespace}/{preview.job}: the next restore uses step {preview.step} ({preview.ranks} ranks); "
-             f"timeline {preview.timeline} begins when that restore is planned."]  # fmt: skip
+    lines = [
+        f"{preview.namespace}/{preview.job}: the next restore uses step {preview.step} ({preview.ranks} ranks); "
+        f"timeline {preview.timeline} begins when that restore is planned."
+    ]
     if preview.pending_rollback == preview.step:
         lines.append(f"A rollback to step {preview.step} is already pending.")
     elif preview.pending_rollback is not None:
@@ -177,10 +194,16 @@ def render_preview(preview: RollbackPreview) -> str:
     if not preview.abandoned:
         lines.append(f"Nothing newer than step {preview.step} is held: nothing is abandoned.")
         return "\n".join(lines)
-    lines.append(f"Abandoned on every tier (never restored again; nodes delete their copies, retention the backups): "
-                 f"{len(preview.abandoned)} steps")  # fmt: skip
+    lines.append(
+        f"Abandoned on every tier (never restored again; nodes delete their copies, retention the backups): "
+        f"{len(preview.abandoned)} steps"
+    )
     for step in preview.abandoned:
-        tiers = [_tier("local", step.local, preview.ranks), _tier("peer", step.peer, preview.ranks), f"backup {'yes' if step.backup else '-'}"]
+        tiers = [
+            _tier("local", step.local, preview.ranks),
+            _tier("peer", step.peer, preview.ranks),
+            f"backup {'yes' if step.backup else '-'}",
+        ]
         lines.append(f"  step {step.step}: " + "; ".join(tiers))
     return "\n".join(lines)
 

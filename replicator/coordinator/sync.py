@@ -19,7 +19,10 @@ from replicator.wire.messages import HeldStep, JobRef, NodeReport, extends, in_l
 
 log = logging.getLogger(__name__)
 
-UNTRUSTED_CLAIMS = Counter("mtc_coordinator_untrusted_claims_total", "Held-step claims ignored: from a node never assigned the rank nor ordered to hold it")
+UNTRUSTED_CLAIMS = Counter(
+    "mtc_coordinator_untrusted_claims_total",
+    "Held-step claims ignored: from a node never assigned the rank nor ordered to hold it",
+)
 
 
 @dataclasses.dataclass
@@ -43,8 +46,14 @@ class WarnedOnce:
         return True
 
 
-def absorb(jobs: dict[JobRef, JobState], liveness: Liveness, node_id: str, bound: NodeState | None, report: NodeReport | None,
-           warned: WarnedOnce) -> Changes:  # fmt: skip
+def absorb(
+    jobs: dict[JobRef, JobState],
+    liveness: Liveness,
+    node_id: str,
+    bound: NodeState | None,
+    report: NodeReport | None,
+    warned: WarnedOnce,
+) -> Changes:
     """Updates the job indices with what changed between the node's last report (``bound``) and
     ``report`` (None: the node is forgotten), and records the report as the node's."""
     changes = Changes()
@@ -58,12 +67,16 @@ def absorb(jobs: dict[JobRef, JobState], liveness: Liveness, node_id: str, bound
     _listings(jobs, node_id, bound, report, changes)
     if report is not None:
         stripped = tuple(msgspec.structs.replace(h, files=None) if h.files is not None else h for h in report.held)
-        state = NodeState(msgspec.structs.replace(report, held=stripped), bound.last_seen if bound else liveness.now, new_claims)
+        state = NodeState(
+            msgspec.structs.replace(report, held=stripped), bound.last_seen if bound else liveness.now, new_claims
+        )
         liveness.record(node_id, state, bound)
     return changes
 
 
-def _pods(jobs: dict[JobRef, JobState], node_id: str, bound: NodeState | None, report: NodeReport | None, changes: Changes) -> None:
+def _pods(
+    jobs: dict[JobRef, JobState], node_id: str, bound: NodeState | None, report: NodeReport | None, changes: Changes
+) -> None:
     """Pods unpublished from the node leave their job; new or changed ones join it (a job is
     created by its first pod), with the settings they carry."""
     old_pods = {p.pod_uid: p for p in bound.report.pods} if bound else {}
@@ -89,7 +102,9 @@ def _pods(jobs: dict[JobRef, JobState], node_id: str, bound: NodeState | None, r
             changes.dirty.add(key)
 
 
-def _lineages(jobs: dict[JobRef, JobState], liveness: Liveness, node_id: str, report: NodeReport, changes: Changes) -> None:
+def _lineages(
+    jobs: dict[JobRef, JobState], liveness: Liveness, node_id: str, report: NodeReport, changes: Changes
+) -> None:
     """Rollbacks the node reports that extend a job's: adopted if the job ran on the node (a
     lineage abandons data on every node of the job)."""
     for reported in report.lineages:
@@ -113,8 +128,15 @@ def _indexed(jobs: dict[JobRef, JobState], held: Iterable[HeldStep]) -> tuple[He
     return tuple(kept)
 
 
-def _claims(jobs: dict[JobRef, JobState], node_id: str, old_claims: frozenset[Claim], held: tuple[HeldStep, ...], new_claims: frozenset[Claim], warned: WarnedOnce,
-            changes: Changes) -> None:  # fmt: skip
+def _claims(
+    jobs: dict[JobRef, JobState],
+    node_id: str,
+    old_claims: frozenset[Claim],
+    held: tuple[HeldStep, ...],
+    new_claims: frozenset[Claim],
+    warned: WarnedOnce,
+    changes: Changes,
+) -> None:
     """Claims the node no longer makes are dropped (with what it reported of them); new ones are
     indexed, and a claim the coordinator does not believe is counted and logged once."""
     for claim in old_claims - new_claims:
@@ -134,8 +156,14 @@ def _claims(jobs: dict[JobRef, JobState], node_id: str, old_claims: frozenset[Cl
         if job.incarnation is not None and not job.beliefs.believed(node_id, h.rank, h.replica):
             UNTRUSTED_CLAIMS.inc()
             if warned.first((node_id, key)):
-                log.warning("job %s: ignoring node %s's claim to hold %s of rank %d step %d: not assigned or ordered",
-                            key, node_id, "a replica" if h.replica else "the data", h.rank, h.step)  # fmt: skip
+                log.warning(
+                    "job %s: ignoring node %s's claim to hold %s of rank %d step %d: not assigned or ordered",
+                    key,
+                    node_id,
+                    "a replica" if h.replica else "the data",
+                    h.rank,
+                    h.step,
+                )
 
 
 def _owner_reports(jobs: dict[JobRef, JobState], node_id: str, held: tuple[HeldStep, ...], changes: Changes) -> None:
@@ -149,12 +177,18 @@ def _owner_reports(jobs: dict[JobRef, JobState], node_id: str, held: tuple[HeldS
         owners = job.owners
         owner = owners.files.get((h.step, h.rank))
         packed = pack_files(h.files) if h.files is not None else None
-        if packed is not None and owner is not None and packed != owner and job.beliefs.believed(node_id, h.rank, False):
+        if (
+            packed is not None
+            and owner is not None
+            and packed != owner
+            and job.beliefs.believed(node_id, h.rank, False)
+        ):
             _supersede(key, job, h.step, h.rank, node_id)
             changes.dirty.add(key)
         pending = owners.pending.get((h.step, h.rank, node_id))
         adds = (h.files is not None and (h.step, h.rank) not in owners.files) or (
-            h.signature is not None and (h.step, h.rank) not in job.identity.signatures)  # fmt: skip
+            h.signature is not None and (h.step, h.rank) not in job.identity.signatures
+        )
         if adds and (pending is None or (pending[0] is None and h.files is not None)):
             owners.pending[(h.step, h.rank, node_id)] = (packed, h.signature)
             changes.dirty.add(key)
@@ -166,8 +200,13 @@ def _supersede(key: JobRef, job: JobState, step: int, rank: int, owner: str) -> 
     data-parallel peer (other bytes). What the node holds is the rank's step from now on: the
     old checksums, signature and identities are forgotten, and the other nodes' copies (of the
     old bytes) stop counting until a node reports the step anew."""
-    log.warning("job %s: rank %d's step %d now has other checksums (written again, or restored from a peer); "
-                "copies of the old bytes no longer count", key, rank, step)  # fmt: skip
+    log.warning(
+        "job %s: rank %d's step %d now has other checksums (written again, or restored from a peer); "
+        "copies of the old bytes no longer count",
+        key,
+        rank,
+        step,
+    )
     del job.owners.files[(step, rank)]
     job.identity.supersede(step, rank)
     for node_id in [n for n in job.claims.of(step, rank) if n != owner]:
@@ -178,7 +217,9 @@ def _supersede(key: JobRef, job: JobState, step: int, rank: int, owner: str) -> 
         job.backup_pending = None
 
 
-def _listings(jobs: dict[JobRef, JobState], node_id: str, bound: NodeState | None, report: NodeReport | None, changes: Changes) -> None:
+def _listings(
+    jobs: dict[JobRef, JobState], node_id: str, bound: NodeState | None, report: NodeReport | None, changes: Changes
+) -> None:
     """The node's listings of jobs' backups; a forgotten node's listings go."""
     if report is not None:
         old_listings = {JobRef(b.namespace, b.job): b for b in bound.report.backed_up} if bound else {}

@@ -42,8 +42,11 @@ def share_tls_read_buffer() -> bool:
     python = sys.version_info[:2]
     if python not in VERIFIED_PYTHONS:
         verified = ", ".join(f"{major}.{minor}" for major, minor in sorted(VERIFIED_PYTHONS))
-        log.warning("Python %d.%d: each TLS connection keeps asyncio's own read buffer (sharing is verified on %s)",
-                    *python, verified)
+        log.warning(
+            "Python %d.%d: each TLS connection keeps asyncio's own read buffer (sharing is verified on %s)",
+            *python,
+            verified,
+        )
         return False
     protocol = asyncio.sslproto.SSLProtocol
     if getattr(protocol.__init__, "shares_read_buffer", False):

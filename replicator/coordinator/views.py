@@ -81,9 +81,16 @@ class JobView:
         return dict(self._job.claims.step_ranks)
 
 
-def job_status(key: JobRef, job: JobState, copies: list[planner.StepCopy], newest_complete: int | None,
-               identical: Mapping[int, frozenset[tuple[int, int]]],
-               backups: set[int], silence: Mapping[str, float], now: float) -> JobStatus:  # fmt: skip
+def job_status(
+    key: JobRef,
+    job: JobState,
+    copies: list[planner.StepCopy],
+    newest_complete: int | None,
+    identical: Mapping[int, frozenset[tuple[int, int]]],
+    backups: set[int],
+    silence: Mapping[str, float],
+    now: float,
+) -> JobStatus:
     """The job's incarnation (rank -> node and pod), its restore, the copies held and its decisions.
 
     Args:
@@ -113,10 +120,18 @@ def job_status(key: JobRef, job: JobState, copies: list[planner.StepCopy], newes
         waiting_pods=0 if incarnation else len(job.pods),
         ranks=tuple(ranks),
         newest_complete_step=newest_complete,
-        restore=None if plan is None or incarnation is None else RestoreStatus(plan.step, dict(sorted(incarnation.used_sources.items())),
-                                                        tuple(ExcludedCopy(*c) for c in sorted(incarnation.excluded)),
-                                                        len(incarnation.staged), len(incarnation.node_of_rank)),  # fmt: skip
-        held={rank: {step: tuple(sorted(h)) for step, h in sorted(steps.items())} for rank, steps in sorted(held.items())},
+        restore=None
+        if plan is None or incarnation is None
+        else RestoreStatus(
+            plan.step,
+            dict(sorted(incarnation.used_sources.items())),
+            tuple(ExcludedCopy(*c) for c in sorted(incarnation.excluded)),
+            len(incarnation.staged),
+            len(incarnation.node_of_rank),
+        ),
+        held={
+            rank: {step: tuple(sorted(h)) for step, h in sorted(steps.items())} for rank, steps in sorted(held.items())
+        },
         identical_peers=tuple(sorted(identical.get(newest_complete, ()) if newest_complete is not None else ())),
         safe_step=job.decided.safe,
         backups=tuple(sorted(backups)),

@@ -25,8 +25,12 @@ class InFlight:
     """
 
     def __init__(self, prefix: str, verb: str, what: str):
-        self.planned = Gauge(f"{prefix}_in_flight_planned_bytes", f"Bytes the job's {what} running on this node move in all", JOB_LABELS)
-        self.done = Gauge(f"{prefix}_in_flight_{verb}_bytes", f"Bytes the job's {what} running on this node {verb} so far", JOB_LABELS)
+        self.planned = Gauge(
+            f"{prefix}_in_flight_planned_bytes", f"Bytes the job's {what} running on this node move in all", JOB_LABELS
+        )
+        self.done = Gauge(
+            f"{prefix}_in_flight_{verb}_bytes", f"Bytes the job's {what} running on this node {verb} so far", JOB_LABELS
+        )
 
     @contextlib.contextmanager
     def transfer(self, namespace: str, job: str, total: int) -> Iterator[Callable[[int], None]]:

@@ -109,7 +109,9 @@ class GivenUp:
     own: bool
 
 
-def make_room(disk: Ramdisk, order: RetainOrder | None, busy: set[int], need: int, order_asked_at: float | None = None) -> list[GivenUp]:
+def make_room(
+    disk: Ramdisk, order: RetainOrder | None, busy: set[int], need: int, order_asked_at: float | None = None
+) -> list[GivenUp]:
     """Gives up unsafe copies, oldest step first (replicas before own steps of the same step), until
     ``need`` bytes are free or none is left to give up (see the module docstring for what is kept).
 
@@ -138,7 +140,11 @@ def make_room(disk: Ramdisk, order: RetainOrder | None, busy: set[int], need: in
             break
         if step <= order.keep_from or step in keep:
             continue
-        if own == -1 and order_asked_at is not None and (meta.replica_installed_at(rank, step) or 0.0) >= order_asked_at:
+        if (
+            own == -1
+            and order_asked_at is not None
+            and (meta.replica_installed_at(rank, step) or 0.0) >= order_asked_at
+        ):
             continue  # perhaps the round's, which the order predates
         if own == 0:
             meta.drop_manifest(step)  # first: a step is never reported once its deletion began
@@ -156,5 +162,7 @@ def describe_use(disk: Ramdisk) -> str:
     size, free = stats.f_blocks * stats.f_frsize, stats.f_bavail * stats.f_frsize
     own = sum(m.total_bytes for m in meta.manifests().values())
     replicas = sum(m.total_bytes for m in meta.replicas().values())
-    return (f"the ramdisk holds {size} bytes, {free} free: committed steps {own}, other ranks' replicas {replicas},"
-            f" the rest ({max(0, size - free - own - replicas)}) is being written by the job or received")
+    return (
+        f"the ramdisk holds {size} bytes, {free} free: committed steps {own}, other ranks' replicas {replicas},"
+        f" the rest ({max(0, size - free - own - replicas)}) is being written by the job or received"
+    )

@@ -56,7 +56,9 @@ class StepManifest:
         return sum(size for size, _ in self.files.values())
 
     def to_json(self) -> str:
-        return json.dumps({"step": self.step, "rank": self.rank, "timeline": self.timeline, "files": self.files}, sort_keys=True)
+        return json.dumps(
+            {"step": self.step, "rank": self.rank, "timeline": self.timeline, "files": self.files}, sort_keys=True
+        )
 
     @classmethod
     def from_json(cls, text: str) -> "StepManifest":
@@ -146,7 +148,7 @@ def _chunks(fd: int, start: int = 0, end: int | None = None, share: CpuShare | N
     buffer = memoryview(bytearray(_READ_BYTES if end is None else min(_READ_BYTES, end - start)))
     offset = start
     while end is None or offset < end:
-        read = os.preadv(fd, [buffer if end is None else buffer[:end - offset]], offset)
+        read = os.preadv(fd, [buffer if end is None else buffer[: end - offset]], offset)
         if not read:
             if end is None:
                 return
@@ -165,8 +167,9 @@ def _crc32c_of_range(fd: int, start: int, end: int, share: CpuShare | None = Non
     return crc
 
 
-def checksum_files(files: list[tuple[str, int]], workers: int | None = None,
-                   share: CpuShare | None = None) -> dict[str, tuple[int, str]]:
+def checksum_files(
+    files: list[tuple[str, int]], workers: int | None = None, share: CpuShare | None = None
+) -> dict[str, tuple[int, str]]:
     """Sizes and CRC32Cs of many open files at once: files larger than 64 MiB are cut into 64 MiB
     pieces, the pieces spread over ``workers`` threads, and each file's CRC combined from its pieces.
 
@@ -183,7 +186,11 @@ def checksum_files(files: list[tuple[str, int]], workers: int | None = None,
     """
     fds = dict(files)
     sizes = {key: os.fstat(fd).st_size for key, fd in fds.items()}
-    pieces = [(key, start, min(start + _PIECE_BYTES, size)) for key, size in sizes.items() for start in range(0, size, _PIECE_BYTES)]
+    pieces = [
+        (key, start, min(start + _PIECE_BYTES, size))
+        for key, size in sizes.items()
+        for start in range(0, size, _PIECE_BYTES)
+    ]
     with concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
         crcs = list(pool.map(lambda piece: _crc32c_of_range(fds[piece[0]], piece[1], piece[2], share), pieces))
     combined = dict.fromkeys(fds, 0)  # 0 is the CRC-32C of no bytes
@@ -241,7 +248,9 @@ def _checksums(step_dir: str, share: CpuShare | None = None) -> dict[str, tuple[
                 found.update(checksum_files(batch, share=share))
 
 
-def build_manifest(step_dir: str, step: int, rank: int, share: CpuShare | None = None, timeline: int = 0) -> StepManifest:
+def build_manifest(
+    step_dir: str, step: int, rank: int, share: CpuShare | None = None, timeline: int = 0
+) -> StepManifest:
     """Checksums every regular file under ``step_dir`` (see ``checksum_files`` for ``share``); the
     manifest is tagged with ``timeline``.
 
@@ -256,7 +265,9 @@ def build_manifest(step_dir: str, step: int, rank: int, share: CpuShare | None =
     return StepManifest(step, rank, files, timeline)
 
 
-def _problems(step_dir: str, manifest: StepManifest, share: CpuShare | None = None) -> list[tuple[type[UnusableCopy], str]]:
+def _problems(
+    step_dir: str, manifest: StepManifest, share: CpuShare | None = None
+) -> list[tuple[type[UnusableCopy], str]]:
     """What ``verify_step`` finds, each line with its kind: ``CorruptCopy`` for a checksum mismatch,
     ``UnusableCopy`` for the rest."""
     if not manifest.files:
@@ -287,8 +298,14 @@ def verify_step(step_dir: str, manifest: StepManifest, share: CpuShare | None = 
     return [line for _, line in _problems(step_dir, manifest, share)]
 
 
-def check_step(step_dir: str, manifest: StepManifest, what: str, share: CpuShare | None = None,
-               unusable: type[UnusableCopy] = UnusableCopy, corrupt: type[CorruptCopy] = CorruptCopy) -> None:
+def check_step(
+    step_dir: str,
+    manifest: StepManifest,
+    what: str,
+    share: CpuShare | None = None,
+    unusable: type[UnusableCopy] = UnusableCopy,
+    corrupt: type[CorruptCopy] = CorruptCopy,
+) -> None:
     """``verify_step`` as an error: raises unless ``step_dir`` matches ``manifest``.
 
     Args:

@@ -79,13 +79,16 @@ class NodeAgent:
         if self.peer_token is None:
             log.warning("no --peer-token-file: the peer tier (replication, restore from peers) is off")
         backup = config.backup
-        store = (open_backup_store(backup.url, emulator_host=backup.storage_emulator_host,
-                                   s3_endpoint_url=backup.s3_endpoint_url) if backup.url else None)  # fmt: skip
+        store = (
+            open_backup_store(
+                backup.url, emulator_host=backup.storage_emulator_host, s3_endpoint_url=backup.s3_endpoint_url
+            )
+            if backup.url
+            else None
+        )
         self.share = CpuShare(config.pacing.background_cpu) if config.pacing.background_cpu else None
         self.replicator = (
-            NodeReplicator(config, self.manager, self.peer_token, store, self.share)
-            if config.coordinator.url
-            else None
+            NodeReplicator(config, self.manager, self.peer_token, store, self.share) if config.coordinator.url else None
         )
 
     def _ramdisk_path(self, namespace: str, job: str) -> str | None:
@@ -132,8 +135,13 @@ class NodeAgent:
         identity = IdentityServicer(csi.driver_name, self.healthy)
         poke = (lambda *_: self.replicator.poke()) if self.replicator else (lambda *_: None)  # type: ignore[union-attr]  # made once, not reset
         node = NodeServicer(
-            self.manager, self.config.node_id, self.config.topology, csi.default_size_bytes,
-            VolumeLimits(csi.max_nodes, psutil.virtual_memory().total, frozenset(frameworks.REGISTRY)), poke, poke,
+            self.manager,
+            self.config.node_id,
+            self.config.topology,
+            csi.default_size_bytes,
+            VolumeLimits(csi.max_nodes, psutil.virtual_memory().total, frozenset(frameworks.REGISTRY)),
+            poke,
+            poke,
         )
         # Recovery first: kubelet must never be served from a state file the mount table contradicts.
         survivors = await asyncio.to_thread(self.manager.recover)
@@ -141,14 +149,20 @@ class NodeAgent:
         csi_server = start_csi_server(csi.endpoint, identity, node)
         # After the CSI socket serves: registering, the kubelet calls NodeGetInfo on it.
         registration = (
-            RegistrationServer(csi.kubelet_registration_dir, RegistrationServicer(csi.driver_name, csi.endpoint)).start()
+            RegistrationServer(
+                csi.kubelet_registration_dir, RegistrationServicer(csi.driver_name, csi.endpoint)
+            ).start()
             if csi.kubelet_registration_dir
             else None
         )
         runner = web.AppRunner(self._make_http_app())
         await runner.setup()
         try:
-            await web.TCPSite(runner, *self.config.peer.host_port, ssl_context=tls.server_context(self.config.peer.tls_cert, self.config.peer.tls_key)).start()
+            await web.TCPSite(
+                runner,
+                *self.config.peer.host_port,
+                ssl_context=tls.server_context(self.config.peer.tls_cert, self.config.peer.tls_key),
+            ).start()
             self.ready.set()
             log.info("node agent %s ready (HTTP on %s)", self.config.node_id, self.config.peer.listen)
             replicating = asyncio.create_task(self.replicator.run(stop)) if self.replicator else None

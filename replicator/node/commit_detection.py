@@ -24,7 +24,10 @@ from replicator.wire.metric_labels import JOB_LABELS
 log = logging.getLogger(__name__)
 
 NEWEST_STEP = Gauge("mtc_newest_committed_step", "Newest committed local step", [*JOB_LABELS, "rank"])
-REFUSED_STEPS = Counter("mtc_refused_steps_total", "Committed steps refused: they hold a symlink, FIFO, device or socket, or cannot be walked")
+REFUSED_STEPS = Counter(
+    "mtc_refused_steps_total",
+    "Committed steps refused: they hold a symlink, FIFO, device or socket, or cannot be walked",
+)
 
 
 class CommitDetector:
@@ -54,13 +57,21 @@ class CommitDetector:
         refused = self._refused.setdefault(job_of(disk), set())
         refused &= set(scan.committed) | set(scan.refused)  # a name reused later is looked at afresh
         for step in set(scan.refused) - refused:
-            self._refuse(disk, meta, refused, step, "is not a directory (a symlink, FIFO or file where the job commits a step)")
+            self._refuse(
+                disk, meta, refused, step, "is not a directory (a symlink, FIFO or file where the job commits a step)"
+            )
         new = [s for s in scan.committed if s not in known and s not in refused]
         for step in new:
             step_dir = framework.find_step_dir(disk.client_dir, step)
             try:
-                manifest = await asyncio.to_thread(build_manifest, step_dir or os.path.join(disk.client_dir, str(step)), step, progress.rank,
-                                                   self._share, len(meta.lineage()))  # fmt: skip
+                manifest = await asyncio.to_thread(
+                    build_manifest,
+                    step_dir or os.path.join(disk.client_dir, str(step)),
+                    step,
+                    progress.rank,
+                    self._share,
+                    len(meta.lineage()),
+                )
             except FileNotFoundError:
                 continue  # Orbax deleted it meanwhile
             except (OSError, ValueError) as err:
@@ -73,7 +84,15 @@ class CommitDetector:
             if (progress.rank, step) in meta.replicas():
                 meta.drop_replica(progress.rank, step)  # a step set aside by a restore, written anew: superseded
             NEWEST_STEP.labels(disk.namespace, disk.job, str(progress.rank)).set(step)
-            log.info("%s/%s rank %d: step %d committed (%d files, %d bytes)", disk.namespace, disk.job, progress.rank, step, len(manifest.files), manifest.total_bytes)
+            log.info(
+                "%s/%s rank %d: step %d committed (%d files, %d bytes)",
+                disk.namespace,
+                disk.job,
+                progress.rank,
+                step,
+                len(manifest.files),
+                manifest.total_bytes,
+            )
         if new:
             self._poke()
 

@@ -26,7 +26,9 @@ def collect_garbage(disk: Ramdisk, order: RetainOrder, busy_steps: BusySteps) ->
     restored = restored_step(disk, meta)
     for rank, step in meta.replicas():
         set_aside = progress is not None and rank == progress.rank and restored is not None
-        if (step < order.keep_from or (set_aside and restored is not None and order.keep_from > restored)) and step not in keep:
+        if (
+            step < order.keep_from or (set_aside and restored is not None and order.keep_from > restored)
+        ) and step not in keep:
             meta.drop_replica(rank, step)
             GC_DELETED.inc()
 

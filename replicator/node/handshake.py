@@ -39,7 +39,9 @@ class UnsettledConfigs:
       clock: monotonic seconds.
     """
 
-    def __init__(self, settle_seconds: float = timing.CONFIG_SETTLE_SECONDS, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, settle_seconds: float = timing.CONFIG_SETTLE_SECONDS, clock: Callable[[], float] = time.monotonic
+    ):
         self.settle_seconds = settle_seconds
         self._clock = clock
         self._first_read: dict[JobRef, tuple[Key, float]] = {}  # job -> (its file's version, when first read unusable)
@@ -68,15 +70,31 @@ def apply_assignment(disk: Ramdisk, meta: JobMeta, progress: PodProgress, assign
     if assignment is None or assignment.incarnation == progress.incarnation:
         return progress
     meta.framework.write_init_info(disk.client_dir, assignment.rank, assignment.jax_coordinator)
-    progress = PodProgress(progress.pod_uid, assignment.incarnation, assignment.rank, assignment.jax_coordinator, jax_init_written=True)
+    progress = PodProgress(
+        progress.pod_uid, assignment.incarnation, assignment.rank, assignment.jax_coordinator, jax_init_written=True
+    )
     meta.save_progress(progress)
-    log.info("%s/%s: pod %s is rank %d of incarnation %s (JAX coordinator %s)",
-             disk.namespace, disk.job, progress.pod_uid, assignment.rank, assignment.incarnation, assignment.jax_coordinator)  # fmt: skip
+    log.info(
+        "%s/%s: pod %s is rank %d of incarnation %s (JAX coordinator %s)",
+        disk.namespace,
+        disk.job,
+        progress.pod_uid,
+        assignment.rank,
+        assignment.incarnation,
+        assignment.jax_coordinator,
+    )
     return progress
 
 
-async def consume_replicator_yaml(client: CoordinatorClient, disk: Ramdisk, meta: JobMeta, progress: PodProgress, nodes: int,
-                                  log_once: LogOnce, unsettled: UnsettledConfigs) -> None:  # fmt: skip
+async def consume_replicator_yaml(
+    client: CoordinatorClient,
+    disk: Ramdisk,
+    meta: JobMeta,
+    progress: PodProgress,
+    nodes: int,
+    log_once: LogOnce,
+    unsettled: UnsettledConfigs,
+) -> None:
     """Validates the job's ``replicator.yaml`` (if written yet), records its settings with the
     coordinator and in ``progress``, then consumes it. Bad content goes to ``replicator.failed`` once
     ``unsettled`` says it is no half-written file; a file that is no regular file at once. An

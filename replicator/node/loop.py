@@ -42,9 +42,13 @@ from replicator.wire.messages import Assignment, JobRef, Lineage, NodeReport, Po
 
 log = logging.getLogger(__name__)
 
-LOOP_ERRORS = Counter("mtc_replicator_loop_errors_total", "Errors caught in the replicator's loops, which carried on", ["loop"])
+LOOP_ERRORS = Counter(
+    "mtc_replicator_loop_errors_total", "Errors caught in the replicator's loops, which carried on", ["loop"]
+)
 REPORT_SECONDS = Histogram("mtc_coordinator_report_seconds", "Round trip of one report to the coordinator, seconds")
-LAST_REPORT = Gauge("mtc_coordinator_last_report_timestamp_seconds", "Unix time of the last report the coordinator answered")
+LAST_REPORT = Gauge(
+    "mtc_coordinator_last_report_timestamp_seconds", "Unix time of the last report the coordinator answered"
+)
 # Known label values start at zero, so dashboards and alerts see the series before the first event.
 for _label in ("report", "job"):
     LOOP_ERRORS.labels(_label)
@@ -64,8 +68,14 @@ class NodeReplicator:
       share: the CPU cap of replication and backup while jobs train, or None (restores never pace).
     """
 
-    def __init__(self, config: NodeConfig, manager: RamdiskManager, peer_token: Tokens | None = None,
-                 backup_store: BackupStore | None = None, share: CpuShare | None = None):  # fmt: skip
+    def __init__(
+        self,
+        config: NodeConfig,
+        manager: RamdiskManager,
+        peer_token: Tokens | None = None,
+        backup_store: BackupStore | None = None,
+        share: CpuShare | None = None,
+    ):
         self.node_id = config.node_id
         self._manager = manager
         self._coordinator_url = config.coordinator.url
@@ -77,22 +87,43 @@ class NodeReplicator:
         self._busy_steps = BusySteps()  # being read by a push or an upload: GC keeps them
         self._log_once = LogOnce()
         self._assignments: dict[str, Assignment] = {}
-        self._replicas = config.peer.replicas if peer_token is not None else 0  # replicas of each step this node may host
+        self._replicas = (
+            config.peer.replicas if peer_token is not None else 0
+        )  # replicas of each step this node may host
         self._retain: dict[JobRef, RetainOrder] = {}  # the latest reply's: what ``space.make_room`` may give up
         self._retain_sent = 0.0  # when the report that brought them was sent (wall clock)
         self._making_room = threading.Lock()
         self._backup = (
-            BackupWorker(backup_store, config.backup.keep, self._busy_steps, self._error_to_job, self.poke, share) if backup_store else None
+            BackupWorker(backup_store, config.backup.keep, self._busy_steps, self._error_to_job, self.poke, share)
+            if backup_store
+            else None
         )
-        self._pusher = Pusher(peer_token, share, self._busy_steps, self._log_once, config.pacing.min_push_interval_seconds) if peer_token is not None else None
-        self._restorer = Restorer(config.node_id, peer_token, self._peer_ssl, self._backup.download if self._backup else None,
-                                  self._log_once, config.pacing.restore_deadline_seconds, self.make_room)  # fmt: skip
+        self._pusher = (
+            Pusher(peer_token, share, self._busy_steps, self._log_once, config.pacing.min_push_interval_seconds)
+            if peer_token is not None
+            else None
+        )
+        self._restorer = Restorer(
+            config.node_id,
+            peer_token,
+            self._peer_ssl,
+            self._backup.download if self._backup else None,
+            self._log_once,
+            config.pacing.restore_deadline_seconds,
+            self.make_room,
+        )
         self._commits = CommitDetector(share, self.poke)
         self._unsettled = handshake.UnsettledConfigs()
         self._listing: asyncio.Task | None = None
         self._wake = asyncio.Event()
-        self._reporting = ReportSession(config.node_id, config.peer.url, config.pod_address, config.topology, config.peer.replicas,
-                                        backup_store is not None)  # fmt: skip
+        self._reporting = ReportSession(
+            config.node_id,
+            config.peer.url,
+            config.pod_address,
+            config.topology,
+            config.peer.replicas,
+            backup_store is not None,
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._workers: dict[JobRef, asyncio.Task] = {}
         self._beats: dict[JobRef | str, float] = {_ROUND: time.monotonic()}  # loop -> when it last completed a pass
@@ -116,12 +147,16 @@ class NodeReplicator:
         timeout = aiohttp.ClientTimeout(total=timing.REQUEST_TIMEOUT_SECONDS)
         peer_connector = aiohttp.TCPConnector(ssl=self._peer_ssl) if self._peer_ssl else None
         # Whole steps move over the peer session: no total timeout, a stalled read still fails.
-        peer_timeout = aiohttp.ClientTimeout(total=None, sock_connect=timing.PEER_CONNECT_TIMEOUT_SECONDS,
-                                             sock_read=timing.PEER_READ_TIMEOUT_SECONDS)
-        coordinator_connector = aiohttp.TCPConnector(ssl=self._coordinator_ssl or True, keepalive_timeout=timing.COORDINATOR_KEEPALIVE_SECONDS)
-        async with aiohttp.ClientSession(connector=coordinator_connector, timeout=timeout) as session, aiohttp.ClientSession(
-            connector=peer_connector, timeout=peer_timeout
-        ) as peer_session:
+        peer_timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=timing.PEER_CONNECT_TIMEOUT_SECONDS, sock_read=timing.PEER_READ_TIMEOUT_SECONDS
+        )
+        coordinator_connector = aiohttp.TCPConnector(
+            ssl=self._coordinator_ssl or True, keepalive_timeout=timing.COORDINATOR_KEEPALIVE_SECONDS
+        )
+        async with (
+            aiohttp.ClientSession(connector=coordinator_connector, timeout=timeout) as session,
+            aiohttp.ClientSession(connector=peer_connector, timeout=peer_timeout) as peer_session,
+        ):
             self._session = peer_session
             client = CoordinatorClient(session, self._coordinator_url, self._peer_token)  # type: ignore[arg-type]  # the agent makes a loop only with a URL
             try:
@@ -136,7 +171,11 @@ class NodeReplicator:
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self._wake.wait(), timing.ROUND_INTERVAL_SECONDS)
             finally:
-                tasks = [*self._workers.values(), *(self._pusher.tasks() if self._pusher else []), *([self._listing] if self._listing else [])]
+                tasks = [
+                    *self._workers.values(),
+                    *(self._pusher.tasks() if self._pusher else []),
+                    *([self._listing] if self._listing else []),
+                ]
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
@@ -198,9 +237,16 @@ class NodeReplicator:
             self._wake.set()
         self._assignments = {a.pod_uid: a for a in reply.assignments}
         for lineage in reply.lineages:
-            if (disk := disks.get(JobRef(lineage.namespace, lineage.job))) is not None and JobMeta(disk.path).learn_lineage(lineage.forks):
-                log.warning("%s/%s: rolled back to step %d (timeline %d): deleting the abandoned timeline's copies",
-                            disk.namespace, disk.job, lineage.forks[-1], len(lineage.forks))  # fmt: skip
+            if (disk := disks.get(JobRef(lineage.namespace, lineage.job))) is not None and JobMeta(
+                disk.path
+            ).learn_lineage(lineage.forks):
+                log.warning(
+                    "%s/%s: rolled back to step %d (timeline %d): deleting the abandoned timeline's copies",
+                    disk.namespace,
+                    disk.job,
+                    lineage.forks[-1],
+                    len(lineage.forks),
+                )
                 await asyncio.to_thread(drop_abandoned, disk)
         if self._pusher is not None:
             for order in reply.replicate:
@@ -228,18 +274,39 @@ class NodeReplicator:
             for publication in disk.publications.values():
                 spec = publication.spec
                 progress = meta.progress(spec.pod_uid)
-                pods.append(PodReport(
-                    namespace=spec.namespace, job=spec.job, pod_name=spec.pod_name, pod_uid=spec.pod_uid,
-                    slice_index=spec.slice_index, worker_index=spec.worker_index, nodes=spec.nodes or 1,
-                    slices=spec.slices, jax_coordinator_port=spec.jax_coordinator_port, subdomain=spec.subdomain,
-                    published_at=publication.published_at, incarnation=progress.incarnation, rank=progress.rank,
-                    settings=progress.settings, ranks_follow_data=framework.ranks_follow_data, nodes_given=spec.nodes is not None,
-                ))  # fmt: skip
+                pods.append(
+                    PodReport(
+                        namespace=spec.namespace,
+                        job=spec.job,
+                        pod_name=spec.pod_name,
+                        pod_uid=spec.pod_uid,
+                        slice_index=spec.slice_index,
+                        worker_index=spec.worker_index,
+                        nodes=spec.nodes or 1,
+                        slices=spec.slices,
+                        jax_coordinator_port=spec.jax_coordinator_port,
+                        subdomain=spec.subdomain,
+                        published_at=publication.published_at,
+                        incarnation=progress.incarnation,
+                        rank=progress.rank,
+                        settings=progress.settings,
+                        ranks_follow_data=framework.ranks_follow_data,
+                        nodes_given=spec.nodes is not None,
+                    )
+                )
                 waiting |= progress.incarnation is None and spec.pod_uid not in self._assignments
             present = set(framework.scan_steps(disk.client_dir).held)
-            own += [OwnStep(HeldCopy(job, step, m.rank, m.timeline), m.files) for step, m in meta.manifests().items() if step in present]
+            own += [
+                OwnStep(HeldCopy(job, step, m.rank, m.timeline), m.files)
+                for step, m in meta.manifests().items()
+                if step in present
+            ]
             mine = {(m.rank, step) for step, m in meta.manifests().items()}
-            replicas += [HeldCopy(job, step, rank, m.timeline) for (rank, step), m in meta.replicas().items() if (rank, step) not in mine]
+            replicas += [
+                HeldCopy(job, step, rank, m.timeline)
+                for (rank, step), m in meta.replicas().items()
+                if (rank, step) not in mine
+            ]
         backed_up = self._backup.listing.values() if self._backup else ()
         return self._reporting.build(pods, own, replicas, backed_up, waiting, lineages, job_frameworks)
 
@@ -253,7 +320,9 @@ class NodeReplicator:
             task.cancel()
         for key, disk in disks.items():
             if key not in self._workers and disk.publications:
-                self._workers[key] = asyncio.create_task(self._watch(client, key), name=f"watch-{key.namespace}-{key.job}")
+                self._workers[key] = asyncio.create_task(
+                    self._watch(client, key), name=f"watch-{key.namespace}-{key.job}"
+                )
 
     async def _watch(self, client: CoordinatorClient, key: JobRef) -> None:
         try:
@@ -281,7 +350,9 @@ class NodeReplicator:
             # until this agent has the assignment again (after its restart), when the file waits a pass.
             nodes = spec.nodes or (assignment.nodes or 1 if assignment else None)
             if progress.jax_init_written and progress.settings is None and nodes is not None:
-                await handshake.consume_replicator_yaml(client, disk, meta, progress, nodes, self._log_once, self._unsettled)
+                await handshake.consume_replicator_yaml(
+                    client, disk, meta, progress, nodes, self._log_once, self._unsettled
+                )
             if progress.settings is not None and not progress.restore_done:
                 await self._restorer.restore(client, self._session, disk, meta, progress, lambda: self._beat(key))  # type: ignore[arg-type]  # run set it
             await self._commits.detect(disk, meta, progress)
@@ -303,9 +374,16 @@ class NodeReplicator:
             given_up = space.make_room(disk, order, busy, need, self._retain_sent if ordered is not None else None)
         for copy in given_up:
             space.GIVEN_UP.inc()
-            log.warning("%s/%s: gave up %s step %d (%d bytes, not safe) to free %d bytes; steps up to %d are kept (safe, or restored)",
-                        key.namespace, key.job, "its own" if copy.own else f"rank {copy.rank}'s replica of", copy.step, copy.bytes, need,
-                        order.keep_from)  # type: ignore[union-attr]  # nothing is given up without an order  # fmt: skip
+            log.warning(
+                "%s/%s: gave up %s step %d (%d bytes, not safe) to free %d bytes; steps up to %d are kept (safe, or restored)",
+                key.namespace,
+                key.job,
+                "its own" if copy.own else f"rank {copy.rank}'s replica of",
+                copy.step,
+                copy.bytes,
+                need,
+                order.keep_from,  # type: ignore[union-attr]  # nothing is given up without an order
+            )
 
     def _keep_room(self, key: JobRef, disk: Ramdisk, meta: JobMeta, progress: PodProgress) -> None:
         """Keeps the job's next save's bytes free (``space``): gives up unsafe copies when they are not,
@@ -315,10 +393,14 @@ class NodeReplicator:
         if need and progress.settings is not None:
             shards = space.shards_needed(progress.settings.data_parallelism, self._replicas)
             if disk.size_bytes < shards * need:
-                self._log_once(f"sizing-{key}-{progress.incarnation}", f"ramdisk below the sizing rule: it holds {disk.size_bytes} bytes, a save of"
-                               f" this job takes about {need}, and with data parallelism {progress.settings.data_parallelism} it needs"
-                               f" {shards} of them ({shards * need} bytes); saves may fail or steps become safe later"
-                               f" (docs/operations.md#sizing)", meta)  # fmt: skip
+                self._log_once(
+                    f"sizing-{key}-{progress.incarnation}",
+                    f"ramdisk below the sizing rule: it holds {disk.size_bytes} bytes, a save of"
+                    f" this job takes about {need}, and with data parallelism {progress.settings.data_parallelism} it needs"
+                    f" {shards} of them ({shards * need} bytes); saves may fail or steps become safe later"
+                    f" (docs/operations.md#sizing)",
+                    meta,
+                )
         if space.free_bytes(disk.path) >= need and not space.is_full(disk.path):
             space.keep_reserve(meta)
             return
@@ -327,10 +409,14 @@ class NodeReplicator:
             order = self._retain.get(key)
             safe = f"the newest safe step is {order.keep_from}" if order else "no step is safe yet"
             expected = f"a save of this job takes about {need} bytes" if need else "no save has completed on it yet"
-            message = (f"ramdisk too small: {space.describe_use(disk)}; {expected}, and nothing unsafe is left to give up ({safe});"
-                       f" make the volume's size larger (docs/operations.md#sizing)")  # fmt: skip
+            message = (
+                f"ramdisk too small: {space.describe_use(disk)}; {expected}, and nothing unsafe is left to give up ({safe});"
+                f" make the volume's size larger (docs/operations.md#sizing)"
+            )
             space.release_reserve(meta)  # the report needs pages; each pod of the job hears it once
             try:
                 self._log_once(f"full-{key}-{progress.pod_uid}", message, meta)
             except OSError as err:  # no page left even so: the log line has it
-                log.warning("%s/%s: could not write replicator.errors on the full ramdisk: %s", key.namespace, key.job, err)
+                log.warning(
+                    "%s/%s: could not write replicator.errors on the full ramdisk: %s", key.namespace, key.job, err
+                )

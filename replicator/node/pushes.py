@@ -46,8 +46,14 @@ class Pusher:
       min_interval_seconds: at most one push per job and peer this often.
     """
 
-    def __init__(self, peer_token: Tokens, share: CpuShare | None, busy_steps: BusySteps, log_once: LogOnce,
-                 min_interval_seconds: float = timing.MIN_PUSH_INTERVAL_SECONDS):  # fmt: skip
+    def __init__(
+        self,
+        peer_token: Tokens,
+        share: CpuShare | None,
+        busy_steps: BusySteps,
+        log_once: LogOnce,
+        min_interval_seconds: float = timing.MIN_PUSH_INTERVAL_SECONDS,
+    ):
         self._peer_token = peer_token
         self._share = share
         self._busy_steps = busy_steps
@@ -76,10 +82,20 @@ class Pusher:
             if key in self._pushes or now - self._push_started.get(lane, -1e9) < self._min_interval_seconds:
                 continue
             self._push_started[lane] = now
-            self._pushes[key] = asyncio.create_task(self._push(session, job, disk, order, target, key, key in self._pushed))
+            self._pushes[key] = asyncio.create_task(
+                self._push(session, job, disk, order, target, key, key in self._pushed)
+            )
 
-    async def _push(self, session: aiohttp.ClientSession, job: JobRef, disk: Ramdisk, order: ReplicateOrder, target: Target,
-                    key: tuple[JobRef, int, int, str], repeated: bool) -> None:  # fmt: skip
+    async def _push(
+        self,
+        session: aiohttp.ClientSession,
+        job: JobRef,
+        disk: Ramdisk,
+        order: ReplicateOrder,
+        target: Target,
+        key: tuple[JobRef, int, int, str],
+        repeated: bool,
+    ) -> None:
         """Pushes one committed step to one peer; the peer verifies it before it becomes visible. A
         ``repeated`` push is skipped when the peer still holds the same manifest."""
         meta = JobMeta(disk.path)
@@ -93,13 +109,28 @@ class Pusher:
                 if repeated and await self._still_held(session, job, target, manifest):
                     self._pushed[key] = time.monotonic()
                     return
-                await push_step(session, target.url, self._peer_token.current, job.namespace, job.job, step_dir, manifest,
-                                share=self._share)  # fmt: skip
+                await push_step(
+                    session,
+                    target.url,
+                    self._peer_token.current,
+                    job.namespace,
+                    job.job,
+                    step_dir,
+                    manifest,
+                    share=self._share,
+                )
                 REPLICATED.labels("ok").inc()
                 REPLICATED_BYTES.inc(manifest.total_bytes)
                 self._pushed[key] = time.monotonic()
-                log.info("%s: replicated step %d of rank %d to %s in %.2f s (%d bytes)", job, order.step, order.rank,
-                         target.node, time.monotonic() - started, manifest.total_bytes)  # fmt: skip
+                log.info(
+                    "%s: replicated step %d of rank %d to %s in %.2f s (%d bytes)",
+                    job,
+                    order.step,
+                    order.rank,
+                    target.node,
+                    time.monotonic() - started,
+                    manifest.total_bytes,
+                )
             except (TimeoutError, PeerFetchError, OSError, aiohttp.ClientError) as err:
                 REPLICATED.labels("failed").inc()
                 self._log_once(f"push-{target.node}", f"replicating step {order.step} to {target.node} failed: {err}")
@@ -111,8 +142,16 @@ class Pusher:
           PeerFetchError: the target could not say (not reached, or an error other than 404/410).
         """
         try:
-            held = await fetch_manifest(session, target.url, self._peer_token.current, job.namespace, job.job, manifest.rank, manifest.step)
+            held = await fetch_manifest(
+                session, target.url, self._peer_token.current, job.namespace, job.job, manifest.rank, manifest.step
+            )
         except UnusablePeerCopy:
-            log.info("%s: %s no longer holds rank %d step %d: pushing it again", job, target.node, manifest.rank, manifest.step)
+            log.info(
+                "%s: %s no longer holds rank %d step %d: pushing it again",
+                job,
+                target.node,
+                manifest.rank,
+                manifest.step,
+            )
             return False
         return held.files == manifest.files

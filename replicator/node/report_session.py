@@ -67,7 +67,9 @@ class ReportSession:
         (see ``NodeReport``).
     """
 
-    def __init__(self, node_id: str, url: str, pod_address: str | None, topology: dict[str, str], replicas: int, has_backup: bool):
+    def __init__(
+        self, node_id: str, url: str, pod_address: str | None, topology: dict[str, str], replicas: int, has_backup: bool
+    ):
         self._identity = (node_id, url, pod_address, topology)
         self._replicas = replicas
         self._has_backup = has_backup
@@ -81,9 +83,16 @@ class ReportSession:
         self.heartbeat_seconds = 1.0
         self.list_backups: set[JobRef] = set()
 
-    def build(self, pods: Iterable[PodReport], own: Iterable[OwnStep], replicas: Iterable[HeldCopy], backed_up: Iterable[BackedUp],
-              waiting: bool, lineages: Iterable[Lineage] = (), job_frameworks: Mapping[JobRef, frameworks.Framework] | None = None,
-              ) -> NodeReport:  # fmt: skip
+    def build(
+        self,
+        pods: Iterable[PodReport],
+        own: Iterable[OwnStep],
+        replicas: Iterable[HeldCopy],
+        backed_up: Iterable[BackedUp],
+        waiting: bool,
+        lineages: Iterable[Lineage] = (),
+        job_frameworks: Mapping[JobRef, frameworks.Framework] | None = None,
+    ) -> NodeReport:
         """The node's report.
 
         Args:
@@ -103,13 +112,33 @@ class ReportSession:
             if key not in self._signatures:
                 framework = (job_frameworks or {}).get(key.job) or frameworks.get(frameworks.DEFAULT)
                 self._signatures[key] = framework.logical_signature(files)
-            held.append(HeldStep(key.job.namespace, key.job.job, key.step, key.rank, None if key in self._sent_files else files,
-                                 signature=self._signatures[key], timeline=key.timeline))  # fmt: skip
+            held.append(
+                HeldStep(
+                    key.job.namespace,
+                    key.job.job,
+                    key.step,
+                    key.rank,
+                    None if key in self._sent_files else files,
+                    signature=self._signatures[key],
+                    timeline=key.timeline,
+                )
+            )
         self._signatures = {k: v for k, v in self._signatures.items() if k in keys}
         self._sent_files &= keys
-        held.extend(HeldStep(r.job.namespace, r.job.job, r.step, r.rank, replica=True, timeline=r.timeline) for r in replicas)
-        return NodeReport(*self._identity, tuple(pods), tuple(held), self._replicas, tuple(backed_up), self._has_backup,
-                          protocol=PROTOCOL_VERSION, waiting=waiting, lineages=tuple(lineages))  # fmt: skip
+        held.extend(
+            HeldStep(r.job.namespace, r.job.job, r.step, r.rank, replica=True, timeline=r.timeline) for r in replicas
+        )
+        return NodeReport(
+            *self._identity,
+            tuple(pods),
+            tuple(held),
+            self._replicas,
+            tuple(backed_up),
+            self._has_backup,
+            protocol=PROTOCOL_VERSION,
+            waiting=waiting,
+            lineages=tuple(lineages),
+        )
 
     def due(self, report: NodeReport, now: float) -> bool:
         """Whether ``report`` should be sent at ``now`` (monotonic seconds)."""
@@ -127,7 +156,11 @@ class ReportSession:
         if reply.want_files:
             self._sent_files.clear()
         else:
-            self._sent_files.update(HeldCopy(JobRef(h.namespace, h.job), h.step, h.rank, h.timeline) for h in report.held if h.files is not None)
+            self._sent_files.update(
+                HeldCopy(JobRef(h.namespace, h.job), h.step, h.rank, h.timeline)
+                for h in report.held
+                if h.files is not None
+            )
         self.list_backups = set(reply.list_backups)
 
     def failed(self, now: float) -> None:
@@ -135,6 +168,8 @@ class ReportSession:
         after ``REPORT_RETRY_FIRST_SECONDS`` doubling with each failure up to ``REPORT_RETRY_MAX_SECONDS``,
         times U(0.5, 1) so that a cluster's agents spread out."""
         self._failures += 1
-        backoff = min(timing.REPORT_RETRY_MAX_SECONDS, timing.REPORT_RETRY_FIRST_SECONDS * 2 ** min(self._failures - 1, 16))
+        backoff = min(
+            timing.REPORT_RETRY_MAX_SECONDS, timing.REPORT_RETRY_FIRST_SECONDS * 2 ** min(self._failures - 1, 16)
+        )
         self._retry_at = now + backoff * random.uniform(0.5, 1.0)
         self.poked = True

@@ -30,8 +30,13 @@ class CpuShare:
       ValueError: ``cores`` or ``burst_seconds`` is not positive.
     """
 
-    def __init__(self, cores: float, burst_seconds: float = 0.2, clock: Callable[[], float] = time.monotonic,
-                 cpu_clock: Callable[[], float] = time.process_time):
+    def __init__(
+        self,
+        cores: float,
+        burst_seconds: float = 0.2,
+        clock: Callable[[], float] = time.monotonic,
+        cpu_clock: Callable[[], float] = time.process_time,
+    ):
         if cores <= 0 or burst_seconds <= 0:
             raise ValueError(f"cores ({cores}) and burst_seconds ({burst_seconds}) must be positive")
         self.cores = cores

@@ -91,7 +91,9 @@ def _error_kind(status: int) -> type[PeerFetchError]:
 async def _raise_for(response: aiohttp.ClientResponse, what: str) -> None:
     """Raises PeerFetchError (UnusablePeerCopy for 404/410) with the peer's ``{"error"}`` unless ``response`` is a 2xx."""
     if response.status >= 300:
-        raise _error_kind(response.status)(f"{what}: {_error_message(response.status, await response.text(errors='replace'))}")
+        raise _error_kind(response.status)(
+            f"{what}: {_error_message(response.status, await response.text(errors='replace'))}"
+        )
 
 
 async def _run_all(jobs: list[Callable[[], Awaitable]], concurrency: int) -> list:
@@ -114,8 +116,9 @@ async def _run_all(jobs: list[Callable[[], Awaitable]], concurrency: int) -> lis
     return results
 
 
-async def fetch_manifest(session: aiohttp.ClientSession, base_url: str, token: str, namespace: str, job: str,
-                         rank: int, step: int) -> StepManifest:
+async def fetch_manifest(
+    session: aiohttp.ClientSession, base_url: str, token: str, namespace: str, job: str, rank: int, step: int
+) -> StepManifest:
     """The manifest a peer holds for ``rank``'s ``step``.
 
     Raises:
@@ -153,8 +156,11 @@ def _create_files(dest_dir: str, manifest: StepManifest) -> dict[str, int]:
     """
     stats = os.statvfs(dest_dir)
     if stats.f_bavail * stats.f_frsize < manifest.total_bytes:
-        raise OSError(errno.ENOSPC, f"{dest_dir} has {stats.f_bavail * stats.f_frsize} bytes free,"
-                                    f" step {manifest.step} of rank {manifest.rank} needs {manifest.total_bytes}")
+        raise OSError(
+            errno.ENOSPC,
+            f"{dest_dir} has {stats.f_bavail * stats.f_frsize} bytes free,"
+            f" step {manifest.step} of rank {manifest.rank} needs {manifest.total_bytes}",
+        )
     fds = {}
     try:
         for rel, (size, _) in manifest.files.items():
@@ -202,8 +208,9 @@ def _network(what: str):
         raise PeerFetchError(f"{what}: {err!r}") from None
 
 
-def _get_range(connection: http.client.HTTPConnection, peer: _Peer, path: str, fd: int, start: int, end: int,
-               stop: threading.Event) -> int:
+def _get_range(
+    connection: http.client.HTTPConnection, peer: _Peer, path: str, fd: int, start: int, end: int, stop: threading.Event
+) -> int:
     """GETs bytes [start, end) of the file at URL path ``path`` into the same offsets of ``fd``.
 
     Returns:
@@ -222,8 +229,11 @@ def _get_range(connection: http.client.HTTPConnection, peer: _Peer, path: str, f
         if response.status != 206:
             body = response.read(_MAX_ERROR_BODY_BYTES).decode(errors="replace")
             connection.close()
-            raise _error_kind(response.status)(f"{what}: {_error_message(response.status, body)}" if response.status >= 300 else
-                                               f"{what}: HTTP {response.status} instead of 206 Partial Content")
+            raise _error_kind(response.status)(
+                f"{what}: {_error_message(response.status, body)}"
+                if response.status >= 300
+                else f"{what}: HTTP {response.status} instead of 206 Partial Content"
+            )
     if response.length != end - start:
         connection.close()
         raise PeerFetchError(f"{what}: the peer answers with {response.length} bytes")
@@ -234,7 +244,7 @@ def _get_range(connection: http.client.HTTPConnection, peer: _Peer, path: str, f
             connection.close()
             raise _Stopped()
         with _network(what):
-            received = response.readinto(buffer[:end - offset])
+            received = response.readinto(buffer[: end - offset])
         if not received:
             raise PeerFetchError(f"{what}: the peer sent {offset - start} bytes")
         pwrite_all(fd, buffer[:received], offset)
@@ -243,8 +253,15 @@ def _get_range(connection: http.client.HTTPConnection, peer: _Peer, path: str, f
     return crc
 
 
-def _download(peer: _Peer, step_path: str, ranges: list[tuple[str, int, int]], fds: dict[str, int], workers: int,
-              stop: threading.Event, on_range: Callable[[int], None] | None = None) -> list[int]:
+def _download(
+    peer: _Peer,
+    step_path: str,
+    ranges: list[tuple[str, int, int]],
+    fds: dict[str, int],
+    workers: int,
+    stop: threading.Event,
+    on_range: Callable[[int], None] | None = None,
+) -> list[int]:
     """Fetches ``ranges`` ((relative path, start, end)) on ``workers`` threads, one connection each;
     returns each range's CRC-32C, in order, and calls ``on_range`` with each range's length as it
     lands. The first failure stops the others and is raised."""
@@ -280,10 +297,20 @@ def _download(peer: _Peer, step_path: str, ranges: list[tuple[str, int, int]], f
     return crcs
 
 
-async def fetch_step(base_url: str, token: str, namespace: str, job: str, manifest: StepManifest, dest_dir: str, *,
-                     ssl_context: ssl.SSLContext | None = None, workers: int | None = None,
-                     range_bytes: int = DEFAULT_RANGE_BYTES, timeout: float = timing.PEER_READ_TIMEOUT_SECONDS,
-                     on_range: Callable[[int], None] | None = None) -> None:
+async def fetch_step(
+    base_url: str,
+    token: str,
+    namespace: str,
+    job: str,
+    manifest: StepManifest,
+    dest_dir: str,
+    *,
+    ssl_context: ssl.SSLContext | None = None,
+    workers: int | None = None,
+    range_bytes: int = DEFAULT_RANGE_BYTES,
+    timeout: float = timing.PEER_READ_TIMEOUT_SECONDS,
+    on_range: Callable[[int], None] | None = None,
+) -> None:
     """Downloads ``manifest``'s rank and step from a peer into ``dest_dir`` and checks every byte against it.
 
     Args:
@@ -313,12 +340,17 @@ async def fetch_step(base_url: str, token: str, namespace: str, job: str, manife
         raise PeerFetchError(f"the expected manifest of rank {manifest.rank} step {manifest.step}: {err}") from None
     peer = _Peer(base_url, token, ssl_context, timeout)
     step_path = peer.path + _step_url("", namespace, job, manifest.rank, manifest.step)
-    ranges = [(rel, start, min(start + range_bytes, size))
-              for rel, (size, _) in manifest.files.items() for start in range(0, size, range_bytes)]
+    ranges = [
+        (rel, start, min(start + range_bytes, size))
+        for rel, (size, _) in manifest.files.items()
+        for start in range(0, size, range_bytes)
+    ]
     fds = await asyncio.to_thread(_create_files, dest_dir, manifest)
     stop = threading.Event()
     try:
-        download = asyncio.ensure_future(asyncio.to_thread(_download, peer, step_path, ranges, fds, workers or os.cpu_count() or 1, stop, on_range))
+        download = asyncio.ensure_future(
+            asyncio.to_thread(_download, peer, step_path, ranges, fds, workers or os.cpu_count() or 1, stop, on_range)
+        )
         try:
             range_crcs = await asyncio.shield(download)
         except asyncio.CancelledError:
@@ -334,7 +366,9 @@ async def fetch_step(base_url: str, token: str, namespace: str, job: str, manife
         file_crcs[rel] = crc32c_combine(file_crcs[rel], crc, end - start)
     problems = [f"{rel}: crc32c mismatch" for rel, (_, crc) in manifest.files.items() if f"{file_crcs[rel]:08x}" != crc]
     if problems:
-        raise CorruptPeerCopy(f"rank {manifest.rank} step {manifest.step} from {base_url} fails verification: {'; '.join(problems)}")
+        raise CorruptPeerCopy(
+            f"rank {manifest.rank} step {manifest.step} from {base_url} fails verification: {'; '.join(problems)}"
+        )
 
 
 async def _file_body(fd: int, size: int, share: CpuShare | None) -> AsyncIterator[bytes]:
@@ -348,8 +382,17 @@ async def _file_body(fd: int, size: int, share: CpuShare | None) -> AsyncIterato
             await share.wait()
 
 
-async def push_step(session: aiohttp.ClientSession, base_url: str, token: str, namespace: str, job: str,
-                    step_dir: str, manifest: StepManifest, concurrency: int = 4, share: CpuShare | None = None) -> None:
+async def push_step(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    token: str,
+    namespace: str,
+    job: str,
+    step_dir: str,
+    manifest: StepManifest,
+    concurrency: int = 4,
+    share: CpuShare | None = None,
+) -> None:
     """Pushes a step to a peer as a replica: every file streamed from disk, then a commit.
 
     The peer verifies the files against ``manifest`` and only then installs them, replacing any
@@ -377,8 +420,9 @@ async def push_step(session: aiohttp.ClientSession, base_url: str, token: str, n
         fd = pod_files.open_relative(root, rel)
         try:
             size = os.fstat(fd).st_size  # sent as Content-Length: the peer refuses what cannot fit before it is sent
-            async with session.put(_file_url(url, rel), data=_file_body(fd, size, share),
-                                   headers={**headers, "Content-Length": str(size)}) as response:
+            async with session.put(
+                _file_url(url, rel), data=_file_body(fd, size, share), headers={**headers, "Content-Length": str(size)}
+            ) as response:
                 await _raise_for(response, f"PUT {rel} to {base_url}")
         finally:
             os.close(fd)
@@ -386,8 +430,9 @@ async def push_step(session: aiohttp.ClientSession, base_url: str, token: str, n
     try:
         with pod_files.open_dir(step_dir) as root:
             await _run_all([functools.partial(put, root, rel) for rel in manifest.files], concurrency)
-        async with session.post(url + COMMIT_SUFFIX, data=manifest.to_json(),
-                                headers={**headers, "Content-Type": "application/json"}) as response:
+        async with session.post(
+            url + COMMIT_SUFFIX, data=manifest.to_json(), headers={**headers, "Content-Type": "application/json"}
+        ) as response:
             await _raise_for(response, f"commit of rank {manifest.rank} step {manifest.step} to {base_url}")
     except (TimeoutError, aiohttp.ClientError) as err:
         raise PeerFetchError(f"pushing rank {manifest.rank} step {manifest.step} to {base_url}: {err!r}") from None

@@ -110,9 +110,13 @@ class _Uploads:
         if upload is None:
             self._forget_idle()
             self._check_room(ref, declared)
-            upload = self._by_id[upload_id] = _Upload(ref.meta.new_incoming_dir(), (ref.ramdisk, ref.rank, ref.step), declared)
+            upload = self._by_id[upload_id] = _Upload(
+                ref.meta.new_incoming_dir(), (ref.ramdisk, ref.rank, ref.step), declared
+            )
         elif upload.discarded:
-            raise error_response(web.HTTPGone, f"upload {upload_id} was discarded after an error; push again with a new id")
+            raise error_response(
+                web.HTTPGone, f"upload {upload_id} was discarded after an error; push again with a new id"
+            )
         elif upload.target != (ref.ramdisk, ref.rank, ref.step):
             raise error_response(web.HTTPConflict, f"upload {upload_id} belongs to another job, rank or step")
         upload.active += 1
@@ -125,16 +129,23 @@ class _Uploads:
         """(bytes a new upload of ``declared`` bytes needs free: itself, the job's next save and what
         other uploads to the ramdisk still have to write; the part of it that is the next save's)."""
         kept = space.next_save_bytes(ref.meta)
-        pending = sum(max(0, u.declared - u.written) for u in self._by_id.values() if u.target[0] == ref.ramdisk and not u.discarded)
+        pending = sum(
+            max(0, u.declared - u.written)
+            for u in self._by_id.values()
+            if u.target[0] == ref.ramdisk and not u.discarded
+        )
         return declared + kept + pending, kept
 
     def _check_room(self, ref: _StepRef, declared: int) -> None:
         """Refuses (507) a new upload of ``declared`` bytes that does not fit (``room_needed``)."""
         (needed, kept), free = self.room_needed(ref, declared), space.free_bytes(ref.ramdisk)
         if needed > free:
-            raise error_response(web.HTTPInsufficientStorage, f"rank {ref.rank} step {ref.step} ({declared} bytes) does not fit: the ramdisk has"
-                                 f" {free} bytes free, keeps {kept} for the job's next save and {needed - declared - kept} for uploads"
-                                 f" in progress")  # fmt: skip
+            raise error_response(
+                web.HTTPInsufficientStorage,
+                f"rank {ref.rank} step {ref.step} ({declared} bytes) does not fit: the ramdisk has"
+                f" {free} bytes free, keeps {kept} for the job's next save and {needed - declared - kept} for uploads"
+                f" in progress",
+            )
 
     def release(self, upload: _Upload) -> None:
         upload.active -= 1
@@ -206,7 +217,9 @@ def _open_inside(step_dir: str, rel: str) -> int:
         with pod_files.open_dir(step_dir) as root:
             return pod_files.open_relative(root, rel)
     except pod_files.UnsafeEntry as err:
-        raise error_response(web.HTTPBadRequest, f"{rel} is not a regular file inside the step directory: {err}") from None
+        raise error_response(
+            web.HTTPBadRequest, f"{rel} is not a regular file inside the step directory: {err}"
+        ) from None
     except OSError as err:
         raise error_response(web.HTTPNotFound, f"{rel} is listed but cannot be opened: {err.strerror}") from None
 
@@ -232,8 +245,12 @@ async def _read_manifest(request: web.Request, ref: _StepRef) -> StepManifest:
     async for chunk in request.content.iter_chunked(1 << 16):
         body += chunk
         if len(body) > _MAX_MANIFEST_BYTES:
-            raise error_response(web.HTTPRequestEntityTooLarge, f"manifest over {_MAX_MANIFEST_BYTES} bytes",
-                        max_size=_MAX_MANIFEST_BYTES, actual_size=len(body))
+            raise error_response(
+                web.HTTPRequestEntityTooLarge,
+                f"manifest over {_MAX_MANIFEST_BYTES} bytes",
+                max_size=_MAX_MANIFEST_BYTES,
+                actual_size=len(body),
+            )
     try:
         manifest = StepManifest.from_json(body.decode())
         for rel in manifest.files:
@@ -241,7 +258,10 @@ async def _read_manifest(request: web.Request, ref: _StepRef) -> StepManifest:
     except (ValueError, KeyError, TypeError) as err:
         raise error_response(web.HTTPBadRequest, f"body is not a valid manifest: {err}") from None
     if (manifest.rank, manifest.step) != (ref.rank, ref.step):
-        raise error_response(web.HTTPBadRequest, f"manifest is for rank {manifest.rank} step {manifest.step}, not rank {ref.rank} step {ref.step}")
+        raise error_response(
+            web.HTTPBadRequest,
+            f"manifest is for rank {manifest.rank} step {manifest.step}, not rank {ref.rank} step {ref.step}",
+        )
     return manifest
 
 
@@ -261,7 +281,9 @@ async def _receive(request: web.Request, path: str, share: CpuShare | None) -> i
 class _PeerService:
     """The handlers, sharing the job lookup and the uploads in progress."""
 
-    def __init__(self, locate_ramdisk: Callable[[str, str], str | None], share: CpuShare | None, make_room: MakeRoom | None):
+    def __init__(
+        self, locate_ramdisk: Callable[[str, str], str | None], share: CpuShare | None, make_room: MakeRoom | None
+    ):
         self._locate_ramdisk = locate_ramdisk
         self._share = share
         self._make_room = make_room
@@ -295,8 +317,12 @@ class _PeerService:
           HTTPNotFound: the step or the file is not held here, in three lookups 50 ms apart.
           HTTPBadRequest: ``rel`` is not a regular file inside the step directory.
         """
-        async for attempt in tenacity.AsyncRetrying(stop=_LOOKUP_ATTEMPTS, wait=_LOOKUP_WAIT, reraise=True,
-                                                    retry=tenacity.retry_if_exception_type(web.HTTPNotFound)):  # fmt: skip
+        async for attempt in tenacity.AsyncRetrying(
+            stop=_LOOKUP_ATTEMPTS,
+            wait=_LOOKUP_WAIT,
+            reraise=True,
+            retry=tenacity.retry_if_exception_type(web.HTTPNotFound),
+        ):
             with attempt:
                 found = ref.meta.locate(ref.rank, ref.step)
                 if found is None:
@@ -311,8 +337,11 @@ class _PeerService:
     async def list_steps(self, request: web.Request) -> web.Response:
         _, meta = self._job(request)
         framework = meta.framework
-        held = {(m.rank, m.step): m.total_bytes for m in meta.manifests().values()
-                if framework.find_step_dir(meta.client_dir, m.step) is not None}
+        held = {
+            (m.rank, m.step): m.total_bytes
+            for m in meta.manifests().values()
+            if framework.find_step_dir(meta.client_dir, m.step) is not None
+        }
         held.update({key: m.total_bytes for key, m in meta.replicas().items()})
         return web.json_response({"steps": [{"rank": r, "step": s, "bytes": n} for (r, s), n in sorted(held.items())]})
 
@@ -325,11 +354,18 @@ class _PeerService:
         return _DescriptorFileResponse(fd)
 
     async def put_file(self, request: web.Request) -> web.Response:
-        ref, rel, upload_id, declared = self._step_ref(request), _path_param(request), _upload_id(request), _declared_bytes(request)
+        ref, rel, upload_id, declared = (
+            self._step_ref(request),
+            _path_param(request),
+            _upload_id(request),
+            _declared_bytes(request),
+        )
         if self._make_room is not None and not self._uploads.known(upload_id):
             needed, _ = self._uploads.room_needed(ref, declared)
             if needed > space.free_bytes(ref.ramdisk):
-                await asyncio.to_thread(self._make_room, request.match_info["namespace"], request.match_info["job"], needed, ref.step)
+                await asyncio.to_thread(
+                    self._make_room, request.match_info["namespace"], request.match_info["job"], needed, ref.step
+                )
         free = space.free_bytes(ref.ramdisk)
         upload = self._uploads.acquire(upload_id, ref, declared)
         try:
@@ -340,10 +376,15 @@ class _PeerService:
         except BaseException as err:
             self._uploads.discard(upload)
             if isinstance(err, OSError) and err.errno == errno.ENOSPC:
-                raise error_response(web.HTTPInsufficientStorage, f"{rel} does not fit: {request.content_length} bytes sent, the ramdisk"
-                            f" had {free} bytes free; upload {upload_id} discarded") from None
+                raise error_response(
+                    web.HTTPInsufficientStorage,
+                    f"{rel} does not fit: {request.content_length} bytes sent, the ramdisk"
+                    f" had {free} bytes free; upload {upload_id} discarded",
+                ) from None
             if isinstance(err, (IsADirectoryError, NotADirectoryError, FileExistsError)):
-                raise error_response(web.HTTPConflict, f"{rel} clashes with another path of upload {upload_id}; upload discarded") from None
+                raise error_response(
+                    web.HTTPConflict, f"{rel} clashes with another path of upload {upload_id}; upload discarded"
+                ) from None
             raise
         finally:
             self._uploads.release(upload)
@@ -362,12 +403,19 @@ class _PeerService:
             if os.path.exists(upload.directory):  # noqa: ASYNC240  # one stat; not installed: verification failed or raised
                 await asyncio.to_thread(shutil.rmtree, upload.directory, True)
         if problems:
-            raise error_response(web.HTTPUnprocessableEntity, f"upload {upload_id} does not match its manifest; discarded", problems)
+            raise error_response(
+                web.HTTPUnprocessableEntity, f"upload {upload_id} does not match its manifest; discarded", problems
+            )
         return web.json_response({"rank": ref.rank, "step": ref.step, "bytes": manifest.total_bytes})
 
 
-def add_peer_routes(app: web.Application, locate_ramdisk: Callable[[str, str], str | None], tokens: Tokens,
-                    share: CpuShare | None = None, make_room: MakeRoom | None = None) -> None:
+def add_peer_routes(
+    app: web.Application,
+    locate_ramdisk: Callable[[str, str], str | None],
+    tokens: Tokens,
+    share: CpuShare | None = None,
+    make_room: MakeRoom | None = None,
+) -> None:
     """Adds the ``/v1/peer`` routes to the node agent's app.
 
     Args:
@@ -381,10 +429,12 @@ def add_peer_routes(app: web.Application, locate_ramdisk: Callable[[str, str], s
         unsafe copies of the job (``replicator.local_tier.space``); or None.
     """
     service = _PeerService(locate_ramdisk, share, make_room)
-    app.add_routes([
-        web.get(STEPS_PATH, require_bearer(service.list_steps, tokens)),
-        web.get(STEP_PATH + MANIFEST_SUFFIX, require_bearer(service.get_manifest, tokens)),
-        web.get(STEP_PATH + FILES_SUFFIX + "{path:.+}", require_bearer(service.get_file, tokens)),
-        web.put(STEP_PATH + FILES_SUFFIX + "{path:.+}", require_bearer(service.put_file, tokens)),
-        web.post(STEP_PATH + COMMIT_SUFFIX, require_bearer(service.commit, tokens)),
-    ])
+    app.add_routes(
+        [
+            web.get(STEPS_PATH, require_bearer(service.list_steps, tokens)),
+            web.get(STEP_PATH + MANIFEST_SUFFIX, require_bearer(service.get_manifest, tokens)),
+            web.get(STEP_PATH + FILES_SUFFIX + "{path:.+}", require_bearer(service.get_file, tokens)),
+            web.put(STEP_PATH + FILES_SUFFIX + "{path:.+}", require_bearer(service.put_file, tokens)),
+            web.post(STEP_PATH + COMMIT_SUFFIX, require_bearer(service.commit, tokens)),
+        ]
+    )

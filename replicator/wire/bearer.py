@@ -34,7 +34,9 @@ def parse_tokens(text: str, source: str) -> tuple[str, ...]:
         raise ValueError(f"token file {source} is empty")
     for number, token in enumerate(tokens, 1):
         if not (token.isascii() and token.isprintable()) or any(c.isspace() for c in token):
-            raise ValueError(f"token file {source}: token {number} holds white space or a character other than printable ASCII")
+            raise ValueError(
+                f"token file {source}: token {number} holds white space or a character other than printable ASCII"
+            )
     return tokens
 
 
@@ -92,7 +94,12 @@ class Tokens:
                     tokens = parse_tokens(f.read().decode("utf-8"), self.path)
             except (OSError, ValueError) as err:
                 self._failed = stamp
-                log.error("token file %s changed but cannot be used, keeping its previous %d token(s): %s", self.path, len(self._tokens), err)
+                log.error(
+                    "token file %s changed but cannot be used, keeping its previous %d token(s): %s",
+                    self.path,
+                    len(self._tokens),
+                    err,
+                )
                 return self._tokens
             if tokens != self._tokens:
                 log.info("token file %s changed: %d token(s), the first is sent", self.path, len(tokens))
@@ -138,7 +145,9 @@ def require_bearer(handler: Handler, tokens: Tokens) -> Handler:
     async def checked(request: web.Request) -> web.StreamResponse:
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
         if scheme != "Bearer" or not tokens.accepts(given):
-            raise error_response(web.HTTPUnauthorized, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+            raise error_response(
+                web.HTTPUnauthorized, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
+            )
         return await handler(request)
 
     return checked

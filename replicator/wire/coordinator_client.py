@@ -42,8 +42,15 @@ class CoordinatorClient:
         self._tokens = tokens  # the current one is sent: a rotation takes effect on the next request
         self._report_session, self._reports = uuid.uuid4().hex, 0  # the order of this process's reports
 
-    async def _call(self, method: str, path: str, body: Any = None, wait: float = 0.0, params: dict[str, str] | None = None,
-                    headers: dict[str, str] | None = None) -> bytes:  # fmt: skip
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        wait: float = 0.0,
+        params: dict[str, str] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> bytes:
         """One request with ``body`` (a message) as JSON; its reply's
         body. A long poll (``wait`` seconds) gets that much more time.
 
@@ -53,10 +60,15 @@ class CoordinatorClient:
         """
         timeout = aiohttp.ClientTimeout(total=timing.REQUEST_TIMEOUT_SECONDS + wait)
         data = None if body is None else msgspec.json.encode(body)
-        headers = {**(self._tokens.header() if self._tokens is not None else {}),
-                   **({"Content-Type": "application/json"} if data is not None else {}), **(headers or {})}  # fmt: skip
+        headers = {
+            **(self._tokens.header() if self._tokens is not None else {}),
+            **({"Content-Type": "application/json"} if data is not None else {}),
+            **(headers or {}),
+        }
         try:
-            async with self._session.request(method, self._base + path, headers=headers, data=data, params=params, timeout=timeout) as response:
+            async with self._session.request(
+                method, self._base + path, headers=headers, data=data, params=params, timeout=timeout
+            ) as response:
                 raw = await response.read()
         except (TimeoutError, aiohttp.ClientError) as err:
             raise CoordinatorUnavailable(f"{method} {path}: {err!r}") from None
@@ -72,7 +84,9 @@ class CoordinatorClient:
         """
         self._reports += 1
         order = {REPORT_ORDER_HEADER: f"{self._report_session}:{self._reports}"}
-        raw = await self._call("POST", "/v1/report", report, wait=MAX_WAIT_SECONDS if report.waiting else 0.0, headers=order)
+        raw = await self._call(
+            "POST", "/v1/report", report, wait=MAX_WAIT_SECONDS if report.waiting else 0.0, headers=order
+        )
         try:
             reply = decode_json(raw, ReportReply)
             check_version(reply.protocol, "the coordinator")
@@ -81,7 +95,11 @@ class CoordinatorClient:
         return reply
 
     async def record_settings(self, pod: PodRank, settings: JobSettings) -> None:
-        await self._call("POST", f"/v1/jobs/{pod.job.namespace}/{pod.job.job}/settings", SettingsRequest(pod.incarnation, pod.rank, settings))
+        await self._call(
+            "POST",
+            f"/v1/jobs/{pod.job.namespace}/{pod.job.job}/settings",
+            SettingsRequest(pod.incarnation, pod.rank, settings),
+        )
 
     async def restore_view(self, pod: PodRank, seen: str | None = None, wait: float = MAX_WAIT_SECONDS) -> RestoreView:
         """The rank's restore view, a long poll of up to ``wait`` seconds (at most ``MAX_WAIT_SECONDS``): it returns once the
@@ -101,11 +119,12 @@ class CoordinatorClient:
         except ValueError as err:
             raise CoordinatorUnavailable(f"GET {path}: {err}") from None
 
-    async def report_staged(self, pod: PodRank, generation: str, source: str | None, bad: list[BadCopy], retrying: bool = False) -> None:
+    async def report_staged(
+        self, pod: PodRank, generation: str, source: str | None, bad: list[BadCopy], retrying: bool = False
+    ) -> None:
         """Reports the rank's staging result (``StagedReport``): the source it used, or None, and the
         copies proven unusable (step, rank, holder)."""
-        report = StagedReport(pod.incarnation, generation, pod.rank, source, tuple(cast(BadCopy, tuple(b)) for b in bad), retrying)
+        report = StagedReport(
+            pod.incarnation, generation, pod.rank, source, tuple(cast(BadCopy, tuple(b)) for b in bad), retrying
+        )
         await self._call("POST", f"/v1/jobs/{pod.job.namespace}/{pod.job.job}/restore", report)
-
-
-

@@ -11,7 +11,9 @@ from typing import Any
 from aiohttp import web
 
 
-def error_response(kind: type[web.HTTPException], message: str, problems: Sequence[str] = (), **kwargs: Any) -> web.HTTPException:
+def error_response(
+    kind: type[web.HTTPException], message: str, problems: Sequence[str] = (), **kwargs: Any
+) -> web.HTTPException:
     """The HTTP error ``kind`` (e.g. ``web.HTTPNotFound``) to raise, with the JSON error body.
 
     Args:

@@ -57,6 +57,7 @@ def extends(longer: tuple[int, ...], shorter: tuple[int, ...]) -> bool:
     """Whether ``longer`` is ``shorter`` followed by more rollbacks (lineages only ever grow)."""
     return len(longer) > len(shorter) and longer[: len(shorter)] == shorter
 
+
 # Messages are frozen and hold only scalars, strings, tuples, dicts of those and other messages: they
 # can take no part in a reference cycle, so the garbage collector need not track them (``gc=False``).
 # The coordinator decodes thousands a second and keeps each node's last report; tracked, they made
@@ -464,9 +465,11 @@ def check_version(theirs: int, who: str) -> None:
     """Raises ``ProtocolMismatch`` naming both versions unless ``theirs`` is in ``compatible_versions()``."""
     accepted = compatible_versions()
     if theirs not in accepted:
-        raise ProtocolMismatch(f"{who} speaks mtc protocol version {theirs}; this side speaks version {PROTOCOL_VERSION} and works with "
-                               f"versions {accepted.start}-{accepted.stop - 1} (adjacent releases): upgrade one release at a time, "
-                               "the coordinator first (docs/upgrading.md)")
+        raise ProtocolMismatch(
+            f"{who} speaks mtc protocol version {theirs}; this side speaks version {PROTOCOL_VERSION} and works with "
+            f"versions {accepted.start}-{accepted.stop - 1} (adjacent releases): upgrade one release at a time, "
+            "the coordinator first (docs/upgrading.md)"
+        )
 
 
 def decode_json(body: bytes, kind: type[M]) -> M:

@@ -56,9 +56,17 @@ _PROJECT_DIRS = ("/csi_driver/", "/replicator/", "/prefetch/")
 
 def step_files() -> dict[str, int]:
     """Relative path -> size of one Orbax-like step: the commit evidence, OCDBT state, process metadata."""
-    fixed = {"_CHECKPOINT_METADATA": 256, "commit_success.txt": 32, "state/_METADATA": 2048, "state/_sharding": 1024,
-             "state/manifest.ocdbt": 512, "state/commit_success.txt": 32, "state/ocdbt.process_0/manifest.ocdbt": 512,
-             "process_metadata/mesh_metadata.json": 256, "process_metadata/commit_success.txt": 32}  # fmt: skip
+    fixed = {
+        "_CHECKPOINT_METADATA": 256,
+        "commit_success.txt": 32,
+        "state/_METADATA": 2048,
+        "state/_sharding": 1024,
+        "state/manifest.ocdbt": 512,
+        "state/commit_success.txt": 32,
+        "state/ocdbt.process_0/manifest.ocdbt": 512,
+        "process_metadata/mesh_metadata.json": 256,
+        "process_metadata/commit_success.txt": 32,
+    }
     data = {f"state/ocdbt.process_0/d/{i:032x}": FILE_BYTES for i in range(FILES_PER_STEP - len(fixed))}
     return {**fixed, **data}
 
@@ -71,7 +79,12 @@ def start_jobs(cluster: LocalCluster, workdir: str) -> list[str]:
         for node, agent in zip(NODES, cluster.agents):
             name = f"idle{index}"
             target = os.path.join(workdir, "pods", f"{name}-{node}", "mount")
-            kubelet.publish(agent.endpoint, target, f"{name}-slice-0-{node}-a", attributes={"nodes": str(len(NODES)), "size": "64Mi"})
+            kubelet.publish(
+                agent.endpoint,
+                target,
+                f"{name}-slice-0-{node}-a",
+                attributes={"nodes": str(len(NODES)), "size": "64Mi"},
+            )
             pods.append((f"{name}-slice", target))
     for job, target in pods:
         init_info = os.path.join(target, JAX_INIT_INFO_FILE)
@@ -133,7 +146,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--window-seconds", type=float, default=12.0, help="length of each of the 3 windows (>= 10)")
     parser.add_argument("--backup", action="store_true", help="agents back up to a file:// store as well")
-    parser.add_argument("--profile", action="store_true", help="run the agent under cProfile and print where its CPU goes")
+    parser.add_argument(
+        "--profile", action="store_true", help="run the agent under cProfile and print where its CPU goes"
+    )
     args = parser.parse_args()
     if args.window_seconds < 10:
         parser.error("--window-seconds must be >= 10: the goal is judged over >= 30 s")
@@ -141,8 +156,13 @@ def main() -> int:
         print("note: not root, the agent uses the dir backend (ramdisks on disk)", file=sys.stderr)
     with scratch_dir("mtc-bench-idle-") as (workdir, cleanup):
         profile_path = os.path.join(workdir, "agent.pstats")
-        cluster = LocalCluster(workdir, listen_address, peer_tier=False, backup=f"file://{workdir}/bucket" if args.backup else None,
-                               agent_wrapper=["tests.bench.profiled", profile_path] if args.profile else None)  # fmt: skip
+        cluster = LocalCluster(
+            workdir,
+            listen_address,
+            peer_tier=False,
+            backup=f"file://{workdir}/bucket" if args.backup else None,
+            agent_wrapper=["tests.bench.profiled", profile_path] if args.profile else None,
+        )
         cleanup.callback(cluster.stop)
         cluster.start(len(NODES))
         jobs = start_jobs(cluster, workdir)
@@ -155,9 +175,11 @@ def main() -> int:
     agent = statistics.median(w[0] for w in windows)
     coordinator = statistics.median(w[1] for w in windows)
     met = agent <= GOAL_PERCENT
-    print(f"node agent CPU at steady state: {JOBS} jobs ({', '.join(jobs)}) of {len(NODES)} nodes, {len(STEPS)} held steps per rank of "
-          f"{FILES_PER_STEP} files, backups {'on (file://)' if args.backup else 'off'}; {WINDOWS} windows of "
-          f"{args.window_seconds:g} s after {SETTLE_SECONDS:g} s settling; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")  # fmt: skip
+    print(
+        f"node agent CPU at steady state: {JOBS} jobs ({', '.join(jobs)}) of {len(NODES)} nodes, {len(STEPS)} held steps per rank of "
+        f"{FILES_PER_STEP} files, backups {'on (file://)' if args.backup else 'off'}; {WINDOWS} windows of "
+        f"{args.window_seconds:g} s after {SETTLE_SECONDS:g} s settling; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"
+    )
     print(f"{'window':<8}{'agent % of a core':>19}{'coordinator %':>15}")
     for index, (a, c) in enumerate(windows):
         print(f"{index:<8}{a:>19.2f}{c:>15.2f}")

@@ -135,8 +135,10 @@ def check_restored(dest: str, manifest: StepManifest, path: str) -> None:
                 checksum.update(chunk)
                 got += len(chunk)
         if (got, checksum.hexdigest().decode()) != (size, crc):
-            raise SystemExit(f"{path}: {rel} restored as {got} bytes with CRC32C {checksum.hexdigest().decode()}, "
-                             f"the source has {size} bytes with {crc}")
+            raise SystemExit(
+                f"{path}: {rel} restored as {got} bytes with CRC32C {checksum.hexdigest().decode()}, "
+                f"the source has {size} bytes with {crc}"
+            )
 
 
 def paths_in(objects: Objects, dest: str) -> dict[str, str]:
@@ -150,17 +152,21 @@ def paths_in(objects: Objects, dest: str) -> dict[str, str]:
 
 def single_streams(download: Callable[[str, str], None]) -> Callable[[Objects, str], None]:
     """A restore of one ``download(object name, path)`` per object, one after another."""
+
     def restore(objects: Objects, dest: str) -> None:
         for name, path in paths_in(objects, dest).items():
             download(name, path)
+
     return restore
 
 
 def all_at_once(manager) -> Callable[[Objects, str], None]:
     """A restore submitting every object to an s3transfer ``manager`` at once (as s5cmd does), then waiting."""
+
     def restore(objects: Objects, dest: str) -> None:
         for future in [manager.download(BUCKET, name, path) for name, path in paths_in(objects, dest).items()]:
             future.result()
+
     return restore
 
 
@@ -169,8 +175,11 @@ def gcs(workdir: str, file_size: int, cleanup: contextlib.ExitStack) -> Backend:
     cleanup.callback(server.stop)
     bucket = server.client().create_bucket(BUCKET)
     single = single_streams(lambda name, path: bucket.blob(name).download_to_filename(path))
-    return Backend(server, open_backup_store(f"gs://{BUCKET}", emulator_host=server.url),
-                   {"single": Baseline("single stream: download_to_filename", single, verifies=True)})
+    return Backend(
+        server,
+        open_backup_store(f"gs://{BUCKET}", emulator_host=server.url),
+        {"single": Baseline("single stream: download_to_filename", single, verifies=True)},
+    )
 
 
 def s3(workdir: str, file_size: int, cleanup: contextlib.ExitStack) -> Backend:
@@ -184,16 +193,26 @@ def s3(workdir: str, file_size: int, cleanup: contextlib.ExitStack) -> Backend:
     cleanup.callback(threaded.shutdown)
     session = botocore.session.get_session()
     crt = CRTTransferManager(
-        create_s3_crt_client(REGION, BotocoreCRTCredentialsWrapper(session.get_credentials()).to_crt_credentials_provider(),
-                             use_ssl=server.url.startswith("https:")),
-        BotocoreCRTRequestSerializer(session, {"region_name": REGION, "endpoint_url": server.url}))
+        create_s3_crt_client(
+            REGION,
+            BotocoreCRTCredentialsWrapper(session.get_credentials()).to_crt_credentials_provider(),
+            use_ssl=server.url.startswith("https:"),
+        ),
+        BotocoreCRTRequestSerializer(session, {"region_name": REGION, "endpoint_url": server.url}),
+    )
     cleanup.callback(crt.shutdown)
-    return Backend(server, open_backup_store(f"s3://{BUCKET}"), {
-        "single": Baseline("single stream: download_file",
-                           single_streams(lambda name, path: client.download_file(BUCKET, name, path, Config=one_stream))),
-        "threaded": Baseline(f"{type(threaded).__name__} (default config)", all_at_once(threaded)),
-        "crt": Baseline(f"{type(crt).__name__} (awscrt)", all_at_once(crt)),
-    })
+    return Backend(
+        server,
+        open_backup_store(f"s3://{BUCKET}"),
+        {
+            "single": Baseline(
+                "single stream: download_file",
+                single_streams(lambda name, path: client.download_file(BUCKET, name, path, Config=one_stream)),
+            ),
+            "threaded": Baseline(f"{type(threaded).__name__} (default config)", all_at_once(threaded)),
+            "crt": Baseline(f"{type(crt).__name__} (awscrt)", all_at_once(crt)),
+        },
+    )
 
 
 def bench(backend: str, start, mib: int) -> None:
@@ -221,11 +240,13 @@ def bench(backend: str, start, mib: int) -> None:
         labels = {"ours": f"ours: download_rank(workers={WORKERS})", "ours-1": "ours: download_rank(workers=1)"}
         labels |= {name: b.label for name, b in setup.baselines.items()}
         verifies = {"ours", "ours-1"} | {name for name, b in setup.baselines.items() if b.verifies}
-        samples: list[dict[str, tuple[float, float, float]]] = []  # per repetition: name -> (wall s, client CPU s, server CPU s)
+        samples: list[
+            dict[str, tuple[float, float, float]]
+        ] = []  # per repetition: name -> (wall s, client CPU s, server CPU s)
         check_cpu: list[float] = []
         peak_rss = server_process.memory_info().rss
         for rep in range(REPETITIONS + 1):  # the first is an untimed warm-up
-            order = list(runs)[rep % len(runs):] + list(runs)[:rep % len(runs)]
+            order = list(runs)[rep % len(runs) :] + list(runs)[: rep % len(runs)]
             sample = {}
             for name in order:
                 dest = os.path.join(workdir, f"restore-{name}")
@@ -244,28 +265,38 @@ def bench(backend: str, start, mib: int) -> None:
             return statistics.median(s[name][i] for s in samples)
 
         check = statistics.median(check_cpu) / gib
-        print(f"{backend + ': restore of one rank':<44}{'wall s':>8}{'MiB/s':>7}{'single/x':>9}"
-              f"{'CPU-s/GiB: client':>19}{'verified':>10}{'server':>8}")
+        print(
+            f"{backend + ': restore of one rank':<44}{'wall s':>8}{'MiB/s':>7}{'single/x':>9}"
+            f"{'CPU-s/GiB: client':>19}{'verified':>10}{'server':>8}"
+        )
         for name, label in labels.items():
             ratio = statistics.median(s["single"][0] / s[name][0] for s in samples)
             client = median(name, 1) / gib
-            print(f"{label:<44}{median(name, 0):>8.3f}{gib * 1024 / median(name, 0):>7.0f}{ratio:>9.2f}"
-                  f"{client:>19.2f}{client + (0 if name in verifies else check):>10.2f}{median(name, 2) / gib:>8.2f}")
+            print(
+                f"{label:<44}{median(name, 0):>8.3f}{gib * 1024 / median(name, 0):>7.0f}{ratio:>9.2f}"
+                f"{client:>19.2f}{client + (0 if name in verifies else check):>10.2f}{median(name, 2) / gib:>8.2f}"
+            )
         ratio = statistics.median(s["single"][0] / s["ours"][0] for s in samples)
         verdict = "PASS" if ratio >= GOAL else "BELOW"
         print(f"{backend}: single/ours = {ratio:.2f} (median of per-repetition ratios), goal >= {GOAL}: {verdict}")
-        print(f"{FILES} x {file_size / MiB:.0f} MiB = {gib * 1024:.0f} MiB, {REPETITIONS} repetitions after a warm-up; "
-              f"every path's files matched the source's CRC32C afterwards; "
-              f"'verified' adds that check's client cost ({check:.2f} CPU-s/GiB) to a path that does not verify as it reads; "
-              f"upload_rank took {upload_seconds:.1f} s; "
-              f"{server.name} peak RSS {peak_rss / MiB:.0f} MiB; {os.cpu_count()} CPUs, "
-              f"load average {os.getloadavg()[0]:.1f}.\n")
+        print(
+            f"{FILES} x {file_size / MiB:.0f} MiB = {gib * 1024:.0f} MiB, {REPETITIONS} repetitions after a warm-up; "
+            f"every path's files matched the source's CRC32C afterwards; "
+            f"'verified' adds that check's client cost ({check:.2f} CPU-s/GiB) to a path that does not verify as it reads; "
+            f"upload_rank took {upload_seconds:.1f} s; "
+            f"{server.name} peak RSS {peak_rss / MiB:.0f} MiB; {os.cpu_count()} CPUs, "
+            f"load average {os.getloadavg()[0]:.1f}.\n"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mib", type=int, default=DEFAULT_MIB, help=f"shard size in MiB, a multiple of {FILES} (default %(default)s)")
-    parser.add_argument("--store", choices=("gs", "s3"), action="append", help="only this store (repeatable; default both)")
+    parser.add_argument(
+        "--mib", type=int, default=DEFAULT_MIB, help=f"shard size in MiB, a multiple of {FILES} (default %(default)s)"
+    )
+    parser.add_argument(
+        "--store", choices=("gs", "s3"), action="append", help="only this store (repeatable; default both)"
+    )
     args = parser.parse_args()
     if args.mib < FILES or args.mib % FILES:
         parser.error(f"--mib must be a positive multiple of {FILES}, not {args.mib}")

@@ -88,9 +88,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as directory:
         cert, key = self_signed_certificate(directory)
         for shared in (False, True):
-            buffer = f"one of {TLS_READ_BUFFER_BYTES // 1024} KiB shared" if shared else f"{asyncio.sslproto.SSLProtocol.max_size // 1024} KiB each"
+            buffer = (
+                f"one of {TLS_READ_BUFFER_BYTES // 1024} KiB shared"
+                if shared
+                else f"{asyncio.sslproto.SSLProtocol.max_size // 1024} KiB each"
+            )
             kilobytes = measure(cert, key, args.connections, shared) / 1e3
-            print(f"TLS read buffer {buffer}: {kilobytes:.1f} KB resident per idle keep-alive connection ({args.connections:,} connections)")
+            print(
+                f"TLS read buffer {buffer}: {kilobytes:.1f} KB resident per idle keep-alive connection ({args.connections:,} connections)"
+            )
     return 0
 
 

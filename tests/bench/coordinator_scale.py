@@ -170,8 +170,14 @@ class SimAgent:
         self.cluster, self.index, self.job, self.position = cluster, index, job, position
         self.node_id = f"node-{index:05d}"
         self.key = JobRef(NAMESPACE, job.name)
-        self.session = ReportSession(self.node_id, f"https://{self.node_id}.sim:8470", None, {"block": f"b{index // SLICE_NODES}"},
-                                     replicas=1, has_backup=True)  # fmt: skip
+        self.session = ReportSession(
+            self.node_id,
+            f"https://{self.node_id}.sim:8470",
+            None,
+            {"block": f"b{index // SLICE_NODES}"},
+            replicas=1,
+            has_backup=True,
+        )
         self.pod: PodReport | None = None
         self.own: dict[int, Files] = {}
         self.own_rank: int | None = None
@@ -217,8 +223,19 @@ class SimAgent:
         self.training, self.next_commit = False, float("inf")
         uid = uuid.uuid4().hex
         slice_index, worker = divmod(self.position, self.job.per_slice)
-        self.pod = PodReport(NAMESPACE, self.job.name, f"{self.job.name}-slice-{slice_index}-{worker}-{uid[:5]}", uid, slice_index,
-                             worker, self.job.nodes, self.job.slices, 8476, self.job.name, time.time())  # fmt: skip
+        self.pod = PodReport(
+            NAMESPACE,
+            self.job.name,
+            f"{self.job.name}-slice-{slice_index}-{worker}-{uid[:5]}",
+            uid,
+            slice_index,
+            worker,
+            self.job.nodes,
+            self.job.slices,
+            8476,
+            self.job.name,
+            time.time(),
+        )
         self.note_change()
 
     def _commit_if_due(self, now: float) -> None:
@@ -240,7 +257,9 @@ class SimAgent:
         now = time.monotonic()
         self.listed_at[key] = now
         self.cluster.stats.list_calls += self.cluster.stats.inside(now)
-        self.listing[key] = BackedUp(key.namespace, key.job, tuple((step, 0) for step in sorted(self.cluster.complete_backups(key))), time.time())
+        self.listing[key] = BackedUp(
+            key.namespace, key.job, tuple((step, 0) for step in sorted(self.cluster.complete_backups(key))), time.time()
+        )
         self.note_change()
 
     # -- the report loop ------------------------------------------------------------------------
@@ -252,7 +271,9 @@ class SimAgent:
             self._commit_if_due(now)
             self._list_if_due(now)
             pod = self.pod
-            own = [OwnStep(HeldCopy(self.key, step, self.own_rank), files) for step, files in self.own.items()]  # timeline 0: no rollback
+            own = [
+                OwnStep(HeldCopy(self.key, step, self.own_rank), files) for step, files in self.own.items()
+            ]  # timeline 0: no rollback
             waiting = pod.incarnation is None
             report = self.session.build([pod], own, self.replicas, self.listing.values(), waiting)
             if self.session.due(report, now):
@@ -309,7 +330,9 @@ class SimAgent:
         for order in reply.retain:
             dropped = [s for s in self.own if s < order.keep_from and s not in order.protected]
             job = JobRef(order.namespace, order.job)
-            gone = {r for r in self.replicas if r.job == job and r.step < order.keep_from and r.step not in order.protected}
+            gone = {
+                r for r in self.replicas if r.job == job and r.step < order.keep_from and r.step not in order.protected
+            }
             for step in dropped:
                 del self.own[step]
             self.replicas -= gone
@@ -319,7 +342,9 @@ class SimAgent:
             key = (order.namespace, order.job, order.step, order.rank, order.incarnation)
             if key not in self.uploaded:
                 self.uploaded.add(key)
-                asyncio.get_running_loop().call_later(UPLOAD_SECONDS, self._uploaded, order.step, order.rank, order.nodes)
+                asyncio.get_running_loop().call_later(
+                    UPLOAD_SECONDS, self._uploaded, order.step, order.rank, order.nodes
+                )
 
     def _uploaded(self, step: int, rank: int, nodes: int) -> None:
         if self.cluster.upload(self.key, step, rank, nodes):
@@ -340,7 +365,9 @@ class SimAgent:
         while view.step is not None and not view.ready:
             if view.generation != staged:
                 source = view.sources[0]  # staged at once: the bench measures the coordinator, not the copy
-                await self._retry(self.client.report_staged, seat, view.generation, f"{source.tier}:{source.holder}", [])
+                await self._retry(
+                    self.client.report_staged, seat, view.generation, f"{source.tier}:{source.holder}", []
+                )
                 staged = view.generation
                 self.cluster.stats.staged[pod.pod_uid] = time.monotonic()
             view = await self._retry(self.client.restore_view, seat, view.token)
@@ -430,7 +457,9 @@ class SimCluster:
         context = self.coordinator.ssl_context()
         timeout = aiohttp.ClientTimeout(total=None)  # the client sets each request's
         for index, agent in enumerate(self.agents):
-            connector = aiohttp.TCPConnector(ssl=context, limit=self.connections, keepalive_timeout=timing.COORDINATOR_KEEPALIVE_SECONDS)
+            connector = aiohttp.TCPConnector(
+                ssl=context, limit=self.connections, keepalive_timeout=timing.COORDINATOR_KEEPALIVE_SECONDS
+            )
             agent.http = aiohttp.ClientSession(connector=connector, timeout=timeout)
             agent.turn = asyncio.Lock() if self.connections == 1 else contextlib.nullcontext()
             agent.client = CoordinatorClient(agent.http, self.coordinator.url, Tokens.of(self.token))
@@ -531,15 +560,25 @@ _LAG_BUCKET = "mtc_coordinator_loop_lag_seconds_bucket"
 
 async def scrape(coordinator: CoordinatorProcess) -> dict[str, float]:
     """The coordinator's ``/metrics``: sample (name with labels) -> value."""
-    async with aiohttp.ClientSession() as session, session.get(coordinator.url + "/metrics", ssl=coordinator.ssl_context()) as response:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(coordinator.url + "/metrics", ssl=coordinator.ssl_context()) as response,
+    ):
         text = await response.text()
-    return {name: float(value) for name, _, value in (line.rpartition(" ") for line in text.splitlines() if line and not line.startswith("#"))}
+    return {
+        name: float(value)
+        for name, _, value in (line.rpartition(" ") for line in text.splitlines() if line and not line.startswith("#"))
+    }
 
 
 def lag_p99(before: dict[str, float], after: dict[str, float]) -> float:
     """The upper bound of the histogram bucket holding the 99th percentile of the coordinator's
     event-loop lag between two scrapes, seconds (infinite past the last bucket)."""
-    counts = sorted((float(name.split('le="')[1].rstrip('"}')), after[name] - before.get(name, 0.0)) for name in after if name.startswith(_LAG_BUCKET))
+    counts = sorted(
+        (float(name.split('le="')[1].rstrip('"}')), after[name] - before.get(name, 0.0))
+        for name in after
+        if name.startswith(_LAG_BUCKET)
+    )
     return next((bound for bound, count in counts if count >= 0.99 * counts[-1][1]), math.inf)
 
 
@@ -567,7 +606,9 @@ async def steady_window(cluster: SimCluster, seconds: float) -> dict:
     for agent in cluster.agents:
         agent._ideal_heartbeats(started + seconds)
     wall = time.monotonic() - started
-    coordinator_cpu, generator_cpu = (100 * (sum(p.cpu_times()[:2]) - c) / wall for p, c in zip((coordinator, generator), cpu))
+    coordinator_cpu, generator_cpu = (
+        100 * (sum(p.cpu_times()[:2]) - c) / wall for p, c in zip((coordinator, generator), cpu)
+    )
     after = await scrape(cluster.coordinator)
     stats.window = None
     # Per job and hour: every node the coordinator designated lister in the window lists every
@@ -613,7 +654,10 @@ async def replace_every_pod(cluster: SimCluster) -> dict:
     try:
         await cluster.until(lambda: sum(u in stats.assigned for u in uids), "new pods assigned")
         sent = [stats.publish_sent[u] for u in uids]
-        figures |= {"assign_seconds": max(stats.assigned[u] for u in uids) - max(sent), "publish_spread": max(sent) - min(sent)}
+        figures |= {
+            "assign_seconds": max(stats.assigned[u] for u in uids) - max(sent),
+            "publish_spread": max(sent) - min(sent),
+        }
         await cluster.until(lambda: sum(u in stats.ready for u in uids), "ranks ready")
     except TimeoutError as err:
         progress(f"{err}: recorded as missed")
@@ -629,8 +673,12 @@ def start_coordinator(workdir: str) -> tuple[CoordinatorProcess, str]:
     token = uuid.uuid4().hex
     with open(token_file, "w", encoding="utf-8") as f:
         f.write(token + "\n")
-    coordinator = CoordinatorProcess(workdir, f"127.0.0.1:{free_port('127.0.0.1')}", ["--token-file", token_file],
-                                     tls=self_signed_certificate(os.path.join(workdir, "tls")))  # fmt: skip
+    coordinator = CoordinatorProcess(
+        workdir,
+        f"127.0.0.1:{free_port('127.0.0.1')}",
+        ["--token-file", token_file],
+        tls=self_signed_certificate(os.path.join(workdir, "tls")),
+    )
     return coordinator.start(), token
 
 
@@ -644,8 +692,14 @@ async def run_cluster(workdir: str, jobs: list[JobSpec], seconds: float, replace
         formed = time.monotonic()
         await cluster.start()
         gc.freeze()  # the agents' state, formed: the generator's collections need not walk it again
-        progress(f"{name}: {len(cluster.agents)} agents in {len(jobs)} jobs trained after {time.monotonic() - formed:.0f} s; settling, then measuring")
-        figures = {"formed_seconds": time.monotonic() - formed, "connections": cluster.connections, **await steady_window(cluster, seconds)}
+        progress(
+            f"{name}: {len(cluster.agents)} agents in {len(jobs)} jobs trained after {time.monotonic() - formed:.0f} s; settling, then measuring"
+        )
+        figures = {
+            "formed_seconds": time.monotonic() - formed,
+            "connections": cluster.connections,
+            **await steady_window(cluster, seconds),
+        }
         progress(f"{name}: " + ", ".join(f"{k} {v:.3g}" for k, v in figures.items()))
         if replace:
             progress(f"{name}: replacing every pod")
@@ -682,32 +736,82 @@ def judge(nodes: int, steady: dict, many: dict) -> list[tuple[str, str, str, boo
     for name, f in (("steady", steady), ("many jobs", many)):
         generator_bound = f["achieved"] < 0.95 * f["offered"] or f["generator_cpu"] >= 90 or f["loop_lag_p99"] > 0.25
         rows += [
-            (f"{name}: coordinator CPU", f"{f['coordinator_cpu']:.1f} % of a core", f"<= {GOAL_CPU:g} %", f["coordinator_cpu"] <= GOAL_CPU),
-            (f"{name}: coordinator memory", f"{f['coordinator_rss'] / 2**20:.0f} MiB resident (peak {f['coordinator_peak_rss'] / 2**20:.0f} MiB, "
-             f"idle {f['coordinator_idle_rss'] / 2**20:.0f} MiB): {per_node(f):.0f} KB per node", f"<= {GOAL_KB_PER_NODE:g} KB per node",
-             per_node(f) <= GOAL_KB_PER_NODE),
-            (f"{name}: coordinator CPU per report", f"{10 * f['coordinator_cpu'] / max(f['achieved'], 1):.2f} ms (report handling plus the decision passes)", "-", None),
-            (f"{name}: report p99 latency", f"{f['p99_ms']:.0f} ms", f"<= {GOAL_P99_MS:g} ms", f["p99_ms"] <= GOAL_P99_MS),
-            (f"{name}: coordinator event-loop lag p99", f"<= {1000 * f['coordinator_lag_p99']:.0f} ms (its ticker; what every request waited besides its own handling)", "-", None),
+            (
+                f"{name}: coordinator CPU",
+                f"{f['coordinator_cpu']:.1f} % of a core",
+                f"<= {GOAL_CPU:g} %",
+                f["coordinator_cpu"] <= GOAL_CPU,
+            ),
+            (
+                f"{name}: coordinator memory",
+                f"{f['coordinator_rss'] / 2**20:.0f} MiB resident (peak {f['coordinator_peak_rss'] / 2**20:.0f} MiB, "
+                f"idle {f['coordinator_idle_rss'] / 2**20:.0f} MiB): {per_node(f):.0f} KB per node",
+                f"<= {GOAL_KB_PER_NODE:g} KB per node",
+                per_node(f) <= GOAL_KB_PER_NODE,
+            ),
+            (
+                f"{name}: coordinator CPU per report",
+                f"{10 * f['coordinator_cpu'] / max(f['achieved'], 1):.2f} ms (report handling plus the decision passes)",
+                "-",
+                None,
+            ),
+            (
+                f"{name}: report p99 latency",
+                f"{f['p99_ms']:.0f} ms",
+                f"<= {GOAL_P99_MS:g} ms",
+                f["p99_ms"] <= GOAL_P99_MS,
+            ),
+            (
+                f"{name}: coordinator event-loop lag p99",
+                f"<= {1000 * f['coordinator_lag_p99']:.0f} ms (its ticker; what every request waited besides its own handling)",
+                "-",
+                None,
+            ),
             (f"{name}: nodes expired", f"{f['expired']}", "0", f["expired"] == 0),
-            (f"{name}: list calls per job per hour", f"{f['list_calls']:.1f} ({f['listers_per_job']:.2f} listers/job; {f['listed_in_window']} lists in the window)",
-             f"<= {GOAL_LIST_CALLS:g}", f["list_calls"] <= GOAL_LIST_CALLS),
-            (f"{name}: reports offered / achieved", f"{f['offered']:.0f} / {f['achieved']:.0f} per s (heartbeat {f['heartbeat_seconds']:g} s, "
-             f"{f['errors']} errors)", "achieved ~ offered", None),
+            (
+                f"{name}: list calls per job per hour",
+                f"{f['list_calls']:.1f} ({f['listers_per_job']:.2f} listers/job; {f['listed_in_window']} lists in the window)",
+                f"<= {GOAL_LIST_CALLS:g}",
+                f["list_calls"] <= GOAL_LIST_CALLS,
+            ),
+            (
+                f"{name}: reports offered / achieved",
+                f"{f['offered']:.0f} / {f['achieved']:.0f} per s (heartbeat {f['heartbeat_seconds']:g} s, "
+                f"{f['errors']} errors)",
+                "achieved ~ offered",
+                None,
+            ),
             (f"{name}: bytes received", f"{f['bytes_per_second'] / 1e3:.0f} kB/s of report bodies", "-", None),
-            (f"{name}: load generator", f"{f['generator_cpu']:.0f} % of a core, loop lag p99 {1000 * f['loop_lag_p99']:.0f} ms, "
-             f"change->send p99 {f['lag_p99']:.2f} s, memory +{f['generator_rss_growth'] / 2**20:.0f} MiB with its collector off"
-             f"{': GENERATOR-BOUND' if generator_bound else ''}", "-", None),
-            (f"{name}: held steps per rank, formed in", f"{f['held_per_rank']:.2f}, {f['formed_seconds']:.0f} s "
-             f"({f['connections']} connection{'s' if f['connections'] > 1 else ''} per agent)", "-", None),
-        ]  # fmt: skip
+            (
+                f"{name}: load generator",
+                f"{f['generator_cpu']:.0f} % of a core, loop lag p99 {1000 * f['loop_lag_p99']:.0f} ms, "
+                f"change->send p99 {f['lag_p99']:.2f} s, memory +{f['generator_rss_growth'] / 2**20:.0f} MiB with its collector off"
+                f"{': GENERATOR-BOUND' if generator_bound else ''}",
+                "-",
+                None,
+            ),
+            (
+                f"{name}: held steps per rank, formed in",
+                f"{f['held_per_rank']:.2f}, {f['formed_seconds']:.0f} s "
+                f"({f['connections']} connection{'s' if f['connections'] > 1 else ''} per agent)",
+                "-",
+                None,
+            ),
+        ]
     rows += [
-        ("new incarnation: last publish -> all assigned", f"{seconds(steady['assign_seconds'])} (publishes sent over "
-         f"{steady['publish_spread']:.2f} s)", f"<= {GOAL_ASSIGN_SECONDS:g} s",
-         steady["assign_seconds"] <= GOAL_ASSIGN_SECONDS),
-        ("restore: last staged -> all ready", seconds(steady["ready_seconds"]), f"<= {GOAL_READY_SECONDS:g} s",
-         steady["ready_seconds"] <= GOAL_READY_SECONDS),
-    ]  # fmt: skip
+        (
+            "new incarnation: last publish -> all assigned",
+            f"{seconds(steady['assign_seconds'])} (publishes sent over {steady['publish_spread']:.2f} s)",
+            f"<= {GOAL_ASSIGN_SECONDS:g} s",
+            steady["assign_seconds"] <= GOAL_ASSIGN_SECONDS,
+        ),
+        (
+            "restore: last staged -> all ready",
+            seconds(steady["ready_seconds"]),
+            f"<= {GOAL_READY_SECONDS:g} s",
+            steady["ready_seconds"] <= GOAL_READY_SECONDS,
+        ),
+    ]
     return rows
 
 
@@ -726,15 +830,28 @@ async def bench(nodes: int, seconds: float) -> list:
     if nodes % SLICE_NODES:
         raise SystemExit(f"--nodes must be a multiple of {SLICE_NODES}")
     with scratch_dir("mtc-bench-scale-") as (workdir, cleanup):
-        steady = await run_cluster(os.path.join(workdir, "steady"), [JobSpec("steady", nodes // SLICE_NODES, SLICE_NODES)], seconds, True, cleanup)
-        many = await run_cluster(os.path.join(workdir, "many"), [JobSpec(f"small-{i}", 1, SMALL_JOB_NODES) for i in range(nodes // SMALL_JOB_NODES)],
-                                 seconds, False, cleanup)  # fmt: skip
+        steady = await run_cluster(
+            os.path.join(workdir, "steady"),
+            [JobSpec("steady", nodes // SLICE_NODES, SLICE_NODES)],
+            seconds,
+            True,
+            cleanup,
+        )
+        many = await run_cluster(
+            os.path.join(workdir, "many"),
+            [JobSpec(f"small-{i}", 1, SMALL_JOB_NODES) for i in range(nodes // SMALL_JOB_NODES)],
+            seconds,
+            False,
+            cleanup,
+        )
     return judge(nodes, steady, many)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--nodes", type=int, action="append", help="simulated node agents (a multiple of 250); repeat for several")
+    parser.add_argument(
+        "--nodes", type=int, action="append", help="simulated node agents (a multiple of 250); repeat for several"
+    )
     parser.add_argument("--seconds", type=float, default=60.0, help="length of each steady window (issue 9: 60)")
     args = parser.parse_args()
     # Each process holds one end of every agent's connections: the soft limit up to the hard one
@@ -743,7 +860,9 @@ def main() -> int:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     wanted = connections_per_agent(nodes) * nodes + SPARE_FILES
     if soft != resource.RLIM_INFINITY and soft < wanted:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted if hard == resource.RLIM_INFINITY else min(wanted, hard), hard))
+        resource.setrlimit(
+            resource.RLIMIT_NOFILE, (wanted if hard == resource.RLIM_INFINITY else min(wanted, hard), hard)
+        )
     gc.set_threshold(*GC_THRESHOLDS)  # the coordinator's (``run_coordinator``), for the same reason
     all_met = True
     results = {}
@@ -755,8 +874,10 @@ def main() -> int:
         results[nodes] = rows
         print_rows(nodes, rows)
         all_met &= all(met is not False for *_, met in rows)
-    print(f"\ncoordinator scale: steady windows of {args.seconds:g} s; {os.cpu_count()} CPUs shared by the coordinator and the load "
-          f"generator (one process, one event loop); load average {os.getloadavg()[0]:.1f}: {'every goal met' if all_met else 'goals MISSED'}")  # fmt: skip
+    print(
+        f"\ncoordinator scale: steady windows of {args.seconds:g} s; {os.cpu_count()} CPUs shared by the coordinator and the load "
+        f"generator (one process, one event loop); load average {os.getloadavg()[0]:.1f}: {'every goal met' if all_met else 'goals MISSED'}"
+    )
     return 0 if all_met else 1
 
 

@@ -57,7 +57,9 @@ class SimNode:
         self.index, self.job, self.position = index, job, position
         self.key = JobRef(NAMESPACE, job.name)
         node_id = f"node-{index:06d}"
-        self.session = ReportSession(node_id, f"https://{node_id}.sim:8470", None, {"block": f"b{index // SLICE_NODES}"}, 1, True)
+        self.session = ReportSession(
+            node_id, f"https://{node_id}.sim:8470", None, {"block": f"b{index // SLICE_NODES}"}, 1, True
+        )
         self.pod: PodReport | None = None
         self.rank: int | None = None
         self.own: dict[int, dict] = {}
@@ -71,8 +73,19 @@ class SimNode:
     def publish(self, generation: int) -> None:
         slice_index, worker = divmod(self.position, self.job.per_slice)
         uid = f"{self.job.name}-{generation}-{self.position}"
-        self.pod = PodReport(NAMESPACE, self.job.name, f"{self.job.name}-slice-{slice_index}-{worker}-{generation}", uid, slice_index,
-                             worker, self.job.nodes, self.job.slices, 8476, self.job.name, float(generation))  # fmt: skip
+        self.pod = PodReport(
+            NAMESPACE,
+            self.job.name,
+            f"{self.job.name}-slice-{slice_index}-{worker}-{generation}",
+            uid,
+            slice_index,
+            worker,
+            self.job.nodes,
+            self.job.slices,
+            8476,
+            self.job.name,
+            float(generation),
+        )
 
     def report(self) -> NodeReport:
         own = [OwnStep(HeldCopy(self.key, step, self.rank), files) for step, files in self.own.items()]
@@ -144,14 +157,19 @@ class Sim:
         assert all(n.pod.incarnation is not None for n in self.nodes), "every pod is assigned"
         for node in self.nodes:
             incarnation = self.state.job(node.key).incarnation.incarnation_id
-            settings = decode_json(msgspec.json.encode(node.job.settings(node.rank)), JobSettings)  # as the service decodes it
+            settings = decode_json(
+                msgspec.json.encode(node.job.settings(node.rank)), JobSettings
+            )  # as the service decodes it
             self.state.record_settings(node.key, incarnation, node.rank, settings)
         return took
 
     def train(self, first_step: int) -> None:
         """Every rank commits ``HELD_STEPS`` steps; replicas land; the coordinator decides."""
         for node in self.nodes:
-            node.own = {s: rank_files(s, node.rank, node.job.per_slice) for s in range(first_step, first_step + HELD_STEPS * STEP_NUMBERS, STEP_NUMBERS)}
+            node.own = {
+                s: rank_files(s, node.rank, node.job.per_slice)
+                for s in range(first_step, first_step + HELD_STEPS * STEP_NUMBERS, STEP_NUMBERS)
+            }
         for _ in range(3):  # the checksums; the replica orders; the replicas
             self.round(1.0)
 
@@ -160,7 +178,7 @@ class Sim:
         self.now += 1.0
         times = []
         for r in range(REPEATS):
-            batch = self.nodes[(r * BATCH) % len(self.nodes):][:BATCH]
+            batch = self.nodes[(r * BATCH) % len(self.nodes) :][:BATCH]
             times.append(sum(self.send(n) for n in batch) / len(batch))
         return statistics.median(times) * 1e3
 
@@ -168,7 +186,7 @@ class Sim:
         """Median ms of ``apply_report`` for a report of a new step (with its checksums) replacing the oldest."""
         times = []
         for r in range(REPEATS):
-            batch = self.nodes[(r * BATCH) % len(self.nodes):][:BATCH]
+            batch = self.nodes[(r * BATCH) % len(self.nodes) :][:BATCH]
             total = 0.0
             for node in batch:
                 newest = max(node.own)
@@ -234,7 +252,11 @@ def run(nodes: int, kind: str, slices: int | None, shards: int, by_type_too: boo
     sim.round(1.0)
     by_type = deep_size(sim.state)
     figures["state_bytes"] = sum(size for size, _ in by_type.values())
-    figures["top"] = sorted(((size, count, name) for name, (size, count) in by_type.items()), reverse=True)[:12] if by_type_too else []
+    figures["top"] = (
+        sorted(((size, count, name) for name, (size, count) in by_type.items()), reverse=True)[:12]
+        if by_type_too
+        else []
+    )
     figures["heartbeat_ms"] = sim.heartbeat_ms()
     figures["commit_ms"] = sim.commit_ms()
     figures["decide_ms"] = sim.decide_ms()
@@ -248,16 +270,24 @@ def main() -> int:
     parser.add_argument("--nodes", type=int, action="append", help="nodes in all (repeatable; default 10,000)")
     parser.add_argument("--layout", choices=("steady", "many"), default="steady")
     parser.add_argument("--slices", type=int, help="slices of the steady job (data parallelism; default N/250)")
-    parser.add_argument("--shards", type=int, default=1, help="coordinators the jobs are split over by job; figures of shard 0")
+    parser.add_argument(
+        "--shards", type=int, default=1, help="coordinators the jobs are split over by job; figures of shard 0"
+    )
     parser.add_argument("--by-type", action="store_true", help="also print the state's memory by type")
     args = parser.parse_args()
     gc.set_threshold(50_000, 50, 1_000)  # as the coordinator's service runs (GC_THRESHOLDS' young generation)
     for nodes in args.nodes or [10_000]:
         f = run(nodes, args.layout, args.slices, args.shards, args.by_type)
         per_node = f["state_bytes"] / f["nodes"]
-        print(f"{args.layout}, {nodes:,} nodes" + (f" ({f['slices']} slices)" if args.layout == "steady" else "") + (f", shard 0 of {args.shards}: {f['nodes']:,} nodes in {f['jobs']:,} jobs" if args.shards > 1 else ""))
+        print(
+            f"{args.layout}, {nodes:,} nodes"
+            + (f" ({f['slices']} slices)" if args.layout == "steady" else "")
+            + (f", shard 0 of {args.shards}: {f['nodes']:,} nodes in {f['jobs']:,} jobs" if args.shards > 1 else "")
+        )
         print(f"  memory of the state: {f['state_bytes'] / 2**20:,.0f} MiB ({per_node / 1e3:.1f} KB per node)")
-        print(f"  apply_report: unchanged heartbeat {f['heartbeat_ms']:.3f} ms, new step with checksums {f['commit_ms']:.3f} ms (median)")
+        print(
+            f"  apply_report: unchanged heartbeat {f['heartbeat_ms']:.3f} ms, new step with checksums {f['commit_ms']:.3f} ms (median)"
+        )
         print(f"  decision pass of the largest job after a change: {f['decide_ms']:.2f} ms (median)")
         print(f"  new incarnation (publishes, forming pass, every reply): {f['incarnation_s']:.2f} s")
         print(f"  restore (plan and every rank's view): {f['restore_s']:.2f} s")

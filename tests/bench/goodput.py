@@ -127,14 +127,42 @@ class OrbaxOnly:
         self.incarnations += 1
         os.makedirs(os.path.join(self.workdir, "logs"), exist_ok=True)
         port = free_port("127.0.0.1")
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", "TENSORSTORE_GCS_HTTP_URL": self.store_url, "STORAGE_EMULATOR_HOST": self.store_url}
+        env = {
+            **os.environ,
+            "JAX_PLATFORMS": "cpu",
+            "TENSORSTORE_GCS_HTTP_URL": self.store_url,
+            "STORAGE_EMULATOR_HOST": self.store_url,
+        }
         self.processes = []
         for rank in range(NODES):
-            command = [sys.executable, ORBAX_JOB, "--mode", self.mode, "--process-id", str(rank), "--nodes", str(NODES),
-                       "--num-slices", str(SLICES), "--coordinator", f"127.0.0.1:{port}", "--local-dir", self._ramdisk(rank),
-                       "--persistent-dir", self.persistent, "--steps", "1000000", "--save-interval-steps", str(SAVE_EVERY),
-                       "--persistent-interval-steps", str(PERSIST_EVERY), "--ballast-mib", str(BALLAST_MIB),
-                       "--step-sleep", str(STEP_SLEEP)]  # fmt: skip
+            command = [
+                sys.executable,
+                ORBAX_JOB,
+                "--mode",
+                self.mode,
+                "--process-id",
+                str(rank),
+                "--nodes",
+                str(NODES),
+                "--num-slices",
+                str(SLICES),
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--local-dir",
+                self._ramdisk(rank),
+                "--persistent-dir",
+                self.persistent,
+                "--steps",
+                "1000000",
+                "--save-interval-steps",
+                str(SAVE_EVERY),
+                "--persistent-interval-steps",
+                str(PERSIST_EVERY),
+                "--ballast-mib",
+                str(BALLAST_MIB),
+                "--step-sleep",
+                str(STEP_SLEEP),
+            ]
             with open(self._log(rank) + ".jsonl", "wb") as out, open(self._log(rank) + ".stderr", "wb") as err:
                 self.processes.append(subprocess.Popen(command, stdout=out, stderr=err, env=env))
 
@@ -168,11 +196,31 @@ class Ours:
     """The job under our agents: ``examples/train.py`` on a ``LocalCluster``."""
 
     def __init__(self, workdir: str, store_url: str):
-        self.cluster = LocalCluster(os.path.join(workdir, "cluster"), listen_address, replicas=1, backup=f"gs://{BUCKET}/ours",
-                                    env={"STORAGE_EMULATOR_HOST": store_url})  # fmt: skip
-        args = ["--steps", "1000000", "--save-interval-steps", str(SAVE_EVERY), "--backup-interval-steps", str(PERSIST_EVERY),
-                "--ballast-mib", str(BALLAST_MIB), "--ballast-layout", "data-parallel", "--async-save", "--step-sleep", str(STEP_SLEEP)]  # fmt: skip
-        self.job = LocalJob("goodput", [], os.path.join(workdir, "job"), args, slices=SLICES, size="1Gi", jax_port=free_port("0.0.0.0"))
+        self.cluster = LocalCluster(
+            os.path.join(workdir, "cluster"),
+            listen_address,
+            replicas=1,
+            backup=f"gs://{BUCKET}/ours",
+            env={"STORAGE_EMULATOR_HOST": store_url},
+        )
+        args = [
+            "--steps",
+            "1000000",
+            "--save-interval-steps",
+            str(SAVE_EVERY),
+            "--backup-interval-steps",
+            str(PERSIST_EVERY),
+            "--ballast-mib",
+            str(BALLAST_MIB),
+            "--ballast-layout",
+            "data-parallel",
+            "--async-save",
+            "--step-sleep",
+            str(STEP_SLEEP),
+        ]
+        self.job = LocalJob(
+            "goodput", [], os.path.join(workdir, "job"), args, slices=SLICES, size="1Gi", jax_port=free_port("0.0.0.0")
+        )
         self.spare = None  # ``bring_up`` starts it
 
     def bring_up(self) -> None:
@@ -204,7 +252,11 @@ class Ours:
 
     def error(self) -> str | None:
         failed = [p for p in self.job.pods if p.process and p.process.poll() not in (None, 0)]
-        return (first_error(failed[0].log_path + ".stderr") or f"{failed[0].name} exited {failed[0].process.returncode}") if failed else None
+        return (
+            (first_error(failed[0].log_path + ".stderr") or f"{failed[0].name} exited {failed[0].process.returncode}")
+            if failed
+            else None
+        )
 
     def last_error(self) -> str | None:
         return next(filter(None, (first_error(p.log_path + ".stderr") for p in self.job.pods)), None)
@@ -274,7 +326,12 @@ def run_setup(name: str, setup, plan: list[tuple[str, float]], final_gap: float)
                 setup.kill()
                 incarnations.append(incarnation_of(setup.events(), time.time()))
                 detail = error or setup.last_error() or "no error printed"
-                return Run(name, incarnations, time.time() - started, f"{reason} after failure {len(incarnations) - 1}: {detail}")
+                return Run(
+                    name,
+                    incarnations,
+                    time.time() - started,
+                    f"{reason} after failure {len(incarnations) - 1}: {detail}",
+                )
             time.sleep(0.1)
         first = min(e["time"] for e in setup.events() if e["event"] == "step")
         while time.time() < first + gap:
@@ -286,7 +343,9 @@ def run_setup(name: str, setup, plan: list[tuple[str, float]], final_gap: float)
         killed_at = time.time()
         setup.kill()
         incarnations.append(incarnation_of(setup.events(), killed_at))
-        print(f"  {name}: {kind} at step {max(incarnations[-1].steps)} (restored {incarnations[-1].restored})", flush=True)
+        print(
+            f"  {name}: {kind} at step {max(incarnations[-1].steps)} (restored {incarnations[-1].restored})", flush=True
+        )
         if kind != "end":
             setup.restart(kind)
     return Run(name, incarnations, time.time() - started)
@@ -294,8 +353,13 @@ def run_setup(name: str, setup, plan: list[tuple[str, float]], final_gap: float)
 
 def ideal_step(runs: list[Run]) -> float:
     """The median time of steps after which nothing was saved, over every run (seconds)."""
-    gaps = [inc.steps[s + 1] - inc.steps[s] for run in runs for inc in run.incarnations for s in inc.steps
-            if s + 1 in inc.steps and s not in inc.saves]  # fmt: skip
+    gaps = [
+        inc.steps[s + 1] - inc.steps[s]
+        for run in runs
+        for inc in run.incarnations
+        for s in inc.steps
+        if s + 1 in inc.steps and s not in inc.saves
+    ]
     return statistics.median(gaps)
 
 
@@ -315,13 +379,18 @@ def figures(run: Run, ideal: float) -> Figures:
     lost = [max(a.steps) - (b.restored or 0) for a, b in zip(incs, incs[1:]) if a.steps and b.steps]
     to_first = [min(b.steps.values()) - a.killed_at for a, b in zip(incs, incs[1:]) if b.steps]
     blocked = [inc.steps[s + 1] - inc.steps[s] - ideal for inc in incs for s in inc.saves if s + 1 in inc.steps]
-    return Figures(kept * ideal / run.wall, kept, lost, to_first, statistics.median(blocked) if blocked else float("nan"))
+    return Figures(
+        kept * ideal / run.wall, kept, lost, to_first, statistics.median(blocked) if blocked else float("nan")
+    )
 
 
 def stalls(run: Run) -> list[tuple[int, float]]:
     """[(last step, seconds)] of the incarnations that logged no step for STALL_S or more before they were killed."""
-    return [(max(inc.steps), inc.killed_at - max(inc.steps.values())) for inc in run.incarnations
-            if inc.steps and inc.killed_at - max(inc.steps.values()) >= STALL_S]  # fmt: skip
+    return [
+        (max(inc.steps), inc.killed_at - max(inc.steps.values()))
+        for inc in run.incarnations
+        if inc.steps and inc.killed_at - max(inc.steps.values()) >= STALL_S
+    ]
 
 
 def modeled(name: str, fig: Figures, copy_bw: float = COPY_BW) -> tuple[float, goodput_model.Costs]:
@@ -330,8 +399,14 @@ def modeled(name: str, fig: Figures, copy_bw: float = COPY_BW) -> tuple[float, g
     restore from RAM or a peer at NEAR_BW."""
     measured = goodput_model.Costs(blocking=max(fig.blocked, 0.0), restart=statistics.median(fig.to_first_step))
     store = name == "persistent"
-    costs = goodput_model.scaled(measured, BALLAST_MIB * 2**20, TARGET_BYTES, copy_bw, STORE_BW if store else NEAR_BW,
-                                 STORE_BW if store else None)  # fmt: skip
+    costs = goodput_model.scaled(
+        measured,
+        BALLAST_MIB * 2**20,
+        TARGET_BYTES,
+        copy_bw,
+        STORE_BW if store else NEAR_BW,
+        STORE_BW if store else None,
+    )
     return goodput_model.goodput(costs, MTBF_S), costs
 
 
@@ -345,8 +420,18 @@ def load_runs(path: str) -> list[Run]:
     """The runs a ``--save-runs`` file holds."""
     with open(path, encoding="utf-8") as f:
         runs = json.load(f)
-    return [Run(r["setup"], [Incarnation(i["restored"], {int(k): v for k, v in i["steps"].items()}, set(i["saves"]), i["killed_at"])
-                             for i in r["incarnations"]], r["wall"], r["stopped"]) for r in runs]  # fmt: skip
+    return [
+        Run(
+            r["setup"],
+            [
+                Incarnation(i["restored"], {int(k): v for k, v in i["steps"].items()}, set(i["saves"]), i["killed_at"])
+                for i in r["incarnations"]
+            ],
+            r["wall"],
+            r["stopped"],
+        )
+        for r in runs
+    ]
 
 
 def main() -> None:
@@ -393,8 +478,10 @@ def main() -> None:
 
 
 def report(runs: list[Run], ideal: float) -> None:
-    print(f"\n{'setup':<11}{'goodput':>8}{'kept':>6}{'wall s':>8}  {'steps lost per failure':<24}{'failure→step s':<26}"
-          f"{'blocked/save s':>15}  model @26 GB/host, MTBF 10 min: goodput (δ, R, τ s)")  # fmt: skip
+    print(
+        f"\n{'setup':<11}{'goodput':>8}{'kept':>6}{'wall s':>8}  {'steps lost per failure':<24}{'failure→step s':<26}"
+        f"{'blocked/save s':>15}  model @26 GB/host, MTBF 10 min: goodput (δ, R, τ s)"
+    )
     results = {}
     for run in runs:
         fig = figures(run, ideal)
@@ -403,10 +490,14 @@ def report(runs: list[Run], ideal: float) -> None:
             model, modeled_text = float("nan"), "— (it stopped training: the model assumes it keeps training)"
         else:
             model, costs = modeled(run.setup, fig)
-            modeled_text = f"{model:.3f} ({costs.blocking:.1f}, {costs.restart:.1f}, {goodput_model.interval(costs, MTBF_S):.0f})"
+            modeled_text = (
+                f"{model:.3f} ({costs.blocking:.1f}, {costs.restart:.1f}, {goodput_model.interval(costs, MTBF_S):.0f})"
+            )
         results[run.setup] = (fig.goodput, model, fig)
-        print(f"{run.setup:<11}{fig.goodput:>8.3f}{fig.kept:>6}{run.wall:>8.0f}  {str(fig.lost):<24}"
-              f"{str([round(s, 1) for s in fig.to_first_step]):<26}{fig.blocked:>15.3f}  {modeled_text}")  # fmt: skip
+        print(
+            f"{run.setup:<11}{fig.goodput:>8.3f}{fig.kept:>6}{run.wall:>8.0f}  {str(fig.lost):<24}"
+            f"{str([round(s, 1) for s in fig.to_first_step]):<26}{fig.blocked:>15.3f}  {modeled_text}"
+        )
         if run.stopped:
             print(f"{'':<11}stopped: {run.stopped}")
         for step, seconds in stalled:
@@ -415,22 +506,28 @@ def report(runs: list[Run], ideal: float) -> None:
     if ours:
         others = [g for name, (g, _, _) in results.items() if name != "ours"]
         above = all(ours[0] > g for g in others)
-        print(f"goal: ours above every alternative in this run: {'MET' if above else 'MISSED'} "
-              f"({ours[0]:.3f} vs {', '.join(f'{n} {g:.3f}' for n, (g, _, _) in results.items() if n != 'ours')}); "
-              f"ours >= {GOAL} in the model: {'MET' if ours[1] >= GOAL else 'MISSED'} ({ours[1]:.3f}; modeled: "
-              f"{', '.join(f'{n} {m:.3f}' for n, (_, m, _) in results.items())})")  # fmt: skip
+        print(
+            f"goal: ours above every alternative in this run: {'MET' if above else 'MISSED'} "
+            f"({ours[0]:.3f} vs {', '.join(f'{n} {g:.3f}' for n, (g, _, _) in results.items() if n != 'ours')}); "
+            f"ours >= {GOAL} in the model: {'MET' if ours[1] >= GOAL else 'MISSED'} ({ours[1]:.3f}; modeled: "
+            f"{', '.join(f'{n} {m:.3f}' for n, (_, m, _) in results.items())})"
+        )
         if not math.isnan(ours[1]):  # modeled: it kept training
             # What the copy out of accelerator memory alone allows: the same blocking with an instant restart.
             costs = modeled("ours", ours[2])[1]
             ceiling = goodput_model.goodput(dataclasses.replace(costs, restart=0.0), MTBF_S)
             needed = copy_bandwidth_for_goal("ours", ours[2])
-            print(f"model: at ours' δ {costs.blocking:.2f} s an instant restart would give {ceiling:.3f}; ours reaches {GOAL} with the "
-                  f"{f'copy out at {needed / 1e9:.0f} GB/s per host' if needed else 'copy out at no bandwidth up to 64x: its restart keeps it below'}")  # fmt: skip
-    print(f"ideal step {ideal:.3f} s (median of steps without a save, all setups); {BALLAST_MIB} MiB per process; local saves "
-          f"every {SAVE_EVERY} steps, persistent every {PERSIST_EVERY}; persistent tier: fake-gcs-server on loopback. "
-          f"Model: {goodput_model.FORMULA}; δ, R measured plus the extra bytes to {TARGET_BYTES / 1e9:.2f} GB/host: copied out at {COPY_BW / 1e9:.0f} "
-          f"GB/s, read from the object store at {STORE_BW / 1e9:.2f} GB/s or RAM/peer at {NEAR_BW / 1e9:.0f} GB/s per host. "
-          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end.")  # fmt: skip
+            print(
+                f"model: at ours' δ {costs.blocking:.2f} s an instant restart would give {ceiling:.3f}; ours reaches {GOAL} with the "
+                f"{f'copy out at {needed / 1e9:.0f} GB/s per host' if needed else 'copy out at no bandwidth up to 64x: its restart keeps it below'}"
+            )
+    print(
+        f"ideal step {ideal:.3f} s (median of steps without a save, all setups); {BALLAST_MIB} MiB per process; local saves "
+        f"every {SAVE_EVERY} steps, persistent every {PERSIST_EVERY}; persistent tier: fake-gcs-server on loopback. "
+        f"Model: {goodput_model.FORMULA}; δ, R measured plus the extra bytes to {TARGET_BYTES / 1e9:.2f} GB/host: copied out at {COPY_BW / 1e9:.0f} "
+        f"GB/s, read from the object store at {STORE_BW / 1e9:.2f} GB/s or RAM/peer at {NEAR_BW / 1e9:.0f} GB/s per host. "
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end."
+    )
 
 
 if __name__ == "__main__":

@@ -74,8 +74,14 @@ def goodput(costs: Costs, mtbf: float, interval_s: float | None = None) -> float
     return max(0.0, tau / cycle * (1 - (costs.restart + cycle / 2) / mtbf))
 
 
-def scaled(measured: Costs, measured_bytes: float, target_bytes: float, copy_bandwidth: float, restore_bandwidth: float,
-           upload_bandwidth: float | None = None) -> Costs:
+def scaled(
+    measured: Costs,
+    measured_bytes: float,
+    target_bytes: float,
+    copy_bandwidth: float,
+    restore_bandwidth: float,
+    upload_bandwidth: float | None = None,
+) -> Costs:
     """``measured`` (at ``measured_bytes`` per host) carried to ``target_bytes`` per host; bandwidths in bytes/s per host.
 
     What was measured is kept as a fixed cost (at small sizes it is mostly that: barriers, metadata, start-up), and
@@ -118,13 +124,19 @@ def torch_gpu_rates(lines: Iterable[str], setup: str = "ours async_save") -> Rat
     Raises:
       ValueError: the lines hold no error-free steady-state row of ``setup``.
     """
-    rows = [row for row in map(json.loads, filter(str.strip, lines))
-            if row.get("kind") == "setup" and row.get("setup") == setup and row.get("save", 1) > 1 and "error" not in row]
+    rows = [
+        row
+        for row in map(json.loads, filter(str.strip, lines))
+        if row.get("kind") == "setup" and row.get("setup") == setup and row.get("save", 1) > 1 and "error" not in row
+    ]
     if not rows:
         raise ValueError(f"no steady-state row of {setup!r} (a save after the first, without an error)")
     largest = max(row["bytes"] for row in rows)
     rows = [row for row in rows if row["bytes"] == largest]
     blocking = statistics.median(row["blocking_s"] for row in rows)
     restore = statistics.median(row["restore_GBps"] for row in rows) * 1e9
-    return Rates(copy=GPUS_PER_HOST * largest / blocking if blocking > 0 else math.inf, restore=GPUS_PER_HOST * restore,
-                 source=f"torch_gpu, {setup}, {largest / 1e9:.1f} GB per GPU, x{GPUS_PER_HOST} GPUs")
+    return Rates(
+        copy=GPUS_PER_HOST * largest / blocking if blocking > 0 else math.inf,
+        restore=GPUS_PER_HOST * restore,
+        source=f"torch_gpu, {setup}, {largest / 1e9:.1f} GB per GPU, x{GPUS_PER_HOST} GPUs",
+    )

@@ -18,7 +18,9 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples"))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
+)
 
 import cpu_cluster
 import jax
@@ -55,9 +57,13 @@ def make_manager(args: argparse.Namespace, mesh: jax.sharding.Mesh, abstract_sta
         return ocp.CheckpointManager(args.persistent_dir, options=options)
     options = emergency.CheckpointManagerOptions(
         local=emergency.LocalCheckpointOptions(save_interval_steps=args.save_interval_steps, max_to_keep=2),
-        persistent=emergency.PersistentCheckpointOptions(save_interval_steps=args.persistent_interval_steps, max_to_keep=2),
+        persistent=emergency.PersistentCheckpointOptions(
+            save_interval_steps=args.persistent_interval_steps, max_to_keep=2
+        ),
     )
-    return emergency.CheckpointManager(args.local_dir, args.persistent_dir, global_mesh=mesh, abstract_state=abstract_state, options=options)
+    return emergency.CheckpointManager(
+        args.local_dir, args.persistent_dir, global_mesh=mesh, abstract_state=abstract_state, options=options
+    )
 
 
 def main() -> None:
@@ -65,7 +71,9 @@ def main() -> None:
     events = train.EventStream()
     flags.FLAGS(sys.argv[:1])  # the emergency manager's restore reads absl flags
     cpu_cluster.report_slice_index(args.nodes // args.num_slices)
-    jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.nodes, process_id=args.process_id)
+    jax.distributed.initialize(
+        coordinator_address=args.coordinator, num_processes=args.nodes, process_id=args.process_id
+    )
     # What Orbax's multi-tier initialization does after JAX's: the emergency manager maps processes to devices by them.
     ocp.multihost.initialize_runtime_to_distributed_ids()
     ocp.multihost.initialize_distributed_to_device_ids()
@@ -91,7 +99,11 @@ def main() -> None:
         loss_value = float(loss.addressable_data(0))
         if rank == 0:
             events.emit("step", step=step, loss=loss_value, time=time.time())
-        save_args = ocp.args.StandardSave(state) if args.mode == "persistent" else ocp.args.Composite(state=ocp.args.PyTreeSave(state))
+        save_args = (
+            ocp.args.StandardSave(state)
+            if args.mode == "persistent"
+            else ocp.args.Composite(state=ocp.args.PyTreeSave(state))
+        )
         if manager.save(step, args=save_args):
             events.emit("saved", step=step, rank=rank)  # started; Orbax finishes it in the background
         if args.step_sleep:

@@ -64,7 +64,9 @@ def serve_peer(ramdisk: str) -> None:
 
     async def serve() -> None:
         app = web.Application()
-        add_peer_routes(app, lambda namespace, job: ramdisk if (namespace, job) == (NAMESPACE, JOB) else None, Tokens.of(TOKEN))
+        add_peer_routes(
+            app, lambda namespace, job: ramdisk if (namespace, job) == (NAMESPACE, JOB) else None, Tokens.of(TOKEN)
+        )
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", 0).start()
@@ -93,7 +95,9 @@ def serve_raw(step_dir: str) -> None:
 
 def start_server(cleanup: contextlib.ExitStack, role: str, path: str) -> int:
     """Starts ``role`` (peer or raw) serving ``path`` in a subprocess; returns its port once it listens."""
-    process = subprocess.Popen([sys.executable, "-m", "tests.bench.peer_restore", role, path], stdout=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.bench.peer_restore", role, path], stdout=subprocess.PIPE, text=True
+    )
     cleanup.callback(process.stdout.close)
     cleanup.callback(process.wait, 10)
     cleanup.callback(process.kill)
@@ -179,17 +183,29 @@ def paths(peer_port: int, raw_port: int, manifest: StepManifest, cores: bool) ->
     block = os.urandom(4 * MiB)
 
     def ours(workers: int) -> Callable[[str], None]:
-        return lambda dest: asyncio.run(fetch_step(f"http://127.0.0.1:{peer_port}", TOKEN, NAMESPACE, JOB, manifest, dest, workers=workers))
+        return lambda dest: asyncio.run(
+            fetch_step(f"http://127.0.0.1:{peer_port}", TOKEN, NAMESPACE, JOB, manifest, dest, workers=workers)
+        )
 
-    found = {"ours": ours(CORES), "raw 1-stream": lambda dest: receive_raw(raw_port, dest, names, 1),
-             f"raw {CORES}-stream": lambda dest: receive_raw(raw_port, dest, names, CORES)}  # fmt: skip
+    found = {
+        "ours": ours(CORES),
+        "raw 1-stream": lambda dest: receive_raw(raw_port, dest, names, 1),
+        f"raw {CORES}-stream": lambda dest: receive_raw(raw_port, dest, names, CORES),
+    }
     if cores:
-        found.update({"ours 1 worker": ours(1), "tmpfs 1 thread": lambda dest: first_touch(dest, names, 1, block),
-                      f"tmpfs {CORES} threads": lambda dest: first_touch(dest, names, CORES, block)})  # fmt: skip
+        found.update(
+            {
+                "ours 1 worker": ours(1),
+                "tmpfs 1 thread": lambda dest: first_touch(dest, names, 1, block),
+                f"tmpfs {CORES} threads": lambda dest: first_touch(dest, names, CORES, block),
+            }
+        )
     return found
 
 
-def measure(receivers: dict[str, Callable[[str], None]], dest_root: str, gib: float, repetitions: int) -> list[dict[str, float]]:
+def measure(
+    receivers: dict[str, Callable[[str], None]], dest_root: str, gib: float, repetitions: int
+) -> list[dict[str, float]]:
     """``repetitions`` samples (GiB/s per path) after one untimed warm-up of each, rotating which goes first."""
     dest = os.path.join(dest_root, "restore")
 
@@ -207,7 +223,7 @@ def measure(receivers: dict[str, Callable[[str], None]], dest_root: str, gib: fl
         once(name)
     samples = []
     for rep in range(repetitions):
-        rotated = order[rep % len(order):] + order[:rep % len(order)]
+        rotated = order[rep % len(order) :] + order[: rep % len(order)]
         samples.append({name: once(name) for name in rotated})
     return samples
 
@@ -230,11 +246,15 @@ def report(samples: list[dict[str, float]], gib: float, cores: bool) -> None:
     if cores:
         row("1 worker vs tmpfs 1 thread", "ours 1 worker", "tmpfs 1 thread", None)
         row(f"{CORES} workers vs tmpfs {CORES} threads", "ours", f"tmpfs {CORES} threads", None)
-        print(f"scaling 1 -> {CORES} cores: ours x{ratio('ours', 'ours 1 worker'):.2f}, "
-              f"first-touch tmpfs x{ratio(f'tmpfs {CORES} threads', 'tmpfs 1 thread'):.2f}")
-    print(f"medians of {len(samples)} repetitions; ratios are medians of per-repetition ratios. {gib:g} GiB in "
-          f"{FILE_SIZE // MiB} MiB files, tmpfs to tmpfs over 127.0.0.1; ours = fetch_step with {CORES} workers "
-          f"incl. the CRC-32C check; {CORES} CPUs, load average {os.getloadavg()[0]:.1f} at the end.")
+        print(
+            f"scaling 1 -> {CORES} cores: ours x{ratio('ours', 'ours 1 worker'):.2f}, "
+            f"first-touch tmpfs x{ratio(f'tmpfs {CORES} threads', 'tmpfs 1 thread'):.2f}"
+        )
+    print(
+        f"medians of {len(samples)} repetitions; ratios are medians of per-repetition ratios. {gib:g} GiB in "
+        f"{FILE_SIZE // MiB} MiB files, tmpfs to tmpfs over 127.0.0.1; ours = fetch_step with {CORES} workers "
+        f"incl. the CRC-32C check; {CORES} CPUs, load average {os.getloadavg()[0]:.1f} at the end."
+    )
 
 
 def main() -> None:
@@ -250,12 +270,18 @@ def main() -> None:
             mounts[name] = os.path.join(workdir, name)
             os.mkdir(mounts[name])
             size = files * FILE_SIZE + 256 * MiB
-            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", f"mtc-bench-{name}", mounts[name]], check=True)
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={size}", f"mtc-bench-{name}", mounts[name]], check=True
+            )
         manifest = make_shard(mounts["source"], files)
         peer_port = start_server(cleanup, "peer", mounts["source"])
         raw_port = start_server(cleanup, "raw", os.path.join(JobMeta(mounts["source"]).client_dir, str(STEP)))
         receivers = paths(peer_port, raw_port, manifest, args.cores)
-        report(measure(receivers, mounts["dest"], manifest.total_bytes / GiB, args.repetitions), manifest.total_bytes / GiB, args.cores)
+        report(
+            measure(receivers, mounts["dest"], manifest.total_bytes / GiB, args.repetitions),
+            manifest.total_bytes / GiB,
+            args.cores,
+        )
 
 
 if __name__ == "__main__":

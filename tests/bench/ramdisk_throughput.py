@@ -99,19 +99,21 @@ def report(samples: list[Sample]) -> None:
         ratio = statistics.median(s["ours", op] / s["raw", op] for s in samples)
         verdict = "PASS" if ratio >= GOAL else "BELOW"
         print(f"{op:<10}{ours:>12.2f}{raw:>12.2f}{ratio:>10.3f}  >= {GOAL} {verdict}")
-    print(f"medians of {REPETITIONS} repetitions; ours/raw is the median of per-repetition ratios. "
-          f"{FILE_SIZE // MiB} MiB file, {BLOCK // MiB} MiB blocks, {VOLUME_SIZE // MiB} MiB volumes.")
+    print(
+        f"medians of {REPETITIONS} repetitions; ours/raw is the median of per-repetition ratios. "
+        f"{FILE_SIZE // MiB} MiB file, {BLOCK // MiB} MiB blocks, {VOLUME_SIZE // MiB} MiB volumes."
+    )
 
 
 def main() -> None:
     with scratch_dir("mtc-bench-") as (workdir, cleanup):
-
         agent = NodeAgentProcess("bench", os.path.join(workdir, "agent"), listen_address(), "tmpfs")
         cleanup.callback(agent.stop)
         agent.start()
         target = os.path.join(workdir, "pods", "bench-pod", "volumes", "ramdisk")
-        volume_id = kubelet.publish(agent.endpoint, target, "bench-pod",
-                                    attributes={"job": "bench", "size": str(VOLUME_SIZE)})
+        volume_id = kubelet.publish(
+            agent.endpoint, target, "bench-pod", attributes={"job": "bench", "size": str(VOLUME_SIZE)}
+        )
         cleanup.callback(kubelet.unpublish, agent.endpoint, target, volume_id)
 
         raw = os.path.join(workdir, "raw")

@@ -53,8 +53,18 @@ REPETITIONS = 2
 GOAL = 1.02
 RUN_TIMEOUT = 300.0
 SAMPLE_SECONDS, WINDOW_SECONDS = 0.5, 2.0  # the cap is checked over every 2 s window of every agent
-TRAIN_ARGS = ["--steps", str(STEPS), "--save-interval-steps", str(SAVE_EVERY), "--backup-interval-steps", "1000",
-              "--data-parallelism", "1", "--ballast-mib", str(BALLAST_MIB)]  # fmt: skip
+TRAIN_ARGS = [
+    "--steps",
+    str(STEPS),
+    "--save-interval-steps",
+    str(SAVE_EVERY),
+    "--backup-interval-steps",
+    "1000",
+    "--data-parallelism",
+    "1",
+    "--ballast-mib",
+    str(BALLAST_MIB),
+]
 PUSH_LOG = re.compile(r"replicated step (\d+) of rank (\d+) to (\S+) in ([\d.]+) s \((\d+) bytes\)")
 METRIC = re.compile(r'^mtc_replicated_steps_total\{result="(\w+)"\} ([\d.e+]+)$', re.M)
 
@@ -103,20 +113,31 @@ class CpuSampler:
         self._thread.join()
         per = round(WINDOW_SECONDS / SAMPLE_SECONDS)
         windows = list(zip(self.samples, self.samples[per:]))
-        return [max(((b[1][i] - a[1][i]) / (b[0] - a[0]) for a, b in windows), default=0.0) for i in range(len(self._agents))]
+        return [
+            max(((b[1][i] - a[1][i]) / (b[0] - a[0]) for a, b in windows), default=0.0)
+            for i in range(len(self._agents))
+        ]
 
 
 def run_job(replication: bool) -> dict:
     """One fresh cluster and one training run; returns rank 0's step times and what was replicated."""
     with scratch_dir("mtc-bench-repl-") as (workdir, cleanup):
-        cluster = LocalCluster(workdir, listen_address, replicas=1, peer_tier=replication,
-                               agent_args=["--background-cpu", str(CAP)])  # fmt: skip
+        cluster = LocalCluster(
+            workdir, listen_address, replicas=1, peer_tier=replication, agent_args=["--background-cpu", str(CAP)]
+        )
         cleanup.callback(cluster.stop)
         cluster.start(NODES)
         agents, coordinator = cluster.agents, cluster.coordinator
 
-        job = LocalJob("bench", agents, os.path.join(workdir, "job"), TRAIN_ARGS, slices=SLICES, size="3Gi",
-                       jax_port=free_port("0.0.0.0"))  # fmt: skip
+        job = LocalJob(
+            "bench",
+            agents,
+            os.path.join(workdir, "job"),
+            TRAIN_ARGS,
+            slices=SLICES,
+            size="3Gi",
+            jax_port=free_port("0.0.0.0"),
+        )
         cleanup.callback(job.kill_training)
         job.create_pods()
         cpu_before = [cpu_seconds(a) for a in agents]
@@ -139,8 +160,17 @@ def run_job(replication: bool) -> dict:
             raise RuntimeError(f"rank 0 reported {len(times)} steps, expected {STEPS}")
         step_dir = os.path.join(rank0.target, str(STEPS))
         files = sum(len(names) for _, _, names in os.walk(step_dir))
-        return {"step": (times[-1] - times[WARMUP_STEPS]) / (len(times) - 1 - WARMUP_STEPS), "wall": wall, "saved": saved,
-                "replicated": counts, "pushes": pushes(agents), "cpu": service_cpu, "shares": agent_shares, "peaks": peaks, "files": files}  # fmt: skip
+        return {
+            "step": (times[-1] - times[WARMUP_STEPS]) / (len(times) - 1 - WARMUP_STEPS),
+            "wall": wall,
+            "saved": saved,
+            "replicated": counts,
+            "pushes": pushes(agents),
+            "cpu": service_cpu,
+            "shares": agent_shares,
+            "peaks": peaks,
+            "files": files,
+        }
 
 
 def report(samples: list[dict[str, dict]]) -> None:
@@ -148,35 +178,46 @@ def report(samples: list[dict[str, dict]]) -> None:
     with_ = statistics.median(s["with"]["step"] for s in samples)
     ratio = statistics.median(s["with"]["step"] / s["without"]["step"] for s in samples)
     verdict = "PASS" if ratio <= GOAL else "BELOW"
-    print(f"{'rep':<5}{'without s/step':>16}{'with s/step':>13}{'with/without':>14}{'pushed ok':>11}{'failed':>8}"
-          f"{'services CPU s without':>24}{'with':>7}{'agent CPUs with: run':>22}{f'busiest {WINDOW_SECONDS:g} s':>14}")  # fmt: skip
+    print(
+        f"{'rep':<5}{'without s/step':>16}{'with s/step':>13}{'with/without':>14}{'pushed ok':>11}{'failed':>8}"
+        f"{'services CPU s without':>24}{'with':>7}{'agent CPUs with: run':>22}{f'busiest {WINDOW_SECONDS:g} s':>14}"
+    )
     for rep, s in enumerate(samples):
         w, wo = s["with"], s["without"]
-        print(f"{rep:<5}{wo['step']:>16.4f}{w['step']:>13.4f}{w['step'] / wo['step']:>14.3f}"
-              f"{w['replicated']['ok']:>11}{w['replicated']['failed']:>8}{wo['cpu']:>24.1f}{w['cpu']:>7.1f}{max(w['shares']):>22.3f}{max(w['peaks']):>14.3f}")  # fmt: skip
+        print(
+            f"{rep:<5}{wo['step']:>16.4f}{w['step']:>13.4f}{w['step'] / wo['step']:>14.3f}"
+            f"{w['replicated']['ok']:>11}{w['replicated']['failed']:>8}{wo['cpu']:>24.1f}{w['cpu']:>7.1f}{max(w['shares']):>22.3f}{max(w['peaks']):>14.3f}"
+        )
     print()
     print(f"{'operation':<16}{'with s':>10}{'without s':>11}{'with/without':>14}  goal")
     print(f"{'training step':<16}{with_:>10.4f}{without:>11.4f}{ratio:>14.3f}  <= {GOAL} {verdict}")
     shares = [share for s in samples for share in s["with"]["shares"]]
     peaks = [peak for s in samples for peak in s["with"]["peaks"]]
     held = "HOLDS" if max(peaks) <= CAP * 1.1 else "EXCEEDED"
-    print(f"{'agent CPU share':<16} busiest {WINDOW_SECONDS:g} s of any agent {max(peaks):.3f} CPUs (median agent {statistics.median(peaks):.3f}); "
-          f"over the run max {max(shares):.3f}; cap --background-cpu {CAP}: {held} (limit cap x 1.1)")  # fmt: skip
+    print(
+        f"{'agent CPU share':<16} busiest {WINDOW_SECONDS:g} s of any agent {max(peaks):.3f} CPUs (median agent {statistics.median(peaks):.3f}); "
+        f"over the run max {max(shares):.3f}; cap --background-cpu {CAP}: {held} (limit cap x 1.1)"
+    )
     all_pushes = [p for s in samples for p in s["with"]["pushes"]]
     rank_steps = {(rep, p[0], p[1]) for rep, s in enumerate(samples) for p in s["with"]["pushes"]}
     committed = sum(s["with"]["saved"] * NODES for s in samples)
     leaked = sum(sum(s["without"]["replicated"].values()) for s in samples)
-    push_note = (f"{len(all_pushes)} pushes of {len(rank_steps)} of the {committed} committed rank-steps, median "
-                 f"{statistics.median(p[2] for p in all_pushes) * 1000:.0f} ms and "
-                 f"{statistics.median(p[3] for p in all_pushes) / 2**20:.1f} MiB in {samples[0]['with']['files']} files each"
-                 if all_pushes else "NO pushes")  # fmt: skip
-    print(f"medians of {REPETITIONS} repetitions (each run: mean of {STEPS - WARMUP_STEPS - 1} step intervals after "
-          f"{WARMUP_STEPS} warm-up steps); with/without is the median of per-repetition ratios. "
-          f"{NODES} JAX processes ({SLICES} slices), --data-parallelism 1, {BALLAST_MIB} MiB per rank, a save every {SAVE_EVERY} steps. "
-          f"With replication: {push_note}; without: {leaked} pushes. Services CPU s: agents + coordinator, "
-          f"user + system, over the run. Job wall time median with {statistics.median(s['with']['wall'] for s in samples):.1f} s, "
-          f"without {statistics.median(s['without']['wall'] for s in samples):.1f} s; {os.cpu_count()} CPUs, "
-          f"load average {os.getloadavg()[0]:.1f} at the end.")  # fmt: skip
+    push_note = (
+        f"{len(all_pushes)} pushes of {len(rank_steps)} of the {committed} committed rank-steps, median "
+        f"{statistics.median(p[2] for p in all_pushes) * 1000:.0f} ms and "
+        f"{statistics.median(p[3] for p in all_pushes) / 2**20:.1f} MiB in {samples[0]['with']['files']} files each"
+        if all_pushes
+        else "NO pushes"
+    )
+    print(
+        f"medians of {REPETITIONS} repetitions (each run: mean of {STEPS - WARMUP_STEPS - 1} step intervals after "
+        f"{WARMUP_STEPS} warm-up steps); with/without is the median of per-repetition ratios. "
+        f"{NODES} JAX processes ({SLICES} slices), --data-parallelism 1, {BALLAST_MIB} MiB per rank, a save every {SAVE_EVERY} steps. "
+        f"With replication: {push_note}; without: {leaked} pushes. Services CPU s: agents + coordinator, "
+        f"user + system, over the run. Job wall time median with {statistics.median(s['with']['wall'] for s in samples):.1f} s, "
+        f"without {statistics.median(s['without']['wall'] for s in samples):.1f} s; {os.cpu_count()} CPUs, "
+        f"load average {os.getloadavg()[0]:.1f} at the end."
+    )
 
 
 def main() -> None:

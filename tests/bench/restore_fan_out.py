@@ -78,7 +78,7 @@ def backup_figures(bucket, prefix: str, unique: int) -> tuple[float, float]:
     blobs = list(bucket.list_blobs(prefix=prefix))
     per_rank: dict[str, int] = {}
     for blob in blobs:
-        if found := _RANK_OBJECT.match(blob.name[len(prefix):]):
+        if found := _RANK_OBJECT.match(blob.name[len(prefix) :]):
             per_rank[found.group(1)] = per_rank.get(found.group(1), 0) + blob.size
     commit = next(b.time_created for b in blobs if b.name == prefix + "COMMIT")
     return max(per_rank.values()) / unique, (commit - min(b.time_created for b in blobs)).total_seconds()
@@ -88,19 +88,38 @@ def one_run(workdir: str, dp: int, after: bool, ballast_mib: int, store_mbit: fl
     """Trains until a backup of a step whose ranks were found identical, loses every node and
     restores once; ``after``: shared uploads and fan-out, else one uploader and every node downloading."""
     with contextlib.ExitStack() as cleanup:
-        server = FakeGcsServer(find_tool("fake-gcs-server"), request_log=os.path.join(workdir, "gcs-requests.log")).start()
+        server = FakeGcsServer(
+            find_tool("fake-gcs-server"), request_log=os.path.join(workdir, "gcs-requests.log")
+        ).start()
         cleanup.callback(server.stop)
         bucket = server.client().create_bucket("ckpt")
-        cluster = LocalCluster(os.path.join(workdir, "cluster"), listen_address, backup="gs://ckpt/mtc",
-                               env={"STORAGE_EMULATOR_HOST": server.url})  # fmt: skip
+        cluster = LocalCluster(
+            os.path.join(workdir, "cluster"),
+            listen_address,
+            backup="gs://ckpt/mtc",
+            env={"STORAGE_EMULATOR_HOST": server.url},
+        )
         modes = ["--shared-backup-upload"] if after else ["--no-restore-fan-out"]
         cluster.coordinator.extra_args += ["--holder-grace-seconds", "5", *modes]
         cleanup.callback(unmount_all_below, workdir)
         cleanup.callback(cluster.stop)
         cleanup.callback(kill_started_jobs)
         cluster.start(dp)
-        job = run_job("fan", list(cluster.agents), os.path.join(workdir, "job"), [*UNTIL_KILLED, "--dump-dir", os.path.join(workdir, "dump"),
-                      "--ballast-mib", str(ballast_mib), "--ballast-layout", "data-parallel"], slices=dp)  # fmt: skip
+        job = run_job(
+            "fan",
+            list(cluster.agents),
+            os.path.join(workdir, "job"),
+            [
+                *UNTIL_KILLED,
+                "--dump-dir",
+                os.path.join(workdir, "dump"),
+                "--ballast-mib",
+                str(ballast_mib),
+                "--ballast-layout",
+                "data-parallel",
+            ],
+            slices=dp,
+        )
 
         def identical_at():
             status = status_of(cluster, job)
@@ -108,7 +127,11 @@ def one_run(workdir: str, dp: int, after: bool, ballast_mib: int, store_mbit: fl
 
         job.wait(identical_at, 300, "the ranks found identical")
         known = identical_at()  # a backup ordered after this step's identity is known is deduplicated
-        job.wait(lambda: max(status_of(cluster, job)["backups"] or [-1]) > known, 300, "a backup ordered once identity was known")
+        job.wait(
+            lambda: max(status_of(cluster, job)["backups"] or [-1]) > known,
+            300,
+            "a backup ordered once identity was known",
+        )
         kill_past_newest_commit(job)
         wait_until(lambda: status_of(cluster, job)["backup_pending"] is None, 60, "backups settled")
         step = max(status_of(cluster, job)["backups"])
@@ -116,13 +139,21 @@ def one_run(workdir: str, dp: int, after: bool, ballast_mib: int, store_mbit: fl
             cluster.lose_node(agent)
         fresh = [cluster.add_node(dp + i, block=f"b{i}") for i in range(dp)]
         prefix = f"mtc/default/{job.job}/steps/{step}/"
-        shaped = network.rate_limited([network.Endpoint("127.0.0.1", server.port)], store_mbit) if store_mbit else contextlib.nullcontext()
+        shaped = (
+            network.rate_limited([network.Endpoint("127.0.0.1", server.port)], store_mbit)
+            if store_mbit
+            else contextlib.nullcontext()
+        )
         with shaped:
             recreate(job, os.path.join(workdir, "dump-2"), agents=fresh, steps=step + 2)
             wait_until(lambda: all(restore_seconds(a) > 0 for a in fresh), 280, "every rank restored")
         seconds = max(restore_seconds(a) for a in fresh)
         sizes = {blob.name: blob.size for blob in bucket.list_blobs(prefix=prefix)}
-        read = sum(n * sizes[name] for name, n in server.object_reads("ckpt", prefix + "rank-").items() if "/" in name[len(prefix):])
+        read = sum(
+            n * sizes[name]
+            for name, n in server.object_reads("ckpt", prefix + "rank-").items()
+            if "/" in name[len(prefix) :]
+        )
         manifest = RankManifest.from_json(bucket.blob(f"{prefix}rank-0.manifest.json").download_as_text())
         unique = sum(f.size for f in manifest.files.values())
         job.wait_done(timeout=240)
@@ -133,12 +164,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dp", type=int, default=4, help="data parallelism: slices of one node each (default 4)")
     parser.add_argument("--repetitions", type=int, default=1, help="runs per mode (default 1)")
-    parser.add_argument("--ballast-mib", type=int, default=16, help="MiB of state per rank, the same on every rank (default 16)")
-    parser.add_argument("--store-mbit", type=float, default=None, help="shape the store's loopback traffic to this rate during the restore")
+    parser.add_argument(
+        "--ballast-mib", type=int, default=16, help="MiB of state per rank, the same on every rank (default 16)"
+    )
+    parser.add_argument(
+        "--store-mbit",
+        type=float,
+        default=None,
+        help="shape the store's loopback traffic to this rate during the restore",
+    )
     args = parser.parse_args()
     if find_tool("fake-gcs-server") is None:
         raise SystemExit("fake-gcs-server is neither on PATH nor in .tools/bin; run `make tools`")
-    print(f"{'DP = ' + str(args.dp) + ', medians':<44}{'read ÷ unique':>14}{'restore s':>11}{'upload share':>14}{'backup s':>10}")
+    print(
+        f"{'DP = ' + str(args.dp) + ', medians':<44}{'read ÷ unique':>14}{'restore s':>11}{'upload share':>14}{'backup s':>10}"
+    )
     modes = (("before (today): every node downloads", False), ("after: fan-out, shared upload", True))
     for label, after in modes:
         runs = []
@@ -148,13 +188,20 @@ def main() -> None:
                 runs.append(one_run(workdir, args.dp, after, args.ballast_mib, args.store_mbit))
             finally:
                 shutil.rmtree(workdir, ignore_errors=True)
-        median = {field: statistics.median(getattr(r, field) for r in runs) for field in ("read_ratio", "restore_seconds", "upload_share", "backup_seconds")}
+        median = {
+            field: statistics.median(getattr(r, field) for r in runs)
+            for field in ("read_ratio", "restore_seconds", "upload_share", "backup_seconds")
+        }
         verdict = "" if not after else ("  PASS" if median["read_ratio"] <= GOAL + 0.01 else "  ABOVE")
-        print(f"{label:<44}{median['read_ratio']:>14.2f}{median['restore_seconds']:>11.2f}{median['upload_share']:>14.2f}"
-              f"{median['backup_seconds']:>10.2f}{verdict}")  # fmt: skip
-    print(f"goals: read ÷ unique = {GOAL} after; upload share 1/{args.dp} after. Unique checkpoint bytes {runs[0].unique_bytes}; "
-          f"{args.repetitions} run(s) per mode; store shaped to {args.store_mbit or 'unshaped'} Mbit/s during the restore; "
-          f"load {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}).")
+        print(
+            f"{label:<44}{median['read_ratio']:>14.2f}{median['restore_seconds']:>11.2f}{median['upload_share']:>14.2f}"
+            f"{median['backup_seconds']:>10.2f}{verdict}"
+        )
+    print(
+        f"goals: read ÷ unique = {GOAL} after; upload share 1/{args.dp} after. Unique checkpoint bytes {runs[0].unique_bytes}; "
+        f"{args.repetitions} run(s) per mode; store shaped to {args.store_mbit or 'unshaped'} Mbit/s during the restore; "
+        f"load {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})."
+    )
 
 
 if __name__ == "__main__":

@@ -33,8 +33,20 @@ SAVE_EVERY = 4
 REPETITIONS = 1
 GOAL = 1.5
 WAIT_SECONDS = 600.0
-TRAIN_ARGS = ["--steps", "100000", "--save-interval-steps", str(SAVE_EVERY), "--backup-interval-steps", "100000",
-              "--data-parallelism", "1", "--ballast-mib", str(BALLAST_MIB), "--step-sleep", "0.2"]  # fmt: skip
+TRAIN_ARGS = [
+    "--steps",
+    "100000",
+    "--save-interval-steps",
+    str(SAVE_EVERY),
+    "--backup-interval-steps",
+    "100000",
+    "--data-parallelism",
+    "1",
+    "--ballast-mib",
+    str(BALLAST_MIB),
+    "--step-sleep",
+    "0.2",
+]
 
 
 def step_times(job: LocalJob) -> dict[int, float]:
@@ -61,7 +73,9 @@ def train_until_replicated(cluster: LocalCluster, job: LocalJob) -> int:
     try:
         job.wait(lambda: (newest_replicated_step(cluster, job) or 0) > start, WAIT_SECONDS, "a replicated step")
     except TimeoutError as err:
-        raise TimeoutError(f"after step {max(step_times(job), default=0)}, steps held: {cluster.coordinator.status(job.job)['jobs']}") from err
+        raise TimeoutError(
+            f"after step {max(step_times(job), default=0)}, steps held: {cluster.coordinator.status(job.job)['jobs']}"
+        ) from err
     job.kill_training()
     return newest_replicated_step(cluster, job)
 
@@ -83,32 +97,46 @@ def main() -> None:
     with scratch_dir("mtc-bench-mttr-") as (workdir, cleanup):
         cluster = LocalCluster(workdir, listen_address, replicas=1)
         cleanup.callback(cluster.stop)
-        job = LocalJob("mttr", list(cluster.start(NODES).agents), os.path.join(workdir, "job"), TRAIN_ARGS, slices=SLICES,
-                       size="4Gi", jax_port=free_port("0.0.0.0"))  # fmt: skip
+        job = LocalJob(
+            "mttr",
+            list(cluster.start(NODES).agents),
+            os.path.join(workdir, "job"),
+            TRAIN_ARGS,
+            slices=SLICES,
+            size="4Gi",
+            jax_port=free_port("0.0.0.0"),
+        )
         cleanup.callback(job.kill_training)
         job.create_pods()
         job.start_training()
         for rep in range(REPETITIONS):
             sample = {}
-            for mode in (["local", "node loss"] if rep % 2 == 0 else ["node loss", "local"]):
+            for mode in ["local", "node loss"] if rep % 2 == 0 else ["node loss", "local"]:
                 step = train_until_replicated(cluster, job)
                 if mode == "node loss":
                     cluster.lose_node(job.agents[1])
                     job.agents[1] = cluster.add_node(len(cluster.agents), block="b0")
                 sample[mode] = recreate(job)
                 restore = cluster.coordinator.status(job.job)["jobs"][0]["restore"]
-                print(f"rep {rep} {mode}: step {restore['step']} (replicated {step}) restored in {sample[mode]:.1f} s, "
-                      f"sources {dict(sorted(restore['sources'].items()))}", flush=True)  # fmt: skip
+                print(
+                    f"rep {rep} {mode}: step {restore['step']} (replicated {step}) restored in {sample[mode]:.1f} s, "
+                    f"sources {dict(sorted(restore['sources'].items()))}",
+                    flush=True,
+                )
             samples.append(sample)
 
     local = statistics.median(s["local"] for s in samples)
     lost = statistics.median(s["node loss"] for s in samples)
     ratio = statistics.median(s["node loss"] / s["local"] for s in samples)
     print(f"{'operation':<16}{'node loss s':>12}{'local s':>9}{'ratio':>8}  goal")
-    print(f"{'restore to step':<16}{lost:>12.1f}{local:>9.1f}{ratio:>8.2f}  <= {GOAL} {'PASS' if ratio <= GOAL else 'BELOW'}")
-    print(f"medians of {REPETITIONS} repetitions; seconds from pod recreation to the first training step; "
-          f"{NODES} JAX processes, {BALLAST_MIB} MiB per rank; node loss restores one rank from a peer's replica. "
-          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end.")
+    print(
+        f"{'restore to step':<16}{lost:>12.1f}{local:>9.1f}{ratio:>8.2f}  <= {GOAL} {'PASS' if ratio <= GOAL else 'BELOW'}"
+    )
+    print(
+        f"medians of {REPETITIONS} repetitions; seconds from pod recreation to the first training step; "
+        f"{NODES} JAX processes, {BALLAST_MIB} MiB per rank; node loss restores one rank from a peer's replica. "
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end."
+    )
 
 
 if __name__ == "__main__":

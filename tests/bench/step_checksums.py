@@ -58,7 +58,7 @@ def measure(paths: dict[str, Callable[[], object]]) -> list[dict[str, float]]:
     samples = []
     for rep in range(REPETITIONS):
         sample = {}
-        for name in order[rep % len(order):] + order[:rep % len(order)]:
+        for name in order[rep % len(order) :] + order[: rep % len(order)]:
             start = time.perf_counter()
             paths[name]()
             sample[name] = FILES * FILE_SIZE / GiB / (time.perf_counter() - start)
@@ -70,7 +70,9 @@ def report(samples: list[dict[str, float]]) -> None:
     def row(label: str, ours: str, base: str, goal: float) -> None:
         ratio = statistics.median(s[ours] / s[base] for s in samples)
         median = lambda name: statistics.median(s[name] for s in samples)  # noqa: E731
-        print(f"{label:<34}{median(ours):>10.2f}{median(base):>11.2f}{ratio:>9.2f}  >= {goal} {'PASS' if ratio >= goal else 'BELOW'}")
+        print(
+            f"{label:<34}{median(ours):>10.2f}{median(base):>11.2f}{ratio:>9.2f}  >= {goal} {'PASS' if ratio >= goal else 'BELOW'}"
+        )
 
     print(f"{'operation':<34}{'ours GiB/s':>10}{'base GiB/s':>11}{'ratio':>9}  goal")
     row(f"manifest ({CORES} threads) vs crc in memory", "manifest", "crc32c in memory", GOAL_MANIFEST)
@@ -78,31 +80,42 @@ def report(samples: list[dict[str, float]]) -> None:
     row("backup_identity blake3 1 thread", "blake3 1 thread", "sha256", GOAL_IDENTITY)
     row(f"backup_identity blake3 {CORES} threads", f"blake3 {CORES} threads", "sha256", GOAL_IDENTITY)
     row("hashes alone, in memory", "blake3 in memory", "sha256 in memory", GOAL_IDENTITY)
-    print(f"medians of {REPETITIONS} repetitions; ratios are medians of per-repetition ratios. {FILES} files of "
-          f"{FILE_SIZE // MiB} MiB on tmpfs; baselines: google_crc32c.value (and awscrt's) over the same bytes in memory (1 thread), "
-          f"SHA-256 of the same files (the identity before BLAKE3). {CORES} CPUs, load average {os.getloadavg()[0]:.1f} at the end.")
+    print(
+        f"medians of {REPETITIONS} repetitions; ratios are medians of per-repetition ratios. {FILES} files of "
+        f"{FILE_SIZE // MiB} MiB on tmpfs; baselines: google_crc32c.value (and awscrt's) over the same bytes in memory (1 thread), "
+        f"SHA-256 of the same files (the identity before BLAKE3). {CORES} CPUs, load average {os.getloadavg()[0]:.1f} at the end."
+    )
 
 
 def main() -> None:
     with scratch_dir("mtc-bench-sums-") as (workdir, _):
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={FILES * FILE_SIZE + 64 * MiB}", "mtc-bench-sums", workdir], check=True)
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={FILES * FILE_SIZE + 64 * MiB}", "mtc-bench-sums", workdir],
+            check=True,
+        )
         contents = [os.urandom(FILE_SIZE) for _ in range(FILES)]
         for i, data in enumerate(contents):
             with open(os.path.join(workdir, f"shard-{i}.bin"), "wb") as f:
                 f.write(data)
         manifest = build_manifest(workdir, 0, 0)
-        if sorted(crc for _, crc in manifest.files.values()) != sorted(f"{google_crc32c.value(d):08x}" for d in contents):
+        if sorted(crc for _, crc in manifest.files.values()) != sorted(
+            f"{google_crc32c.value(d):08x}" for d in contents
+        ):
             raise RuntimeError("build_manifest disagrees with google_crc32c")
-        report(measure({
-            "manifest": lambda: build_manifest(workdir, 0, 0),
-            "crc32c in memory": lambda: [google_crc32c.value(data) for data in contents],
-            "awscrt crc32c in memory": lambda: [crc32c_extend(0, data) for data in contents],
-            "blake3 1 thread": lambda: identities(workdir, "blake3", 1),
-            f"blake3 {CORES} threads": lambda: identities(workdir, "blake3", CORES),
-            "sha256": lambda: identities(workdir, "sha256", 1),
-            "blake3 in memory": lambda: [blake3.blake3(data).digest() for data in contents],
-            "sha256 in memory": lambda: [hashlib.sha256(data).digest() for data in contents],
-        }))
+        report(
+            measure(
+                {
+                    "manifest": lambda: build_manifest(workdir, 0, 0),
+                    "crc32c in memory": lambda: [google_crc32c.value(data) for data in contents],
+                    "awscrt crc32c in memory": lambda: [crc32c_extend(0, data) for data in contents],
+                    "blake3 1 thread": lambda: identities(workdir, "blake3", 1),
+                    f"blake3 {CORES} threads": lambda: identities(workdir, "blake3", CORES),
+                    "sha256": lambda: identities(workdir, "sha256", 1),
+                    "blake3 in memory": lambda: [blake3.blake3(data).digest() for data in contents],
+                    "sha256 in memory": lambda: [hashlib.sha256(data).digest() for data in contents],
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -96,16 +96,22 @@ class Bench:
         return {part: {k: self.torch.zeros_like(v) for k, v in tensors.items()} for part, tensors in self.state.items()}
 
     def identical(self, other: dict[str, Any]) -> bool:
-        return all(self.torch.equal(v, other[part][k].to(v.device)) for part, tensors in self.state.items()
-                   for k, v in tensors.items())
+        return all(
+            self.torch.equal(v, other[part][k].to(v.device))
+            for part, tensors in self.state.items()
+            for k, v in tensors.items()
+        )
 
     def limits(self, nbytes: int) -> dict[str, float | None]:
         torch = self.torch
         src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
         pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         timed = {}
-        for name, run in (("D2H pageable", lambda: src.cpu()), ("D2H pinned", lambda: pinned.copy_(src, non_blocking=True)),
-                          ("H2D pinned", lambda: src.copy_(pinned, non_blocking=True))):
+        for name, run in (
+            ("D2H pageable", lambda: src.cpu()),
+            ("D2H pinned", lambda: pinned.copy_(src, non_blocking=True)),
+            ("H2D pinned", lambda: src.copy_(pinned, non_blocking=True)),
+        ):
             run()  # once to warm up
             torch.cuda.synchronize()
             start = time.perf_counter()
@@ -130,19 +136,24 @@ class Bench:
             path = os.path.join(self.tmp, f"limit{i}")
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC if write else os.O_RDONLY, 0o600)
             try:
-                view, done = flat[i * part:(i + 1) * part], 0
+                view, done = flat[i * part : (i + 1) * part], 0
                 while done < len(view):
-                    done += os.pwrite(fd, view[done:done + (1 << 30)], done) if write else \
-                        os.preadv(fd, [view[done:done + (1 << 30)]], done)
+                    done += (
+                        os.pwrite(fd, view[done : done + (1 << 30)], done)
+                        if write
+                        else os.preadv(fd, [view[done : done + (1 << 30)]], done)
+                    )
             finally:
                 os.close(fd)
+
         start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
             list(pool.map(one, range(threads)))
         return time.perf_counter() - start
 
-    def run_setup(self, name: str, nbytes: int, save: Callable[[str, int], Any],
-                  restore: Callable[[str, dict[str, Any]], None]) -> list[dict[str, Any]]:
+    def run_setup(
+        self, name: str, nbytes: int, save: Callable[[str, int], Any], restore: Callable[[str, dict[str, Any]], None]
+    ) -> list[dict[str, Any]]:
         """``save(directory, index)`` returns None (done), or something with ``done()``/``result()``."""
         rows = []
         for index in range(self.saves):
@@ -166,20 +177,33 @@ class Bench:
                 restore(directory, target)
                 self.torch.cuda.synchronize()
                 restore_s = time.perf_counter() - start
-                row = dict(kind="setup", setup=name, save=index + 1, bytes=nbytes, blocking_s=round(blocking, 3),
-                           total_s=round(total, 3), save_GBps=gbps(nbytes, total), restore_s=round(restore_s, 3),
-                           restore_GBps=gbps(nbytes, restore_s), bit_identical=self.identical(target),
-                           step_ratio_during=round(statistics.median(during) / self.step_alone, 3) if during else None)
+                row = dict(
+                    kind="setup",
+                    setup=name,
+                    save=index + 1,
+                    bytes=nbytes,
+                    blocking_s=round(blocking, 3),
+                    total_s=round(total, 3),
+                    save_GBps=gbps(nbytes, total),
+                    restore_s=round(restore_s, 3),
+                    restore_GBps=gbps(nbytes, restore_s),
+                    bit_identical=self.identical(target),
+                    step_ratio_during=round(statistics.median(during) / self.step_alone, 3) if during else None,
+                )
                 del target
             except Exception as error:  # a setup that fails is reported, the others still run
-                row = dict(kind="setup", setup=name, save=index + 1, bytes=nbytes, error=f"{type(error).__name__}: {error}")
+                row = dict(
+                    kind="setup", setup=name, save=index + 1, bytes=nbytes, error=f"{type(error).__name__}: {error}"
+                )
             emit(self.out, **row)
             rows.append(row)
             self.torch.cuda.empty_cache()
         return rows
 
 
-def setups(bench: Bench, managers: list[Any]) -> dict[str, tuple[Callable[[str, int], Any], Callable[[str, dict[str, Any]], None]]]:
+def setups(
+    bench: Bench, managers: list[Any]
+) -> dict[str, tuple[Callable[[str, int], Any], Callable[[str, dict[str, Any]], None]]]:
     """Each setup's save and restore, by name; our managers go to ``managers``, for the caller to close."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -209,9 +233,13 @@ def setups(bench: Bench, managers: list[Any]) -> dict[str, tuple[Callable[[str, 
 
         def restore(directory: str, target: dict[str, Any]) -> None:
             step = os.path.join(local, str(saved[-1]))
-            dcp.load(target, storage_reader=BoundedReader(os.path.join(step, "rank-0-of-1"),
-                                                          threads=default_io_threads(1)), no_dist=True)
+            dcp.load(
+                target,
+                storage_reader=BoundedReader(os.path.join(step, "rank-0-of-1"), threads=default_io_threads(1)),
+                no_dist=True,
+            )
             shutil.rmtree(step)
+
         return save, restore
 
     def stock_save(directory: str, index: int) -> None:
@@ -225,8 +253,13 @@ def setups(bench: Bench, managers: list[Any]) -> dict[str, tuple[Callable[[str, 
 
     def pinned_stager(directory: str, index: int) -> Any:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-        response = dcp.async_save(bench.state, storage_writer=FileSystemWriter(directory, thread_count=8), no_dist=True,
-                                  async_stager=DefaultStager(StagingOptions(True, False, True, True)))
+
+        response = dcp.async_save(
+            bench.state,
+            storage_writer=FileSystemWriter(directory, thread_count=8),
+            no_dist=True,
+            async_stager=DefaultStager(StagingOptions(True, False, True, True)),
+        )
         return response.upload_completion
 
     table = {
@@ -282,6 +315,7 @@ def nvrx_setups(bench: Bench) -> dict[str, tuple[Callable[[str, int], Any], Call
 
 def report(out: Any, nbytes: int, limits: dict[str, float | None], results: dict[str, list[dict[str, Any]]]) -> None:
     """The steady-state ratios beside their goals (medians of saves 2 on; save 1 printed beside)."""
+
     def steady(name: str, key: str) -> float | None:
         rows = [r for r in results.get(name, []) if "error" not in r]
         values = [r[key] for r in rows[1:]] or [r[key] for r in rows]
@@ -298,20 +332,43 @@ def report(out: Any, nbytes: int, limits: dict[str, float | None], results: dict
 
     def line(what: str, value: float | None, goal: str, met: bool | None) -> None:
         verdict = "n/a" if met is None else ("met" if met else "MISSED")
-        emit(out, kind="ratio", bytes=nbytes, what=what, value=None if value is None else round(value, 3), goal=goal,
-             verdict=verdict)
+        emit(
+            out,
+            kind="ratio",
+            bytes=nbytes,
+            what=what,
+            value=None if value is None else round(value, 3),
+            goal=goal,
+            verdict=verdict,
+        )
 
     ratio = blocking / copy_s if blocking is not None and copy_s else None
-    line("ours blocking / (bytes / pinned D2H)", ratio, f"<= {GOAL_BLOCKING_RATIO}",
-         None if ratio is None else ratio <= GOAL_BLOCKING_RATIO)
+    line(
+        "ours blocking / (bytes / pinned D2H)",
+        ratio,
+        f"<= {GOAL_BLOCKING_RATIO}",
+        None if ratio is None else ratio <= GOAL_BLOCKING_RATIO,
+    )
     line("ours blocking / NVRx async blocking", blocking / nvrx if blocking and nvrx else None, "<= 1 (reported)", None)
-    line("ours save GB/s (to the tmpfs)", save_gbps, f">= {GOAL_GBPS}", None if save_gbps is None else save_gbps >= GOAL_GBPS)
+    line(
+        "ours save GB/s (to the tmpfs)",
+        save_gbps,
+        f">= {GOAL_GBPS}",
+        None if save_gbps is None else save_gbps >= GOAL_GBPS,
+    )
     line("ours restore GB/s", restore, f">= {GOAL_GBPS}", None if restore is None else restore >= GOAL_GBPS)
     line("ours restore / best other restore", restore / best if restore and best else None, "reported", None)
     first = [r for r in results.get("ours async_save", [])[:1] if "error" not in r]
     if first:
-        emit(out, kind="first save", bytes=nbytes, setup="ours async_save", blocking_s=first[0]["blocking_s"],
-             total_s=first[0]["total_s"], note="pins the staging buffers once; not in the ratios above")
+        emit(
+            out,
+            kind="first save",
+            bytes=nbytes,
+            setup="ours async_save",
+            blocking_s=first[0]["blocking_s"],
+            total_s=first[0]["total_s"],
+            note="pins the staging buffers once; not in the ratios above",
+        )
 
 
 def cpu_checks(torch: Any, tmp: str, out: Any) -> None:
@@ -344,12 +401,19 @@ def run(args: argparse.Namespace) -> None:
     import warnings
 
     import torch
+
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     os.makedirs(args.tmp, exist_ok=True)
     with contextlib.ExitStack() as stack:
         out = stack.enter_context(open(args.out, "a")) if args.out else None
-        emit(out, kind="env", torch=torch.__version__, cuda=torch.version.cuda, cpus=os.cpu_count(),
-             gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
+        emit(
+            out,
+            kind="env",
+            torch=torch.__version__,
+            cuda=torch.version.cuda,
+            cpus=os.cpu_count(),
+            gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        )
         if not torch.cuda.is_available():
             print("no CUDA here: the GPU rows need a GPU (docs/pytorch.md, 'On GPUs'); checking the CPU path only")
             cpu_checks(torch, args.tmp, out)
@@ -360,9 +424,11 @@ def run(args: argparse.Namespace) -> None:
             nbytes = bench.make_state(gib)
             limits = bench.limits(min(nbytes, 8 << 30))
             managers: list[Any] = []
-            results = {name: bench.run_setup(name, nbytes, save, restore)
-                       for name, (save, restore) in setups(bench, managers).items()
-                       if not args.only or any(word in name for word in args.only.split(","))}
+            results = {
+                name: bench.run_setup(name, nbytes, save, restore)
+                for name, (save, restore) in setups(bench, managers).items()
+                if not args.only or any(word in name for word in args.only.split(","))
+            }
             for manager in managers:
                 manager.close()  # frees their pinned buffers before the next size
             report(out, nbytes, limits, results)
@@ -382,7 +448,9 @@ def main() -> None:
         if not args.python:
             sys.exit("no torch in this Python: pass --python .venv-nvrx/bin/python (make bench builds it)")
         env = {**os.environ, "PYTHONPATH": ROOT}
-        sys.exit(subprocess.run([args.python, "-m", "tests.bench.torch_gpu", *sys.argv[1:]], env=env, cwd=ROOT).returncode)
+        sys.exit(
+            subprocess.run([args.python, "-m", "tests.bench.torch_gpu", *sys.argv[1:]], env=env, cwd=ROOT).returncode
+        )
     run(args)
 
 

@@ -45,7 +45,11 @@ def build(width: int, layers: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for p in model.parameters():  # the state a restore loads into, before the first step
-        optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        optimizer.state[p] = {
+            "step": torch.tensor(0.0),
+            "exp_avg": torch.zeros_like(p),
+            "exp_avg_sq": torch.zeros_like(p),
+        }
     return model, optimizer
 
 
@@ -55,12 +59,20 @@ def local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     params = dict(model.named_parameters())
     return {
         "model": {name: p.to_local().detach() for name, p in params.items()},
-        "optim": {name: {k: (v.to_local() if hasattr(v, "to_local") else v).detach() for k, v in optimizer.state[p].items()} for name, p in params.items()},
+        "optim": {
+            name: {k: (v.to_local() if hasattr(v, "to_local") else v).detach() for k, v in optimizer.state[p].items()}
+            for name, p in params.items()
+        },
     }
 
 
 def tensors(state: dict) -> list[torch.Tensor]:
-    return [t for group in state.values() for entry in group.values() for t in (entry.values() if isinstance(entry, dict) else [entry])]
+    return [
+        t
+        for group in state.values()
+        for entry in group.values()
+        for t in (entry.values() if isinstance(entry, dict) else [entry])
+    ]
 
 
 def crc(state: dict) -> int:
@@ -175,7 +187,9 @@ def main() -> None:
     model, optimizer = build(args.width, args.layers)
     state = local_state(model, optimizer)
     if args.mode == "nvrx":
-        checkpoint = NVRxCheckpoint(args.local_dir, args.job_name, int(os.environ["LOCAL_WORLD_SIZE"]), args.replication_factor)
+        checkpoint = NVRxCheckpoint(
+            args.local_dir, args.job_name, int(os.environ["LOCAL_WORLD_SIZE"]), args.replication_factor
+        )
     elif args.mode == "ours":
         checkpoint = OurCheckpoint(args.local_dir, args.job_name, args.async_save)
     else:
@@ -200,7 +214,15 @@ def main() -> None:
         if saving:
             checkpoint.save(state, step)
         done = time.time()
-        emit(event="step", step=step, loss=loss.item(), train_s=trained - began, save_s=done - trained, saved=saving, time=done)
+        emit(
+            event="step",
+            step=step,
+            loss=loss.item(),
+            train_s=trained - began,
+            save_s=done - trained,
+            saved=saving,
+            time=done,
+        )
         if saving:
             emit(event="saved", step=step, crcs=all_crcs(state))
     checkpoint.wait()

@@ -68,16 +68,40 @@ WAIT_SECONDS = 300.0
 
 
 def torchrun(python: str, node_rank: int, port: int, mode: str, local_dir: str, job_args: list[str]) -> list[str]:
-    return [python, "-m", "torch.distributed.run", "--nnodes", str(NODES), "--nproc-per-node", str(PROCS),
-            "--node-rank", str(node_rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
-            JOB_SCRIPT, "--mode", mode, "--local-dir", local_dir, *job_args]  # fmt: skip
+    return [
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(NODES),
+        "--nproc-per-node",
+        str(PROCS),
+        "--node-rank",
+        str(node_rank),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        JOB_SCRIPT,
+        "--mode",
+        mode,
+        "--local-dir",
+        local_dir,
+        *job_args,
+    ]
 
 
 def job_env() -> dict[str, str]:
     """The job's environment: this checkout first on the path (``mtc_torch``, the shim), gloo on loopback,
     one thread per process; torchrun gives each worker its ranks (the node rank as ``GROUP_RANK``)."""
-    return {**os.environ, "PYTHONPATH": ROOT, "GLOO_SOCKET_IFNAME": "lo", "NNODES": str(NODES), "OMP_NUM_THREADS": "1",
-            "PYTHONUNBUFFERED": "1"}  # fmt: skip
+    return {
+        **os.environ,
+        "PYTHONPATH": ROOT,
+        "GLOO_SOCKET_IFNAME": "lo",
+        "NNODES": str(NODES),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
 
 
 def start(command: list[str], log_path: str) -> subprocess.Popen:
@@ -124,7 +148,10 @@ def wait_for(condition, processes: list[subprocess.Popen], logs: list[str], what
         for process in processes:
             if process.poll() not in (None, 0):
                 last = (events(logs[0]) or [None])[-1]
-                tails = "".join(f"\n--- node {n} ({p.poll()}), {path}.stderr:\n{tail(path + '.stderr')}" for n, (p, path) in enumerate(zip(processes, logs)))
+                tails = "".join(
+                    f"\n--- node {n} ({p.poll()}), {path}.stderr:\n{tail(path + '.stderr')}"
+                    for n, (p, path) in enumerate(zip(processes, logs))
+                )
                 raise RuntimeError(f"{what}: a node exited {process.returncode} (rank 0's last event: {last}){tails}")
         time.sleep(0.05)
     raise TimeoutError(f"{what} not reached within {WAIT_SECONDS} s")
@@ -171,14 +198,25 @@ def check_restore(run: Run, before: list[dict], after: list[dict], recreated_at:
 def wait_trained(run: Run, processes: list[subprocess.Popen], logs: list[str], step: int, who: str) -> None:
     """Waits until rank 0 reported step ``step`` saved and every node's torchrun exited. A node that fails after that
     (at exit) is recorded in ``run.exits`` and printed, not hidden: the next restore then shows which step survived."""
-    wait_for(lambda: any(e["event"] == "saved" and e["step"] == step for e in events(logs[0])), processes, logs, f"{who}: step {step} saved")
+    wait_for(
+        lambda: any(e["event"] == "saved" and e["step"] == step for e in events(logs[0])),
+        processes,
+        logs,
+        f"{who}: step {step} saved",
+    )
     deadline = time.monotonic() + WAIT_SECONDS
     while any(p.poll() is None for p in processes) and time.monotonic() < deadline:
         time.sleep(0.05)
     for node, (process, log) in enumerate(zip(processes, logs)):
         if process.poll() != 0:
-            causes = [line for line in tail(log + ".stderr", 100_000).splitlines() if "terminate called" in line or "Error:" in line]
-            run.exits.append(f"node {node}'s torchrun exited {process.poll()} after step {step} was saved ({'; '.join(causes[-2:])})")
+            causes = [
+                line
+                for line in tail(log + ".stderr", 100_000).splitlines()
+                if "terminate called" in line or "Error:" in line
+            ]
+            run.exits.append(
+                f"node {node}'s torchrun exited {process.poll()} after step {step} was saved ({'; '.join(causes[-2:])})"
+            )
 
 
 def target(loss: int) -> int:
@@ -217,12 +255,19 @@ class NVRxSetup:
                 before = events(logs[0])
                 if loss == 0:
                     measure(run, before)
-                subprocess.run(["umount", "-l", self.dirs[1]], check=False, capture_output=True)  # node 1 lost, RAM gone
+                subprocess.run(
+                    ["umount", "-l", self.dirs[1]], check=False, capture_output=True
+                )  # node 1 lost, RAM gone
                 subprocess.run(["rm", "-rf", "--one-file-system", self.dirs[1]], check=True)
                 recreated_at = time.time()
                 self._mount(1)
                 processes, logs = self._launch(loss + 1, target(loss + 1))
-                wait_for(lambda: any(e["event"] == "step" for e in events(logs[0])), processes, logs, "NVRx: the first step after the node loss")
+                wait_for(
+                    lambda: any(e["event"] == "step" for e in events(logs[0])),
+                    processes,
+                    logs,
+                    "NVRx: the first step after the node loss",
+                )
                 check_restore(run, before, events(logs[0]), recreated_at)
                 run.sources.append("node 1's ranks from their clique peers on node 0 (NVRx's retrieve plan)")
         finally:
@@ -244,7 +289,14 @@ class BenchTorchrunJob(TorchrunJob):
     job_args: list[str] = dataclasses.field(default_factory=list)
 
     def train_command(self, pod: Pod) -> list[str]:
-        return torchrun(self.python, self.pods.index(pod), self.jax_port, "ours", pod.target, [*self.job_args, "--job-name", self.job])
+        return torchrun(
+            self.python,
+            self.pods.index(pod),
+            self.jax_port,
+            "ours",
+            pod.target,
+            [*self.job_args, "--job-name", self.job],
+        )
 
     def train_env(self) -> dict[str, str]:
         return job_env()
@@ -258,13 +310,22 @@ class OurSetup:
     """Ours: a coordinator and two node agents (blocks b0, b1), one replica per step; node 1 is lost and replaced."""
 
     def __init__(self, python: str, workdir: str, job_args: list[str], async_save: bool = False):
-        self.python, self.workdir, self.job_args = python, workdir, [*job_args, *(["--async-save"] if async_save else [])]
+        self.python, self.workdir, self.job_args = (
+            python,
+            workdir,
+            [*job_args, *(["--async-save"] if async_save else [])],
+        )
         self.name = OURS_ASYNC if async_save else OURS
 
     def available(self) -> str:
         """Empty when the job's Python can import our client, else why not."""
-        probe = subprocess.run([self.python, "-c", "import mtc_torch; mtc_torch.CheckpointManager"], check=False, env=job_env(),
-                               capture_output=True, text=True)  # fmt: skip
+        probe = subprocess.run(
+            [self.python, "-c", "import mtc_torch; mtc_torch.CheckpointManager"],
+            check=False,
+            env=job_env(),
+            capture_output=True,
+            text=True,
+        )
         return "" if probe.returncode == 0 else probe.stderr.strip().splitlines()[-1]
 
     def newest_replicated_step(self, cluster: LocalCluster, job: BenchTorchrunJob) -> int:
@@ -273,7 +334,10 @@ class OurSetup:
         held = status[0]["held"] if status else {}
         if len(held) < NODES:
             return -1
-        return max(set.intersection(*({int(s) for s, nodes in steps.items() if len(nodes) >= 2} for steps in held.values())), default=-1)
+        return max(
+            set.intersection(*({int(s) for s, nodes in steps.items() if len(nodes) >= 2} for steps in held.values())),
+            default=-1,
+        )
 
     def run(self) -> Run:
         run = Run()
@@ -282,20 +346,35 @@ class OurSetup:
         try:
             cluster.coordinator.start()
             agents = [cluster.add_node(n, block=f"b{n}") for n in range(NODES)]
-            job = BenchTorchrunJob("torchbench", agents, os.path.join(self.workdir, "job"), [], slices=1, size="2Gi",
-                                   nproc_per_node=PROCS, python=self.python,
-                           job_args=[*self.job_args, "--steps", str(target(0)), "--save-every", str(SAVE_EVERY)])  # fmt: skip
+            job = BenchTorchrunJob(
+                "torchbench",
+                agents,
+                os.path.join(self.workdir, "job"),
+                [],
+                slices=1,
+                size="2Gi",
+                nproc_per_node=PROCS,
+                python=self.python,
+                job_args=[*self.job_args, "--steps", str(target(0)), "--save-every", str(SAVE_EVERY)],
+            )
             job.create_pods()
             job.start_training()
+
             def processes() -> list:
                 return [pod.process for pod in job.pods]
+
             for loss in range(NODE_LOSSES):
                 logs = [pod.log_path for pod in job.pods]
                 wait_trained(run, processes(), logs, target(loss), "ours")
                 before = events(logs[0])
                 if loss == 0:
                     measure(run, before)
-                wait_for(lambda: self.newest_replicated_step(cluster, job) >= target(loss), processes(), logs, f"ours: step {target(loss)} replicated")
+                wait_for(
+                    lambda: self.newest_replicated_step(cluster, job) >= target(loss),
+                    processes(),
+                    logs,
+                    f"ours: step {target(loss)} replicated",
+                )
                 cluster.lose_node(job.agents[1])
                 job.agents[1] = cluster.add_node(NODES + loss, block="b1")
                 job.delete_pods()
@@ -304,7 +383,12 @@ class OurSetup:
                 job.job_args[job.job_args.index("--steps") + 1] = str(target(loss + 1))
                 job.start_training()
                 logs = [pod.log_path for pod in job.pods]
-                wait_for(lambda: any(e["event"] == "step" for e in events(logs[0])), processes(), logs, "ours: the first step after the node loss")
+                wait_for(
+                    lambda: any(e["event"] == "step" for e in events(logs[0])),
+                    processes(),
+                    logs,
+                    "ours: the first step after the node loss",
+                )
                 check_restore(run, before, events(logs[0]), recreated_at)
                 restore = cluster.coordinator.status(job.job)["jobs"][0]["restore"]
                 run.sources.append(f"step {restore['step']} from {dict(sorted(restore['sources'].items()))}")
@@ -347,7 +431,9 @@ def modeled(run: Run, step0: float, bytes_per_host: float, rates: goodput_model.
     a failure every MTBF_S: its measured blocking per save (median saving step minus ``step0``) and node-loss restore,
     plus the extra bytes copied out at ``rates.copy`` and read back from a peer at the slower of ``rates.restore`` and
     NEAR_BW (every setup here saves and restores locally or from a peer)."""
-    measured = goodput_model.Costs(blocking=max(statistics.median(run.step_s) - step0, 0.0), restart=statistics.median(run.restore_s))
+    measured = goodput_model.Costs(
+        blocking=max(statistics.median(run.step_s) - step0, 0.0), restart=statistics.median(run.restore_s)
+    )
     costs = goodput_model.scaled(measured, bytes_per_host, TARGET_BYTES, rates.copy, min(rates.restore, NEAR_BW))
     return goodput_model.goodput(costs, MTBF_S)
 
@@ -371,52 +457,71 @@ def gpu_rates(path: str | None) -> dict[str, goodput_model.Rates]:
 def report(base: Run, results: dict[str, Run], bytes_per_host: float, measured: dict[str, goodput_model.Rates]) -> None:
     step0, mean0 = statistics.median(base.step_s), statistics.mean(base.all_s)
     rates = {name: measured.get(name, goodput_model.ASSUMED) for name in results}
-    print(f"{'setup':<24}{'step s':>8}{'save s':>8}{'ratio':>7}{'all steps':>11}{'restore s':>11}{'model':>7}  restored step, bit-identical")
+    print(
+        f"{'setup':<24}{'step s':>8}{'save s':>8}{'ratio':>7}{'all steps':>11}{'restore s':>11}{'model':>7}  restored step, bit-identical"
+    )
     print(f"{'no checkpointing':<24}{step0:>8.3f}{'':>8}{1.0:>7.2f}{1.0:>11.2f}{'':>11}  ({len(base.step_s)} steps)")
     for name, run in results.items():
         if run.note:
             print(f"{name:<24}  not measured: {run.note}")
             continue
         step, save = statistics.median(run.step_s), statistics.median(run.save_s)
-        print(f"{name:<24}{step:>8.3f}{save:>8.3f}{step / step0:>7.2f}{statistics.mean(run.all_s) / mean0:>11.2f}"
-              f"{statistics.median(run.restore_s):>11.1f}{modeled(run, step0, bytes_per_host, rates[name]):>7.3f}  {run.restored_steps}, "
-              f"{'yes' if all(run.bit_identical) else 'NO ' + str(run.bit_identical)} ({len(run.step_s)} saves)")  # fmt: skip
-        print(f"{'':<24}  restores {' '.join(f'{r:.1f}' for r in run.restore_s)} s = recreation -> process started "
-              f"{' '.join(f'{r:.1f}' for r in run.launch_s)} s + started -> loaded {' '.join(f'{r:.1f}' for r in run.load_s)} s "
-              f"+ the first step; node 1 restored: {run.sources[0]}")  # fmt: skip
+        print(
+            f"{name:<24}{step:>8.3f}{save:>8.3f}{step / step0:>7.2f}{statistics.mean(run.all_s) / mean0:>11.2f}"
+            f"{statistics.median(run.restore_s):>11.1f}{modeled(run, step0, bytes_per_host, rates[name]):>7.3f}  {run.restored_steps}, "
+            f"{'yes' if all(run.bit_identical) else 'NO ' + str(run.bit_identical)} ({len(run.step_s)} saves)"
+        )
+        print(
+            f"{'':<24}  restores {' '.join(f'{r:.1f}' for r in run.restore_s)} s = recreation -> process started "
+            f"{' '.join(f'{r:.1f}' for r in run.launch_s)} s + started -> loaded {' '.join(f'{r:.1f}' for r in run.load_s)} s "
+            f"+ the first step; node 1 restored: {run.sources[0]}"
+        )
     for name, run in results.items():
         for line in run.exits:
             print(f"note: {name}: {line}")
     for name, rate in rates.items():
-        print(f"model rates: {name}: copy out {rate.copy / 1e9:.0f} GB/s, read back {min(rate.restore, NEAR_BW) / 1e9:.0f} GB/s "
-              f"per host ({rate.source})")
+        print(
+            f"model rates: {name}: copy out {rate.copy / 1e9:.0f} GB/s, read back {min(rate.restore, NEAR_BW) / 1e9:.0f} GB/s "
+            f"per host ({rate.source})"
+        )
     nvrx, ours = results.get(NVRX), results.get(OURS)
     if nvrx and ours and not nvrx.note and not ours.note:
         blocking = statistics.median(ours.step_s) <= statistics.median(nvrx.step_s)
         restore = statistics.median(ours.restore_s) <= statistics.median(nvrx.restore_s)
         model = modeled(ours, step0, bytes_per_host, rates[OURS]) >= modeled(nvrx, step0, bytes_per_host, rates[NVRX])
-        print(f"goal ours <= NVRx (ours with save, NVRx sync save): blocking per save {'met' if blocking else 'MISSED'}, "
-              f"node-loss restore {'met' if restore else 'MISSED'}; goodput in the model ours >= NVRx {'met' if model else 'MISSED'}")  # fmt: skip
+        print(
+            f"goal ours <= NVRx (ours with save, NVRx sync save): blocking per save {'met' if blocking else 'MISSED'}, "
+            f"node-loss restore {'met' if restore else 'MISSED'}; goodput in the model ours >= NVRx {'met' if model else 'MISSED'}"
+        )
     else:
         print("goal ours <= NVRx: not measured (a setup did not run)")
-    print(f"NVRx ran with the {SHIM}. step s: median train + save of the saving steps after step {WARMUP_STEPS} "
-          f"(a save every {SAVE_EVERY}); ratio: that against the median step without checkpointing (blocking per save); "
-          f"all steps: mean step time of every step after {WARMUP_STEPS} against no checkpointing (with what the "
-          f"background work takes from training); restore s: median over {NODE_LOSSES} node losses of pod recreation -> first step after node 1's "
-          f"storage was wiped. model: {goodput_model.FORMULA} (no upload here), a failure every {MTBF_S / 60:.0f} min, δ and R measured plus the extra bytes from "
-          f"{bytes_per_host / 2**20:.0f} MiB to {TARGET_BYTES / 1e9:.2f} GB per node at the model rates above "
-          f"(assumed: copied out at {COPY_BW / 1e9:.0f} GB/s, read back at {NEAR_BW / 1e9:.0f} GB/s). {NODES} nodes x {PROCS} processes, gloo on CPU; {os.cpu_count()} CPUs, load average "
-          f"{os.getloadavg()[0]:.1f} at the end.")  # fmt: skip
+    print(
+        f"NVRx ran with the {SHIM}. step s: median train + save of the saving steps after step {WARMUP_STEPS} "
+        f"(a save every {SAVE_EVERY}); ratio: that against the median step without checkpointing (blocking per save); "
+        f"all steps: mean step time of every step after {WARMUP_STEPS} against no checkpointing (with what the "
+        f"background work takes from training); restore s: median over {NODE_LOSSES} node losses of pod recreation -> first step after node 1's "
+        f"storage was wiped. model: {goodput_model.FORMULA} (no upload here), a failure every {MTBF_S / 60:.0f} min, δ and R measured plus the extra bytes from "
+        f"{bytes_per_host / 2**20:.0f} MiB to {TARGET_BYTES / 1e9:.2f} GB per node at the model rates above "
+        f"(assumed: copied out at {COPY_BW / 1e9:.0f} GB/s, read back at {NEAR_BW / 1e9:.0f} GB/s). {NODES} nodes x {PROCS} processes, gloo on CPU; {os.cpu_count()} CPUs, load average "
+        f"{os.getloadavg()[0]:.1f} at the end."
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--python", required=True, help="the Python of the job (torch 2.15.0, NVRx 0.7.0): .venv-nvrx/bin/python")
+    parser.add_argument(
+        "--python", required=True, help="the Python of the job (torch 2.15.0, NVRx 0.7.0): .venv-nvrx/bin/python"
+    )
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--gpu-results", help="torch_gpu's JSON lines (--out): the model takes each setup's measured "
-                                              "copy and restore rates from them instead of the assumed ones")
-    parser.add_argument("--setups", default="nvrx,ours,ours-async", help="which to run besides no checkpointing (default: all)")
+    parser.add_argument(
+        "--gpu-results",
+        help="torch_gpu's JSON lines (--out): the model takes each setup's measured "
+        "copy and restore rates from them instead of the assumed ones",
+    )
+    parser.add_argument(
+        "--setups", default="nvrx,ours,ours-async", help="which to run besides no checkpointing (default: all)"
+    )
     args = parser.parse_args()
     setups = set(args.setups.split(","))
     job_args = ["--width", str(args.width), "--layers", str(args.layers)]

@@ -13,8 +13,16 @@ SEED = 10
 # them. ``make chaos`` draws from every fault: the freezes, the store outage and the flips in another
 # node's copy or a backup pass too but take 40-80 s (a lost holder is waited for during the 60 s grace
 # period).
-QUICK_FAULTS = ["preemption", "node_loss", "flip_local", "kill_mid_gc", "kill_mid_stage", "coordinator_kill_mid_restore",
-                "kill_mid_upload", "rollback"]
+QUICK_FAULTS = [
+    "preemption",
+    "node_loss",
+    "flip_local",
+    "kill_mid_gc",
+    "kill_mid_stage",
+    "coordinator_kill_mid_restore",
+    "kill_mid_upload",
+    "rollback",
+]
 
 
 def test_fixed_seed_faults_restore_the_newest_possible_step_with_identical_values(tmp_path):

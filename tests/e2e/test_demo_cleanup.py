@@ -44,10 +44,26 @@ def scratch():
 
 
 def _start_demo(tmp_path: Path, scratch: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    command = ["unshare", "--mount", "--net", "--propagation", "private", "sh", "-c",
-               'ip link set lo up && exec "$0" -c "$1"', sys.executable, _WRAPPER]  # fmt: skip
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=open(tmp_path / "demo.log", "wb"),
-                               env={**os.environ, "TMPDIR": str(scratch), **(env or {})}, start_new_session=True)  # fmt: skip
+    command = [
+        "unshare",
+        "--mount",
+        "--net",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        'ip link set lo up && exec "$0" -c "$1"',
+        sys.executable,
+        _WRAPPER,
+    ]
+    process = subprocess.Popen(
+        command,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=open(tmp_path / "demo.log", "wb"),
+        env={**os.environ, "TMPDIR": str(scratch), **(env or {})},
+        start_new_session=True,
+    )
     return process
 
 

@@ -36,8 +36,9 @@ def backups_settled(cluster, job):
 
 def test_whole_cluster_loss_restores_newest_backup_and_never_an_interrupted_one(start_cluster, object_server, tmp_path):
     cluster = start_cluster(backup=object_server.backup_url, env=object_server.env)
-    job = run_job("big", list(cluster.agents), tmp_path / "big",
-                  [*UNTIL_KILLED, "--dump-dir", str(tmp_path / "dump-1")])  # fmt: skip
+    job = run_job(
+        "big", list(cluster.agents), tmp_path / "big", [*UNTIL_KILLED, "--dump-dir", str(tmp_path / "dump-1")]
+    )
     job.wait(lambda: max(status_of(cluster, job)["backups"] or [0]) >= 12, 180, "a backup of step 12 or later")
     before = kill_past_newest_commit(job)
     wait_until(lambda: backups_settled(cluster, job), 60, "backups settled")
@@ -45,8 +46,10 @@ def test_whole_cluster_loss_restores_newest_backup_and_never_an_interrupted_one(
     # What an agent killed mid-upload leaves: a newer step with data and a rank manifest, no COMMIT.
     interrupted = f"mtc/default/{job.job}/steps/{backed_up + 3}"
     object_server.put(f"{interrupted}/rank-0/state/_METADATA", b"partial")
-    object_server.put(f"{interrupted}/rank-0.manifest.json",
-                      json.dumps({"step": backed_up + 3, "rank": 0, "files": {}, "incarnation": "gone"}).encode())
+    object_server.put(
+        f"{interrupted}/rank-0.manifest.json",
+        json.dumps({"step": backed_up + 3, "rank": 0, "files": {}, "incarnation": "gone"}).encode(),
+    )
 
     # Whole-cluster repair: every agent dies with its RAM, the coordinator restarts, fresh nodes join.
     for agent in list(job.agents):
@@ -82,7 +85,9 @@ def test_storage_outage_does_not_block_training_and_backups_resume(start_cluster
     object_server.server.stop()
     outage_step = max(e["step"] for e in by_event(job.pods[0], "step"))
     # Local and peer tiers carry on: the job keeps saving while storage is down.
-    job.wait(lambda: max(e["step"] for e in by_event(job.pods[0], "saved")) >= outage_step + 6, 60, "saves during the outage")
+    job.wait(
+        lambda: max(e["step"] for e in by_event(job.pods[0], "saved")) >= outage_step + 6, 60, "saves during the outage"
+    )
     wait_until(lambda: any(backup_failures(agent) > 0 for agent in cluster.agents), 60, "failed backups counted")
     before_return = max(status_of(cluster, job)["backups"])
     object_server.server.start()
@@ -96,28 +101,50 @@ def test_storage_outage_does_not_block_training_and_backups_resume(start_cluster
 
 def test_restore_from_rolls_back_to_an_older_backup(start_cluster, tmp_path):
     cluster = start_cluster(backup=f"file://{tmp_path / 'objects'}")
-    job = run_job("roll", list(cluster.agents), tmp_path / "roll", ["--step-sleep", "0.2", "--dump-dir", str(tmp_path / "dump-1")])
+    job = run_job(
+        "roll", list(cluster.agents), tmp_path / "roll", ["--step-sleep", "0.2", "--dump-dir", str(tmp_path / "dump-1")]
+    )
     job.wait(lambda: len(status_of(cluster, job)["backups"]) >= 2, 180, "two backups")
     job.kill_training()
     wait_until(lambda: backups_settled(cluster, job), 60, "backups settled")
     before = status_of(cluster, job)
     older, newest = min(before["backups"]), max(before["backups"])
     assert before["last_backup_step"] == newest and 0 <= before["last_backup_age_seconds"] < 300
-    mtc = [sys.executable, "-m", "replicator.cli", "restore-from", "--coordinator", cluster.coordinator.url,
-           "--ca", cluster.coordinator.ca_file, "--token-file", cluster.token_file, "--job", f"default/{job.job}"]  # fmt: skip
+    mtc = [
+        sys.executable,
+        "-m",
+        "replicator.cli",
+        "restore-from",
+        "--coordinator",
+        cluster.coordinator.url,
+        "--ca",
+        cluster.coordinator.ca_file,
+        "--token-file",
+        cluster.token_file,
+        "--job",
+        f"default/{job.job}",
+    ]
     run = lambda *argv: subprocess.run([*mtc, *argv], capture_output=True, text=True, stdin=subprocess.DEVNULL)  # noqa: E731
     refused = run("--step", "7", "--yes")
     assert refused.returncode == 1 and "HTTP 409" in refused.stderr and "step 7" in refused.stderr
     # The preview names the newer backups it would abandon, and changes nothing; without a terminal, --yes is needed.
     dry = run("--step", str(older), "--dry-run")
-    assert dry.returncode == 0 and [line for line in dry.stdout.splitlines() if line.startswith(f"  step {newest}: ") and line.endswith("backup yes")], dry.stdout
+    assert dry.returncode == 0 and [
+        line
+        for line in dry.stdout.splitlines()
+        if line.startswith(f"  step {newest}: ") and line.endswith("backup yes")
+    ], dry.stdout
     unconfirmed = run("--step", str(older))
     assert unconfirmed.returncode == 2 and "pass --yes" in unconfirmed.stderr
+
     # A backup of the newest step may still commit after the kill (its completeness reaches the coordinator late), so
     # "unchanged" is: no rollback pending, timeline 0, and every backup seen before still there.
     def unchanged() -> dict:
         now = status_of(cluster, job)
-        return {**{k: now[k] for k in ("forced_step", "pending_rollback", "timeline")}, "kept": set(before["backups"]) <= set(now["backups"])}
+        return {
+            **{k: now[k] for k in ("forced_step", "pending_rollback", "timeline")},
+            "kept": set(before["backups"]) <= set(now["backups"]),
+        }
 
     assert unchanged() == {"forced_step": None, "pending_rollback": None, "timeline": 0, "kept": True}
     # Requested, then cancelled before the pods return: the job is as before, its backups kept.
@@ -138,13 +165,21 @@ def test_restore_from_rolls_back_to_an_older_backup(start_cluster, tmp_path):
     # deletes the abandoned timeline's backups of the steps after ``older``.
     steps_dir = tmp_path / "objects" / "default" / job.job / "steps"
     committed = lambda: {e for e in os.listdir(steps_dir) if os.path.exists(steps_dir / e / "COMMIT")}  # noqa: E731
-    wait_until(lambda: any(e.endswith("-t1") for e in committed()) and backups_settled(cluster, job), 90, "a backup of timeline 1")
+    wait_until(
+        lambda: any(e.endswith("-t1") for e in committed()) and backups_settled(cluster, job),
+        90,
+        "a backup of timeline 1",
+    )
     assert not [e for e in os.listdir(steps_dir) if "-t" not in e and int(e) > older]
     status = status_of(cluster, job)
     assert (status["timeline"], status["rollbacks"]) == (1, [older])
     assert max(status["backups"]) > older
     late = run("--cancel")  # the rollback was planned and done: nothing to cancel
-    assert late.returncode == 1 and f"HTTP 409: job default/{job.job} has no pending rollback; the last rollback, to step {older}" in late.stderr
+    assert (
+        late.returncode == 1
+        and f"HTTP 409: job default/{job.job} has no pending rollback; the last rollback, to step {older}"
+        in late.stderr
+    )
 
 
 _STORE_ANSWERS_AFTER = 20.0  # seconds: each request to the store waits half of it each way
@@ -152,11 +187,18 @@ _SLOW_STORE_SECONDS = 60.0
 
 
 @requires_root
-def test_a_store_answering_after_20_s_slows_no_save_and_backups_then_complete_and_restore(start_cluster, fake_gcs, tmp_path):
+def test_a_store_answering_after_20_s_slows_no_save_and_backups_then_complete_and_restore(
+    start_cluster, fake_gcs, tmp_path
+):
     cluster = start_cluster(backup="gs://ckpt/mtc", env={"STORAGE_EMULATOR_HOST": fake_gcs.url})
-    job = run_job("slowstore", list(cluster.agents), tmp_path / "slow", [*UNTIL_KILLED, "--dump-dir", str(tmp_path / "dump-1")])
+    job = run_job(
+        "slowstore", list(cluster.agents), tmp_path / "slow", [*UNTIL_KILLED, "--dump-dir", str(tmp_path / "dump-1")]
+    )
     job.wait(lambda: status_of(cluster, job)["backups"], 120, "a first backup")
-    newest_saved = lambda: max(set.intersection(*({e["step"] for e in by_event(p, "saved")} for p in job.pods)), default=0)  # noqa: E731
+
+    def newest_saved() -> int:
+        return max(set.intersection(*({e["step"] for e in by_event(p, "saved")} for p in job.pods)), default=0)
+
     probe: list[float] = []
 
     def ask_store():
@@ -179,8 +221,10 @@ def test_a_store_answering_after_20_s_slows_no_save_and_backups_then_complete_an
         backups_during = set(status_of(cluster, job)["backups"]) - backups_before
     saved_during = samples[-1][1] - samples[0][1]
     stalls = [later[0] - earlier[0] for earlier, later in zip(samples, samples[1:]) if later[1] == earlier[1]]
-    print(f"store answered in {probe} s; saves {samples[0][1]} -> {samples[-1][1]} in {samples[-1][0]:.0f} s, "
-          f"backups committed meanwhile {sorted(backups_during)}")
+    print(
+        f"store answered in {probe} s; saves {samples[0][1]} -> {samples[-1][1]} in {samples[-1][0]:.0f} s, "
+        f"backups committed meanwhile {sorted(backups_during)}"
+    )
     assert probe and probe[0] >= _STORE_ANSWERS_AFTER, probe
     assert saved_during >= 15, samples  # ~0.3 s a step here when unloaded: about 60 steps in 60 s
     assert sum(stalls) < 20, samples  # never 20 s without a new save, in all
@@ -188,7 +232,9 @@ def test_a_store_answering_after_20_s_slows_no_save_and_backups_then_complete_an
     # Once the store answers again, a backup of a step saved after the slow spell commits, and a whole
     # cluster lost restores from it, with the values it had.
     after_slow = newest_saved()
-    job.wait(lambda: max(status_of(cluster, job)["backups"]) > after_slow, 180, f"a backup newer than step {after_slow}")
+    job.wait(
+        lambda: max(status_of(cluster, job)["backups"]) > after_slow, 180, f"a backup newer than step {after_slow}"
+    )
     before = kill_past_newest_commit(job)
     wait_until(lambda: backups_settled(cluster, job), 90, "backups settled")
     backed_up = max(status_of(cluster, job)["backups"])

@@ -29,7 +29,11 @@ def test_an_agent_frozen_past_the_node_timeout_does_not_stop_backups(start_clust
     incarnation = status_of(cluster, job)["incarnation"]
     freeze(cluster.agents[1], 12.0).join()
     after_thaw = max(losses(job.pods))
-    job.wait(lambda: max(status_of(cluster, job)["backups"], default=-1) > after_thaw, 120, "a backup of a step after the freeze")
+    job.wait(
+        lambda: max(status_of(cluster, job)["backups"], default=-1) > after_thaw,
+        120,
+        "a backup of a step after the freeze",
+    )
     assert status_of(cluster, job)["incarnation"] == incarnation  # the blip did not end the incarnation
     assert all(agent.process.poll() is None for agent in cluster.agents)
 
@@ -37,9 +41,17 @@ def test_an_agent_frozen_past_the_node_timeout_does_not_stop_backups(start_clust
 def test_node_loss_while_the_only_other_holder_is_frozen_restores_the_newest_step(start_cluster, tmp_path):
     cluster = start_cluster()
     job = run_job("dpf", list(cluster.agents), tmp_path / "dpf", [*LONG_RUN, "--dump-dir", str(tmp_path / "dump-1")])
-    job.wait(lambda: (s := status_of(cluster, job))["safe_step"] is not None and s["safe_step"] >= 9, 180, "identity at step 9")
+    job.wait(
+        lambda: (s := status_of(cluster, job))["safe_step"] is not None and s["safe_step"] >= 9,
+        180,
+        "identity at step 9",
+    )
     before = kill_past_newest_commit(job)
-    wait_until(lambda: status_of(cluster, job)["safe_step"] == status_of(cluster, job)["newest_complete_step"], 30, "identity of the last step")
+    wait_until(
+        lambda: status_of(cluster, job)["safe_step"] == status_of(cluster, job)["newest_complete_step"],
+        30,
+        "identity of the last step",
+    )
     safe = status_of(cluster, job)["safe_step"]
     # Rank 1's only other copy is rank 3's identical data on node-3: freeze it for 20 s (5x the node
     # timeout) while node-1 is lost and the pods are recreated (its pod's unpublish waits for it, as

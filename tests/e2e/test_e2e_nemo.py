@@ -27,8 +27,20 @@ NEMO_CLIENT = str(REPO / "tests" / "helpers" / "nemo_client.py")
 NODES, LOCAL_RANKS, EVERY = 2, 2, 3
 # A save every 3 s: above the 2 s push interval, so every commit of every rank is replicated (docs/tiers.md).
 # The yaml writer stalls 0.2 s, the finalize waits 0.3 s after the mark went: the agent's 0.2 s passes see both.
-FLAGS = ["--steps", str(UNTIL_KILLED_STEPS), "--save-interval-steps", str(EVERY), "--step-sleep", "1.0", "--local-ranks", str(LOCAL_RANKS),
-         "--yaml-stall", "0.2", "--finalize-pause", "0.3"]  # fmt: skip
+FLAGS = [
+    "--steps",
+    str(UNTIL_KILLED_STEPS),
+    "--save-interval-steps",
+    str(EVERY),
+    "--step-sleep",
+    "1.0",
+    "--local-ranks",
+    str(LOCAL_RANKS),
+    "--yaml-stall",
+    "0.2",
+    "--finalize-pause",
+    "0.3",
+]
 
 
 @dataclasses.dataclass
@@ -38,8 +50,19 @@ class NemoJob(LocalJob):
     framework: str = "pytorch.distributed"
 
     def train_command(self, pod: Pod) -> list[str]:
-        return [sys.executable, NEMO_CLIENT, "--local-dir", pod.target, "--job-name", self.name, "--node-rank", str(self.pods.index(pod)),
-                "--nodes", str(len(self.agents)), *self.train_args]  # fmt: skip
+        return [
+            sys.executable,
+            NEMO_CLIENT,
+            "--local-dir",
+            pod.target,
+            "--job-name",
+            self.name,
+            "--node-rank",
+            str(self.pods.index(pod)),
+            "--nodes",
+            str(len(self.agents)),
+            *self.train_args,
+        ]
 
 
 def quiet(cluster, job) -> None:
@@ -57,7 +80,9 @@ def resume(job, tmp_path, dump: str, step: int, before: dict[int, float]) -> Non
     recreate(job, tmp_path / dump)
     job.wait(lambda: max(losses(job.pods), default=0) >= step + 4, 180, f"global step {step + 4} after the restore")
     assert max(before) < UNTIL_KILLED_STEPS, "the job finished before it was killed"
-    assert [(e["step"], e["global_step"]) for p in job.pods for e in by_event(p, "restored")] == [(step, step + 1)] * NODES
+    assert [(e["step"], e["global_step"]) for p in job.pods for e in by_event(p, "restored")] == [
+        (step, step + 1)
+    ] * NODES
     after = losses(job.pods)
     assert min(after) == step + 2
     compared_losses(before, after)
@@ -70,15 +95,29 @@ def resume(job, tmp_path, dump: str, step: int, before: dict[int, float]) -> Non
 
 def test_nemo_saves_are_no_error_commit_g_minus_1_replicated_and_restore_exactly(start_cluster, tmp_path):
     cluster = start_cluster(nodes=NODES)
-    job = run_job("nm", list(cluster.agents), tmp_path / "nm", [*FLAGS, "--dump-dir", str(tmp_path / "dump-1")], job_class=NemoJob,
-                  train=[], slices=1)  # fmt: skip
+    job = run_job(
+        "nm",
+        list(cluster.agents),
+        tmp_path / "nm",
+        [*FLAGS, "--dump-dir", str(tmp_path / "dump-1")],
+        job_class=NemoJob,
+        train=[],
+        slices=1,
+    )
 
     # Normal saves: each commit is the rename of step=G to G-1, replicated to the other node; nothing is an error.
-    job.wait(lambda: min((max(c, default=0) for c in committed(job)), default=0) >= 3 * EVERY - 1, 180, "3 saves committed on every node")
+    job.wait(
+        lambda: min((max(c, default=0) for c in committed(job)), default=0) >= 3 * EVERY - 1,
+        180,
+        "3 saves committed on every node",
+    )
     assert all(step % EVERY == EVERY - 1 for steps in committed(job) for step in steps)
     wait_until(lambda: (status_of(cluster, job)["safe_step"] or 0) >= 2 * EVERY - 1, 60, "a commit replicated")
     safe = str(status_of(cluster, job)["safe_step"])
-    assert {rank: sorted(steps[safe]) for rank, steps in status_of(cluster, job)["held"].items()} == {"0": ["node-0", "node-1"], "1": ["node-0", "node-1"]}
+    assert {rank: sorted(steps[safe]) for rank, steps in status_of(cluster, job)["held"].items()} == {
+        "0": ["node-0", "node-1"],
+        "1": ["node-0", "node-1"],
+    }
     quiet(cluster, job)
 
     # 1. Preemption: every pod SIGKILLed (perhaps mid-save); each node restores its own commit.
@@ -91,7 +130,11 @@ def test_nemo_saves_are_no_error_commit_g_minus_1_replicated_and_restore_exactly
     # 2. Node loss: node 1 dies with its ramdisk; its rank restores from the replica on node 0.
     job.wait(lambda: (status_of(cluster, job)["safe_step"] or 0) > step, 180, f"a replicated commit after {step}")
     before = kill_past_newest_commit(job, timeout=120, past=2)
-    wait_until(lambda: status_of(cluster, job)["safe_step"] == status_of(cluster, job)["newest_complete_step"], 60, "replicas caught up")
+    wait_until(
+        lambda: status_of(cluster, job)["safe_step"] == status_of(cluster, job)["newest_complete_step"],
+        60,
+        "replicas caught up",
+    )
     step = status_of(cluster, job)["safe_step"]
     job.agents[:] = replace_node(cluster, job, 1)
     resume(job, tmp_path, "dump-3", step, before)

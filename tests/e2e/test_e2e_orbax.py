@@ -25,8 +25,17 @@ def test_sigkilled_job_resumes_at_newest_complete_step_with_identical_values(clu
     reference.delete_pods()
 
     # Data parallelism 1 and no peer tier: every rank's only copy is its own ramdisk.
-    job = run_job("run", agents, tmp_path / "run", ["--data-parallelism", "1", "--step-sleep", "0.2", "--dump-dir", str(tmp_path / "dump-1")])
-    job.wait(lambda: all(any(e["step"] >= 12 for e in by_event(p, "saved")) for p in job.pods), 180, "step 12 saved everywhere")
+    job = run_job(
+        "run",
+        agents,
+        tmp_path / "run",
+        ["--data-parallelism", "1", "--step-sleep", "0.2", "--dump-dir", str(tmp_path / "dump-1")],
+    )
+    job.wait(
+        lambda: all(any(e["step"] >= 12 for e in by_event(p, "saved")) for p in job.pods),
+        180,
+        "step 12 saved everywhere",
+    )
     job.kill_training()
     saved = [max(e["step"] for e in by_event(p, "saved")) for p in job.pods]
     # One rank lost its newest save (as if killed before the commit rename): that step is
@@ -45,7 +54,9 @@ def test_sigkilled_job_resumes_at_newest_complete_step_with_identical_values(clu
     for rank in range(4):
         name = f"rank{rank}-step{expected}.npz"
         assert_same_state(tmp_path / "ref-dump" / name, tmp_path / "dump-2" / name)
-        assert_same_state(tmp_path / "ref-dump" / f"rank{rank}-step30.npz", tmp_path / "dump-2" / f"rank{rank}-step30.npz")
+        assert_same_state(
+            tmp_path / "ref-dump" / f"rank{rank}-step30.npz", tmp_path / "dump-2" / f"rank{rank}-step30.npz"
+        )
     status = coordinator.status(job.job)["jobs"][0]
     assert status["restore"]["step"] == expected
     assert set(status["restore"]["sources"].values()) == {f"local:node-{i}" for i in range(4)}
@@ -54,8 +65,13 @@ def test_sigkilled_job_resumes_at_newest_complete_step_with_identical_values(clu
     assert 'mtc_newest_complete_step{training_job="run-slice",training_namespace="default"} 30.0' in coordinator_metrics
     assert 'mtc_restore_ranks_staged{training_job="run-slice",training_namespace="default"} 4.0' in coordinator_metrics
     node_metrics = scrape(agents[0].url)
-    assert 'mtc_restore_seconds_count{source="local",training_job="run-slice",training_namespace="default"} 1.0' in node_metrics
-    assert 'mtc_newest_committed_step{rank="0",training_job="run-slice",training_namespace="default"} 30.0' in node_metrics
+    assert (
+        'mtc_restore_seconds_count{source="local",training_job="run-slice",training_namespace="default"} 1.0'
+        in node_metrics
+    )
+    assert (
+        'mtc_newest_committed_step{rank="0",training_job="run-slice",training_namespace="default"} 30.0' in node_metrics
+    )
 
 
 def test_coordinator_restart_mid_job_does_not_disturb_training(cluster, tmp_path):
@@ -64,24 +80,42 @@ def test_coordinator_restart_mid_job_does_not_disturb_training(cluster, tmp_path
     job.wait(lambda: all(by_event(p, "saved") for p in job.pods), 180, "first save")
     incarnation = coordinator.status(job.job)["jobs"][0]["incarnation"]
     coordinator.kill()
-    job.wait(lambda: all(any(e["step"] >= 9 for e in by_event(p, "saved")) for p in job.pods), 60, "saves without coordinator")
+    job.wait(
+        lambda: all(any(e["step"] >= 9 for e in by_event(p, "saved")) for p in job.pods),
+        60,
+        "saves without coordinator",
+    )
     coordinator.start()
     job.wait_done(timeout=120)
     assert max(losses(job.pods)) == 30
     job.wait(lambda: newest_complete_step(coordinator, job.job) == 30, 20, "inventory rebuilt")
-    job.wait(lambda: coordinator.status(job.job)["jobs"][0]["safe_step"] == 30, 20, "step 30 safe: nothing moves any more")
+    job.wait(
+        lambda: coordinator.status(job.job)["jobs"][0]["safe_step"] == 30, 20, "step 30 safe: nothing moves any more"
+    )
     status = coordinator.status(job.job)["jobs"][0]
     assert status["incarnation"] == incarnation
     assert {r["rank"]: r["node"] for r in status["ranks"]} == {r: f"node-{r}" for r in range(4)}
-    mtc_status = [sys.executable, "-m", "replicator.cli", "status", "--coordinator", coordinator.url, "--ca", coordinator.ca_file,
-                  "--job", f"default/{job.job}"]  # fmt: skip
+    mtc_status = [
+        sys.executable,
+        "-m",
+        "replicator.cli",
+        "status",
+        "--coordinator",
+        coordinator.url,
+        "--ca",
+        coordinator.ca_file,
+        "--job",
+        f"default/{job.job}",
+    ]
     table = subprocess.run(mtc_status, capture_output=True, text=True, check=True).stdout
     assert f"incarnation {incarnation}" in table and "newest complete step: 30" in table
     # The agents still collect garbage after step 30 is safe, so compare the CLI's JSON with a status
     # that did not change while the CLI ran.
     for _ in range(20):
         before = coordinator.status(job.job)
-        cli_json = json.loads(subprocess.run([*mtc_status, "--json"], capture_output=True, text=True, check=True).stdout)
+        cli_json = json.loads(
+            subprocess.run([*mtc_status, "--json"], capture_output=True, text=True, check=True).stdout
+        )
         if coordinator.status(job.job) == before:
             break
         time.sleep(0.5)

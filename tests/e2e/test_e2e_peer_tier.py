@@ -58,7 +58,10 @@ def slowed_pushes(cluster) -> Iterator[None]:
         yield
     pushes = []
     for path, offset in logs.items():
-        with contextlib.suppress(FileNotFoundError), open(path, encoding="utf-8", errors="replace") as log:  # a lost node's is gone
+        with (
+            contextlib.suppress(FileNotFoundError),
+            open(path, encoding="utf-8", errors="replace") as log,
+        ):  # a lost node's is gone
             log.seek(offset)
             pushes += [float(m.group(1)) for m in _PUSHED.finditer(log.read())]
     print(f"pushes while slowed: {len(pushes)}, median {statistics.median(pushes):.2f} s, shortest {min(pushes):.2f} s")
@@ -75,24 +78,43 @@ def safe_step_advances(cluster, job) -> tuple[float, int]:
         status = status_of(cluster, job)
         samples.append((time.monotonic(), status["newest_complete_step"], status["safe_step"]))
         time.sleep(0.2)
-    moments = [samples[0][0]] + [t for (t, _, safe), (_, _, before) in zip(samples[1:], samples) if safe != before] + [samples[-1][0]]
-    assert samples[-1][1] - samples[0][1] >= SAMPLE_SECONDS, f"harness: the job saved too slowly to outpace its pushes ({samples[0][1]} -> {samples[-1][1]})"
-    still, lag = max(b - a for a, b in zip(moments, moments[1:])), max(newest - (safe or 0) for _, newest, safe in samples)
-    print(f"safe step: stood still at most {still:.1f} s, at most {lag} steps behind the newest complete step "
-          f"({samples[0][1]} -> {samples[-1][1]} in {SAMPLE_SECONDS:.0f} s)")
+    moments = (
+        [samples[0][0]]
+        + [t for (t, _, safe), (_, _, before) in zip(samples[1:], samples) if safe != before]
+        + [samples[-1][0]]
+    )
+    assert samples[-1][1] - samples[0][1] >= SAMPLE_SECONDS, (
+        f"harness: the job saved too slowly to outpace its pushes ({samples[0][1]} -> {samples[-1][1]})"
+    )
+    still, lag = (
+        max(b - a for a, b in zip(moments, moments[1:])),
+        max(newest - (safe or 0) for _, newest, safe in samples),
+    )
+    print(
+        f"safe step: stood still at most {still:.1f} s, at most {lag} steps behind the newest complete step "
+        f"({samples[0][1]} -> {samples[-1][1]} in {SAMPLE_SECONDS:.0f} s)"
+    )
     return still, lag
 
 
 def test_data_parallel_job_restores_lost_node_from_identical_peer_without_copies(start_cluster, tmp_path):
     cluster = start_cluster()
     job = run_job("dp", list(cluster.agents), tmp_path / "dp", [*LONG_RUN, "--dump-dir", str(tmp_path / "dump-1")])
-    job.wait(lambda: (s := status_of(cluster, job))["safe_step"] is not None and s["safe_step"] >= 9, 180, "identity established at step 9")
+    job.wait(
+        lambda: (s := status_of(cluster, job))["safe_step"] is not None and s["safe_step"] >= 9,
+        180,
+        "identity established at step 9",
+    )
     status = status_of(cluster, job)
     assert status["identical_peers"] == [[0, 2], [1, 3], [2, 0], [3, 1]]
     # Deduplicated: no node holds another rank's data, so the ramdisk holds about one shard.
     assert all(holders == [f"node-{rank}"] for rank, steps in status["held"].items() for holders in steps.values())
     before = kill_past_newest_commit(job)
-    wait_until(lambda: status_of(cluster, job)["safe_step"] == status_of(cluster, job)["newest_complete_step"], 30, "identity of the last step")
+    wait_until(
+        lambda: status_of(cluster, job)["safe_step"] == status_of(cluster, job)["newest_complete_step"],
+        30,
+        "identity of the last step",
+    )
     safe = status_of(cluster, job)["safe_step"]
 
     fresh = lose_node_and_resume(cluster, job, 1, tmp_path, steps=safe + 6)
@@ -103,15 +125,27 @@ def test_data_parallel_job_restores_lost_node_from_identical_peer_without_copies
     assert status_of(cluster, job)["ranks"][1]["node"] == fresh.node_id
 
 
-def test_replicated_job_saving_faster_than_it_replicates_restores_lost_node_and_skips_a_corrupt_replica(start_cluster, tmp_path):
+def test_replicated_job_saving_faster_than_it_replicates_restores_lost_node_and_skips_a_corrupt_replica(
+    start_cluster, tmp_path
+):
     cluster = start_cluster(replicas=2)
-    job = run_job("solo", list(cluster.agents), tmp_path / "solo", [*FAST_SAVES, "--dump-dir", str(tmp_path / "dump-1")])
-    job.wait(lambda: (s := status_of(cluster, job))["safe_step"] is not None and s["safe_step"] >= 9, 180, "replicated step 9")
+    job = run_job(
+        "solo", list(cluster.agents), tmp_path / "solo", [*FAST_SAVES, "--dump-dir", str(tmp_path / "dump-1")]
+    )
+    job.wait(
+        lambda: (s := status_of(cluster, job))["safe_step"] is not None and s["safe_step"] >= 9,
+        180,
+        "replicated step 9",
+    )
     with slowed_pushes(cluster):
         still, lag = safe_step_advances(cluster, job)
     assert still <= ADVANCE_BOUND_SECONDS and lag <= LAG_BOUND_STEPS, (still, lag)
     before = kill_past_newest_commit(job)
-    wait_until(lambda: status_of(cluster, job)["safe_step"] == status_of(cluster, job)["newest_complete_step"], 30, "replicas caught up")
+    wait_until(
+        lambda: status_of(cluster, job)["safe_step"] == status_of(cluster, job)["newest_complete_step"],
+        30,
+        "replicas caught up",
+    )
     status = status_of(cluster, job)
     safe = status["safe_step"]
     assert status["held"]["1"][str(safe)] == ["node-0", "node-1", "node-3"]  # own, close (b0) and distant (b1)
@@ -131,7 +165,9 @@ def test_replicated_job_saving_faster_than_it_replicates_restores_lost_node_and_
 
 def test_node_lost_while_saving_faster_than_it_replicates_restores_a_step_within_the_bound(start_cluster, tmp_path):
     cluster = start_cluster(replicas=1)
-    job = run_job("fast", list(cluster.agents), tmp_path / "fast", [*FAST_SAVES, "--dump-dir", str(tmp_path / "dump-1")])
+    job = run_job(
+        "fast", list(cluster.agents), tmp_path / "fast", [*FAST_SAVES, "--dump-dir", str(tmp_path / "dump-1")]
+    )
     job.wait(lambda: status_of(cluster, job)["safe_step"] is not None, 120, "a first safe step")
     with slowed_pushes(cluster):
         still, lag = safe_step_advances(cluster, job)
@@ -165,7 +201,9 @@ def test_peer_service_refuses_missing_token_and_traversal(start_cluster, tmp_pat
     cluster = start_cluster(nodes=1)
     agent = cluster.agents[0]
     # Job x exists on the node, so a refusal comes from the path guard, not from an unknown job.
-    kubelet.publish(agent.endpoint, str(tmp_path / "pod-x" / "mount"), "x-0", attributes={"job": "x", "nodes": "1", "size": "8Mi"})
+    kubelet.publish(
+        agent.endpoint, str(tmp_path / "pod-x" / "mount"), "x-0", attributes={"job": "x", "nodes": "1", "size": "8Mi"}
+    )
     if token is VALID:
         token = open(cluster.token_file).read().strip()
     request = urllib.request.Request(agent.url + path, headers={"Authorization": f"Bearer {token}"} if token else {})
@@ -178,15 +216,43 @@ def test_peer_service_refuses_missing_token_and_traversal(start_cluster, tmp_pat
 def test_peer_service_over_tls(start_agent, tmp_path):
     cert, key = tmp_path / "peer.crt", tmp_path / "peer.key"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=mtc-peer",
-         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )  # fmt: skip
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=mtc-peer",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
     (tmp_path / "token").write_text("tls-token\n")
-    agent = start_agent(backend="dir", extra_args=["--peer-token-file", str(tmp_path / "token"),
-                                                   "--peer-tls-cert", str(cert), "--peer-tls-key", str(key)])  # fmt: skip
+    agent = start_agent(
+        backend="dir",
+        extra_args=[
+            "--peer-token-file",
+            str(tmp_path / "token"),
+            "--peer-tls-cert",
+            str(cert),
+            "--peer-tls-key",
+            str(key),
+        ],
+    )
     context = ssl.create_default_context(cafile=str(cert))
-    request = urllib.request.Request(f"https://{agent.listen}/v1/peer/jobs/default/x/steps", headers={"Authorization": "Bearer tls-token"})
+    request = urllib.request.Request(
+        f"https://{agent.listen}/v1/peer/jobs/default/x/steps", headers={"Authorization": "Bearer tls-token"}
+    )
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(request, context=context)
     assert err.value.code == 404  # reached the peer service, over TLS, with the token

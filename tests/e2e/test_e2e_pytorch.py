@@ -24,7 +24,9 @@ from tests.helpers.jobs import (
 )
 from tests.helpers.polling import wait_until
 
-pytestmark = pytest.mark.skipif(not os.path.exists(TORCH_PYTHON), reason=f"no torch virtualenv at {TORCH_PYTHON} (make torch-setup)")
+pytestmark = pytest.mark.skipif(
+    not os.path.exists(TORCH_PYTHON), reason=f"no torch virtualenv at {TORCH_PYTHON} (make torch-setup)"
+)
 
 NODES, LOCAL_RANKS = 2, 2
 # A save every ~3 s: above the 2 s push interval, so every step of every rank is replicated (docs/tiers.md).
@@ -55,20 +57,37 @@ def newest_everywhere(job) -> int:
 
 def test_torchrun_job_resumes_exactly_after_preemption_node_loss_and_cluster_loss(start_cluster, tmp_path):
     cluster = start_cluster(nodes=NODES, backup=f"file://{tmp_path / 'object-store'}")
-    job = run_job("tr", list(cluster.agents), tmp_path / "tr", [*SLOW, "--dump-dir", str(tmp_path / "dump-1")],
-                  job_class=TorchrunJob, slices=1, nproc_per_node=LOCAL_RANKS)  # fmt: skip
+    job = run_job(
+        "tr",
+        list(cluster.agents),
+        tmp_path / "tr",
+        [*SLOW, "--dump-dir", str(tmp_path / "dump-1")],
+        job_class=TorchrunJob,
+        slices=1,
+        nproc_per_node=LOCAL_RANKS,
+    )
 
     # 1. Preemption: every process of every pod SIGKILLed; each node restores its own step.
-    job.wait(lambda: min((max(c, default=0) for c in committed(job)), default=0) >= 6, 180, "step 6 committed on every node")
+    job.wait(
+        lambda: min((max(c, default=0) for c in committed(job)), default=0) >= 6, 180, "step 6 committed on every node"
+    )
     before = kill_past_newest_commit(job, timeout=120)
     step = newest_everywhere(job)
     resume(job, tmp_path, "dump-2", step, before)
     assert set(status_of(cluster, job)["restore"]["sources"].values()) == {f"local:{a.node_id}" for a in job.agents}
 
     # 2. Node loss: node 1 dies with its ramdisk; its rank restores from the replica on node 0.
-    job.wait(lambda: (s := status_of(cluster, job))["safe_step"] is not None and s["safe_step"] > step, 180, f"a replicated step after {step}")
+    job.wait(
+        lambda: (s := status_of(cluster, job))["safe_step"] is not None and s["safe_step"] > step,
+        180,
+        f"a replicated step after {step}",
+    )
     before = kill_past_newest_commit(job, timeout=120)
-    wait_until(lambda: status_of(cluster, job)["safe_step"] == status_of(cluster, job)["newest_complete_step"], 60, "replicas caught up")
+    wait_until(
+        lambda: status_of(cluster, job)["safe_step"] == status_of(cluster, job)["newest_complete_step"],
+        60,
+        "replicas caught up",
+    )
     step = status_of(cluster, job)["safe_step"]
     job.agents[:] = replace_node(cluster, job, 1)
     resume(job, tmp_path, "dump-3", step, before)
@@ -92,15 +111,30 @@ def test_hsdp_job_restores_a_lost_node_from_its_identical_replica_without_copies
     cluster = start_cluster(nodes=NODES)
     # HSDP: 2 replica groups (one per node) sharded over the 2 local ranks; local rank r of both nodes
     # holds the same shards, and mtc_torch's deterministic .metadata makes both nodes' steps sign equal.
-    job = run_job("hs", list(cluster.agents), tmp_path / "hs", [*UNTIL_KILLED, "--data-parallelism", "2", "--dump-dir", str(tmp_path / "dump-1")],
-                  job_class=TorchrunJob, slices=2, nproc_per_node=LOCAL_RANKS)  # fmt: skip
-    job.wait(lambda: (s := status_of(cluster, job))["safe_step"] is not None and s["safe_step"] >= 6, 180, "identity established at step 6")
+    job = run_job(
+        "hs",
+        list(cluster.agents),
+        tmp_path / "hs",
+        [*UNTIL_KILLED, "--data-parallelism", "2", "--dump-dir", str(tmp_path / "dump-1")],
+        job_class=TorchrunJob,
+        slices=2,
+        nproc_per_node=LOCAL_RANKS,
+    )
+    job.wait(
+        lambda: (s := status_of(cluster, job))["safe_step"] is not None and s["safe_step"] >= 6,
+        180,
+        "identity established at step 6",
+    )
     status = status_of(cluster, job)
     assert status["identical_peers"] == [[0, 1], [1, 0]]
     # Deduplicated: no node holds the other's data.
     assert all(holders == [f"node-{rank}"] for rank, steps in status["held"].items() for holders in steps.values())
     before = kill_past_newest_commit(job, timeout=120)
-    wait_until(lambda: status_of(cluster, job)["safe_step"] == status_of(cluster, job)["newest_complete_step"], 30, "identity of the last step")
+    wait_until(
+        lambda: status_of(cluster, job)["safe_step"] == status_of(cluster, job)["newest_complete_step"],
+        30,
+        "identity of the last step",
+    )
     step = status_of(cluster, job)["safe_step"]
 
     job.agents[:] = replace_node(cluster, job, 1)

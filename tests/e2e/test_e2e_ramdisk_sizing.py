@@ -36,7 +36,17 @@ REPLICAS = 1
 # (manifest bytes), measured, up to 3.764 MB seen; the test checks it holds.
 SHARD_BYTES = 3_770_000
 RULE_BYTES = int(space.shards_needed(1, REPLICAS) * SHARD_BYTES * (1 + space.SAVE_MARGIN))
-FAST_SAVES = ["--data-parallelism", "1", *UNTIL_KILLED, "--save-interval-steps", "1", "--step-sleep", "0.3", "--ballast-mib", "4"]
+FAST_SAVES = [
+    "--data-parallelism",
+    "1",
+    *UNTIL_KILLED,
+    "--save-interval-steps",
+    "1",
+    "--step-sleep",
+    "0.3",
+    "--ballast-mib",
+    "4",
+]
 SAMPLE_SECONDS = 25.0
 
 
@@ -73,7 +83,13 @@ def prune_dumps(dump_dir, below: int | None) -> None:
 
 def test_ramdisk_sized_by_the_rule_never_fails_a_save_and_a_lost_node_restores_the_safe_step(start_cluster, tmp_path):
     cluster = start_cluster(replicas=REPLICAS)
-    job = run_job("tight", list(cluster.agents), tmp_path / "tight", [*FAST_SAVES, "--dump-dir", str(tmp_path / "dump-1")], size=str(RULE_BYTES))
+    job = run_job(
+        "tight",
+        list(cluster.agents),
+        tmp_path / "tight",
+        [*FAST_SAVES, "--dump-dir", str(tmp_path / "dump-1")],
+        size=str(RULE_BYTES),
+    )
     sampler = UsageSampler([agent.ramdisk(job.job) for agent in cluster.agents])
     sampler.start()
     job.wait(lambda: status_of(cluster, job)["safe_step"] is not None, 120, "a first safe step")
@@ -89,23 +105,44 @@ def test_ramdisk_sized_by_the_rule_never_fails_a_save_and_a_lost_node_restores_t
     before = losses(job.pods)
     peak = sampler.stop()
 
-    errors = [line for p in job.pods for line in open(p.log_path + ".stderr", errors="replace") if "No space left" in line or "RESOURCE_EXHAUSTED" in line]
+    errors = [
+        line
+        for p in job.pods
+        for line in open(p.log_path + ".stderr", errors="replace")
+        if "No space left" in line or "RESOURCE_EXHAUSTED" in line
+    ]
     assert errors == [], errors[:3]
     disk_size = os.statvfs(sampler.paths[0]).f_blocks * os.statvfs(sampler.paths[0]).f_frsize
-    print(f"ramdisk {disk_size} bytes (rule {RULE_BYTES}); peak use per node {sorted(peak.values())}; safe step {samples[0][0]} -> {safe},"
-          f" newest {samples[0][1]} -> {samples[-1][1]}")  # fmt: skip
+    print(
+        f"ramdisk {disk_size} bytes (rule {RULE_BYTES}); peak use per node {sorted(peak.values())}; safe step {samples[0][0]} -> {safe},"
+        f" newest {samples[0][1]} -> {samples[-1][1]}"
+    )
     assert max(peak.values()) <= disk_size
     # Every sample: each rank's safe step held by its own node and its replica (its last restorable copies kept).
     for step, _, held in samples:
-        assert step is not None and all(len(held[str(rank)].get(str(step), [])) >= 1 + REPLICAS for rank in range(4)), (step, held)
+        assert step is not None and all(len(held[str(rank)].get(str(step), [])) >= 1 + REPLICAS for rank in range(4)), (
+            step,
+            held,
+        )
     assert samples[-1][0] - samples[0][0] >= 5, "the safe step did not advance"
-    manifests = [m.total_bytes for agent in cluster.agents for m in JobMeta(agent.ramdisk(job.job)).manifests().values()]
+    manifests = [
+        m.total_bytes for agent in cluster.agents for m in JobMeta(agent.ramdisk(job.job)).manifests().values()
+    ]
     assert max(manifests) <= SHARD_BYTES, f"the shard grew to {max(manifests)} bytes: the ramdisks are below the rule"
     # The job saved faster than it replicated, so the rule's room was used: unsafe steps were given up.
-    given_up = sum(float(line.split()[-1]) for agent in cluster.agents for line in scrape(agent.url).splitlines()
-                   if line.startswith("mtc_copies_given_up_total"))  # fmt: skip
+    given_up = sum(
+        float(line.split()[-1])
+        for agent in cluster.agents
+        for line in scrape(agent.url).splitlines()
+        if line.startswith("mtc_copies_given_up_total")
+    )
     assert given_up > 0
-    warned = [line for agent in cluster.agents for line in open(agent.log_path) if "ramdisk below the sizing rule" in line or "ramdisk too small" in line]
+    warned = [
+        line
+        for agent in cluster.agents
+        for line in open(agent.log_path)
+        if "ramdisk below the sizing rule" in line or "ramdisk too small" in line
+    ]
     assert warned == [], warned[:2]  # the rule holds for what the job saves
 
     try:
@@ -118,20 +155,35 @@ def test_ramdisk_sized_by_the_rule_never_fails_a_save_and_a_lost_node_restores_t
             shutil.rmtree(tmp_path / dump, ignore_errors=True)
 
 
-@pytest.mark.skipif(not os.path.exists(TORCH_PYTHON), reason=f"no torch virtualenv at {TORCH_PYTHON} (make torch-setup)")
+@pytest.mark.skipif(
+    not os.path.exists(TORCH_PYTHON), reason=f"no torch virtualenv at {TORCH_PYTHON} (make torch-setup)"
+)
 def test_ramdisk_below_one_save_tells_the_job_the_numbers(start_cluster, tmp_path):
     cluster = start_cluster(nodes=2)
     size = 64 << 10  # one rank's save of examples/train_torch.py is about 48 KiB, two local ranks per node
-    job = run_job("small", list(cluster.agents), tmp_path / "small", [*UNTIL_KILLED, "--save-interval-steps", "2"],
-                  job_class=TorchrunJob, slices=1, nproc_per_node=2, size=str(size))  # fmt: skip
+    job = run_job(
+        "small",
+        list(cluster.agents),
+        tmp_path / "small",
+        [*UNTIL_KILLED, "--save-interval-steps", "2"],
+        job_class=TorchrunJob,
+        slices=1,
+        nproc_per_node=2,
+        size=str(size),
+    )
     wait_until(lambda: all(p.process.poll() is not None for p in job.pods), 120, "the job failing on its first save")
     assert any("No space left on device" in open(p.log_path + ".stderr", errors="replace").read() for p in job.pods)
     expected = f"ramdisk too small: the ramdisk holds {size} bytes, 0 free"
     for agent in cluster.agents:
         errors = os.path.join(agent.ramdisk(job.job), "client", "replicator.errors")
-        wait_until(lambda: os.path.exists(errors) and expected in open(errors).read(), 10, f"{expected!r} on {agent.node_id}")
+        wait_until(
+            lambda: os.path.exists(errors) and expected in open(errors).read(), 10, f"{expected!r} on {agent.node_id}"
+        )
     # The container restarted in its pod (restartPolicy OnFailure) reads it first thing (mtc_torch logs replicator.errors).
     job.start_training()
-    wait_until(lambda: all(expected in open(p.log_path + ".stderr", errors="replace").read() for p in job.pods), 60,
-               "the restarted trainers logging the agent's line")  # fmt: skip
+    wait_until(
+        lambda: all(expected in open(p.log_path + ".stderr", errors="replace").read() for p in job.pods),
+        60,
+        "the restarted trainers logging the agent's line",
+    )
     job.kill_training()

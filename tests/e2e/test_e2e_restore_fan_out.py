@@ -29,8 +29,11 @@ pytestmark = requires_root  # tmpfs ramdisks; the second case shapes loopback tr
 @pytest.fixture
 def logged_gcs(tmp_path):
     """fake-gcs-server with bucket ``ckpt`` that logs every request it answers; always stopped."""
-    server = FakeGcsServer(require_tool("fake-gcs-server"), data_dir=str(tmp_path / "gcs-data"),
-                           request_log=str(tmp_path / "gcs-requests.log")).start()  # fmt: skip
+    server = FakeGcsServer(
+        require_tool("fake-gcs-server"),
+        data_dir=str(tmp_path / "gcs-data"),
+        request_log=str(tmp_path / "gcs-requests.log"),
+    ).start()
     server.client().create_bucket("ckpt")
     yield server
     server.stop()
@@ -44,17 +47,27 @@ def backed_up_and_lost(start_cluster, server, tmp_path):
     # Every save from step 6 is backed up, so the newest complete step is in the store when the nodes are lost: the restore
     # plans it from the backup tier at once. (Were it held only by the lost nodes, the coordinator would plan it
     # from them and wait out their 60 s grace first, then replan an older backup with some of them still counted.)
-    job = run_job("dp", list(cluster.agents), tmp_path / "dp",
-                  [*UNTIL_KILLED, "--backup-interval-steps", "3", "--dump-dir", str(tmp_path / "dump-1")])
+    job = run_job(
+        "dp",
+        list(cluster.agents),
+        tmp_path / "dp",
+        [*UNTIL_KILLED, "--backup-interval-steps", "3", "--dump-dir", str(tmp_path / "dump-1")],
+    )
 
     def identical_backup():
         # Past step 6: Orbax also saves step 1, and step 3 is then 2 steps short of the backup interval, so a kill
         # right after step 3 left a newest step never backed up (CI rehearsal, 1 run).
         status = status_of(cluster, job)
-        return status["backups"] and max(status["backups"]) >= 6 and status["backup_pending"] is None and len(status["identical_peers"]) == 4
+        return (
+            status["backups"]
+            and max(status["backups"]) >= 6
+            and status["backup_pending"] is None
+            and len(status["identical_peers"]) == 4
+        )
 
     job.wait(identical_backup, 180, "a backup of a step whose DP peers were found identical")
     before = kill_past_newest_commit(job)
+
     def newest_backed_up():
         status = status_of(cluster, job)
         return status["backup_pending"] is None and max(status["backups"]) == status["newest_complete_step"]
@@ -73,12 +86,14 @@ def backed_up_and_lost(start_cluster, server, tmp_path):
 def shard_reads(server, job, step) -> dict[str, int]:
     """Object -> times the store served it, for the step's shards (not its manifests or COMMIT)."""
     prefix = f"mtc/default/{job.job}/steps/{step}/"
-    return {name: n for name, n in server.object_reads("ckpt", prefix + "rank-").items() if "/" in name[len(prefix):]}
+    return {name: n for name, n in server.object_reads("ckpt", prefix + "rank-").items() if "/" in name[len(prefix) :]}
 
 
 def objects_of(server, job, step, rank) -> set[str]:
     prefix = f"mtc/default/{job.job}/steps/{step}/"
-    manifest = RankManifest.from_json(server.client().bucket("ckpt").blob(f"{prefix}rank-{rank}.manifest.json").download_as_text())
+    manifest = RankManifest.from_json(
+        server.client().bucket("ckpt").blob(f"{prefix}rank-{rank}.manifest.json").download_as_text()
+    )
     return {prefix + f.object for f in manifest.files.values() if f.size}
 
 
@@ -128,7 +143,11 @@ def test_a_downloader_killed_as_it_stages_leaves_its_peer_to_read_the_store(star
         lost_rank = next(rank for rank, node in node_of.items() if node == killed[0].node_id)
         assert lost_rank in (0, 1)
         peer = lost_rank + 2
-        wait_until(lambda: str(peer) in (status_of(cluster, job)["restore"]["sources"] or {}), 120, "the peer staged from the store")
+        wait_until(
+            lambda: str(peer) in (status_of(cluster, job)["restore"]["sources"] or {}),
+            120,
+            "the peer staged from the store",
+        )
     killed[0].start()  # the DaemonSet restarts the agent: its own rank's restore resumes
     job.wait_done(timeout=240)
 

@@ -23,8 +23,12 @@ JOB = "rotate"
 
 def status_code(url: str, token: str, context, body: bytes | None = None) -> int:
     """The HTTP status of a request to ``url`` presenting ``token`` (a POST of ``body``, else a GET)."""
-    request = urllib.request.Request(url, data=body, method="POST" if body is not None else "GET",
-                                     headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})  # fmt: skip
+    request = urllib.request.Request(
+        url,
+        data=body,
+        method="POST" if body is not None else "GET",
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(request, context=context, timeout=5) as response:
             return response.status
@@ -35,8 +39,13 @@ def status_code(url: str, token: str, context, body: bytes | None = None) -> int
 def failed_pushes(agent) -> float:
     """The agent's ``mtc_replicated_steps_total{result="failed"}``."""
     families = text_string_to_metric_families(scrape(agent.url))
-    return sum(s.value for f in families if f.name == "mtc_replicated_steps" for s in f.samples
-               if s.name.endswith("_total") and s.labels.get("result") == "failed")  # fmt: skip
+    return sum(
+        s.value
+        for f in families
+        if f.name == "mtc_replicated_steps"
+        for s in f.samples
+        if s.name.endswith("_total") and s.labels.get("result") == "failed"
+    )
 
 
 @requires_root
@@ -44,7 +53,10 @@ def test_the_token_is_rotated_in_three_stages_without_a_restart_or_a_failed_call
     cluster = LocalCluster(str(tmp_path / "cluster"), listen_address)
     with open(cluster.token_file, encoding="utf-8") as f:
         old, new = f.read().strip(), uuid.uuid4().hex
-    files = {"coordinator": cluster.token_file, **{node: os.path.join(cluster.workdir, f"token-{node}") for node in NODES}}
+    files = {
+        "coordinator": cluster.token_file,
+        **{node: os.path.join(cluster.workdir, f"token-{node}") for node in NODES},
+    }
     for path in files.values():
         project_secret(path, f"{old}\n")
     try:
@@ -60,28 +72,42 @@ def test_the_token_is_rotated_in_three_stages_without_a_restart_or_a_failed_call
 
         # Add the new token as a second line; make it the first; remove the old one. Each process's
         # copy changes at its own moment, and a step is saved and replicated between any two changes.
-        stages = [(f"{old}\n{new}\n", ["coordinator", "node-0", "node-1"]), (f"{new}\n{old}\n", ["node-1", "coordinator", "node-0"]),
-                  (f"{new}\n", ["node-0", "coordinator", "node-1"])]  # fmt: skip
+        stages = [
+            (f"{old}\n{new}\n", ["coordinator", "node-0", "node-1"]),
+            (f"{new}\n{old}\n", ["node-1", "coordinator", "node-0"]),
+            (f"{new}\n", ["node-0", "coordinator", "node-1"]),
+        ]
         for content, order in stages:
             for name in order:
                 project_secret(files[name], content)
                 step += 1
                 save_until_safe(cluster.coordinator, targets, JOB, step, NODES)
 
-        assert {name: p.process.pid for name, p in processes.items() if p.process.poll() is None} == pids  # nothing restarted
+        assert {
+            name: p.process.pid for name, p in processes.items() if p.process.poll() is None
+        } == pids  # nothing restarted
         assert [failed_pushes(agent) for agent in cluster.agents] == [0, 0]
         # No report (the agent logs "HTTP 401") and no push (the receiver's access log) was refused on the way.
-        refused = [line for agent in cluster.agents for line in open(agent.log_path, encoding="utf-8") if '" 401 ' in line or "HTTP 401" in line]
+        refused = [
+            line
+            for agent in cluster.agents
+            for line in open(agent.log_path, encoding="utf-8")
+            if '" 401 ' in line or "HTTP 401" in line
+        ]
         assert refused == []
         coordinator = cluster.coordinator
         report = coordinator.url + "/v1/report"
         empty = json.dumps({"protocol": PROTOCOL_VERSION}).encode()
         assert status_code(report, old, coordinator.ssl_context(), empty) == 401
-        assert status_code(report, new, coordinator.ssl_context(), empty) == 400  # past the token: an empty report is refused
+        assert (
+            status_code(report, new, coordinator.ssl_context(), empty) == 400
+        )  # past the token: an empty report is refused
         for agent in cluster.agents:
             steps = f"{agent.url}/v1/peer/jobs/default/{JOB}-slice/steps"
             assert (status_code(steps, old, None), status_code(steps, new, None)) == (401, 200)
-        with urllib.request.urlopen(coordinator.url + f"/v1/status?job={JOB}-slice", context=coordinator.ssl_context()) as response:
+        with urllib.request.urlopen(
+            coordinator.url + f"/v1/status?job={JOB}-slice", context=coordinator.ssl_context()
+        ) as response:
             assert json.load(response)["silent_nodes"] == []
     finally:
         cluster.stop()

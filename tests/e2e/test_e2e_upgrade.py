@@ -61,8 +61,14 @@ def safe_step(cluster: LocalCluster) -> int | None:
 def test_a_release_upgrade_and_rollback_keep_reports_replication_and_restores_working(tmp_path, previous_release):
     old = previous_release
     env, cwd = source_env(old)
-    imported = subprocess.run([sys.executable, "-c", "import replicator.cli; print(replicator.cli.__file__)"], env=env, cwd=cwd,
-                              capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    imported = subprocess.run(
+        [sys.executable, "-c", "import replicator.cli; print(replicator.cli.__file__)"],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     assert imported == os.path.join(old, "replicator", "cli.py")  # the previous release's processes run its code
     cluster = LocalCluster(str(tmp_path / "cluster"), listen_address, coordinator_source=old)
     try:
@@ -76,7 +82,11 @@ def test_a_release_upgrade_and_rollback_keep_reports_replication_and_restores_wo
 
         # The coordinator first: the previous release's agents report to this release's coordinator.
         restart_coordinator(cluster)
-        wait_until(lambda: safe_step(cluster) == 1, 30, lambda: f"state rebuilt: {job_status(cluster.coordinator, f'{JOB}-slice')}")
+        wait_until(
+            lambda: safe_step(cluster) == 1,
+            30,
+            lambda: f"state rebuilt: {job_status(cluster.coordinator, f'{JOB}-slice')}",
+        )
         save_until_safe(cluster.coordinator, targets, JOB, 2, NODES)
 
         # The DaemonSet's rolling update, one node at a time: this release's agent beside the previous
@@ -88,7 +98,11 @@ def test_a_release_upgrade_and_rollback_keep_reports_replication_and_restores_wo
 
         # A rollback of the coordinator: this release's agent reports to the previous release's coordinator.
         restart_coordinator(cluster, old)
-        wait_until(lambda: safe_step(cluster) == 4, 30, lambda: f"rebuilt by the previous release: {job_status(cluster.coordinator, f'{JOB}-slice')}")
+        wait_until(
+            lambda: safe_step(cluster) == 4,
+            30,
+            lambda: f"rebuilt by the previous release: {job_status(cluster.coordinator, f'{JOB}-slice')}",
+        )
         save_until_safe(cluster.coordinator, targets, JOB, 5, NODES)
         targets = preempt_and_restore(cluster, tmp_path, targets, "c", 5)
 
@@ -102,7 +116,12 @@ def test_a_release_upgrade_and_rollback_keep_reports_replication_and_restores_wo
         restart_node(cluster, 0)
         targets = preempt_and_restore(cluster, tmp_path, targets, "d", 7)
         save_until_safe(cluster.coordinator, targets, JOB, 8, NODES)
-        refused = [line for p in (*cluster.agents, cluster.coordinator) for line in open(p.log_path, encoding="utf-8") if "protocol version" in line]
+        refused = [
+            line
+            for p in (*cluster.agents, cluster.coordinator)
+            for line in open(p.log_path, encoding="utf-8")
+            if "protocol version" in line
+        ]
         assert refused == []
     finally:
         cluster.stop()
@@ -116,15 +135,24 @@ def test_a_training_job_keeps_saving_through_a_rolling_upgrade_and_resumes_exact
         cluster.coordinator.start()
         for index in range(len(NODES)):
             cluster.add_node(index, source=previous_release)
-        job = run_job("roll", cluster.agents, tmp_path / "roll", [*UNTIL_KILLED, "--data-parallelism", "1", "--dump-dir", str(tmp_path / "dump-1")],
-                      slices=1)  # fmt: skip
+        job = run_job(
+            "roll",
+            cluster.agents,
+            tmp_path / "roll",
+            [*UNTIL_KILLED, "--data-parallelism", "1", "--dump-dir", str(tmp_path / "dump-1")],
+            slices=1,
+        )
 
         def safe_past(step: int) -> bool:
             return (job_status(cluster.coordinator, job.job).get("safe_step") or 0) > step
 
         job.wait(lambda: safe_past(0), 240, "a step safe under the previous release")
         # The upgrade while the job trains: the coordinator, then each node's agent on the same ramdisks.
-        restarts = (lambda: restart_coordinator(cluster), lambda: restart_node(cluster, 0), lambda: restart_node(cluster, 1))
+        restarts = (
+            lambda: restart_coordinator(cluster),
+            lambda: restart_node(cluster, 0),
+            lambda: restart_node(cluster, 1),
+        )
         for restart in restarts:
             newest = max(max(steps, default=0) for steps in committed(job))
             restart()

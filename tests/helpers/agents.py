@@ -27,8 +27,15 @@ def rank_of(target) -> int:
 def replicator_yaml(job: str, rank: int, nodes: int, **settings) -> str:
     """What Orbax writes as ``replicator.yaml``; ``settings`` add or replace fields, ``_`` for ``-``
     (``backup_interval_steps=1``)."""
-    fields = {"job-name": job, "framework": "orbax", "assume-data-parallelism": 1, "node-rank": rank, "nodes": nodes,
-              "peer-ranks": [], **{name.replace("_", "-"): value for name, value in settings.items()}}  # fmt: skip
+    fields = {
+        "job-name": job,
+        "framework": "orbax",
+        "assume-data-parallelism": 1,
+        "node-rank": rank,
+        "nodes": nodes,
+        "peer-ranks": [],
+        **{name.replace("_", "-"): value for name, value in settings.items()},
+    }
     return "".join(f"{name}: {value}\n" for name, value in fields.items())
 
 
@@ -36,7 +43,11 @@ def start_fresh(targets, job: str, nodes: int, timeout: float = 30.0, take_marke
     """Takes the pods at ``targets`` through the protocol to a fresh start, as Orbax does: waits for
     their ranks, writes ``replicator.yaml`` (``settings`` as in ``replicator_yaml``) and waits for the
     restore markers; ``take_markers`` removes them, as Orbax does before it trains."""
-    wait_until(lambda: all(os.path.exists(os.path.join(t, JAX_INIT_INFO_FILE)) for t in targets), timeout, f"{job}: ranks assigned")
+    wait_until(
+        lambda: all(os.path.exists(os.path.join(t, JAX_INIT_INFO_FILE)) for t in targets),
+        timeout,
+        f"{job}: ranks assigned",
+    )
     for target in targets:
         with open(os.path.join(target, REPLICATOR_FILE + ".tmp"), "w", encoding="utf-8") as f:
             f.write(replicator_yaml(job, rank_of(target), nodes, **settings))
@@ -54,7 +65,9 @@ def start_fresh(targets, job: str, nodes: int, timeout: float = 30.0, take_marke
 def job_status(coordinator, job: str) -> dict:
     """The job's row of the coordinator's ``GET /v1/status`` as plain JSON, whatever release the
     coordinator runs, or {} before it knows the job."""
-    with urllib.request.urlopen(f"{coordinator.url}/v1/status?job={job}", context=coordinator.ssl_context(), timeout=5) as response:
+    with urllib.request.urlopen(
+        f"{coordinator.url}/v1/status?job={job}", context=coordinator.ssl_context(), timeout=5
+    ) as response:
         jobs = json.load(response)["jobs"]
     return jobs[0] if jobs else {}
 
@@ -65,7 +78,12 @@ def publish_pods(agents, pods_dir, job: str, suffix: str) -> list[Path]:
     targets = []
     for index, agent in enumerate(agents):
         target = Path(pods_dir) / f"{suffix}-{index}" / "mount"
-        kubelet.publish(agent.endpoint, str(target), f"{job}-slice-0-{index}-{suffix}", attributes={"nodes": str(len(agents)), "size": "16Mi"})
+        kubelet.publish(
+            agent.endpoint,
+            str(target),
+            f"{job}-slice-0-{index}-{suffix}",
+            attributes={"nodes": str(len(agents)), "size": "16Mi"},
+        )
         targets.append(target)
     return targets
 
@@ -77,8 +95,18 @@ def save_until_safe(coordinator, targets, job: str, step: int, holders: list[str
         commit_step(target, step, {"state/data": os.urandom(4096), "_CHECKPOINT_METADATA": b"{}"})
 
     def held() -> dict:
-        return {int(rank): sorted(steps.get(str(step), ())) for rank, steps in job_status(coordinator, f"{job}-slice").get("held", {}).items()}
+        return {
+            int(rank): sorted(steps.get(str(step), ()))
+            for rank, steps in job_status(coordinator, f"{job}-slice").get("held", {}).items()
+        }
 
-    wait_until(lambda: held() == {rank: sorted(holders) for rank in range(len(targets))}, timeout, lambda: f"step {step} held by {holders}: {held()}")
-    wait_until(lambda: job_status(coordinator, f"{job}-slice").get("safe_step") == step, timeout,
-               lambda: f"step {step} safe: {job_status(coordinator, f'{job}-slice')}")  # fmt: skip
+    wait_until(
+        lambda: held() == {rank: sorted(holders) for rank in range(len(targets))},
+        timeout,
+        lambda: f"step {step} held by {holders}: {held()}",
+    )
+    wait_until(
+        lambda: job_status(coordinator, f"{job}-slice").get("safe_step") == step,
+        timeout,
+        lambda: f"step {step} safe: {job_status(coordinator, f'{job}-slice')}",
+    )

@@ -25,11 +25,24 @@ def docs(text: str) -> list[dict]:
     return [doc for doc in yaml.safe_load_all(text) if doc]
 
 
-def template_argv(*settings: str, values: Path | None = None, kube_version: str = KUBERNETES_VERSIONS[0],
-                  namespace: str = "mtc-system") -> list[str]:  # fmt: skip
+def template_argv(
+    *settings: str,
+    values: Path | None = None,
+    kube_version: str = KUBERNETES_VERSIONS[0],
+    namespace: str = "mtc-system",
+) -> list[str]:
     """``helm template`` of the chart as release ``mtc`` in ``namespace``, with ``--set`` ``settings``
     and an optional values file."""
-    argv = [require_tool("helm"), "template", "mtc", str(CHART), "--namespace", namespace, "--kube-version", kube_version]
+    argv = [
+        require_tool("helm"),
+        "template",
+        "mtc",
+        str(CHART),
+        "--namespace",
+        namespace,
+        "--kube-version",
+        kube_version,
+    ]
     if values is not None:
         argv += ["--values", str(values)]
     for setting in settings:
@@ -37,8 +50,12 @@ def template_argv(*settings: str, values: Path | None = None, kube_version: str 
     return argv
 
 
-def helm_template(*settings: str, values: Path | None = None, kube_version: str = KUBERNETES_VERSIONS[0],
-                  namespace: str = "mtc-system") -> list[dict]:  # fmt: skip
+def helm_template(
+    *settings: str,
+    values: Path | None = None,
+    kube_version: str = KUBERNETES_VERSIONS[0],
+    namespace: str = "mtc-system",
+) -> list[dict]:
     """The chart's objects, rendered as ``template_argv`` says."""
     return docs(run(template_argv(*settings, values=values, kube_version=kube_version, namespace=namespace)))
 

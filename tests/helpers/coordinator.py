@@ -36,5 +36,10 @@ def running_job(state: ClusterState, now=0.0, has_backup=False):
     for node in ("a", "b"):
         state.record_settings(KEY, incarnation, rank_of[node], SETTINGS)
     for index, node in enumerate(("a", "b")):
-        state.apply_report(report(node, f"http://{node}", [pod(index, incarnation, rank_of[node])], held_by(node, rank_of), has_backup), now)
+        state.apply_report(
+            report(
+                node, f"http://{node}", [pod(index, incarnation, rank_of[node])], held_by(node, rank_of), has_backup
+            ),
+            now,
+        )
     return incarnation, rank_of

@@ -48,7 +48,9 @@ def start_cluster(tmp_path):
     running Cluster, always stopped."""
     clusters = []
 
-    def start(nodes: int = 4, replicas: int = 1, peer_tier: bool = True, backup: str | None = None, env=None) -> LocalCluster:
+    def start(
+        nodes: int = 4, replicas: int = 1, peer_tier: bool = True, backup: str | None = None, env=None
+    ) -> LocalCluster:
         cluster = LocalCluster(str(tmp_path), listen_address, replicas, peer_tier, backup, env)
         clusters.append(cluster)
         return cluster.start(nodes)
@@ -115,14 +117,22 @@ def object_server(request) -> ObjectServer:
     if request.param == "gs":
         server = request.getfixturevalue("fake_gcs")
         bucket = server.client().bucket("ckpt")
-        return ObjectServer(server, "gs://ckpt/mtc", {"STORAGE_EMULATOR_HOST": server.url},
-                            lambda key, data: bucket.blob(key).upload_from_string(data),
-                            lambda prefix: [b.name for b in bucket.list_blobs(prefix=prefix)])  # fmt: skip
+        return ObjectServer(
+            server,
+            "gs://ckpt/mtc",
+            {"STORAGE_EMULATOR_HOST": server.url},
+            lambda key, data: bucket.blob(key).upload_from_string(data),
+            lambda prefix: [b.name for b in bucket.list_blobs(prefix=prefix)],
+        )
     server = request.getfixturevalue("minio")
     client = server.client()
-    return ObjectServer(server, "s3://ckpt/mtc", server.client_env(),
-                        lambda key, data: client.put_object(Bucket="ckpt", Key=key, Body=data),
-                        lambda prefix: [o["Key"] for o in client.list_objects_v2(Bucket="ckpt", Prefix=prefix).get("Contents", [])])  # fmt: skip
+    return ObjectServer(
+        server,
+        "s3://ckpt/mtc",
+        server.client_env(),
+        lambda key, data: client.put_object(Bucket="ckpt", Key=key, Body=data),
+        lambda prefix: [o["Key"] for o in client.list_objects_v2(Bucket="ckpt", Prefix=prefix).get("Contents", [])],
+    )
 
 
 @pytest.fixture

@@ -34,16 +34,39 @@ import sys
 BASE = {"mount": "mount", "umount": "mount", "rm": "coreutils", "tar": "tar"}
 
 SUITES = {
-    "local": {"iptables": "iptables", "iptables-restore": "iptables", "tc": "iproute2", "ss": "iproute2",
-              "openssl": "openssl", "git": "git"},  # fmt: skip
+    "local": {
+        "iptables": "iptables",
+        "iptables-restore": "iptables",
+        "tc": "iproute2",
+        "ss": "iproute2",
+        "openssl": "openssl",
+        "git": "git",
+    },
     "etcd": {"etcd": "etcd-server"},
     # runc, not crun ("cgroups in hybrid mode not supported"); busybox-static: the images hold no libraries.
-    "node": {"containerd": "containerd", "ctr": "containerd", "runc": "runc", "/bin/busybox": "busybox-static",
-             "/usr/lib/cni/loopback": "containernetworking-plugins"},  # fmt: skip
+    "node": {
+        "containerd": "containerd",
+        "ctr": "containerd",
+        "runc": "runc",
+        "/bin/busybox": "busybox-static",
+        "/usr/lib/cni/loopback": "containernetworking-plugins",
+    },
 }
 
-GO_TOOLS = frozenset({"csi-sanity", "fake-gcs-server", "minio", "helm", "kustomize", "kube-apiserver",
-                      "kube-controller-manager", "kube-scheduler", "kubelet", "jobset"})  # fmt: skip
+GO_TOOLS = frozenset(
+    {
+        "csi-sanity",
+        "fake-gcs-server",
+        "minio",
+        "helm",
+        "kustomize",
+        "kube-apiserver",
+        "kube-controller-manager",
+        "kube-scheduler",
+        "kubelet",
+        "jobset",
+    }
+)
 """Built by ``make tools`` and ``make k8s-tools`` into ``.tools/bin`` (``tests/helpers/tools.py`` finds them)."""
 
 _IPTABLES_NFT = "xtables-nft-multi"  # what Debian's iptables and iptables-restore resolve to with nf_tables
@@ -62,10 +85,17 @@ def problems(suites: list[str]) -> list[str]:
     found = []
     for tool, package in _tools(suites).items():
         if not _present(tool):
-            found.append(f"{tool}: not found{'' if tool.startswith('/') else ' on PATH'}; it comes with Debian's package {package}")
-        elif tool.startswith("iptables") and os.path.basename(binary := os.path.realpath(shutil.which(tool))) != _IPTABLES_NFT:
-            found.append(f"{tool}: {binary} is not the nf_tables backend the tests rely on: "
-                         "update-alternatives --set iptables /usr/sbin/iptables-nft")
+            found.append(
+                f"{tool}: not found{'' if tool.startswith('/') else ' on PATH'}; it comes with Debian's package {package}"
+            )
+        elif (
+            tool.startswith("iptables")
+            and os.path.basename(binary := os.path.realpath(shutil.which(tool))) != _IPTABLES_NFT
+        ):
+            found.append(
+                f"{tool}: {binary} is not the nf_tables backend the tests rely on: "
+                "update-alternatives --set iptables /usr/sbin/iptables-nft"
+            )
     return found
 
 
@@ -76,12 +106,20 @@ def missing_packages(suites: list[str]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python3 -m tests.helpers.host_tools",
-                                     description="The programs the tests need from this machine and their Debian packages.")
+    parser = argparse.ArgumentParser(
+        prog="python3 -m tests.helpers.host_tools",
+        description="The programs the tests need from this machine and their Debian packages.",
+    )
     what = parser.add_mutually_exclusive_group(required=True)
-    what.add_argument("--packages", action="store_true", help="print the Debian packages of the missing tools, on one line")
-    what.add_argument("--check", action="store_true", help="print a line per tool missing or wrong, naming its package; exit 1 if any")
-    parser.add_argument("suites", nargs="+", choices=sorted(SUITES), help="what the make target runs (the base set goes with each)")
+    what.add_argument(
+        "--packages", action="store_true", help="print the Debian packages of the missing tools, on one line"
+    )
+    what.add_argument(
+        "--check", action="store_true", help="print a line per tool missing or wrong, naming its package; exit 1 if any"
+    )
+    parser.add_argument(
+        "suites", nargs="+", choices=sorted(SUITES), help="what the make target runs (the base set goes with each)"
+    )
     args = parser.parse_args()
     if args.packages:
         print(" ".join(missing_packages(args.suites)))

@@ -78,7 +78,9 @@ def losses(pods):
 
 def committed(job) -> list[set[int]]:
     """The steps each pod of ``job`` has committed (bare integer directories in its local dir)."""
-    return [{int(n) for n in os.listdir(p.target) if n.isdigit()} if os.path.isdir(p.target) else set() for p in job.pods]
+    return [
+        {int(n) for n in os.listdir(p.target) if n.isdigit()} if os.path.isdir(p.target) else set() for p in job.pods
+    ]
 
 
 def kill_past_newest_commit(job, timeout=60.0, past=1):
@@ -102,12 +104,16 @@ def kill_past_newest_commit(job, timeout=60.0, past=1):
             return logged
         job.signal_training(signal.SIGCONT)
         if time.monotonic() > deadline:
-            raise TimeoutError(f"harness: no moment within {timeout} s when every pod's newest commit was step {newest} and "
-                               f"rank 0 had logged a step after it (commits {[max(h, default=None) for h in held]}, "
-                               f"losses to {max(logged, default=None)})")  # fmt: skip
+            raise TimeoutError(
+                f"harness: no moment within {timeout} s when every pod's newest commit was step {newest} and "
+                f"rank 0 had logged a step after it (commits {[max(h, default=None) for h in held]}, "
+                f"losses to {max(logged, default=None)})"
+            )
         exited = [p for p in job.pods if p.process and p.process.poll() is not None]
         if exited:
-            raise RuntimeError(f"training process {exited[0].name} exited {exited[0].process.returncode} before the kill")
+            raise RuntimeError(
+                f"training process {exited[0].name} exited {exited[0].process.returncode} before the kill"
+            )
         time.sleep(0.1)
 
 
@@ -115,9 +121,11 @@ def compared_losses(before, after):
     """The steps whose loss was logged both before a failure and after the restore, asserted equal;
     an empty comparison fails as a harness error (it proves nothing)."""
     common = sorted(set(before) & set(after))
-    assert common, (f"harness error: no step logged both before the failure (steps {min(before, default=None)}-"
-                    f"{max(before, default=None)}) and after the restore ({min(after, default=None)}-"
-                    f"{max(after, default=None)}): nothing compared")  # fmt: skip
+    assert common, (
+        f"harness error: no step logged both before the failure (steps {min(before, default=None)}-"
+        f"{max(before, default=None)}) and after the restore ({min(after, default=None)}-"
+        f"{max(after, default=None)}): nothing compared"
+    )
     assert [after[s] for s in common] == [before[s] for s in common], f"losses of steps {common} differ"
     return common
 

@@ -22,33 +22,70 @@ DRIVER = "ramdisk.csi.mtc.dev"
 def replicated_job(name: str, replicas: int, parallelism: int, *, mounts: bool = True, job: str | None = None) -> dict:
     volume = {"name": "mtc-local", "csi": {"driver": DRIVER, "volumeAttributes": {"job": job} if job else {}}}
     pod_spec = {"containers": [{"name": "c", "image": "x"}], "volumes": [volume] if mounts else []}
-    return {"name": name, "replicas": replicas,
-            "template": {"spec": {"parallelism": parallelism, "completions": parallelism, "completionMode": "Indexed",
-                                  "template": {"spec": pod_spec}}}}  # fmt: skip
+    return {
+        "name": name,
+        "replicas": replicas,
+        "template": {
+            "spec": {
+                "parallelism": parallelism,
+                "completions": parallelism,
+                "completionMode": "Indexed",
+                "template": {"spec": pod_spec},
+            }
+        },
+    }
 
 
 def jobset(name: str, *replicated: dict, uid: str = "uid-1") -> dict:
-    return {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
-            "metadata": {"name": name, "namespace": NS, "uid": uid}, "spec": {"replicatedJobs": list(replicated)}}  # fmt: skip
+    return {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "kind": "JobSet",
+        "metadata": {"name": name, "namespace": NS, "uid": uid},
+        "spec": {"replicatedJobs": list(replicated)},
+    }
 
 
-def pod(js: str, rj: str, job_index: int, worker: int, *, node: str | None = None, mounts: bool = True,
-        attributes: dict | None = None, attempt: int = 0, uid: str = "uid-1", **overrides) -> dict:  # fmt: skip
+def pod(
+    js: str,
+    rj: str,
+    job_index: int,
+    worker: int,
+    *,
+    node: str | None = None,
+    mounts: bool = True,
+    attributes: dict | None = None,
+    attempt: int = 0,
+    uid: str = "uid-1",
+    **overrides,
+) -> dict:
     hostname = f"{js}-{rj}-{job_index}-{worker}"
     obj = {
-        "apiVersion": "v1", "kind": "Pod",
+        "apiVersion": "v1",
+        "kind": "Pod",
         "metadata": {
-            "name": f"{hostname}-abcde", "namespace": NS, "uid": f"pod-{hostname}",
+            "name": f"{hostname}-abcde",
+            "namespace": NS,
+            "uid": f"pod-{hostname}",
             "labels": {"jobset.sigs.k8s.io/jobset-uid": uid},
-            "annotations": {"jobset.sigs.k8s.io/jobset-name": js, "jobset.sigs.k8s.io/replicatedjob-name": rj,
-                            "jobset.sigs.k8s.io/job-index": str(job_index),
-                            "batch.kubernetes.io/job-completion-index": str(worker),
-                            "jobset.sigs.k8s.io/restart-attempt": str(attempt)},
+            "annotations": {
+                "jobset.sigs.k8s.io/jobset-name": js,
+                "jobset.sigs.k8s.io/replicatedjob-name": rj,
+                "jobset.sigs.k8s.io/job-index": str(job_index),
+                "batch.kubernetes.io/job-completion-index": str(worker),
+                "jobset.sigs.k8s.io/restart-attempt": str(attempt),
+            },
         },
-        "spec": {"hostname": hostname, "subdomain": js, "nodeName": node, "containers": [{"name": "c"}],
-                 "volumes": [{"name": "v", "csi": {"driver": DRIVER, "volumeAttributes": attributes or {}}}] if mounts else []},
+        "spec": {
+            "hostname": hostname,
+            "subdomain": js,
+            "nodeName": node,
+            "containers": [{"name": "c"}],
+            "volumes": [{"name": "v", "csi": {"driver": DRIVER, "volumeAttributes": attributes or {}}}]
+            if mounts
+            else [],
+        },
         "status": {"phase": "Running", "podIP": f"10.1.{job_index}.{worker}"},
-    }  # fmt: skip
+    }
     for dotted, value in overrides.items():
         *path, last = dotted.split("__")
         target = obj
@@ -61,7 +98,9 @@ def pod(js: str, rj: str, job_index: int, worker: int, *, node: str | None = Non
     return obj
 
 
-def node(name: str, zone: str, pool: str, block: str | None = None, block_label: str = "cloud.google.com/gce-topology-block") -> dict:
+def node(
+    name: str, zone: str, pool: str, block: str | None = None, block_label: str = "cloud.google.com/gce-topology-block"
+) -> dict:
     labels = {"topology.kubernetes.io/zone": zone, "cloud.google.com/gke-nodepool": pool}
     if block:
         labels[block_label] = block

@@ -43,7 +43,12 @@ from pathlib import Path
 
 import yaml
 
-CONFIG, ERRORS, FAILED, PRERESTORE = "replicator.yaml", "replicator.errors", "replicator.failed", "replicator.prerestore"
+CONFIG, ERRORS, FAILED, PRERESTORE = (
+    "replicator.yaml",
+    "replicator.errors",
+    "replicator.failed",
+    "replicator.prerestore",
+)
 UNFINISHED = "-unfinished"
 _SAVE = re.compile(r"^step=([0-9]+)$")
 _MARKER_STEP = re.compile(r"-s([0-9]+)-n[0-9]+-w[0-9]+")
@@ -123,8 +128,11 @@ def remove_unfinished(local: Path) -> None:
 
 def newest_save(local: Path) -> Path | None:
     """``find_latest_checkpoint_path``: the newest ``step=<n>`` directory (links followed) with no mark beside."""
-    found = [(int(m[1]), path) for path in local.iterdir() if (m := _SAVE.match(path.name)) and path.is_dir()
-             and not Path(f"{path}{UNFINISHED}").exists()]  # fmt: skip
+    found = [
+        (int(m[1]), path)
+        for path in local.iterdir()
+        if (m := _SAVE.match(path.name)) and path.is_dir() and not Path(f"{path}{UNFINISHED}").exists()
+    ]
     return max(found)[1] if found else None
 
 
@@ -143,7 +151,9 @@ def save_files(save: Path, global_step: int, states: dict[int, bytes]) -> None:
     for rank, state in states.items():
         (save / str(rank)).mkdir()
         (save / str(rank) / f"__{rank}_0.distcp").write_bytes(state)
-        (save / str(rank) / ".metadata").write_text(json.dumps({"bytes": len(state), "sha256": hashlib.sha256(state).hexdigest()}))
+        (save / str(rank) / ".metadata").write_text(
+            json.dumps({"bytes": len(state), "sha256": hashlib.sha256(state).hexdigest()})
+        )
     (save / "common.pt").write_text(json.dumps({"global_step": global_step}))
     (save / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
 
@@ -194,7 +204,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--local-dir", required=True)
     parser.add_argument("--job-name", required=True)
-    parser.add_argument("--node-rank", type=int, default=int(os.environ.get("NODE_RANK", 0)), help="the library reads NODE_RANK")
+    parser.add_argument(
+        "--node-rank", type=int, default=int(os.environ.get("NODE_RANK", 0)), help="the library reads NODE_RANK"
+    )
     parser.add_argument("--nodes", type=int, default=int(os.environ.get("NNODES", 1)), help="the library reads NNODES")
     parser.add_argument("--local-ranks", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30)
@@ -211,8 +223,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     local, node = Path(args.local_dir), args.node_rank
-    config = {"job-name": args.job_name, "framework": "pytorch.distributed", "node-rank": node, "nodes": args.nodes,
-              "peers-per-node": 1, "backup-interval-minutes": args.backup_interval_minutes}  # fmt: skip
+    config = {
+        "job-name": args.job_name,
+        "framework": "pytorch.distributed",
+        "node-rank": node,
+        "nodes": args.nodes,
+        "peers-per-node": 1,
+        "backup-interval-minutes": args.backup_interval_minutes,
+    }
     write_config(local, config, args.yaml_stall)
     remove_unfinished(local)
     try:

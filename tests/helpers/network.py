@@ -129,7 +129,10 @@ def loopback_hosts(addresses: Iterable[str]) -> Iterator[None]:
     """SNATs the connections of every process started under ``AS_HOST`` with one of ``addresses`` to that
     address, while the context lasts. Start the processes inside it: a connection keeps the source it
     was opened with."""
-    rules = [f"-m owner --gid-owner {int(ipaddress.IPv4Address(a))} --suppl-groups -j SNAT --to-source {a}" for a in addresses]
+    rules = [
+        f"-m owner --gid-owner {int(ipaddress.IPv4Address(a))} --suppl-groups -j SNAT --to-source {a}"
+        for a in addresses
+    ]
     with _own_chain("nat", "POSTROUTING", _chain_name("SNAT"), rules):
         yield
 
@@ -139,8 +142,10 @@ def _pair_rules(one: Endpoint, other: Endpoint) -> list[str]:
     has a port), or every packet from ``one``'s address to ``other``'s."""
     if other.port is None:
         return [f"-s {one.address} -d {other.address} -j DROP"]
-    return [f"-p tcp -s {one.address} -d {other.address} --dport {other.port} -j DROP",
-            f"-p tcp -s {other.address} --sport {other.port} -d {one.address} -j DROP"]  # fmt: skip
+    return [
+        f"-p tcp -s {one.address} -d {other.address} --dport {other.port} -j DROP",
+        f"-p tcp -s {other.address} --sport {other.port} -d {one.address} -j DROP",
+    ]
 
 
 @contextlib.contextmanager
@@ -183,8 +188,26 @@ class _LoShaper:
                     raise RuntimeError(f"{_LO} has a root qdisc that is not ours, left alone: {root.strip()}")
                 _run(["tc", "qdisc", "add", "dev", _LO, "root", "handle", f"{_TC_ROOT}:", "htb", "r2q", "1000"])
             number = min(set(range(1, 1 << 12)) - self._classes())
-            _run(["tc", "class", "add", "dev", _LO, "parent", f"{_TC_ROOT}:", "classid", f"{_TC_ROOT}:{number:x}", "htb",
-                  "rate", f"{rate_mbit}mbit", "burst", str(burst), "cburst", str(burst)])  # fmt: skip
+            _run(
+                [
+                    "tc",
+                    "class",
+                    "add",
+                    "dev",
+                    _LO,
+                    "parent",
+                    f"{_TC_ROOT}:",
+                    "classid",
+                    f"{_TC_ROOT}:{number:x}",
+                    "htb",
+                    "rate",
+                    f"{rate_mbit}mbit",
+                    "burst",
+                    str(burst),
+                    "cburst",
+                    str(burst),
+                ]
+            )
             return number
 
     def remove_class(self, number: int) -> None:
@@ -202,8 +225,10 @@ _lo = _LoShaper()
 def _u32_matches(endpoint: Endpoint) -> list[list[str]]:
     """u32 matches for the packets from and to ``endpoint``."""
     port = [str(endpoint.port), "0xffff"] if endpoint.port is not None else []
-    return [["match", "ip", "src", f"{endpoint.address}/32", *(["match", "ip", "sport", *port] if port else [])],
-            ["match", "ip", "dst", f"{endpoint.address}/32", *(["match", "ip", "dport", *port] if port else [])]]  # fmt: skip
+    return [
+        ["match", "ip", "src", f"{endpoint.address}/32", *(["match", "ip", "sport", *port] if port else [])],
+        ["match", "ip", "dst", f"{endpoint.address}/32", *(["match", "ip", "dport", *port] if port else [])],
+    ]
 
 
 @contextlib.contextmanager
@@ -215,8 +240,25 @@ def rate_limited(endpoints: Iterable[Endpoint | str], rate_mbit: float) -> Itera
     try:
         for endpoint in (Endpoint.of(e) for e in endpoints):
             for match in _u32_matches(endpoint):
-                _run(["tc", "filter", "add", "dev", _LO, "parent", f"{_TC_ROOT}:", "protocol", "ip", "pref", str(number), "u32",
-                      *match, "flowid", f"{_TC_ROOT}:{number:x}"])  # fmt: skip
+                _run(
+                    [
+                        "tc",
+                        "filter",
+                        "add",
+                        "dev",
+                        _LO,
+                        "parent",
+                        f"{_TC_ROOT}:",
+                        "protocol",
+                        "ip",
+                        "pref",
+                        str(number),
+                        "u32",
+                        *match,
+                        "flowid",
+                        f"{_TC_ROOT}:{number:x}",
+                    ]
+                )
         yield
     finally:
         _lo.remove_class(number)
@@ -230,8 +272,10 @@ def lossy(endpoints: Iterable[Endpoint | str], loss_percent: float) -> Iterator[
     for endpoint in (Endpoint.of(e) for e in endpoints):
         port = "" if endpoint.port is None else f"-p tcp --{{}}port {endpoint.port} "
         for way in ("s", "d"):
-            rules.append(f"-{way} {endpoint.address} {port.format(way)}-m statistic --mode random "
-                         f"--probability {loss_percent / 100:.6f} -j DROP")  # fmt: skip
+            rules.append(
+                f"-{way} {endpoint.address} {port.format(way)}-m statistic --mode random "
+                f"--probability {loss_percent / 100:.6f} -j DROP"
+            )
     with _own_chain("raw", "PREROUTING", _chain_name("LOSS"), rules):
         yield
 
@@ -317,7 +361,9 @@ class _DelayProxy:
             upstream.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, _PROXY_MARK)
             upstream.setblocking(False)
             arrivals = asyncio.Queue(_CHUNKS_IN_FLIGHT)
-            reading = asyncio.ensure_future(self._read(client_reader, arrivals))  # the client may send before the connect
+            reading = asyncio.ensure_future(
+                self._read(client_reader, arrivals)
+            )  # the client may send before the connect
             try:
                 await asyncio.sleep(self.seconds)
                 await self._loop.sock_connect(upstream, (socket.inet_ntoa(address), port))
@@ -330,7 +376,9 @@ class _DelayProxy:
         except Exception:  # a reset, a refused connect: the other end sees a reset
             for writer in writers:
                 with contextlib.suppress(OSError):  # linger 0: close sends a reset, not an end of stream
-                    writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    writer.get_extra_info("socket").setsockopt(
+                        socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                    )
                 writer.transport.abort()
             if len(writers) == 1:
                 upstream.close()  # not connected, or no transport took it
@@ -392,8 +440,11 @@ def delayed(endpoints: Iterable[Endpoint | str], milliseconds: float, keep_open:
                 rules.append(f"-p tcp -d {endpoint.address} --dport {endpoint.port} {to_proxy}")
                 continue
             group = int(ipaddress.IPv4Address(endpoint.address))
-            rules += [f"-p tcp -d {endpoint.address} {to_proxy}", f"-p tcp -s {endpoint.address} {to_proxy}",
-                      f"-p tcp -m owner --gid-owner {group} --suppl-groups {to_proxy}"]  # fmt: skip
+            rules += [
+                f"-p tcp -d {endpoint.address} {to_proxy}",
+                f"-p tcp -s {endpoint.address} {to_proxy}",
+                f"-p tcp -m owner --gid-owner {group} --suppl-groups {to_proxy}",
+            ]
         chain = _chain_name("DELAY")
         _add_chain("nat", "OUTPUT", chain, rules)
         _reset_open(endpoints, keep_open)
@@ -426,7 +477,9 @@ def main() -> None:
     host = args[1] if args[:1] == ["--host"] else None
     args = args[2:] if host else args
     if not args or (args[0] == "-m" and len(args) < 2) or (host is None and "--listen" not in args):
-        sys.exit("usage: python -m tests.helpers.network [--host HOST] (-m MODULE | SCRIPT) ... [--listen HOST:PORT ...]")
+        sys.exit(
+            "usage: python -m tests.helpers.network [--host HOST] (-m MODULE | SCRIPT) ... [--listen HOST:PORT ...]"
+        )
     if host is None:
         host = args[args.index("--listen") + 1].rpartition(":")[0]
     os.setgroups([*os.getgroups(), int(ipaddress.IPv4Address(host))])

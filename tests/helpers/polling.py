@@ -4,7 +4,9 @@ import time
 from collections.abc import Callable
 
 
-def wait_until(condition: Callable[[], object], timeout: float, what: str | Callable[[], str], interval: float = 0.1) -> None:
+def wait_until(
+    condition: Callable[[], object], timeout: float, what: str | Callable[[], str], interval: float = 0.1
+) -> None:
     """Polls ``condition`` every ``interval`` seconds until it holds.
 
     Args:

@@ -26,10 +26,14 @@ def release_tree(commit: str, dest: str) -> str:
     git = shutil.which("git")
     if git is None:
         pytest.fail("git is not on PATH: the cross-release test extracts the previous release with `git archive`")
-    found = subprocess.run([git, "-C", str(REPO), "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True, text=True)
+    found = subprocess.run(
+        [git, "-C", str(REPO), "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True, text=True
+    )
     if found.returncode != 0:
-        pytest.fail(f"commit {commit} (the previous release) is not in the history of {REPO}: clone the whole repository (no --depth), "
-                    f"or `git fetch --unshallow`; git said: {found.stderr.strip() or found.returncode}")
+        pytest.fail(
+            f"commit {commit} (the previous release) is not in the history of {REPO}: clone the whole repository (no --depth), "
+            f"or `git fetch --unshallow`; git said: {found.stderr.strip() or found.returncode}"
+        )
     os.makedirs(dest, exist_ok=True)
     archive = subprocess.Popen([git, "-C", str(REPO), "archive", "--format=tar", commit], stdout=subprocess.PIPE)
     subprocess.run(["tar", "-x", "-C", dest], stdin=archive.stdout, check=True)

@@ -59,8 +59,9 @@ class ServerProcess:
         """
         if self._log.closed:
             self._log = self._open_log()
-        self._process = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
-                                         env={**os.environ, **self.env()})  # fmt: skip
+        self._process = subprocess.Popen(
+            self.command(), stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **self.env()}
+        )
         deadline = time.monotonic() + timeout_seconds
         while time.monotonic() < deadline and self._process.poll() is None:
             try:
@@ -129,14 +130,29 @@ class FakeGcsServer(ServerProcess):
     def command(self) -> list[str]:
         if self.data_dir:
             os.makedirs(self.data_dir, exist_ok=True)
-        backend = ["-backend", "filesystem", "-filesystem-root", self.data_dir] if self.data_dir else ["-backend", "memory"]
-        return [self.binary, "-scheme", "http", *backend, "-host", "127.0.0.1", "-port", str(self.port),
-                "-external-url", self.url, "-log-level", "info" if self.request_log else "error"]  # fmt: skip
+        backend = (
+            ["-backend", "filesystem", "-filesystem-root", self.data_dir] if self.data_dir else ["-backend", "memory"]
+        )
+        return [
+            self.binary,
+            "-scheme",
+            "http",
+            *backend,
+            "-host",
+            "127.0.0.1",
+            "-port",
+            str(self.port),
+            "-external-url",
+            self.url,
+            "-log-level",
+            "info" if self.request_log else "error",
+        ]
 
     def client(self) -> storage.Client:
         """A google-cloud-storage client of this server (anonymous, project ``test``)."""
-        return storage.Client(project="test", credentials=AnonymousCredentials(),
-                              client_options={"api_endpoint": self.url})
+        return storage.Client(
+            project="test", credentials=AnonymousCredentials(), client_options={"api_endpoint": self.url}
+        )
 
 
 class MinioServer(ServerProcess):
@@ -160,15 +176,28 @@ class MinioServer(ServerProcess):
         return [self.binary, "server", self.data_dir, "--address", f"127.0.0.1:{self.port}", "--quiet"]
 
     def env(self) -> dict[str, str]:
-        return {"MINIO_ROOT_USER": self.access_key, "MINIO_ROOT_PASSWORD": self.secret_key,
-                "MINIO_BROWSER": "off", "MINIO_UPDATE": "off"}  # fmt: skip
+        return {
+            "MINIO_ROOT_USER": self.access_key,
+            "MINIO_ROOT_PASSWORD": self.secret_key,
+            "MINIO_BROWSER": "off",
+            "MINIO_UPDATE": "off",
+        }
 
     def client_env(self) -> dict[str, str]:
         """What an S3 client needs to reach this server through boto3's standard configuration."""
-        return {"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key,
-                "AWS_ENDPOINT_URL": self.url, "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
+        return {
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_ENDPOINT_URL": self.url,
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
 
     def client(self):
         """A boto3 S3 client of this server, with its root credentials."""
-        return boto3.client("s3", endpoint_url=self.url, region_name="us-east-1",
-                            aws_access_key_id=self.access_key, aws_secret_access_key=self.secret_key)  # fmt: skip
+        return boto3.client(
+            "s3",
+            endpoint_url=self.url,
+            region_name="us-east-1",
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+        )

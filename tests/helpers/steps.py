@@ -41,7 +41,11 @@ def commit_step(client_dir, step: int, files: dict[str, bytes]) -> str:
 def flip_byte(path, offset: int | None = None) -> str:
     """Flips one byte of ``path`` (a file, or the largest file below a directory) at ``offset``, by
     default in its middle; returns the file."""
-    victim = path if os.path.isfile(path) else max((os.path.join(d, f) for d, _, files in os.walk(path) for f in files), key=os.path.getsize)
+    victim = (
+        path
+        if os.path.isfile(path)
+        else max((os.path.join(d, f) for d, _, files in os.walk(path) for f in files), key=os.path.getsize)
+    )
     with open(victim, "r+b") as f:
         f.seek(os.path.getsize(victim) // 2 if offset is None else offset)
         byte = f.read(1)

@@ -30,8 +30,17 @@ class FakeTorchAgent:
         consume_delay_s: seconds to wait before consuming the yaml.
     """
 
-    def __init__(self, local_dir: Path, job: str, node: int = 0, restore_step: int = 0, staged: str | None = None,
-                 failed: str | None = None, errors: str | None = None, consume_delay_s: float = 0.05) -> None:
+    def __init__(
+        self,
+        local_dir: Path,
+        job: str,
+        node: int = 0,
+        restore_step: int = 0,
+        staged: str | None = None,
+        failed: str | None = None,
+        errors: str | None = None,
+        consume_delay_s: float = 0.05,
+    ) -> None:
         self.local_dir, self.job, self.node = Path(local_dir), job, node
         self.restore_step, self.staged = restore_step, staged
         self.failed, self.errors, self.consume_delay_s = failed, errors, consume_delay_s

@@ -73,17 +73,22 @@ class TrainerJob(LocalJob):
                 return newest, losses
             self.signal_training(signal.SIGCONT)
             if time.monotonic() > deadline:
-                raise HarnessError(f"no moment within {timeout} s when every pod's newest commit was step {newest} and every pod "
-                                   f"had logged a loss after it (last: commits {[max(c, default=None) for c in committed]}, "
-                                   f"losses {[max(pod_losses, default=None) for pod_losses in losses]})")  # fmt: skip
+                raise HarnessError(
+                    f"no moment within {timeout} s when every pod's newest commit was step {newest} and every pod "
+                    f"had logged a loss after it (last: commits {[max(c, default=None) for c in committed]}, "
+                    f"losses {[max(pod_losses, default=None) for pod_losses in losses]})"
+                )
             failed = [p for p in self.pods if p.process and p.process.poll() not in (None, 0)]
             if failed:
-                raise RuntimeError(f"training process {failed[0].name} exited {failed[0].process.returncode}: {self._stderr(failed[0])}")
+                raise RuntimeError(
+                    f"training process {failed[0].name} exited {failed[0].process.returncode}: {self._stderr(failed[0])}"
+                )
             time.sleep(0.1)
 
     def train_past(self, step: int) -> None:
-        self.wait(lambda: all(max(self.losses(p), default=-1) >= step for p in self.pods), self.wait_timeout, f"step {step}")
-
+        self.wait(
+            lambda: all(max(self.losses(p), default=-1) >= step for p in self.pods), self.wait_timeout, f"step {step}"
+        )
 
 
 class HarnessError(RuntimeError):
@@ -113,17 +118,24 @@ class Restore:
 
     def describe(self) -> str:
         """One line: what was restored, what was compared and how long the restore took."""
-        verdict = f"bit-identical: {self.equal_losses}" if self.harness_error is None else "HARNESS ERROR, nothing compared"
-        return (f"{self.failure}: newest step {self.newest_step}; restored {self.logged_steps}, resumed at {self.first_steps}; "
-                f"losses of steps {self.compared_steps} {verdict}; first step {self.seconds_to_first_step:.1f} s after the "
-                f"republish, agents {self.agent_seconds:.3f} s; sources {self.sources}")  # fmt: skip
+        verdict = (
+            f"bit-identical: {self.equal_losses}" if self.harness_error is None else "HARNESS ERROR, nothing compared"
+        )
+        return (
+            f"{self.failure}: newest step {self.newest_step}; restored {self.logged_steps}, resumed at {self.first_steps}; "
+            f"losses of steps {self.compared_steps} {verdict}; first step {self.seconds_to_first_step:.1f} s after the "
+            f"republish, agents {self.agent_seconds:.3f} s; sources {self.sources}"
+        )
 
     @property
     def passed(self) -> bool:
-        return (self.harness_error is None
-                and self.logged_steps == [self.newest_step] * len(self.logged_steps)
-                and self.first_steps == [self.newest_step + 1] * len(self.first_steps)
-                and bool(self.compared_steps) and self.equal_losses)  # fmt: skip
+        return (
+            self.harness_error is None
+            and self.logged_steps == [self.newest_step] * len(self.logged_steps)
+            and self.first_steps == [self.newest_step + 1] * len(self.first_steps)
+            and bool(self.compared_steps)
+            and self.equal_losses
+        )
 
 
 @dataclasses.dataclass
@@ -146,12 +158,18 @@ def compare_losses(before: list[dict[int, float]], after: list[dict[int, float]]
     for pod, (b, a) in enumerate(zip(before, after, strict=True)):
         common = sorted(set(b) & set(a))
         if not common:
-            empty.append(f"pod {pod} (before: steps {min(b, default=None)}-{max(b, default=None)}, "
-                         f"after: {min(a, default=None)}-{max(a, default=None)})")  # fmt: skip
+            empty.append(
+                f"pod {pod} (before: steps {min(b, default=None)}-{max(b, default=None)}, "
+                f"after: {min(a, default=None)}-{max(a, default=None)})"
+            )
         compared += [(s, b[s], a[s]) for s in common]
     if not before:
         empty.append("every pod (no pod)")
-    error = f"no step's loss logged both before the failure and after the restore by {', '.join(empty)}: nothing compared" if empty else None
+    error = (
+        f"no step's loss logged both before the failure and after the restore by {', '.join(empty)}: nothing compared"
+        if empty
+        else None
+    )
     return LossComparison(compared, [(s, b, a) for s, b, a in compared if b != a], error)
 
 
@@ -159,14 +177,20 @@ def restore_seconds(agent: NodeAgentProcess) -> float:
     """Sum of the agent's ``mtc_restore_seconds`` over every source (seconds)."""
     with urllib.request.urlopen(agent.url + "/metrics", timeout=10) as response:
         text = response.read().decode()
-    return sum(s.value for family in text_string_to_metric_families(text) if family.name == "mtc_restore_seconds"
-               for s in family.samples if s.name == "mtc_restore_seconds_sum")  # fmt: skip
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "mtc_restore_seconds"
+        for s in family.samples
+        if s.name == "mtc_restore_seconds_sum"
+    )
 
 
 def fail_and_restore(cluster: LocalCluster, job: TrainerJob, shape: str, lose_node: bool) -> Restore:
     """SIGKILLs the trainers once each logged a loss past the newest commit (and loses node 1 when
     ``lose_node``), recreates the pods, checks the restore."""
     newest, before = job.kill_past_newest_commit()
+
     def status() -> dict:
         return cluster.coordinator.status(job.job)["jobs"][0]
 
@@ -188,12 +212,30 @@ def fail_and_restore(cluster: LocalCluster, job: TrainerJob, shape: str, lose_no
     job.train_past(max(max(b) for b in before) + 1)
     after = [job.losses(p) for p in job.pods]
     agent_seconds = max(restore_seconds(a) - b for a, b in zip(job.agents, agent_before))
-    return judge(shape, "node loss" if lose_node else "preemption", newest, [job.restore_log(p) for p in job.pods],
-                 before, after, seconds, agent_seconds, status()["restore"]["sources"])  # fmt: skip
+    return judge(
+        shape,
+        "node loss" if lose_node else "preemption",
+        newest,
+        [job.restore_log(p) for p in job.pods],
+        before,
+        after,
+        seconds,
+        agent_seconds,
+        status()["restore"]["sources"],
+    )
 
 
-def judge(shape: str, failure: str, newest: int, logged_steps: list[int | None | str], before: list[dict[int, float]],
-          after: list[dict[int, float]], seconds: float, agent_seconds: float, sources: dict[str, str]) -> Restore:
+def judge(
+    shape: str,
+    failure: str,
+    newest: int,
+    logged_steps: list[int | None | str],
+    before: list[dict[int, float]],
+    after: list[dict[int, float]],
+    seconds: float,
+    agent_seconds: float,
+    sources: dict[str, str],
+) -> Restore:
     """The oracle of one failure: ``before`` and ``after`` are each pod's losses (step -> loss) of
     the killed run and of the restored one; prints what differs or could not be compared."""
     comparison = compare_losses(before, after)
@@ -201,12 +243,24 @@ def judge(shape: str, failure: str, newest: int, logged_steps: list[int | None |
         print(f"   losses differ (step, before, after): {comparison.differing[:5]}", flush=True)
     if comparison.harness_error:
         print(f"   HARNESS ERROR: {comparison.harness_error}", flush=True)
-    return Restore(shape, failure, newest, logged_steps, [min(a, default=None) for a in after], comparison.steps,
-                   not comparison.differing, seconds, agent_seconds, sources, comparison.harness_error)  # fmt: skip
+    return Restore(
+        shape,
+        failure,
+        newest,
+        logged_steps,
+        [min(a, default=None) for a in after],
+        comparison.steps,
+        not comparison.differing,
+        seconds,
+        agent_seconds,
+        sources,
+        comparison.harness_error,
+    )
 
 
-def preempt_then_lose_a_node(cluster: LocalCluster, nodes: int, job: TrainerJob, shape: str, first: int, targets: tuple[int, int],
-                             trainer: str) -> list[Restore]:  # fmt: skip
+def preempt_then_lose_a_node(
+    cluster: LocalCluster, nodes: int, job: TrainerJob, shape: str, first: int, targets: tuple[int, int], trainer: str
+) -> list[Restore]:
     """Starts ``cluster`` with ``nodes`` nodes and ``job``'s pods on them, checks that the first run started fresh (the
     trainers logged the s0 marker by step ``first``), then fails it twice: a preemption once past step
     ``targets[0]``, a node loss once past ``targets[1]``. Returns each ``Restore``, printed as it

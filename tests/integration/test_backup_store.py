@@ -93,10 +93,14 @@ def s3_backend(request, tmp_path_factory, features: S3Features | None = None) ->
 
     def interrupt(name: str) -> None:
         upload = client.create_multipart_upload(Bucket=bucket, Key=PREFIX + name)
-        client.upload_part(Bucket=bucket, Key=PREFIX + name, UploadId=upload["UploadId"], PartNumber=1, Body=os.urandom(PART_BYTES))
+        client.upload_part(
+            Bucket=bucket, Key=PREFIX + name, UploadId=upload["UploadId"], PartNumber=1, Body=os.urandom(PART_BYTES)
+        )
 
     def partial() -> list[str]:
-        return sorted(u["Key"].removeprefix(PREFIX) for u in client.list_multipart_uploads(Bucket=bucket).get("Uploads", []))
+        return sorted(
+            u["Key"].removeprefix(PREFIX) for u in client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+        )
 
     return Backend(
         BackupStore(S3Objects(bucket, PREFIX, features=features)),
@@ -132,7 +136,9 @@ BACKENDS = {
     "s3": s3_backend,
     # What a store without CRC32C checksums or conditional writes gets: Content-MD5, checked ETags,
     # check-then-write. MinIO supports both, so the fallbacks are pinned to be tested on it.
-    "s3-legacy": lambda request, factory: s3_backend(request, factory, S3Features(crc32c=False, conditional_writes=False)),
+    "s3-legacy": lambda request, factory: s3_backend(
+        request, factory, S3Features(crc32c=False, conditional_writes=False)
+    ),
 }
 
 
@@ -156,7 +162,9 @@ def rank_files(rank: int) -> dict[str, bytes]:
     }
 
 
-def upload_step(store: BackupStore, tmp_path, step: int, ranks: int, files=None, timeline: int = 0) -> dict[int, dict[str, bytes]]:
+def upload_step(
+    store: BackupStore, tmp_path, step: int, ranks: int, files=None, timeline: int = 0
+) -> dict[int, dict[str, bytes]]:
     """Uploads ``ranks`` ranks of ``step`` of ``timeline`` (``files(rank)`` each, default ``rank_files``) and commits."""
     sources = {}
     for rank in range(ranks):
@@ -230,8 +238,11 @@ def test_upload_not_matching_manifest_stays_incomplete_and_retain_cleans_it(back
     store = backend.store
     files = rank_files(0)
     step_dir, manifest = write_step(tmp_path / "src", 3, 0, files)
-    wrong = {**manifest.files, "state/d/big": (manifest.files["state/d/big"][0], "00000000"),
-             "_CHECKPOINT_METADATA": (manifest.files["_CHECKPOINT_METADATA"][0], "00000000")}
+    wrong = {
+        **manifest.files,
+        "state/d/big": (manifest.files["state/d/big"][0], "00000000"),
+        "_CHECKPOINT_METADATA": (manifest.files["_CHECKPOINT_METADATA"][0], "00000000"),
+    }
     with pytest.raises(BackupError, match="2 of 4 uploads"):
         store.upload_rank(JOB, 3, 0, step_dir, StepManifest(3, 0, wrong))
 
@@ -253,23 +264,40 @@ def test_upload_not_matching_manifest_stays_incomplete_and_retain_cleans_it(back
 def test_dedup_stores_identical_files_of_data_parallel_peers_once(backend, tmp_path):
     store = backend.store
     shared = {"state/d/big": os.urandom(9 * MiB), "_CHECKPOINT_METADATA": b'{"step": 4}'}
-    sources = {rank: {**shared, f"state/ocdbt.process_{rank}/d/x": os.urandom(1000),
-                      "state/manifest.ocdbt": with_crc32c_footer(os.urandom(60))} for rank in range(2)}
+    sources = {
+        rank: {
+            **shared,
+            f"state/ocdbt.process_{rank}/d/x": os.urandom(1000),
+            "state/manifest.ocdbt": with_crc32c_footer(os.urandom(60)),
+        }
+        for rank in range(2)
+    }
     first = store.upload_rank(JOB, 4, 0, *write_step(tmp_path / "src-0", 4, 0, sources[0]))
     # Like real OCDBT files, both end with their own CRC32C: same path, size and CRC32C, other bytes.
-    assert first.files["state/manifest.ocdbt"].crc32c == build_manifest(str(tmp_path / "src-0"), 4, 0).files["state/manifest.ocdbt"][1]
+    assert (
+        first.files["state/manifest.ocdbt"].crc32c
+        == build_manifest(str(tmp_path / "src-0"), 4, 0).files["state/manifest.ocdbt"][1]
+    )
     peer = store.rank_manifest(JOB, 4, 0)
     assert peer == first
     second = store.upload_rank(JOB, 4, 1, *write_step(tmp_path / "src-1", 4, 1, sources[1]), dedup_from=peer)
     assert store.commit_if_complete(JOB, 4, nodes=2)
 
     steps = f"{JOB}/steps/4/"
-    assert backend.names() == [steps + n for n in [
-        "COMMIT",
-        "rank-0.manifest.json", "rank-0/_CHECKPOINT_METADATA", "rank-0/state/d/big",
-        "rank-0/state/manifest.ocdbt", "rank-0/state/ocdbt.process_0/d/x",
-        "rank-1.manifest.json", "rank-1/state/manifest.ocdbt", "rank-1/state/ocdbt.process_1/d/x",
-    ]]
+    assert backend.names() == [
+        steps + n
+        for n in [
+            "COMMIT",
+            "rank-0.manifest.json",
+            "rank-0/_CHECKPOINT_METADATA",
+            "rank-0/state/d/big",
+            "rank-0/state/manifest.ocdbt",
+            "rank-0/state/ocdbt.process_0/d/x",
+            "rank-1.manifest.json",
+            "rank-1/state/manifest.ocdbt",
+            "rank-1/state/ocdbt.process_1/d/x",
+        ]
+    ]
     assert second.files["state/d/big"].object == "rank-0/state/d/big"
     assert second.files["state/manifest.ocdbt"].object == "rank-1/state/manifest.ocdbt"  # same path, other bytes
     store.download_rank(JOB, 4, 1, str(tmp_path / "restored-1"))
@@ -286,7 +314,9 @@ def test_progress_counts_each_file_as_it_is_stored_and_each_range_as_it_lands(ba
     sources = {rank: {**shared, f"state/ocdbt.process_{rank}/d/x": os.urandom(1000)} for rank in range(2)}
     stored: dict[int, list[int]] = {0: [], 1: []}
     first = store.upload_rank(JOB, 4, 0, *write_step(tmp_path / "src-0", 4, 0, sources[0]), on_file=stored[0].append)
-    store.upload_rank(JOB, 4, 1, *write_step(tmp_path / "src-1", 4, 1, sources[1]), dedup_from=first, on_file=stored[1].append)
+    store.upload_rank(
+        JOB, 4, 1, *write_step(tmp_path / "src-1", 4, 1, sources[1]), dedup_from=first, on_file=stored[1].append
+    )
     for rank in range(2):  # rank 1's shared files count at once, as deduplicated
         assert sorted(stored[rank]) == sorted(len(data) for data in sources[rank].values())
     assert store.commit_if_complete(JOB, 4, nodes=2)
@@ -304,7 +334,9 @@ def test_identical_ranks_share_an_upload_each_sending_its_share_and_commit_waits
     owners = {rel: shared_upload.owner(members, rel) for rel in shared}
     assert set(owners.values()) == set(members)  # every member sends a part
 
-    assert shared_upload.group_dedup(store, JOB, 4, 0, *steps[0], members, "inc") is None  # its share only: the others' are not there
+    assert (
+        shared_upload.group_dedup(store, JOB, 4, 0, *steps[0], members, "inc") is None
+    )  # its share only: the others' are not there
     assert shared_upload.group_dedup(store, JOB, 4, 1, *steps[1], members, "inc") is None
     dedup = shared_upload.group_dedup(store, JOB, 4, 2, *steps[2], members, "inc")
     # The union of the shares: every file of a member that falls to that member (a rank's own path may too).
@@ -313,15 +345,23 @@ def test_identical_ranks_share_an_upload_each_sending_its_share_and_commit_waits
     store.upload_rank(JOB, 4, 2, *steps[2], dedup_from=dedup, incarnation="inc")
     assert not store.commit_if_complete(JOB, 4, nodes=3, incarnation="inc")  # ranks 0 and 1 have no full manifest yet
     for rank in (0, 1):
-        store.upload_rank(JOB, 4, rank, *steps[rank], dedup_from=shared_upload.group_dedup(store, JOB, 4, rank, *steps[rank], members, "inc"),
-                          incarnation="inc")  # fmt: skip
+        store.upload_rank(
+            JOB,
+            4,
+            rank,
+            *steps[rank],
+            dedup_from=shared_upload.group_dedup(store, JOB, 4, rank, *steps[rank], members, "inc"),
+            incarnation="inc",
+        )
     assert store.commit_if_complete(JOB, 4, nodes=3, incarnation="inc")
 
     prefix = f"{JOB}/steps/4/"
-    data = [n for n in backend.names() if n.startswith(prefix + "rank-") and "/" in n[len(prefix):]]
+    data = [n for n in backend.names() if n.startswith(prefix + "rank-") and "/" in n[len(prefix) :]]
     # Each shared file once, by its owner; each rank's own file by itself.
-    assert sorted(data) == sorted([prefix + f"rank-{o}/{rel}" for rel, o in owners.items()] +
-                                  [prefix + f"rank-{r}/state/ocdbt.process_{r}/d/x" for r in members])  # fmt: skip
+    assert sorted(data) == sorted(
+        [prefix + f"rank-{o}/{rel}" for rel, o in owners.items()]
+        + [prefix + f"rank-{r}/state/ocdbt.process_{r}/d/x" for r in members]
+    )
     for rank in members:
         store.download_rank(JOB, 4, rank, str(tmp_path / f"restored-{rank}"))
         assert read_tree(tmp_path / f"restored-{rank}") == sources[rank]
@@ -340,12 +380,19 @@ def test_dedup_against_a_rank_manifest_written_before_blake3_compares_sha256(bac
     peer = RankManifest.from_json(json.dumps(old))
     assert peer.files["state/d/big"].identity == "sha256:" + old["files"]["state/d/big"]["sha256"]
 
-    second = store.upload_rank(JOB, 4, 1, *write_step(tmp_path / "src-1", 4, 1, {**shared, "own": b"rank 1", "new": b"x"}),
-                               dedup_from=peer)  # fmt: skip
+    second = store.upload_rank(
+        JOB, 4, 1, *write_step(tmp_path / "src-1", 4, 1, {**shared, "own": b"rank 1", "new": b"x"}), dedup_from=peer
+    )
     assert second.files["state/d/big"].object == "rank-0/state/d/big"  # deduplicated through SHA-256
-    assert second.files["own"] == dataclasses.replace(peer.files["own"], crc32c=second.files["own"].crc32c, object="rank-1/own",
-                                                      identity="sha256:" + hashlib.sha256(b"rank 1").hexdigest())  # fmt: skip
-    assert second.files["new"].identity == "blake3:" + blake3.blake3(b"x").hexdigest()  # a path the peer lacks: today's scheme
+    assert second.files["own"] == dataclasses.replace(
+        peer.files["own"],
+        crc32c=second.files["own"].crc32c,
+        object="rank-1/own",
+        identity="sha256:" + hashlib.sha256(b"rank 1").hexdigest(),
+    )
+    assert (
+        second.files["new"].identity == "blake3:" + blake3.blake3(b"x").hexdigest()
+    )  # a path the peer lacks: today's scheme
 
 
 def test_retain_keeps_newest_complete_steps_and_every_protected_one(backend, tmp_path):
@@ -402,8 +449,15 @@ def test_manifest_naming_a_path_outside_the_step_is_refused(backend, tmp_path):
 
 
 def test_open_backup_store_rejects_what_it_cannot_serve(tmp_path):
-    for url in ["az://container/x", "gs:///no-bucket", "s3:///no-bucket", "s3://b/x?versionId=1", "file://host/path",
-                "file:relative", "/plain/path"]:
+    for url in [
+        "az://container/x",
+        "gs:///no-bucket",
+        "s3:///no-bucket",
+        "s3://b/x?versionId=1",
+        "file://host/path",
+        "file:relative",
+        "/plain/path",
+    ]:
         with pytest.raises(ValueError):
             open_backup_store(url)
     with pytest.raises(ValueError, match="gs:// only"):
@@ -454,7 +508,9 @@ def test_commit_and_manifests_are_write_once_and_a_committed_step_is_never_overw
     assert read_tree(tmp_path / "restored-8") == {"f": b"new"}
 
 
-def test_minio_is_probed_as_crc32c_with_conditional_writes_and_multipart_objects_carry_the_manifest_crc32c(minio_module, monkeypatch, tmp_path):
+def test_minio_is_probed_as_crc32c_with_conditional_writes_and_multipart_objects_carry_the_manifest_crc32c(
+    minio_module, monkeypatch, tmp_path
+):
     for key, value in minio_module.client_env().items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("AWS_ENDPOINT_URL")  # the endpoint given as --s3-endpoint-url is

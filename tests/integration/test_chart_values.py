@@ -60,10 +60,16 @@ def _refused(argv: list[str]) -> str:
         ("node.wedgedAfterSeconds=-3", "at '/node/wedgedAfterSeconds': exclusiveMinimum: got -3, want 0"),
         ("coordinator.nodeTimeoutSeconds=soon", "at '/coordinator/nodeTimeoutSeconds': 'soon' does not match pattern"),
         ("node.extraArgs=--x", "at '/node/extraArgs': got string, want array"),
-        ("image.pullPolicy=Sometimes", "at '/image/pullPolicy': value must be one of 'Always', 'IfNotPresent', 'Never'"),
+        (
+            "image.pullPolicy=Sometimes",
+            "at '/image/pullPolicy': value must be one of 'Always', 'IfNotPresent', 'Never'",
+        ),
         ("tls.existingSecret=My_Secret", "at '/tls/existingSecret': 'My_Secret' does not match pattern"),
         ("peerTLS.enabled=true", "at '/peerTLS': 'anyOf' failed"),
-        ("monitoring.runbookBaseUrl=https://wiki", "at '/monitoring': additional properties 'runbookBaseUrl' not allowed"),
+        (
+            "monitoring.runbookBaseUrl=https://wiki",
+            "at '/monitoring': additional properties 'runbookBaseUrl' not allowed",
+        ),
     ],
 )
 def test_schema_refuses_a_bad_value_before_rendering(setting, message):
@@ -78,10 +84,20 @@ def test_lint_refuses_what_the_schema_refuses():
 
 def test_schema_accepts_every_documented_value_form():
     # Each good form of the values the schema checks by pattern renders (the cases above show it can refuse).
-    for setting in ("backup.url=s3://my-bucket/a/b", "backup.url=file:///mnt/backups", "backup.url=gs://b",
-                    "ramdisk.defaultSize=60000Mi", "ramdisk.defaultSize=1e9", "replicas=2",
-                    "logging.level=debug", "logging.format=json", "node.backgroundCPU=0.5",
-                    "node.minPushIntervalSeconds=0", "coordinator.holderGraceSeconds=2.5", "peerTLS.enabled=true,peerTLS.existingSecret=peer-tls"):  # fmt: skip
+    for setting in (
+        "backup.url=s3://my-bucket/a/b",
+        "backup.url=file:///mnt/backups",
+        "backup.url=gs://b",
+        "ramdisk.defaultSize=60000Mi",
+        "ramdisk.defaultSize=1e9",
+        "replicas=2",
+        "logging.level=debug",
+        "logging.format=json",
+        "node.backgroundCPU=0.5",
+        "node.minPushIntervalSeconds=0",
+        "coordinator.holderGraceSeconds=2.5",
+        "peerTLS.enabled=true,peerTLS.existingSecret=peer-tls",
+    ):
         assert helm_template(setting), setting
 
 
@@ -93,23 +109,40 @@ def test_every_knob_renders_into_the_pod_specs(tmp_path):
         "podAnnotations": {"example.dev/owner": "ml-infra"},
         "podLabels": {"team": "ml"},
         "nodeSelector": {"pool": "tpu"},
-        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-            {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["tpu"]}]}]}}},
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [{"matchExpressions": [{"key": "pool", "operator": "In", "values": ["tpu"]}]}]
+                }
+            }
+        },
         "tolerations": [{"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"}],
         "priorityClassName": "high",
         "resources": {"requests": {"cpu": "1", "memory": "4Gi"}, "limits": {"memory": "8Gi"}},
-    }  # fmt: skip
+    }
     values = {
         "imagePullSecrets": [{"name": "regcred"}],
         "maxNodes": 20000,
         "logging": {"level": "debug", "format": "json"},
         "peerTLS": {"enabled": True, "existingSecret": "peer-tls"},
-        "node": {**pod_knobs, "backgroundCPU": 0.5, "restoreDeadlineSeconds": 200, "wedgedAfterSeconds": 90,
-                 "minPushIntervalSeconds": 5, "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": "10%"}}},
-        "coordinator": {**pod_knobs, "kubeNamespace": "training", "nodeTimeoutSeconds": 30, "holderGraceSeconds": 120,
-                        "restoreFanOut": False, "sharedBackupUpload": True,
-                        "strategy": {"type": "RollingUpdate"}},
-    }  # fmt: skip
+        "node": {
+            **pod_knobs,
+            "backgroundCPU": 0.5,
+            "restoreDeadlineSeconds": 200,
+            "wedgedAfterSeconds": 90,
+            "minPushIntervalSeconds": 5,
+            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": "10%"}},
+        },
+        "coordinator": {
+            **pod_knobs,
+            "kubeNamespace": "training",
+            "nodeTimeoutSeconds": 30,
+            "holderGraceSeconds": 120,
+            "restoreFanOut": False,
+            "sharedBackupUpload": True,
+            "strategy": {"type": "RollingUpdate"},
+        },
+    }
     (tmp_path / "values.yaml").write_text(yaml.safe_dump(values))
     rendered = by_key(helm_template(values=tmp_path / "values.yaml"))
     node, coordinator = rendered[("DaemonSet", "mtc-node")], rendered[("Deployment", "mtc-coordinator")]
@@ -118,23 +151,56 @@ def test_every_knob_renders_into_the_pod_specs(tmp_path):
             kubernetes_validate.validate(obj, version, strict=True)
 
     agent = argv_of(container(node, "mtc-node"))
-    assert {f: flag(agent, f) for f in ("--background-cpu", "--restore-deadline-seconds", "--wedged-after-seconds",
-                                        "--min-push-interval-seconds", "--max-nodes", "--log-level", "--log-format",
-                                        "--peer-tls-cert", "--peer-tls-key", "--peer-tls-ca")} == {
-        "--background-cpu": "0.5", "--restore-deadline-seconds": "200", "--wedged-after-seconds": "90",
-        "--min-push-interval-seconds": "5", "--max-nodes": "20000", "--log-level": "debug", "--log-format": "json",
-        "--peer-tls-cert": "/etc/mtc/peer-tls/tls.crt", "--peer-tls-key": "/etc/mtc/peer-tls/tls.key",
-        "--peer-tls-ca": "/etc/mtc/peer-tls/ca.crt"}  # fmt: skip
+    assert {
+        f: flag(agent, f)
+        for f in (
+            "--background-cpu",
+            "--restore-deadline-seconds",
+            "--wedged-after-seconds",
+            "--min-push-interval-seconds",
+            "--max-nodes",
+            "--log-level",
+            "--log-format",
+            "--peer-tls-cert",
+            "--peer-tls-key",
+            "--peer-tls-ca",
+        )
+    } == {
+        "--background-cpu": "0.5",
+        "--restore-deadline-seconds": "200",
+        "--wedged-after-seconds": "90",
+        "--min-push-interval-seconds": "5",
+        "--max-nodes": "20000",
+        "--log-level": "debug",
+        "--log-format": "json",
+        "--peer-tls-cert": "/etc/mtc/peer-tls/tls.crt",
+        "--peer-tls-key": "/etc/mtc/peer-tls/tls.key",
+        "--peer-tls-ca": "/etc/mtc/peer-tls/ca.crt",
+    }
     assert agent[-2:] == ["--ramdisk-backend", "tmpfs"], "extraArgs come last"
     peer_tls = next(v for v in pod_spec(node)["volumes"] if v["name"] == "peer-tls")
     assert peer_tls["secret"]["secretName"] == "peer-tls"
     assert node["spec"]["updateStrategy"]["rollingUpdate"]["maxUnavailable"] == "10%"
 
     served = argv_of(container(coordinator, "mtc-coordinator"))
-    assert {f: flag(served, f) for f in ("--node-timeout-seconds", "--holder-grace-seconds", "--kube-namespace",
-                                         "--max-nodes", "--log-level", "--log-format")} == {
-        "--node-timeout-seconds": "30", "--holder-grace-seconds": "120", "--kube-namespace": "training",
-        "--max-nodes": "20000", "--log-level": "debug", "--log-format": "json"}  # fmt: skip
+    assert {
+        f: flag(served, f)
+        for f in (
+            "--node-timeout-seconds",
+            "--holder-grace-seconds",
+            "--kube-namespace",
+            "--max-nodes",
+            "--log-level",
+            "--log-format",
+        )
+    } == {
+        "--node-timeout-seconds": "30",
+        "--holder-grace-seconds": "120",
+        "--kube-namespace": "training",
+        "--max-nodes": "20000",
+        "--log-level": "debug",
+        "--log-format": "json",
+    }
     assert "--no-restore-fan-out" in served and "--shared-backup-upload" in served
     assert coordinator["spec"]["strategy"] == {"type": "RollingUpdate"}
 
@@ -160,13 +226,24 @@ def _unknown_flags(argv: list[str]) -> list[str]:
     return [a for a in argv if a.startswith("--") and a.split("=")[0] not in known]
 
 
-@pytest.mark.parametrize("setting", [[], ["peerTLS.enabled=true,peerTLS.existingSecret=peer-tls,maxNodes=500,node.backgroundCPU=0.5,logging.level=debug,"
-                                       "coordinator.nodeTimeoutSeconds=30,coordinator.kubeNamespace=training"]])
+@pytest.mark.parametrize(
+    "setting",
+    [
+        [],
+        [
+            "peerTLS.enabled=true,peerTLS.existingSecret=peer-tls,maxNodes=500,node.backgroundCPU=0.5,logging.level=debug,"
+            "coordinator.nodeTimeoutSeconds=30,coordinator.kubeNamespace=training"
+        ],
+    ],
+)
 def test_every_rendered_command_line_is_one_the_program_takes(setting):
     """A flag the program does not take crash-loops every pod of the DaemonSet: none is rendered."""
     rendered = by_key(helm_template(*setting))
-    for key, name in ((("DaemonSet", "mtc-node"), "mtc-node"), (("Deployment", "mtc-coordinator"), "mtc-coordinator"),
-                      (STATUS_POD, "mtc-status")):  # fmt: skip
+    for key, name in (
+        (("DaemonSet", "mtc-node"), "mtc-node"),
+        (("Deployment", "mtc-coordinator"), "mtc-coordinator"),
+        (STATUS_POD, "mtc-status"),
+    ):
         argv = argv_of(container(rendered[key], name))
         assert _unknown_flags(argv) == [], (name, argv)
 
@@ -175,8 +252,16 @@ def test_unset_flags_leave_the_programs_defaults():
     rendered = by_key(helm_template())
     agent = argv_of(container(rendered[("DaemonSet", "mtc-node")], "mtc-node"))
     served = argv_of(container(rendered[("Deployment", "mtc-coordinator")], "mtc-coordinator"))
-    unset = {"--background-cpu", "--restore-deadline-seconds", "--wedged-after-seconds", "--min-push-interval-seconds",
-             "--peer-tls-cert", "--node-timeout-seconds", "--holder-grace-seconds", "--kube-namespace"}  # fmt: skip
+    unset = {
+        "--background-cpu",
+        "--restore-deadline-seconds",
+        "--wedged-after-seconds",
+        "--min-push-interval-seconds",
+        "--peer-tls-cert",
+        "--node-timeout-seconds",
+        "--holder-grace-seconds",
+        "--kube-namespace",
+    }
     assert not unset & set(agent + served)
     for argv in (agent, served):
         assert (flag(argv, "--log-level"), flag(argv, "--log-format")) == ("info", "text")
@@ -185,8 +270,16 @@ def test_unset_flags_leave_the_programs_defaults():
 
 def test_peer_tls_can_come_from_a_volume_of_the_operators(tmp_path):
     # e.g. cert-manager's csi-driver, which issues each pod a certificate for its own IP.
-    volume = {"csi": {"driver": "csi.cert-manager.io", "readOnly": True,
-                      "volumeAttributes": {"csi.cert-manager.io/issuer-name": "mtc-peers", "csi.cert-manager.io/ip-sans": "${POD_IP}"}}}  # fmt: skip
+    volume = {
+        "csi": {
+            "driver": "csi.cert-manager.io",
+            "readOnly": True,
+            "volumeAttributes": {
+                "csi.cert-manager.io/issuer-name": "mtc-peers",
+                "csi.cert-manager.io/ip-sans": "${POD_IP}",
+            },
+        }
+    }
     (tmp_path / "values.yaml").write_text(yaml.safe_dump({"peerTLS": {"enabled": True, "volume": volume}}))
     rendered = by_key(helm_template(values=tmp_path / "values.yaml"))
     peer_tls = next(v for v in pod_spec(rendered[("DaemonSet", "mtc-node")])["volumes"] if v["name"] == "peer-tls")
@@ -195,8 +288,13 @@ def test_peer_tls_can_come_from_a_volume_of_the_operators(tmp_path):
 
 def test_image_tag_defaults_to_the_charts_app_version():
     rendered = by_key(helm_template())
-    images = {c["image"] for obj in rendered.values() if obj["kind"] in ("DaemonSet", "Deployment", "Pod")
-              for c in pod_spec(obj)["containers"] if c["name"] != "liveness-probe"}  # fmt: skip
+    images = {
+        c["image"]
+        for obj in rendered.values()
+        if obj["kind"] in ("DaemonSet", "Deployment", "Pod")
+        for c in pod_spec(obj)["containers"]
+        if c["name"] != "liveness-probe"
+    }
     assert images == {f"mtc-agent:{_app_version()}"}
     assert _app_version() != "latest"
 
@@ -218,7 +316,10 @@ def test_helm_test_pod_runs_status_against_the_coordinator_service_with_the_clus
     argv = argv_of(main)
     assert argv[:2] == ["mtc", "status"]
     service = rendered[("Service", "mtc-coordinator")]
-    assert flag(argv, "--coordinator") == f"https://{service['metadata']['name']}.mtc-system.svc:{service['spec']['ports'][0]['port']}"
+    assert (
+        flag(argv, "--coordinator")
+        == f"https://{service['metadata']['name']}.mtc-system.svc:{service['spec']['ports'][0]['port']}"
+    )
     (mount,) = main["volumeMounts"]
     assert flag(argv, "--ca") == f"{mount['mountPath']}/ca.crt"
     (volume,) = pod["spec"]["volumes"]

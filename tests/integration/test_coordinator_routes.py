@@ -34,7 +34,9 @@ def running_job(state, now: float, files=FILES) -> tuple[str, dict[str, int]]:
     rank_of_pod = state.job(KEY).incarnation.rank_of_pod
     rank_of = {"a": rank_of_pod["uid0"], "b": rank_of_pod["uid1"]}
     for index, node in enumerate("ab"):
-        state.apply_report(report(index, incarnation, rank_of[node], [HeldStep(KEY.namespace, KEY.job, 5, rank_of[node], files)]), now)
+        state.apply_report(
+            report(index, incarnation, rank_of[node], [HeldStep(KEY.namespace, KEY.job, 5, rank_of[node], files)]), now
+        )
     return incarnation, rank_of
 
 
@@ -72,15 +74,38 @@ def test_a_body_that_does_not_decode_is_a_400_naming_the_field(route, body, fiel
 
 def test_the_routes_answer_with_the_same_json_as_before():
     async def scenario(client, state, incarnation, rank_of):
-        settings = await client.post(f"{JOB_PATH}/settings", json={"incarnation": incarnation, "rank": 0, "settings": msgspec.to_builtins(SETTINGS)})
-        unknown = await client.post(f"{JOB_PATH}/settings", json={"incarnation": "gone", "rank": 0, "settings": msgspec.to_builtins(SETTINGS)})
+        settings = await client.post(
+            f"{JOB_PATH}/settings",
+            json={"incarnation": incarnation, "rank": 0, "settings": msgspec.to_builtins(SETTINGS)},
+        )
+        unknown = await client.post(
+            f"{JOB_PATH}/settings", json={"incarnation": "gone", "rank": 0, "settings": msgspec.to_builtins(SETTINGS)}
+        )
         view = await (await client.get(f"{JOB_PATH}/restore", params={"incarnation": incarnation, "rank": "0"})).json()
-        staged = await client.post(f"{JOB_PATH}/restore", json={"incarnation": incarnation, "generation": view["generation"], "rank": 0,
-                                                                "source": None, "bad": [[5, 0, "a"]]})  # fmt: skip
+        staged = await client.post(
+            f"{JOB_PATH}/restore",
+            json={
+                "incarnation": incarnation,
+                "generation": view["generation"],
+                "rank": 0,
+                "source": None,
+                "bad": [[5, 0, "a"]],
+            },
+        )
         incomplete = await client.post(f"{JOB_PATH}/restore-from", json={"step": 4})
         status = await client.get("/v1/status", params={"job": KEY.job})
-        return (settings.status, await settings.json(), unknown.status, await unknown.json(), staged.status, await staged.json(),
-                incomplete.status, await incomplete.json(), await status.read(), state)  # fmt: skip
+        return (
+            settings.status,
+            await settings.json(),
+            unknown.status,
+            await unknown.json(),
+            staged.status,
+            await staged.json(),
+            incomplete.status,
+            await incomplete.json(),
+            await status.read(),
+            state,
+        )
 
     ok, ok_body, missing, missing_body, staged, staged_body, refused, refused_body, raw, state = serve(scenario)
     assert (ok, ok_body, staged, staged_body) == (200, {"ok": True}, 200, {"ok": True})
@@ -90,9 +115,28 @@ def test_the_routes_answer_with_the_same_json_as_before():
     plain = msgspec.json.decode(raw)
     assert list(plain) == ["nodes", "silent_nodes", "jobs", "heartbeat_seconds"]
     (job,) = plain["jobs"]
-    assert list(job) == ["namespace", "job", "incarnation", "waiting_pods", "ranks", "newest_complete_step", "restore", "held",
-                         "identical_peers", "safe_step", "backups", "backup_pending", "backup_lister", "forced_step", "timeline",
-                         "rollbacks", "silent_nodes", "pending_rollback", "last_backup_step", "last_backup_age_seconds"]  # fmt: skip
+    assert list(job) == [
+        "namespace",
+        "job",
+        "incarnation",
+        "waiting_pods",
+        "ranks",
+        "newest_complete_step",
+        "restore",
+        "held",
+        "identical_peers",
+        "safe_step",
+        "backups",
+        "backup_pending",
+        "backup_lister",
+        "forced_step",
+        "timeline",
+        "rollbacks",
+        "silent_nodes",
+        "pending_rollback",
+        "last_backup_step",
+        "last_backup_age_seconds",
+    ]
     node_of = {str(rank): node for rank, node in state.job(KEY).incarnation.node_of_rank.items()}
     assert job["held"] == {"0": {"5": [node_of["0"]]}, "1": {"5": [node_of["1"]]}}
     assert job["ranks"][0] == {"rank": 0, "node": node_of["0"], "pod": job["ranks"][0]["pod"], "silent": False}
@@ -154,12 +198,32 @@ def test_a_report_delayed_past_a_newer_one_is_refused_and_undoes_nothing():
         order = lambda n: {"X-MTC-Report-Order": f"{session}:{n}"}  # noqa: E731
         old = await client.post("/v1/report", json=report("uid1", incarnation, rank_of["b"]), headers=order(1))
         newer = await client.post("/v1/report", json=report("uid1", incarnation, rank_of["b"]), headers=order(3))
-        late = await client.post("/v1/report", json=report("uid-gone"), headers=order(2))  # an older pod list, delivered late
-        restarted = await client.post("/v1/report", json=report("uid1", incarnation, rank_of["b"]), headers={"X-MTC-Report-Order": f"{'cd' * 16}:1"})
-        replaced = await client.post("/v1/report", json=report("uid-gone"), headers=order(9))  # the agent process before the restart
-        malformed = await client.post("/v1/report", json=report("uid1", incarnation, rank_of["b"]), headers={"X-MTC-Report-Order": "x"})
-        return (old.status, newer.status, late.status, (await late.json())["error"], restarted.status, replaced.status,
-                (await replaced.json())["error"], malformed.status, state.job(KEY).incarnation, incarnation)  # fmt: skip
+        late = await client.post(
+            "/v1/report", json=report("uid-gone"), headers=order(2)
+        )  # an older pod list, delivered late
+        restarted = await client.post(
+            "/v1/report",
+            json=report("uid1", incarnation, rank_of["b"]),
+            headers={"X-MTC-Report-Order": f"{'cd' * 16}:1"},
+        )
+        replaced = await client.post(
+            "/v1/report", json=report("uid-gone"), headers=order(9)
+        )  # the agent process before the restart
+        malformed = await client.post(
+            "/v1/report", json=report("uid1", incarnation, rank_of["b"]), headers={"X-MTC-Report-Order": "x"}
+        )
+        return (
+            old.status,
+            newer.status,
+            late.status,
+            (await late.json())["error"],
+            restarted.status,
+            replaced.status,
+            (await replaced.json())["error"],
+            malformed.status,
+            state.job(KEY).incarnation,
+            incarnation,
+        )
 
     old, newer, late, late_error, restarted, replaced, replaced_error, malformed, current, formed = serve(scenario)
     assert (old, newer, late, restarted, replaced, malformed) == (200, 200, 409, 200, 409, 400)

@@ -61,8 +61,12 @@ def test_shim_registers_the_process_count_first_and_slices_by_process_index():
 
 
 def test_shim_leaves_single_slice_devices_without_a_slice_index():
-    assert probe(MTC_NUM_PROCESSES="2") == {"loaded": True, "first_cluster_env": "EnvProcessCountCluster",
-                                            "process_count": 2, "cpu_device_slice": None}  # fmt: skip
+    assert probe(MTC_NUM_PROCESSES="2") == {
+        "loaded": True,
+        "first_cluster_env": "EnvProcessCountCluster",
+        "process_count": 2,
+        "cpu_device_slice": None,
+    }
 
 
 def test_shim_does_nothing_without_a_process_count():
@@ -70,7 +74,13 @@ def test_shim_does_nothing_without_a_process_count():
 
 
 def test_shim_refuses_slices_that_do_not_divide_the_processes():
-    environ = {**os.environ, "PYTHONPATH": SHIM_DIR, "JAX_PLATFORMS": "cpu", "MTC_NUM_PROCESSES": "3", "MTC_NUM_SLICES": "2"}
+    environ = {
+        **os.environ,
+        "PYTHONPATH": SHIM_DIR,
+        "JAX_PLATFORMS": "cpu",
+        "MTC_NUM_PROCESSES": "3",
+        "MTC_NUM_SLICES": "2",
+    }
     done = subprocess.run([sys.executable, "-c", "pass"], env=environ, capture_output=True, text=True, timeout=120)
     # Python reports a failing sitecustomize and goes on; the message names both variables.
     assert "$MTC_NUM_SLICES=2 does not divide $MTC_NUM_PROCESSES=3" in done.stderr
@@ -87,7 +97,9 @@ def test_maxtext_jobset_runs_the_stock_trainer_with_multi_tier_flags():
     }
     assert "hardware" not in flags  # MaxText initializes multi-tier checkpointing only on the default path
     with open(os.path.join(SHIM_DIR, "jobset.yaml"), encoding="utf-8") as f:
-        pod = next(d for d in yaml.safe_load_all(f) if d)["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+        pod = next(d for d in yaml.safe_load_all(f) if d)["spec"]["replicatedJobs"][0]["template"]["spec"]["template"][
+            "spec"
+        ]
     csi_volumes = {v["name"] for v in pod["volumes"] if v.get("csi", {}).get("driver") == "ramdisk.csi.mtc.dev"}
     mounts = {m["mountPath"] for c in pod["containers"] for m in c["volumeMounts"] if m["name"] in csi_volumes}
     assert mounts == {flags["local_checkpoint_directory"]}
@@ -95,7 +107,10 @@ def test_maxtext_jobset_runs_the_stock_trainer_with_multi_tier_flags():
 
 def test_jobset_flags_refuses_a_container_without_the_trainer(tmp_path):
     jobset = tmp_path / "jobset.yaml"
-    jobset.write_text(open(os.path.join(SHIM_DIR, "jobset.yaml"), encoding="utf-8").read()
-                      .replace("maxtext.trainers.pre_train.train", "MaxText.train"))  # fmt: skip
+    jobset.write_text(
+        open(os.path.join(SHIM_DIR, "jobset.yaml"), encoding="utf-8")
+        .read()
+        .replace("maxtext.trainers.pre_train.train", "MaxText.train")
+    )
     with pytest.raises(ValueError, match="not python -m maxtext.trainers.pre_train.train"):
         jobset_flags(str(jobset))

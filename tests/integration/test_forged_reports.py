@@ -23,8 +23,12 @@ JOB = "real-slice"
 def post_report(cluster, report) -> tuple[int, dict]:
     token = open(cluster.token_file).read().strip()
     body = json.dumps(report if isinstance(report, dict) else to_json(report)).encode()
-    request = urllib.request.Request(cluster.coordinator.url + "/v1/report", data=body, method="POST",
-                                     headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})  # fmt: skip
+    request = urllib.request.Request(
+        cluster.coordinator.url + "/v1/report",
+        data=body,
+        method="POST",
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(request, context=cluster.coordinator.ssl_context()) as response:
             return response.status, json.load(response)
@@ -49,15 +53,25 @@ def run_real_job(cluster, tmp_path):
     for step in (1, 2):
         for target in targets:
             commit_step(target, step, {"state/data": os.urandom(1000), "_CHECKPOINT_METADATA": b"{}"})
-        wait_until(lambda: all(len(held(cluster).get(r, {}).get(step, ())) == 2 for r in (0, 1)), 30, lambda: f"step {step} held twice per rank: {held(cluster)}")
-    wait_until(lambda: held(cluster) == {r: {2: held(cluster)[r][2]} for r in (0, 1)}, 30, lambda: f"only step 2 held: {held(cluster)}")
+        wait_until(
+            lambda: all(len(held(cluster).get(r, {}).get(step, ())) == 2 for r in (0, 1)),
+            30,
+            lambda: f"step {step} held twice per rank: {held(cluster)}",
+        )
+    wait_until(
+        lambda: held(cluster) == {r: {2: held(cluster)[r][2]} for r in (0, 1)},
+        30,
+        lambda: f"only step 2 held: {held(cluster)}",
+    )
     return targets
 
 
 def forged_claim(node_id: str, url: str) -> NodeReport:
     """An invented node claiming a huge step of every rank, as own data and as replicas."""
     files = {"state/data": (1000, "00000000")}
-    claims = tuple(HeldStep("default", JOB, 10**9, rank, files, replica) for rank in (0, 1) for replica in (False, True))
+    claims = tuple(
+        HeldStep("default", JOB, 10**9, rank, files, replica) for rank in (0, 1) for replica in (False, True)
+    )
     return node_report(node_id, held=claims, url=url, topology={"block": "b0"})
 
 
@@ -77,7 +91,11 @@ def test_a_forged_claim_of_every_rank_deletes_nothing_and_is_logged_and_counted(
     assert cluster.coordinator.status(JOB)["jobs"][0]["safe_step"] == 2
     with open(cluster.coordinator.log_path, encoding="utf-8") as log:
         assert "ignoring node ghost-a's claim" in log.read()
-    counted = re.search(r"^mtc_coordinator_untrusted_claims_total (\S+)$", scrape(cluster.coordinator.url, cluster.coordinator.ssl_context()), re.MULTILINE)
+    counted = re.search(
+        r"^mtc_coordinator_untrusted_claims_total (\S+)$",
+        scrape(cluster.coordinator.url, cluster.coordinator.ssl_context()),
+        re.MULTILINE,
+    )
     assert counted and float(counted[1]) >= 4
 
 
@@ -90,12 +108,15 @@ def test_a_live_node_id_claimed_from_another_url_is_refused(start_cluster):
         assert "refused a report" in log.read()
 
 
-@pytest.mark.parametrize(("shape", "status", "named"), [
-    ({"files": 20_000}, 200, None),  # over aiohttp's 1 MiB default: a node with many files still reports
-    ({"files": 100_001}, 400, "files"),
-    ({"nodes": 10**9}, 400, "nodes"),
-    ({"held": 16_385}, 400, "held"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("shape", "status", "named"),
+    [
+        ({"files": 20_000}, 200, None),  # over aiohttp's 1 MiB default: a node with many files still reports
+        ({"files": 100_001}, 400, "files"),
+        ({"nodes": 10**9}, 400, "nodes"),
+        ({"held": 16_385}, 400, "held"),
+    ],
+)
 def test_report_sizes_are_bounded_and_named(start_cluster, shape, status, named):
     cluster = start_cluster(nodes=1)
     files = {f"state/d/{i:06d}": (1, "00000000") for i in range(shape.get("files", 1))}

@@ -19,15 +19,31 @@ def start_pods(agent, tmp_path, jobs: list[str]) -> list:
     targets = []
     for job in jobs:
         target = tmp_path / "pods" / job / "mount"
-        kubelet.publish(agent.endpoint, str(target), f"{job}-slice-0-0-a", pod_uid=f"uid-{job}",
-                        attributes={"nodes": "1", "size": "8Mi", "framework": "pytorch.distributed"})  # fmt: skip
+        kubelet.publish(
+            agent.endpoint,
+            str(target),
+            f"{job}-slice-0-0-a",
+            pod_uid=f"uid-{job}",
+            attributes={"nodes": "1", "size": "8Mi", "framework": "pytorch.distributed"},
+        )
         targets.append(target)
-    wait_until(lambda: all(JobMeta(agent.ramdisk(f"{job}-slice")).progress(f"uid-{job}").jax_init_written for job in jobs), 30, "ranks given")
+    wait_until(
+        lambda: all(JobMeta(agent.ramdisk(f"{job}-slice")).progress(f"uid-{job}").jax_init_written for job in jobs),
+        30,
+        "ranks given",
+    )
     return targets
 
 
 def config(job: str) -> dict:
-    return {"job-name": job, "framework": "pytorch.distributed", "node-rank": 0, "nodes": 1, "peers-per-node": 1, "backup-interval-minutes": 30}
+    return {
+        "job-name": job,
+        "framework": "pytorch.distributed",
+        "node-rank": 0,
+        "nodes": 1,
+        "peers-per-node": 1,
+        "backup-interval-minutes": 30,
+    }
 
 
 def test_a_writer_stalled_between_creating_and_filling_the_file_starts_10_of_10_times(start_cluster, tmp_path):
@@ -38,7 +54,9 @@ def test_a_writer_stalled_between_creating_and_filling_the_file_starts_10_of_10_
 
     def start(job, target):
         try:
-            nemo_client.write_config(target, config(job), stall=0.2)  # empty for 0.2 s: the agent's pass every 0.2 s reads it so
+            nemo_client.write_config(
+                target, config(job), stall=0.2
+            )  # empty for 0.2 s: the agent's pass every 0.2 s reads it so
             started[job] = nemo_client.take_restore(target, timeout=60)
         except Exception as err:  # the job failed to start; the test reports it
             started[job] = err
@@ -63,6 +81,10 @@ def test_a_file_left_empty_past_the_bound_is_refused_naming_the_file_and_the_wai
     except nemo_client.ReplicatorFailed as failed:
         message = str(failed)
     assert time.monotonic() - left >= CONFIG_SETTLE_SECONDS
-    assert message == (f"replicator.yaml field (document): the file is empty (unchanged for {CONFIG_SETTLE_SECONDS:g} s, so not a file still "
-                       "being written)\n")  # fmt: skip
-    assert "rejected replicator.yaml: replicator.yaml field (document): the file is empty" in open(agent.log_path).read()
+    assert message == (
+        f"replicator.yaml field (document): the file is empty (unchanged for {CONFIG_SETTLE_SECONDS:g} s, so not a file still "
+        "being written)\n"
+    )
+    assert (
+        "rejected replicator.yaml: replicator.yaml field (document): the file is empty" in open(agent.log_path).read()
+    )

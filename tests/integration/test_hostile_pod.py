@@ -60,7 +60,9 @@ def _read(path):
 
 
 def _snapshot(directory):
-    return {p: _read(os.path.join(directory, p)) for p in ("secret.txt", "secret-dir/data", "settings.yaml", "victim.txt")}
+    return {
+        p: _read(os.path.join(directory, p)) for p in ("secret.txt", "secret-dir/data", "settings.yaml", "victim.txt")
+    }
 
 
 def publish_job(world, name, nodes=2, framework="orbax"):
@@ -68,7 +70,12 @@ def publish_job(world, name, nodes=2, framework="orbax"):
     targets = []
     for i, agent in enumerate(world["cluster"].agents[:nodes]):
         target = world["pods"] / f"{name}-{i}" / "mount"
-        kubelet.publish(agent.endpoint, str(target), f"{name}-slice-0-{i}-a", attributes={"nodes": str(nodes), "size": "16Mi", "framework": framework})
+        kubelet.publish(
+            agent.endpoint,
+            str(target),
+            f"{name}-slice-0-{i}-a",
+            attributes={"nodes": str(nodes), "size": "16Mi", "framework": framework},
+        )
         targets.append(target)
     return targets
 
@@ -86,7 +93,12 @@ def assert_aftermath(world):
     for agent in cluster.agents:
         assert agent.process.poll() is None, f"{agent.node_id} died: {agent.tail_log()}"
         assert isinstance(json.loads(_read(os.path.join(agent.root, "state.json"))), dict), "state.json was overwritten"
-    leaks = [path for top in (cluster.workdir, world["bucket"], world["pods"]) for path in _regular_files(top) if SECRET in _read(path)]
+    leaks = [
+        path
+        for top in (cluster.workdir, world["bucket"], world["pods"])
+        for path in _regular_files(top)
+        if SECRET in _read(path)
+    ]
     assert leaks == [], f"the secret is readable at {leaks}"
     # Another tenant publishes, trains and is reported on the same agents.
     job = f"good{next(_jobs)}"
@@ -98,7 +110,9 @@ def assert_aftermath(world):
     wait_until(lambda: all(any(n.endswith(".restore") for n in os.listdir(t)) for t in targets), 20, "restore markers")
     for target in targets:
         commit_step(target, 1, {"_CHECKPOINT_METADATA": b"{}", "state/data": os.urandom(4096)})
-    wait_until(lambda: held(world, job) == {0: {1}, 1: {1}}, 20, lambda: f"step 1 held by both ranks: {held(world, job)}")
+    wait_until(
+        lambda: held(world, job) == {0: {1}, 1: {1}}, 20, lambda: f"step 1 held by both ranks: {held(world, job)}"
+    )
 
 
 def _regular_files(top):
@@ -122,7 +136,9 @@ def test_failed_file_symlinked_to_a_host_file_is_replaced_not_read(world, evil):
     _, (pod, _) = evil
     os.symlink(world["host"] / "secret.txt", pod / FAILED_FILE)
     (pod / REPLICATOR_FILE).write_text("not: [valid")
-    wait_until(lambda: not (pod / FAILED_FILE).is_symlink() and (pod / FAILED_FILE).exists(), 20, "replicator.failed replaced")
+    wait_until(
+        lambda: not (pod / FAILED_FILE).is_symlink() and (pod / FAILED_FILE).exists(), 20, "replicator.failed replaced"
+    )
     assert b"not valid YAML" in (pod / FAILED_FILE).read_bytes() and SECRET not in (pod / FAILED_FILE).read_bytes()
     assert_aftermath(world)
 
@@ -141,14 +157,25 @@ def test_protocol_temp_names_symlinked_to_host_files_are_never_written_through(w
     job = f"evil{next(_jobs)}"
     cluster = world["cluster"]
     target = world["pods"] / f"{job}-0" / "mount"
-    kubelet.publish(cluster.agents[0].endpoint, str(target), f"{job}-slice-0-0-a", attributes={"nodes": "2", "size": "16Mi"})
+    kubelet.publish(
+        cluster.agents[0].endpoint, str(target), f"{job}-slice-0-0-a", attributes={"nodes": "2", "size": "16Mi"}
+    )
     state = os.path.join(cluster.agents[0].root, "state.json")
-    for name, victim in [(JAX_INIT_INFO_FILE + ".mtc-tmp", world["host"] / "victim.txt"), (JAX_INIT_INFO_FILE, state),
-                         (ERRORS_FILE + ".mtc-tmp", state)]:  # fmt: skip
+    for name, victim in [
+        (JAX_INIT_INFO_FILE + ".mtc-tmp", world["host"] / "victim.txt"),
+        (JAX_INIT_INFO_FILE, state),
+        (ERRORS_FILE + ".mtc-tmp", state),
+    ]:
         os.symlink(victim, target / name)
     other = world["pods"] / f"{job}-1" / "mount"
-    kubelet.publish(cluster.agents[1].endpoint, str(other), f"{job}-slice-0-1-a", attributes={"nodes": "2", "size": "16Mi"})
-    wait_until(lambda: (target / JAX_INIT_INFO_FILE).exists() and not (target / JAX_INIT_INFO_FILE).is_symlink(), 20, "jax-init-info.txt written in place")
+    kubelet.publish(
+        cluster.agents[1].endpoint, str(other), f"{job}-slice-0-1-a", attributes={"nodes": "2", "size": "16Mi"}
+    )
+    wait_until(
+        lambda: (target / JAX_INIT_INFO_FILE).exists() and not (target / JAX_INIT_INFO_FILE).is_symlink(),
+        20,
+        "jax-init-info.txt written in place",
+    )
     assert rank_of(target) in (0, 1)
     assert_aftermath(world)
 
@@ -164,7 +191,13 @@ def test_steps_that_are_or_hold_symlinks_or_fifos_are_refused_and_reported(world
     other_tenant = world["cluster"].agents[0].root
     os.symlink(other_tenant, pod / "9")  # another tenant's ramdisks
     commit_step(pod, 8, {"_CHECKPOINT_METADATA": b"{}", "state/data": b"fine"})  # a proper step still counts
-    wait_until(lambda: (pod / ERRORS_FILE).exists() and all(f"step {s} " in (pod / ERRORS_FILE).read_text() for s in (5, 6, 7, 9)), 20, "steps 5, 6, 7 and 9 reported refused")
+    wait_until(
+        lambda: (
+            (pod / ERRORS_FILE).exists() and all(f"step {s} " in (pod / ERRORS_FILE).read_text() for s in (5, 6, 7, 9))
+        ),
+        20,
+        "steps 5, 6, 7 and 9 reported refused",
+    )
     errors = (pod / ERRORS_FILE).read_bytes()
     assert not (pod / ERRORS_FILE).is_symlink() and SECRET not in errors
     assert b"not replicated or backed up" in errors and b"fifo is a FIFO" in errors and b"stolen is a symlink" in errors
@@ -183,14 +216,24 @@ def test_a_pytorch_pods_planted_prerestore_adopted_names_and_partial_steps_are_r
     pod, peer_pod = publish_job(world, job, framework="pytorch.distributed")
     os.symlink(world["host"] / "victim.txt", pod / PRERESTORE_FILE)  # the agent's write must replace it
     for rank, target in enumerate((pod, peer_pod)):  # ranks are the pods' JobSet indexes
-        (target / REPLICATOR_FILE).write_text(f"job-name: {job}\nframework: pytorch.distributed\nnode-rank: {rank}\nnodes: 2\n"
-                                              f"peers-per-node: 1\nbackup-interval-minutes: 30\n")  # fmt: skip
-    wait_until(lambda: all(any(n.endswith(".restore") for n in os.listdir(t)) for t in (pod, peer_pod)), 20, "restore markers")
+        (target / REPLICATOR_FILE).write_text(
+            f"job-name: {job}\nframework: pytorch.distributed\nnode-rank: {rank}\nnodes: 2\n"
+            f"peers-per-node: 1\nbackup-interval-minutes: 30\n"
+        )
+    wait_until(
+        lambda: all(any(n.endswith(".restore") for n in os.listdir(t)) for t in (pod, peer_pod)), 20, "restore markers"
+    )
     assert (pod / PRERESTORE_FILE).read_text() == "{}\n" and not (pod / PRERESTORE_FILE).is_symlink()
     os.symlink(world["host"] / "secret-dir", pod / "step=5")  # an adopted marker's name, pointing at the host
-    commit_step(pod, 6, {"rank-0-of-2/.metadata": b"m", "rank-1-of-2/__0_0.distcp": b"half a node"})  # local rank 1 unfinished
+    commit_step(
+        pod, 6, {"rank-0-of-2/.metadata": b"m", "rank-1-of-2/__0_0.distcp": b"half a node"}
+    )  # local rank 1 unfinished
     commit_step(pod, 7, {"rank-0-of-1/.metadata": b"m", "rank-0-of-1/__0_0.distcp": b"fine"})
-    wait_until(lambda: (pod / ERRORS_FILE).exists() and all(f"step {s} " in (pod / ERRORS_FILE).read_text() for s in (5, 6)), 20, "steps 5 and 6 refused")
+    wait_until(
+        lambda: (pod / ERRORS_FILE).exists() and all(f"step {s} " in (pod / ERRORS_FILE).read_text() for s in (5, 6)),
+        20,
+        "steps 5 and 6 refused",
+    )
     assert "lacks DCP's .metadata of local rank(s) [1] of 2" in (pod / ERRORS_FILE).read_text()
     wait_until(lambda: 7 in held(world, job).get(0, set()), 20, "step 7 held")
     assert set().union(*held(world, job).values()).isdisjoint({5, 6})
@@ -208,18 +251,26 @@ def test_non_ascii_digit_names_neither_crash_nor_alias_steps(world, evil):
     assert_aftermath(world)
 
 
-@pytest.mark.parametrize(("attributes", "named"), [
-    ({"nodes": "1000000000"}, "nodes"),
-    ({"nodes": "4", "slices": "8"}, "slices"),
-    ({"nodes": "2", "size": "1e99999999"}, "size"),
-    ({"nodes": "2", "size": "1e999999"}, "size"),
-    ({"nodes": "2", "size": "64Ti"}, "size"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("attributes", "named"),
+    [
+        ({"nodes": "1000000000"}, "nodes"),
+        ({"nodes": "4", "slices": "8"}, "slices"),
+        ({"nodes": "2", "size": "1e99999999"}, "size"),
+        ({"nodes": "2", "size": "1e999999"}, "size"),
+        ({"nodes": "2", "size": "64Ti"}, "size"),
+    ],
+)
 def test_unbounded_volume_attributes_are_invalid_argument_at_once(world, attributes, named):
     agent = world["cluster"].agents[0]
     started = time.monotonic()
     with pytest.raises(grpc.RpcError) as err:
-        kubelet.publish(agent.endpoint, str(world["pods"] / "absurd" / "mount"), f"absurd{next(_jobs)}-slice-0-0-a", attributes=attributes)
+        kubelet.publish(
+            agent.endpoint,
+            str(world["pods"] / "absurd" / "mount"),
+            f"absurd{next(_jobs)}-slice-0-0-a",
+            attributes=attributes,
+        )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and named in err.value.details()
     assert time.monotonic() - started < 2.0
     assert_aftermath(world)

@@ -41,8 +41,11 @@ COORDINATOR_DOWN = 'absent(up{job="mtc-coordinator",namespace="mtc-system"} == 1
 def target_labels(service_monitor: str) -> set[str]:
     """The labels Prometheus puts on every series the ServiceMonitor scrapes: the operator's, and
     what its relabelings set."""
-    (monitor,) = [d for d in yaml.safe_load_all((MONITORING / "servicemonitors.yaml").read_text())
-                  if d["kind"] == "ServiceMonitor" and d["metadata"]["name"] == service_monitor]  # fmt: skip
+    (monitor,) = [
+        d
+        for d in yaml.safe_load_all((MONITORING / "servicemonitors.yaml").read_text())
+        if d["kind"] == "ServiceMonitor" and d["metadata"]["name"] == service_monitor
+    ]
     return TARGET_LABELS | {r["targetLabel"] for e in monitor["spec"]["endpoints"] for r in e.get("relabelings", [])}
 
 
@@ -55,7 +58,11 @@ def dashboard_queries() -> list[tuple[str, str, set[str]]]:
     """(where, PromQL, labels its legend names) of every dashboard target."""
     dashboard = json.loads((MONITORING / "mtc-dashboard.json").read_text())
     return [
-        (f"panel {panel['title']!r} {target['refId']}", target["expr"], set(re.findall(r"{{\s*(\w+)\s*}}", target.get("legendFormat", ""))))
+        (
+            f"panel {panel['title']!r} {target['refId']}",
+            target["expr"],
+            set(re.findall(r"{{\s*(\w+)\s*}}", target.get("legendFormat", ""))),
+        )
         for panel in dashboard["panels"]
         for target in panel["targets"]
     ]
@@ -74,8 +81,14 @@ def dashboard_variables() -> list[tuple[str, str]]:
 
 def rule_queries() -> list[tuple[str, str, set[str]]]:
     """(where, PromQL, labels its annotations name) of every alert."""
-    return [(f"alert {r['alert']}", r["expr"], set(re.findall(r"\$labels\.(\w+)", " ".join(r.get("annotations", {}).values()))))
-            for r in alert_rules()]  # fmt: skip
+    return [
+        (
+            f"alert {r['alert']}",
+            r["expr"],
+            set(re.findall(r"\$labels\.(\w+)", " ".join(r.get("annotations", {}).values()))),
+        )
+        for r in alert_rules()
+    ]
 
 
 def selectors(expr: str) -> list[tuple[str, set[str]]]:
@@ -167,11 +180,28 @@ def test_dashboard_and_rules_cover_what_operators_need():
     dashboard = json.loads((MONITORING / "mtc-dashboard.json").read_text())
     assert len(dashboard["panels"]) >= 20
     stats = {p["title"] for p in dashboard["panels"] if p["type"] == "stat"}
-    assert {"Coordinator up", "Live / silent nodes", "Coordinator loop lag p99", "Newest safe step", "Backup age"} <= stats
+    assert {
+        "Coordinator up",
+        "Live / silent nodes",
+        "Coordinator loop lag p99",
+        "Newest safe step",
+        "Backup age",
+    } <= stats
     alerts = {where.removeprefix("alert ") for where, _, _ in rule_queries()}
-    assert alerts == {"MTCCoordinatorDown", "MTCBackupBehind", "MTCCorruptCopy", "MTCSlowRestore", "MTCRestoreWaitingForRanks",
-                      "MTCNodeSilent", "MTCNodeDrained", "MTCNodeCannotReport", "MTCRamdiskNearlyFull",
-                      "MTCReplicatorLoopErrors", "MTCRefusedStep", "MTCUntrustedClaims"}  # fmt: skip
+    assert alerts == {
+        "MTCCoordinatorDown",
+        "MTCBackupBehind",
+        "MTCCorruptCopy",
+        "MTCSlowRestore",
+        "MTCRestoreWaitingForRanks",
+        "MTCNodeSilent",
+        "MTCNodeDrained",
+        "MTCNodeCannotReport",
+        "MTCRamdiskNearlyFull",
+        "MTCReplicatorLoopErrors",
+        "MTCRefusedStep",
+        "MTCUntrustedClaims",
+    }
     assert "node" in target_labels("mtc-node"), "panels group by node: the agents' ServiceMonitor must set it"
     assert "node" not in target_labels("mtc-coordinator"), "the coordinator's own node label names a silent node"
 
@@ -181,9 +211,13 @@ def test_the_dashboard_draws_no_line_per_node():
     dashboard = json.loads((MONITORING / "mtc-dashboard.json").read_text())
     for panel in dashboard["panels"]:
         for target in panel["targets"]:
-            per_node = re.search(r"{{\s*node\s*}}", target.get("legendFormat", "")) or re.search(r"by \([^)]*\bnode\b", target["expr"])
+            per_node = re.search(r"{{\s*node\s*}}", target.get("legendFormat", "")) or re.search(
+                r"by \([^)]*\bnode\b", target["expr"]
+            )
             if per_node:
-                assert panel["type"] == "table" and target["expr"].startswith("topk(10,"), f"{panel['title']}: {target['expr']}"
+                assert panel["type"] == "table" and target["expr"].startswith("topk(10,"), (
+                    f"{panel['title']}: {target['expr']}"
+                )
 
 
 def test_no_scrape_config_needs_honor_labels():
@@ -211,15 +245,28 @@ def test_a_runbook_anchor_is_githubs():
 
 def test_alerts_the_coordinators_outage_causes_are_held_back_while_it_is_down():
     rules = {r["alert"]: r for r in alert_rules()}
-    assert promql_parser.parse(rules["MTCCoordinatorDown"]["expr"]).prettify() == promql_parser.parse(COORDINATOR_DOWN).prettify()
+    assert (
+        promql_parser.parse(rules["MTCCoordinatorDown"]["expr"]).prettify()
+        == promql_parser.parse(COORDINATOR_DOWN).prettify()
+    )
     held = set()
     for name, rule in rules.items():
         tree = promql_parser.parse(rule["expr"])
         if isinstance(tree, promql_parser.BinaryExpr) and str(tree.op) == "unless":
-            assert tree.modifier.matching.labels == [] and tree.modifier.matching.type == promql_parser.LabelModifierType.Include, name  # on ()
+            assert (
+                tree.modifier.matching.labels == []
+                and tree.modifier.matching.type == promql_parser.LabelModifierType.Include
+            ), name  # on ()
             assert tree.rhs.prettify() == promql_parser.parse(COORDINATOR_DOWN).prettify(), name
             held.add(name)
-    assert held == {"MTCNodeCannotReport", "MTCNodeSilent", "MTCNodeDrained", "MTCBackupBehind", "MTCSlowRestore", "MTCRestoreWaitingForRanks"}
+    assert held == {
+        "MTCNodeCannotReport",
+        "MTCNodeSilent",
+        "MTCNodeDrained",
+        "MTCBackupBehind",
+        "MTCSlowRestore",
+        "MTCRestoreWaitingForRanks",
+    }
     # The chart's optional Alertmanager inhibit rule holds back the same alerts.
     values = yaml.safe_load((REPO / "charts" / "mtc" / "values.yaml").read_text())
     assert set(values["monitoring"]["alertmanagerConfig"]["inhibitedAlerts"]) == held
@@ -238,8 +285,12 @@ def test_alerts_name_what_they_are_about():
 
 def test_reference_check_catches_a_missing_metric_and_label():
     exported = {"mtc_live_nodes": set(), "mtc_restore_seconds_bucket": {"le", "source"}}
-    queries = [("a", "max(mtc_live_nodes)", set()), ("b", "sum by (le, tier) (rate(mtc_restore_seconds_bucket[5m]))", set()),
-               ("c", "mtc_no_such_metric", set()), ("d", "max(mtc_live_nodes)", {"job"})]  # fmt: skip
+    queries = [
+        ("a", "max(mtc_live_nodes)", set()),
+        ("b", "sum by (le, tier) (rate(mtc_restore_seconds_bucket[5m]))", set()),
+        ("c", "mtc_no_such_metric", set()),
+        ("d", "max(mtc_live_nodes)", {"job"}),
+    ]
     assert problems(queries, exported) == [
         "b: mtc_restore_seconds_bucket has no label ['tier']",
         "c: no metric mtc_no_such_metric",
@@ -261,7 +312,9 @@ def test_every_metric_and_label_the_dashboard_and_rules_use_is_exported(start_cl
     attrs = {"nodes": "2", "slices": "1", "size": "32Mi", "jobset": "mon"}
     targets = [_publish(agent, tmp_path, f"mon-slice-0-{i}-a", attrs) for i, agent in enumerate(agents)]
     # Job "hourly": one rank, backup-interval-minutes (the other interval gauge).
-    hourly = _publish(agents[0], tmp_path, "hourly-slice-0-0-a", {"nodes": "1", "slices": "1", "size": "8Mi", "jobset": "hourly"})
+    hourly = _publish(
+        agents[0], tmp_path, "hourly-slice-0-0-a", {"nodes": "1", "slices": "1", "size": "8Mi", "jobset": "hourly"}
+    )
     start_fresh(targets, "mon", nodes=2, backup_interval_steps=1)
     start_fresh([hourly], "hourly", nodes=1, backup_interval_minutes=60)
     for target in targets:
@@ -271,23 +324,37 @@ def test_every_metric_and_label_the_dashboard_and_rules_use_is_exported(start_cl
 
     def backed_up() -> bool:
         (job,) = coordinator.status("mon-slice")["jobs"]
-        return 4 in job["backups"] and "mtc_last_backup_timestamp_seconds{" in scrape(coordinator.url, coordinator.ssl_context())
+        return 4 in job["backups"] and "mtc_last_backup_timestamp_seconds{" in scrape(
+            coordinator.url, coordinator.ssl_context()
+        )
 
     wait_until(backed_up, 60, "step 4 backed up")
-    wait_until(lambda: any("mtc_replicated_bytes_total 0.0" not in scrape(a.url) for a in agents), 30, "a replica pushed")
+    wait_until(
+        lambda: any("mtc_replicated_bytes_total 0.0" not in scrape(a.url) for a in agents), 30, "a replica pushed"
+    )
     # A node lost: the coordinator lists it as silent (node timeout 4 s) until it forgets it.
     cluster.lose_node(idle)
-    wait_until(lambda: f'mtc_node_silent_seconds{{node="{idle.node_id}"}}' in scrape(coordinator.url, coordinator.ssl_context()), 30,
-               "the lost node silent")  # fmt: skip
+    wait_until(
+        lambda: (
+            f'mtc_node_silent_seconds{{node="{idle.node_id}"}}' in scrape(coordinator.url, coordinator.ssl_context())
+        ),
+        30,
+        "the lost node silent",
+    )
 
-    page = {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for f in text_string_to_metric_families(scrape(coordinator.url, coordinator.ssl_context())) for s in f.samples}  # fmt: skip
+    page = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(scrape(coordinator.url, coordinator.ssl_context()))
+        for s in f.samples
+    }
     assert page[("mtc_silent_nodes", ())] == 1 and page[("mtc_live_nodes", ())] == 2
     assert page[("mtc_node_silent_seconds", (("node", idle.node_id),))] > 4  # past the node timeout
     mon = (("training_job", "mon-slice"), ("training_namespace", "default"))
     assert page[("mtc_restore_ranks", mon)] == page[("mtc_restore_ranks_staged", mon)] == 2  # both ranks started fresh
-    exported = merged(exported_series(scrape(coordinator.url, coordinator.ssl_context()), target_labels("mtc-coordinator")),
-                      *(exported_series(scrape(a.url), target_labels("mtc-node")) for a in agents))  # fmt: skip
+    exported = merged(
+        exported_series(scrape(coordinator.url, coordinator.ssl_context()), target_labels("mtc-coordinator")),
+        *(exported_series(scrape(a.url), target_labels("mtc-node")) for a in agents),
+    )
     assert problems(dashboard_queries() + rule_queries(), exported) == []
     for metric, label in dashboard_variables():
         assert label in exported.get(metric, set()), f"variable label_values({metric}, {label})"

@@ -72,8 +72,24 @@ def hosts(tmp_path):
     server = SinkServer(two)
 
     def connect(host: str, timeout: float = 2.0, size: int = 5) -> float | None:
-        out = subprocess.run([sys.executable, "-m", "tests.helpers.network", "--host", host, str(client), two, str(server.port),
-                              str(timeout), str(size)], capture_output=True, text=True, cwd=REPO, check=True).stdout.strip()  # fmt: skip
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tests.helpers.network",
+                "--host",
+                host,
+                str(client),
+                two,
+                str(server.port),
+                str(timeout),
+                str(size),
+            ],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            check=True,
+        ).stdout.strip()
         return None if out == "timeout" else float(out)
 
     with network.loopback_hosts([one, two, three]):
@@ -82,7 +98,9 @@ def hosts(tmp_path):
 
 
 def _our_rules() -> str:
-    tables = [subprocess.run(["iptables", "-w", "-t", t, "-S"], capture_output=True, text=True).stdout for t in ("nat", "raw")]
+    tables = [
+        subprocess.run(["iptables", "-w", "-t", t, "-S"], capture_output=True, text=True).stdout for t in ("nat", "raw")
+    ]
     return "\n".join(line for t in tables for line in t.splitlines() if f"-{os.getpid()}-" in line)
 
 
@@ -200,8 +218,15 @@ def test_a_delay_resets_the_connections_already_open_but_those_it_keeps_open(hos
 def test_no_rule_is_left_after_the_contexts_even_on_error(hosts):
     one, _, server, _ = hosts
     with pytest.raises(ZeroDivisionError):
-        with network.partition([one], [server.address]), network.lossy([one], 1), network.rate_limited([one], 100), network.delayed([one], 50):
+        with (
+            network.partition([one], [server.address]),
+            network.lossy([one], 1),
+            network.rate_limited([one], 100),
+            network.delayed([one], 50),
+        ):
             assert "CUT" in _our_rules() and "LOSS" in _our_rules() and "DELAY" in _our_rules()
             raise ZeroDivisionError
-    assert "CUT" not in _our_rules() and "LOSS" not in _our_rules() and "DELAY" not in _our_rules()  # the SNAT of the fixture is still on
+    assert (
+        "CUT" not in _our_rules() and "LOSS" not in _our_rules() and "DELAY" not in _our_rules()
+    )  # the SNAT of the fixture is still on
     assert "7a31" not in subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout

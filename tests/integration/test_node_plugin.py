@@ -59,7 +59,7 @@ def test_publish_after_agent_sigkill_keeps_data_and_replaces_stale_socket(start_
     publish(agent, target)
     (target / "step").write_text("42")
     agent.kill()
-    assert os.path.exists(agent.endpoint[len("unix://"):]), "SIGKILL leaves the socket file behind"
+    assert os.path.exists(agent.endpoint[len("unix://") :]), "SIGKILL leaves the socket file behind"
 
     agent.start()
     assert "recovered 1 ramdisk" in agent.tail_log()
@@ -233,13 +233,17 @@ def test_volume_stats_report_tmpfs_bytes_and_inodes(start_agent, tmp_path):
     assert by_unit[csi_pb2.VolumeUsage.INODES].used >= 2  # the client dir and the file
     assert stats.volume_condition.abnormal is False
     with pytest.raises(grpc.RpcError) as err, node_stub(agent) as stub:
-        stub.NodeGetVolumeStats(csi_pb2.NodeGetVolumeStatsRequest(volume_id="other", volume_path=str(target)), timeout=10)
+        stub.NodeGetVolumeStats(
+            csi_pb2.NodeGetVolumeStatsRequest(volume_id="other", volume_path=str(target)), timeout=10
+        )
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
 def test_identity_and_node_info(start_agent):
     agent = start_agent(
-        "node-7", backend="dir", extra_args=["--driver-name", "ram.example.org", "--topology", "zone=a", "--topology", "block=b1"]
+        "node-7",
+        backend="dir",
+        extra_args=["--driver-name", "ram.example.org", "--topology", "zone=a", "--topology", "block=b1"],
     )
     with grpc.insecure_channel(agent.endpoint) as channel:
         check_identity_and_node_info(channel)
@@ -248,7 +252,10 @@ def test_identity_and_node_info(start_agent):
 def check_identity_and_node_info(channel):
     identity = csi_pb2_grpc.IdentityStub(channel)
     info = identity.GetPluginInfo(csi_pb2.GetPluginInfoRequest())
-    assert (info.name, info.vendor_version) == ("ram.example.org", importlib.metadata.version("mtc-checkpointing"))  # mtc --version's
+    assert (info.name, info.vendor_version) == (
+        "ram.example.org",
+        importlib.metadata.version("mtc-checkpointing"),
+    )  # mtc --version's
     assert identity.Probe(csi_pb2.ProbeRequest()).ready.value is True
     plugin_caps = identity.GetPluginCapabilities(csi_pb2.GetPluginCapabilitiesRequest()).capabilities
     assert all(c.service.type != csi_pb2.PluginCapability.Service.CONTROLLER_SERVICE for c in plugin_caps)
@@ -279,10 +286,23 @@ def test_dir_backend_publishes_without_mounting_and_warns(start_agent, tmp_path)
 def test_cli_publish_failure_prints_status_code_and_exits_nonzero(start_agent, tmp_path):
     agent = start_agent(backend="dir")
     result = subprocess.run(
-        [sys.executable, "-m", "replicator.cli", "publish", "--csi-endpoint", agent.endpoint,
-         "--target", str(tmp_path / "m"), "--pod", JOB_POD, "--attr", "size=huge"],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "replicator.cli",
+            "publish",
+            "--csi-endpoint",
+            agent.endpoint,
+            "--target",
+            str(tmp_path / "m"),
+            "--pod",
+            JOB_POD,
+            "--attr",
+            "size=huge",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode != 0
     assert result.stderr.startswith("INVALID_ARGUMENT: volume attribute size")
 

@@ -73,9 +73,15 @@ def test_unreachable_coordinator_is_a_recoverable_error_and_retried(cluster, tmp
 def test_coordinator_requires_the_cluster_token_of_callers(start_cluster):
     cluster = start_cluster(nodes=1)
     token = open(cluster.token_file).read().strip()
-    for headers, expected in [({}, 401), ({"Authorization": "Bearer wrong"}, 401), ({"Authorization": f"Bearer {token}"}, 400)]:
+    for headers, expected in [
+        ({}, 401),
+        ({"Authorization": "Bearer wrong"}, 401),
+        ({"Authorization": f"Bearer {token}"}, 400),
+    ]:
         body = json.dumps({"protocol": PROTOCOL_VERSION}).encode()
-        request = urllib.request.Request(cluster.coordinator.url + "/v1/report", data=body, method="POST", headers=headers)
+        request = urllib.request.Request(
+            cluster.coordinator.url + "/v1/report", data=body, method="POST", headers=headers
+        )
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(request, context=cluster.coordinator.ssl_context())
         assert err.value.code == expected  # 400: past the token, an empty report is refused

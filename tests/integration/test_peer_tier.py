@@ -38,8 +38,9 @@ async def test_push_list_fetch_round_trip_gives_identical_bytes(peer, session, t
 
     async with session.get(peer.url(f"{NS}/{JOB}/steps"), headers=AUTH) as response:
         assert response.status == 200
-        assert await response.json() == {"steps": [{"rank": 0, "step": 5, "bytes": 8},
-                                                   {"rank": 1, "step": 7, "bytes": manifest.total_bytes}]}
+        assert await response.json() == {
+            "steps": [{"rank": 0, "step": 5, "bytes": 8}, {"rank": 1, "step": 7, "bytes": manifest.total_bytes}]
+        }
     assert peer.incoming() == []
     dest = tmp_path / "fetched"
     dest.mkdir()
@@ -55,7 +56,9 @@ async def test_push_list_fetch_round_trip_gives_identical_bytes(peer, session, t
 async def test_range_request_returns_the_exact_slice(peer, session):
     commit_own_step(peer.meta, 5, 0, FILES)
     headers = {**AUTH, "Range": "bytes=1000-4999"}
-    async with session.get(peer.url(f"{NS}/{JOB}/ranks/0/steps/5/files/state/manifest.ocdbt"), headers=headers) as response:
+    async with session.get(
+        peer.url(f"{NS}/{JOB}/ranks/0/steps/5/files/state/manifest.ocdbt"), headers=headers
+    ) as response:
         assert response.status == 206
         assert response.headers["Content-Range"] == "bytes 1000-4999/300000"
         assert await response.read() == FILES["state/manifest.ocdbt"][1000:5000]
@@ -98,12 +101,15 @@ async def test_a_step_staged_while_it_is_served_is_still_served(peer, session, t
         if not renamed:
             renamed.append("staging")  # stage_local looks the step up too
             renamed[0] = staging.stage_local(ORBAX, peer.meta.client_dir, 9, manifest)
+
     if moment == "between its two names":  # the staged name is looked for first, then the committed one
         real_is_dir = pod_files.is_dir
         monkeypatch.setattr(pod_files, "is_dir", lambda fd, name: (real_is_dir(fd, name), stage_once())[0])
     else:
         real_find = ORBAX.find_step_dir
-        monkeypatch.setattr(ORBAX, "find_step_dir", lambda local_dir, step: (real_find(local_dir, step), stage_once())[0])
+        monkeypatch.setattr(
+            ORBAX, "find_step_dir", lambda local_dir, step: (real_find(local_dir, step), stage_once())[0]
+        )
 
     dest = tmp_path / "fetched"
     dest.mkdir()
@@ -131,9 +137,13 @@ async def test_corrupt_push_is_rejected_with_422_and_nothing_is_installed(peer, 
     headers = {**AUTH, UPLOAD_HEADER: "ab" * 16}
     for rel in FILES:
         with open(os.path.join(source, rel), "rb") as f:
-            async with session.put(peer.url(f"{NS}/{JOB}/ranks/1/steps/7/files/{rel}"), data=f, headers=headers) as response:
+            async with session.put(
+                peer.url(f"{NS}/{JOB}/ranks/1/steps/7/files/{rel}"), data=f, headers=headers
+            ) as response:
                 assert response.status == 201
-    async with session.post(peer.url(f"{NS}/{JOB}/ranks/1/steps/7/commit"), data=manifest.to_json(), headers=headers) as response:
+    async with session.post(
+        peer.url(f"{NS}/{JOB}/ranks/1/steps/7/commit"), data=manifest.to_json(), headers=headers
+    ) as response:
         assert response.status == 422
         assert (await response.json())["problems"] == ["state/d/0a1b2c: crc32c mismatch"]
     assert peer.meta.replicas() == {} and peer.incoming() == []
@@ -167,23 +177,26 @@ async def test_every_route_rejects_a_missing_or_wrong_token(peer, session, autho
     assert peer.incoming() == []
 
 
-@pytest.mark.parametrize(("path", "status"), [
-    (f"{NS}/{JOB}/ranks/0/steps/5/files/..%2F..%2F..%2Fsecret.txt", 400),
-    (f"{NS}/{JOB}/ranks/0/steps/5/files/state/../../../../secret.txt", 400),
-    (f"{NS}/{JOB}/ranks/0/steps/5/files//etc/passwd", 400),
-    (f"{NS}/{JOB}/ranks/0/steps/5/files/%2Fetc%2Fpasswd", 400),
-    (f"{NS}/{JOB}/ranks/0/steps/5/files/state%5C..%5C..%5Csecret.txt", 400),
-    (f"{NS}/../ranks/0/steps/5/manifest", 400),
-    (f"{NS}/%2E%2E/ranks/0/steps/5/files/own.bin", 400),
-    (f"{NS}/{JOB}/ranks/0/steps/5/files/state/link", 400),  # a symlink out of the step
-    (f"{NS}/{JOB}/ranks/0/steps/9/files/data", 404),  # a step directory that is a symlink: not a step held here
-    (f"{NS}/{JOB}/ranks/0/steps/5/files/not-in-manifest", 404),
-    (f"{NS}/{JOB}/ranks/0/steps/6/manifest", 404),
-    ("other/train/steps", 404),
-    ("Default/train/steps", 400),
-    (f"{NS}/{JOB}/ranks/x/steps/5/manifest", 400),
-    (f"{NS}/{JOB}/ranks/0/steps/-5/manifest", 400),
-])
+@pytest.mark.parametrize(
+    ("path", "status"),
+    [
+        (f"{NS}/{JOB}/ranks/0/steps/5/files/..%2F..%2F..%2Fsecret.txt", 400),
+        (f"{NS}/{JOB}/ranks/0/steps/5/files/state/../../../../secret.txt", 400),
+        (f"{NS}/{JOB}/ranks/0/steps/5/files//etc/passwd", 400),
+        (f"{NS}/{JOB}/ranks/0/steps/5/files/%2Fetc%2Fpasswd", 400),
+        (f"{NS}/{JOB}/ranks/0/steps/5/files/state%5C..%5C..%5Csecret.txt", 400),
+        (f"{NS}/../ranks/0/steps/5/manifest", 400),
+        (f"{NS}/%2E%2E/ranks/0/steps/5/files/own.bin", 400),
+        (f"{NS}/{JOB}/ranks/0/steps/5/files/state/link", 400),  # a symlink out of the step
+        (f"{NS}/{JOB}/ranks/0/steps/9/files/data", 404),  # a step directory that is a symlink: not a step held here
+        (f"{NS}/{JOB}/ranks/0/steps/5/files/not-in-manifest", 404),
+        (f"{NS}/{JOB}/ranks/0/steps/6/manifest", 404),
+        ("other/train/steps", 404),
+        ("Default/train/steps", 400),
+        (f"{NS}/{JOB}/ranks/x/steps/5/manifest", 400),
+        (f"{NS}/{JOB}/ranks/0/steps/-5/manifest", 400),
+    ],
+)
 async def test_get_outside_the_ramdisk_is_refused_and_leaks_nothing(peer, session, tmp_path, path, status):
     secret = write_tree(str(tmp_path / "outside"), {"secret.txt": SECRET, "data": SECRET})
     step_dir = os.path.join(peer.meta.client_dir, "5")
@@ -214,14 +227,17 @@ async def test_fetch_of_a_step_symlinked_out_of_the_ramdisk_fails(peer, session,
         await fetch(session, peer, 0, 9, str(dest))
 
 
-@pytest.mark.parametrize(("path", "upload", "status"), [
-    (f"{NS}/{JOB}/ranks/1/steps/7/files/..%2F..%2F..%2Fescaped", "ab" * 16, 400),
-    (f"{NS}/{JOB}/ranks/1/steps/7/files/%2Ftmp%2Fescaped", "ab" * 16, 400),
-    (f"{NS}/..%2F..%2Fescaped/ranks/1/steps/7/files/x", "ab" * 16, 400),
-    (f"{NS}/{JOB}/ranks/1/steps/7/files/x", "../../escaped", 400),
-    (f"{NS}/{JOB}/ranks/1/steps/7/files/x", "", 400),
-    ("other/train/ranks/1/steps/7/files/x", "ab" * 16, 404),
-])
+@pytest.mark.parametrize(
+    ("path", "upload", "status"),
+    [
+        (f"{NS}/{JOB}/ranks/1/steps/7/files/..%2F..%2F..%2Fescaped", "ab" * 16, 400),
+        (f"{NS}/{JOB}/ranks/1/steps/7/files/%2Ftmp%2Fescaped", "ab" * 16, 400),
+        (f"{NS}/..%2F..%2Fescaped/ranks/1/steps/7/files/x", "ab" * 16, 400),
+        (f"{NS}/{JOB}/ranks/1/steps/7/files/x", "../../escaped", 400),
+        (f"{NS}/{JOB}/ranks/1/steps/7/files/x", "", 400),
+        ("other/train/ranks/1/steps/7/files/x", "ab" * 16, 404),
+    ],
+)
 async def test_put_outside_an_upload_is_refused_and_writes_nothing(peer, session, tmp_path, path, upload, status):
     async with session.put(peer.url(path), headers={**AUTH, UPLOAD_HEADER: upload}, data=b"payload") as response:
         assert response.status == status

@@ -30,7 +30,10 @@ def test_recover_adopts_tmpfs_missing_from_state_and_drops_vanished_ones(tmp_pat
     mounts.unmount(str(tmp_path / "t2"))
     mounts.unmount(gone.path)
 
-    survivors = {(d.namespace, d.job): d for d in RamdiskManager(tmpfs_manager.root, TmpfsBackend(), on_new_pod=ignore_new_pod).recover()}
+    survivors = {
+        (d.namespace, d.job): d
+        for d in RamdiskManager(tmpfs_manager.root, TmpfsBackend(), on_new_pod=ignore_new_pod).recover()
+    }
     assert set(survivors) == {("default", "kept"), ("default", "orphan")}
     assert survivors[("default", "orphan")].size_bytes == 4 << 20
     assert survivors[("default", "orphan")].idle_since is not None

@@ -38,14 +38,18 @@ async def test_push_that_would_leave_no_room_for_the_next_save_is_507_before_a_b
     peer = await serve(ramdisk)
     commit_own_step(peer.meta, 1, 0, {"a": os.urandom(3 * MiB)})  # the job's saves: 3 MiB, so 3.3 MiB kept free
     first = write_tree(str(tmp_path / "first"), {"a": os.urandom(3 * MiB)})
-    await push_step(session, peer.base_url, TOKEN, NS, JOB, first, build_manifest(first, 1, 1))  # 12 - 3 - 3 = 6 MiB free
+    await push_step(
+        session, peer.base_url, TOKEN, NS, JOB, first, build_manifest(first, 1, 1)
+    )  # 12 - 3 - 3 = 6 MiB free
 
     # 2 files of 1 MiB: each fits on its own, and the step fits in the free space, but not beside the next save.
     second = write_tree(str(tmp_path / "second"), {"a": os.urandom(MiB), "b": os.urandom(MiB)})
     third = write_tree(str(tmp_path / "third"), {"a": os.urandom(MiB), "b": os.urandom(2 * MiB)})
     await push_step(session, peer.base_url, TOKEN, NS, JOB, second, build_manifest(second, 2, 1), concurrency=1)
     free = space.free_bytes(ramdisk)
-    with pytest.raises(PeerFetchError, match=r"HTTP 507.*\(3145728 bytes\) does not fit: .* keeps 3460300 for the job's next save"):
+    with pytest.raises(
+        PeerFetchError, match=r"HTTP 507.*\(3145728 bytes\) does not fit: .* keeps 3460300 for the job's next save"
+    ):
         await push_step(session, peer.base_url, TOKEN, NS, JOB, third, build_manifest(third, 3, 1), concurrency=1)
     assert peer.incoming() == [] and set(peer.meta.replicas()) == {(1, 1), (1, 2)}
     assert space.free_bytes(ramdisk) == free
@@ -95,4 +99,6 @@ def test_pressure_keeps_replicas_that_arrived_after_the_order(ramdisk, tmp_path)
     assert [(g.rank, g.step, g.own) for g in given] == [(1, 2, False), (0, 2, True), (0, 3, True)]
     assert sorted(meta.replicas()) == [(1, 3)]
     # An order asked for after it judges it like any other copy.
-    assert [(g.rank, g.step) for g in space.make_room(disk, order, set(), everything, order_asked_at=asked + 2)] == [(1, 3)]
+    assert [(g.rank, g.step) for g in space.make_room(disk, order, set(), everything, order_asked_at=asked + 2)] == [
+        (1, 3)
+    ]

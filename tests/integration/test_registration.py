@@ -32,15 +32,24 @@ def test_get_info_names_a_csi_plugin_its_socket_path_and_csi_1_0(registration, t
     channel, stub = kubelet_stub(registration)
     with channel:
         info = stub.GetInfo(pluginregistration_pb2.InfoRequest(), timeout=5)
-    assert (info.type, info.name, info.endpoint) == ("CSIPlugin", DRIVER, "/run/mtc/csi.sock")  # a path: kubelet dials it as is
+    assert (info.type, info.name, info.endpoint) == (
+        "CSIPlugin",
+        DRIVER,
+        "/run/mtc/csi.sock",
+    )  # a path: kubelet dials it as is
     assert list(info.supported_versions) == ["1.0.0"]
 
 
 def test_refused_registration_is_logged_with_the_kubelets_reason_and_cleared_by_a_success(registration, caplog):
     channel, stub = kubelet_stub(registration)
     with channel, caplog.at_level(logging.INFO, logger="csi_driver.registration"):
-        stub.NotifyRegistrationStatus(pluginregistration_pb2.RegistrationStatus(
-            plugin_registered=False, error="RegisterPlugin error -- no handler registered for plugin type: CSIPlugin"), timeout=5)  # fmt: skip
+        stub.NotifyRegistrationStatus(
+            pluginregistration_pb2.RegistrationStatus(
+                plugin_registered=False,
+                error="RegisterPlugin error -- no handler registered for plugin type: CSIPlugin",
+            ),
+            timeout=5,
+        )
         servicer = registration.servicer
         assert not servicer.registered.is_set()
         assert servicer.error == "RegisterPlugin error -- no handler registered for plugin type: CSIPlugin"

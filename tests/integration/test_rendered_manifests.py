@@ -42,10 +42,15 @@ CRD_SCHEMAS = {
     ("jobset.x-k8s.io/v1alpha2", "JobSet"): SCHEMAS / "jobset-v0.10.1-v1alpha2.json",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): SCHEMAS / "prometheus-operator-v0.82.0-servicemonitors-v1.json",
     ("monitoring.coreos.com/v1", "PrometheusRule"): SCHEMAS / "prometheus-operator-v0.82.0-prometheusrules-v1.json",
-    ("monitoring.coreos.com/v1alpha1", "AlertmanagerConfig"): SCHEMAS / "prometheus-operator-v0.82.0-alertmanagerconfigs-v1alpha1.json",
+    ("monitoring.coreos.com/v1alpha1", "AlertmanagerConfig"): SCHEMAS
+    / "prometheus-operator-v0.82.0-alertmanagerconfigs-v1alpha1.json",
 }
-ALL_MONITORING = ["serviceMonitor.enabled=true", "prometheusRule.enabled=true", "grafanaDashboard.enabled=true",
-                  "monitoring.alertmanagerConfig.enabled=true"]
+ALL_MONITORING = [
+    "serviceMonitor.enabled=true",
+    "prometheusRule.enabled=true",
+    "grafanaDashboard.enabled=true",
+    "monitoring.alertmanagerConfig.enabled=true",
+]
 
 
 def kustomize_build(directory: Path) -> list[dict]:
@@ -64,9 +69,13 @@ def test_helm_lint_is_clean_with_every_toggle():
 def test_rendered_objects_are_valid_in_strict_mode(kube_version):
     rendered = {
         "helm (defaults)": helm_template(kube_version=kube_version),
-        "helm (every toggle)": helm_template(*ALL_MONITORING, "backup.url=gs://b/p", "backup.credentials.secretName=c",
-                                             "backup.credentials.fileEnv.GOOGLE_APPLICATION_CREDENTIALS=key.json",
-                                             kube_version=kube_version),  # fmt: skip
+        "helm (every toggle)": helm_template(
+            *ALL_MONITORING,
+            "backup.url=gs://b/p",
+            "backup.credentials.secretName=c",
+            "backup.credentials.fileEnv.GOOGLE_APPLICATION_CREDENTIALS=key.json",
+            kube_version=kube_version,
+        ),
         "helm (no TLS)": helm_template("tls.enabled=false", kube_version=kube_version),
         "kustomize manifests/": kustomize_build(MANIFESTS),
         "kustomize manifests/monitoring/": kustomize_build(MONITORING),
@@ -79,11 +88,22 @@ def test_rendered_objects_are_valid_in_strict_mode(kube_version):
             try:
                 kubernetes_validate.validate(doc, kube_version, strict=True)
             except kubernetes_validate.ValidationError as err:
-                pytest.fail(f"{source}: {doc['kind']} {doc['metadata']['name']} is invalid for {kube_version}: "
-                            f"{str(err).splitlines()[0]} at {list(err.path)}")  # fmt: skip
+                pytest.fail(
+                    f"{source}: {doc['kind']} {doc['metadata']['name']} is invalid for {kube_version}: "
+                    f"{str(err).splitlines()[0]} at {list(err.path)}"
+                )
             checked.add(doc["kind"])
-    assert {"CSIDriver", "DaemonSet", "Deployment", "Service", "ServiceAccount", "Secret", "ConfigMap",
-            "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"} <= checked  # fmt: skip
+    assert {
+        "CSIDriver",
+        "DaemonSet",
+        "Deployment",
+        "Service",
+        "ServiceAccount",
+        "Secret",
+        "ConfigMap",
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
+    } <= checked
 
 
 def test_strict_validation_rejects_an_unknown_field():
@@ -121,11 +141,15 @@ def _example_jobset(name: str = "example-jobset.yaml") -> dict:
 def test_custom_resources_match_their_crd_schemas():
     resources = [(name, _example_jobset(name)) for name in ("example-jobset.yaml", "example-torchrun-jobset.yaml")]
     resources += [("chart", d) for d in helm_template(*ALL_MONITORING) if (d["apiVersion"], d["kind"]) in CRD_SCHEMAS]
-    resources += [("manifests/monitoring/", d) for d in kustomize_build(MONITORING) if (d["apiVersion"], d["kind"]) in CRD_SCHEMAS]
+    resources += [
+        ("manifests/monitoring/", d) for d in kustomize_build(MONITORING) if (d["apiVersion"], d["kind"]) in CRD_SCHEMAS
+    ]
     assert {d["kind"] for _, d in resources} == {"JobSet", "ServiceMonitor", "PrometheusRule", "AlertmanagerConfig"}
     for source, doc in resources:
-        errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
-                  for e in crd_validator(doc["apiVersion"], doc["kind"]).iter_errors(doc)]  # fmt: skip
+        errors = [
+            f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+            for e in crd_validator(doc["apiVersion"], doc["kind"]).iter_errors(doc)
+        ]
         assert not errors, f"{source}: {doc['kind']} {doc['metadata']['name']}: {errors}"
 
 
@@ -176,11 +200,19 @@ def test_chart_monitoring_is_the_monitoring_base():
 
 
 def test_chart_rules_follow_the_release_namespace_and_the_runbook_base():
-    docs = _by_key(helm_template("prometheusRule.enabled=true", "monitoring.alertmanagerConfig.enabled=true",
-                                 "monitoring.runbookBaseURL=https://wiki.example/mtc/", namespace="ops"))  # fmt: skip
+    docs = _by_key(
+        helm_template(
+            "prometheusRule.enabled=true",
+            "monitoring.alertmanagerConfig.enabled=true",
+            "monitoring.runbookBaseURL=https://wiki.example/mtc/",
+            namespace="ops",
+        )
+    )
     rules = [r for g in docs[("PrometheusRule", "mtc")]["spec"]["groups"] for r in g["rules"]]
     for rule in rules:
-        assert rule["annotations"]["runbook_url"] == f"https://wiki.example/mtc/troubleshooting.md#{rule['alert'].lower()}"
+        assert (
+            rule["annotations"]["runbook_url"] == f"https://wiki.example/mtc/troubleshooting.md#{rule['alert'].lower()}"
+        )
         assert rule["labels"]["namespace"] == "ops"
         assert "mtc-system" not in rule["expr"]
     (down,) = [r for r in rules if r["alert"] == "MTCCoordinatorDown"]
@@ -192,7 +224,9 @@ def test_chart_rules_follow_the_release_namespace_and_the_runbook_base():
     assert rule["sourceMatch"] == [{"name": "alertname", "value": "MTCCoordinatorDown"}]
     held = {r["alert"] for r in rules if down["expr"] in r["expr"] and r is not down}
     assert set(rule["targetMatch"][0]["value"].split("|")) == held and rule["targetMatch"][0]["matchType"] == "=~"
-    assert ("AlertmanagerConfig", "mtc-inhibit") not in _by_key(helm_template("prometheusRule.enabled=true"))  # off by default
+    assert ("AlertmanagerConfig", "mtc-inhibit") not in _by_key(
+        helm_template("prometheusRule.enabled=true")
+    )  # off by default
 
 
 def test_chart_secrets_hold_a_token_and_a_certificate_for_the_coordinator_service(tmp_path):
@@ -221,30 +255,54 @@ def _tls_handshake(directory: Path, host: str) -> str:
     with socket.create_server(("127.0.0.1", 0)) as listener:
         accepted = threading.Thread(target=lambda: server.wrap_socket(listener.accept()[0], server_side=True).close())
         accepted.start()
-        with socket.create_connection(listener.getsockname()) as raw, client.wrap_socket(raw, server_hostname=host) as tls:
+        with (
+            socket.create_connection(listener.getsockname()) as raw,
+            client.wrap_socket(raw, server_hostname=host) as tls,
+        ):
             version = tls.version()
         accepted.join(10)
     return version
 
 
 def test_chart_values_reach_the_agents_and_the_coordinator():
-    rendered = _by_key(helm_template(
-        "image.repository=registry.example/mtc", "image.tag=1.2.3", "driverName=ram.example.dev",
-        "ramdisk.defaultSize=8Gi", "ramdisk.retentionSeconds=600", "replicas=2", "blockLabel=example.dev/rack",
-        "backup.url=s3://bucket/prefix", "backup.keep=5", "backup.s3EndpointURL=https://s3.example:9000",
-        "backup.credentials.secretName=s3-creds", "backup.credentials.fileEnv.AWS_SHARED_CREDENTIALS_FILE=credentials",
-        "node.priorityClassName=high", "node.topologyOverride.block=rack-7", "node.topologyOverride.zone=z-$(NODE_NAME)",
-        "node.nodeSelector.pool=tpu", "node.resources.requests.cpu=2", "token.existingSecret=my-token",
-        "tls.existingSecret=my-tls", "admissionPolicy.namespaceLabel=example.dev/ckpt",
-    ))  # fmt: skip
+    rendered = _by_key(
+        helm_template(
+            "image.repository=registry.example/mtc",
+            "image.tag=1.2.3",
+            "driverName=ram.example.dev",
+            "ramdisk.defaultSize=8Gi",
+            "ramdisk.retentionSeconds=600",
+            "replicas=2",
+            "blockLabel=example.dev/rack",
+            "backup.url=s3://bucket/prefix",
+            "backup.keep=5",
+            "backup.s3EndpointURL=https://s3.example:9000",
+            "backup.credentials.secretName=s3-creds",
+            "backup.credentials.fileEnv.AWS_SHARED_CREDENTIALS_FILE=credentials",
+            "node.priorityClassName=high",
+            "node.topologyOverride.block=rack-7",
+            "node.topologyOverride.zone=z-$(NODE_NAME)",
+            "node.nodeSelector.pool=tpu",
+            "node.resources.requests.cpu=2",
+            "token.existingSecret=my-token",
+            "tls.existingSecret=my-tls",
+            "admissionPolicy.namespaceLabel=example.dev/ckpt",
+        )
+    )
     node = rendered[("DaemonSet", "mtc-node")]
     agent = _container(node, "mtc-node")
     argv = _argv(agent)
     assert agent["image"] == "registry.example/mtc:1.2.3"
-    expected = {"--driver-name": "ram.example.dev", "--default-size": "8Gi", "--retention-seconds": "600",
-                "--replicas": "2", "--backup": "s3://bucket/prefix", "--backup-keep": "5",
-                "--s3-endpoint-url": "https://s3.example:9000",
-                "--coordinator": "https://mtc-coordinator.mtc-system.svc:8471"}  # fmt: skip
+    expected = {
+        "--driver-name": "ram.example.dev",
+        "--default-size": "8Gi",
+        "--retention-seconds": "600",
+        "--replicas": "2",
+        "--backup": "s3://bucket/prefix",
+        "--backup-keep": "5",
+        "--s3-endpoint-url": "https://s3.example:9000",
+        "--coordinator": "https://mtc-coordinator.mtc-system.svc:8471",
+    }
     assert {flag: _flag(argv, flag) for flag in expected} == expected
     assert [argv[i + 1] for i, arg in enumerate(argv) if arg == "--topology"] == ["block=rack-7", "zone=z-$(NODE_NAME)"]
     env = {e["name"]: e for e in agent["env"]}
@@ -260,7 +318,9 @@ def test_chart_values_reach_the_agents_and_the_coordinator():
     assert "/var/lib/kubelet/plugins/ram.example.dev" in {m["mountPath"] for m in agent["volumeMounts"]}
     coordinator = _argv(_container(rendered[("Deployment", "mtc-coordinator")], "mtc-coordinator"))
     assert {flag: _flag(coordinator, flag) for flag in ("--driver-name", "--block-label")} == {
-        "--driver-name": "ram.example.dev", "--block-label": "example.dev/rack"}
+        "--driver-name": "ram.example.dev",
+        "--block-label": "example.dev/rack",
+    }
     assert ("CSIDriver", "ram.example.dev") in rendered
     assert not {k for k in rendered if k[0] == "Secret"}, "existing Secrets are referenced, not generated"
     policy = rendered[("ValidatingAdmissionPolicyBinding", "mtc-ramdisk-namespaces")]

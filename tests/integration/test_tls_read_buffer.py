@@ -79,7 +79,7 @@ async def echo_digests(server_context: ssl.SSLContext, client_context: ssl.SSLCo
         reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=client_context)
         writer.write(len(body).to_bytes(8, "big"))
         for start in range(0, len(body), 5_000):
-            writer.write(body[start:start + 5_000])
+            writer.write(body[start : start + 5_000])
             await writer.drain()
         received = (await reader.read()).decode()
         writer.close()

@@ -22,17 +22,37 @@ from tests.helpers.torch_agent import FakeTorchAgent, stage_step
 REPO = Path(__file__).resolve().parents[2]
 TORCH_VENV = Path(os.environ.get("TORCH_VENV", REPO / ".venv-torch"))
 TORCH_PYTHON = TORCH_VENV / "bin" / "python"
-needs_torch = pytest.mark.skipif(not TORCH_PYTHON.exists(),
-                                 reason=f"no PyTorch venv at {TORCH_VENV}: run `make torch-setup` (or set TORCH_VENV)")
+needs_torch = pytest.mark.skipif(
+    not TORCH_PYTHON.exists(), reason=f"no PyTorch venv at {TORCH_VENV}: run `make torch-setup` (or set TORCH_VENV)"
+)
 JOB = "tj"
 
 
 def start_job(local: Path, dump: Path, steps: int, *extra: str) -> subprocess.Popen:
     """A 1-node x 2-local-rank torchrun job of examples/train_torch.py in its own process group; stderr goes to
     ``<dump>.log``."""
-    cmd = [str(TORCH_PYTHON), "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
-           str(REPO / "examples" / "train_torch.py"), "--local-dir", str(local), "--job-name", JOB,
-           "--steps", str(steps), "--save-interval-steps", "4", "--dump-dir", str(dump), *extra]
+    cmd = [
+        str(TORCH_PYTHON),
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        str(REPO / "examples" / "train_torch.py"),
+        "--local-dir",
+        str(local),
+        "--job-name",
+        JOB,
+        "--steps",
+        str(steps),
+        "--save-interval-steps",
+        "4",
+        "--dump-dir",
+        str(dump),
+        *extra,
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop("NODE_RANK", None)  # torchrun's GROUP_RANK is the fallback
     with open(f"{dump}.log", "a") as log, open(f"{dump}.out", "w") as out:
@@ -67,8 +87,11 @@ def losses(evs: list[dict]) -> dict[int, float]:
 
 
 def committed_steps(local: Path) -> list[int]:
-    return sorted(int(p.name) for p in local.iterdir() if p.name.isdigit()
-                  and all((p / f"rank-{r}-of-2" / ".metadata").is_file() for r in range(2)))
+    return sorted(
+        int(p.name)
+        for p in local.iterdir()
+        if p.name.isdigit() and all((p / f"rank-{r}-of-2" / ".metadata").is_file() for r in range(2))
+    )
 
 
 def assert_same_npz(left: Path, right: Path) -> None:
@@ -112,13 +135,17 @@ def test_sigkilled_torchrun_job_resumes_from_staged_step_bit_identically(tmp_pat
         assert ".metadata" in names and "__0_0.distcp" in names
         assert names == sorted(os.listdir(ref_local / "8" / f"rank-{rank}-of-2"))
         for name in names:
-            assert (local / "8" / f"rank-{rank}-of-2" / name).read_bytes() == \
-                   (ref_local / "8" / f"rank-{rank}-of-2" / name).read_bytes()
+            assert (local / "8" / f"rank-{rank}-of-2" / name).read_bytes() == (
+                ref_local / "8" / f"rank-{rank}-of-2" / name
+            ).read_bytes()
 
     # What the agent does at a restart: clear the previous pod's files, stage the newest step, link a marker.
     for name in os.listdir(local):
-        if name.endswith((".restore", ".prerestore")) or (name.isdigit() and int(name) > newest) \
-                or name.endswith(".tmp"):
+        if (
+            name.endswith((".restore", ".prerestore"))
+            or (name.isdigit() and int(name) > newest)
+            or name.endswith(".tmp")
+        ):
             path = local / name
             shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
     staged = stage_step(local, newest)
@@ -147,8 +174,13 @@ sys.meta_path.insert(0, Block())
 
 
 def run_blocked(python: Path, code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(python), "-c", _BLOCKER + code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    return subprocess.run(
+        [str(python), "-c", _BLOCKER + code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
 
 
 def test_protocol_imports_without_the_agent_dependencies_or_torch():

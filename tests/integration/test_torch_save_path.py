@@ -16,7 +16,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 TORCH_PYTHON = Path(os.environ.get("TORCH_VENV", REPO / ".venv-torch")) / "bin" / "python"
-pytestmark = pytest.mark.skipif(not TORCH_PYTHON.exists(), reason=f"no PyTorch venv at {TORCH_PYTHON}: make torch-setup")
+pytestmark = pytest.mark.skipif(
+    not TORCH_PYTHON.exists(), reason=f"no PyTorch venv at {TORCH_PYTHON}: make torch-setup"
+)
 
 _PRELUDE = """
 import json, os, sys, warnings
@@ -60,14 +62,21 @@ def load(step_dir, target, threads=4):
 
 
 def run(tmp_path: Path, script: str) -> dict:
-    result = subprocess.run([str(TORCH_PYTHON), "-c", _PRELUDE + script, str(tmp_path)], capture_output=True, text=True,
-                            timeout=300, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    result = subprocess.run(
+        [str(TORCH_PYTHON), "-c", _PRELUDE + script, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def test_staging_buffers_are_the_same_storage_at_every_save(tmp_path):
-    out = run(tmp_path, """
+    out = run(
+        tmp_path,
+        """
 local = sys.argv[1] + "/local"
 m = manager(local)
 s = state(1)
@@ -83,7 +92,8 @@ host = sum(b.tensor.numel() * b.tensor.element_size() for b in m._stager._buffer
 m.close()
 print(json.dumps({"same": pointers[0] == pointers[1] == pointers[2], "buffers": len(pointers[0]), "host": host,
                   "kept": kept}))
-""")
+""",
+    )
     assert out["same"] and out["buffers"] == 7
     assert out["kept"] == 6
     assert out["host"] == 4 * (8 << 17) + (8 << 20) + 3 * 8  # bf16 weights, fp32 moments, arange(3)
@@ -91,7 +101,9 @@ print(json.dumps({"same": pointers[0] == pointers[1] == pointers[2], "buffers": 
 
 @pytest.mark.parametrize("mode", ["async_save returns staged", "wait_for_staging before the change", "save"])
 def test_a_state_changed_right_after_the_allowed_point_leaves_the_checkpoint_as_it_was(tmp_path, mode):
-    out = run(tmp_path, f"""
+    out = run(
+        tmp_path,
+        f"""
 mode = {mode!r}
 local = sys.argv[1] + "/local"
 m = manager(local)
@@ -115,12 +127,15 @@ m.close()
 target = load(local + "/5", zeros(state(0)))
 print(json.dumps({{"model": equal(target["model"], before[0]), "optim": torch.equal(target["optim"]["exp_avg"], before[1]),
                   "history": target["extra"]["history"][1].tolist(), "note": target["extra"]["note"]}}))
-""")
+""",
+    )
     assert out == {"model": True, "optim": True, "history": [0, 1, 2], "note": "kept"}
 
 
 def test_the_parallel_reader_is_bit_identical_and_reads_into_the_destinations_without_a_copy(tmp_path):
-    out = run(tmp_path, """
+    out = run(
+        tmp_path,
+        """
 import resource
 local = sys.argv[1] + "/local"
 m = manager(local)
@@ -139,14 +154,17 @@ load(local + "/1", target, threads=4)
 grown = rss() - peak_before
 same_storage = addresses == [t.data_ptr() for t in target["big"].values()]
 print(json.dumps({"equal": equal(s, target), "grown": grown, "same_storage": same_storage}))
-""")
+""",
+    )
     assert out["equal"] and out["same_storage"]
     # torch's FileSystemReader holds a loaded copy of each 128 MiB tensor before copying it over.
     assert out["grown"] < 48 << 20, out
 
 
 def test_a_load_into_other_dtypes_and_strides_converts_like_torch(tmp_path):
-    out = run(tmp_path, """
+    out = run(
+        tmp_path,
+        """
 local = sys.argv[1] + "/local"
 m = manager(local)
 s = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.arange(5, dtype=torch.int32)}
@@ -155,12 +173,17 @@ m.close()
 target = {"w": torch.zeros(4, 3).t(), "b": torch.zeros(5, dtype=torch.float64)}
 load(local + "/1", target)
 print(json.dumps({"w": target["w"].tolist(), "b": target["b"].tolist(), "b_dtype": str(target["b"].dtype)}))
-""")
+""",
+    )
     assert out == {"w": [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]], "b": [0, 1, 2, 3, 4], "b_dtype": "torch.float64"}
 
 
-def test_data_parallel_replicas_write_byte_identical_files_whatever_their_threads_and_whether_params_need_grad(tmp_path):
-    out = run(tmp_path, """
+def test_data_parallel_replicas_write_byte_identical_files_whatever_their_threads_and_whether_params_need_grad(
+    tmp_path,
+):
+    out = run(
+        tmp_path,
+        """
 root = sys.argv[1]
 params = {k: torch.nn.Parameter(v.float()) for k, v in state(4)["model"].items()}
 layouts = []
@@ -175,13 +198,16 @@ for name, threads, value in (("a", 1, state(4)), ("b", 5, state(4)), ("c", 3, {*
     rank = f"{root}/{name}/9/rank-0-of-1"
     layouts.append({n: open(f"{rank}/{n}", "rb").read().hex() for n in sorted(os.listdir(rank))})
 print(json.dumps({"files": sorted(layouts[0]), "identical": layouts[0] == layouts[1] == layouts[2]}))
-""")
+""",
+    )
     assert out["identical"]
     assert out["files"] == [".metadata", *(f"__0_{k}.distcp" for k in range(8))]
 
 
 def test_a_step_in_torchs_own_item_format_restores(tmp_path):
-    out = run(tmp_path, """
+    out = run(
+        tmp_path,
+        """
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -193,12 +219,15 @@ step = sys.argv[1] + "/local/3/rank-0-of-1"
 s = state(5)
 dcp.save(s, storage_writer=EarlierWriter(step), no_dist=True)
 print(json.dumps({"equal": equal(s, load(os.path.dirname(step), zeros(state(0))))}))
-""")
+""",
+    )
     assert out == {"equal": True}
 
 
 def test_an_item_whose_stored_length_disagrees_with_its_shape_is_refused_by_name(tmp_path):
-    out = run(tmp_path, """
+    out = run(
+        tmp_path,
+        """
 import pickle
 from mtc_torch.storage import load_metadata
 local = sys.argv[1] + "/local"
@@ -216,5 +245,9 @@ try:
     print(json.dumps({"error": None}))
 except BaseException as e:  # dcp.load wraps it in a CheckpointException (a BaseException)
     print(json.dumps({"error": f"{type(e).__name__}: {e}"}))
-""")
-    assert out["error"] is not None and "w is stored as 36 bytes where its shape [10] of torch.float32 makes 40" in out["error"]
+""",
+    )
+    assert (
+        out["error"] is not None
+        and "w is stored as 36 bytes where its shape [10] of torch.float32 makes 40" in out["error"]
+    )

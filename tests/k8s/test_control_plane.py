@@ -38,7 +38,9 @@ async def watch_until(client: AsyncClient, kind, labels: dict[str, str], done: C
     try:
         return await asyncio.wait_for(watch(), WAIT_SECONDS)
     except TimeoutError:
-        raise AssertionError(f"{kind.__name__} {labels}: not there after {WAIT_SECONDS} s; seen: {sorted(seen)}") from None
+        raise AssertionError(
+            f"{kind.__name__} {labels}: not there after {WAIT_SECONDS} s; seen: {sorted(seen)}"
+        ) from None
 
 
 @pytest.fixture
@@ -66,8 +68,9 @@ async def test_example_jobset_gets_jobs_headless_service_and_annotated_pods_boun
         assert service.spec.clusterIP == "None"
         assert service.spec.selector == selector
 
-        pods = await watch_until(kube, Pod, selector,
-                                 lambda seen: len(seen) == 4 and all(p.spec.nodeName for p in seen.values()))  # fmt: skip
+        pods = await watch_until(
+            kube, Pod, selector, lambda seen: len(seen) == 4 and all(p.spec.nodeName for p in seen.values())
+        )
         placement = {}
         for pod in pods.values():
             annotations = pod.metadata.annotations

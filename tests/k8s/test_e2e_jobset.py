@@ -84,12 +84,23 @@ def test_example_jobset_resumes_through_an_api_outage_preemption_and_node_loss(k
     jobset = codecs.from_dict(driver_only_jobset())  # a JobSet: kube_watch registered the kind with lightkube
     assert isinstance(jobset, JobSet)
     client.create(jobset)
-    job = run_job(JOBSET, list(cluster.agents), tmp_path / "job", [*UNTIL_KILLED, "--dump-dir", str(tmp_path / "dump-1")],
-                  job_class=JobSetJob, client=client, namespace=NAMESPACE)  # fmt: skip
+    job = run_job(
+        JOBSET,
+        list(cluster.agents),
+        tmp_path / "job",
+        [*UNTIL_KILLED, "--dump-dir", str(tmp_path / "dump-1")],
+        job_class=JobSetJob,
+        client=client,
+        namespace=NAMESPACE,
+    )
     assert job.job == "llama-train-slice"
 
     # Shape and ranks from the API server: 4 nodes in 2 slices, rank = slice x 2 + worker, rank 0 at its pod IP.
-    job.wait(lambda: (s := status_of(cluster, job))["safe_step"] is not None and s["safe_step"] >= 6, 180, "identity at step 6")
+    job.wait(
+        lambda: (s := status_of(cluster, job))["safe_step"] is not None and s["safe_step"] >= 6,
+        180,
+        "identity at step 6",
+    )
     status = status_of(cluster, job)
     node_of_rank = {place["rank"]: place["node"] for place in status["ranks"]}
     assert node_of_rank == {index: pod.spec.nodeName for index, pod in enumerate(job.api_pods)}
@@ -114,7 +125,11 @@ def test_example_jobset_resumes_through_an_api_outage_preemption_and_node_loss(k
 
     # Preemption: every pod deleted; the JobSet restarts its Jobs and the new pods resume the newest step.
     before = kill_past_newest_commit(job)
-    wait_until(lambda: status_of(cluster, job)["safe_step"] == status_of(cluster, job)["newest_complete_step"], 30, "identity of the last step")
+    wait_until(
+        lambda: status_of(cluster, job)["safe_step"] == status_of(cluster, job)["newest_complete_step"],
+        30,
+        "identity of the last step",
+    )
     step = status_of(cluster, job)["newest_complete_step"]
     recreate(job, tmp_path / "dump-2")
     assert job.attempt == 1
@@ -123,7 +138,11 @@ def test_example_jobset_resumes_through_an_api_outage_preemption_and_node_loss(k
 
     # Node loss: node-1 and its ramdisk are gone; node-4 joins rack-0. The lost rank restores from its data-parallel peer.
     before = kill_past_newest_commit(job)
-    wait_until(lambda: status_of(cluster, job)["safe_step"] == status_of(cluster, job)["newest_complete_step"], 30, "identity of the last step")
+    wait_until(
+        lambda: status_of(cluster, job)["safe_step"] == status_of(cluster, job)["newest_complete_step"],
+        30,
+        "identity of the last step",
+    )
     step = status_of(cluster, job)["newest_complete_step"]
     node_of_rank = {place["rank"]: place["node"] for place in status_of(cluster, job)["ranks"]}
     lost_rank = next(rank for rank, node in node_of_rank.items() if node == "node-1")

@@ -48,12 +48,26 @@ def driver_and_workers_jobset(name: str) -> dict:
         pod_spec = {"restartPolicy": "Never", "containers": [{"name": "c", "image": NO_PULL_IMAGE}]}
         if volume:
             pod_spec["volumes"] = [{"name": "mtc-local", "csi": {"driver": "ramdisk.csi.mtc.dev"}}]
-        return {"name": rj, "replicas": replicas,
-                "template": {"spec": {"parallelism": parallelism, "completions": parallelism, "completionMode": "Indexed",
-                                      "backoffLimit": 0, "template": {"spec": pod_spec}}}}  # fmt: skip
+        return {
+            "name": rj,
+            "replicas": replicas,
+            "template": {
+                "spec": {
+                    "parallelism": parallelism,
+                    "completions": parallelism,
+                    "completionMode": "Indexed",
+                    "backoffLimit": 0,
+                    "template": {"spec": pod_spec},
+                }
+            },
+        }
 
-    return {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "metadata": {"name": name},
-            "spec": {"replicatedJobs": [replicated("driver", 1, 1, False), replicated("workers", 2, 2, True)]}}  # fmt: skip
+    return {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "kind": "JobSet",
+        "metadata": {"name": name},
+        "spec": {"replicatedJobs": [replicated("driver", 1, 1, False), replicated("workers", 2, 2, True)]},
+    }
 
 
 EXAMPLE = JobRef(NAMESPACE, "llama-train-slice")
@@ -81,8 +95,12 @@ async def kube(control_plane):
 async def running_watcher(kubeconfig: Path, namespace: str):
     """A ``ShapeWatcher`` on ``namespace`` with its own client and a short backoff bound, running in the test's
     loop until the block ends."""
-    settings = WatchSettings(namespace=namespace, backoff_initial_seconds=0.2, backoff_max_seconds=1.0,
-                             shape=ShapeSettings(block_label=BLOCK_LABEL))  # fmt: skip
+    settings = WatchSettings(
+        namespace=namespace,
+        backoff_initial_seconds=0.2,
+        backoff_max_seconds=1.0,
+        shape=ShapeSettings(block_label=BLOCK_LABEL),
+    )
     client = AsyncClient(KubeConfig.from_file(kubeconfig), field_manager="mtc-coordinator")
     watcher = ShapeWatcher(client, settings)
     task = asyncio.create_task(watcher.run())
@@ -103,8 +121,10 @@ def coordinator_kubeconfig(plane: ControlPlane, path: Path) -> Path:
     client.create(Namespace(metadata=ObjectMeta(name=COORDINATOR_NAMESPACE), spec=NamespaceSpec()))
     for obj in codecs.load_all_yaml((REPO / "manifests" / "coordinator-rbac.yaml").read_text()):
         client.create(obj)
-    request = ServiceAccount.Token(metadata=ObjectMeta(name="mtc-coordinator", namespace=COORDINATOR_NAMESPACE),
-                                   spec=TokenRequestSpec(audiences=[], expirationSeconds=3600))  # fmt: skip
+    request = ServiceAccount.Token(
+        metadata=ObjectMeta(name="mtc-coordinator", namespace=COORDINATOR_NAMESPACE),
+        spec=TokenRequestSpec(audiences=[], expirationSeconds=3600),
+    )
     token = client.create(request, "mtc-coordinator", namespace=COORDINATOR_NAMESPACE).status.token
     config = yaml.safe_load(plane.kubeconfig.read_text())
     config["users"] = [{"name": "mtc-coordinator", "user": {"token": token}}]
@@ -119,7 +139,9 @@ async def watcher(control_plane, kube, tmp_path):
     """A watcher of the ``shapes`` namespace of the session's control plane, with the coordinator's own identity;
     the namespaces are deleted after."""
     await kube.create(Namespace(metadata=ObjectMeta(name=NAMESPACE), spec=NamespaceSpec()))
-    await eventually(lambda: _exists(kube, ServiceAccount, "default", NAMESPACE), "the namespace's default ServiceAccount")
+    await eventually(
+        lambda: _exists(kube, ServiceAccount, "default", NAMESPACE), "the namespace's default ServiceAccount"
+    )
     try:
         kubeconfig = await asyncio.to_thread(coordinator_kubeconfig, control_plane, tmp_path / "coordinator.kubeconfig")
         async with running_watcher(kubeconfig, NAMESPACE) as shapes:
@@ -137,8 +159,15 @@ def register_nodes(plane: ControlPlane, prefix: str, count: int) -> list[str]:
     client = plane.client()
     names = [f"{prefix}-{i}" for i in range(count)]
     for i, name in enumerate(names):
-        register_node(client, name, labels={"topology.kubernetes.io/zone": f"zone-{i // 2}",
-                                            "cloud.google.com/gke-nodepool": f"pool-{i // 2}", BLOCK_LABEL: f"rack-{i}"})  # fmt: skip
+        register_node(
+            client,
+            name,
+            labels={
+                "topology.kubernetes.io/zone": f"zone-{i // 2}",
+                "cloud.google.com/gke-nodepool": f"pool-{i // 2}",
+                BLOCK_LABEL: f"rack-{i}",
+            },
+        )
     return names
 
 
@@ -165,7 +194,9 @@ async def eventually(condition, what: str) -> None:
         raise AssertionError(f"{what}: not reached within {WAIT_SECONDS} s") from None
 
 
-async def test_watcher_shapes_the_example_jobset_and_counts_only_the_workers_beside_a_driver(control_plane, kube, watcher):
+async def test_watcher_shapes_the_example_jobset_and_counts_only_the_workers_beside_a_driver(
+    control_plane, kube, watcher
+):
     register_nodes(control_plane, "shape-node", 4)
 
     # The README's example: 2 slices x 2 nodes, pods reachable as <hostname>.<JobSet name>.
@@ -179,8 +210,11 @@ async def test_watcher_shapes_the_example_jobset_and_counts_only_the_workers_bes
     assert len({p.node for p in shape.pods}) == 4  # the example's anti-affinity: one pod per node
     for place in shape.pods:  # the scheduler may pick other tests' nodes too: each node's own labels
         labels = (await kube.get(Node, place.node)).metadata.labels
-        assert place.domains == FailureDomains(zone=labels.get("topology.kubernetes.io/zone"),
-                                               nodepool=labels.get("cloud.google.com/gke-nodepool"), block=labels.get(BLOCK_LABEL))  # fmt: skip
+        assert place.domains == FailureDomains(
+            zone=labels.get("topology.kubernetes.io/zone"),
+            nodepool=labels.get("cloud.google.com/gke-nodepool"),
+            block=labels.get(BLOCK_LABEL),
+        )
     assert shapes.problems == ()
 
     # A driver (no volume) beside the workers: only the workers make up the job.
@@ -220,10 +254,13 @@ async def test_last_shapes_stand_through_an_api_server_outage_and_updates_resume
 
             # Updates resume: a node's zone changes, and the shape says so.
             moved = shapes.jobs[OUTAGE_EXAMPLE].pods[0]
-            await client.patch(Node, moved.node, {"metadata": {"labels": {"topology.kubernetes.io/zone": "zone-moved"}}})
+            await client.patch(
+                Node, moved.node, {"metadata": {"labels": {"topology.kubernetes.io/zone": "zone-moved"}}}
+            )
             shapes = await watcher.wait_for(
                 lambda s: pod_at(s.jobs[OUTAGE_EXAMPLE], moved.slice, moved.worker).domains.zone == "zone-moved",
-                WAIT_SECONDS)
+                WAIT_SECONDS,
+            )
             # And a JobSet deleted after the outage takes its shape with it (the JobSet watch resumes once its CRD
             # is served again: 503 and 429 answers first).
             await client.delete(JobSet, "llama-train", namespace="default")
@@ -238,7 +275,9 @@ async def test_pods_naming_a_missing_jobset_or_contradicting_theirs_are_refused_
     # A namespace of its own: the ``watcher`` fixture's is still being deleted (its pods are bound to nodes without
     # a kubelet, so their deletion is never confirmed).
     await kube.create(Namespace(metadata=ObjectMeta(name=REFUSALS), spec=NamespaceSpec()))
-    await eventually(lambda: _exists(kube, ServiceAccount, "default", REFUSALS), "the namespace's default ServiceAccount")
+    await eventually(
+        lambda: _exists(kube, ServiceAccount, "default", REFUSALS), "the namespace's default ServiceAccount"
+    )
     async with running_watcher(control_plane.kubeconfig, REFUSALS) as watcher:
         await _refusals(kube, watcher)
 
@@ -251,11 +290,19 @@ async def _refusals(kube: AsyncClient, watcher: ShapeWatcher) -> None:
         replicated["template"]["spec"]["template"]["spec"]["volumes"][0]["csi"]["volumeAttributes"]["nodes"] = "3"
     await kube.create(codecs.from_dict(wrong), namespace=REFUSALS)
     # A pod that claims a JobSet no one made (a hand-written pod, or one whose JobSet is gone).
-    ghost = {"apiVersion": "v1", "kind": "Pod",
-             "metadata": {"name": "ghost-slice-0-0-x", "labels": {JOBSET_NAME: "ghost"},
-                          "annotations": {JOBSET_NAME: "ghost", REPLICATED_JOB: "slice", JOB_INDEX: "0", COMPLETION_INDEX: "0"}},
-             "spec": {"containers": [{"name": "c", "image": NO_PULL_IMAGE}],
-                      "volumes": [{"name": "v", "csi": {"driver": "ramdisk.csi.mtc.dev"}}]}}  # fmt: skip
+    ghost = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "ghost-slice-0-0-x",
+            "labels": {JOBSET_NAME: "ghost"},
+            "annotations": {JOBSET_NAME: "ghost", REPLICATED_JOB: "slice", JOB_INDEX: "0", COMPLETION_INDEX: "0"},
+        },
+        "spec": {
+            "containers": [{"name": "c", "image": NO_PULL_IMAGE}],
+            "volumes": [{"name": "v", "csi": {"driver": "ramdisk.csi.mtc.dev"}}],
+        },
+    }
     await kube.create(codecs.from_dict(ghost), namespace=REFUSALS)
 
     def refused(shapes) -> dict[str, tuple[str, str]]:
@@ -263,8 +310,13 @@ async def _refusals(kube: AsyncClient, watcher: ShapeWatcher) -> None:
 
     shapes = await watcher.wait_for(lambda s: len(refused(s)) == 5, WAIT_SECONDS)
     problems = refused(shapes)
-    assert problems.pop("ghost-slice-0-0-x") == (f"annotation {JOBSET_NAME}", "JobSet 'ghost' is gone from namespace 'refusals'")
-    assert sorted(name.rsplit("-", 1)[0] for name in problems) == [f"wrong-slice-{j}-{i}" for j in range(2) for i in range(2)]
+    assert problems.pop("ghost-slice-0-0-x") == (
+        f"annotation {JOBSET_NAME}",
+        "JobSet 'ghost' is gone from namespace 'refusals'",
+    )
+    assert sorted(name.rsplit("-", 1)[0] for name in problems) == [
+        f"wrong-slice-{j}-{i}" for j in range(2) for i in range(2)
+    ]
     assert {field for field, _ in problems.values()} == {"volume attribute nodes"}
     assert all("'3' contradicts the API server's '4'" == reason for _, reason in problems.values())
     assert shapes.jobs[JobRef(REFUSALS, "wrong-slice")].pods == ()  # refused pods get no place, so no rank

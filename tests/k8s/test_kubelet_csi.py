@@ -28,8 +28,12 @@ WAIT_SECONDS = 90.0
 # A JobSet's names: JobSet "mtc-reg", replicatedJob "slice", job 0, pod 0; the job (the ramdisk's key) derives
 # from the pod name as <jobset>-<replicatedJob>, as for pods the JobSet controller makes.
 JOBSET, JOB = "mtc-reg", "mtc-reg-slice"
-LABELS = {"jobset.sigs.k8s.io/jobset-name": JOBSET, "jobset.sigs.k8s.io/replicatedjob-name": "slice",
-          "jobset.sigs.k8s.io/job-index": "0", "batch.kubernetes.io/job-completion-index": "0"}  # fmt: skip
+LABELS = {
+    "jobset.sigs.k8s.io/jobset-name": JOBSET,
+    "jobset.sigs.k8s.io/replicatedjob-name": "slice",
+    "jobset.sigs.k8s.io/job-index": "0",
+    "batch.kubernetes.io/job-completion-index": "0",
+}
 # As in manifests/example-jobset.yaml, for a one-node job and a small ramdisk.
 ATTRIBUTES = {"nodes": "1", "slices": "1", "size": "16Mi", "jaxCoordinatorPort": "8476"}
 GREETING = "written by the first pod"
@@ -47,8 +51,15 @@ def training_pod(name: str, node: str, script: str) -> Pod:
             hostNetwork=True,
             restartPolicy="Never",
             terminationGracePeriodSeconds=1,
-            containers=[Container(name="worker", image=BUSYBOX_IMAGE, imagePullPolicy="Never", command=["sh", "-c", script],
-                                  volumeMounts=[VolumeMount(name="mtc-local", mountPath="/local")])],  # fmt: skip
+            containers=[
+                Container(
+                    name="worker",
+                    image=BUSYBOX_IMAGE,
+                    imagePullPolicy="Never",
+                    command=["sh", "-c", script],
+                    volumeMounts=[VolumeMount(name="mtc-local", mountPath="/local")],
+                )
+            ],
             volumes=[Volume(name="mtc-local", csi=CSIVolumeSource(driver=DRIVER, volumeAttributes=ATTRIBUTES))],
         ),
     )
@@ -120,8 +131,13 @@ async def kube(control_plane):
 @pytest.fixture
 async def registered_agent(kubelet_node, kube):
     """A real ``mtc node`` on the kubelet's node, registered with that kubelet through its plugins_registry."""
-    agent = NodeAgentProcess(kubelet_node.name, str(kubelet_node.dir / "mtc-agent"), listen_address(), "tmpfs",
-                             ["--kubelet-registration-dir", str(kubelet_node.root_dir / "plugins_registry")])  # fmt: skip
+    agent = NodeAgentProcess(
+        kubelet_node.name,
+        str(kubelet_node.dir / "mtc-agent"),
+        listen_address(),
+        "tmpfs",
+        ["--kubelet-registration-dir", str(kubelet_node.root_dir / "plugins_registry")],
+    )
 
     async def csinode_driver():
         try:
@@ -148,13 +164,17 @@ async def registered_agent(kubelet_node, kube):
     await wait_for("our driver gone from the node's CSINode", csinode_driver_gone, 30.0)
 
 
-async def test_kubelet_publishes_inline_ramdisk_and_a_recreated_pod_finds_the_first_pods_data(kubelet_node, kube, registered_agent):
+async def test_kubelet_publishes_inline_ramdisk_and_a_recreated_pod_finds_the_first_pods_data(
+    kubelet_node, kube, registered_agent
+):
     agent = registered_agent
     first, second = f"{JOB}-0-0-first", f"{JOB}-0-0-again"
     log_path = Path(agent.log_path)
     try:
         # The first pod writes into the ramdisk and stays up until it is deleted, like a preempted worker.
-        await kube.create(training_pod(first, kubelet_node.name, f"echo '{GREETING}' > /local/greeting && exec sleep 3600"))
+        await kube.create(
+            training_pod(first, kubelet_node.name, f"echo '{GREETING}' > /local/greeting && exec sleep 3600")
+        )
         pod = await pod_in_phase(kube, first, {"Running", "Failed", "Succeeded"})
         assert pod.status.phase == "Running", pod.status
         first_target = target_path(kubelet_node.root_dir, pod)
@@ -187,7 +207,10 @@ async def test_kubelet_publishes_inline_ramdisk_and_a_recreated_pod_finds_the_fi
         assert done.status.phase == "Succeeded", done.status
         assert [line.rstrip("\n") async for line in kube.log(second, namespace=NAMESPACE)] == [GREETING]
         second_context = published_contexts(log_path.read_text())[target_path(kubelet_node.root_dir, done)]
-        assert (second_context["csi.storage.k8s.io/pod.name"], second_context["csi.storage.k8s.io/pod.uid"]) == (second, done.metadata.uid)
+        assert (second_context["csi.storage.k8s.io/pod.name"], second_context["csi.storage.k8s.io/pod.uid"]) == (
+            second,
+            done.metadata.uid,
+        )
     finally:
         for name in (first, second):
             await delete_pod(kube, name)

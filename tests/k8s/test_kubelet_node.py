@@ -36,9 +36,15 @@ async def test_busybox_pod_runs_to_completion_on_real_kubelet_and_its_log_reads_
             nodeSelector={"kubernetes.io/hostname": kubelet_node.name},
             hostNetwork=True,
             restartPolicy="Never",
-            containers=[Container(name="hello", image=BUSYBOX_IMAGE, imagePullPolicy="Never",
-                                  command=["sh", "-c", "echo hello from $POD_NODE; ls /var/run/secrets/kubernetes.io/serviceaccount"],
-                                  env=[EnvVar("POD_NODE", valueFrom=EnvVarSource(fieldRef=ObjectFieldSelector("spec.nodeName")))])],  # fmt: skip
+            containers=[
+                Container(
+                    name="hello",
+                    image=BUSYBOX_IMAGE,
+                    imagePullPolicy="Never",
+                    command=["sh", "-c", "echo hello from $POD_NODE; ls /var/run/secrets/kubernetes.io/serviceaccount"],
+                    env=[EnvVar("POD_NODE", valueFrom=EnvVarSource(fieldRef=ObjectFieldSelector("spec.nodeName")))],
+                )
+            ],
         ),
     )
     try:

@@ -51,7 +51,10 @@ def write_dataset(directory: str) -> None:
     rng, words = random.Random(SEED + 1), _words(WORDS)
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "train.jsonl"), "w", encoding="utf-8") as f:
-        f.writelines(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(20, 120)))}) + "\n" for _ in range(DOCUMENTS))
+        f.writelines(
+            json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(20, 120)))}) + "\n"
+            for _ in range(DOCUMENTS)
+        )
 
 
 def main() -> None:

@@ -29,7 +29,9 @@ if os.environ.get("MTC_TORCHTITAN_CPU_SHIM") == "1" and "LOCAL_RANK" in os.envir
 
     _cpu_properties = collections.namedtuple("_CpuProperties", "name total_memory")
     torch.cpu.get_device_name = lambda device=None: "cpu"
-    torch.cpu.get_device_properties = lambda device=None: _cpu_properties("cpu", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    torch.cpu.get_device_properties = lambda device=None: _cpu_properties(
+        "cpu", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    )
     torch.cpu.memory_stats = lambda device=None: {}
     torch.cpu.reset_peak_memory_stats = lambda device=None: None
     torch.cpu.empty_cache = lambda: None

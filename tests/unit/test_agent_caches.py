@@ -135,7 +135,9 @@ def test_commit_detection_checksums_a_step_committed_after_the_scan_was_cached(t
     asyncio.run(detector.detect(disk, meta, progress))
     assert set(meta.manifests()) == {1} and ORBAX.cached_scan(disk.client_dir) is not None
     time.sleep(TICK)
-    write_tree(os.path.join(disk.client_dir, "2.orbax-checkpoint-tmp"), {"_CHECKPOINT_METADATA": b"{}", "state/a": b"xy"})
+    write_tree(
+        os.path.join(disk.client_dir, "2.orbax-checkpoint-tmp"), {"_CHECKPOINT_METADATA": b"{}", "state/a": b"xy"}
+    )
     os.rename(os.path.join(disk.client_dir, "2.orbax-checkpoint-tmp"), os.path.join(disk.client_dir, "2"))
     asyncio.run(detector.detect(disk, meta, progress))
     manifests = meta.manifests()

@@ -40,11 +40,15 @@ def test_a_complete_backup_counts_as_a_holder_while_the_replicas_are_in_flight()
     state.tick(3.0)
     assert state.safe_step(KEY) == 5  # one holder of step 7 per rank: not safe in the cluster
     lister = state.liveness.nodes["a"].report
-    state.apply_report(msgspec.structs.replace(lister, has_backup=True, backed_up=(BackedUp(*NAMES, ((7, 0),), 4.0),)), 4.0)
+    state.apply_report(
+        msgspec.structs.replace(lister, has_backup=True, backed_up=(BackedUp(*NAMES, ((7, 0),), 4.0),)), 4.0
+    )
     state.tick(6.0)
     assert state.safe_step(KEY) == 7 and state.job(KEY).retain.keep_from == 7  # GC may delete step 5 now
     # A backup of a step some rank's node does not hold is not enough: its copies there are what GC keeps.
-    state.apply_report(msgspec.structs.replace(lister, has_backup=True, backed_up=(BackedUp(*NAMES, ((7, 0), (9, 0)), 7.0),)), 7.0)
+    state.apply_report(
+        msgspec.structs.replace(lister, has_backup=True, backed_up=(BackedUp(*NAMES, ((7, 0), (9, 0)), 7.0),)), 7.0
+    )
     state.tick(9.0)
     assert state.safe_step(KEY) == 7
 
@@ -64,7 +68,9 @@ def test_a_silent_node_keeps_its_pods_in_the_incarnation_and_gets_orders_again_w
     state.expire(0.0)
     incarnation, rank_of = running_job(state, now=0.0)
     # a is frozen for 40 s: past the node timeout, within the grace period.
-    reply = state.apply_report(report("b", "http://b", [pod(1, incarnation, rank_of["b"])], held_by("b", rank_of)), 40.0)
+    reply = state.apply_report(
+        report("b", "http://b", [pod(1, incarnation, rank_of["b"])], held_by("b", rank_of)), 40.0
+    )
     assert state.job(KEY).incarnation.incarnation_id == incarnation
     assert state.status().silent_nodes == ("a",)
     assert all(t.node != "a" for order in reply.replicate for t in order.targets)  # no pushes to a silent node
@@ -124,7 +130,9 @@ def test_restore_from_works_while_the_job_has_no_pods_and_the_next_incarnation_u
     state = ClusterState()
     state.expire(0.0)
     incarnation, rank_of = running_job(state, now=20.0)
-    older = {node: [HeldStep(*NAMES, 2, rank_of[node], OWN[rank_of[node]])] + held_by(node, rank_of) for node in ("a", "b")}
+    older = {
+        node: [HeldStep(*NAMES, 2, rank_of[node], OWN[rank_of[node]])] + held_by(node, rank_of) for node in ("a", "b")
+    }
     for node in ("a", "b"):  # the pods are deleted; the nodes still hold steps 2 and 5
         state.apply_report(report(node, f"http://{node}", [], older[node]), 21.0)
     assert state.job(KEY).incarnation is None
@@ -144,7 +152,10 @@ def rolled_back_to_2(state, older_steps):
     come. Returns (rank_of, the new incarnation id, its first restore view of rank 0)."""
     state.expire(0.0)
     _, rank_of = running_job(state, now=20.0)
-    held = {node: [HeldStep(*NAMES, s, rank_of[node], OWN[rank_of[node]]) for s in older_steps] + held_by(node, rank_of) for node in ("a", "b")}
+    held = {
+        node: [HeldStep(*NAMES, s, rank_of[node], OWN[rank_of[node]]) for s in older_steps] + held_by(node, rank_of)
+        for node in ("a", "b")
+    }
     for node in ("a", "b"):
         state.apply_report(report(node, f"http://{node}", [], held[node]), 21.0)
     state.force_restore_step(KEY, 2)
@@ -167,10 +178,15 @@ def test_a_rollback_starts_a_timeline_whose_reused_step_numbers_never_mix_with_t
 
     # Timeline 1 writes step 5 again, with other values; node a still holds timeline 0's replica.
     new = {rank: {"state/a": (10, f"0000000{rank + 5}")} for rank in (0, 1)}
-    rank_now = {node: state.job(KEY).incarnation.rank_of_pod[f"uid{index + 2}"] for index, node in enumerate(("a", "b"))}
+    rank_now = {
+        node: state.job(KEY).incarnation.rank_of_pod[f"uid{index + 2}"] for index, node in enumerate(("a", "b"))
+    }
     for index, node in enumerate(("a", "b")):
-        held = [HeldStep(*NAMES, 2, rank_now[node], OWN[rank_now[node]]), HeldStep(*NAMES, 5, rank_now[node], new[rank_now[node]], timeline=1),
-                HeldStep(*NAMES, 5, 1 - rank_now[node], replica=True)]  # fmt: skip
+        held = [
+            HeldStep(*NAMES, 2, rank_now[node], OWN[rank_now[node]]),
+            HeldStep(*NAMES, 5, rank_now[node], new[rank_now[node]], timeline=1),
+            HeldStep(*NAMES, 5, 1 - rank_now[node], replica=True),
+        ]
         state.apply_report(report(node, f"http://{node}", [pod(index + 2, fresh, rank_now[node])], held), 23.0)
     assert {(c.step, c.holder) for c in state.copies(KEY)} == {(2, "a"), (2, "b"), (5, "a"), (5, "b")}
     assert state.job(KEY).owner_files(5, 0) == new[0]  # the new timeline's checksums, not the abandoned ones
@@ -188,12 +204,18 @@ def test_a_rollback_starts_a_timeline_whose_reused_step_numbers_never_mix_with_t
 
     # A restarted coordinator learns the rollback from the nodes and indexes only the lineage.
     again = ClusterState()
-    stale = {node: [HeldStep(*NAMES, 5, rank_now[node], OWN[rank_now[node]])] for node in ("a", "b")}  # timeline 0's, not collected yet
+    stale = {
+        node: [HeldStep(*NAMES, 5, rank_now[node], OWN[rank_now[node]])] for node in ("a", "b")
+    }  # timeline 0's, not collected yet
     for index, node in enumerate(("a", "b")):  # the pods still report their incarnation: it is adopted
         again.apply_report(report(node, f"http://{node}", [pod(index + 2, fresh, rank_now[node])], stale[node]), 30.0)
     assert again.job(KEY).incarnation.incarnation_id == fresh and {c.step for c in again.copies(KEY)} == {5}
-    again.apply_report(msgspec.structs.replace(report("a", "http://a", [pod(2, fresh, rank_now["a"])], stale["a"]),
-                                               lineages=(Lineage(*NAMES, (2,)),)), 30.5)  # fmt: skip
+    again.apply_report(
+        msgspec.structs.replace(
+            report("a", "http://a", [pod(2, fresh, rank_now["a"])], stale["a"]), lineages=(Lineage(*NAMES, (2,)),)
+        ),
+        30.5,
+    )
     assert again.job(KEY).forks == (2,) and not again.job(KEY).claimed()
 
     # Every heartbeat carries the rollback (and no checksums: the agents sent them before), the first
@@ -201,8 +223,13 @@ def test_a_rollback_starts_a_timeline_whose_reused_step_numbers_never_mix_with_t
     # unchanged heartbeat after it is looked at again.
     third = ClusterState()
     acked = {node: [HeldStep(*NAMES, 5, rank_now[node])] for node in ("a", "b")}
-    reports = {node: msgspec.structs.replace(report(node, f"http://{node}", [pod(index + 2, fresh, rank_now[node])], acked[node]),
-                                             lineages=(Lineage(*NAMES, (2,)),)) for index, node in enumerate(("a", "b"))}  # fmt: skip
+    reports = {
+        node: msgspec.structs.replace(
+            report(node, f"http://{node}", [pod(index + 2, fresh, rank_now[node])], acked[node]),
+            lineages=(Lineage(*NAMES, (2,)),),
+        )
+        for index, node in enumerate(("a", "b"))
+    }
     for node in ("a", "b"):
         third.apply_report(reports[node], 30.0)
     assert third.job(KEY).incarnation.incarnation_id == fresh and third.job(KEY).forks == ()
@@ -216,7 +243,10 @@ def test_no_step_a_rollback_may_need_is_collected_while_it_is_pending_or_by_the_
     _, rank_of = running_job(state, now=20.0)
     state.tick(21.0)
     assert state.safe_step(KEY) == 5 and state.job(KEY).retain.keep_from == 5  # steps 1 and 2 may go
-    held = {node: [HeldStep(*NAMES, s, rank_of[node], OWN[rank_of[node]]) for s in (1, 2)] + held_by(node, rank_of) for node in ("a", "b")}
+    held = {
+        node: [HeldStep(*NAMES, s, rank_of[node], OWN[rank_of[node]]) for s in (1, 2)] + held_by(node, rank_of)
+        for node in ("a", "b")
+    }
     for node in ("a", "b"):
         state.apply_report(report(node, f"http://{node}", [], held[node]), 21.0)
     state.force_restore_step(KEY, 2)
@@ -263,8 +293,19 @@ def test_a_step_set_aside_by_a_restore_counts_as_its_nodes_own_copy():
     incarnation, rank_of = running_job(state, now=20.0)
     aside = [HeldStep(*NAMES, 9, rank_of[n], replica=True) for n in ("a", "b")]  # both ranks' step 9, set aside
     for index, node in enumerate(("a", "b")):
-        state.apply_report(report(node, f"http://{node}", [pod(index, incarnation, rank_of[node])], held_by(node, rank_of) + [aside[index]]), 20.2)
-    assert {(c.step, c.rank, c.holder) for c in state.copies(KEY) if c.step == 9} == {(9, rank_of["a"], "a"), (9, rank_of["b"], "b")}
+        state.apply_report(
+            report(
+                node,
+                f"http://{node}",
+                [pod(index, incarnation, rank_of[node])],
+                held_by(node, rank_of) + [aside[index]],
+            ),
+            20.2,
+        )
+    assert {(c.step, c.rank, c.holder) for c in state.copies(KEY) if c.step == 9} == {
+        (9, rank_of["a"], "a"),
+        (9, rank_of["b"], "b"),
+    }
     view = state.restore_view(KEY, incarnation, rank_of["a"], now=20.5)
     assert view.step == 9 and [(s.tier, s.holder) for s in view.sources] == [("local", "a")]
 
@@ -302,7 +343,9 @@ def test_the_same_checksums_listed_in_another_order_are_the_same_step_not_a_rewr
     first = {"_CHECKPOINT_METADATA": (3, "0000000a"), "state/b": (10, "0000000b")}
     reordered = dict(reversed(first.items()))
     for now, files in ((1.0, first), (2.0, reordered)):
-        state.apply_report(report("b", "http://b", [pod(1, incarnation, rank)], [HeldStep(*NAMES, 7, rank, files)]), now)
+        state.apply_report(
+            report("b", "http://b", [pod(1, incarnation, rank)], [HeldStep(*NAMES, 7, rank, files)]), now
+        )
         state.tick(now)
     assert 7 not in state.job(KEY)._job.rewritten and state.job(KEY).owner_files(7, rank) == first
     changed = {**first, "state/b": (10, "0000000c")}

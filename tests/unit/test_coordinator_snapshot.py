@@ -22,9 +22,13 @@ def test_a_job_start_encodes_one_snapshot_that_a_restarted_coordinator_loads(tmp
         if rank == RANKS // 2:
             first = snapshot.encode(state, 0.0)  # the ticker, halfway through the burst
     assert first is not None
-    assert snapshot.encode(state, 0.5 * settings_snapshot.SNAPSHOT_INTERVAL_SECONDS) is None  # too soon after the last: the rest waits
+    assert (
+        snapshot.encode(state, 0.5 * settings_snapshot.SNAPSHOT_INTERVAL_SECONDS) is None
+    )  # too soon after the last: the rest waits
     data = snapshot.encode(state, settings_snapshot.SNAPSHOT_INTERVAL_SECONDS)
-    assert data is not None and snapshot.encode(state, 10 * settings_snapshot.SNAPSHOT_INTERVAL_SECONDS) is None  # then nothing is due
+    assert (
+        data is not None and snapshot.encode(state, 10 * settings_snapshot.SNAPSHOT_INTERVAL_SECONDS) is None
+    )  # then nothing is due
     snapshot.write(data)
     restarted = service.make_app(CoordinatorConfig("127.0.0.1:0", state_dir=str(tmp_path)))
     loaded = restarted[routes.STATE_KEY].job(JobRef("default", "big")).settings

@@ -15,13 +15,28 @@ while not (ROOT / "pyproject.toml").exists():  # tests/ may gain subdirectories;
 
 README_MAX_LINES = 300
 # What a user or an operator reads: the front door, the docs, and the READMEs next to the code they describe.
-PAGES = sorted({ROOT / "README.md", *ROOT.glob("docs/**/*.md"), *ROOT.glob("charts/*/README.md"),
-                *ROOT.glob("examples/**/README.md")})
+PAGES = sorted(
+    {
+        ROOT / "README.md",
+        *ROOT.glob("docs/**/*.md"),
+        *ROOT.glob("charts/*/README.md"),
+        *ROOT.glob("examples/**/README.md"),
+    }
+)
 
 _LINK = re.compile(r"(?<!!)\[(?P<text>[^\]]*)\]\((?P<target>[^)\s]+)(?:\s+\"[^\"]*\")?\)")
 # A code span that names a file or directory of this repository (its first segment is a top-level entry).
-_TOP_LEVEL = ("csi_driver/", "replicator/", "prefetch/", "examples/", "manifests/", "charts/", "protos/", "docs/",
-              "tests/")
+_TOP_LEVEL = (
+    "csi_driver/",
+    "replicator/",
+    "prefetch/",
+    "examples/",
+    "manifests/",
+    "charts/",
+    "protos/",
+    "docs/",
+    "tests/",
+)
 _DOTTED = re.compile(r"^(csi_driver|replicator|prefetch)(\.[a-z_][a-z0-9_]*)+$")
 # A line that describes a change other work brings (checked by hand at merge, then the marker goes).
 _TO_CHECK = "<!-- lead: check -->"
@@ -84,9 +99,11 @@ def missing_paths(path: Path, root: Path = ROOT) -> list[str]:
             elif _DOTTED.match(span) and span not in _NOT_MODULES:
                 parts = span.split(".")
                 # A module, a package, or an attribute of one (`...orbax.clear_previous_pod`).
-                if not any((root.joinpath(*parts[:n]).with_suffix(".py")).exists()
-                           or (root.joinpath(*parts[:n]) / "__init__.py").exists()
-                           for n in (len(parts), len(parts) - 1)):
+                if not any(
+                    (root.joinpath(*parts[:n]).with_suffix(".py")).exists()
+                    or (root.joinpath(*parts[:n]) / "__init__.py").exists()
+                    for n in (len(parts), len(parts) - 1)
+                ):
                     problems.append(f"{where}: no such module")
     return problems
 
@@ -122,13 +139,19 @@ def test_the_checker_finds_what_is_broken(tmp_path):
     marked for the lead is not."""
     (tmp_path / "other.md").write_text("# A `code` heading, with punctuation!\n## Twice\n## Twice\n")
     page = tmp_path / "page.md"
-    page.write_text("[ok](other.md#a-code-heading-with-punctuation) [ok](other.md#twice-1) [ok](#local)\n"
-                    "# Local\n[gone](missing.md) [bad](other.md#nope)\n```\n[fenced](nowhere.md)\n```\n")
+    page.write_text(
+        "[ok](other.md#a-code-heading-with-punctuation) [ok](other.md#twice-1) [ok](#local)\n"
+        "# Local\n[gone](missing.md) [bad](other.md#nope)\n```\n[fenced](nowhere.md)\n```\n"
+    )
     (tmp_path / "tests").mkdir()
     problems = broken_links(page, root=tmp_path)
-    page.write_text("`replicator/no_such_module.py` `replicator.wire.no_such` `test_nothing_here.py` `gone.py` `mtc node`\n"
-                    "`replicator/to_come.py` <!-- lead: check -->\n")
+    page.write_text(
+        "`replicator/no_such_module.py` `replicator.wire.no_such` `test_nothing_here.py` `gone.py` `mtc node`\n"
+        "`replicator/to_come.py` <!-- lead: check -->\n"
+    )
     missing = missing_paths(page, root=tmp_path)
     assert [p.split(": ", 1)[1] for p in problems] == [
-        "missing.md: no such file", "other.md#nope: no heading with anchor #nope in other.md"]
+        "missing.md: no such file",
+        "other.md#nope: no heading with anchor #nope in other.md",
+    ]
     assert len(missing) == 4, missing

@@ -15,10 +15,14 @@ def test_an_error_body_reads_back_as_its_message_and_problems():
     assert plain.status == 404 and plain.content_type == "application/json"
     assert json.loads(plain.text) == {"error": "rank 3 step 8 is not held here"}
     assert error_of(plain.text.encode()) == "rank 3 step 8 is not held here"
-    listed = error_response(web.HTTPUnprocessableEntity, "upload u does not match", ["a: crc32c mismatch", "missing file b"])
+    listed = error_response(
+        web.HTTPUnprocessableEntity, "upload u does not match", ["a: crc32c mismatch", "missing file b"]
+    )
     assert json.loads(listed.text)["problems"] == ["a: crc32c mismatch", "missing file b"]
     assert error_of(listed.text) == "upload u does not match; a: crc32c mismatch; missing file b"
-    unauthorized = error_response(web.HTTPUnauthorized, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+    unauthorized = error_response(
+        web.HTTPUnauthorized, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
+    )
     assert unauthorized.headers["WWW-Authenticate"] == "Bearer"
 
 

@@ -107,14 +107,21 @@ def fake(monkeypatch):
 def fake_job(tmp_path, fake) -> tuple[Ramdisk, JobMeta]:
     """A published job whose volume asks for the fake framework."""
     manager = RamdiskManager(str(tmp_path / "root"), DirBackend(), on_new_pod=on_new_pod)
-    context = {"csi.storage.k8s.io/pod.name": "run-0-0-x", "csi.storage.k8s.io/pod.uid": "uid", "job": "run", "framework": "fake"}
+    context = {
+        "csi.storage.k8s.io/pod.name": "run-0-0-x",
+        "csi.storage.k8s.io/pod.uid": "uid",
+        "job": "run",
+        "framework": "fake",
+    }
     spec = parse_volume_context(context, 1 << 20, VolumeLimits(frameworks=frozenset(frameworks.REGISTRY)))
     disk = manager.publish("v", str(tmp_path / "target"), spec)
     return disk, JobMeta(disk.path)
 
 
 def test_every_registered_framework_satisfies_the_protocol_under_its_own_name():
-    assert frameworks.REGISTRY and all(isinstance(f, Framework) and f.name == name for name, f in frameworks.REGISTRY.items())
+    assert frameworks.REGISTRY and all(
+        isinstance(f, Framework) and f.name == name for name, f in frameworks.REGISTRY.items()
+    )
     assert frameworks.get(frameworks.DEFAULT).name == "orbax"
     assert sorted(frameworks.REGISTRY) == ["orbax", "pytorch.distributed"]
     # Plain ``pytorch`` (one torch.save file per worker) is not served: docs/frameworks.md says why.
@@ -124,7 +131,9 @@ def test_every_registered_framework_satisfies_the_protocol_under_its_own_name():
 
 def test_a_volume_asking_for_a_framework_the_node_does_not_serve_is_refused_before_anything_is_made(tmp_path):
     context = {"csi.storage.k8s.io/pod.name": "run-0-0-x", "job": "run", "framework": "pytorch"}
-    with pytest.raises(InvalidVolumeRequest, match="framework='pytorch' is not served here: use one of orbax, pytorch.distributed"):
+    with pytest.raises(
+        InvalidVolumeRequest, match="framework='pytorch' is not served here: use one of orbax, pytorch.distributed"
+    ):
         parse_volume_context(context, 1 << 20, VolumeLimits(frameworks=frozenset(frameworks.REGISTRY)))
     assert parse_volume_context({**context, "framework": "orbax"}, 1 << 20).framework == "orbax"
     del context["framework"]

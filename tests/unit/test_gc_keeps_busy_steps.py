@@ -12,7 +12,9 @@ from tests.helpers.steps import write_tree
 
 
 def commit(disk: Ramdisk, meta: JobMeta, step: int) -> None:
-    path = write_tree(os.path.join(disk.client_dir, str(step)), {"_CHECKPOINT_METADATA": b"{}", "state/a": bytes([step]) * 64})
+    path = write_tree(
+        os.path.join(disk.client_dir, str(step)), {"_CHECKPOINT_METADATA": b"{}", "state/a": bytes([step]) * 64}
+    )
     meta.save_manifest(build_manifest(path, step, 0))
 
 
@@ -26,7 +28,9 @@ def test_a_step_being_read_survives_garbage_collection_until_the_read_ends(tmp_p
         assert busy.of(job_of(disk)) == {1} and busy.of(JobRef("other-ns", "run")) == set()
         collect_garbage(disk, RetainOrder("default", "run", 3, ()), busy)
         assert set(meta.manifests()) == {1, 3}  # step 2 is busy in another job only: collected
-        assert os.path.isdir(os.path.join(disk.client_dir, "1")) and not os.path.exists(os.path.join(disk.client_dir, "2"))
+        assert os.path.isdir(os.path.join(disk.client_dir, "1")) and not os.path.exists(
+            os.path.join(disk.client_dir, "2")
+        )
     assert busy.of(job_of(disk)) == set()
     collect_garbage(disk, RetainOrder("default", "run", 3, ()), busy)
     assert set(meta.manifests()) == {3}

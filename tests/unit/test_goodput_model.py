@@ -52,13 +52,17 @@ def test_bad_parameters_are_refused():
 
 def test_torch_gpu_rates_take_the_steady_state_at_the_largest_size_per_host():
     row = {"kind": "setup", "setup": "ours async_save", "bytes": 16e9}
-    lines = [json.dumps(r) for r in (
-        {"kind": "limit", "what": "D2H pinned", "GBps": 55.0},
-        {**row, "save": 1, "blocking_s": 9.0, "restore_GBps": 1.0},       # the first save: pins its buffers
-        {**row, "save": 2, "blocking_s": 0.4, "restore_GBps": 12.0},
-        {**row, "save": 3, "blocking_s": 0.2, "restore_GBps": 14.0},
-        {**row, "save": 2, "bytes": 1e9, "blocking_s": 0.001, "restore_GBps": 50.0},  # a smaller state
-        {**row, "save": 3, "error": "RuntimeError: x"})]
+    lines = [
+        json.dumps(r)
+        for r in (
+            {"kind": "limit", "what": "D2H pinned", "GBps": 55.0},
+            {**row, "save": 1, "blocking_s": 9.0, "restore_GBps": 1.0},  # the first save: pins its buffers
+            {**row, "save": 2, "blocking_s": 0.4, "restore_GBps": 12.0},
+            {**row, "save": 3, "blocking_s": 0.2, "restore_GBps": 14.0},
+            {**row, "save": 2, "bytes": 1e9, "blocking_s": 0.001, "restore_GBps": 50.0},  # a smaller state
+            {**row, "save": 3, "error": "RuntimeError: x"},
+        )
+    ]
     rates = torch_gpu_rates(lines)
     assert rates.copy == pytest.approx(GPUS_PER_HOST * 16e9 / 0.3)
     assert rates.restore == pytest.approx(GPUS_PER_HOST * 13e9)

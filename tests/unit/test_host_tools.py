@@ -24,7 +24,13 @@ K8S = ("tests/k8s", "tests/helpers/kube")
 """Run by ``make e2e-k8s`` only, which adds the ``etcd`` and ``node`` suites to ``local``."""
 
 LAUNCHERS = {f"subprocess.{f}" for f in ("run", "Popen", "call", "check_call", "check_output")} | {
-    "asyncio.create_subprocess_exec", "asyncio.create_subprocess_shell", "os.system", "os.popen", "os.execvp", "os.execlp"}
+    "asyncio.create_subprocess_exec",
+    "asyncio.create_subprocess_shell",
+    "os.system",
+    "os.popen",
+    "os.execvp",
+    "os.execlp",
+}
 """Their first argument is the command: a list (or tuple) of arguments, a shell line, or the program itself."""
 FINDERS = {"shutil.which", "tests.helpers.tools.find_tool", "tests.helpers.tools.require_tool"}
 
@@ -50,9 +56,14 @@ class _Module:
         for function in (n for n in nodes if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
             params = [a.arg for a in (*function.args.posonlyargs, *function.args.args)]
             name = classes[id(function)] if function.name == "__init__" and id(function) in classes else function.name
-            self.functions.append((f"{self.name}.{name}", params[1:] if params[:1] in (["self"], ["cls"]) else params,
-                                   function.args.vararg and function.args.vararg.arg,
-                                   [n for n in ast.walk(function) if isinstance(n, ast.Call)]))  # fmt: skip
+            self.functions.append(
+                (
+                    f"{self.name}.{name}",
+                    params[1:] if params[:1] in (["self"], ["cls"]) else params,
+                    function.args.vararg and function.args.vararg.arg,
+                    [n for n in ast.walk(function) if isinstance(n, ast.Call)],
+                )
+            )
 
     def qualified(self, node: ast.expr) -> str | None:
         """What ``node`` names: ``subprocess.run``, ``tests.helpers.network._run``; a name or method of this
@@ -71,7 +82,9 @@ def _commands(module: _Module, call: ast.Call, launchers: dict[str, set[int]]) -
     (``callback(subprocess.run, argv)``, ``partial(_run, "mount")``)."""
     found = [call.args[i] for i in launchers.get(module.qualified(call.func), ()) if i < len(call.args)]
     for at, arg in enumerate(call.args):
-        found += [call.args[at + 1 + i] for i in launchers.get(module.qualified(arg), ()) if at + 1 + i < len(call.args)]
+        found += [
+            call.args[at + 1 + i] for i in launchers.get(module.qualified(arg), ()) if at + 1 + i < len(call.args)
+        ]
     return found
 
 
@@ -131,15 +144,23 @@ def test_every_program_the_tests_start_is_installed_or_checked_by_the_targets_th
     ("source", "program"),
     [
         ('import subprocess\nsubprocess.run(["nsenter", "-t", "1"])\n', "nsenter"),
-        ('import subprocess\ndef _run(command, check=True):\n    return subprocess.run(command, check=check)\n'
-         'def sh(*argv):\n    _run(argv)\nsh("unshare", "-n")\n', "unshare"),
-        ('import contextlib, subprocess\nwith contextlib.ExitStack() as s:\n    s.callback(subprocess.run, ["losetup", "-d"])\n',
-         "losetup"),
-        ('import subprocess\nclass P:\n    def __init__(self, name, command):\n        self.p = subprocess.Popen(command)\n'
-         'P("x", ["nft", "list"])\n', "nft"),
+        (
+            "import subprocess\ndef _run(command, check=True):\n    return subprocess.run(command, check=check)\n"
+            'def sh(*argv):\n    _run(argv)\nsh("unshare", "-n")\n',
+            "unshare",
+        ),
+        (
+            'import contextlib, subprocess\nwith contextlib.ExitStack() as s:\n    s.callback(subprocess.run, ["losetup", "-d"])\n',
+            "losetup",
+        ),
+        (
+            "import subprocess\nclass P:\n    def __init__(self, name, command):\n        self.p = subprocess.Popen(command)\n"
+            'P("x", ["nft", "list"])\n',
+            "nft",
+        ),
         ('import shutil\nshutil.which("tcpdump")\n', "tcpdump"),
     ],
-)  # fmt: skip
+)
 def test_the_scan_finds_a_program_started_directly_through_wrappers_or_handed_on(tmp_path, source, program):
     (tmp_path / "helper.py").write_text(source)
     assert [program] == [p for _, _, p in scan([tmp_path], tmp_path)]

@@ -11,8 +11,10 @@ FLIGHT = InFlight("mtc_test_transfer", "moved", "test transfers")
 
 def values(job: str) -> tuple[float | None, float | None]:
     labels = {"training_namespace": "ns", "training_job": job}
-    return (REGISTRY.get_sample_value("mtc_test_transfer_in_flight_planned_bytes", labels),
-            REGISTRY.get_sample_value("mtc_test_transfer_in_flight_moved_bytes", labels))  # fmt: skip
+    return (
+        REGISTRY.get_sample_value("mtc_test_transfer_in_flight_planned_bytes", labels),
+        REGISTRY.get_sample_value("mtc_test_transfer_in_flight_moved_bytes", labels),
+    )
 
 
 def test_transfers_count_while_they_run_and_add_up():

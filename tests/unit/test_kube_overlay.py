@@ -25,7 +25,13 @@ def agent_report(node: str, *pods: PodReport, topology: dict | None = None) -> N
 
 def example_overlay(pods: list[dict] | None = None) -> KubeOverlay:
     overlay = KubeOverlay()
-    overlay.update(shapes_of(example_pods() if pods is None else pods, EXAMPLE_NODES, [jobset("llama-train", replicated_job("slice", 2, 2))]))
+    overlay.update(
+        shapes_of(
+            example_pods() if pods is None else pods,
+            EXAMPLE_NODES,
+            [jobset("llama-train", replicated_job("slice", 2, 2))],
+        )
+    )
     return overlay
 
 
@@ -39,8 +45,13 @@ def test_a_placed_pod_takes_the_shape_indices_and_ip_and_its_node_the_labels_dom
 def test_a_placed_pod_waits_for_its_ip_and_without_a_block_label_the_pool_is_the_block():
     pods = [{**p, "status": {"phase": "Pending"}} for p in example_pods()]
     overlay = KubeOverlay()
-    overlay.update(shapes_of(pods, [{"metadata": {"name": "n10", "labels": {"cloud.google.com/gke-nodepool": "pool-1"}}}],
-                             [jobset("llama-train", replicated_job("slice", 2, 2))]))  # fmt: skip
+    overlay.update(
+        shapes_of(
+            pods,
+            [{"metadata": {"name": "n10", "labels": {"cloud.google.com/gke-nodepool": "pool-1"}}}],
+            [jobset("llama-train", replicated_job("slice", 2, 2))],
+        )
+    )
     report = overlay.apply(agent_report("n10", agent_pod(1, 0), agent_pod(1, 1, nodes_given=True)))
     assert report.pods == ()  # both placed, neither has an IP yet: even nodes given in attributes wait
     assert report.topology == {"nodepool": "pool-1", "block": "pool-1"}
@@ -69,7 +80,11 @@ def test_update_names_the_jobs_whose_shape_changed():
 
 def test_attribute_less_volumes_form_an_incarnation_with_jobset_ranks_and_rank0_ip():
     overlay, state = example_overlay(), ClusterState(15.0, 60.0)
-    replies = [state.apply_report(overlay.apply(agent_report(f"n{s}{w}", agent_pod(s, w))), 0.0) for s in range(2) for w in range(2)]
+    replies = [
+        state.apply_report(overlay.apply(agent_report(f"n{s}{w}", agent_pod(s, w))), 0.0)
+        for s in range(2)
+        for w in range(2)
+    ]
     assert [len(r.assignments) for r in replies] == [0, 0, 0, 1]
     incarnation = state.job(KEY).incarnation
     assert {uid: rank for uid, rank in incarnation.rank_of_pod.items()} == {

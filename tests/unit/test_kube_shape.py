@@ -44,9 +44,17 @@ def test_example_jobset_shape_has_four_nodes_two_slices_and_jobset_dns_names():
     assert (shape.jobset, shape.jobset_uid, shape.replicated_jobs) == ("llama-train", "uid-1", ("slice",))
     assert (shape.nodes, shape.slices, shape.nodes_per_slice) == (4, 2, 2)
     assert places(shape) == [
-        (s, w, f"llama-train-slice-{s}-{w}-abcde", f"llama-train-slice-{s}-{w}.llama-train", f"10.1.{s}.{w}", f"n{s}{w}")
-        for s in range(2) for w in range(2)
-    ]  # fmt: skip
+        (
+            s,
+            w,
+            f"llama-train-slice-{s}-{w}-abcde",
+            f"llama-train-slice-{s}-{w}.llama-train",
+            f"10.1.{s}.{w}",
+            f"n{s}{w}",
+        )
+        for s in range(2)
+        for w in range(2)
+    ]
     assert pod_at(shape, 1, 0).domains == FailureDomains(zone="zone-1", nodepool="pool-1", block="block-0")
     assert pod_at(shape, 2, 0) is None
 
@@ -63,7 +71,9 @@ def test_lightkube_models_give_the_same_shape_as_dicts():
 
 def test_driver_replicated_job_without_the_volume_counts_for_nothing():
     spec = jobset("train", replicated_job("driver", 1, 1, mounts=False), replicated_job("workers", 3, 2))
-    pods = [pod("train", "driver", 0, 0, mounts=False)] + [pod("train", "workers", s, w) for s in range(3) for w in range(2)]
+    pods = [pod("train", "driver", 0, 0, mounts=False)] + [
+        pod("train", "workers", s, w) for s in range(3) for w in range(2)
+    ]
     shapes = shapes_of(pods, [], [spec])
     assert shapes.problems == ()
     assert list(shapes.jobs) == [JobRef(NS, "train-workers")]
@@ -74,28 +84,42 @@ def test_driver_replicated_job_without_the_volume_counts_for_nothing():
 
 
 def test_replicated_jobs_sharing_a_job_number_slices_in_spec_order():
-    spec = jobset("train", replicated_job("a", 2, 2, job="big"), replicated_job("driver", 1, 1, mounts=False),
-                  replicated_job("b", 1, 2, job="big"))  # fmt: skip
+    spec = jobset(
+        "train",
+        replicated_job("a", 2, 2, job="big"),
+        replicated_job("driver", 1, 1, mounts=False),
+        replicated_job("b", 1, 2, job="big"),
+    )
     pods = [pod("train", "a", s, w, attributes={"job": "big"}) for s in range(2) for w in range(2)]
     pods += [pod("train", "b", 0, w, attributes={"job": "big"}) for w in range(2)]
     shapes = shapes_of(pods, [], [spec])
     assert shapes.problems == ()
     shape = shapes.jobs[JobRef(NS, "big")]
     assert (shape.nodes, shape.slices, shape.replicated_jobs) == (6, 3, ("a", "b"))
-    assert [(p.slice, p.worker, p.name) for p in shape.pods][-2:] == [(2, 0, "train-b-0-0-abcde"), (2, 1, "train-b-0-1-abcde")]
+    assert [(p.slice, p.worker, p.name) for p in shape.pods][-2:] == [
+        (2, 0, "train-b-0-0-abcde"),
+        (2, 1, "train-b-0-1-abcde"),
+    ]
 
 
 def test_replicated_jobs_without_a_job_attribute_are_separate_jobs():
     spec = jobset("train", replicated_job("a", 1, 2), replicated_job("b", 2, 1))
     shapes = shapes_of([pod("train", "b", 1, 0)], [], [spec])
-    assert {k: (s.nodes, s.slices) for k, s in shapes.jobs.items()} == {JobRef(NS, "train-a"): (2, 1), JobRef(NS, "train-b"): (2, 2)}
+    assert {k: (s.nodes, s.slices) for k, s in shapes.jobs.items()} == {
+        JobRef(NS, "train-a"): (2, 1),
+        JobRef(NS, "train-b"): (2, 2),
+    }
     assert [(p.slice, p.worker) for p in shapes.jobs[JobRef(NS, "train-b")].pods] == [(1, 0)]
 
 
 def test_configurable_block_label_reads_the_rack():
     nodes = [node("n00", "z", "p", "rack-7", block_label="example.com/rack")]
-    shapes = shapes_of([pod("t", "w", 0, 0, node="n00")], nodes, [jobset("t", replicated_job("w", 1, 1))],
-                       ShapeSettings(block_label="example.com/rack"))  # fmt: skip
+    shapes = shapes_of(
+        [pod("t", "w", 0, 0, node="n00")],
+        nodes,
+        [jobset("t", replicated_job("w", 1, 1))],
+        ShapeSettings(block_label="example.com/rack"),
+    )
     assert shapes.jobs[JobRef(NS, "t-w")].pods[0].domains == FailureDomains("z", "p", "rack-7")
 
 
@@ -103,8 +127,12 @@ def test_pods_not_mounting_our_driver_finished_or_deleting_are_not_in_the_shape(
     other = pod("t", "w", 0, 0)
     other["spec"]["volumes"][0]["csi"]["driver"] = "other.csi.example"
     assert read_pod(other) is None
-    pods = [other, pod("t", "w", 0, 1, status__phase="Failed"), pod("t", "w", 1, 0, metadata__deletionTimestamp="2026-01-01T00:00:00Z"),
-            pod("t", "w", 1, 1)]  # fmt: skip
+    pods = [
+        other,
+        pod("t", "w", 0, 1, status__phase="Failed"),
+        pod("t", "w", 1, 0, metadata__deletionTimestamp="2026-01-01T00:00:00Z"),
+        pod("t", "w", 1, 1),
+    ]
     shapes = shapes_of(pods, [], [jobset("t", replicated_job("w", 2, 2))])
     assert shapes.problems == ()
     assert [(p.slice, p.worker) for p in shapes.jobs[JobRef(NS, "t-w")].pods] == [(1, 1)]
@@ -114,8 +142,10 @@ def test_pod_whose_jobset_is_gone_is_refused_naming_pod_and_annotation():
     shapes = shapes_of([pod("gone", "w", 0, 0)], [], [])
     assert shapes.jobs == {}
     (problem,) = shapes.problems
-    assert str(problem) == ("Pod default/gone-w-0-0-abcde: annotation jobset.sigs.k8s.io/jobset-name: "
-                            "JobSet 'gone' is gone from namespace 'default'")  # fmt: skip
+    assert str(problem) == (
+        "Pod default/gone-w-0-0-abcde: annotation jobset.sigs.k8s.io/jobset-name: "
+        "JobSet 'gone' is gone from namespace 'default'"
+    )
 
 
 def test_pod_of_an_earlier_jobset_with_the_same_name_is_refused():
@@ -177,7 +207,9 @@ def test_inconsistent_jobset_specs_give_no_shape_and_name_the_field():
 
 
 def test_two_jobsets_naming_one_job_keep_the_first_and_name_the_second():
-    shapes = shapes_of([], [], [jobset("a", replicated_job("w", 1, 1, job="j")), jobset("b", replicated_job("w", 1, 1, job="j"))])
+    shapes = shapes_of(
+        [], [], [jobset("a", replicated_job("w", 1, 1, job="j")), jobset("b", replicated_job("w", 1, 1, job="j"))]
+    )
     assert shapes.jobs[JobRef(NS, "j")].jobset == "a"
     assert problems(shapes) == [("JobSet", "b", "volume attribute job")]
 
@@ -189,7 +221,9 @@ def test_two_live_pods_at_one_place_keep_the_newer_restart_attempt_or_neither():
     twin = pod("t", "w", 0, 0, metadata__name="t-w-0-0-twin")
     shapes = shapes_of([old, twin], [], [spec])
     assert shapes.jobs[JobRef(NS, "t-w")].pods == ()
-    assert problems(shapes) == [("Pod", "t-w-0-0-abcde", "annotations jobset.sigs.k8s.io/job-index, batch.kubernetes.io/job-completion-index")]
+    assert problems(shapes) == [
+        ("Pod", "t-w-0-0-abcde", "annotations jobset.sigs.k8s.io/job-index, batch.kubernetes.io/job-completion-index")
+    ]
 
 
 def test_garbage_objects_never_raise():

@@ -27,8 +27,14 @@ PLUGINS_REGISTRY = "/var/lib/kubelet/plugins_registry"
 DATA_ROOT = "/var/lib/mtc"
 COORDINATOR_URL = "https://mtc-coordinator.mtc-system.svc:8471"
 TLS_DIR = "/etc/mtc/tls"
-CLUSTER_SCOPED = ("Namespace", "CSIDriver", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
-                  "ClusterRole", "ClusterRoleBinding")  # fmt: skip
+CLUSTER_SCOPED = (
+    "Namespace",
+    "CSIDriver",
+    "ValidatingAdmissionPolicy",
+    "ValidatingAdmissionPolicyBinding",
+    "ClusterRole",
+    "ClusterRoleBinding",
+)
 # What the coordinator reads from the API server (replicator/coordinator/kube_watch.py), and only that.
 COORDINATOR_READS = {("", "pods"), ("", "nodes"), ("jobset.x-k8s.io", "jobsets")}
 BLOCK_LABEL = "cloud.google.com/gce-topology-block"
@@ -40,9 +46,7 @@ def _load(name: str) -> list[dict]:
 
 
 def _resource_files() -> list[str]:
-    return sorted(
-        p.name for p in MANIFESTS.glob("*.y*ml") if p.name not in (KUSTOMIZATION, *EXAMPLES)
-    )
+    return sorted(p.name for p in MANIFESTS.glob("*.y*ml") if p.name not in (KUSTOMIZATION, *EXAMPLES))
 
 
 def _all_objects() -> list[dict]:
@@ -50,11 +54,7 @@ def _all_objects() -> list[dict]:
 
 
 def _one(kind: str, name: str | None = None) -> dict:
-    found = [
-        o
-        for o in _all_objects()
-        if o.get("kind") == kind and (name is None or o["metadata"]["name"] == name)
-    ]
+    found = [o for o in _all_objects() if o.get("kind") == kind and (name is None or o["metadata"]["name"] == name)]
     assert len(found) == 1, f"expected exactly one {kind} {name or ''}, found {len(found)}"
     return found[0]
 
@@ -137,8 +137,13 @@ def test_images_name_the_release_not_latest():
     assert _app_version() == version
     (kustomization,) = _load(KUSTOMIZATION)
     assert kustomization["images"] == [{"name": "mtc-agent", "newTag": version}]
-    images = [c["image"] for o in _all_objects() if o["kind"] in ("DaemonSet", "Deployment")
-              for c in o["spec"]["template"]["spec"]["containers"] if c["image"].startswith("mtc-agent")]  # fmt: skip
+    images = [
+        c["image"]
+        for o in _all_objects()
+        if o["kind"] in ("DaemonSet", "Deployment")
+        for c in o["spec"]["template"]["spec"]["containers"]
+        if c["image"].startswith("mtc-agent")
+    ]
     assert images == [f"mtc-agent:{version}"] * 2
 
 
@@ -185,12 +190,18 @@ def test_coordinator_alone_may_get_list_and_watch_exactly_pods_nodes_and_jobsets
     assert "Role" not in kinds and "RoleBinding" not in kinds
     assert kinds.count("ClusterRole") == 1 and kinds.count("ClusterRoleBinding") == 1
     role = _one("ClusterRole", "mtc-coordinator")
-    granted = {(group, resource) for rule in role["rules"] for group in rule["apiGroups"] for resource in rule["resources"]}
+    granted = {
+        (group, resource) for rule in role["rules"] for group in rule["apiGroups"] for resource in rule["resources"]
+    }
     assert granted == COORDINATOR_READS
     assert all(sorted(rule["verbs"]) == ["get", "list", "watch"] for rule in role["rules"])
     assert not any("resourceNames" in rule or "nonResourceURLs" in rule for rule in role["rules"])
     binding = _one("ClusterRoleBinding", "mtc-coordinator")
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "mtc-coordinator"}
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": "mtc-coordinator",
+    }
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "mtc-coordinator", "namespace": "mtc-system"}]
     account = _one("ServiceAccount", "mtc-coordinator")
     assert account["automountServiceAccountToken"] is False  # the pod asks for it
@@ -257,13 +268,17 @@ def test_node_agent_checks_the_coordinator_certificate_against_the_cluster_ca(no
 def test_node_plugin_keeps_only_the_host_paths_it_needs(node_pod):
     host_paths = sorted(v["hostPath"]["path"] for v in node_pod["volumes"] if "hostPath" in v)
     assert host_paths == sorted([PLUGIN_DIR, PLUGINS_REGISTRY, KUBELET_PODS_DIR, DATA_ROOT])
-    registration = next(v["name"] for v in node_pod["volumes"] if v.get("hostPath", {}).get("path", "").endswith("plugins_registry"))
+    registration = next(
+        v["name"] for v in node_pod["volumes"] if v.get("hostPath", {}).get("path", "").endswith("plugins_registry")
+    )
     users = [c["name"] for c in node_pod["containers"] if any(m["name"] == registration for m in c["volumeMounts"])]
     assert users == ["mtc-node"]
     assert [c["name"] for c in node_pod["containers"]] == ["mtc-node", "liveness-probe"]
     for sidecar in node_pod["containers"][1:]:
         assert sidecar["securityContext"] == {
-            "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
         }, sidecar["name"]
 
 
@@ -422,7 +437,10 @@ def test_torchrun_example_runs_each_node_at_its_jobset_index_with_the_pytorch_pr
     # mtc gives each pod the rank of its JobSet index; torchrun must use the same (static rendezvous).
     assert _flag(argv, "--node-rank") == "$(JOB_COMPLETION_INDEX)" and not _flags(argv, "--rdzv-backend")
     assert int(_flag(argv, "--nnodes")) == replicated["template"]["spec"]["parallelism"]
-    assert _flag(argv, "--master-addr") == f"{jobset['metadata']['name']}-{replicated['name']}-0-0.{jobset['metadata']['name']}"
+    assert (
+        _flag(argv, "--master-addr")
+        == f"{jobset['metadata']['name']}-{replicated['name']}-0-0.{jobset['metadata']['name']}"
+    )
     (volume,) = [v for v in pod["volumes"] if "csi" in v]
     assert volume["csi"]["volumeAttributes"]["framework"] == "pytorch.distributed"
 
@@ -454,7 +472,11 @@ def test_example_jobsets_rank0_address_is_the_pods_jobset_dns_name(name):
     pod = replicated["template"]["spec"]["template"]["spec"]
     (volume,) = [v for v in pod["volumes"] if "csi" in v]
     pod_name = f"{name}-{replicated['name']}-0-0-x7k2p"  # what JobSet and the Job controller name rank 0's pod
-    context = {**volume["csi"]["volumeAttributes"], "csi.storage.k8s.io/pod.name": pod_name, "csi.storage.k8s.io/pod.namespace": "default"}
+    context = {
+        **volume["csi"]["volumeAttributes"],
+        "csi.storage.k8s.io/pod.name": pod_name,
+        "csi.storage.k8s.io/pod.namespace": "default",
+    }
     spec = parse_volume_context(context, 1 << 30, VolumeLimits(frameworks=frozenset(frameworks.REGISTRY)))
     hostname = f"{name}-{replicated['name']}-0-0"  # JobSet's pod hostname
     assert f"{_JOBSET_SUFFIX.sub('', pod_name)}.{spec.subdomain}" == f"{hostname}.{jobset['metadata']['name']}"

@@ -39,17 +39,27 @@ def test_every_moment_of_a_save_is_neither_an_error_nor_a_restore_until_the_rena
     assert scan(tmp_path) == ([11], [], [])
     manifest = build_manifest(str(tmp_path / "11"), 11, RANK)
     assert TORCH.missing_commit_evidence(manifest.files) is None
-    assert sorted(manifest.files) == ["2/.metadata", "2/__2_0.distcp", "3/.metadata", "3/__3_0.distcp", "common.pt", "metadata.json"]
+    assert sorted(manifest.files) == [
+        "2/.metadata",
+        "2/__2_0.distcp",
+        "3/.metadata",
+        "3/__3_0.distcp",
+        "common.pt",
+        "metadata.json",
+    ]
 
 
-@pytest.mark.parametrize(("entry", "expected"), [
-    ("our marker, taken", ([7], [], [])),
-    ("a directory", ([], [], [7])),
-    ("a directory marked unfinished", ([], [], [])),
-    ("a symlink elsewhere", ([], [7], [])),
-    ("a symlink to a staged name holding no directory", ([], [7], [])),
-    ("a file", ([], [7], [])),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("entry", "expected"),
+    [
+        ("our marker, taken", ([7], [], [])),
+        ("a directory", ([], [], [7])),
+        ("a directory marked unfinished", ([], [], [])),
+        ("a symlink elsewhere", ([], [7], [])),
+        ("a symlink to a staged name holding no directory", ([], [7], [])),
+        ("a file", ([], [7], [])),
+    ],
+)
 def test_what_is_under_step_n_decides_never_its_name(tmp_path, entry, expected):
     (tmp_path / ".mtc-staged-7").mkdir()
     (tmp_path / "elsewhere").mkdir()

@@ -30,8 +30,12 @@ def holding(state, rank_of, steps, now, incarnation=None, pods=True, listing=Non
         held = [HeldStep(*NAMES, s, rank_of[node], OWN[rank_of[node]]) for s in steps] + held_by(node, rank_of)
         pods_ = [pod(index, incarnation, rank_of[node])] if pods else []
         backed = (BackedUp(*NAMES, tuple((s, 0) for s in listing), now),) if listing and node == "a" else ()
-        state.apply_report(msgspec.structs.replace(report(node, f"http://{node}", pods_, held), has_backup=bool(listing),
-                                                   backed_up=backed), now)  # fmt: skip
+        state.apply_report(
+            msgspec.structs.replace(
+                report(node, f"http://{node}", pods_, held), has_backup=bool(listing), backed_up=backed
+            ),
+            now,
+        )
 
 
 def test_a_cancelled_rollback_leaves_the_job_as_if_it_was_never_requested():
@@ -45,7 +49,8 @@ def test_a_cancelled_rollback_leaves_the_job_as_if_it_was_never_requested():
 
     preview = state.rollback_preview(KEY, 2)
     assert [(s.step, s.local, s.peer, s.backup) for s in preview.abandoned] == [
-        (5, {rank_of["a"]: ("a",), rank_of["b"]: ("b",)}, {rank_of["b"]: ("a",), rank_of["a"]: ("b",)}, False)]
+        (5, {rank_of["a"]: ("a",), rank_of["b"]: ("b",)}, {rank_of["b"]: ("a",), rank_of["a"]: ("b",)}, False)
+    ]
     assert (preview.ranks, preview.timeline, preview.pending_rollback) == (2, 1, None)
     assert state.job(KEY).forced_step is None and state.job(KEY).retain == retain  # a preview changes nothing
 
@@ -62,7 +67,9 @@ def test_a_cancelled_rollback_leaves_the_job_as_if_it_was_never_requested():
     # The next incarnation restores the newest step, on the same timeline: nothing was abandoned.
     holding(state, rank_of, (2,), 22.5, pods=False)
     for index, node in enumerate(("a", "b")):
-        state.apply_report(report(node, f"http://{node}", [pod(index + 2)], state.liveness.nodes[node].report.held), 23.0)
+        state.apply_report(
+            report(node, f"http://{node}", [pod(index + 2)], state.liveness.nodes[node].report.held), 23.0
+        )
     fresh = state.job(KEY).incarnation.incarnation_id
     view = state.restore_view(KEY, fresh, 0, now=23.5)
     assert (view.step, view.rollback, view.forks) == (5, False, ())
@@ -76,7 +83,9 @@ def test_a_rollback_whose_restore_is_planned_cannot_be_cancelled():
     holding(state, rank_of, (2,), 21.0, pods=False)
     state.force_restore_step(KEY, 2)
     for index, node in enumerate(("a", "b")):
-        state.apply_report(report(node, f"http://{node}", [pod(index + 2)], state.liveness.nodes[node].report.held), 22.0)
+        state.apply_report(
+            report(node, f"http://{node}", [pod(index + 2)], state.liveness.nodes[node].report.held), 22.0
+        )
     assert state.restore_view(KEY, state.job(KEY).incarnation.incarnation_id, 0, now=22.5).step == 2
     with pytest.raises(NotCancellable, match="step 2 cannot be cancelled: its restore is planned and timeline 1 began"):
         state.cancel_restore_step(KEY)
@@ -94,7 +103,9 @@ def test_a_pending_rollback_step_is_kept_from_backup_retention_until_cancelled()
     assert state.job(KEY).backup_pending == 5
     assert {o.protected for o in state.reply_for("a").backup} == {()}
     state.force_restore_step(KEY, 2)
-    assert {o.protected for o in state.reply_for("a").backup} == {(2,)}  # retention keeps it though it is not the newest
+    assert {o.protected for o in state.reply_for("a").backup} == {
+        (2,)
+    }  # retention keeps it though it is not the newest
     state.cancel_restore_step(KEY)
     assert {o.protected for o in state.reply_for("a").backup} == {()}
 
@@ -116,9 +127,19 @@ def test_status_shows_silent_nodes_pending_rollback_last_backup_restore_progress
     async def scenario(client, state, incarnation, rank_of, now):
         holding(state, rank_of, (), now, incarnation, listing=(5,))
         state.tick(now + 0.1)
-        view = await (await client.get(f"{JOB_PATH}/restore", params={"incarnation": incarnation, "rank": str(rank_of["a"])})).json()
-        await client.post(f"{JOB_PATH}/restore", json={"incarnation": incarnation, "generation": view["generation"], "rank": rank_of["a"],
-                                                       "source": "local:a", "bad": [[5, rank_of["a"], "b"]]})  # fmt: skip
+        view = await (
+            await client.get(f"{JOB_PATH}/restore", params={"incarnation": incarnation, "rank": str(rank_of["a"])})
+        ).json()
+        await client.post(
+            f"{JOB_PATH}/restore",
+            json={
+                "incarnation": incarnation,
+                "generation": view["generation"],
+                "rank": rank_of["a"],
+                "source": "local:a",
+                "bad": [[5, rank_of["a"], "b"]],
+            },
+        )
         assert (await client.post(f"{JOB_PATH}/restore-from", json={"step": 5})).status == 200
         state.touch("a", now + 20.0)  # node b has been silent for 20 s (timeout 15 s)
         response = await client.get("/v1/status", params={"job": str(KEY)})
@@ -145,8 +166,14 @@ def test_status_shows_silent_nodes_pending_rollback_last_backup_restore_progress
     assert any(line.startswith(f"  ! {b_rank:>5}  b SILENT") for line in table.splitlines())
 
 
-@pytest.mark.parametrize(("query", "code", "error"), [("default/nope", 404, "no job default/nope"), ("nope", 404, "no job named 'nope'"),
-                                                      ("a/b/c", 400, "NAMESPACE/JOB")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("query", "code", "error"),
+    [
+        ("default/nope", 404, "no job default/nope"),
+        ("nope", 404, "no job named 'nope'"),
+        ("a/b/c", 400, "NAMESPACE/JOB"),
+    ],
+)
 def test_status_of_an_unknown_or_malformed_job_is_an_error(query, code, error):
     async def scenario(client, state, incarnation, rank_of, now):
         response = await client.get("/v1/status", params={"job": query})
@@ -175,7 +202,7 @@ def test_the_rollback_routes_preview_request_and_cancel(tmp_path):
             ("unknown request", "POST", "/v1/jobs/default/nope/restore-from", {"headers": auth, "json": {"step": 5}}),
             ("cancel without token", "DELETE", JOB_PATH + "/restore-from", {}),
             ("cancel", "DELETE", JOB_PATH + "/restore-from", {"headers": auth}),
-        ]:  # fmt: skip
+        ]:
             response = await client.request(method, path, **kwargs)
             answers[name] = (response.status, await response.read())
             if name == "preview":
@@ -188,9 +215,16 @@ def test_the_rollback_routes_preview_request_and_cancel(tmp_path):
     assert code == 200 and [(s.step, sorted(s.local), s.backup) for s in preview.abandoned] == [(6, [0, 1], True)]
     text = render_preview(preview)
     assert "step 6: local 2/2 ranks on 2 nodes; peer -; backup yes" in text and "timeline 1 begins" in text
-    expected = {"incomplete": (409, "step 4"), "malformed": (400, "step"), "unknown": (404, "no job default/nope"),
-                "nothing pending": (409, "no pending rollback"), "request": (200, '"step":5'), "unknown request": (404, "no job"),
-                "cancel without token": (401, "bearer"), "cancel": (200, '"step":5')}  # fmt: skip
+    expected = {
+        "incomplete": (409, "step 4"),
+        "malformed": (400, "step"),
+        "unknown": (404, "no job default/nope"),
+        "nothing pending": (409, "no pending rollback"),
+        "request": (200, '"step":5'),
+        "unknown request": (404, "no job"),
+        "cancel without token": (401, "bearer"),
+        "cancel": (200, '"step":5'),
+    }
     for name, (code, text) in expected.items():
         assert answers[name][0] == code and text in answers[name][1].decode(), (name, answers[name])
     assert (forced, forks) == (None, ())
@@ -201,7 +235,9 @@ def test_restore_from_without_a_terminal_or_yes_is_refused_before_asking_anythin
     argv = ["restore-from", "--coordinator", "http://127.0.0.1:9", "--job", "default/run", "--step", "5"]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err == "mtc restore-from: no terminal to confirm on: pass --yes (or --dry-run to only see what it abandons)\n"
+    assert (
+        err == "mtc restore-from: no terminal to confirm on: pass --yes (or --dry-run to only see what it abandons)\n"
+    )
     assert main([*argv, "--cancel"]) == 2
     assert "give --step S to roll back, or --cancel" in capsys.readouterr().err
 
@@ -230,7 +266,10 @@ def test_a_rollback_to_copies_this_incarnation_proved_unusable_is_refused():
     state.tick(22.0)
     # The incarnation's restore found rank 0's backup of step 2 corrupt (what report_staged records).
     state.job(KEY).incarnation.excluded.add((2, 0, "backup"))
-    with pytest.raises(LookupError, match=r"step 2 of default/run is not complete for every rank in any tier \(copies of it were found unusable\)"):
+    with pytest.raises(
+        LookupError,
+        match=r"step 2 of default/run is not complete for every rank in any tier \(copies of it were found unusable\)",
+    ):
         state.force_restore_step(KEY, 2)
     assert state.job(KEY).forced_step is None
 
@@ -243,8 +282,14 @@ def test_a_rollback_with_nothing_restorable_at_or_before_its_step_is_dropped_not
     state.force_restore_step(KEY, 2)
     holding(state, rank_of, (), 22.0, pods=False, listing=(5,))  # the backup of step 2 is gone before the restore
     for index, node in enumerate(("a", "b")):
-        state.apply_report(msgspec.structs.replace(report(node, f"http://{node}", [pod(index + 2)], state.liveness.nodes[node].report.held),
-                                                   has_backup=True, backed_up=state.liveness.nodes[node].report.backed_up), 23.0)  # fmt: skip
+        state.apply_report(
+            msgspec.structs.replace(
+                report(node, f"http://{node}", [pod(index + 2)], state.liveness.nodes[node].report.held),
+                has_backup=True,
+                backed_up=state.liveness.nodes[node].report.backed_up,
+            ),
+            23.0,
+        )
     view = state.restore_view(KEY, state.job(KEY).incarnation.incarnation_id, 0, now=23.5)
     assert (view.step, view.rollback, view.forks) == (5, False, ())  # the newest step, on the same timeline
     assert (state.job(KEY).forced_step, state.job(KEY).forks) == (None, ())

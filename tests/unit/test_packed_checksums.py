@@ -10,9 +10,16 @@ from replicator.coordinator.job import pack_files, unpack_files
 
 
 def orbax_like_manifest(files: int = 60) -> dict[str, tuple[int, str]]:
-    manifest = {"_CHECKPOINT_METADATA": (256, "a9e7ef50"), "state/_METADATA": (2048, "21c6dfca"), "state/manifest.ocdbt": (512, "0f0e0d0c")}
+    manifest = {
+        "_CHECKPOINT_METADATA": (256, "a9e7ef50"),
+        "state/_METADATA": (2048, "21c6dfca"),
+        "state/manifest.ocdbt": (512, "0f0e0d0c"),
+    }
     for _ in range(files - len(manifest)):
-        manifest[f"state/ocdbt.process_0/d/{os.urandom(16).hex()}"] = (int.from_bytes(os.urandom(3), "big"), os.urandom(4).hex())
+        manifest[f"state/ocdbt.process_0/d/{os.urandom(16).hex()}"] = (
+            int.from_bytes(os.urandom(3), "big"),
+            os.urandom(4).hex(),
+        )
     return manifest
 
 

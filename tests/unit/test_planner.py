@@ -41,7 +41,12 @@ def test_newest_data_wins_and_no_rank_is_duplicated():
 
 
 def test_fresh_job_uses_initial_ranks_from_slice_and_worker():
-    pods = [PodSlot("x", "n9", 1, 0, 0), PodSlot("y", "n8", 0, 1, 0), PodSlot("z", "n7", 1, 1, 0), PodSlot("w", "n6", 0, 0, 0)]
+    pods = [
+        PodSlot("x", "n9", 1, 0, 0),
+        PodSlot("y", "n8", 0, 1, 0),
+        PodSlot("z", "n7", 1, 1, 0),
+        PodSlot("w", "n6", 0, 0, 0),
+    ]
     assert assign_ranks(pods, 4, 2, {}) == {"w": 0, "y": 1, "x": 2, "z": 3}
 
 
@@ -68,7 +73,13 @@ def test_assignment_at_ten_thousand_nodes_is_a_permutation_with_full_locality():
 
 def test_restore_picks_newest_step_complete_for_every_rank():
     node_of = {0: "a", 1: "b"}
-    copies = [StepCopy(10, 0, "a"), StepCopy(10, 1, "b"), StepCopy(20, 0, "a"), StepCopy(20, 1, "b"), StepCopy(30, 0, "a")]
+    copies = [
+        StepCopy(10, 0, "a"),
+        StepCopy(10, 1, "b"),
+        StepCopy(20, 0, "a"),
+        StepCopy(20, 1, "b"),
+        StepCopy(30, 0, "a"),
+    ]
     plan = plan_restore(2, node_of, copies)
     assert plan.step == 20  # step 30 exists for rank 0 only
     assert plan.sources[1][0].tier == Tier.LOCAL and plan.sources[1][0].holder == "b"

@@ -23,7 +23,9 @@ def test_a_version_works_with_its_neighbours_and_nothing_further(ours, oldest, w
 
 
 def test_this_release_accepts_the_adjacent_versions():
-    adjacent = [v for v in (PROTOCOL_VERSION - 1, PROTOCOL_VERSION, PROTOCOL_VERSION + 1) if v >= OLDEST_PROTOCOL_VERSION]
+    adjacent = [
+        v for v in (PROTOCOL_VERSION - 1, PROTOCOL_VERSION, PROTOCOL_VERSION + 1) if v >= OLDEST_PROTOCOL_VERSION
+    ]
     assert list(compatible_versions()) == adjacent
     for theirs in adjacent:
         check_version(theirs, "the node agent")
@@ -33,9 +35,11 @@ def test_this_release_accepts_the_adjacent_versions():
 def test_further_apart_is_refused_with_both_versions_and_the_way_out_named(theirs):
     with pytest.raises(ProtocolMismatch) as err:
         check_version(theirs, "node agent node-7")
-    assert str(err.value) == (f"node agent node-7 speaks mtc protocol version {theirs}; this side speaks version {PROTOCOL_VERSION} and works "
-                              f"with versions {compatible_versions().start}-{compatible_versions().stop - 1} (adjacent releases): upgrade one "
-                              f"release at a time, the coordinator first (docs/upgrading.md)")
+    assert str(err.value) == (
+        f"node agent node-7 speaks mtc protocol version {theirs}; this side speaks version {PROTOCOL_VERSION} and works "
+        f"with versions {compatible_versions().start}-{compatible_versions().stop - 1} (adjacent releases): upgrade one "
+        f"release at a time, the coordinator first (docs/upgrading.md)"
+    )
 
 
 def test_messages_of_a_newer_version_decode_with_their_new_fields_left_out():

@@ -22,8 +22,16 @@ RESILIENCY = "job-name: llama\nframework: pytorch.distributed\nnode-rank: 1\nnod
 
 def test_the_resiliency_librarys_file_parses_and_our_extensions_derive_the_peers():
     settings = TORCH.parse_config(RESILIENCY, expected_rank=1, expected_nodes=4)
-    assert (settings.peer_ranks, settings.data_parallelism, settings.backup_interval_minutes, settings.backup_interval_steps) == ((), 1, 30.0, None)
-    ours = RESILIENCY.replace("backup-interval-minutes: 30", "backup-interval-steps: 6") + "assume-data-parallelism: 2\nworkers-per-node: 2\n"
+    assert (
+        settings.peer_ranks,
+        settings.data_parallelism,
+        settings.backup_interval_minutes,
+        settings.backup_interval_steps,
+    ) == ((), 1, 30.0, None)
+    ours = (
+        RESILIENCY.replace("backup-interval-minutes: 30", "backup-interval-steps: 6")
+        + "assume-data-parallelism: 2\nworkers-per-node: 2\n"
+    )
     settings = TORCH.parse_config(ours, expected_rank=1, expected_nodes=4)
     assert (settings.peer_ranks, settings.data_parallelism, settings.backup_interval_steps) == ((3,), 2, 6)
     assert parse_torch_config(ours + "peer-ranks: [0]\n", 1, 4).peer_ranks == (0,)
@@ -56,7 +64,10 @@ def test_every_invalid_field_is_named(text, field):
 
 
 def test_a_node_rank_other_than_the_pods_index_says_how_torchrun_must_be_launched():
-    with pytest.raises(InvalidReplicatorConfig, match=r"node-rank: 1 is not the rank assigned to this pod \(2\); .*NODE_RANK.*--node-rank"):
+    with pytest.raises(
+        InvalidReplicatorConfig,
+        match=r"node-rank: 1 is not the rank assigned to this pod \(2\); .*NODE_RANK.*--node-rank",
+    ):
         TORCH.parse_config(RESILIENCY, expected_rank=2, expected_nodes=4)
 
 
@@ -111,7 +122,12 @@ def files(*paths: str) -> dict[str, tuple[int, str]]:
 @pytest.mark.parametrize(
     "step, missing",
     [
-        (files("rank-0-of-2/.metadata", "rank-0-of-2/__0_0.distcp", "rank-1-of-2/.metadata", "rank-1-of-2/__0_0.distcp"), None),
+        (
+            files(
+                "rank-0-of-2/.metadata", "rank-0-of-2/__0_0.distcp", "rank-1-of-2/.metadata", "rank-1-of-2/__0_0.distcp"
+            ),
+            None,
+        ),
         (files("rank-0-of-2/.metadata", "rank-1-of-2/__0_0.distcp"), "DCP's .metadata of local rank(s) [1] of 2"),
         (files("rank-0-of-2/.metadata"), "DCP's .metadata of local rank(s) [1] of 2"),
         (files("rank-0-of-1/.metadata", "rank-1-of-2/.metadata"), "one local-rank count (its parts name [1, 2])"),
@@ -149,7 +165,6 @@ def test_a_launcher_that_fixes_ranks_gets_each_pod_its_jobset_index_wherever_the
     torch = incarnations.assign(pods(False), set(), lambda: held, 0.0)
     assert orbax.rank_of_pod["uid0"] == 3
     assert torch.rank_of_pod == {f"uid{i}": i for i in range(4)}
-
 
 
 @pytest.mark.parametrize("plant", ["symlink", "dir"])

@@ -12,7 +12,9 @@ from tests.helpers.ramdisks import ignore_new_pod, spec
 
 def test_publish_hook_runs_for_each_new_pod_and_not_for_a_retried_publish(tmp_path):
     seen = []
-    manager = RamdiskManager(str(tmp_path / "root"), DirBackend(), on_new_pod=lambda disk, spec: seen.append(disk.client_dir))
+    manager = RamdiskManager(
+        str(tmp_path / "root"), DirBackend(), on_new_pod=lambda disk, spec: seen.append(disk.client_dir)
+    )
     target = str(tmp_path / "target")
     first = manager.publish("v1", target, spec(**{POD_UID_KEY: "uid-1"}))
     manager.publish("v1", target, spec(**{POD_UID_KEY: "uid-1"}))  # kubelet retries the same pod
@@ -24,7 +26,12 @@ def test_publish_hook_runs_for_each_new_pod_and_not_for_a_retried_publish(tmp_pa
 
 def test_jobset_pod_name_gives_job_slice_and_worker():
     parsed = parse_volume_context(
-        {"csi.storage.k8s.io/pod.name": "llama-slice-1-3-x7k2p", "csi.storage.k8s.io/pod.namespace": "ml", "nodes": "8", "slices": "2"},
+        {
+            "csi.storage.k8s.io/pod.name": "llama-slice-1-3-x7k2p",
+            "csi.storage.k8s.io/pod.namespace": "ml",
+            "nodes": "8",
+            "slices": "2",
+        },
         default_size_bytes=1 << 30,
     )
     assert (parsed.job, parsed.slice_index, parsed.worker_index) == ("llama-slice", 1, 3)
@@ -43,7 +50,15 @@ def test_invalid_attributes_name_the_attribute(extra, named):
 
 @pytest.mark.parametrize(
     "text, expected",
-    [("512Mi", 512 << 20), ("2Gi", 2 << 30), ("60000Mi", 60000 << 20), ("1G", 10**9), ("1e9", 10**9), ("1.5Ki", 1536), ("7", 7)],
+    [
+        ("512Mi", 512 << 20),
+        ("2Gi", 2 << 30),
+        ("60000Mi", 60000 << 20),
+        ("1G", 10**9),
+        ("1e9", 10**9),
+        ("1.5Ki", 1536),
+        ("7", 7),
+    ],
 )
 def test_parse_quantity(text, expected):
     assert parse_quantity(text) == expected
@@ -70,7 +85,9 @@ def test_parse_quantity_rejects(text):
 def test_unbounded_attributes_are_refused_quickly_naming_the_attribute(extra, named):
     started = time.monotonic()
     with pytest.raises(InvalidVolumeRequest, match=named):
-        parse_volume_context({"csi.storage.k8s.io/pod.name": "p", "job": "train", **extra}, 1 << 20, VolumeLimits(max_size_bytes=1 << 40))
+        parse_volume_context(
+            {"csi.storage.k8s.io/pod.name": "p", "job": "train", **extra}, 1 << 20, VolumeLimits(max_size_bytes=1 << 40)
+        )
     assert time.monotonic() - started < 0.1
 
 

@@ -19,7 +19,10 @@ def test_checksums_go_once_then_heartbeats_are_small_and_paced_by_the_coordinato
     assert again.held[0].files is None and again.held[0].signature == first.held[0].signature
     assert not session.due(again, 7.9)  # nothing changed: wait for the jittered heartbeat (8-10 s)
     assert session.due(again, 10.0)
-    assert [(h.namespace, h.job, h.step, h.rank, h.replica) for h in again.held] == [("default", "j", 5, 0, False), ("default", "j", 5, 1, True)]
+    assert [(h.namespace, h.job, h.step, h.rank, h.replica) for h in again.held] == [
+        ("default", "j", 5, 0, False),
+        ("default", "j", 5, 1, True),
+    ]
     assert session.list_backups == {JOB}
 
 
@@ -55,7 +58,9 @@ def test_failed_reports_back_off_exponentially_with_jitter_and_a_reply_resets_it
             now = next(t / 100 for t in range(int(now * 100), 10_000) if session.due(report, t / 100))
             at.append(now)
         retries.append(at)
-    gaps = [[round(b - a, 2) for a, b in zip([0.0, *at], at)] for at in retries]  # on the 10 ms grid: 27.3 - 17.3 is 10.000000000000004
+    gaps = [
+        [round(b - a, 2) for a, b in zip([0.0, *at], at)] for at in retries
+    ]  # on the 10 ms grid: 27.3 - 17.3 is 10.000000000000004
     first, capped = [g[0] for g in gaps], [g[-1] for g in gaps]
     assert 0.5 <= min(first) and max(first) <= 1.0  # the first retry: U(0.5, 1) x 1 s
     assert 5.0 <= min(capped) and max(capped) <= 10.0  # after 8 failures: U(0.5, 1) x the 10 s cap

@@ -22,18 +22,24 @@ def backup_only(step=9):
 
 def test_one_rank_per_identical_group_downloads_a_backup_only_step_and_the_others_wait_for_its_node():
     node_of = {0: "a", 1: "b", 2: "c", 3: "d"}
-    plan = plan_restore(NODES, node_of, backup_only(), block_of={"a": "b0", "b": "b0", "c": "b0", "d": "b1"}, identical=IDENTICAL)
+    plan = plan_restore(
+        NODES, node_of, backup_only(), block_of={"a": "b0", "b": "b0", "c": "b0", "d": "b1"}, identical=IDENTICAL
+    )
     assert plan.step == 9
     assert plan.fan_out == {2: PlannedSource(Tier.PEER_CLOSE, "a", 0), 3: PlannedSource(Tier.PEER_DISTANT, "b", 1)}
     # Each downloader reads its own backup first; everyone keeps the store as a fallback.
-    assert plan.sources[0][0] == PlannedSource(Tier.BACKUP, "backup", 0) and plan.sources[1][0] == PlannedSource(Tier.BACKUP, "backup", 1)
+    assert plan.sources[0][0] == PlannedSource(Tier.BACKUP, "backup", 0) and plan.sources[1][0] == PlannedSource(
+        Tier.BACKUP, "backup", 1
+    )
     assert all(s.tier == Tier.BACKUP for rank in range(NODES) for s in plan.sources[rank])
 
 
 def test_no_fan_out_when_a_copy_is_in_the_cluster_without_identity_or_when_turned_off():
     node_of = {0: "a", 1: "b", 2: "c", 3: "d"}
     survived = [*backup_only(), StepCopy(9, 1, "b")]  # rank 1's node kept its copy: its group restores from it
-    assert plan_restore(NODES, node_of, survived, identical=IDENTICAL).fan_out == {2: PlannedSource(Tier.PEER_DISTANT, "a", 0)}
+    assert plan_restore(NODES, node_of, survived, identical=IDENTICAL).fan_out == {
+        2: PlannedSource(Tier.PEER_DISTANT, "a", 0)
+    }
     assert plan_restore(NODES, node_of, backup_only()).fan_out == {}  # identity unknown: every rank reads its own
     assert plan_restore(NODES, node_of, backup_only(), identical=IDENTICAL, fan_out=False).fan_out == {}
 
@@ -47,14 +53,25 @@ def test_copies_on_silent_nodes_do_not_keep_a_group_from_fanning_out():
     assert plan.fan_out == {2: PlannedSource(Tier.PEER_DISTANT, "e", 0), 3: PlannedSource(Tier.PEER_DISTANT, "f", 1)}
     assert {s.holder for s in plan.sources[2]} == {"backup", "a", "c"}  # every source kept
     # A live node's copy still wins over the store for its group.
-    assert plan_restore(NODES, node_of, lost, identical=IDENTICAL, silent=frozenset("abc")).fan_out == {2: PlannedSource(Tier.PEER_DISTANT, "e", 0)}
+    assert plan_restore(NODES, node_of, lost, identical=IDENTICAL, silent=frozenset("abc")).fan_out == {
+        2: PlannedSource(Tier.PEER_DISTANT, "e", 0)
+    }
 
 
 def pod(node, incarnation=None, rank=None, settings=None, published_at=0.0) -> PodReport:
     slice_index, worker = divmod(node % NODES, 2)  # a fresh node takes the slot of the lost one
     uid = f"uid-{node}"
     return pod_report(
-        KEY, slice_index, worker, uid, incarnation, rank, settings, nodes=NODES, slices=SLICES, published_at=published_at
+        KEY,
+        slice_index,
+        worker,
+        uid,
+        incarnation,
+        rank,
+        settings,
+        nodes=NODES,
+        slices=SLICES,
+        published_at=published_at,
     )
 
 
@@ -71,12 +88,16 @@ def identical_at_9(state: ClusterState, listing=()):
     incarnation = state.job(KEY).incarnation
     rank_of = {int(node[1:]): rank for rank, node in incarnation.node_of_rank.items()}
     for rank in rank_of.values():
-        state.record_settings(KEY, incarnation.incarnation_id, rank, JobSettings(((rank + 2) % NODES,), SLICES, None, 100))
+        state.record_settings(
+            KEY, incarnation.incarnation_id, rank, JobSettings(((rank + 2) % NODES,), SLICES, None, 100)
+        )
     for now in (1.0, 2.0):  # the second round's replies carry the orders decided after the first
         orders = []
         for node, rank in rank_of.items():
             held = [HeldStep(*NAMES, 9, rank, FILES, signature="sig-9")]
-            orders += state.apply_report(report(node, [pod(node, incarnation.incarnation_id, rank)], held, listing), now).backup
+            orders += state.apply_report(
+                report(node, [pod(node, incarnation.incarnation_id, rank)], held, listing), now
+            ).backup
         state.tick(now + decide_interval(NODES))
     assert state.identical(KEY)[9]
     return incarnation, rank_of, orders
@@ -85,10 +106,18 @@ def identical_at_9(state: ClusterState, listing=()):
 def test_identical_ranks_are_ordered_to_share_the_backup_upload_or_one_of_them_uploads():
     _, _, orders = identical_at_9(ClusterState(shared_backup=True))
     assert sorted((o.rank, o.share_group, o.dedup_from_rank) for o in orders) == [
-        (0, (0, 2), None), (1, (1, 3), None), (2, (0, 2), None), (3, (1, 3), None)]
+        (0, (0, 2), None),
+        (1, (1, 3), None),
+        (2, (0, 2), None),
+        (3, (1, 3), None),
+    ]
     _, _, orders = identical_at_9(ClusterState())  # one leader per group, rotating with the step
     assert sorted((o.rank, o.share_group, o.dedup_from_rank) for o in orders) == [
-        (0, (), 2), (1, (), 3), (2, (), None), (3, (), None)]
+        (0, (), 2),
+        (1, (), 3),
+        (2, (), None),
+        (3, (), None),
+    ]
 
 
 def lost_cluster(state: ClusterState):
@@ -116,7 +145,12 @@ def test_a_peer_waits_for_the_downloader_then_fetches_from_its_node_with_the_own
     after = state.restore_view(KEY, incarnation, 2, now)
     assert not after.fan_out_pending and after.token != views[2].token
     first = after.sources[0]
-    assert (first.tier, first.holder, first.url, first.data_rank) == (Tier.PEER_CLOSE, f"n{node_of[0]}", f"http://n{node_of[0]}", 0)
+    assert (first.tier, first.holder, first.url, first.data_rank) == (
+        Tier.PEER_CLOSE,
+        f"n{node_of[0]}",
+        f"http://n{node_of[0]}",
+        0,
+    )
     assert first.files == FILES  # what rank 0's own node reported, not whatever the downloader holds
     assert after.sources[1].tier == Tier.BACKUP  # the fallback
     assert state.restore_view(KEY, incarnation, 3, now).fan_out_pending  # rank 1 has not staged yet
@@ -150,8 +184,12 @@ def test_a_cluster_replaced_whole_keeps_the_identities_of_its_backups_until_a_ne
     assert not state.backed_up(KEY) and state.identical(KEY)[9]  # backups unknown, identities kept
     node_of = {rank: int(node[1:]) for rank, node in incarnation.node_of_rank.items()}
     for rank, node in node_of.items():
-        state.record_settings(KEY, incarnation.incarnation_id, rank, JobSettings(((rank + 2) % NODES,), SLICES, None, 100))
-        state.apply_report(report(node, [pod(node, incarnation.incarnation_id, rank, published_at=3.0)], (), [listing]), 21.0)
+        state.record_settings(
+            KEY, incarnation.incarnation_id, rank, JobSettings(((rank + 2) % NODES,), SLICES, None, 100)
+        )
+        state.apply_report(
+            report(node, [pod(node, incarnation.incarnation_id, rank, published_at=3.0)], (), [listing]), 21.0
+        )
     state.tick(21.0 + decide_interval(NODES))
     views = {rank: state.restore_view(KEY, incarnation.incarnation_id, rank, 22.0) for rank in range(NODES)}
     assert {v.step for v in views.values()} == {9}

@@ -16,7 +16,9 @@ def test_a_restore_request_is_held_until_the_coordinator_can_plan():
         app = service.make_app(CoordinatorConfig("127.0.0.1:0"))
         state = app[routes.STATE_KEY]
         incarnation, rank_of = running_job(state, now=time.time())
-        state.liveness.started = time.time() - state.liveness.node_timeout_seconds + 1.5  # a fresh coordinator: 1.5 s left to wait
+        state.liveness.started = (
+            time.time() - state.liveness.node_timeout_seconds + 1.5
+        )  # a fresh coordinator: 1.5 s left to wait
         path = f"/v1/jobs/{KEY.namespace}/{KEY.job}/restore"
         query = {"incarnation": incarnation, "rank": str(rank_of["a"])}
         async with TestClient(TestServer(app)) as client:

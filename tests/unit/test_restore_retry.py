@@ -67,15 +67,21 @@ async def test_a_replan_ends_the_retry_backoff_at_once(serve, tmp_path):
     files = holder.meta.manifests()[STEP].files
     disk = Ramdisk(NS, JOB, 1 << 20, str(tmp_path / "restorer"))
     os.makedirs(disk.client_dir)
-    plan = LongPolledPlan(RestoreView("g1", STEP, (Source(Tier.PEER_CLOSE, "node-lost", closed_port_url(), RANK, files),), ready=False))
+    plan = LongPolledPlan(
+        RestoreView("g1", STEP, (Source(Tier.PEER_CLOSE, "node-lost", closed_port_url(), RANK, files),), ready=False)
+    )
     async with aiohttp.ClientSession() as session:
         restorer = Restorer("node-a", Tokens.of(TOKEN), None, None, LogOnce(), deadline_seconds=60)
-        restoring = asyncio.create_task(restorer.restore(plan, session, disk, JobMeta(disk.path), PodProgress("uid", "inc", RANK), lambda: None))
+        restoring = asyncio.create_task(
+            restorer.restore(plan, session, disk, JobMeta(disk.path), PodProgress("uid", "inc", RANK), lambda: None)
+        )
         while 4.0 not in plan.waits:  # backoffs of 1 s and 2 s done, the 4 s one begun
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.5)
         replanned = time.monotonic()
-        plan.replan(RestoreView("g2", STEP, (Source(Tier.PEER_CLOSE, "node-b", holder.base_url, RANK, files),), ready=False))
+        plan.replan(
+            RestoreView("g2", STEP, (Source(Tier.PEER_CLOSE, "node-b", holder.base_url, RANK, files),), ready=False)
+        )
         await asyncio.wait_for(restoring, 30)
         took = time.monotonic() - replanned
 

@@ -51,7 +51,9 @@ def dashboard_target(ref_id: str) -> str:
 
 def gauge(metric: str) -> float:
     """This process's sample of ``metric`` for the test's job."""
-    return selected_total(metric, [m for _, ms in selectors(f'{metric}{{training_namespace="{NS}", training_job="{JOB}"}}') for m in ms])
+    return selected_total(
+        metric, [m for _, ms in selectors(f'{metric}{{training_namespace="{NS}", training_job="{JOB}"}}') for m in ms]
+    )
 
 
 def selectors(expr: str) -> list[tuple[str, list]]:
@@ -87,9 +89,12 @@ def matches(matcher, value: str) -> bool:
 
 def selected_total(metric: str, matchers: list) -> float:
     """The sum of this process's samples the selector picks (a missing label is the empty string)."""
-    return sum(sample.value for family in text_string_to_metric_families(generate_latest(REGISTRY).decode())
-               for sample in family.samples if sample.name == metric
-               and all(matches(m, sample.labels.get(m.name, "")) for m in matchers))  # fmt: skip
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(generate_latest(REGISTRY).decode())
+        for sample in family.samples
+        if sample.name == metric and all(matches(m, sample.labels.get(m.name, "")) for m in matchers)
+    )
 
 
 class PlanOfOneSource:
@@ -116,7 +121,11 @@ async def test_a_restore_from_a_close_peer_counts_in_the_dashboards_close_peer_s
     write_tree(os.path.join(holder.client_dir, str(STEP)), FILES)
     holder.save_manifest(build_manifest(os.path.join(holder.client_dir, str(STEP)), STEP, RANK))
     app = web.Application()
-    add_peer_routes(app, lambda namespace, job: str(tmp_path / "holder") if (namespace, job) == (NS, JOB) else None, Tokens.of(TOKEN))
+    add_peer_routes(
+        app,
+        lambda namespace, job: str(tmp_path / "holder") if (namespace, job) == (NS, JOB) else None,
+        Tokens.of(TOKEN),
+    )
     runner = web.AppRunner(app)
     await runner.setup()
     try:
@@ -135,12 +144,16 @@ async def test_a_restore_from_a_close_peer_counts_in_the_dashboards_close_peer_s
         def observed(namespace, job, total):
             with transfer(namespace, job, total) as fetched:
                 yield fetched
-                in_flight.append((gauge("mtc_restore_in_flight_planned_bytes"), gauge("mtc_restore_in_flight_fetched_bytes")))
+                in_flight.append(
+                    (gauge("mtc_restore_in_flight_planned_bytes"), gauge("mtc_restore_in_flight_fetched_bytes"))
+                )
 
         monkeypatch.setattr(restore.RESTORE_IN_FLIGHT, "transfer", observed)
         async with aiohttp.ClientSession() as session:
             restorer = Restorer("node-a", Tokens.of(TOKEN), None, None, LogOnce(), deadline_seconds=30)
-            await asyncio.wait_for(restorer.restore(plan, session, disk, meta, PodProgress("uid", "inc", RANK), lambda: None), 60)
+            await asyncio.wait_for(
+                restorer.restore(plan, session, disk, meta, PodProgress("uid", "inc", RANK), lambda: None), 60
+            )
     finally:
         await runner.cleanup()
 
@@ -154,17 +167,30 @@ async def test_a_restore_from_a_close_peer_counts_in_the_dashboards_close_peer_s
 
 def test_every_restore_source_the_dashboard_and_rules_match_is_exported_from_the_jobs_publish():
     restore.seed_job_series("ns-seeded", "job-seeded")  # what the publish hook does (replicator.node.job_series)
-    exported = {sample.labels["source"] for family in text_string_to_metric_families(generate_latest(REGISTRY).decode())
-                for sample in family.samples if sample.name == "mtc_restore_seconds_count" and sample.value == 0
-                and sample.labels["training_job"] == "job-seeded"}  # fmt: skip
-    assert exported >= {*Tier, NO_SOURCE, TIMED_OUT}, "every tier's series exists at zero before the job's first restore"
+    exported = {
+        sample.labels["source"]
+        for family in text_string_to_metric_families(generate_latest(REGISTRY).decode())
+        for sample in family.samples
+        if sample.name == "mtc_restore_seconds_count"
+        and sample.value == 0
+        and sample.labels["training_job"] == "job-seeded"
+    }
+    assert exported >= {*Tier, NO_SOURCE, TIMED_OUT}, (
+        "every tier's series exists at zero before the job's first restore"
+    )
     restore.forget_job_series("ns-seeded", "job-seeded")
     assert "job-seeded" not in generate_latest(REGISTRY).decode()
     dashboard = json.loads((MONITORING / "mtc-dashboard.json").read_text())
     (rules,) = yaml.safe_load_all((MONITORING / "prometheusrule.yaml").read_text())
     queries = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
     queries += [r["expr"] for group in rules["spec"]["groups"] for r in group["rules"]]
-    matched = {m.value for expr in queries for metric, ms in selectors(expr) if metric.startswith("mtc_restore_seconds")
-               for m in ms if m.name == "source" and m.op == promql_parser.MatchOp.Equal}  # fmt: skip
+    matched = {
+        m.value
+        for expr in queries
+        for metric, ms in selectors(expr)
+        if metric.startswith("mtc_restore_seconds")
+        for m in ms
+        if m.name == "source" and m.op == promql_parser.MatchOp.Equal
+    }
     assert matched == {*Tier, NO_SOURCE, TIMED_OUT}
     assert matched <= exported

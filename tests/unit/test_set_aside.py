@@ -27,19 +27,31 @@ RANK = 1
 
 
 def committed(disk, meta, step):
-    path = write_tree(os.path.join(disk.client_dir, str(step)), {"_CHECKPOINT_METADATA": b"{}", "state/a": bytes([step]) * 64})
+    path = write_tree(
+        os.path.join(disk.client_dir, str(step)), {"_CHECKPOINT_METADATA": b"{}", "state/a": bytes([step]) * 64}
+    )
     meta.save_manifest(build_manifest(path, step, RANK))
 
 
 def restored_at(tmp_path, step, newer):
     disk = Ramdisk("default", "run", 1 << 20, str(tmp_path))
-    context = {"csi.storage.k8s.io/pod.name": "run-0-0-x", "csi.storage.k8s.io/pod.uid": "uid", "job": "run", "nodes": "2"}
+    context = {
+        "csi.storage.k8s.io/pod.name": "run-0-0-x",
+        "csi.storage.k8s.io/pod.uid": "uid",
+        "job": "run",
+        "nodes": "2",
+    }
     disk.publications["t"] = Publication("v", False, parse_volume_context(context, 1 << 20), 0.0)
     meta = JobMeta(disk.path)
     for s in [step, *newer]:
         committed(disk, meta, s)
-    config = NodeConfig("n", str(tmp_path), CsiSettings("unix:///n.sock"), PeerSettings("127.0.0.1:1"),
-                        coordinator=CoordinatorSettings("http://coordinator"))  # fmt: skip
+    config = NodeConfig(
+        "n",
+        str(tmp_path),
+        CsiSettings("unix:///n.sock"),
+        PeerSettings("127.0.0.1:1"),
+        coordinator=CoordinatorSettings("http://coordinator"),
+    )
     replicator = NodeReplicator(config, None)
     progress = PodProgress("uid", "inc", RANK, "h:1", True)
     staging.stage_local(ORBAX, disk.client_dir, step, meta.manifests()[step], meta, RANK)
@@ -91,17 +103,27 @@ def test_a_rollback_deletes_the_abandoned_newer_steps(tmp_path):
 async def test_a_learnt_rollback_deletes_the_abandoned_timelines_copies_and_new_steps_carry_the_new_timeline(tmp_path):
     disk, meta, replicator = restored_at(tmp_path, 3, [6, 9])  # 6 and 9 set aside, in timeline 0
     for step in (4, 7):  # replicas of the other rank, pushed by its node
-        path = write_tree(os.path.join(tmp_path, f"pushed-{step}"), {"_CHECKPOINT_METADATA": b"{}", "state/b": bytes([step])})
+        path = write_tree(
+            os.path.join(tmp_path, f"pushed-{step}"), {"_CHECKPOINT_METADATA": b"{}", "state/b": bytes([step])}
+        )
         meta.install_replica(path, build_manifest(path, step, 0))
     assert meta.learn_lineage((5,)) and not meta.learn_lineage((5,)) and not meta.learn_lineage((4,))
     drop_abandoned(disk)
     assert set(meta.replicas()) == {(0, 4)} and set(meta.manifests()) == {3}  # steps after 5 of timeline 0: gone
     assert meta.locate(RANK, 9) is None and meta.locate(0, 4) is not None
 
-    committed_again = write_tree(os.path.join(disk.client_dir, "6"), {"_CHECKPOINT_METADATA": b"{}", "state/a": b"new values"})
+    committed_again = write_tree(
+        os.path.join(disk.client_dir, "6"), {"_CHECKPOINT_METADATA": b"{}", "state/a": b"new values"}
+    )
     assert ORBAX.scan_steps(disk.client_dir).committed == [6] and os.path.isdir(committed_again)
-    await CommitDetector(None, lambda: None).detect(disk, meta, PodProgress("uid", "inc", RANK, "h:1", True, restore_done=True))
+    await CommitDetector(None, lambda: None).detect(
+        disk, meta, PodProgress("uid", "inc", RANK, "h:1", True, restore_done=True)
+    )
     assert meta.manifests()[6].timeline == 1
     report = replicator._build_report({JobRef("default", "run"): disk})
-    assert {(h.step, h.rank, h.replica, h.timeline) for h in report.held} == {(3, RANK, False, 0), (6, RANK, False, 1), (4, 0, True, 0)}
+    assert {(h.step, h.rank, h.replica, h.timeline) for h in report.held} == {
+        (3, RANK, False, 0),
+        (6, RANK, False, 1),
+        (4, 0, True, 0),
+    }
     assert [(lineage.job, lineage.forks) for lineage in report.lineages] == [("run", (5,))]

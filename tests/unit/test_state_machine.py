@@ -19,7 +19,11 @@ NODES = 10_000
 SLICES = 40
 KEY = JobRef("default", "big")
 NAMES = (KEY.namespace, KEY.job)  # a message's namespace and job fields
-STEP_FILES = {"_CHECKPOINT_METADATA": (10, "00000001"), "state/_METADATA": (20, "00000002"), "state/d/a": (30, "00000003")}
+STEP_FILES = {
+    "_CHECKPOINT_METADATA": (10, "00000001"),
+    "state/_METADATA": (20, "00000002"),
+    "state/d/a": (30, "00000003"),
+}
 
 
 def pod(node: int, nodes: int, slices: int, incarnation=None, rank=None, settings=None) -> PodReport:
@@ -54,8 +58,14 @@ def heartbeat_round(state, nodes, rank_of, held, now, with_files=False):
     replies = {}
     for node in range(nodes):
         rank = rank_of[node]
-        steps = tuple(held(rank) if with_files else (h.__class__(*NAMES, h.step, h.rank, None, h.replica, h.signature) for h in held(rank)))
-        replies[node] = state.apply_report(report(node, [pod(node, nodes, SLICES, incarnation, rank, settings)], steps), now)
+        steps = tuple(
+            held(rank)
+            if with_files
+            else (h.__class__(*NAMES, h.step, h.rank, None, h.replica, h.signature) for h in held(rank))
+        )
+        replies[node] = state.apply_report(
+            report(node, [pod(node, nodes, SLICES, incarnation, rank, settings)], steps), now
+        )
     return replies
 
 
@@ -85,7 +95,9 @@ def test_unchanged_heartbeats_recompute_nothing():
     assert state.decisions == before
     assert not any(r.want_files for r in replies.values())
     # One changed report (a new step) makes the job dirty: exactly one pass once it is due.
-    state.apply_report(report(7, [pod(7, NODES, SLICES, state.job(KEY).incarnation.incarnation_id, 7)], [own(10, 7), own(20, 7)]), 4.6)
+    state.apply_report(
+        report(7, [pod(7, NODES, SLICES, state.job(KEY).incarnation.incarnation_id, 7)], [own(10, 7), own(20, 7)]), 4.6
+    )
     state.tick(4.6 + decide_interval(NODES))
     assert state.decisions == before + 1
 
@@ -106,24 +118,40 @@ def test_replicate_and_backup_orders_are_issued_exactly_when_due():
     reply = state.apply_report(report(0, [pod(0, nodes, 2, incarnation.incarnation_id, rank_of[0])], held(0, [4])), 1.0)
     assert reply.replicate == ()
     for node in range(1, nodes):
-        state.apply_report(report(node, [pod(node, nodes, 2, incarnation.incarnation_id, rank_of[node])], held(node, [4])), 1.0)
+        state.apply_report(
+            report(node, [pod(node, nodes, 2, incarnation.incarnation_id, rank_of[node])], held(node, [4])), 1.0
+        )
     state.tick(1.0 + decide_interval(nodes))
     reply = state.apply_report(report(0, [pod(0, nodes, 2, incarnation.incarnation_id, rank_of[0])], held(0, [4])), 1.0)
     assert [(o.step, [t.node for t in o.targets]) for o in reply.replicate] == [(4, targets[rank_of[0]])]
     # Once the target holds the replica, no order any more.
     target = int(targets[rank_of[0]][0][1:])
-    state.apply_report(report(target, [pod(target, nodes, 2, incarnation.incarnation_id, rank_of[target])], held(target, [], [(4, rank_of[0])])), 1.1)
+    state.apply_report(
+        report(
+            target,
+            [pod(target, nodes, 2, incarnation.incarnation_id, rank_of[target])],
+            held(target, [], [(4, rank_of[0])]),
+        ),
+        1.1,
+    )
     reply = state.apply_report(report(0, [pod(0, nodes, 2, incarnation.incarnation_id, rank_of[0])], held(0, [4])), 1.2)
     assert reply.replicate == ()
     # No backup while no node has a backup tier: a step chosen then would only be kept from GC.
     for node in range(nodes):
-        reply = state.apply_report(report(node, [pod(node, nodes, 2, incarnation.incarnation_id, rank_of[node])], held(node, [4])), 1.3)
+        reply = state.apply_report(
+            report(node, [pod(node, nodes, 2, incarnation.incarnation_id, rank_of[node])], held(node, [4])), 1.3
+        )
         assert reply.backup == ()
     state.tick(1.3 + decide_interval(nodes))
     assert state.job(KEY).backup_pending is None
     # With backup tiers: no backup before every rank holds the step; then one order per rank, for its own node only.
     for node in range(nodes):
-        reply = state.apply_report(report(node, [pod(node, nodes, 2, incarnation.incarnation_id, rank_of[node])], held(node, [6]), has_backup=True), 1.4)
+        reply = state.apply_report(
+            report(
+                node, [pod(node, nodes, 2, incarnation.incarnation_id, rank_of[node])], held(node, [6]), has_backup=True
+            ),
+            1.4,
+        )
         assert [(o.step, o.rank) for o in reply.backup] == ([(6, rank_of[node])] if node == nodes - 1 else [])
     assert state.job(KEY).backup_pending == 6
 
@@ -167,7 +195,9 @@ def test_every_rank_restarting_at_once_costs_a_few_decision_passes_not_one_per_r
             state.restore_view(KEY, incarnation, rank, 40.0)
     assert state.decisions - decisions <= 2  # not one decision pass per rank
     lister = state.job(KEY).lister
-    state.apply_report(msgspec.structs.replace(state.liveness.nodes[lister].report, backed_up=(BackedUp(*NAMES, (), 41.0),)), 41.0)
+    state.apply_report(
+        msgspec.structs.replace(state.liveness.nodes[lister].report, backed_up=(BackedUp(*NAMES, (), 41.0),)), 41.0
+    )
     state.tick(41.0 + decide_interval(nodes))
     assert {state.restore_view(KEY, incarnation, rank, 42.0).step for rank in range(nodes)} == {10}
     assert state.identical(KEY)[10] == frozenset((r, (r + half) % nodes) for r in range(nodes))
@@ -198,16 +228,27 @@ def test_a_restarted_coordinator_asks_once_for_the_checksums_it_lacks():
     incarnation = state.job(KEY).incarnation.incarnation_id
     settings = JobSettings((), 1, None, 100)
     bare = lambda node: [HeldStep(*NAMES, 10, rank_of[node], None, signature="s")]  # noqa: E731
-    replies = [fresh.apply_report(report(n, [pod(n, 4, 1, incarnation, rank_of[n], settings)], bare(n)), 50.0) for n in range(4)]
+    replies = [
+        fresh.apply_report(report(n, [pod(n, 4, 1, incarnation, rank_of[n], settings)], bare(n)), 50.0)
+        for n in range(4)
+    ]
     assert all(r.want_files for r in replies)
-    replies = [fresh.apply_report(report(n, [pod(n, 4, 1, incarnation, rank_of[n], settings)], [own(10, rank_of[n])]), 51.0) for n in range(4)]
+    replies = [
+        fresh.apply_report(report(n, [pod(n, 4, 1, incarnation, rank_of[n], settings)], [own(10, rank_of[n])]), 51.0)
+        for n in range(4)
+    ]
     assert not any(r.want_files for r in replies)
     assert fresh.job(KEY).incarnation.incarnation_id == incarnation  # adopted, not reassigned
     assert fresh.job(KEY).owner_files(10, 0) == STEP_FILES
-    assert not any(fresh.apply_report(report(n, [pod(n, 4, 1, incarnation, rank_of[n], settings)], bare(n)), 52.0).want_files for n in range(4))
+    assert not any(
+        fresh.apply_report(report(n, [pod(n, 4, 1, incarnation, rank_of[n], settings)], bare(n)), 52.0).want_files
+        for n in range(4)
+    )
 
 
-@pytest.mark.parametrize(("live", "heartbeat", "timeout"), [(4, 1.0, 15.0), (1_000, 1.0, 15.0), (4_000, 4.0, 15.0), (10_000, 10.0, 30.0)])
+@pytest.mark.parametrize(
+    ("live", "heartbeat", "timeout"), [(4, 1.0, 15.0), (1_000, 1.0, 15.0), (4_000, 4.0, 15.0), (10_000, 10.0, 30.0)]
+)
 def test_heartbeats_slow_down_as_the_cluster_grows_and_the_timeout_follows(live, heartbeat, timeout):
     state = ClusterState(node_timeout_seconds=15.0)
     for node in range(live):
@@ -236,7 +277,9 @@ def test_a_restore_of_a_40_slice_job_lists_each_rank_a_few_of_its_39_identical_p
     assert len(state.identical(KEY)[10]) == NODES * (SLICES - 1)
     views = [state.restore_view(KEY, incarnation, rank, 40.0) for rank in range(NODES)]
     assert {v.step for v in views} == {10}
-    assert all(v.sources[0].tier == "local" and v.sources[0].holder == f"n{rank}" for rank, v in zip(range(NODES), views))
+    assert all(
+        v.sources[0].tier == "local" and v.sources[0].holder == f"n{rank}" for rank, v in zip(range(NODES), views)
+    )
     # A few of the 39 identical peers (with the step's checksums each), not all of them.
     assert {len(v.sources) for v in views} == {1 + PEER_SOURCES_PER_VIEW}
     assert max(len(msgspec.json.encode(v)) for v in views) < 2_000
@@ -284,8 +327,13 @@ def test_a_decision_pass_looks_rank_by_rank_only_at_steps_every_rank_holds():
     state.tick(1.0 + decide_interval(NODES))
     assert state.safe_step(KEY) == 10 and state.newest_complete_step(KEY) == 10
     checks = state.rank_checks
-    heartbeat_round(state, NODES, rank_of, lambda rank: [own(10, rank), *newest(rank), own(30, rank)] if rank == 1 else
-                    [own(10, rank), *newest(rank)], 3.0)  # fmt: skip
+    heartbeat_round(
+        state,
+        NODES,
+        rank_of,
+        lambda rank: [own(10, rank), *newest(rank), own(30, rank)] if rank == 1 else [own(10, rank), *newest(rank)],
+        3.0,
+    )
     state.tick(3.0 + decide_interval(NODES))
     # Steps 30 and 20 are skipped on their rank counts; step 10 is walked once for safety and once
     # for the backup choice: never one walk per step held.
@@ -362,7 +410,12 @@ def test_a_complete_step_is_walked_once_until_a_holder_falls_silent():
         for node in nodes:
             rank = rank_of[node]
             settings = state.job(KEY).settings[rank]
-            state.apply_report(report(node, [pod(node, 4, 2, incarnation, rank, settings)], [own(10, rank, signature=f"sig-{rank % 2}")]), now)
+            state.apply_report(
+                report(
+                    node, [pod(node, 4, 2, incarnation, rank, settings)], [own(10, rank, signature=f"sig-{rank % 2}")]
+                ),
+                now,
+            )
 
     heartbeat(range(4), 1.0)
     state.tick(2.0)
@@ -392,7 +445,9 @@ def test_ranks_saving_out_of_phase_replicate_one_round_step_until_it_is_safe():
         orders = {}
         for node in range(nodes):
             rank = rank_of[node]
-            held = [own(s, rank) for s in range(1, newest[rank] + 1)] + [HeldStep(*NAMES, s, r, None, replica=True) for s, r in replicas[node]]
+            held = [own(s, rank) for s in range(1, newest[rank] + 1)] + [
+                HeldStep(*NAMES, s, r, None, replica=True) for s, r in replicas[node]
+            ]
             reply = state.apply_report(report(node, [pod(node, nodes, 1, incarnation, rank)], held), now)
             orders[node] = [o.step for o in reply.replicate]
         state.tick(now + decide_interval(nodes))

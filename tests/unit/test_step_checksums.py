@@ -21,7 +21,13 @@ def test_checksum_files_in_pieces_on_threads_equals_the_crc_of_each_whole_file(t
 
 
 def test_crc32c_combine_equals_the_crc_of_the_concatenation():
-    pairs = [(b"", b""), (b"a", b""), (b"", b"b"), (os.urandom(1000), os.urandom(70_001)), (os.urandom(3), os.urandom(1 << 20))]
+    pairs = [
+        (b"", b""),
+        (b"a", b""),
+        (b"", b"b"),
+        (os.urandom(1000), os.urandom(70_001)),
+        (os.urandom(3), os.urandom(1 << 20)),
+    ]
     for first, second in pairs:
         combined = crc32c_combine(google_crc32c.value(first), google_crc32c.value(second), len(second))
         assert combined == google_crc32c.value(first + second)

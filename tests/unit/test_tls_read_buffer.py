@@ -19,7 +19,8 @@ from replicator.coordinator.tls_read_buffer import TLS_READ_BUFFER_BYTES, VERIFI
 def test_the_running_python_is_one_the_shared_read_buffer_was_verified_on():
     assert sys.version_info[:2] in VERIFIED_PYTHONS, (
         "asyncio's TLS read buffer is shared only on the Pythons in tls_read_buffer.VERIFIED_PYTHONS: check that "
-        "this one's SSLProtocol still reads as the tests below say, rerun tests.bench.connection_memory, then add it")
+        "this one's SSLProtocol still reads as the tests below say, rerun tests.bench.connection_memory, then add it"
+    )
 
 
 def test_asyncio_still_reads_tls_through_the_attributes_the_shared_buffer_replaces():
@@ -38,8 +39,9 @@ def test_asyncio_still_reads_tls_through_the_attributes_the_shared_buffer_replac
 
 def server_protocol(loop: asyncio.AbstractEventLoop) -> asyncio.sslproto.SSLProtocol:
     """A server-side ``SSLProtocol``, as asyncio builds one for an accepted connection (no socket)."""
-    return asyncio.sslproto.SSLProtocol(loop, asyncio.Protocol(), ssl.create_default_context(ssl.Purpose.CLIENT_AUTH),
-                                        None, server_side=True)
+    return asyncio.sslproto.SSLProtocol(
+        loop, asyncio.Protocol(), ssl.create_default_context(ssl.Purpose.CLIENT_AUTH), None, server_side=True
+    )
 
 
 def test_every_protocol_built_after_sharing_reads_into_the_one_buffer(tls_buffer_sharing):

@@ -41,15 +41,18 @@ def test_an_unusable_rewrite_keeps_the_tokens_last_read_until_a_good_one(tmp_pat
     assert os.path.islink(path)
     assert tokens.current == "old" and tokens.accepts("old")
     assert tokens.current == "old"
-    assert [r.getMessage() for r in caplog.records].count(f"token file {path} changed but cannot be used, keeping its previous 1 token(s): "
-                                                           f"token file {path} is empty") == 1  # logged once per change
+    assert [r.getMessage() for r in caplog.records].count(
+        f"token file {path} changed but cannot be used, keeping its previous 1 token(s): token file {path} is empty"
+    ) == 1  # logged once per change
     os.unlink(path)  # gone for a moment
     assert tokens.current == "old"
     project_secret(path, "new\n")
     assert tokens.current == "new" and not tokens.accepts("old")
 
 
-@pytest.mark.parametrize("text, error", [("", "is empty"), ("a b\n", "token 1 holds white space"), ("ok\nnon-ascii-é\n", "token 2 holds")])
+@pytest.mark.parametrize(
+    "text, error", [("", "is empty"), ("a b\n", "token 1 holds white space"), ("ok\nnon-ascii-é\n", "token 2 holds")]
+)
 def test_a_bad_token_file_is_refused_at_start_naming_the_file(tmp_path, text, error):
     path = tmp_path / "token"
     path.write_text(text, encoding="utf-8")
@@ -75,11 +78,21 @@ async def test_a_guarded_route_accepts_every_token_of_the_file_and_refuses_other
 
     async def status(value: str | None) -> int:
         try:
-            return (await guarded(make_mocked_request("GET", "/", headers={"Authorization": value} if value is not None else {}))).status
+            return (
+                await guarded(
+                    make_mocked_request("GET", "/", headers={"Authorization": value} if value is not None else {})
+                )
+            ).status
         except web.HTTPException as err:
             return err.status
 
-    assert [await status(v) for v in ("Bearer old", "Bearer new", None, "Basic old", "Bearer  old")] == [200, 401, 401, 401, 401]
+    assert [await status(v) for v in ("Bearer old", "Bearer new", None, "Basic old", "Bearer  old")] == [
+        200,
+        401,
+        401,
+        401,
+        401,
+    ]
     project_secret(path, "new\nold\n")
     assert [await status(v) for v in ("Bearer old", "Bearer new")] == [200, 200]
     project_secret(path, "new\n")

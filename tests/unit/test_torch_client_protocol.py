@@ -21,18 +21,28 @@ def test_fresh_start_writes_resiliency_keys_and_leaves_the_step0_marker(tmp_path
     with FakeTorchAgent(tmp_path, "llama", node=1) as agent:
         result = protocol.handshake(tmp_path, CONFIG, FAST)
     assert (result.step, result.directory) == (None, None)
-    assert agent.config == {"job-name": "llama", "framework": "pytorch.distributed", "node-rank": 1, "nodes": 4,
-                            "peers-per-node": 1, "backup-interval-steps": 6, "workers-per-node": 2}
+    assert agent.config == {
+        "job-name": "llama",
+        "framework": "pytorch.distributed",
+        "node-rank": 1,
+        "nodes": 4,
+        "peers-per-node": 1,
+        "backup-interval-steps": 6,
+        "workers-per-node": 2,
+    }
     assert (tmp_path / "llama-s0-n1-w0.restore").is_file()
     assert not (tmp_path / "replicator.yaml").exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
 
 
 def test_resiliency_key_order_and_minutes():
-    config = ReplicatorConfig(job_name="j", node_rank=0, nodes=2, peers_per_node=1, backup_interval_minutes=30,
-                              peer_ranks=(1,))
-    assert config.to_yaml() == ("job-name: j\nframework: pytorch.distributed\nnode-rank: 0\nnodes: 2\n"
-                                "peers-per-node: 1\nbackup-interval-minutes: 30\npeer-ranks:\n- 1\n")
+    config = ReplicatorConfig(
+        job_name="j", node_rank=0, nodes=2, peers_per_node=1, backup_interval_minutes=30, peer_ranks=(1,)
+    )
+    assert config.to_yaml() == (
+        "job-name: j\nframework: pytorch.distributed\nnode-rank: 0\nnodes: 2\n"
+        "peers-per-node: 1\nbackup-interval-minutes: 30\npeer-ranks:\n- 1\n"
+    )
 
 
 def test_restore_renames_the_marker_symlink_to_step_dir(tmp_path):
@@ -112,14 +122,25 @@ def test_each_timeout_names_what_was_missing(tmp_path):
     thread.join()
 
 
-@pytest.mark.parametrize("text, step", [("{}", 0), ("", 0), ("restore-step: 12\n", 12), ("restore-step: 0", 0),
-                                        ("other: 1", 0)])
+@pytest.mark.parametrize(
+    "text, step", [("{}", 0), ("", 0), ("restore-step: 12\n", 12), ("restore-step: 0", 0), ("other: 1", 0)]
+)
 def test_prerestore_steps(text, step):
     assert protocol.parse_prerestore(text) == step
 
 
-@pytest.mark.parametrize("text", ["[1, 2]", "restore-step: -1", "restore-step: x", "restore-step: true",
-                                  "restore-step: 1.5", "a: [", "!!python/object:os.system {}"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[1, 2]",
+        "restore-step: -1",
+        "restore-step: x",
+        "restore-step: true",
+        "restore-step: 1.5",
+        "a: [",
+        "!!python/object:os.system {}",
+    ],
+)
 def test_malformed_prerestore_is_a_protocol_error(text):
     with pytest.raises(ProtocolError, match="replicator.prerestore"):
         protocol.parse_prerestore(text)
@@ -141,8 +162,15 @@ def test_markers_of_the_wrong_kind_are_refused(tmp_path):
 
 
 def test_marker_names_are_matched_strictly(tmp_path):
-    for name in ["j-s5-n0-w0.restore.tmp", "j-s5-n0-w0.restorex", "j-s-1-n0-w0.restore", "../j-s5-n0-w0",
-                 "j-s5-n00-w0.restore.bak", "j-s99999999999999999999-n0-w0.restore", "j-s6-n1-w0.restore"]:
+    for name in [
+        "j-s5-n0-w0.restore.tmp",
+        "j-s5-n0-w0.restorex",
+        "j-s-1-n0-w0.restore",
+        "../j-s5-n0-w0",
+        "j-s5-n00-w0.restore.bak",
+        "j-s99999999999999999999-n0-w0.restore",
+        "j-s6-n1-w0.restore",
+    ]:
         if "/" not in name:
             (tmp_path / name).touch()
     (tmp_path / "j-slice-s2-n0-w0.restore").touch()  # the agent names it after the volume's job key
@@ -169,34 +197,46 @@ def test_control_files_that_are_symlinks_or_huge_are_not_followed_or_read_whole(
             pass
 
 
-@pytest.mark.parametrize("env, expected", [
-    ({"NODE_RANK": "1", "NNODES": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, (1, 2, 1, 2)),
-    ({"GROUP_RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}, (3, 4, 0, 2)),
-    ({"NODE_RANK": "0", "GROUP_RANK": "5", "NNODES": "2", "WORLD_SIZE": "12", "LOCAL_WORLD_SIZE": "2"}, (0, 2, 0, 2)),
-])
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({"NODE_RANK": "1", "NNODES": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, (1, 2, 1, 2)),
+        ({"GROUP_RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}, (3, 4, 0, 2)),
+        (
+            {"NODE_RANK": "0", "GROUP_RANK": "5", "NNODES": "2", "WORLD_SIZE": "12", "LOCAL_WORLD_SIZE": "2"},
+            (0, 2, 0, 2),
+        ),
+    ],
+)
 def test_topology_from_torchrun_env(env, expected):
     topo = NodeTopology.from_env(env)
     assert (topo.node_rank, topo.nodes, topo.local_rank, topo.local_world_size) == expected
 
 
-@pytest.mark.parametrize("env, message", [
-    ({"NNODES": "2"}, "neither NODE_RANK nor GROUP_RANK"),
-    ({"NODE_RANK": "2", "NNODES": "2"}, "not in range"),
-    ({"NODE_RANK": "x", "NNODES": "2"}, "NODE_RANK='x' is not an integer"),
-    ({"NODE_RANK": "0", "NNODES": "1", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"}, "local rank 2"),
-])
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"NNODES": "2"}, "neither NODE_RANK nor GROUP_RANK"),
+        ({"NODE_RANK": "2", "NNODES": "2"}, "not in range"),
+        ({"NODE_RANK": "x", "NNODES": "2"}, "NODE_RANK='x' is not an integer"),
+        ({"NODE_RANK": "0", "NNODES": "1", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"}, "local rank 2"),
+    ],
+)
 def test_bad_topology_is_named(env, message):
     with pytest.raises(ValueError, match=message):
         NodeTopology.from_env(env)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"backup_interval_minutes": 30, "backup_interval_steps": 5}, "exactly one"),
-    ({}, "exactly one"),
-    ({"backup_interval_steps": 5, "assume_data_parallelism": 3}, "must divide nodes=4"),
-    ({"backup_interval_steps": 5, "job_name": "../x"}, "job name"),
-    ({"backup_interval_steps": 5, "peer_ranks": (4,)}, "peer_ranks"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"backup_interval_minutes": 30, "backup_interval_steps": 5}, "exactly one"),
+        ({}, "exactly one"),
+        ({"backup_interval_steps": 5, "assume_data_parallelism": 3}, "must divide nodes=4"),
+        ({"backup_interval_steps": 5, "job_name": "../x"}, "job name"),
+        ({"backup_interval_steps": 5, "peer_ranks": (4,)}, "peer_ranks"),
+    ],
+)
 def test_bad_config_is_refused(kwargs, message):
     args = {"job_name": "j", "node_rank": 0, "nodes": 4, **kwargs}
     with pytest.raises(ValueError, match=message):
@@ -208,8 +248,12 @@ def test_config_round_trips_through_safe_load():
 
 
 def test_step_layout_names():
-    assert (protocol.tmp_step_name(12), protocol.step_name(12), protocol.rank_dir_name(1, 2),
-            protocol.restored_step_name(12)) == ("12.tmp", "12", "rank-1-of-2", "step=12")
+    assert (
+        protocol.tmp_step_name(12),
+        protocol.step_name(12),
+        protocol.rank_dir_name(1, 2),
+        protocol.restored_step_name(12),
+    ) == ("12.tmp", "12", "rank-1-of-2", "step=12")
     with pytest.raises(ValueError):
         protocol.rank_dir_name(2, 2)
     with pytest.raises(ValueError):

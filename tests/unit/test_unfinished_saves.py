@@ -9,12 +9,25 @@ import pytest
 from replicator.local_tier import frameworks
 
 
-@pytest.mark.parametrize(("framework", "unfinished", "kept"), [
-    ("orbax", ["32.orbax-checkpoint-tmp", "33.orbax-checkpoint-tmp-1764048000"], ["31", "notes.orbax-checkpoint-tmp", "7.tmp"]),
-    # NeMo's save of global step 33 (committed as 32 by a rename it never made) and its unfinished mark.
-    ("pytorch.distributed", ["32.tmp", "step=33", "step=33-unfinished"], ["31", "step=x", "x.tmp", "32.orbax-checkpoint-tmp"]),
-])  # fmt: skip
-def test_a_new_pod_finds_no_unfinished_save_of_the_previous_one_and_every_committed_step(tmp_path, framework, unfinished, kept):
+@pytest.mark.parametrize(
+    ("framework", "unfinished", "kept"),
+    [
+        (
+            "orbax",
+            ["32.orbax-checkpoint-tmp", "33.orbax-checkpoint-tmp-1764048000"],
+            ["31", "notes.orbax-checkpoint-tmp", "7.tmp"],
+        ),
+        # NeMo's save of global step 33 (committed as 32 by a rename it never made) and its unfinished mark.
+        (
+            "pytorch.distributed",
+            ["32.tmp", "step=33", "step=33-unfinished"],
+            ["31", "step=x", "x.tmp", "32.orbax-checkpoint-tmp"],
+        ),
+    ],
+)
+def test_a_new_pod_finds_no_unfinished_save_of_the_previous_one_and_every_committed_step(
+    tmp_path, framework, unfinished, kept
+):
     for name in unfinished + kept:
         (tmp_path / name / "state").mkdir(parents=True)
         (tmp_path / name / "state" / "data").write_bytes(b"x" * 4096)

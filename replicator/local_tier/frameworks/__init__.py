@@ -18,7 +18,16 @@ from replicator.local_tier.frameworks.base import Files, Framework, InvalidRepli
 from replicator.local_tier.frameworks.orbax import Orbax
 from replicator.local_tier.frameworks.pytorch import PyTorchDistributed
 
-__all__ = ["DEFAULT", "REGISTRY", "Files", "Framework", "InvalidReplicatorConfig", "StepScan", "UnknownFramework", "get"]
+__all__ = [
+    "DEFAULT",
+    "REGISTRY",
+    "Files",
+    "Framework",
+    "InvalidReplicatorConfig",
+    "StepScan",
+    "UnknownFramework",
+    "get",
+]
 
 # Framework name -> its (shared, stateless) implementation.
 REGISTRY: dict[str, Framework] = {framework.name: framework for framework in (Orbax(), PyTorchDistributed())}

@@ -70,8 +70,16 @@ def load_config(text: str, kind: type[Config]) -> tuple[Config, dict[str, Any]]:
         raise InvalidReplicatorConfig(field, f"{err}{value}") from None
 
 
-def check_job_shape(raw: Mapping[str, Any], node_rank: int, nodes: int, data_parallelism: int, peer_ranks: tuple[int, ...],
-                    expected_rank: int, expected_nodes: int, rank_hint: str = "") -> None:  # fmt: skip
+def check_job_shape(
+    raw: Mapping[str, Any],
+    node_rank: int,
+    nodes: int,
+    data_parallelism: int,
+    peer_ranks: tuple[int, ...],
+    expected_rank: int,
+    expected_nodes: int,
+    rank_hint: str = "",
+) -> None:
     """The checks every ``replicator.yaml`` passes: its shape against the volume's and the rank this
     node assigned, its peers, and exactly one backup interval.
 
@@ -82,13 +90,20 @@ def check_job_shape(raw: Mapping[str, Any], node_rank: int, nodes: int, data_par
       InvalidReplicatorConfig: naming the field and the value.
     """
     if nodes != expected_nodes:
-        raise InvalidReplicatorConfig("nodes", f"{nodes} does not match the job's nodes={expected_nodes} (the volume's attribute, else the API server's shape)")
+        raise InvalidReplicatorConfig(
+            "nodes",
+            f"{nodes} does not match the job's nodes={expected_nodes} (the volume's attribute, else the API server's shape)",
+        )
     if node_rank != expected_rank:
-        raise InvalidReplicatorConfig("node-rank", f"{node_rank} is not the rank assigned to this pod ({expected_rank}){rank_hint}")
+        raise InvalidReplicatorConfig(
+            "node-rank", f"{node_rank} is not the rank assigned to this pod ({expected_rank}){rank_hint}"
+        )
     if nodes % data_parallelism:
         raise InvalidReplicatorConfig("assume-data-parallelism", f"{data_parallelism} does not divide nodes={nodes}")
     if any(p >= nodes for p in peer_ranks) or node_rank in peer_ranks or len(set(peer_ranks)) != len(peer_ranks):
-        raise InvalidReplicatorConfig("peer-ranks", f"{list(peer_ranks)} must be distinct ranks in [0, {nodes}) other than node-rank {node_rank}")
+        raise InvalidReplicatorConfig(
+            "peer-ranks", f"{list(peer_ranks)} must be distinct ranks in [0, {nodes}) other than node-rank {node_rank}"
+        )
     intervals = [key for key in INTERVALS.split("/") if raw.get(key) is not None]
     if len(intervals) != 1:
         raise InvalidReplicatorConfig(INTERVALS, f"exactly one must be set, got {intervals or 'none'}")
@@ -177,14 +192,18 @@ class ClientDirProtocol:
         entries = dict(pod_files.names(fd))
         for name, status in entries.items():
             if name.startswith(STAGED_PREFIX):
-                step = pod_files.parse_int_name(name[len(STAGED_PREFIX):])
+                step = pod_files.parse_int_name(name[len(STAGED_PREFIX) :])
                 if step is not None and stat.S_ISDIR(status.st_mode):
                     staged.add(step)
                 continue
             step, adopted = pod_files.parse_int_name(name), self._adopted_step(name)
             if step is not None and stat.S_ISDIR(status.st_mode):
                 committed.add(step)
-            elif adopted is not None and stat.S_ISLNK(status.st_mode) and self._is_adopted_marker(fd, name, adopted, entries):
+            elif (
+                adopted is not None
+                and stat.S_ISLNK(status.st_mode)
+                and self._is_adopted_marker(fd, name, adopted, entries)
+            ):
                 committed.add(adopted)
             elif adopted is not None and stat.S_ISDIR(status.st_mode):
                 if self.unfinished_mark is None or name + self.unfinished_mark not in entries:
@@ -311,4 +330,6 @@ class ClientDirProtocol:
 
 
 def _copy(scan: StepScan) -> StepScan:
-    return StepScan(list(scan.committed), list(scan.staged), list(scan.refused), list(scan.uncommitted))  # the caller's own lists
+    return StepScan(
+        list(scan.committed), list(scan.staged), list(scan.refused), list(scan.uncommitted)
+    )  # the caller's own lists

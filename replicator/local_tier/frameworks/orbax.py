@@ -40,17 +40,34 @@ from replicator.local_tier.frameworks.client_dir import (
 )
 from replicator.wire.messages import JobSettings
 
-__all__ = ["COMMIT_EVIDENCE", "ERRORS_FILE", "FAILED_FILE", "JAX_INIT_INFO_FILE", "REPLICATOR_FILE", "RESTORE_SUFFIX", "STAGED_PREFIX",
-           "InvalidReplicatorConfig", "Orbax", "ReplicatorConfig", "parse_replicator_config", "restore_marker_name"]  # fmt: skip
+__all__ = [
+    "COMMIT_EVIDENCE",
+    "ERRORS_FILE",
+    "FAILED_FILE",
+    "JAX_INIT_INFO_FILE",
+    "REPLICATOR_FILE",
+    "RESTORE_SUFFIX",
+    "STAGED_PREFIX",
+    "InvalidReplicatorConfig",
+    "Orbax",
+    "ReplicatorConfig",
+    "parse_replicator_config",
+    "restore_marker_name",
+]
 
 JAX_INIT_INFO_FILE = "jax-init-info.txt"
 # Orbax writes it into every step before the commit rename: a step without it is not a checkpoint.
 COMMIT_EVIDENCE = "_CHECKPOINT_METADATA"
 
 
-_YAML_NAMES = {"data_parallelism": "assume-data-parallelism", "backup_interval_minutes": "backup-interval-minutes",
-               "backup_interval_steps": "backup-interval-steps", "job_name": "job-name", "node_rank": "node-rank",
-               "peer_ranks": "peer-ranks"}  # fmt: skip
+_YAML_NAMES = {
+    "data_parallelism": "assume-data-parallelism",
+    "backup_interval_minutes": "backup-interval-minutes",
+    "backup_interval_steps": "backup-interval-steps",
+    "job_name": "job-name",
+    "node_rank": "node-rank",
+    "peer_ranks": "peer-ranks",
+}
 
 
 class ReplicatorConfig(msgspec.Struct, frozen=True, rename=_YAML_NAMES):
@@ -90,7 +107,9 @@ def parse_replicator_config(text: str, expected_rank: int, expected_nodes: int) 
       InvalidReplicatorConfig: naming the field and the value.
     """
     config, raw = load_config(text, ReplicatorConfig)
-    check_job_shape(raw, config.node_rank, config.nodes, config.data_parallelism, config.peer_ranks, expected_rank, expected_nodes)
+    check_job_shape(
+        raw, config.node_rank, config.nodes, config.data_parallelism, config.peer_ranks, expected_rank, expected_nodes
+    )
     return config
 
 
@@ -120,7 +139,8 @@ class Orbax(ClientDirProtocol):
         structural = sorted(
             (path, size, crc)
             for path, (size, crc) in files.items()
-            if path.rsplit("/", 1)[-1] in ("_METADATA", "_sharding") or (path.startswith("process_metadata/") and path.endswith(".json"))
+            if path.rsplit("/", 1)[-1] in ("_METADATA", "_sharding")
+            or (path.startswith("process_metadata/") and path.endswith(".json"))
         )
         return hashlib.sha256(json.dumps(structural).encode()).hexdigest() if structural else None
 
@@ -139,4 +159,6 @@ class Orbax(ClientDirProtocol):
           InvalidReplicatorConfig: naming the field and the value.
         """
         config = parse_replicator_config(text, expected_rank, expected_nodes)
-        return JobSettings(config.peer_ranks, config.data_parallelism, config.backup_interval_minutes, config.backup_interval_steps)
+        return JobSettings(
+            config.peer_ranks, config.data_parallelism, config.backup_interval_minutes, config.backup_interval_steps
+        )

@@ -49,11 +49,20 @@ PRERESTORE_FILE = "replicator.prerestore"
 DCP_METADATA = ".metadata"
 _ADOPTED = re.compile(r"^step=(?P<step>[0-9]{1,18})$", re.ASCII)
 _LOCAL_RANK_DIR = re.compile(r"^rank-(?P<rank>[0-9]{1,6})-of-(?P<of>[0-9]{1,6})$", re.ASCII)
-_RANK_HINT = "; a PyTorch job must run with NODE_RANK equal to its pod's JobSet index (torchrun --node-rank, static rendezvous)"
+_RANK_HINT = (
+    "; a PyTorch job must run with NODE_RANK equal to its pod's JobSet index (torchrun --node-rank, static rendezvous)"
+)
 
-_YAML_NAMES = {"data_parallelism": "assume-data-parallelism", "backup_interval_minutes": "backup-interval-minutes",
-               "backup_interval_steps": "backup-interval-steps", "job_name": "job-name", "node_rank": "node-rank",
-               "peer_ranks": "peer-ranks", "peers_per_node": "peers-per-node", "workers_per_node": "workers-per-node"}  # fmt: skip
+_YAML_NAMES = {
+    "data_parallelism": "assume-data-parallelism",
+    "backup_interval_minutes": "backup-interval-minutes",
+    "backup_interval_steps": "backup-interval-steps",
+    "job_name": "job-name",
+    "node_rank": "node-rank",
+    "peer_ranks": "peer-ranks",
+    "peers_per_node": "peers-per-node",
+    "workers_per_node": "workers-per-node",
+}
 
 
 class TorchReplicatorConfig(msgspec.Struct, frozen=True, rename=_YAML_NAMES):
@@ -75,7 +84,9 @@ class TorchReplicatorConfig(msgspec.Struct, frozen=True, rename=_YAML_NAMES):
     node_rank: Annotated[int, msgspec.Meta(ge=0)]
     nodes: Annotated[int, msgspec.Meta(ge=1)]
     peers_per_node: Annotated[int, msgspec.Meta(ge=0, le=64)] = 1
-    peer_ranks: Annotated[tuple[Annotated[int, msgspec.Meta(ge=0)], ...], msgspec.Meta(max_length=1 << 17)] | None = None
+    peer_ranks: Annotated[tuple[Annotated[int, msgspec.Meta(ge=0)], ...], msgspec.Meta(max_length=1 << 17)] | None = (
+        None
+    )
     data_parallelism: Annotated[int, msgspec.Meta(ge=1)] = 1
     workers_per_node: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
     backup_interval_minutes: Annotated[float, msgspec.Meta(gt=0)] | None = None
@@ -87,7 +98,11 @@ def data_parallel_peers(rank: int, nodes: int, data_parallelism: int) -> tuple[i
     consecutive groups (HSDP's replica groups, DDP when each group is one node): the same index in
     every other group."""
     per_group = nodes // data_parallelism
-    return tuple(rank % per_group + group * per_group for group in range(data_parallelism) if rank % per_group + group * per_group != rank)
+    return tuple(
+        rank % per_group + group * per_group
+        for group in range(data_parallelism)
+        if rank % per_group + group * per_group != rank
+    )
 
 
 def parse_torch_config(text: str, expected_rank: int, expected_nodes: int) -> TorchReplicatorConfig:
@@ -102,10 +117,20 @@ def parse_torch_config(text: str, expected_rank: int, expected_nodes: int) -> To
       InvalidReplicatorConfig: naming the field and the value.
     """
     config, raw = load_config(text, TorchReplicatorConfig)
-    check_job_shape(raw, config.node_rank, config.nodes, config.data_parallelism, config.peer_ranks or (), expected_rank, expected_nodes,
-                    _RANK_HINT)  # fmt: skip
+    check_job_shape(
+        raw,
+        config.node_rank,
+        config.nodes,
+        config.data_parallelism,
+        config.peer_ranks or (),
+        expected_rank,
+        expected_nodes,
+        _RANK_HINT,
+    )
     if config.peer_ranks is None:
-        config = msgspec.structs.replace(config, peer_ranks=data_parallel_peers(config.node_rank, config.nodes, config.data_parallelism))
+        config = msgspec.structs.replace(
+            config, peer_ranks=data_parallel_peers(config.node_rank, config.nodes, config.data_parallelism)
+        )
     return config
 
 
@@ -155,7 +180,9 @@ class PyTorchDistributed(ClientDirProtocol):
         deterministically, so data-parallel replicas of a node write equal ones; a writer that puts a
         random id in them (plain DCP) never matches, and its peers' steps are replicated, not shared.
         """
-        structural = sorted((path, size, crc) for path, (size, crc) in files.items() if path.rsplit("/", 1)[-1] == DCP_METADATA)
+        structural = sorted(
+            (path, size, crc) for path, (size, crc) in files.items() if path.rsplit("/", 1)[-1] == DCP_METADATA
+        )
         return hashlib.sha256(json.dumps(structural).encode()).hexdigest() if structural else None
 
     # -- the hand-shake ----------------------------------------------------------------------------
@@ -171,7 +198,12 @@ class PyTorchDistributed(ClientDirProtocol):
         """
         config = parse_torch_config(text, expected_rank, expected_nodes)
         # parse_torch_config derives peer_ranks when absent: never None here.
-        return JobSettings(config.peer_ranks or (), config.data_parallelism, config.backup_interval_minutes, config.backup_interval_steps)
+        return JobSettings(
+            config.peer_ranks or (),
+            config.data_parallelism,
+            config.backup_interval_minutes,
+            config.backup_interval_steps,
+        )
 
     def _before_marker(self, dir_fd: int, step: int | None) -> None:
         """``replicator.prerestore`` (tmp + rename): ``restore-step: <step>``, or ``{}`` for a fresh start.

@@ -57,8 +57,13 @@ class Binaries:
         Raises:
           FileNotFoundError: one is missing; the message names it and the make target.
         """
-        names = {"etcd": "etcd", "apiserver": "kube-apiserver", "controller_manager": "kube-controller-manager",
-                 "scheduler": "kube-scheduler", "jobset": "jobset"}  # fmt: skip
+        names = {
+            "etcd": "etcd",
+            "apiserver": "kube-apiserver",
+            "controller_manager": "kube-controller-manager",
+            "scheduler": "kube-scheduler",
+            "jobset": "jobset",
+        }
         found = {field: find_tool(name) for field, name in names.items()}
         missing = [names[field] for field, path in found.items() if path is None]
         if missing:
@@ -110,9 +115,15 @@ def write_kubeconfig(path: Path, server: str, ca: KeyPair, user: KeyPair, name: 
     config = {
         "apiVersion": "v1",
         "kind": "Config",
-        "clusters": [{"name": "local", "cluster": {"server": server, "certificate-authority-data": data(ca.cert_pem())}}],
-        "users": [{"name": name, "user": {"client-certificate-data": data(user.cert_pem()),
-                                          "client-key-data": data(user.key_pem())}}],  # fmt: skip
+        "clusters": [
+            {"name": "local", "cluster": {"server": server, "certificate-authority-data": data(ca.cert_pem())}}
+        ],
+        "users": [
+            {
+                "name": name,
+                "user": {"client-certificate-data": data(user.cert_pem()), "client-key-data": data(user.key_pem())},
+            }
+        ],
         "contexts": [{"name": name, "context": {"cluster": "local", "user": name, "namespace": "default"}}],
         "current-context": name,
     }
@@ -206,17 +217,26 @@ class ControlPlane(_Started):
         self.ca = ca = CertificateAuthority(pki)
         sa = service_account_keys(pki)
         loopback = {"dns_names": ("localhost",), "ips": ("127.0.0.1",)}
-        apiserver_names = ("localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
-                           "kubernetes.default.svc.cluster.local")  # fmt: skip
+        apiserver_names = (
+            "localhost",
+            "kubernetes",
+            "kubernetes.default",
+            "kubernetes.default.svc",
+            "kubernetes.default.svc.cluster.local",
+        )
         serving = ca.issue("apiserver", "kube-apiserver", dns_names=apiserver_names, ips=("127.0.0.1", "10.0.0.1"))
         admin = ca.issue("admin", "mtc-admin", organizations=("system:masters",))
-        kubelet_client = ca.issue("apiserver-kubelet-client", "kube-apiserver-kubelet-client", organizations=("system:masters",))
+        kubelet_client = ca.issue(
+            "apiserver-kubelet-client", "kube-apiserver-kubelet-client", organizations=("system:masters",)
+        )
         # The front proxy's identity (aggregated APIs), as kubeadm sets it: without it the controller-manager and
         # the scheduler log, every few seconds, that the request-header CA is missing.
         front_proxy = ca.issue("front-proxy-client", "front-proxy-client")
 
-        ports = {name: free_port() for name in ("etcd", "etcd-peer", "apiserver", "kcm", "scheduler",
-                                                  "jobset-webhook", "jobset-health")}  # fmt: skip
+        ports = {
+            name: free_port()
+            for name in ("etcd", "etcd-peer", "apiserver", "kcm", "scheduler", "jobset-webhook", "jobset-health")
+        }
         self.url = f"https://127.0.0.1:{ports['apiserver']}"
         self.kubeconfig = write_kubeconfig(work / "admin.kubeconfig", self.url, ca.pair, admin, "admin")
 
@@ -228,35 +248,59 @@ class ControlPlane(_Started):
 
         etcd_url = f"http://127.0.0.1:{ports['etcd']}"
         peer_url = f"http://127.0.0.1:{ports['etcd-peer']}"
-        etcd = start("etcd", [
-            self.binaries.etcd, "--name=default", f"--data-dir={work / 'etcd'}", "--logger=zap", "--log-outputs=stderr",
-            f"--listen-client-urls={etcd_url}", f"--advertise-client-urls={etcd_url}",
-            f"--listen-peer-urls={peer_url}", f"--initial-advertise-peer-urls={peer_url}",
-            f"--initial-cluster=default={peer_url}",
-        ])  # fmt: skip
+        etcd = start(
+            "etcd",
+            [
+                self.binaries.etcd,
+                "--name=default",
+                f"--data-dir={work / 'etcd'}",
+                "--logger=zap",
+                "--log-outputs=stderr",
+                f"--listen-client-urls={etcd_url}",
+                f"--advertise-client-urls={etcd_url}",
+                f"--listen-peer-urls={peer_url}",
+                f"--initial-advertise-peer-urls={peer_url}",
+                f"--initial-cluster=default={peer_url}",
+            ],
+        )
         self._wait_ready(etcd, f"{etcd_url}/health", None, deadline)
 
-        apiserver = start("kube-apiserver", [
-            self.binaries.apiserver, f"--etcd-servers={etcd_url}",
-            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={ports['apiserver']}",
-            f"--cert-dir={work / 'apiserver-certs'}",
-            f"--tls-cert-file={serving.cert}", f"--tls-private-key-file={serving.key}", f"--client-ca-file={ca.pair.cert}",
-            f"--kubelet-client-certificate={kubelet_client.cert}", f"--kubelet-client-key={kubelet_client.key}",
-            f"--kubelet-certificate-authority={ca.pair.cert}",
-            # A kubelet here serves on its own loopback address, which is its node's name (tests/helpers/kube/node.py).
-            "--kubelet-preferred-address-types=Hostname,InternalIP,ExternalIP",
-            f"--service-account-key-file={sa.cert}", f"--service-account-signing-key-file={sa.key}",
-            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-            f"--service-cluster-ip-range={SERVICE_CIDR}",
-            f"--requestheader-client-ca-file={ca.pair.cert}", "--requestheader-allowed-names=front-proxy-client",
-            "--requestheader-username-headers=X-Remote-User", "--requestheader-group-headers=X-Remote-Group",
-            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
-            f"--proxy-client-cert-file={front_proxy.cert}", f"--proxy-client-key-file={front_proxy.key}",
-            # The `kubernetes` Service gets no endpoints: Endpoints may not hold a loopback address, and nothing
-            # (no kube-proxy) would route its cluster IP. A pod that needs the API server is given its URL.
-            "--endpoint-reconciler-type=none",
-            "--authorization-mode=Node,RBAC", "--allow-privileged=true", "--profiling=false",
-        ])  # fmt: skip
+        apiserver = start(
+            "kube-apiserver",
+            [
+                self.binaries.apiserver,
+                f"--etcd-servers={etcd_url}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                f"--secure-port={ports['apiserver']}",
+                f"--cert-dir={work / 'apiserver-certs'}",
+                f"--tls-cert-file={serving.cert}",
+                f"--tls-private-key-file={serving.key}",
+                f"--client-ca-file={ca.pair.cert}",
+                f"--kubelet-client-certificate={kubelet_client.cert}",
+                f"--kubelet-client-key={kubelet_client.key}",
+                f"--kubelet-certificate-authority={ca.pair.cert}",
+                # A kubelet here serves on its own loopback address, which is its node's name (tests/helpers/kube/node.py).
+                "--kubelet-preferred-address-types=Hostname,InternalIP,ExternalIP",
+                f"--service-account-key-file={sa.cert}",
+                f"--service-account-signing-key-file={sa.key}",
+                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                f"--requestheader-client-ca-file={ca.pair.cert}",
+                "--requestheader-allowed-names=front-proxy-client",
+                "--requestheader-username-headers=X-Remote-User",
+                "--requestheader-group-headers=X-Remote-Group",
+                "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+                f"--proxy-client-cert-file={front_proxy.cert}",
+                f"--proxy-client-key-file={front_proxy.key}",
+                # The `kubernetes` Service gets no endpoints: Endpoints may not hold a loopback address, and nothing
+                # (no kube-proxy) would route its cluster IP. A pod that needs the API server is given its URL.
+                "--endpoint-reconciler-type=none",
+                "--authorization-mode=Node,RBAC",
+                "--allow-privileged=true",
+                "--profiling=false",
+            ],
+        )
         admin_tls = ssl.create_default_context(cafile=str(ca.pair.cert))
         admin_tls.load_cert_chain(str(admin.cert), str(admin.key))
         self._wait_ready(apiserver, f"{self.url}/readyz", admin_tls, deadline)
@@ -264,25 +308,46 @@ class ControlPlane(_Started):
         client = self.client()
         for crd in load_all_yaml(self.binaries.jobset_crd.read_text()):
             client.create(crd)
-            self._wait(lambda: _established(client, crd.metadata.name), deadline, f"CRD {crd.metadata.name} established")
+            self._wait(
+                lambda: _established(client, crd.metadata.name), deadline, f"CRD {crd.metadata.name} established"
+            )
 
         def start_controller(name: str, short: str, binary: str, port: int, *extra: str) -> _Process:
             """A controller of the control plane: its own identity ``system:<name>``, a kubeconfig for it, and a
             loopback serving certificate."""
-            kubeconfig = write_kubeconfig(work / f"{short}.kubeconfig", self.url, ca.pair, ca.issue(name, f"system:{name}"), short)
+            kubeconfig = write_kubeconfig(
+                work / f"{short}.kubeconfig", self.url, ca.pair, ca.issue(name, f"system:{name}"), short
+            )
             serving = ca.issue(f"{short}-serving", name, **loopback)
-            return start(name, [
-                binary, f"--kubeconfig={kubeconfig}", f"--authentication-kubeconfig={kubeconfig}",
-                f"--authorization-kubeconfig={kubeconfig}", "--bind-address=127.0.0.1", f"--secure-port={port}",
-                f"--tls-cert-file={serving.cert}", f"--tls-private-key-file={serving.key}", "--leader-elect=false", *extra,
-            ])  # fmt: skip
+            return start(
+                name,
+                [
+                    binary,
+                    f"--kubeconfig={kubeconfig}",
+                    f"--authentication-kubeconfig={kubeconfig}",
+                    f"--authorization-kubeconfig={kubeconfig}",
+                    "--bind-address=127.0.0.1",
+                    f"--secure-port={port}",
+                    f"--tls-cert-file={serving.cert}",
+                    f"--tls-private-key-file={serving.key}",
+                    "--leader-elect=false",
+                    *extra,
+                ],
+            )
 
-        kcm = start_controller("kube-controller-manager", "kcm", self.binaries.controller_manager, ports["kcm"],
-                               "--use-service-account-credentials=true", f"--service-account-private-key-file={sa.key}",
-                               f"--root-ca-file={ca.pair.cert}", f"--service-cluster-ip-range={SERVICE_CIDR}",
-                               # Nodes without a kubelet (``register_node``) renew no lease: an hour's grace keeps them
-                               # Ready (and untainted) for the session, so recreated pods schedule there again.
-                               "--node-monitor-grace-period=1h")  # fmt: skip
+        kcm = start_controller(
+            "kube-controller-manager",
+            "kcm",
+            self.binaries.controller_manager,
+            ports["kcm"],
+            "--use-service-account-credentials=true",
+            f"--service-account-private-key-file={sa.key}",
+            f"--root-ca-file={ca.pair.cert}",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            # Nodes without a kubelet (``register_node``) renew no lease: an hour's grace keeps them
+            # Ready (and untainted) for the session, so recreated pods schedule there again.
+            "--node-monitor-grace-period=1h",
+        )
         scheduler = start_controller("kube-scheduler", "scheduler", self.binaries.scheduler, ports["scheduler"])
 
         jobset = self._start_jobset(start, work, ca, ports)
@@ -292,7 +357,9 @@ class ControlPlane(_Started):
         self._wait_ready(scheduler, f"https://127.0.0.1:{ports['scheduler']}/healthz", ca_tls, deadline)
         self._wait_ready(jobset, f"http://127.0.0.1:{ports['jobset-health']}/readyz", None, deadline)
         self._register_jobset_webhooks(client, ca.pair, ports["jobset-webhook"])
-        self._wait(lambda: _exists(client, ServiceAccount, "default", "default"), deadline, "ServiceAccount default/default")
+        self._wait(
+            lambda: _exists(client, ServiceAccount, "default", "default"), deadline, "ServiceAccount default/default"
+        )
 
     def _start_jobset(self, start, work: Path, ca: CertificateAuthority, ports: dict[str, int]) -> _Process:
         """The JobSet controller with the admin identity, its own certificate management off, serving its
@@ -313,8 +380,16 @@ class ControlPlane(_Started):
         }
         config_file = work / "jobset-config.yaml"
         config_file.write_text(yaml.safe_dump(config))
-        return start("jobset", [self.binaries.jobset, f"--config={config_file}", f"--kubeconfig={self.kubeconfig}",
-                                "--metrics-bind-address=0", f"--health-probe-bind-address=127.0.0.1:{ports['jobset-health']}"])  # fmt: skip
+        return start(
+            "jobset",
+            [
+                self.binaries.jobset,
+                f"--config={config_file}",
+                f"--kubeconfig={self.kubeconfig}",
+                "--metrics-bind-address=0",
+                f"--health-probe-bind-address=127.0.0.1:{ports['jobset-health']}",
+            ],
+        )
 
     def _register_jobset_webhooks(self, client: Client, ca: KeyPair, port: int) -> None:
         """JobSet's own webhook manifests, each ``clientConfig`` turned from an in-cluster Service into
@@ -331,6 +406,7 @@ class ControlPlane(_Started):
 
     def _wait_ready(self, process: _Process, url: str, tls: ssl.SSLContext | None, deadline: float) -> None:
         self._readiness[process.name] = (url, tls)
+
         def answers() -> bool:
             if process.popen.poll() is not None:
                 raise RuntimeError(f"{process.name} exited with {process.popen.returncode}:\n{process.tail()}")
@@ -365,8 +441,15 @@ def _exists(client: Client, kind, name: str, namespace: str | None = None) -> bo
         raise
 
 
-def register_node(client: Client, name: str, *, labels: dict[str, str] | None = None,
-                  cpu: str = "64", memory: str = "512Gi", pods: str = "110") -> Node:  # fmt: skip
+def register_node(
+    client: Client,
+    name: str,
+    *,
+    labels: dict[str, str] | None = None,
+    cpu: str = "64",
+    memory: str = "512Gi",
+    pods: str = "110",
+) -> Node:
     """A Node object with no kubelet behind it, Ready, with room for ``pods`` pods, so the scheduler binds to it.
 
     Without a kubelet nothing renews its lease; the control plane's node-monitor grace period (an hour) keeps it
@@ -375,6 +458,9 @@ def register_node(client: Client, name: str, *, labels: dict[str, str] | None = 
     labels = {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux", **(labels or {})}
     client.create(Node(metadata=ObjectMeta(name=name, labels=labels), spec=NodeSpec()))
     capacity = {"cpu": cpu, "memory": memory, "pods": pods}
-    status = NodeStatus(capacity=capacity, allocatable=capacity,
-                        conditions=[NodeCondition(type="Ready", status="True", reason="FakeNode", message="no kubelet")])  # fmt: skip
+    status = NodeStatus(
+        capacity=capacity,
+        allocatable=capacity,
+        conditions=[NodeCondition(type="Ready", status="True", reason="FakeNode", message="no kubelet")],
+    )
     return client.patch(Node.Status, name, {"status": status.to_dict()})

@@ -56,21 +56,39 @@ def busybox_image(archive_path: Path, reference: str, entrypoint: list[str] | No
         }
         config_bytes = json.dumps(config).encode()
         config_digest = _blob(archive, config_bytes)
-        manifest = json.dumps({
-            "schemaVersion": 2,
-            "mediaType": "application/vnd.oci.image.manifest.v1+json",
-            "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": config_digest, "size": len(config_bytes)},
-            "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": layer_digest, "size": len(layer)}],
-        }).encode()  # fmt: skip
+        manifest = json.dumps(
+            {
+                "schemaVersion": 2,
+                "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                "config": {
+                    "mediaType": "application/vnd.oci.image.config.v1+json",
+                    "digest": config_digest,
+                    "size": len(config_bytes),
+                },
+                "layers": [
+                    {"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": layer_digest, "size": len(layer)}
+                ],
+            }
+        ).encode()
         manifest_digest = _blob(archive, manifest)
         index = {
             "schemaVersion": 2,
-            "manifests": [{
-                "mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": manifest_digest, "size": len(manifest),
-                "annotations": {"io.containerd.image.name": reference, "org.opencontainers.image.ref.name": reference},
-            }],
-        }  # fmt: skip
-        for name, data in (("oci-layout", b'{"imageLayoutVersion": "1.0.0"}'), ("index.json", json.dumps(index).encode())):
+            "manifests": [
+                {
+                    "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                    "digest": manifest_digest,
+                    "size": len(manifest),
+                    "annotations": {
+                        "io.containerd.image.name": reference,
+                        "org.opencontainers.image.ref.name": reference,
+                    },
+                }
+            ],
+        }
+        for name, data in (
+            ("oci-layout", b'{"imageLayoutVersion": "1.0.0"}'),
+            ("index.json", json.dumps(index).encode()),
+        ):
             info = tarfile.TarInfo(name)
             info.size = len(data)
             archive.addfile(info, io.BytesIO(data))

@@ -54,19 +54,26 @@ class JobSetJob(LocalJob):
 
     def _bound_pods(self) -> list[Pod] | None:
         """The JobSet's live pods of a newer restart attempt, once there is one per agent and all are bound."""
-        pods = [p for p in self.client.list(Pod, namespace=self.namespace, labels={JOBSET_NAME: self.name})
-                if p.metadata.deletionTimestamp is None and _attempt(p) > self.attempt]  # fmt: skip
+        pods = [
+            p
+            for p in self.client.list(Pod, namespace=self.namespace, labels={JOBSET_NAME: self.name})
+            if p.metadata.deletionTimestamp is None and _attempt(p) > self.attempt
+        ]
         if len(pods) != len(self.agents) or not all(p.spec.nodeName for p in pods):
             return None
-        return sorted(pods, key=lambda p: (int(p.metadata.annotations[JOB_INDEX]), int(p.metadata.annotations[COMPLETION_INDEX])))
+        return sorted(
+            pods, key=lambda p: (int(p.metadata.annotations[JOB_INDEX]), int(p.metadata.annotations[COMPLETION_INDEX]))
+        )
 
     def create_pods(self) -> list[TrainingPod]:
         """Waits for the JobSet's next pods, runs each on its node's agent as a kubelet would (not the trainers)."""
         deadline = time.monotonic() + POD_WAIT_SECONDS
         while (pods := self._bound_pods()) is None:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"JobSet {self.namespace}/{self.name}: no {len(self.agents)} bound pods of a restart "
-                                   f"attempt after {self.attempt} within {POD_WAIT_SECONDS} s")  # fmt: skip
+                raise TimeoutError(
+                    f"JobSet {self.namespace}/{self.name}: no {len(self.agents)} bound pods of a restart "
+                    f"attempt after {self.attempt} within {POD_WAIT_SECONDS} s"
+                )
             time.sleep(0.2)
         agents = {agent.node_id: agent for agent in self.agents}
         self.incarnations += 1
@@ -74,14 +81,35 @@ class JobSetJob(LocalJob):
         for pod in pods:
             agent = agents[pod.spec.nodeName]
             host = agent.listen.rpartition(":")[0]
-            self.client.patch(Pod.Status, pod.metadata.name, {"status": {
-                "phase": "Running", "hostIP": host, "podIP": host, "podIPs": [{"ip": host}],
-            }}, namespace=self.namespace)  # fmt: skip
+            self.client.patch(
+                Pod.Status,
+                pod.metadata.name,
+                {
+                    "status": {
+                        "phase": "Running",
+                        "hostIP": host,
+                        "podIP": host,
+                        "podIPs": [{"ip": host}],
+                    }
+                },
+                namespace=self.namespace,
+            )
             volume = next(v for v in pod.spec.volumes if v.csi is not None and v.csi.driver == self.driver)
             target = os.path.join(self.workdir, "pods", pod.metadata.uid, "volumes", volume.name, "mount")
-            kubelet.publish(agent.endpoint, target, pod.metadata.name, self.namespace, pod.metadata.uid,
-                            attributes=dict(volume.csi.volumeAttributes or {}), volume_name=volume.name)  # fmt: skip
-            self.pods.append(TrainingPod(pod.metadata.name, agent, target, os.path.join(self.workdir, "logs", f"{pod.metadata.name}.jsonl")))
+            kubelet.publish(
+                agent.endpoint,
+                target,
+                pod.metadata.name,
+                self.namespace,
+                pod.metadata.uid,
+                attributes=dict(volume.csi.volumeAttributes or {}),
+                volume_name=volume.name,
+            )
+            self.pods.append(
+                TrainingPod(
+                    pod.metadata.name, agent, target, os.path.join(self.workdir, "logs", f"{pod.metadata.name}.jsonl")
+                )
+            )
         return self.pods
 
     def delete_pods(self) -> None:

@@ -26,8 +26,14 @@ PAUSE_IMAGE = "mtc.local/pause:1"
 BUSYBOX_IMAGE = "mtc.local/busybox:1"
 
 # What the kubelet sets when protectKernelDefaults is false (pkg/kubelet/cm/container_manager_linux.go).
-_SYSCTLS = ("vm/overcommit_memory", "vm/panic_on_oom", "kernel/panic", "kernel/panic_on_oops",
-            "kernel/keys/root_maxkeys", "kernel/keys/root_maxbytes")  # fmt: skip
+_SYSCTLS = (
+    "vm/overcommit_memory",
+    "vm/panic_on_oom",
+    "kernel/panic",
+    "kernel/panic_on_oops",
+    "kernel/keys/root_maxkeys",
+    "kernel/keys/root_maxbytes",
+)
 # Created outside the scratch directory by the kubelet or containerd's shims (1.6 puts shim sockets in
 # /run/containerd/s whatever its state directory); removed when they were not there before.
 _HOST_DIRS = ("/var/lib/kubelet", "/var/lib/cni", "/run/containerd", "/run/netns")
@@ -77,8 +83,13 @@ class KubeletNode(_Started):
 
     def ctr(self, *args: str) -> str:
         """``ctr`` against this node's containerd, in the CRI's namespace."""
-        return subprocess.run(["ctr", "--address", str(self.socket), "-n", "k8s.io", *args], check=True,
-                              capture_output=True, text=True, timeout=60).stdout  # fmt: skip
+        return subprocess.run(
+            ["ctr", "--address", str(self.socket), "-n", "k8s.io", *args],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
 
     def _start(self, deadline: float) -> None:
         self.dir.mkdir(parents=True)
@@ -86,7 +97,9 @@ class KubeletNode(_Started):
         containerd = self._start_containerd()
         self._wait(lambda: self.socket.exists() and self._ctr_answers(), deadline, "containerd answers", containerd)
         for reference, entrypoint in ((PAUSE_IMAGE, ["/bin/sleep", "2147483647"]), (BUSYBOX_IMAGE, None)):
-            archive = busybox_image(self.dir / f"{reference.split('/')[-1].replace(':', '-')}.tar", reference, entrypoint)
+            archive = busybox_image(
+                self.dir / f"{reference.split('/')[-1].replace(':', '-')}.tar", reference, entrypoint
+            )
             self.ctr("images", "import", "--snapshotter", "native", str(archive))
         kubelet = self._start_kubelet()
         client = self.plane.client()
@@ -119,18 +132,19 @@ class KubeletNode(_Started):
     def _start_containerd(self) -> _Process:
         cni = self.dir / "cni"
         cni.mkdir()
-        (cni / "10-loopback.conflist").write_text(json.dumps(
-            {"cniVersion": "0.4.0", "name": "mtc-loopback", "plugins": [{"type": "loopback"}]}))  # fmt: skip
+        (cni / "10-loopback.conflist").write_text(
+            json.dumps({"cniVersion": "0.4.0", "name": "mtc-loopback", "plugins": [{"type": "loopback"}]})
+        )
         cri = '[plugins."io.containerd.grpc.v1.cri"]'
         config = f"""version = 2
-root = "{self.dir / 'containerd-root'}"
-state = "{self.dir / 'containerd-state'}"
+root = "{self.dir / "containerd-root"}"
+state = "{self.dir / "containerd-state"}"
 [grpc]
   address = "{self.socket}"
 [ttrpc]
   address = "{self.socket}.ttrpc"
 [plugins."io.containerd.internal.v1.opt"]
-  path = "{self.dir / 'containerd-opt'}"
+  path = "{self.dir / "containerd-opt"}"
 {cri}
   sandbox_image = "{PAUSE_IMAGE}"
   restrict_oom_score_adj = true
@@ -194,8 +208,11 @@ state = "{self.dir / 'containerd-state'}"
             "healthzPort": free_port(self.address),
             "tlsCertFile": str(serving.cert),
             "tlsPrivateKeyFile": str(serving.key),
-            "authentication": {"anonymous": {"enabled": False}, "webhook": {"enabled": True},
-                               "x509": {"clientCAFile": str(ca.pair.cert)}},  # fmt: skip
+            "authentication": {
+                "anonymous": {"enabled": False},
+                "webhook": {"enabled": True},
+                "x509": {"clientCAFile": str(ca.pair.cert)},
+            },
             "authorization": {"mode": "Webhook"},
             "cgroupDriver": "cgroupfs",
             "cgroupRoot": self.cgroup_root,
@@ -211,11 +228,17 @@ state = "{self.dir / 'containerd-state'}"
         }
         config_file = self.dir / "kubelet.yaml"
         config_file.write_text(yaml.safe_dump(config))
-        process = _Process("kubelet", [
-            shutil.which("kubelet") or str(Path(self.plane.binaries.apiserver).parent / "kubelet"),
-            f"--config={config_file}", f"--kubeconfig={kubeconfig}", f"--root-dir={self.root_dir}",
-            f"--hostname-override={self.name}",
-        ], self.dir / "kubelet.log")  # fmt: skip
+        process = _Process(
+            "kubelet",
+            [
+                shutil.which("kubelet") or str(Path(self.plane.binaries.apiserver).parent / "kubelet"),
+                f"--config={config_file}",
+                f"--kubeconfig={kubeconfig}",
+                f"--root-dir={self.root_dir}",
+                f"--hostname-override={self.name}",
+            ],
+            self.dir / "kubelet.log",
+        )
         self.processes["kubelet"] = process
         self._stack.callback(process.stop)
         return process

@@ -34,17 +34,24 @@ class KeyPair:
 
 
 def _write_key(path: Path, key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey) -> None:
-    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                       serialization.NoEncryption()))  # fmt: skip
+    path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     path.chmod(0o600)
 
 
 def _builder(subject: x509.Name, issuer: x509.Name, public_key) -> x509.CertificateBuilder:
     """A certificate of ``subject`` by ``issuer`` for ``public_key``, valid from 5 minutes ago for ``_VALIDITY``."""
     now = datetime.datetime.now(datetime.UTC)
-    return (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(public_key)
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + _VALIDITY))  # fmt: skip
+    return (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(public_key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + _VALIDITY)
+    )
 
 
 def _name(common_name: str, organizations: tuple[str, ...] = ()) -> x509.Name:
@@ -65,9 +72,20 @@ class CertificateAuthority:
         self._cert = (
             _builder(_name(common_name), _name(common_name), self._key.public_key())
             .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                         key_agreement=False, encipher_only=False, decipher_only=False), critical=True)  # fmt: skip
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(self._key.public_key()), critical=False)
             .sign(self._key, hashes.SHA256())
         )
@@ -75,8 +93,15 @@ class CertificateAuthority:
         self.pair.cert.write_bytes(self._cert.public_bytes(serialization.Encoding.PEM))
         _write_key(self.pair.key, self._key)
 
-    def issue(self, name: str, common_name: str, *, organizations: tuple[str, ...] = (),
-              dns_names: tuple[str, ...] = (), ips: tuple[str, ...] = ()) -> KeyPair:  # fmt: skip
+    def issue(
+        self,
+        name: str,
+        common_name: str,
+        *,
+        organizations: tuple[str, ...] = (),
+        dns_names: tuple[str, ...] = (),
+        ips: tuple[str, ...] = (),
+    ) -> KeyPair:
         """A leaf certificate signed by this CA, for serving when it has names, for a client otherwise.
 
         Args:
@@ -91,13 +116,28 @@ class CertificateAuthority:
         """
         key = ec.generate_private_key(ec.SECP256R1())
         serving = bool(dns_names or ips)
-        usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH] if serving else [ExtendedKeyUsageOID.CLIENT_AUTH]
+        usages = (
+            [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+            if serving
+            else [ExtendedKeyUsageOID.CLIENT_AUTH]
+        )
         builder = (
             _builder(_name(common_name, organizations), self._cert.subject, key.public_key())
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, key_encipherment=False, key_cert_sign=False,
-                                         crl_sign=False, content_commitment=False, data_encipherment=False,
-                                         key_agreement=False, encipher_only=False, decipher_only=False), critical=True)  # fmt: skip
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    key_encipherment=False,
+                    key_cert_sign=False,
+                    crl_sign=False,
+                    content_commitment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
             .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(self._key.public_key()), critical=False)
         )
@@ -116,7 +156,8 @@ def service_account_keys(directory: Path) -> KeyPair:
     API server's ``--service-account-key-file`` takes a public key as well as a certificate)."""
     key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     pair = KeyPair(directory / "sa.pub", directory / "sa.key")
-    pair.cert.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
-                                                       serialization.PublicFormat.SubjectPublicKeyInfo))  # fmt: skip
+    pair.cert.write_bytes(
+        key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
     _write_key(pair.key, key)
     return pair
