@@ -4,7 +4,8 @@ The coordinator's restore view names the agreed step and this rank's sources, fa
 node, a peer, the backup tier). ``Restorer.restore`` stages the step from the first source that
 serves a copy matching the owner's checksums, reports the outcome, waits (long poll) until every
 rank has staged, then ``hand_over`` writes the job's restore marker. Within the deadline an unreachable
-source is retried; only a proven mismatch gives a copy up (reported, so the plan moves on).
+source is retried; only a proven mismatch gives a copy up (reported, so the plan moves on). The
+restore's states and the transitions between them are ``restore_states``; this module does their I/O.
 
 Read-once restores: when the step is held only in the backup tier, a view may say an identical
 rank's node is downloading it (``fan_out_pending``); the rank then waits (long poll) for the view
@@ -26,7 +27,8 @@ import aiohttp
 from prometheus_client import Counter, Histogram
 
 from csi_driver.ramdisk import Ramdisk
-from prefetch import staging
+from prefetch import restore_states, staging
+from prefetch.restore_states import Acting, Asking, Attempts, HandingOver, Reporting, Retrying, Staged, Staging, State
 from replicator.backup_tier.store import BackupError
 from replicator.local_tier import space
 from replicator.local_tier.in_flight import InFlight
@@ -39,7 +41,7 @@ from replicator.pacing import timing
 from replicator.peer_tier.client import PeerFetchError, fetch_manifest, fetch_step
 from replicator.wire.bearer import Tokens
 from replicator.wire.coordinator_client import CoordinatorClient, CoordinatorUnavailable
-from replicator.wire.messages import MAX_WAIT_SECONDS, RestoreView, Source, Tier
+from replicator.wire.messages import PodRank, RestoreView, Source, Tier
 from replicator.wire.metric_labels import JOB_LABELS
 
 log = logging.getLogger(__name__)
@@ -82,18 +84,15 @@ MakeRoom = Callable[[Ramdisk, int], None]
 
 
 @dataclasses.dataclass(frozen=True)
-class Staged:
-    """What staging a view's step came to (see ``Restorer._stage``).
+class _PodRestore:
+    """One pod's restore: what the actions of its states use."""
 
-    Attributes:
-      source: the source that served a verified copy, or None if none did.
-      bad: the copies proven unusable, as (step, data rank, holder): reported to the coordinator.
-      unreachable: what went wrong with sources that were merely unreachable (to retry), one line each.
-    """
-
-    source: Source | None
-    bad: list[tuple[int, int, str]]
-    unreachable: list[str]
+    client: CoordinatorClient
+    session: aiohttp.ClientSession  # the peer session (fetches of manifests)
+    disk: Ramdisk
+    meta: JobMeta
+    progress: PodProgress
+    pod_rank: PodRank
 
 
 class _Unreachable(Exception):
@@ -139,64 +138,66 @@ class Restorer:
                       progress: PodProgress, beat: Callable[[], None]) -> None:  # fmt: skip
         """Restores the pod's agreed step and writes its marker, or tells the job it could not.
 
+        Runs the restore's states (``restore_states``) until it hands over or its deadline passes.
+
         Args:
           session: the peer session (fetches of manifests).
-          beat: called every pass: the job's loop is alive while it waits.
+          beat: called each time the restore asks the coordinator: the job's loop is alive while it waits.
         """
         if progress.handing_over is not None:  # staged and agreed before a crash: finish the hand-over only
             await asyncio.to_thread(hand_over, disk, meta, progress, None if progress.handing_over < 0 else progress.handing_over, "resumed")
             return
-        started, pod = time.monotonic(), progress.pod_rank(job_of(disk))
-        # One loop, not a tenacity retry: every pass re-reads the plan (it may have changed while this
+        started, pod = time.monotonic(), _PodRestore(client, session, disk, meta, progress, progress.pod_rank(job_of(disk)))
+        # A state machine, not a tenacity retry: every ask re-reads the plan (it may have changed while this
         # rank waited), and the backoff applies only while the plan's sources are unreachable.
-        staged_generation, source, backoff, seen = None, NO_SOURCE, timing.RESTORE_RETRY_FIRST_SECONDS, None
-        unusable: set[tuple[str, str, int]] = set()  # (generation, holder, data rank) proven unusable here
-        wait, fan_out = MAX_WAIT_SECONDS, None  # fan_out: (generation, when this rank began to wait for its downloader)
-        while time.monotonic() - started < self._deadline_seconds:
-            beat()
+        attempts, state = Attempts(), Asking()
+        while not isinstance(state, HandingOver):
+            if isinstance(state, Asking):
+                if time.monotonic() - started >= self._deadline_seconds:
+                    RESTORE_SECONDS.labels(TIMED_OUT, disk.namespace, disk.job).observe(time.monotonic() - started)
+                    report_to_job(meta, f"restore did not complete within {self._deadline_seconds:.0f} s")
+                    return
+                beat()
             try:
-                view = await client.restore_view(pod, seen, wait)
-                seen, wait = None, MAX_WAIT_SECONDS
-                if view.step is not None and view.generation != staged_generation:
-                    if view.fan_out_pending:
-                        if fan_out is None or fan_out[0] != view.generation:
-                            fan_out = (view.generation, time.monotonic())
-                        if (left := self._fan_out_wait_seconds - (time.monotonic() - fan_out[1])) > 0:
-                            seen, wait = view.token, left  # until the downloader has staged (or is silent)
-                            continue
-                        log.warning("%s/%s rank %d: step %d not downloaded by the identical rank's node within %.0f s; reading "
-                                    "the backup tier", disk.namespace, disk.job, progress.rank, view.step, self._fan_out_wait_seconds)  # fmt: skip
-                    staged = await self._stage(session, disk, meta, progress, view, unusable)
-                    used, bad, unreachable = staged.source, staged.bad, staged.unreachable
-                    unusable.update((view.generation, holder, rank) for _, rank, holder in bad)
-                    if used is None and unreachable:
-                        # Transient is not corrupt: report only proven-bad copies, retry the rest.
-                        if bad:
-                            await client.report_staged(pod, view.generation, None, bad, retrying=True)
-                        self._log_once(f"restore-retry-{disk.job}", f"step {view.step}: sources unreachable "
-                                       f"({'; '.join(unreachable[:3])}); retrying in {backoff:.0f} s", meta)  # fmt: skip
-                        # The backoff is a long poll: a new plan (a replan to another step or source) ends it at once.
-                        seen, wait = view.token, backoff
-                        backoff = min(2 * backoff, timing.RESTORE_RETRY_MAX_SECONDS)
-                        continue
-                    source = used.tier if used else NO_SOURCE
-                    await client.report_staged(pod, view.generation, used and f"{used.tier}:{used.holder}", bad)
-                    staged_generation, backoff = view.generation, timing.RESTORE_RETRY_FIRST_SECONDS
-                    continue
+                attempts, state = await self._act(pod, attempts, state)
             except CoordinatorUnavailable as err:
                 self._log_once(f"restore-{disk.job}", f"restore plan unavailable, retrying: {err}", meta)
                 await asyncio.sleep(timing.RESTORE_PLAN_RETRY_SECONDS)
-                continue
-            if view.ready:
-                await asyncio.to_thread(hand_over, disk, meta, progress, view.step, source, view.forks, not view.rollback)
-                RESTORE_SECONDS.labels(source, disk.namespace, disk.job).observe(time.monotonic() - started)
-                return
-            seen = view.token  # staged: wait (long poll) until every rank has, or the plan changes
-        RESTORE_SECONDS.labels(TIMED_OUT, disk.namespace, disk.job).observe(time.monotonic() - started)
-        report_to_job(meta, f"restore did not complete within {self._deadline_seconds:.0f} s")
+                state = restore_states.unavailable(state)
+        view, source = state.view, attempts.used.tier if attempts.used else NO_SOURCE
+        await asyncio.to_thread(hand_over, disk, meta, progress, view.step, source, view.forks, not view.rollback)
+        RESTORE_SECONDS.labels(source, disk.namespace, disk.job).observe(time.monotonic() - started)
+
+    async def _act(self, pod: _PodRestore, attempts: Attempts, state: Acting) -> tuple[Attempts, State]:
+        """Does what ``state`` asks, then takes the transition named for its result.
+
+        Raises:
+          CoordinatorUnavailable: the coordinator did not answer the call the state made.
+        """
+        disk, meta, rank = pod.disk, pod.meta, pod.progress.rank
+        match state:
+            case Asking(seen, wait):
+                view = await pod.client.restore_view(pod.pod_rank, seen, wait)
+                return restore_states.viewed(attempts, view, time.monotonic(), self._fan_out_wait_seconds)
+            case Staging(view, downloader_late):
+                if downloader_late:
+                    log.warning("%s/%s rank %d: step %d not downloaded by the identical rank's node within %.0f s; reading "
+                                "the backup tier", disk.namespace, disk.job, rank, view.step, self._fan_out_wait_seconds)  # fmt: skip
+                staged = await self._stage(pod.session, disk, meta, pod.progress, view, attempts.unusable)
+                return restore_states.staged(attempts, view, staged)
+            case Retrying(view, staged):
+                if staged.bad:
+                    await pod.client.report_staged(pod.pod_rank, view.generation, None, staged.bad, retrying=True)
+                self._log_once(f"restore-retry-{disk.job}", f"step {view.step}: sources unreachable "
+                               f"({'; '.join(staged.unreachable[:3])}); retrying in {attempts.backoff:.0f} s", meta)  # fmt: skip
+                return restore_states.retried(attempts, view)
+            case Reporting(view, staged):
+                used = staged.source
+                await pod.client.report_staged(pod.pod_rank, view.generation, used and f"{used.tier}:{used.holder}", staged.bad)
+                return restore_states.reported(attempts, view)
 
     async def _stage(self, session: aiohttp.ClientSession, disk: Ramdisk, meta: JobMeta, progress: PodProgress, view: RestoreView,
-                     unusable: set[tuple[str, str, int]]) -> Staged:  # fmt: skip
+                     unusable: frozenset[tuple[str, str, int]]) -> Staged:  # fmt: skip
         """Stages the view's step from its first source that serves a verified copy.
 
         Args:
