@@ -212,10 +212,15 @@ e2e-k8s: host-tools setup k8s-node-tools
 E2E_OPERATIONS := tests/e2e/test_e2e_upgrade.py tests/e2e/test_e2e_token_rotation.py \
                   tests/e2e/test_e2e_ramdisk_sizing.py tests/e2e/test_e2e_restore_fan_out.py tests/e2e/test_chaos.py
 
-# The import contracts first (pyproject.toml [tool.importlinter]): a new cycle fails before any test runs. The 20
-# slowest tests are listed at the end: the suite is kept under about 20 minutes on 2 cores.
+# The import contracts, the linter, the format check and the type checker first (pyproject.toml: [tool.importlinter],
+# [tool.ruff], [tool.mypy]; mtc_torch is type-checked against the PyTorch venv's torch): a finding fails before any
+# test runs. The 20 slowest tests are listed at the end: the suite is kept under about 20 minutes on 2 cores.
 test: host-tools setup tools torch-setup
 	$(BIN)/lint-imports --no-cache --no-logo
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	$(BIN)/mypy --python-executable $(TORCH_VENV)/bin/python mtc_torch
 	PATH=$(TOOLS):$$PATH $(BIN)/python -m pytest -q -p no:cacheprovider --durations=20 $(foreach t,$(E2E_OPERATIONS),--ignore=$(t))
 
 e2e-operations: host-tools setup tools

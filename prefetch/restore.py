@@ -47,9 +47,12 @@ from replicator.wire.metric_labels import JOB_LABELS
 log = logging.getLogger(__name__)
 
 # Buckets up to Orbax's 300 s wait for the marker; 150 s (half of it) is an alert threshold.
-RESTORE_SECONDS = Histogram("mtc_restore_seconds", "Seconds from replicator.yaml consumed to restore marker written "
-                            "(source timeout: no marker within the deadline)", ["source", *JOB_LABELS],
-                            buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 150, 270, 300))  # fmt: skip
+RESTORE_SECONDS = Histogram(
+    "mtc_restore_seconds",
+    "Seconds from replicator.yaml consumed to restore marker written (source timeout: no marker within the deadline)",
+    ["source", *JOB_LABELS],
+    buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 150, 270, 300),
+)
 CORRUPT_COPIES = Counter("mtc_corrupt_copies_total", "Step copies that failed checksum verification")
 # The copies being fetched from a peer or the backup tier (not staged in place from this node).
 RESTORE_IN_FLIGHT = InFlight("mtc_restore", "fetched", "restores")
@@ -77,10 +80,24 @@ def forget_job_series(namespace: str, job: str) -> None:
 
 # (meta, namespace, job, step, data rank, timeline, called with each range's bytes as it lands) ->
 # (verified step dir on the ramdisk, its manifest); raises BackupError or OSError. ``BackupWorker.download``.
-BackupDownload = Callable[[JobMeta, str, str, int, int, int, Callable[[int], None]], Awaitable[tuple[str, StepManifest]]]
+BackupDownload = Callable[
+    [JobMeta, str, str, int, int, int, Callable[[int], None]], Awaitable[tuple[str, StepManifest]]
+]
 # (ramdisk, bytes wanted free) -> None: gives up unsafe copies to make room (``space.make_room`` with the
 # job's latest retain order). ``NodeReplicator.make_room``.
 MakeRoom = Callable[[Ramdisk, int], None]
+
+
+def _step(view: RestoreView) -> int:
+    """The step a view stages: staging begins only for a view that has one."""
+    assert view.step is not None
+    return view.step
+
+
+def _rank(progress: PodProgress) -> int:
+    """The pod's rank: it comes with the job's settings, before any restore begins."""
+    assert progress.rank is not None
+    return progress.rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +121,9 @@ def _check_owner(manifest: StepManifest, source: Source) -> None:
     rank reported (carried in the plan); the bytes were checked against ``manifest``, so equal
     manifests mean they match the owner's."""
     if source.files is not None and manifest.files != source.files:
-        raise CorruptCopy(f"crc32c mismatch: the copy on {source.holder} does not match the checksums rank {source.data_rank} reported")
+        raise CorruptCopy(
+            f"crc32c mismatch: the copy on {source.holder} does not match the checksums rank {source.data_rank} reported"
+        )
 
 
 class Restorer:
@@ -122,9 +141,17 @@ class Restorer:
         from the backup tier before it reads the store itself.
     """
 
-    def __init__(self, node_id: str, peer_token: Tokens | None, peer_ssl: ssl.SSLContext | None, download: BackupDownload | None,
-                 log_once: LogOnce, deadline_seconds: float = timing.RESTORE_DEADLINE_SECONDS, make_room: MakeRoom | None = None,
-                 fan_out_wait_seconds: float = timing.FAN_OUT_WAIT_SECONDS):  # fmt: skip
+    def __init__(
+        self,
+        node_id: str,
+        peer_token: Tokens | None,
+        peer_ssl: ssl.SSLContext | None,
+        download: BackupDownload | None,
+        log_once: LogOnce,
+        deadline_seconds: float = timing.RESTORE_DEADLINE_SECONDS,
+        make_room: MakeRoom | None = None,
+        fan_out_wait_seconds: float = timing.FAN_OUT_WAIT_SECONDS,
+    ):
         self.node_id = node_id
         self._make_room = make_room
         self._peer_token = peer_token
@@ -134,8 +161,15 @@ class Restorer:
         self._deadline_seconds = deadline_seconds
         self._fan_out_wait_seconds = fan_out_wait_seconds
 
-    async def restore(self, client: CoordinatorClient, session: aiohttp.ClientSession, disk: Ramdisk, meta: JobMeta,
-                      progress: PodProgress, beat: Callable[[], None]) -> None:  # fmt: skip
+    async def restore(
+        self,
+        client: CoordinatorClient,
+        session: aiohttp.ClientSession,
+        disk: Ramdisk,
+        meta: JobMeta,
+        progress: PodProgress,
+        beat: Callable[[], None],
+    ) -> None:
         """Restores the pod's agreed step and writes its marker, or tells the job it could not.
 
         Runs the restore's states (``restore_states``) until it hands over or its deadline passes.
@@ -145,12 +179,18 @@ class Restorer:
           beat: called each time the restore asks the coordinator: the job's loop is alive while it waits.
         """
         if progress.handing_over is not None:  # staged and agreed before a crash: finish the hand-over only
-            await asyncio.to_thread(hand_over, disk, meta, progress, None if progress.handing_over < 0 else progress.handing_over, "resumed")
+            await asyncio.to_thread(
+                hand_over, disk, meta, progress, None if progress.handing_over < 0 else progress.handing_over, "resumed"
+            )
             return
-        started, pod = time.monotonic(), _PodRestore(client, session, disk, meta, progress, progress.pod_rank(job_of(disk)))
+        started, pod = (
+            time.monotonic(),
+            _PodRestore(client, session, disk, meta, progress, progress.pod_rank(job_of(disk))),
+        )
         # A state machine, not a tenacity retry: every ask re-reads the plan (it may have changed while this
         # rank waited), and the backoff applies only while the plan's sources are unreachable.
-        attempts, state = Attempts(), Asking()
+        attempts = Attempts()
+        state: State = Asking()
         while not isinstance(state, HandingOver):
             if isinstance(state, Asking):
                 if time.monotonic() - started >= self._deadline_seconds:
@@ -174,36 +214,57 @@ class Restorer:
         Raises:
           CoordinatorUnavailable: the coordinator did not answer the call the state made.
         """
-        disk, meta, rank = pod.disk, pod.meta, pod.progress.rank
+        disk, meta, rank = pod.disk, pod.meta, pod.pod_rank.rank
         match state:
             case Asking(seen, wait):
                 view = await pod.client.restore_view(pod.pod_rank, seen, wait)
                 return restore_states.viewed(attempts, view, time.monotonic(), self._fan_out_wait_seconds)
             case Staging(view, downloader_late):
                 if downloader_late:
-                    log.warning("%s/%s rank %d: step %d not downloaded by the identical rank's node within %.0f s; reading "
-                                "the backup tier", disk.namespace, disk.job, rank, view.step, self._fan_out_wait_seconds)  # fmt: skip
+                    log.warning(
+                        "%s/%s rank %d: step %d not downloaded by the identical rank's node within %.0f s; reading "
+                        "the backup tier",
+                        disk.namespace,
+                        disk.job,
+                        rank,
+                        view.step,
+                        self._fan_out_wait_seconds,
+                    )
                 staged = await self._stage(pod.session, disk, meta, pod.progress, view, attempts.unusable)
                 return restore_states.staged(attempts, view, staged)
             case Retrying(view, staged):
                 if staged.bad:
                     await pod.client.report_staged(pod.pod_rank, view.generation, None, staged.bad, retrying=True)
-                self._log_once(f"restore-retry-{disk.job}", f"step {view.step}: sources unreachable "
-                               f"({'; '.join(staged.unreachable[:3])}); retrying in {attempts.backoff:.0f} s", meta)  # fmt: skip
+                self._log_once(
+                    f"restore-retry-{disk.job}",
+                    f"step {view.step}: sources unreachable "
+                    f"({'; '.join(staged.unreachable[:3])}); retrying in {attempts.backoff:.0f} s",
+                    meta,
+                )
                 return restore_states.retried(attempts, view)
             case Reporting(view, staged):
                 used = staged.source
-                await pod.client.report_staged(pod.pod_rank, view.generation, used and f"{used.tier}:{used.holder}", staged.bad)
+                await pod.client.report_staged(
+                    pod.pod_rank, view.generation, f"{used.tier}:{used.holder}" if used else None, staged.bad
+                )
                 return restore_states.reported(attempts, view)
 
-    async def _stage(self, session: aiohttp.ClientSession, disk: Ramdisk, meta: JobMeta, progress: PodProgress, view: RestoreView,
-                     unusable: frozenset[tuple[str, str, int]]) -> Staged:  # fmt: skip
+    async def _stage(
+        self,
+        session: aiohttp.ClientSession,
+        disk: Ramdisk,
+        meta: JobMeta,
+        progress: PodProgress,
+        view: RestoreView,
+        unusable: frozenset[tuple[str, str, int]],
+    ) -> Staged:
         """Stages the view's step from its first source that serves a verified copy.
 
         Args:
           unusable: (generation, holder, data rank) already proven unusable: not tried again.
         """
-        bad, unreachable = [], []
+        bad: list[tuple[int, int, str]] = []
+        unreachable: list[str] = []
         for source in view.sources:
             if (view.generation, source.holder, source.data_rank) in unusable:
                 continue
@@ -216,17 +277,32 @@ class Restorer:
                 if isinstance(err, CorruptCopy):
                     CORRUPT_COPIES.inc()
                 message = f"step {view.step} copy on {source.holder} unusable: {err}"
-                log.error("%s/%s rank %d: %s", disk.namespace, disk.job, progress.rank, message)
+                log.error("%s/%s rank %d: %s", disk.namespace, disk.job, _rank(progress), message)
                 report_to_job(meta, message)
-                bad.append((view.step, source.data_rank, source.holder))
+                bad.append((_step(view), source.data_rank, source.holder))
                 continue
-            log.info("%s/%s rank %d: staged step %d from %s %s (data of rank %d)", disk.namespace, disk.job,
-                     progress.rank, view.step, source.tier, source.holder, source.data_rank)  # fmt: skip
+            log.info(
+                "%s/%s rank %d: staged step %d from %s %s (data of rank %d)",
+                disk.namespace,
+                disk.job,
+                _rank(progress),
+                _step(view),
+                source.tier,
+                source.holder,
+                source.data_rank,
+            )
             return Staged(source, bad, unreachable)
         return Staged(None, bad, unreachable)
 
-    async def _stage_from(self, session: aiohttp.ClientSession, disk: Ramdisk, meta: JobMeta, progress: PodProgress, view: RestoreView,
-                          source: Source) -> None:  # fmt: skip
+    async def _stage_from(
+        self,
+        session: aiohttp.ClientSession,
+        disk: Ramdisk,
+        meta: JobMeta,
+        progress: PodProgress,
+        view: RestoreView,
+        source: Source,
+    ) -> None:
         """Stages the view's step from ``source``.
 
         Raises:
@@ -235,13 +311,20 @@ class Restorer:
         """
         if source.files is not None and (missing := meta.framework.missing_commit_evidence(source.files)):
             raise UnusableCopy(f"its checksums lack {missing}")
-        if source.holder == self.node_id and source.data_rank == progress.rank:
-            await asyncio.to_thread(staging.stage_local, meta.framework, disk.client_dir, view.step, meta.manifests().get(view.step), meta,
-                                    progress.rank)  # fmt: skip
+        if source.holder == self.node_id and source.data_rank == _rank(progress):
+            await asyncio.to_thread(
+                staging.stage_local,
+                meta.framework,
+                disk.client_dir,
+                _step(view),
+                meta.manifests().get(_step(view)),
+                meta,
+                _rank(progress),
+            )
             return
         need = sum(size for size, _ in source.files.values()) if source.files is not None else 0
         if source.files is not None:
-            await asyncio.to_thread(self._room_for, disk, view.step, need)
+            await asyncio.to_thread(self._room_for, disk, _step(view), need)
         with RESTORE_IN_FLIGHT.transfer(disk.namespace, disk.job, need) as fetched:
             if source.tier == Tier.BACKUP:
                 await self._stage_from_backup(disk, meta, progress, view, source, fetched)
@@ -257,42 +340,74 @@ class Restorer:
         if space.free_bytes(disk.path) < need and self._make_room is not None:
             self._make_room(disk, need)
         if (free := space.free_bytes(disk.path)) < need:
-            raise _Unreachable(f"step {step} ({need} bytes) does not fit, not fetched: {free} bytes free; {space.describe_use(disk)}")
+            raise _Unreachable(
+                f"step {step} ({need} bytes) does not fit, not fetched: {free} bytes free; {space.describe_use(disk)}"
+            )
 
-    async def _stage_from_peer(self, session: aiohttp.ClientSession, disk: Ramdisk, meta: JobMeta, progress: PodProgress, view: RestoreView,
-                               source: Source, fetched: Callable[[int], None]) -> None:  # fmt: skip
+    async def _stage_from_peer(
+        self,
+        session: aiohttp.ClientSession,
+        disk: Ramdisk,
+        meta: JobMeta,
+        progress: PodProgress,
+        view: RestoreView,
+        source: Source,
+        fetched: Callable[[int], None],
+    ) -> None:
         """Pulls the view's step from a peer (or this node's own replica) into the ramdisk, verified,
         then stages it; it is this rank's copy of the step from then on, in the view's timeline.
         ``fetched`` is called with each range's bytes. Raises as ``_stage_from``."""
-        step = view.step
+        step = _step(view)
         if self._peer_token is None or not source.url:
             raise UnusableCopy(f"peer tier unavailable for {source.holder}")
         incoming = meta.new_incoming_dir()
         try:
             # Verified against the owner's checksums from the plan; the peer's own manifest only when the plan has none.
-            manifest = (StepManifest(step, source.data_rank, dict(source.files)) if source.files is not None else
-                        await fetch_manifest(session, source.url, self._peer_token.current, disk.namespace, disk.job, source.data_rank, step))
-            await fetch_step(source.url, self._peer_token.current, disk.namespace, disk.job, manifest, incoming, ssl_context=self._peer_ssl,
-                             on_range=fetched)
+            manifest = (
+                StepManifest(step, source.data_rank, dict(source.files))
+                if source.files is not None
+                else await fetch_manifest(
+                    session, source.url, self._peer_token.current, disk.namespace, disk.job, source.data_rank, step
+                )
+            )
+            await fetch_step(
+                source.url,
+                self._peer_token.current,
+                disk.namespace,
+                disk.job,
+                manifest,
+                incoming,
+                ssl_context=self._peer_ssl,
+                on_range=fetched,
+            )
         except UnusableCopy:
             shutil.rmtree(incoming, ignore_errors=True)
             raise
-        except (PeerFetchError, OSError, aiohttp.ClientError, asyncio.TimeoutError) as err:
+        except (TimeoutError, PeerFetchError, OSError, aiohttp.ClientError) as err:
             shutil.rmtree(incoming, ignore_errors=True)
             raise _Unreachable(str(err) or repr(err)) from err
         await asyncio.to_thread(staging.install_staged, meta.framework, disk.client_dir, step, incoming)
         # Recorded as this rank's step: from now on this node serves it for this rank.
-        meta.save_manifest(dataclasses.replace(manifest, rank=progress.rank, timeline=len(view.forks)))
+        meta.save_manifest(dataclasses.replace(manifest, rank=_rank(progress), timeline=len(view.forks)))
 
-    async def _stage_from_backup(self, disk: Ramdisk, meta: JobMeta, progress: PodProgress, view: RestoreView, source: Source,
-                                 fetched: Callable[[int], None]) -> None:  # fmt: skip
+    async def _stage_from_backup(
+        self,
+        disk: Ramdisk,
+        meta: JobMeta,
+        progress: PodProgress,
+        view: RestoreView,
+        source: Source,
+        fetched: Callable[[int], None],
+    ) -> None:
         """Downloads the view's step from the backup tier into the ramdisk, verified, then stages it.
         ``fetched`` is called with each range's bytes. Raises as ``_stage_from``."""
-        step = view.step
+        step = _step(view)
         if self._download is None:
             raise UnusableCopy("no backup tier on this node (--backup)")
         try:
-            verified, manifest = await self._download(meta, disk.namespace, disk.job, step, source.data_rank, source.timeline, fetched)
+            verified, manifest = await self._download(
+                meta, disk.namespace, disk.job, step, source.data_rank, source.timeline, fetched
+            )
         except UnusableCopy:
             raise
         except (BackupError, OSError) as err:
@@ -303,11 +418,18 @@ class Restorer:
             shutil.rmtree(os.path.dirname(verified), ignore_errors=True)
             raise
         await asyncio.to_thread(staging.install_staged, meta.framework, disk.client_dir, step, verified)
-        meta.save_manifest(dataclasses.replace(manifest, rank=progress.rank, timeline=len(view.forks)))
+        meta.save_manifest(dataclasses.replace(manifest, rank=_rank(progress), timeline=len(view.forks)))
 
 
-def hand_over(disk: Ramdisk, meta: JobMeta, progress: PodProgress, step: int | None, source: str,
-              forks: tuple[int, ...] = (), set_aside: bool = True) -> None:  # fmt: skip
+def hand_over(
+    disk: Ramdisk,
+    meta: JobMeta,
+    progress: PodProgress,
+    step: int | None,
+    source: str,
+    forks: tuple[int, ...] = (),
+    set_aside: bool = True,
+) -> None:
     """Records the job's timeline (``forks``: training after the marker writes in it), sets aside
     steps newer than the agreed one (deletes them for a rollback: ``set_aside`` False) and writes
     the marker. Idempotent: replayed after a crash (``handing_over`` recorded, ``restore_done``
@@ -319,17 +441,30 @@ def hand_over(disk: Ramdisk, meta: JobMeta, progress: PodProgress, step: int | N
     if progress.handing_over is None:
         progress.handing_over = -1 if step is None else step
         meta.save_progress(progress)
-        staging.clear_for_restore(framework, disk.client_dir, step, meta, progress.rank, set_aside)
+        staging.clear_for_restore(framework, disk.client_dir, step, meta, _rank(progress), set_aside)
         marker_needed = True
     else:
         scan = framework.scan_steps(disk.client_dir)
         marker_needed = not scan.committed if step is None else step in scan.staged and step not in scan.committed
-        log.warning("%s/%s rank %d: resuming an interrupted hand-over of step %s (marker %s)", disk.namespace, disk.job,
-                    progress.rank, step, "rewritten" if marker_needed else "already taken")  # fmt: skip
+        log.warning(
+            "%s/%s rank %d: resuming an interrupted hand-over of step %s (marker %s)",
+            disk.namespace,
+            disk.job,
+            _rank(progress),
+            step,
+            "rewritten" if marker_needed else "already taken",
+        )
     if marker_needed and step is None:
-        framework.write_fresh_start_marker(disk.client_dir, disk.job, progress.rank)
-    elif marker_needed:
-        framework.write_restore_marker(disk.client_dir, disk.job, step, progress.rank)
+        framework.write_fresh_start_marker(disk.client_dir, disk.job, _rank(progress))
+    elif marker_needed and step is not None:
+        framework.write_restore_marker(disk.client_dir, disk.job, step, _rank(progress))
     progress.restore_done = True
     meta.save_progress(progress)
-    log.info("%s/%s rank %d: restore marker for step %s written (source %s)", disk.namespace, disk.job, progress.rank, step, source)
+    log.info(
+        "%s/%s rank %d: restore marker for step %s written (source %s)",
+        disk.namespace,
+        disk.job,
+        _rank(progress),
+        step,
+        source,
+    )

@@ -119,9 +119,11 @@ def viewed(attempts: Attempts, view: RestoreView, now: float, fan_out_wait_secon
         return attempts, HandingOver(view) if view.ready else Asking(view.token)  # until every rank has staged
     if not view.fan_out_pending:
         return attempts, Staging(view)
-    if attempts.fan_out is None or attempts.fan_out[0] != view.generation:
-        attempts = dataclasses.replace(attempts, fan_out=(view.generation, now))
-    if (left := fan_out_wait_seconds - (now - attempts.fan_out[1])) > 0:
+    fan_out = attempts.fan_out
+    if fan_out is None or fan_out[0] != view.generation:
+        fan_out = (view.generation, now)
+        attempts = dataclasses.replace(attempts, fan_out=fan_out)
+    if (left := fan_out_wait_seconds - (now - fan_out[1])) > 0:
         return attempts, Asking(view.token, left)  # until the downloader has staged (or is silent)
     return attempts, Staging(view, downloader_late=True)
 
