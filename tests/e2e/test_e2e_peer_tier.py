@@ -7,7 +7,6 @@ import os
 import re
 import ssl
 import statistics
-import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -16,6 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from csi_driver import kubelet
+from examples.local_cluster import self_signed_certificate
 from replicator.pacing import timing
 from tests.helpers import network
 from tests.helpers.agents import scrape
@@ -214,29 +214,7 @@ def test_peer_service_refuses_missing_token_and_traversal(start_cluster, tmp_pat
 
 
 def test_peer_service_over_tls(start_agent, tmp_path):
-    cert, key = tmp_path / "peer.crt", tmp_path / "peer.key"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "1",
-            "-subj",
-            "/CN=mtc-peer",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-        ],
-        check=True,
-        capture_output=True,
-    )
+    cert, key = self_signed_certificate(str(tmp_path / "tls"))
     (tmp_path / "token").write_text("tls-token\n")
     agent = start_agent(
         backend="dir",
