@@ -34,6 +34,15 @@ MAX_REPLICATOR_YAML_BYTES = 64 << 10
 _MAX_REPORT_BYTES = 64 << 10  # the newest part of replicator.errors / .failed
 _FIELD_IN_ERROR = re.compile(r"(?:field `|at `\$\.)([a-z-]+)")
 INTERVALS = "backup-interval-minutes/backup-interval-steps"
+# The replicator.yaml keys every framework's file has, by the field names of its msgspec struct.
+YAML_KEYS = {
+    "data_parallelism": "assume-data-parallelism",
+    "backup_interval_minutes": "backup-interval-minutes",
+    "backup_interval_steps": "backup-interval-steps",
+    "job_name": "job-name",
+    "node_rank": "node-rank",
+    "peer_ranks": "peer-ranks",
+}
 
 Config = TypeVar("Config", bound=msgspec.Struct)
 

@@ -33,6 +33,7 @@ from replicator.local_tier.frameworks.client_dir import (
     REPLICATOR_FILE,
     RESTORE_SUFFIX,
     STAGED_PREFIX,
+    YAML_KEYS,
     ClientDirProtocol,
     check_job_shape,
     load_config,
@@ -60,17 +61,7 @@ JAX_INIT_INFO_FILE = "jax-init-info.txt"
 COMMIT_EVIDENCE = "_CHECKPOINT_METADATA"
 
 
-_YAML_NAMES = {
-    "data_parallelism": "assume-data-parallelism",
-    "backup_interval_minutes": "backup-interval-minutes",
-    "backup_interval_steps": "backup-interval-steps",
-    "job_name": "job-name",
-    "node_rank": "node-rank",
-    "peer_ranks": "peer-ranks",
-}
-
-
-class ReplicatorConfig(msgspec.Struct, frozen=True, rename=_YAML_NAMES):
+class ReplicatorConfig(msgspec.Struct, frozen=True, rename=YAML_KEYS):
     """A validated ``replicator.yaml``, as Orbax's ``_create_replicator_file`` writes it; msgspec
     checks each key's type and range, ``parse_replicator_config`` the rest.
 

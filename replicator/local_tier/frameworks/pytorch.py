@@ -41,7 +41,7 @@ import msgspec
 
 from replicator.local_tier import pod_files
 from replicator.local_tier.frameworks.base import Files
-from replicator.local_tier.frameworks.client_dir import ClientDirProtocol, check_job_shape, load_config
+from replicator.local_tier.frameworks.client_dir import YAML_KEYS, ClientDirProtocol, check_job_shape, load_config
 from replicator.wire.messages import JobSettings
 
 PRERESTORE_FILE = "replicator.prerestore"
@@ -54,12 +54,7 @@ _RANK_HINT = (
 )
 
 _YAML_NAMES = {
-    "data_parallelism": "assume-data-parallelism",
-    "backup_interval_minutes": "backup-interval-minutes",
-    "backup_interval_steps": "backup-interval-steps",
-    "job_name": "job-name",
-    "node_rank": "node-rank",
-    "peer_ranks": "peer-ranks",
+    **YAML_KEYS,
     "peers_per_node": "peers-per-node",
     "workers_per_node": "workers-per-node",
 }
