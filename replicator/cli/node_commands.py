@@ -42,6 +42,9 @@ from replicator.node.config import (
 )
 from replicator.pacing import timing
 
+# The agent's data directory, for ``mtc gc`` in the agent's container (``kubectl exec``) without its path.
+ROOT_ENV = "MTC_ROOT"
+
 
 def add(sub: argparse._SubParsersAction) -> None:
     """Adds ``node``, ``publish``, ``unpublish`` and ``gc``."""
@@ -250,7 +253,9 @@ def _add_gc(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("gc", help="release job ramdisks on this node (deletes their checkpoints)")
     p.set_defaults(run=_run_gc)
     p.add_argument(
-        "--root", type=existing_directory, required=True, help="the node agent's --root (an existing directory)"
+        "--root",
+        type=existing_directory,
+        help=f"the node agent's --root, an existing directory (default ${ROOT_ENV}, which the node DaemonSet sets)",
     )
     p.add_argument("--ramdisk-backend", choices=["tmpfs", "dir"], default="tmpfs")
     which = p.add_mutually_exclusive_group(required=True)
@@ -259,8 +264,29 @@ def _add_gc(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="store_true", help="release even while pods have it published")
 
 
+def _gc_root(flag: str | None) -> str:
+    """``--root``, else ``$MTC_ROOT`` (read here, at the edge), checked as ``--root`` is.
+
+    Raises:
+      argparse.ArgumentTypeError: neither is set, or the directory does not exist; the message is one line.
+    """
+    if flag is not None:
+        return flag
+    root = os.environ.get(ROOT_ENV)
+    if not root:
+        raise argparse.ArgumentTypeError(f"--root is required (or ${ROOT_ENV}, set in the node DaemonSet's pods)")
+    try:
+        return existing_directory(root)
+    except argparse.ArgumentTypeError as err:
+        raise argparse.ArgumentTypeError(f"${ROOT_ENV} {err}") from None
+
+
 def _run_gc(args: argparse.Namespace) -> int:
-    manager = open_ramdisks(args.root, args.ramdisk_backend)
+    try:
+        root = _gc_root(args.root)
+    except argparse.ArgumentTypeError as err:
+        return usage_error("gc", str(err))
+    manager = open_ramdisks(root, args.ramdisk_backend)
     ref = args.job
     if ref is None:
         for namespace, job in manager.reap_idle(retention_seconds=0):

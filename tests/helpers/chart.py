@@ -30,9 +30,10 @@ def template_argv(
     values: Path | None = None,
     kube_version: str = KUBERNETES_VERSIONS[0],
     namespace: str = "mtc-system",
+    kubeconfig: Path | None = None,
 ) -> list[str]:
     """``helm template`` of the chart as release ``mtc`` in ``namespace``, with ``--set`` ``settings``
-    and an optional values file."""
+    and an optional values file; with ``kubeconfig``, its ``lookup``s ask that cluster (``--dry-run=server``)."""
     argv = [
         require_tool("helm"),
         "template",
@@ -45,6 +46,8 @@ def template_argv(
     ]
     if values is not None:
         argv += ["--values", str(values)]
+    if kubeconfig is not None:
+        argv += ["--kubeconfig", str(kubeconfig), "--dry-run=server"]
     for setting in settings:
         argv += ["--set", setting]
     return argv
@@ -55,9 +58,16 @@ def helm_template(
     values: Path | None = None,
     kube_version: str = KUBERNETES_VERSIONS[0],
     namespace: str = "mtc-system",
+    kubeconfig: Path | None = None,
 ) -> list[dict]:
     """The chart's objects, rendered as ``template_argv`` says."""
-    return docs(run(template_argv(*settings, values=values, kube_version=kube_version, namespace=namespace)))
+    return docs(
+        run(
+            template_argv(
+                *settings, values=values, kube_version=kube_version, namespace=namespace, kubeconfig=kubeconfig
+            )
+        )
+    )
 
 
 def by_key(objects: list[dict]) -> dict[tuple[str, str], dict]:

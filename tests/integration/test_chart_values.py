@@ -4,6 +4,8 @@
   upgrade, template and lint): each case asserts helm's own message.
 - Every operator knob reaches the pod specs; the image tag is the chart's appVersion.
 - Renders are reproducible when the Secrets are the operator's (``existingSecret``), as GitOps needs.
+- The ramdisks' host directory: an explicit ``dataDir``, else the installed DaemonSet's (``lookup``, asked of a
+  stand-in API server), else one below the kubelet's root.
 - The ``helm test`` Pod runs ``mtc status`` against the coordinator Service with the cluster CA.
 """
 
@@ -26,10 +28,13 @@ from tests.helpers.chart import (
     run,
     template_argv,
 )
+from tests.helpers.lookup_api import LookupApi
 from tests.helpers.tools import require_tool
 
 SCHEMA_ERROR = "values don't meet the specifications of the schema(s)"
 STATUS_POD = ("Pod", "mtc-test-status")
+NODE = ("DaemonSet", "mtc-node")
+DEFAULT_DATA_DIR = "/var/lib/kubelet/plugins/ramdisk.csi.mtc.dev/data"
 
 
 def _app_version() -> str:
@@ -64,6 +69,14 @@ def _refused(argv: list[str]) -> str:
             "image.pullPolicy=Sometimes",
             "at '/image/pullPolicy': value must be one of 'Always', 'IfNotPresent', 'Never'",
         ),
+        (
+            "sidecars.livenessProbe.pullPolicy=Sometimes",
+            "at '/sidecars/livenessProbe/pullPolicy': value must be one of 'Always', 'IfNotPresent', 'Never'",
+        ),
+        ("kubeletDir=5", "at '/kubeletDir': got number, want string"),
+        ("kubeletDir=var/lib/kubelet", "at '/kubeletDir': 'var/lib/kubelet' does not match pattern"),
+        ("dataDir=mtc", "at '/dataDir': 'mtc' does not match pattern"),
+        ("dataDir=5", "at '/dataDir': got number, want string"),
         ("tls.existingSecret=My_Secret", "at '/tls/existingSecret': 'My_Secret' does not match pattern"),
         ("peerTLS.enabled=true", "at '/peerTLS': 'anyOf' failed"),
         (
@@ -97,6 +110,9 @@ def test_schema_accepts_every_documented_value_form():
         "node.minPushIntervalSeconds=0",
         "coordinator.holderGraceSeconds=2.5",
         "peerTLS.enabled=true,peerTLS.existingSecret=peer-tls",
+        "kubeletDir=/var/lib/k0s/kubelet",
+        "dataDir=/mnt/mtc",
+        "sidecars.livenessProbe.pullPolicy=Never",
     ):
         assert helm_template(setting), setting
 
@@ -333,3 +349,63 @@ def test_helm_test_pod_follows_tls_and_can_be_left_out():
     argv = argv_of(plain["spec"]["containers"][0])
     assert flag(argv, "--coordinator") == "http://mtc-coordinator.mtc-system.svc:8471" and "--ca" not in argv
     assert STATUS_POD not in by_key(helm_template("tests.enabled=false"))
+
+
+def _data_dirs(rendered: list[dict]) -> set[str]:
+    """Every place the node DaemonSet names the ramdisks' directory: the agent's --root and $MTC_ROOT
+    (``mtc gc``'s default), the data-root mount and its host path; one value when they agree."""
+    node = by_key(rendered)[NODE]
+    agent = container(node, "mtc-node")
+    (volume,) = [v for v in pod_spec(node)["volumes"] if v["name"] == "data-root"]
+    (mount,) = [m for m in agent["volumeMounts"] if m["name"] == "data-root"]
+    assert mount["mountPropagation"] == "Bidirectional"
+    env = {e["name"]: e.get("value") for e in agent["env"]}
+    return {flag(argv_of(agent), "--root"), env["MTC_ROOT"], mount["mountPath"], volume["hostPath"]["path"]}
+
+
+@pytest.mark.parametrize(
+    ("settings", "data_dir"),
+    [
+        ([], DEFAULT_DATA_DIR),
+        (
+            ["kubeletDir=/var/lib/k0s/kubelet", "driverName=ram.example.dev"],
+            "/var/lib/k0s/kubelet/plugins/ram.example.dev/data",
+        ),
+        (["dataDir=/mnt/mtc"], "/mnt/mtc"),
+    ],
+)
+def test_a_new_install_puts_the_ramdisks_below_the_kubelets_root_unless_data_dir_says(settings, data_dir):
+    # The kubelet makes its root a shared mount, which a Bidirectional mount needs; a host's / may not be one.
+    assert _data_dirs(helm_template(*settings)) == {data_dir}
+
+
+def test_an_upgrade_keeps_the_data_dir_of_the_installed_daemonset(tmp_path):
+    # An install of 0.2.0, whose default was /var/lib/mtc: its ramdisks stay where they are mounted.
+    installed = by_key(helm_template("dataDir=/var/lib/mtc"))[NODE]
+    lookup = "/apis/apps/v1/namespaces/mtc-system/daemonsets/mtc-node"
+    with LookupApi([installed], tmp_path) as cluster:
+        assert _data_dirs(helm_template(kubeconfig=cluster.kubeconfig)) == {"/var/lib/mtc"}
+        assert lookup in cluster.requests
+        assert _data_dirs(helm_template("dataDir=/mnt/mtc", kubeconfig=cluster.kubeconfig)) == {"/mnt/mtc"}
+    with LookupApi([], tmp_path) as cluster:  # asked, and nothing installed
+        assert _data_dirs(helm_template(kubeconfig=cluster.kubeconfig)) == {DEFAULT_DATA_DIR}
+        assert lookup in cluster.requests
+
+
+def test_the_livenessprobe_sidecar_has_its_own_pull_policy():
+    # image.pullPolicy=Never is for our image, loaded onto the nodes; the sidecar's comes from its registry.
+    rendered = by_key(helm_template("image.pullPolicy=Never"))
+    policies = {
+        c["name"]: c["imagePullPolicy"]
+        for obj in rendered.values()
+        if obj["kind"] in ("DaemonSet", "Deployment", "Pod")
+        for c in pod_spec(obj)["containers"]
+    }
+    assert policies == {
+        "mtc-node": "Never",
+        "liveness-probe": "IfNotPresent",
+        "mtc-coordinator": "Never",
+        "mtc-status": "Never",
+    }
+    node = by_key(helm_template("sidecars.livenessProbe.pullPolicy=Always"))[NODE]
+    assert container(node, "liveness-probe")["imagePullPolicy"] == "Always"

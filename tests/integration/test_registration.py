@@ -4,6 +4,7 @@ plugin watcher does: ``GetInfo``, then ``NotifyRegistrationStatus``."""
 import logging
 import os
 import socket
+import tempfile
 
 import grpc
 import pytest
@@ -85,3 +86,15 @@ def test_stale_socket_of_a_killed_agent_is_replaced_and_stop_removes_the_socket(
 def test_endpoint_that_is_not_a_unix_socket_is_refused():
     with pytest.raises(ValueError, match="unix:///path"):
         RegistrationServicer(DRIVER, "tcp://127.0.0.1:10000")
+
+
+def test_sigterm_removes_the_agents_csi_and_registration_sockets(start_agent):
+    # The pod's end (helm uninstall, a rollout): nothing may be left for the kubelet to find on the node.
+    with tempfile.TemporaryDirectory(prefix="mtc-reg-") as registry:  # short: a socket path has 107 bytes at most
+        agent = start_agent(backend="dir", extra_args=["--kubelet-registration-dir", registry])
+        csi_socket = agent.endpoint[len("unix://") :]
+        assert os.listdir(registry) == [f"{DRIVER}-reg.sock"] and os.path.exists(csi_socket)
+        agent.stop()  # SIGTERM
+        assert agent.process.returncode == 0, agent.tail_log()
+        assert os.listdir(registry) == []
+        assert not os.path.exists(csi_socket)

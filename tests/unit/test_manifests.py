@@ -24,7 +24,8 @@ DRIVER_NAME = "ramdisk.csi.mtc.dev"
 PLUGIN_DIR = f"/var/lib/kubelet/plugins/{DRIVER_NAME}"
 KUBELET_PODS_DIR = "/var/lib/kubelet/pods"
 PLUGINS_REGISTRY = "/var/lib/kubelet/plugins_registry"
-DATA_ROOT = "/var/lib/mtc"
+# Below the kubelet's root, a shared mount as Bidirectional propagation needs (a host's / may be private).
+DATA_ROOT = f"{PLUGIN_DIR}/data"
 COORDINATOR_URL = "https://mtc-coordinator.mtc-system.svc:8471"
 TLS_DIR = "/etc/mtc/tls"
 CLUSTER_SCOPED = (
@@ -194,7 +195,7 @@ def test_coordinator_alone_may_get_list_and_watch_exactly_pods_nodes_and_jobsets
         (group, resource) for rule in role["rules"] for group in rule["apiGroups"] for resource in rule["resources"]
     }
     assert granted == COORDINATOR_READS
-    assert all(sorted(rule["verbs"]) == ["get", "list", "watch"] for rule in role["rules"])
+    assert all(sorted(rule["verbs"]) == ["list", "watch"] for rule in role["rules"])
     assert not any("resourceNames" in rule or "nonResourceURLs" in rule for rule in role["rules"])
     binding = _one("ClusterRoleBinding", "mtc-coordinator")
     assert binding["roleRef"] == {
@@ -251,6 +252,7 @@ def test_node_plugin_runs_the_node_agent_with_the_contract_flags(node_container)
     env = {e["name"]: e for e in node_container["env"]}
     assert not {"NODE_ZONE", "NODE_BLOCK"} & set(env), "the pod's own labels carry no node topology"
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert env["MTC_ROOT"]["value"] == DATA_ROOT, "mtc gc's default --root, in `kubectl exec`"
     # Every $(VAR) the args use must be defined, or kubelet passes it through literally.
     for var in re.findall(r"\$\((\w+)\)", " ".join(argv)):
         assert var in env, f"{var} is referenced in args but not defined"
@@ -296,6 +298,24 @@ def test_node_plugin_mounts_kubelet_pods_and_data_root_bidirectionally(node_pod,
     assert mount["mountPropagation"] == "Bidirectional"
     volume = next(v for v in node_pod["volumes"] if v["name"] == mount["name"])
     assert volume["hostPath"]["type"] == "DirectoryOrCreate"
+
+
+def test_every_copy_of_the_data_root_follows_the_ramdisks_unmounts(node_pod):
+    # A mount of a host directory holding the data root copies the ramdisks mounted there when its container
+    # starts; a private copy (no propagation) keeps a released ramdisk's tmpfs, and its RAM, until it exits.
+    volumes = {v["name"]: v["hostPath"]["path"].rstrip("/") for v in node_pod["volumes"] if "hostPath" in v}
+    copies = [
+        (c["name"], m["mountPath"], m.get("mountPropagation", "None"))
+        for c in node_pod["containers"]
+        for m in c.get("volumeMounts", [])
+        if m["name"] in volumes and (DATA_ROOT + "/").startswith(volumes[m["name"]] + "/")
+    ]
+    assert {(name, path) for name, path, _ in copies} == {
+        ("mtc-node", PLUGIN_DIR),
+        ("mtc-node", DATA_ROOT),
+        ("liveness-probe", "/csi"),
+    }
+    assert all(propagation in ("HostToContainer", "Bidirectional") for _, _, propagation in copies), copies
 
 
 def _assert_mounts_token_secret(pod: dict, container: dict, token_file: Path) -> None:

@@ -32,6 +32,25 @@ mtc-coordinator.{{ .Release.Namespace }}.svc
 {{ .Values.kubeletDir }}/plugins/{{ .Values.driverName }}
 {{- end }}
 
+{{- /*
+The agent's --root on the host, where it mounts the ramdisks with Bidirectional propagation, which the
+kubelet allows only on a shared mount. An explicit dataDir wins. Else the installed DaemonSet's
+data-root keeps its path, so an upgrade never strands the ramdisks already mounted there. Else a
+directory under the kubelet's root, which the kubelet makes rshared itself (a host's `/` may be private).
+*/}}
+{{- define "mtc.dataDir" -}}
+{{- if .Values.dataDir }}
+{{- .Values.dataDir }}
+{{- else }}
+{{- $path := printf "%s/data" (include "mtc.pluginDir" .) }}
+{{- $installed := lookup "apps/v1" "DaemonSet" .Release.Namespace "mtc-node" }}
+{{- range (dig "spec" "template" "spec" "volumes" (list) $installed) }}
+{{- if eq (get . "name") "data-root" }}{{ $path = dig "hostPath" "path" $path . }}{{ end }}
+{{- end }}
+{{- $path }}
+{{- end }}
+{{- end }}
+
 {{- /* Where a pod may run: priority, nodeSelector, affinity, tolerations of one component's values. */}}
 {{- define "mtc.podScheduling" -}}
 {{- with .priorityClassName }}
