@@ -131,6 +131,20 @@ def test_a_rate_limit_slows_only_its_hosts_traffic_and_is_removed(hosts):
     assert "7a31" not in subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout
 
 
+def test_a_flow_limit_slows_only_its_host_to_that_server_one_way(hosts):
+    one, three, server, connect = hosts
+    payload = 4 * 1024 * 1024  # 33.6 Mbit: 4.2 s at 8 Mbit/s
+    to_server = network.Endpoint(server.address, server.port)
+    with network.rate_limited_flows([(one, to_server)], rate_mbit=8):
+        slow = connect(one, 30.0, payload)
+        other = connect(three, 30.0, payload)
+    with network.rate_limited_flows([(to_server, one)], rate_mbit=8):  # the other way: only the acks, unshaped
+        back = connect(one, 30.0, payload)
+    assert slow is not None and 3.5 < slow < 8.0, slow
+    assert other is not None and other < 1.0 and back is not None and back < 1.0, (other, back)
+    assert "7a31" not in subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout
+
+
 def test_loss_drops_about_its_share_of_packets_and_tcp_still_delivers(hosts):
     one, _, server, connect = hosts
     with network.lossy([one], loss_percent=50):
