@@ -30,7 +30,7 @@ KUSTOMIZE_PKG  := sigs.k8s.io/kustomize/kustomize/v5@v5.7.1
 K8S_VERSION    := v1.34.4
 K8S_STAGING    := v0.34.4
 K8S_SRC        := $(TOOLS_DIR)/src/kubernetes-$(K8S_VERSION)
-K8S_BINARIES   := kube-apiserver kube-controller-manager kube-scheduler kubelet
+K8S_BINARIES   := kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy kubectl
 # Their modules (~2 GB) and build cache (~3 GB) go to caches of their own, removed once every binary is built
 # (a CI machine's disk is small): a rebuild downloads again.
 K8S_GOMODCACHE := $(TOOLS_DIR)/k8s-gomodcache
@@ -100,7 +100,7 @@ BUILD_CA   ?=
 IMAGE_ARGS  = --build-arg BASE=$(BASE_IMAGE) $(if $(BUILD_CA),--secret id=pip-ca$(comma)src=$(BUILD_CA)) -t $(IMAGE)
 comma := ,
 
-.PHONY: setup tools host-tools k8s-tools k8s-node-tools e2e-k8s e2e-operations etcd test test-fast demo torch-setup bench e2e-maxtext e2e-torchtitan e2e-orbax-oldest chaos clean image image-base
+.PHONY: setup tools host-tools k8s-tools k8s-node-tools e2e-k8s e2e-deploy deploy-images e2e-operations etcd test test-fast demo torch-setup bench e2e-maxtext e2e-torchtitan e2e-orbax-oldest chaos clean image image-base
 
 setup: $(STAMP) $(STUBS)
 
@@ -204,6 +204,42 @@ $(JOBSET_CONFIG)/manifests.yaml: $(JOBSET_SRC)/go.mod
 e2e-k8s: HOST_SUITES := local etcd node
 e2e-k8s: host-tools setup k8s-node-tools
 	PATH=$(TOOLS):$$PATH $(BIN)/python -m pytest -q -p no:cacheprovider tests/k8s
+
+# The product deployed as users deploy it (tests/deploy): the README's Kubernetes quick start, word for word, on the
+# real control plane and real kubelet nodes, each node in a mount namespace of its own (its own /var/lib/kubelet),
+# the whole cluster in a network namespace of its own (unshare --net) with a pod network (CNI ptp), kube-proxy and
+# CoreDNS; the images built here (buildah) and imported into each node's containerd instead of pulled. The Debian
+# base (debootstrap, about a minute) is cached as an OCI archive beside the Kubernetes builds; the agent, trainer and
+# livenessprobe stand-in images are built from this tree every run. The CA bundle lets pip inside the builds through
+# a proxy that re-signs TLS (BUILD_CA, as for `make image`).
+DEPLOY_IMAGES      := $(CURDIR)/build/deploy
+IMAGE_BASE_ARCHIVE := $(TOOLS_DIR)/images/mtc-base-$(DEBIAN_SUITE).tar
+DEPLOY_CA          := $(or $(BUILD_CA),$(wildcard /etc/ssl/certs/ca-certificates.crt))
+DEPLOY_BUILD        = buildah bud -q --layers=false $(if $(DEPLOY_CA),--secret id=pip-ca$(comma)src=$(DEPLOY_CA))
+COREDNS            := $(TOOLS)/coredns
+COREDNS_PKG        := github.com/coredns/coredns@v1.14.7
+
+$(IMAGE_BASE_ARCHIVE):
+	$(MAKE) image-base
+	mkdir -p $(dir $@) && buildah push -q $(IMAGE_BASE) oci-archive:$@.tmp:$(IMAGE_BASE) && mv $@.tmp $@
+
+$(COREDNS):
+	GOBIN=$(TOOLS) $(TIMED) go install $(COREDNS_PKG)
+
+deploy-images: $(IMAGE_BASE_ARCHIVE) $(STUBS)
+	buildah pull -q oci-archive:$(IMAGE_BASE_ARCHIVE) >/dev/null
+	$(MAKE) image BASE_IMAGE=$(IMAGE_BASE) IMAGE=localhost/mtc-agent:$(VERSION) BUILD_CA=$(DEPLOY_CA)
+	$(DEPLOY_BUILD) -f tests/deploy/livenessprobe.Dockerfile --build-arg AGENT=localhost/mtc-agent:$(VERSION) \
+	    -t localhost/livenessprobe-standin:$(VERSION) tests/deploy
+	$(DEPLOY_BUILD) -f tests/deploy/trainer.Dockerfile --build-arg BASE=$(IMAGE_BASE) -t localhost/mtc-trainer:$(VERSION) examples
+	rm -rf $(DEPLOY_IMAGES) && mkdir -p $(DEPLOY_IMAGES)
+	for i in mtc-agent livenessprobe-standin mtc-trainer; do \
+	    buildah push -q localhost/$$i:$(VERSION) oci-archive:$(DEPLOY_IMAGES)/$$i.tar:localhost/$$i:$(VERSION) || exit 1; done
+
+e2e-deploy: HOST_SUITES := local etcd node deploy
+e2e-deploy: host-tools setup tools k8s-node-tools $(COREDNS) deploy-images
+	PATH=$(TOOLS):$$PATH MTC_DEPLOY_IMAGES=$(DEPLOY_IMAGES) unshare --net -- \
+	    $(BIN)/python -m pytest -q -p no:cacheprovider --durations=10 tests/deploy
 
 # The longest end-to-end tests, run by .ci/run after `make test` (which leaves them out to stay near 20 minutes
 # on 2 cores): an operator's procedures (a rolling upgrade and rollback across releases, a token rotation) and

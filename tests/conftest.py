@@ -7,16 +7,18 @@ import pytest
 
 pytest_plugins = ["tests.helpers.fixtures"]
 
-LAYERS = ("unit", "integration", "e2e", "k8s")
-K8S = Path(__file__).resolve().parent / "k8s"
-"""A real Kubernetes control plane (``make e2e-k8s``): collected only when named, as in ``pytest tests/k8s``."""
+LAYERS = ("unit", "integration", "e2e", "k8s", "deploy")
+NAMED_ONLY = tuple(Path(__file__).resolve().parent / layer for layer in ("k8s", "deploy"))
+"""A real Kubernetes control plane (``make e2e-k8s``) and the product deployed on real kubelets by its chart
+(``make e2e-deploy``): collected only when named, as in ``pytest tests/k8s``."""
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    if collection_path.resolve() != K8S:
+    layer = collection_path.resolve()
+    if layer not in NAMED_ONLY:
         return None
     named = (Path(arg.split("::")[0]).resolve() for arg in config.args)
-    return not any(path == K8S or K8S in path.parents for path in named) or None
+    return not any(path == layer or layer in path.parents for path in named) or None
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -10,6 +10,7 @@ A *suite* is what a group of make targets needs:
 - ``etcd``: the control plane's store (``make k8s-tools``).
 - ``node``: a real kubelet node (``make k8s-node-tools``): containerd and its ``ctr``, runc and the CNI
   loopback plugin that containerd starts, the static busybox the pods' images are made of.
+- ``deploy``: the chart on real kubelets (``make e2e-deploy``): the image tools, the namespaces, the pod network.
 
 ``BASE`` is in every Debian system (Essential or ``Priority: required``, so in debootstrap's minbase), checked
 with every suite all the same. Python interpreters (``sys.executable``, the virtualenvs') and ``GO_TOOLS`` are
@@ -31,7 +32,7 @@ import os
 import shutil
 import sys
 
-BASE = {"mount": "mount", "umount": "mount", "rm": "coreutils", "tar": "tar"}
+BASE = {"mount": "mount", "umount": "mount", "rm": "coreutils", "tar": "tar", "bash": "bash"}
 
 SUITES = {
     "local": {
@@ -51,6 +52,18 @@ SUITES = {
         "/bin/busybox": "busybox-static",
         "/usr/lib/cni/loopback": "containernetworking-plugins",
     },
+    # The chart on real kubelets (make e2e-deploy): the images built with buildah on a debootstrapped base; each
+    # node in a mount namespace of its own (unshare, nsenter), the cluster in a network namespace (unshare, ip); a
+    # pod network of CNI's ptp and host-local plugins, kube-proxy's iptables rules.
+    "deploy": {
+        "buildah": "buildah",
+        "debootstrap": "debootstrap",
+        "unshare": "util-linux",
+        "nsenter": "util-linux",
+        "ip": "iproute2",
+        "/usr/lib/cni/ptp": "containernetworking-plugins",
+        "/usr/lib/cni/host-local": "containernetworking-plugins",
+    },
 }
 
 GO_TOOLS = frozenset(
@@ -64,6 +77,9 @@ GO_TOOLS = frozenset(
         "kube-controller-manager",
         "kube-scheduler",
         "kubelet",
+        "kube-proxy",
+        "kubectl",
+        "coredns",
         "jobset",
     }
 )

@@ -21,6 +21,11 @@ from tests.helpers.host_tools import BASE, GO_TOOLS, SUITES
 
 SCANNED = ("tests", "examples", "csi_driver", "replicator", "prefetch", "mtc_torch")
 K8S = ("tests/k8s", "tests/helpers/kube")
+DEPLOY = (
+    "tests/deploy",
+    *(f"tests/helpers/kube/{m}.py" for m in ("deploy_node", "deployment", "pod_network", "training_jobset")),
+)
+"""make e2e-deploy's code: the Kubernetes suites and its own."""
 """Run by ``make e2e-k8s`` only, which adds the ``etcd`` and ``node`` suites to ``local``."""
 
 LAUNCHERS = {f"subprocess.{f}" for f in ("run", "Popen", "call", "check_call", "check_output")} | {
@@ -129,7 +134,10 @@ def scan(roots: list[Path], base: Path = REPO) -> list[tuple[str, int, str]]:
 
 
 def _allowed(relative: str) -> set[str]:
-    suites = ["local", "etcd", "node"] if relative.startswith(K8S) else ["local"]
+    if relative.startswith(DEPLOY):
+        suites = ["local", "etcd", "node", "deploy"]
+    else:
+        suites = ["local", "etcd", "node"] if relative.startswith(K8S) else ["local"]
     return {*BASE, *GO_TOOLS, *(tool for suite in suites for tool in SUITES[suite])}
 
 

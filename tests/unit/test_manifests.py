@@ -195,7 +195,7 @@ def test_coordinator_alone_may_get_list_and_watch_exactly_pods_nodes_and_jobsets
         (group, resource) for rule in role["rules"] for group in rule["apiGroups"] for resource in rule["resources"]
     }
     assert granted == COORDINATOR_READS
-    assert all(sorted(rule["verbs"]) == ["get", "list", "watch"] for rule in role["rules"])
+    assert all(sorted(rule["verbs"]) == ["list", "watch"] for rule in role["rules"])
     assert not any("resourceNames" in rule or "nonResourceURLs" in rule for rule in role["rules"])
     binding = _one("ClusterRoleBinding", "mtc-coordinator")
     assert binding["roleRef"] == {

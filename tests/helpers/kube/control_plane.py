@@ -33,7 +33,8 @@ JOBSET_VERSION = "v0.10.1"
 ``bin`` in ``jobset-<version>/``."""
 
 SERVICE_CIDR = "10.0.0.0/24"
-"""The Service IP range. Only allocated, never routed: no kube-proxy runs and nothing sends to it."""
+"""The Service IP range: only allocated on loopback (no kube-proxy runs), routed by kube-proxy in ``make
+e2e-deploy``'s cluster network (``pod_network.py``)."""
 
 _STOP_SECONDS = 10.0
 
@@ -183,9 +184,15 @@ class ControlPlane(_Started):
       processes: each component by name, for its PID and log.
     """
 
-    def __init__(self, binaries: Binaries | None = None):
+    def __init__(self, binaries: Binaries | None = None, address: str = "127.0.0.1", audited: tuple[str, ...] = ()):
         super().__init__()
+        # Groups whose requests the API server logs (verb, resource, response code) to ``audit_log``, JSON lines.
+        self.audited = audited
         self.binaries = binaries or Binaries.find()
+        # The API server's address: loopback, where the `kubernetes` Service gets no endpoints (Endpoints may not
+        # hold a loopback address) and a pod that needs the API server is given its URL; else an address of a
+        # network of the test's own (pod_network.py), the `kubernetes` Service's endpoint, as on a real cluster.
+        self.address = address
         self._readiness: dict[str, tuple[str, ssl.SSLContext | None]] = {}
         self.workdir: Path | None = None
 
@@ -224,7 +231,12 @@ class ControlPlane(_Started):
             "kubernetes.default.svc",
             "kubernetes.default.svc.cluster.local",
         )
-        serving = ca.issue("apiserver", "kube-apiserver", dns_names=apiserver_names, ips=("127.0.0.1", "10.0.0.1"))
+        serving = ca.issue(
+            "apiserver",
+            "kube-apiserver",
+            dns_names=apiserver_names,
+            ips=tuple(dict.fromkeys(("127.0.0.1", self.address, "10.0.0.1"))),
+        )
         admin = ca.issue("admin", "mtc-admin", organizations=("system:masters",))
         kubelet_client = ca.issue(
             "apiserver-kubelet-client", "kube-apiserver-kubelet-client", organizations=("system:masters",)
@@ -234,10 +246,10 @@ class ControlPlane(_Started):
         front_proxy = ca.issue("front-proxy-client", "front-proxy-client")
 
         ports = {
-            name: free_port()
-            for name in ("etcd", "etcd-peer", "apiserver", "kcm", "scheduler", "jobset-webhook", "jobset-health")
+            name: free_port() for name in ("etcd", "etcd-peer", "kcm", "scheduler", "jobset-webhook", "jobset-health")
         }
-        self.url = f"https://127.0.0.1:{ports['apiserver']}"
+        ports["apiserver"] = free_port(self.address)
+        self.url = f"https://{self.address}:{ports['apiserver']}"
         self.kubeconfig = write_kubeconfig(work / "admin.kubeconfig", self.url, ca.pair, admin, "admin")
 
         def start(name: str, command: list[str]) -> _Process:
@@ -270,8 +282,8 @@ class ControlPlane(_Started):
             [
                 self.binaries.apiserver,
                 f"--etcd-servers={etcd_url}",
-                "--bind-address=127.0.0.1",
-                "--advertise-address=127.0.0.1",
+                f"--bind-address={self.address}",
+                f"--advertise-address={self.address}",
                 f"--secure-port={ports['apiserver']}",
                 f"--cert-dir={work / 'apiserver-certs'}",
                 f"--tls-cert-file={serving.cert}",
@@ -293,12 +305,11 @@ class ControlPlane(_Started):
                 "--requestheader-extra-headers-prefix=X-Remote-Extra-",
                 f"--proxy-client-cert-file={front_proxy.cert}",
                 f"--proxy-client-key-file={front_proxy.key}",
-                # The `kubernetes` Service gets no endpoints: Endpoints may not hold a loopback address, and nothing
-                # (no kube-proxy) would route its cluster IP. A pod that needs the API server is given its URL.
-                "--endpoint-reconciler-type=none",
+                f"--endpoint-reconciler-type={'none' if self.address.startswith('127.') else 'lease'}",
                 "--authorization-mode=Node,RBAC",
                 "--allow-privileged=true",
                 "--profiling=false",
+                *self._audit_flags(work),
             ],
         )
         admin_tls = ssl.create_default_context(cafile=str(ca.pair.cert))
@@ -360,6 +371,23 @@ class ControlPlane(_Started):
         self._wait(
             lambda: _exists(client, ServiceAccount, "default", "default"), deadline, "ServiceAccount default/default"
         )
+
+    def _audit_flags(self, work: Path) -> list[str]:
+        if not self.audited:
+            return []
+        self.audit_log = work / "audit.log"
+        policy = {
+            "apiVersion": "audit.k8s.io/v1",
+            "kind": "Policy",
+            "omitStages": ["RequestReceived"],
+            "rules": [{"level": "Metadata", "userGroups": list(self.audited)}, {"level": "None"}],
+        }
+        (work / "audit-policy.yaml").write_text(yaml.safe_dump(policy))
+        return [
+            f"--audit-policy-file={work / 'audit-policy.yaml'}",
+            f"--audit-log-path={self.audit_log}",
+            "--audit-log-format=json",
+        ]
 
     def _start_jobset(self, start, work: Path, ca: CertificateAuthority, ports: dict[str, int]) -> _Process:
         """The JobSet controller with the admin identity, its own certificate management off, serving its

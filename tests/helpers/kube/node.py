@@ -92,18 +92,35 @@ class KubeletNode(_Started):
         ).stdout
 
     def _start(self, deadline: float) -> None:
-        self.dir.mkdir(parents=True)
+        self.dir.mkdir(parents=True, exist_ok=True)
         self._protect_host()
         containerd = self._start_containerd()
         self._wait(lambda: self.socket.exists() and self._ctr_answers(), deadline, "containerd answers", containerd)
-        for reference, entrypoint in ((PAUSE_IMAGE, ["/bin/sleep", "2147483647"]), (BUSYBOX_IMAGE, None)):
-            archive = busybox_image(
-                self.dir / f"{reference.split('/')[-1].replace(':', '-')}.tar", reference, entrypoint
-            )
+        for archive in self._images():
             self.ctr("images", "import", "--snapshotter", "native", str(archive))
         kubelet = self._start_kubelet()
         client = self.plane.client()
         self._wait(lambda: _ready(client, self.name), deadline, f"Node {self.name} Ready", kubelet)
+
+    def _images(self) -> list[Path]:
+        """The OCI archives imported into the node's containerd: the pause image and busybox."""
+        archives = []
+        for reference, entrypoint in ((PAUSE_IMAGE, ["/bin/sleep", "2147483647"]), (BUSYBOX_IMAGE, None)):
+            path = self.dir / f"{reference.split('/')[-1].replace(':', '-')}.tar"
+            archives.append(busybox_image(path, reference, entrypoint))
+        return archives
+
+    def _cni_plugins(self) -> list[dict]:
+        """The CNI plugins of the pods' network: loopback alone (the pods use the host's network)."""
+        return [{"type": "loopback"}]
+
+    def _kubelet_config(self) -> dict:
+        """What a subclass adds to the KubeletConfiguration."""
+        return {}
+
+    def _command(self, argv: list[str]) -> list[str]:
+        """How a node process is started (a subclass starts it in the node's own mount namespace)."""
+        return argv
 
     def _protect_host(self) -> None:
         sysctls = {name: Path("/proc/sys", name).read_text() for name in _SYSCTLS}
@@ -132,8 +149,8 @@ class KubeletNode(_Started):
     def _start_containerd(self) -> _Process:
         cni = self.dir / "cni"
         cni.mkdir()
-        (cni / "10-loopback.conflist").write_text(
-            json.dumps({"cniVersion": "0.4.0", "name": "mtc-loopback", "plugins": [{"type": "loopback"}]})
+        (cni / "10-pods.conflist").write_text(
+            json.dumps({"cniVersion": "0.4.0", "name": "mtc-pods", "plugins": self._cni_plugins()})
         )
         cri = '[plugins."io.containerd.grpc.v1.cri"]'
         config = f"""version = 2
@@ -161,7 +178,9 @@ state = "{self.dir / "containerd-state"}"
 """
         config_file = self.dir / "containerd.toml"
         config_file.write_text(config)
-        process = _Process("containerd", ["containerd", "--config", str(config_file)], self.dir / "containerd.log")
+        process = _Process(
+            "containerd", self._command(["containerd", "--config", str(config_file)]), self.dir / "containerd.log"
+        )
         self.processes["containerd"] = process
         self._stack.callback(process.stop)
         self._stack.callback(self._remove_containers)
@@ -225,18 +244,22 @@ state = "{self.dir / "containerd-state"}"
             "imageGCLowThresholdPercent": 99,
             "localStorageCapacityIsolation": False,
             "registerNode": True,
+            **self._kubelet_config(),
         }
         config_file = self.dir / "kubelet.yaml"
         config_file.write_text(yaml.safe_dump(config))
         process = _Process(
             "kubelet",
-            [
-                shutil.which("kubelet") or str(Path(self.plane.binaries.apiserver).parent / "kubelet"),
-                f"--config={config_file}",
-                f"--kubeconfig={kubeconfig}",
-                f"--root-dir={self.root_dir}",
-                f"--hostname-override={self.name}",
-            ],
+            self._command(
+                [
+                    shutil.which("kubelet") or str(Path(self.plane.binaries.apiserver).parent / "kubelet"),
+                    f"--config={config_file}",
+                    f"--kubeconfig={kubeconfig}",
+                    f"--root-dir={self.root_dir}",
+                    f"--hostname-override={self.name}",
+                    *([] if self.address.startswith("127.") else [f"--node-ip={self.address}"]),
+                ]
+            ),
             self.dir / "kubelet.log",
         )
         self.processes["kubelet"] = process

@@ -1,0 +1,40 @@
+"""The deployment suite's cluster (``make e2e-deploy``): a control plane, two real kubelet nodes with a pod network,
+kube-proxy and CoreDNS, in the network namespace the Makefile gives the suite; and the README's quick start run on
+it, once, for every test of the session (they are steps of one user's first hour, in order)."""
+
+import contextlib
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO
+from tests.helpers.kube import ControlPlane
+from tests.helpers.kube.deploy_node import DeployNode
+from tests.helpers.kube.deployment import IMAGES, Deployment
+from tests.helpers.kube.pod_network import API_ADDRESS, ClusterServices, node_address, pod_cidr, set_up_network
+
+AUDITED = ("system:serviceaccounts:mtc-system",)
+"""The chart's ServiceAccounts, whose every request the API server logs (``test_wrap_up.py``: RBAC, exactly)."""
+NODE_START_SECONDS = 300.0  # the images (about 1.5 GB) are imported into each node's containerd
+
+
+@pytest.fixture(scope="session")
+def deployment():
+    images = Path(os.environ.get("MTC_DEPLOY_IMAGES", REPO / "build" / "deploy"))
+    archives = [images / f"{name}.tar" for name in IMAGES]
+    if missing := [str(a) for a in archives if not a.is_file()]:
+        pytest.fail(f"{', '.join(missing)} missing: run `make e2e-deploy`, which builds them")
+    try:
+        set_up_network()
+    except RuntimeError as refused:
+        pytest.fail(str(refused))
+    with ControlPlane(address=API_ADDRESS, audited=AUDITED) as plane, contextlib.ExitStack() as stack:
+        nodes = [DeployNode(plane, node_address(i), pod_cidr(i), archives) for i in range(2)]
+        cluster = Deployment(plane, nodes, archives)
+        stack.callback(lambda: [node.stop() for node in cluster.nodes])  # nodes added by the tests too
+        for node in nodes:
+            node.start(timeout_seconds=NODE_START_SECONDS)
+        stack.enter_context(ClusterServices(plane, nodes[0].name))
+        cluster.installed = cluster.run_quick_start()
+        yield cluster

@@ -1,0 +1,22 @@
+"""The README's Kubernetes quick start on real kubelets: the agent runs in its container from the chart's DaemonSet
+and registers with each node's kubelet, the coordinator runs as a Deployment under its ServiceAccount, and
+``helm test`` passes."""
+
+from tests.helpers.kube.deployment import RELEASE_NAMESPACE
+
+
+def test_quick_start_runs_the_agent_in_its_container_on_every_node(deployment):
+    assert any(c.startswith("helm install") for c in deployment.installed), deployment.installed
+    pods = deployment.kubectl_json("get", "pods", "-n", RELEASE_NAMESPACE, "-l", "app.kubernetes.io/component=node")
+    assert sorted(p["spec"]["nodeName"] for p in pods["items"]) == sorted(n.name for n in deployment.nodes)
+    for pod in pods["items"]:
+        assert pod["status"]["phase"] == "Running", pod["status"]
+        assert all(c["ready"] for c in pod["status"]["containerStatuses"]), pod["status"]["containerStatuses"]
+    for node in deployment.nodes:
+        csinode = deployment.kubectl_json("get", "csinode", node.name)
+        assert [d["name"] for d in csinode["spec"]["drivers"] or []] == ["ramdisk.csi.mtc.dev"]
+
+
+def test_helm_test_passes(deployment):
+    done = deployment.sh(f"helm test mtc --namespace {RELEASE_NAMESPACE}", timeout=300)
+    assert "Phase:          Succeeded" in done.stdout, done.stdout
