@@ -1,24 +1,39 @@
-"""Goodput under failures: one real JAX job, one seeded failure schedule, three checkpointing setups, one run.
+"""Goodput under failures: one real JAX job, one seeded failure schedule, three checkpointing setups, two regimes.
 
     python -m tests.bench.goodput [--seed N] [--failures K] [--gap-seconds S] [--setups persistent,emergency,ours]
+                                  [--regimes realistic,loopback] [--gpu-results FILE]
                                   [--save-runs FILE] [--from-runs FILE]  # keep the events; report kept ones again
 
 The job is ``examples/train.py``'s (4 JAX processes, 2 slices x 2, BALLAST_MIB MiB per process, the same across
 slices: a data-parallel state), trained without end and checkpointed three ways:
 
-The object store is a real fake-gcs-server (GCS's JSON API, objects on the local disk), one bucket, a prefix per
-setup. Orbax reaches it as ``gs://`` through tensorstore's GCS driver (``TENSORSTORE_GCS_HTTP_URL``) and etils'
-epath through gcsfs (``STORAGE_EMULATOR_HOST``); our agents through google-cloud-storage.
-
-1. ``persistent``: Orbax's ordinary ``CheckpointManager`` (async saves) every PERSIST_EVERY steps to the object
-   store (``tests/bench/orbax_job.py``).
-2. ``emergency``: ``orbax.checkpoint.experimental.emergency`` ``CheckpointManager``: local saves every SAVE_EVERY
-   steps to a tmpfs per node, persistent saves every PERSIST_EVERY steps to the object store.
-3. ``ours``: the node agents and coordinator (``examples/local_cluster.py``; tmpfs ramdisks, peer tier, backups
-   every PERSIST_EVERY steps to the object store) under ``ReplicatorCheckpointManager``, local saves every
-   SAVE_EVERY steps, async (``--async-save``).
+1. ``persistent``: Orbax's ordinary ``CheckpointManager`` (async saves) to the object store
+   (``tests/bench/orbax_job.py``).
+2. ``emergency``: ``orbax.checkpoint.experimental.emergency`` ``CheckpointManager``: local saves to a tmpfs per
+   node, persistent saves to the object store.
+3. ``ours``: the node agents and coordinator (``examples/local_cluster.py``; tmpfs ramdisks, peer tier, backups to
+   the object store) under ``ReplicatorCheckpointManager``, async local saves (``--async-save``).
 
 (The PyTorch job with NVRx local checkpointing beside ours is the ``torch_vs_nvrx`` bench.)
+
+The object store is a real fake-gcs-server (GCS's JSON API, objects on the local disk), one bucket, a prefix per
+setup and phase. Orbax reaches it as ``gs://`` through tensorstore's GCS driver (``TENSORSTORE_GCS_HTTP_URL``) and
+etils' epath through gcsfs (``STORAGE_EMULATOR_HOST``); our agents through google-cloud-storage. Each node is a
+loopback host of its own (``tests/helpers/network.py``): the Orbax-only trainers and our agents send from their
+node's address.
+
+The regimes (``tests/bench/goodput_regime.py``), each a complete run of every setup, realistic first:
+- ``realistic``: each node's traffic to and from the object store passes a link of its own at the model's STORE_BW
+  per host scaled to the bench's bytes per node (a full save or restore takes as long as 26.25 GB at 1.25 GB/s:
+  21 s), and what a node sends its peers a link at NEAR_BW scaled the same way. JAX's own collectives (the
+  accelerators' interconnect in production) are not limited.
+- ``loopback``: the same, unlimited: the store as fast as RAM.
+
+Each setup saves at its own interval (``goodput_model.save_interval_steps``): Young/Daly's from its blocking per
+save, measured first in a calibration run of each setup (CALIBRATE_SECONDS of training, a save every
+CALIBRATE_EVERY steps, on loopback), for a failure every (mean gap) seconds of training; the intervals of a tier that
+uploads (persistent only's saves, emergency's persistent saves, ours' backups) no shorter than the regime's time for
+the busiest node to upload one save (the bytes it uploaded per save in the calibration, at the regime's store link).
 
 The failure schedule (``schedule``): a preemption, a node loss, then preemptions, each GAP seconds of training
 after the first step of the incarnation before it (the later gaps seeded within +-25 %). A failure SIGKILLs every
@@ -28,13 +43,15 @@ boot is counted for no setup). The job is then started again.
 A setup whose job logs no step within RESTART_TIMEOUT seconds of a restart, or whose process exits with an
 error, stops there; its row says so with the error.
 
-Printed per setup, from rank 0's step events: goodput = steps kept x ideal step time / wall time (from the job's
-first start, with the object store and ours' coordinator and agents already up, as a cluster's are; the ideal is
-the median step time of steps after which nothing was saved, over all setups); steps lost per failure; seconds
-from each failure to the first step after it; training time blocked per save (the step after a save, minus the
-ideal). Beside each row, the model (``tests/bench/goodput_model.py``, Young 1974 / Daly 2006) at the seed's
-70B model on 32 hosts (TARGET_BYTES per host), a failure every MTBF_S seconds, the object store at STORE_BW and
-the node's RAM or a peer at NEAR_BW per host. Run as root (tmpfs): ``python -m tests.bench.goodput``.
+Printed per regime and setup, from rank 0's step events: goodput = steps kept x ideal step time / wall time (from
+the job's first start, with the object store and ours' coordinator and agents already up, as a cluster's are; the
+ideal is the median step time of steps after which nothing was saved, over the regime's setups); the intervals;
+steps lost per failure; seconds from each failure to the first step after it; training time blocked per save (the
+step after a save, minus the ideal). Beside each row, the model (``tests/bench/goodput_model.py``, Young 1974 /
+Daly 2006) at the seed's 70B model on 32 hosts (TARGET_BYTES per host) and a failure every MTBF_S seconds: the
+measured blocking plus the bytes copied out of accelerator memory, the measured restarts plus the bytes copied back
+in (``--gpu-results``: torch_gpu's measured rates; else the stated assumption, printed) and, on loopback, the tier's
+read at the stated bandwidth the measurement lacked. Run as root (tmpfs, tc): ``python -m tests.bench.goodput``.
 """
 
 import argparse
@@ -54,22 +71,26 @@ warnings.simplefilter("ignore", FutureWarning)  # google-auth's import-time noti
 
 from examples.local_cluster import LocalCluster, LocalJob, can_mount_tmpfs, scratch_dir, unmount_all_below
 from tests.bench import goodput_model
-from tests.bench.goodput_model import COPY_BW, MTBF_S, NEAR_BW, STORE_BW, TARGET_BYTES
+from tests.bench.goodput_model import MTBF_S, NEAR_BW, STORE_BW, TARGET_BYTES
+from tests.bench.goodput_regime import LOOPBACK, Regime, StoreFronts
+from tests.helpers import network
 from tests.helpers.jobs import replace_node
 from tests.helpers.ports import free_port, listen_address
-from tests.helpers.servers import FakeGcsServer
 from tests.helpers.tools import require_tool
 
 NODES, SLICES, LOST_NODE = 4, 2, 3
 BALLAST_MIB = 64
-SAVE_EVERY, PERSIST_EVERY = 10, 20
+NODE_BYTES = BALLAST_MIB * 2**20  # checkpoint bytes per node (the model's "per host")
 STEP_SLEEP = 0.2
+CALIBRATE_EVERY, CALIBRATE_SECONDS = 5, 15.0
 RESTART_TIMEOUT = 150.0
 STALL_S = 10.0  # no step for this long before a failure: the job had stopped training (the row says so)
 SETUPS = ("persistent", "emergency", "ours")
+REGIMES = ("realistic", "loopback")
 BUCKET = "goodput"
 GOAL = 0.95
-ORBAX_JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "orbax_job.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ORBAX_JOB = os.path.join(ROOT, "tests", "bench", "orbax_job.py")
 
 
 def schedule(seed: int, failures: int, gap: float) -> list[tuple[str, float]]:
@@ -85,6 +106,52 @@ def schedule(seed: int, failures: int, gap: float) -> list[tuple[str, float]]:
     return [(kind, gap if i < 2 else round(rng.uniform(0.75 * gap, 1.25 * gap), 1)) for i, kind in enumerate(kinds)]
 
 
+@dataclasses.dataclass(frozen=True)
+class Intervals:
+    """A setup's save intervals, in steps.
+
+    Attributes:
+      save: between the saves that block training (persistent only: its saves to the store; the others: local).
+      store: between the saves that reach the object store (persistent only: ``save``; emergency: its persistent
+        saves; ours: the agents' backups).
+      why: how they were chosen, for the output.
+    """
+
+    save: int
+    store: int
+    why: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """What each setup's calibration run measured.
+
+    Attributes:
+      step: the ideal step, seconds (the median step without a save, over the calibration runs).
+      blocking: setup -> training seconds blocked per save (median).
+      upload_bytes: setup -> the bytes the busiest node uploaded to the object store for one save.
+    """
+
+    step: float
+    blocking: dict[str, float]
+    upload_bytes: dict[str, int]
+
+
+def intervals_for(name: str, calibration: Calibration, regime: Regime, mtbf: float) -> Intervals:
+    """``name``'s intervals in ``regime`` for a failure every ``mtbf`` seconds of training: Young/Daly's from its
+    calibrated blocking; a tier that uploads, no shorter than the regime's upload time of its busiest node."""
+    blocking, step = calibration.blocking[name], calibration.step
+    upload_s = regime.upload_seconds(calibration.upload_bytes[name])
+    local = goodput_model.save_interval_steps(blocking, mtbf, step)
+    store = goodput_model.save_interval_steps(blocking, mtbf, step, upload_s)
+    why = (
+        f"Young/Daly {goodput_model.young_daly_interval(blocking, mtbf):.1f} s (δ {blocking:.3f} s, a failure every "
+        f"{mtbf:.0f} s) = {local} steps of {step:.3f} s; upload {calibration.upload_bytes[name] / 2**20:.0f} MiB "
+        + (f"in {upload_s:.1f} s = {math.ceil(upload_s / step)} steps" if upload_s else "unlimited")
+    )
+    return Intervals(store if name == "persistent" else local, store, why)
+
+
 @dataclasses.dataclass
 class Incarnation:
     """One start of the job: what rank 0 logged, and how it ended."""
@@ -96,13 +163,18 @@ class Incarnation:
 
 
 class OrbaxOnly:
-    """The job under ``tests/bench/orbax_job.py`` (``mode``: persistent or emergency): 4 plain processes, no agents."""
+    """The job under ``tests/bench/orbax_job.py`` (``mode``: persistent or emergency): 4 plain processes, no agents,
+    process ``i`` reaching the object store through node ``i``'s store front.
 
-    def __init__(self, mode: str, workdir: str, store: FakeGcsServer):
-        self.mode, self.workdir, self.store_url = mode, workdir, store.url
-        self.persistent = f"gs://{BUCKET}/{mode}"
+    Args:
+      prefix: the setup's objects in the bucket (its persistent directory).
+    """
+
+    def __init__(self, mode: str, workdir: str, stores: StoreFronts, prefix: str, intervals: Intervals):
+        self.mode, self.workdir, self.stores, self.intervals = mode, workdir, stores, intervals
+        self.persistent = f"gs://{BUCKET}/{prefix}"
         # Orbax's emergency manager wants its persistent directory to exist: on a bucket, a prefix holding an object.
-        store.client().bucket(BUCKET).blob(f"{mode}/.created").upload_from_string(b"")
+        stores.admin.client().bucket(BUCKET).blob(f"{prefix}/.created").upload_from_string(b"")
         self.processes: list[subprocess.Popen] = []
         self.incarnations = 0
         for node in range(NODES):
@@ -127,14 +199,10 @@ class OrbaxOnly:
         self.incarnations += 1
         os.makedirs(os.path.join(self.workdir, "logs"), exist_ok=True)
         port = free_port("127.0.0.1")
-        env = {
-            **os.environ,
-            "JAX_PLATFORMS": "cpu",
-            "TENSORSTORE_GCS_HTTP_URL": self.store_url,
-            "STORAGE_EMULATOR_HOST": self.store_url,
-        }
         self.processes = []
         for rank in range(NODES):
+            url = self.stores.url(rank)
+            env = {**os.environ, "JAX_PLATFORMS": "cpu", "TENSORSTORE_GCS_HTTP_URL": url, "STORAGE_EMULATOR_HOST": url}
             command = [
                 sys.executable,
                 ORBAX_JOB,
@@ -155,16 +223,16 @@ class OrbaxOnly:
                 "--steps",
                 "1000000",
                 "--save-interval-steps",
-                str(SAVE_EVERY),
+                str(self.intervals.save),
                 "--persistent-interval-steps",
-                str(PERSIST_EVERY),
+                str(self.intervals.store),
                 "--ballast-mib",
                 str(BALLAST_MIB),
                 "--step-sleep",
                 str(STEP_SLEEP),
             ]
             with open(self._log(rank) + ".jsonl", "wb") as out, open(self._log(rank) + ".stderr", "wb") as err:
-                self.processes.append(subprocess.Popen(command, stdout=out, stderr=err, env=env))
+                self.processes.append(subprocess.Popen(command, stdout=out, stderr=err, env=env, cwd=ROOT))
 
     def kill(self) -> None:
         for process in self.processes:
@@ -191,25 +259,34 @@ class OrbaxOnly:
         """The first error line any process of this incarnation printed (for a stall)."""
         return next(filter(None, (first_error(self._log(r) + ".stderr") for r in range(NODES))), None)
 
+    def stop(self) -> None:
+        """Kills the job and frees its tmpfs."""
+        self.kill()
+        unmount_all_below(self.workdir)
+
 
 class Ours:
-    """The job under our agents: ``examples/train.py`` on a ``LocalCluster``."""
+    """The job under our agents: ``examples/train.py`` on a ``LocalCluster`` on ``subnet`` (node ``i``'s agent runs as
+    loopback host ``<subnet>.<i+1>`` and backs up through node ``i``'s store front; the spare node is node NODES),
+    backups under ``prefix``."""
 
-    def __init__(self, workdir: str, store_url: str):
+    def __init__(self, workdir: str, stores: StoreFronts, prefix: str, intervals: Intervals, subnet: str):
+        self.stores = stores
         self.cluster = LocalCluster(
             os.path.join(workdir, "cluster"),
             listen_address,
             replicas=1,
-            backup=f"gs://{BUCKET}/ours",
-            env={"STORAGE_EMULATOR_HOST": store_url},
+            backup=f"gs://{BUCKET}/{prefix}",
+            agent_wrapper=network.AS_HOST,
+            subnet=subnet,
         )
         args = [
             "--steps",
             "1000000",
             "--save-interval-steps",
-            str(SAVE_EVERY),
+            str(intervals.save),
             "--backup-interval-steps",
-            str(PERSIST_EVERY),
+            str(intervals.store),
             "--ballast-mib",
             str(BALLAST_MIB),
             "--ballast-layout",
@@ -223,12 +300,18 @@ class Ours:
         )
         self.spare = None  # ``bring_up`` starts it
 
+    def _add_node(self, index: int, block: str | None = None):
+        # google-auth would look for the GCE metadata server: from a loopback host's address no packet gets there.
+        self.cluster.env = {"STORAGE_EMULATOR_HOST": self.stores.url(index), "NO_GCE_CHECK": "true"}
+        return self.cluster.add_node(index, block=block)
+
     def bring_up(self) -> None:
         """Starts the coordinator and the node agents: a cluster's, up before the job (not in its wall time)."""
-        self.job.agents = list(self.cluster.start(NODES).agents)
+        self.cluster.coordinator.start()
+        self.job.agents = [self._add_node(index) for index in range(NODES)]
         # The node that replaces the lost one, already up: a new node's boot (its agent's start with it) is
         # counted for no setup.
-        self.spare = self.cluster.add_node(NODES, block=f"b{LOST_NODE // 2}")
+        self.spare = self._add_node(NODES, block=f"b{LOST_NODE // 2}")
 
     def start(self) -> None:
         self.job.create_pods()
@@ -304,12 +387,16 @@ def incarnation_of(events: list[dict], killed_at: float | None) -> Incarnation:
 
 @dataclasses.dataclass
 class Run:
-    """One setup's run: its incarnations, wall time, and why it stopped early (if it did)."""
+    """One setup's run in one regime: its incarnations, wall time, why it stopped early (if it did), the failures'
+    kinds and its intervals."""
 
     setup: str
     incarnations: list[Incarnation]
     wall: float
     stopped: str | None = None
+    regime: str = "loopback"
+    kinds: list[str] = dataclasses.field(default_factory=list)
+    intervals: Intervals = Intervals(0, 0)
 
 
 def run_setup(name: str, setup, plan: list[tuple[str, float]], final_gap: float) -> Run:
@@ -317,6 +404,7 @@ def run_setup(name: str, setup, plan: list[tuple[str, float]], final_gap: float)
     started = time.time()
     setup.start()
     incarnations: list[Incarnation] = []
+    kinds = [kind for kind, _ in plan]
     for kind, gap in [*plan, ("end", final_gap)]:
         deadline = time.time() + RESTART_TIMEOUT
         while not any(e["event"] == "step" for e in setup.events()):
@@ -331,6 +419,7 @@ def run_setup(name: str, setup, plan: list[tuple[str, float]], final_gap: float)
                     incarnations,
                     time.time() - started,
                     f"{reason} after failure {len(incarnations) - 1}: {detail}",
+                    kinds=kinds,
                 )
             time.sleep(0.1)
         first = min(e["time"] for e in setup.events() if e["event"] == "step")
@@ -338,7 +427,7 @@ def run_setup(name: str, setup, plan: list[tuple[str, float]], final_gap: float)
             if setup.error():
                 setup.kill()
                 incarnations.append(incarnation_of(setup.events(), time.time()))
-                return Run(name, incarnations, time.time() - started, f"a process exited: {setup.error()}")
+                return Run(name, incarnations, time.time() - started, f"a process exited: {setup.error()}", kinds=kinds)
             time.sleep(0.1)
         killed_at = time.time()
         setup.kill()
@@ -348,7 +437,7 @@ def run_setup(name: str, setup, plan: list[tuple[str, float]], final_gap: float)
         )
         if kind != "end":
             setup.restart(kind)
-    return Run(name, incarnations, time.time() - started)
+    return Run(name, incarnations, time.time() - started, kinds=kinds)
 
 
 def ideal_step(runs: list[Run]) -> float:
@@ -393,34 +482,123 @@ def stalls(run: Run) -> list[tuple[int, float]]:
     ]
 
 
-def modeled(name: str, fig: Figures, copy_bw: float = COPY_BW) -> tuple[float, goodput_model.Costs]:
-    """(goodput, costs) of the setup at TARGET_BYTES per host and a failure every MTBF_S, from its measured blocking
-    and restart: saves copy at ``copy_bw`` bytes/s; persistent only restores and uploads at STORE_BW, the others
-    restore from RAM or a peer at NEAR_BW."""
-    measured = goodput_model.Costs(blocking=max(fig.blocked, 0.0), restart=statistics.median(fig.to_first_step))
-    store = name == "persistent"
-    costs = goodput_model.scaled(
-        measured,
-        BALLAST_MIB * 2**20,
-        TARGET_BYTES,
-        copy_bw,
-        STORE_BW if store else NEAR_BW,
-        STORE_BW if store else None,
+def stopped_training(run: Run) -> bool:
+    """Whether the job had stopped training: it stopped early, its last incarnation stalled (``stalls``), or another
+    stalled but inside a save. A stall inside a save (a saving step, or the first step, which Orbax saves when it has
+    no checkpoint, without its ``saved`` event) is a save that blocks, waiting for the upload before it, say."""
+
+    def in_save(inc: Incarnation, step: int) -> bool:
+        every = (run.intervals.save, run.intervals.store)
+        return step not in inc.saves and (step == min(inc.steps) or any(n and step % n == 0 for n in every))
+
+    last = run.incarnations[-1]
+    return bool(
+        run.stopped
+        or (last.steps and last.killed_at - max(last.steps.values()) >= STALL_S)
+        or any(
+            inc.steps and inc.killed_at - max(inc.steps.values()) >= STALL_S and not in_save(inc, max(inc.steps))
+            for inc in run.incarnations
+        )
     )
-    return goodput_model.goodput(costs, MTBF_S), costs
 
 
-def copy_bandwidth_for_goal(name: str, fig: Figures) -> float | None:
-    """The copy out of accelerator memory (bytes/s per host, COPY_BW doubled up to 64 times) at which the setup's
-    model reaches GOAL, or None: its restart alone keeps it below."""
-    return next((COPY_BW * k for k in (1, 2, 4, 8, 16, 32, 64) if modeled(name, fig, COPY_BW * k)[0] >= GOAL), None)
+def modeled(run: Run, fig: Figures, rates: goodput_model.Rates) -> goodput_model.Costs:
+    """The setup's costs at TARGET_BYTES per host: the measured blocking plus the extra bytes copied out of accelerator
+    memory at ``rates.copy``; each measured restart plus the extra bytes copied back in at ``rates.restore`` and, on
+    loopback, read from the tier it came from at the stated bandwidth (persistent only: the store at STORE_BW; the
+    others: their own RAM after a preemption, a peer at NEAR_BW after the node loss), and where nothing was restored
+    (no checkpoint had completed), the whole read at that bandwidth; the median of those. Persistent only cannot save
+    again before its upload at STORE_BW ends."""
+    extra = max(0.0, TARGET_BYTES - NODE_BYTES)
+    restarts = []
+    after = [inc for inc in run.incarnations[1:] if inc.steps]  # as ``fig.to_first_step``
+    for kind, measured, inc in zip(run.kinds, fig.to_first_step, after):
+        tier = STORE_BW if run.setup == "persistent" else NEAR_BW if kind == "node loss" else None
+        # What the measurement lacks: on loopback, the tier's speed; where nothing was restored, the read itself.
+        unread = TARGET_BYTES if inc.restored is None else extra if run.regime == "loopback" else 0.0
+        restarts.append(measured + (unread / tier if tier else 0.0) + extra / rates.restore)
+    return goodput_model.Costs(
+        blocking=max(fig.blocked, 0.0) + extra / rates.copy,
+        restart=statistics.median(restarts),
+        min_interval=TARGET_BYTES / STORE_BW if run.setup == "persistent" else 0.0,
+    )
 
 
-def load_runs(path: str) -> list[Run]:
-    """The runs a ``--save-runs`` file holds."""
+def restart_for_goal(costs: goodput_model.Costs) -> float:
+    """The restart (seconds) at which ``costs`` reach GOAL in the model, at the same blocking and interval (below 0:
+    the blocking alone keeps it below)."""
+    tau = goodput_model.interval(costs, MTBF_S)
+    cycle = tau + costs.blocking
+    return MTBF_S * (1 - GOAL * cycle / tau) - cycle / 2
+
+
+# -- calibration ------------------------------------------------------------------------------------------------------
+
+_STEP_DIR = re.compile(r"(?:^|/)(\d+)(?:-t\d+)?/")
+_NODE_PART = re.compile(r"(?:ocdbt\.process_|rank-)(\d+)[/.]")
+
+
+def node_upload_bytes(objects: list[tuple[str, int]]) -> int:
+    """The bytes the busiest node uploaded for one save: over the steps in ``objects`` ((name under the setup's
+    prefix, size)), the largest of a node's objects (Orbax's ``ocdbt.process_<i>/``, ours' ``rank-<r>/``) plus the
+    step's objects of no node (metadata)."""
+    per_node: dict[tuple[int, int], int] = {}
+    shared: dict[int, int] = {}
+    for name, size in objects:
+        step = _STEP_DIR.search(name)
+        if not step:
+            continue
+        node = _NODE_PART.search(name)
+        if node:
+            key = (int(step.group(1)), int(node.group(1)))
+            per_node[key] = per_node.get(key, 0) + size
+        else:
+            shared[int(step.group(1))] = shared.get(int(step.group(1)), 0) + size
+    return max((size + shared.get(step, 0) for (step, _), size in per_node.items()), default=0)
+
+
+def calibrate(names: list[str], stores: StoreFronts, workdir: str, make) -> tuple[Calibration, list[Run]]:
+    """Runs each setup CALIBRATE_SECONDS with a save (and an upload) every CALIBRATE_EVERY steps, unlimited; measures
+    its blocking per save and the bytes its busiest node uploads per save. Returns that and the runs (regime
+    ``calibration``)."""
+    runs, upload = [], {}
+    for name in names:
+        prefix = f"calibrate-{name}"
+        every = Intervals(CALIBRATE_EVERY, 2 * CALIBRATE_EVERY if name == "emergency" else CALIBRATE_EVERY)
+        setup = make(name, os.path.join(workdir, prefix), prefix, every)
+        try:
+            runs.append(dataclasses.replace(run_setup(name, setup, [], CALIBRATE_SECONDS), intervals=every))
+        finally:
+            setup.stop()
+        if runs[-1].stopped:
+            raise RuntimeError(f"the calibration of {name} stopped: {runs[-1].stopped}")
+        listed = stores.admin.client().list_blobs(BUCKET, prefix=prefix)
+        objects = [(b.name[len(prefix) + 1 :], b.size or 0) for b in listed]
+        upload[name] = node_upload_bytes(objects)
+    step = ideal_step(runs)
+    calibration = Calibration(step, {run.setup: figures(run, step).blocked for run in runs}, upload)
+    return calibration, [dataclasses.replace(run, regime="calibration") for run in runs]
+
+
+# -- runs and the report ----------------------------------------------------------------------------------------------
+
+
+def save_runs(path: str, calibration: Calibration, runs: list[Run]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(
+            {"calibration": dataclasses.asdict(calibration), "runs": [dataclasses.asdict(run) for run in runs]},
+            f,
+            default=sorted,
+        )
+
+
+def load_runs(path: str) -> tuple[Calibration | None, list[Run]]:
+    """The calibration and runs a ``--save-runs`` file holds (a file of runs alone: one loopback regime, before)."""
     with open(path, encoding="utf-8") as f:
-        runs = json.load(f)
-    return [
+        saved = json.load(f)
+    raw = saved["runs"] if isinstance(saved, dict) else saved
+    calibration = Calibration(**saved["calibration"]) if isinstance(saved, dict) else None
+    return calibration, [
         Run(
             r["setup"],
             [
@@ -429,9 +607,16 @@ def load_runs(path: str) -> list[Run]:
             ],
             r["wall"],
             r["stopped"],
+            r.get("regime", "loopback"),
+            r.get("kinds", ["preemption", "node loss", "preemption", "preemption"]),
+            Intervals(**r["intervals"]) if "intervals" in r else Intervals(0, 0),
         )
-        for r in runs
+        for r in raw
     ]
+
+
+def regime_of(name: str) -> Regime:
+    return Regime.realistic(NODE_BYTES) if name == "realistic" else LOOPBACK
 
 
 def main() -> None:
@@ -440,94 +625,177 @@ def main() -> None:
     parser.add_argument("--failures", type=int, default=4)
     parser.add_argument("--gap-seconds", type=float, default=30.0, help="Training seconds before each failure.")
     parser.add_argument("--setups", default=",".join(SETUPS))
-    parser.add_argument("--save-runs", help="Also write every incarnation's events here (JSON).")
+    parser.add_argument("--regimes", default=",".join(REGIMES))
+    parser.add_argument(
+        "--gpu-results",
+        help="torch_gpu's JSON lines (--out): the model takes their measured copy rates (ours async_save) "
+        "instead of the stated assumption",
+    )
+    parser.add_argument("--save-runs", help="Also write the calibration and every incarnation's events here (JSON).")
     parser.add_argument("--from-runs", help="Run nothing: report the runs a --save-runs file holds.")
     args = parser.parse_args()
-    names = args.setups.split(",")
+    names, regimes = args.setups.split(","), args.regimes.split(",")
     if set(names) - set(SETUPS):
         parser.error(f"--setups takes {', '.join(SETUPS)}")
+    if set(regimes) - set(REGIMES):
+        parser.error(f"--regimes takes {', '.join(REGIMES)}")
     try:
         plan = schedule(args.seed, args.failures, args.gap_seconds)
     except ValueError as err:
         parser.error(str(err))
+    rates = gpu_rates(args.gpu_results)
     if args.from_runs:
-        runs = load_runs(args.from_runs)
-        report(runs, ideal_step(runs))
+        calibration, runs = load_runs(args.from_runs)
+        report(calibration, runs, rates)
         return
+    mtbf = statistics.mean(gap for _, gap in plan)
     print(f"seed {args.seed}: " + ", ".join(f"{kind} after {gap:.0f} s" for kind, gap in plan), flush=True)
-    runs = []
+    subnet = network.run_subnet()
+    hosts = [f"{subnet}.{i + 1}" for i in range(NODES + 1)]  # the nodes and ours' spare
+    runs: list[Run] = []
     with scratch_dir("mtc-bench-goodput-") as (workdir, cleanup):
-        store = FakeGcsServer(require_tool("fake-gcs-server"), data_dir=os.path.join(workdir, "object-store")).start()
-        cleanup.callback(store.stop)
-        store.client().create_bucket(BUCKET)
-        for name in names:
-            path = os.path.join(workdir, name)
-            setup = Ours(path, store.url) if name == "ours" else OrbaxOnly(name, path, store)
-            if isinstance(setup, Ours):
+        stores = StoreFronts(require_tool("fake-gcs-server"), os.path.join(workdir, "object-store"), NODES + 1)
+        cleanup.callback(stores.stop)
+        stores.start().admin.client().create_bucket(BUCKET)
+        cleanup.enter_context(network.loopback_hosts(hosts))
+
+        def make(name: str, path: str, prefix: str, intervals: Intervals):
+            setup: Ours | OrbaxOnly
+            if name == "ours":
+                setup = Ours(path, stores, prefix, intervals, subnet)
                 cleanup.callback(setup.stop)
                 setup.bring_up()
             else:
-                cleanup.callback(setup.kill)
-            runs.append(run_setup(name, setup, plan, args.gap_seconds))
-            if isinstance(setup, Ours):
-                setup.stop()
+                setup = OrbaxOnly(name, path, stores, prefix, intervals)
+                cleanup.callback(setup.stop)
+            return setup
+
+        print(f"calibration: each setup {CALIBRATE_SECONDS:.0f} s, a save every {CALIBRATE_EVERY} steps", flush=True)
+        calibration, runs = calibrate(names, stores, workdir, make)
+        for name in regimes:
+            regime = regime_of(name)
+            print(f"== {regime.describe(NODE_BYTES)}", flush=True)
+            with regime.links(stores.ports, hosts):
+                for setup_name in names:
+                    intervals = intervals_for(setup_name, calibration, regime, mtbf)
+                    prefix = f"{name}-{setup_name}"
+                    setup = make(setup_name, os.path.join(workdir, prefix), prefix, intervals)
+                    try:
+                        run = run_setup(setup_name, setup, plan, args.gap_seconds)
+                    finally:
+                        setup.stop()
+                    if setup_name == "ours":
+                        listed = stores.admin.client().list_blobs(BUCKET, prefix=f"{prefix}/")
+                        steps = sorted(
+                            int(b.name.split("/")[-2].split("-")[0]) for b in listed if b.name.endswith("/COMMIT")
+                        )
+                        print(f"  ours: steps backed up (complete): {steps}", flush=True)
+                    runs.append(dataclasses.replace(run, regime=name, intervals=intervals))
+            print(
+                f"   load average {' '.join(f'{x:.1f}' for x in os.getloadavg())} after the {name} regime", flush=True
+            )
     if args.save_runs:
-        with open(args.save_runs, "w", encoding="utf-8") as f:
-            json.dump([dataclasses.asdict(run) for run in runs], f, default=sorted)
-    report(runs, ideal_step(runs))
+        save_runs(args.save_runs, calibration, runs)
+    report(calibration, runs, rates)
 
 
-def report(runs: list[Run], ideal: float) -> None:
+def gpu_rates(path: str | None) -> goodput_model.Rates:
+    """The accelerator copy rates of the model: torch_gpu's (``ours async_save``) from ``path``, else the stated
+    assumption."""
+    if not path:
+        return goodput_model.ASSUMED
+    with open(path, encoding="utf-8") as f:
+        try:
+            return goodput_model.torch_gpu_rates(f.readlines())
+        except ValueError as error:
+            print(f"note: the model assumes its rates: {path}: {error}")
+            return goodput_model.ASSUMED
+
+
+def report(calibration: Calibration | None, runs: list[Run], rates: goodput_model.Rates) -> None:
+    if calibration:
+        print(
+            f"\ncalibration (a save every {CALIBRATE_EVERY} steps, unlimited): ideal step {calibration.step:.3f} s; "
+            + "; ".join(
+                f"{name}: blocked {calibration.blocking[name]:.3f} s per save, busiest node uploads "
+                f"{calibration.upload_bytes[name] / 2**20:.1f} MiB per save"
+                for name in calibration.blocking
+            )
+        )
+    goals = []
+    for name in dict.fromkeys(run.regime for run in runs if run.regime in REGIMES):
+        goals.append(report_regime(name, [run for run in runs if run.regime == name], rates))
     print(
-        f"\n{'setup':<11}{'goodput':>8}{'kept':>6}{'wall s':>8}  {'steps lost per failure':<24}{'failure→step s':<26}"
-        f"{'blocked/save s':>15}  model @26 GB/host, MTBF 10 min: goodput (δ, R, τ s)"
+        f"model: {goodput_model.FORMULA}; a failure every {MTBF_S / 60:.0f} min; {TARGET_BYTES / 1e9:.2f} GB/host "
+        f"copied out at {rates.copy / 1e9:.0f} GB/s and back in at {rates.restore / 1e9:.1f} GB/s per host "
+        f"({rates.source}); on loopback the tier's read added at {STORE_BW / 1e9:.2f} GB/s (store) or "
+        f"{NEAR_BW / 1e9:.0f} GB/s (peer)"
+    )
+    for line in goals:
+        print(line)
+    print(
+        f"{BALLAST_MIB} MiB per process, {NODES} processes (nodes); {os.cpu_count()} CPUs, load average "
+        f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end."
+    )
+
+
+def report_regime(name: str, runs: list[Run], rates: goodput_model.Rates) -> str:
+    """Prints ``name``'s table; returns its goal line."""
+    ideal = ideal_step(runs)
+    print(f"\n{regime_of(name).describe(NODE_BYTES)}")
+    for run in runs:
+        print(
+            f"  {run.setup}: saves every {run.intervals.save} steps, to the store every {run.intervals.store} "
+            f"({run.intervals.why})"
+        )
+    print(
+        f"{'setup':<11}{'goodput':>8}{'kept':>6}{'wall s':>8}{'every':>8}  {'steps lost per failure':<24}"
+        f"{'failure→step s':<26}{'blocked/save s':>15}  model @26 GB/host, MTBF 10 min: goodput (δ, R, τ s)"
     )
     results = {}
     for run in runs:
         fig = figures(run, ideal)
         stalled = stalls(run)
-        if run.stopped or stalled or not fig.to_first_step:
+        costs = None
+        if stopped_training(run) or not fig.to_first_step:
             model, modeled_text = float("nan"), "— (it stopped training: the model assumes it keeps training)"
         else:
-            model, costs = modeled(run.setup, fig)
+            costs = modeled(run, fig, rates)
+            model = goodput_model.goodput(costs, MTBF_S)
             modeled_text = (
-                f"{model:.3f} ({costs.blocking:.1f}, {costs.restart:.1f}, {goodput_model.interval(costs, MTBF_S):.0f})"
+                f"{model:.3f} ({costs.blocking:.2f}, {costs.restart:.1f}, {goodput_model.interval(costs, MTBF_S):.0f})"
             )
-        results[run.setup] = (fig.goodput, model, fig)
+        results[run.setup] = (fig.goodput, model, costs)
+        every = f"{run.intervals.save}/{run.intervals.store}"
         print(
-            f"{run.setup:<11}{fig.goodput:>8.3f}{fig.kept:>6}{run.wall:>8.0f}  {str(fig.lost):<24}"
+            f"{run.setup:<11}{fig.goodput:>8.3f}{fig.kept:>6}{run.wall:>8.0f}{every:>8}  {str(fig.lost):<24}"
             f"{str([round(s, 1) for s in fig.to_first_step]):<26}{fig.blocked:>15.3f}  {modeled_text}"
         )
         if run.stopped:
             print(f"{'':<11}stopped: {run.stopped}")
         for step, seconds in stalled:
             print(f"{'':<11}stalled: no step after step {step} for {seconds:.0f} s before the failure")
+        if stalled and not stopped_training(run):
+            print(f"{'':<11}(each inside a save: a save that blocked, the job still training)")
+    print(f"ideal step {ideal:.3f} s (median of steps without a save, this regime's setups); every: save/store steps")
     ours = results.get("ours")
-    if ours:
-        others = [g for name, (g, _, _) in results.items() if name != "ours"]
-        above = all(ours[0] > g for g in others)
-        print(
-            f"goal: ours above every alternative in this run: {'MET' if above else 'MISSED'} "
-            f"({ours[0]:.3f} vs {', '.join(f'{n} {g:.3f}' for n, (g, _, _) in results.items() if n != 'ours')}); "
-            f"ours >= {GOAL} in the model: {'MET' if ours[1] >= GOAL else 'MISSED'} ({ours[1]:.3f}; modeled: "
-            f"{', '.join(f'{n} {m:.3f}' for n, (_, m, _) in results.items())})"
-        )
-        if not math.isnan(ours[1]):  # modeled: it kept training
-            # What the copy out of accelerator memory alone allows: the same blocking with an instant restart.
-            costs = modeled("ours", ours[2])[1]
-            ceiling = goodput_model.goodput(dataclasses.replace(costs, restart=0.0), MTBF_S)
-            needed = copy_bandwidth_for_goal("ours", ours[2])
-            print(
-                f"model: at ours' δ {costs.blocking:.2f} s an instant restart would give {ceiling:.3f}; ours reaches {GOAL} with the "
-                f"{f'copy out at {needed / 1e9:.0f} GB/s per host' if needed else 'copy out at no bandwidth up to 64x: its restart keeps it below'}"
-            )
-    print(
-        f"ideal step {ideal:.3f} s (median of steps without a save, all setups); {BALLAST_MIB} MiB per process; local saves "
-        f"every {SAVE_EVERY} steps, persistent every {PERSIST_EVERY}; persistent tier: fake-gcs-server on loopback. "
-        f"Model: {goodput_model.FORMULA}; δ, R measured plus the extra bytes to {TARGET_BYTES / 1e9:.2f} GB/host: copied out at {COPY_BW / 1e9:.0f} "
-        f"GB/s, read from the object store at {STORE_BW / 1e9:.2f} GB/s or RAM/peer at {NEAR_BW / 1e9:.0f} GB/s per host. "
-        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end."
+    if not ours:
+        return f"goal ({name}): ours not run"
+    others = {n: g for n, (g, _, _) in results.items() if n != "ours"}
+    above = all(ours[0] > g for g in others.values())
+    line = (
+        f"goal ({name}): ours above every alternative in this run: {'MET' if above else 'MISSED'} ({ours[0]:.3f} vs "
+        f"{', '.join(f'{n} {g:.3f}' for n, g in others.items())}); ours >= {GOAL} in the model: "
+        f"{'MET' if ours[1] >= GOAL else 'MISSED'} ({ours[1]:.3f}; modeled: "
+        f"{', '.join(f'{n} {m:.3f}' for n, (_, m, _) in results.items())})"
     )
+    if ours[2] is not None:  # modeled: it kept training
+        ceiling = goodput_model.goodput(dataclasses.replace(ours[2], restart=0.0), MTBF_S)
+        line += (
+            f"; at ours' δ {ours[2].blocking:.2f} s an instant restart gives {ceiling:.3f}, {GOAL} needs a restart "
+            f"of at most {restart_for_goal(ours[2]):.1f} s (modeled {ours[2].restart:.1f})"
+        )
+    return line
 
 
 if __name__ == "__main__":

@@ -150,10 +150,10 @@ class NVRxCheckpoint:
 class OurCheckpoint:
     """``mtc_torch.CheckpointManager``: blocking ``save``, or ``async_save`` (TORCH.md's API)."""
 
-    def __init__(self, local_dir: str, job_name: str, async_save: bool):
+    def __init__(self, local_dir: str, job_name: str, async_save: bool, backup_every: int):
         from mtc_torch import CheckpointManager
 
-        self.manager = CheckpointManager(local_dir, job_name=job_name, backup_interval_steps=1_000_000)
+        self.manager = CheckpointManager(local_dir, job_name=job_name, backup_interval_steps=backup_every)
         self.async_save = async_save
 
     def load(self, state: dict) -> int | None:
@@ -181,6 +181,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--replication-factor", type=int, default=2)
     parser.add_argument("--async-save", action="store_true", help="ours: async_save instead of save")
+    parser.add_argument(
+        "--backup-every", type=int, default=1_000_000, help="ours: backup-interval-steps (the agents' backups)"
+    )
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -191,7 +194,7 @@ def main() -> None:
             args.local_dir, args.job_name, int(os.environ["LOCAL_WORLD_SIZE"]), args.replication_factor
         )
     elif args.mode == "ours":
-        checkpoint = OurCheckpoint(args.local_dir, args.job_name, args.async_save)
+        checkpoint = OurCheckpoint(args.local_dir, args.job_name, args.async_save, args.backup_every)
     else:
         checkpoint = NoCheckpoint()
     emit(event="start", time=START)

@@ -35,6 +35,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -49,9 +50,12 @@ warnings.simplefilter("ignore", FutureWarning)  # google-auth's import-time noti
 from examples.local_cluster import LocalCluster, Pod, can_mount_tmpfs, scratch_dir
 from examples.torchrun_job import TorchrunJob
 from tests.bench import goodput_model
-from tests.bench.goodput_model import COPY_BW, MTBF_S, NEAR_BW, TARGET_BYTES
+from tests.bench.goodput_model import MTBF_S, NEAR_BW, TARGET_BYTES
+from tests.bench.goodput_regime import Regime, StoreFronts
 from tests.bench.nvrx_device_shim import NAME as SHIM
+from tests.helpers import network
 from tests.helpers.ports import free_port, listen_address
+from tests.helpers.tools import require_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 JOB_SCRIPT = os.path.join(ROOT, "tests", "bench", "torch_job.py")
@@ -306,16 +310,46 @@ class BenchTorchrunJob(TorchrunJob):
         super().start_training()
 
 
-class OurSetup:
-    """Ours: a coordinator and two node agents (blocks b0, b1), one replica per step; node 1 is lost and replaced."""
+@dataclasses.dataclass(frozen=True)
+class Backups:
+    """Our backup tier: where the agents back up to, and how often.
 
-    def __init__(self, python: str, workdir: str, job_args: list[str], async_save: bool = False):
+    Attributes:
+      url: the agents' ``--backup`` (a prefix of the object store's bucket).
+      stores: the object store: node ``i``'s agent reaches it through front ``i`` (``STORAGE_EMULATOR_HOST``).
+      subnet: the agents' loopback hosts (``<subnet>.<i+1>``).
+      every: backup-interval-steps.
+    """
+
+    url: str
+    stores: StoreFronts
+    subnet: str
+    every: int
+
+    def env(self, node: int) -> dict[str, str]:
+        """Node ``node``'s agent's environment (google-auth would look for the GCE metadata server otherwise: from a
+        loopback host's address no packet gets there)."""
+        return {"STORAGE_EMULATOR_HOST": self.stores.url(node), "NO_GCE_CHECK": "true"}
+
+
+class OurSetup:
+    """Ours: a coordinator and two node agents (blocks b0, b1), one replica per step; node 1 is lost and replaced.
+    With ``backups``, the agents back up to the object store, each from its loopback host."""
+
+    def __init__(
+        self, python: str, workdir: str, job_args: list[str], async_save: bool = False, backups: Backups | None = None
+    ):
         self.python, self.workdir, self.job_args = (
             python,
             workdir,
-            [*job_args, *(["--async-save"] if async_save else [])],
+            [
+                *job_args,
+                *(["--async-save"] if async_save else []),
+                *(["--backup-every", str(backups.every)] if backups else []),
+            ],
         )
         self.name = OURS_ASYNC if async_save else OURS
+        self.backups = backups
 
     def available(self) -> str:
         """Empty when the job's Python can import our client, else why not."""
@@ -341,11 +375,23 @@ class OurSetup:
 
     def run(self) -> Run:
         run = Run()
-        cluster = LocalCluster(os.path.join(self.workdir, "cluster"), listen_address, replicas=1)
+        backups = self.backups
+        cluster = LocalCluster(
+            os.path.join(self.workdir, "cluster"),
+            listen_address,
+            replicas=1,
+            **({"backup": backups.url, "agent_wrapper": network.AS_HOST, "subnet": backups.subnet} if backups else {}),
+        )
         job = None
         try:
+
+            def add_node(index: int, block: str):
+                if backups:
+                    cluster.env = backups.env(index)
+                return cluster.add_node(index, block=block)
+
             cluster.coordinator.start()
-            agents = [cluster.add_node(n, block=f"b{n}") for n in range(NODES)]
+            agents = [add_node(n, block=f"b{n}") for n in range(NODES)]
             job = BenchTorchrunJob(
                 "torchbench",
                 agents,
@@ -376,7 +422,7 @@ class OurSetup:
                     f"ours: step {target(loss)} replicated",
                 )
                 cluster.lose_node(job.agents[1])
-                job.agents[1] = cluster.add_node(NODES + loss, block="b1")
+                job.agents[1] = add_node(NODES + loss, block="b1")
                 job.delete_pods()
                 recreated_at = time.time()
                 job.create_pods()
@@ -500,9 +546,9 @@ def report(base: Run, results: dict[str, Run], bytes_per_host: float, measured: 
         f"(a save every {SAVE_EVERY}); ratio: that against the median step without checkpointing (blocking per save); "
         f"all steps: mean step time of every step after {WARMUP_STEPS} against no checkpointing (with what the "
         f"background work takes from training); restore s: median over {NODE_LOSSES} node losses of pod recreation -> first step after node 1's "
-        f"storage was wiped. model: {goodput_model.FORMULA} (no upload here), a failure every {MTBF_S / 60:.0f} min, δ and R measured plus the extra bytes from "
+        f"storage was wiped. model: {goodput_model.FORMULA} (every setup here saves locally: no upload bounds τ), a failure every {MTBF_S / 60:.0f} min, δ and R measured plus the extra bytes from "
         f"{bytes_per_host / 2**20:.0f} MiB to {TARGET_BYTES / 1e9:.2f} GB per node at the model rates above "
-        f"(assumed: copied out at {COPY_BW / 1e9:.0f} GB/s, read back at {NEAR_BW / 1e9:.0f} GB/s). {NODES} nodes x {PROCS} processes, gloo on CPU; {os.cpu_count()} CPUs, load average "
+        f"(from a peer no faster than {NEAR_BW / 1e9:.0f} GB/s). {NODES} nodes x {PROCS} processes, gloo on CPU; {os.cpu_count()} CPUs, load average "
         f"{os.getloadavg()[0]:.1f} at the end."
     )
 
@@ -528,15 +574,40 @@ def main() -> None:
     if not can_mount_tmpfs():
         print("note: not root: NVRx and the agents keep their files on disk, not tmpfs", file=sys.stderr)
     results: dict[str, Run] = {}
-    with scratch_dir("mtc-bench-torch-") as (workdir, _cleanup):
+    backed: dict[str, list[int]] = {}
+    bytes_per_host = state_bytes_per_host(args.width, args.layers)
+    # Our backup tier's store as a real one is to this job's bytes: the goodput bench's realistic links, to the store
+    # only (NVRx replicates over its own process group, which no link here shapes; neither is ours' peer tier).
+    store_link = dataclasses.replace(Regime.realistic(bytes_per_host), near=None)
+    with scratch_dir("mtc-bench-torch-") as (workdir, cleanup):
         base = Baseline(args.python, os.path.join(workdir, "none"), job_args).run()
         if "nvrx" in setups:
             results[NVRX] = NVRxSetup(args.python, os.path.join(workdir, "nvrx"), job_args).run()
+        hosts = [f"{network.run_subnet()}.{i + 1}" for i in range(NODES + NODE_LOSSES)]  # the nodes, then each new one
+        stores = StoreFronts(require_tool("fake-gcs-server"), os.path.join(workdir, "object-store"), len(hosts))
+        cleanup.callback(stores.stop)
+        stores.start().admin.client().create_bucket("backups")
+        cleanup.enter_context(network.loopback_hosts(hosts))
+        # No shorter than a node's upload: its state at the store link, in steps without checkpointing.
+        every = math.ceil(store_link.upload_seconds(bytes_per_host) / statistics.median(base.step_s))
         for async_save in [a for a, name in ((False, "ours"), (True, "ours-async")) if name in setups]:
-            ours = OurSetup(args.python, os.path.join(workdir, f"ours-{async_save}"), job_args, async_save)
+            backups = Backups(f"gs://backups/ours-{async_save}", stores, network.run_subnet(), every)
+            ours = OurSetup(args.python, os.path.join(workdir, f"ours-{async_save}"), job_args, async_save, backups)
             missing = ours.available()
-            results[ours.name] = Run(note=f"our client is not importable here ({missing})") if missing else ours.run()
-    report(base, results, state_bytes_per_host(args.width, args.layers), gpu_rates(args.gpu_results))
+            with store_link.links(stores.ports, hosts):
+                results[ours.name] = (
+                    Run(note=f"our client is not importable here ({missing})") if missing else ours.run()
+                )
+            listed = stores.admin.client().list_blobs("backups", prefix=f"ours-{async_save}/")
+            backed[ours.name] = sorted(
+                int(b.name.split("/")[-2].split("-")[0]) for b in listed if b.name.endswith("/COMMIT")
+            )
+    print(
+        f"ours' backup tier: fake-gcs-server, a backup every {every} steps (a node's upload at the link below); "
+        f"steps backed up (complete): {'; '.join(f'{name} {steps}' for name, steps in backed.items())}; "
+        f"{store_link.describe(bytes_per_host)}"
+    )
+    report(base, results, bytes_per_host, gpu_rates(args.gpu_results))
 
 
 if __name__ == "__main__":

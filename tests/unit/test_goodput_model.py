@@ -5,11 +5,17 @@ import json
 import pytest
 
 from tests.bench.goodput_model import (
+    ASSUMED,
     GPUS_PER_HOST,
+    HOST_MEM_BW,
+    STORE_BW,
+    TARGET_BYTES,
     Costs,
     goodput,
     interval,
+    save_interval_steps,
     scaled,
+    scaled_bandwidth,
     torch_gpu_rates,
     young_daly_interval,
 )
@@ -63,9 +69,34 @@ def test_torch_gpu_rates_take_the_steady_state_at_the_largest_size_per_host():
             {**row, "save": 3, "error": "RuntimeError: x"},
         )
     ]
-    rates = torch_gpu_rates(lines)
+    rates = torch_gpu_rates(lines, cap=1e15)
     assert rates.copy == pytest.approx(GPUS_PER_HOST * 16e9 / 0.3)
     assert rates.restore == pytest.approx(GPUS_PER_HOST * 13e9)
     assert "16.0 GB" in rates.source
+    # 8 x 53.3 GB/s out and 8 x 13 GB/s in: the copy out is more than the host's memory takes
+    capped = torch_gpu_rates(lines)
+    assert (capped.copy, capped.restore) == (HOST_MEM_BW, pytest.approx(GPUS_PER_HOST * 13e9))
     with pytest.raises(ValueError, match="no steady-state row"):
         torch_gpu_rates(lines[:2])
+
+
+def test_without_gpu_results_the_rates_are_the_probes_and_say_so():
+    # 8 x 55.2 GB/s = 441.6 GB/s out, capped at the host's 300; the RAM read of 25.49 GB/s is under the cap.
+    assert (ASSUMED.copy, ASSUMED.restore) == (HOST_MEM_BW, pytest.approx(25.49e9))
+    assert ASSUMED.source.startswith("assumed") and "55.2 GB/s" in ASSUMED.source
+
+
+def test_save_interval_steps_is_young_daly_in_steps_bounded_by_the_upload():
+    # sqrt(2 * 0.25 * 32) = 4 s: 13.3 steps of 0.3 s, rounded to 13; an upload of 21 s needs 70 steps
+    assert save_interval_steps(0.25, 32.0, 0.3) == 13
+    assert save_interval_steps(0.25, 32.0, 0.3, upload_s=21.0) == 70
+    assert save_interval_steps(0.0, 32.0, 0.3) == 1
+    with pytest.raises(ValueError, match="step_s"):
+        save_interval_steps(0.25, 32.0, 0.0)
+
+
+def test_scaled_bandwidth_keeps_a_full_transfer_as_long_as_the_real_one():
+    bench_bytes = 64 * 2**20
+    rate = scaled_bandwidth(STORE_BW, bench_bytes)
+    assert bench_bytes / rate == pytest.approx(TARGET_BYTES / STORE_BW)  # 21 s
+    assert rate == pytest.approx(3.196e6, rel=1e-3)  # about 3 MiB/s, as the issue reckons
