@@ -32,7 +32,7 @@ def deployment():
     with ControlPlane(address=API_ADDRESS, audited=AUDITED) as plane, contextlib.ExitStack() as stack:
         nodes = [DeployNode(plane, node_address(i), pod_cidr(i), archives) for i in range(2)]
         cluster = Deployment(plane, nodes, archives)
-        stack.callback(lambda: [node.stop() for node in cluster.nodes])  # nodes added by the tests too
+        stack.callback(cluster.stop_nodes)  # the nodes the tests added and lost too
         for node in nodes:
             node.start(timeout_seconds=NODE_START_SECONDS)
         stack.enter_context(ClusterServices(plane, nodes[0].name))

@@ -5,7 +5,6 @@ ramdisk published by the kubelet through the agent's container, trained through 
 The steps are one job's life, in order: each test starts from where the one before left it."""
 
 import pytest
-from lightkube.resources.core_v1 import Node
 
 from tests.helpers.jobs import assert_same_state, compared_losses
 from tests.helpers.kube.deploy_node import KUBELET_DIR
@@ -101,9 +100,7 @@ def test_a_lost_node_is_restored_from_its_peer_on_a_fresh_node(job, deployment):
     step, before, trainers = pause_when_replicated(job, pods)
     lost = job.node_of(pods[1])
     survivor = job.node_of(pods[0])
-    lost.lose()  # with the trainer of rank 1; rank 0's fails next, as JAX's would on losing its peer
-    deployment.client().delete(Node, lost.name)  # as the cloud provider does with a vanished machine
-    deployment.nodes.remove(lost)
+    deployment.lose_node(lost)  # with the trainer of rank 1; rank 0's fails next, as JAX's would on losing its peer
     job.kill(trainers[:1])
     fresh = deployment.add_node()
     assert_resumed(job, 2, step, before)
@@ -112,7 +109,6 @@ def test_a_lost_node_is_restored_from_its_peer_on_a_fresh_node(job, deployment):
     status = job.status()
     assert status["restore"]["step"] == step, status["restore"]
     assert any(source.endswith(f":{survivor.name}") for source in status["restore"]["sources"].values()), status
-    lost.stop()
 
 
 def ramdisk_mounts(node) -> dict[str, tuple[str, str]]:

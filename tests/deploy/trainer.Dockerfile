@@ -1,6 +1,6 @@
-# The training image of `make e2e-deploy`: a user's JAX job (examples/train.py, Orbax's multi-tier checkpointing
-# through ReplicatorCheckpointManager) on CPU; its context is examples/. It holds none of mtc: the job talks to the node agent only through
-# the files of its ramdisk, as on a real cluster. BASE: the same Debian base as the agent image.
+# The training image of `make e2e-deploy` (its context: examples/): a user's JAX job (examples/train.py, Orbax's
+# multi-tier checkpointing through ReplicatorCheckpointManager) on CPU. It holds none of mtc: the job talks to the
+# node agent only through the files of its ramdisk, as on a real cluster. BASE: the agent image's Debian base.
 ARG BASE=localhost/mtc-base:bookworm
 FROM ${BASE}
 

@@ -15,6 +15,7 @@ import subprocess
 from pathlib import Path
 
 from lightkube import Client
+from lightkube.resources.core_v1 import Node
 
 from tests.helpers import REPO
 from tests.helpers.kube.control_plane import ControlPlane
@@ -59,6 +60,8 @@ class Deployment:
         self.plane = plane
         self.nodes = nodes
         self.archives = archives
+        self.lost: list[DeployNode] = []
+        self._node_count = len(nodes)  # nodes ever started: a fresh one never reuses a lost one's address
         self.env = {**os.environ, "KUBECONFIG": str(plane.kubeconfig), "HOME": str(plane.workdir)}
 
     def client(self) -> Client:
@@ -98,9 +101,21 @@ class Deployment:
             ran.append(command)
         return ran
 
+    def lose_node(self, node: DeployNode) -> None:
+        """``node`` fails (``DeployNode.lose``) and its Node object is deleted, as the cloud provider does with a
+        vanished machine."""
+        node.lose()
+        self.client().delete(Node, node.name)
+        self.nodes.remove(node)
+        self.lost.append(node)
+
+    def stop_nodes(self) -> None:
+        for node in [*self.nodes, *self.lost]:
+            node.stop()
+
     def add_node(self) -> DeployNode:
         """A fresh node (the next address and pod subnet) joins the cluster, started and Ready."""
-        index = len(self.nodes)
+        index, self._node_count = self._node_count, self._node_count + 1
         node = DeployNode(self.plane, node_address(index), pod_cidr(index), self.archives)
         self.nodes.append(node)
         return node.start(timeout_seconds=300)
