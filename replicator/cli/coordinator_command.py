@@ -18,6 +18,7 @@ from replicator.cli.arguments import (
 from replicator.coordinator.config import CoordinatorConfig
 from replicator.coordinator.kube_config import KubeSettings, kube_config
 from replicator.coordinator.kube_shape import DEFAULT_BLOCK_LABEL, ShapeSettings
+from replicator.coordinator.node_identity import DEFAULT_AUDIENCE, NodeIdentitySettings
 from replicator.coordinator.service import run_coordinator
 
 
@@ -98,6 +99,50 @@ def add(sub: argparse._SubParsersAction) -> None:
         help="with --kube: the node label naming a node's block or rack; close peers share it "
         "(else the node pool, else the zone; a node's --topology block=... overrides) (default %(default)s)",
     )
+    p.add_argument(
+        "--node-identity",
+        action="store_true",
+        help="with --kube: admit a node's report only with a projected ServiceAccount token of an agent pod on "
+        "that node (the agents' --node-token-file), checked with the API server",
+    )
+    p.add_argument(
+        "--agent-namespace",
+        type=non_empty,
+        help="with --node-identity: the namespace of the agents' DaemonSet and ServiceAccount (required)",
+    )
+    p.add_argument(
+        "--agent-service-account",
+        type=non_empty,
+        default="mtc",
+        help="with --node-identity: the agents' ServiceAccount (default %(default)s)",
+    )
+    p.add_argument(
+        "--agent-daemonset",
+        type=non_empty,
+        default="mtc-node",
+        help="with --node-identity: the agents' DaemonSet (default %(default)s)",
+    )
+    p.add_argument(
+        "--node-token-audience",
+        type=non_empty,
+        default=DEFAULT_AUDIENCE,
+        help="with --node-identity: the audience of the agents' tokens (default %(default)s)",
+    )
+
+
+def _node_identity(args: argparse.Namespace) -> NodeIdentitySettings | str | None:
+    """The per-node identity settings of the flags, None when off, or the usage error."""
+    if not args.node_identity:
+        return None
+    if not args.kube:
+        return "--node-identity needs --kube (the API server vouches for the nodes)"
+    if args.token_file is None:
+        return "--node-identity needs --token-file (the cluster token is still required of every caller)"
+    if args.agent_namespace is None:
+        return "--node-identity needs --agent-namespace (the namespace of the agents' DaemonSet)"
+    return NodeIdentitySettings(
+        args.agent_namespace, args.agent_service_account, args.agent_daemonset, args.node_token_audience
+    )
 
 
 def _run_coordinator(args: argparse.Namespace) -> int:
@@ -121,6 +166,9 @@ def _run_coordinator(args: argparse.Namespace) -> int:
             kube_config(kube)
     except ValueError as err:
         return usage_error("coordinator", str(err))
+    node_identity = _node_identity(args)
+    if isinstance(node_identity, str):
+        return usage_error("coordinator", node_identity)
     run_coordinator(
         CoordinatorConfig(
             args.listen,
@@ -134,6 +182,7 @@ def _run_coordinator(args: argparse.Namespace) -> int:
             kube,
             args.restore_fan_out,
             args.shared_backup_upload,
+            node_identity,
         )
     )
     return 0

@@ -106,6 +106,12 @@ def add(sub: argparse._SubParsersAction) -> None:
         help="bearer token for the peer service (a Kubernetes Secret); enables the peer tier",
     )
     p.add_argument(
+        "--node-token-file",
+        type=readable_file,
+        help="the agent's projected ServiceAccount token (audience of the coordinator's --node-identity), sent "
+        "with every report as the proof of this node; read again when the kubelet rotates it",
+    )
+    p.add_argument(
         "--replicas",
         type=positive_int,
         choices=[1, 2],
@@ -188,7 +194,9 @@ def _node_config(args: argparse.Namespace) -> NodeConfig:
             else None,
             s3_endpoint_url=args.s3_endpoint_url,
         ),
-        coordinator=CoordinatorSettings(url=args.coordinator, ca=args.coordinator_ca),
+        coordinator=CoordinatorSettings(
+            url=args.coordinator, ca=args.coordinator_ca, node_token_file=args.node_token_file
+        ),
         pacing=PacingSettings(
             background_cpu=args.background_cpu,
             restore_deadline_seconds=args.restore_deadline_seconds,

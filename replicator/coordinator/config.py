@@ -4,6 +4,7 @@ import dataclasses
 import ssl
 
 from replicator.coordinator.kube_config import KubeSettings
+from replicator.coordinator.node_identity import NodeIdentitySettings
 from replicator.wire import tls
 from replicator.wire.messages import MAX_RANKS
 
@@ -26,6 +27,8 @@ class CoordinatorConfig:
       max_nodes: the largest job a report may describe (a pod's ``nodes``).
       kube: read job shapes, ranks, rank 0's address and failure domains from the API server, or None to take
         them from the volumes' attributes alone.
+      node_identity: with ``kube``, every report must carry a token proving that its agent runs on the
+        report's node (``node_identity``), or None to trust the cluster token alone.
       restore_fan_out: a restore from the backup tier alone reads each unique shard once per group
         of identical data-parallel ranks; the others fetch it from that node (``ClusterState``).
       shared_backup_upload: identical data-parallel ranks share a backup's upload (``ClusterState``).
@@ -42,6 +45,11 @@ class CoordinatorConfig:
     kube: KubeSettings | None = None
     restore_fan_out: bool = True
     shared_backup_upload: bool = False
+    node_identity: NodeIdentitySettings | None = None
+
+    def __post_init__(self) -> None:
+        if self.node_identity is not None and self.kube is None:
+            raise ValueError("per-node identity needs the API server (kube settings)")
 
     def server_ssl(self) -> ssl.SSLContext | None:
         """The TLS context to serve with, or None for plain HTTP.

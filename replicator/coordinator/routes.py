@@ -34,12 +34,14 @@ from typing import TypeVar
 
 import msgspec
 from aiohttp import web
+from lightkube import AsyncClient
 from prometheus_client import CONTENT_TYPE_LATEST, Counter
 
 from replicator.coordinator import cluster_gauges, report_order
 from replicator.coordinator.config import CoordinatorConfig
 from replicator.coordinator.job_changes import JobChanges
 from replicator.coordinator.kube_overlay import KubeOverlay
+from replicator.coordinator.node_identity import IdentityRefused, IdentityUnavailable, NodeVerifier
 from replicator.coordinator.report_order import ReportOrder, StaleReport
 from replicator.coordinator.rollbacks import NotCancellable
 from replicator.coordinator.settings_snapshot import SettingsSnapshot
@@ -53,6 +55,7 @@ from replicator.coordinator.state import (
 from replicator.wire.http_errors import error_response
 from replicator.wire.messages import (
     MAX_WAIT_SECONDS,
+    NODE_TOKEN_HEADER,
     REPORT_ORDER_HEADER,
     JobRef,
     NodeReport,
@@ -80,6 +83,8 @@ CHANGES_KEY = web.AppKey("changes", JobChanges)
 SNAPSHOT_KEY = web.AppKey("snapshot", SettingsSnapshot)
 OVERLAY_KEY = web.AppKey("overlay", KubeOverlay)
 ORDER_KEY = web.AppKey("report_order", ReportOrder)
+KUBE_CLIENT_KEY = web.AppKey("kube_client", AsyncClient)
+VERIFIER_KEY = web.AppKey("node_verifier", NodeVerifier)
 
 BadRequest = functools.partial(error_response, web.HTTPBadRequest)
 
@@ -175,6 +180,8 @@ async def post_report(request: web.Request) -> web.StreamResponse:
                 f"pods[{index}]: nodes={pod.nodes} must be at most {max_nodes} and slices={pod.slices} at most nodes"
             )
     state, changes, overlay = request.app[STATE_KEY], request.app[CHANGES_KEY], request.app.get(OVERLAY_KEY)
+    if (verifier := request.app.get(VERIFIER_KEY)) is not None:
+        await _prove_node(verifier, state, report.node_id, request)
     seen = overlay.version if overlay else 0
     try:
         request.app[ORDER_KEY].admit(report.node_id, order)
@@ -204,6 +211,26 @@ async def post_report(request: web.Request) -> web.StreamResponse:
         state.touch(report.node_id, time.time())
         reply = state.reply_for(report.node_id)
     return await _reply(request, reply)
+
+
+async def _prove_node(verifier: NodeVerifier, state: ClusterState, node_id: str, request: web.Request) -> None:
+    """Admits the report only from an agent that proves it runs on ``node_id``; a node recreated under
+    that name (another UID) replaces the old one, whose pods and copies are forgotten at once.
+
+    Raises:
+      HTTPForbidden: not proven; the JSON body's ``reason`` is one of ``node_identity.REASONS``.
+      HTTPServiceUnavailable: the API server could not be asked (the agent retries).
+    """
+    try:
+        admission = await verifier.admit(request.headers.get(NODE_TOKEN_HEADER), node_id)
+    except IdentityRefused as err:
+        log.warning("refused a report for node %s from %s (%s): %s", node_id, request.remote, err.reason, err)
+        raise error_response(web.HTTPForbidden, str(err), reason=err.reason) from None
+    except IdentityUnavailable as err:
+        log.error("cannot check the identity of node %s: %s", node_id, err)
+        raise error_response(web.HTTPServiceUnavailable, str(err)) from None
+    if admission.replaced:
+        state.forget_node(node_id)
 
 
 def _take_report(

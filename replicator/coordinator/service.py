@@ -26,8 +26,18 @@ from replicator.coordinator.job_changes import JobChanges
 from replicator.coordinator.kube_config import KubeSettings, kube_config
 from replicator.coordinator.kube_overlay import KubeOverlay
 from replicator.coordinator.kube_watch import ShapeWatcher, WatchSettings
+from replicator.coordinator.node_identity import NodeVerifier
 from replicator.coordinator.report_order import ReportOrder
-from replicator.coordinator.routes import CHANGES_KEY, CONFIG_KEY, ORDER_KEY, OVERLAY_KEY, SNAPSHOT_KEY, STATE_KEY
+from replicator.coordinator.routes import (
+    CHANGES_KEY,
+    CONFIG_KEY,
+    KUBE_CLIENT_KEY,
+    ORDER_KEY,
+    OVERLAY_KEY,
+    SNAPSHOT_KEY,
+    STATE_KEY,
+    VERIFIER_KEY,
+)
 from replicator.coordinator.settings_snapshot import SettingsSnapshot
 from replicator.coordinator.state import ClusterState
 from replicator.wire.bearer import Tokens, require_bearer
@@ -80,15 +90,14 @@ async def _kube_watcher(app: web.Application) -> AsyncIterator[None]:
     the long polls of the jobs whose shape changed."""
     settings: KubeSettings | None = app[CONFIG_KEY].kube
     assert settings is not None  # make_app runs the watcher only with kube settings
-    config = kube_config(settings)
-    client = AsyncClient(config, field_manager="mtc-coordinator")
+    client = app[KUBE_CLIENT_KEY]
     watcher = ShapeWatcher(
         client,
         WatchSettings(namespace=settings.namespace, shape=settings.shape),
         on_change=lambda shapes: app[CHANGES_KEY].wake(app[OVERLAY_KEY].update(shapes)),
     )
     task = asyncio.create_task(watcher.run(), name="kube shapes")
-    log.info("reading job shapes from the API server at %s", config.get().cluster.server)  # type: ignore[union-attr]  # its one context
+    log.info("reading job shapes from the API server at %s", client.config.cluster.server)
     yield
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
@@ -109,7 +118,18 @@ def make_app(config: CoordinatorConfig) -> web.Application:
     app.cleanup_ctx.append(_ticker)
     if config.kube is not None:
         app[OVERLAY_KEY] = KubeOverlay()
+        # One client for the watches and the identity checks; made here (no I/O), closed by the watcher.
+        app[KUBE_CLIENT_KEY] = AsyncClient(kube_config(config.kube), field_manager="mtc-coordinator")
         app.cleanup_ctx.append(_kube_watcher)
+        if config.node_identity is not None:
+            app[VERIFIER_KEY] = NodeVerifier(app[KUBE_CLIENT_KEY], config.node_identity)
+            log.info(
+                "per-node identity: reports need a token of ServiceAccount %s/%s's DaemonSet %s pods, audience %s",
+                config.node_identity.namespace,
+                config.node_identity.service_account,
+                config.node_identity.daemonset,
+                config.node_identity.audience,
+            )
     if config.state_dir:
         os.makedirs(config.state_dir, exist_ok=True)
         app[SNAPSHOT_KEY].load(app[STATE_KEY])

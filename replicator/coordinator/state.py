@@ -157,6 +157,21 @@ class ClusterState:
                 if key in self._jobs and restores.waits_on(self._jobs[key].incarnation, state.report.node_id):
                     self._bump(key)
 
+    def forget_node(self, node_id: str) -> None:
+        """The node is gone for good (recreated under its name with another UID, proven by the API
+        server): its pods and every copy it held are forgotten now, without a silent node's grace.
+        Its jobs are decided again."""
+        bound = self.liveness.nodes.get(node_id)
+        if bound is None:
+            return
+        keys = bound.job_keys()
+        self._apply(sync.absorb(self._jobs, self.liveness, node_id, bound, None, self._warned))
+        self.liveness.forget(node_id)
+        self._mark_dirty(keys)
+        for key in keys:
+            if key in self._jobs:
+                self._bump(key)
+
     def tick(self, now: float) -> None:
         """Expires nodes (at most every ``_EXPIRE_SECONDS``: it visits every silent node) and runs every
         decision pass that is due; the service calls it about four times a second."""

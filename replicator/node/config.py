@@ -111,10 +111,14 @@ class CoordinatorSettings:
       url: its base URL, or None to run without it (no replicator loop).
       ca: CA bundle (PEM) its certificate is checked against, or None for the peer tier's
         (``PeerSettings.tls_ca``), then the system's.
+      node_token_file: the agent's projected ServiceAccount token (the kubelet rotates it), sent with
+        every report as the proof of this node (``coordinator.node_identity``); read again when it
+        changes. None sends none (a coordinator without per-node identity).
     """
 
     url: str | None = None
     ca: str | None = None
+    node_token_file: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -80,6 +80,8 @@ class NodeReplicator:
         self._manager = manager
         self._coordinator_url = config.coordinator.url
         self._peer_token = peer_token
+        # Its proof of this node, read again after the kubelet rotates it (``Tokens``); None without one.
+        self._node_token = Tokens(config.coordinator.node_token_file) if config.coordinator.node_token_file else None
         self._peer_ssl = tls.client_context(config.peer.tls_ca)
         self._coordinator_ssl = tls.client_context(config.coordinator_ca)
         self._wedged_after_seconds = config.pacing.wedged_after_seconds
@@ -158,7 +160,7 @@ class NodeReplicator:
             aiohttp.ClientSession(connector=peer_connector, timeout=peer_timeout) as peer_session,
         ):
             self._session = peer_session
-            client = CoordinatorClient(session, self._coordinator_url, self._peer_token)  # type: ignore[arg-type]  # the agent makes a loop only with a URL
+            client = CoordinatorClient(session, self._coordinator_url, self._peer_token, self._node_token)  # type: ignore[arg-type]  # the agent makes a loop only with a URL
             try:
                 while not stop.is_set():
                     self._wake.clear()

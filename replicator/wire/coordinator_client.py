@@ -14,6 +14,7 @@ from replicator.wire.bearer import Tokens
 from replicator.wire.http_errors import error_of
 from replicator.wire.messages import (
     MAX_WAIT_SECONDS,
+    NODE_TOKEN_HEADER,
     REPORT_ORDER_HEADER,
     BadCopy,
     JobSettings,
@@ -34,12 +35,23 @@ class CoordinatorUnavailable(Exception):
 
 class CoordinatorClient:
     """The node agent's HTTP client of the coordinator. Bodies are encoded and replies decoded by
-    msgspec, in one pass each (an agent's reports are its most frequent work)."""
+    msgspec, in one pass each (an agent's reports are its most frequent work).
 
-    def __init__(self, session: aiohttp.ClientSession, base_url: str, tokens: Tokens | None):
+    Args:
+      session: the HTTP session to send with.
+      base_url: the coordinator's base URL.
+      tokens: the cluster's bearer tokens (the current one is sent), or None.
+      node_token: the agent's projected ServiceAccount token, sent with each report as the proof of its
+        node (``NODE_TOKEN_HEADER``), or None. Its file is read again when the kubelet rotates it.
+    """
+
+    def __init__(
+        self, session: aiohttp.ClientSession, base_url: str, tokens: Tokens | None, node_token: Tokens | None = None
+    ):
         self._session = session
         self._base = base_url.rstrip("/")
         self._tokens = tokens  # the current one is sent: a rotation takes effect on the next request
+        self._node_token = node_token
         self._report_session, self._reports = uuid.uuid4().hex, 0  # the order of this process's reports
 
     async def _call(
@@ -83,9 +95,11 @@ class CoordinatorClient:
           CoordinatorUnavailable: unreachable, refused, or of another protocol version (named).
         """
         self._reports += 1
-        order = {REPORT_ORDER_HEADER: f"{self._report_session}:{self._reports}"}
+        headers = {REPORT_ORDER_HEADER: f"{self._report_session}:{self._reports}"}
+        if self._node_token is not None:
+            headers[NODE_TOKEN_HEADER] = self._node_token.current
         raw = await self._call(
-            "POST", "/v1/report", report, wait=MAX_WAIT_SECONDS if report.waiting else 0.0, headers=order
+            "POST", "/v1/report", report, wait=MAX_WAIT_SECONDS if report.waiting else 0.0, headers=headers
         )
         try:
             reply = decode_json(raw, ReportReply)

@@ -1,7 +1,8 @@
 """The JSON error body of both HTTP services (the coordinator, the peer service), and its reading.
 
 An error answers ``{"error": "<message>"}``, with ``"problems": [...]`` when there is a list of them
-(a pushed replica that fails its checksums). Clients read it back with ``error_of``.
+(a pushed replica that fails its checksums) and ``"reason": "<word>"`` when a program tells refusals
+apart (a node identity refused: ``replicator.coordinator.node_identity.REASONS``). Clients read it back with ``error_of``.
 """
 
 import json
@@ -12,16 +13,25 @@ from aiohttp import web
 
 
 def error_response(
-    kind: type[web.HTTPException], message: str, problems: Sequence[str] = (), **kwargs: Any
+    kind: type[web.HTTPException],
+    message: str,
+    problems: Sequence[str] = (),
+    reason: str | None = None,
+    **kwargs: Any,
 ) -> web.HTTPException:
     """The HTTP error ``kind`` (e.g. ``web.HTTPNotFound``) to raise, with the JSON error body.
 
     Args:
       message: the body's ``error``.
       problems: the body's ``problems``, left out when empty.
+      reason: the body's ``reason``, a short word a program can tell refusals apart by; left out when None.
       kwargs: for ``kind`` (e.g. ``headers``).
     """
-    body = {"error": message, "problems": list(problems)} if problems else {"error": message}
+    body: dict[str, Any] = {"error": message}
+    if problems:
+        body["problems"] = list(problems)
+    if reason is not None:
+        body["reason"] = reason
     return kind(text=json.dumps(body), content_type="application/json", **kwargs)
 
 

@@ -75,6 +75,9 @@ OLDEST_PROTOCOL_VERSION = 2
 # A node report's place in its agent's sequence, ``<session hex>:<sequence>`` (``coordinator.report_order``):
 # a report delayed past a newer one is refused instead of undoing it.
 REPORT_ORDER_HEADER = "X-MTC-Report-Order"
+# A node report's proof of its node (``coordinator.node_identity``): the agent's projected ServiceAccount
+# token, sent with the cluster token when the coordinator asks for per-node identity.
+NODE_TOKEN_HEADER = "X-MTC-Node-Token"
 
 
 class JobSettings(msgspec.Struct, frozen=True, gc=False):

@@ -37,7 +37,18 @@ CLUSTER_SCOPED = (
     "ClusterRoleBinding",
 )
 # What the coordinator reads from the API server (replicator/coordinator/kube_watch.py), and only that.
-COORDINATOR_READS = {("", "pods"), ("", "nodes"), ("jobset.x-k8s.io", "jobsets")}
+# (apiGroup, resource, verb): what the coordinator does with the API server, nothing more. Get on pods and nodes
+# and create on tokenreviews are per-node identity's (replicator/coordinator/node_identity.py).
+COORDINATOR_VERBS = {
+    *(
+        (group, resource, verb)
+        for group, resource in [("", "pods"), ("", "nodes")]
+        for verb in ("get", "list", "watch")
+    ),
+    ("jobset.x-k8s.io", "jobsets", "list"),
+    ("jobset.x-k8s.io", "jobsets", "watch"),
+    ("authentication.k8s.io", "tokenreviews", "create"),
+}
 BLOCK_LABEL = "cloud.google.com/gce-topology-block"
 
 
@@ -186,16 +197,19 @@ def test_node_agents_get_no_kubernetes_api_access():
     assert all(s["name"] != "mtc" for s in bound), bound
 
 
-def test_coordinator_alone_may_get_list_and_watch_exactly_pods_nodes_and_jobsets():
+def test_coordinator_alone_may_read_pods_nodes_and_jobsets_and_review_tokens_nothing_more():
     kinds = [doc["kind"] for doc in _all_objects()]
     assert "Role" not in kinds and "RoleBinding" not in kinds
     assert kinds.count("ClusterRole") == 1 and kinds.count("ClusterRoleBinding") == 1
     role = _one("ClusterRole", "mtc-coordinator")
     granted = {
-        (group, resource) for rule in role["rules"] for group in rule["apiGroups"] for resource in rule["resources"]
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
     }
-    assert granted == COORDINATOR_READS
-    assert all(sorted(rule["verbs"]) == ["list", "watch"] for rule in role["rules"])
+    assert granted == COORDINATOR_VERBS
     assert not any("resourceNames" in rule or "nonResourceURLs" in rule for rule in role["rules"])
     binding = _one("ClusterRoleBinding", "mtc-coordinator")
     assert binding["roleRef"] == {

@@ -16,6 +16,11 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{ .Values.token.existingSecret | default "mtc-peer-token" }}
 {{- end }}
 
+{{- /* Per-node identity: on with the API server (coordinator.kube) unless nodeIdentity.enabled is false. */}}
+{{- define "mtc.nodeIdentity" -}}
+{{- if and .Values.coordinator.kube .Values.nodeIdentity.enabled }}true{{- end }}
+{{- end }}
+
 {{- define "mtc.tlsSecret" -}}
 {{ .Values.tls.existingSecret | default "mtc-tls" }}
 {{- end }}

@@ -1,0 +1,311 @@
+"""Per-node identity against a real API server (issue 40): an agent's report is admitted only with a
+projected ServiceAccount token, minted by ``TokenRequest`` for a pod of the agents' DaemonSet bound
+to the report's node.
+
+The coordinator runs in this process (aiohttp's test server) with ``--kube`` and per-node identity,
+reading the API server as its own ServiceAccount bound to the rules of ``manifests/coordinator-rbac.yaml``,
+so the RBAC those rules grant is exactly what is exercised. The DaemonSet's pods are made by the real
+DaemonSet controller and bound by the real scheduler to Node objects with no kubelet behind them.
+"""
+
+import base64
+import json
+import time
+import uuid
+from pathlib import Path
+
+import aiohttp
+import msgspec
+import pytest
+import yaml
+from aiohttp.test_utils import TestServer
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import padding
+from lightkube import Client
+from lightkube.codecs import load_all_yaml
+from lightkube.models.apps_v1 import DaemonSetSpec
+from lightkube.models.authentication_v1 import BoundObjectReference, TokenRequestSpec, TokenReviewSpec
+from lightkube.models.core_v1 import Container, PodSpec, PodTemplateSpec, Toleration
+from lightkube.models.meta_v1 import LabelSelector, ObjectMeta
+from lightkube.models.rbac_v1 import RoleRef, Subject
+from lightkube.resources.apps_v1 import DaemonSet
+from lightkube.resources.authentication_v1 import TokenReview
+from lightkube.resources.core_v1 import Namespace, Node, Pod, ServiceAccount
+from lightkube.resources.rbac_authorization_v1 import ClusterRole, ClusterRoleBinding
+
+from replicator.coordinator import node_identity, routes, service
+from replicator.coordinator.config import CoordinatorConfig
+from replicator.coordinator.kube_config import KubeSettings
+from replicator.coordinator.node_identity import NodeIdentitySettings
+from replicator.wire.bearer import Tokens
+from replicator.wire.coordinator_client import CoordinatorClient, CoordinatorUnavailable
+from replicator.wire.messages import NODE_TOKEN_HEADER, PROTOCOL_VERSION, NodeReport
+from tests.helpers.kube import register_node
+from tests.helpers.polling import wait_until
+from tests.helpers.secrets import project_secret
+
+NAMESPACE = "mtc-identity"
+TEAM = "identity-team"
+AUDIENCE = node_identity.DEFAULT_AUDIENCE
+LABEL = "mtc.dev/identity-test"
+NODES = ("identity-x", "identity-y")
+CLUSTER_TOKEN = "cluster-token-of-the-test"
+RBAC = Path(__file__).parents[2] / "manifests" / "coordinator-rbac.yaml"
+
+
+def mint(client: Client, pod: Pod, audience: str = AUDIENCE, account: str = "mtc", seconds: int = 600) -> str:
+    """A token of ``account`` bound to ``pod`` (the API server adds its node), as the kubelet asks for it."""
+    request = ServiceAccount.Token(
+        metadata=ObjectMeta(),
+        spec=TokenRequestSpec(
+            audiences=[audience],
+            expirationSeconds=seconds,
+            boundObjectRef=BoundObjectReference(
+                kind="Pod", apiVersion="v1", name=pod.metadata.name, uid=pod.metadata.uid
+            ),
+        ),
+    )
+    return client.create(request, account, namespace=pod.metadata.namespace).status.token
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def expired_copy(token: str, signing_key: Path) -> str:
+    """``token`` with its lifetime moved an hour into the past, signed again with the cluster's
+    service-account key: a genuine token that has expired."""
+    header, payload, _ = token.split(".")
+    claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    shift = int(time.time()) - claims["exp"] - 3600
+    for name in ("exp", "iat", "nbf"):
+        claims[name] += shift
+    claims["kubernetes.io"]["warnafter"] = claims["kubernetes.io"].get("warnafter", claims["iat"]) + shift
+    signed = f"{header}.{_b64(json.dumps(claims).encode())}"
+    key = serialization.load_pem_private_key(signing_key.read_bytes(), None)
+    return f"{signed}.{_b64(key.sign(signed.encode(), padding.PKCS1v15(), hashes.SHA256()))}"  # type: ignore[union-attr]  # an RSA key
+
+
+def daemonset_pod(client: Client, node: str) -> Pod:
+    """The agents' DaemonSet pod bound to ``node``, once the controller made it and the scheduler bound it."""
+
+    def bound() -> Pod | None:
+        pods = client.list(Pod, namespace=NAMESPACE, labels={"app": "mtc-node"})
+        return next((p for p in pods if p.spec.nodeName == node and p.metadata.deletionTimestamp is None), None)
+
+    wait_until(bound, timeout=60, what=f"the DaemonSet's pod bound to {node}", interval=0.5)
+    pod = bound()
+    assert pod is not None
+    return pod
+
+
+@pytest.fixture(scope="module")
+def cluster(control_plane):
+    """The agents' namespace, ServiceAccount and DaemonSet (on the nodes labelled ``LABEL`` only), two such
+    nodes, a training pod of another ServiceAccount on the first, and the coordinator's kubeconfig."""
+    client = control_plane.client()
+    for name in (NAMESPACE, TEAM):
+        client.create(Namespace(metadata=ObjectMeta(name=name)))
+    client.create(ServiceAccount(metadata=ObjectMeta(name="mtc", namespace=NAMESPACE)))
+    client.create(ServiceAccount(metadata=ObjectMeta(name="mtc-coordinator", namespace=NAMESPACE)))
+    client.create(ServiceAccount(metadata=ObjectMeta(name="trainer", namespace=TEAM)))
+    role = next(o for o in load_all_yaml(RBAC.read_text()) if isinstance(o, ClusterRole))
+    role.metadata = ObjectMeta(name="mtc-coordinator-identity-test")
+    client.create(role)
+    client.create(
+        ClusterRoleBinding(
+            metadata=ObjectMeta(name="mtc-coordinator-identity-test"),
+            roleRef=RoleRef(apiGroup="rbac.authorization.k8s.io", kind="ClusterRole", name=role.metadata.name),
+            subjects=[Subject(kind="ServiceAccount", name="mtc-coordinator", namespace=NAMESPACE)],
+        )
+    )
+    for node in NODES:
+        register_node(client, node, labels={LABEL: "true"})
+    labels = {"app": "mtc-node"}
+    client.create(
+        DaemonSet(
+            metadata=ObjectMeta(name="mtc-node", namespace=NAMESPACE),
+            spec=DaemonSetSpec(
+                selector=LabelSelector(matchLabels=labels),
+                template=PodTemplateSpec(
+                    metadata=ObjectMeta(labels=labels),
+                    spec=PodSpec(
+                        serviceAccountName="mtc",
+                        automountServiceAccountToken=False,
+                        nodeSelector={LABEL: "true"},
+                        tolerations=[Toleration(operator="Exists")],
+                        containers=[Container(name="agent", image="mtc-agent:never-pulled")],
+                    ),
+                ),
+            ),
+        )
+    )
+    trainer = client.create(
+        Pod(
+            metadata=ObjectMeta(name="trainer", namespace=TEAM),
+            spec=PodSpec(
+                serviceAccountName="trainer",
+                nodeName=NODES[0],
+                automountServiceAccountToken=False,
+                containers=[Container(name="train", image="trainer:never-pulled")],
+            ),
+        )
+    )
+    work = control_plane.workdir / "identity"
+    work.mkdir(exist_ok=True)
+    coordinator_token = client.create(
+        ServiceAccount.Token(metadata=ObjectMeta(), spec=TokenRequestSpec(audiences=[], expirationSeconds=3600)),
+        "mtc-coordinator",
+        namespace=NAMESPACE,
+    ).status.token
+    kubeconfig = work / "coordinator.kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [
+                    {
+                        "name": "c",
+                        "cluster": {
+                            "server": control_plane.url,
+                            "certificate-authority": str(control_plane.ca.pair.cert),
+                        },
+                    }
+                ],
+                "users": [{"name": "coordinator", "user": {"token": coordinator_token}}],
+                "contexts": [{"name": "c", "context": {"cluster": "c", "user": "coordinator"}}],
+                "current-context": "c",
+            }
+        )
+    )
+    yield {"client": client, "kubeconfig": str(kubeconfig), "trainer": trainer, "work": work}
+    client.delete(DaemonSet, "mtc-node", namespace=NAMESPACE)
+    for node in NODES:
+        client.delete(Node, node)
+    for name in (NAMESPACE, TEAM):
+        client.delete(Namespace, name)
+    client.delete(ClusterRoleBinding, "mtc-coordinator-identity-test")
+    client.delete(ClusterRole, "mtc-coordinator-identity-test")
+
+
+@pytest.fixture
+async def coordinator(cluster, tmp_path):
+    """The coordinator with per-node identity, on a loopback port: its base URL."""
+    token_file = tmp_path / "cluster-token"
+    token_file.write_text(CLUSTER_TOKEN)
+    config = CoordinatorConfig(
+        "127.0.0.1:0",
+        token_file=str(token_file),
+        kube=KubeSettings(kubeconfig=cluster["kubeconfig"]),
+        node_identity=NodeIdentitySettings(NAMESPACE),
+    )
+    app = service.make_app(config)
+    async with TestServer(app, host="127.0.0.1") as server:
+        yield str(server.make_url("")).rstrip("/"), app
+
+
+def report_of(node: str, url: str = "http://127.0.0.9:8470") -> NodeReport:
+    return NodeReport(node, url, None, {}, (), (), protocol=PROTOCOL_VERSION)
+
+
+async def post(base: str, node: str, token: str | None, url: str = "http://127.0.0.9:8470") -> tuple[int, dict]:
+    """A report of ``node`` presenting ``token``: the status and the JSON body."""
+    headers = {"Authorization": f"Bearer {CLUSTER_TOKEN}", **({NODE_TOKEN_HEADER: token} if token else {})}
+    async with aiohttp.ClientSession() as session:
+        body = msgspec.to_builtins(report_of(node, url))
+        async with session.post(f"{base}/v1/report", json=body, headers=headers) as response:
+            return response.status, await response.json()
+
+
+def refusals(reason: str) -> float:
+    return node_identity.REFUSALS.labels(reason)._value.get()
+
+
+async def test_an_agent_of_node_x_reports_for_x_and_not_for_y(cluster, coordinator):
+    base, app = coordinator
+    token = mint(cluster["client"], daemonset_pod(cluster["client"], NODES[0]))
+    status, _ = await post(base, NODES[0], token)
+    assert status == 200
+    assert NODES[0] in app[routes.STATE_KEY].liveness.nodes
+    before = refusals("wrong_node")
+    status, body = await post(base, NODES[1], token)
+    assert (status, body["reason"]) == (403, "wrong_node")
+    assert NODES[0] in body["error"] and NODES[1] in body["error"]
+    assert refusals("wrong_node") == before + 1
+    assert NODES[1] not in app[routes.STATE_KEY].liveness.nodes
+
+
+async def test_a_report_without_a_node_token_is_refused(coordinator):
+    base, _ = coordinator
+    status, body = await post(base, NODES[0], None)
+    assert (status, body["reason"]) == (403, "missing")
+
+
+async def test_an_expired_token_is_refused(cluster, coordinator, control_plane):
+    base, _ = coordinator
+    token = expired_copy(
+        mint(cluster["client"], daemonset_pod(cluster["client"], NODES[0])), control_plane.workdir / "pki" / "sa.key"
+    )
+    review = cluster["client"].create(TokenReview(spec=TokenReviewSpec(token=token, audiences=[AUDIENCE])))
+    assert not review.status.authenticated and "expired" in review.status.error  # the API server's view too
+    before = refusals("expired")
+    status, body = await post(base, NODES[0], token)
+    assert (status, body["reason"]) == (403, "expired")
+    assert refusals("expired") == before + 1
+
+
+async def test_a_training_pods_token_is_refused(cluster, coordinator):
+    base, _ = coordinator
+    token = mint(cluster["client"], cluster["trainer"], account="trainer")
+    status, body = await post(base, NODES[0], token)
+    assert (status, body["reason"]) == (403, "service_account")
+    assert "system:serviceaccount:identity-team:trainer" in body["error"]
+
+
+async def test_a_token_for_another_audience_is_refused(cluster, coordinator):
+    base, _ = coordinator
+    token = mint(cluster["client"], daemonset_pod(cluster["client"], NODES[0]), audience="somebody-else")
+    status, body = await post(base, NODES[0], token)
+    assert (status, body["reason"]) == (403, "audience")
+
+
+async def test_a_rotated_token_file_is_used_without_a_restart(cluster, coordinator):
+    base, _ = coordinator
+    client = cluster["client"]
+    path = str(cluster["work"] / f"node-token-{uuid.uuid4().hex}")
+    project_secret(path, mint(client, daemonset_pod(client, NODES[0])))
+    async with aiohttp.ClientSession() as session:
+        agent = CoordinatorClient(session, base, Tokens.of(CLUSTER_TOKEN), Tokens(path))
+        await agent.report(report_of(NODES[0]))
+        project_secret(path, mint(client, daemonset_pod(client, NODES[1])))  # another node's: proves the file is read
+        with pytest.raises(CoordinatorUnavailable, match="HTTP 403.*identity-y"):
+            await agent.report(report_of(NODES[0]))
+        reviews = node_identity.REVIEWS._value.get()
+        project_secret(path, mint(client, daemonset_pod(client, NODES[0])))  # the kubelet's next rotation
+        await agent.report(report_of(NODES[0]))
+        assert node_identity.REVIEWS._value.get() == reviews + 1  # a new token, reviewed once
+        await agent.report(report_of(NODES[0]))
+        assert node_identity.REVIEWS._value.get() == reviews + 1  # then cached
+
+
+async def test_a_node_recreated_under_its_name_is_admitted_and_replaces_the_old_one(cluster, coordinator):
+    """Runs last: it replaces ``identity-x``."""
+    base, app = coordinator
+    client, node = cluster["client"], NODES[0]
+    old_pod = daemonset_pod(client, node)
+    old_token = mint(client, old_pod)
+    status, _ = await post(base, node, old_token, url="http://127.0.0.9:8470")
+    assert status == 200
+    old_uid = client.get(Node, node).metadata.uid
+    client.delete(Node, node)
+    client.delete(Pod, old_pod.metadata.name, namespace=NAMESPACE, grace_period=0)
+    register_node(client, node, labels={LABEL: "true"})
+    assert client.get(Node, node).metadata.uid != old_uid
+    new_token = mint(client, daemonset_pod(client, node))
+    # From another address while the old node is still live: a plain second claimant would get 409.
+    status, body = await post(base, node, new_token, url="http://127.0.0.10:8470")
+    assert status == 200, body
+    assert app[routes.STATE_KEY].liveness.nodes[node].report.url == "http://127.0.0.10:8470"
+    status, body = await post(base, node, old_token, url="http://127.0.0.9:8470")  # the old node's token, cached
+    assert status == 403 and body["reason"] in ("unauthenticated", "pod", "node"), body
