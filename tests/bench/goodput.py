@@ -17,10 +17,11 @@ slices: a data-parallel state), trained without end and checkpointed three ways:
 (The PyTorch job with NVRx local checkpointing beside ours is the ``torch_vs_nvrx`` bench.)
 
 The object store is a real fake-gcs-server (GCS's JSON API, objects on the local disk), one bucket, a prefix per
-setup and phase. Orbax reaches it as ``gs://`` through tensorstore's GCS driver (``TENSORSTORE_GCS_HTTP_URL``) and
-etils' epath through gcsfs (``STORAGE_EMULATOR_HOST``); our agents through google-cloud-storage. Each node is a
-loopback host of its own (``tests/helpers/network.py``): the Orbax-only trainers and our agents send from their
-node's address.
+setup and phase, reached by each node through a fake-gcs-server of its own on the same directory (its "front":
+``goodput_regime.StoreFronts``). Orbax reaches it as ``gs://`` through tensorstore's GCS driver
+(``TENSORSTORE_GCS_HTTP_URL``) and etils' epath through gcsfs (``STORAGE_EMULATOR_HOST``); our agents through
+google-cloud-storage. Our agents run as loopback hosts of their own (``tests/helpers/network.py``): what one sends
+leaves from its node's address.
 
 The regimes (``tests/bench/goodput_regime.py``), each a complete run of every setup, realistic first:
 - ``realistic``: each node's traffic to and from the object store passes a link of its own at the model's STORE_BW
@@ -130,24 +131,32 @@ class Calibration:
       step: the ideal step, seconds (the median step without a save, over the calibration runs).
       blocking: setup -> training seconds blocked per save (median).
       upload_bytes: setup -> the bytes the busiest node uploaded to the object store for one save.
+      upload_seconds: setup -> how long one upload took, unlimited (``upload_span``).
+      fast_step: a fast step, seconds (the tenth percentile of those steps): an upload bound in steps holds even
+        when training runs faster than the median.
     """
 
     step: float
     blocking: dict[str, float]
     upload_bytes: dict[str, int]
+    upload_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    fast_step: float = 0.0
 
 
 def intervals_for(name: str, calibration: Calibration, regime: Regime, mtbf: float) -> Intervals:
     """``name``'s intervals in ``regime`` for a failure every ``mtbf`` seconds of training: Young/Daly's from its
-    calibrated blocking; a tier that uploads, no shorter than the regime's upload time of its busiest node."""
+    calibrated blocking; a tier that uploads, no shorter than its upload: the calibration's, or its busiest node's
+    bytes at the regime's store link if longer, in fast steps (``Calibration.fast_step``)."""
     blocking, step = calibration.blocking[name], calibration.step
-    upload_s = regime.upload_seconds(calibration.upload_bytes[name])
+    measured = calibration.upload_seconds.get(name, 0.0)
+    upload_s = max(measured, regime.upload_seconds(calibration.upload_bytes[name]))
     local = goodput_model.save_interval_steps(blocking, mtbf, step)
-    store = goodput_model.save_interval_steps(blocking, mtbf, step, upload_s)
+    store = max(local, math.ceil(upload_s / (calibration.fast_step or step)))
     why = (
         f"Young/Daly {goodput_model.young_daly_interval(blocking, mtbf):.1f} s (δ {blocking:.3f} s, a failure every "
         f"{mtbf:.0f} s) = {local} steps of {step:.3f} s; upload {calibration.upload_bytes[name] / 2**20:.0f} MiB "
-        + (f"in {upload_s:.1f} s = {math.ceil(upload_s / step)} steps" if upload_s else "unlimited")
+        f"{'at the link' if upload_s > measured else 'as calibrated'} {upload_s:.1f} s = "
+        f"{math.ceil(upload_s / (calibration.fast_step or step))} steps of {calibration.fast_step or step:.3f} s"
     )
     return Intervals(store if name == "persistent" else local, store, why)
 
@@ -440,8 +449,8 @@ def run_setup(name: str, setup, plan: list[tuple[str, float]], final_gap: float)
     return Run(name, incarnations, time.time() - started, kinds=kinds)
 
 
-def ideal_step(runs: list[Run]) -> float:
-    """The median time of steps after which nothing was saved, over every run (seconds)."""
+def ideal_step(runs: list[Run], quantile: float = 0.5) -> float:
+    """The median (or ``quantile``) time of steps after which nothing was saved, over every run (seconds)."""
     gaps = [
         inc.steps[s + 1] - inc.steps[s]
         for run in runs
@@ -449,7 +458,9 @@ def ideal_step(runs: list[Run]) -> float:
         for s in inc.steps
         if s + 1 in inc.steps and s not in inc.saves
     ]
-    return statistics.median(gaps)
+    if quantile == 0.5:
+        return statistics.median(gaps)
+    return statistics.quantiles(gaps, n=100, method="inclusive")[round(quantile * 100) - 1]
 
 
 @dataclasses.dataclass
@@ -557,11 +568,29 @@ def node_upload_bytes(objects: list[tuple[str, int]]) -> int:
     return max((size + shared.get(step, 0) for (step, _), size in per_node.items()), default=0)
 
 
+def upload_span(objects: list[tuple[str, float]]) -> float:
+    """How long one upload took: over the steps in ``objects`` ((name under the setup's prefix, unix time created))
+    that completed (Orbax's ``commit_success.txt``, ours' ``COMMIT``), the median of the seconds from a step's first
+    object to its last; 0 if none completed."""
+    times: dict[int, list[float]] = {}
+    done = set()
+    for name, created in objects:
+        step = _STEP_DIR.search(name)
+        if step:
+            times.setdefault(int(step.group(1)), []).append(created)
+            if name.endswith(("commit_success.txt", "/COMMIT")):
+                done.add(int(step.group(1)))
+    spans = [max(times[step]) - min(times[step]) for step in done]
+    return statistics.median(spans) if spans else 0.0
+
+
 def calibrate(names: list[str], stores: StoreFronts, workdir: str, make) -> tuple[Calibration, list[Run]]:
     """Runs each setup CALIBRATE_SECONDS with a save (and an upload) every CALIBRATE_EVERY steps, unlimited; measures
     its blocking per save and the bytes its busiest node uploads per save. Returns that and the runs (regime
     ``calibration``)."""
-    runs, upload = [], {}
+    runs: list[Run] = []
+    upload: dict[str, int] = {}
+    seconds: dict[str, float] = {}
     for name in names:
         prefix = f"calibrate-{name}"
         every = Intervals(CALIBRATE_EVERY, 2 * CALIBRATE_EVERY if name == "emergency" else CALIBRATE_EVERY)
@@ -572,11 +601,13 @@ def calibrate(names: list[str], stores: StoreFronts, workdir: str, make) -> tupl
             setup.stop()
         if runs[-1].stopped:
             raise RuntimeError(f"the calibration of {name} stopped: {runs[-1].stopped}")
-        listed = stores.admin.client().list_blobs(BUCKET, prefix=prefix)
-        objects = [(b.name[len(prefix) + 1 :], b.size or 0) for b in listed]
-        upload[name] = node_upload_bytes(objects)
+        listed = list(stores.admin.client().list_blobs(BUCKET, prefix=prefix))
+        upload[name] = node_upload_bytes([(b.name[len(prefix) + 1 :], b.size or 0) for b in listed])
+        seconds[name] = upload_span([(b.name[len(prefix) + 1 :], b.time_created.timestamp()) for b in listed])
     step = ideal_step(runs)
-    calibration = Calibration(step, {run.setup: figures(run, step).blocked for run in runs}, upload)
+    calibration = Calibration(
+        step, {run.setup: figures(run, step).blocked for run in runs}, upload, seconds, ideal_step(runs, 0.1)
+    )
     return calibration, [dataclasses.replace(run, regime="calibration") for run in runs]
 
 
@@ -715,10 +746,12 @@ def gpu_rates(path: str | None) -> goodput_model.Rates:
 def report(calibration: Calibration | None, runs: list[Run], rates: goodput_model.Rates) -> None:
     if calibration:
         print(
-            f"\ncalibration (a save every {CALIBRATE_EVERY} steps, unlimited): ideal step {calibration.step:.3f} s; "
+            f"\ncalibration (a save every {CALIBRATE_EVERY} steps, unlimited): ideal step {calibration.step:.3f} s "
+            f"(fast: {calibration.fast_step:.3f} s); "
             + "; ".join(
                 f"{name}: blocked {calibration.blocking[name]:.3f} s per save, busiest node uploads "
-                f"{calibration.upload_bytes[name] / 2**20:.1f} MiB per save"
+                f"{calibration.upload_bytes[name] / 2**20:.1f} MiB per save in "
+                f"{calibration.upload_seconds.get(name, float('nan')):.1f} s"
                 for name in calibration.blocking
             )
         )

@@ -1,6 +1,8 @@
 """The goodput bench's own arithmetic (tests/bench/goodput.py): the bytes a node uploads per save, each setup's
 intervals, a stall told from a blocked save, and what the model adds to a measured restart."""
 
+import dataclasses
+
 import pytest
 
 from tests.bench import goodput
@@ -30,19 +32,40 @@ def test_node_upload_bytes_is_the_busiest_nodes_share_of_one_step_plus_its_metad
     assert goodput.node_upload_bytes([]) == 0
 
 
-def test_each_setup_saves_at_young_daly_and_uploads_no_faster_than_its_link():
-    calibration = Calibration(0.3, {"persistent": 0.25, "ours": 0.25}, {"persistent": 28 * MIB, "ours": 64 * MIB})
+def test_each_setup_saves_at_young_daly_and_uploads_no_faster_than_its_link_or_its_calibration():
+    calibration = Calibration(
+        0.3, {"persistent": 0.25, "ours": 0.25}, {"persistent": 28 * MIB, "ours": 64 * MIB}, {"ours": 6.0}
+    )
     realistic = Regime.realistic(64 * MIB)
 
-    # sqrt(2 * 0.25 * 32) = 4 s = 13 steps; 28 MiB at 64 MiB per 21 s takes 9.2 s = 31 steps; 64 MiB 21 s = 70
-    def steps(name, regime):
-        found = goodput.intervals_for(name, calibration, regime, 32.0)
+    def steps(name, regime, calibrated=calibration):
+        found = goodput.intervals_for(name, calibrated, regime, 32.0)
         return found.save, found.store
 
+    # sqrt(2 * 0.25 * 32) = 4 s = 13 steps; 28 MiB at 64 MiB per 21 s takes 9.2 s = 31 steps; 64 MiB 21 s = 70
     assert steps("persistent", realistic) == (31, 31)
     assert steps("ours", realistic) == (13, 70)
+    # Unlimited: Young/Daly's, but no shorter than the calibrated upload: ours' 6 s is 20 steps
     assert steps("persistent", LOOPBACK) == (13, 13)
-    assert "unlimited" in goodput.intervals_for("ours", calibration, LOOPBACK, 32.0).why
+    assert steps("ours", LOOPBACK) == (13, 20)
+    assert "as calibrated" in goodput.intervals_for("ours", calibration, LOOPBACK, 32.0).why
+    # counted in fast steps: 6 s at 0.2 s a step is 30
+    fast = dataclasses.replace(calibration, fast_step=0.2)
+    assert steps("ours", LOOPBACK, fast) == (13, 30)
+
+
+def test_upload_span_is_the_median_time_of_the_completed_steps():
+    objects = [
+        ("5/state/ocdbt.process_0/d/a", 100.0),
+        ("5/commit_success.txt", 102.0),
+        ("10/state/ocdbt.process_0/d/a", 110.0),
+        ("10/commit_success.txt", 114.0),
+        ("15/state/ocdbt.process_0/d/a", 120.0),  # not completed
+        ("x/default/j/steps/20/rank-0/a", 130.0),
+        ("x/default/j/steps/20/COMMIT", 136.0),
+    ]
+    assert goodput.upload_span(objects) == 4.0  # of 2, 4, 6
+    assert goodput.upload_span(objects[4:5]) == 0.0
 
 
 def _incarnation(first: int, last: int, killed_after: float, saves=(), restored=None) -> Incarnation:
