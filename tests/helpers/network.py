@@ -232,63 +232,13 @@ def _u32_matches(endpoint: Endpoint) -> list[list[str]]:
 
 
 @contextlib.contextmanager
-def rate_limited(endpoints: Iterable[Endpoint | str], rate_mbit: float) -> Iterator[None]:
-    """Every packet from or to ``endpoints`` shares one link of ``rate_mbit`` megabits per second (10^6 bit/s,
-    both directions together) while the context lasts; other traffic on ``lo`` is not shaped (an htb class)."""
+def _shaped(matches: Iterable[list[str]], rate_mbit: float) -> Iterator[None]:
+    """The packets that any of the u32 ``matches`` (each a list of ANDed clauses) selects share one htb class of
+    ``rate_mbit`` megabits per second (10^6 bit/s) on ``lo`` while the context lasts."""
     burst = max(64 * 1024, int(rate_mbit * 1e6 / 8 / 100))  # 10 ms of the rate, at least one GSO packet on lo
     number = _lo.add_class(rate_mbit, burst)
     try:
-        for endpoint in (Endpoint.of(e) for e in endpoints):
-            for match in _u32_matches(endpoint):
-                _run(
-                    [
-                        "tc",
-                        "filter",
-                        "add",
-                        "dev",
-                        _LO,
-                        "parent",
-                        f"{_TC_ROOT}:",
-                        "protocol",
-                        "ip",
-                        "pref",
-                        str(number),
-                        "u32",
-                        *match,
-                        "flowid",
-                        f"{_TC_ROOT}:{number:x}",
-                    ]
-                )
-        yield
-    finally:
-        _lo.remove_class(number)
-
-
-def _u32_flow(source: Endpoint, destination: Endpoint) -> list[str]:
-    """One u32 match (its clauses ANDed) for the packets from ``source`` to ``destination``: their addresses, and
-    the source or destination port where the endpoint has one."""
-    match = ["match", "ip", "src", f"{source.address}/32", "match", "ip", "dst", f"{destination.address}/32"]
-    if source.port is not None:
-        match += ["match", "ip", "sport", str(source.port), "0xffff"]
-    if destination.port is not None:
-        match += ["match", "ip", "dport", str(destination.port), "0xffff"]
-    return match
-
-
-@contextlib.contextmanager
-def rate_limited_flows(flows: Iterable[tuple[Endpoint | str, Endpoint | str]], rate_mbit: float) -> Iterator[None]:
-    """The packets of every ``(source, destination)`` flow share one link of ``rate_mbit`` megabits per second
-    (10^6 bit/s) while the context lasts: one way only, as one direction of a full-duplex link (the replies, and
-    every other packet on ``lo``, are not shaped by it). A per-node link to one server is two of these: the node's
-    address to the server's address and port, and the reverse.
-
-    Unlike ``rate_limited``, a flow names both ends, so one host's traffic to one server can have a link of its own
-    beside its traffic to others. A packet is shaped once: where two limits' flows overlap, the older one's applies.
-    """
-    burst = max(64 * 1024, int(rate_mbit * 1e6 / 8 / 100))  # as rate_limited's
-    number = _lo.add_class(rate_mbit, burst)
-    try:
-        for source, destination in flows:
+        for match in matches:
             _run(
                 [
                     "tc",
@@ -303,7 +253,7 @@ def rate_limited_flows(flows: Iterable[tuple[Endpoint | str, Endpoint | str]], r
                     "pref",
                     str(number),
                     "u32",
-                    *_u32_flow(Endpoint.of(source), Endpoint.of(destination)),
+                    *match,
                     "flowid",
                     f"{_TC_ROOT}:{number:x}",
                 ]
@@ -311,6 +261,37 @@ def rate_limited_flows(flows: Iterable[tuple[Endpoint | str, Endpoint | str]], r
         yield
     finally:
         _lo.remove_class(number)
+
+
+def rate_limited(endpoints: Iterable[Endpoint | str], rate_mbit: float) -> contextlib.AbstractContextManager[None]:
+    """Every packet from or to ``endpoints`` shares one link of ``rate_mbit`` megabits per second (10^6 bit/s,
+    both directions together) while the context lasts; other traffic on ``lo`` is not shaped (an htb class)."""
+    return _shaped((match for e in endpoints for match in _u32_matches(Endpoint.of(e))), rate_mbit)
+
+
+def _u32_flow(source: Endpoint, destination: Endpoint) -> list[str]:
+    """One u32 match (its clauses ANDed) for the packets from ``source`` to ``destination``: their addresses, and
+    the source or destination port where the endpoint has one."""
+    match = ["match", "ip", "src", f"{source.address}/32", "match", "ip", "dst", f"{destination.address}/32"]
+    if source.port is not None:
+        match += ["match", "ip", "sport", str(source.port), "0xffff"]
+    if destination.port is not None:
+        match += ["match", "ip", "dport", str(destination.port), "0xffff"]
+    return match
+
+
+def rate_limited_flows(
+    flows: Iterable[tuple[Endpoint | str, Endpoint | str]], rate_mbit: float
+) -> contextlib.AbstractContextManager[None]:
+    """The packets of every ``(source, destination)`` flow share one link of ``rate_mbit`` megabits per second
+    (10^6 bit/s) while the context lasts: one way only, as one direction of a full-duplex link (the replies, and
+    every other packet on ``lo``, are not shaped by it). A per-node link to one server is two of these: the node's
+    address to the server's address and port, and the reverse.
+
+    Unlike ``rate_limited``, a flow names both ends, so one host's traffic to one server can have a link of its own
+    beside its traffic to others. A packet is shaped once: where two limits' flows overlap, the older one's applies.
+    """
+    return _shaped((_u32_flow(Endpoint.of(s), Endpoint.of(d)) for s, d in flows), rate_mbit)
 
 
 @contextlib.contextmanager
