@@ -10,7 +10,9 @@ gloo, CPU), FSDP2 over LAYERS x Linear(WIDTH, WIDTH) with AdamW, each rank check
   local checkpointing is CUDA-only in four device calls; it runs here through a device-only shim
   (``tests/bench/nvrx_device_shim.py``), which the output names;
 - ours: ``mtc_torch.CheckpointManager`` (blocking ``save``) on each pod's mount of our ramdisk, with a coordinator
-  and two real ``mtc node`` agents (peer tier, one replica per step, ``framework: pytorch.distributed``);
+  and two real ``mtc node`` agents (peer tier, one replica per step, ``framework: pytorch.distributed``), backing up
+  to an object store as slow against the job's bytes as a real one (fake-gcs-server, the goodput bench's realistic
+  store link per node: ``goodput_regime``), no more often than a node's upload takes (NVRx has no backup tier);
 - ours, async: the same with ``async_save`` (its blocking part is the staging; NVRx's async path is not run,
   see ``nvrx_device_shim``).
 
@@ -26,6 +28,9 @@ Per checkpointing setup:
   the first training step (global rank 0's ``step`` event), split into recreation -> process start and process
   start -> state loaded. Each restore is checked against the state the job had when it saved that step (a CRC32 of
   every rank's tensors); each restarted incarnation trains and saves SAVE_EVERY more steps before the next loss.
+
+Beside each row, the model of ``goodput_model`` at the seed's sizes, with the copy rates ``torch_gpu`` measured
+(``--gpu-results``) or else the H200 probe's (``goodput_model.ASSUMED``, printed with its source).
 
 The goal is ours at or below NVRx on both, like for like: ours with the blocking ``save`` against NVRx's sync save. Timings are printed, not asserted. Run as root (tmpfs mounts):
 ``python -m tests.bench.torch_vs_nvrx --python .venv-nvrx/bin/python`` (``make bench`` builds that venv).
