@@ -51,6 +51,7 @@ SUITES = {
         "runc": "runc",
         "/bin/busybox": "busybox-static",
         "/usr/lib/cni/loopback": "containernetworking-plugins",
+        "ip6tables": "iptables",  # the kubelet's chains removed after it (node.py)
     },
     # The chart on real kubelets (make e2e-deploy): the images built with buildah on a debootstrapped base; each
     # node in a mount namespace of its own (unshare, nsenter), the cluster in a network namespace (unshare, ip); a

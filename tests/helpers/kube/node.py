@@ -2,13 +2,14 @@
 ``hostNetwork: true`` and images built here (``images.py``, ``imagePullPolicy: Never``).
 
 What the kubelet changes outside its scratch directory is put back on ``stop``: the kernel settings it sets, the
-cgroup root made for it in every cgroup v1 hierarchy, and the directories under /var/lib and /run that it or
-containerd's shims create.
+cgroup root made for it in every cgroup v1 hierarchy, the iptables chains it adds, and the directories under /var/lib
+and /run that it or containerd's shims create.
 """
 
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import time
@@ -38,6 +39,33 @@ _SYSCTLS = (
 # /run/containerd/s whatever its state directory); removed when they were not there before.
 _HOST_DIRS = ("/var/lib/kubelet", "/var/lib/cni", "/run/containerd", "/run/netns")
 _CNI_BIN = "/usr/lib/cni"
+
+
+# The iptables chains the kubelet makes in its network namespace (pkg/kubelet/kubelet_network_linux.go), in both
+# families; KUBE-FIREWALL drops connections to 127.0.0.0/8 from other sources, which the network-fault harness makes.
+_KUBELET_CHAINS = ("KUBE-FIREWALL", "KUBE-KUBELET-CANARY")
+_TABLES = ("filter", "nat", "mangle")
+
+
+def _kubelet_chains() -> set[tuple[str, str, str]]:
+    """(binary, table, chain) of each of the kubelet's chains present now."""
+    present = set()
+    for binary in ("iptables", "ip6tables"):
+        for table in _TABLES:
+            rules = subprocess.run([binary, "-t", table, "-S"], capture_output=True, text=True).stdout.splitlines()
+            present |= {(binary, table, chain) for chain in _KUBELET_CHAINS if f"-N {chain}" in rules}
+    return present
+
+
+def _remove_kubelet_chains(chains: set[tuple[str, str, str]]) -> None:
+    """Removes ``chains`` and every rule that jumps to them."""
+    for binary, table, chain in sorted(chains):
+        rules = subprocess.run([binary, "-t", table, "-S"], capture_output=True, text=True).stdout.splitlines()
+        for rule in rules:
+            if rule.startswith("-A ") and rule.endswith(f"-j {chain}"):
+                subprocess.run([binary, "-t", table, "-D", *shlex.split(rule)[1:]], capture_output=True)
+        subprocess.run([binary, "-t", table, "-F", chain], capture_output=True)
+        subprocess.run([binary, "-t", table, "-X", chain], capture_output=True)
 
 
 def _cgroup_hierarchies() -> list[Path]:
@@ -131,6 +159,8 @@ class KubeletNode(_Started):
                     Path("/proc/sys", name).write_text(value)
 
         self._stack.callback(restore)
+        before = _kubelet_chains()
+        self._stack.callback(lambda: _remove_kubelet_chains(_kubelet_chains() - before))
         for directory in _HOST_DIRS:
             if not os.path.exists(directory):
                 self._stack.callback(shutil.rmtree, directory, ignore_errors=True)
