@@ -51,7 +51,7 @@ steps lost per failure; seconds from each failure to the first step after it; tr
 step after a save, minus the ideal). Beside each row, the model (``tests/bench/goodput_model.py``, Young 1974 /
 Daly 2006) at the seed's 70B model on 32 hosts (TARGET_BYTES per host) and a failure every MTBF_S seconds: the
 measured blocking plus the bytes copied out of accelerator memory, the measured restarts plus the bytes copied back
-in (``--gpu-results``: torch_gpu's measured rates; else the stated assumption, printed) and, on loopback, the tier's
+in (``--gpu-results``: torch_gpu's measured rates, by default one H200's run in docs/results; else the stated assumption, printed) and, on loopback, the tier's
 read at the stated bandwidth the measurement lacked. Run as root (tmpfs, tc): ``python -m tests.bench.goodput``.
 """
 
@@ -659,8 +659,9 @@ def main() -> None:
     parser.add_argument("--regimes", default=",".join(REGIMES))
     parser.add_argument(
         "--gpu-results",
+        default=goodput_model.GPU_RESULTS,
         help="torch_gpu's JSON lines (--out): the model takes their measured copy rates (ours async_save) "
-        "instead of the stated assumption",
+        "instead of the stated assumption ('': assume; default: the H200 run in docs/results)",
     )
     parser.add_argument("--save-runs", help="Also write the calibration and every incarnation's events here (JSON).")
     parser.add_argument("--from-runs", help="Run nothing: report the runs a --save-runs file holds.")

@@ -16,8 +16,8 @@ Where the figures come from (printed by the benches with them):
 - TARGET_BYTES: the seed's example (``001``): a 70B model, 12 bytes a parameter, on 32 hosts: 26.25 GB per host.
 - STORE_BW, NEAR_BW: stated, not measured: an object store at 10 Gbit/s per host (1.25 GB/s, each way), a peer or
   the node's RAM at 40 Gbit/s (5 GB/s).
-- The accelerator copies: from ``tests/bench/torch_gpu.py``'s results where a run gave them (``torch_gpu_rates``),
-  else ``ASSUMED``: one H200's pinned copy out of GPU memory as the GPU probe measured it
+- The accelerator copies: from ``tests/bench/torch_gpu.py``'s results (``torch_gpu_rates``; the benches read
+  GPU_RESULTS, one H200's run, unless told otherwise), else ``ASSUMED``: one H200's pinned copy out of GPU memory as the GPU probe measured it
   (``../shared/gpu/2026-11-26-h200-run1.jsonl``, "D2H pinned": 55.2 GB/s), times GPUS_PER_HOST, and a restore
   from the node's RAM at the same probe's tmpfs -> pinned read on 16 threads (25.5 GB/s for its host); per-host
   rates no faster than HOST_MEM_BW.
@@ -26,6 +26,7 @@ Where the figures come from (printed by the benches with them):
 import dataclasses
 import json
 import math
+import os
 import statistics
 from collections.abc import Iterable
 
@@ -45,6 +46,13 @@ HOST_MEM_BW = 300e9
 # The GPU probe's figures (one H200, ../shared/gpu/2026-11-26-h200-run1.jsonl): the pinned copy out of one GPU's
 # memory, and the host's tmpfs -> pinned read on 16 threads.
 PROBE_D2H_PER_GPU, PROBE_RAM_READ = 55.2e9, 25.49e9
+# torch_gpu's output on one H200 (docs/benchmarks.md, "PyTorch on one GPU"): the rates the benches model by default.
+GPU_RESULTS = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    "docs",
+    "results",
+    "2026-11-27-h200-torch_gpu.jsonl",
+)
 # The model as the benches print it beside their figures.
 FORMULA = "goodput = τ/(τ+δ) × (1 − (R + (τ+δ)/2)/MTBF), τ = max(sqrt(2δ·MTBF), upload time) (Young 1974, Daly 2006)"
 

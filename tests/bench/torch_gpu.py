@@ -56,8 +56,8 @@ def gbps(nbytes: int, seconds: float) -> float | None:
 class Bench:
     """One GPU, one tmpfs directory, one stand-in trainer; the state is rebuilt per size."""
 
-    def __init__(self, torch: Any, tmp: str, step_ms: float, saves: int, out: Any) -> None:
-        self.torch, self.tmp, self.saves, self.out = torch, tmp, saves, out
+    def __init__(self, torch: Any, tmp: str, step_ms: float, out: Any) -> None:
+        self.torch, self.tmp, self.out = torch, tmp, out
         self.a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -152,11 +152,16 @@ class Bench:
         return time.perf_counter() - start
 
     def run_setup(
-        self, name: str, nbytes: int, save: Callable[[str, int], Any], restore: Callable[[str, dict[str, Any]], None]
+        self,
+        name: str,
+        nbytes: int,
+        save: Callable[[str, int], Any],
+        restore: Callable[[str, dict[str, Any]], None],
+        saves: int,
     ) -> list[dict[str, Any]]:
         """``save(directory, index)`` returns None (done), or something with ``done()``/``result()``."""
         rows = []
-        for index in range(self.saves):
+        for index in range(saves):
             directory = os.path.join(self.tmp, "setup")
             shutil.rmtree(directory, ignore_errors=True)
             os.makedirs(directory)
@@ -214,14 +219,14 @@ def setups(
 
     def ours(kind: str) -> tuple[Callable[[str, int], Any], Callable[[str, dict[str, Any]], None]]:
         """One manager for every save of the setup, as a job keeps one: its staging buffers are pinned once."""
-        local = os.path.join(bench.tmp, f"ours-{kind}")
-        shutil.rmtree(local, ignore_errors=True)
-        os.makedirs(local)
-        manager = CheckpointManager(local, job_name="bench", backup_interval_steps=1000, env=ENV)
-        managers.append(manager)
         saved = []
 
         def save(directory: str, index: int) -> Any:
+            # ``directory`` is the manager's local directory, emptied before each save outside the timings; the
+            # manager is made at the setup's first save and closed after its last: one setup's buffers pinned.
+            if not saved:
+                managers.append(CheckpointManager(directory, job_name="bench", backup_interval_steps=1000, env=ENV))
+            manager = managers[-1]
             saved.append(index + 1)
             if kind == "save":
                 manager.save(bench.state, index + 1)
@@ -232,13 +237,8 @@ def setups(
             return future
 
         def restore(directory: str, target: dict[str, Any]) -> None:
-            step = os.path.join(local, str(saved[-1]))
-            dcp.load(
-                target,
-                storage_reader=BoundedReader(os.path.join(step, "rank-0-of-1"), threads=default_io_threads(1)),
-                no_dist=True,
-            )
-            shutil.rmtree(step)
+            step = os.path.join(directory, str(saved[-1]), "rank-0-of-1")
+            dcp.load(target, storage_reader=BoundedReader(step, threads=default_io_threads(1)), no_dist=True)
 
         return save, restore
 
@@ -276,10 +276,20 @@ def setups(
 
 
 def nvrx_setups(bench: Bench) -> dict[str, tuple[Callable[[str, int], Any], Callable[[str, dict[str, Any]], None]]]:
-    """NVRx 0.7.0's local checkpointing, stock: ``LocalCheckpointManager`` with a ``BasicTensorAwareStateDict``."""
+    """NVRx 0.7.0's local checkpointing, stock: ``LocalCheckpointManager`` with a ``BasicTensorAwareStateDict``.
+
+    It needs a process group (its replication helpers ask for the rank): one of one rank, on gloo, as a job has.
+    """
+    import torch.distributed as dist
     from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue
     from nvidia_resiliency_ext.checkpointing.local.basic_state_dict import BasicTensorAwareStateDict
     from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import LocalCheckpointManager
+
+    if not dist.is_initialized():
+        group_file = os.path.join(bench.tmp, "nvrx-group")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(group_file)  # a file left by another run would hold its rendezvous
+        dist.init_process_group("gloo", init_method=f"file://{group_file}", rank=0, world_size=1)
 
     def state() -> BasicTensorAwareStateDict:
         return BasicTensorAwareStateDict({part: dict(tensors) for part, tensors in bench.state.items()})
@@ -371,30 +381,51 @@ def report(out: Any, nbytes: int, limits: dict[str, float | None], results: dict
         )
 
 
-def cpu_checks(torch: Any, tmp: str, out: Any) -> None:
-    """The CPU path: a save changed right after the call and a parallel restore, bit for bit."""
+def staging_checks(torch: Any, tmp: str, out: Any, device: str) -> bool:
+    """Each way a trainer may change the state after a save, on ``device``: the checkpoint holds the values from before.
+
+    - ``async_save`` returns, then the state changes at once;
+    - ``async_save(wait_for_staging=False)``, ``wait_for_staging()``, then the state changes;
+    - the same with ``pinned_memory_limit_bytes=0`` (the pageable fallback).
+    Before each save a change is queued on the GPU's stream, which the checkpoint must hold (the copy runs after it).
+    The restore is the parallel reader's. Returns whether every checkpoint held the values from before.
+    """
     import torch.distributed.checkpoint as dcp
 
     from mtc_torch import CheckpointManager
     from mtc_torch.reader import BoundedReader
 
-    directory = os.path.join(tmp, "cpu-check")
-    shutil.rmtree(directory, ignore_errors=True)
-    os.makedirs(directory)
-    state = {"w": torch.randn(1 << 20), "b": torch.randn(1000).to(torch.bfloat16)}
-    before = {k: v.clone() for k, v in state.items()}
-    with CheckpointManager(directory, job_name="bench", backup_interval_steps=1000, env=ENV, io_threads=4) as manager:
-        future = manager.async_save(state, 1)
-        for value in state.values():
-            value.mul_(-1)
-        future.result()
-    target = {k: torch.zeros_like(v) for k, v in state.items()}
-    dcp.load(target, storage_reader=BoundedReader(os.path.join(directory, "1", "rank-0-of-1"), threads=4), no_dist=True)
-    identical = all(torch.equal(target[k], before[k]) for k in state)
-    shutil.rmtree(directory, ignore_errors=True)
-    emit(out, kind="cpu check", bit_identical=identical)
-    if not identical:
-        sys.exit(1)
+    failed = []
+    for pattern, limit in (("wait_for_staging=True", None), ("wait_for_staging()", None), ("wait_for_staging()", 0)):
+        directory = os.path.join(tmp, "staging-check")
+        shutil.rmtree(directory, ignore_errors=True)
+        os.makedirs(directory)
+        state = {"w": torch.randn(16 << 20, device=device), "b": torch.randn(1000, device=device).to(torch.bfloat16)}
+        with CheckpointManager(
+            directory,
+            job_name="bench",
+            backup_interval_steps=1000,
+            env=ENV,
+            io_threads=4,
+            pinned_memory_limit_bytes=limit,
+        ) as manager:
+            for value in state.values():
+                value.add_(1)  # queued before the save: the checkpoint must hold it
+            before = {k: v.clone() for k, v in state.items()}
+            future = manager.async_save(state, 1, wait_for_staging=pattern == "wait_for_staging=True")
+            if pattern == "wait_for_staging()":
+                manager.wait_for_staging()
+            for value in state.values():
+                value.mul_(-1)
+            future.result()
+        target = {k: torch.zeros_like(v) for k, v in state.items()}
+        reader = BoundedReader(os.path.join(directory, "1", "rank-0-of-1"), threads=4)
+        dcp.load(target, storage_reader=reader, no_dist=True)
+        identical = all(torch.equal(target[k], before[k]) for k in state)
+        shutil.rmtree(directory, ignore_errors=True)
+        emit(out, kind="staging check", device=device, pattern=pattern, pinned_limit=limit, bit_identical=identical)
+        failed += [] if identical else [pattern]
+    return not failed
 
 
 def run(args: argparse.Namespace) -> None:
@@ -416,22 +447,27 @@ def run(args: argparse.Namespace) -> None:
         )
         if not torch.cuda.is_available():
             print("no CUDA here: the GPU rows need a GPU (docs/pytorch.md, 'On GPUs'); checking the CPU path only")
-            cpu_checks(torch, args.tmp, out)
+            if not staging_checks(torch, args.tmp, out, "cpu"):
+                sys.exit(1)
             return
-        bench = Bench(torch, args.tmp, args.step_ms, args.saves, out)
+        staged_right = staging_checks(torch, args.tmp, out, "cuda")
+        bench = Bench(torch, args.tmp, args.step_ms, out)
         emit(out, kind="trainer", step_ms=round(bench.step_alone * 1000, 2))
         for gib in (float(g) for g in args.gib.split(",")):
             nbytes = bench.make_state(gib)
             limits = bench.limits(min(nbytes, 8 << 30))
             managers: list[Any] = []
-            results = {
-                name: bench.run_setup(name, nbytes, save, restore)
-                for name, (save, restore) in setups(bench, managers).items()
-                if not args.only or any(word in name for word in args.only.split(","))
-            }
-            for manager in managers:
-                manager.close()  # frees their pinned buffers before the next size
+            results = {}
+            for name, (save, restore) in setups(bench, managers).items():
+                if args.only and not any(word in name for word in args.only.split(",")):
+                    continue
+                saves = args.saves if name.startswith("ours") else args.other_saves or args.saves
+                results[name] = bench.run_setup(name, nbytes, save, restore, saves)
+                while managers:
+                    managers.pop().close()  # frees its pinned buffers before the next setup
             report(out, nbytes, limits, results)
+    if not staged_right:
+        sys.exit("a checkpoint did not hold the values from before the state changed (the staging checks above)")
 
 
 def main() -> None:
@@ -439,7 +475,8 @@ def main() -> None:
     parser.add_argument("--python", help="a Python with torch (and NVRx): used when this one has no torch")
     parser.add_argument("--gib", default="1,4,16", help="state sizes in GiB, comma-separated")
     parser.add_argument("--tmp", default="/dev/shm/mtc-bench-torch-gpu", help="a directory on tmpfs")
-    parser.add_argument("--saves", type=int, default=3, help="saves per setup (the first is reported apart)")
+    parser.add_argument("--saves", type=int, default=3, help="saves per setup of ours (the first is reported apart)")
+    parser.add_argument("--other-saves", type=int, default=0, help="saves per other setup (0: as --saves)")
     parser.add_argument("--step-ms", type=float, default=200.0, help="the stand-in training step, in ms")
     parser.add_argument("--only", default="", help="setups whose names contain any of these words")
     parser.add_argument("--out", default="", help="append the JSON lines to this file too")

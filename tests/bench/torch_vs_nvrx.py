@@ -30,7 +30,7 @@ Per checkpointing setup:
   every rank's tensors); each restarted incarnation trains and saves SAVE_EVERY more steps before the next loss.
 
 Beside each row, the model of ``goodput_model`` at the seed's sizes, with the copy rates ``torch_gpu`` measured
-(``--gpu-results``) or else the H200 probe's (``goodput_model.ASSUMED``, printed with its source).
+(``--gpu-results``, by default one H200's run in docs/results) or else the H200 probe's (``goodput_model.ASSUMED``, printed with its source).
 
 The goal is ours at or below NVRx on both, like for like: ours with the blocking ``save`` against NVRx's sync save. Timings are printed, not asserted. Run as root (tmpfs mounts):
 ``python -m tests.bench.torch_vs_nvrx --python .venv-nvrx/bin/python`` (``make bench`` builds that venv).
@@ -567,8 +567,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument(
         "--gpu-results",
+        default=goodput_model.GPU_RESULTS,
         help="torch_gpu's JSON lines (--out): the model takes each setup's measured "
-        "copy and restore rates from them instead of the assumed ones",
+        "copy and restore rates from them instead of the assumed ones ('': assume; default: the H200 run in "
+        "docs/results)",
     )
     parser.add_argument(
         "--setups", default="nvrx,ours,ours-async", help="which to run besides no checkpointing (default: all)"
