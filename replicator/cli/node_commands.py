@@ -41,6 +41,7 @@ from replicator.node.config import (
     PeerSettings,
 )
 from replicator.pacing import timing
+from replicator.wire.tls import ServerCheck
 
 # The agent's data directory, for ``mtc gc`` in the agent's container (``kubectl exec``) without its path.
 ROOT_ENV = "MTC_ROOT"
@@ -125,6 +126,13 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--peer-tls-key", type=readable_file, help="the certificate's private key (PEM)")
     p.add_argument("--peer-tls-ca", type=ca_bundle, help="CA bundle (PEM) that peers' certificates are checked against")
     p.add_argument(
+        "--peer-tls-check",
+        choices=[c.value for c in ServerCheck],
+        default=ServerCheck.NAME.value,
+        help="name: a peer's certificate must also name its address (a certificate per agent); ca: the chain to "
+        "--peer-tls-ca alone, for one certificate every agent shares (default %(default)s)",
+    )
+    p.add_argument(
         "--coordinator-ca",
         type=ca_bundle,
         help="CA bundle (PEM) the coordinator's certificate is checked against (default: --peer-tls-ca)",
@@ -184,6 +192,7 @@ def _node_config(args: argparse.Namespace) -> NodeConfig:
             tls_cert=args.peer_tls_cert,
             tls_key=args.peer_tls_key,
             tls_ca=args.peer_tls_ca,
+            tls_check=ServerCheck(args.peer_tls_check),
         ),
         backup=BackupSettings(
             url=args.backup,
@@ -214,6 +223,9 @@ def _run_node(args: argparse.Namespace) -> int:
     error = server_pair_error(args.peer_tls_cert, args.peer_tls_key, "--peer-tls-cert", "--peer-tls-key")
     if error:
         return usage_error("node", error)
+    if args.peer_tls_check == ServerCheck.CA and args.peer_tls_ca is None:
+        # Else any certificate of the system's CAs, for any name, would pass as a peer.
+        return usage_error("node", "--peer-tls-check ca needs --peer-tls-ca (the CA every peer's certificate is from)")
     try:
         run_node(_node_config(args))
     except BackupError as err:  # the store cannot be opened: no credentials for it

@@ -2,6 +2,7 @@
 
 import dataclasses
 import socket
+import ssl
 
 from csi_driver.identity import DEFAULT_DRIVER_NAME
 from csi_driver.volume_request import DEFAULT_MAX_NODES
@@ -47,9 +48,12 @@ class PeerSettings:
       tls_cert, tls_key: serve the HTTP side over TLS with this certificate (PEM files), or None
         for plain HTTP.
       tls_ca: CA bundle (PEM) that peers' certificates are checked against, or None for the system's.
+      tls_check: what else a peer's certificate must prove: ``NAME``, the peer's address; ``CA``,
+        nothing (every agent shares one certificate that names none of them; ``tls_ca`` required).
 
     Raises:
-      ValueError: only one of ``tls_cert`` and ``tls_key`` is given.
+      ValueError: only one of ``tls_cert`` and ``tls_key`` is given, or ``tls_check`` is ``CA``
+        without ``tls_ca``.
     """
 
     listen: str
@@ -58,9 +62,20 @@ class PeerSettings:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
+    tls_check: tls.ServerCheck = tls.ServerCheck.NAME
 
     def __post_init__(self):
         tls.check_pair(self.tls_cert, self.tls_key, "--peer-tls-cert and --peer-tls-key")
+        if self.tls_check is tls.ServerCheck.CA and not self.tls_ca:
+            raise ValueError("--peer-tls-check ca needs --peer-tls-ca")
+
+    def client_context(self) -> ssl.SSLContext | None:
+        """The context peers' certificates are checked with (``tls.client_context``), or None for the default.
+
+        Raises:
+          OSError, ssl.SSLError: ``tls_ca`` cannot be read.
+        """
+        return tls.client_context(self.tls_ca, self.tls_check)
 
     def tokens(self) -> Tokens | None:
         """The peer tokens (read again whenever the file changes); None when no file is configured.

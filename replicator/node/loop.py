@@ -82,7 +82,7 @@ class NodeReplicator:
         self._peer_token = peer_token
         # Its proof of this node, read again after the kubelet rotates it (``Tokens``); None without one.
         self._node_token = Tokens(config.coordinator.node_token_file) if config.coordinator.node_token_file else None
-        self._peer_ssl = tls.client_context(config.peer.tls_ca)
+        self._peer_ssl = config.peer.client_context()
         self._coordinator_ssl = tls.client_context(config.coordinator_ca)
         self._wedged_after_seconds = config.pacing.wedged_after_seconds
         self._session: aiohttp.ClientSession | None = None

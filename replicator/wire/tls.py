@@ -1,11 +1,13 @@
 """The TLS contexts of both processes: serving HTTPS, and checking a server against a CA bundle.
 
 ``mtc node`` serves its HTTP side with ``--peer-tls-cert``/``--peer-tls-key`` and checks peers and
-the coordinator against ``--peer-tls-ca``/``--coordinator-ca``; ``mtc coordinator`` serves with
+the coordinator against ``--peer-tls-ca``/``--coordinator-ca`` (peers, with ``--peer-tls-check ca``,
+against the CA alone: ``ServerCheck``); ``mtc coordinator`` serves with
 ``--tls-cert``/``--tls-key``; ``mtc status`` and ``mtc restore-from`` check it with ``--ca``, and
 with ``--tls-server-name`` against another name than the URL's host (``server_name_opener``).
 """
 
+import enum
 import functools
 import http.client
 import ssl
@@ -39,9 +41,32 @@ def server_context(cert: str | None, key: str | None) -> ssl.SSLContext | None:
     return context
 
 
-def client_context(ca_file: str | None) -> ssl.SSLContext | None:
+class ServerCheck(enum.StrEnum):
+    """What a client checks of a server's certificate, beyond its chain to the CA bundle."""
+
+    NAME = "name"  # it also names the host connected to: each server holds a certificate of its own
+    # The chain alone: servers share one certificate that cannot name them all (the chart's peer
+    # certificate, made before any pod has an address). It proves "holds a key of this CA", not which server.
+    CA = "ca"
+
+
+def client_context(ca_file: str | None, check: ServerCheck = ServerCheck.NAME) -> ssl.SSLContext | None:
     """The context that checks servers against ``ca_file`` (PEM), or None for the caller's default
-    (aiohttp's and urllib's: the system's CAs)."""
+    (aiohttp's and urllib's: the system's CAs, and the name).
+
+    Args:
+      check: ``ServerCheck.CA`` accepts any certificate that chains to ``ca_file``, whatever host it names.
+
+    Raises:
+      ValueError: ``ServerCheck.CA`` without ``ca_file`` (any certificate of a public CA would pass).
+      OSError, ssl.SSLError: ``ca_file`` cannot be read.
+    """
+    if check is ServerCheck.CA:
+        if not ca_file:
+            raise ValueError("checking the CA alone needs a CA bundle of its own")
+        context = ssl.create_default_context(cafile=ca_file)
+        context.check_hostname = False  # verify_mode stays CERT_REQUIRED: the chain is still checked
+        return context
     return ssl.create_default_context(cafile=ca_file) if ca_file else None
 
 

@@ -135,6 +135,14 @@ CASES = [
         "mtc node: --peer-tls-cert server.crt and --peer-tls-key ca.key: not a PEM certificate and its key (KEY_VALUES_MISMATCH)",
     ),
     (
+        [*_NODE, "--root", "r", "--peer-tls-check", "host"],
+        "mtc node: --peer-tls-check 'host': not one of 'name', 'ca'",
+    ),
+    (
+        [*_NODE, "--root", "r", "--peer-tls-check", "ca"],
+        "mtc node: --peer-tls-check ca needs --peer-tls-ca (the CA every peer's certificate is from)",
+    ),
+    (
         [*_NODE, "--root", "r", "--kubelet-registration-dir", "missing"],
         "mtc node: --kubelet-registration-dir missing: no such directory",
     ),

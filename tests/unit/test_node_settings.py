@@ -1,12 +1,15 @@
 """``mtc node``'s flags become one ``NodeConfig`` in sections, built once; a kubeconfig that does not
 work is refused before the coordinator starts (every other bad flag: ``test_cli_bad_input.py``)."""
 
+import ssl
+
 import pytest
 
 from replicator import cli
 from replicator.cli import coordinator_command, node_commands
 from replicator.node.config import NodeConfig
 from replicator.pacing import timing
+from replicator.wire.tls import ServerCheck
 from tests.helpers.kube.pki import CertificateAuthority
 
 
@@ -37,6 +40,8 @@ def test_flags_land_in_their_sections(monkeypatch, tmp_path):
                 "https://c:8471",
                 "--peer-tls-ca",
                 "ca.pem",
+                "--peer-tls-check",
+                "ca",
                 "--replicas",
                 "2",
                 "--max-nodes",
@@ -65,6 +70,9 @@ def test_flags_land_in_their_sections(monkeypatch, tmp_path):
         "ca.pem",
         "http://127.0.0.1:8470",
     )
+    assert config.peer.tls_check is ServerCheck.CA
+    peers = config.peer.client_context()
+    assert peers is not None and (peers.check_hostname, peers.verify_mode) == (False, ssl.CERT_REQUIRED)
     assert (config.backup.url, config.backup.keep, config.backup.storage_emulator_host) == (
         "gs://bucket/p",
         5,
