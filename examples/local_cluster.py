@@ -347,6 +347,8 @@ class LocalCluster:
         no ``--pod-address`` or ``--topology`` (pod IPs and node labels come from the API server). Node ``i`` is
         then the API server's Node ``node-<i>``.
       subnet: the first three bytes of the nodes' loopback addresses, e.g. ``127.0.0``.
+      peer_grants: the coordinator signs peer grants and the agents serve peers only against them (both
+        ``--peer-grants``; without ``kubeconfig`` the coordinator has no per-node identity to tie them to).
       coordinator_source: the source tree the coordinator runs from (``CoordinatorProcess.source``), or
         None for this one; ``add_node`` takes the agents'.
     """
@@ -364,6 +366,7 @@ class LocalCluster:
         kubeconfig: str | None = None,
         subnet: str = "127.0.0",
         coordinator_source: str | None = None,
+        peer_grants: bool = False,
     ):
         self.workdir = workdir
         self._listen_address = listen_address
@@ -371,7 +374,7 @@ class LocalCluster:
         self.peer_tier = peer_tier
         self.backup = backup
         self.env = env or {}
-        self.agent_args = agent_args or []
+        self.agent_args = [*(agent_args or []), *(["--peer-grants"] if peer_grants else [])]
         self.agent_wrapper = agent_wrapper or []
         self.kubeconfig = kubeconfig
         self.subnet = subnet
@@ -387,6 +390,7 @@ class LocalCluster:
                 "4",
                 *(["--token-file", self.token_file] if peer_tier else ["--insecure"]),
                 *(["--kube", "--kubeconfig", kubeconfig] if kubeconfig else []),
+                *(["--peer-grants"] if peer_grants else []),
             ],
             tls=self_signed_certificate(os.path.join(workdir, "tls")),
             source=coordinator_source,

@@ -367,7 +367,14 @@ class Restorer:
                 StepManifest(step, source.data_rank, dict(source.files))
                 if source.files is not None
                 else await fetch_manifest(
-                    session, source.url, self._peer_token.current, disk.namespace, disk.job, source.data_rank, step
+                    session,
+                    source.url,
+                    self._peer_token.current,
+                    disk.namespace,
+                    disk.job,
+                    source.data_rank,
+                    step,
+                    source.grant,
                 )
             )
             await fetch_step(
@@ -379,6 +386,7 @@ class Restorer:
                 incoming,
                 ssl_context=self._peer_ssl,
                 on_range=fetched,
+                grant=source.grant,
             )
         except UnusableCopy:
             shutil.rmtree(incoming, ignore_errors=True)

@@ -106,6 +106,12 @@ def add(sub: argparse._SubParsersAction) -> None:
         "that node (the agents' --node-token-file), checked with the API server",
     )
     p.add_argument(
+        "--peer-grants",
+        action="store_true",
+        help="sign a short-lived grant for every replica push and restore from a peer, checked by agents with "
+        "--peer-grants (with --node-identity: a restore view goes only to an agent on the rank's node)",
+    )
+    p.add_argument(
         "--agent-namespace",
         type=non_empty,
         help="with --node-identity: the namespace of the agents' DaemonSet and ServiceAccount (required)",
@@ -183,6 +189,7 @@ def _run_coordinator(args: argparse.Namespace) -> int:
             args.restore_fan_out,
             args.shared_backup_upload,
             node_identity,
+            args.peer_grants,
         )
     )
     return 0

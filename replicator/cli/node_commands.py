@@ -113,6 +113,12 @@ def add(sub: argparse._SubParsersAction) -> None:
         "with every report as the proof of this node; read again when the kubelet rotates it",
     )
     p.add_argument(
+        "--peer-grants",
+        action="store_true",
+        help="serve peers only against the coordinator's signed grants (its --peer-grants), besides the token: "
+        "a holder of the cluster token alone reads and writes no copy here",
+    )
+    p.add_argument(
         "--replicas",
         type=positive_int,
         choices=[1, 2],
@@ -193,6 +199,7 @@ def _node_config(args: argparse.Namespace) -> NodeConfig:
             tls_key=args.peer_tls_key,
             tls_ca=args.peer_tls_ca,
             tls_check=ServerCheck(args.peer_tls_check),
+            grants=args.peer_grants,
         ),
         backup=BackupSettings(
             url=args.backup,

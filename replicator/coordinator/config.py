@@ -29,6 +29,8 @@ class CoordinatorConfig:
         them from the volumes' attributes alone.
       node_identity: with ``kube``, every report must carry a token proving that its agent runs on the
         report's node (``node_identity``), or None to trust the cluster token alone.
+      peer_grants: sign a grant into every replica push and restore source (``replicator.wire.grants``), and
+        send the key in every report reply; agents with ``--peer-grants`` serve peers only against them.
       restore_fan_out: a restore from the backup tier alone reads each unique shard once per group
         of identical data-parallel ranks; the others fetch it from that node (``ClusterState``).
       shared_backup_upload: identical data-parallel ranks share a backup's upload (``ClusterState``).
@@ -46,6 +48,7 @@ class CoordinatorConfig:
     restore_fan_out: bool = True
     shared_backup_upload: bool = False
     node_identity: NodeIdentitySettings | None = None
+    peer_grants: bool = False
 
     def __post_init__(self) -> None:
         if self.node_identity is not None and self.kube is None:

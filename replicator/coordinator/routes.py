@@ -37,7 +37,7 @@ from aiohttp import web
 from lightkube import AsyncClient
 from prometheus_client import CONTENT_TYPE_LATEST, Counter
 
-from replicator.coordinator import cluster_gauges, report_order
+from replicator.coordinator import cluster_gauges, peer_grants, report_order
 from replicator.coordinator.config import CoordinatorConfig
 from replicator.coordinator.job_changes import JobChanges
 from replicator.coordinator.kube_overlay import KubeOverlay
@@ -52,6 +52,7 @@ from replicator.coordinator.state import (
     UnknownIncarnation,
     UnknownJob,
 )
+from replicator.wire.grants import GrantSigner
 from replicator.wire.http_errors import error_response
 from replicator.wire.messages import (
     MAX_WAIT_SECONDS,
@@ -85,6 +86,7 @@ OVERLAY_KEY = web.AppKey("overlay", KubeOverlay)
 ORDER_KEY = web.AppKey("report_order", ReportOrder)
 KUBE_CLIENT_KEY = web.AppKey("kube_client", AsyncClient)
 VERIFIER_KEY = web.AppKey("node_verifier", NodeVerifier)
+SIGNER_KEY = web.AppKey("grant_signer", GrantSigner)
 
 BadRequest = functools.partial(error_response, web.HTTPBadRequest)
 
@@ -210,6 +212,8 @@ async def post_report(request: web.Request) -> web.StreamResponse:
             continue
         state.touch(report.node_id, time.time())
         reply = state.reply_for(report.node_id)
+    if (signer := request.app.get(SIGNER_KEY)) is not None:
+        reply = peer_grants.with_push_grants(reply, signer, report.node_id)
     return await _reply(request, reply)
 
 
@@ -267,6 +271,14 @@ async def get_restore(request: web.Request) -> web.StreamResponse:
     key, seen = _job_key(request), request.query.get("seen")
     state, changes = request.app[STATE_KEY], request.app[CHANGES_KEY]
     deadline = time.monotonic() + wait
+    if (signer := request.app.get(SIGNER_KEY)) is not None:
+        # The view will grant its sources to the rank's node: with per-node identity, only to an agent there.
+        try:
+            node = state.node_of_rank(key, incarnation, rank)
+        except UnknownIncarnation as err:
+            raise _not_found(err) from None
+        if (verifier := request.app.get(VERIFIER_KEY)) is not None:
+            await _prove_node(verifier, state, node, request)
     with contextlib.suppress(UnknownIncarnation):  # answered below
         state.touch_rank(key, incarnation, rank, time.time())  # when it asks: a killed agent's poll may linger
     while True:
@@ -283,7 +295,9 @@ async def get_restore(request: web.Request) -> web.StreamResponse:
             continue
         changes.publish()
         if seen != view.token or time.monotonic() >= deadline:
-            return await _reply(request, view)
+            return await _reply(
+                request, view if signer is None else peer_grants.with_fetch_grants(view, signer, key, node)
+            )
         # Not held while waiting: a view carries its sources' checksums unpacked (about 15 KB a
         # listed copy), and every rank of a restoring job long-polls at once.
         del view

@@ -34,6 +34,7 @@ from replicator.coordinator.routes import (
     KUBE_CLIENT_KEY,
     ORDER_KEY,
     OVERLAY_KEY,
+    SIGNER_KEY,
     SNAPSHOT_KEY,
     STATE_KEY,
     VERIFIER_KEY,
@@ -41,6 +42,7 @@ from replicator.coordinator.routes import (
 from replicator.coordinator.settings_snapshot import SettingsSnapshot
 from replicator.coordinator.state import ClusterState
 from replicator.wire.bearer import Tokens, require_bearer
+from replicator.wire.grants import GrantSigner
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +131,14 @@ def make_app(config: CoordinatorConfig) -> web.Application:
                 config.node_identity.service_account,
                 config.node_identity.daemonset,
                 config.node_identity.audience,
+            )
+    if config.peer_grants:
+        app[SIGNER_KEY] = GrantSigner()
+        log.info("peer grants: signing with key %s", app[SIGNER_KEY].key_id)
+        if config.node_identity is None:
+            log.warning(
+                "peer grants without per-node identity (--node-identity): a holder of the cluster token can report "
+                "as any node and be granted its copies"
             )
     if config.state_dir:
         os.makedirs(config.state_dir, exist_ok=True)

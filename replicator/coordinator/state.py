@@ -237,7 +237,15 @@ class ClusterState:
         Raises:
           UnknownIncarnation: the incarnation or rank is not current.
         """
-        self.touch(self._incarnation(key, incarnation_id, rank).node_of_rank[rank], now)
+        self.touch(self.node_of_rank(key, incarnation_id, rank), now)
+
+    def node_of_rank(self, key: JobRef, incarnation_id: str, rank: int) -> str:
+        """The node ``rank`` of the incarnation runs on.
+
+        Raises:
+          UnknownIncarnation: the incarnation or rank is not current.
+        """
+        return self._incarnation(key, incarnation_id, rank).node_of_rank[rank]
 
     def reply_for(self, node_id: str, want_files: bool = False) -> ReportReply:
         """The node's assignments and standing orders, from the cached decisions."""

@@ -31,8 +31,10 @@ from replicator.node.job_series import JobSeries
 from replicator.node.loop import NodeReplicator
 from replicator.pacing import timing
 from replicator.pacing.cpu_share import CpuShare
+from replicator.peer_tier.grant_check import PeerGrants
 from replicator.peer_tier.service import add_peer_routes
 from replicator.wire import tls
+from replicator.wire.grants import GrantKeys
 from replicator.wire.metric_labels import JOB_LABELS
 
 log = logging.getLogger(__name__)
@@ -87,8 +89,14 @@ class NodeAgent:
             else None
         )
         self.share = CpuShare(config.pacing.background_cpu) if config.pacing.background_cpu else None
+        # With --peer-grants: the coordinator's keys, learnt by the report loop, checked by the peer service.
+        self.grants = PeerGrants(GrantKeys(), config.node_id) if config.peer.grants else None
         self.replicator = (
-            NodeReplicator(config, self.manager, self.peer_token, store, self.share) if config.coordinator.url else None
+            NodeReplicator(
+                config, self.manager, self.peer_token, store, self.share, self.grants.keys if self.grants else None
+            )
+            if config.coordinator.url
+            else None
         )
 
     def _ramdisk_path(self, namespace: str, job: str) -> str | None:
@@ -126,7 +134,7 @@ class NodeAgent:
         app = web.Application()
         app.add_routes([web.get("/healthz", healthz), web.get("/metrics", metrics)])
         if self.peer_token is not None:
-            add_peer_routes(app, self._ramdisk_path, self.peer_token, self.share, self._make_room)
+            add_peer_routes(app, self._ramdisk_path, self.peer_token, self.share, self._make_room, self.grants)
         return app
 
     async def run(self, stop: asyncio.Event) -> None:

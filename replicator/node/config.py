@@ -50,6 +50,7 @@ class PeerSettings:
       tls_ca: CA bundle (PEM) that peers' certificates are checked against, or None for the system's.
       tls_check: what else a peer's certificate must prove: ``NAME``, the peer's address; ``CA``,
         nothing (every agent shares one certificate that names none of them; ``tls_ca`` required).
+      grants: serve peers only against the coordinator's grants (``replicator.wire.grants``), besides the token.
 
     Raises:
       ValueError: only one of ``tls_cert`` and ``tls_key`` is given, or ``tls_check`` is ``CA``
@@ -63,6 +64,7 @@ class PeerSettings:
     tls_key: str | None = None
     tls_ca: str | None = None
     tls_check: tls.ServerCheck = tls.ServerCheck.NAME
+    grants: bool = False
 
     def __post_init__(self):
         tls.check_pair(self.tls_cert, self.tls_key, "--peer-tls-cert and --peer-tls-key")

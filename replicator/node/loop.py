@@ -38,6 +38,7 @@ from replicator.pacing.cpu_share import CpuShare
 from replicator.wire import tls
 from replicator.wire.bearer import Tokens
 from replicator.wire.coordinator_client import CoordinatorClient, CoordinatorUnavailable
+from replicator.wire.grants import GrantKeys
 from replicator.wire.messages import Assignment, JobRef, Lineage, NodeReport, PodReport, RetainOrder
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,8 @@ class NodeReplicator:
         to run without the peer tier.
       backup_store: the backup tier, or None to run without it.
       share: the CPU cap of replication and backup while jobs train, or None (restores never pace).
+      grant_keys: with ``--peer-grants``, where the coordinator's grant keys are kept as its replies bring them
+        (the peer service checks grants against them), or None.
     """
 
     def __init__(
@@ -75,8 +78,10 @@ class NodeReplicator:
         peer_token: Tokens | None = None,
         backup_store: BackupStore | None = None,
         share: CpuShare | None = None,
+        grant_keys: GrantKeys | None = None,
     ):
         self.node_id = config.node_id
+        self._grant_keys = grant_keys
         self._manager = manager
         self._coordinator_url = config.coordinator.url
         self._peer_token = peer_token
@@ -201,6 +206,20 @@ class NodeReplicator:
     def _error_to_job(self, meta: JobMeta, message: str) -> None:
         self._log_once(f"job-error-{meta.root}", message, meta)
 
+    def _learn_grant_key(self, key: str | None) -> None:
+        """Keeps the coordinator's grant key for the peer service (``--peer-grants``); says once if it has none."""
+        if self._grant_keys is None:
+            return
+        try:
+            if key is None:
+                raise ValueError(
+                    "--peer-grants is on but the coordinator issues no grants (its --peer-grants is off): "
+                    "every peer refuses replicas and restores to and from this node"
+                )
+            self._grant_keys.learn(key)
+        except ValueError as err:
+            self._log_once("grant-key", str(err))
+
     def healthy(self) -> bool:
         """False when the report loop or a job's worker has not completed a round for
         ``wedged_after_seconds``: the agent is wedged and its livenessprobe should restart it."""
@@ -235,6 +254,7 @@ class NodeReplicator:
         REPORT_SECONDS.observe(time.monotonic() - started)
         LAST_REPORT.set_to_current_time()
         reporting.acknowledge(report, reply, time.monotonic())
+        self._learn_grant_key(reply.grant_key)
         if reporting.poked:
             self._wake.set()
         self._assignments = {a.pod_uid: a for a in reply.assignments}

@@ -118,6 +118,7 @@ class Pusher:
                     step_dir,
                     manifest,
                     share=self._share,
+                    grant=target.grant,
                 )
                 REPLICATED.labels("ok").inc()
                 REPLICATED_BYTES.inc(manifest.total_bytes)
@@ -143,7 +144,14 @@ class Pusher:
         """
         try:
             held = await fetch_manifest(
-                session, target.url, self._peer_token.current, job.namespace, job.job, manifest.rank, manifest.step
+                session,
+                target.url,
+                self._peer_token.current,
+                job.namespace,
+                job.job,
+                manifest.rank,
+                manifest.step,
+                target.grant,
             )
         except UnusablePeerCopy:
             log.info(

@@ -47,6 +47,7 @@ from replicator.peer_tier.protocol import (
     UPLOAD_HEADER,
 )
 from replicator.wire.bearer import auth_header
+from replicator.wire.grants import GRANT_HEADER
 from replicator.wire.http_errors import error_of
 
 MiB = 1 << 20
@@ -116,10 +117,22 @@ async def _run_all(jobs: list[Callable[[], Awaitable]], concurrency: int) -> lis
     return results
 
 
+def _headers(token: str, grant: str | None) -> dict[str, str]:
+    """The bearer token, and the coordinator's grant for the request's copy where it issued one."""
+    return {**auth_header(token), **({GRANT_HEADER: grant} if grant else {})}
+
+
 async def fetch_manifest(
-    session: aiohttp.ClientSession, base_url: str, token: str, namespace: str, job: str, rank: int, step: int
+    session: aiohttp.ClientSession,
+    base_url: str,
+    token: str,
+    namespace: str,
+    job: str,
+    rank: int,
+    step: int,
+    grant: str | None = None,
 ) -> StepManifest:
-    """The manifest a peer holds for ``rank``'s ``step``.
+    """The manifest a peer holds for ``rank``'s ``step`` (``grant``: the coordinator's, for a peer that needs one).
 
     Raises:
       PeerFetchError: the peer could not be reached, answered an error, or sent a manifest for another
@@ -127,7 +140,7 @@ async def fetch_manifest(
     """
     url = _step_url(base_url, namespace, job, rank, step)
     try:
-        async with session.get(url + MANIFEST_SUFFIX, headers=auth_header(token)) as response:
+        async with session.get(url + MANIFEST_SUFFIX, headers=_headers(token, grant)) as response:
             await _raise_for(response, f"GET {url}{MANIFEST_SUFFIX}")
             manifest = StepManifest.from_json(await response.text())
         for rel in manifest.files:
@@ -178,13 +191,15 @@ def _create_files(dest_dir: str, manifest: StepManifest) -> dict[str, int]:
 class _Peer:
     """Where a fetch reads from: a peer's base URL, parsed, with what every GET carries."""
 
-    def __init__(self, base_url: str, token: str, ssl_context: ssl.SSLContext | None, timeout: float):
+    def __init__(
+        self, base_url: str, token: str, grant: str | None, ssl_context: ssl.SSLContext | None, timeout: float
+    ):
         parts = urllib.parse.urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise PeerFetchError(f"{base_url!r} is not an http:// or https:// URL")
         self.base_url, self.scheme, self.host, self.port = base_url, parts.scheme, parts.hostname, parts.port
         self.path = parts.path.rstrip("/")
-        self.headers = auth_header(token)
+        self.headers = _headers(token, grant)
         self.ssl_context, self.timeout = ssl_context, timeout
 
     def connect(self) -> http.client.HTTPConnection:
@@ -310,6 +325,7 @@ async def fetch_step(
     range_bytes: int = DEFAULT_RANGE_BYTES,
     timeout: float = timing.PEER_READ_TIMEOUT_SECONDS,
     on_range: Callable[[int], None] | None = None,
+    grant: str | None = None,
 ) -> None:
     """Downloads ``manifest``'s rank and step from a peer into ``dest_dir`` and checks every byte against it.
 
@@ -326,6 +342,7 @@ async def fetch_step(
       range_bytes: the largest range one GET asks for, bytes.
       timeout: seconds allowed to connect and for each read; a stalled peer fails the fetch.
       on_range: called (from a worker thread) with each range's length in bytes once it is written, or None.
+      grant: the coordinator's grant to fetch the step from this peer (``replicator.wire.grants``), or None.
 
     Raises:
       PeerFetchError: the peer could not be reached or answered an error, or ``manifest`` has an
@@ -338,7 +355,7 @@ async def fetch_step(
             safe_relpath(rel)
     except ValueError as err:
         raise PeerFetchError(f"the expected manifest of rank {manifest.rank} step {manifest.step}: {err}") from None
-    peer = _Peer(base_url, token, ssl_context, timeout)
+    peer = _Peer(base_url, token, grant, ssl_context, timeout)
     step_path = peer.path + _step_url("", namespace, job, manifest.rank, manifest.step)
     ranges = [
         (rel, start, min(start + range_bytes, size))
@@ -392,6 +409,7 @@ async def push_step(
     manifest: StepManifest,
     concurrency: int = 4,
     share: CpuShare | None = None,
+    grant: str | None = None,
 ) -> None:
     """Pushes a step to a peer as a replica: every file streamed from disk, then a commit.
 
@@ -405,6 +423,7 @@ async def push_step(
       manifest: their checksums; its rank and step name the replica.
       concurrency: files uploaded at once.
       share: the agent's CPU cap while the job trains, or None.
+      grant: the coordinator's grant to push the step to this peer (``replicator.wire.grants``), or None.
 
     Raises:
       PeerFetchError: the peer could not be reached or refused a file or the commit (507 when the
@@ -413,7 +432,7 @@ async def push_step(
         regular file.
     """
     url = _step_url(base_url, namespace, job, manifest.rank, manifest.step)
-    headers = {**auth_header(token), UPLOAD_HEADER: uuid.uuid4().hex, STEP_BYTES_HEADER: str(manifest.total_bytes)}
+    headers = {**_headers(token, grant), UPLOAD_HEADER: uuid.uuid4().hex, STEP_BYTES_HEADER: str(manifest.total_bytes)}
 
     async def put(root: int, rel: str) -> None:
         # Opened without following links: the step may be the pod's own directory.

@@ -41,6 +41,7 @@ from replicator.local_tier import pod_files, space
 from replicator.local_tier.job_meta import JobMeta
 from replicator.local_tier.step_manifest import StepManifest, safe_relpath, verify_step
 from replicator.pacing.cpu_share import CpuShare
+from replicator.peer_tier.grant_check import PeerGrants, refuse_listing, require_grant
 from replicator.peer_tier.protocol import (
     COMMIT_SUFFIX,
     FILES_SUFFIX,
@@ -51,7 +52,8 @@ from replicator.peer_tier.protocol import (
     UPLOAD_HEADER,
     UPLOAD_ID,
 )
-from replicator.wire.bearer import Tokens, require_bearer
+from replicator.wire.bearer import Handler, Tokens, require_bearer
+from replicator.wire.grants import Operation
 from replicator.wire.http_errors import error_response
 
 # (namespace, job, bytes wanted free, step to keep) -> None: ``NodeReplicator.make_room`` for that job's
@@ -415,6 +417,7 @@ def add_peer_routes(
     tokens: Tokens,
     share: CpuShare | None = None,
     make_room: MakeRoom | None = None,
+    grants: PeerGrants | None = None,
 ) -> None:
     """Adds the ``/v1/peer`` routes to the node agent's app.
 
@@ -427,14 +430,23 @@ def add_peer_routes(
       share: the agent's CPU cap for receiving and verifying replicas (not for serving restores), or None.
       make_room: called (in a thread) before a replica that does not fit is refused: it may give up
         unsafe copies of the job (``replicator.local_tier.space``); or None.
+      grants: with ``--peer-grants``, every route also needs the coordinator's grant for its copy
+        (``replicator.peer_tier.grant_check``); None serves on the token alone.
     """
     service = _PeerService(locate_ramdisk, share, make_room)
+
+    def guarded(handler: Handler, *allowed: Operation) -> Handler:
+        """The token first (401), then the grant (403): an unknown caller learns nothing of grants."""
+        if grants is not None:
+            handler = require_grant(handler, allowed, grants) if allowed else refuse_listing(handler)
+        return require_bearer(handler, tokens)
+
     app.add_routes(
         [
-            web.get(STEPS_PATH, require_bearer(service.list_steps, tokens)),
-            web.get(STEP_PATH + MANIFEST_SUFFIX, require_bearer(service.get_manifest, tokens)),
-            web.get(STEP_PATH + FILES_SUFFIX + "{path:.+}", require_bearer(service.get_file, tokens)),
-            web.put(STEP_PATH + FILES_SUFFIX + "{path:.+}", require_bearer(service.put_file, tokens)),
-            web.post(STEP_PATH + COMMIT_SUFFIX, require_bearer(service.commit, tokens)),
+            web.get(STEPS_PATH, guarded(service.list_steps)),
+            web.get(STEP_PATH + MANIFEST_SUFFIX, guarded(service.get_manifest, "fetch", "push")),
+            web.get(STEP_PATH + FILES_SUFFIX + "{path:.+}", guarded(service.get_file, "fetch")),
+            web.put(STEP_PATH + FILES_SUFFIX + "{path:.+}", guarded(service.put_file, "push")),
+            web.post(STEP_PATH + COMMIT_SUFFIX, guarded(service.commit, "push")),
         ]
     )

@@ -74,6 +74,8 @@ class CoordinatorClient:
         data = None if body is None else msgspec.json.encode(body)
         headers = {
             **(self._tokens.header() if self._tokens is not None else {}),
+            # Every call proves the node: a restore view's peer grants go only to the rank's node.
+            **({NODE_TOKEN_HEADER: self._node_token.current} if self._node_token is not None else {}),
             **({"Content-Type": "application/json"} if data is not None else {}),
             **(headers or {}),
         }
@@ -96,8 +98,6 @@ class CoordinatorClient:
         """
         self._reports += 1
         headers = {REPORT_ORDER_HEADER: f"{self._report_session}:{self._reports}"}
-        if self._node_token is not None:
-            headers[NODE_TOKEN_HEADER] = self._node_token.current
         raw = await self._call(
             "POST", "/v1/report", report, wait=MAX_WAIT_SECONDS if report.waiting else 0.0, headers=headers
         )

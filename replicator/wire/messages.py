@@ -265,10 +265,12 @@ class Assignment(msgspec.Struct, frozen=True, gc=False):
 
 
 class Target(msgspec.Struct, frozen=True, gc=False):
-    """A node to push a replica to: its id and its peer service's base URL."""
+    """A node to push a replica to: its id, its peer service's base URL, and the coordinator's grant for the
+    push (``replicator.wire.grants``; None where the coordinator issues none)."""
 
     node: Name
     url: Text
+    grant: Text | None = None
 
 
 class ReplicateOrder(msgspec.Struct, frozen=True, gc=False):
@@ -335,6 +337,8 @@ class ReportReply(msgspec.Struct, frozen=True, gc=False):
       list_backups: the jobs whose backup tier this node lists (one lister per job).
       lineages: the rollbacks of the node's jobs (jobs never rolled back are left out): the node
         tags new steps with the current timeline and deletes copies of abandoned ones.
+      grant_key: the public key the coordinator signs peer grants with (``replicator.wire.grants``), or
+        None where it issues none.
       protocol: the coordinator's ``PROTOCOL_VERSION``.
     """
 
@@ -346,6 +350,7 @@ class ReportReply(msgspec.Struct, frozen=True, gc=False):
     want_files: bool = False
     list_backups: tuple[JobRef, ...] = ()
     lineages: tuple[Lineage, ...] = ()
+    grant_key: Text | None = None
     protocol: int = PROTOCOL_VERSION
 
 
@@ -376,6 +381,7 @@ class Source(msgspec.Struct, frozen=True, gc=False):
         (size, CRC32C)): what a fetched copy must match, whoever serves it. None when the
         coordinator does not know them (a backup: the store's manifest is checked instead).
       timeline: the timeline the copy was written in (a backup's is part of its name).
+      grant: the coordinator's grant to fetch the copy from ``holder`` (``replicator.wire.grants``), or None.
     """
 
     tier: Tier
@@ -384,6 +390,7 @@ class Source(msgspec.Struct, frozen=True, gc=False):
     data_rank: Rank
     files: Files | None = None
     timeline: Timeline = 0
+    grant: Text | None = None
 
 
 class RestoreView(msgspec.Struct, frozen=True, gc=False):

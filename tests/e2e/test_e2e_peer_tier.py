@@ -3,6 +3,7 @@ resumes at the newest step from data held by its peers, through real Orbax proce
 
 import contextlib
 import http.client
+import json
 import os
 import re
 import ssl
@@ -236,3 +237,44 @@ def test_peer_service_over_tls(start_agent, tmp_path):
     assert err.value.code == 404  # reached the peer service, over TLS, with the token
     with pytest.raises((urllib.error.URLError, ConnectionError, http.client.HTTPException)):
         urllib.request.urlopen(f"http://{agent.listen}/healthz", timeout=5)
+
+
+def test_with_peer_grants_replicas_and_a_lost_nodes_restore_run_on_grants_and_the_token_alone_reads_nothing(
+    start_cluster, tmp_path
+):
+    """Coordinator and agents with --peer-grants (issue 40): pushes and the restore's fetch carry the coordinator's
+    grants; a holder of the cluster token alone is refused every copy on every node."""
+    cluster = start_cluster(replicas=1, peer_grants=True)
+    job = run_job(
+        "granted", list(cluster.agents), tmp_path / "granted", [*FAST_SAVES, "--dump-dir", str(tmp_path / "dump-1")]
+    )
+    job.wait(
+        lambda: (s := status_of(cluster, job))["safe_step"] is not None and s["safe_step"] >= 5,
+        180,
+        "a replicated step 5 (its pushes ran on grants)",
+    )
+    before = kill_past_newest_commit(job)
+    wait_until(
+        lambda: status_of(cluster, job)["safe_step"] == status_of(cluster, job)["newest_complete_step"],
+        30,
+        "replicas caught up",
+    )
+    status = status_of(cluster, job)
+    safe = status["safe_step"]
+    holders = status["held"]["1"][str(safe)]
+    assert len(holders) == 2 and "node-1" in holders, holders  # rank 1's own copy and one replica
+    token = open(cluster.token_file).read().strip()
+    replica_holder = next(h for h in holders if h != "node-1")
+    holder = next(a for a in cluster.agents if a.node_id == replica_holder)
+    manifest = f"{holder.url}/v1/peer/jobs/default/{job.job}/ranks/1/steps/{safe}/manifest"
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(urllib.request.Request(manifest, headers={"Authorization": f"Bearer {token}"}))
+    assert refused.value.code == 403 and json.loads(refused.value.read())["reason"] == "missing"
+
+    fresh = lose_node_and_resume(cluster, job, 1, tmp_path, steps=safe + 6)
+    assert_resumed_exactly(job, safe, before, tmp_path)
+    restore = status_of(cluster, job)["restore"]
+    assert restore["sources"]["1"].endswith(f":{replica_holder}")
+    refusals = scrape(holder.url)
+    assert 'mtc_peer_grant_refusals_total{reason="missing"} 1.0' in refusals, refusals
+    assert "mtc_peer_grant_refusals_total{" not in scrape(fresh.url)  # every fetch of the restore was granted

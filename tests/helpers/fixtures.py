@@ -44,14 +44,19 @@ def start_agent(tmp_path):
 
 @pytest.fixture
 def start_cluster(tmp_path):
-    """Factory: ``start_cluster(nodes=4, replicas=1, peer_tier=True, backup=None, env=None)`` -> a
-    running Cluster, always stopped."""
+    """Factory: ``start_cluster(nodes=4, replicas=1, peer_tier=True, backup=None, env=None, peer_grants=False)``
+    -> a running Cluster, always stopped."""
     clusters = []
 
     def start(
-        nodes: int = 4, replicas: int = 1, peer_tier: bool = True, backup: str | None = None, env=None
+        nodes: int = 4,
+        replicas: int = 1,
+        peer_tier: bool = True,
+        backup: str | None = None,
+        env=None,
+        peer_grants: bool = False,
     ) -> LocalCluster:
-        cluster = LocalCluster(str(tmp_path), listen_address, replicas, peer_tier, backup, env)
+        cluster = LocalCluster(str(tmp_path), listen_address, replicas, peer_tier, backup, env, peer_grants=peer_grants)
         clusters.append(cluster)
         return cluster.start(nodes)
 
@@ -137,11 +142,12 @@ def object_server(request) -> ObjectServer:
 
 @pytest.fixture
 async def serve():
-    """Factory: ``await serve(ramdisk)`` -> a Peer serving job NS/JOB from ``ramdisk``; always stopped."""
+    """Factory: ``await serve(ramdisk, **serve_peer's options)`` -> a Peer serving job NS/JOB from ``ramdisk``;
+    always stopped."""
     runners = []
 
-    async def start(ramdisk: str) -> Peer:
-        peer, runner = await serve_peer(ramdisk)
+    async def start(ramdisk: str, **options) -> Peer:
+        peer, runner = await serve_peer(ramdisk, **options)
         runners.append(runner)
         return peer
 

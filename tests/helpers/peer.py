@@ -9,6 +9,7 @@ from aiohttp import web
 from replicator.local_tier.job_meta import JobMeta
 from replicator.local_tier.step_manifest import StepManifest, build_manifest
 from replicator.peer_tier.client import fetch_manifest, fetch_step
+from replicator.peer_tier.grant_check import PeerGrants
 from replicator.peer_tier.service import add_peer_routes
 from replicator.wire.bearer import Tokens
 from tests.helpers.steps import write_tree
@@ -31,11 +32,16 @@ class Peer:
         return os.listdir(os.path.join(self.meta.root, "incoming"))
 
 
-async def serve_peer(ramdisk: str) -> tuple[Peer, web.AppRunner]:
-    """Serves job NS/JOB from ``ramdisk`` on a free 127.0.0.1 port; the caller cleans the runner up."""
-    os.makedirs(ramdisk, exist_ok=True)
+async def serve_peer(
+    ramdisk: str, grants: PeerGrants | None = None, other_jobs: dict[tuple[str, str], str] | None = None
+) -> tuple[Peer, web.AppRunner]:
+    """Serves job NS/JOB from ``ramdisk`` (and ``other_jobs``: (namespace, job) -> ramdisk) on a free 127.0.0.1
+    port, with ``grants`` checked where given; the caller cleans the runner up."""
+    jobs = {(NS, JOB): ramdisk, **(other_jobs or {})}
+    for path in jobs.values():
+        os.makedirs(path, exist_ok=True)
     app = web.Application()
-    add_peer_routes(app, lambda namespace, job: ramdisk if (namespace, job) == (NS, JOB) else None, Tokens.of(TOKEN))
+    add_peer_routes(app, lambda namespace, job: jobs.get((namespace, job)), Tokens.of(TOKEN), grants=grants)
     runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
