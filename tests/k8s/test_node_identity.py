@@ -8,30 +8,15 @@ so the RBAC those rules grant is exactly what is exercised. The DaemonSet's pods
 DaemonSet controller and bound by the real scheduler to Node objects with no kubelet behind them.
 """
 
-import base64
-import json
-import time
 import uuid
-from pathlib import Path
 
 import aiohttp
 import msgspec
 import pytest
-import yaml
 from aiohttp.test_utils import TestServer
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import padding
-from lightkube import Client
-from lightkube.codecs import load_all_yaml
-from lightkube.models.apps_v1 import DaemonSetSpec
-from lightkube.models.authentication_v1 import BoundObjectReference, TokenRequestSpec, TokenReviewSpec
-from lightkube.models.core_v1 import Container, PodSpec, PodTemplateSpec, Toleration
-from lightkube.models.meta_v1 import LabelSelector, ObjectMeta
-from lightkube.models.rbac_v1 import RoleRef, Subject
-from lightkube.resources.apps_v1 import DaemonSet
+from lightkube.models.authentication_v1 import TokenReviewSpec
 from lightkube.resources.authentication_v1 import TokenReview
-from lightkube.resources.core_v1 import Namespace, Node, Pod, ServiceAccount
-from lightkube.resources.rbac_authorization_v1 import ClusterRole, ClusterRoleBinding
+from lightkube.resources.core_v1 import Node, Pod
 
 from replicator.coordinator import node_identity, routes, service
 from replicator.coordinator.config import CoordinatorConfig
@@ -41,7 +26,7 @@ from replicator.wire.bearer import Tokens
 from replicator.wire.coordinator_client import CoordinatorClient, CoordinatorUnavailable
 from replicator.wire.messages import NODE_TOKEN_HEADER, PROTOCOL_VERSION, NodeReport
 from tests.helpers.kube import register_node
-from tests.helpers.polling import wait_until
+from tests.helpers.kube.node_tokens import agent_cluster, daemonset_pod, expired_copy, mint
 from tests.helpers.secrets import project_secret
 
 NAMESPACE = "mtc-identity"
@@ -50,143 +35,14 @@ AUDIENCE = node_identity.DEFAULT_AUDIENCE
 LABEL = "mtc.dev/identity-test"
 NODES = ("identity-x", "identity-y")
 CLUSTER_TOKEN = "cluster-token-of-the-test"
-RBAC = Path(__file__).parents[2] / "manifests" / "coordinator-rbac.yaml"
-
-
-def mint(client: Client, pod: Pod, audience: str = AUDIENCE, account: str = "mtc", seconds: int = 600) -> str:
-    """A token of ``account`` bound to ``pod`` (the API server adds its node), as the kubelet asks for it."""
-    request = ServiceAccount.Token(
-        metadata=ObjectMeta(),
-        spec=TokenRequestSpec(
-            audiences=[audience],
-            expirationSeconds=seconds,
-            boundObjectRef=BoundObjectReference(
-                kind="Pod", apiVersion="v1", name=pod.metadata.name, uid=pod.metadata.uid
-            ),
-        ),
-    )
-    return client.create(request, account, namespace=pod.metadata.namespace).status.token
-
-
-def _b64(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
-
-
-def expired_copy(token: str, signing_key: Path) -> str:
-    """``token`` with its lifetime moved an hour into the past, signed again with the cluster's
-    service-account key: a genuine token that has expired."""
-    header, payload, _ = token.split(".")
-    claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
-    shift = int(time.time()) - claims["exp"] - 3600
-    for name in ("exp", "iat", "nbf"):
-        claims[name] += shift
-    claims["kubernetes.io"]["warnafter"] = claims["kubernetes.io"].get("warnafter", claims["iat"]) + shift
-    signed = f"{header}.{_b64(json.dumps(claims).encode())}"
-    key = serialization.load_pem_private_key(signing_key.read_bytes(), None)
-    return f"{signed}.{_b64(key.sign(signed.encode(), padding.PKCS1v15(), hashes.SHA256()))}"  # type: ignore[union-attr]  # an RSA key
-
-
-def daemonset_pod(client: Client, node: str) -> Pod:
-    """The agents' DaemonSet pod bound to ``node``, once the controller made it and the scheduler bound it."""
-
-    def bound() -> Pod | None:
-        pods = client.list(Pod, namespace=NAMESPACE, labels={"app": "mtc-node"})
-        return next((p for p in pods if p.spec.nodeName == node and p.metadata.deletionTimestamp is None), None)
-
-    wait_until(bound, timeout=60, what=f"the DaemonSet's pod bound to {node}", interval=0.5)
-    pod = bound()
-    assert pod is not None
-    return pod
 
 
 @pytest.fixture(scope="module")
 def cluster(control_plane):
     """The agents' namespace, ServiceAccount and DaemonSet (on the nodes labelled ``LABEL`` only), two such
     nodes, a training pod of another ServiceAccount on the first, and the coordinator's kubeconfig."""
-    client = control_plane.client()
-    for name in (NAMESPACE, TEAM):
-        client.create(Namespace(metadata=ObjectMeta(name=name)))
-    client.create(ServiceAccount(metadata=ObjectMeta(name="mtc", namespace=NAMESPACE)))
-    client.create(ServiceAccount(metadata=ObjectMeta(name="mtc-coordinator", namespace=NAMESPACE)))
-    client.create(ServiceAccount(metadata=ObjectMeta(name="trainer", namespace=TEAM)))
-    role = next(o for o in load_all_yaml(RBAC.read_text()) if isinstance(o, ClusterRole))
-    role.metadata = ObjectMeta(name="mtc-coordinator-identity-test")
-    client.create(role)
-    client.create(
-        ClusterRoleBinding(
-            metadata=ObjectMeta(name="mtc-coordinator-identity-test"),
-            roleRef=RoleRef(apiGroup="rbac.authorization.k8s.io", kind="ClusterRole", name=role.metadata.name),
-            subjects=[Subject(kind="ServiceAccount", name="mtc-coordinator", namespace=NAMESPACE)],
-        )
-    )
-    for node in NODES:
-        register_node(client, node, labels={LABEL: "true"})
-    labels = {"app": "mtc-node"}
-    client.create(
-        DaemonSet(
-            metadata=ObjectMeta(name="mtc-node", namespace=NAMESPACE),
-            spec=DaemonSetSpec(
-                selector=LabelSelector(matchLabels=labels),
-                template=PodTemplateSpec(
-                    metadata=ObjectMeta(labels=labels),
-                    spec=PodSpec(
-                        serviceAccountName="mtc",
-                        automountServiceAccountToken=False,
-                        nodeSelector={LABEL: "true"},
-                        tolerations=[Toleration(operator="Exists")],
-                        containers=[Container(name="agent", image="mtc-agent:never-pulled")],
-                    ),
-                ),
-            ),
-        )
-    )
-    trainer = client.create(
-        Pod(
-            metadata=ObjectMeta(name="trainer", namespace=TEAM),
-            spec=PodSpec(
-                serviceAccountName="trainer",
-                nodeName=NODES[0],
-                automountServiceAccountToken=False,
-                containers=[Container(name="train", image="trainer:never-pulled")],
-            ),
-        )
-    )
-    work = control_plane.workdir / "identity"
-    work.mkdir(exist_ok=True)
-    coordinator_token = client.create(
-        ServiceAccount.Token(metadata=ObjectMeta(), spec=TokenRequestSpec(audiences=[], expirationSeconds=3600)),
-        "mtc-coordinator",
-        namespace=NAMESPACE,
-    ).status.token
-    kubeconfig = work / "coordinator.kubeconfig"
-    kubeconfig.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [
-                    {
-                        "name": "c",
-                        "cluster": {
-                            "server": control_plane.url,
-                            "certificate-authority": str(control_plane.ca.pair.cert),
-                        },
-                    }
-                ],
-                "users": [{"name": "coordinator", "user": {"token": coordinator_token}}],
-                "contexts": [{"name": "c", "context": {"cluster": "c", "user": "coordinator"}}],
-                "current-context": "c",
-            }
-        )
-    )
-    yield {"client": client, "kubeconfig": str(kubeconfig), "trainer": trainer, "work": work}
-    client.delete(DaemonSet, "mtc-node", namespace=NAMESPACE)
-    for node in NODES:
-        client.delete(Node, node)
-    for name in (NAMESPACE, TEAM):
-        client.delete(Namespace, name)
-    client.delete(ClusterRoleBinding, "mtc-coordinator-identity-test")
-    client.delete(ClusterRole, "mtc-coordinator-identity-test")
+    with agent_cluster(control_plane, NAMESPACE, TEAM, NODES, LABEL) as made:
+        yield {"client": made.client, "kubeconfig": made.kubeconfig, "trainer": made.trainer, "work": made.work}
 
 
 @pytest.fixture
