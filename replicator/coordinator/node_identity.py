@@ -202,8 +202,13 @@ class NodeVerifier:
             raise IdentityRefused("audience", f"the node token is not for audience {self._settings.audience!r}")
         key = hashlib.sha256(token.encode()).digest()
         cached = self._cache.get(key)
-        known_uid = self._uids.get(node_id)
-        if cached is not None and cached[1] > now and (known_uid is None or cached[0].node_uid == known_uid):
+        # Asked afresh only when the token's own node has since been recreated (a claim of another node is refused
+        # below from the cache, without a review).
+        if (
+            cached is not None
+            and cached[1] > now
+            and self._uids.get(cached[0].node_name, cached[0].node_uid) == cached[0].node_uid
+        ):
             identity = cached[0]
         else:
             identity = await self._review(token)  # a new token, or one of a node since recreated: asked afresh

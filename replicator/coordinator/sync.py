@@ -57,7 +57,7 @@ def absorb(
     """Updates the job indices with what changed between the node's last report (``bound``) and
     ``report`` (None: the node is forgotten), and records the report as the node's."""
     changes = Changes()
-    _pods(jobs, node_id, bound, report, changes)
+    _pods(jobs, liveness, node_id, bound, report, changes, warned)
     if report is not None:
         _lineages(jobs, liveness, node_id, report, changes)
     held = _indexed(jobs, report.held if report else ())
@@ -75,10 +75,18 @@ def absorb(
 
 
 def _pods(
-    jobs: dict[JobRef, JobState], node_id: str, bound: NodeState | None, report: NodeReport | None, changes: Changes
+    jobs: dict[JobRef, JobState],
+    liveness: Liveness,
+    node_id: str,
+    bound: NodeState | None,
+    report: NodeReport | None,
+    changes: Changes,
+    warned: WarnedOnce,
 ) -> None:
     """Pods unpublished from the node leave their job; new or changed ones join it (a job is
-    created by its first pod), with the settings they carry."""
+    created by its first pod), with the settings they carry. A pod stays filed under the live node
+    that listed it first: a pod runs on one node for its life, so another node listing it too is
+    lying, and neither takes it nor, by dropping it again, takes it out of its job."""
     old_pods = {p.pod_uid: p for p in bound.report.pods} if bound else {}
     new_pods = {p.pod_uid: p for p in report.pods} if report else {}
     for uid, pod in old_pods.items():
@@ -95,6 +103,18 @@ def _pods(
             job = jobs.get(key)
             if job is None:
                 job = jobs[key] = JobState()
+            filed = job.pods.get(uid)
+            if filed is not None and filed[1] != node_id and liveness.is_live(filed[1]):
+                if warned.first((node_id, "pod", uid)):
+                    log.warning(
+                        "node %s lists pod %s/%s (uid %s) of live node %s: ignored",
+                        node_id,
+                        pod.namespace,
+                        pod.pod_name,
+                        uid,
+                        filed[1],
+                    )
+                continue
             job.pods[uid] = (pod, node_id)
             job.pods_changed = True
             if pod.settings is not None and pod.rank is not None and pod.rank not in job.settings:
