@@ -33,10 +33,10 @@ SECRET = b"HOST-SECRET-" + secrets.token_hex(16).encode()
 _jobs = itertools.count()
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """Two node agents (peer tier, file:// backups) and a coordinator; a host directory with a
-    secret and a file the agent must never write."""
+@pytest.fixture(scope="module", params=["token", "peer grants"])
+def world(request, tmp_path_factory):
+    """Two node agents (peer tier, file:// backups) and a coordinator, on the cluster token alone or with peer
+    grants (``--peer-grants``, issue 40); a host directory with a secret and a file the agent must never write."""
     base = tmp_path_factory.mktemp("hostile")
     host = base / "host"
     (host / "secret-dir").mkdir(parents=True)
@@ -46,7 +46,9 @@ def world(tmp_path_factory):
     (host / "victim.txt").write_bytes(b"host file the agent must never write\n")
     bucket = base / "bucket"
     bucket.mkdir()
-    cluster = LocalCluster(str(base / "cluster"), listen_address, backup=f"file://{bucket}").start(2)
+    cluster = LocalCluster(
+        str(base / "cluster"), listen_address, backup=f"file://{bucket}", peer_grants=request.param == "peer grants"
+    ).start(2)
     world = {"host": host, "bucket": bucket, "cluster": cluster, "pods": base / "pods"}
     world["host_files"] = _snapshot(host)
     yield world
