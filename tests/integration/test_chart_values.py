@@ -7,6 +7,8 @@
 - The ramdisks' host directory: an explicit ``dataDir``, else the installed DaemonSet's (``lookup``, asked of a
   stand-in API server), else one below the kubelet's root.
 - The ``helm test`` Pod runs ``mtc status`` against the coordinator Service with the cluster CA.
+- Peer TLS is on by default with the chart's own certificate (checked against its CA alone), mounted in the
+  agents only and kept on upgrade; the operator's certificates are checked by name.
 """
 
 import subprocess
@@ -78,7 +80,8 @@ def _refused(argv: list[str]) -> str:
         ("dataDir=mtc", "at '/dataDir': 'mtc' does not match pattern"),
         ("dataDir=5", "at '/dataDir': got number, want string"),
         ("tls.existingSecret=My_Secret", "at '/tls/existingSecret': 'My_Secret' does not match pattern"),
-        ("peerTLS.enabled=true", "at '/peerTLS': 'anyOf' failed"),
+        ("peerTLS.enabled=yes", "at '/peerTLS/enabled': got string, want boolean"),
+        ("peerTLS.existingSecret=Peer_TLS", "at '/peerTLS/existingSecret': 'Peer_TLS' does not match pattern"),
         (
             "monitoring.runbookBaseUrl=https://wiki",
             "at '/monitoring': additional properties 'runbookBaseUrl' not allowed",
@@ -109,7 +112,9 @@ def test_schema_accepts_every_documented_value_form():
         "node.backgroundCPU=0.5",
         "node.minPushIntervalSeconds=0",
         "coordinator.holderGraceSeconds=2.5",
+        "peerTLS.enabled=true",
         "peerTLS.enabled=true,peerTLS.existingSecret=peer-tls",
+        "peerTLS.enabled=false",
         "kubeletDir=/var/lib/k0s/kubelet",
         "dataDir=/mnt/mtc",
         "sidecars.livenessProbe.pullPolicy=Never",
@@ -273,7 +278,6 @@ def test_unset_flags_leave_the_programs_defaults():
         "--restore-deadline-seconds",
         "--wedged-after-seconds",
         "--min-push-interval-seconds",
-        "--peer-tls-cert",
         "--node-timeout-seconds",
         "--holder-grace-seconds",
         "--kube-namespace",
@@ -302,6 +306,64 @@ def test_peer_tls_can_come_from_a_volume_of_the_operators(tmp_path):
     assert peer_tls == {"name": "peer-tls", **volume}
 
 
+PEER_TLS_FLAGS = {
+    "--peer-tls-cert": "/etc/mtc/peer-tls/tls.crt",
+    "--peer-tls-key": "/etc/mtc/peer-tls/tls.key",
+    "--peer-tls-ca": "/etc/mtc/peer-tls/ca.crt",
+}
+
+
+def _peer_tls(rendered: dict) -> tuple[dict, list[str]]:
+    """The flags of the agent's peer TLS (each None when absent) and the (kind, name, container) of every
+    container that mounts the peer TLS volume or names a peer TLS Secret, in any rendered pod."""
+    agent = argv_of(container(rendered[NODE], "mtc-node"))
+    flags = {f: flag(agent, f) for f in (*PEER_TLS_FLAGS, "--peer-tls-check")}
+    holders = []
+    for (kind, name), obj in rendered.items():
+        if kind not in ("DaemonSet", "Deployment", "Pod"):
+            continue
+        spec = pod_spec(obj)
+        volumes = {
+            v["name"] for v in spec.get("volumes", []) if v["name"] == "peer-tls" or "peer-tls" in str(v.get("secret"))
+        }
+        for c in spec["containers"]:
+            if {m["name"] for m in c.get("volumeMounts", [])} & volumes:
+                holders.append((kind, name, c["name"]))
+    return flags, holders
+
+
+def test_peer_tls_is_on_by_default_with_the_charts_certificate_in_the_agents_only():
+    rendered = by_key(helm_template())
+    flags, holders = _peer_tls(rendered)
+    assert flags == {**PEER_TLS_FLAGS, "--peer-tls-check": "ca"}
+    assert holders == [("DaemonSet", "mtc-node", "mtc-node")]  # not the coordinator, the sidecar or the test Pod
+    (volume,) = [v for v in pod_spec(rendered[NODE])["volumes"] if v["name"] == "peer-tls"]
+    assert volume["secret"] == {"secretName": "mtc-peer-tls", "defaultMode": 0o400}
+    assert rendered[("Secret", "mtc-peer-tls")]["type"] == "kubernetes.io/tls"
+
+
+def test_peer_tls_from_the_operators_secret_is_checked_by_name_and_off_renders_none():
+    rendered = by_key(helm_template("peerTLS.existingSecret=peer-tls"))
+    flags, holders = _peer_tls(rendered)
+    assert flags == {**PEER_TLS_FLAGS, "--peer-tls-check": None}  # the agent's default: name
+    assert holders == [("DaemonSet", "mtc-node", "mtc-node")]
+    assert ("Secret", "mtc-peer-tls") not in rendered
+
+    rendered = by_key(helm_template("peerTLS.enabled=false"))
+    flags, holders = _peer_tls(rendered)
+    assert set(flags.values()) == {None} and holders == []
+    assert ("Secret", "mtc-peer-tls") not in rendered
+
+
+def test_an_upgrade_keeps_the_installed_peer_certificate(tmp_path):
+    installed = by_key(helm_template())[("Secret", "mtc-peer-tls")]
+    with LookupApi([installed], tmp_path) as cluster:
+        kept = by_key(helm_template(kubeconfig=cluster.kubeconfig))[("Secret", "mtc-peer-tls")]
+        assert "/api/v1/namespaces/mtc-system/secrets/mtc-peer-tls" in cluster.requests
+    assert kept["data"] == installed["data"]
+    assert by_key(helm_template())[("Secret", "mtc-peer-tls")]["data"] != installed["data"]  # else a fresh CA
+
+
 def test_image_tag_defaults_to_the_charts_app_version():
     rendered = by_key(helm_template())
     images = {
@@ -316,7 +378,11 @@ def test_image_tag_defaults_to_the_charts_app_version():
 
 
 def test_renders_with_existing_secrets_are_identical():
-    settings = ("token.existingSecret=mtc-token", "tls.existingSecret=mtc-coordinator-tls")
+    settings = (
+        "token.existingSecret=mtc-token",
+        "tls.existingSecret=mtc-coordinator-tls",
+        "peerTLS.existingSecret=peers",
+    )
     first, second = run(template_argv(*settings)), run(template_argv(*settings))
     assert first == second
     assert "kind: Secret" not in first

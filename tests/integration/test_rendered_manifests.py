@@ -11,6 +11,7 @@
 """
 
 import base64
+import contextlib
 import copy
 import json
 import socket
@@ -23,6 +24,7 @@ import kubernetes_validate
 import pytest
 from cryptography import x509
 
+from replicator.wire.tls import ServerCheck, client_context
 from tests.helpers import REPO
 from tests.helpers.chart import CHART, KUBERNETES_VERSIONS, helm_template
 from tests.helpers.chart import argv_of as _argv
@@ -51,6 +53,13 @@ ALL_MONITORING = [
     "grafanaDashboard.enabled=true",
     "monitoring.alertmanagerConfig.enabled=true",
 ]
+# The chart's own peer certificate (the default), the operator's Secret, a volume of theirs, none.
+PEER_TLS_FORMS = [
+    "peerTLS.enabled=true",
+    "peerTLS.existingSecret=my-peer-tls",
+    "peerTLS.volume.csi.driver=csi.cert-manager.io",
+    "peerTLS.enabled=false",
+]
 
 
 def kustomize_build(directory: Path) -> list[dict]:
@@ -76,7 +85,8 @@ def test_rendered_objects_are_valid_in_strict_mode(kube_version):
             "backup.credentials.fileEnv.GOOGLE_APPLICATION_CREDENTIALS=key.json",
             kube_version=kube_version,
         ),
-        "helm (no TLS)": helm_template("tls.enabled=false", kube_version=kube_version),
+        "helm (no TLS)": helm_template("tls.enabled=false", "peerTLS.enabled=false", kube_version=kube_version),
+        "helm (operator's peer TLS)": helm_template("peerTLS.existingSecret=my-peer-tls", kube_version=kube_version),
         "kustomize manifests/": kustomize_build(MANIFESTS),
         "kustomize manifests/monitoring/": kustomize_build(MONITORING),
     }
@@ -140,7 +150,12 @@ def _example_jobset(name: str = "example-jobset.yaml") -> dict:
 
 def test_custom_resources_match_their_crd_schemas():
     resources = [(name, _example_jobset(name)) for name in ("example-jobset.yaml", "example-torchrun-jobset.yaml")]
-    resources += [("chart", d) for d in helm_template(*ALL_MONITORING) if (d["apiVersion"], d["kind"]) in CRD_SCHEMAS]
+    for peer_tls in PEER_TLS_FORMS:
+        resources += [
+            (f"chart ({peer_tls})", d)
+            for d in helm_template(*ALL_MONITORING, peer_tls)
+            if (d["apiVersion"], d["kind"]) in CRD_SCHEMAS
+        ]
     resources += [
         ("manifests/monitoring/", d) for d in kustomize_build(MONITORING) if (d["apiVersion"], d["kind"]) in CRD_SCHEMAS
     ]
@@ -179,8 +194,8 @@ def _contract(obj: dict) -> dict:
 def test_chart_and_kustomize_base_render_the_same_objects():
     # Secrets: the chart generates the token and TLS Secrets the base asks the operator to create.
     # Namespace: helm installs into a namespace that exists (docs/install.md, Helm: create and label it first).
-    # The Pod: the chart's `helm test` hook.
-    chart = _by_key(helm_template())
+    # The Pod: the chart's `helm test` hook. Peer TLS: the base leaves it off (the chart's own test below).
+    chart = _by_key(helm_template("peerTLS.enabled=false"))
     base = _by_key(kustomize_build(MANIFESTS))
     assert set(chart) - set(base) == {("Secret", "mtc-peer-token"), ("Secret", "mtc-tls"), ("Pod", "mtc-test-status")}
     assert set(base) - set(chart) == {("Namespace", "mtc-system")}
@@ -189,7 +204,7 @@ def test_chart_and_kustomize_base_render_the_same_objects():
 
 
 def test_chart_monitoring_is_the_monitoring_base():
-    chart = _by_key(helm_template(*ALL_MONITORING))
+    chart = _by_key(helm_template(*ALL_MONITORING, "peerTLS.enabled=false"))  # the base's agents serve plain HTTP
     base = _by_key(kustomize_build(MONITORING))
     for key, obj in base.items():
         assert key in chart, f"the chart has no {key}"
@@ -197,6 +212,27 @@ def test_chart_monitoring_is_the_monitoring_base():
     dashboard = json.loads(chart[("ConfigMap", "mtc-dashboard")]["data"]["mtc-dashboard.json"])
     assert dashboard == json.loads((MONITORING / "mtc-dashboard.json").read_text())
     assert chart[("ConfigMap", "mtc-dashboard")]["metadata"]["labels"]["grafana_dashboard"] == "1"
+
+
+def test_node_service_monitor_scrapes_the_agents_as_they_serve():
+    def endpoint(*settings: str) -> dict:
+        (scraped,) = _by_key(helm_template("serviceMonitor.enabled=true", *settings))[("ServiceMonitor", "mtc-node")][
+            "spec"
+        ]["endpoints"]
+        return {k: scraped.get(k) for k in ("scheme", "tlsConfig")}
+
+    generated_ca = {"secret": {"name": "mtc-peer-tls", "key": "ca.crt"}}
+    assert endpoint() == {"scheme": "https", "tlsConfig": {"ca": generated_ca, "serverName": "mtc-node"}}
+    # The operator's certificate names each pod IP, which Prometheus checks as the target's address.
+    assert endpoint("peerTLS.existingSecret=my-peer-tls") == {
+        "scheme": "https",
+        "tlsConfig": {"ca": {"secret": {"name": "my-peer-tls", "key": "ca.crt"}}},
+    }
+    assert endpoint("peerTLS.volume.csi.driver=csi.cert-manager.io") == {
+        "scheme": "https",
+        "tlsConfig": {"insecureSkipVerify": True},
+    }
+    assert endpoint("peerTLS.enabled=false") == {"scheme": None, "tlsConfig": None}  # plain HTTP, as manifests/
 
 
 def test_chart_rules_follow_the_release_namespace_and_the_runbook_base():
@@ -245,23 +281,55 @@ def test_chart_secrets_hold_a_token_and_a_certificate_for_the_coordinator_servic
     assert _tls_handshake(tmp_path, "mtc-coordinator.mtc-system.svc") == "TLSv1.3"
 
 
-def _tls_handshake(directory: Path, host: str) -> str:
+def test_chart_generates_a_peer_ca_and_one_certificate_every_agent_serves(tmp_path):
+    secrets = {d["metadata"]["name"]: d for d in helm_template() if d["kind"] == "Secret"}
+    assert secrets["mtc-peer-tls"]["type"] == "kubernetes.io/tls"
+    peer = {k: base64.b64decode(v) for k, v in secrets["mtc-peer-tls"]["data"].items()}
+    assert set(peer) == {"tls.crt", "tls.key", "ca.crt"}
+    cert, ca = x509.load_pem_x509_certificate(peer["tls.crt"]), x509.load_pem_x509_certificate(peer["ca.crt"])
+    cert.verify_directly_issued_by(ca)
+    coordinator_ca = x509.load_pem_x509_certificate(base64.b64decode(secrets["mtc-tls"]["data"]["ca.crt"]))
+    assert ca.public_key() != coordinator_ca.public_key(), "a CA of its own: no agent can pose as the coordinator"
+    for name, data in peer.items():
+        (tmp_path / name).write_bytes(data)
+    # A peer reaches an agent at its pod IP, which the certificate cannot name: the agents' `ca` check takes it,
+    # the `name` check would not.
+    agents_check = client_context(str(tmp_path / "ca.crt"), ServerCheck.CA)
+    assert agents_check is not None
+    assert _tls_handshake(tmp_path, "127.0.0.1", agents_check) == "TLSv1.3"
+    with pytest.raises(ssl.SSLCertVerificationError, match="IP address mismatch"):
+        _tls_handshake(tmp_path, "127.0.0.1")
+    assert _tls_handshake(tmp_path, "mtc-node") == "TLSv1.3"  # the name the node ServiceMonitor checks
+
+
+def _tls_handshake(directory: Path, host: str, client: ssl.SSLContext | None = None) -> str:
     """A real TLS handshake: a server with ``directory``'s tls.crt/tls.key, a client that checks
-    it against ca.crt for ``host``, strictly (RFC 5280, as Python 3.13 does by default)."""
+    it (``client``, else against ca.crt for ``host``), strictly (RFC 5280, as Python 3.13 does by default).
+
+    Raises:
+      ssl.SSLCertVerificationError: the client refused the certificate.
+    """
     server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server.load_cert_chain(directory / "tls.crt", directory / "tls.key")
-    client = ssl.create_default_context(cafile=directory / "ca.crt")
+    client = client or ssl.create_default_context(cafile=directory / "ca.crt")
     client.verify_flags |= ssl.VERIFY_X509_STRICT
+
+    def serve(listener: socket.socket) -> None:
+        connection = listener.accept()[0]
+        with connection, contextlib.suppress(ssl.SSLError):  # the client's refusal, as an alert
+            server.wrap_socket(connection, server_side=True).close()
+
     with socket.create_server(("127.0.0.1", 0)) as listener:
-        accepted = threading.Thread(target=lambda: server.wrap_socket(listener.accept()[0], server_side=True).close())
+        accepted = threading.Thread(target=serve, args=(listener,))
         accepted.start()
-        with (
-            socket.create_connection(listener.getsockname()) as raw,
-            client.wrap_socket(raw, server_hostname=host) as tls,
-        ):
-            version = tls.version()
-        accepted.join(10)
-    return version
+        try:
+            with (
+                socket.create_connection(listener.getsockname()) as raw,
+                client.wrap_socket(raw, server_hostname=host) as tls,
+            ):
+                return str(tls.version())
+        finally:
+            accepted.join(10)
 
 
 def test_chart_values_reach_the_agents_and_the_coordinator():
@@ -286,6 +354,7 @@ def test_chart_values_reach_the_agents_and_the_coordinator():
             "node.resources.requests.cpu=2",
             "token.existingSecret=my-token",
             "tls.existingSecret=my-tls",
+            "peerTLS.existingSecret=my-peer-tls",
             "admissionPolicy.namespaceLabel=example.dev/ckpt",
         )
     )
@@ -311,6 +380,8 @@ def test_chart_values_reach_the_agents_and_the_coordinator():
     assert volumes["backup-credentials"]["secret"]["secretName"] == "s3-creds"
     assert volumes["peer-token"]["secret"]["secretName"] == "my-token"
     assert volumes["tls-ca"]["secret"]["secretName"] == "my-tls"
+    assert volumes["peer-tls"]["secret"]["secretName"] == "my-peer-tls"
+    assert "--peer-tls-check" not in argv  # the operator's certificates name each agent: the name is checked
     assert _pod_spec(node)["priorityClassName"] == "high"
     assert _pod_spec(node)["nodeSelector"] == {"pool": "tpu"}
     assert agent["resources"]["requests"]["cpu"] == 2

@@ -25,6 +25,21 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{ .Values.tls.existingSecret | default "mtc-tls" }}
 {{- end }}
 
+{{- /* Peer TLS with the chart's own CA and one certificate for every agent (mtc-peer-tls): neither
+the operator's Secret nor a volume of theirs is given. */}}
+{{- define "mtc.peerTLSGenerated" -}}
+{{- if and .Values.peerTLS.enabled (not .Values.peerTLS.existingSecret) (not .Values.peerTLS.volume) }}true{{- end }}
+{{- end }}
+
+{{- define "mtc.peerTLSSecret" -}}
+{{ .Values.peerTLS.existingSecret | default "mtc-peer-tls" }}
+{{- end }}
+
+{{- /* The one name the generated peer certificate holds: no pod's address is known when it is made. */}}
+{{- define "mtc.peerTLSName" -}}
+mtc-node
+{{- end }}
+
 {{- define "mtc.coordinatorHost" -}}
 mtc-coordinator.{{ .Release.Namespace }}.svc
 {{- end }}
