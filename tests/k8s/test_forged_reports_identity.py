@@ -8,6 +8,7 @@ with reports that proved their node. Tokens are minted with ``TokenRequest`` for
 """
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -21,6 +22,7 @@ from replicator.coordinator import routes, service
 from replicator.coordinator.config import CoordinatorConfig
 from replicator.coordinator.kube_config import KubeSettings
 from replicator.coordinator.node_identity import NodeIdentitySettings
+from replicator.wire.grants import GrantKeys, GrantRefused
 from replicator.wire.messages import (
     NODE_TOKEN_HEADER,
     PROTOCOL_VERSION,
@@ -58,8 +60,8 @@ def tokens(cluster):
     return {node: mint(cluster.client, daemonset_pod(cluster.client, node)) for node in NODES}
 
 
-@pytest.fixture
-async def coordinator(cluster, tmp_path):
+@contextlib.asynccontextmanager
+async def serving(cluster, tmp_path, peer_grants: bool = False):
     """The coordinator with per-node identity and the shortest node timeout (three 1 s heartbeats): its base
     URL and app."""
     token_file = tmp_path / "cluster-token"
@@ -70,10 +72,24 @@ async def coordinator(cluster, tmp_path):
         node_timeout_seconds=1.0,
         kube=KubeSettings(kubeconfig=cluster.kubeconfig),
         node_identity=NodeIdentitySettings(NAMESPACE),
+        peer_grants=peer_grants,
     )
     app = service.make_app(config)
     async with TestServer(app, host="127.0.0.1") as server:
         yield str(server.make_url("")).rstrip("/"), app
+
+
+@pytest.fixture
+async def coordinator(cluster, tmp_path):
+    async with serving(cluster, tmp_path) as served:
+        yield served
+
+
+@pytest.fixture
+async def granting(cluster, tmp_path):
+    """The coordinator as ``coordinator``, signing peer grants (``--peer-grants``)."""
+    async with serving(cluster, tmp_path, peer_grants=True) as served:
+        yield served
 
 
 def pod_of(index: int, incarnation: str | None = None, rank: int | None = None) -> PodReport:
@@ -355,3 +371,56 @@ async def test_a_silent_node_is_taken_over_only_by_an_agent_on_it(cluster, coord
     assert code == 200, reply
     assert app[routes.STATE_KEY].liveness.nodes[X].report.url == elsewhere
     assert X in (await status(base)).nodes
+
+
+async def restore_view(base: str, incarnation: str, rank: int, node_token: str | None) -> tuple[int, dict]:
+    """A rank's restore view as the agent asks for it (a short long poll), presenting ``node_token``."""
+    headers = {"Authorization": f"Bearer {CLUSTER_TOKEN}", **({NODE_TOKEN_HEADER: node_token} if node_token else {})}
+    params = {"incarnation": incarnation, "rank": str(rank), "wait": "5"}
+    async with aiohttp.ClientSession() as session:
+        async with session.get(
+            f"{base}/v1/jobs/{KEY.namespace}/{KEY.job}/restore", params=params, headers=headers
+        ) as r:
+            return r.status, await r.json(content_type=None)
+
+
+async def test_with_peer_grants_a_restore_view_and_its_grants_go_only_to_the_ranks_node(cluster, granting, tokens):
+    """Peer grants (issue 40 item 2): replies carry the coordinator's key; a rank's restore view, whose sources carry
+    grants, is given only to an agent proving that rank's node, and each grant names that node and the holder."""
+    base, app = granting
+    code, reply = await post(base, report(X), tokens[X])
+    assert code == 200 and reply["grant_key"] == app[routes.SIGNER_KEY].public_key, reply
+    incarnation, rank_of = await run_job(base, tokens)
+    keys = GrantKeys()
+    keys.learn(reply["grant_key"])
+    rank = rank_of[Y]
+    wrong = await refusals(base, "wrong_node")
+    for token, reason in ((tokens[X], "wrong_node"), (None, "missing")):
+        code, body = await restore_view(base, incarnation, rank, token)
+        assert (code, body.get("reason")) == (403, reason), body
+    assert await refusals(base, "wrong_node") == wrong + 1
+    code, view = await restore_view(base, incarnation, rank, tokens[Y])
+    assert code == 200 and view["step"] == STEP, view
+    sources = [s for s in view["sources"] if s["tier"] != "backup"]
+    assert sources, view
+    for source in sources:
+        claims = keys.check(
+            source["grant"],
+            allowed=("fetch",),
+            namespace=KEY.namespace,
+            job=KEY.job,
+            rank=source["data_rank"],
+            step=STEP,
+            node=source["holder"],
+        )
+        assert claims.frm == Y
+        with pytest.raises(GrantRefused, match="other node"):  # not to be replayed at another holder
+            keys.check(
+                source["grant"],
+                allowed=("fetch",),
+                namespace=KEY.namespace,
+                job=KEY.job,
+                rank=source["data_rank"],
+                step=STEP,
+                node="forged-z",
+            )
