@@ -475,3 +475,20 @@ def test_the_livenessprobe_sidecar_has_its_own_pull_policy():
     }
     node = by_key(helm_template("sidecars.livenessProbe.pullPolicy=Always"))[NODE]
     assert container(node, "liveness-probe")["imagePullPolicy"] == "Always"
+
+
+@pytest.mark.parametrize(
+    "settings, identity, grants",
+    [
+        ((), True, True),
+        (("nodeIdentity.peerGrants=false",), True, False),
+        (("nodeIdentity.enabled=false",), False, False),
+        (("coordinator.kube=false",), False, False),
+    ],
+)
+def test_per_node_identity_turns_on_peer_grants_in_the_coordinator_and_every_agent(settings, identity, grants):
+    rendered = by_key(helm_template(*settings))
+    coordinator = argv_of(container(rendered[("Deployment", "mtc-coordinator")], "mtc-coordinator"))
+    agent = argv_of(container(rendered[NODE], "mtc-node"))
+    assert ("--node-identity" in coordinator, "--node-token-file" in agent) == (identity, identity)
+    assert ("--peer-grants" in coordinator, "--peer-grants" in agent) == (grants, grants)
