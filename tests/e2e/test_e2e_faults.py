@@ -10,8 +10,8 @@ from tests.helpers.jobs import (
     losses,
     run_job,
     status_of,
+    wait_safe_is_newest,
 )
-from tests.helpers.polling import wait_until
 
 
 def freeze(agent, seconds: float) -> threading.Thread:
@@ -47,11 +47,7 @@ def test_node_loss_while_the_only_other_holder_is_frozen_restores_the_newest_ste
         "identity at step 9",
     )
     before = kill_past_newest_commit(job)
-    wait_until(
-        lambda: status_of(cluster, job)["safe_step"] == status_of(cluster, job)["newest_complete_step"],
-        30,
-        "identity of the last step",
-    )
+    wait_safe_is_newest(cluster, job, 30, "identity of the last step")
     safe = status_of(cluster, job)["safe_step"]
     # Rank 1's only other copy is rank 3's identical data on node-3: freeze it for 20 s (5x the node
     # timeout) while node-1 is lost and the pods are recreated (its pod's unpublish waits for it, as

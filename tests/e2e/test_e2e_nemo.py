@@ -20,6 +20,7 @@ from tests.helpers.jobs import (
     replace_node,
     run_job,
     status_of,
+    wait_safe_is_newest,
 )
 from tests.helpers.polling import wait_until
 
@@ -130,11 +131,7 @@ def test_nemo_saves_are_no_error_commit_g_minus_1_replicated_and_restore_exactly
     # 2. Node loss: node 1 dies with its ramdisk; its rank restores from the replica on node 0.
     job.wait(lambda: (status_of(cluster, job)["safe_step"] or 0) > step, 180, f"a replicated commit after {step}")
     before = kill_past_newest_commit(job, timeout=120, past=2)
-    wait_until(
-        lambda: status_of(cluster, job)["safe_step"] == status_of(cluster, job)["newest_complete_step"],
-        60,
-        "replicas caught up",
-    )
+    wait_safe_is_newest(cluster, job, 60, "replicas caught up")
     step = status_of(cluster, job)["safe_step"]
     job.agents[:] = replace_node(cluster, job, 1)
     resume(job, tmp_path, "dump-3", step, before)

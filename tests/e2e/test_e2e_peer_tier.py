@@ -31,8 +31,8 @@ from tests.helpers.jobs import (
     rerun,
     run_job,
     status_of,
+    wait_safe_is_newest,
 )
-from tests.helpers.polling import wait_until
 from tests.helpers.steps import flip_byte
 
 LONG_RUN = UNTIL_KILLED
@@ -111,11 +111,7 @@ def test_data_parallel_job_restores_lost_node_from_identical_peer_without_copies
     # Deduplicated: no node holds another rank's data, so the ramdisk holds about one shard.
     assert all(holders == [f"node-{rank}"] for rank, steps in status["held"].items() for holders in steps.values())
     before = kill_past_newest_commit(job)
-    wait_until(
-        lambda: status_of(cluster, job)["safe_step"] == status_of(cluster, job)["newest_complete_step"],
-        30,
-        "identity of the last step",
-    )
+    wait_safe_is_newest(cluster, job, 30, "identity of the last step")
     safe = status_of(cluster, job)["safe_step"]
 
     fresh = lose_node_and_resume(cluster, job, 1, tmp_path, steps=safe + 6)
@@ -142,11 +138,7 @@ def test_replicated_job_saving_faster_than_it_replicates_restores_lost_node_and_
         still, lag = safe_step_advances(cluster, job)
     assert still <= ADVANCE_BOUND_SECONDS and lag <= LAG_BOUND_STEPS, (still, lag)
     before = kill_past_newest_commit(job)
-    wait_until(
-        lambda: status_of(cluster, job)["safe_step"] == status_of(cluster, job)["newest_complete_step"],
-        30,
-        "replicas caught up",
-    )
+    wait_safe_is_newest(cluster, job, 30, "replicas caught up")
     status = status_of(cluster, job)
     safe = status["safe_step"]
     assert status["held"]["1"][str(safe)] == ["node-0", "node-1", "node-3"]  # own, close (b0) and distant (b1)
@@ -254,11 +246,7 @@ def test_with_peer_grants_replicas_and_a_lost_nodes_restore_run_on_grants_and_th
         "a replicated step 5 (its pushes ran on grants)",
     )
     before = kill_past_newest_commit(job)
-    wait_until(
-        lambda: status_of(cluster, job)["safe_step"] == status_of(cluster, job)["newest_complete_step"],
-        30,
-        "replicas caught up",
-    )
+    wait_safe_is_newest(cluster, job, 30, "replicas caught up")
     status = status_of(cluster, job)
     safe = status["safe_step"]
     holders = status["held"]["1"][str(safe)]

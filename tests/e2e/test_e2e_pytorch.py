@@ -21,6 +21,7 @@ from tests.helpers.jobs import (
     replace_node,
     run_job,
     status_of,
+    wait_safe_is_newest,
 )
 from tests.helpers.polling import wait_until
 
@@ -83,11 +84,7 @@ def test_torchrun_job_resumes_exactly_after_preemption_node_loss_and_cluster_los
         f"a replicated step after {step}",
     )
     before = kill_past_newest_commit(job, timeout=120)
-    wait_until(
-        lambda: status_of(cluster, job)["safe_step"] == status_of(cluster, job)["newest_complete_step"],
-        60,
-        "replicas caught up",
-    )
+    wait_safe_is_newest(cluster, job, 60, "replicas caught up")
     step = status_of(cluster, job)["safe_step"]
     job.agents[:] = replace_node(cluster, job, 1)
     resume(job, tmp_path, "dump-3", step, before)
@@ -130,11 +127,7 @@ def test_hsdp_job_restores_a_lost_node_from_its_identical_replica_without_copies
     # Deduplicated: no node holds the other's data.
     assert all(holders == [f"node-{rank}"] for rank, steps in status["held"].items() for holders in steps.values())
     before = kill_past_newest_commit(job, timeout=120)
-    wait_until(
-        lambda: status_of(cluster, job)["safe_step"] == status_of(cluster, job)["newest_complete_step"],
-        30,
-        "identity of the last step",
-    )
+    wait_safe_is_newest(cluster, job, 30, "identity of the last step")
     step = status_of(cluster, job)["safe_step"]
 
     job.agents[:] = replace_node(cluster, job, 1)

@@ -7,6 +7,7 @@ import time
 import numpy as np
 
 from examples.local_cluster import LocalJob, unmount_all_below
+from tests.helpers.polling import wait_until
 from tests.helpers.ports import free_port
 
 TRAIN = ["--steps", "30", "--save-interval-steps", "3", "--backup-interval-steps", "6"]
@@ -146,6 +147,13 @@ def newest_complete_step(coordinator, job):
 def status_of(cluster, job):
     """The coordinator's status of ``job``."""
     return cluster.coordinator.status(job.job)["jobs"][0]
+
+
+def wait_safe_is_newest(cluster, job, timeout: float, what: str) -> None:
+    """Waits up to ``timeout`` seconds until the job's safe step is its newest complete step (``what`` names it)."""
+    wait_until(
+        lambda: status_of(cluster, job)["safe_step"] == status_of(cluster, job)["newest_complete_step"], timeout, what
+    )
 
 
 def lose_node_and_resume(cluster, job, lost_index, tmp_path, steps):

@@ -28,12 +28,12 @@ from tests.helpers.jobs import (
     recreate,
     run_job,
     status_of,
+    wait_safe_is_newest,
 )
 from tests.helpers.kube import register_node
 from tests.helpers.kube.jobset_job import JobSetJob
 from tests.helpers.kube.link import CuttableLink
 from tests.helpers.kube.workloads import example_jobset
-from tests.helpers.polling import wait_until
 from tests.helpers.ports import listen_address
 
 NAMESPACE = "train"
@@ -125,11 +125,7 @@ def test_example_jobset_resumes_through_an_api_outage_preemption_and_node_loss(k
 
     # Preemption: every pod deleted; the JobSet restarts its Jobs and the new pods resume the newest step.
     before = kill_past_newest_commit(job)
-    wait_until(
-        lambda: status_of(cluster, job)["safe_step"] == status_of(cluster, job)["newest_complete_step"],
-        30,
-        "identity of the last step",
-    )
+    wait_safe_is_newest(cluster, job, 30, "identity of the last step")
     step = status_of(cluster, job)["newest_complete_step"]
     recreate(job, tmp_path / "dump-2")
     assert job.attempt == 1
@@ -138,11 +134,7 @@ def test_example_jobset_resumes_through_an_api_outage_preemption_and_node_loss(k
 
     # Node loss: node-1 and its ramdisk are gone; node-4 joins rack-0. The lost rank restores from its data-parallel peer.
     before = kill_past_newest_commit(job)
-    wait_until(
-        lambda: status_of(cluster, job)["safe_step"] == status_of(cluster, job)["newest_complete_step"],
-        30,
-        "identity of the last step",
-    )
+    wait_safe_is_newest(cluster, job, 30, "identity of the last step")
     step = status_of(cluster, job)["newest_complete_step"]
     node_of_rank = {place["rank"]: place["node"] for place in status_of(cluster, job)["ranks"]}
     lost_rank = next(rank for rank, node in node_of_rank.items() if node == "node-1")
