@@ -228,7 +228,15 @@ async def _prove_node(verifier: NodeVerifier, state: ClusterState, node_id: str,
     try:
         admission = await verifier.admit(request.headers.get(NODE_TOKEN_HEADER), node_id)
     except IdentityRefused as err:
-        log.warning("refused a report for node %s from %s (%s): %s", node_id, request.remote, err.reason, err)
+        log.warning(
+            "refused %s %s for node %s from %s (%s): %s",
+            request.method,
+            request.path,
+            node_id,
+            request.remote,
+            err.reason,
+            err,
+        )
         raise error_response(web.HTTPForbidden, str(err), reason=err.reason) from None
     except IdentityUnavailable as err:
         log.error("cannot check the identity of node %s: %s", node_id, err)
@@ -252,8 +260,27 @@ def _take_report(
         raise _conflict(err) from None
 
 
+async def _prove_rank(request: web.Request, key: JobRef, incarnation: str, rank: int) -> str:
+    """The node ``rank`` of the incarnation runs on; with per-node identity, only an agent proving that node may
+    speak for the rank (its settings, its restore view and the grants in it, its staging result).
+
+    Raises:
+      HTTPNotFound: the incarnation or rank is not current.
+      HTTPForbidden, HTTPServiceUnavailable: as ``_prove_node``.
+    """
+    state = request.app[STATE_KEY]
+    try:
+        node = state.node_of_rank(key, incarnation, rank)
+    except UnknownIncarnation as err:
+        raise _not_found(err) from None
+    if (verifier := request.app.get(VERIFIER_KEY)) is not None:
+        await _prove_node(verifier, state, node, request)
+    return node
+
+
 async def post_settings(request: web.Request) -> web.StreamResponse:
     body = await _body(request, SettingsRequest)
+    await _prove_rank(request, _job_key(request), body.incarnation, body.rank)
     try:
         request.app[STATE_KEY].record_settings(_job_key(request), body.incarnation, body.rank, body.settings)
     except UnknownIncarnation as err:
@@ -271,14 +298,9 @@ async def get_restore(request: web.Request) -> web.StreamResponse:
     key, seen = _job_key(request), request.query.get("seen")
     state, changes = request.app[STATE_KEY], request.app[CHANGES_KEY]
     deadline = time.monotonic() + wait
-    if (signer := request.app.get(SIGNER_KEY)) is not None:
-        # The view will grant its sources to the rank's node: with per-node identity, only to an agent there.
-        try:
-            node = state.node_of_rank(key, incarnation, rank)
-        except UnknownIncarnation as err:
-            raise _not_found(err) from None
-        if (verifier := request.app.get(VERIFIER_KEY)) is not None:
-            await _prove_node(verifier, state, node, request)
+    signer = request.app.get(SIGNER_KEY)
+    # The view grants its sources to the rank's node: with per-node identity, it goes only to an agent there.
+    node = await _prove_rank(request, key, incarnation, rank)
     with contextlib.suppress(UnknownIncarnation):  # answered below
         state.touch_rank(key, incarnation, rank, time.time())  # when it asks: a killed agent's poll may linger
     while True:
@@ -306,6 +328,7 @@ async def get_restore(request: web.Request) -> web.StreamResponse:
 
 async def post_restore(request: web.Request) -> web.StreamResponse:
     body = await _body(request, StagedReport)
+    await _prove_rank(request, _job_key(request), body.incarnation, body.rank)
     try:
         request.app[STATE_KEY].report_staged(
             _job_key(request), body.incarnation, body.generation, body.rank, body.source, body.bad, body.retrying

@@ -28,8 +28,11 @@ from replicator.wire.messages import (
     PROTOCOL_VERSION,
     HeldStep,
     JobRef,
+    JobSettings,
     NodeReport,
     PodReport,
+    SettingsRequest,
+    StagedReport,
     to_json,
 )
 from replicator.wire.operator import ClusterStatus, JobStatus
@@ -373,6 +376,15 @@ async def test_a_silent_node_is_taken_over_only_by_an_agent_on_it(cluster, coord
     assert X in (await status(base)).nodes
 
 
+async def post_job(base: str, route: str, body, node_token: str | None) -> tuple[int, dict]:
+    """A rank's POST to the job's ``route`` (``settings`` or ``restore``) presenting ``node_token``."""
+    headers = {"Authorization": f"Bearer {CLUSTER_TOKEN}", **({NODE_TOKEN_HEADER: node_token} if node_token else {})}
+    async with aiohttp.ClientSession() as session:
+        url = f"{base}/v1/jobs/{KEY.namespace}/{KEY.job}/{route}"
+        async with session.post(url, json=to_json(body), headers=headers) as response:
+            return response.status, await response.json(content_type=None)
+
+
 async def restore_view(base: str, incarnation: str, rank: int, node_token: str | None) -> tuple[int, dict]:
     """A rank's restore view as the agent asks for it (a short long poll), presenting ``node_token``."""
     headers = {"Authorization": f"Bearer {CLUSTER_TOKEN}", **({NODE_TOKEN_HEADER: node_token} if node_token else {})}
@@ -419,3 +431,28 @@ async def test_with_peer_grants_a_restore_view_and_its_grants_go_only_to_the_ran
         assert check(source["holder"]).frm == Y
         with pytest.raises(GrantRefused, match="other node"):  # not to be replayed at another holder
             check("forged-z")
+
+
+async def test_a_ranks_settings_restore_view_and_staging_result_come_only_from_its_node(cluster, coordinator, tokens):
+    """Per-node identity on the routes an agent calls for its ranks: X's token speaks for none of Y's rank."""
+    base, _ = coordinator
+    incarnation, rank_of = await run_job(base, tokens)
+    rank = rank_of[Y]
+    settings = SettingsRequest(incarnation, rank, JobSettings((), 1, None, 100))
+    staged = StagedReport(incarnation, "forged-generation", rank, "local:forged-x")
+    wrong = await refusals(base, "wrong_node")
+    for token, reason in ((tokens[X], "wrong_node"), (None, "missing")):
+        assert [
+            (code, body.get("reason"))
+            for code, body in (
+                await post_job(base, "settings", settings, token),
+                await restore_view(base, incarnation, rank, token),
+                await post_job(base, "restore", staged, token),
+            )
+        ] == [(403, reason)] * 3
+    assert await refusals(base, "wrong_node") == wrong + 3
+    code, body = await post_job(base, "settings", settings, tokens[Y])
+    assert code == 200, body
+    code, view = await restore_view(base, incarnation, rank, tokens[Y])
+    assert code == 200 and view["step"] == STEP, view
+    assert all(source["grant"] is None for source in view["sources"]), view  # this coordinator signs no grants
