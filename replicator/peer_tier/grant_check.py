@@ -15,6 +15,7 @@ from typing import NoReturn
 from aiohttp import web
 from prometheus_client import Counter
 
+from replicator.peer_tier.params import int_param
 from replicator.wire.bearer import Handler
 from replicator.wire.grants import GRANT_HEADER, GrantKeys, GrantRefused, Operation
 from replicator.wire.http_errors import error_response
@@ -34,13 +35,6 @@ class PeerGrants:
     node_id: str
 
 
-def _number(request: web.Request, name: str) -> int:
-    value = request.match_info[name]
-    if not (value.isascii() and value.isdigit()):
-        raise error_response(web.HTTPBadRequest, f"{name} {value!r} is not a non-negative integer")
-    return int(value)
-
-
 def require_grant(handler: Handler, allowed: tuple[Operation, ...], grants: PeerGrants) -> Handler:
     """Wraps a handler of a route under ``.../ranks/{rank}/steps/{step}`` so that it runs only for a request whose
     grant allows one of ``allowed`` on that copy at this node; others get 403 before the handler reads anything."""
@@ -54,8 +48,8 @@ def require_grant(handler: Handler, allowed: tuple[Operation, ...], grants: Peer
                 allowed=allowed,
                 namespace=info["namespace"],
                 job=info["job"],
-                rank=_number(request, "rank"),
-                step=_number(request, "step"),
+                rank=int_param(request, "rank"),
+                step=int_param(request, "step"),
                 node=grants.node_id,
                 now=time.time(),
             )

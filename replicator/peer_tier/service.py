@@ -42,6 +42,7 @@ from replicator.local_tier.job_meta import JobMeta
 from replicator.local_tier.step_manifest import StepManifest, safe_relpath, verify_step
 from replicator.pacing.cpu_share import CpuShare
 from replicator.peer_tier.grant_check import PeerGrants, refuse_listing, require_grant
+from replicator.peer_tier.params import int_param
 from replicator.peer_tier.protocol import (
     COMMIT_SUFFIX,
     FILES_SUFFIX,
@@ -178,13 +179,6 @@ class _Uploads:
                 shutil.rmtree(upload.directory, ignore_errors=True)
 
 
-def _int_param(request: web.Request, name: str) -> int:
-    value = request.match_info[name]
-    if not (value.isascii() and value.isdigit()):
-        raise error_response(web.HTTPBadRequest, f"{name} {value!r} is not a non-negative integer")
-    return int(value)
-
-
 def _path_param(request: web.Request) -> str:
     try:
         return safe_relpath(request.match_info["path"])
@@ -303,7 +297,7 @@ class _PeerService:
         return ramdisk, JobMeta(ramdisk)
 
     def _step_ref(self, request: web.Request) -> _StepRef:
-        rank, step = _int_param(request, "rank"), _int_param(request, "step")
+        rank, step = int_param(request, "rank"), int_param(request, "step")
         return _StepRef(*self._job(request), rank, step)
 
     @overload
