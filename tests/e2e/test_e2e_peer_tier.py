@@ -245,6 +245,15 @@ def test_with_peer_grants_replicas_and_a_lost_nodes_restore_run_on_grants_and_th
         180,
         "a replicated step 5 (its pushes ran on grants)",
     )
+    # A restarted coordinator signs with a new key: the agents learn it from its replies and replication goes on.
+    safe = status_of(cluster, job)["safe_step"]
+    cluster.coordinator.kill()
+    cluster.coordinator.start()
+    job.wait(
+        lambda: (s := status_of(cluster, job))["safe_step"] is not None and s["safe_step"] >= safe + 3,
+        120,
+        "replicated steps after the coordinator's restart, on its new key's grants",
+    )
     before = kill_past_newest_commit(job)
     wait_safe_is_newest(cluster, job, 30, "replicas caught up")
     status = status_of(cluster, job)
