@@ -38,6 +38,7 @@ from replicator.local_tier.log_once import LogOnce, report_to_job
 from replicator.local_tier.step_manifest import CorruptCopy, StepManifest, UnusableCopy
 from replicator.local_tier.steps import drop_abandoned
 from replicator.pacing import timing
+from replicator.parity import decoder
 from replicator.peer_tier.client import PeerFetchError, fetch_manifest, fetch_step
 from replicator.wire.bearer import Tokens
 from replicator.wire.coordinator_client import CoordinatorClient, CoordinatorUnavailable
@@ -328,6 +329,8 @@ class Restorer:
         with RESTORE_IN_FLIGHT.transfer(disk.namespace, disk.job, need) as fetched:
             if source.tier == Tier.BACKUP:
                 await self._stage_from_backup(disk, meta, progress, view, source, fetched)
+            elif source.tier == Tier.DECODE:
+                await self._stage_from_parity(session, disk, meta, progress, view, source, fetched)
             else:
                 await self._stage_from_peer(session, disk, meta, progress, view, source, fetched)
 
@@ -396,6 +399,45 @@ class Restorer:
             raise _Unreachable(str(err) or repr(err)) from err
         await asyncio.to_thread(staging.install_staged, meta.framework, disk.client_dir, step, incoming)
         # Recorded as this rank's step: from now on this node serves it for this rank.
+        meta.save_manifest(dataclasses.replace(manifest, rank=_rank(progress), timeline=len(view.forks)))
+
+    async def _stage_from_parity(
+        self,
+        session: aiohttp.ClientSession,
+        disk: Ramdisk,
+        meta: JobMeta,
+        progress: PodProgress,
+        view: RestoreView,
+        source: Source,
+        fetched: Callable[[int], None],
+    ) -> None:
+        """Rebuilds the view's step from the rank's parity group (``replicator.parity.decoder``) into the
+        ramdisk, verified against the owner's checksums, then stages it. Raises as ``_stage_from``."""
+        step = _step(view)
+        if self._peer_token is None or source.recipe is None or source.files is None:
+            raise UnusableCopy("a decode needs the peer tier, the group's recipe and the owner's checksums")
+        manifest = StepManifest(step, source.data_rank, dict(source.files))
+        incoming = meta.new_incoming_dir()
+        try:
+            await decoder.rebuild(
+                session,
+                self._peer_token.current,
+                disk.namespace,
+                disk.job,
+                step,
+                source.data_rank,
+                source.files,
+                source.recipe,
+                incoming,
+                on_range=fetched,
+            )
+        except UnusableCopy:
+            shutil.rmtree(incoming, ignore_errors=True)
+            raise
+        except (TimeoutError, PeerFetchError, OSError, aiohttp.ClientError) as err:
+            shutil.rmtree(incoming, ignore_errors=True)
+            raise _Unreachable(str(err) or repr(err)) from err
+        await asyncio.to_thread(staging.install_staged, meta.framework, disk.client_dir, step, incoming)
         meta.save_manifest(dataclasses.replace(manifest, rank=_rank(progress), timeline=len(view.forks)))
 
     async def _stage_from_backup(

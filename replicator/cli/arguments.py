@@ -23,7 +23,7 @@ from csi_driver.quantity import parse_quantity
 from csi_driver.server import socket_path
 from replicator.backup_tier.filesystem import FileObjects
 from replicator.backup_tier.object_store import bucket_and_prefix
-from replicator.wire import tls
+from replicator.wire import redundancy, tls
 from replicator.wire.messages import JobRef
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -95,6 +95,14 @@ def positive_float(text: str) -> float:
 
 def non_negative_float(text: str) -> float:
     return _number(text, float, 0.0, False, "a number of at least 0")
+
+
+def redundancy_setting(text: str) -> str:
+    """``replicas``, ``xor:N`` or ``rs:N:K`` (``replicator.wire.redundancy``), as given."""
+    try:
+        return str(redundancy.parse(text))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def positive_int(text: str) -> int:

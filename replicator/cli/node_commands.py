@@ -27,6 +27,7 @@ from replicator.cli.arguments import (
     positive_int,
     quantity,
     readable_file,
+    redundancy_setting,
     server_pair_error,
     token_file,
     usage_error,
@@ -125,6 +126,14 @@ def add(sub: argparse._SubParsersAction) -> None:
         default=1,
         help="peers holding replicas of each step when data parallelism is 1 (default 1)",
     )
+    p.add_argument(
+        "--redundancy",
+        type=redundancy_setting,
+        default="replicas",
+        help="how RAM copies survive node loss unless a job's replicator.yaml says: replicas (full copies on "
+        "--replicas peers), xor:N (groups of N nodes, one loss per group, N/(N-1) of the checkpoint in RAM) or "
+        "rs:N:K (Reed-Solomon, K losses per group); only ranks without a data-parallel peer are encoded",
+    )
     p.add_argument("--backup-keep", type=positive_int, default=3, help="complete backups kept per job (default 3)")
     p.add_argument(
         "--peer-tls-cert", type=readable_file, help="serve the HTTP side over TLS with this certificate (PEM)"
@@ -195,6 +204,7 @@ def _node_config(args: argparse.Namespace) -> NodeConfig:
             listen=args.listen,
             token_file=args.peer_token_file,
             replicas=args.replicas,
+            redundancy=args.redundancy,
             tls_cert=args.peer_tls_cert,
             tls_key=args.peer_tls_key,
             tls_ca=args.peer_tls_ca,

@@ -122,6 +122,7 @@ class Memos:
         (incarnation id, ``Liveness.replicas_epoch``).
       known_steps: the steps held in any tier at the last sweep (tables are swept on a change).
       round_for: the incarnation id ``Decisions.round`` was chosen in.
+      groups: the parity groups (``parity.groups``), chosen for ``groups_for``: (incarnation id, setting, ranks).
     """
 
     held: HeldMemo = dataclasses.field(default_factory=HeldMemo)
@@ -132,6 +133,8 @@ class Memos:
     replicas_for: tuple[str, int] | None = None
     known_steps: frozenset[int] = frozenset()
     round_for: str | None = None
+    groups: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+    groups_for: tuple[str, str, tuple[int, ...]] | None = None
 
 
 @dataclasses.dataclass

@@ -38,12 +38,14 @@ class StepCopy:
       rank: the node rank whose data it is.
       holder: node id holding it (or ``"backup"`` for object storage).
       backup: True when ``holder`` is the object-storage tier.
+      decode: True when the rank's parity group can rebuild it (``coordinator.parity``).
     """
 
     step: int
     rank: int
     holder: str
     backup: bool = False
+    decode: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,6 +213,8 @@ def _fan_out(
 def _tier(copy: StepCopy, target: str, block_of: Mapping[str, str]) -> Tier:
     if copy.backup:
         return Tier.BACKUP
+    if copy.decode:
+        return Tier.DECODE
     if copy.holder == target:
         return Tier.LOCAL
     same_block = block_of.get(copy.holder) is not None and block_of.get(copy.holder) == block_of.get(target)
@@ -225,6 +229,8 @@ def _fastest_first(source: tuple[Tier, str, int]) -> tuple[int, str, int]:
 def _ranked_sources(
     copies: list[StepCopy], target: str, block_of: Mapping[str, str], usable: frozenset[Tier]
 ) -> tuple[PlannedSource, ...]:
+    # By expected time: a peer's copy is one stream; a decode reads as many bytes from N - K nodes and rebuilds
+    # them at a few GB/s per core; the backup tier is an object store.
     ranked = sorted({(_tier(c, target, block_of), c.holder, c.rank) for c in copies}, key=_fastest_first)
     return tuple(PlannedSource(tier, holder, rank) for tier, holder, rank in ranked if tier in usable)
 

@@ -53,13 +53,22 @@ def place(job: JobState, liveness: Liveness, replicas: int) -> None:
         job.beliefs.order(job.decided.targets)
 
 
-def choose_round(job: JobState, safe: int | None) -> int | None:
-    """The step every rank replicates now (see the module docstring), or None: data parallelism above 1, no
-    settings yet, or no step newer than ``safe`` held by every rank's own node."""
+def choose_round(job: JobState, safe: int | None, encoded: list[int] | None = None) -> int | None:
+    """The step every rank replicates now (see the module docstring), or None: data parallelism above 1 with
+    full replicas, no settings yet, or no step newer than ``safe`` held by every rank's own node.
+
+    Args:
+      encoded: under parity redundancy, the encoded ranks (``parity.encoded_ranks``): the round is a step their
+        own nodes all hold, whatever the data parallelism; None for full replicas.
+    """
     incarnation = job.incarnation
-    if incarnation is None or not job.settings or job.identity.data_parallelism > 1:
+    if incarnation is None or not job.settings or (encoded is None and job.identity.data_parallelism > 1):
         return None
     node_of_rank = incarnation.node_of_rank
+    if encoded is not None:
+        node_of_rank = {r: node_of_rank[r] for r in encoded if r in node_of_rank}
+        if not node_of_rank:
+            return None
 
     def held_by_every_rank(step: int) -> bool:
         return all(job.claims.of(step, rank).get(node) is False for rank, node in node_of_rank.items())

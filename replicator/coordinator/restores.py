@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import cast
 
-from replicator.coordinator import planner
+from replicator.coordinator import parity, planner
 from replicator.coordinator.incarnations import Incarnation
 from replicator.coordinator.job import JobState
 from replicator.coordinator.liveness import Liveness, NodeState
@@ -29,6 +29,7 @@ BACKUP_HOLDER = "backup"
 # peers. A peer proven bad is excluded and the replan lists the next ones.
 PEER_SOURCES_PER_VIEW = 4
 _PEER_TIERS = frozenset({Tier.PEER_CLOSE, Tier.PEER_DISTANT})
+_NO_NODE_TIERS = frozenset({Tier.BACKUP, Tier.DECODE})  # no one node holds the copy: never silent
 
 
 class NotReady(Exception):
@@ -150,7 +151,7 @@ def sources_lost(incarnation: Incarnation, rank: int, liveness: Liveness) -> boo
     if incarnation.plan is None or rank in incarnation.staged or incarnation.plan.step is None:
         return False
     sources = incarnation.plan.sources.get(rank, ())
-    return bool(sources) and not any(s.tier == Tier.BACKUP or liveness.holds_data(s.holder) for s in sources)
+    return bool(sources) and not any(s.tier in _NO_NODE_TIERS or liveness.holds_data(s.holder) for s in sources)
 
 
 def view(
@@ -174,9 +175,9 @@ def view(
     silent: list[planner.PlannedSource] = []
     for s in plan_.sources.get(rank, ()):
         state = states.get(s.holder)
-        (live if s.tier == Tier.BACKUP or (state is not None and now - state.last_seen <= timeout) else silent).append(
-            s
-        )
+        (
+            live if s.tier in _NO_NODE_TIERS or (state is not None and now - state.last_seen <= timeout) else silent
+        ).append(s)
     planned, peers = [], 0
     for s in live + silent:
         peers += s.tier in _PEER_TIERS
@@ -197,6 +198,7 @@ def view(
             s.data_rank,
             _expected_files(key, job, plan_.step, s, warned),  # type: ignore[arg-type]  # no sources without a step
             backups.get(plan_.step, 0) if s.tier == Tier.BACKUP else 0,  # type: ignore[arg-type]  # as above
+            recipe=parity.recipe(key, job, liveness, plan_.step, s.data_rank) if s.tier == Tier.DECODE else None,  # type: ignore[arg-type]  # as above
         )
         for s in planned
     )

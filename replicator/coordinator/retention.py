@@ -14,6 +14,7 @@ def safe_step(
     replicas: int,
     backed_up: set[int],
     live_copies: Callable[[], list[planner.StepCopy]],
+    encoded_safe: Callable[[int], bool] | None = None,
 ) -> tuple[int | None, int]:
     """The newest step complete for every rank whose every rank's data also exists elsewhere: on a
     data-parallel peer established identical, or on the wanted number of holders, a complete backup
@@ -23,6 +24,8 @@ def safe_step(
     Args:
       replicas: replicas wanted per rank; backed_up: complete backups of the lineage.
       live_copies: called for the believed copies on live nodes, only when a backed-up step needs one.
+      encoded_safe: under parity redundancy, whether a step survives the setting's losses (``parity.safe``),
+        in place of the replica count; a complete backup still makes a step safe.
 
     Returns:
       (the step or None, the ranks looked at one by one).
@@ -39,6 +42,11 @@ def safe_step(
     data_parallel = job.identity.data_parallelism > 1
     covered, checks = job.identity.covered, 0
     for step in sorted(job.claims.step_ranks, reverse=True):
+        if encoded_safe is not None:
+            checks += nodes
+            if encoded_safe(step) or (step in backed_up and any(c.step == step for c in live_copies())):
+                return step, checks
+            continue
         if data_parallel:
             if len(covered.get(step, ())) >= nodes and covered[step].issuperset(range(nodes)):
                 held, walked = _every_rank_held(job, liveness, step, nodes, 1)

@@ -26,6 +26,7 @@ from replicator.coordinator import (
     backups,
     incarnations,
     lineage,
+    parity,
     planner,
     replicas,
     restores,
@@ -214,6 +215,8 @@ class ClusterState:
             or len(bound.claims) != len(report.held)
             or lineage.news(report, self._jobs)
         ):
+            if bound is not None and bound.report.shards != report.shards:  # parity built or dropped: safety moves
+                self._mark_dirty({JobRef(s.namespace, s.job) for s in (*bound.report.shards, *report.shards)})
             self._apply(sync.absorb(self._jobs, self.liveness, report.node_id, bound, report, self._warned))
         self.touch(report.node_id, now)
         for key in self.liveness.nodes[report.node_id].job_keys():
@@ -254,6 +257,7 @@ class ClusterState:
         return ReportReply(
             assignments=tuple(a for p in state.report.pods if (a := self.assignment(p)) is not None),
             replicate=tuple(order for key, job in jobs for order in replicas.orders(key, job, state, self.liveness)),
+            encode=tuple(order for key, job in jobs for order in parity.orders(key, job, state, self.liveness)),
             retain=tuple(job.decided.retain for _, job in jobs if job.decided.retain is not None),
             backup=tuple(order for key, job in jobs for order in backups.orders(key, job, state, self.shared_backup)),
             heartbeat_seconds=self.heartbeat_seconds,
@@ -300,14 +304,20 @@ class ClusterState:
         listed = backups.listed(job, liveness.nodes)
         job.forget_gone_steps(frozenset(job.claims.step_ranks) | (backed if listed else set(job.backup_seen)))
         if job.incarnation is not None:
+            setting = parity.redundancy(job, liveness)
             wanted = replicas.wanted(job, liveness)
-            replicas.place(job, liveness, wanted)
+            replicas.place(job, liveness, 0 if setting.encoded else wanted)
+            encoded_safe = (
+                (lambda step: parity.safe(key, job, liveness, setting, step, job.identity.covered.get(step, set())))
+                if setting.encoded
+                else None
+            )
             safe, checks = retention.safe_step(
-                job, liveness, wanted, backed, lambda: retention.copies(job, liveness, True)
+                job, liveness, wanted, backed, lambda: retention.copies(job, liveness, True), encoded_safe
             )
             self.rank_checks += checks
             job.decided.safe = safe
-            job.decided.round = replicas.choose_round(job, safe)
+            job.decided.round = replicas.choose_round(job, safe, parity.encoded_ranks(job) if setting.encoded else None)
         else:
             job.decided.safe = job.decided.round = None
         job.decided.lister = backups.choose_lister(job, liveness)
@@ -337,6 +347,7 @@ class ClusterState:
         if job is None:
             return []
         held = retention.copies(job, self.liveness, live_only)
+        held += parity.decodable(key, job, self.liveness, held)
         if not with_backups:
             return held
         ranks = job.ranks()

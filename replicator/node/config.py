@@ -45,6 +45,7 @@ class PeerSettings:
         the first is presented to peers and the coordinator, each is accepted by the peer service; read
         again when it changes. None runs without the peer tier.
       replicas: peers that hold replicas of this node's steps when data parallelism is 1 (1 or 2).
+      redundancy: the jobs' redundancy unless their settings say (``replicator.wire.redundancy``).
       tls_cert, tls_key: serve the HTTP side over TLS with this certificate (PEM files), or None
         for plain HTTP.
       tls_ca: CA bundle (PEM) that peers' certificates are checked against, or None for the system's.
@@ -60,6 +61,7 @@ class PeerSettings:
     listen: str
     token_file: str | None = None
     replicas: int = 1
+    redundancy: str = "replicas"
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None

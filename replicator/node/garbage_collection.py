@@ -3,13 +3,14 @@
 from csi_driver.ramdisk import Ramdisk
 from replicator.local_tier.job_keys import BusySteps, job_of
 from replicator.local_tier.job_meta import JobMeta
+from replicator.local_tier.parity_shards import ParityShards
 from replicator.local_tier.steps import GC_DELETED, delete_step, drop_abandoned
 from replicator.node.handshake import current_pod
 from replicator.wire.messages import RetainOrder
 
 
 def collect_garbage(disk: Ramdisk, order: RetainOrder, busy_steps: BusySteps) -> None:
-    """Deletes own steps and replicas older than the newest safe step (see ``RetainOrder``), the
+    """Deletes own steps, replicas and parity shards older than the newest safe step (see ``RetainOrder``), the
     steps the pod's restore set aside once a step newer than the restored one is safe, and
     copies of abandoned timelines (finishing a deletion an agent restart interrupted).
     Steps in ``busy_steps`` (being read by a push or an upload) are kept."""
@@ -31,6 +32,7 @@ def collect_garbage(disk: Ramdisk, order: RetainOrder, busy_steps: BusySteps) ->
         ) and step not in keep:
             meta.drop_replica(rank, step)
             GC_DELETED.inc()
+    GC_DELETED.inc(ParityShards(disk.path).drop_older(order.keep_from, keep))
 
 
 def restored_step(disk: Ramdisk, meta: JobMeta) -> int | None:

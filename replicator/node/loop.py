@@ -26,6 +26,7 @@ from replicator.local_tier import space, steps
 from replicator.local_tier.job_keys import BusySteps, by_job, job_of
 from replicator.local_tier.job_meta import JobMeta, PodProgress
 from replicator.local_tier.log_once import LogOnce
+from replicator.local_tier.parity_shards import ParityShards
 from replicator.local_tier.steps import drop_abandoned
 from replicator.node import handshake
 from replicator.node.commit_detection import CommitDetector
@@ -35,11 +36,12 @@ from replicator.node.pushes import Pusher
 from replicator.node.report_session import HeldCopy, OwnStep, ReportSession
 from replicator.pacing import timing
 from replicator.pacing.cpu_share import CpuShare
+from replicator.parity.encoder import Encoder
 from replicator.wire import tls
 from replicator.wire.bearer import Tokens
 from replicator.wire.coordinator_client import CoordinatorClient, CoordinatorUnavailable
 from replicator.wire.grants import GrantKeys
-from replicator.wire.messages import Assignment, JobRef, Lineage, NodeReport, PodReport, RetainOrder
+from replicator.wire.messages import Assignment, HeldShard, JobRef, Lineage, NodeReport, PodReport, RetainOrder
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +121,7 @@ class NodeReplicator:
             config.pacing.restore_deadline_seconds,
             self.make_room,
         )
+        self._encoder = Encoder(peer_token, share, self._log_once) if peer_token is not None else None
         self._commits = CommitDetector(share, self.poke)
         self._unsettled = handshake.UnsettledConfigs()
         self._listing: asyncio.Task | None = None
@@ -130,6 +133,7 @@ class NodeReplicator:
             config.topology,
             config.peer.replicas,
             backup_store is not None,
+            config.peer.redundancy,
         )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._workers: dict[JobRef, asyncio.Task] = {}
@@ -181,6 +185,7 @@ class NodeReplicator:
                 tasks = [
                     *self._workers.values(),
                     *(self._pusher.tasks() if self._pusher else []),
+                    *(self._encoder.tasks() if self._encoder else []),
                     *([self._listing] if self._listing else []),
                 ]
                 for task in tasks:
@@ -273,6 +278,9 @@ class NodeReplicator:
         if self._pusher is not None:
             for order in reply.replicate:
                 self._pusher.start(self._session, disks, order)  # type: ignore[arg-type]  # run set it before the first report
+        if self._encoder is not None:
+            for encode in reply.encode:
+                self._encoder.start(self._session, disks, encode)  # type: ignore[arg-type]  # as above
         self._retain = {JobRef(order.namespace, order.job): order for order in reply.retain}
         self._retain_sent = sent
         for retain in reply.retain:
@@ -288,8 +296,13 @@ class NodeReplicator:
     def _build_report(self, disks: Mapping[JobRef, Ramdisk]) -> NodeReport:
         """The node's report (see ``ReportSession.build``), from its ramdisks."""
         pods, own, replicas, lineages, waiting, job_frameworks = [], [], [], [], False, {}
+        shards: list[HeldShard] = []
         for job, disk in disks.items():
             meta = JobMeta(disk.path)
+            shards += [
+                HeldShard(job.namespace, job.job, s.step, s.members, s.parity, s.stripe, s.index, s.bytes, s.crc32c)
+                for s in ParityShards(disk.path).held()
+            ]
             framework = job_frameworks[job] = meta.framework
             if forks := meta.lineage():
                 lineages.append(Lineage(disk.namespace, disk.job, forks))
@@ -330,7 +343,7 @@ class NodeReplicator:
                 if (rank, step) not in mine
             ]
         backed_up = self._backup.listing.values() if self._backup else ()
-        return self._reporting.build(pods, own, replicas, backed_up, waiting, lineages, job_frameworks)
+        return self._reporting.build(pods, own, replicas, backed_up, waiting, lineages, job_frameworks, shards)
 
     # -- per-job workers -----------------------------------------------------------------------
 

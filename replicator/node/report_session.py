@@ -26,6 +26,7 @@ from replicator.wire.messages import (
     PROTOCOL_VERSION,
     BackedUp,
     Files,
+    HeldShard,
     HeldStep,
     JobRef,
     Lineage,
@@ -56,7 +57,7 @@ class OwnStep(msgspec.Struct, frozen=True, gc=False):
 def report_shape(report: NodeReport) -> tuple:
     """What a report says, checksums aside: a report that says the same again is a heartbeat."""
     held = tuple((h.namespace, h.job, h.step, h.rank, h.timeline, h.replica) for h in report.held)
-    return report.url, report.pods, held, report.backed_up, report.topology, report.lineages
+    return report.url, report.pods, held, report.backed_up, report.topology, report.lineages, report.shards
 
 
 class ReportSession:
@@ -68,10 +69,18 @@ class ReportSession:
     """
 
     def __init__(
-        self, node_id: str, url: str, pod_address: str | None, topology: dict[str, str], replicas: int, has_backup: bool
+        self,
+        node_id: str,
+        url: str,
+        pod_address: str | None,
+        topology: dict[str, str],
+        replicas: int,
+        has_backup: bool,
+        redundancy: str = "replicas",
     ):
         self._identity = (node_id, url, pod_address, topology)
         self._replicas = replicas
+        self._redundancy = redundancy
         self._has_backup = has_backup
         self._sent_files: set[HeldCopy] = set()
         self._signatures: dict[HeldCopy, str | None] = {}
@@ -92,6 +101,7 @@ class ReportSession:
         waiting: bool,
         lineages: Iterable[Lineage] = (),
         job_frameworks: Mapping[JobRef, frameworks.Framework] | None = None,
+        shards: Iterable[HeldShard] = (),
     ) -> NodeReport:
         """The node's report.
 
@@ -104,6 +114,7 @@ class ReportSession:
           lineages: the rollbacks of its jobs it knows of.
           job_frameworks: job -> the job's framework, which signs its steps
             (``Framework.logical_signature``); a job not listed is ``frameworks.DEFAULT``'s.
+          shards: the parity shards it holds.
         """
         held, keys = [], set()
         for own_step in own:
@@ -138,6 +149,8 @@ class ReportSession:
             protocol=PROTOCOL_VERSION,
             waiting=waiting,
             lineages=tuple(lineages),
+            redundancy=self._redundancy,
+            shards=tuple(shards),
         )
 
     def due(self, report: NodeReport, now: float) -> bool:

@@ -42,6 +42,7 @@ from replicator.peer_tier.protocol import (
     COMMIT_SUFFIX,
     FILES_SUFFIX,
     MANIFEST_SUFFIX,
+    SHARD_SUFFIX,
     STEP_BYTES_HEADER,
     STEP_PATH,
     UPLOAD_HEADER,
@@ -455,3 +456,35 @@ async def push_step(
             await _raise_for(response, f"commit of rank {manifest.rank} step {manifest.step} to {base_url}")
     except (TimeoutError, aiohttp.ClientError) as err:
         raise PeerFetchError(f"pushing rank {manifest.rank} step {manifest.step} to {base_url}: {err!r}") from None
+
+
+async def fetch_range(
+    session: aiohttp.ClientSession, url: str, token: str, offset: int, length: int, grant: str | None = None
+) -> bytes:
+    """Bytes ``[offset, offset + length)`` of one file a peer serves (a step's file or a parity shard).
+
+    Raises:
+      PeerFetchError: not reached, an error status, or fewer bytes than asked (``UnusablePeerCopy`` for 404/410).
+    """
+    headers = _headers(token, grant) | {"Range": f"bytes={offset}-{offset + length - 1}"}
+    try:
+        async with session.get(url, headers=headers) as response:
+            await _raise_for(response, f"GET {url}")
+            body = await response.read()
+    except (TimeoutError, aiohttp.ClientError) as err:
+        raise PeerFetchError(f"GET {url} bytes {offset}+{length}: {err!r}") from None
+    if response.status != 206 and offset:
+        body = body[offset : offset + length]  # a server that ignored the Range sent the whole file
+    if len(body) != length:
+        raise UnusablePeerCopy(f"GET {url}: {len(body)} of the {length} bytes at {offset}")
+    return body
+
+
+def file_url(base_url: str, namespace: str, job: str, rank: int, step: int, rel: str) -> str:
+    """The URL of one file of a rank's step on a peer."""
+    return _file_url(_step_url(base_url, namespace, job, rank, step), rel)
+
+
+def shard_url(base_url: str, namespace: str, job: str, group: int, step: int, stripe: int) -> str:
+    """The URL of a parity shard on a peer: stripe ``stripe`` of the group whose first member is ``group``."""
+    return _step_url(base_url, namespace, job, group, step) + SHARD_SUFFIX + str(stripe)

@@ -14,6 +14,8 @@ STEPS_PATH = JOB_PATH + "/steps"  # GET: the steps this node holds for the job
 STEP_PATH = JOB_PATH + "/ranks/{rank}/steps/{step}"
 MANIFEST_SUFFIX = "/manifest"  # GET: the step's StepManifest JSON
 FILES_SUFFIX = "/files/"  # + a relative posix path: GET (honours Range) or PUT one file of a push
+SHARD_SUFFIX = "/parity/"  # + a stripe: GET (honours Range) a parity shard; {rank} is the group's first member
+SHARD_CRC_HEADER = "X-MTC-Shard-CRC32C"  # a served shard's CRC-32C, 8 hex digits
 COMMIT_SUFFIX = "/commit"  # POST the manifest: verify a push and install it as a replica
 
 # A push names its upload with this header on every PUT and on the commit; the client picks the id.

@@ -9,6 +9,8 @@ requiring ``Authorization: Bearer <token>`` (401 otherwise); paths and header na
 - ``GET  .../ranks/{rank}/steps/{step}/files/{path}``: one file of the manifest; honours ``Range``.
   A 404 from these two proves the node no longer holds the copy (the fetching node never tries it
   again), so a lookup that met the step's directory being moved is made again before it is sent.
+- ``GET  .../ranks/{group}/steps/{step}/parity/{stripe}``: a parity shard (``replicator.local_tier.parity_shards``)
+  of the group whose first member is ``group``; honours ``Range``; its CRC-32C in ``X-MTC-Shard-CRC32C``.
 - ``PUT  .../ranks/{rank}/steps/{step}/files/{path}``: one file of a replica push, with header
   ``X-MTC-Upload: <hex id>`` chosen by the client and ``X-MTC-Step-Bytes: <the step's total bytes>``;
   the body streams into that upload's incoming dir. 201 ``{"bytes": n}``; 507 when it does not fit on
@@ -39,6 +41,7 @@ from aiohttp import web
 from csi_driver.volume_request import DNS1123_LABEL
 from replicator.local_tier import pod_files, space
 from replicator.local_tier.job_meta import JobMeta
+from replicator.local_tier.parity_shards import ParityShards
 from replicator.local_tier.step_manifest import StepManifest, safe_relpath, verify_step
 from replicator.pacing.cpu_share import CpuShare
 from replicator.peer_tier.grant_check import PeerGrants, refuse_listing, require_grant
@@ -47,6 +50,8 @@ from replicator.peer_tier.protocol import (
     COMMIT_SUFFIX,
     FILES_SUFFIX,
     MANIFEST_SUFFIX,
+    SHARD_CRC_HEADER,
+    SHARD_SUFFIX,
     STEP_BYTES_HEADER,
     STEP_PATH,
     STEPS_PATH,
@@ -349,6 +354,22 @@ class _PeerService:
         _, fd = await self._looked_up(self._step_ref(request), _path_param(request))
         return _DescriptorFileResponse(fd)
 
+    async def get_shard(self, request: web.Request) -> web.StreamResponse:
+        ref, stripe = self._step_ref(request), int_param(request, "stripe")
+        shards = ParityShards(ref.ramdisk)
+        meta = shards.meta(ref.step, ref.rank, stripe)
+        if meta is None:
+            raise error_response(
+                web.HTTPNotFound, f"stripe {stripe} of group {ref.rank} step {ref.step} is not held here"
+            )
+        try:
+            fd = os.open(shards.path(ref.step, ref.rank, stripe), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as err:
+            raise error_response(web.HTTPNotFound, f"the shard cannot be opened: {err.strerror}") from None
+        response = _DescriptorFileResponse(fd)
+        response.headers[SHARD_CRC_HEADER] = meta.crc32c
+        return response
+
     async def put_file(self, request: web.Request) -> web.Response:
         ref, rel, upload_id, declared = (
             self._step_ref(request),
@@ -440,6 +461,7 @@ def add_peer_routes(
             web.get(STEPS_PATH, guarded(service.list_steps)),
             web.get(STEP_PATH + MANIFEST_SUFFIX, guarded(service.get_manifest, "fetch", "push")),
             web.get(STEP_PATH + FILES_SUFFIX + "{path:.+}", guarded(service.get_file, "fetch")),
+            web.get(STEP_PATH + SHARD_SUFFIX + "{stripe}", guarded(service.get_shard, "parity")),
             web.put(STEP_PATH + FILES_SUFFIX + "{path:.+}", guarded(service.put_file, "push")),
             web.post(STEP_PATH + COMMIT_SUFFIX, guarded(service.commit, "push")),
         ]

@@ -37,14 +37,15 @@ CLOCK_SKEW_SECONDS = 30.0
 _MAX_GRANT_CHARS = 2_048
 _KEPT_KEYS = 2
 
-Operation = Literal["fetch", "push"]
+Operation = Literal["fetch", "push", "parity"]
 
 
 class PeerGrant(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The claims of a grant.
 
     Attributes:
-      op: ``fetch`` (GET the step's manifest and files) or ``push`` (PUT its files and commit a replica).
+      op: ``fetch`` (GET the step's manifest and files), ``push`` (PUT its files and commit a replica) or
+        ``parity`` (GET a parity shard of the group whose first member is ``rank``).
       namespace, job, rank, step: the one copy it covers.
       frm: the node that asks (for the serving agent's log; it cannot prove who asks).
       to: the node that serves: the only one that accepts it.

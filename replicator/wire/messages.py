@@ -29,6 +29,8 @@ Step = Annotated[int, msgspec.Meta(ge=0, lt=(1 << 63) - 1)]
 Timeline = Annotated[int, msgspec.Meta(ge=0, le=MAX_LIST)]
 Forks = Annotated[tuple[Step, ...], msgspec.Meta(max_length=MAX_LIST)]
 FileEntry = tuple[Annotated[int, msgspec.Meta(ge=0)], Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{8}$")]]
+# A job's redundancy (``replicator.wire.redundancy``): ``replicas``, ``xor:<group>`` or ``rs:<group>:<parity>``.
+RedundancyText = Annotated[str, msgspec.Meta(pattern=r"^(replicas|xor:[0-9]{1,3}|rs:[0-9]{1,3}:[0-9]{1,2})$")]
 Files = Annotated[dict[Annotated[str, msgspec.Meta(max_length=4_096)], FileEntry], msgspec.Meta(max_length=MAX_FILES)]
 
 M = TypeVar("M")
@@ -87,6 +89,7 @@ class JobSettings(msgspec.Struct, frozen=True, gc=False):
     data_parallelism: Count
     backup_interval_minutes: Annotated[float, msgspec.Meta(gt=0)] | None
     backup_interval_steps: Annotated[int, msgspec.Meta(ge=1)] | None
+    redundancy: RedundancyText | None = None
 
 
 class PodReport(msgspec.Struct, frozen=True, gc=False):
@@ -224,6 +227,8 @@ class NodeReport(msgspec.Struct, frozen=True, gc=False):
       waiting: True when a pod of the node waits for its assignment: the coordinator may hold the
         reply (long poll) until the assignment exists, for up to ``MAX_WAIT_SECONDS``.
       lineages: the rollbacks of its jobs the node knows of (jobs never rolled back are left out).
+      redundancy: how this node's jobs keep RAM copies unless their settings say (``--redundancy``).
+      shards: the parity shards the node holds.
     """
 
     node_id: Name
@@ -238,6 +243,8 @@ class NodeReport(msgspec.Struct, frozen=True, gc=False):
     protocol: int = 1
     waiting: bool = False
     lineages: Annotated[tuple[Lineage, ...], msgspec.Meta(max_length=MAX_PODS)] = ()
+    redundancy: RedundancyText = "replicas"
+    shards: Annotated[tuple["HeldShard", ...], msgspec.Meta(max_length=MAX_HELD)] = ()
 
 
 class Versioned(msgspec.Struct):
@@ -339,6 +346,7 @@ class ReportReply(msgspec.Struct, frozen=True, gc=False):
         tags new steps with the current timeline and deletes copies of abandoned ones.
       grant_key: the public key the coordinator signs peer grants with (``replicator.wire.grants``), or
         None where it issues none.
+      encode: the parity shards the node builds (jobs with ``xor`` or ``rs`` redundancy).
       protocol: the coordinator's ``PROTOCOL_VERSION``.
     """
 
@@ -351,6 +359,7 @@ class ReportReply(msgspec.Struct, frozen=True, gc=False):
     list_backups: tuple[JobRef, ...] = ()
     lineages: tuple[Lineage, ...] = ()
     grant_key: Text | None = None
+    encode: tuple["EncodeOrder", ...] = ()
     protocol: int = PROTOCOL_VERSION
 
 
@@ -362,6 +371,7 @@ class Tier(enum.StrEnum):
     LOCAL = "local"  # the rank's own node
     PEER_CLOSE = "peer_close"  # another node in the same topology block
     PEER_DISTANT = "peer_distant"  # another node elsewhere
+    DECODE = "decode"  # rebuilt from the rank's parity group: its survivors' steps and parity shards
     BACKUP = "backup"  # object storage
 
 
@@ -382,6 +392,7 @@ class Source(msgspec.Struct, frozen=True, gc=False):
         coordinator does not know them (a backup: the store's manifest is checked instead).
       timeline: the timeline the copy was written in (a backup's is part of its name).
       grant: the coordinator's grant to fetch the copy from ``holder`` (``replicator.wire.grants``), or None.
+      recipe: for ``Tier.DECODE``: the group's members and parity shards to rebuild the copy from.
     """
 
     tier: Tier
@@ -391,6 +402,93 @@ class Source(msgspec.Struct, frozen=True, gc=False):
     files: Files | None = None
     timeline: Timeline = 0
     grant: Text | None = None
+    recipe: "ParityRecipe | None" = None
+
+
+class MemberCopy(msgspec.Struct, frozen=True, gc=False):
+    """Where a parity group member's step is read from (``EncodeOrder``, ``ParityRecipe``).
+
+    Attributes:
+      rank: the member rank.
+      node: a live node holding its step, or None when none does (the member is lost).
+      url: that node's peer service base URL, or None.
+      grant: the coordinator's grant to fetch the step there (``replicator.wire.grants``), or None.
+    """
+
+    rank: Rank
+    node: Name | None = None
+    url: Text | None = None
+    grant: Text | None = None
+
+
+class ShardCopy(msgspec.Struct, frozen=True, gc=False):
+    """A parity shard a decode reads: stripe ``stripe``'s shard ``index``, held by ``node``, CRC-32C ``crc32c``."""
+
+    stripe: Rank
+    index: Rank
+    node: Name
+    url: Text
+    crc32c: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{8}$")] | None = None
+    grant: Text | None = None
+
+
+class ParityRecipe(msgspec.Struct, frozen=True, gc=False):
+    """What rebuilding one member's step reads (``replicator.parity.layout`` gives the layout).
+
+    Attributes:
+      members: the group's members, in position order; a lost one has no ``node``.
+      parity: parity shards per stripe.
+      stream_bytes: each member's stream length, bytes, position order.
+      shards: the live parity shards.
+    """
+
+    members: Annotated[tuple[MemberCopy, ...], msgspec.Meta(max_length=MAX_LIST)]
+    parity: Count
+    stream_bytes: Annotated[tuple[Annotated[int, msgspec.Meta(ge=0)], ...], msgspec.Meta(max_length=MAX_LIST)]
+    shards: Annotated[tuple[ShardCopy, ...], msgspec.Meta(max_length=MAX_LIST)]
+
+
+class EncodeOrder(msgspec.Struct, frozen=True, gc=False):
+    """Build this node's parity shards of a group's step: those of the stripes its position holds.
+
+    Attributes:
+      namespace, job, step: the step.
+      position: this node's position among ``members``.
+      members: the group's members in position order, each read from its own node.
+      parity: parity shards per stripe (1: XOR).
+      stream_bytes: each member's stream length, bytes (from its owner's checksums), position order.
+    """
+
+    namespace: Name
+    job: Name
+    step: Step
+    position: Rank
+    members: Annotated[tuple[MemberCopy, ...], msgspec.Meta(max_length=MAX_LIST)]
+    parity: Count
+    stream_bytes: Annotated[tuple[Annotated[int, msgspec.Meta(ge=0)], ...], msgspec.Meta(max_length=MAX_LIST)]
+
+
+class HeldShard(msgspec.Struct, frozen=True, gc=False):
+    """A parity shard a node holds and verified when it built it (``replicator.local_tier.parity_shards``).
+
+    Attributes:
+      namespace, job, step: the step it protects.
+      members: the group's member ranks, position order.
+      parity: parity shards per stripe.
+      stripe, index: which shard.
+      bytes: its size.
+      crc32c: its CRC-32C, 8 hex digits.
+    """
+
+    namespace: Name
+    job: Name
+    step: Step
+    members: Annotated[tuple[Rank, ...], msgspec.Meta(max_length=MAX_LIST)]
+    parity: Count
+    stripe: Rank
+    index: Rank
+    bytes: Annotated[int, msgspec.Meta(ge=0)]
+    crc32c: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{8}$")]
 
 
 class RestoreView(msgspec.Struct, frozen=True, gc=False):

@@ -44,8 +44,8 @@ def start_agent(tmp_path):
 
 @pytest.fixture
 def start_cluster(tmp_path):
-    """Factory: ``start_cluster(nodes=4, replicas=1, peer_tier=True, backup=None, env=None, peer_grants=False)``
-    -> a running Cluster, always stopped."""
+    """Factory: ``start_cluster(nodes=4, replicas=1, peer_tier=True, backup=None, env=None, peer_grants=False,
+    agent_args=None)`` -> a running Cluster, always stopped."""
     clusters = []
 
     def start(
@@ -55,8 +55,18 @@ def start_cluster(tmp_path):
         backup: str | None = None,
         env=None,
         peer_grants: bool = False,
+        agent_args: list[str] | None = None,
     ) -> LocalCluster:
-        cluster = LocalCluster(str(tmp_path), listen_address, replicas, peer_tier, backup, env, peer_grants=peer_grants)
+        cluster = LocalCluster(
+            str(tmp_path),
+            listen_address,
+            replicas,
+            peer_tier,
+            backup,
+            env,
+            agent_args=agent_args,
+            peer_grants=peer_grants,
+        )
         clusters.append(cluster)
         return cluster.start(nodes)
 

@@ -381,11 +381,6 @@ def test_every_rank_is_dealt_into_a_group_of_at_most_size(ranks, size):
     assert max(len(g) for g in groups) - min(len(g) for g in groups) <= 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="deal() deals an odd number of ranks into groups of 2 with one group of a single rank, which it drops:"
-    " that rank is in no group (xor:2 / rs:2:1 with 3, 5, 7... encoded ranks), so parity.safe() never holds",
-)
 @pytest.mark.parametrize("ranks", [3, 5])
 def test_an_odd_number_of_ranks_in_groups_of_two_leaves_no_rank_out(ranks):
     node_of_rank, block_of = topology(ranks, lambda r: r)

@@ -1,0 +1,215 @@
+"""Erasure-coded redundancy (``xor:N``, ``rs:N:K``; ``replicator.wire.redundancy``): the groups, the encode
+orders, when a step is safe, and which lost ranks a restore can decode (``replicator.parity`` does the bytes).
+
+- Groups: the incarnation's encoded ranks (those without a data-parallel peer: ``encoded_ranks``) are dealt
+  into groups of at most N; ranks sorted by topology block go to groups in turn, so two members share a block
+  only when a block has more nodes than there are groups. Chosen once per incarnation and setting: stable
+  across steps, like the replica rings.
+- Encoding: the replication round's step (``replicas.choose_round``) once every member's own node holds it;
+  each member's node builds the shards of the stripes its position holds (``GroupLayout.held_by``).
+- Safety: a step is safe when every rank's own node holds it and, for each group, every shard of it is held
+  by a live node: any K members lost then leave each stripe enough to rebuild.
+- Decoding: a rank's step is decodable when, for each stripe it contributes to, the live members' copies and
+  the live shards number at least N - K. The shards' own reports say what group they were built for, so a
+  step encoded by an earlier incarnation's groups decodes as it was built.
+"""
+
+from collections.abc import Iterable, Mapping
+
+from replicator.coordinator import planner
+from replicator.coordinator.job import JobState
+from replicator.coordinator.liveness import Liveness, NodeState
+from replicator.wire.messages import EncodeOrder, HeldShard, JobRef, MemberCopy, ParityRecipe, ShardCopy
+from replicator.wire.redundancy import REPLICAS, Redundancy, of_job
+
+DECODE_HOLDER = "parity"  # the holder of a decodable copy (``planner.StepCopy``): no one node holds it
+_Group = tuple[int, ...]
+
+
+def redundancy(job: JobState, liveness: Liveness) -> Redundancy:
+    """The job's setting: its ``replicator.yaml``'s, else its nodes' common ``--redundancy``."""
+    if job.incarnation is None:
+        return REPLICAS
+    settings = [job.settings[r] for r in sorted(job.settings)]
+    reports = [liveness.nodes[n].report for n in job.incarnation.nodes if n in liveness.nodes]
+    return of_job(settings, reports)
+
+
+def encoded_ranks(job: JobState) -> list[int]:
+    """The ranks parity protects: every rank with settings when the job has no data parallelism, else those
+    with no data-parallel peer (Orbax names ``peer-ranks`` even at data parallelism 1: they are not copies then)."""
+    single = job.identity.data_parallelism == 1
+    return sorted(rank for rank, settings in job.settings.items() if single or not settings.peer_ranks)
+
+
+def groups(job: JobState, liveness: Liveness, setting: Redundancy) -> list[_Group]:
+    """The incarnation's groups under ``setting``, chosen once per (incarnation, setting, encoded ranks)."""
+    incarnation = job.incarnation
+    if incarnation is None or not setting.encoded:
+        return []
+    ranks = [r for r in encoded_ranks(job) if r in incarnation.node_of_rank]
+    stamp = (incarnation.incarnation_id, str(setting), tuple(ranks))
+    if job.memo.groups_for != stamp:
+        block_of = liveness.blocks(incarnation.node_of_rank[r] for r in ranks)
+        job.memo.groups_for, job.memo.groups = stamp, deal(ranks, setting.group, block_of, incarnation.node_of_rank)
+    return job.memo.groups
+
+
+def deal(ranks: list[int], size: int, block_of: Mapping[str, str], node_of_rank: Mapping[int, str]) -> list[_Group]:
+    """Deals ``ranks`` into ceil(len / size) groups of near-equal size (at least 2 members each), in topology
+    block order, one to each group in turn. A single rank forms no group."""
+    if len(ranks) < 2:
+        return []
+    count = -(-len(ranks) // size)
+    count = min(count, len(ranks) // 2)  # groups of two with an odd count: one group of three, no lone rank
+    ordered = sorted(ranks, key=lambda r: (block_of.get(node_of_rank[r], ""), node_of_rank[r], r))
+    dealt: list[list[int]] = [[] for _ in range(count)]
+    for i, rank in enumerate(ordered):
+        dealt[i % count].append(rank)
+    return [tuple(sorted(g)) for g in dealt if len(g) >= 2]
+
+
+def parity_of(setting: Redundancy, group: _Group) -> int:
+    """Shards per stripe for ``group``: the setting's, fewer for a group too small for it."""
+    return min(setting.parity, len(group) - 1)
+
+
+def _shards(
+    job_key: JobRef, nodes: Iterable[NodeState], liveness: Liveness
+) -> dict[tuple[int, _Group, int], dict[tuple[int, int], tuple[str, HeldShard]]]:
+    """(step, members, parity) -> {(stripe, index): (node, shard)} over the live nodes' reports."""
+    found: dict[tuple[int, _Group, int], dict[tuple[int, int], tuple[str, HeldShard]]] = {}
+    for state in nodes:
+        node_id = state.report.node_id
+        if not liveness.is_live(node_id):
+            continue
+        for shard in state.report.shards:
+            if (shard.namespace, shard.job) == (job_key.namespace, job_key.job):
+                found.setdefault((shard.step, shard.members, shard.parity), {})[(shard.stripe, shard.index)] = (
+                    node_id,
+                    shard,
+                )
+    return found
+
+
+def _own_nodes(job: JobState, liveness: Liveness, step: int, rank: int) -> list[str]:
+    """Live nodes holding ``rank``'s own data of ``step`` as the rank's (not replicas)."""
+    return sorted(n for n, replica in job.claims.of(step, rank).items() if not replica and liveness.is_live(n))
+
+
+def stream_bytes(job: JobState, step: int, group: _Group) -> tuple[int, ...] | None:
+    """Each member's step length from its owner's checksums, or None while one is unknown."""
+    sizes = []
+    for rank in group:
+        files = job.owners.checksums(step, rank)
+        if files is None:
+            return None
+        sizes.append(sum(size for size, _ in files.values()))
+    return tuple(sizes)
+
+
+def safe(key: JobRef, job: JobState, liveness: Liveness, setting: Redundancy, step: int, covered: set[int]) -> bool:
+    """Whether ``step`` survives any K losses per group: every rank's own node holds it (live), every encoded
+    rank's group has all its shards of it on live nodes, and every other rank is ``covered`` (an identical
+    data-parallel peer)."""
+    assert job.incarnation is not None
+    if any(not _own_nodes(job, liveness, step, rank) for rank in job.incarnation.node_of_rank):
+        return False
+    chosen = groups(job, liveness, setting)
+    grouped = {r for g in chosen for r in g}
+    if any(r not in grouped and r not in covered for r in job.incarnation.node_of_rank):
+        return False
+    shards = _shards(key, (liveness.nodes[n] for n in liveness.nodes), liveness)
+    for group in chosen:
+        parity = parity_of(setting, group)
+        held = shards.get((step, group, parity), {})
+        if len(held) < len(group) * parity:
+            return False
+    return True
+
+
+def orders(key: JobRef, job: JobState, state: NodeState, liveness: Liveness) -> list[EncodeOrder]:
+    """The node's encodes: the shards its positions hold of the round's step, in groups whose members' own nodes
+    all hold it, that its last report does not list."""
+    step, incarnation = job.decided.round, job.incarnation
+    if step is None or incarnation is None:
+        return []
+    setting = redundancy(job, liveness)
+    node_id = state.report.node_id
+    held = {
+        (s.step, s.members, s.stripe) for s in state.report.shards if (s.namespace, s.job) == (key.namespace, key.job)
+    }
+    found = []
+    for group in groups(job, liveness, setting):
+        positions = [p for p, r in enumerate(group) if incarnation.node_of_rank.get(r) == node_id]
+        sizes = stream_bytes(job, step, group) if positions else None
+        if not positions or sizes is None:
+            continue
+        members = []
+        for rank in group:
+            nodes = _own_nodes(job, liveness, step, rank)
+            members.append(MemberCopy(rank, nodes[0], liveness.url(nodes[0])) if nodes else MemberCopy(rank))
+        if any(m.node is None for m in members):
+            continue
+        parity = parity_of(setting, group)
+        for position in positions:
+            stripes = [(position - j) % len(group) for j in range(parity)]
+            if all((step, group, s) in held for s in stripes):
+                continue
+            found.append(EncodeOrder(key.namespace, key.job, step, position, tuple(members), parity, sizes))
+    return found
+
+
+def decodable(
+    key: JobRef, job: JobState, liveness: Liveness, live_copies: list[planner.StepCopy]
+) -> list[planner.StepCopy]:
+    """A decodable copy (holder ``DECODE_HOLDER``) of each member rank its group's live survivors and shards can
+    rebuild, at each step with shards; only where the coordinator knows the owners' checksums to verify it."""
+    held = {(c.step, c.rank) for c in live_copies if not c.backup}
+    found = []
+    for (step, group, parity), shards in _shards(key, liveness.nodes.values(), liveness).items():
+        for position, rank in enumerate(group):
+            if job.owners.checksums(step, rank) is None or stream_bytes(job, step, group) is None:
+                continue
+            if _rebuildable(
+                group,
+                parity,
+                position,
+                {p for p, r in enumerate(group) if (step, r) in held and p != position},
+                set(shards),
+            ):
+                found.append(planner.StepCopy(step, rank, DECODE_HOLDER, decode=True))
+    return found
+
+
+def _rebuildable(group: _Group, parity: int, position: int, live: set[int], shards: set[tuple[int, int]]) -> bool:
+    size, data = len(group), len(group) - parity
+    for stripe in range(size):
+        contributors = [(stripe + parity + i) % size for i in range(data)]
+        if position not in contributors:
+            continue
+        have = sum(p in live for p in contributors) + sum((stripe, j) in shards for j in range(parity))
+        if have < data:
+            return False
+    return True
+
+
+def recipe(key: JobRef, job: JobState, liveness: Liveness, step: int, rank: int) -> ParityRecipe | None:
+    """How to rebuild ``rank``'s ``step``: the live members' copies and shards of its group, or None."""
+    for (at, group, parity), shards in _shards(key, liveness.nodes.values(), liveness).items():
+        sizes = stream_bytes(job, at, group)
+        if at != step or rank not in group or sizes is None:
+            continue
+        members = []
+        for member in group:
+            nodes = _own_nodes(job, liveness, step, member) if member != rank else []
+            if not nodes and member != rank:  # a replica or a restored copy serves too
+                nodes = sorted(n for n in job.claims.of(step, member) if liveness.is_live(n))
+            members.append(MemberCopy(member, nodes[0], liveness.url(nodes[0])) if nodes else MemberCopy(member))
+        copies = tuple(
+            ShardCopy(stripe, index, node, url, shard.crc32c)
+            for (stripe, index), (node, shard) in sorted(shards.items())
+            if (url := liveness.url(node)) is not None
+        )
+        return ParityRecipe(tuple(members), parity, sizes, copies)
+    return None
