@@ -1,6 +1,7 @@
 """Erasure-coded RAM copies end to end (issue 41): real agents with ``--redundancy xor:N`` or ``rs:N:K``, a real
 coordinator and a real Orbax job with data parallelism 1. Lost nodes' ranks are rebuilt from their group's
-survivors and parity shards; too many lost, the backup tier serves."""
+survivors and parity shards. Too many lost for a group: ``tests/unit/test_parity_coordinator.py`` (no decode
+is planned)."""
 
 from tests.helpers.jobs import (
     UNTIL_KILLED,
@@ -45,3 +46,13 @@ def test_xor_group_rebuilds_a_lost_node_bit_identically_without_full_copies(star
     _lose(cluster, job, tmp_path, [1], safe + 6)
     assert_resumed_exactly(job, safe, before, tmp_path)
     assert status_of(cluster, job)["restore"]["sources"]["1"] == "decode:parity"
+
+
+def test_reed_solomon_group_rebuilds_two_lost_nodes_and_three_lost_restore_from_the_backup(start_cluster, tmp_path):
+    cluster, job, before = _started(start_cluster, tmp_path, "rs:4:2", "rs", backup=f"file://{tmp_path / 'objects'}")
+    safe = status_of(cluster, job)["safe_step"]
+    _lose(cluster, job, tmp_path, [1, 2], safe + 6)
+    assert_resumed_exactly(job, safe, before, tmp_path)
+    sources = status_of(cluster, job)["restore"]["sources"]
+    assert sources["1"] == sources["2"] == "decode:parity", sources
+    assert sources["0"] == "local:node-0" and sources["3"] == "local:node-3", sources
