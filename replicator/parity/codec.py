@@ -4,10 +4,11 @@ Both are systematic: the data shards are the members' segments as they are; only
 Shard indices: ``0 .. data-1`` are the stripe's data segments (``GroupLayout.contributors`` order),
 ``data .. data+parity-1`` its parity shards.
 
-Why these (measured 2026-11-27 on this 2-core machine, 4 MiB shards; ``tests/bench/parity_codec.py``):
-numpy's XOR runs at about 10 GB/s, above memcpy; pyeclib 1.8.0 (BSD, its wheel bundles liberasurecode and
-ISA-L) encodes RS(6+2) at 2.8 GB/s with ``isa_l_rs_cauchy``, against 1.3 with ``isa_l_rs_vand`` and 0.7 with
-liberasurecode's own Vandermonde code. ``zfec`` is GPL; ``reedsolo``, ``galois`` and ``pyfinite`` are pure Python.
+Why these (2026-11-27, this 2-core machine, 4 MiB shards; ``tests/bench/parity_codec.py``): numpy's XOR runs
+at or above memcpy; pyeclib 1.8.0 (BSD, its wheel bundles liberasurecode and ISA-L) encodes RS(8,2) at about
+3 GB/s with ISA-L (Cauchy and Vandermonde level with buffers reused; Cauchy ahead in a first probe), several
+times liberasurecode's own Vandermonde code. ``zfec`` is GPL; ``reedsolo``, ``galois`` and ``pyfinite`` are
+pure Python.
 
 pyeclib wants its fragments with their 80-byte headers. Those headers depend only on the fragment's index and
 the encoded length (no data checksum is configured), so a decode rebuilds the data fragments' headers by
