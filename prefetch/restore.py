@@ -39,6 +39,7 @@ from replicator.local_tier.step_manifest import CorruptCopy, StepManifest, Unusa
 from replicator.local_tier.steps import drop_abandoned
 from replicator.pacing import timing
 from replicator.parity import decoder
+from replicator.parity.reads import StepReads
 from replicator.peer_tier.client import PeerFetchError, fetch_manifest, fetch_step
 from replicator.wire.bearer import Tokens
 from replicator.wire.coordinator_client import CoordinatorClient, CoordinatorUnavailable
@@ -358,31 +359,24 @@ class Restorer:
         fetched: Callable[[int], None],
     ) -> None:
         """Pulls the view's step from a peer (or this node's own replica) into the ramdisk, verified,
-        then stages it; it is this rank's copy of the step from then on, in the view's timeline.
-        ``fetched`` is called with each range's bytes. Raises as ``_stage_from``."""
+        then stages it. ``fetched`` is called with each range's bytes. Raises as ``_stage_from``."""
         step = _step(view)
         if self._peer_token is None or not source.url:
             raise UnusableCopy(f"peer tier unavailable for {source.holder}")
-        incoming = meta.new_incoming_dir()
-        try:
+        token, url = self._peer_token.current, source.url
+
+        async def fill(incoming: str) -> StepManifest:
             # Verified against the owner's checksums from the plan; the peer's own manifest only when the plan has none.
             manifest = (
                 StepManifest(step, source.data_rank, dict(source.files))
                 if source.files is not None
                 else await fetch_manifest(
-                    session,
-                    source.url,
-                    self._peer_token.current,
-                    disk.namespace,
-                    disk.job,
-                    source.data_rank,
-                    step,
-                    source.grant,
+                    session, url, token, disk.namespace, disk.job, source.data_rank, step, source.grant
                 )
             )
             await fetch_step(
-                source.url,
-                self._peer_token.current,
+                url,
+                token,
                 disk.namespace,
                 disk.job,
                 manifest,
@@ -391,15 +385,9 @@ class Restorer:
                 on_range=fetched,
                 grant=source.grant,
             )
-        except UnusableCopy:
-            shutil.rmtree(incoming, ignore_errors=True)
-            raise
-        except (TimeoutError, PeerFetchError, OSError, aiohttp.ClientError) as err:
-            shutil.rmtree(incoming, ignore_errors=True)
-            raise _Unreachable(str(err) or repr(err)) from err
-        await asyncio.to_thread(staging.install_staged, meta.framework, disk.client_dir, step, incoming)
-        # Recorded as this rank's step: from now on this node serves it for this rank.
-        meta.save_manifest(dataclasses.replace(manifest, rank=_rank(progress), timeline=len(view.forks)))
+            return manifest
+
+        await self._fill_and_stage(disk, meta, progress, view, fill)
 
     async def _stage_from_parity(
         self,
@@ -413,31 +401,40 @@ class Restorer:
     ) -> None:
         """Rebuilds the view's step from the rank's parity group (``replicator.parity.decoder``) into the
         ramdisk, verified against the owner's checksums, then stages it. Raises as ``_stage_from``."""
-        step = _step(view)
-        if self._peer_token is None or source.recipe is None or source.files is None:
+        step, files, recipe = _step(view), source.files, source.recipe
+        if self._peer_token is None or recipe is None or files is None:
             raise UnusableCopy("a decode needs the peer tier, the group's recipe and the owner's checksums")
-        manifest = StepManifest(step, source.data_rank, dict(source.files))
+        token = self._peer_token.current
+
+        async def fill(incoming: str) -> StepManifest:
+            reads = StepReads(session, token, disk.namespace, disk.job, step)
+            await decoder.rebuild(reads, source.data_rank, files, recipe, incoming, fetched)
+            return StepManifest(step, source.data_rank, dict(files))
+
+        await self._fill_and_stage(disk, meta, progress, view, fill)
+
+    async def _fill_and_stage(
+        self,
+        disk: Ramdisk,
+        meta: JobMeta,
+        progress: PodProgress,
+        view: RestoreView,
+        fill: Callable[[str], Awaitable[StepManifest]],
+    ) -> None:
+        """Has ``fill`` write the view's step into a fresh incoming directory (it returns the manifest the bytes
+        were verified against), then stages it: this rank's copy of the step from then on, in the view's
+        timeline. Raises as ``_stage_from``."""
         incoming = meta.new_incoming_dir()
         try:
-            await decoder.rebuild(
-                session,
-                self._peer_token.current,
-                disk.namespace,
-                disk.job,
-                step,
-                source.data_rank,
-                source.files,
-                source.recipe,
-                incoming,
-                on_range=fetched,
-            )
+            manifest = await fill(incoming)
         except UnusableCopy:
             shutil.rmtree(incoming, ignore_errors=True)
             raise
         except (TimeoutError, PeerFetchError, OSError, aiohttp.ClientError) as err:
             shutil.rmtree(incoming, ignore_errors=True)
             raise _Unreachable(str(err) or repr(err)) from err
-        await asyncio.to_thread(staging.install_staged, meta.framework, disk.client_dir, step, incoming)
+        await asyncio.to_thread(staging.install_staged, meta.framework, disk.client_dir, _step(view), incoming)
+        # Recorded as this rank's step: from now on this node serves it for this rank.
         meta.save_manifest(dataclasses.replace(manifest, rank=_rank(progress), timeline=len(view.forks)))
 
     async def _stage_from_backup(

@@ -12,24 +12,18 @@ import asyncio
 import os
 from collections.abc import Callable
 
-import aiohttp
-
 from replicator.local_tier.incoming import pwrite_all
 from replicator.local_tier.step_manifest import CorruptCopy, UnusableCopy, crc32c_extend, safe_relpath
 from replicator.parity.codec import codec
 from replicator.parity.layout import Files, GroupLayout, stream_bytes, stream_pieces
-from replicator.parity.reads import ShardStream, open_members
+from replicator.parity.reads import ShardStream, StepReads, open_members
 from replicator.wire.messages import ParityRecipe
 
 CHUNK_BYTES = 4 << 20
 
 
 async def rebuild(
-    session: aiohttp.ClientSession,
-    token: str,
-    namespace: str,
-    job: str,
-    step: int,
+    reads: StepReads,
     rank: int,
     files: Files,
     recipe: ParityRecipe,
@@ -37,9 +31,10 @@ async def rebuild(
     on_range: Callable[[int], None] | None = None,
     chunk_bytes: int = CHUNK_BYTES,
 ) -> None:
-    """Rebuilds ``rank``'s ``step`` into ``dest_dir`` and checks every file against ``files``.
+    """Rebuilds ``rank``'s step (``reads.step``) into ``dest_dir`` and checks every file against ``files``.
 
     Args:
+      reads: the job's step and the peer session and token to read the group's pieces with.
       files: the owner's checksums (path -> (size, CRC-32C)).
       recipe: the group's members and live parity shards (the restore view's).
       dest_dir: an empty directory on the destination filesystem; holds partial data on error.
@@ -52,6 +47,7 @@ async def rebuild(
       OSError: ``dest_dir`` could not be written.
     """
     layout = GroupLayout(tuple(m.rank for m in recipe.members), recipe.parity, recipe.stream_bytes)
+    step = reads.step
     if rank not in layout.members:
         raise UnusableCopy(f"rank {rank} is not a member of group {list(layout.members)}")
     position = layout.members.index(rank)
@@ -70,9 +66,7 @@ async def rebuild(
             )
         plan[stripe] = (data + parity)[: layout.data]
     needed = {layout.contributors(s)[i] for s, chosen in plan.items() for i in chosen if i < layout.data}
-    streams = await open_members(
-        session, token, namespace, job, step, {p: live[p] for p in needed}, dict(enumerate(layout.stream_bytes))
-    )
+    streams = await open_members(reads, {p: live[p] for p in needed}, dict(enumerate(layout.stream_bytes)))
     code = codec(layout.data, layout.parity)
     fds = _create_files(dest_dir, files)
     crcs = dict.fromkeys(files, 0)
@@ -88,9 +82,7 @@ async def rebuild(
                 i: (streams[layout.contributors(stripe)[i]], segment_base(layout, stripe, i))
                 if i < layout.data
                 else (
-                    ShardStream(
-                        session, token, namespace, job, step, layout.members[0], shards[(stripe, i - layout.data)]
-                    ),
+                    ShardStream(reads, layout.members[0], shards[(stripe, i - layout.data)]),
                     0,
                 )
                 for i in chosen

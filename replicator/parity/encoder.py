@@ -26,7 +26,7 @@ from replicator.local_tier.step_manifest import crc32c_extend
 from replicator.pacing.cpu_share import CpuShare
 from replicator.parity.codec import Codec, codec
 from replicator.parity.layout import GroupLayout
-from replicator.parity.reads import MemberStream, open_members
+from replicator.parity.reads import MemberStream, StepReads, open_members
 from replicator.peer_tier.client import PeerFetchError
 from replicator.wire.bearer import Tokens
 from replicator.wire.messages import EncodeOrder, JobRef
@@ -98,14 +98,9 @@ class Encoder:
             lost = [order.members[p].rank for p in needed if order.members[p].url is None]
             if lost:
                 raise PeerFetchError(f"no live node holds ranks {sorted(lost)}")
+            reads = StepReads(session, self._peer_token.current, job.namespace, job.job, order.step)
             streams = await open_members(
-                session,
-                self._peer_token.current,
-                job.namespace,
-                job.job,
-                order.step,
-                {p: order.members[p] for p in needed},
-                dict(enumerate(layout.stream_bytes)),
+                reads, {p: order.members[p] for p in needed}, dict(enumerate(layout.stream_bytes))
             )
             code = codec(layout.data, layout.parity)
             shards, meta_dir = ParityShards(disk.path), JobMeta(disk.path)

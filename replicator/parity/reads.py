@@ -1,6 +1,7 @@
 """Reading a parity group's pieces over the peer tier: ranges of a member's step stream, and parity shards."""
 
 import asyncio
+import dataclasses
 from collections.abc import Mapping
 
 import aiohttp
@@ -10,48 +11,46 @@ from replicator.peer_tier.client import UnusablePeerCopy, fetch_manifest, fetch_
 from replicator.wire.messages import MemberCopy, ShardCopy
 
 
-class MemberStream:
-    """A member's step as one stream (``replicator.parity.layout``), read from the node holding it."""
+@dataclasses.dataclass(frozen=True)
+class StepReads:
+    """Reads of one job's step from its group's nodes: over ``session``, with the peer ``token``."""
 
-    def __init__(
-        self,
-        session: aiohttp.ClientSession,
-        token: str,
-        namespace: str,
-        job: str,
-        step: int,
-        member: MemberCopy,
-        files: Files,
-    ):
-        assert member.url is not None  # a member read from a node: the caller checks it has one
-        self._session, self._token, self._grant = session, token, member.grant
-        self._urls = {rel: file_url(member.url, namespace, job, member.rank, step, rel) for rel in files}
-        self._files = files
+    session: aiohttp.ClientSession
+    token: str
+    namespace: str
+    job: str
+    step: int
+
+
+class MemberStream:
+    """A member's step as one stream (``replicator.parity.layout``), read from the node holding it: its files
+    as that node's manifest lists them (``open``)."""
+
+    def __init__(self, reads: StepReads, grant: str | None, urls: Mapping[str, str], files: Files):
+        self._reads, self._grant, self._urls, self._files = reads, grant, urls, files
 
     @classmethod
-    async def open(
-        cls,
-        session: aiohttp.ClientSession,
-        token: str,
-        namespace: str,
-        job: str,
-        step: int,
-        member: MemberCopy,
-        expected_bytes: int,
-    ) -> "MemberStream":
-        """The member's stream, its files from the manifest its node serves.
+    async def open(cls, reads: StepReads, member: MemberCopy, expected_bytes: int) -> "MemberStream":
+        """The member's stream on ``member.node``.
 
         Raises:
           PeerFetchError: the node could not say; ``UnusablePeerCopy`` when its step is not the length the
             parity was built over (another version of the step).
         """
-        assert member.url is not None
-        manifest = await fetch_manifest(session, member.url, token, namespace, job, member.rank, step, member.grant)
+        assert member.url is not None  # a member read from a node: the caller checks it has one
+        manifest = await fetch_manifest(
+            reads.session, member.url, reads.token, reads.namespace, reads.job, member.rank, reads.step, member.grant
+        )
         if (held := stream_bytes(manifest.files)) != expected_bytes:
             raise UnusablePeerCopy(
-                f"rank {member.rank} step {step} on {member.node} is {held} bytes, the parity was built over {expected_bytes}"
+                f"rank {member.rank} step {reads.step} on {member.node} is {held} bytes,"
+                f" the parity was built over {expected_bytes}"
             )
-        return cls(session, token, namespace, job, step, member, manifest.files)
+        urls = {
+            rel: file_url(member.url, reads.namespace, reads.job, member.rank, reads.step, rel)
+            for rel in manifest.files
+        }
+        return cls(reads, member.grant, urls, manifest.files)
 
     async def read(self, start: int, length: int) -> bytes:
         """Stream bytes ``[start, start + length)``; past the stream's end, zeros (the group's padding).
@@ -61,9 +60,10 @@ class MemberStream:
         """
         out = bytearray(length)
         pieces = list(stream_pieces(self._files, start, length))
+        r = self._reads
         bodies = await asyncio.gather(
             *(
-                fetch_range(self._session, self._urls[rel], self._token, offset, size, self._grant)
+                fetch_range(r.session, self._urls[rel], r.token, offset, size, self._grant)
                 for rel, offset, size in pieces
             )
         )
@@ -75,37 +75,21 @@ class MemberStream:
 
 
 class ShardStream:
-    """A parity shard on the node holding it."""
+    """A parity shard of the group whose first member is ``group``, on the node holding it."""
 
-    def __init__(
-        self,
-        session: aiohttp.ClientSession,
-        token: str,
-        namespace: str,
-        job: str,
-        step: int,
-        group: int,
-        shard: ShardCopy,
-    ):
-        self._session, self._token, self._grant = session, token, shard.grant
-        self._url = shard_url(shard.url, namespace, job, group, step, shard.stripe)
+    def __init__(self, reads: StepReads, group: int, shard: ShardCopy):
+        self._reads, self._grant = reads, shard.grant
+        self._url = shard_url(shard.url, reads.namespace, reads.job, group, reads.step, shard.stripe)
 
     async def read(self, start: int, length: int) -> bytes:
-        return await fetch_range(self._session, self._url, self._token, start, length, self._grant)
+        r = self._reads
+        return await fetch_range(r.session, self._url, r.token, start, length, self._grant)
 
 
 async def open_members(
-    session: aiohttp.ClientSession,
-    token: str,
-    namespace: str,
-    job: str,
-    step: int,
-    members: Mapping[int, MemberCopy],
-    stream_bytes_of: Mapping[int, int],
+    reads: StepReads, members: Mapping[int, MemberCopy], stream_bytes_of: Mapping[int, int]
 ) -> dict[int, MemberStream]:
     """``MemberStream.open`` for each position of ``members``, at once."""
     positions = sorted(members)
-    opened = await asyncio.gather(
-        *(MemberStream.open(session, token, namespace, job, step, members[p], stream_bytes_of[p]) for p in positions)
-    )
+    opened = await asyncio.gather(*(MemberStream.open(reads, members[p], stream_bytes_of[p]) for p in positions))
     return dict(zip(positions, opened))
