@@ -14,11 +14,12 @@ orders, when a step is safe, and which lost ranks a restore can decode (``replic
   step encoded by an earlier incarnation's groups decodes as it was built.
 """
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 from replicator.coordinator import planner
 from replicator.coordinator.job import JobState
 from replicator.coordinator.liveness import Liveness, NodeState
+from replicator.wire import redundancy
 from replicator.wire.messages import EncodeOrder, HeldShard, JobRef, MemberCopy, ParityRecipe, ShardCopy
 from replicator.wire.redundancy import REPLICAS, Redundancy, of_job
 
@@ -26,7 +27,7 @@ DECODE_HOLDER = "parity"  # the holder of a decodable copy (``planner.StepCopy``
 _Group = tuple[int, ...]
 
 
-def redundancy(job: JobState, liveness: Liveness) -> Redundancy:
+def job_setting(job: JobState, liveness: Liveness) -> Redundancy:
     """The job's setting: its ``replicator.yaml``'s, else its nodes' common ``--redundancy``."""
     if job.incarnation is None:
         return REPLICAS
@@ -75,21 +76,41 @@ def parity_of(setting: Redundancy, group: _Group) -> int:
 
 
 def _shards(
-    job_key: JobRef, nodes: Iterable[NodeState], liveness: Liveness
+    key: JobRef, job: JobState, liveness: Liveness
 ) -> dict[tuple[int, _Group, int], dict[tuple[int, int], tuple[str, HeldShard]]]:
-    """(step, members, parity) -> {(stripe, index): (node, shard)} over the live nodes' reports."""
+    """(step, members, parity) -> {(stripe, index): (node, shard)} over the live nodes' reports: only shards built
+    over the members' current checksums (``redundancy.basis``), so a rewritten step's or an abandoned timeline's
+    old shards never count."""
     found: dict[tuple[int, _Group, int], dict[tuple[int, int], tuple[str, HeldShard]]] = {}
-    for state in nodes:
+    bases: dict[tuple[int, _Group], str | None] = {}
+    for state in liveness.nodes.values():
         node_id = state.report.node_id
-        if not liveness.is_live(node_id):
+        if not state.report.shards or not liveness.is_live(node_id):
             continue
         for shard in state.report.shards:
-            if (shard.namespace, shard.job) == (job_key.namespace, job_key.job):
+            if (shard.namespace, shard.job) != (key.namespace, key.job):
+                continue
+            at = (shard.step, shard.members)
+            if at not in bases:
+                digests = member_digests(job, shard.step, shard.members)
+                bases[at] = redundancy.basis(digests) if digests is not None else None
+            if shard.basis == bases[at]:
                 found.setdefault((shard.step, shard.members, shard.parity), {})[(shard.stripe, shard.index)] = (
                     node_id,
                     shard,
                 )
     return found
+
+
+def member_digests(job: JobState, step: int, group: _Group) -> tuple[str, ...] | None:
+    """Each member's ``redundancy.files_digest`` of its owner's checksums at ``step``, or None while one is unknown."""
+    digests = []
+    for rank in group:
+        files = job.owners.checksums(step, rank)
+        if files is None:
+            return None
+        digests.append(redundancy.files_digest(files))
+    return tuple(digests)
 
 
 def _own_nodes(job: JobState, liveness: Liveness, step: int, rank: int) -> list[str]:
@@ -119,7 +140,7 @@ def safe(key: JobRef, job: JobState, liveness: Liveness, setting: Redundancy, st
     grouped = {r for g in chosen for r in g}
     if any(r not in grouped and r not in covered for r in job.incarnation.node_of_rank):
         return False
-    shards = _shards(key, (liveness.nodes[n] for n in liveness.nodes), liveness)
+    shards = _shards(key, job, liveness)
     for group in chosen:
         parity = parity_of(setting, group)
         held = shards.get((step, group, parity), {})
@@ -134,7 +155,7 @@ def orders(key: JobRef, job: JobState, state: NodeState, liveness: Liveness) -> 
     step, incarnation = job.decided.round, job.incarnation
     if step is None or incarnation is None:
         return []
-    setting = redundancy(job, liveness)
+    setting = job_setting(job, liveness)
     node_id = state.report.node_id
     held = {
         (s.step, s.members, s.stripe) for s in state.report.shards if (s.namespace, s.job) == (key.namespace, key.job)
@@ -143,12 +164,15 @@ def orders(key: JobRef, job: JobState, state: NodeState, liveness: Liveness) -> 
     for group in groups(job, liveness, setting):
         positions = [p for p, r in enumerate(group) if incarnation.node_of_rank.get(r) == node_id]
         sizes = stream_bytes(job, step, group) if positions else None
-        if not positions or sizes is None:
+        digests = member_digests(job, step, group) if positions else None
+        if not positions or sizes is None or digests is None:
             continue
         members = []
-        for rank in group:
+        for rank, digest in zip(group, digests):
             nodes = _own_nodes(job, liveness, step, rank)
-            members.append(MemberCopy(rank, nodes[0], liveness.url(nodes[0])) if nodes else MemberCopy(rank))
+            members.append(
+                MemberCopy(rank, nodes[0] if nodes else None, liveness.url(nodes[0]) if nodes else None, digest=digest)
+            )
         if any(m.node is None for m in members):
             continue
         parity = parity_of(setting, group)
@@ -167,7 +191,7 @@ def decodable(
     rebuild, at each step with shards; only where the coordinator knows the owners' checksums to verify it."""
     held = {(c.step, c.rank) for c in live_copies if not c.backup}
     found = []
-    for (step, group, parity), shards in _shards(key, liveness.nodes.values(), liveness).items():
+    for (step, group, parity), shards in _shards(key, job, liveness).items():
         for position, rank in enumerate(group):
             if job.owners.checksums(step, rank) is None or stream_bytes(job, step, group) is None:
                 continue
@@ -196,16 +220,19 @@ def _rebuildable(group: _Group, parity: int, position: int, live: set[int], shar
 
 def recipe(key: JobRef, job: JobState, liveness: Liveness, step: int, rank: int) -> ParityRecipe | None:
     """How to rebuild ``rank``'s ``step``: the live members' copies and shards of its group, or None."""
-    for (at, group, parity), shards in _shards(key, liveness.nodes.values(), liveness).items():
+    for (at, group, parity), shards in _shards(key, job, liveness).items():
         sizes = stream_bytes(job, at, group)
         if at != step or rank not in group or sizes is None:
             continue
+        digests = member_digests(job, step, group)
         members = []
-        for member in group:
+        for member, digest in zip(group, digests or ("",) * len(group)):
             nodes = _own_nodes(job, liveness, step, member) if member != rank else []
             if not nodes and member != rank:  # a replica or a restored copy serves too
                 nodes = sorted(n for n in job.claims.of(step, member) if liveness.is_live(n))
-            members.append(MemberCopy(member, nodes[0], liveness.url(nodes[0])) if nodes else MemberCopy(member))
+            node = nodes[0] if nodes else None
+            url = liveness.url(node) if node else None
+            members.append(MemberCopy(member, node, url, digest=digest or None))
         copies = tuple(
             ShardCopy(stripe, index, node, url, shard.crc32c)
             for (stripe, index), (node, shard) in sorted(shards.items())

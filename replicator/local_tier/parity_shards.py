@@ -32,7 +32,7 @@ class ShardMeta(msgspec.Struct, frozen=True):
       stripe, index: which shard.
       bytes: its length.
       crc32c: CRC-32C of its bytes, 8 hex digits.
-      timeline: the members' timeline at the step.
+      basis: the members' checksums it was built over (``replicator.wire.redundancy.basis``).
     """
 
     step: int
@@ -43,7 +43,7 @@ class ShardMeta(msgspec.Struct, frozen=True):
     index: int
     bytes: int
     crc32c: str
-    timeline: int = 0
+    basis: str
 
 
 class ParityShards:

@@ -300,7 +300,9 @@ class NodeReplicator:
         for job, disk in disks.items():
             meta = JobMeta(disk.path)
             shards += [
-                HeldShard(job.namespace, job.job, s.step, s.members, s.parity, s.stripe, s.index, s.bytes, s.crc32c)
+                HeldShard(
+                    job.namespace, job.job, s.step, s.members, s.parity, s.stripe, s.index, s.bytes, s.crc32c, s.basis
+                )
                 for s in ParityShards(disk.path).held()
             ]
             framework = job_frameworks[job] = meta.framework

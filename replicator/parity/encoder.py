@@ -15,6 +15,7 @@ import time
 from collections.abc import Mapping
 
 import aiohttp
+import msgspec
 from prometheus_client import Counter
 
 from csi_driver.ramdisk import Ramdisk
@@ -28,6 +29,7 @@ from replicator.parity.codec import Codec, codec
 from replicator.parity.layout import GroupLayout
 from replicator.parity.reads import MemberStream, StepReads, open_members
 from replicator.peer_tier.client import PeerFetchError
+from replicator.wire import redundancy
 from replicator.wire.bearer import Tokens
 from replicator.wire.messages import EncodeOrder, JobRef
 
@@ -76,16 +78,16 @@ class Encoder:
         return GroupLayout(tuple(m.rank for m in order.members), order.parity, order.stream_bytes)
 
     def _missing(self, disk: Ramdisk, order: EncodeOrder) -> list[tuple[int, int]]:
-        """The (stripe, index) of the order's shards this node does not hold as ordered."""
-        layout, shards = self._layout(order), ParityShards(disk.path)
+        """The (stripe, index) of the order's shards this node does not hold as ordered (same group, same basis)."""
+        layout, shards, built_over = self._layout(order), ParityShards(disk.path), _basis(order)
         missing = []
         for stripe, index in layout.held_by(order.position):
             meta = shards.meta(order.step, layout.members[0], stripe)
-            if meta is None or (meta.members, meta.parity, meta.stream_bytes, meta.index) != (
+            if meta is None or (meta.members, meta.parity, meta.index, meta.basis) != (
                 layout.members,
                 layout.parity,
-                layout.stream_bytes,
                 index,
+                built_over,
             ):
                 missing.append((stripe, index))
         return missing
@@ -107,7 +109,18 @@ class Encoder:
             for stripe, index in missing:
                 incoming = meta_dir.new_incoming_dir()
                 try:
-                    await self._build(code, layout, streams, stripe, index, shards, order.step, incoming)
+                    meta = ShardMeta(
+                        order.step,
+                        layout.members,
+                        layout.parity,
+                        layout.stream_bytes,
+                        stripe,
+                        index,
+                        0,
+                        "",
+                        _basis(order),
+                    )
+                    await self._build(code, layout, streams, meta, shards, incoming)
                 finally:
                     await asyncio.to_thread(shutil.rmtree, incoming, True)
             log.info(
@@ -130,15 +143,13 @@ class Encoder:
         code: Codec,
         layout: GroupLayout,
         streams: Mapping[int, MemberStream],
-        stripe: int,
-        index: int,
+        meta: ShardMeta,
         shards: ParityShards,
-        step: int,
         incoming: str,
     ) -> None:
-        """Builds shard ``index`` of ``stripe`` into ``incoming``, checksummed as written, then installs it."""
+        """Builds ``meta``'s shard into ``incoming``, checksummed as written, then installs it."""
         path = os.path.join(incoming, "shard")
-        crc, length = 0, layout.segment_bytes
+        crc, length, stripe = 0, layout.segment_bytes, meta.stripe
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             for offset in range(0, length, self._chunk_bytes):
@@ -149,15 +160,18 @@ class Encoder:
                         for p in layout.contributors(stripe)
                     )
                 )
-                crc = await asyncio.to_thread(_encode_into, code, segments, index, fd, offset, crc)
+                crc = await asyncio.to_thread(_encode_into, code, segments, meta.index, fd, offset, crc)
                 if self._share is not None:
                     await self._share.wait()
         finally:
             os.close(fd)
-        meta = ShardMeta(step, layout.members, layout.parity, layout.stream_bytes, stripe, index, length, f"{crc:08x}")
-        await asyncio.to_thread(shards.install, path, meta)
+        await asyncio.to_thread(shards.install, path, msgspec.structs.replace(meta, bytes=length, crc32c=f"{crc:08x}"))
         ENCODED.labels("ok").inc()
         ENCODED_BYTES.inc(length)
+
+
+def _basis(order: EncodeOrder) -> str:
+    return redundancy.basis(tuple(m.digest or "" for m in order.members))
 
 
 def _encode_into(code: Codec, segments: list[bytes], index: int, fd: int, offset: int, crc: int) -> int:

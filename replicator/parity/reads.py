@@ -9,6 +9,7 @@ import aiohttp
 from replicator.parity.layout import Files, stream_bytes, stream_pieces
 from replicator.peer_tier.client import UnusablePeerCopy, fetch_manifest, fetch_range, file_url, shard_url
 from replicator.wire.messages import MemberCopy, ShardCopy
+from replicator.wire.redundancy import files_digest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,10 +42,12 @@ class MemberStream:
         manifest = await fetch_manifest(
             reads.session, member.url, reads.token, reads.namespace, reads.job, member.rank, reads.step, member.grant
         )
-        if (held := stream_bytes(manifest.files)) != expected_bytes:
+        if (held := stream_bytes(manifest.files)) != expected_bytes or (
+            member.digest is not None and files_digest(manifest.files) != member.digest
+        ):
             raise UnusablePeerCopy(
-                f"rank {member.rank} step {reads.step} on {member.node} is {held} bytes,"
-                f" the parity was built over {expected_bytes}"
+                f"rank {member.rank} step {reads.step} on {member.node} ({held} bytes) is not the version"
+                f" its group's parity is built over ({expected_bytes} bytes)"
             )
         urls = {
             rel: file_url(member.url, reads.namespace, reads.job, member.rank, reads.step, rel)

@@ -413,12 +413,14 @@ class MemberCopy(msgspec.Struct, frozen=True, gc=False):
       node: a live node holding its step, or None when none does (the member is lost).
       url: that node's peer service base URL, or None.
       grant: the coordinator's grant to fetch the step there (``replicator.wire.grants``), or None.
+      digest: in an encode order, the member's checksums' ``redundancy.files_digest``: what it must read.
     """
 
     rank: Rank
     node: Name | None = None
     url: Text | None = None
     grant: Text | None = None
+    digest: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")] | None = None
 
 
 class ShardCopy(msgspec.Struct, frozen=True, gc=False):
@@ -478,6 +480,7 @@ class HeldShard(msgspec.Struct, frozen=True, gc=False):
       stripe, index: which shard.
       bytes: its size.
       crc32c: its CRC-32C, 8 hex digits.
+      basis: the members' checksums it was built over (``redundancy.basis``).
     """
 
     namespace: Name
@@ -489,6 +492,7 @@ class HeldShard(msgspec.Struct, frozen=True, gc=False):
     index: Rank
     bytes: Annotated[int, msgspec.Meta(ge=0)]
     crc32c: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{8}$")]
+    basis: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
 
 
 class RestoreView(msgspec.Struct, frozen=True, gc=False):

@@ -10,7 +10,11 @@ A job's ``replicator.yaml`` may set it (``redundancy``); otherwise the agents' `
 """
 
 import dataclasses
+import hashlib
 import re
+from collections.abc import Mapping
+
+import msgspec
 
 from replicator.wire.messages import JobSettings, NodeReport
 
@@ -74,3 +78,16 @@ def _parsed(text: str) -> Redundancy:
         return parse(text)
     except ValueError:
         return REPLICAS
+
+
+def files_digest(files: Mapping[str, tuple[int, str]]) -> str:
+    """A member's step as parity sees it: SHA-256 hex of its checksums (path -> (size, CRC-32C)), paths sorted.
+    The coordinator names each member's in an encode order; the encoding agent checks the manifest it reads."""
+    return hashlib.sha256(msgspec.json.encode(dict(files), order="sorted")).hexdigest()
+
+
+def basis(digests: tuple[str, ...]) -> str:
+    """What a group's parity shards of a step were built over: SHA-256 hex of its members' ``files_digest``s in
+    position order. Shards count (safety, decoding) only while it is the members' current checksums' basis: a
+    rewritten step or a rolled-back timeline gets other checksums, and its old shards stop counting."""
+    return hashlib.sha256(",".join(digests).encode()).hexdigest()

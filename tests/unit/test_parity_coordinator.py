@@ -5,6 +5,7 @@ restore plan of a lost rank (a ``Tier.DECODE`` source with its recipe)."""
 from replicator.coordinator import parity
 from replicator.coordinator.state import ClusterState, decide_interval
 from replicator.parity.layout import GroupLayout, cluster_ram
+from replicator.wire import redundancy
 from replicator.wire.messages import EncodeOrder, HeldShard, HeldStep, JobRef, JobSettings, Tier
 from replicator.wire.redundancy import parse
 from tests.helpers.reports import node_report, pod_report
@@ -84,6 +85,7 @@ class Job:
                     index,
                     layout.segment_bytes,
                     f"{0xC0 + stripe:08x}",
+                    redundancy.basis(tuple(m.digest or "" for m in order.members)),
                 )
                 for stripe, index in layout.held_by(order.position)
             )
