@@ -530,3 +530,23 @@ def test_parse_refuses(text):
 def test_replicas_are_not_encoded():
     assert not REPLICAS.encoded
     assert (REPLICAS.group, REPLICAS.parity) == (0, 0)
+
+
+_ORBAX_YAML = """job-name: j
+framework: orbax
+assume-data-parallelism: 1
+node-rank: 0
+nodes: 2
+peer-ranks: []
+backup-interval-minutes: 5
+"""
+
+
+def test_replicator_yaml_may_set_the_jobs_redundancy_and_a_bad_one_names_the_field():
+    from replicator.local_tier.frameworks.base import InvalidReplicatorConfig
+    from replicator.local_tier.frameworks.orbax import Orbax
+
+    assert Orbax().parse_config(_ORBAX_YAML, 0, 2).redundancy is None  # the agents' --redundancy then
+    assert Orbax().parse_config(_ORBAX_YAML + "redundancy: rs:4:2\n", 0, 2).redundancy == "rs:4:2"
+    with pytest.raises(InvalidReplicatorConfig, match="redundancy"):
+        Orbax().parse_config(_ORBAX_YAML + "redundancy: xor:1\n", 0, 2)

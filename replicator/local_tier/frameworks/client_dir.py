@@ -21,6 +21,7 @@ import yaml
 from csi_driver import file_cache
 from replicator.local_tier import pod_files
 from replicator.local_tier.frameworks.base import ConfigFile, InvalidReplicatorConfig, StepScan
+from replicator.wire import redundancy
 
 REPLICATOR_FILE = "replicator.yaml"
 ERRORS_FILE = "replicator.errors"
@@ -51,6 +52,20 @@ def restore_marker_name(job: str, step: int, rank: int) -> str:
     """``<job>-s<step>-n<rank>-w0.restore``: the name Orbax's ``_RESTORE_DIR_RE`` and the Resiliency
     library's ``-s(\\d+)-n\\d+-w\\d+`` both match."""
     return f"{job}-s{step}-n{rank}-w0{RESTORE_SUFFIX}"
+
+
+def checked_redundancy(value: str | None) -> str | None:
+    """A ``redundancy`` key's value (``replicator.wire.redundancy``), in its canonical form, or None when absent.
+
+    Raises:
+      InvalidReplicatorConfig: not ``replicas``, ``xor:N`` or ``rs:N:K`` within bounds.
+    """
+    if value is None:
+        return None
+    try:
+        return str(redundancy.parse(value))
+    except ValueError as err:
+        raise InvalidReplicatorConfig("redundancy", str(err)) from None
 
 
 def load_config(text: str, kind: type[Config]) -> tuple[Config, dict[str, Any]]:

@@ -36,6 +36,7 @@ from replicator.local_tier.frameworks.client_dir import (
     YAML_KEYS,
     ClientDirProtocol,
     check_job_shape,
+    checked_redundancy,
     load_config,
     restore_marker_name,
 )
@@ -74,6 +75,8 @@ class ReplicatorConfig(msgspec.Struct, frozen=True, rename=YAML_KEYS):
       peer_ranks: ``peer-ranks``, the same in-slice index in every other slice.
       backup_interval_minutes: ``backup-interval-minutes``, or None.
       backup_interval_steps: ``backup-interval-steps``, or None; exactly one of the two is set.
+      redundancy: ``redundancy`` (ours, not Orbax's: ``replicas``, ``xor:N`` or ``rs:N:K``), or None for the
+        agents' ``--redundancy``.
     """
 
     job_name: Annotated[str, msgspec.Meta(min_length=1, max_length=253)]
@@ -84,6 +87,7 @@ class ReplicatorConfig(msgspec.Struct, frozen=True, rename=YAML_KEYS):
     peer_ranks: Annotated[tuple[Annotated[int, msgspec.Meta(ge=0)], ...], msgspec.Meta(max_length=1 << 17)]
     backup_interval_minutes: Annotated[float, msgspec.Meta(gt=0)] | None = None
     backup_interval_steps: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    redundancy: str | None = None
 
 
 def parse_replicator_config(text: str, expected_rank: int, expected_nodes: int) -> ReplicatorConfig:
@@ -151,5 +155,9 @@ class Orbax(ClientDirProtocol):
         """
         config = parse_replicator_config(text, expected_rank, expected_nodes)
         return JobSettings(
-            config.peer_ranks, config.data_parallelism, config.backup_interval_minutes, config.backup_interval_steps
+            config.peer_ranks,
+            config.data_parallelism,
+            config.backup_interval_minutes,
+            config.backup_interval_steps,
+            checked_redundancy(config.redundancy),
         )

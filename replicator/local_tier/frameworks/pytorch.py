@@ -41,7 +41,13 @@ import msgspec
 
 from replicator.local_tier import pod_files
 from replicator.local_tier.frameworks.base import Files
-from replicator.local_tier.frameworks.client_dir import YAML_KEYS, ClientDirProtocol, check_job_shape, load_config
+from replicator.local_tier.frameworks.client_dir import (
+    YAML_KEYS,
+    ClientDirProtocol,
+    check_job_shape,
+    checked_redundancy,
+    load_config,
+)
 from replicator.wire.messages import JobSettings
 
 PRERESTORE_FILE = "replicator.prerestore"
@@ -72,6 +78,7 @@ class TorchReplicatorConfig(msgspec.Struct, frozen=True, rename=_YAML_NAMES):
       data_parallelism: ``assume-data-parallelism`` (default 1).
       workers_per_node: ``workers-per-node``, the local ranks writing each step (default 1).
       backup_interval_minutes, backup_interval_steps: exactly one is set.
+      redundancy: ``redundancy`` (``replicas``, ``xor:N`` or ``rs:N:K``), or None for the agents' ``--redundancy``.
     """
 
     job_name: Annotated[str, msgspec.Meta(min_length=1, max_length=253)]
@@ -86,6 +93,7 @@ class TorchReplicatorConfig(msgspec.Struct, frozen=True, rename=_YAML_NAMES):
     workers_per_node: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
     backup_interval_minutes: Annotated[float, msgspec.Meta(gt=0)] | None = None
     backup_interval_steps: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    redundancy: str | None = None
 
 
 def data_parallel_peers(rank: int, nodes: int, data_parallelism: int) -> tuple[int, ...]:
@@ -198,6 +206,7 @@ class PyTorchDistributed(ClientDirProtocol):
             config.data_parallelism,
             config.backup_interval_minutes,
             config.backup_interval_steps,
+            checked_redundancy(config.redundancy),
         )
 
     def _before_marker(self, dir_fd: int, step: int | None) -> None:
