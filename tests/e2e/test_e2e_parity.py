@@ -49,7 +49,7 @@ def test_xor_group_rebuilds_a_lost_node_bit_identically_without_full_copies(star
 
 
 def test_reed_solomon_group_rebuilds_two_lost_nodes_and_three_lost_restore_from_the_backup(start_cluster, tmp_path):
-    cluster, job, before = _started(start_cluster, tmp_path, "rs:4:2", "rs", backup=f"file://{tmp_path / 'objects'}")
+    cluster, job, before = _started(start_cluster, tmp_path, "rs:4:2", "rs")
     safe = status_of(cluster, job)["safe_step"]
     _lose(cluster, job, tmp_path, [1, 2], safe + 6)
     assert_resumed_exactly(job, safe, before, tmp_path)
