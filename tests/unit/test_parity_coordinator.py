@@ -159,6 +159,37 @@ def test_under_xor_a_step_is_safe_only_once_every_node_holds_its_shard():
         assert state.safe_step(KEY) == (STEP if count == 4 else None), count
 
 
+def test_shards_built_over_other_bytes_of_a_step_no_longer_count():
+    """A rank's own node reports its step with other checksums (written again): the shards built over the old
+    bytes stop counting, and the step is no longer safe nor decodable for any rank."""
+    state = ClusterState()
+    state.expire(0.0)
+    job = Job(state, single(4))
+    orders = job.round(1.0)
+    for node in job.slot:
+        job.build(node, orders[node])
+        state.apply_report(job.report(node, held=True), 5.0)
+    state.tick(5.0 + decide_interval(4))
+    assert state.safe_step(KEY) == STEP
+    assert {c.rank for c in state.copies(KEY) if c.decode} == {0, 1, 2, 3}
+    node = next(n for n, r in job.rank_of.items() if r == 2)
+    rewritten = HeldStep(*NAMES, STEP, 2, {"state/r2": (1016, "deadbeef")})
+    state.apply_report(
+        node_report(
+            node,
+            [job.pod(node)],
+            [rewritten],
+            topology={"block": node},
+            redundancy=job.redundancy,
+            shards=tuple(job.shards[node]),
+        ),
+        20.0,
+    )
+    state.tick(20.0 + decide_interval(4))
+    assert state.safe_step(KEY) is None
+    assert not [c for c in state.copies(KEY) if c.decode]
+
+
 def lose(state: ClusterState, job: Job, lost: list[str]) -> int:
     """``lost`` fall silent past the grace period; fresh nodes take their slots and the job restarts.
     Returns the rank the first fresh node gets."""
