@@ -327,7 +327,7 @@ $(ORBAX_OLDEST_STAMP): pyproject.toml
 CHAOS_FAULTS ?= 20
 CHAOS_ARGS   ?=
 chaos: host-tools setup
-	rc=0; for v in dp2 dp1; do $(BIN)/python -m tests.chaos --faults $(CHAOS_FAULTS) --variant $$v $(CHAOS_ARGS) || rc=1; done; exit $$rc
+	rc=0; for v in dp2 dp1 xor; do $(BIN)/python -m tests.chaos --faults $(CHAOS_FAULTS) --variant $$v $(CHAOS_ARGS) || rc=1; done; exit $$rc
 
 image:
 	@if command -v docker >/dev/null && docker info >/dev/null 2>&1; then \

@@ -1,6 +1,6 @@
 """The chaos suite (issue 10): one real Orbax job survives a seeded random sequence of faults.
 
-    python -m tests.chaos [--seed N] [--faults K] [--variant dp2|dp1] [--only FAULT,...]
+    python -m tests.chaos [--seed N] [--faults K] [--variant dp2|dp1|xor] [--only FAULT,...]
 
 (Over 500 lines on purpose: one runnable tool whose faults, oracle and report read best together;
 what it shares with the tests lives in ``tests/helpers``.)
@@ -8,13 +8,14 @@ what it shares with the tests lives in ``tests/helpers``.)
 A coordinator, four node agents (2 slices x 2 nodes, tmpfs, peer tier, backups to a ``file://``
 store) and ``examples/train.py`` training without end. Each fault runs one cycle: the fault, a
 failure (every training process SIGKILLed), the pods recreated, and the checks. ``dp2`` is data
-parallelism 2 (identical peers, nothing copied); ``dp1`` is data parallelism 1 with ``--replicas 2``.
+parallelism 2 (identical peers, nothing copied); ``dp1`` is data parallelism 1 with ``--replicas 2``; ``xor`` is
+data parallelism 1 with ``--redundancy xor:4`` (one parity group of the four ranks, no full copies).
 
 What is right is decided here, from the tiers themselves, never from the coordinator: when the
 training processes are dead and the fault has done its damage, the newest possible step is the
 newest step of the current timeline that every rank can get a valid copy of (its own ramdisk, a
-replica, its data-parallel peer's identical step, a backup with ``COMMIT``), minus copies the
-suite corrupted. After every restart it checks that every rank restored exactly that step, that
+replica, its data-parallel peer's identical step, a rebuild from its parity group's own steps and shards, a
+backup with ``COMMIT``), minus copies the suite corrupted. After every restart it checks that every rank restored exactly that step, that
 backups and GC kept running (a new backup newer than the restored step is committed, then every node
 deletes its copies older than that backup, but for the restored step), that each ramdisk stays below 90% full, that no agent or
 coordinator exited or reports unhealthy, and, at the end, that every restored array is
@@ -46,6 +47,10 @@ import urllib.request
 from collections.abc import Callable
 
 from examples.local_cluster import LocalCluster, LocalJob, NodeAgentProcess, unmount_all_below
+from replicator.coordinator import parity as parity_policy
+from replicator.local_tier.job_meta import JobMeta
+from replicator.local_tier.parity_shards import ParityShards, ShardMeta
+from replicator.wire import redundancy
 from tests.helpers import network
 from tests.helpers.jobs import assert_same_state, by_event, recreate, replace_node
 from tests.helpers.polling import wait_until
@@ -64,7 +69,12 @@ TRAIN = [
     "--step-sleep",
     "0.2",
 ]
-VARIANTS = {"dp2": (1, []), "dp1": (2, ["--data-parallelism", "1"])}  # -> (--replicas, train.py flags)
+# -> (--replicas, train.py flags, further ``mtc node`` flags)
+VARIANTS = {
+    "dp2": (1, [], []),
+    "dp1": (2, ["--data-parallelism", "1"], []),
+    "xor": (1, ["--data-parallelism", "1"], ["--redundancy", "xor:4"]),
+}
 _GC_SECONDS = 20.0  # a few report rounds
 _RAMDISK_FULL = 0.9
 _RESUME_TIMEOUT = (
@@ -106,7 +116,7 @@ class Chaos:
 
     def __init__(self, workdir: str, variant: str, rng: random.Random):
         self.workdir, self.variant, self.rng = workdir, variant, rng
-        replicas, train = VARIANTS[variant]
+        replicas, train, agent_args = VARIANTS[variant]
         self.store = os.path.join(workdir, "object-store")
         # Nodes on this run's own /24, each agent sending from its address: network faults touch this run only.
         self.cluster = LocalCluster(
@@ -114,6 +124,7 @@ class Chaos:
             listen_address,
             replicas=replicas,
             backup=f"file://{self.store}",
+            agent_args=agent_args,
             agent_wrapper=network.AS_HOST,
             subnet=network.run_subnet(),
         )
@@ -121,6 +132,8 @@ class Chaos:
         self.job = LocalJob("chaos", [], workdir, [*TRAIN, *train, "--dump-dir", ""], jax_port=free_port("0.0.0.0"))
         self.all_pods = []  # every pod of every incarnation, for its events
         self.corrupt: set[tuple[int, int, str]] = set()  # (rank, step, holder) copies the suite damaged
+        self.corrupt_shards: set[tuple[int, int]] = set()  # (step, stripe) parity shards the suite damaged
+        self.owner_files: dict[tuple[int, int], dict] = {}  # (rank, step) -> the checksums its own node last held
         self.rollback: tuple[int, int, float] | None = (
             None  # (step, first incarnation of the new timeline, its start time)
         )
@@ -246,7 +259,39 @@ class Chaos:
                     if n.endswith(".json") and (at := written(os.path.join(replicas, rank_dir, n))) is not None:
                         found[(int(rank_dir.split("-")[1]), int(n[:-5]), agent.node_id)] = at
         found |= {(rank, step, "backup"): at for step, at in self.backups().items() for rank in range(NODES)}
-        return {c for c, at in found.items() if c not in self.corrupt and self._in_timeline(c[0], c[1], at)}
+        valid = {c for c, at in found.items() if c not in self.corrupt and self._in_timeline(c[0], c[1], at)}
+        return valid | self._decodable(valid)
+
+    def _decodable(self, valid: set[tuple[int, int, str]]) -> set[tuple[int, int, str]]:
+        """(rank, step, "parity") for each rank its group can rebuild: the other members' valid own steps and the
+        valid shards leave every stripe it contributes to enough shards. A shard is valid when the suite did not
+        damage it and it was built over the checksums the members' own nodes hold now (``redundancy.basis``)."""
+        files = self.owner_files  # as the coordinator, remembered past the loss of the owner's node
+        own: set[tuple[int, int]] = set()  # (rank, step) whose own copy is valid
+        shards: list[ShardMeta] = []
+        for agent in self.job.agents:
+            ramdisk = agent.ramdisk(self.job.job)
+            if not os.path.isdir(os.path.join(ramdisk, "mtc")):
+                continue
+            for step, manifest in JobMeta(ramdisk).manifests().items():
+                files[(manifest.rank, step)] = manifest.files  # a flipped byte leaves the owner's checksums
+                if (manifest.rank, step, agent.node_id) in valid:
+                    own.add((manifest.rank, step))
+            shards += ParityShards(ramdisk).held()
+        usable: dict[tuple[int, tuple[int, ...], int], set[tuple[int, int]]] = {}
+        for shard in shards:
+            digests = [files.get((r, shard.step)) for r in shard.members]
+            if (shard.step, shard.stripe) in self.corrupt_shards or any(d is None for d in digests):
+                continue
+            if shard.basis == redundancy.basis(tuple(redundancy.files_digest(d) for d in digests if d is not None)):
+                usable.setdefault((shard.step, shard.members, shard.parity), set()).add((shard.stripe, shard.index))
+        rebuilt = set()
+        for (step, members, parity), held in usable.items():
+            for position, rank in enumerate(members):
+                live = {p for p, r in enumerate(members) if p != position and (r, step) in own}
+                if parity_policy._rebuildable(members, parity, position, live, held):
+                    rebuilt.add((rank, step, "parity"))
+        return rebuilt
 
     def newest_possible(self) -> int | None:
         """The newest step every rank can restore a valid copy of, or None (a fresh start is right)."""
@@ -596,6 +641,23 @@ def flip_replica(chaos: Chaos) -> None:
     )
 
 
+def flip_parity(chaos: Chaos) -> None:
+    """A byte flipped in a parity shard of the step a restore would take, then the node of a rank whose rebuild
+    needs that shard is lost (xor: one group of the four ranks, stripe ``s``'s shard on rank ``s``'s node)."""
+    rank = chaos.rng.randrange(NODES)
+    chaos.fail()
+    step = chaos.newest_possible()
+    stripe = chaos.rng.choice([s for s in range(NODES) if s != rank])
+    holder = chaos.agent_of(stripe)
+    flip_byte(ParityShards(holder.ramdisk(chaos.job.job)).path(step, 0, stripe))
+    chaos.corrupt_shards.add((step, stripe))
+    chaos.lose(rank)
+    chaos.restart(
+        f"flipped byte in {holder.node_id}'s parity shard {stripe} of step {step}, rank {rank}'s node lost",
+        chaos.newest_possible(),
+    )
+
+
 def flip_backup(chaos: Chaos) -> None:
     """A byte flipped in the newest backup of a rank, then that rank and every other in-cluster
     holder of its data are lost, so the backup tier must serve it."""
@@ -751,25 +813,26 @@ def rollback_no_pods(chaos: Chaos) -> None:
 
 
 FAULTS: dict[str, tuple[Callable[[Chaos], None], tuple[str, ...]]] = {
-    "preemption": (preemption, ("dp2", "dp1")),
-    "coordinator_kill_mid_restore": (coordinator_kill_mid_restore, ("dp2", "dp1")),
-    "freeze_training": (freeze_training, ("dp2", "dp1")),
-    "freeze_restore": (freeze_restore, ("dp2", "dp1")),
+    "preemption": (preemption, ("dp2", "dp1", "xor")),
+    "coordinator_kill_mid_restore": (coordinator_kill_mid_restore, ("dp2", "dp1", "xor")),
+    "freeze_training": (freeze_training, ("dp2", "dp1", "xor")),
+    "freeze_restore": (freeze_restore, ("dp2", "dp1", "xor")),
     "freeze_other_holder": (freeze_other_holder, ("dp2", "dp1")),
     "kill_mid_push": (kill_mid_push, ("dp1",)),
-    "kill_mid_stage": (kill_mid_stage, ("dp2", "dp1")),
-    "kill_mid_upload": (kill_mid_upload, ("dp2", "dp1")),
-    "kill_mid_gc": (kill_mid_gc, ("dp2", "dp1")),
-    "node_loss": (node_loss, ("dp2", "dp1")),
-    "flip_local": (flip_local, ("dp2", "dp1")),
+    "kill_mid_stage": (kill_mid_stage, ("dp2", "dp1", "xor")),
+    "kill_mid_upload": (kill_mid_upload, ("dp2", "dp1", "xor")),
+    "kill_mid_gc": (kill_mid_gc, ("dp2", "dp1", "xor")),
+    "node_loss": (node_loss, ("dp2", "dp1", "xor")),
+    "flip_local": (flip_local, ("dp2", "dp1", "xor")),
     "flip_replica": (flip_replica, ("dp2", "dp1")),
-    "flip_backup": (flip_backup, ("dp2", "dp1")),
-    "store_outage": (store_outage, ("dp2", "dp1")),
-    "partition_from_coordinator": (partition_from_coordinator, ("dp2", "dp1")),
-    "partition_from_peers": (partition_from_peers, ("dp2", "dp1")),
-    "lossy_slow_link": (lossy_slow_link, ("dp2", "dp1")),
-    "rollback": (rollback, ("dp2", "dp1")),
-    "rollback_no_pods": (rollback_no_pods, ("dp2", "dp1")),
+    "flip_backup": (flip_backup, ("dp2", "dp1", "xor")),
+    "store_outage": (store_outage, ("dp2", "dp1", "xor")),
+    "partition_from_coordinator": (partition_from_coordinator, ("dp2", "dp1", "xor")),
+    "partition_from_peers": (partition_from_peers, ("dp2", "dp1", "xor")),
+    "lossy_slow_link": (lossy_slow_link, ("dp2", "dp1", "xor")),
+    "rollback": (rollback, ("dp2", "dp1", "xor")),
+    "rollback_no_pods": (rollback_no_pods, ("dp2", "dp1", "xor")),
+    "flip_parity": (flip_parity, ("xor",)),
 }
 
 

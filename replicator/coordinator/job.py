@@ -23,6 +23,7 @@ from replicator.wire.messages import (
     PodReport,
     RetainOrder,
 )
+from replicator.wire.redundancy import REPLICAS, Redundancy
 
 # Checksums are kept packed: one JSON blob of a step's manifest, keys sorted, so that two equal
 # manifests pack to equal bytes, compressed. As decoded dicts, 60 files x 3 steps were 45 KB of the
@@ -97,6 +98,7 @@ class Decisions:
       safe: the newest step GC may keep from (``retention.safe_step``); retain: its order.
       targets: rank -> replica target nodes (``replicas.place``); lister: the node that lists backups.
       round: the step every rank replicates now (``replicas.choose_round``), or None.
+      redundancy: the job's setting (``parity.job_setting``) as of the last pass.
     """
 
     dirty: bool = True
@@ -107,6 +109,7 @@ class Decisions:
     targets: dict[int, list[str]] = dataclasses.field(default_factory=dict)
     lister: str | None = None
     round: int | None = None
+    redundancy: Redundancy = REPLICAS
 
 
 @dataclasses.dataclass
@@ -122,7 +125,8 @@ class Memos:
         (incarnation id, ``Liveness.replicas_epoch``).
       known_steps: the steps held in any tier at the last sweep (tables are swept on a change).
       round_for: the incarnation id ``Decisions.round`` was chosen in.
-      groups: the parity groups (``parity.groups``), chosen for ``groups_for``: (incarnation id, setting, ranks).
+      groups: the parity groups (``parity.groups``), chosen for ``groups_for``: (incarnation id, setting, ranks);
+        group_of: rank -> its group.
     """
 
     held: HeldMemo = dataclasses.field(default_factory=HeldMemo)
@@ -135,6 +139,7 @@ class Memos:
     round_for: str | None = None
     groups: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
     groups_for: tuple[str, str, tuple[int, ...]] | None = None
+    group_of: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass

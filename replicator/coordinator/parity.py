@@ -53,6 +53,7 @@ def groups(job: JobState, liveness: Liveness, setting: Redundancy) -> list[_Grou
     if job.memo.groups_for != stamp:
         block_of = liveness.blocks(incarnation.node_of_rank[r] for r in ranks)
         job.memo.groups_for, job.memo.groups = stamp, deal(ranks, setting.group, block_of, incarnation.node_of_rank)
+        job.memo.group_of = {rank: group for group in job.memo.groups for rank in group}
     return job.memo.groups
 
 
@@ -150,38 +151,34 @@ def safe(key: JobRef, job: JobState, liveness: Liveness, setting: Redundancy, st
 
 
 def orders(key: JobRef, job: JobState, state: NodeState, liveness: Liveness) -> list[EncodeOrder]:
-    """The node's encodes: the shards its positions hold of the round's step, in groups whose members' own nodes
-    all hold it, that its last report does not list."""
-    step, incarnation = job.decided.round, job.incarnation
-    if step is None or incarnation is None:
+    """The node's encodes: the shards its position holds of the round's step, in the group of its rank, once every
+    member's own node holds the step, unless its last report lists them. Costs one group: every reply asks."""
+    step, incarnation, setting = job.decided.round, job.incarnation, job.decided.redundancy
+    if step is None or incarnation is None or not setting.encoded:
         return []
-    setting = job_setting(job, liveness)
     node_id = state.report.node_id
+    groups(job, liveness, setting)  # chosen by the pass already; a reply between a change and its pass re-deals
+    rank = incarnation.rank_of_node.get(node_id)  # one training pod per node and job
+    group = job.memo.group_of.get(rank) if rank is not None else None
+    if group is None:
+        return []
+    position, parity = group.index(rank), parity_of(setting, group)
+    stripes = {(position - j) % len(group) for j in range(parity)}
     held = {
-        (s.step, s.members, s.stripe) for s in state.report.shards if (s.namespace, s.job) == (key.namespace, key.job)
+        s.stripe
+        for s in state.report.shards
+        if (s.namespace, s.job, s.step, s.members) == (key.namespace, key.job, step, group)
     }
-    found = []
-    for group in groups(job, liveness, setting):
-        positions = [p for p, r in enumerate(group) if incarnation.node_of_rank.get(r) == node_id]
-        sizes = stream_bytes(job, step, group) if positions else None
-        digests = member_digests(job, step, group) if positions else None
-        if not positions or sizes is None or digests is None:
-            continue
-        members = []
-        for rank, digest in zip(group, digests):
-            nodes = _own_nodes(job, liveness, step, rank)
-            members.append(
-                MemberCopy(rank, nodes[0] if nodes else None, liveness.url(nodes[0]) if nodes else None, digest=digest)
-            )
-        if any(m.node is None for m in members):
-            continue
-        parity = parity_of(setting, group)
-        for position in positions:
-            stripes = [(position - j) % len(group) for j in range(parity)]
-            if all((step, group, s) in held for s in stripes):
-                continue
-            found.append(EncodeOrder(key.namespace, key.job, step, position, tuple(members), parity, sizes))
-    return found
+    sizes, digests = stream_bytes(job, step, group), member_digests(job, step, group)
+    if stripes <= held or sizes is None or digests is None:
+        return []
+    members = []
+    for member, digest in zip(group, digests):
+        nodes = _own_nodes(job, liveness, step, member)
+        if not nodes:
+            return []
+        members.append(MemberCopy(member, nodes[0], liveness.url(nodes[0]), digest=digest))
+    return [EncodeOrder(key.namespace, key.job, step, position, tuple(members), parity, sizes)]
 
 
 def decodable(

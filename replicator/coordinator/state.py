@@ -304,7 +304,7 @@ class ClusterState:
         listed = backups.listed(job, liveness.nodes)
         job.forget_gone_steps(frozenset(job.claims.step_ranks) | (backed if listed else set(job.backup_seen)))
         if job.incarnation is not None:
-            setting = parity.job_setting(job, liveness)
+            setting = job.decided.redundancy = parity.job_setting(job, liveness)
             wanted = replicas.wanted(job, liveness)
             replicas.place(job, liveness, 0 if setting.encoded else wanted)
             encoded_safe = (

@@ -53,3 +53,14 @@ def test_a_sequence_that_restored_no_step_compared_no_value_and_is_wrong(tmp_pat
     suite.rows = [chaos.Row("preemption", restored=None, possible=None)]  # a fresh start, "right" on its own
     suite.check_values()
     assert not suite.rows[-1].right and "no value compared" in suite.rows[-1].problems[0]
+
+
+def test_under_xor_parity_a_lost_node_and_a_flipped_parity_shard_restore_the_newest_possible_step(tmp_path):
+    """Data parallelism 1 with ``--redundancy xor:4`` (issue 41), no full copies: a node lost is rebuilt from its
+    group; a byte flipped in a shard its rebuild needs is caught and the newest backup serves instead."""
+    rows = chaos.run(SEED, 2, "xor", ["node_loss", "flip_parity"], str(tmp_path))
+    table = chaos.render(rows) + "\n" + chaos.summary(rows)
+    print(table)
+    assert len(rows) == 2, table
+    assert all(row.right for row in rows), table
+    assert all(row.restored is not None for row in rows), table

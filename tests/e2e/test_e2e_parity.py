@@ -3,9 +3,11 @@ coordinator and a real Orbax job with data parallelism 1. Lost nodes' ranks are 
 survivors and parity shards. Too many lost for a group: ``tests/unit/test_parity_coordinator.py`` (no decode
 is planned)."""
 
+from tests.helpers.agents import scrape
 from tests.helpers.jobs import (
     UNTIL_KILLED,
     assert_resumed_exactly,
+    by_event,
     kill_past_newest_commit,
     replace_node,
     rerun,
@@ -17,8 +19,8 @@ from tests.helpers.jobs import (
 SAVES = ["--data-parallelism", "1", *UNTIL_KILLED, "--save-interval-steps", "1", "--step-sleep", "0.3"]
 
 
-def _started(start_cluster, tmp_path, redundancy, name, backup=None):
-    cluster = start_cluster(agent_args=["--redundancy", redundancy], backup=backup)
+def _started(start_cluster, tmp_path, redundancy, name, backup=None, peer_grants=False):
+    cluster = start_cluster(agent_args=["--redundancy", redundancy], backup=backup, peer_grants=peer_grants)
     job = run_job(name, list(cluster.agents), tmp_path / name, [*SAVES, "--dump-dir", str(tmp_path / "dump-1")])
     job.wait(
         lambda: (s := status_of(cluster, job))["safe_step"] is not None and s["safe_step"] >= 3,
@@ -38,7 +40,8 @@ def _lose(cluster, job, tmp_path, lost, steps):
 
 
 def test_xor_group_rebuilds_a_lost_node_bit_identically_without_full_copies(start_cluster, tmp_path):
-    cluster, job, before = _started(start_cluster, tmp_path, "xor:4", "xor")
+    """With peer grants on (issue 40): every read of an encode and of the rebuild carries the coordinator's grant."""
+    cluster, job, before = _started(start_cluster, tmp_path, "xor:4", "xor", peer_grants=True)
     status = status_of(cluster, job)
     safe = status["safe_step"]
     # No full replica anywhere: each rank's step is on its own node and decodable from its group.
@@ -46,6 +49,8 @@ def test_xor_group_rebuilds_a_lost_node_bit_identically_without_full_copies(star
     _lose(cluster, job, tmp_path, [1], safe + 6)
     assert_resumed_exactly(job, safe, before, tmp_path)
     assert status_of(cluster, job)["restore"]["sources"]["1"] == "decode:parity"
+    for agent in job.agents:  # every encode's and the rebuild's reads were granted
+        assert "mtc_peer_grant_refusals_total{" not in scrape(agent.url), agent.node_id
 
 
 def test_reed_solomon_group_rebuilds_two_lost_nodes_and_three_lost_restore_from_the_backup(start_cluster, tmp_path):
@@ -56,3 +61,21 @@ def test_reed_solomon_group_rebuilds_two_lost_nodes_and_three_lost_restore_from_
     sources = status_of(cluster, job)["restore"]["sources"]
     assert sources["1"] == sources["2"] == "decode:parity", sources
     assert sources["0"] == "local:node-0" and sources["3"] == "local:node-3", sources
+
+
+def test_more_nodes_lost_than_a_group_tolerates_restore_from_the_backup_tier(start_cluster, tmp_path):
+    """rs:4:2 and three of the four nodes lost: no decode is possible; every rank restores the newest backup."""
+    cluster = start_cluster(agent_args=["--redundancy", "rs:4:2"], backup=f"file://{tmp_path / 'objects'}")
+    job = run_job("rs3", list(cluster.agents), tmp_path / "rs3", [*SAVES, "--dump-dir", str(tmp_path / "dump-1")])
+    job.wait(lambda: len(status_of(cluster, job)["backups"]) >= 1, 180, "a first backup")
+    before = kill_past_newest_commit(job)
+    backed = max(status_of(cluster, job)["backups"])
+    job.kill_training()
+    for index in (1, 2, 3):
+        job.agents[:] = replace_node(cluster, job, index)
+    rerun(job, tmp_path / "dump-2", agents=list(job.agents), steps=backed + 6)
+    restored = [by_event(p, "restored")[0]["step"] for p in job.pods]
+    assert restored == [backed] * 4, restored  # no partial step: every rank restored the backed-up one
+    sources = status_of(cluster, job)["restore"]["sources"]
+    assert [sources[str(r)].split(":")[0] for r in (1, 2, 3)] == ["backup"] * 3, sources
+    assert_resumed_exactly(job, backed, before, tmp_path)
