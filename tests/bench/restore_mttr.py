@@ -24,9 +24,9 @@ All are timed from the pods' recreation to the first training step (rank 0's ``s
 restore sources are checked: every rank ``local:`` after a local restore; after a node loss the lost rank from a
 peer tier (full copy) or ``decode:parity`` (decoded), the others ``local:``. A wrong source exits 1. Goals (printed,
 not the exit status): node loss from a full copy <= 1.5 x local; node loss decoded <= 2 x node loss from a full copy
-(issue 41). Also printed per node loss: the fresh node's ``mtc_restore_seconds`` (replicator.yaml consumed to the
-restore marker: the fetch or decode with its verification and staging) and its restore log lines, and per cluster
-the parity encoder's build times. Run as root: ``python -m tests.bench.restore_mttr``.
+(issue 41). Also printed per restore: each agent's ``mtc_restore_seconds`` (replicator.yaml consumed to the restore
+marker: the staging, or the fetch or decode with its verification), the fresh node's restore log lines after a node
+loss, and per parity cluster the encoder's build times. Run as root: ``python -m tests.bench.restore_mttr``.
 """
 
 import os
@@ -154,6 +154,17 @@ def restore_seconds(agent: NodeAgentProcess) -> dict[str, tuple[int, float]]:
     return {source: (n, sums.get(source, 0.0)) for source, n in counts.items()}
 
 
+def staging_seconds(agents: list[NodeAgentProcess], before: list[dict[str, tuple[int, float]]]) -> str:
+    """Each agent's restores since ``before`` (``restore_seconds`` of the same agents): node, source, seconds."""
+    parts = []
+    for agent, earlier in zip(agents, before, strict=True):
+        for source, (n, seconds) in sorted(restore_seconds(agent).items()):
+            n0, seconds0 = earlier.get(source, (0, 0.0))
+            if n > n0:
+                parts.append(f"{agent.node_id} {source} {seconds - seconds0:.2f}")
+    return ", ".join(parts) or "none"
+
+
 def log_lines(agent: NodeAgentProcess, pattern: re.Pattern) -> list[str]:
     try:
         with open(agent.log_path, encoding="utf-8", errors="replace") as log:
@@ -204,6 +215,7 @@ def run_cluster(workdir: str, cleanup, run: str, agent_args: list[str], lost_tie
             if mode == "node loss":
                 cluster.lose_node(job.agents[LOST])
                 job.agents[LOST] = cluster.add_node(len(cluster.agents), block=f"b{LOST // 2}")
+            before = [restore_seconds(agent) for agent in job.agents]
             sample[mode] = recreate(job)
             restore = cluster.coordinator.status(job.job)["jobs"][0]["restore"]
             sources = dict(sorted(restore["sources"].items()))
@@ -212,10 +224,9 @@ def run_cluster(workdir: str, cleanup, run: str, agent_args: list[str], lost_tie
                 f"sources {sources}",
                 flush=True,
             )
+            print(f"  agents' mtc_restore_seconds (node, source, s): {staging_seconds(job.agents, before)}")
             if mode == "node loss":
                 fresh = job.agents[LOST]
-                staged = ", ".join(f"{src} {n}x {sec:.2f} s" for src, (n, sec) in restore_seconds(fresh).items())
-                print(f"  fresh {fresh.node_id}'s mtc_restore_seconds: {staged or 'none'}")
                 for line in log_lines(fresh, RESTORE_LOGGERS):
                     print(f"  {fresh.node_id}: {line}")
             check_sources(run, mode, restore["sources"], lost_tiers)
