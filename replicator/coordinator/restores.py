@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import cast
 
-from replicator.coordinator import parity, planner
+from replicator.coordinator import backups, parity, planner
 from replicator.coordinator.incarnations import Incarnation
 from replicator.coordinator.job import JobState
 from replicator.coordinator.liveness import Liveness, NodeState
@@ -143,6 +143,15 @@ def replan(key: JobRef, job: JobState, incarnation: Incarnation, inputs: PlanInp
     incarnation.staged.clear()
     incarnation.used_sources.clear()
     log.info("job %s incarnation %s: restore step %s", key, incarnation.incarnation_id, incarnation.plan.step)
+
+
+def check_listed(job: JobState, incarnation: Incarnation, nodes: dict[str, NodeState]) -> None:
+    """Raises ``NotReady`` while a node of the incarnation has a backup tier and no listing of the job's backups
+    is believed (the node that listed them was lost, a new one has not listed yet): a replan now would not see
+    the backups and could start from scratch a job a backup would resume."""
+    with_backup = any(n in nodes and nodes[n].report.has_backup for n in incarnation.node_of_rank.values())
+    if with_backup and not backups.listed(job, nodes):
+        raise NotReady(f"waiting for {job.decided.lister or 'a node with a backup tier'} to list the backup tier")
 
 
 def sources_lost(incarnation: Incarnation, rank: int, liveness: Liveness) -> bool:

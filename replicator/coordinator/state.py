@@ -443,6 +443,7 @@ class ClusterState:
         restores.check_started(incarnation, self.liveness, now)
         if restores.sources_lost(incarnation, rank, self.liveness):
             assert incarnation.plan is not None  # only a plan's sources are lost
+            restores.check_listed(job, incarnation, self.liveness.nodes)
             log.warning(
                 "job %s rank %d: every holder of step %d silent past the grace period; replanning",
                 key,

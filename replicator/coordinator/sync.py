@@ -240,7 +240,9 @@ def _supersede(key: JobRef, job: JobState, step: int, rank: int, owner: str) -> 
 def _listings(
     jobs: dict[JobRef, JobState], node_id: str, bound: NodeState | None, report: NodeReport | None, changes: Changes
 ) -> None:
-    """The node's listings of jobs' backups; a forgotten node's listings go."""
+    """The node's listings of jobs' backups; a forgotten node's listings go, and with each the job's listings older
+    than it: they know less than it did, so none is believed until a node lists anew (a replan then waits for
+    it instead of planning without the backups only the forgotten node had seen)."""
     if report is not None:
         old_listings = {JobRef(b.namespace, b.job): b for b in bound.report.backed_up} if bound else {}
         for listing in report.backed_up:
@@ -250,7 +252,9 @@ def _listings(
                 changes.dirty.add(key)
     elif bound is not None:
         for key in bound.job_keys():
-            if (job := jobs.get(key)) is not None and job.listings.pop(node_id, None) is not None:
+            if (job := jobs.get(key)) is not None and (gone := job.listings.pop(node_id, None)) is not None:
+                for older in [n for n, b in job.listings.items() if b.listed_at < gone.listed_at]:
+                    del job.listings[older]
                 changes.dirty.add(key)
 
 

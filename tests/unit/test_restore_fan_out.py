@@ -194,3 +194,84 @@ def test_a_cluster_replaced_whole_keeps_the_identities_of_its_backups_until_a_ne
     views = {rank: state.restore_view(KEY, incarnation.incarnation_id, rank, 22.0) for rank in range(NODES)}
     assert {v.step for v in views.values()} == {9}
     assert [views[r].fan_out_pending for r in range(NODES)] == [False, False, True, True]
+
+
+def test_a_replan_after_the_only_lister_was_lost_waits_for_a_new_listing_instead_of_starting_fresh():
+    """Nodes 1-3 listed the backup tier (step 5); node 0's listing is older, from before that backup. Nodes 1-3
+    are lost while their copies of step 9 are still within the grace period, so the restore plans step 9 from
+    them. Past the grace they are forgotten with their listings: node 0's stale one is not believed either, and
+    the replan waits for a new listing, then plans the backup, never a fresh start."""
+    import pytest
+
+    from replicator.coordinator.restores import NotReady
+
+    state = ClusterState(node_timeout_seconds=4.0, holder_grace_seconds=5.0)
+    listing, stale = BackedUp(*NAMES, ((5, 0),), 1.0), BackedUp(*NAMES, (), 0.5)
+    single = JobSettings((), 1, None, 100)
+    for node in range(NODES):
+        state.apply_report(report(node, [pod(node)]), 0.0)
+    state.tick(decide_interval(NODES))
+    first = state.job(KEY).incarnation
+    rank_of = {int(node[1:]): rank for rank, node in first.node_of_rank.items()}
+    for rank in rank_of.values():
+        state.record_settings(KEY, first.incarnation_id, rank, single)
+    for now in (1.0, 2.0):
+        for node, rank in rank_of.items():
+            held = [HeldStep(*NAMES, 9, rank, FILES)]
+            listed = [listing] if node else [stale]
+            state.apply_report(report(node, [pod(node, first.incarnation_id, rank)], held, listed), now)
+        state.tick(now + decide_interval(NODES))
+    assert state.backed_up(KEY) == {5}
+    # Nodes 1-3 are lost; node 0 and fresh nodes 4-6 publish the job's new pods.
+    survivors = [0, 4, 5, 6]
+    for now in (3.0, 3.5):
+        for node in survivors:
+            state.apply_report(
+                report(node, [second_pod(node)], rank_held(node, rank_of), [stale] if node == 0 else []), now
+            )
+        state.tick(now + decide_interval(NODES))
+    incarnation = state.job(KEY).incarnation
+    assert incarnation.incarnation_id != first.incarnation_id
+    node_of = {rank: int(node[1:]) for rank, node in incarnation.node_of_rank.items()}
+    lost_rank = next(rank for rank, node in node_of.items() if node == 4)
+    for rank, node in node_of.items():
+        state.record_settings(KEY, incarnation.incarnation_id, rank, single)
+        state.apply_report(
+            report(
+                node,
+                [second_pod(node, incarnation.incarnation_id, rank)],
+                rank_held(node, rank_of),
+                [stale] if node == 0 else [],
+            ),
+            3.6,
+        )
+    state.tick(3.6 + decide_interval(NODES))
+    assert state.restore_view(KEY, incarnation.incarnation_id, lost_rank, 4.1).step == 9  # its lost node's copy
+    for now in (6.0, 9.0, 12.0):  # the lost nodes fall silent past the grace and are forgotten
+        for rank, node in node_of.items():
+            pods = [second_pod(node, incarnation.incarnation_id, rank)]
+            state.apply_report(report(node, pods, rank_held(node, rank_of), [stale] if node == 0 else []), now)
+        state.tick(now + decide_interval(NODES))
+    assert not state.backed_up(KEY)  # the newest listings went with their nodes, node 0's stale one with them
+    with pytest.raises(NotReady, match="list the backup tier"):
+        state.restore_view(KEY, incarnation.incarnation_id, lost_rank, 12.5)
+    for rank, node in node_of.items():  # the new lister lists
+        pods = [second_pod(node, incarnation.incarnation_id, rank)]
+        new = BackedUp(*NAMES, ((5, 0),), 13.0)
+        state.apply_report(report(node, pods, rank_held(node, rank_of), [new] if node == 0 else []), 13.0)
+    state.tick(13.0 + decide_interval(NODES))
+    view = state.restore_view(KEY, incarnation.incarnation_id, lost_rank, 13.5)
+    assert view.step == 5 and [s.tier for s in view.sources] == [Tier.BACKUP]
+
+
+def rank_held(node: int, rank_of: dict[int, int]) -> list[HeldStep]:
+    """Node 0 keeps its rank's step 9; fresh nodes hold nothing."""
+    return [HeldStep(*NAMES, 9, rank_of[node], FILES)] if node in rank_of else []
+
+
+def second_pod(node: int, incarnation=None, rank=None) -> PodReport:
+    """The job's pod of its second incarnation on ``node`` (published at 3.0), in the slot of the lost one."""
+    slice_index, worker = divmod(node % NODES, 2)
+    return pod_report(
+        KEY, slice_index, worker, f"uid-{node}-2", incarnation, rank, nodes=NODES, slices=SLICES, published_at=3.0
+    )
