@@ -1,11 +1,10 @@
 """Decoding: rebuilds a lost member's step from its group's survivors and parity shards (a ``Tier.DECODE``
 source of the restore view), into an empty directory, checked against the owner's checksums.
 
-Stripe by stripe, in the order of the member's segments (so its stream is written front to back): each chunk
-reads ``n - k`` of the stripe's other shards, members' segments first (a read, no arithmetic), parity shards
-for the rest, and rebuilds the member's segment. Every parity shard read is checked against the CRC-32C it
-was built with, and every rebuilt file against the CRC-32C its owner reported: a decode hands out nothing
-unverified.
+Chunk by chunk, ``IN_FLIGHT`` chunks at a time: each chunk reads ``n - k`` of its stripe's other shards, members'
+segments first (a read, no arithmetic), parity shards for the rest, and rebuilds the member's segment in place.
+Every parity shard read is checked against the CRC-32C it was built with, and every rebuilt file against the
+CRC-32C its owner reported (chunks' CRCs combined in order): a decode hands out nothing unverified.
 """
 
 import asyncio
@@ -13,13 +12,14 @@ import os
 from collections.abc import Callable
 
 from replicator.local_tier.incoming import pwrite_all
-from replicator.local_tier.step_manifest import CorruptCopy, UnusableCopy, crc32c_extend, safe_relpath
-from replicator.parity.codec import codec
+from replicator.local_tier.step_manifest import CorruptCopy, UnusableCopy, crc32c_combine, crc32c_extend, safe_relpath
+from replicator.parity.codec import Codec, codec
 from replicator.parity.layout import Files, GroupLayout, stream_bytes, stream_pieces
 from replicator.parity.reads import ShardStream, StepReads, open_members
 from replicator.wire.messages import ParityRecipe
 
 CHUNK_BYTES = 4 << 20
+IN_FLIGHT = 4  # chunks being read and rebuilt at once: reads overlap the rebuilding, memory stays a few chunks
 
 
 async def rebuild(
@@ -67,58 +67,96 @@ async def rebuild(
         plan[stripe] = (data + parity)[: layout.data]
     needed = {layout.contributors(s)[i] for s, chosen in plan.items() for i in chosen if i < layout.data}
     streams = await open_members(reads, {p: live[p] for p in needed}, dict(enumerate(layout.stream_bytes)))
-    code = codec(layout.data, layout.parity)
-    fds = _create_files(dest_dir, files)
-    crcs = dict.fromkeys(files, 0)
-    starts, at = {}, 0
-    for rel in sorted(files):
-        starts[rel], at = at, at + files[rel][0]
-    length, own_bytes = layout.segment_bytes, layout.stream_bytes[position]
+    chunks = _Chunks(layout, position, files, codec(layout.data, layout.parity), _create_files(dest_dir, files))
+    readers = {
+        stripe: {
+            i: (streams[layout.contributors(stripe)[i]], segment_base(layout, stripe, i))
+            if i < layout.data
+            else (ShardStream(reads, layout.members[0], shards[(stripe, i - layout.data)]), 0)
+            for i in chosen
+        }
+        for stripe, chosen in plan.items()
+    }
+    work = iter([(stripe, offset) for stripe in plan for offset in range(0, layout.segment_bytes, chunk_bytes)])
+
+    async def worker() -> None:
+        for stripe, offset in work:  # a shared iterator: each chunk once
+            size = min(chunk_bytes, layout.segment_bytes - offset)
+            bodies = await asyncio.gather(*(r.read(base + offset, size) for r, base in readers[stripe].values()))
+            written = await asyncio.to_thread(chunks.rebuild, stripe, offset, dict(zip(readers[stripe], bodies)))
+            if on_range is not None and written:
+                on_range(written)
+
     try:
-        for stripe, chosen in plan.items():
-            segment = layout.segment_of(position, stripe)
-            wanted = layout.contributors(stripe).index(position)
-            readers = {
-                i: (streams[layout.contributors(stripe)[i]], segment_base(layout, stripe, i))
-                if i < layout.data
-                else (
-                    ShardStream(reads, layout.members[0], shards[(stripe, i - layout.data)]),
-                    0,
-                )
-                for i in chosen
-            }
-            shard_crcs = dict.fromkeys((i for i in chosen if i >= layout.data), 0)
-            for offset in range(0, length, chunk_bytes):
-                start = (
-                    segment * length + offset
-                )  # past ``own_bytes``: the group's padding, read for the shards' checksums
-                size = min(chunk_bytes, length - offset)
-                bodies = await asyncio.gather(*(r.read(base + offset, size) for r, base in readers.values()))
-                got = dict(zip(readers, bodies))
-                for i in shard_crcs:
-                    shard_crcs[i] = crc32c_extend(shard_crcs[i], got[i])
-                piece = (await asyncio.to_thread(code.rebuild, got, [wanted]))[wanted]
-                for rel, at, n in stream_pieces(files, start, size):
-                    chunk = memoryview(piece)[starts[rel] + at - start :][:n]
-                    pwrite_all(fds[rel], chunk, at)
-                    crcs[rel] = crc32c_extend(crcs[rel], chunk)
-                if on_range is not None and start < own_bytes:
-                    on_range(min(size, own_bytes - start))
-            for i, crc in shard_crcs.items():
-                shard = shards[(stripe, i - layout.data)]
-                if shard.crc32c is not None and f"{crc:08x}" != shard.crc32c:
-                    raise CorruptCopy(
-                        f"parity shard {i - layout.data} of stripe {stripe} on {shard.node} fails its checksum"
-                    )
+        workers = [asyncio.ensure_future(worker()) for _ in range(IN_FLIGHT)]
+        try:
+            await asyncio.gather(*workers)
+        finally:
+            for task in workers:
+                task.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
     finally:
-        for fd in fds.values():
-            os.close(fd)
-    bad = sorted(rel for rel, (_, crc) in files.items() if f"{crcs[rel]:08x}" != crc)
+        chunks.close()
+    for (stripe, i), crc in chunks.shard_crcs().items():
+        shard = shards[(stripe, i - layout.data)]
+        if shard.crc32c is not None and f"{crc:08x}" != shard.crc32c:
+            raise CorruptCopy(f"parity shard {i - layout.data} of stripe {stripe} on {shard.node} fails its checksum")
+    bad = sorted(rel for rel, crc in chunks.file_crcs().items() if f"{crc:08x}" != files[rel][1])
     if bad:
         raise CorruptCopy(
             f"rank {rank} step {step} rebuilt from group {list(layout.members)} fails its checksums: "
             + ", ".join(bad[:5])
         )
+
+
+class _Chunks:
+    """One rebuild's chunks: each rebuilt and written in place on a worker thread, its CRC-32Cs kept by offset and
+    combined in order at the end, so chunks may finish in any order (``crc32c_combine``, as a peer fetch does)."""
+
+    def __init__(self, layout: GroupLayout, position: int, files: Files, code: Codec, fds: dict[str, int]):
+        self._layout, self._position, self._files, self._code, self._fds = layout, position, files, code, fds
+        self._starts, at = {}, 0
+        for rel in sorted(files):
+            self._starts[rel], at = at, at + files[rel][0]
+        self._pieces: dict[tuple[str, int], tuple[int, int]] = {}  # (file, offset) -> (CRC, bytes)
+        self._shards: dict[tuple[int, int, int], tuple[int, int]] = {}  # (stripe, shard, offset) -> (CRC, bytes)
+
+    def rebuild(self, stripe: int, offset: int, got: dict[int, bytes]) -> int:
+        """Rebuilds the member's segment of ``stripe`` at ``offset`` from ``got`` (shard index -> bytes), writes
+        its bytes inside the member's stream; returns how many."""
+        layout = self._layout
+        for i, body in got.items():
+            if i >= layout.data:
+                self._shards[(stripe, i, offset)] = (crc32c_extend(0, body), len(body))
+        wanted = layout.contributors(stripe).index(self._position)
+        piece = memoryview(self._code.rebuild(got, [wanted])[wanted])
+        start = layout.segment_of(self._position, stripe) * layout.segment_bytes + offset
+        written = 0
+        for rel, at, n in stream_pieces(self._files, start, len(piece)):  # past the stream's end: padding
+            chunk = piece[self._starts[rel] + at - start :][:n]
+            pwrite_all(self._fds[rel], chunk, at)
+            self._pieces[(rel, at)] = (crc32c_extend(0, chunk), n)
+            written += n
+        return written
+
+    def file_crcs(self) -> dict[str, int]:
+        return _combined(self._pieces, {rel: () for rel in self._files})
+
+    def shard_crcs(self) -> dict[tuple[int, int], int]:
+        return _combined({((s, i), o): v for (s, i, o), v in self._shards.items()}, {})
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+
+
+def _combined(pieces: dict, keys: dict) -> dict:
+    """key -> the CRC-32C of its pieces ((key, offset) -> (CRC, bytes)) joined in offset order; ``keys`` adds keys
+    with no piece (an empty file: CRC 0)."""
+    crcs = dict.fromkeys(keys, 0)
+    for (key, _), (crc, n) in sorted(pieces.items(), key=lambda item: item[0]):
+        crcs[key] = crc32c_combine(crcs.get(key, 0), crc, n)
+    return crcs
 
 
 def segment_base(layout: GroupLayout, stripe: int, index: int) -> int:
