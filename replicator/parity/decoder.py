@@ -8,7 +8,10 @@ CRC-32C its owner reported (chunks' CRCs combined in order): a decode hands out 
 """
 
 import asyncio
+import errno
+import functools
 import os
+import threading
 from collections.abc import Callable
 
 from replicator.local_tier.incoming import pwrite_all
@@ -16,6 +19,7 @@ from replicator.local_tier.step_manifest import CorruptCopy, UnusableCopy, crc32
 from replicator.parity.codec import Codec, codec
 from replicator.parity.layout import Files, GroupLayout, stream_bytes, stream_pieces
 from replicator.parity.reads import ShardStream, StepReads, open_members
+from replicator.peer_tier.client import run_all
 from replicator.wire.messages import ParityRecipe
 
 CHUNK_BYTES = 4 << 20
@@ -77,26 +81,19 @@ async def rebuild(
         }
         for stripe, chosen in plan.items()
     }
-    work = iter([(stripe, offset) for stripe in plan for offset in range(0, layout.segment_bytes, chunk_bytes)])
 
-    async def worker() -> None:
-        for stripe, offset in work:  # a shared iterator: each chunk once
-            size = min(chunk_bytes, layout.segment_bytes - offset)
-            bodies = await asyncio.gather(*(r.read(base + offset, size) for r, base in readers[stripe].values()))
-            written = await asyncio.to_thread(chunks.rebuild, stripe, offset, dict(zip(readers[stripe], bodies)))
-            if on_range is not None and written:
-                on_range(written)
+    async def chunk(stripe: int, offset: int) -> None:
+        size = min(chunk_bytes, layout.segment_bytes - offset)
+        bodies = await asyncio.gather(*(r.read(base + offset, size) for r, base in readers[stripe].values()))
+        written = await asyncio.to_thread(chunks.rebuild, stripe, offset, dict(zip(readers[stripe], bodies)))
+        if on_range is not None and written:
+            on_range(written)
 
+    offsets = range(0, layout.segment_bytes, chunk_bytes)
     try:
-        workers = [asyncio.ensure_future(worker()) for _ in range(IN_FLIGHT)]
-        try:
-            await asyncio.gather(*workers)
-        finally:
-            for task in workers:
-                task.cancel()
-            await asyncio.gather(*workers, return_exceptions=True)
+        await run_all([functools.partial(chunk, stripe, offset) for stripe in plan for offset in offsets], IN_FLIGHT)
     finally:
-        chunks.close()
+        await asyncio.to_thread(chunks.close)  # after the chunks a failure or a cancel left on their threads
     for (stripe, i), crc in chunks.shard_crcs().items():
         shard = shards[(stripe, i - layout.data)]
         if shard.crc32c is not None and f"{crc:08x}" != shard.crc32c:
@@ -120,10 +117,29 @@ class _Chunks:
             self._starts[rel], at = at, at + files[rel][0]
         self._pieces: dict[tuple[str, int], tuple[int, int]] = {}  # (file, offset) -> (CRC, bytes)
         self._shards: dict[tuple[int, int, int], tuple[int, int]] = {}  # (stripe, shard, offset) -> (CRC, bytes)
+        # A cancelled chunk's thread runs on: the descriptors close only once none writes (a closed number is reused).
+        self._writing, self._closed = 0, False
+        self._idle = threading.Condition()
 
     def rebuild(self, stripe: int, offset: int, got: dict[int, bytes]) -> int:
         """Rebuilds the member's segment of ``stripe`` at ``offset`` from ``got`` (shard index -> bytes), writes
-        its bytes inside the member's stream; returns how many."""
+        its bytes inside the member's stream; returns how many.
+
+        Raises:
+          OSError: the rebuild was closed (it failed or was cancelled), or a write failed.
+        """
+        with self._idle:
+            if self._closed:
+                raise OSError(errno.ECANCELED, "the rebuild was closed")
+            self._writing += 1
+        try:
+            return self._rebuild(stripe, offset, got)
+        finally:
+            with self._idle:
+                self._writing -= 1
+                self._idle.notify_all()
+
+    def _rebuild(self, stripe: int, offset: int, got: dict[int, bytes]) -> int:
         layout = self._layout
         for i, body in got.items():
             if i >= layout.data:
@@ -146,6 +162,10 @@ class _Chunks:
         return _combined({((s, i), o): v for (s, i, o), v in self._shards.items()}, {})
 
     def close(self) -> None:
+        """Closes the files once no chunk writes them (blocks: call it on a worker thread)."""
+        with self._idle:
+            self._closed = True
+            self._idle.wait_for(lambda: self._writing == 0)
         for fd in self._fds.values():
             os.close(fd)
 

@@ -160,7 +160,14 @@ class Encoder:
                         for p in layout.contributors(stripe)
                     )
                 )
-                crc = await asyncio.to_thread(_encode_into, code, segments, meta.index, fd, offset, crc)
+                encoding = asyncio.ensure_future(
+                    asyncio.to_thread(_encode_into, code, segments, meta.index, fd, offset, crc)
+                )
+                try:
+                    crc = await asyncio.shield(encoding)
+                except asyncio.CancelledError:  # its thread writes on: ``fd`` closes after it (a number is reused)
+                    await asyncio.wait([encoding])
+                    raise
                 if self._share is not None:
                     await self._share.wait()
         finally:

@@ -98,7 +98,7 @@ async def _raise_for(response: aiohttp.ClientResponse, what: str) -> None:
         )
 
 
-async def _run_all(jobs: list[Callable[[], Awaitable]], concurrency: int) -> list:
+async def run_all(jobs: list[Callable[[], Awaitable]], concurrency: int) -> list:
     """Runs ``jobs`` with at most ``concurrency`` at a time; returns their results in order.
     The first error cancels the rest."""
     results = [None] * len(jobs)
@@ -449,7 +449,7 @@ async def push_step(
 
     try:
         with pod_files.open_dir(step_dir) as root:
-            await _run_all([functools.partial(put, root, rel) for rel in manifest.files], concurrency)
+            await run_all([functools.partial(put, root, rel) for rel in manifest.files], concurrency)
         async with session.post(
             url + COMMIT_SUFFIX, data=manifest.to_json(), headers={**headers, "Content-Type": "application/json"}
         ) as response:

@@ -59,6 +59,13 @@ class FakeTorchAgent:
     def marker_name(self) -> str:
         return f"{self.job}-s{self.restore_step}-n{self.node}-w0.restore"
 
+    def _write(self, name: str, text: str) -> None:
+        """As the agent writes its files: whole (tmp + rename). A plain write let the client poll an empty
+        ``replicator.failed`` between its creation and its text (a flaky failure under load)."""
+        tmp = self.local_dir / f".{name}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, self.local_dir / name)
+
     def _run(self) -> None:
         yaml_path = self.local_dir / "replicator.yaml"
         while not self._stop.is_set():
@@ -66,14 +73,14 @@ class FakeTorchAgent:
                 time.sleep(self.consume_delay_s)
                 self.config = yaml.safe_load(yaml_path.read_text())
                 if self.errors is not None:
-                    (self.local_dir / "replicator.errors").write_text(self.errors)
+                    self._write("replicator.errors", self.errors)
                 if self.failed is not None:
-                    (self.local_dir / "replicator.failed").write_text(self.failed)
+                    self._write("replicator.failed", self.failed)
                     yaml_path.unlink()
                     return
                 yaml_path.unlink()
                 prerestore = "{}\n" if self.restore_step == 0 else f"restore-step: {self.restore_step}\n"
-                (self.local_dir / "replicator.prerestore").write_text(prerestore)
+                self._write("replicator.prerestore", prerestore)
                 marker = self.local_dir / self.marker_name()
                 if self.restore_step == 0:
                     marker.touch()
