@@ -246,7 +246,8 @@ e2e-deploy: host-tools setup tools k8s-node-tools $(COREDNS) deploy-images
 # the pressure cases (a ramdisk sized exactly by the rule, read-once restores after a cluster loss, the chaos
 # suite's fixed seed). About 10 min.
 E2E_OPERATIONS := tests/e2e/test_e2e_upgrade.py tests/e2e/test_e2e_token_rotation.py \
-                  tests/e2e/test_e2e_ramdisk_sizing.py tests/e2e/test_e2e_restore_fan_out.py tests/e2e/test_chaos.py
+                  tests/e2e/test_e2e_ramdisk_sizing.py tests/e2e/test_e2e_restore_fan_out.py tests/e2e/test_chaos.py \
+                  tests/e2e/test_e2e_parity_beyond.py
 
 # The import contracts, the linter, the format check and the type checker first (pyproject.toml: [tool.importlinter],
 # [tool.ruff], [tool.mypy]; mtc_torch is type-checked against the PyTorch venv's torch): a finding fails before any

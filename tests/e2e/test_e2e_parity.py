@@ -1,13 +1,12 @@
 """Erasure-coded RAM copies end to end (issue 41): real agents with ``--redundancy xor:N`` or ``rs:N:K``, a real
 coordinator and a real Orbax job with data parallelism 1. Lost nodes' ranks are rebuilt from their group's
-survivors and parity shards. Too many lost for a group: ``tests/unit/test_parity_coordinator.py`` (no decode
-is planned)."""
+survivors and parity shards. Too many lost for a group: ``test_e2e_parity_beyond.py`` (in ``make e2e-operations``:
+it waits out the lost nodes' grace period)."""
 
 from tests.helpers.agents import scrape
 from tests.helpers.jobs import (
     UNTIL_KILLED,
     assert_resumed_exactly,
-    by_event,
     kill_past_newest_commit,
     replace_node,
     rerun,
@@ -53,7 +52,7 @@ def test_xor_group_rebuilds_a_lost_node_bit_identically_without_full_copies(star
         assert "mtc_peer_grant_refusals_total{" not in scrape(agent.url), agent.node_id
 
 
-def test_reed_solomon_group_rebuilds_two_lost_nodes_and_three_lost_restore_from_the_backup(start_cluster, tmp_path):
+def test_reed_solomon_group_rebuilds_two_lost_nodes_of_one_group_bit_identically(start_cluster, tmp_path):
     cluster, job, before = _started(start_cluster, tmp_path, "rs:4:2", "rs")
     safe = status_of(cluster, job)["safe_step"]
     _lose(cluster, job, tmp_path, [1, 2], safe + 6)
@@ -61,21 +60,3 @@ def test_reed_solomon_group_rebuilds_two_lost_nodes_and_three_lost_restore_from_
     sources = status_of(cluster, job)["restore"]["sources"]
     assert sources["1"] == sources["2"] == "decode:parity", sources
     assert sources["0"] == "local:node-0" and sources["3"] == "local:node-3", sources
-
-
-def test_more_nodes_lost_than_a_group_tolerates_restore_from_the_backup_tier(start_cluster, tmp_path):
-    """rs:4:2 and three of the four nodes lost: no decode is possible; every rank restores the newest backup."""
-    cluster = start_cluster(agent_args=["--redundancy", "rs:4:2"], backup=f"file://{tmp_path / 'objects'}")
-    job = run_job("rs3", list(cluster.agents), tmp_path / "rs3", [*SAVES, "--dump-dir", str(tmp_path / "dump-1")])
-    job.wait(lambda: len(status_of(cluster, job)["backups"]) >= 1, 180, "a first backup")
-    before = kill_past_newest_commit(job)
-    backed = max(status_of(cluster, job)["backups"])
-    job.kill_training()
-    for index in (1, 2, 3):
-        job.agents[:] = replace_node(cluster, job, index)
-    rerun(job, tmp_path / "dump-2", agents=list(job.agents), steps=backed + 6)
-    restored = [by_event(p, "restored")[0]["step"] for p in job.pods]
-    assert restored == [backed] * 4, restored  # no partial step: every rank restored the backed-up one
-    sources = status_of(cluster, job)["restore"]["sources"]
-    assert [sources[str(r)].split(":")[0] for r in (1, 2, 3)] == ["backup"] * 3, sources
-    assert_resumed_exactly(job, backed, before, tmp_path)
