@@ -186,7 +186,9 @@ def decodable(
 ) -> list[planner.StepCopy]:
     """A decodable copy (holder ``DECODE_HOLDER``) of each member rank its group's live survivors and shards can
     rebuild, at each step with shards; only where the coordinator knows the owners' checksums to verify it."""
-    held = {(c.step, c.rank) for c in live_copies if not c.backup}
+    # Live holders only: a silent node's copy stays a restore source for the grace period, but a rebuild cannot
+    # count on it (three of an rs:8:2 group lost, their copies still within the grace, looked rebuildable).
+    held = {(c.step, c.rank) for c in live_copies if not c.backup and not c.decode and liveness.is_live(c.holder)}
     found = []
     for (step, group, parity), shards in _shards(key, job, liveness).items():
         for position, rank in enumerate(group):

@@ -190,6 +190,28 @@ def test_shards_built_over_other_bytes_of_a_step_no_longer_count():
     assert not [c for c in state.copies(KEY) if c.decode]
 
 
+def test_a_silent_members_copy_within_its_grace_is_no_survivor_for_a_rebuild():
+    """Three members of an rs:8:2 group fall silent: their copies stay restore sources for the grace period, but
+    none counts as a survivor for a rebuild, so no decode is planned for them (K = 2 tolerates two)."""
+    state = ClusterState()
+    state.expire(0.0)
+    job = Job(state, single(8), redundancy="rs:8:2")
+    orders = job.round(1.0)
+    for node in job.slot:
+        job.build(node, orders[node])
+        state.apply_report(job.report(node, held=True), 5.0)
+    state.tick(5.0 + decide_interval(8))
+    assert {c.rank for c in state.copies(KEY) if c.decode} == set(range(8))
+    silent = [n for n, r in job.rank_of.items() if r in (1, 2, 3)]
+    for now in (10.0, 15.0, 22.0):  # past the node timeout, within the grace period
+        for node in job.slot:
+            if node not in silent:
+                state.apply_report(job.report(node, held=True), now)
+        state.tick(now + decide_interval(8))
+    assert {c.holder for c in state.copies(KEY) if not c.decode} >= set(silent)  # still restore sources
+    assert not {1, 2, 3} & {c.rank for c in state.copies(KEY) if c.decode}
+
+
 def lose(state: ClusterState, job: Job, lost: list[str]) -> int:
     """``lost`` fall silent past the grace period; fresh nodes take their slots and the job restarts.
     Returns the rank the first fresh node gets."""
