@@ -20,7 +20,7 @@ from replicator.coordinator import planner
 from replicator.coordinator.job import JobState
 from replicator.coordinator.liveness import Liveness, NodeState
 from replicator.wire import redundancy
-from replicator.wire.messages import EncodeOrder, HeldShard, JobRef, MemberCopy, ParityRecipe, ShardCopy
+from replicator.wire.messages import EncodeOrder, Files, HeldShard, JobRef, MemberCopy, ParityRecipe, ShardCopy
 from replicator.wire.redundancy import REPLICAS, Redundancy, of_job
 
 DECODE_HOLDER = "parity"  # the holder of a decodable copy (``planner.StepCopy``): no one node holds it
@@ -103,15 +103,16 @@ def _shards(
     return found
 
 
+def _owner_files(job: JobState, step: int, group: _Group) -> list[Files] | None:
+    """Each member's owner checksums at ``step``, position order, or None while one is unknown."""
+    found = [job.owners.checksums(step, rank) for rank in group]
+    return None if any(f is None for f in found) else [f for f in found if f is not None]
+
+
 def member_digests(job: JobState, step: int, group: _Group) -> tuple[str, ...] | None:
     """Each member's ``redundancy.files_digest`` of its owner's checksums at ``step``, or None while one is unknown."""
-    digests = []
-    for rank in group:
-        files = job.owners.checksums(step, rank)
-        if files is None:
-            return None
-        digests.append(redundancy.files_digest(files))
-    return tuple(digests)
+    files = _owner_files(job, step, group)
+    return None if files is None else tuple(redundancy.files_digest(f) for f in files)
 
 
 def _own_nodes(job: JobState, liveness: Liveness, step: int, rank: int) -> list[str]:
@@ -121,13 +122,8 @@ def _own_nodes(job: JobState, liveness: Liveness, step: int, rank: int) -> list[
 
 def stream_bytes(job: JobState, step: int, group: _Group) -> tuple[int, ...] | None:
     """Each member's step length from its owner's checksums, or None while one is unknown."""
-    sizes = []
-    for rank in group:
-        files = job.owners.checksums(step, rank)
-        if files is None:
-            return None
-        sizes.append(sum(size for size, _ in files.values()))
-    return tuple(sizes)
+    files = _owner_files(job, step, group)
+    return None if files is None else tuple(sum(size for size, _ in f.values()) for f in files)
 
 
 def safe(key: JobRef, job: JobState, liveness: Liveness, setting: Redundancy, step: int, covered: set[int]) -> bool:
@@ -191,9 +187,8 @@ def decodable(
     held = {(c.step, c.rank) for c in live_copies if not c.backup and not c.decode and liveness.is_live(c.holder)}
     found = []
     for (step, group, parity), shards in _shards(key, job, liveness).items():
+        # ``_shards`` keeps only shards whose basis matched every owner's checksums: they are all known here.
         for position, rank in enumerate(group):
-            if job.owners.checksums(step, rank) is None or stream_bytes(job, step, group) is None:
-                continue
             if _rebuildable(
                 group,
                 parity,
