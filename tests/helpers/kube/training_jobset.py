@@ -13,8 +13,9 @@ import signal
 import subprocess
 import time
 
+import psutil
 from lightkube import codecs
-from lightkube.resources.core_v1 import Pod
+from lightkube.resources.core_v1 import Event, Pod
 
 from replicator.coordinator.kube_watch import JobSet  # registers the kind with lightkube's codecs
 from tests.helpers.jobs import UNTIL_KILLED_STEPS
@@ -135,7 +136,9 @@ class TrainingJobSet:
                 return pods
             if time.monotonic() > deadline:
                 raise AssertionError(
-                    f"attempt {attempt} of {self.name} not training after {timeout} s: {self._phases()}"
+                    f"attempt {attempt} of {self.name} not training after {timeout} s: {self._phases()}; "
+                    f"why: {self._why_waiting()}; this machine's memory available: "
+                    f"{psutil.virtual_memory().available} bytes"
                 )
             time.sleep(1)
 
@@ -143,6 +146,25 @@ class TrainingJobSet:
         return [
             (p.metadata.name, p.spec.nodeName, p.status.phase, p.metadata.annotations.get(ATTEMPT)) for p in self.pods()
         ]
+
+    def _why_waiting(self) -> list[str]:
+        """What the kubelet and the scheduler said about each pod not running: its conditions, its containers'
+        waiting reasons and its events, so a pod stuck in Pending names its cause in the failure."""
+        said = []
+        for pod in self.pods():
+            if pod.status.phase == "Running":
+                continue
+            for condition in pod.status.conditions or []:
+                if condition.status != "True":
+                    said.append(f"{pod.metadata.name} {condition.type}: {condition.reason} {condition.message}")
+            for container in (pod.status.initContainerStatuses or []) + (pod.status.containerStatuses or []):
+                if waiting := container.state and container.state.waiting:
+                    said.append(f"{pod.metadata.name} {container.name} waiting: {waiting.reason} {waiting.message}")
+            events = self.cluster.client().list(
+                Event, namespace=TRAINING_NAMESPACE, fields={"involvedObject.name": pod.metadata.name}
+            )
+            said += [f"{pod.metadata.name} event {e.reason}: {e.message} (x{e.count})" for e in events]
+        return said
 
     def node_of(self, pod: Pod) -> DeployNode:
         return next(n for n in self.cluster.nodes if n.name == pod.spec.nodeName)
