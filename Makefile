@@ -244,10 +244,14 @@ e2e-deploy: host-tools setup tools k8s-node-tools $(COREDNS) deploy-images
 # The longest end-to-end tests, run by .ci/run after `make test` (which leaves them out to stay near 20 minutes
 # on 2 cores): an operator's procedures (a rolling upgrade and rollback across releases, a token rotation) and
 # the pressure cases (a ramdisk sized exactly by the rule, read-once restores after a cluster loss, the chaos
-# suite's fixed seed). About 10 min.
+# suite's fixed seed, a parity group losing more than it tolerates) and the two slowest tests of the peer and backup
+# tiers (a node lost while saving faster than it replicates; a store answering after 20 s), named by test ID.
+# About 14 min.
 E2E_OPERATIONS := tests/e2e/test_e2e_upgrade.py tests/e2e/test_e2e_token_rotation.py \
                   tests/e2e/test_e2e_ramdisk_sizing.py tests/e2e/test_e2e_restore_fan_out.py tests/e2e/test_chaos.py \
-                  tests/e2e/test_e2e_parity_beyond.py
+                  tests/e2e/test_e2e_parity_beyond.py \
+                  tests/e2e/test_e2e_peer_tier.py::test_node_lost_while_saving_faster_than_it_replicates_restores_a_step_within_the_bound \
+                  tests/e2e/test_e2e_backup_tier.py::test_a_store_answering_after_20_s_slows_no_save_and_backups_then_complete_and_restore
 
 # The import contracts, the linter, the format check and the type checker first (pyproject.toml: [tool.importlinter],
 # [tool.ruff], [tool.mypy]; mtc_torch is type-checked against the PyTorch venv's torch): a finding fails before any
@@ -258,7 +262,8 @@ test: host-tools setup tools torch-setup
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/mypy --python-executable $(TORCH_VENV)/bin/python mtc_torch
-	PATH=$(TOOLS):$$PATH $(BIN)/python -m pytest -q -p no:cacheprovider --durations=20 $(foreach t,$(E2E_OPERATIONS),--ignore=$(t))
+	PATH=$(TOOLS):$$PATH $(BIN)/python -m pytest -q -p no:cacheprovider --durations=20 \
+	    $(foreach t,$(E2E_OPERATIONS),$(if $(findstring ::,$(t)),--deselect=$(t),--ignore=$(t)))
 
 e2e-operations: host-tools setup tools
 	PATH=$(TOOLS):$$PATH $(BIN)/python -m pytest -q -p no:cacheprovider $(E2E_OPERATIONS)
