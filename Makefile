@@ -226,7 +226,9 @@ $(IMAGE_BASE_ARCHIVE):
 $(COREDNS):
 	GOBIN=$(TOOLS) $(TIMED) go install $(COREDNS_PKG)
 
+# The previous build's images are removed first: rebuilt under the same tags, they stayed behind untagged (2 GB a run).
 deploy-images: $(IMAGE_BASE_ARCHIVE) $(STUBS)
+	buildah rmi -f $(foreach i,mtc-agent livenessprobe-standin mtc-trainer,localhost/$(i):$(VERSION)) >/dev/null 2>&1 || true
 	buildah pull -q oci-archive:$(IMAGE_BASE_ARCHIVE) >/dev/null
 	$(MAKE) image BASE_IMAGE=$(IMAGE_BASE) IMAGE=localhost/mtc-agent:$(VERSION) BUILD_CA=$(DEPLOY_CA)
 	$(DEPLOY_BUILD) -f tests/deploy/livenessprobe.Dockerfile --build-arg AGENT=localhost/mtc-agent:$(VERSION) \

@@ -4,6 +4,8 @@ it, once, for every test of the session (they are steps of one user's first hour
 
 import contextlib
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,9 @@ from tests.helpers.kube.pod_network import API_ADDRESS, ClusterServices, node_ad
 AUDITED = ("system:serviceaccounts:mtc-system",)
 """The chart's ServiceAccounts, whose every request the API server logs (``test_wrap_up.py``: RBAC, exactly)."""
 NODE_START_SECONDS = 300.0  # the images (about 1.5 GB) are imported into each node's containerd
+DISK_NEEDED_BYTES = 6 << 30
+"""Free space the suite needs where its nodes keep their files: three nodes' containerd (the images, then each
+container's writable layer) and the control plane's took about 4 GiB at their peak (2026-11-27, 2 cores)."""
 
 
 @pytest.fixture(scope="session")
@@ -25,6 +30,12 @@ def deployment():
     archives = [images / f"{name}.tar" for name in IMAGES]
     if missing := [str(a) for a in archives if not a.is_file()]:
         pytest.fail(f"{', '.join(missing)} missing: run `make e2e-deploy`, which builds them")
+    scratch = tempfile.gettempdir()
+    if (free := shutil.disk_usage(scratch).free) < DISK_NEEDED_BYTES:
+        pytest.fail(
+            f"{scratch} has {free >> 20} MiB free; the deployment suite's nodes need about {DISK_NEEDED_BYTES >> 20} "
+            "MiB there (a full disk leaves pods Pending: containerd cannot create their containers)"
+        )
     try:
         set_up_network()
     except RuntimeError as refused:

@@ -35,6 +35,11 @@ class DeployNode(KubeletNode):
     targets) gone; ``stop`` then tidies the rest.
     """
 
+    snapshotter = "overlayfs"
+    """Containers share their image's layers: with ``native``, each container copied its image whole (the trainer's
+    1 GB, the agent's 0.5 GB), and a node loss's third node filled the disk of a CI machine (containerd: ``no space
+    left on device``, the pod Pending). The overlay mounts live in the node's own mount namespace and end with it."""
+
     def __init__(self, plane: ControlPlane, address: str, subnet: str, images: list[Path]):
         super().__init__(plane, address)
         self.subnet = subnet

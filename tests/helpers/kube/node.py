@@ -100,6 +100,10 @@ class KubeletNode(_Started):
       address: a 127.0.0.0/8 address other than 127.0.0.1 (the control plane's); also the node's name.
     """
 
+    snapshotter = "native"
+    """containerd's snapshotter: ``native`` copies an image's whole filesystem for each container, and leaves no
+    mount behind in this machine's mount namespace when the node is killed."""
+
     def __init__(self, plane: ControlPlane, address: str = "127.0.0.2"):
         super().__init__()
         self.plane = plane
@@ -125,7 +129,7 @@ class KubeletNode(_Started):
         containerd = self._start_containerd()
         self._wait(lambda: self.socket.exists() and self._ctr_answers(), deadline, "containerd answers", containerd)
         for archive in self._images():
-            self.ctr("images", "import", "--snapshotter", "native", str(archive))
+            self.ctr("images", "import", "--snapshotter", self.snapshotter, str(archive))
         kubelet = self._start_kubelet()
         client = self.plane.client()
         self._wait(lambda: _ready(client, self.name), deadline, f"Node {self.name} Ready", kubelet)
@@ -198,7 +202,7 @@ state = "{self.dir / "containerd-state"}"
   stream_server_address = "127.0.0.1"
   stream_server_port = "{free_port()}"
   [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "native"
+    snapshotter = "{self.snapshotter}"
     default_runtime_name = "runc"
     [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
