@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Any
 from mtc_torch.protocol import ProtocolError, ReplicatorFailed
 
 if TYPE_CHECKING:
+    from mtc_torch.coverage import PartialRestoreError
     from mtc_torch.manager import CheckpointManager
 
-__all__ = ["CheckpointManager", "ProtocolError", "ReplicatorFailed"]
+__all__ = ["CheckpointManager", "PartialRestoreError", "ProtocolError", "ReplicatorFailed"]
 
 
 def __getattr__(name: str) -> Any:
@@ -27,4 +28,8 @@ def __getattr__(name: str) -> Any:
         from mtc_torch.manager import CheckpointManager
 
         return CheckpointManager
+    if name == "PartialRestoreError":
+        from mtc_torch.coverage import PartialRestoreError
+
+        return PartialRestoreError
     raise AttributeError(f"module 'mtc_torch' has no attribute {name!r}")

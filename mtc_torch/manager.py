@@ -27,9 +27,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from mtc_torch import protocol
+from mtc_torch.coverage import PartialRestoreError
 from mtc_torch.protocol import NodeTopology, ReplicatorConfig, RestoreResult, Waits
 from mtc_torch.reader import BoundedReader
 from mtc_torch.staging import HostStager
@@ -135,6 +137,9 @@ class CheckpointManager:
             ReplicatorFailed: the agent refused the job (``replicator.failed``).
             TimeoutError: the agent did not answer within the handshake's bounds.
             ProtocolError: a malformed prerestore file or marker.
+            PartialRestoreError: the step does not store every element ``state_dict`` asks for (its sharding differs
+                from the saving one: another mesh, placements or data-parallel layout); raised before any of
+                ``state_dict`` is changed.
             ValueError: the step was written by a different number of local ranks, or nodes got different steps.
             RuntimeError: several local ranks but ``torch.distributed`` is not initialized.
         """
@@ -145,7 +150,14 @@ class CheckpointManager:
             return None
         assert restore.directory is not None
         rank_dir = self._rank_dir_of(Path(restore.directory))
-        dcp.load(state_dict, storage_reader=BoundedReader(rank_dir, threads=self.io_threads), no_dist=True)
+        try:
+            dcp.load(state_dict, storage_reader=BoundedReader(rank_dir, threads=self.io_threads), no_dist=True)
+        except CheckpointException as failed:
+            # DCP wraps what the reader raised in a BaseException; a partial restore reaches the trainer as itself.
+            for error, _ in failed.failures.values():
+                if isinstance(error, PartialRestoreError):
+                    raise error from failed
+            raise
         log.info(
             "node %d local rank %d: restored step %d from %s",
             self.topology.node_rank,

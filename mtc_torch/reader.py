@@ -11,8 +11,10 @@ raw (:data:`mtc_torch.storage.RAW_TENSOR_BYTES`) is read in pieces of :data:`PIE
 Items stored as torch's own writer stores them (``torch.save`` bytes, as ``mtc_torch`` 0.2.0 did) go through
 ``FileSystemReader``.
 
-Whether the bytes are the ones saved is the node agent's job: it verifies every file's checksum before a step
-reaches the job.
+Before anything is read, every load is checked to read each element it asks for
+(:func:`mtc_torch.coverage.check_coverage`): a load into another sharding than the saved one, which DCP would leave
+partly unread, raises instead. Whether the bytes are the ones saved is the node agent's job: it verifies every file's
+checksum before a step reaches the job.
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from mtc_torch.coverage import check_coverage
 from mtc_torch.storage import RAW_TENSOR_BYTES, load_metadata
 
 PIECE_BYTES = 32 << 20
@@ -54,9 +57,12 @@ class BoundedReader(FileSystemReader):
         path: the rank's directory, ``<local>/step=<step>/rank-<r>-of-<W>``.
         threads: how many reads run at once.
 
-    Raises (from ``dcp.load``):
+    Raises (from ``dcp.load``, wrapped in its ``CheckpointException``):
+        PartialRestoreError: the checkpoint does not store every element the state dict asks for (before anything
+            is read; :func:`mtc_torch.coverage.check_coverage`).
         ValueError: the metadata is refused (:func:`mtc_torch.storage.load_metadata`), an item's stored length is
             not what its shape and dtype give, or a file is shorter than its items.
+        TypeError: the load's planner is not a ``DefaultLoadPlanner`` (the check needs its state dict).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, threads: int = 1) -> None:
@@ -84,7 +90,11 @@ class BoundedReader(FileSystemReader):
         }
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Reads every item of ``plan`` into the planner's destinations; done when the future is returned."""
+        """Reads every item of ``plan`` into the planner's destinations, once they are known to be wholly stored;
+        done when the future is returned."""
+        if not isinstance(planner, DefaultLoadPlanner):
+            raise TypeError(f"BoundedReader needs a DefaultLoadPlanner, whose state dict it checks; got {planner!r}")
+        check_coverage(planner.state_dict, self._tensors, str(self.path))
         raw = [item for item in plan.items if self._is_raw(item)]
         others = [item for item in plan.items if not self._is_raw(item)]
         if others:
