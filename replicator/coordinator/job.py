@@ -3,7 +3,7 @@ each in a small object of its own.
 
 - domain data (``JobState``): pods, incarnation, settings, lineage, the operator's rollback, backups;
 - indices: ``claims`` (``claims.ClaimIndex``), ``beliefs`` (``claims.Beliefs``), ``owners``
-  (``OwnerReports``), ``identity`` (``identity.Identity``);
+  (``OwnerReports``), ``identity`` (``identity.Identity``), ``parity_orders`` (``parity_orders.ParityOrders``);
 - the decision pass's cached results: ``decided`` (``Decisions``);
 - memo caches with their stamps: ``memo`` (``Memos``).
 """
@@ -16,6 +16,7 @@ import msgspec
 from replicator.coordinator.claims import Beliefs, ClaimIndex, HeldMemo
 from replicator.coordinator.identity import Identity, LeaderMemo
 from replicator.coordinator.incarnations import Incarnation
+from replicator.coordinator.parity_orders import ParityOrders
 from replicator.wire.messages import (
     BackedUp,
     Files,
@@ -52,21 +53,35 @@ class OwnerReports:
         what every copy restored for that rank must match, whoever serves it.
       pending: (step, rank, node) -> (packed checksums, signature) a node reported for its own data,
         until the node is believed for the rank (then they become ``files`` and the identity's signatures).
+      step_stamps: step -> a stamp taken anew whenever ``files`` of the step change (never reused, also
+        after the step is forgotten): what ``parity.place_orders`` remembers its work by.
     """
 
-    __slots__ = ("files", "pending")
+    __slots__ = ("_stamp", "files", "pending", "step_stamps")
 
     def __init__(self) -> None:
         self.files: dict[tuple[int, int], bytes] = {}
         self.pending: dict[tuple[int, int, str], tuple[bytes | None, str | None]] = {}
+        self.step_stamps: dict[int, int] = {}
+        self._stamp = 0
+
+    def _changed(self, step: int) -> None:
+        self._stamp += 1
+        self.step_stamps[step] = self._stamp
+
+    def drop(self, step: int, rank: int) -> None:
+        """Forgets the rank's checksums of ``step`` (the step was written again)."""
+        if self.files.pop((step, rank), None) is not None:
+            self._changed(step)
 
     def promote(self, beliefs: Beliefs, identity: Identity) -> None:
         """Checksums and signatures reported by nodes now believed for the rank become the job's."""
         for (step, rank, node_id), (files, signature) in list(self.pending.items()):
             if not beliefs.believed(node_id, rank, False):
                 continue
-            if files is not None:
-                self.files.setdefault((step, rank), files)
+            if files is not None and (step, rank) not in self.files:
+                self.files[(step, rank)] = files
+                self._changed(step)
             if signature is not None:
                 identity.add_signature(step, rank, signature)
             if files is not None or (step, rank) in self.files:
@@ -82,10 +97,12 @@ class OwnerReports:
             del self.files[files_key]
         for pending_key in [k for k in self.pending if k[0] > lowest]:
             del self.pending[pending_key]
+        self.step_stamps = {s: stamp for s, stamp in self.step_stamps.items() if s <= lowest}
 
     def forget_gone(self, steps: frozenset[int]) -> None:
         for key in [k for k in self.files if k[0] not in steps]:
             del self.files[key]
+        self.step_stamps = {s: stamp for s, stamp in self.step_stamps.items() if s in steps}
 
 
 @dataclasses.dataclass
@@ -127,6 +144,8 @@ class Memos:
       round_for: the incarnation id ``Decisions.round`` was chosen in.
       groups: the parity groups (``parity.groups``), chosen for ``groups_for``: (incarnation id, setting, ranks);
         group_of: rank -> its group.
+      placed_for: (``groups_for``, the round's step, its ``OwnerReports.step_stamps``) the round's parity orders
+        were last placed for (``parity.place_orders``).
     """
 
     held: HeldMemo = dataclasses.field(default_factory=HeldMemo)
@@ -140,6 +159,7 @@ class Memos:
     groups: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
     groups_for: tuple[str, str, tuple[int, ...]] | None = None
     group_of: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    placed_for: tuple[object, ...] | None = None
 
 
 @dataclasses.dataclass
@@ -184,6 +204,7 @@ class JobState:
     beliefs: Beliefs = dataclasses.field(default_factory=Beliefs)
     owners: OwnerReports = dataclasses.field(default_factory=OwnerReports)
     identity: Identity = dataclasses.field(default_factory=Identity)
+    parity_orders: ParityOrders = dataclasses.field(default_factory=ParityOrders)
     decided: Decisions = dataclasses.field(default_factory=Decisions)
     memo: Memos = dataclasses.field(default_factory=Memos)
 
@@ -215,12 +236,13 @@ class JobState:
         return len(self.pods) - len(self.retired_pods) >= next(iter(self.pods.values()))[0].nodes
 
     def forget_gone_steps(self, steps: frozenset[int]) -> None:
-        """Checksums, signatures and identities of steps not in ``steps`` (held in no tier)."""
+        """Checksums, signatures, identities and parity orders of steps not in ``steps`` (held in no tier)."""
         if steps == self.memo.known_steps:
             return  # the tables hold only steps that were held at the last sweep
         self.memo.known_steps = steps
         self.owners.forget_gone(steps)
         self.identity.forget_gone(steps)
+        self.parity_orders.forget_steps(steps.__contains__)
         self.rewritten &= steps
         self.claims.sweep_stamps()
         self.memo.held.sweep(self.claims.step_stamps)

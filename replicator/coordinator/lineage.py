@@ -35,6 +35,7 @@ def set_lineage(key: JobRef, job: JobState, forks: tuple[int, ...], nodes: dict[
     # Until now only steps of the older lineage were indexed: above ``lowest`` they are all abandoned.
     job.owners.forget_above(lowest)
     job.identity.forget_above(lowest)
+    job.parity_orders.forget_steps(lambda step: step <= lowest)
     job.rewritten = {s for s in job.rewritten if s <= lowest}
     if job.backup_pending is not None and job.backup_pending > lowest:
         job.backup_pending = None

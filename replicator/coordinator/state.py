@@ -318,6 +318,8 @@ class ClusterState:
             self.rank_checks += checks
             job.decided.safe = safe
             job.decided.round = replicas.choose_round(job, safe, parity.encoded_ranks(job) if setting.encoded else None)
+            if parity.place_orders(job, liveness, setting):
+                job.decided.dirty = True  # shards already held for a new order count from the next pass
         else:
             job.decided.safe = job.decided.round = None
         job.decided.lister = backups.choose_lister(job, liveness)

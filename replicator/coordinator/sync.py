@@ -24,6 +24,11 @@ UNTRUSTED_CLAIMS = Counter(
     "Held-step claims ignored: from a node never assigned the rank nor ordered to hold it",
 )
 
+UNORDERED_SHARDS = Counter(
+    "mtc_coordinator_unordered_shards_total",
+    "Parity shard claims ignored: from a node not ordered to build that shard over that basis",
+)
+
 
 @dataclasses.dataclass
 class Changes:
@@ -34,7 +39,8 @@ class Changes:
 
 
 class WarnedOnce:
-    """What was logged once: (node, job) untrusted claims, (job, step, rank) unknown owner checksums."""
+    """What was logged once: (node, job) untrusted claims and unordered shards, (job, step, rank) unknown owner
+    checksums."""
 
     def __init__(self) -> None:
         self._seen: set[tuple[object, ...]] = set()
@@ -65,6 +71,7 @@ def absorb(
     _claims(jobs, node_id, bound.claims if bound else frozenset(), held, new_claims, warned, changes)
     _owner_reports(jobs, node_id, held, changes)
     _listings(jobs, node_id, bound, report, changes)
+    _shard_claims(jobs, node_id, bound, report, warned)
     if report is not None:
         stripped = tuple(msgspec.structs.replace(h, files=None) if h.files is not None else h for h in report.held)
         state = NodeState(
@@ -227,7 +234,7 @@ def _supersede(key: JobRef, job: JobState, step: int, rank: int, owner: str) -> 
         rank,
         step,
     )
-    del job.owners.files[(step, rank)]
+    job.owners.drop(step, rank)
     job.identity.supersede(step, rank)
     for node_id in [n for n in job.claims.of(step, rank) if n != owner]:
         job.claims.drop(step, rank, node_id)  # still in the node's claims: indexed again only when reported anew
@@ -235,6 +242,36 @@ def _supersede(key: JobRef, job: JobState, step: int, rank: int, owner: str) -> 
     if job.backup_pending == step:
         log.warning("job %s: backup of step %d abandoned: ranks could upload different versions of it", key, step)
         job.backup_pending = None
+
+
+def _shard_claims(
+    jobs: dict[JobRef, JobState], node_id: str, bound: NodeState | None, report: NodeReport | None, warned: WarnedOnce
+) -> None:
+    """A forgotten node's parity orders go with it. A parity shard the node newly claims that no order backs
+    (``ParityOrders.believed``) is counted and logged once; ``parity`` ignores it. Shards listed before the job
+    has an incarnation (a restarted coordinator's first reports) wait for the orders of its round instead."""
+    if report is None:
+        for forgotten in jobs.values():
+            forgotten.parity_orders.forget_node(node_id)
+        return
+    old = set(bound.report.shards) if bound else set()
+    for shard in report.shards:
+        key = JobRef(shard.namespace, shard.job)
+        job = jobs.get(key)
+        if shard in old or job is None or job.incarnation is None or job.parity_orders.believed(node_id, shard):
+            continue
+        UNORDERED_SHARDS.inc()
+        if warned.first((node_id, key, "shard")):
+            log.warning(
+                "job %s: ignoring node %s's parity shard %d.%d of step %d, group %s: not ordered to build it "
+                "over that basis (a restarted coordinator orders its round's step again)",
+                key,
+                node_id,
+                shard.stripe,
+                shard.index,
+                shard.step,
+                list(shard.members),
+            )
 
 
 def _listings(

@@ -2,6 +2,9 @@
 which ranks are grouped and ordered to encode, the parity bytes a group costs, when a step is safe, and the
 restore plan of a lost rank (a ``Tier.DECODE`` source with its recipe)."""
 
+import pytest
+from prometheus_client import REGISTRY
+
 from replicator.coordinator import parity
 from replicator.coordinator.state import ClusterState, decide_interval
 from replicator.parity.layout import GroupLayout, cluster_ram
@@ -15,9 +18,9 @@ NAMES = (KEY.namespace, KEY.job)
 STEP = 5
 
 
-def files(rank: int) -> dict[str, tuple[int, str]]:
-    """Rank ``rank``'s step: streams of unequal length (the group pads to the longest)."""
-    return {f"state/r{rank}": (1000 + 8 * rank, f"{rank + 1:08x}")}
+def files(rank: int, step: int = STEP) -> dict[str, tuple[int, str]]:
+    """Rank ``rank``'s ``step``: streams of unequal length (the group pads to the longest), other bytes each step."""
+    return {f"state/r{rank}": (1000 + 8 * rank, f"{step << 8 | rank + 1:08x}")}
 
 
 class Job:
@@ -28,7 +31,8 @@ class Job:
         self.size = len(settings)
         self.slot = {f"n{i}": i for i in range(self.size)}
         self.shards: dict[str, list[HeldShard]] = {}
-        self.data: dict[str, int] = {}  # node -> the rank whose step it holds
+        self.data: dict[str, int] = {}  # node -> the rank whose steps it holds
+        self.steps: tuple[int, ...] = (STEP,)  # the steps every node holds
         self.start(0.0)
 
     def start(self, now: float) -> None:
@@ -52,7 +56,11 @@ class Job:
     def report(self, node: str, held: bool = False):
         if held and node not in self.data:
             self.data[node] = self.rank_of[node]
-        steps = [HeldStep(*NAMES, STEP, self.data[node], files(self.data[node]))] if held else []
+        steps = (
+            [HeldStep(*NAMES, step, self.data[node], files(self.data[node], step)) for step in self.steps]
+            if held
+            else []
+        )
         return node_report(
             node,
             [self.pod(node)],
@@ -161,7 +169,8 @@ def test_under_xor_a_step_is_safe_only_once_every_node_holds_its_shard():
 
 def test_shards_built_over_other_bytes_of_a_step_no_longer_count():
     """A rank's own node reports its step with other checksums (written again): the shards built over the old
-    bytes stop counting, and the step is no longer safe nor decodable for any rank."""
+    bytes stop counting, and the step is no longer safe nor decodable for any rank. The step is the round again:
+    every member is ordered anew over the new bytes."""
     state = ClusterState()
     state.expire(0.0)
     job = Job(state, single(4))
@@ -188,6 +197,109 @@ def test_shards_built_over_other_bytes_of_a_step_no_longer_count():
     state.tick(20.0 + decide_interval(4))
     assert state.safe_step(KEY) is None
     assert not [c for c in state.copies(KEY) if c.decode]
+    new_digest = redundancy.files_digest(rewritten.files)
+    for n in job.slot:
+        (order,) = state.reply_for(n).encode
+        assert (order.step, order.members[2].digest) == (STEP, new_digest)
+
+
+def forged_shards(job: Job, steps: tuple[int, ...]) -> list[HeldShard]:
+    """Every shard of the one group of ``job``'s ranks at ``steps``, over the members' current checksums: what a
+    member would claim to fill every slot ``parity.safe`` counts (the digests are in the orders it gets)."""
+    group, parity = tuple(range(job.size)), parity_of_job(job)
+    found = []
+    for step in steps:
+        basis = redundancy.basis(tuple(redundancy.files_digest(files(rank, step)) for rank in group))
+        found += [
+            HeldShard(*NAMES, step, group, parity, stripe, index, 1040, "0badc0de", basis)
+            for stripe in range(job.size)
+            for index in range(parity)
+        ]
+    return found
+
+
+def parity_of_job(job: Job) -> int:
+    return parity.parity_of(parse(job.redundancy), tuple(range(job.size)))
+
+
+def unordered_shards() -> float:
+    return REGISTRY.get_sample_value("mtc_coordinator_unordered_shards_total") or 0.0
+
+
+# Under rs:4:2 the member's own two shards of step 5 (stripes 0 and 3) and the three live members truly rebuild
+# rank 2 (its stripes 3 and 0 each need one shard more than its one live co-contributor); under xor none.
+@pytest.mark.parametrize(("setting", "decodable_by_its_own"), [("xor:4", set()), ("rs:4:2", {2})])
+def test_a_member_claiming_shards_it_was_not_ordered_to_build_makes_no_step_safe_and_gc_keeps_older_steps(
+    setting, decodable_by_its_own
+):
+    """Step 3 is encoded and safe. Steps 4 and 5 are committed everywhere and only 5 is ordered (the round). One
+    member builds its own shards of 5 and claims every other slot of 5 (other stripes' shards; under rs:4:2 also
+    another member's index of its own stripe) and every slot of 4 (a step, and so a basis, it was never ordered
+    for), all over the members' real checksums. No step becomes safe past 3, GC keeps from 3, nothing is decodable
+    at 4 and at 5 only what its own shards rebuild, and the claims are counted. Once the other members build
+    theirs, 5 is safe."""
+    state = ClusterState()
+    state.expire(0.0)
+    job = Job(state, single(4), redundancy=setting)
+    job.steps = (3,)
+    for node, orders in job.round(1.0).items():
+        job.build(node, orders)
+    job.round(3.0)
+    assert state.safe_step(KEY) == 3
+    job.steps = (3, 4, 5)
+    orders = job.round(5.0)
+    assert {(o.step, o.position) for o in orders["n0"]} == {(5, job.rank_of["n0"])}
+    assert {o.step for node in job.slot for o in orders[node]} == {5}  # step 4 is never ordered
+    before = unordered_shards()
+    job.build("n0", orders["n0"])
+    own = {(s.step, s.stripe, s.index) for s in job.shards["n0"]}  # its shards of steps 3 and 5
+    job.shards["n0"] += [s for s in forged_shards(job, (4, 5)) if (s.step, s.stripe, s.index) not in own]
+    slots = 4 * parity_of_job(job)
+    assert len([s for s in job.shards["n0"] if s.step in (4, 5)]) == 2 * slots  # every slot of steps 4 and 5
+    job.round(7.0)
+    assert state.safe_step(KEY) == 3
+    assert {state.reply_for(node).retain[0].keep_from for node in job.slot} == {3}
+    assert job.rank_of["n0"] == 0
+    assert {(c.step, c.rank) for c in state.copies(KEY) if c.decode} == {(3, r) for r in range(4)} | {
+        (5, r) for r in decodable_by_its_own
+    }
+    assert unordered_shards() - before == 2 * slots - parity_of_job(job)  # all but its own of step 5
+    for node in ("n1", "n2", "n3"):  # the honest path: the ordered members build theirs
+        job.build(node, orders[node])
+    job.round(9.0)
+    assert state.safe_step(KEY) == 5
+    assert {state.reply_for(node).retain[0].keep_from for node in job.slot} == {5}
+    decodable = {(c.step, c.rank) for c in state.copies(KEY) if c.decode}
+    assert {step for step, _ in decodable} == {3, 5}  # never 4: its shards are n0's word alone
+
+
+def test_a_restarted_coordinator_counts_the_shards_already_built_only_for_the_step_it_orders_again():
+    """The nodes hold every shard of steps 3 and 5 when a new coordinator starts (orders forgotten). It believes
+    none until its first pass orders its round's step, 5, again: the shards already built for that order count
+    (nothing is rebuilt) and 5 is safe; step 3's shards, never ordered by it, count for nothing."""
+    state = ClusterState()
+    state.expire(0.0)
+    job = Job(state, single(4))
+    for step in (3, 5):
+        job.steps = (step,) if step == 3 else (3, 5)
+        for node, orders in job.round(float(step)).items():
+            job.build(node, orders)
+        job.round(step + 1.0)
+        assert state.safe_step(KEY) == step
+    restarted = ClusterState()
+    restarted.expire(10.0)
+    for rank, s in enumerate(job.settings):
+        restarted.restore_settings(KEY, rank, s)  # the settings snapshot
+    job.state = restarted
+    first = {node: restarted.apply_report(job.report(node, held=True), 10.0) for node in job.slot}
+    assert all(reply.encode == () for reply in first.values())
+    assert restarted.job(KEY).incarnation.incarnation_id == job.incarnation  # adopted from the pods' reports
+    before = unordered_shards()
+    replies = job.round(11.0)
+    assert all(orders == () for orders in replies.values())  # every shard of the order is held already
+    assert restarted.safe_step(KEY) == 5
+    assert {c.step for c in restarted.copies(KEY) if c.decode} == {5}
+    assert unordered_shards() == before  # a restart's shards are not hostile claims
 
 
 def test_a_silent_members_copy_within_its_grace_is_no_survivor_for_a_rebuild():
