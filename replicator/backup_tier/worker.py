@@ -152,6 +152,17 @@ class BackupWorker:
         with self._busy.reading(job, order.step):
             dedup = None
             step_dir, manifest = located
+            done = await asyncio.to_thread(self.store.rank_manifest, job_key, order.step, order.rank, order.timeline)
+            if (
+                done is not None
+                and done.incarnation == order.incarnation
+                and done.step_manifest().files == manifest.files
+            ):
+                # Uploaded for this backup already (by this node before the agent restarted, or by the rank's node
+                # before it was replaced): only the commit may be left to do.
+                await self._commit(ramdisk_path, order, job)
+                self._uploaded.add(key)
+                return
             if order.share_group:
                 dedup = await asyncio.to_thread(
                     shared_upload.group_dedup,
@@ -201,15 +212,18 @@ class BackupWorker:
                 manifest.total_bytes,
                 time.monotonic() - started,
             )
-            if await asyncio.to_thread(
-                self.store.commit_if_complete, job_key, order.step, order.nodes, order.incarnation, order.timeline
-            ):
-                deleted = await asyncio.to_thread(self.store.retain, job_key, self._keep, order.protected, order.forks)
-                log.info(
-                    "%s: backup of step %d complete; retention deleted %s", job_key, order.step, deleted or "nothing"
-                )
-                await self.refresh({job: ramdisk_path}, force=True)
+            await self._commit(ramdisk_path, order, job)
             self._uploaded.add(key)
+
+    async def _commit(self, ramdisk_path: str, order: BackupOrder, job: JobRef) -> None:
+        """Commits the step once every rank is stored, then applies retention and lists the job's backups anew."""
+        job_key = str(job)
+        if await asyncio.to_thread(
+            self.store.commit_if_complete, job_key, order.step, order.nodes, order.incarnation, order.timeline
+        ):
+            deleted = await asyncio.to_thread(self.store.retain, job_key, self._keep, order.protected, order.forks)
+            log.info("%s: backup of step %d complete; retention deleted %s", job_key, order.step, deleted or "nothing")
+            await self.refresh({job: ramdisk_path}, force=True)
 
     async def download(
         self,

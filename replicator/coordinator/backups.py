@@ -68,18 +68,40 @@ def advance(
 ) -> None:
     """Finishes the pending backup once listed complete (``backed``); starts the next one when due.
 
+    A pending backup keeps its upload tag (``job.backup_attempt``) through later incarnations, so what was uploaded
+    before a preemption counts, until an incarnation restores an older step (the job will write it again): it is
+    given up then. One that no order can finish any more (a rank's node was replaced and holds no copy of the step's
+    own data) is given up at once for a newer complete step; one that stays incomplete for ``_GIVE_UP_SECONDS``
+    whatever the reason is given up too.
+
     Args:
       newest_complete: called for the newest step every rank holds on nodes (not in backups).
     """
     if job.backup_pending is not None:
-        if job.backup_pending in backed:
-            log.info("job %s: step %d backed up", key, job.backup_pending)
+        pending = job.backup_pending
+        if pending in backed:
+            log.info("job %s: step %d backed up", key, pending)
             job.last_backup_time, job.backup_pending = now, None
+            return
+        newest = newest_complete()
+        stranded = stranded_rank(job, pending) if newest is not None and newest > pending else None
+        if _restored_before(job, pending):
+            # The job will write the step again, perhaps in other bytes: what was uploaded of it must never commit.
+            log.warning("job %s: the job restored a step older than %d; its backup is given up", key, pending)
+        elif stranded is not None:
+            log.warning(
+                "job %s: backup of step %d cannot complete (rank %d's node holds no copy of it); backing up step %d",
+                key,
+                pending,
+                stranded,
+                newest,
+            )
         elif now - job.backup_pending_since > _GIVE_UP_SECONDS:
-            log.warning("job %s: backup of step %d did not complete; choosing anew", key, job.backup_pending)
-            job.backup_pending = None
-        return
-    if job.decided.lister is None:
+            log.warning("job %s: backup of step %d did not complete; choosing anew", key, pending)
+        else:
+            return
+        job.backup_pending = None
+    if job.decided.lister is None or job.incarnation is None:
         return  # no live node of the job has a backup tier: a chosen step would only be kept from GC
     newest = newest_complete()
     last = max(backed, default=None)
@@ -91,9 +113,71 @@ def advance(
     else:
         assert settings.backup_interval_minutes is not None  # exactly one of the two is set
         due = job.last_backup_time is None or now - job.last_backup_time >= settings.backup_interval_minutes * 60
-    if due:
+    if due and stranded_rank(job, newest) is None:
         job.backup_pending, job.backup_pending_since = newest, now
+        job.backup_attempt = job.incarnation.incarnation_id
         log.info("job %s: backing up step %d", key, newest)
+
+
+def _restored_before(job: JobState, step: int) -> bool:
+    """Whether an incarnation after the one that chose the backup of ``step`` restores an older step (or starts
+    fresh): the one way the job writes ``step`` anew, while uploads tagged for the backup may be stored already."""
+    incarnation = job.incarnation
+    if incarnation is None or incarnation.incarnation_id == job.backup_attempt or incarnation.plan is None:
+        return False
+    return incarnation.plan.step is None or incarnation.plan.step < step
+
+
+def stranded_rank(job: JobState, step: int) -> int | None:
+    """A rank whose node in the current incarnation holds no copy of its own data of ``step``, so that no order can
+    upload it (its node was replaced and restored another step), or None. Memoized per claim change of the step
+    and incarnation: a 10,000-rank job's pass walks its ranks only when either changed."""
+    incarnation = job.incarnation
+    if incarnation is None:
+        return None
+    memo_key = (step, job.claims.step_stamps.get(step), incarnation.incarnation_id)
+    if job.memo.stranded is not None and job.memo.stranded[0] == memo_key:
+        return job.memo.stranded[1]
+    # ClaimIndex.of: node -> whether its copy is a replica; False is the rank's own data.
+    found = next(
+        (
+            rank
+            for rank, node_id in incarnation.node_of_rank.items()
+            if job.claims.of(step, rank).get(node_id) is not False
+        ),
+        None,
+    )
+    job.memo.stranded = (memo_key, found)
+    return found
+
+
+def note_safe(job: JobState, backed: set[int], now: float) -> None:
+    """Records when this coordinator first found each safe step newer than the newest backup (``job.safe_at``), for
+    :func:`lag`; forgets those the backups caught up with. Called once per decision pass, after the safe step."""
+    newest_backup = max(backed, default=None)
+    for step in [s for s in job.safe_at if newest_backup is not None and s <= newest_backup]:
+        del job.safe_at[step]
+    safe = job.decided.safe
+    if safe is not None and (newest_backup is None or safe > newest_backup):
+        job.safe_at.setdefault(safe, now)
+
+
+def lag(job: JobState, backed: set[int], now: float) -> tuple[int, float] | None:
+    """How far what a cluster loss would restore (the newest complete backup) is behind the newest safe step.
+
+    Returns:
+      (steps, seconds): the safe step minus the newest backup's step (the whole safe step with none), and the seconds
+      since the oldest safe step newer than the newest backup was found safe; (0, 0.0) when the newest safe step is
+      backed up; None before any step is safe.
+    """
+    safe = job.decided.safe
+    if safe is None:
+        return None
+    newest_backup = max(backed, default=None)
+    if newest_backup is not None and safe <= newest_backup:
+        return 0, 0.0
+    since = min(job.safe_at.values(), default=now)
+    return safe - (newest_backup or 0), now - since
 
 
 def orders(key: JobRef, job: JobState, state: NodeState, shared: bool = False) -> list[BackupOrder]:
@@ -134,7 +218,7 @@ def orders(key: JobRef, job: JobState, state: NodeState, shared: bool = False) -
                 key.job,
                 step,
                 claim.rank,
-                incarnation.incarnation_id,
+                job.backup_attempt,
                 len(incarnation.node_of_rank),
                 None if leader == claim.rank else leader,
                 protected,

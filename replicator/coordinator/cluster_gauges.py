@@ -28,6 +28,16 @@ class ClusterGauges:
             "Unix time this coordinator saw the last backup complete",
             labels=labels,
         )
+        lag_steps = GaugeMetricFamily(
+            "mtc_backup_lag_steps",
+            "Steps the newest complete backup (what a cluster loss restores) is behind the newest safe step",
+            labels=labels,
+        )
+        lag_seconds = GaugeMetricFamily(
+            "mtc_backup_lag_seconds",
+            "Seconds since the oldest safe step newer than the newest complete backup became safe (0: backed up)",
+            labels=labels,
+        )
         every_steps = GaugeMetricFamily("mtc_backup_interval_steps", "The job's backup-interval-steps", labels=labels)
         every_seconds = GaugeMetricFamily(
             "mtc_backup_interval_seconds", "The job's backup-interval-minutes, in seconds", labels=labels
@@ -41,14 +51,17 @@ class ClusterGauges:
             labels=labels,
         )
         for key in state.job_keys():
-            job, values = state.job(key), [key.namespace, key.job]
+            job, values, backed_steps = state.job(key), [key.namespace, key.job], state.backed_up(key)
             for family, value in [
                 (newest, state.newest_complete_step(key)),
-                (backed, max(state.backed_up(key), default=None)),
+                (backed, max(backed_steps, default=None)),
                 (backed_at, job.last_backup_time),
             ]:
                 if value is not None:
                     family.add_metric(values, value)
+            if (lag := state.backup_lag(key, backed_steps)) is not None:
+                lag_steps.add_metric(values, lag[0])
+                lag_seconds.add_metric(values, lag[1])
             settings = next(iter(job.settings.values()), None)
             if settings is not None and settings.backup_interval_steps is not None:
                 every_steps.add_metric(values, settings.backup_interval_steps)
@@ -72,7 +85,20 @@ class ClusterGauges:
         )
         for node_id in silent_ids:
             silence.add_metric([node_id], state.liveness.silence(node_id))
-        return [newest, backed, backed_at, every_steps, every_seconds, ranks, staged, live, silent, silence]
+        return [
+            newest,
+            backed,
+            backed_at,
+            lag_steps,
+            lag_seconds,
+            every_steps,
+            every_seconds,
+            ranks,
+            staged,
+            live,
+            silent,
+            silence,
+        ]
 
 
 def exposition(state: ClusterState) -> bytes:

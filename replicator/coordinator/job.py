@@ -146,6 +146,7 @@ class Memos:
         group_of: rank -> its group.
       placed_for: (``groups_for``, the round's step, its ``OwnerReports.step_stamps``) the round's parity orders
         were last placed for (``parity.place_orders``).
+      stranded: ((step, its claims' stamp, incarnation id), the answer) of ``backups.stranded_rank``'s last walk.
     """
 
     held: HeldMemo = dataclasses.field(default_factory=HeldMemo)
@@ -160,6 +161,7 @@ class Memos:
     groups_for: tuple[str, str, tuple[int, ...]] | None = None
     group_of: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     placed_for: tuple[object, ...] | None = None
+    stranded: tuple[tuple[object, ...], int | None] | None = None
 
 
 @dataclasses.dataclass
@@ -178,11 +180,16 @@ class JobState:
       forked: the timeline for ``forced_step`` has begun (once per request, however often it is planned).
       listings: node -> its last listing of the job's backups.
       backup_pending: the step being backed up now (since ``backup_pending_since``), or None.
+      backup_attempt: the id its uploads are tagged with (``BackupOrder.incarnation``): the incarnation that chose
+        it, kept through later incarnations, so ranks uploaded before a preemption count toward its ``COMMIT``
+        (a pending step's bytes never change: a rank that writes it again drops it, ``sync._supersede``).
       last_backup_time: unix seconds the last backup completed (for ``backup-interval-minutes``).
       backup_seen: step -> unix seconds this coordinator first saw each complete backup of the
         lineage (``backups.note_seen``; the backup tier's listings carry no commit times).
       rewritten: steps some rank's own node holds in other bytes than it first reported: never
         backed up, since the ranks' uploads could join both versions under one ``COMMIT``.
+      safe_at: safe step -> unix seconds this coordinator first found it safe, for the safe steps newer than the
+        newest backup (``backups.lag``).
     """
 
     pods: dict[str, tuple[PodReport, str]] = dataclasses.field(default_factory=dict)
@@ -197,9 +204,11 @@ class JobState:
     listings: dict[str, BackedUp] = dataclasses.field(default_factory=dict)
     backup_pending: int | None = None
     backup_pending_since: float = 0.0
+    backup_attempt: str = ""
     last_backup_time: float | None = None
     backup_seen: dict[int, float] = dataclasses.field(default_factory=dict)
     rewritten: set[int] = dataclasses.field(default_factory=set)
+    safe_at: dict[int, float] = dataclasses.field(default_factory=dict)
     claims: ClaimIndex = dataclasses.field(default_factory=ClaimIndex)
     beliefs: Beliefs = dataclasses.field(default_factory=Beliefs)
     owners: OwnerReports = dataclasses.field(default_factory=OwnerReports)

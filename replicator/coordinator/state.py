@@ -327,6 +327,7 @@ class ClusterState:
             backups.note_seen(job, backed, liveness.now)
         if job.incarnation is not None and job.settings:
             backups.advance(key, job, liveness.now, backed, lambda: self._newest_complete(job, set()))
+        backups.note_safe(job, backed, liveness.now)
         job.decided.retain = retention.retain_order(
             key, job
         )  # after the backup choice: it protects the step being backed up
@@ -368,6 +369,12 @@ class ClusterState:
         """The newest step held, in any tier, for every rank of the job."""
         job = self._jobs.get(key)
         return self._newest_complete(job, self.backed_up(key)) if job is not None else None
+
+    def backup_lag(self, key: JobRef, backed: set[int]) -> tuple[int, float] | None:
+        """(steps, seconds) the newest complete backup is behind the newest safe step (``backups.lag``), given the
+        job's complete backups (``backed_up``)."""
+        job = self._jobs.get(key)
+        return backups.lag(job, backed, self.liveness.now) if job is not None else None
 
     def safe_step(self, key: JobRef) -> int | None:
         """The newest step complete for every rank whose every rank's data also exists elsewhere (as

@@ -1,0 +1,171 @@
+"""The backup schedule through failures, as the coordinator decides it from reports (no HTTP, no processes): a backup
+survives a preemption, one that a node loss stranded is replaced at once, and the backup lag it exports."""
+
+import msgspec
+
+from replicator.coordinator.cluster_gauges import exposition
+from replicator.coordinator.state import ClusterState
+from replicator.wire.messages import BackedUp, HeldStep
+from tests.helpers.coordinator import KEY, NAMES, OWN, SETTINGS, report
+from tests.helpers.reports import pod_report
+
+
+def pod(index, uid, incarnation=None, rank=None):
+    return pod_report(KEY, 0, index, uid, incarnation, rank, SETTINGS if rank is not None else None, nodes=2)
+
+
+def own(step, rank):
+    return HeldStep(*NAMES, step, rank, OWN[rank])
+
+
+def replica(step, rank):
+    return HeldStep(*NAMES, step, rank, OWN[rank], replica=True)
+
+
+def form(state, nodes, uids, now):
+    """The job's pods ``uids`` on ``nodes`` (index i on nodes[i]) form an incarnation; returns (its id, node -> rank)."""
+    for index, (node, uid) in enumerate(zip(nodes, uids, strict=True)):
+        reply = state.apply_report(report(node, f"http://{node}", [pod(index, uid)], has_backup=True), now)
+    incarnation = reply.assignments[0].incarnation
+    rank_of_pod = state.job(KEY).incarnation.rank_of_pod
+    rank_of = {node: rank_of_pod[uid] for node, uid in zip(nodes, uids, strict=True)}
+    for node in nodes:
+        state.record_settings(KEY, incarnation, rank_of[node], SETTINGS)
+    return incarnation, rank_of
+
+
+def heartbeat(state, node, index, uid, incarnation, rank, held, now):
+    return state.apply_report(
+        report(node, f"http://{node}", [pod(index, uid, incarnation, rank)], held, has_backup=True), now
+    )
+
+
+def test_a_backup_chosen_before_a_preemption_keeps_its_upload_tag_so_ranks_uploaded_before_it_count():
+    state = ClusterState()
+    state.expire(0.0)
+    first, rank_of = form(state, ("a", "b"), ("uid0", "uid1"), 0.0)
+    for index, node in enumerate(("a", "b")):  # each holds its own step 5 and the other's replica
+        other = rank_of["b" if node == "a" else "a"]
+        heartbeat(
+            state, node, index, f"uid{index}", first, rank_of[node], [own(5, rank_of[node]), replica(5, other)], 1.0
+        )
+    state.tick(2.0)
+    assert state.job(KEY).backup_pending == 5
+    tags = {
+        o.incarnation for o in heartbeat(state, "a", 0, "uid0", first, rank_of["a"], [own(5, rank_of["a"])], 2.0).backup
+    }
+    assert tags == {first}
+
+    # A preemption: new pods on the same nodes, a new incarnation; the nodes still hold step 5.
+    second, rank_of = form(state, ("a", "b"), ("uid2", "uid3"), 10.0)
+    assert second != first
+    orders = []
+    for index, node in enumerate(("a", "b")):
+        other = rank_of["b" if node == "a" else "a"]
+        held = [own(5, rank_of[node]), replica(5, other)]
+        orders += heartbeat(state, node, index, f"uid{index + 2}", second, rank_of[node], held, 11.0).backup
+    state.tick(12.0)
+    assert state.job(KEY).backup_pending == 5
+    # The orders of the new incarnation tag the uploads as the first did: COMMIT joins ranks uploaded before it.
+    assert sorted((o.step, o.rank, o.incarnation) for o in orders) == [(5, 0, first), (5, 1, first)]
+
+
+def test_a_backup_stranded_by_a_node_loss_is_replaced_at_once_by_a_newer_complete_step():
+    state = ClusterState()
+    state.expire(0.0)
+    first, rank_of = form(state, ("a", "b"), ("uid0", "uid1"), 0.0)
+    for index, node in enumerate(("a", "b")):
+        other = rank_of["b" if node == "a" else "a"]
+        heartbeat(
+            state, node, index, f"uid{index}", first, rank_of[node], [own(5, rank_of[node]), replica(5, other)], 1.0
+        )
+    state.tick(2.0)
+    assert state.job(KEY).backup_pending == 5
+    for index, node in enumerate(("a", "b")):  # step 8 is saved and replicated meanwhile
+        other = rank_of["b" if node == "a" else "a"]
+        held = [own(s, rank_of[node]) for s in (5, 8)] + [replica(s, other) for s in (5, 8)]
+        heartbeat(state, node, index, f"uid{index}", first, rank_of[node], held, 3.0)
+    state.tick(4.0)
+
+    # Node b is lost mid-backup; a fresh node c takes its rank and restores step 8 (from a's replica), not step 5.
+    lost_rank = rank_of["b"]
+    state.expire(100.0)
+    second, rank_of = form(state, ("a", "c"), ("uid2", "uid3"), 100.0)
+    assert rank_of["c"] == lost_rank
+    heartbeat(
+        state,
+        "a",
+        0,
+        "uid2",
+        second,
+        rank_of["a"],
+        [own(5, rank_of["a"]), own(8, rank_of["a"]), replica(8, lost_rank)],
+        101.0,
+    )
+    heartbeat(state, "c", 1, "uid3", second, lost_rank, [own(8, lost_rank)], 101.0)
+    state.tick(102.0)
+    # Not after the 600 s give-up: step 5 can never complete (rank lost_rank's node holds no copy of it).
+    assert state.job(KEY).backup_pending == 8
+    orders = heartbeat(state, "c", 1, "uid3", second, lost_rank, [own(8, lost_rank)], 103.0).backup
+    assert [(o.step, o.rank, o.incarnation) for o in orders] == [(8, lost_rank, second)]
+
+
+def test_a_backup_is_given_up_once_a_later_incarnation_restores_an_older_step_which_the_job_writes_again():
+    state = ClusterState()
+    state.expire(0.0)
+    first, rank_of = form(state, ("a", "b"), ("uid0", "uid1"), 0.0)
+    for index, node in enumerate(("a", "b")):  # step 3 is replicated, step 5 is not yet
+        other = rank_of["b" if node == "a" else "a"]
+        held = [own(3, rank_of[node]), own(5, rank_of[node]), replica(3, other)]
+        heartbeat(state, node, index, f"uid{index}", first, rank_of[node], held, 1.0)
+    state.tick(2.0)
+    assert state.job(KEY).backup_pending == 5
+    # Node b is lost before step 5 was replicated: the fresh node c restores step 3, and the job will write 5 again.
+    lost_rank = rank_of["b"]
+    state.expire(100.0)
+    second, rank_of = form(state, ("a", "c"), ("uid2", "uid3"), 100.0)
+    held_a = [own(3, rank_of["a"]), own(5, rank_of["a"]), replica(3, lost_rank)]
+    heartbeat(state, "a", 0, "uid2", second, rank_of["a"], held_a, 101.0)
+    heartbeat(state, "c", 1, "uid3", second, lost_rank, [], 101.0)
+    lister = state.job(KEY).lister  # lists no backup yet
+    state.apply_report(
+        msgspec.structs.replace(state.liveness.nodes[lister].report, backed_up=(BackedUp(*NAMES, (), 101.0),)), 101.0
+    )
+    assert state.restore_view(KEY, second, lost_rank, now=101.5).step == 3
+    state.tick(102.0)
+    assert state.job(KEY).backup_pending != 5
+    orders = heartbeat(state, "a", 0, "uid2", second, rank_of["a"], held_a, 103.0).backup
+    assert all(o.step != 5 for o in orders)
+
+
+def test_the_backup_lag_is_exported_in_steps_and_seconds_and_falls_to_zero_once_backed_up():
+    state = ClusterState()
+    state.expire(0.0)
+    first, rank_of = form(state, ("a", "b"), ("uid0", "uid1"), 0.0)
+    for now, step in ((1.0, 5), (31.0, 9)):
+        for index, node in enumerate(("a", "b")):
+            other = rank_of["b" if node == "a" else "a"]
+            heartbeat(
+                state,
+                node,
+                index,
+                f"uid{index}",
+                first,
+                rank_of[node],
+                [own(step, rank_of[node]), replica(step, other)],
+                now,
+            )
+        state.tick(now + 1.0)
+    assert state.safe_step(KEY) == 9
+    text = exposition(state).decode()
+    labels = '{training_job="run",training_namespace="default"}'
+    assert f"mtc_backup_lag_steps{labels} 9.0" in text
+    assert f"mtc_backup_lag_seconds{labels} 31.0" in text  # step 5 was first safe at 2 s; the clock is at 33 s
+    lister = state.job(KEY).lister
+    state.apply_report(
+        msgspec.structs.replace(state.liveness.nodes[lister].report, backed_up=(BackedUp(*NAMES, ((9, 0),), 40.0),)),
+        40.0,
+    )
+    state.tick(41.0)
+    text = exposition(state).decode()
+    assert f"mtc_backup_lag_steps{labels} 0.0" in text and f"mtc_backup_lag_seconds{labels} 0.0" in text
