@@ -253,7 +253,8 @@ E2E_OPERATIONS := tests/e2e/test_e2e_upgrade.py tests/e2e/test_e2e_token_rotatio
                   tests/e2e/test_e2e_ramdisk_sizing.py tests/e2e/test_e2e_restore_fan_out.py tests/e2e/test_chaos.py \
                   tests/e2e/test_e2e_parity_beyond.py \
                   tests/e2e/test_e2e_peer_tier.py::test_node_lost_while_saving_faster_than_it_replicates_restores_a_step_within_the_bound \
-                  tests/e2e/test_e2e_backup_tier.py::test_a_store_answering_after_20_s_slows_no_save_and_backups_then_complete_and_restore
+                  tests/e2e/test_e2e_backup_tier.py::test_a_store_answering_after_20_s_slows_no_save_and_backups_then_complete_and_restore \
+                  tests/e2e/test_e2e_backup_tier.py::test_rpo_a_node_lost_mid_backup_then_the_cluster_30_s_later_restores_within_a_backup_interval_of_safe
 
 # The import contracts, the linter, the format check and the type checker first (pyproject.toml: [tool.importlinter],
 # [tool.ruff], [tool.mypy]; mtc_torch is type-checked against the PyTorch venv's torch): a finding fails before any

@@ -57,6 +57,7 @@ read at the stated bandwidth the measurement lacked. Run as root (tmpfs, tc): ``
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -67,6 +68,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Callable
 
 warnings.simplefilter("ignore", FutureWarning)  # google-auth's import-time notice about grpcio versions
 
@@ -408,8 +410,23 @@ class Run:
     intervals: Intervals = Intervals(0, 0)
 
 
-def run_setup(name: str, setup, plan: list[tuple[str, float]], final_gap: float) -> Run:
-    """Starts the job, applies ``plan``, trains ``final_gap`` more seconds, stops; returns what rank 0 logged."""
+def newest_backup(stores: StoreFronts, prefix: str) -> int | None:
+    """The newest step complete in the object store under the setup's ``prefix``: ours' backups
+    (``.../<step>[-<timeline>]/COMMIT``) or Orbax's checkpoints on GCS (``<step>/commit_success.txt``)."""
+    steps = [
+        int(parts[-2].split("-")[0])
+        for blob in stores.admin.client().list_blobs(BUCKET, prefix=f"{prefix}/")
+        if (parts := blob.name.split("/"))[-1] in ("COMMIT", "commit_success.txt")
+    ]
+    return max(steps, default=None)
+
+
+def run_setup(
+    name: str, setup, plan: list[tuple[str, float]], final_gap: float, backed_up: Callable[[], int | None]
+) -> Run:
+    """Starts the job, applies ``plan``, trains ``final_gap`` more seconds, stops; returns what rank 0 logged.
+    Prints, at each failure and at the end, the newest step complete in the object store (``backed_up``): what a
+    cluster loss then would restore."""
     started = time.time()
     setup.start()
     incarnations: list[Incarnation] = []
@@ -442,7 +459,9 @@ def run_setup(name: str, setup, plan: list[tuple[str, float]], final_gap: float)
         setup.kill()
         incarnations.append(incarnation_of(setup.events(), killed_at))
         print(
-            f"  {name}: {kind} at step {max(incarnations[-1].steps)} (restored {incarnations[-1].restored})", flush=True
+            f"  {name}: {kind} at step {max(incarnations[-1].steps)} (restored {incarnations[-1].restored}); "
+            f"newest complete in the object store: {backed_up()}",
+            flush=True,
         )
         if kind != "end":
             setup.restart(kind)
@@ -596,7 +615,8 @@ def calibrate(names: list[str], stores: StoreFronts, workdir: str, make) -> tupl
         every = Intervals(CALIBRATE_EVERY, 2 * CALIBRATE_EVERY if name == "emergency" else CALIBRATE_EVERY)
         setup = make(name, os.path.join(workdir, prefix), prefix, every)
         try:
-            runs.append(dataclasses.replace(run_setup(name, setup, [], CALIBRATE_SECONDS), intervals=every))
+            run = run_setup(name, setup, [], CALIBRATE_SECONDS, functools.partial(newest_backup, stores, prefix))
+            runs.append(dataclasses.replace(run, intervals=every))
         finally:
             setup.stop()
         if runs[-1].stopped:
@@ -713,15 +733,11 @@ def main() -> None:
                     prefix = f"{name}-{setup_name}"
                     setup = make(setup_name, os.path.join(workdir, prefix), prefix, intervals)
                     try:
-                        run = run_setup(setup_name, setup, plan, args.gap_seconds)
+                        run = run_setup(
+                            setup_name, setup, plan, args.gap_seconds, functools.partial(newest_backup, stores, prefix)
+                        )
                     finally:
                         setup.stop()
-                    if setup_name == "ours":
-                        listed = stores.admin.client().list_blobs(BUCKET, prefix=f"{prefix}/")
-                        steps = sorted(
-                            int(b.name.split("/")[-2].split("-")[0]) for b in listed if b.name.endswith("/COMMIT")
-                        )
-                        print(f"  ours: steps backed up (complete): {steps}", flush=True)
                     runs.append(dataclasses.replace(run, regime=name, intervals=intervals))
             print(
                 f"   load average {' '.join(f'{x:.1f}' for x in os.getloadavg())} after the {name} regime", flush=True
