@@ -103,9 +103,9 @@ class RankManifest:
       step: the training step.
       rank: the node rank.
       files: relative posix path -> StoredFile.
-      incarnation: the backup's tag (``BackupOrder.incarnation``: the job incarnation that chose the backup). A job
-        that restores an older step and trains past it again writes the same step numbers anew, and the coordinator
-        tags a backup chosen after that anew; ``COMMIT`` must never join ranks of two tags.
+      incarnation: the backup's tag (``BackupOrder.incarnation``: one per choice of a backup by the coordinator). A
+        job that restores an older step and trains past it again writes the same step numbers anew, and a backup
+        chosen after that has a tag of its own; ``COMMIT`` must never join ranks of two tags.
       timeline: the job's timeline the backup belongs to (part of its name).
     """
 

@@ -2,6 +2,7 @@
 step is backed up next and when, and the upload orders of a node."""
 
 import logging
+import secrets
 from collections.abc import Callable
 
 from replicator.coordinator.job import JobState
@@ -90,7 +91,8 @@ def advance(
             log.warning("job %s: the job restored a step older than %d; its backup is given up", key, pending)
         elif stranded is not None:
             log.warning(
-                "job %s: backup of step %d cannot complete (rank %d's node holds no copy of it); backing up step %d",
+                "job %s: backup of step %d cannot complete (rank %d's node holds no copy of it); choosing anew "
+                "(newest complete step: %d)",
                 key,
                 pending,
                 stranded,
@@ -115,7 +117,7 @@ def advance(
         due = job.last_backup_time is None or now - job.last_backup_time >= settings.backup_interval_minutes * 60
     if due and stranded_rank(job, newest) is None:
         job.backup_pending, job.backup_pending_since = newest, now
-        job.backup_attempt = job.incarnation.incarnation_id
+        job.backup_attempt = f"{job.incarnation.incarnation_id}-{secrets.token_hex(4)}"
         log.info("job %s: backing up step %d", key, newest)
 
 
@@ -123,7 +125,8 @@ def _restored_before(job: JobState, step: int) -> bool:
     """Whether an incarnation after the one that chose the backup of ``step`` restores an older step (or starts
     fresh): the one way the job writes ``step`` anew, while uploads tagged for the backup may be stored already."""
     incarnation = job.incarnation
-    if incarnation is None or incarnation.incarnation_id == job.backup_attempt or incarnation.plan is None:
+    chosen_in = job.backup_attempt.rpartition("-")[0]  # the tag: "<incarnation id>-<random>"
+    if incarnation is None or incarnation.incarnation_id == chosen_in or incarnation.plan is None:
         return False
     return incarnation.plan.step is None or incarnation.plan.step < step
 

@@ -180,14 +180,17 @@ class JobState:
       forked: the timeline for ``forced_step`` has begun (once per request, however often it is planned).
       listings: node -> its last listing of the job's backups.
       backup_pending: the step being backed up now (since ``backup_pending_since``), or None.
-      backup_attempt: the id its uploads are tagged with (``BackupOrder.incarnation``): the incarnation that chose
-        it, kept through later incarnations, so ranks uploaded before a preemption count toward its ``COMMIT``
-        (a pending step's bytes never change: a rank that writes it again drops it, ``sync._supersede``).
+      backup_attempt: the tag its uploads carry (``BackupOrder.incarnation``): the id of the incarnation that chose
+        it and a random suffix, one per choice, kept through later incarnations, so ranks uploaded before a
+        preemption count toward its ``COMMIT``. A pending step's bytes never change (a rank that holds it in other
+        bytes drops it, ``sync._supersede``), and a later choice of a step has a tag of its own: ``COMMIT`` never
+        joins two choices' uploads.
       last_backup_time: unix seconds the last backup completed (for ``backup-interval-minutes``).
       backup_seen: step -> unix seconds this coordinator first saw each complete backup of the
         lineage (``backups.note_seen``; the backup tier's listings carry no commit times).
-      rewritten: steps some rank's own node holds in other bytes than it first reported: never
-        backed up, since the ranks' uploads could join both versions under one ``COMMIT``.
+      rewritten: steps some rank's own node holds in other bytes than it first reported (written again after a
+        restore to an older step, or restored from a data-parallel peer's other bytes): never backed up, as that
+        rank's copy is not the one it wrote (a whole-cluster restore would hand it a peer's files).
       safe_at: safe step -> unix seconds this coordinator first found it safe, for the safe steps newer than the
         newest backup (``backups.lag``).
     """

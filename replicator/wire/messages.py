@@ -305,8 +305,9 @@ class BackupOrder(msgspec.Struct, frozen=True, gc=False):
     """Upload ``rank``'s own data of ``step`` to the backup tier.
 
     Attributes:
-      incarnation: tags the upload: the id of the incarnation that chose the backup, kept by later incarnations
-        until one restores an older step; ``COMMIT`` joins only ranks of one tag.
+      incarnation: tags the upload: one tag per choice of a backup (the id of the incarnation that chose it and a
+        random suffix), kept by later incarnations until one restores an older step; ``COMMIT`` joins only ranks of
+        one tag.
       nodes: the job's rank count, for ``COMMIT``.
       dedup_from_rank: a data-parallel peer whose upload of the step to reference for identical
         files (wait for it), or None to upload everything.
