@@ -2,6 +2,7 @@
 (Orbax's ``jax-init-info.txt``), then ``replicator.yaml`` validated, recorded with the coordinator and
 consumed (or refused through ``replicator.failed``). The file formats are the job's ``Framework``'s."""
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -11,13 +12,13 @@ from prometheus_client import Counter
 from csi_driver.file_cache import Key
 from csi_driver.ramdisk import Ramdisk
 from replicator.local_tier import pod_files
-from replicator.local_tier.frameworks import InvalidReplicatorConfig
+from replicator.local_tier.frameworks import Framework, InvalidReplicatorConfig
 from replicator.local_tier.job_keys import job_of
 from replicator.local_tier.job_meta import JobMeta, PodProgress
 from replicator.local_tier.log_once import LogOnce
 from replicator.pacing import timing
 from replicator.wire.coordinator_client import CoordinatorClient, CoordinatorUnavailable
-from replicator.wire.messages import Assignment, JobRef
+from replicator.wire.messages import Assignment, JobRef, JobSettings
 
 log = logging.getLogger(__name__)
 
@@ -97,24 +98,32 @@ async def consume_replicator_yaml(
 ) -> None:
     """Validates the job's ``replicator.yaml`` (if written yet), records its settings with the
     coordinator and in ``progress``, then consumes it. Bad content goes to ``replicator.failed`` once
-    ``unsettled`` says it is no half-written file; a file that is no regular file at once. An
-    unreachable coordinator leaves the file for the next pass."""
+    ``unsettled`` says it is no half-written file; a file that is no regular file, or whose text so
+    far is refused whatever follows (``InvalidReplicatorConfig.final``: an anchor, an alias, deep
+    nesting), at once. The parse runs on a worker thread: a slow file never holds up the event loop
+    (reports, peer serving, the HTTP side). An unreachable coordinator leaves the file for the next pass."""
     framework, job = meta.framework, job_of(disk)
     try:
         found = framework.read_config(disk.client_dir)
         if found is None:
             unsettled.forget(job)
             return
-        settings = framework.parse_config(found.data.decode("utf-8"), progress.rank, nodes)  # type: ignore[arg-type]  # called once the pod has its rank
+        settings = await asyncio.to_thread(_parse, framework, found.data, progress.rank, nodes)  # type: ignore[arg-type]  # called once the pod has its rank
     except pod_files.UnsafeEntry as err:
         _refuse(disk, meta, f"replicator.yaml is unusable: {err}")
         unsettled.forget(job)
         return
     except (InvalidReplicatorConfig, UnicodeDecodeError) as err:
-        if not unsettled.settled(job, found.version):  # type: ignore[union-attr]  # raised after read_config found the file
+        final = isinstance(err, InvalidReplicatorConfig) and err.final
+        if not final and not unsettled.settled(job, found.version):  # type: ignore[union-attr]  # raised after read_config found the file
             return  # perhaps still being written: read again next pass
         what = str(err) if isinstance(err, InvalidReplicatorConfig) else f"replicator.yaml is unusable: {err}"
-        _refuse(disk, meta, f"{what} (unchanged for {unsettled.settle_seconds:g} s, so not a file still being written)")
+        why = (
+            "refused at once: no later write makes it valid"
+            if final
+            else f"unchanged for {unsettled.settle_seconds:g} s, so not a file still being written"
+        )
+        _refuse(disk, meta, f"{what} ({why})")
         unsettled.forget(job)
         return
     unsettled.forget(job)
@@ -128,6 +137,11 @@ async def consume_replicator_yaml(
     framework.consume_config(disk.client_dir)
     REPLICATOR_YAML.labels("accepted").inc()
     log.info("%s/%s rank %d: consumed replicator.yaml %s", disk.namespace, disk.job, progress.rank, settings)
+
+
+def _parse(framework: Framework, data: bytes, rank: int, nodes: int) -> JobSettings:
+    """``framework.parse_config`` of the file's bytes (UTF-8), for a worker thread."""
+    return framework.parse_config(data.decode("utf-8"), rank, nodes)
 
 
 def _refuse(disk: Ramdisk, meta: JobMeta, message: str) -> None:

@@ -13,7 +13,8 @@ real cluster, until a replica lands; Orbax's own retention bounds them). Once th
 reports every step held and the agents have settled, the measured agent's and the coordinator's
 CPU seconds (psutil, user + system) are taken over WINDOWS windows of ``--window-seconds`` (>= 10,
 so >= 30 s in all); the median window is printed as % of one core beside the goal (issue 9: the
-agent <= 2 % of a core; the coordinator is for reference).
+agent <= 2 % of a core; the coordinator is for reference). The agent's resident memory is printed too: once
+started with no job, and with the jobs after the windows (the chart's memory request rests on it).
 
 ``--profile`` runs the agent under ``tests.bench.profiled`` (cProfile in every thread, CPU time,
 reset once settled) and prints where its CPU goes in the measured windows: the functions with the
@@ -35,7 +36,7 @@ import time
 from csi_driver import kubelet
 from examples.local_cluster import LocalCluster, can_mount_tmpfs, scratch_dir
 from replicator.local_tier.frameworks.orbax import JAX_INIT_INFO_FILE, REPLICATOR_FILE, RESTORE_SUFFIX
-from tests.bench.replication_overhead import cpu_seconds
+from tests.bench.replication_overhead import cpu_seconds, resident_mib
 from tests.helpers.agents import replicator_yaml
 from tests.helpers.polling import wait_until
 from tests.helpers.ports import listen_address
@@ -165,11 +166,14 @@ def main() -> int:
         )
         cleanup.callback(cluster.stop)
         cluster.start(len(NODES))
+        time.sleep(SETTLE_SECONDS)
+        no_jobs = resident_mib(cluster.agents[0])
         jobs = start_jobs(cluster, workdir)
         time.sleep(SETTLE_SECONDS)
         if args.profile:
             cluster.agents[0].process.send_signal(signal.SIGUSR1)  # profile the steady state only
         windows = measure(cluster, args.window_seconds)
+        with_jobs = resident_mib(cluster.agents[0])
         cluster.agents[0].stop()  # the profiler writes its file as the agent exits
         profile = pstats.Stats(profile_path) if args.profile else None
     agent = statistics.median(w[0] for w in windows)
@@ -185,6 +189,10 @@ def main() -> int:
         print(f"{index:<8}{a:>19.2f}{c:>15.2f}")
     verdict = "under the profiler: not judged" if args.profile else ("MET" if met else "MISSED")
     print(f"{'median':<8}{agent:>19.2f}{coordinator:>15.2f}   goal: agent <= {GOAL_PERCENT:g} % of a core: {verdict}")
+    print(
+        f"agent resident memory (VmRSS, MiB): {no_jobs[0]:.0f} started with no job, {with_jobs[0]:.0f} with the jobs; "
+        f"peak (VmHWM) {with_jobs[1]:.0f}"
+    )
     if profile is not None:
         print_profile(profile)
         return 0

@@ -93,6 +93,15 @@ def cpu_seconds(process) -> float:
     return sum(psutil.Process(process.process.pid).cpu_times()[:2])
 
 
+def resident_mib(process) -> tuple[float, float]:
+    """(now, peak) resident memory of a service process, MiB: ``VmRSS`` and ``VmHWM``. Neither counts the
+    tmpfs pages it wrote (a replica, a restore), which its memory cgroup is charged for as well."""
+    with open(f"/proc/{process.process.pid}/status", encoding="ascii") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    kib = [int(fields[name].split()[0]) for name in ("VmRSS", "VmHWM")]
+    return kib[0] / 1024, kib[1] / 1024
+
+
 class CpuSampler:
     """Samples the agents' CPU seconds every SAMPLE_SECONDS on a thread, to find their busiest windows."""
 

@@ -26,7 +26,9 @@ peer tier (full copy) or ``decode:parity`` (decoded), the others ``local:``. A w
 not the exit status): node loss from a full copy <= 1.5 x local; node loss decoded <= 2 x node loss from a full copy
 (issue 41). Also printed per restore: each agent's ``mtc_restore_seconds`` (replicator.yaml consumed to the restore
 marker: the staging, or the fetch or decode with its verification), the fresh node's restore log lines after a node
-loss, and per parity cluster the encoder's build times. Run as root: ``python -m tests.bench.restore_mttr``.
+loss, per parity cluster the encoder's build times, and each agent's peak resident memory (``VmHWM``; the lost node's
+read just before it dies): replication, parity builds and restores are the agent's heaviest work, so the chart's
+memory request rests on it. Run as root: ``python -m tests.bench.restore_mttr``.
 """
 
 import os
@@ -42,6 +44,7 @@ warnings.simplefilter("ignore", FutureWarning)  # google-auth's import-time noti
 from prometheus_client.parser import text_string_to_metric_families
 
 from examples.local_cluster import LocalCluster, LocalJob, NodeAgentProcess, can_mount_tmpfs, scratch_dir
+from tests.bench.replication_overhead import resident_mib
 from tests.helpers.ports import free_port, listen_address
 
 NODES = 4
@@ -193,7 +196,7 @@ def encoder_summary(agents: list[NodeAgentProcess]) -> str:
 
 def run_cluster(workdir: str, cleanup, run: str, agent_args: list[str], lost_tiers, modes) -> list[dict[str, float]]:
     """One cluster's repetitions: per repetition, mode -> seconds from pod recreation to the first step."""
-    samples = []
+    samples, peaks = [], {}
     cluster = LocalCluster(workdir, listen_address, replicas=1, agent_args=agent_args)
     cleanup.callback(cluster.stop)
     job = LocalJob(
@@ -213,6 +216,7 @@ def run_cluster(workdir: str, cleanup, run: str, agent_args: list[str], lost_tie
         for mode in modes if rep % 2 == 0 else modes[::-1]:
             step = train_until_protected(cluster, job)
             if mode == "node loss":
+                peaks[f"{job.agents[LOST].node_id} (lost)"] = resident_mib(job.agents[LOST])[1]
                 cluster.lose_node(job.agents[LOST])
                 job.agents[LOST] = cluster.add_node(len(cluster.agents), block=f"b{LOST // 2}")
             before = [restore_seconds(agent) for agent in job.agents]
@@ -233,6 +237,8 @@ def run_cluster(workdir: str, cleanup, run: str, agent_args: list[str], lost_tie
         samples.append(sample)
     if agent_args:
         print(f"  {run}: {encoder_summary(cluster.agents)}", flush=True)
+    peaks.update({agent.node_id: resident_mib(agent)[1] for agent in job.agents})
+    print(f"  {run}: agents' peak resident memory (VmHWM, MiB): {', '.join(f'{n} {m:.0f}' for n, m in peaks.items())}")
     job.kill_training()
     cluster.stop()
     return samples

@@ -6,22 +6,27 @@ file the pod, a peer or the bucket can read, the agent still publishes a new job
 steps, and the job was told what was wrong.
 """
 
+import concurrent.futures
 import itertools
 import json
 import os
 import re
 import secrets
 import stat
+import threading
 import time
+import urllib.request
 
 import grpc
 import pytest
 
 from csi_driver import kubelet
 from examples.local_cluster import LocalCluster, unmount_all_below
+from replicator.local_tier.frameworks.client_dir import MAX_REPLICATOR_YAML_BYTES
 from replicator.local_tier.frameworks.orbax import ERRORS_FILE, FAILED_FILE, JAX_INIT_INFO_FILE, REPLICATOR_FILE
 from replicator.local_tier.frameworks.pytorch import PRERESTORE_FILE
 from tests.helpers.agents import rank_of, replicator_yaml, scrape
+from tests.helpers.hostile_yaml import alias_bomb, nested_flow_lists, nested_mappings
 from tests.helpers.polling import wait_until
 from tests.helpers.ports import listen_address
 from tests.helpers.steps import commit_step
@@ -241,6 +246,93 @@ def test_a_pytorch_pods_planted_prerestore_adopted_names_and_partial_steps_are_r
     assert set().union(*held(world, job).values()).isdisjoint({5, 6})
     os.unlink(pod / "step=5")
     assert_aftermath(world)
+
+
+def _hostile_configs() -> dict[str, str]:
+    """What-it-is -> a ``replicator.yaml`` of a one-node job built to stall the agent's parse."""
+    config = replicator_yaml("evil", 0, 1, backup_interval_steps=1)
+    hostile = {f"alias bomb of {levels} levels": alias_bomb(config, levels) for levels in range(6, 13)}
+    hostile["64 KiB of nested flow lists"] = nested_flow_lists(config)
+    hostile["64 KiB of nested mappings"] = nested_mappings(config)
+    assert all(len(text.encode()) <= MAX_REPLICATOR_YAML_BYTES for text in hostile.values())
+    return hostile
+
+
+def _write_replacing(path, text: str) -> float:
+    """Writes ``path`` as Orbax does (a whole file renamed into place); returns its mtime (the kernel's clock)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    written = tmp.stat().st_mtime
+    os.replace(tmp, path)
+    return written
+
+
+def _scrape_until(url: str, stop: threading.Event) -> list[float]:
+    """Seconds each ``/metrics`` request to ``url`` took, one every 50 ms until ``stop``."""
+    took = []
+    while not stop.is_set():
+        started = time.monotonic()
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+            response.read()
+        took.append(time.monotonic() - started)
+        stop.wait(0.05)
+    return took
+
+
+def test_alias_bombs_and_deep_nesting_are_refused_at_once_while_the_agent_serves_others(world):
+    """Issue 48: alias bombs of 6 to 12 levels and 64 KiB documents nested as deep as they can, each
+    the ``replicator.yaml`` of a pod on one agent, all at once. Each is refused within 1 s through
+    ``replicator.failed``, naming the anchor or the nesting; meanwhile the agent answers ``/metrics``
+    and publishes another pod's volume (a real NodePublishVolume over gRPC), each within 1 s."""
+    agent = world["cluster"].agents[0]
+    pods = {}
+    for what, text in _hostile_configs().items():
+        (pod,) = publish_job(world, f"evil{next(_jobs)}", nodes=1)
+        pods[what] = (pod, text)
+    wait_until(lambda: all((pod / JAX_INIT_INFO_FILE).exists() for pod, _ in pods.values()), 20, "ranks assigned")
+    rejected_before = _rejected(agent)
+    stop = threading.Event()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        scrapes = pool.submit(_scrape_until, agent.url, stop)
+        written = {what: _write_replacing(pod / REPLICATOR_FILE, text) for what, (pod, text) in pods.items()}
+        time.sleep(0.3)  # the agent's next pass (every 0.2 s) reads the files
+        started = time.monotonic()
+        kubelet.publish(
+            agent.endpoint,
+            str(world["pods"] / "bystander" / "mount"),
+            f"bystander{next(_jobs)}-slice-0-0-a",
+            attributes={"nodes": "1", "size": "16Mi"},
+            timeout=10,
+        )
+        published = time.monotonic() - started
+        try:
+            wait_until(
+                lambda: all((pod / FAILED_FILE).exists() for pod, _ in pods.values()),
+                10,
+                lambda: (
+                    f"replicator.failed of {[w for w, (pod, _) in pods.items() if not (pod / FAILED_FILE).exists()]}"
+                ),
+            )
+        finally:
+            stop.set()
+        took = scrapes.result()
+    assert published < 1.0, f"another pod's publish took {published:.2f} s"
+    assert took and max(took) < 1.0, f"/metrics took up to {max(took):.2f} s"
+    for what, (pod, _) in pods.items():
+        refused = (pod / FAILED_FILE).stat().st_mtime - written[what]
+        failed = (pod / FAILED_FILE).read_text()
+        assert refused < 1.0, f"{what}: refused after {refused:.2f} s"
+        reason = "anchors and aliases are refused" if what.startswith("alias") else "nesting deeper than 8 levels"
+        assert failed.startswith("replicator.yaml field (document): ") and reason in failed, f"{what}: {failed}"
+        assert "refused at once" in failed and len(failed) < 512, f"{what}: {failed}"
+        assert not (pod / REPLICATOR_FILE).exists(), f"{what}: not consumed"
+    assert _rejected(agent) - rejected_before == len(pods)
+    assert_aftermath(world)
+
+
+def _rejected(agent) -> float:
+    found = re.search(r'^mtc_replicator_yaml_total\{result="rejected"\} (\S+)$', scrape(agent.url), re.MULTILINE)
+    return float(found[1]) if found else 0.0
 
 
 def test_non_ascii_digit_names_neither_crash_nor_alias_steps(world, evil):

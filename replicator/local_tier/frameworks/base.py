@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Protocol, runtime_checkable
 
 from csi_driver import file_cache
+from replicator.local_tier import pod_yaml
 from replicator.wire.messages import JobSettings
 
 # A step's checksums as its manifest holds them: path inside the step -> (size in bytes, CRC32C hex).
@@ -62,11 +63,18 @@ class ConfigFile:
 
 class InvalidReplicatorConfig(ValueError):
     """The job's ``replicator.yaml`` is unusable; ``field`` names the offending key (``(document)``
-    when the file as a whole is)."""
+    when the file as a whole is). The message is cut to 512 characters (``pod_yaml.bounded``).
 
-    def __init__(self, field: str, message: str):
-        super().__init__(f"replicator.yaml field {field}: {message}")
+    Attributes:
+      field: the offending key.
+      final: the text read so far is refused whatever follows it (an anchor, an alias, deep nesting),
+        so a file still being written is refused at once, not after it settles.
+    """
+
+    def __init__(self, field: str, message: str, final: bool = False):
+        super().__init__(f"replicator.yaml field {field}: {pod_yaml.bounded(message)}")
         self.field = field
+        self.final = final
 
 
 @runtime_checkable

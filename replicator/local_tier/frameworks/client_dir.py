@@ -13,15 +13,15 @@ import re
 import stat
 import time
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
-import yaml
 
 from csi_driver import file_cache
-from replicator.local_tier import pod_files
+from replicator.local_tier import pod_files, pod_yaml
 from replicator.local_tier.frameworks.base import ConfigFile, InvalidReplicatorConfig, StepScan
 from replicator.wire import redundancy
+from replicator.wire.messages import MAX_RANKS, Rank
 
 REPLICATOR_FILE = "replicator.yaml"
 ERRORS_FILE = "replicator.errors"
@@ -46,6 +46,10 @@ YAML_KEYS = {
 }
 
 Config = TypeVar("Config", bound=msgspec.Struct)
+# The integer keys' types, bounded above as the wire's (msgspec.convert passes a Python int of any
+# size): a rank or count the coordinator could not take is refused here, naming its key.
+PeerRanks = Annotated[tuple[Rank, ...], msgspec.Meta(max_length=MAX_RANKS)]
+IntervalSteps = Annotated[int, msgspec.Meta(ge=1, le=(1 << 63) - 1)]
 
 
 def restore_marker_name(job: str, step: int, rank: int) -> str:
@@ -69,29 +73,33 @@ def checked_redundancy(value: str | None) -> str | None:
 
 
 def load_config(text: str, kind: type[Config]) -> tuple[Config, dict[str, Any]]:
-    """Parses ``replicator.yaml`` into ``kind`` (a msgspec Struct checking each key's type and range).
+    """Parses ``replicator.yaml`` into ``kind`` (a msgspec Struct checking each key's type and range),
+    within bounds of time and memory (``pod_yaml``: no anchors or aliases, nesting at most 8 deep).
 
     Returns:
       (the config, the raw mapping): the raw keys tell which optional keys the file set.
 
     Raises:
-      InvalidReplicatorConfig: not YAML, not a mapping, or a key of the wrong type or range.
+      InvalidReplicatorConfig: not YAML, an anchor, an alias or deep nesting (``final``), not a mapping,
+        or a key of the wrong type or range. Its message shows the offending value's type and at most a
+        short prefix of it.
     """
     try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise InvalidReplicatorConfig("(document)", f"not valid YAML: {err}") from None
+        raw = pod_yaml.load(text)
+    except pod_yaml.RefusedYaml as err:
+        raise InvalidReplicatorConfig("(document)", str(err), final=err.final) from None
     if raw is None and not text.strip():
         raise InvalidReplicatorConfig("(document)", "the file is empty")
     if not isinstance(raw, dict):
-        raise InvalidReplicatorConfig("(document)", f"expected a mapping of keys, got {type(raw).__name__}")
+        raise InvalidReplicatorConfig("(document)", f"expected a mapping of keys, got {pod_yaml.describe(raw)}")
     try:
         return msgspec.convert(raw, kind), raw
     except msgspec.ValidationError as err:
         found = _FIELD_IN_ERROR.search(str(err))
         field = found[1] if found else "(document)"
-        value = f" (the file says {field}: {str(raw[field])[:64]!r})" if field in raw else ""
-        raise InvalidReplicatorConfig(field, f"{err}{value}") from None
+        value = f" (the file says {field}: {pod_yaml.describe(raw[field])})" if field in raw else ""
+        # msgspec's message may quote the value (an enum's): a prefix leaves room for the description.
+        raise InvalidReplicatorConfig(field, f"{pod_yaml.bounded(str(err), 200)}{value}") from None
 
 
 def check_job_shape(
@@ -126,7 +134,8 @@ def check_job_shape(
         raise InvalidReplicatorConfig("assume-data-parallelism", f"{data_parallelism} does not divide nodes={nodes}")
     if any(p >= nodes for p in peer_ranks) or node_rank in peer_ranks or len(set(peer_ranks)) != len(peer_ranks):
         raise InvalidReplicatorConfig(
-            "peer-ranks", f"{list(peer_ranks)} must be distinct ranks in [0, {nodes}) other than node-rank {node_rank}"
+            "peer-ranks",
+            f"{pod_yaml.describe(peer_ranks)} must be distinct ranks in [0, {nodes}) other than node-rank {node_rank}",
         )
     intervals = [key for key in INTERVALS.split("/") if raw.get(key) is not None]
     if len(intervals) != 1:

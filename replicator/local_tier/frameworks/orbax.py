@@ -35,12 +35,14 @@ from replicator.local_tier.frameworks.client_dir import (
     STAGED_PREFIX,
     YAML_KEYS,
     ClientDirProtocol,
+    IntervalSteps,
+    PeerRanks,
     check_job_shape,
     checked_redundancy,
     load_config,
     restore_marker_name,
 )
-from replicator.wire.messages import JobSettings
+from replicator.wire.messages import Count, JobSettings, Rank
 
 __all__ = [
     "COMMIT_EVIDENCE",
@@ -81,12 +83,12 @@ class ReplicatorConfig(msgspec.Struct, frozen=True, rename=YAML_KEYS):
 
     job_name: Annotated[str, msgspec.Meta(min_length=1, max_length=253)]
     framework: Literal["orbax"]
-    data_parallelism: Annotated[int, msgspec.Meta(ge=1)]
-    node_rank: Annotated[int, msgspec.Meta(ge=0)]
-    nodes: Annotated[int, msgspec.Meta(ge=1)]
-    peer_ranks: Annotated[tuple[Annotated[int, msgspec.Meta(ge=0)], ...], msgspec.Meta(max_length=1 << 17)]
+    data_parallelism: Count
+    node_rank: Rank
+    nodes: Count
+    peer_ranks: PeerRanks
     backup_interval_minutes: Annotated[float, msgspec.Meta(gt=0)] | None = None
-    backup_interval_steps: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    backup_interval_steps: IntervalSteps | None = None
     redundancy: str | None = None
 
 

@@ -44,11 +44,13 @@ from replicator.local_tier.frameworks.base import Files
 from replicator.local_tier.frameworks.client_dir import (
     YAML_KEYS,
     ClientDirProtocol,
+    IntervalSteps,
+    PeerRanks,
     check_job_shape,
     checked_redundancy,
     load_config,
 )
-from replicator.wire.messages import JobSettings
+from replicator.wire.messages import Count, JobSettings, Rank
 
 PRERESTORE_FILE = "replicator.prerestore"
 # DCP's ``FileSystemWriter`` writes it once every data file of a checkpoint is written.
@@ -83,16 +85,14 @@ class TorchReplicatorConfig(msgspec.Struct, frozen=True, rename=_YAML_NAMES):
 
     job_name: Annotated[str, msgspec.Meta(min_length=1, max_length=253)]
     framework: Literal["pytorch.distributed"]
-    node_rank: Annotated[int, msgspec.Meta(ge=0)]
-    nodes: Annotated[int, msgspec.Meta(ge=1)]
+    node_rank: Rank
+    nodes: Count
     peers_per_node: Annotated[int, msgspec.Meta(ge=0, le=64)] = 1
-    peer_ranks: Annotated[tuple[Annotated[int, msgspec.Meta(ge=0)], ...], msgspec.Meta(max_length=1 << 17)] | None = (
-        None
-    )
-    data_parallelism: Annotated[int, msgspec.Meta(ge=1)] = 1
+    peer_ranks: PeerRanks | None = None
+    data_parallelism: Count = 1
     workers_per_node: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
     backup_interval_minutes: Annotated[float, msgspec.Meta(gt=0)] | None = None
-    backup_interval_steps: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    backup_interval_steps: IntervalSteps | None = None
     redundancy: str | None = None
 
 
