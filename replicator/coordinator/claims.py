@@ -88,43 +88,72 @@ class ClaimIndex:
 
 
 class Beliefs:
-    """Whom the coordinator believes about a rank's data.
+    """Whom the coordinator believes about a rank's data: the current incarnation's nodes for their ranks, the replica
+    targets it ordered, and the copies believed when an earlier incarnation ended. Reset with each incarnation
+    (``assign``): a node that once ran a rank is not believed about that rank's new steps once another incarnation
+    runs it elsewhere.
 
     Attributes:
-      rank_nodes: rank -> nodes the coordinator assigned it to: only they are believed about that
-        rank's own data.
-      members: every node of ``rank_nodes`` (the nodes the job ran on), for one lookup per report.
-      ordered: (rank, node) replica targets the coordinator chose: only they are believed about
-        replicas of that rank.
-      stamp: bumped whenever ``rank_nodes`` or ``ordered`` grow.
+      rank_nodes: rank -> the node the current incarnation put it on (a set, for the walk's lookup): only it is
+        believed about new steps of that rank's own data.
+      members: the current incarnation's nodes (the nodes the job runs on).
+      ordered: (rank, node) replica targets the coordinator chose in this incarnation: only they are believed about
+        new replicas of that rank.
+      kept: (step, rank) -> nodes whose copy of it was believed when an earlier incarnation ended: still believed
+        (a restore source, a safe copy), until the node stops claiming it.
+      stamp: bumped whenever any of them changes.
     """
 
-    __slots__ = ("members", "ordered", "rank_nodes", "stamp")
+    __slots__ = ("kept", "members", "ordered", "rank_nodes", "stamp")
 
     def __init__(self) -> None:
         self.rank_nodes: dict[int, set[str]] = {}
         self.members: set[str] = set()
         self.ordered: set[tuple[int, str]] = set()
+        self.kept: dict[tuple[int, int], set[str]] = {}
         self.stamp = 0
 
-    def believed(self, node_id: str, rank: int, replica: bool) -> bool:
-        """Whether a node's claim to hold a copy counts: data of a rank the coordinator assigned it
-        (its own steps, or a step a restore set aside), or a replica the coordinator ordered it to
-        hold. Anything else (an invented node, a rank it never had) can neither make other nodes
-        delete data nor serve a restore."""
-        return node_id in self.rank_nodes.get(rank, ()) or (replica and (rank, node_id) in self.ordered)
+    def believed(self, node_id: str, step: int, rank: int, replica: bool) -> bool:
+        """Whether a node's claim to hold a copy counts: data of a rank the current incarnation assigned it (its own
+        steps, or a step a restore set aside), a replica the coordinator ordered it to hold, or a copy it was
+        believed about when an earlier incarnation ended. Anything else (an invented node, a rank it never had, or
+        a rank it no longer runs) can neither make other nodes delete data nor serve a restore."""
+        return (
+            node_id in self.rank_nodes.get(rank, ())
+            or (replica and (rank, node_id) in self.ordered)
+            or node_id in self.kept.get((step, rank), ())
+        )
 
-    def assign(self, node_of_rank: dict[int, str]) -> None:
-        """An incarnation put these nodes on these ranks."""
-        for rank, node in node_of_rank.items():
-            self.rank_nodes.setdefault(rank, set()).add(node)
-        self.members.update(node_of_rank.values())
+    def runs(self, node_id: str, rank: int) -> bool:
+        """Whether the current incarnation put ``rank`` on the node: only it may rewrite the rank's steps."""
+        return node_id in self.rank_nodes.get(rank, ())
+
+    def assign(self, node_of_rank: dict[int, str], holders: dict[tuple[int, int], dict[str, bool]]) -> None:
+        """A new incarnation put these nodes on these ranks: they alone are believed about new steps; the copies
+        believed until now (of ``holders``, the claim index) are kept."""
+        kept: dict[tuple[int, int], set[str]] = {}
+        for (step, rank), nodes in holders.items():
+            if believed := {node for node, replica in nodes.items() if self.believed(node, step, rank, replica)}:
+                kept[(step, rank)] = believed
+        self.kept = kept
+        self.rank_nodes = {rank: {node} for rank, node in node_of_rank.items()}
+        self.members = set(node_of_rank.values())
+        self.ordered = set()
         self.stamp += 1
 
     def order(self, targets: dict[int, list[str]]) -> None:
         """The coordinator ordered these replica targets (rank -> nodes)."""
         self.ordered.update((rank, node) for rank, nodes in targets.items() for node in nodes)
         self.stamp += 1
+
+    def drop(self, step: int, rank: int, node_id: str) -> None:
+        """The node no longer claims (step, rank): if it claims it again, only the current incarnation vouches."""
+        nodes = self.kept.get((step, rank))
+        if nodes is not None and node_id in nodes:
+            nodes.discard(node_id)
+            if not nodes:
+                del self.kept[(step, rank)]
+            self.stamp += 1
 
 
 def walk_ranks(
@@ -142,7 +171,7 @@ def walk_ranks(
     Returns:
       (the answer, how many ranks were looked at).
     """
-    rank_nodes, ordered = beliefs.rank_nodes, beliefs.ordered
+    rank_nodes, ordered, kept = beliefs.rank_nodes, beliefs.ordered, beliefs.kept
     for rank in range(ranks):
         found = 0
         for node_id, replica in holders.get((step, rank), {}).items():
@@ -151,7 +180,11 @@ def walk_ranks(
             if (
                 state is not None
                 and not (state.silent if live_only else state.given_up)
-                and (node_id in rank_nodes.get(rank, ()) or (replica and (rank, node_id) in ordered))
+                and (
+                    node_id in rank_nodes.get(rank, ())
+                    or (replica and (rank, node_id) in ordered)
+                    or (kept and node_id in kept.get((step, rank), ()))
+                )
             ):
                 found += 1
         if found < wanted:

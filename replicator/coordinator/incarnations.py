@@ -147,7 +147,8 @@ def assignment(
 def reconcile(key: JobRef, job: Any, now: float) -> bool:
     """The incarnation of ``job`` (a ``job.JobState``: not imported, it holds an ``Incarnation``) after its pods changed: the current one ends when a pod of it goes or
     is replaced; a new one starts (adopted after a restart, or assigned) when the pods allow, and
-    its nodes become believed for their ranks. Returns whether the incarnation changed."""
+    its nodes become believed for their ranks, in place of the last one's (``claims.Beliefs.assign``). Returns
+    whether the incarnation changed."""
     if not job.pods_changed:
         return False  # an incarnation starts or ends only when a pod comes or goes
     job.pods_changed = False
@@ -162,7 +163,7 @@ def reconcile(key: JobRef, job: Any, now: float) -> bool:
         )
         if job.incarnation is not None:
             job.nodes = len(job.incarnation.node_of_rank)
-            job.beliefs.assign(job.incarnation.node_of_rank)
+            job.beliefs.assign(job.incarnation.node_of_rank, job.claims.holders)
             changed = True
             log.info("job %s: incarnation %s of %d ranks", key, job.incarnation.incarnation_id, job.nodes)
     return changed

@@ -77,7 +77,7 @@ class OwnerReports:
     def promote(self, beliefs: Beliefs, identity: Identity) -> None:
         """Checksums and signatures reported by nodes now believed for the rank become the job's."""
         for (step, rank, node_id), (files, signature) in list(self.pending.items()):
-            if not beliefs.believed(node_id, rank, False):
+            if not beliefs.believed(node_id, step, rank, False):
                 continue
             if files is not None and (step, rank) not in self.files:
                 self.files[(step, rank)] = files
@@ -233,6 +233,12 @@ class JobState:
         if self.pods:
             return next(iter(self.pods.values()))[0].nodes
         return self.nodes
+
+    def drop_claim(self, step: int, rank: int, node_id: str) -> None:
+        """The node's claim to (step, rank) is gone: from the index, and from the copies kept believed from an
+        earlier incarnation (claimed again, it counts only if the current incarnation vouches for it)."""
+        self.claims.drop(step, rank, node_id)
+        self.beliefs.drop(step, rank, node_id)
 
     def pending_rollback(self) -> int | None:
         """``forced_step`` while its restore is not planned: cancellable, nothing abandoned for it yet."""

@@ -100,12 +100,14 @@ class PodRecord:
 
 @dataclasses.dataclass(frozen=True)
 class NodeRecord:
-    """A node's failure domains, from its labels (None where the label is absent)."""
+    """A node's failure domains, from its labels (None where the label is absent), and its UID (a node recreated
+    under its name is another node)."""
 
     name: str
     zone: str | None
     nodepool: str | None
     block: str | None
+    uid: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,6 +213,7 @@ def read_node(obj: Any, settings: ShapeSettings = ShapeSettings()) -> NodeRecord
         zone=_text(labels.get(ZONE_LABEL)),
         nodepool=_text(labels.get(NODEPOOL_LABEL)),
         block=_text(labels.get(settings.block_label)),
+        uid=_text(_get(node, "metadata", "uid")) or "",
     )
 
 

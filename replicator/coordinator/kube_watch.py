@@ -4,7 +4,9 @@ with lightkube's ``AsyncClient``, and recompute ``kube_shape.compute_shapes`` on
 Only the coordinator watches (10,000 node agents must not each list pods), and it reads only what the shape needs:
 - Pods carrying JobSet's ``jobset-name`` label, not finished (a field selector on ``status.phase``); of those, only
   the ones mounting our volume are kept, each as a ``PodRecord``;
-- JobSets and Nodes, every one, each kept as its record (the replicatedJobs; the failure-domain labels).
+- JobSets and Nodes, every one, each kept as its record (the replicatedJobs; the failure-domain labels);
+- with per-node identity, the pods of the agents' namespace, by name and UID only: their deletions, and the Nodes',
+  are told to ``on_deleted`` (the identity check refuses a token of a deleted pod or node at once).
 
 Each kind is a reflector in the shape of client-go's: a list gives the full set and a resourceVersion, a watch from
 that version applies the changes. An error or a silent connection resumes the watch from the last version seen
@@ -58,6 +60,8 @@ class WatchSettings:
         ``server_timeout_seconds``, so a live idle watch ends on the server's side first.
       recompute_delay_seconds: changes within this long of each other are folded into one recomputation.
       shape: what the shape reads (our driver's name, the block label).
+      agents_namespace: the namespace of the node agents' pods, whose deletions ``on_deleted`` is told of
+        (per-node identity), or None to watch no agent pods.
     """
 
     namespace: str | None = None
@@ -67,6 +71,26 @@ class WatchSettings:
     idle_seconds: float = 270.0
     recompute_delay_seconds: float = 0.05
     shape: ShapeSettings = dataclasses.field(default_factory=ShapeSettings)
+    agents_namespace: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Deleted:
+    """An object the watch saw deleted: a ``DELETED`` event, or gone from a new list after a disconnection.
+
+    Attributes:
+      kind: ``Node``, or ``Pod`` (a pod of the agents' namespace).
+      name, uid: the object's (a UID is never reused: an object recreated under its name has another).
+    """
+
+    kind: str
+    name: str
+    uid: str
+
+
+def _read_ref(obj: Any) -> Deleted:
+    """A pod of the agents' namespace as what its deletion will be told as."""
+    return Deleted("Pod", obj.metadata.name or "", obj.metadata.uid or "")
 
 
 class Backoff:
@@ -88,7 +112,9 @@ class Backoff:
 
 @dataclasses.dataclass(frozen=True)
 class _Kind:
-    """One kind the watcher reflects: its resource, its selectors, how an object becomes a record and its key."""
+    """One kind the watcher reflects: its resource, its selectors, how an object becomes a record and its key;
+    ``gone`` names a deleted record for ``on_deleted`` (None: deletions not told); ``shapes``: whether a change
+    recomputes the shapes; ``namespace``: the one namespace it is watched in, else the settings' (namespaced)."""
 
     name: str
     resource: Any
@@ -97,6 +123,9 @@ class _Kind:
     namespaced: bool
     labels: dict[str, Any] | None = None
     fields: dict[str, Any] | None = None
+    gone: Callable[[Any], Deleted] | None = None
+    shapes: bool = True
+    namespace: str | None = None
 
 
 def _namespaced_key(obj: Any) -> tuple[str, str]:
@@ -116,7 +145,8 @@ class ShapeWatcher:
     """Keeps every job's shape as the API server says, from one list+watch per kind.
 
     ``run()`` until cancelled; read ``shapes`` (the last computed, never dropped during an outage), wait for a
-    condition with ``wait_for``, or pass ``on_change`` to be called with each new ``Shapes``.
+    condition with ``wait_for``, or pass ``on_change`` to be called with each new ``Shapes``, and ``on_deleted``
+    with each Node and agent pod (``WatchSettings.agents_namespace``) deleted.
 
     Attributes:
       shapes: the last computed shapes (empty until every kind has been listed once).
@@ -131,12 +161,14 @@ class ShapeWatcher:
         client: AsyncClient,
         settings: WatchSettings = WatchSettings(),
         on_change: Callable[[Shapes], None] | None = None,
+        on_deleted: Callable[[Deleted], None] | None = None,
     ):
         self._client = client
         self._settings = settings
         self._on_change = on_change
+        self._on_deleted = on_deleted
         shape = settings.shape
-        self._kinds = (
+        self._kinds: tuple[_Kind, ...] = (
             _Kind(
                 "Pod",
                 Pod,
@@ -147,8 +179,28 @@ class ShapeWatcher:
                 fields={"status.phase": operators.not_in(["Succeeded", "Failed"])},
             ),
             _Kind("JobSet", JobSet, lambda o: read_jobset(o, shape), _namespaced_key, True),
-            _Kind("Node", Node, lambda o: read_node(o, shape), _name_key, False),
+            _Kind(
+                "Node",
+                Node,
+                lambda o: read_node(o, shape),
+                _name_key,
+                False,
+                gone=lambda record: Deleted("Node", record.name, record.uid),
+            ),
         )
+        if settings.agents_namespace is not None:
+            self._kinds += (
+                _Kind(
+                    "AgentPod",
+                    Pod,
+                    _read_ref,
+                    _namespaced_key,
+                    True,
+                    gone=lambda record: record,
+                    shapes=False,
+                    namespace=settings.agents_namespace,
+                ),
+            )
         self._stores: dict[str, dict[Hashable, Any]] = {kind.name: {} for kind in self._kinds}
         self._listed: set[str] = set()
         self._dirty = asyncio.Event()
@@ -208,9 +260,24 @@ class ShapeWatcher:
                 )
                 await asyncio.sleep(wait)
 
+    def _namespace(self, kind: _Kind) -> dict[str, Any]:
+        """The ``namespace`` argument of ``kind``'s list and watch (none for a cluster-wide kind)."""
+        return {"namespace": kind.namespace or self._settings.namespace or ALL_NS} if kind.namespaced else {}
+
+    def _changed_kind(self, kind: _Kind) -> None:
+        if kind.shapes:
+            self._dirty.set()
+
+    def _deleted(self, kind: _Kind, record: Any) -> None:
+        if kind.gone is not None and self._on_deleted is not None:
+            gone = kind.gone(record)
+            log.info("%s %s (UID %s) was deleted", gone.kind, gone.name, gone.uid)
+            self._on_deleted(gone)
+
     async def _list(self, kind: _Kind) -> str:
-        """Lists ``kind`` and replaces its store; returns the list's resourceVersion."""
-        namespace: dict[str, Any] = {"namespace": self._settings.namespace or ALL_NS} if kind.namespaced else {}
+        """Lists ``kind`` and replaces its store (telling of the records gone since); returns the list's
+        resourceVersion."""
+        namespace = self._namespace(kind)
         listing = self._client.list(kind.resource, labels=kind.labels, fields=kind.fields, chunk_size=500, **namespace)
         fresh = {}
         async for obj in listing:
@@ -218,15 +285,22 @@ class ShapeWatcher:
             if record is not None:
                 fresh[kind.key(obj)] = record
         self.connected[kind.name] = True
-        if fresh != self._stores[kind.name] or kind.name not in self._listed:
+        old = self._stores[kind.name]
+        if fresh != old or kind.name not in self._listed:
+            if kind.gone is not None:
+                uids = {kind.gone(record).uid for record in fresh.values()}
+                for record in old.values():
+                    if kind.gone(record).uid not in uids:  # deleted while the watch was down
+                        self._deleted(kind, record)
             self._stores[kind.name] = fresh
+            if kind.shapes or kind.name not in self._listed:  # the first list may complete the sync
+                self._dirty.set()
             self._listed.add(kind.name)
-            self._dirty.set()
         return listing.resourceVersion
 
     async def _watch(self, kind: _Kind, version: str, backoff: Backoff) -> str:
         """Applies ``kind``'s changes from ``version`` on; returns the last version seen when the watch goes idle."""
-        namespace: dict[str, Any] = {"namespace": self._settings.namespace or ALL_NS} if kind.namespaced else {}
+        namespace = self._namespace(kind)
         store = self._stores[kind.name]
         events = self._client.watch(
             kind.resource,
@@ -246,11 +320,13 @@ class ShapeWatcher:
                     key = kind.key(obj)
                     record = None if event == "DELETED" else kind.read(obj)
                     if record is None:
-                        if store.pop(key, None) is not None:
-                            self._dirty.set()
+                        if (old := store.pop(key, None)) is not None:
+                            self._changed_kind(kind)
+                            if event == "DELETED":
+                                self._deleted(kind, old)
                     elif store.get(key) != record:
                         store[key] = record
-                        self._dirty.set()
+                        self._changed_kind(kind)
         except ApiError as error:
             if error.status.code == 410:
                 raise _Gone() from None

@@ -31,7 +31,7 @@ def set_lineage(key: JobRef, job: JobState, forks: tuple[int, ...], nodes: dict[
         if gone:
             state.claims = state.claims - gone
         for claim in gone:
-            job.claims.drop(claim.step, claim.rank, node_id)
+            job.drop_claim(claim.step, claim.rank, node_id)
     # Until now only steps of the older lineage were indexed: above ``lowest`` they are all abandoned.
     job.owners.forget_above(lowest)
     job.identity.forget_above(lowest)

@@ -15,7 +15,8 @@ kubelet ask only for tokens of pods on its own node. ``NodeVerifier`` admits a r
 A verified token is cached until its own expiry (a short-lived token: the chart asks for 10 minutes),
 so a heartbeat costs one hash, and reports go on through an API-server outage. A node recreated
 under the same name (a new UID) is a new node: the first report proven from it replaces the old one
-(``Admission.replaced``), and a cached token of the old node is checked afresh, and refused.
+(``Admission.replaced``), and a cached token of the old node is checked afresh, and refused. A token
+whose pod or node the coordinator's watch saw deleted (``deleted``) is refused at once, cached or not.
 
 Every refusal is an ``IdentityRefused`` with a reason (``REASONS``), counted in
 ``mtc_coordinator_identity_refusals_total``.
@@ -64,6 +65,9 @@ REFUSALS = Counter(
 REVIEWS = Counter("mtc_coordinator_identity_reviews_total", "Node tokens reviewed with the API server (cache misses)")
 # Verified tokens kept at most (a cluster's agents hold about one each, two across a rotation).
 MAX_CACHED = 200_000
+# UIDs of deleted agent pods and nodes kept at most (a rollout of 10,000 agents deletes 10,000 pods): one evicted
+# here is refused by the API server's own review once its tokens leave the cache (expired, or recreated node).
+MAX_DELETED = 200_000
 
 
 class IdentityRefused(Exception):
@@ -165,6 +169,14 @@ class NodeVerifier:
         self._clock = clock
         self._cache: dict[bytes, tuple[NodeIdentity, float]] = {}  # sha256(token) -> (identity, its exp)
         self._uids: dict[str, str] = {}  # node name -> the UID last admitted
+        self._deleted: dict[str, None] = {}  # UIDs of agent pods and nodes seen deleted, oldest first
+
+    def deleted(self, uid: str) -> None:
+        """The agent pod or the node of ``uid`` was deleted (the watch saw it go): a token naming it is refused from
+        now on (``pod`` or ``node``), even one verified and cached before. O(1): the cache is not walked."""
+        self._deleted[uid] = None
+        if len(self._deleted) > MAX_DELETED:
+            del self._deleted[next(iter(self._deleted))]
 
     async def admit(self, token: str | None, node_id: str) -> Admission:
         """Admits a report of ``node_id`` presenting ``token``; counts each refusal by its reason.
@@ -213,6 +225,14 @@ class NodeVerifier:
         else:
             identity = await self._review(token)  # a new token, or one of a node since recreated: asked afresh
             self._remember(key, identity, float(claims["exp"]), now)
+        if identity.pod_uid in self._deleted:
+            raise IdentityRefused(
+                "pod", f"the node token's pod {identity.pod_name} (UID {identity.pod_uid}) was deleted"
+            )
+        if identity.node_uid in self._deleted:
+            raise IdentityRefused(
+                "node", f"the node token's node {identity.node_name} (UID {identity.node_uid}) was deleted"
+            )
         if identity.node_name != node_id:
             raise IdentityRefused(
                 "wrong_node", f"the node token is of node {identity.node_name!r}, the report speaks for {node_id!r}"

@@ -121,12 +121,16 @@ def copies(job: JobState, liveness: Liveness, live_only: bool) -> list[planner.S
     # is_live / holds_data and ``Beliefs.believed``, inlined: a 10,000-rank job has 30,000 claims and more per pass.
     limit = liveness.node_timeout_seconds if live_only else liveness.holder_grace_seconds
     now, nodes = liveness.now, liveness.nodes
-    rank_nodes, ordered = job.beliefs.rank_nodes, job.beliefs.ordered
+    rank_nodes, ordered, kept = job.beliefs.rank_nodes, job.beliefs.ordered, job.beliefs.kept
     return [
         planner.StepCopy(step, rank, node_id)
         for (step, rank), holders in job.claims.holders.items()
         for node_id, replica in holders.items()
         if (state := nodes.get(node_id)) is not None
         and now - state.last_seen <= limit
-        and (node_id in rank_nodes.get(rank, ()) or (replica and (rank, node_id) in ordered))
+        and (
+            node_id in rank_nodes.get(rank, ())
+            or (replica and (rank, node_id) in ordered)
+            or (kept and node_id in kept.get((step, rank), ()))
+        )
     ]

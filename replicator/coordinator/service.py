@@ -89,14 +89,22 @@ async def _ticker(app: web.Application) -> AsyncIterator[None]:
 
 async def _kube_watcher(app: web.Application) -> AsyncIterator[None]:
     """Watches the API server for job shapes while the app runs; each new set goes to the overlay and wakes
-    the long polls of the jobs whose shape changed."""
+    the long polls of the jobs whose shape changed; with per-node identity, each agent pod and node deleted goes to
+    the verifier."""
     settings: KubeSettings | None = app[CONFIG_KEY].kube
     assert settings is not None  # make_app runs the watcher only with kube settings
     client = app[KUBE_CLIENT_KEY]
+    identity, verifier = app[CONFIG_KEY].node_identity, app.get(VERIFIER_KEY)
     watcher = ShapeWatcher(
         client,
-        WatchSettings(namespace=settings.namespace, shape=settings.shape),
+        WatchSettings(
+            namespace=settings.namespace,
+            shape=settings.shape,
+            agents_namespace=identity.namespace if identity is not None else None,
+        ),
         on_change=lambda shapes: app[CHANGES_KEY].wake(app[OVERLAY_KEY].update(shapes)),
+        # A token of a deleted agent pod or node is refused at once, not when it expires.
+        on_deleted=(lambda gone: verifier.deleted(gone.uid)) if verifier is not None else None,
     )
     task = asyncio.create_task(watcher.run(), name="kube shapes")
     log.info("reading job shapes from the API server at %s", client.config.cluster.server)

@@ -170,7 +170,7 @@ def _claims(
         job = jobs.get(claim.job)
         if job is None:
             continue
-        job.claims.drop(claim.step, claim.rank, node_id)
+        job.drop_claim(claim.step, claim.rank, node_id)
         job.owners.pending.pop((claim.step, claim.rank, node_id), None)
         changes.dirty.add(claim.job)
     for h in held:
@@ -180,7 +180,7 @@ def _claims(
         job = jobs[key]
         job.claims.add(h.step, h.rank, node_id, h.replica)
         changes.dirty.add(key)
-        if job.incarnation is not None and not job.beliefs.believed(node_id, h.rank, h.replica):
+        if job.incarnation is not None and not job.beliefs.believed(node_id, h.step, h.rank, h.replica):
             UNTRUSTED_CLAIMS.inc()
             if warned.first((node_id, key)):
                 log.warning(
@@ -194,8 +194,8 @@ def _claims(
 
 
 def _owner_reports(jobs: dict[JobRef, JobState], node_id: str, held: tuple[HeldStep, ...], changes: Changes) -> None:
-    """Checksums and signatures of the node's own data: other checksums from the rank's believed
-    node supersede the step; new ones wait (``OwnerReports.pending``) until the node is believed."""
+    """Checksums and signatures of the node's own data: other checksums from the node the incarnation runs the
+    rank on supersede the step; new ones wait (``OwnerReports.pending``) until the node is believed."""
     for h in held:
         if h.replica:
             continue
@@ -204,12 +204,7 @@ def _owner_reports(jobs: dict[JobRef, JobState], node_id: str, held: tuple[HeldS
         owners = job.owners
         owner = owners.files.get((h.step, h.rank))
         packed = pack_files(h.files) if h.files is not None else None
-        if (
-            packed is not None
-            and owner is not None
-            and packed != owner
-            and job.beliefs.believed(node_id, h.rank, False)
-        ):
+        if packed is not None and owner is not None and packed != owner and job.beliefs.runs(node_id, h.rank):
             _supersede(key, job, h.step, h.rank, node_id)
             changes.dirty.add(key)
         pending = owners.pending.get((h.step, h.rank, node_id))
@@ -237,7 +232,7 @@ def _supersede(key: JobRef, job: JobState, step: int, rank: int, owner: str) -> 
     job.owners.drop(step, rank)
     job.identity.supersede(step, rank)
     for node_id in [n for n in job.claims.of(step, rank) if n != owner]:
-        job.claims.drop(step, rank, node_id)  # still in the node's claims: indexed again only when reported anew
+        job.drop_claim(step, rank, node_id)  # still in the node's claims: indexed again only when reported anew
     job.rewritten.add(step)
     if job.backup_pending == step:
         log.warning("job %s: backup of step %d abandoned: ranks could upload different versions of it", key, step)

@@ -107,8 +107,8 @@ class PodReport(msgspec.Struct, frozen=True, gc=False):
       ranks_follow_data: False when the job's launcher fixes its rank (torchrun's ``--node-rank``):
         the coordinator then gives each pod the rank of its JobSet index, never the rank whose data
         its node holds (``Framework.ranks_follow_data``).
-      nodes_given: whether the volume's attributes set ``nodes``; when not, and the coordinator reads
-        shapes from the API server, the pod waits for its shape there (``coordinator/kube_overlay.py``).
+      nodes_given: whether the volume's attributes set ``nodes``. A coordinator that reads shapes from the API
+        server ignores it: a pod waits until the API server places it on the node (``coordinator/kube_overlay.py``).
       address: where the pod is reachable (its IP, else its JobSet DNS name), from the API server. Set
         by the coordinator's overlay, never by a node: it is rank 0's JAX coordinator address.
     """

@@ -19,9 +19,8 @@ NS = "default"
 DRIVER = "ramdisk.csi.mtc.dev"
 
 
-def replicated_job(name: str, replicas: int, parallelism: int, *, mounts: bool = True, job: str | None = None) -> dict:
-    volume = {"name": "mtc-local", "csi": {"driver": DRIVER, "volumeAttributes": {"job": job} if job else {}}}
-    pod_spec = {"containers": [{"name": "c", "image": "x"}], "volumes": [volume] if mounts else []}
+def replicated(name: str, replicas: int, parallelism: int, pod_spec: dict) -> dict:
+    """A replicatedJob of ``replicas`` Indexed Jobs (slices) of ``parallelism`` pods each, none retried."""
     return {
         "name": name,
         "replicas": replicas,
@@ -30,10 +29,17 @@ def replicated_job(name: str, replicas: int, parallelism: int, *, mounts: bool =
                 "parallelism": parallelism,
                 "completions": parallelism,
                 "completionMode": "Indexed",
+                "backoffLimit": 0,
                 "template": {"spec": pod_spec},
             }
         },
     }
+
+
+def replicated_job(name: str, replicas: int, parallelism: int, *, mounts: bool = True, job: str | None = None) -> dict:
+    volume = {"name": "mtc-local", "csi": {"driver": DRIVER, "volumeAttributes": {"job": job} if job else {}}}
+    pod_spec = {"containers": [{"name": "c", "image": "x"}], "volumes": [volume] if mounts else []}
+    return replicated(name, replicas, parallelism, pod_spec)
 
 
 def jobset(name: str, *replicated: dict, uid: str = "uid-1") -> dict:

@@ -30,8 +30,9 @@ from replicator.coordinator.kube_watch import JobSet, ShapeWatcher, WatchSetting
 from replicator.wire.messages import JobRef
 from tests.helpers import REPO
 from tests.helpers.kube import ControlPlane, register_node
-from tests.helpers.kube.workloads import NO_PULL_IMAGE, example_jobset
+from tests.helpers.kube.workloads import NO_PULL_IMAGE, example_jobset, jobset
 from tests.helpers.kube_objects import pod_at
+from tests.helpers.kube_objects import replicated as replicated_of
 
 NAMESPACE = "shapes"
 REFUSALS = "refusals"
@@ -48,26 +49,9 @@ def driver_and_workers_jobset(name: str) -> dict:
         pod_spec = {"restartPolicy": "Never", "containers": [{"name": "c", "image": NO_PULL_IMAGE}]}
         if volume:
             pod_spec["volumes"] = [{"name": "mtc-local", "csi": {"driver": "ramdisk.csi.mtc.dev"}}]
-        return {
-            "name": rj,
-            "replicas": replicas,
-            "template": {
-                "spec": {
-                    "parallelism": parallelism,
-                    "completions": parallelism,
-                    "completionMode": "Indexed",
-                    "backoffLimit": 0,
-                    "template": {"spec": pod_spec},
-                }
-            },
-        }
+        return replicated_of(rj, replicas, parallelism, pod_spec)
 
-    return {
-        "apiVersion": "jobset.x-k8s.io/v1alpha2",
-        "kind": "JobSet",
-        "metadata": {"name": name},
-        "spec": {"replicatedJobs": [replicated("driver", 1, 1, False), replicated("workers", 2, 2, True)]},
-    }
+    return jobset(name, replicated("driver", 1, 1, False), replicated("workers", 2, 2, True))
 
 
 EXAMPLE = JobRef(NAMESPACE, "llama-train-slice")

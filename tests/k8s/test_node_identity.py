@@ -8,12 +8,16 @@ so the RBAC those rules grant is exactly what is exercised. The DaemonSet's pods
 DaemonSet controller and bound by the real scheduler to Node objects with no kubelet behind them.
 """
 
+import asyncio
+import contextlib
+import time
 import uuid
 
 import aiohttp
 import msgspec
 import pytest
 from aiohttp.test_utils import TestServer
+from lightkube import ApiError
 from lightkube.models.authentication_v1 import TokenReviewSpec
 from lightkube.resources.authentication_v1 import TokenReview
 from lightkube.resources.core_v1 import Node, Pod
@@ -35,6 +39,8 @@ AUDIENCE = node_identity.DEFAULT_AUDIENCE
 LABEL = "mtc.dev/identity-test"
 NODES = ("identity-x", "identity-y")
 CLUSTER_TOKEN = "cluster-token-of-the-test"
+# A deletion reaches the coordinator's watch within moments; a cached token would be admitted for 10 minutes.
+WATCH_SECONDS = 10.0
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +149,59 @@ async def test_a_rotated_token_file_is_used_without_a_restart(cluster, coordinat
         assert node_identity.REVIEWS._value.get() == reviews + 1  # a new token, reviewed once
         await agent.report(report_of(NODES[0]))
         assert node_identity.REVIEWS._value.get() == reviews + 1  # then cached
+
+
+async def refused_soon(base: str, node: str, token: str) -> tuple[float, dict]:
+    """Reports ``node`` with ``token`` until it is refused (admitted from the cache meanwhile): the seconds it took
+    and the refusal's body."""
+    started = time.monotonic()
+    while True:
+        status, body = await post(base, node, token)
+        if status != 200:
+            assert status == 403, body
+            return time.monotonic() - started, body
+        assert time.monotonic() - started < WATCH_SECONDS, f"still admitted {WATCH_SECONDS} s after the deletion"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_cached_token_of_a_deleted_agent_pod_is_refused_at_once(cluster, coordinator):
+    """The token of an agent pod the watch saw deleted: refused (``pod``) from then on, without a review, though
+    cached and unexpired (the DaemonSet makes the node a new pod)."""
+    base, _ = coordinator
+    client, node = cluster["client"], NODES[1]
+    pod = daemonset_pod(client, node)
+    token = mint(client, pod)
+    assert (await post(base, node, token))[0] == 200
+    reviews, refused = node_identity.REVIEWS._value.get(), refusals("pod")
+    client.delete(Pod, pod.metadata.name, namespace=NAMESPACE, grace_period=0)
+    seconds, body = await refused_soon(base, node, token)
+    assert body["reason"] == "pod" and pod.metadata.uid in body["error"] and "deleted" in body["error"], body
+    assert (node_identity.REVIEWS._value.get(), refusals("pod")) == (reviews, refused + 1)
+    print(f"refused {seconds:.2f} s after the pod's deletion")
+
+
+async def test_a_cached_token_of_a_deleted_node_is_refused_at_once(cluster, coordinator):
+    """A third node, its agent's token admitted and cached, then the Node deleted: refused (``node``) from then on,
+    without a review."""
+    base, _ = coordinator
+    client, node = cluster["client"], "identity-z"
+    register_node(client, node, labels={LABEL: "true"})
+    try:
+        pod = daemonset_pod(client, node)
+        token = mint(client, pod)
+        assert (await post(base, node, token))[0] == 200
+        uid = client.get(Node, node).metadata.uid
+        reviews, refused = node_identity.REVIEWS._value.get(), refusals("node")
+        client.delete(Node, node)
+        seconds, body = await refused_soon(base, node, token)
+        assert body["reason"] == "node" and uid in body["error"] and "deleted" in body["error"], body
+        assert (node_identity.REVIEWS._value.get(), refusals("node")) == (reviews, refused + 1)
+        print(f"refused {seconds:.2f} s after the node's deletion")
+    finally:
+        with contextlib.suppress(ApiError):
+            client.delete(Node, node)
+        for orphan in client.list(Pod, namespace=NAMESPACE, fields={"spec.nodeName": node}):
+            client.delete(Pod, orphan.metadata.name, namespace=NAMESPACE, grace_period=0)
 
 
 async def test_a_node_recreated_under_its_name_is_admitted_and_replaces_the_old_one(cluster, coordinator):

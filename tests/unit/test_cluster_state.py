@@ -5,7 +5,7 @@ import pytest
 
 from replicator.coordinator.state import ClusterState, NodeIdTaken, NotReady
 from replicator.wire.messages import BackedUp, HeldStep, Lineage
-from tests.helpers.coordinator import KEY, NAMES, OWN, held_by, pod, report, running_job
+from tests.helpers.coordinator import KEY, NAMES, OWN, SETTINGS, held_by, pod, report, running_job
 from tests.helpers.reports import pod_report
 
 
@@ -89,6 +89,40 @@ def test_a_replacement_pod_ends_the_incarnation_of_a_silent_node():
     state.apply_report(report("c", "http://c", [replacement]), 30.0)
     assert state.job(KEY).incarnation is None or state.job(KEY).incarnation.incarnation_id != incarnation
     assert lost in state.liveness.nodes  # its data is still a restore source within the grace period
+
+
+def test_beliefs_reset_with_each_incarnation_and_keep_only_the_copies_held_then():
+    """A JobSet restart puts a's rank on c. What a held when the old incarnation ended still counts (a restore
+    source); a's new claims of that rank do not, nor its step 5 claimed again once dropped; c's new claims do."""
+    state = ClusterState(node_timeout_seconds=15.0, holder_grace_seconds=60.0)
+    state.expire(0.0)
+    old, rank_of = running_job(state, now=20.0)
+    moved = rank_of["a"]
+    state.apply_report(report("a", "http://a", (), held_by("a", rank_of)), 21.0)  # its pod is gone, its data not
+    b_pod = pod_report(KEY, 0, 1, "uid-b2", nodes=2, suffix="b2")
+    state.apply_report(report("b", "http://b", [b_pod], held_by("b", rank_of)), 21.0)
+    state.apply_report(report("c", "http://c", [pod_report(KEY, 0, 0, "uid-c", nodes=2, suffix="c")]), 21.0)
+    state.tick(21.0)
+    new = state.job(KEY).incarnation
+    assert new is not None and new.incarnation_id != old and new.node_of_rank[moved] == "c"
+
+    def copies(step: int) -> set[tuple[int, str]]:
+        return {(c.rank, c.holder) for c in state.copies(KEY, with_backups=False) if c.step == step}
+
+    assert copies(5) == {(0, "a"), (1, "a"), (0, "b"), (1, "b")}  # held when the old incarnation ended
+    c_pod = pod_report(KEY, 0, 0, "uid-c", new.incarnation_id, moved, SETTINGS, nodes=2, suffix="c")
+    late = [*held_by("a", rank_of), HeldStep(*NAMES, 9, moved, OWN[moved]), HeldStep(*NAMES, 10**9, moved, OWN[moved])]
+    state.apply_report(report("a", "http://a", (), late), 22.0)
+    state.apply_report(report("c", "http://c", [c_pod], [HeldStep(*NAMES, 9, moved, OWN[moved])]), 22.0)
+    state.tick(22.0)
+    assert copies(9) == {(moved, "c")} and copies(10**9) == set()
+    assert state.job(KEY).retain.keep_from <= 5  # a's huge step deletes nothing
+    view = state.restore_view(KEY, new.incarnation_id, moved, now=22.5)
+    assert view.step == 5 and [s.holder for s in view.sources] == ["a", "b"]  # kept copies serve the moved rank
+    state.apply_report(report("a", "http://a", (), held_by("a", rank_of)[1:]), 23.0)  # a drops its own step 5...
+    state.apply_report(report("a", "http://a", (), held_by("a", rank_of)), 24.0)  # ...and claims it again
+    state.tick(24.0)
+    assert copies(5) == {(1 - moved, "a"), (0, "b"), (1, "b")}
 
 
 def test_restore_waits_for_a_silent_holder_within_grace_then_replans_without_it():

@@ -1,9 +1,12 @@
 """The API server's shapes laid over node reports (replicator/coordinator/kube_overlay.py), and through the cluster
 state: a volume with no attributes gets its job's shape, ranks by JobSet index, and rank 0's pod IP as the JAX
-coordinator address; a placed pod waits for its IP."""
+coordinator address; a placed pod waits for its IP; a node speaks only for the pods placed on it."""
+
+import logging
 
 import msgspec
 
+from replicator.coordinator import kube_overlay
 from replicator.coordinator.kube_overlay import KubeOverlay
 from replicator.coordinator.state import ClusterState
 from replicator.wire.messages import JobRef, NodeReport, PodReport
@@ -57,12 +60,57 @@ def test_a_placed_pod_waits_for_its_ip_and_without_a_block_label_the_pool_is_the
     assert report.topology == {"nodepool": "pool-1", "block": "pool-1"}
 
 
-def test_an_unplaced_pod_without_nodes_waits_and_one_with_nodes_keeps_its_attributes():
+def test_an_unplaced_pod_waits_whatever_its_volume_sets(caplog):
     overlay = example_overlay(example_pods()[:1])  # only (0, 0) is placed yet
     waiting, given = agent_pod(0, 1), agent_pod(1, 1, nodes_given=True)
-    report = overlay.apply(agent_report("n01", waiting, given))
-    assert [p.pod_uid for p in report.pods] == [given.pod_uid]
-    assert (report.pods[0].nodes, report.pods[0].address) == (1, None)
+    caplog.set_level(logging.INFO, logger=kube_overlay.__name__)
+    for _ in range(3):
+        assert overlay.apply(agent_report("n01", waiting, given)).pods == ()
+    assert caplog.text.count("waits for its place") == 2  # each pod logged once
+
+
+def test_a_node_speaks_only_for_pods_the_api_server_places_on_it(caplog):
+    """n10 lists its own pod, n11's pod (whose uid it learnt) and a fresh uid of the job with its own shape: only its
+    own is taken, with the API server's namespace, job, name and shape whatever the node said of them."""
+    own = msgspec.structs.replace(
+        agent_pod(1, 0), namespace="victims", job="their-job", pod_name="their-job-0-0-x", nodes=1, slices=1
+    )
+    theirs = agent_pod(1, 1)
+    fresh = pod_report(KEY, 0, 0, "pod-never-made", nodes=1)
+    caplog.set_level(logging.INFO, logger=kube_overlay.__name__)
+    report = example_overlay().apply(agent_report("n10", own, theirs, fresh))
+    (pod,) = report.pods
+    assert (pod.pod_uid, pod.namespace, pod.job, pod.pod_name) == (
+        own.pod_uid,
+        NS,
+        KEY.job,
+        "llama-train-slice-1-0-abcde",
+    )
+    assert (pod.nodes, pod.slices, pod.slice_index, pod.worker_index) == (4, 2, 1, 0)
+    assert (
+        "node n10 lists pod llama-train-slice-1-1-abcde (uid pod-llama-train-slice-1-1) that the API server places on node n11: ignored"
+        in caplog.text
+    )
+
+
+def test_a_fresh_uid_with_its_own_shape_neither_ends_the_incarnation_nor_takes_a_rank():
+    """The attack of issue 48: n10, running rank 2, lists a fresh uid of the job with ``nodes: 1`` beside its own
+    pod. Without the placement check the new uid ended the incarnation and a one-rank incarnation put rank 0 on
+    n10."""
+    overlay, state = example_overlay(), ClusterState(15.0, 60.0)
+    for s in range(2):
+        for w in range(2):
+            state.apply_report(overlay.apply(agent_report(f"n{s}{w}", agent_pod(s, w))), 0.0)
+    incarnation = state.job(KEY).incarnation
+    assert incarnation is not None
+    before = (dict(incarnation.node_of_rank), dict(incarnation.rank_of_pod))
+    own = msgspec.structs.replace(agent_pod(1, 0), incarnation=incarnation.incarnation_id, rank=2)
+    fresh = pod_report(KEY, 0, 0, "pod-fresh", nodes=1)
+    reply = state.apply_report(overlay.apply(agent_report("n10", own, fresh)), 1.0)
+    state.tick(1.0)
+    assert state.job(KEY).incarnation is incarnation
+    assert (incarnation.node_of_rank, incarnation.rank_of_pod) == before
+    assert [(a.pod_uid, a.rank) for a in reply.assignments] == [(own.pod_uid, 2)]
 
 
 def test_the_agents_own_block_overrides_the_node_labels():
@@ -94,7 +142,7 @@ def test_attribute_less_volumes_form_an_incarnation_with_jobset_ranks_and_rank0_
 
 
 def test_an_unchanged_report_is_returned_as_is_so_heartbeats_stay_cheap():
-    overlay = KubeOverlay()
-    report = agent_report("n10", agent_pod(1, 0, nodes_given=True), topology={"block": "b"})
+    overlay = example_overlay()
+    report = overlay.apply(agent_report("n10", agent_pod(1, 0), topology={"block": "b"}))
     assert overlay.apply(msgspec.structs.replace(report)) == report
     assert overlay.apply(report) is report

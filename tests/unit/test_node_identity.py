@@ -113,3 +113,19 @@ async def test_a_node_recreated_under_its_name_replaces_it_and_its_old_token_is_
     with pytest.raises(IdentityRefused) as refused:
         await nodes.admit(old, "x")  # cached with the old UID: reviewed afresh, and the node is gone
     assert refused.value.reason == "node"
+
+
+@pytest.mark.parametrize(("uid", "reason"), [("pod-x", "pod"), ("uid-x1", "node")])
+async def test_a_cached_token_of_a_deleted_pod_or_node_is_refused_at_once_even_in_an_outage(uid, reason):
+    api = FakeApi()
+    nodes = verifier(api)
+    token = jwt(tag="x")
+    await nodes.admit(token, "x")
+    nodes.deleted(uid)
+    api.down = True  # refused from what the watch saw, with no review
+    with pytest.raises(IdentityRefused) as refused:
+        await nodes.admit(token, "x")
+    assert (refused.value.reason, api.reviews) == (reason, 1)
+    assert uid in str(refused.value) and "deleted" in str(refused.value)
+    api.down = False
+    assert (await nodes.admit(jwt(tag="y"), "y")).identity.node_name == "y"  # another node's token still admits

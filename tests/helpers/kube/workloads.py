@@ -1,4 +1,5 @@
-"""The workloads the tests apply to the real control plane: the README's example JobSet as a dict."""
+"""The workloads the tests apply to the real control plane: the README's example JobSet, and JobSets built here, as
+dicts."""
 
 import copy
 
@@ -8,6 +9,16 @@ from tests.helpers import REPO
 
 NO_PULL_IMAGE = "registry.invalid/no-kubelet-pulls-this:0"
 """An image no kubelet here pulls: the JobSet tests run pods that are only scheduled, never started."""
+
+
+def jobset(name: str, *replicated: dict) -> dict:
+    """JobSet ``name`` of ``replicated`` (``kube_objects.replicated``'s), to create."""
+    return {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "kind": "JobSet",
+        "metadata": {"name": name},
+        "spec": {"replicatedJobs": list(replicated)},
+    }
 
 
 def example_jobset(image: str = NO_PULL_IMAGE) -> dict:
