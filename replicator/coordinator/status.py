@@ -125,14 +125,15 @@ def fetch_status(
 
 
 def render_status(status: ClusterStatus) -> str:
-    """Renders the status: the nodes, then per job a summary of what needs attention (silent nodes,
+    """Renders the status: the nodes (or, for a reader of some namespaces only, which it shows), then per job a summary of what needs attention (silent nodes,
     a pending rollback, the restore's progress and unusable copies, the last backup) before a row per
     rank, a silent node's rank marked ``!``."""
-    silent = f", {len(status.silent_nodes)} silent: {', '.join(status.silent_nodes)}" if status.silent_nodes else ""
-    lines = [f"nodes: {len(status.nodes)} live{silent}"]
     if status.namespaces is not None:  # operator identity, without a cluster-wide grant
         shown = ", ".join(status.namespaces) or "none"
-        lines = [f"nodes: not shown (you may read the jobs of some namespaces only; with jobs here: {shown})"]
+        lines = [f"nodes: not shown (you may read some namespaces' jobs only; shown: {shown})"]
+    else:
+        silent = f", {len(status.silent_nodes)} silent: {', '.join(status.silent_nodes)}" if status.silent_nodes else ""
+        lines = [f"nodes: {len(status.nodes)} live{silent}"]
     for job in status.jobs:
         lines += ["", *_job_summary(job)]
         restore = job.restore
