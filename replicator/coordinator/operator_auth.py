@@ -179,7 +179,7 @@ class OperatorAuth:
 def _forbidden(operator: Operator, action: Action, namespace: str, name: str | None) -> web.HTTPException:
     REFUSALS.labels("forbidden").inc()
     what = f"{action.resource}.{API_GROUP}" + (f"/{name}" if name else "")
-    log.warning("refused %s: %s may not %s in namespace %s", what, operator.username, action.verb, namespace)
+    log.warning("refused: %s may not %s %s in namespace %s", operator.username, action.verb, what, namespace)
     return error_response(
         web.HTTPForbidden,
         f"{operator.username} may not {action.verb} {what} in namespace {namespace} "

@@ -5,7 +5,8 @@ behind the bearer check, the settings snapshot), the ticker that expires nodes a
 passes, and the process that serves it (``run_coordinator``, tuned by ``process_tuning``).
 
 With ``kube`` settings the coordinator also watches the API server (``kube_watch``), and every report passes
-through ``kube_overlay`` first: JobSet pods take their shape, ranks and rank 0's address from there.
+through ``kube_overlay`` first: JobSet pods take their shape, ranks and rank 0's address from there. With operator
+identity the operators' routes ask it who the caller is and what RBAC lets it do (``operator_auth``).
 """
 
 import asyncio

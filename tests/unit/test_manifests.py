@@ -35,6 +35,7 @@ CLUSTER_SCOPED = (
     "ValidatingAdmissionPolicyBinding",
     "ClusterRole",
     "ClusterRoleBinding",
+    "CustomResourceDefinition",
 )
 # What the coordinator reads from the API server (replicator/coordinator/kube_watch.py), and only that.
 # (apiGroup, resource, verb): what the coordinator does with the API server, nothing more. Get on pods and nodes
@@ -257,6 +258,14 @@ def test_operators_roles_grant_only_what_the_coordinator_asks_and_aggregate_into
     }
     coordinator = _container(_one("Deployment", "mtc-coordinator")["spec"]["template"]["spec"], "mtc-coordinator")
     assert "--operator-identity" in _argv(coordinator) and "--kube" in _argv(coordinator)
+    # Their resources' CRDs, for kubectl's discovery: namespaced, and refusing every object.
+    resources = {resource for verbs in OPERATOR_ROLES.values() for _, resource, _ in verbs}
+    for resource in resources:
+        crd = _one("CustomResourceDefinition", f"{resource}.mtc.dev")["spec"]
+        assert (crd["group"], crd["scope"], crd["names"]["plural"]) == ("mtc.dev", "Namespaced", resource)
+        (version,) = crd["versions"]
+        (rule,) = version["schema"]["openAPIV3Schema"]["x-kubernetes-validations"]
+        assert rule["rule"] == "false" and "RBAC only" in rule["message"]
 
 
 def test_admission_policy_admits_the_driver_only_in_opted_in_namespaces():
