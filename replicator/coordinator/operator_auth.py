@@ -53,7 +53,8 @@ log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 API_GROUP = "mtc.dev"
-"""The API group of the resources that exist only for RBAC (no CRD is needed to bind them)."""
+"""The API group of the resources that exist for RBAC only: binding them needs no CRD, but ``kubectl auth can-i``
+asks about them only once they are served, so ``manifests/operator-rbac.yaml`` has CRDs that refuse every object."""
 # SubjectAccessReviews in flight at once for one status listing (one per namespace with jobs).
 MAX_CONCURRENT_REVIEWS = 16
 REFUSALS = Counter(
