@@ -106,6 +106,13 @@ def add(sub: argparse._SubParsersAction) -> None:
         "that node (the agents' --node-token-file), checked with the API server",
     )
     p.add_argument(
+        "--operator-identity",
+        action="store_true",
+        help="with --kube: mtc restore-from and mtc status take the operator's own Kubernetes token, checked with "
+        "the API server (TokenReview) and RBAC (verbs on rollbacks.mtc.dev and checkpoints.mtc.dev), not the "
+        "cluster token",
+    )
+    p.add_argument(
         "--peer-grants",
         action="store_true",
         help="sign a short-lived grant for every replica push and restore from a peer, checked by agents with "
@@ -175,6 +182,8 @@ def _run_coordinator(args: argparse.Namespace) -> int:
     node_identity = _node_identity(args)
     if isinstance(node_identity, str):
         return usage_error("coordinator", node_identity)
+    if args.operator_identity and not args.kube:
+        return usage_error("coordinator", "--operator-identity needs --kube (the API server vouches for operators)")
     run_coordinator(
         CoordinatorConfig(
             args.listen,
@@ -190,6 +199,7 @@ def _run_coordinator(args: argparse.Namespace) -> int:
             args.shared_backup_upload,
             node_identity,
             args.peer_grants,
+            args.operator_identity,
         )
     )
     return 0

@@ -2,6 +2,8 @@
 
 A rollback shows what it abandons first (the coordinator's preview), then asks for a typed ``yes`` on
 a terminal unless ``--yes``; ``--dry-run`` only shows; ``--cancel`` withdraws it until its restore is planned.
+Both send the operator's own credential (``kube_credentials``): a coordinator with operator identity checks it
+with the API server and RBAC; one without takes ``--token-file``'s cluster token for a rollback.
 """
 
 import argparse
@@ -10,14 +12,22 @@ import sys
 
 import msgspec
 
-from replicator.cli.arguments import ca_bundle, http_url, job_ref, non_empty, non_negative_int, token_file
+from replicator.cli.arguments import (
+    ca_bundle,
+    http_url,
+    job_ref,
+    non_empty,
+    non_negative_int,
+    readable_file,
+    token_file,
+)
+from replicator.cli.kube_credentials import Credential, operator_credential
 from replicator.coordinator.status import (
     Coordinator,
     Refused,
     render_preview,
     render_status,
 )
-from replicator.wire.bearer import read_token
 from replicator.wire.messages import JobRef
 
 _SERVER_NAME_HELP = (
@@ -34,24 +44,47 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--ca", type=ca_bundle, help="CA bundle (PEM) for an https:// coordinator")
     p.add_argument("--tls-server-name", type=non_empty, metavar="NAME", help=_SERVER_NAME_HELP)
+    _add_credential(p)
     _add_restore_from(sub)
+
+
+def _add_credential(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--kubeconfig",
+        type=readable_file,
+        help="send this kubeconfig's token (default: in a pod its service account's, else $KUBECONFIG, else "
+        "~/.kube/config): your identity for a coordinator with --operator-identity",
+    )
+    p.add_argument("--context", type=non_empty, help="the kubeconfig's context to use (default: its current one)")
+    p.add_argument(
+        "--token-file",
+        type=token_file,
+        help="send this token instead: the cluster token for a coordinator without --operator-identity, or a "
+        "Kubernetes token of yours",
+    )
 
 
 def _json(message) -> str:
     return msgspec.json.format(msgspec.json.encode(message), indent=2).decode()
 
 
-def _coordinator(args: argparse.Namespace, token: str | None = None) -> Coordinator:
-    """The coordinator the flags name. Raises ValueError: ``--tls-server-name`` without https://."""
+def _coordinator(args: argparse.Namespace) -> tuple[Coordinator, Credential]:
+    """The coordinator the flags name, and the credential they name (``operator_credential``) it is sent.
+
+    Raises:
+      ValueError: ``--tls-server-name`` without https://; a credential that cannot be loaded.
+    """
     if args.tls_server_name and not args.coordinator.startswith("https://"):
         raise ValueError(f"--tls-server-name needs an https:// --coordinator, not {args.coordinator!r}")
-    return Coordinator(args.coordinator, args.ca, args.tls_server_name, token)
+    credential = operator_credential(args.token_file, args.kubeconfig, args.context)
+    return Coordinator(args.coordinator, args.ca, args.tls_server_name, credential.token), credential
 
 
-def _failed(args: argparse.Namespace, err: OSError) -> int:
-    """Prints why a request failed on one line: the coordinator's refusal, or that it is unreachable."""
+def _failed(args: argparse.Namespace, err: OSError, credential: Credential) -> int:
+    """Prints why a request failed on one line: the coordinator's refusal (a 401 also says what was sent), or that
+    it is unreachable."""
     if isinstance(err, Refused):
-        print(err, file=sys.stderr)
+        print(f"{err} ({credential.source})" if err.code == 401 else err, file=sys.stderr)
         return 1
     reason = getattr(err, "reason", None)
     hint = ""
@@ -67,14 +100,14 @@ def _failed(args: argparse.Namespace, err: OSError) -> int:
 
 def _run_status(args: argparse.Namespace) -> int:
     try:
-        coordinator = _coordinator(args)
+        coordinator, credential = _coordinator(args)
     except ValueError as err:
         print(f"mtc status: {err}", file=sys.stderr)
         return 2
     try:
         status = coordinator.status(args.job)
     except OSError as err:
-        return _failed(args, err)
+        return _failed(args, err, credential)
     print(_json(status) if args.json else render_status(status))
     return 0
 
@@ -85,9 +118,9 @@ def _add_restore_from(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--coordinator", type=http_url, required=True, help="coordinator base URL")
     p.add_argument("--job", type=job_ref, required=True, help="NAMESPACE/JOB")
     p.add_argument("--step", type=non_negative_int, help="the step to restore (required unless --cancel)")
-    p.add_argument("--token-file", type=token_file, help="the cluster token, when the coordinator requires one")
     p.add_argument("--ca", type=ca_bundle, help="CA bundle (PEM) for an https:// coordinator")
     p.add_argument("--tls-server-name", type=non_empty, metavar="NAME", help=_SERVER_NAME_HELP)
+    _add_credential(p)
     p.add_argument("--dry-run", action="store_true", help="only show what the rollback would abandon")
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation (needed without a terminal)")
     p.add_argument(
@@ -103,9 +136,8 @@ def _run_restore_from(args: argparse.Namespace) -> int:
             raise ValueError("give --step S to roll back, or --cancel to cancel a pending rollback")
         if not (args.yes or args.dry_run or args.cancel) and not sys.stdin.isatty():
             raise ValueError("no terminal to confirm on: pass --yes (or --dry-run to only see what it abandons)")
-        token = read_token(args.token_file) if args.token_file else None
-        coordinator = _coordinator(args, token)
-    except (OSError, ValueError) as err:
+        coordinator, credential = _coordinator(args)
+    except ValueError as err:
         print(f"mtc restore-from: {err}", file=sys.stderr)
         return 2
     try:
@@ -119,7 +151,7 @@ def _run_restore_from(args: argparse.Namespace) -> int:
             return 0 if args.dry_run else 1
         coordinator.restore_from(ref, args.step)
     except OSError as err:
-        return _failed(args, err)
+        return _failed(args, err, credential)
     print(
         f"{ref} will restore step {args.step} when its pods are next recreated; until that restore is planned, "
         f"mtc restore-from --job {ref} --cancel withdraws it"

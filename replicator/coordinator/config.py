@@ -29,6 +29,9 @@ class CoordinatorConfig:
         them from the volumes' attributes alone.
       node_identity: with ``kube``, every report must carry a token proving that its agent runs on the
         report's node (``node_identity``), or None to trust the cluster token alone.
+      operator_identity: with ``kube``, the operators' routes (``restore-from``, status) take the caller's own
+        Kubernetes token, checked with a TokenReview and RBAC (``operator_auth``); False: the rollback and its
+        cancel take the cluster token, status and the preview stay open.
       peer_grants: sign a grant into every replica push and restore source (``replicator.wire.grants``), and
         send the key in every report reply; agents with ``--peer-grants`` serve peers only against them.
       restore_fan_out: a restore from the backup tier alone reads each unique shard once per group
@@ -49,10 +52,13 @@ class CoordinatorConfig:
     shared_backup_upload: bool = False
     node_identity: NodeIdentitySettings | None = None
     peer_grants: bool = False
+    operator_identity: bool = False
 
     def __post_init__(self) -> None:
         if self.node_identity is not None and self.kube is None:
             raise ValueError("per-node identity needs the API server (kube settings)")
+        if self.operator_identity and self.kube is None:
+            raise ValueError("operator identity needs the API server (kube settings)")
 
     def server_ssl(self) -> ssl.SSLContext | None:
         """The TLS context to serve with, or None for plain HTTP.

@@ -18,6 +18,9 @@ Routes (JSON; errors are ``{"error": "..."}``):
 - ``GET  /v1/status[?job=NAMESPACE/JOB]``: a ``ClusterStatus`` (``job=NAME`` takes every job of that name);
   ``GET /healthz``, ``GET /metrics``.
 
+The operators' routes (``restore-from``, status) are guarded by ``operator_auth``: with operator identity, by the
+caller's own Kubernetes identity and RBAC; else the rollback and its cancel by the cluster token, the rest open.
+
 A job no node has reported is a 404.
 
 Bodies are typed (``replicator.wire.messages``) and decoded here, at the edge: a body that does not
@@ -42,6 +45,7 @@ from replicator.coordinator.config import CoordinatorConfig
 from replicator.coordinator.job_changes import JobChanges
 from replicator.coordinator.kube_overlay import KubeOverlay
 from replicator.coordinator.node_identity import IdentityRefused, IdentityUnavailable, NodeVerifier
+from replicator.coordinator.operator_auth import CANCEL_ROLLBACK, READ, READER_KEY, ROLL_BACK, Operators
 from replicator.coordinator.report_order import ReportOrder, StaleReport
 from replicator.coordinator.rollbacks import NotCancellable
 from replicator.coordinator.settings_snapshot import SettingsSnapshot
@@ -78,6 +82,7 @@ REPORT_BYTES = Counter("mtc_coordinator_report_bytes_total", "Bytes of report bo
 
 M = TypeVar("M")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Guard = Callable[[Handler], Handler]
 STATE_KEY = web.AppKey("state", ClusterState)
 CONFIG_KEY = web.AppKey("config", CoordinatorConfig)
 CHANGES_KEY = web.AppKey("changes", JobChanges)
@@ -395,10 +400,16 @@ def _status_keys(state: ClusterState, job: str | None) -> list[JobRef] | None:
 async def get_status(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     state.tick(time.time())
+    job = request.query.get("job")
+    keys = _status_keys(state, job)
+    if (reader := request.get(READER_KEY)) is not None:  # operator identity: what the caller may read
+        named = keys[0] if keys is not None and "/" in (job or "") else None
+        keys = await reader.readable(keys, state.job_keys(), named)
     try:
-        return await _reply(request, state.status(_status_keys(state, request.query.get("job"))))
+        status = state.status(keys)
     except UnknownJob as err:
         raise _not_found(err) from None
+    return await _reply(request, reader.shown(status) if reader is not None else status)
 
 
 async def healthz(request: web.Request) -> web.StreamResponse:
@@ -411,19 +422,21 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=cluster_gauges.exposition(state), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def add_routes(app: web.Application, guard: Callable[[Handler], Handler]) -> None:
-    """Adds every route to ``app``; ``guard`` wraps the handlers that change state or hand out a restore plan
-    (the bearer check). Status, the rollback preview, health and metrics stay open."""
+def add_routes(app: web.Application, guard: Guard, operators: Operators) -> None:
+    """Adds every route to ``app``; ``guard`` wraps the agents' handlers (the cluster token's check),
+    ``operators`` the operators' (``operator_auth``). Health and metrics stay open."""
     app.add_routes(
         [
             web.post("/v1/report", guard(post_report)),
             web.post("/v1/jobs/{namespace}/{job}/settings", guard(post_settings)),
             web.get("/v1/jobs/{namespace}/{job}/restore", guard(get_restore)),
             web.post("/v1/jobs/{namespace}/{job}/restore", guard(post_restore)),
-            web.post("/v1/jobs/{namespace}/{job}/restore-from", guard(post_restore_from)),
-            web.get("/v1/jobs/{namespace}/{job}/restore-from", get_restore_from),  # a preview: read-only, like status
-            web.delete("/v1/jobs/{namespace}/{job}/restore-from", guard(delete_restore_from)),
-            web.get("/v1/status", get_status),
+            web.post("/v1/jobs/{namespace}/{job}/restore-from", operators.acting(post_restore_from, ROLL_BACK)),
+            web.get("/v1/jobs/{namespace}/{job}/restore-from", operators.acting(get_restore_from, READ)),
+            web.delete(
+                "/v1/jobs/{namespace}/{job}/restore-from", operators.acting(delete_restore_from, CANCEL_ROLLBACK)
+            ),
+            web.get("/v1/status", operators.reading(get_status)),
             web.get("/healthz", healthz),
             web.get("/metrics", metrics),
         ]

@@ -5,7 +5,8 @@ behind the bearer check, the settings snapshot), the ticker that expires nodes a
 passes, and the process that serves it (``run_coordinator``, tuned by ``process_tuning``).
 
 With ``kube`` settings the coordinator also watches the API server (``kube_watch``), and every report passes
-through ``kube_overlay`` first: JobSet pods take their shape, ranks and rank 0's address from there.
+through ``kube_overlay`` first: JobSet pods take their shape, ranks and rank 0's address from there. With operator
+identity the operators' routes ask it who the caller is and what RBAC lets it do (``operator_auth``).
 """
 
 import asyncio
@@ -27,6 +28,7 @@ from replicator.coordinator.kube_config import KubeSettings, kube_config
 from replicator.coordinator.kube_overlay import KubeOverlay
 from replicator.coordinator.kube_watch import ShapeWatcher, WatchSettings
 from replicator.coordinator.node_identity import NodeVerifier
+from replicator.coordinator.operator_auth import KubeOperators, OperatorAuth, Operators, TokenOperators
 from replicator.coordinator.report_order import ReportOrder
 from replicator.coordinator.routes import (
     CHANGES_KEY,
@@ -158,8 +160,25 @@ def make_app(config: CoordinatorConfig) -> web.Application:
             "deletions. Use --insecure only on a one-machine experiment.",
             config.listen,
         )
-    routes.add_routes(app, (lambda handler: require_bearer(handler, tokens)) if tokens else (lambda handler: handler))
+    guard = (lambda handler: require_bearer(handler, tokens)) if tokens else (lambda handler: handler)
+    routes.add_routes(app, guard, _operators(app, config, tokens, guard))
     return app
+
+
+def _operators(
+    app: web.Application, config: CoordinatorConfig, tokens: Tokens | None, guard: routes.Guard
+) -> Operators:
+    """How the operators' routes are guarded: by the caller's Kubernetes identity, or by the cluster token."""
+    if config.operator_identity:
+        log.info("operator identity: mtc restore-from and mtc status take the caller's own token, checked with RBAC")
+        return KubeOperators(OperatorAuth(app[KUBE_CLIENT_KEY], tokens))
+    if config.kube is not None:
+        log.warning(
+            "no --operator-identity: a rollback and its cancel take the cluster token alone, which every agent pod "
+            "holds, and status shows every job to anyone who reaches %s",
+            config.listen,
+        )
+    return TokenOperators(guard)
 
 
 def run_coordinator(config: CoordinatorConfig) -> None:

@@ -46,7 +46,8 @@ class Coordinator:
       ca_file: the CA bundle (PEM) its certificate is checked against, else the system's CAs.
       server_name: the name its certificate is checked against instead of the URL's host (through
         ``kubectl port-forward``).
-      token: the cluster token, for the routes that change state.
+      token: the bearer token sent with every request: the operator's own Kubernetes token (a coordinator with
+        operator identity checks it with RBAC), or the cluster token (one without it requires that for a rollback).
       timeout: seconds per request.
     """
 
@@ -60,7 +61,8 @@ class Coordinator:
         """``GET /v1/status``, of one job (``NAMESPACE/JOB``, or every job of a bare name) or all.
 
         Raises:
-          Refused: 404, no such job; OSError: unreachable, or a reply that is not a status.
+          Refused: 404, no such job; 401, 403 (operator identity: no token, or not allowed to read the named job).
+          OSError: unreachable, or a reply that is not a status.
         """
         return self._call(
             "GET", "/v1/status" + ("?" + urllib.parse.urlencode({"job": str(job)}) if job else ""), ClusterStatus
@@ -70,7 +72,8 @@ class Coordinator:
         """What rolling ``job`` back to ``step`` would abandon; changes nothing.
 
         Raises:
-          Refused: 404, no such job; 409, no tier holds the step complete. OSError: unreachable.
+          Refused: 401, 403 (operator identity); 404, no such job; 409, no tier holds the step complete.
+          OSError: unreachable.
         """
         return self._call("GET", f"{_rollback_path(job)}?step={step}", RollbackPreview)
 
@@ -78,7 +81,7 @@ class Coordinator:
         """Makes the job's next restore use ``step`` (a rollback, cancellable until it is planned).
 
         Raises:
-          Refused: 401, 404, or 409 (no tier holds the step complete). OSError: unreachable.
+          Refused: 401, 403 (not allowed), 404, or 409 (no tier holds the step complete). OSError: unreachable.
         """
         self._call("POST", _rollback_path(job), Done, RestoreFrom(step))
 
@@ -86,7 +89,7 @@ class Coordinator:
         """Cancels the job's pending rollback; returns its step.
 
         Raises:
-          Refused: 401, 404, or 409 (none pending, or its restore is planned). OSError: unreachable.
+          Refused: 401, 403 (not allowed), 404, or 409 (none pending, or its restore is planned). OSError: unreachable.
         """
         return self._call("DELETE", _rollback_path(job), Done).step
 
@@ -122,11 +125,15 @@ def fetch_status(
 
 
 def render_status(status: ClusterStatus) -> str:
-    """Renders the status: the nodes, then per job a summary of what needs attention (silent nodes,
+    """Renders the status: the nodes (or, for a reader of some namespaces only, which it shows), then per job a summary of what needs attention (silent nodes,
     a pending rollback, the restore's progress and unusable copies, the last backup) before a row per
     rank, a silent node's rank marked ``!``."""
-    silent = f", {len(status.silent_nodes)} silent: {', '.join(status.silent_nodes)}" if status.silent_nodes else ""
-    lines = [f"nodes: {len(status.nodes)} live{silent}"]
+    if status.namespaces is not None:  # operator identity, without a cluster-wide grant
+        shown = ", ".join(status.namespaces) or "none"
+        lines = [f"nodes: not shown (you may read some namespaces' jobs only; shown: {shown})"]
+    else:
+        silent = f", {len(status.silent_nodes)} silent: {', '.join(status.silent_nodes)}" if status.silent_nodes else ""
+        lines = [f"nodes: {len(status.nodes)} live{silent}"]
     for job in status.jobs:
         lines += ["", *_job_summary(job)]
         restore = job.restore

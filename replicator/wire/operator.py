@@ -96,13 +96,19 @@ class JobStatus(msgspec.Struct, frozen=True, gc=False):
     last_backup_age_seconds: float | None = None
 
 
-class ClusterStatus(msgspec.Struct, frozen=True, gc=False):
-    """``GET /v1/status``: live and silent nodes, the jobs, and the heartbeat interval agents are told."""
+class ClusterStatus(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
+    """``GET /v1/status``: live and silent nodes, the jobs, and the heartbeat interval agents are told.
+
+    Attributes:
+      namespaces: with operator identity, when the caller may not read every namespace: the namespaces whose
+        jobs it is shown, and ``nodes`` and ``silent_nodes`` are left empty. None (left out): every job and node.
+    """
 
     nodes: tuple[str, ...]
     silent_nodes: tuple[str, ...]
     jobs: tuple[JobStatus, ...]
     heartbeat_seconds: float
+    namespaces: tuple[str, ...] | None = None
 
 
 class AbandonedStep(msgspec.Struct, frozen=True, gc=False):

@@ -402,10 +402,18 @@ def test_helm_test_pod_runs_status_against_the_coordinator_service_with_the_clus
         flag(argv, "--coordinator")
         == f"https://{service['metadata']['name']}.mtc-system.svc:{service['spec']['ports'][0]['port']}"
     )
-    (mount,) = main["volumeMounts"]
-    assert flag(argv, "--ca") == f"{mount['mountPath']}/ca.crt"
-    (volume,) = pod["spec"]["volumes"]
-    assert volume["secret"] == {"secretName": "mtc-coordinator-tls", "items": [{"key": "ca.crt", "path": "ca.crt"}]}
+    mounts = {m["name"]: m["mountPath"] for m in main["volumeMounts"]}
+    assert flag(argv, "--ca") == f"{mounts['tls-ca']}/ca.crt"
+    # Operator identity: it sends a token of its own ServiceAccount, for the API server's audience.
+    assert flag(argv, "--token-file") == f"{mounts['operator-token']}/token"
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["tls-ca"]["secret"] == {
+        "secretName": "mtc-coordinator-tls",
+        "items": [{"key": "ca.crt", "path": "ca.crt"}],
+    }
+    assert volumes["operator-token"]["projected"]["sources"] == [
+        {"serviceAccountToken": {"path": "token", "expirationSeconds": 600}}
+    ]
     assert pod["spec"]["restartPolicy"] == "Never"
     assert main["image"] == container(rendered[("Deployment", "mtc-coordinator")], "mtc-coordinator")["image"]
 
@@ -414,6 +422,9 @@ def test_helm_test_pod_follows_tls_and_can_be_left_out():
     plain = by_key(helm_template("tls.enabled=false"))[STATUS_POD]
     argv = argv_of(plain["spec"]["containers"][0])
     assert flag(argv, "--coordinator") == "http://mtc-coordinator.mtc-system.svc:8471" and "--ca" not in argv
+    for settings in (["operatorIdentity.enabled=false"], ["coordinator.kube=false"]):  # status needs no token
+        pod = by_key(helm_template("tls.enabled=false", *settings))[STATUS_POD]
+        assert "--token-file" not in argv_of(pod["spec"]["containers"][0]) and "volumes" not in pod["spec"]
     assert STATUS_POD not in by_key(helm_template("tests.enabled=false"))
 
 
@@ -492,3 +503,25 @@ def test_per_node_identity_turns_on_peer_grants_in_the_coordinator_and_every_age
     agent = argv_of(container(rendered[NODE], "mtc-node"))
     assert ("--node-identity" in coordinator, "--node-token-file" in agent) == (identity, identity)
     assert ("--peer-grants" in coordinator, "--peer-grants" in agent) == (grants, grants)
+
+
+@pytest.mark.parametrize(
+    "settings, identity, aggregated",
+    [
+        ((), True, True),
+        (("operatorIdentity.aggregateToDefaultRoles=false",), True, False),
+        (("operatorIdentity.enabled=false",), False, False),
+        (("coordinator.kube=false",), False, False),
+    ],
+)
+def test_operator_identity_ships_the_operators_roles_and_lets_the_coordinator_ask_rbac(settings, identity, aggregated):
+    rendered = by_key(helm_template(*settings))
+    coordinator = argv_of(container(rendered[("Deployment", "mtc-coordinator")], "mtc-coordinator"))
+    assert ("--operator-identity" in coordinator) == identity
+    rules = rendered[("ClusterRole", "mtc-coordinator")]["rules"]
+    asks = {"subjectaccessreviews"} & {r for rule in rules for r in rule["resources"]}
+    assert bool(asks) == identity
+    roles = [rendered.get(("ClusterRole", name)) for name in ("mtc-checkpoint-viewer", "mtc-rollback")]
+    assert all(roles) if identity else not any(roles)
+    labels = [set(role["metadata"]["labels"]) for role in roles if role]
+    assert [any("aggregate-to" in label for label in names) for names in labels] == [aggregated] * len(labels)

@@ -35,10 +35,12 @@ CLUSTER_SCOPED = (
     "ValidatingAdmissionPolicyBinding",
     "ClusterRole",
     "ClusterRoleBinding",
+    "CustomResourceDefinition",
 )
 # What the coordinator reads from the API server (replicator/coordinator/kube_watch.py), and only that.
 # (apiGroup, resource, verb): what the coordinator does with the API server, nothing more. Get on pods and nodes
-# and create on tokenreviews are per-node identity's (replicator/coordinator/node_identity.py).
+# and create on tokenreviews are per-node identity's (replicator/coordinator/node_identity.py); create on
+# tokenreviews and subjectaccessreviews operator identity's (replicator/coordinator/operator_auth.py).
 COORDINATOR_VERBS = {
     *(
         (group, resource, verb)
@@ -48,6 +50,16 @@ COORDINATOR_VERBS = {
     ("jobset.x-k8s.io", "jobsets", "list"),
     ("jobset.x-k8s.io", "jobsets", "watch"),
     ("authentication.k8s.io", "tokenreviews", "create"),
+    ("authorization.k8s.io", "subjectaccessreviews", "create"),
+}
+# The operators' roles (manifests/operator-rbac.yaml): the verbs the coordinator asks RBAC about, and nothing else.
+OPERATOR_ROLES = {
+    "mtc-checkpoint-viewer": {("mtc.dev", "checkpoints", "get")},
+    "mtc-rollback": {
+        ("mtc.dev", "checkpoints", "get"),
+        ("mtc.dev", "rollbacks", "create"),
+        ("mtc.dev", "rollbacks", "delete"),
+    },
 }
 BLOCK_LABEL = "cloud.google.com/gce-topology-block"
 
@@ -197,19 +209,23 @@ def test_node_agents_get_no_kubernetes_api_access():
     assert all(s["name"] != "mtc" for s in bound), bound
 
 
-def test_coordinator_alone_may_read_pods_nodes_and_jobsets_and_review_tokens_nothing_more():
-    kinds = [doc["kind"] for doc in _all_objects()]
-    assert "Role" not in kinds and "RoleBinding" not in kinds
-    assert kinds.count("ClusterRole") == 1 and kinds.count("ClusterRoleBinding") == 1
-    role = _one("ClusterRole", "mtc-coordinator")
-    granted = {
+def _granted(role: dict) -> set[tuple[str, str, str]]:
+    return {
         (group, resource, verb)
         for rule in role["rules"]
         for group in rule["apiGroups"]
         for resource in rule["resources"]
         for verb in rule["verbs"]
     }
-    assert granted == COORDINATOR_VERBS
+
+
+def test_coordinator_alone_may_read_pods_nodes_and_jobsets_and_review_tokens_nothing_more():
+    kinds = [doc["kind"] for doc in _all_objects()]
+    assert "Role" not in kinds and "RoleBinding" not in kinds
+    # The operators' roles are bound by the cluster's admins, to their operators (operator-rbac.yaml).
+    assert kinds.count("ClusterRole") == 1 + len(OPERATOR_ROLES) and kinds.count("ClusterRoleBinding") == 1
+    role = _one("ClusterRole", "mtc-coordinator")
+    assert _granted(role) == COORDINATOR_VERBS
     assert not any("resourceNames" in rule or "nonResourceURLs" in rule for rule in role["rules"])
     binding = _one("ClusterRoleBinding", "mtc-coordinator")
     assert binding["roleRef"] == {
@@ -223,6 +239,33 @@ def test_coordinator_alone_may_read_pods_nodes_and_jobsets_and_review_tokens_not
     pod = _one("Deployment", "mtc-coordinator")["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "mtc-coordinator"
     assert pod["automountServiceAccountToken"] is True
+
+
+def test_operators_roles_grant_only_what_the_coordinator_asks_and_aggregate_into_view_and_admin():
+    for name, verbs in OPERATOR_ROLES.items():
+        role = _one("ClusterRole", name)
+        assert _granted(role) == verbs, name
+        assert not any("resourceNames" in rule or "nonResourceURLs" in rule for rule in role["rules"])
+    aggregated = {
+        name: {
+            k for k, v in _one("ClusterRole", name)["metadata"]["labels"].items() if "aggregate-to" in k and v == "true"
+        }
+        for name in OPERATOR_ROLES
+    }
+    assert aggregated == {
+        "mtc-checkpoint-viewer": {"rbac.authorization.k8s.io/aggregate-to-view"},
+        "mtc-rollback": {"rbac.authorization.k8s.io/aggregate-to-admin"},
+    }
+    coordinator = _container(_one("Deployment", "mtc-coordinator")["spec"]["template"]["spec"], "mtc-coordinator")
+    assert "--operator-identity" in _argv(coordinator) and "--kube" in _argv(coordinator)
+    # Their resources' CRDs, for kubectl's discovery: namespaced, and refusing every object.
+    resources = {resource for verbs in OPERATOR_ROLES.values() for _, resource, _ in verbs}
+    for resource in resources:
+        crd = _one("CustomResourceDefinition", f"{resource}.mtc.dev")["spec"]
+        assert (crd["group"], crd["scope"], crd["names"]["plural"]) == ("mtc.dev", "Namespaced", resource)
+        (version,) = crd["versions"]
+        (rule,) = version["schema"]["openAPIV3Schema"]["x-kubernetes-validations"]
+        assert rule["rule"] == "false" and "RBAC only" in rule["message"]
 
 
 def test_admission_policy_admits_the_driver_only_in_opted_in_namespaces():

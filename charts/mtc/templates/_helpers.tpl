@@ -21,6 +21,11 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- if and .Values.coordinator.kube .Values.nodeIdentity.enabled }}true{{- end }}
 {{- end }}
 
+{{- /* Operator identity: on with the API server (coordinator.kube) unless operatorIdentity.enabled is false. */}}
+{{- define "mtc.operatorIdentity" -}}
+{{- if and .Values.coordinator.kube .Values.operatorIdentity.enabled }}true{{- end }}
+{{- end }}
+
 {{- define "mtc.tlsSecret" -}}
 {{ .Values.tls.existingSecret | default "mtc-tls" }}
 {{- end }}

@@ -9,6 +9,7 @@ dumps from a hostPath directory, and the coordinator's status through ``mtc stat
 import contextlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import time
@@ -38,6 +39,7 @@ class TrainingJobSet:
         self.job = f"{name}-slice"
         self.nodes = nodes
         self.dumps = cluster.plane.workdir / "dumps"
+        self._operator_token: str | None = None
 
     def manifest(self) -> dict:
         args = [
@@ -229,15 +231,33 @@ class TrainingJobSet:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
+    def operator_token(self) -> str:
+        """A token of an operator who may read the training namespace, as operator identity asks: its ``default``
+        ServiceAccount, bound to the built-in ``view`` role (which takes ``mtc-checkpoint-viewer`` by aggregation);
+        made once."""
+        if self._operator_token is None:
+            self.cluster.sh(
+                f"kubectl -n {TRAINING_NAMESPACE} create rolebinding mtc-e2e-view --clusterrole view "
+                f"--serviceaccount {TRAINING_NAMESPACE}:default --dry-run=client -o yaml | kubectl apply -f -"
+            )
+            token = self.cluster.sh(f"kubectl -n {TRAINING_NAMESPACE} create token default --duration 4h").stdout
+            self._operator_token = token.strip()
+        return self._operator_token
+
     def status(self) -> dict:
         """The coordinator's status of the job: ``mtc status --json`` in an agent's container, through the
-        coordinator's Service name (cluster DNS, kube-proxy) and its CA."""
+        coordinator's Service name (cluster DNS, kube-proxy) and its CA, with ``operator_token`` (written to the
+        container's /tmp from stdin: the agent itself holds no Kubernetes token)."""
         daemonset = self.cluster.kubectl_json("get", "daemonset", "mtc-node", "-n", RELEASE_NAMESPACE)
         args = daemonset["spec"]["template"]["spec"]["containers"][0]["args"]
         url = args[args.index("--coordinator") + 1]
+        status = (
+            f"mtc status --coordinator {url} --ca /etc/mtc/tls/ca.crt --json --job {TRAINING_NAMESPACE}/{self.job} "
+            "--token-file /tmp/operator-token"
+        )
         done = self.cluster.sh(
-            f"kubectl exec -n {RELEASE_NAMESPACE} ds/mtc-node -c mtc-node -- "
-            f"mtc status --coordinator {url} --ca /etc/mtc/tls/ca.crt --json --job {TRAINING_NAMESPACE}/{self.job}"
+            f"kubectl exec -i -n {RELEASE_NAMESPACE} ds/mtc-node -c mtc-node -- "
+            f"sh -c {shlex.quote(f'cat > /tmp/operator-token && exec {status}')} <<< {shlex.quote(self.operator_token())}"
         )
         return json.loads(done.stdout)["jobs"][0]
 
