@@ -15,9 +15,14 @@ _GIVE_UP_SECONDS = 600.0  # a chosen backup step that never completes is chosen 
 
 
 def _believed(job: JobState, nodes: dict[str, NodeState]) -> list[BackedUp]:
-    """The listings of known nodes the job ran on."""
-    members = job.beliefs.members
-    return [b for node_id, b in job.listings.items() if node_id in members and node_id in nodes]
+    """The listings of known nodes of the job's current incarnation and of the one before it (a node lost after it
+    committed a backup listed it last: the lister lists again only every 2 minutes)."""
+    beliefs = job.beliefs
+    return [
+        b
+        for node_id, b in job.listings.items()
+        if (node_id in beliefs.members or node_id in beliefs.former) and node_id in nodes
+    ]
 
 
 def listed(job: JobState, nodes: dict[str, NodeState]) -> bool:

@@ -97,6 +97,8 @@ class Beliefs:
       rank_nodes: rank -> the node the current incarnation put it on (a set, for the walk's lookup): only it is
         believed about new steps of that rank's own data.
       members: the current incarnation's nodes (the nodes the job runs on).
+      former: the nodes of the incarnation before it: their listings of the job's backups are still believed (the
+        node that committed the newest backup, then was lost, listed it last).
       ordered: (rank, node) replica targets the coordinator chose in this incarnation: only they are believed about
         new replicas of that rank.
       kept: (step, rank) -> nodes whose copy of it was believed when an earlier incarnation ended: still believed
@@ -104,11 +106,12 @@ class Beliefs:
       stamp: bumped whenever any of them changes.
     """
 
-    __slots__ = ("kept", "members", "ordered", "rank_nodes", "stamp")
+    __slots__ = ("former", "kept", "members", "ordered", "rank_nodes", "stamp")
 
     def __init__(self) -> None:
         self.rank_nodes: dict[int, set[str]] = {}
         self.members: set[str] = set()
+        self.former: set[str] = set()
         self.ordered: set[tuple[int, str]] = set()
         self.kept: dict[tuple[int, int], set[str]] = {}
         self.stamp = 0
@@ -137,7 +140,7 @@ class Beliefs:
                 kept[(step, rank)] = believed
         self.kept = kept
         self.rank_nodes = {rank: {node} for rank, node in node_of_rank.items()}
-        self.members = set(node_of_rank.values())
+        self.former, self.members = self.members, set(node_of_rank.values())
         self.ordered = set()
         self.stamp += 1
 

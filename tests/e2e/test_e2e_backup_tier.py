@@ -26,6 +26,7 @@ from tests.helpers.jobs import (
     rerun,
     run_job,
     status_of,
+    wait_safe_is_newest,
 )
 from tests.helpers.polling import wait_until
 from tests.helpers.tools import requires_root
@@ -295,10 +296,13 @@ def test_rpo_a_node_lost_mid_backup_then_the_cluster_30_s_later_restores_within_
             "node 3 uploading the next backup",
         )
         pending = status_of(cluster, job)["backup_pending"]
-        # A newer step is safe meanwhile (replication is not slowed): the fresh node will restore that one.
+        # The trainers die first, and node 3 once a step newer than the backup's is safe (replication is not
+        # slowed) and the newest: the fresh node restores it from a replica at once (a copy only node 3 held would
+        # be waited for, within its grace).
         wait_until(lambda: status_of(cluster, job)["safe_step"] > pending, 60, f"a step newer than {pending} safe")
-        uploaded, planned = in_flight_upload(lost)
         job.kill_training()
+        wait_safe_is_newest(cluster, job, 60, "the newest step safe")
+        uploaded, planned = in_flight_upload(lost)
         agents = replace_node(cluster, job, 3)
     assert uploaded < planned, (uploaded, planned)  # cut mid-upload
     lost_at = time.monotonic()

@@ -170,3 +170,25 @@ def test_the_backup_lag_is_exported_in_steps_and_seconds_and_falls_to_zero_once_
     state.tick(41.0)
     text = exposition(state).decode()
     assert f"mtc_backup_lag_steps{labels} 0.0" in text and f"mtc_backup_lag_seconds{labels} 0.0" in text
+
+
+def test_a_backup_listed_last_by_a_node_since_lost_is_still_known_to_the_next_incarnation():
+    state = ClusterState()
+    state.expire(0.0)
+    first, rank_of = form(state, ("a", "b"), ("uid0", "uid1"), 0.0)
+    for index, node in enumerate(("a", "b")):
+        other = rank_of["b" if node == "a" else "a"]
+        held = [own(5, rank_of[node]), replica(5, other)]
+        heartbeat(state, node, index, f"uid{index}", first, rank_of[node], held, 1.0)
+    # The lister (a) listed before the backup of step 5; b wrote its COMMIT and listed it at once.
+    for node, steps, at in (("a", (), 1.0), ("b", ((5, 0),), 4.0)):
+        state.apply_report(
+            msgspec.structs.replace(state.liveness.nodes[node].report, backed_up=(BackedUp(*NAMES, steps, at),)), at
+        )
+    state.tick(5.0)
+    assert state.backed_up(KEY) == {5}
+    # b is lost; the next incarnation runs on a and c. Until a lists again, b's listing is the newest there is.
+    state.expire(30.0)  # silent past the node timeout, within the grace
+    form(state, ("a", "c"), ("uid2", "uid3"), 30.0)
+    state.tick(31.0)
+    assert state.backed_up(KEY) == {5}
