@@ -70,13 +70,14 @@ out["w_full"] = w.full_tensor().tolist() if "error" not in out else None
 out["exp_avg_full"] = optimizer.exp_avg.full_tensor().tolist() if "error" not in out else None
 out["bias"] = state["bias"].tolist()
 manager.close()
-print(json.dumps(out))
+with open(f"{local}.rank{dist.get_rank()}.json", "w") as f:  # a file each: the ranks share torchrun's stdout
+    json.dump(out, f)
 dist.destroy_process_group()
 """
 
 
 def run(local: Path, phase: str, placement: str) -> list[dict]:
-    """One torchrun job of the script; each rank's JSON line, by rank."""
+    """One torchrun job of the script; each rank's result, by rank."""
     script = local.parent / f"{local.name}-job.py"
     script.write_text(_SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
@@ -90,8 +91,7 @@ def run(local: Path, phase: str, placement: str) -> list[dict]:
         env=env,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    return sorted(lines, key=lambda line: line["rank"])
+    return [json.loads(Path(f"{local}.rank{rank}.json").read_text()) for rank in range(2)]
 
 
 def restore(saved: Path, tmp_path: Path, name: str, placement: str) -> list[dict]:

@@ -40,15 +40,22 @@ def heartbeat(state, node, index, uid, incarnation, rank, held, now):
     )
 
 
+def saved_everywhere(state, incarnation, rank_of, steps, now, replicated=None, uids=("uid0", "uid1")):
+    """Nodes a and b (pods ``uids``) report their own ``steps`` and the other rank's replicas of ``replicated``
+    (default: the same steps). Returns the backup orders of the replies."""
+    orders = []
+    for index, node in enumerate(("a", "b")):
+        other = rank_of["b" if node == "a" else "a"]
+        held = [own(s, rank_of[node]) for s in steps] + [replica(s, other) for s in replicated or steps]
+        orders += heartbeat(state, node, index, uids[index], incarnation, rank_of[node], held, now).backup
+    return orders
+
+
 def test_a_backup_chosen_before_a_preemption_keeps_its_upload_tag_so_ranks_uploaded_before_it_count():
     state = ClusterState()
     state.expire(0.0)
     first, rank_of = form(state, ("a", "b"), ("uid0", "uid1"), 0.0)
-    for index, node in enumerate(("a", "b")):  # each holds its own step 5 and the other's replica
-        other = rank_of["b" if node == "a" else "a"]
-        heartbeat(
-            state, node, index, f"uid{index}", first, rank_of[node], [own(5, rank_of[node]), replica(5, other)], 1.0
-        )
+    saved_everywhere(state, first, rank_of, [5], 1.0)  # each holds its own step 5 and the other's replica
     state.tick(2.0)
     assert state.job(KEY).backup_pending == 5
     tags = {
@@ -60,11 +67,7 @@ def test_a_backup_chosen_before_a_preemption_keeps_its_upload_tag_so_ranks_uploa
     # A preemption: new pods on the same nodes, a new incarnation; the nodes still hold step 5.
     second, rank_of = form(state, ("a", "b"), ("uid2", "uid3"), 10.0)
     assert second != first
-    orders = []
-    for index, node in enumerate(("a", "b")):
-        other = rank_of["b" if node == "a" else "a"]
-        held = [own(5, rank_of[node]), replica(5, other)]
-        orders += heartbeat(state, node, index, f"uid{index + 2}", second, rank_of[node], held, 11.0).backup
+    orders = saved_everywhere(state, second, rank_of, [5], 11.0, uids=("uid2", "uid3"))
     state.tick(12.0)
     assert state.job(KEY).backup_pending == 5
     # The orders of the new incarnation tag the uploads as the first did: COMMIT joins ranks uploaded before it.
@@ -75,17 +78,10 @@ def test_a_backup_stranded_by_a_node_loss_is_replaced_at_once_by_a_newer_complet
     state = ClusterState()
     state.expire(0.0)
     first, rank_of = form(state, ("a", "b"), ("uid0", "uid1"), 0.0)
-    for index, node in enumerate(("a", "b")):
-        other = rank_of["b" if node == "a" else "a"]
-        heartbeat(
-            state, node, index, f"uid{index}", first, rank_of[node], [own(5, rank_of[node]), replica(5, other)], 1.0
-        )
+    saved_everywhere(state, first, rank_of, [5], 1.0)
     state.tick(2.0)
     assert state.job(KEY).backup_pending == 5
-    for index, node in enumerate(("a", "b")):  # step 8 is saved and replicated meanwhile
-        other = rank_of["b" if node == "a" else "a"]
-        held = [own(s, rank_of[node]) for s in (5, 8)] + [replica(s, other) for s in (5, 8)]
-        heartbeat(state, node, index, f"uid{index}", first, rank_of[node], held, 3.0)
+    saved_everywhere(state, first, rank_of, [5, 8], 3.0)  # step 8 is saved and replicated meanwhile
     state.tick(4.0)
 
     # Node b is lost mid-backup; a fresh node c takes its rank and restores step 8 (from a's replica), not step 5.
@@ -115,10 +111,7 @@ def test_a_backup_is_given_up_once_a_later_incarnation_restores_an_older_step_wh
     state = ClusterState()
     state.expire(0.0)
     first, rank_of = form(state, ("a", "b"), ("uid0", "uid1"), 0.0)
-    for index, node in enumerate(("a", "b")):  # step 3 is replicated, step 5 is not yet
-        other = rank_of["b" if node == "a" else "a"]
-        held = [own(3, rank_of[node]), own(5, rank_of[node]), replica(3, other)]
-        heartbeat(state, node, index, f"uid{index}", first, rank_of[node], held, 1.0)
+    saved_everywhere(state, first, rank_of, [3, 5], 1.0, replicated=[3])  # step 5 is not replicated yet
     state.tick(2.0)
     assert state.job(KEY).backup_pending == 5
     # Node b is lost before step 5 was replicated: the fresh node c restores step 3, and the job will write 5 again.
@@ -144,18 +137,7 @@ def test_the_backup_lag_is_exported_in_steps_and_seconds_and_falls_to_zero_once_
     state.expire(0.0)
     first, rank_of = form(state, ("a", "b"), ("uid0", "uid1"), 0.0)
     for now, step in ((1.0, 5), (31.0, 9)):
-        for index, node in enumerate(("a", "b")):
-            other = rank_of["b" if node == "a" else "a"]
-            heartbeat(
-                state,
-                node,
-                index,
-                f"uid{index}",
-                first,
-                rank_of[node],
-                [own(step, rank_of[node]), replica(step, other)],
-                now,
-            )
+        saved_everywhere(state, first, rank_of, [step], now)
         state.tick(now + 1.0)
     assert state.safe_step(KEY) == 9
     text = exposition(state).decode()
@@ -176,10 +158,7 @@ def test_a_backup_listed_last_by_a_node_since_lost_is_still_known_to_the_next_in
     state = ClusterState()
     state.expire(0.0)
     first, rank_of = form(state, ("a", "b"), ("uid0", "uid1"), 0.0)
-    for index, node in enumerate(("a", "b")):
-        other = rank_of["b" if node == "a" else "a"]
-        held = [own(5, rank_of[node]), replica(5, other)]
-        heartbeat(state, node, index, f"uid{index}", first, rank_of[node], held, 1.0)
+    saved_everywhere(state, first, rank_of, [5], 1.0)
     # The lister (a) listed before the backup of step 5; b wrote its COMMIT and listed it at once.
     for node, steps, at in (("a", (), 1.0), ("b", ((5, 0),), 4.0)):
         state.apply_report(
