@@ -7,7 +7,9 @@ staging. Our copies must never take the space of the job's own next save:
   the peer service refuses it with 507 otherwise, and the push is tried again later);
 - a restore staging starts only if it fits;
 - when less than the next save is free, copies of steps newer than the newest safe step are given up,
-  oldest first (``make_room``), but never the safe step's (so no rank loses its last restorable
+  oldest first, and of one step its parity shards, then other ranks' replicas, then the node's own step
+  (``make_room``: a shard only adds redundancy to other ranks' copies, a replica is another rank's second
+  copy, the own step may be the rank's only one), but never the safe step's (so no rank loses its last restorable
   copy), never a step the coordinator protects (the replication round's, the one being restored,
   the one being backed up), never the job's newest committed step (about to become safe, and
   the one a restore of every node would pick), and never a replica that arrived after the node asked
@@ -22,12 +24,14 @@ What a ramdisk must hold, then (``shards_needed``, docs/operations.md, Sizing).
 
 import contextlib
 import dataclasses
+import enum
 import os
 
 from prometheus_client import Counter
 
 from csi_driver.ramdisk import Ramdisk
 from replicator.local_tier.job_meta import JobMeta
+from replicator.local_tier.parity_shards import ParityShards
 from replicator.local_tier.steps import delete_step
 from replicator.wire.messages import RetainOrder
 
@@ -99,14 +103,33 @@ def next_save_bytes(meta: JobMeta) -> int:
     return int(manifests[max(manifests)].total_bytes * (1 + SAVE_MARGIN)) if manifests else 0
 
 
+class Copy(enum.IntEnum):
+    """What ``make_room`` gives up, in the order it does so within a step."""
+
+    PARITY = 0  # a parity shard this node built over its group's step
+    REPLICA = 1  # another rank's replica
+    OWN = 2  # the node's own step
+
+
 @dataclasses.dataclass(frozen=True)
 class GivenUp:
-    """A copy ``make_room`` deleted: ``rank``'s ``step`` (the node's own step when ``own``), ``bytes`` of it."""
+    """A copy ``make_room`` deleted: ``rank``'s ``step`` (for a parity shard: its group's first rank, and the shard's
+    ``stripe``), ``bytes`` of it."""
 
     rank: int
     step: int
     bytes: int
-    own: bool
+    kind: Copy
+    stripe: int = 0
+
+    @property
+    def what(self) -> str:
+        """Whose copy it is, for a log line ("gave up <what> step S")."""
+        if self.kind is Copy.OWN:
+            return "its own"
+        if self.kind is Copy.REPLICA:
+            return f"rank {self.rank}'s replica of"
+        return f"the parity shard (stripe {self.stripe}) of rank {self.rank}'s group for"
 
 
 def make_room(
@@ -132,26 +155,30 @@ def make_room(
     meta = JobMeta(disk.path)
     manifests = meta.manifests()
     keep = set(order.protected) | busy | ({max(manifests)} if manifests else set())
-    candidates = [(step, 0, m.rank, m.total_bytes) for step, m in manifests.items()]
-    candidates += [(step, -1, rank, m.total_bytes) for (rank, step), m in meta.replicas().items()]
+    shards = ParityShards(disk.path)
+    candidates = [GivenUp(m.rank, step, m.total_bytes, Copy.OWN) for step, m in manifests.items()]
+    candidates += [GivenUp(rank, step, m.total_bytes, Copy.REPLICA) for (rank, step), m in meta.replicas().items()]
+    candidates += [GivenUp(s.members[0], s.step, s.bytes, Copy.PARITY, s.stripe) for s in shards.held()]
     given: list[GivenUp] = []
-    for step, own, rank, size in sorted(candidates):
+    for copy in sorted(candidates, key=lambda c: (c.step, c.kind, c.rank, c.stripe)):
         if free_bytes(disk.path) >= need:
             break
-        if step <= order.keep_from or step in keep:
+        if copy.step <= order.keep_from or copy.step in keep:
             continue
         if (
-            own == -1
+            copy.kind is Copy.REPLICA
             and order_asked_at is not None
-            and (meta.replica_installed_at(rank, step) or 0.0) >= order_asked_at
+            and (meta.replica_installed_at(copy.rank, copy.step) or 0.0) >= order_asked_at
         ):
             continue  # perhaps the round's, which the order predates
-        if own == 0:
-            meta.drop_manifest(step)  # first: a step is never reported once its deletion began
-            delete_step(meta.framework, disk.client_dir, step)
+        if copy.kind is Copy.OWN:
+            meta.drop_manifest(copy.step)  # first: a step is never reported once its deletion began
+            delete_step(meta.framework, disk.client_dir, copy.step)
+        elif copy.kind is Copy.REPLICA:
+            meta.drop_replica(copy.rank, copy.step)
         else:
-            meta.drop_replica(rank, step)
-        given.append(GivenUp(rank, step, size, own == 0))
+            shards.drop(copy.step, copy.rank, copy.stripe)
+        given.append(copy)
     return given
 
 
@@ -162,7 +189,9 @@ def describe_use(disk: Ramdisk) -> str:
     size, free = stats.f_blocks * stats.f_frsize, stats.f_bavail * stats.f_frsize
     own = sum(m.total_bytes for m in meta.manifests().values())
     replicas = sum(m.total_bytes for m in meta.replicas().values())
+    parity = ParityShards(disk.path).total_bytes()
     return (
         f"the ramdisk holds {size} bytes, {free} free: committed steps {own}, other ranks' replicas {replicas},"
-        f" the rest ({max(0, size - free - own - replicas)}) is being written by the job or received"
+        f" parity shards {parity}, the rest ({max(0, size - free - own - replicas - parity)}) is being written by"
+        " the job or received"
     )

@@ -415,7 +415,7 @@ class NodeReplicator:
                 "%s/%s: gave up %s step %d (%d bytes, not safe) to free %d bytes; steps up to %d are kept (safe, or restored)",
                 key.namespace,
                 key.job,
-                "its own" if copy.own else f"rank {copy.rank}'s replica of",
+                copy.what,
                 copy.step,
                 copy.bytes,
                 need,

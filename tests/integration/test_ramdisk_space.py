@@ -8,6 +8,8 @@ import pytest
 from csi_driver.ramdisk import Ramdisk
 from replicator.local_tier import space
 from replicator.local_tier.job_meta import JobMeta
+from replicator.local_tier.parity_shards import ParityShards, ShardMeta
+from replicator.local_tier.space import Copy
 from replicator.local_tier.step_manifest import build_manifest
 from replicator.peer_tier.client import PeerFetchError, push_step
 from replicator.wire.messages import RetainOrder
@@ -69,7 +71,7 @@ def test_pressure_gives_up_unsafe_unprotected_copies_oldest_first(ramdisk, tmp_p
     assert space.make_room(disk, None, set(), everything) == []  # nothing safe: nothing is given up
     given = space.make_room(disk, order, set(), everything)
     # Step 3 (replica first, then own) only: 1 and 2 are the safe step and older, 4 is protected, 5 is the newest save.
-    assert [(g.rank, g.step, g.own) for g in given] == [(1, 3, False), (0, 3, True)]
+    assert [(g.rank, g.step, g.kind) for g in given] == [(1, 3, Copy.REPLICA), (0, 3, Copy.OWN)]
     assert sorted(meta.manifests()) == [1, 2, 4, 5] and sorted(meta.replicas()) == [(1, 2), (1, 5)]
     assert sorted(os.listdir(meta.client_dir)) == ["1", "2", "4", "5"]
 
@@ -79,6 +81,44 @@ def test_pressure_gives_up_unsafe_unprotected_copies_oldest_first(ramdisk, tmp_p
     given = space.make_room(disk, order, set(), need)
     assert [(g.rank, g.step) for g in given] == [(1, 5)]  # stops as soon as the room is there
     assert space.free_bytes(ramdisk) >= need and sorted(meta.manifests()) == [1, 2, 4, 5, 6]
+
+
+def _shard(ramdisk, step: int, group: int, stripe: int, size: int) -> None:
+    """Installs a parity shard of ``size`` bytes for ``group``'s ``step``, as an encode would (written in the
+    ramdisk's incoming area first)."""
+    written = os.path.join(JobMeta(ramdisk).new_incoming_dir(), "shard")
+    with open(written, "wb") as f:
+        f.write(os.urandom(size))
+    meta = ShardMeta(step, (group, group + 1), 1, (size, size), stripe, 0, size, "00000000", "basis")
+    ParityShards(ramdisk).install(written, meta)
+
+
+def test_pressure_gives_up_parity_shards_of_a_step_before_its_replicas_and_its_own_copy(ramdisk, tmp_path):
+    disk = Ramdisk(NS, JOB, 12 * MiB, ramdisk)
+    meta = JobMeta(ramdisk)
+    for step in (1, 2, 3):
+        commit_own_step(meta, step, 0, {"a": os.urandom(MiB)})
+    _replica(meta, tmp_path, 1, 2, MiB)
+    for step, stripe in ((1, 0), (2, 0), (2, 1)):
+        _shard(ramdisk, step, 4, stripe, MiB // 2)
+    order = RetainOrder(NS, JOB, keep_from=1, protected=())
+    assert "parity shards 1572864" in space.describe_use(disk)
+
+    # Step 1 is safe: its shard is kept. Of step 2: its shards, then the replica, then the own step. 3 is the newest.
+    given = space.make_room(disk, order, set(), space.free_bytes(ramdisk) + 8 * MiB)
+    assert [(g.kind, g.rank, g.step, g.stripe) for g in given] == [
+        (Copy.PARITY, 4, 2, 0),
+        (Copy.PARITY, 4, 2, 1),
+        (Copy.REPLICA, 1, 2, 0),
+        (Copy.OWN, 0, 2, 0),
+    ]
+    assert [(m.step, m.stripe) for m in ParityShards(ramdisk).held()] == [(1, 0)]
+    assert given[0].what == "the parity shard (stripe 0) of rank 4's group for"
+    # Only as much as is needed: a shard may be all it takes.
+    _shard(ramdisk, 3, 4, 0, MiB // 2)
+    commit_own_step(meta, 4, 0, {"a": os.urandom(MiB)})
+    given = space.make_room(disk, order, set(), space.free_bytes(ramdisk) + MiB // 4)
+    assert [(g.kind, g.step) for g in given] == [(Copy.PARITY, 3)]
 
 
 def test_pressure_keeps_replicas_that_arrived_after_the_order(ramdisk, tmp_path):
@@ -96,7 +136,7 @@ def test_pressure_keeps_replicas_that_arrived_after_the_order(ramdisk, tmp_path)
 
     given = space.make_room(disk, order, set(), everything, order_asked_at=asked)
     # Rank 1's replica of 3 is kept: the order cannot say whether it is the round's. 4 is the newest save.
-    assert [(g.rank, g.step, g.own) for g in given] == [(1, 2, False), (0, 2, True), (0, 3, True)]
+    assert [(g.rank, g.step, g.kind) for g in given] == [(1, 2, Copy.REPLICA), (0, 2, Copy.OWN), (0, 3, Copy.OWN)]
     assert sorted(meta.replicas()) == [(1, 3)]
     # An order asked for after it judges it like any other copy.
     assert [(g.rank, g.step) for g in space.make_room(disk, order, set(), everything, order_asked_at=asked + 2)] == [
