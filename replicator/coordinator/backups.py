@@ -12,6 +12,9 @@ from replicator.wire.messages import BackedUp, BackupOrder, JobRef, in_lineage
 log = logging.getLogger(__name__)
 
 _GIVE_UP_SECONDS = 600.0  # a chosen backup step that never completes is chosen anew
+# Safe steps newer than the newest backup whose first-safe times are kept per job (``note_safe``): past it, the
+# oldest two share the older time, so the lag a later backup leaves is over-, never under-stated.
+_SAFE_AT_KEPT = 64
 
 
 def _believed(job: JobState, nodes: dict[str, NodeState]) -> list[BackedUp]:
@@ -168,6 +171,11 @@ def note_safe(job: JobState, backed: set[int], now: float) -> None:
     safe = job.decided.safe
     if safe is not None and (newest_backup is None or safe > newest_backup):
         job.safe_at.setdefault(safe, now)
+    if len(job.safe_at) > _SAFE_AT_KEPT:  # a long store outage: merge the oldest into the next, keeping its time
+        oldest = min(job.safe_at)
+        since = job.safe_at.pop(oldest)
+        following = min(job.safe_at)
+        job.safe_at[following] = min(job.safe_at[following], since)
 
 
 def lag(job: JobState, backed: set[int], now: float) -> tuple[int, float] | None:

@@ -171,3 +171,22 @@ def test_a_backup_listed_last_by_a_node_since_lost_is_still_known_to_the_next_in
     form(state, ("a", "c"), ("uid2", "uid3"), 30.0)
     state.tick(31.0)
     assert state.backed_up(KEY) == {5}
+
+
+def test_the_safe_steps_remembered_for_the_lag_stay_few_through_a_long_store_outage_and_overstate_it():
+    state = ClusterState()
+    state.expire(0.0)
+    first, rank_of = form(state, ("a", "b"), ("uid0", "uid1"), 0.0)
+    for step in range(1, 201):  # no backup completes: 200 steps become safe, one a second
+        saved_everywhere(state, first, rank_of, [step], float(step))
+        state.tick(float(step) + 0.5)
+    job = state.job(KEY)._job
+    assert len(job.safe_at) <= 64 and min(job.safe_at.values()) == 1.0  # step 1, safe at its second report
+    lister = state.job(KEY).lister
+    state.apply_report(
+        msgspec.structs.replace(state.liveness.nodes[lister].report, backed_up=(BackedUp(*NAMES, ((100, 0),), 300.0),)),
+        300.0,
+    )
+    state.tick(301.0)
+    steps, seconds = state.backup_lag(KEY, state.backed_up(KEY))
+    assert steps == 100 and seconds >= 301.0 - 101.0  # step 101 was first safe at 101 s: overstated, never under
