@@ -410,14 +410,18 @@ class Run:
     intervals: Intervals = Intervals(0, 0)
 
 
+_OURS_COMMIT = re.compile(r"^[^/]+/[^/]+/steps/([0-9]+)(?:-[0-9]+)?/COMMIT$")  # <ns>/<job>/steps/<step>[-<timeline>]
+_ORBAX_COMMIT = re.compile(r"^([0-9]+)/commit_success\.txt$")  # <step>/: Orbax's files inside a step do not count
+
+
 def newest_backup(stores: StoreFronts, prefix: str) -> int | None:
     """The newest step complete in the object store under the setup's ``prefix``: ours' backups
     (``.../<step>[-<timeline>]/COMMIT``) or Orbax's checkpoints on GCS (``<step>/commit_success.txt``)."""
-    steps = [
-        int(parts[-2].split("-")[0])
-        for blob in stores.admin.client().list_blobs(BUCKET, prefix=f"{prefix}/")
-        if (parts := blob.name.split("/"))[-1] in ("COMMIT", "commit_success.txt")
-    ]
+    steps = []
+    for blob in stores.admin.client().list_blobs(BUCKET, prefix=f"{prefix}/"):
+        name = blob.name[len(prefix) + 1 :]
+        if (found := _OURS_COMMIT.match(name) or _ORBAX_COMMIT.match(name)) is not None:
+            steps.append(int(found.group(1)))
     return max(steps, default=None)
 
 
