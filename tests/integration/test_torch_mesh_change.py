@@ -24,7 +24,7 @@ JOB = "mesh"
 
 # argv: local dir, "save" | "load", the placement of "w" and of the Stateful's "exp_avg" ("shard" | "replicate").
 _SCRIPT = """
-import json, sys, warnings
+import json, os, sys, warnings
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
@@ -73,6 +73,10 @@ manager.close()
 with open(f"{local}.rank{dist.get_rank()}.json", "w") as f:  # a file each: the ranks share torchrun's stdout
     json.dump(out, f)
 dist.destroy_process_group()
+# Without finalizing: torch 2.15's gloo worker threads outlive the group (the DTensors' mesh holds it), and one
+# dropping its last collective while the interpreter finalizes aborts the process (SIGABRT, "terminate called
+# without an active exception"; tests/bench/torch_job.py, exit_without_finalizing).
+os._exit(0)
 """
 
 
