@@ -152,14 +152,7 @@ class BackupWorker:
         with self._busy.reading(job, order.step):
             dedup = None
             step_dir, manifest = located
-            done = await asyncio.to_thread(self.store.rank_manifest, job_key, order.step, order.rank, order.timeline)
-            if (
-                done is not None
-                and done.incarnation == order.incarnation
-                and done.step_manifest().files == manifest.files
-            ):
-                # Uploaded for this backup already (by this node before the agent restarted, or by the rank's node
-                # before it was replaced): only the commit may be left to do.
+            if await self._stored_already(job_key, order, manifest):
                 await self._commit(ramdisk_path, order, job)
                 self._uploaded.add(key)
                 return
@@ -214,6 +207,14 @@ class BackupWorker:
             )
             await self._commit(ramdisk_path, order, job)
             self._uploaded.add(key)
+
+    async def _stored_already(self, job_key: str, order: BackupOrder, manifest: StepManifest) -> bool:
+        """Whether the rank's step is stored for this backup (its tag) with these bytes: uploaded by this node before
+        the agent restarted, or by the rank's node before it was replaced; only the commit may be left to do."""
+        done = await asyncio.to_thread(self.store.rank_manifest, job_key, order.step, order.rank, order.timeline)
+        return (
+            done is not None and done.incarnation == order.incarnation and done.step_manifest().files == manifest.files
+        )
 
     async def _commit(self, ramdisk_path: str, order: BackupOrder, job: JobRef) -> None:
         """Commits the step once every rank is stored, then applies retention and lists the job's backups anew."""
