@@ -90,7 +90,8 @@ def advance(
         pending = job.backup_pending
         if pending in backed:
             log.info("job %s: step %d backed up", key, pending)
-            job.last_backup_time, job.backup_pending = now, None
+            job.last_backup_time, job.last_backup_chosen_at = now, job.backup_pending_since
+            job.backup_pending = None
             return
         newest = newest_complete()
         stranded = stranded_rank(job, pending) if newest is not None and newest > pending else None
@@ -122,7 +123,8 @@ def advance(
         due = last is None or newest >= last + settings.backup_interval_steps
     else:
         assert settings.backup_interval_minutes is not None  # exactly one of the two is set
-        due = job.last_backup_time is None or now - job.last_backup_time >= settings.backup_interval_minutes * 60
+        chosen = job.last_backup_chosen_at
+        due = chosen is None or now - chosen >= settings.backup_interval_minutes * 60
     if due and stranded_rank(job, newest) is None:
         job.backup_pending, job.backup_pending_since = newest, now
         job.backup_attempt = f"{job.incarnation.incarnation_id}-{secrets.token_hex(4)}"

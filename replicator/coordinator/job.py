@@ -185,7 +185,10 @@ class JobState:
         preemption count toward its ``COMMIT``. A pending step's bytes never change (a rank that holds it in other
         bytes drops it, ``sync._supersede``), and a later choice of a step has a tag of its own: ``COMMIT`` never
         joins two choices' uploads.
-      last_backup_time: unix seconds the last backup completed (for ``backup-interval-minutes``).
+      last_backup_time: unix seconds the last backup completed (``mtc_last_backup_timestamp_seconds``).
+      last_backup_chosen_at: unix seconds the last completed backup was chosen: ``backup-interval-minutes`` counts
+        from it, so a backup's upload time is not added to the interval (the lag stays within one interval plus one
+        upload).
       backup_seen: step -> unix seconds this coordinator first saw each complete backup of the
         lineage (``backups.note_seen``; the backup tier's listings carry no commit times).
       rewritten: steps some rank's own node holds in other bytes than it first reported (written again after a
@@ -209,6 +212,7 @@ class JobState:
     backup_pending_since: float = 0.0
     backup_attempt: str = ""
     last_backup_time: float | None = None
+    last_backup_chosen_at: float | None = None
     backup_seen: dict[int, float] = dataclasses.field(default_factory=dict)
     rewritten: set[int] = dataclasses.field(default_factory=set)
     safe_at: dict[int, float] = dataclasses.field(default_factory=dict)

@@ -5,7 +5,7 @@ import msgspec
 
 from replicator.coordinator.cluster_gauges import exposition
 from replicator.coordinator.state import ClusterState
-from replicator.wire.messages import BackedUp, HeldStep
+from replicator.wire.messages import BackedUp, HeldStep, JobSettings
 from tests.helpers.coordinator import KEY, NAMES, OWN, SETTINGS, report
 from tests.helpers.reports import pod_report
 
@@ -22,7 +22,7 @@ def replica(step, rank):
     return HeldStep(*NAMES, step, rank, OWN[rank], replica=True)
 
 
-def form(state, nodes, uids, now):
+def form(state, nodes, uids, now, settings=SETTINGS):
     """The job's pods ``uids`` on ``nodes`` (index i on nodes[i]) form an incarnation; returns (its id, node -> rank)."""
     for index, (node, uid) in enumerate(zip(nodes, uids, strict=True)):
         reply = state.apply_report(report(node, f"http://{node}", [pod(index, uid)], has_backup=True), now)
@@ -30,7 +30,7 @@ def form(state, nodes, uids, now):
     rank_of_pod = state.job(KEY).incarnation.rank_of_pod
     rank_of = {node: rank_of_pod[uid] for node, uid in zip(nodes, uids, strict=True)}
     for node in nodes:
-        state.record_settings(KEY, incarnation, rank_of[node], SETTINGS)
+        state.record_settings(KEY, incarnation, rank_of[node], settings)
     return incarnation, rank_of
 
 
@@ -190,3 +190,27 @@ def test_the_safe_steps_remembered_for_the_lag_stay_few_through_a_long_store_out
     state.tick(301.0)
     steps, seconds = state.backup_lag(KEY, state.backed_up(KEY))
     assert steps == 100 and seconds >= 301.0 - 101.0  # step 101 was first safe at 101 s: overstated, never under
+
+
+def test_backup_interval_minutes_counts_from_when_the_last_backup_was_chosen_not_from_when_it_completed():
+    state = ClusterState()
+    state.expire(0.0)
+    first, rank_of = form(state, ("a", "b"), ("uid0", "uid1"), 0.0, JobSettings((), 1, 1.0, None))
+    saved_everywhere(state, first, rank_of, [5], 1.0)  # step 5 is safe at 1 s: chosen then
+    assert state.job(KEY).backup_pending == 5
+    lister = state.job(KEY).lister
+    state.apply_report(  # its upload took 48 s: listed complete at 50 s
+        msgspec.structs.replace(state.liveness.nodes[lister].report, backed_up=(BackedUp(*NAMES, ((5, 0),), 50.0),)),
+        50.0,
+    )
+    state.tick(50.0)
+    assert state.job(KEY).backup_pending is None
+    saved_everywhere(state, first, rank_of, [5, 9], 55.0)
+    saved_everywhere(state, first, rank_of, [5, 9], 60.5)
+    state.tick(60.5)
+    assert state.job(KEY).backup_pending is None  # 59.5 s after the last choice
+    saved_everywhere(state, first, rank_of, [5, 9], 66.0)
+    state.tick(66.0)
+    # One minute after step 5 was chosen, not one minute after it completed (at 110 s): the upload's 48 s would have
+    # been added to every interval, and to the lag a cluster loss costs.
+    assert state.job(KEY).backup_pending == 9
