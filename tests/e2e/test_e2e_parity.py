@@ -7,6 +7,7 @@ from tests.helpers.agents import scrape
 from tests.helpers.jobs import (
     UNTIL_KILLED,
     assert_resumed_exactly,
+    coordinator_recorded,
     kill_past_newest_commit,
     replace_node,
     rerun,
@@ -60,3 +61,21 @@ def test_reed_solomon_group_rebuilds_two_lost_nodes_of_one_group_bit_identically
     sources = status_of(cluster, job)["restore"]["sources"]
     assert sources["1"] == sources["2"] == "decode:parity", sources
     assert sources["0"] == "local:node-0" and sources["3"] == "local:node-3", sources
+
+
+def test_a_coordinator_restarted_after_a_node_loss_still_rebuilds_the_lost_rank_by_decode(start_cluster, tmp_path):
+    """Issue 49: node 1 is lost, then the coordinator is SIGKILLed and restarted before the job comes back. Node 1's
+    checksums and the encode orders its group's shards were built for never come from a report again: the
+    restarted coordinator reads them from its state dir and plans the lost rank as a decode, as before."""
+    cluster, job, before = _started(start_cluster, tmp_path, "xor:4", "restart")
+    safe = status_of(cluster, job)["safe_step"]
+    # Harness sync: the state dir holds the safe step's recipe (it is written within a tick of the decision).
+    coordinator_recorded(cluster.coordinator, lambda jobs: any(o["slot"]["step"] == safe for o in jobs[0]["orders"]))
+    job.kill_training()
+    job.agents[:] = replace_node(cluster, job, 1)
+    cluster.coordinator.kill()
+    cluster.coordinator.start()
+    rerun(job, tmp_path / "dump-2", agents=list(job.agents), steps=safe + 6)
+    assert_resumed_exactly(job, safe, before, tmp_path)
+    sources = status_of(cluster, job)["restore"]["sources"]
+    assert sources["1"] == "decode:parity", sources

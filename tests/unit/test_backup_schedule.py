@@ -4,6 +4,7 @@ survives a preemption, one that a node loss stranded is replaced at once, and th
 import msgspec
 
 from replicator.coordinator.cluster_gauges import exposition
+from replicator.coordinator.recovery_snapshot import RecoverySnapshot
 from replicator.coordinator.state import ClusterState
 from replicator.wire.messages import BackedUp, HeldStep
 from tests.helpers.coordinator import KEY, NAMES, OWN, SETTINGS, report
@@ -190,3 +191,33 @@ def test_the_safe_steps_remembered_for_the_lag_stay_few_through_a_long_store_out
     state.tick(301.0)
     steps, seconds = state.backup_lag(KEY, state.backed_up(KEY))
     assert steps == 100 and seconds >= 301.0 - 101.0  # step 101 was first safe at 101 s: overstated, never under
+
+
+def test_a_coordinator_restarted_mid_backup_orders_the_same_step_under_the_same_tag_and_keeps_the_lag(tmp_path):
+    """Issue 49: the coordinator is SIGKILLed while step 5 is backed up, a newer step 9 safe meanwhile. Restarted on
+    its state dir, it orders step 5 again under the same upload tag (what was uploaded counts toward its COMMIT;
+    choosing anew would upload every rank again), and the lag still counts from when step 5 was first safe."""
+    state = ClusterState()
+    state.expire(0.0)
+    first, rank_of = form(state, ("a", "b"), ("uid0", "uid1"), 0.0)
+    saved_everywhere(state, first, rank_of, [5], 1.0)
+    state.tick(2.0)
+    (tag,) = {o.incarnation for o in saved_everywhere(state, first, rank_of, [5], 3.0)}
+    saved_everywhere(state, first, rank_of, [5, 9], 31.0)
+    state.tick(32.0)
+    assert (state.job(KEY).backup_pending, state.safe_step(KEY)) == (5, 9)
+    kept = RecoverySnapshot(str(tmp_path))
+    kept.write(kept.collect(state, 0.0))
+
+    restarted = ClusterState()
+    restarted.expire(40.0)
+    for rank in (0, 1):
+        restarted.restore_settings(KEY, rank, SETTINGS)  # the settings snapshot
+    RecoverySnapshot(str(tmp_path)).load(restarted)
+    saved_everywhere(restarted, first, rank_of, [5, 9], 41.0)  # the pods still report the incarnation: adopted
+    restarted.tick(42.0)
+    assert restarted.job(KEY).backup_pending == 5
+    orders = saved_everywhere(restarted, first, rank_of, [5, 9], 43.0)
+    assert sorted((o.step, o.rank, o.incarnation) for o in orders) == [(5, 0, tag), (5, 1, tag)]
+    labels = '{training_job="run",training_namespace="default"}'
+    assert f"mtc_backup_lag_seconds{labels} 42.0" in exposition(restarted).decode()  # step 5 first safe at 1 s
