@@ -69,11 +69,6 @@ class OwnerReports:
         self.step_stamps: dict[int, int] = {}
         self._stamp = 0
 
-    @property
-    def stamp(self) -> int:
-        """Taken anew whenever any step's checksums change."""
-        return self._stamp
-
     def _changed(self, step: int) -> None:
         self._stamp += 1
         self.step_stamps[step] = self._stamp

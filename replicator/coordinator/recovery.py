@@ -69,9 +69,10 @@ class JobRecovery(msgspec.Struct, frozen=True, gc=False):
 
 def stamp(job: JobState) -> tuple[object, ...]:
     """Changes whenever what ``record`` would keep of the job may have changed; cheap (no walk of the ranks)."""
+    steps = job.parity_orders.steps()
     return (
         job.parity_orders.stamp,
-        job.owners.stamp,
+        tuple(job.owners.step_stamps.get(step) for step in sorted(steps)),  # not every step's: saves stream in
         job.backup_pending,
         job.backup_pending_since,
         job.backup_attempt,
