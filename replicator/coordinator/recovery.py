@@ -83,6 +83,12 @@ def stamp(job: JobState) -> tuple[object, ...]:
     )
 
 
+def steps(job: JobState) -> frozenset[int]:
+    """The steps of what is kept: a restarted coordinator keeps them while its first reports arrive (a step held
+    only by a node that has not reported yet is not gone)."""
+    return job.parity_orders.steps() | {step for step, _ in job.owners.recovered}
+
+
 def record(key: JobRef, job: JobState) -> JobRecovery | None:
     """What to keep of the job, or None when there is nothing."""
     steps = job.parity_orders.steps()

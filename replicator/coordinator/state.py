@@ -303,7 +303,10 @@ class ClusterState:
         # After a cluster loss no listing is believed until a new lister lists: the backups seen
         # before are unknown, not gone, and their identities and owner checksums serve the restore.
         listed = backups.listed(job, liveness.nodes)
-        job.forget_gone_steps(frozenset(job.claims.step_ranks) | (backed if listed else set(job.backup_seen)))
+        held = frozenset(job.claims.step_ranks) | (backed if listed else set(job.backup_seen))
+        if liveness.now - liveness.started < liveness.node_timeout_seconds:
+            held |= recovery.steps(job)  # what a previous coordinator kept waits for every node's first report
+        job.forget_gone_steps(held)
         if job.incarnation is not None:
             setting = job.decided.redundancy = parity.job_setting(job, liveness)
             wanted = replicas.wanted(job, liveness)

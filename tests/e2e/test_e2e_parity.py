@@ -19,8 +19,8 @@ from tests.helpers.jobs import (
 SAVES = ["--data-parallelism", "1", *UNTIL_KILLED, "--save-interval-steps", "1", "--step-sleep", "0.3"]
 
 
-def _started(start_cluster, tmp_path, redundancy, name, backup=None, peer_grants=False):
-    cluster = start_cluster(agent_args=["--redundancy", redundancy], backup=backup, peer_grants=peer_grants)
+def _started(start_cluster, tmp_path, redundancy, name, backup=None, peer_grants=False, env=None):
+    cluster = start_cluster(agent_args=["--redundancy", redundancy], backup=backup, env=env, peer_grants=peer_grants)
     job = run_job(name, list(cluster.agents), tmp_path / name, [*SAVES, "--dump-dir", str(tmp_path / "dump-1")])
     job.wait(
         lambda: (s := status_of(cluster, job))["safe_step"] is not None and s["safe_step"] >= 3,
@@ -63,12 +63,17 @@ def test_reed_solomon_group_rebuilds_two_lost_nodes_of_one_group_bit_identically
     assert sources["0"] == "local:node-0" and sources["3"] == "local:node-3", sources
 
 
-def test_a_coordinator_restarted_after_a_node_loss_still_rebuilds_the_lost_rank_by_decode(start_cluster, tmp_path):
+def test_a_coordinator_restarted_after_a_node_loss_still_rebuilds_the_lost_rank_by_decode(
+    start_cluster, fake_gcs, tmp_path
+):
     """Issue 49: node 1 is lost, then the coordinator is SIGKILLed and restarted before the job comes back. Node 1's
     checksums and the encode orders its group's shards were built for never come from a report again: the
-    restarted coordinator reads them from its state dir and plans the lost rank as a decode, as before."""
-    cluster, job, before = _started(start_cluster, tmp_path, "xor:4", "restart")
+    restarted coordinator reads them from its state dir and plans the lost rank as a decode, as before, not from
+    the older step in the backup tier."""
+    store = {"backup": "gs://ckpt/mtc", "env": {"STORAGE_EMULATOR_HOST": fake_gcs.url}}
+    cluster, job, before = _started(start_cluster, tmp_path, "xor:4", "restart", **store)
     safe = status_of(cluster, job)["safe_step"]
+    assert max(status_of(cluster, job)["backups"] or [0]) < safe  # a restore from the backup tier would be older
     # Harness sync: the state dir holds the safe step's recipe (it is written within a tick of the decision).
     coordinator_recorded(cluster.coordinator, lambda jobs: any(o["slot"]["step"] == safe for o in jobs[0]["orders"]))
     job.kill_training()

@@ -2,6 +2,7 @@
 which ranks are grouped and ordered to encode, the parity bytes a group costs, when a step is safe, and the
 restore plan of a lost rank (a ``Tier.DECODE`` source with its recipe)."""
 
+import msgspec
 import pytest
 from prometheus_client import REGISTRY
 
@@ -375,12 +376,16 @@ def test_two_lost_ranks_of_an_xor_group_get_no_decode_source():
     assert not [c for c in state.copies(KEY) if c.decode]
 
 
-def restart(state_dir: str | None, old: ClusterState, job: Job, now: float) -> ClusterState:
+def restart(state_dir: str | None, old: ClusterState, job: Job, now: float, seen: dict[int, float] | None = None):
     """The coordinator is SIGKILLed and started again on ``state_dir`` (None: it has none): all that is left of
-    ``old`` is what its recovery snapshot last wrote there, and its settings snapshot."""
+    ``old`` is what its recovery snapshot last wrote there (with ``seen``: it had also seen those backups), and its
+    settings snapshot."""
     if state_dir is not None:
         written = RecoverySnapshot(state_dir)
-        written.write(written.collect(old, 0.0))
+        jobs = written.collect(old, 0.0)
+        if seen:
+            jobs = [msgspec.structs.replace(j, backup=msgspec.structs.replace(j.backup, seen=seen)) for j in jobs]
+        written.write(jobs)
     restarted = ClusterState(node_timeout_seconds=15.0, holder_grace_seconds=30.0)
     restarted.expire(now)
     for rank, s in enumerate(job.settings):
@@ -397,7 +402,9 @@ def test_a_coordinator_restarted_after_a_node_loss_plans_the_lost_ranks_as_decod
 ):
     """Issue 49: the group's nodes lose ``lost`` (they never report again), then the coordinator restarts. The lost
     ranks' checksums and the shards' encode orders come back from the state dir, and each lost rank is planned as a
-    decode with its own checksums. Without a state dir nothing brings them back: no decode, a fresh start."""
+    decode with its own checksums. Its first decision pass runs before any report, believing an older backup: what
+    was kept is not forgotten before the survivors report it. Without a state dir nothing brings them back: no
+    decode, a fresh start."""
     state = ClusterState(node_timeout_seconds=15.0, holder_grace_seconds=30.0)
     state.expire(0.0)
     job = Job(state, single(4), redundancy=redundancy)
@@ -406,7 +413,8 @@ def test_a_coordinator_restarted_after_a_node_loss_plans_the_lost_ranks_as_decod
     job.round(5.0)
     assert state.safe_step(KEY) == STEP
     lost_ranks = sorted(job.rank_of[n] for n in lost)
-    restarted = restart(str(tmp_path) if kept else None, state, job, 10.0)
+    restarted = restart(str(tmp_path) if kept else None, state, job, 10.0, seen={3: 1.0})
+    restarted.tick(11.0)  # a decision pass before any report
     survivors = [n for n in job.slot if n not in lost]
     for node in lost:
         job.slot[f"f{node}"] = job.slot.pop(node)
