@@ -40,7 +40,7 @@ class RecoveredChecksums(msgspec.Struct, frozen=True, gc=False):
 class RecoveredOrder(msgspec.Struct, frozen=True, gc=False):
     """An encode order: ``node`` builds ``slot`` over ``basis`` (``redundancy.basis``, 64 hex digits)."""
 
-    node: Annotated[str, msgspec.Meta(min_length=1, max_length=253)]
+    node: Name
     slot: ShardSlot
     basis: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
 
@@ -69,10 +69,11 @@ class JobRecovery(msgspec.Struct, frozen=True, gc=False):
 
 def stamp(job: JobState) -> tuple[object, ...]:
     """Changes whenever what ``record`` would keep of the job may have changed; cheap (no walk of the ranks)."""
-    steps = job.parity_orders.steps()
     return (
         job.parity_orders.stamp,
-        tuple(job.owners.step_stamps.get(step) for step in sorted(steps)),  # not every step's: saves stream in
+        tuple(
+            job.owners.step_stamps.get(step) for step in sorted(job.parity_orders.steps())
+        ),  # not every step's: saves stream in
         job.backup_pending,
         job.backup_pending_since,
         job.backup_attempt,
@@ -91,11 +92,11 @@ def steps(job: JobState) -> frozenset[int]:
 
 def record(key: JobRef, job: JobState) -> JobRecovery | None:
     """What to keep of the job, or None when there is nothing."""
-    steps = job.parity_orders.steps()
+    ordered = job.parity_orders.steps()
     checksums = [
         RecoveredChecksums(step, rank, packed)
         for step, rank in sorted({*job.owners.files, *job.owners.recovered})
-        if step in steps and (packed := job.owners.known(step, rank)) is not None
+        if step in ordered and (packed := job.owners.known(step, rank)) is not None
     ]
     orders = [
         RecoveredOrder(node, slot, basis)

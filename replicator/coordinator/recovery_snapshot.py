@@ -24,7 +24,7 @@ from replicator.coordinator.state import ClusterState
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-# A file larger than this is not read (a 10,000-rank job's round of 60-file checksums packs to about 20 MB).
+# A file larger than this is not read (a 10,000-rank job's round of 60-file checksums: 25 MB).
 MAX_BYTES = 1 << 30
 # At most about this share of the time goes to writes: a write that took d seconds is followed by the next one no
 # sooner than d / share after it was collected (a small state is written within a tick of a change).
@@ -37,6 +37,12 @@ class RecoveryFile(msgspec.Struct, frozen=True, gc=False):
     version: int
     written_at: float
     jobs: list[recovery.JobRecovery]
+
+
+class _Version(msgspec.Struct):
+    """Any version's file: its format version alone (the rest is skipped)."""
+
+    version: int
 
 
 class RecoverySnapshot:
@@ -88,15 +94,15 @@ class RecoverySnapshot:
                 data = f.read(MAX_BYTES + 1)
             if len(data) > MAX_BYTES:
                 raise ValueError(f"larger than {MAX_BYTES} bytes")
-            if (version := msgspec.json.decode(data, type=dict).get("version")) != FORMAT_VERSION:
+            if (version := msgspec.json.decode(data, type=_Version).version) != FORMAT_VERSION:
                 raise ValueError(f"format version {version!r}, not {FORMAT_VERSION}")
             found = msgspec.json.decode(data, type=RecoveryFile)
             for job in found.jobs:
                 recovery.check(job)
         except (OSError, ValueError) as err:  # msgspec's DecodeError and ValidationError are ValueErrors
             log.warning(
-                "ignoring unreadable recovery state %s (%s): checksums of lost ranks, encode orders and the backup in "
-                "progress are rebuilt from the agents' reports only",
+                "ignoring unreadable recovery state %s (%s): a rank lost before this restart is restored from a replica "
+                "or the backup tier, not decoded, and a backup in progress is chosen anew",
                 self.path,
                 err,
             )
