@@ -31,8 +31,7 @@ from tests.helpers.jobs import (
     wait_safe_is_newest,
 )
 from tests.helpers.polling import wait_until
-from tests.helpers.servers import FakeGcsServer
-from tests.helpers.tools import require_tool, requires_root
+from tests.helpers.tools import requires_root
 
 
 def backups_settled(cluster, job):
@@ -356,29 +355,26 @@ def _backed_up_lines(agents, step: int) -> dict[int, int]:
 
 
 def test_a_coordinator_restarted_mid_backup_keeps_its_attempt_and_the_backup_commits_uploaded_once(
-    start_cluster, tmp_path
+    fake_gcs, start_cluster, tmp_path
 ):
     """Issue 49: the coordinator is SIGKILLed while a backup uploads (the store frozen meanwhile, so it cannot
     finish first) and restarted. It reads the backup in progress from its state dir: it orders the same step under
-    the same upload tag, the uploads in flight finish, the step commits, and no object of it is uploaded twice."""
-    store = FakeGcsServer(
-        require_tool("fake-gcs-server"), data_dir=str(tmp_path / "gcs-data"), request_log=str(tmp_path / "gcs.log")
-    ).start()
+    the same upload tag, the uploads in flight finish, the step commits, and no rank's step is uploaded twice.
+    (``fake_gcs`` is set up first, so the cluster stops before it.)"""
+    cluster = start_cluster(backup="gs://ckpt/mtc", env={"STORAGE_EMULATOR_HOST": fake_gcs.url})
+    train = ["--backup-interval-steps", "6", "--ballast-mib", "2", "--dump-dir", str(tmp_path / "d1")]
+    job = run_job("midbackup", list(cluster.agents), tmp_path / "midbackup", [*UNTIL_KILLED, *train])
+    job.wait(lambda: status_of(cluster, job)["backups"], 120, "a first backup")
+    steps = tmp_path / "gcs-data" / "ckpt" / "mtc" / "default" / job.job / "steps"
     try:
-        store.client().create_bucket("ckpt")
-        cluster = start_cluster(backup="gs://ckpt/mtc", env={"STORAGE_EMULATOR_HOST": store.url})
-        train = ["--backup-interval-steps", "6", "--ballast-mib", "2", "--dump-dir", str(tmp_path / "d1")]
-        job = run_job("midbackup", list(cluster.agents), tmp_path / "midbackup", [*UNTIL_KILLED, *train])
-        job.wait(lambda: status_of(cluster, job)["backups"], 120, "a first backup")
-        steps = tmp_path / "gcs-data" / "ckpt" / "mtc" / "default" / job.job / "steps"
         for _ in range(5):  # a backup that commits before the store is frozen tests nothing: the next one is taken
             last = max(status_of(cluster, job)["backups"])
             wait_until(lambda: (status_of(cluster, job)["backup_pending"] or 0) > last, 60, "the next backup chosen")
             pending = status_of(cluster, job)["backup_pending"]
-            os.kill(store.pid, signal.SIGSTOP)
+            os.kill(fake_gcs.pid, signal.SIGSTOP)
             if pending is not None and not (steps / str(pending) / "COMMIT").exists():
                 break
-            os.kill(store.pid, signal.SIGCONT)
+            os.kill(fake_gcs.pid, signal.SIGCONT)
             wait_until(lambda: status_of(cluster, job)["backup_pending"] != pending, 60, f"backup {pending} done")
         else:
             raise AssertionError("harness: five backups committed before the store could be frozen")
@@ -389,13 +385,11 @@ def test_a_coordinator_restarted_mid_backup_keeps_its_attempt_and_the_backup_com
         cluster.coordinator.start()
         wait_until(lambda: status_of(cluster, job)["incarnation"] is not None, 30, "the incarnation adopted")
         assert status_of(cluster, job)["backup_pending"] == pending
-        os.kill(store.pid, signal.SIGCONT)
-        job.wait(lambda: pending in status_of(cluster, job)["backups"], 90, f"backup {pending} committed")
-        # Every rank's upload carries the tag chosen before the restart, and went once.
-        manifests = [json.loads((steps / str(pending) / f"rank-{r}.manifest.json").read_text()) for r in range(4)]
-        assert [m["incarnation"] for m in manifests] == [attempt] * 4
-        assert _backed_up_lines(cluster.agents, pending) == {r: 1 for r in range(4)}
-        job.kill_training()
     finally:
-        os.kill(store.pid, signal.SIGCONT)
-        store.stop()
+        os.kill(fake_gcs.pid, signal.SIGCONT)
+    job.wait(lambda: pending in status_of(cluster, job)["backups"], 90, f"backup {pending} committed")
+    # Every rank's upload carries the tag chosen before the restart, and went once.
+    manifests = [json.loads((steps / str(pending) / f"rank-{r}.manifest.json").read_text()) for r in range(4)]
+    assert [m["incarnation"] for m in manifests] == [attempt] * 4
+    assert _backed_up_lines(cluster.agents, pending) == {r: 1 for r in range(4)}
+    job.kill_training()

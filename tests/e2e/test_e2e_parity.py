@@ -64,12 +64,12 @@ def test_reed_solomon_group_rebuilds_two_lost_nodes_of_one_group_bit_identically
 
 
 def test_a_coordinator_restarted_after_a_node_loss_still_rebuilds_the_lost_rank_by_decode(
-    start_cluster, fake_gcs, tmp_path
+    fake_gcs, start_cluster, tmp_path
 ):
     """Issue 49: node 1 is lost, then the coordinator is SIGKILLed and restarted before the job comes back. Node 1's
     checksums and the encode orders its group's shards were built for never come from a report again: the
     restarted coordinator reads them from its state dir and plans the lost rank as a decode, as before, not from
-    the older step in the backup tier."""
+    the older step in the backup tier. (``fake_gcs`` is set up first, so the cluster stops before it.)"""
     store = {"backup": "gs://ckpt/mtc", "env": {"STORAGE_EMULATOR_HOST": fake_gcs.url}}
     cluster, job, before = _started(start_cluster, tmp_path, "xor:4", "restart", **store)
     safe = status_of(cluster, job)["safe_step"]
