@@ -55,13 +55,17 @@ class OwnerReports:
         until the node is believed for the rank (then they become ``files`` and the identity's signatures).
       step_stamps: step -> a stamp taken anew whenever ``files`` of the step change (never reused, also
         after the step is forgotten): what ``parity.place_orders`` remembers its work by.
+      recovered: (step, rank) -> packed checksums a previous coordinator kept in its state dir
+        (``recovery``): a lost rank's, which no report brings back. Served by ``checksums`` until the rank's own
+        believed node reports its own (then ``files``, which win).
     """
 
-    __slots__ = ("_stamp", "files", "pending", "step_stamps")
+    __slots__ = ("_stamp", "files", "pending", "recovered", "step_stamps")
 
     def __init__(self) -> None:
         self.files: dict[tuple[int, int], bytes] = {}
         self.pending: dict[tuple[int, int, str], tuple[bytes | None, str | None]] = {}
+        self.recovered: dict[tuple[int, int], bytes] = {}
         self.step_stamps: dict[int, int] = {}
         self._stamp = 0
 
@@ -71,8 +75,19 @@ class OwnerReports:
 
     def drop(self, step: int, rank: int) -> None:
         """Forgets the rank's checksums of ``step`` (the step was written again)."""
-        if self.files.pop((step, rank), None) is not None:
+        recovered = self.recovered.pop((step, rank), None)
+        if self.files.pop((step, rank), None) is not None or recovered is not None:
             self._changed(step)
+
+    def recover(self, step: int, rank: int, packed: bytes) -> None:
+        """A previous coordinator's checksums of the rank's ``step`` (``pack_files``), kept until its own report."""
+        if (step, rank) not in self.files:
+            self.recovered[(step, rank)] = packed
+            self._changed(step)
+
+    def known(self, step: int, rank: int) -> bytes | None:
+        """The rank's packed checksums of ``step``: reported to this coordinator, else recovered; or None."""
+        return self.files.get((step, rank)) or self.recovered.get((step, rank))
 
     def promote(self, beliefs: Beliefs, identity: Identity) -> None:
         """Checksums and signatures reported by nodes now believed for the rank become the job's."""
@@ -81,6 +96,7 @@ class OwnerReports:
                 continue
             if files is not None and (step, rank) not in self.files:
                 self.files[(step, rank)] = files
+                self.recovered.pop((step, rank), None)  # the rank's own word wins over what was kept
                 self._changed(step)
             if signature is not None:
                 identity.add_signature(step, rank, signature)
@@ -89,19 +105,21 @@ class OwnerReports:
 
     def checksums(self, step: int, rank: int) -> Files | None:
         """The checksums the rank's own node reported for ``step`` (path -> (size, CRC32C)), or None."""
-        packed = self.files.get((step, rank))
+        packed = self.known(step, rank)
         return unpack_files(packed) if packed is not None else None
 
     def forget_above(self, lowest: int) -> None:
-        for files_key in [k for k in self.files if k[0] > lowest]:
-            del self.files[files_key]
+        for table in (self.files, self.recovered):
+            for files_key in [k for k in table if k[0] > lowest]:
+                del table[files_key]
         for pending_key in [k for k in self.pending if k[0] > lowest]:
             del self.pending[pending_key]
         self.step_stamps = {s: stamp for s, stamp in self.step_stamps.items() if s <= lowest}
 
     def forget_gone(self, steps: frozenset[int]) -> None:
-        for key in [k for k in self.files if k[0] not in steps]:
-            del self.files[key]
+        for table in (self.files, self.recovered):
+            for key in [k for k in table if k[0] not in steps]:
+                del table[key]
         self.step_stamps = {s: stamp for s, stamp in self.step_stamps.items() if s in steps}
 
 

@@ -4,7 +4,9 @@ which basis. Only stores; ``parity`` places the orders and is the policy that re
 A node's shard counts (safety, decoding, recipes) only where it matches an order made out to that node: the same
 step, group, parity, stripe and shard index, over the same basis. Replica claims are believed the same way
 (``claims.Beliefs.ordered``). The index is soft state: a restarted coordinator has none and orders its round's
-step again (``parity.place_orders``); shards a node already holds for such an order count once it is placed.
+step again (``parity.place_orders``); shards a node already holds for such an order count once it is placed. With
+``--state-dir`` it keeps them (``recovery``): a restarted coordinator believes the shards it had ordered, also of a
+lost member's group, whose order it could not place again without the lost member's checksums.
 """
 
 from collections.abc import Callable
@@ -31,10 +33,12 @@ class ParityOrders:
     Keyed by node first: a forgotten node's orders go in one step, and a lookup is two dict reads.
     """
 
-    __slots__ = ("ordered",)
+    __slots__ = ("_steps", "ordered", "stamp")
 
     def __init__(self) -> None:
         self.ordered: dict[str, dict[ShardSlot, str]] = {}
+        self.stamp = 0  # bumped whenever an order is made or forgotten
+        self._steps: tuple[int, frozenset[int]] = (0, frozenset())
 
     def order(self, node_id: str, slots: list[ShardSlot], basis: str) -> bool:
         """The coordinator orders ``node_id`` to build ``slots`` over ``basis`` (an order of a slot over another
@@ -44,7 +48,14 @@ class ParityOrders:
         for slot in slots:
             if mine.get(slot) != basis:
                 mine[slot], new = basis, True
+        self.stamp += new
         return new
+
+    def steps(self) -> frozenset[int]:
+        """The steps some order is of (computed once per ``stamp``)."""
+        if self._steps[0] != self.stamp:
+            self._steps = (self.stamp, frozenset(slot.step for mine in self.ordered.values() for slot in mine))
+        return self._steps[1]
 
     def basis_of(self, node_id: str, slot: ShardSlot) -> str | None:
         """The basis ``node_id`` was last ordered to build ``slot`` over, or None if it never was."""
@@ -57,12 +68,15 @@ class ParityOrders:
 
     def forget_node(self, node_id: str) -> None:
         """The node is forgotten: a node that comes back under its name is ordered anew."""
-        self.ordered.pop(node_id, None)
+        if self.ordered.pop(node_id, None) is not None:
+            self.stamp += 1
 
     def forget_steps(self, keep: Callable[[int], bool]) -> None:
         """Orders of steps ``keep`` refuses (held in no tier, or of an abandoned timeline)."""
         for node_id in list(self.ordered):
             mine = {slot: basis for slot, basis in self.ordered[node_id].items() if keep(slot.step)}
+            if len(mine) != len(self.ordered[node_id]):
+                self.stamp += 1
             if mine:
                 self.ordered[node_id] = mine
             else:

@@ -29,6 +29,7 @@ from replicator.coordinator.kube_overlay import KubeOverlay
 from replicator.coordinator.kube_watch import ShapeWatcher, WatchSettings
 from replicator.coordinator.node_identity import NodeVerifier
 from replicator.coordinator.operator_auth import KubeOperators, OperatorAuth, Operators, TokenOperators
+from replicator.coordinator.recovery_snapshot import RecoverySnapshot
 from replicator.coordinator.report_order import ReportOrder
 from replicator.coordinator.routes import (
     CHANGES_KEY,
@@ -54,6 +55,8 @@ LOOP_LAG = Histogram(
     "How late the coordinator's ticker woke: its event loop was busy that long",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
 )
+# What restores and backups need that no report brings back, kept in the state dir (``recovery_snapshot``).
+RECOVERY_KEY = web.AppKey("recovery", RecoverySnapshot)
 # Expiry and due decision passes run this often, seconds.
 TICK_SECONDS = 0.25
 # A report of a node holding 16k steps of 60 files stays well below this; anything larger is refused (413).
@@ -62,7 +65,8 @@ MAX_BODY_BYTES = 256 << 20
 
 async def _ticker(app: web.Application) -> AsyncIterator[None]:
     """Expires nodes and runs due decision passes in the background, waking long polls they affect,
-    and writes the settings snapshot when settings changed (once more on shutdown)."""
+    and writes the settings snapshot when settings changed and the recovery snapshot when what restores need
+    changed (each once more on shutdown)."""
 
     async def tick_forever() -> None:
         while True:
@@ -75,6 +79,8 @@ async def _ticker(app: web.Application) -> AsyncIterator[None]:
                 gc.collect(1)  # by the clock, not by the count (``process_tuning.GC_THRESHOLDS``)
                 if (data := app[SNAPSHOT_KEY].encode(app[STATE_KEY], time.monotonic())) is not None:
                     await asyncio.to_thread(app[SNAPSHOT_KEY].write, data)
+                if (jobs := app[RECOVERY_KEY].collect(app[STATE_KEY], time.monotonic())) is not None:
+                    await asyncio.to_thread(app[RECOVERY_KEY].write, jobs)
             except Exception:  # a bug in one pass must not stop expiry for the cluster
                 log.exception("coordinator tick failed, carrying on")
 
@@ -87,6 +93,8 @@ async def _ticker(app: web.Application) -> AsyncIterator[None]:
         data := app[SNAPSHOT_KEY].encode(app[STATE_KEY], float("inf"))
     ) is not None:  # the last changes, whenever the previous write
         app[SNAPSHOT_KEY].write(data)
+    if (jobs := app[RECOVERY_KEY].collect(app[STATE_KEY], float("inf"))) is not None:
+        app[RECOVERY_KEY].write(jobs)
 
 
 async def _kube_watcher(app: web.Application) -> AsyncIterator[None]:
@@ -127,6 +135,7 @@ def make_app(config: CoordinatorConfig) -> web.Application:
     app[ORDER_KEY] = ReportOrder()
     app[CHANGES_KEY] = JobChanges(app[STATE_KEY])
     app[SNAPSHOT_KEY] = SettingsSnapshot(config.state_dir)
+    app[RECOVERY_KEY] = RecoverySnapshot(config.state_dir)
     app.cleanup_ctx.append(_ticker)
     if config.kube is not None:
         app[OVERLAY_KEY] = KubeOverlay()
@@ -153,6 +162,7 @@ def make_app(config: CoordinatorConfig) -> web.Application:
     if config.state_dir:
         os.makedirs(config.state_dir, exist_ok=True)
         app[SNAPSHOT_KEY].load(app[STATE_KEY])
+        app[RECOVERY_KEY].load(app[STATE_KEY])
     tokens = Tokens(config.token_file) if config.token_file else None  # read again when the file changes
     if tokens is None:
         log.warning(

@@ -28,6 +28,7 @@ from replicator.coordinator import (
     lineage,
     parity,
     planner,
+    recovery,
     replicas,
     restores,
     retention,
@@ -302,7 +303,10 @@ class ClusterState:
         # After a cluster loss no listing is believed until a new lister lists: the backups seen
         # before are unknown, not gone, and their identities and owner checksums serve the restore.
         listed = backups.listed(job, liveness.nodes)
-        job.forget_gone_steps(frozenset(job.claims.step_ranks) | (backed if listed else set(job.backup_seen)))
+        held = frozenset(job.claims.step_ranks) | (backed if listed else set(job.backup_seen))
+        if liveness.now - liveness.started < liveness.node_timeout_seconds:
+            held |= recovery.steps(job)  # what a previous coordinator kept waits for every node's first report
+        job.forget_gone_steps(held)
         if job.incarnation is not None:
             setting = job.decided.redundancy = parity.job_setting(job, liveness)
             wanted = replicas.wanted(job, liveness)
@@ -404,6 +408,20 @@ class ClusterState:
         if job is None:
             job = self._jobs[key] = JobState()
         job.add_settings(rank, settings)
+
+    # -- what the state dir keeps (``recovery``) -----------------------------------------------
+
+    def recovery_stamp(self) -> tuple[object, ...]:
+        """Changes whenever what ``recovery_records`` answers may have changed; cheap."""
+        return tuple((key, recovery.stamp(job)) for key, job in self._jobs.items())
+
+    def recovery_records(self) -> list[recovery.JobRecovery]:
+        """What a restarted coordinator cannot learn again from reports, per job that has any."""
+        return [found for key, job in self._jobs.items() if (found := recovery.record(key, job)) is not None]
+
+    def recover(self, recovered: recovery.JobRecovery) -> None:
+        """Takes in what a previous coordinator kept of a job (``recovery.check``ed), before its reports arrive."""
+        recovery.apply(self._jobs.setdefault(JobRef(recovered.namespace, recovered.job), JobState()), recovered)
 
     # -- assignments and settings --------------------------------------------------------------
 

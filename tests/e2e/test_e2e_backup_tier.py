@@ -4,6 +4,7 @@ store: google-cloud-storage with fake-gcs-server (``gs://``), boto3 with MinIO (
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -19,6 +20,7 @@ from tests.helpers.jobs import (
     assert_same_state,
     by_event,
     compared_losses,
+    coordinator_recorded,
     kill_past_newest_commit,
     losses,
     recreate,
@@ -340,3 +342,54 @@ def test_rpo_a_node_lost_mid_backup_then_the_cluster_30_s_later_restores_within_
     for rank in range(4):
         name = f"rank{rank}-step{backed_up}.npz"
         assert_same_state(tmp_path / "d1" / name, tmp_path / "d2" / name)
+
+
+def _backed_up_lines(agents, step: int) -> dict[int, int]:
+    """Rank -> how many times an agent's log says it uploaded the rank's ``step`` (``BackupWorker._upload``)."""
+    found: dict[int, int] = {}
+    for agent in agents:
+        with open(agent.log_path, encoding="utf-8", errors="replace") as log:
+            for rank in re.findall(rf": rank (\d+) step {step} backed up to ", log.read()):
+                found[int(rank)] = found.get(int(rank), 0) + 1
+    return found
+
+
+def test_a_coordinator_restarted_mid_backup_keeps_its_attempt_and_the_backup_commits_uploaded_once(
+    fake_gcs, start_cluster, tmp_path
+):
+    """Issue 49: the coordinator is SIGKILLed while a backup uploads (the store frozen meanwhile, so it cannot
+    finish first) and restarted. It reads the backup in progress from its state dir: it orders the same step under
+    the same upload tag, the uploads in flight finish, the step commits, and no rank's step is uploaded twice.
+    (``fake_gcs`` is set up first, so the cluster stops before it.)"""
+    cluster = start_cluster(backup="gs://ckpt/mtc", env={"STORAGE_EMULATOR_HOST": fake_gcs.url})
+    train = ["--backup-interval-steps", "6", "--ballast-mib", "2", "--dump-dir", str(tmp_path / "d1")]
+    job = run_job("midbackup", list(cluster.agents), tmp_path / "midbackup", [*UNTIL_KILLED, *train])
+    job.wait(lambda: status_of(cluster, job)["backups"], 120, "a first backup")
+    steps = tmp_path / "gcs-data" / "ckpt" / "mtc" / "default" / job.job / "steps"
+    try:
+        for _ in range(5):  # a backup that commits before the store is frozen tests nothing: the next one is taken
+            last = max(status_of(cluster, job)["backups"])
+            wait_until(lambda: (status_of(cluster, job)["backup_pending"] or 0) > last, 60, "the next backup chosen")
+            pending = status_of(cluster, job)["backup_pending"]
+            os.kill(fake_gcs.pid, signal.SIGSTOP)
+            if pending is not None and not (steps / str(pending) / "COMMIT").exists():
+                break
+            os.kill(fake_gcs.pid, signal.SIGCONT)
+            wait_until(lambda: status_of(cluster, job)["backup_pending"] != pending, 60, f"backup {pending} done")
+        else:
+            raise AssertionError("harness: five backups committed before the store could be frozen")
+        # Harness sync: the state dir holds the backup in progress (written within a tick of the choice).
+        kept = coordinator_recorded(cluster.coordinator, lambda jobs: jobs[0]["backup"]["pending"] == pending)
+        attempt = kept[0]["backup"]["attempt"]
+        cluster.coordinator.kill()
+        cluster.coordinator.start()
+        wait_until(lambda: status_of(cluster, job)["incarnation"] is not None, 30, "the incarnation adopted")
+        assert status_of(cluster, job)["backup_pending"] == pending
+    finally:
+        os.kill(fake_gcs.pid, signal.SIGCONT)
+    job.wait(lambda: pending in status_of(cluster, job)["backups"], 90, f"backup {pending} committed")
+    # Every rank's upload carries the tag chosen before the restart, and went once.
+    manifests = [json.loads((steps / str(pending) / f"rank-{r}.manifest.json").read_text()) for r in range(4)]
+    assert [m["incarnation"] for m in manifests] == [attempt] * 4
+    assert _backed_up_lines(cluster.agents, pending) == {r: 1 for r in range(4)}
+    job.kill_training()

@@ -7,6 +7,7 @@ from tests.helpers.agents import scrape
 from tests.helpers.jobs import (
     UNTIL_KILLED,
     assert_resumed_exactly,
+    coordinator_recorded,
     kill_past_newest_commit,
     replace_node,
     rerun,
@@ -18,8 +19,8 @@ from tests.helpers.jobs import (
 SAVES = ["--data-parallelism", "1", *UNTIL_KILLED, "--save-interval-steps", "1", "--step-sleep", "0.3"]
 
 
-def _started(start_cluster, tmp_path, redundancy, name, backup=None, peer_grants=False):
-    cluster = start_cluster(agent_args=["--redundancy", redundancy], backup=backup, peer_grants=peer_grants)
+def _started(start_cluster, tmp_path, redundancy, name, backup=None, peer_grants=False, env=None):
+    cluster = start_cluster(agent_args=["--redundancy", redundancy], backup=backup, env=env, peer_grants=peer_grants)
     job = run_job(name, list(cluster.agents), tmp_path / name, [*SAVES, "--dump-dir", str(tmp_path / "dump-1")])
     job.wait(
         lambda: (s := status_of(cluster, job))["safe_step"] is not None and s["safe_step"] >= 3,
@@ -60,3 +61,26 @@ def test_reed_solomon_group_rebuilds_two_lost_nodes_of_one_group_bit_identically
     sources = status_of(cluster, job)["restore"]["sources"]
     assert sources["1"] == sources["2"] == "decode:parity", sources
     assert sources["0"] == "local:node-0" and sources["3"] == "local:node-3", sources
+
+
+def test_a_coordinator_restarted_after_a_node_loss_still_rebuilds_the_lost_rank_by_decode(
+    fake_gcs, start_cluster, tmp_path
+):
+    """Issue 49: node 1 is lost, then the coordinator is SIGKILLed and restarted before the job comes back. Node 1's
+    checksums and the encode orders its group's shards were built for never come from a report again: the
+    restarted coordinator reads them from its state dir and plans the lost rank as a decode, as before, not from
+    the older step in the backup tier. (``fake_gcs`` is set up first, so the cluster stops before it.)"""
+    store = {"backup": "gs://ckpt/mtc", "env": {"STORAGE_EMULATOR_HOST": fake_gcs.url}}
+    cluster, job, before = _started(start_cluster, tmp_path, "xor:4", "restart", **store)
+    safe = status_of(cluster, job)["safe_step"]
+    assert max(status_of(cluster, job)["backups"] or [0]) < safe  # a restore from the backup tier would be older
+    # Harness sync: the state dir holds the safe step's recipe (it is written within a tick of the decision).
+    coordinator_recorded(cluster.coordinator, lambda jobs: any(o["slot"]["step"] == safe for o in jobs[0]["orders"]))
+    job.kill_training()
+    job.agents[:] = replace_node(cluster, job, 1)
+    cluster.coordinator.kill()
+    cluster.coordinator.start()
+    rerun(job, tmp_path / "dump-2", agents=list(job.agents), steps=safe + 6)
+    assert_resumed_exactly(job, safe, before, tmp_path)
+    sources = status_of(cluster, job)["restore"]["sources"]
+    assert sources["1"] == "decode:parity", sources

@@ -1,5 +1,6 @@
 """Helpers for end-to-end tests that run real training jobs on a local cluster."""
 
+import json
 import os
 import signal
 import time
@@ -147,6 +148,32 @@ def newest_complete_step(coordinator, job):
 def status_of(cluster, job):
     """The coordinator's status of ``job``."""
     return cluster.coordinator.status(job.job)["jobs"][0]
+
+
+def coordinator_recorded(coordinator, holds, timeout: float = 10.0) -> list:
+    """Waits until the coordinator's recovery state (``<state dir>/recovery.json``: its jobs, as JSON) ``holds``, and
+    returns those jobs: a harness sync before a SIGKILL, for the state dir is written within a tick of a decision,
+    not with it.
+
+    Raises:
+      TimeoutError: it did not within ``timeout`` seconds.
+    """
+    path = os.path.join(coordinator.workdir, "state", "recovery.json")
+    found: list = []
+
+    def written() -> bool:
+        try:
+            with open(path, encoding="utf-8") as f:
+                jobs = json.load(f)["jobs"]
+            if holds(jobs):
+                found[:] = jobs
+                return True
+        except (OSError, ValueError, KeyError, IndexError):
+            pass
+        return False
+
+    wait_until(written, timeout, f"the coordinator's recovery state in {path}")
+    return found
 
 
 def wait_safe_is_newest(cluster, job, timeout: float, what: str) -> None:

@@ -4,6 +4,7 @@ survives a preemption, one that a node loss stranded is replaced at once, and th
 import msgspec
 
 from replicator.coordinator.cluster_gauges import exposition
+from replicator.coordinator.recovery_snapshot import RecoverySnapshot
 from replicator.coordinator.state import ClusterState
 from replicator.wire.messages import BackedUp, HeldStep, JobSettings
 from tests.helpers.coordinator import KEY, NAMES, OWN, SETTINGS, report
@@ -214,3 +215,33 @@ def test_backup_interval_minutes_counts_from_when_the_last_backup_was_chosen_not
     # One minute after step 5 was chosen, not one minute after it completed (at 110 s): the upload's 48 s would have
     # been added to every interval, and to the lag a cluster loss costs.
     assert state.job(KEY).backup_pending == 9
+
+
+def test_a_coordinator_restarted_mid_backup_orders_the_same_step_under_the_same_tag_and_keeps_the_lag(tmp_path):
+    """Issue 49: the coordinator is SIGKILLed while step 5 is backed up, a newer step 9 safe meanwhile. Restarted on
+    its state dir, it orders step 5 again under the same upload tag (what was uploaded counts toward its COMMIT;
+    choosing anew would upload every rank again), and the lag still counts from when step 5 was first safe."""
+    state = ClusterState()
+    state.expire(0.0)
+    first, rank_of = form(state, ("a", "b"), ("uid0", "uid1"), 0.0)
+    saved_everywhere(state, first, rank_of, [5], 1.0)
+    state.tick(2.0)
+    (tag,) = {o.incarnation for o in saved_everywhere(state, first, rank_of, [5], 3.0)}
+    saved_everywhere(state, first, rank_of, [5, 9], 31.0)
+    state.tick(32.0)
+    assert (state.job(KEY).backup_pending, state.safe_step(KEY)) == (5, 9)
+    kept = RecoverySnapshot(str(tmp_path))
+    kept.write(kept.collect(state, 0.0))
+
+    restarted = ClusterState()
+    restarted.expire(40.0)
+    for rank in (0, 1):
+        restarted.restore_settings(KEY, rank, SETTINGS)  # the settings snapshot
+    RecoverySnapshot(str(tmp_path)).load(restarted)
+    saved_everywhere(restarted, first, rank_of, [5, 9], 41.0)  # the pods still report the incarnation: adopted
+    restarted.tick(42.0)
+    assert restarted.job(KEY).backup_pending == 5
+    orders = saved_everywhere(restarted, first, rank_of, [5, 9], 43.0)
+    assert sorted((o.step, o.rank, o.incarnation) for o in orders) == [(5, 0, tag), (5, 1, tag)]
+    labels = '{training_job="run",training_namespace="default"}'
+    assert f"mtc_backup_lag_seconds{labels} 42.0" in exposition(restarted).decode()  # step 5 first safe at 1 s

@@ -2,10 +2,12 @@
 which ranks are grouped and ordered to encode, the parity bytes a group costs, when a step is safe, and the
 restore plan of a lost rank (a ``Tier.DECODE`` source with its recipe)."""
 
+import msgspec
 import pytest
 from prometheus_client import REGISTRY
 
 from replicator.coordinator import parity
+from replicator.coordinator.recovery_snapshot import RecoverySnapshot
 from replicator.coordinator.state import ClusterState, decide_interval
 from replicator.parity.layout import GroupLayout, cluster_ram
 from replicator.wire import redundancy
@@ -33,6 +35,7 @@ class Job:
         self.shards: dict[str, list[HeldShard]] = {}
         self.data: dict[str, int] = {}  # node -> the rank whose steps it holds
         self.steps: tuple[int, ...] = (STEP,)  # the steps every node holds
+        self.written_again: dict[int, dict[str, tuple[int, str]]] = {}  # rank -> its step's other checksums
         self.start(0.0)
 
     def start(self, now: float) -> None:
@@ -56,9 +59,10 @@ class Job:
     def report(self, node: str, held: bool = False):
         if held and node not in self.data:
             self.data[node] = self.rank_of[node]
+        rank = self.data.get(node)
         steps = (
-            [HeldStep(*NAMES, step, self.data[node], files(self.data[node], step)) for step in self.steps]
-            if held
+            [HeldStep(*NAMES, step, rank, self.written_again.get(rank) or files(rank, step)) for step in self.steps]
+            if held and rank is not None
             else []
         )
         return node_report(
@@ -370,3 +374,76 @@ def test_two_lost_ranks_of_an_xor_group_get_no_decode_source():
     assert all(s.tier != Tier.DECODE for s in view.sources)
     assert view.step is None and view.sources == ()  # no backup tier: a fresh start
     assert not [c for c in state.copies(KEY) if c.decode]
+
+
+def restart(state_dir: str | None, old: ClusterState, job: Job, now: float, seen: dict[int, float] | None = None):
+    """The coordinator is SIGKILLed and started again on ``state_dir`` (None: it has none): all that is left of
+    ``old`` is what its recovery snapshot last wrote there (with ``seen``: it had also seen those backups), and its
+    settings snapshot."""
+    if state_dir is not None:
+        written = RecoverySnapshot(state_dir)
+        jobs = written.collect(old, 0.0)
+        if seen:
+            jobs = [msgspec.structs.replace(j, backup=msgspec.structs.replace(j.backup, seen=seen)) for j in jobs]
+        written.write(jobs)
+    restarted = ClusterState(node_timeout_seconds=15.0, holder_grace_seconds=30.0)
+    restarted.expire(now)
+    for rank, s in enumerate(job.settings):
+        restarted.restore_settings(KEY, rank, s)
+    RecoverySnapshot(state_dir).load(restarted)
+    job.state = restarted
+    return restarted
+
+
+@pytest.mark.parametrize("redundancy, lost", [("xor:4", ["n3"]), ("rs:4:2", ["n1", "n3"])])
+@pytest.mark.parametrize("kept", [True, False], ids=["state-dir", "no-state-dir"])
+def test_a_coordinator_restarted_after_a_node_loss_plans_the_lost_ranks_as_decodes_from_what_it_kept(
+    tmp_path, redundancy, lost, kept
+):
+    """Issue 49: the group's nodes lose ``lost`` (they never report again), then the coordinator restarts. The lost
+    ranks' checksums and the shards' encode orders come back from the state dir, and each lost rank is planned as a
+    decode with its own checksums. Its first decision pass runs before any report, believing an older backup: what
+    was kept is not forgotten before the survivors report it. Without a state dir nothing brings them back: no
+    decode, a fresh start."""
+    state = ClusterState(node_timeout_seconds=15.0, holder_grace_seconds=30.0)
+    state.expire(0.0)
+    job = Job(state, single(4), redundancy=redundancy)
+    for node, orders in job.round(1.0).items():
+        job.build(node, orders)
+    job.round(5.0)
+    assert state.safe_step(KEY) == STEP
+    lost_ranks = sorted(job.rank_of[n] for n in lost)
+    restarted = restart(str(tmp_path) if kept else None, state, job, 10.0, seen={3: 1.0})
+    restarted.tick(11.0)  # a decision pass before any report
+    survivors = [n for n in job.slot if n not in lost]
+    for node in lost:
+        job.slot[f"f{node}"] = job.slot.pop(node)
+    job.start(12.0)
+    assert sorted(job.rank_of[f"f{n}"] for n in lost) == lost_ranks  # ranks follow the data
+    job.round(30.0, nodes=survivors)
+    for node in lost:
+        restarted.apply_report(job.report(f"f{node}"), 31.0)
+    for rank in lost_ranks:
+        view = restarted.restore_view(KEY, job.incarnation, rank, 31.0)
+        if not kept:
+            assert view.step is None and view.sources == ()
+            continue
+        assert view.step == STEP
+        (source,) = [s for s in view.sources if s.tier == Tier.DECODE]
+        assert source.data_rank == rank and source.files == files(rank)
+        assert source.recipe is not None and {m.node for m in source.recipe.members} >= set(survivors)
+
+
+def test_checksums_kept_in_the_state_dir_lose_to_the_ranks_own_report_after_a_restart(tmp_path):
+    """A rank wrote its step again while the coordinator was down: its own node's report wins over the checksums
+    kept, and the step's old shards (over the old checksums) count no more."""
+    state = ClusterState(node_timeout_seconds=15.0, holder_grace_seconds=30.0)
+    state.expire(0.0)
+    job = encoded_job(state)
+    restarted = restart(str(tmp_path), state, job, 10.0)
+    rank = job.rank_of["n2"]
+    assert restarted.job(KEY).owner_files(STEP, rank) == files(rank)  # kept
+    job.written_again[rank] = {f"state/r{rank}": (1000 + 8 * rank, "0badbeef")}
+    job.round(11.0)
+    assert restarted.job(KEY).owner_files(STEP, rank) == job.written_again[rank]
+    assert not [c for c in restarted.copies(KEY) if c.decode]
