@@ -150,7 +150,9 @@ def _chunk_items(metadata: Metadata) -> list[WriteItem]:
             continue
         chunk = next(c for c in value.chunks if tuple(c.offsets) == tuple(index.offset or ()))
         data = TensorWriteData(chunk=chunk, properties=value.properties, size=value.size)
-        items.append(WriteItem(index=MetadataIndex(index.fqn, index.offset), type=WriteItemType.SHARD, tensor_data=data))
+        items.append(
+            WriteItem(index=MetadataIndex(index.fqn, index.offset), type=WriteItemType.SHARD, tensor_data=data)
+        )
     return items
 
 
@@ -190,4 +192,3 @@ def _write(writer: StorageWriter, items: list[WriteItem], source: _Source, metad
     results = writer.write_data(plan, cast(SavePlanner, source)).wait()
     state = {fqn: metadata.state_dict_metadata[fqn] for fqn in {item.index.fqn for item in items}}
     writer.finish(Metadata(state_dict_metadata=state, storage_meta=StorageMeta()), [results])
-
