@@ -216,12 +216,15 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
 def rank_main(rank, world, export, init, out):
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"{init}{world}", rank=rank, world_size=world)
     state = state_of(init_device_mesh("cpu", (world,)), [Shard(0)], False)
     dcp.load(state, checkpoint_id=export)
-    with open(f"{out}.{rank}", "w") as f:
+    with open(f"{out}{world}.{rank}", "w") as f:
         json.dump(mismatches(state), f)
     dist.destroy_process_group()
+
+def other_rank(index, world, *args):
+    rank_main(index + 1, world, *args)
 
 if __name__ == "__main__":
     try:
@@ -229,8 +232,11 @@ if __name__ == "__main__":
         sys.exit(f"mtc_torch is importable here: {mtc_torch.__file__}")
     except ImportError:
         pass
-    world, export, init, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-    mp.spawn(rank_main, args=(world, export, init, out), nprocs=world)
+    for world in (1, 3):  # this process is rank 0 of each; the others are spawned
+        others = mp.spawn(other_rank, args=(world, *sys.argv[1:]), nprocs=world - 1, join=False) if world > 1 else None
+        rank_main(0, world, *sys.argv[1:])
+        while others is not None and not others.join():
+            pass
 """
 )
 
@@ -277,18 +283,17 @@ def test_mtc_export_from_the_backup_store_loads_with_stock_dcp_without_mtc(store
     assert f"to {export} as dcp" in done.stdout
     script = tmp_path / "stock.py"
     script.write_text(_STOCK)
+    out = tmp_path / "stock"
+    result = subprocess.run(
+        [str(TORCH_PYTHON), "-I", "-S", str(script), str(export), f"file://{tmp_path}/init", str(out), torch_site()],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
     for world in (1, 3):
-        out = tmp_path / f"stock{world}"
-        result = subprocess.run(
-            [str(TORCH_PYTHON), "-I", "-S", str(script), str(world), str(export)]
-            + [f"file://{tmp_path}/init{world}", str(out), torch_site()],
-            capture_output=True,
-            text=True,
-            timeout=240,
-            cwd=tmp_path,
-        )
-        assert result.returncode == 0, result.stderr[-4000:]
-        assert [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)] == [[]] * world
+        assert [json.loads(Path(f"{out}{world}.{r}").read_text()) for r in range(world)] == [[]] * world
 
 
 def test_mtc_export_refuses_a_backup_whose_bytes_fail_their_checksum(store_url, tmp_path):
