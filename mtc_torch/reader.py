@@ -89,6 +89,7 @@ class StepReader(FileSystemReader):
         self.threads = threads
         self.prefer = prefer
         self._tensors: dict[str, TensorStorageMetadata] = {}
+        self._merged: Metadata | None = None
 
     def rank_dirs(self) -> list[step_layout.RankDir]:
         """The step's rank directories in the order their metadata is merged: ``prefer`` first."""
@@ -96,11 +97,21 @@ class StepReader(FileSystemReader):
         return sorted(found, key=lambda d: d.relative != self.prefer)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """The step's merged metadata (:func:`mtc_torch.step_layout.merge_metadata`); ``load_id`` set as torch's
-        reader does."""
-        metadata = step_layout.merge_metadata(self.path, self.rank_dirs())
-        metadata.storage_meta = StorageMeta(load_id=self.load_id)
-        return metadata
+        """The step's merged metadata (:func:`mtc_torch.step_layout.merge_metadata`), merged once per path;
+        ``load_id`` set as torch's reader does.
+
+        Called before ``dcp.load``, it raises a malformed step's ``ValueError`` itself: within ``dcp.load`` the
+        error reaches the caller only as the message of DCP's ``AssertionError("metadata is None; ...")``.
+        """
+        if self._merged is None:
+            self._merged = step_layout.merge_metadata(self.path, self.rank_dirs())
+        self._merged.storage_meta = StorageMeta(load_id=self.load_id)
+        return self._merged
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        super().reset(checkpoint_id)
+        if checkpoint_id:
+            self._merged = None
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
