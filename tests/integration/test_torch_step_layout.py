@@ -32,16 +32,17 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 root = sys.argv[1]
 FULL = torch.arange(30, dtype=torch.float32).reshape(10, 3)
 
-def rank(step, name, rows, offset, full=10, extra=None):
+def rank(step, name, rows, offset, extra=None, dim=0):  # a rank storing rows (dim 1: columns) of FULL from offset
     path = os.path.join(root, step, name)
     os.makedirs(path)
-    dcp.save({"w": FULL[offset:offset + rows].clone(), "n": extra if extra is not None else offset},
+    dcp.save({"w": FULL.narrow(dim, offset, rows).clone(), "n": extra if extra is not None else offset},
              storage_writer=DeterministicWriter(path), no_dist=True)
     md = load_metadata(os.path.join(path, ".metadata"))
     w = md.state_dict_metadata["w"]
-    w.size = torch.Size([full, 3])
-    w.chunks[0] = dataclasses.replace(w.chunks[0], offsets=torch.Size([offset, 0]))
-    md.storage_data = {(MetadataIndex("w", [offset, 0]) if i.fqn == "w" else i): v for i, v in md.storage_data.items()}
+    w.size = FULL.shape
+    at = torch.Size([offset, 0] if dim == 0 else [0, offset])
+    w.chunks[0] = dataclasses.replace(w.chunks[0], offsets=at)
+    md.storage_data = {(MetadataIndex("w", at) if i.fqn == "w" else i): v for i, v in md.storage_data.items()}
     with open(os.path.join(path, ".metadata"), "wb") as f:
         pickle.dump(md, f)
     return path
@@ -66,6 +67,9 @@ got = load("two")
 out["merged"] = torch.equal(got["w"], FULL) and got["n"] == 0
 got = load("two", prefer="rank-1-of-2")
 out["prefer"] = torch.equal(got["w"], FULL) and got["n"] == 6  # the preferred rank's non-tensor item
+rank("columns", "rank-0-of-2", 2, 0, dim=1); rank("columns", "rank-1-of-2", 1, 2, dim=1)
+got = load("columns")  # Shard(1) chunks into a whole tensor: strided boxes, through a host copy of each chunk
+out["columns"] = torch.equal(got["w"], FULL)
 rank("replica", "node-0-of-2/rank-0-of-1", 10, 0); rank("replica", "node-1-of-2/rank-0-of-1", 10, 0, extra=1)
 got = load("replica")
 out["replicas"] = torch.equal(got["w"], FULL) and got["n"] == 0
@@ -131,6 +135,10 @@ def result(tmp_path_factory) -> dict:
 def test_ranks_chunks_merge_into_one_tensor_and_the_preferred_rank_gives_the_non_tensor_items(result):
     assert result["merged"] is True
     assert result["prefer"] is True
+
+
+def test_column_chunks_load_into_a_whole_tensor(result):
+    assert result["columns"] is True
 
 
 def test_a_replicas_identical_chunk_is_taken_once_from_the_first_node(result):
