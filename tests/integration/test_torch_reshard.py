@@ -82,7 +82,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from mtc_torch import CheckpointManager, PartialRestoreError, StepReader
 
-base, phase, kind, nodes = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+base, kind, nodes = sys.argv[1], sys.argv[2], int(sys.argv[3])
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 per_node = world // nodes
@@ -91,51 +91,58 @@ if kind == "hsdp":
     mesh, placements = init_device_mesh("cpu", (nodes, per_node)), [Replicate(), Shard(0)]
 else:
     mesh, placements = init_device_mesh("cpu", (world,)), [Shard(0)]
-state = state_of(mesh, placements, phase == "save")
-out = {"rank": rank}
-try:
-    if phase in ("reader", "partial"):  # partial: each rank alone, so one refusing stops no other's collective
-        try:
-            dcp.load(state, storage_reader=StepReader(sys.argv[5], threads=2), no_dist=phase == "partial")
-        except CheckpointException as failed:
-            raise next(e for e, _ in failed.failures.values() if isinstance(e, PartialRestoreError)) from failed
-    else:
-        env = {"NODE_RANK": str(node), "NNODES": str(nodes), "LOCAL_RANK": str(local_rank),
-               "LOCAL_WORLD_SIZE": str(per_node)}
-        manager = CheckpointManager(f"{base}/node{node}", job_name="reshard", backup_interval_steps=100, env=env,
-                                    io_threads=2)
-        out["step"] = manager.load(state)
-        if phase == "save":
-            manager.save(state, 1)
-        manager.close()
-    out["mismatches"] = None if phase == "partial" else mismatches(state)
-except PartialRestoreError as error:
-    out["error"] = str(error)
-out["optimizer_loaded"] = state["optim"].loaded
-out["untouched"] = bool(state["w"].to_local().isnan().all())
-with open(f"{base}.{phase}.rank{rank}.json", "w") as f:
-    json.dump(out, f)
+
+def run(phase, path):
+    state = state_of(mesh, placements, phase == "save")
+    out = {"rank": rank}
+    try:
+        if phase in ("reader", "partial"):  # partial: each rank alone, so one refusing stops no other's collective
+            try:
+                dcp.load(state, storage_reader=StepReader(path, threads=2), no_dist=phase == "partial")
+            except CheckpointException as failed:
+                raise next(e for e, _ in failed.failures.values() if isinstance(e, PartialRestoreError)) from failed
+        else:
+            env = {"NODE_RANK": str(node), "NNODES": str(nodes), "LOCAL_RANK": str(local_rank),
+                   "LOCAL_WORLD_SIZE": str(per_node)}
+            manager = CheckpointManager(f"{base}/node{node}", job_name="reshard", backup_interval_steps=100,
+                                        env=env, io_threads=2)
+            out["step"] = manager.load(state)
+            if phase == "save":
+                manager.save(state, 1)
+            manager.close()
+        out["mismatches"] = None if phase == "partial" else mismatches(state)
+    except PartialRestoreError as error:
+        out["error"] = str(error)
+    out["optimizer_loaded"] = state["optim"].loaded
+    out["untouched"] = bool(state["w"].to_local().isnan().all())
+    return out
+
+# Each further argument a phase, run in order: save, manager, reader=STEP_DIR or partial=STEP_DIR.
+results = {phase.partition("=")[0]: run(*phase.partition("=")[::2]) for phase in sys.argv[4:]}
+with open(f"{base}.rank{rank}.json", "w") as f:
+    json.dump(results, f)
 dist.destroy_process_group()
 os._exit(0)  # without finalizing, as tests/integration/test_torch_mesh_change.py says why
 """
 )
 
 
-def torchrun(base: Path, world: int, *args: str) -> list[dict]:
-    """One torchrun job of the script on ``world`` ranks; each rank's result."""
+def torchrun(base: Path, world: int, kind: str, nodes: int, *phases: str) -> list[dict]:
+    """One torchrun job of the script on ``world`` ranks as ``nodes`` nodes, running ``phases`` in order; each
+    rank's results by phase."""
     script = base.parent / f"{base.name}-job.py"
     script.write_text(_SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
         [str(TORCH_PYTHON), "-m", "torch.distributed.run", "--standalone", "--nnodes", "1"]
-        + ["--nproc-per-node", str(world), str(script), str(base), *args],
+        + ["--nproc-per-node", str(world), str(script), str(base), kind, str(nodes), *phases],
         capture_output=True,
         text=True,
         timeout=240,
         env=env,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    return [json.loads(Path(f"{base}.{args[0]}.rank{r}.json").read_text()) for r in range(world)]
+    return [json.loads(Path(f"{base}.rank{r}.json").read_text()) for r in range(world)]
 
 
 def save(base: Path, kind: str) -> Path:
@@ -145,8 +152,8 @@ def save(base: Path, kind: str) -> Path:
     with contextlib.ExitStack() as agents:
         for n in range(2):
             agents.enter_context(FakeTorchAgent(base / f"node{n}", JOB, node=n))
-        ranks = torchrun(base, 4, "save", kind, "2")
-    assert [r["mismatches"] for r in ranks] == [[]] * 4
+        ranks = torchrun(base, 4, kind, 2, "save")
+    assert [r["save"]["mismatches"] for r in ranks] == [[]] * 4
     return base
 
 
@@ -162,30 +169,38 @@ def fsdp(tmp_path_factory) -> Path:
     return save(tmp_path_factory.mktemp("fsdp"), "fsdp")
 
 
-def test_stock_dcp_load_through_step_reader_reshards_a_two_node_step_to_1_and_3_ranks(fsdp, tmp_path):
-    step = multi_node(fsdp, tmp_path / "step")
-    for world in (1, 3):
-        ranks = torchrun(tmp_path / f"w{world}", world, "reader", "fsdp", "1", str(step))
-        assert [(r.get("error"), r["mismatches"], r["optimizer_loaded"]) for r in ranks] == [(None, [], True)] * world
+@pytest.fixture(scope="module")
+def three_ranks(fsdp, tmp_path_factory) -> list[dict]:
+    """One job of 1 node x 3 ranks over the FSDP step: ``dcp.load`` with ``StepReader`` of the multi-node step,
+    then of a step holding node 0 only (each rank alone), then ``manager.load`` of the multi-node step staged."""
+    root = tmp_path_factory.mktemp("three")
+    step = multi_node(fsdp, root / "step")
+    half = multi_node(fsdp, root / "half", nodes=(0,))
+    multi_node(fsdp, root / "job" / "node0" / ".staged-1")
+    with FakeTorchAgent(root / "job" / "node0", JOB, restore_step=1, staged=".staged-1"):
+        return torchrun(root / "job", 3, "fsdp", 1, f"reader={step}", f"partial={half}", "manager")
 
 
-def test_manager_load_of_a_staged_multi_node_step_on_another_node_count(fsdp, tmp_path):
-    local = tmp_path / "elastic" / "node0"
-    multi_node(fsdp, local / ".staged-1")
-    with FakeTorchAgent(local, JOB, restore_step=1, staged=".staged-1"):
-        ranks = torchrun(tmp_path / "elastic", 3, "manager", "fsdp", "1")
-    assert [(r.get("error"), r["step"], r["mismatches"]) for r in ranks] == [(None, 1, [])] * 3
+def test_stock_dcp_load_through_step_reader_reshards_a_two_node_step_to_1_and_3_ranks(fsdp, three_ranks, tmp_path):
+    one = torchrun(tmp_path / "one", 1, "fsdp", 1, f"reader={multi_node(fsdp, tmp_path / 'step')}")
+    for ranks in (one, three_ranks):
+        loads = [(r["reader"].get("error"), r["reader"]["mismatches"], r["reader"]["optimizer_loaded"]) for r in ranks]
+        assert loads == [(None, [], True)] * len(ranks)
 
 
-def test_a_step_missing_a_node_refuses_a_partial_load_and_loads_nothing(fsdp, tmp_path):
-    step = multi_node(fsdp, tmp_path / "half", nodes=(0,))
-    ranks = torchrun(tmp_path / "half", 3, "partial", "fsdp", "1", str(step))
+def test_manager_load_of_a_staged_multi_node_step_on_another_node_count(three_ranks):
+    loads = [(r["manager"].get("error"), r["manager"]["step"], r["manager"]["mismatches"]) for r in three_ranks]
+    assert loads == [(None, 1, [])] * 3
+
+
+def test_a_step_missing_a_node_refuses_a_partial_load_and_loads_nothing(three_ranks):
+    ranks = [r["partial"] for r in three_ranks]
     for rank in ranks:  # node 0 stored rows 0-5 of 10: ranks 1 (rows 4-7) and 2 (8-9) lack some
         assert ("error" in rank) == (rank["rank"] > 0), rank
         assert rank["untouched"] == (rank["rank"] > 0) and rank["optimizer_loaded"] == (rank["rank"] == 0)
         if rank["rank"] > 0:
             assert "refusing a partial restore, nothing was loaded" in rank["error"]
-            assert "'w' wants [offsets [8, 0] sizes [2, 3]] but the checkpoint stores" in ranks[2]["error"]
+    assert "'w' wants [offsets [8, 0] sizes [2, 3]] but the checkpoint stores" in ranks[2]["error"]
 
 
 def test_hsdp_step_restores_into_fsdp_at_the_same_world_size_through_manager_load(tmp_path):
@@ -197,8 +212,10 @@ def test_hsdp_step_restores_into_fsdp_at_the_same_world_size_through_manager_loa
             shutil.copytree(saved / f"node{n}" / "1", local / "1")
             agents.enter_context(FakeTorchAgent(local, JOB, node=n, restore_step=1, staged=stage_step(local, 1)))
             shutil.rmtree(local / "1")
-        ranks = torchrun(base, 4, "manager", "fsdp", "2")
-    assert [(r.get("error"), r["step"], r["mismatches"]) for r in ranks] == [(None, 1, [])] * 4
+        ranks = torchrun(base, 4, "fsdp", 2, "manager")
+    assert [(r["manager"].get("error"), r["manager"]["step"], r["manager"]["mismatches"]) for r in ranks] == [
+        (None, 1, [])
+    ] * 4
 
 
 # -- mtc export from the backup store, loaded where mtc_torch is not importable --------------------------------------
@@ -312,12 +329,7 @@ def test_mtc_export_refuses_a_backup_whose_bytes_fail_their_checksum(store_url, 
     assert not (tmp_path / "x").exists()
 
 
-def test_mtc_export_of_a_step_dir_checks_its_manifest_and_writes_safetensors(fsdp, tmp_path):
-    step_dir = fsdp / "node0" / "1"
-    manifest = tmp_path / "1.json"
-    manifest.write_text(build_manifest(str(step_dir), 1, 0).to_json())
-    done = mtc_export("--step-dir", str(step_dir), "--manifest", str(manifest), "--to", str(tmp_path / "half"))
-    assert done.returncode == 1 and "refusing a partial restore" in done.stderr, done.stderr  # node 1 is missing
+def test_mtc_export_of_a_step_dir_checks_its_manifests_and_writes_safetensors(fsdp, tmp_path):
     both = multi_node(fsdp, tmp_path / "both")
     manifests = []
     for n in range(2):
