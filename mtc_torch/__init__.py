@@ -8,7 +8,10 @@ A user of ``torch.distributed.checkpoint`` replaces ``dcp.save(state, checkpoint
     step = manager.load(state_dict)          # None: fresh
     manager.async_save(state_dict, step)     # a Future; blocking time is the copy to CPU only
 
-Importing the package imports torch only when :class:`CheckpointManager` is used (``mtc_torch.protocol`` needs
+A step (from the ramdisk, a staged restore, or downloaded from the backup store) loads with stock DCP at any world
+size and mesh through :class:`StepReader`: ``dcp.load(state_dict, storage_reader=StepReader(step_dir))``.
+
+Importing the package imports torch only when :class:`CheckpointManager` or :class:`StepReader` is used (``mtc_torch.protocol`` needs
 only PyYAML); it never imports the node agent's packages.
 """
 
@@ -19,8 +22,9 @@ from mtc_torch.protocol import ProtocolError, ReplicatorFailed
 if TYPE_CHECKING:
     from mtc_torch.coverage import PartialRestoreError
     from mtc_torch.manager import CheckpointManager
+    from mtc_torch.reader import StepReader
 
-__all__ = ["CheckpointManager", "PartialRestoreError", "ProtocolError", "ReplicatorFailed"]
+__all__ = ["CheckpointManager", "PartialRestoreError", "ProtocolError", "ReplicatorFailed", "StepReader"]
 
 
 def __getattr__(name: str) -> Any:
@@ -32,4 +36,8 @@ def __getattr__(name: str) -> Any:
         from mtc_torch.coverage import PartialRestoreError
 
         return PartialRestoreError
+    if name == "StepReader":
+        from mtc_torch.reader import StepReader
+
+        return StepReader
     raise AttributeError(f"module 'mtc_torch' has no attribute {name!r}")

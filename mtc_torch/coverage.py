@@ -5,14 +5,16 @@ where a stored chunk and a wanted chunk overlap, and checks that the plans cover
 more than one plan; a ``no_dist`` load makes one. So a load into another mesh (saved ``Shard(0)``, loaded
 ``Replicate()``; FSDP to HSDP; another tensor-parallel degree) would return with part of each destination never
 written. :func:`check_coverage` compares, before anything is read, each destination's wanted chunks with the chunks
-the checkpoint stores, and raises :class:`PartialRestoreError` for what no stored chunk covers.
+the checkpoint stores, and raises :class:`PartialRestoreError` for what no stored chunk covers. A step read through
+:class:`mtc_torch.reader.StepReader` merges every present rank's chunks: the check then refuses a load that the
+present ranks do not cover (a node's copy missing).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -81,8 +83,8 @@ class PartialRestoreError(ValueError):
         super().__init__(
             f"{where}: refusing a partial restore, nothing was loaded: {named}"
             + (f"; and {more} more" if more > 0 else "")
-            + ". The state's sharding (mesh, placements or world size) differs from the one this step was saved "
-            "with; restore with the saving sharding."
+            + ". The ranks read here do not store every element this state's sharding (mesh, placements or world "
+            "size) asks for: read the whole step (every node's ranks) with mtc_torch.StepReader."
         )
 
 
@@ -92,23 +94,28 @@ def check_coverage(state_dict: Mapping[str, Any], stored: Mapping[str, TensorSto
     Args:
         state_dict: the planner's flattened state dict (DCP keys to destinations: tensors and DTensors; other values
             are not checked here, as DCP's planner refuses a key the checkpoint lacks).
-        stored: the checkpoint's tensors by key (from its metadata: one rank's chunks).
+        stored: the checkpoint's tensors by key (from its metadata: one rank's chunks, or a step's merged ones).
         where: what to name the checkpoint by in the error.
 
     Raises:
         PartialRestoreError: some wanted elements are stored in no chunk.
         ValueError: two stored chunks of one tensor overlap (a malformed checkpoint).
     """
+    check_regions({key: _wanted(value) for key, value in state_dict.items() if key in stored}, stored, where)
+
+
+def check_regions(
+    wanted: Mapping[str, Iterable[Region]], stored: Mapping[str, TensorStorageMetadata], where: str
+) -> None:
+    """:func:`check_coverage` for wanted regions given by key (each key one of ``stored``'s)."""
     uncovered = []
-    for key, value in state_dict.items():
-        if key not in stored:
-            continue
+    for key, regions in wanted.items():
         chunks = tuple(Region.of(chunk) for chunk in stored[key].chunks)
         _refuse_overlaps(key, chunks, where)
-        for wanted in _wanted(value):
-            read = sum(wanted.overlap(chunk) for chunk in chunks)  # exact: the stored chunks are disjoint
-            if read < wanted.elements:
-                uncovered.append(Uncovered(key, wanted, chunks, read))
+        for region in regions:
+            read = sum(region.overlap(chunk) for chunk in chunks)  # exact: the stored chunks are disjoint
+            if read < region.elements:
+                uncovered.append(Uncovered(key, region, chunks, read))
     if uncovered:
         raise PartialRestoreError(where, uncovered)
 
@@ -127,7 +134,13 @@ def _wanted(value: Any) -> Iterator[Region]:
 
 
 def _refuse_overlaps(key: str, chunks: tuple[Region, ...], where: str) -> None:
-    for i, chunk in enumerate(chunks):
-        for other in chunks[i + 1 :]:
+    """Compares only the chunks whose spans along the first dimension meet (a step merged from many ranks stores
+    a tensor in as many chunks: all pairs would take quadratic time)."""
+    order = sorted(chunks, key=lambda c: c.offsets[:1])
+    for i, chunk in enumerate(order):
+        end = chunk.offsets[0] + chunk.sizes[0] if chunk.offsets else None
+        for other in order[i + 1 :]:
+            if end is not None and other.offsets[0] >= end:
+                break
             if chunk.overlap(other):
                 raise ValueError(f"{where}: {key!r} is stored in overlapping chunks [{chunk}] and [{other}]")

@@ -8,7 +8,8 @@ as ``<local>/step=<S>/`` (see :mod:`mtc_torch.protocol` for the handshake, after
 A save first copies the state into host buffers kept across saves (pinned next to a GPU:
 :class:`mtc_torch.staging.HostStager`); only that copy blocks training. The files are then written from those
 buffers by several threads (:class:`mtc_torch.storage.DeterministicWriter`), and a restore reads them by several
-threads straight into the destination tensors (:class:`mtc_torch.reader.BoundedReader`).
+threads straight into the destination tensors (:class:`mtc_torch.reader.StepReader`). A restore into another
+shape (local world size, node count or mesh) reads the staged step through the same reader, resharded.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Mapping
@@ -30,16 +30,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from mtc_torch import protocol
+from mtc_torch import protocol, step_layout
 from mtc_torch.coverage import PartialRestoreError
 from mtc_torch.protocol import NodeTopology, ReplicatorConfig, RestoreResult, Waits
-from mtc_torch.reader import BoundedReader
+from mtc_torch.reader import StepReader
 from mtc_torch.staging import HostStager
 from mtc_torch.storage import DEFAULT_FILES, DeterministicWriter
 
 log = logging.getLogger(__name__)
-
-_RANK_DIR_RE = re.compile(r"^rank-([0-9]{1,6})-of-([0-9]{1,6})$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,10 +135,10 @@ class CheckpointManager:
             ReplicatorFailed: the agent refused the job (``replicator.failed``).
             TimeoutError: the agent did not answer within the handshake's bounds.
             ProtocolError: a malformed prerestore file or marker.
-            PartialRestoreError: the step does not store every element ``state_dict`` asks for (its sharding differs
-                from the saving one: another mesh, placements or data-parallel layout); raised before any of
-                ``state_dict`` is changed.
-            ValueError: the step was written by a different number of local ranks, or nodes got different steps.
+            PartialRestoreError: the staged step does not store every element ``state_dict`` asks for (its
+                sharding differs from the saving one and the ranks holding the rest were not staged on this node);
+                raised before any of ``state_dict`` is changed.
+            ValueError: the staged step is malformed (:mod:`mtc_torch.step_layout`), or nodes got different steps.
             RuntimeError: several local ranks but ``torch.distributed`` is not initialized.
         """
         mine = self._handshake_on_local_rank_0()
@@ -149,23 +147,54 @@ class CheckpointManager:
             log.info("node %d: starting fresh", self.topology.node_rank)
             return None
         assert restore.directory is not None
-        rank_dir = self._rank_dir_of(Path(restore.directory))
+        step_dir = Path(restore.directory)
+        own = self._own_rank_dir(step_dir)
+        if own is not None:
+            try:  # the saving shape: this rank's own directory holds what it asks for, read as before
+                self._load_from(StepReader(step_dir / own, threads=self.io_threads), state_dict)
+                log.info(
+                    "node %d local rank %d: restored step %d from %s",
+                    self.topology.node_rank,
+                    self.topology.local_rank,
+                    restore.step,
+                    step_dir / own,
+                )
+                return restore.step
+            except PartialRestoreError:  # another mesh: other ranks' directories hold the rest; nothing was read
+                pass
+        reader = StepReader(step_dir, threads=self.io_threads, prefer=own)
+        self._load_from(reader, state_dict)
+        log.info(
+            "node %d local rank %d: restored step %d resharded from %s (%d rank directories)",
+            self.topology.node_rank,
+            self.topology.local_rank,
+            restore.step,
+            step_dir,
+            len(reader.rank_dirs()),
+        )
+        return restore.step
+
+    @staticmethod
+    def _load_from(reader: StepReader, state_dict: dict[str, Any]) -> None:
         try:
-            dcp.load(state_dict, storage_reader=BoundedReader(rank_dir, threads=self.io_threads), no_dist=True)
+            dcp.load(state_dict, storage_reader=reader, no_dist=True)
         except CheckpointException as failed:
             # DCP wraps what the reader raised in a BaseException; a partial restore reaches the trainer as itself.
             for error, _ in failed.failures.values():
                 if isinstance(error, PartialRestoreError):
                     raise error from failed
             raise
-        log.info(
-            "node %d local rank %d: restored step %d from %s",
-            self.topology.node_rank,
-            self.topology.local_rank,
-            restore.step,
-            rank_dir,
-        )
-        return restore.step
+
+    def _own_rank_dir(self, step_dir: Path) -> str | None:
+        """This process's own rank directory in ``step_dir`` (relative), if the step was saved with this local
+        world size: ``rank-<r>-of-<W>``, or ``node-<n>-of-<N>/rank-<r>-of-<W>`` in a multi-node step."""
+        name = protocol.rank_dir_name(self.topology.local_rank, self.topology.local_world_size)
+        if (step_dir / name / protocol.METADATA_FILE).is_file():
+            return name
+        for rank_dir in step_layout.rank_dirs(step_dir):
+            if rank_dir.node == self.topology.node_rank and rank_dir.relative.endswith(f"/{name}"):
+                return rank_dir.relative
+        return None
 
     def _handshake_on_local_rank_0(self) -> _Restore | None:
         if self.topology.local_rank != 0:
@@ -199,20 +228,6 @@ class CheckpointManager:
             f"no local rank 0 reported for node rank {self.topology.node_rank}: "
             f"is LOCAL_RANK/NODE_RANK consistent across processes? (got nodes {sorted(steps)})"
         )
-
-    def _rank_dir_of(self, step_dir: Path) -> Path:
-        world = self.topology.local_world_size
-        wanted = protocol.rank_dir_name(self.topology.local_rank, world)
-        if (step_dir / wanted / protocol.METADATA_FILE).is_file():
-            return step_dir / wanted
-        found = sorted(name for name in os.listdir(step_dir) if _RANK_DIR_RE.match(name))
-        other = {int(_RANK_DIR_RE.match(name)[2]) for name in found}  # type: ignore[index]
-        if other and world not in other:
-            raise ValueError(
-                f"{step_dir} was saved by {sorted(other)} local ranks per node, this job runs {world}: "
-                "restore with the same --nproc-per-node"
-            )
-        raise ValueError(f"{step_dir} holds no complete {wanted}/{protocol.METADATA_FILE} (found {found})")
 
     # -- save ----------------------------------------------------------------------------------------
 

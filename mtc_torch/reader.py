@@ -1,4 +1,9 @@
-"""DCP's ``StorageReader`` for one rank's checkpoint: bounded metadata, and raw tensor bytes read in parallel.
+"""DCP's ``StorageReader`` for a step in any of its layouts: merged metadata, and raw tensor bytes read in parallel.
+
+:class:`StepReader` reads one rank's directory, a node's step or a multi-node step
+(:mod:`mtc_torch.step_layout`); its metadata is every present rank's ``.metadata`` merged into DCP's global
+``Metadata``, so ``dcp.load`` reshards: it loads a step into any world size and mesh whose wanted elements the
+present ranks store.
 
 Why not torch's ``FileSystemReader``: it reads each item with one thread into pageable memory, ``torch.load``s it and
 copies it to the destination; into GPU memory that ran at 1.1-1.4 GB/s on an H200 host (docs/pytorch.md, "On
@@ -7,14 +12,15 @@ raw (:data:`mtc_torch.storage.RAW_TENSOR_BYTES`) is read in pieces of :data:`PIE
 - into a CPU destination directly (no copy in between);
 - into a GPU destination through one pinned piece per thread, each copied on that thread's CUDA stream (the pinned
   memory is ``threads`` × :data:`PIECE_BYTES`, whatever the checkpoint's size);
-- into a destination of another shape, dtype or layout (a resharded load) through one host copy of the stored tensor.
+- into a destination of another shape, dtype or layout (a resharded load) through one host copy of the stored chunk.
 Items stored as torch's own writer stores them (``torch.save`` bytes, as ``mtc_torch`` 0.2.0 did) go through
 ``FileSystemReader``.
 
 Before anything is read, every load is checked to read each element it asks for
-(:func:`mtc_torch.coverage.check_coverage`): a load into another sharding than the saved one, which DCP would leave
-partly unread, raises instead. Whether the bytes are the ones saved is the node agent's job: it verifies every file's
-checksum before a step reaches the job.
+(:func:`mtc_torch.coverage.check_coverage`): a load that the present ranks' chunks do not wholly cover (a partial
+step, or a resharded load on a node that lacks another node's copy), which DCP would leave partly unread, raises
+instead. Whether the bytes are the ones saved is the node agent's job (or ``mtc export``'s): it verifies every
+file's checksum before a step is read.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import io
 import math
 import os
 import queue
@@ -34,8 +41,9 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Stora
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from mtc_torch import step_layout
 from mtc_torch.coverage import check_coverage
-from mtc_torch.storage import RAW_TENSOR_BYTES, load_metadata
+from mtc_torch.storage import RAW_TENSOR_BYTES
 
 PIECE_BYTES = 32 << 20
 """The bytes one thread reads at a time, and the size of each thread's pinned piece for GPU destinations."""
@@ -50,35 +58,48 @@ class _Piece:
     target: torch.Tensor
 
 
-class BoundedReader(FileSystemReader):
-    """``FileSystemReader`` with a bounded, allow-listed ``.metadata`` and parallel reads of raw tensor bytes.
+class StepReader(FileSystemReader):
+    """``FileSystemReader`` for a step in any layout, with bounded, allow-listed metadata merged from every present
+    rank, and parallel reads of raw tensor bytes.
+
+    ``dcp.load(state_dict, storage_reader=StepReader(step_dir), no_dist=True)`` loads the step into ``state_dict``
+    at any world size and mesh (``no_dist=False`` as well, when every process sees the same files).
 
     Args:
-        path: the rank's directory, ``<local>/step=<step>/rank-<r>-of-<W>``.
+        path: a rank's directory (``<step>/rank-<r>-of-<W>``), a node's step (``<step>``, holding
+            ``rank-<r>-of-<W>/``) or a multi-node step (holding ``node-<n>-of-<N>/rank-<r>-of-<W>/``).
         threads: how many reads run at once.
+        prefer: a rank directory relative to ``path`` (``rank-1-of-4``, ``node-0-of-2/rank-1-of-4``) merged first,
+            so its copy of a chunk that several ranks store, and its non-tensor items, are the ones read; None: the
+            lowest (node, local rank) first. Ignored when absent.
 
     Raises (from ``dcp.load``, wrapped in its ``CheckpointException``):
-        PartialRestoreError: the checkpoint does not store every element the state dict asks for (before anything
+        PartialRestoreError: the present ranks do not store every element the state dict asks for (before anything
             is read; :func:`mtc_torch.coverage.check_coverage`).
-        ValueError: the metadata is refused (:func:`mtc_torch.storage.load_metadata`), an item's stored length is
-            not what its shape and dtype give, or a file is shorter than its items.
+        ValueError: not a step (:func:`mtc_torch.step_layout.rank_dirs`), a rank's metadata is missing, refused or
+            disagrees with another's (:func:`mtc_torch.step_layout.merge_metadata`), an item's stored length is not
+            what its shape and dtype give, or a file is shorter than its items.
         TypeError: the load's planner is not a ``DefaultLoadPlanner`` (the check needs its state dict).
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, threads: int = 1) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, threads: int = 1, prefer: str | None = None) -> None:
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         super().__init__(path)
         self.threads = threads
+        self.prefer = prefer
         self._tensors: dict[str, TensorStorageMetadata] = {}
 
+    def rank_dirs(self) -> list[step_layout.RankDir]:
+        """The step's rank directories in the order their metadata is merged: ``prefer`` first."""
+        found = step_layout.rank_dirs(self.path)
+        return sorted(found, key=lambda d: d.relative != self.prefer)
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """The checkpoint's metadata, bounded and allow-listed; ``load_id`` set as torch's reader does."""
-        metadata = load_metadata(self._get_metadata_path(kwargs.get("rank")))
-        storage_meta = getattr(metadata, "storage_meta", None)
-        if storage_meta is None:
-            storage_meta = metadata.storage_meta = StorageMeta()
-        storage_meta.load_id = self.load_id
+        """The step's merged metadata (:func:`mtc_torch.step_layout.merge_metadata`); ``load_id`` set as torch's
+        reader does."""
+        metadata = step_layout.merge_metadata(self.path, self.rank_dirs())
+        metadata.storage_meta = StorageMeta(load_id=self.load_id)
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -93,7 +114,7 @@ class BoundedReader(FileSystemReader):
         """Reads every item of ``plan`` into the planner's destinations, once they are known to be wholly stored;
         done when the future is returned."""
         if not isinstance(planner, DefaultLoadPlanner):
-            raise TypeError(f"BoundedReader needs a DefaultLoadPlanner, whose state dict it checks; got {planner!r}")
+            raise TypeError(f"StepReader needs a DefaultLoadPlanner, whose state dict it checks; got {planner!r}")
         check_coverage(planner.state_dict, self._tensors, str(self.path))
         raw = [item for item in plan.items if self._is_raw(item)]
         others = [item for item in plan.items if not self._is_raw(item)]
@@ -104,6 +125,33 @@ class BoundedReader(FileSystemReader):
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+    def open_files(self) -> _Files:
+        """Every data file of the step, open for :meth:`read_item` (after ``set_up_storage_reader``)."""
+        return _Files(self.path, {info.relative_path for info in self.storage_data.values()})
+
+    def read_item(self, files: _Files, index: MetadataIndex) -> torch.Tensor | io.BytesIO:
+        """The item stored at ``index`` as it was saved: a tensor chunk (CPU, its stored dtype and sizes) or a
+        non-tensor item's ``torch.save`` bytes.
+
+        Raises:
+            ValueError: as :meth:`read_data`, or the item is stored with a transform ``mtc_torch`` never writes.
+        """
+        info = self.storage_data[index]
+        descriptors = tuple(info.transform_descriptors or ())
+        if descriptors not in ((), (RAW_TENSOR_BYTES,)):
+            raise ValueError(f"{self.path}: {index.fqn} is stored with transforms {list(descriptors)}")
+        if descriptors:
+            dtype, sizes = self._stored(index, info.length)
+            tensor = torch.empty(sizes, dtype=dtype)
+            files.read_into(info.relative_path, info.offset, tensor.reshape(-1).view(torch.uint8))
+            return tensor
+        data = torch.empty(info.length, dtype=torch.uint8)
+        files.read_into(info.relative_path, info.offset, data)
+        stream = io.BytesIO(data.numpy().tobytes())
+        if index.fqn in self._tensors:  # a tensor as torch's own writer stores it (mtc_torch 0.2.0)
+            return torch.load(stream, map_location="cpu", weights_only=True)  # type: ignore[no-any-return]
+        return stream
 
     def _is_raw(self, item: ReadItem) -> bool:
         descriptors = self.storage_data[item.storage_index].transform_descriptors or ()

@@ -3,7 +3,7 @@
 The files are DCP's layout: ``__0_<k>.distcp`` data files (at most :data:`DEFAULT_FILES`) and ``.metadata``, DCP's
 pickled ``Metadata`` (torch's ``FileSystemWriter.finish`` writes it). A tensor item is stored as its raw bytes (C
 order, the machine's byte order), marked by :data:`RAW_TENSOR_BYTES` in its ``_StorageInfo.transform_descriptors``,
-so :class:`mtc_torch.reader.BoundedReader` reads it straight into the destination's memory; torch's own
+so :class:`mtc_torch.reader.StepReader` reads it straight into the destination's memory; torch's own
 ``FileSystemReader`` refuses such an item with ``Unknown extension name='mtc_torch.raw_tensor_bytes'``. Other items
 (DCP's ``BYTE_IO``: numbers, strings, dataloader state) are DCP's own ``torch.save`` bytes.
 
@@ -39,7 +39,7 @@ from torch.futures import Future
 from mtc_torch.protocol import METADATA_FILE
 
 MAX_METADATA_BYTES = 256 * 1024 * 1024
-"""The largest ``.metadata`` :class:`mtc_torch.reader.BoundedReader` reads, in bytes."""
+"""The largest ``.metadata`` :class:`mtc_torch.reader.StepReader` reads, in bytes."""
 
 RAW_TENSOR_BYTES = "mtc_torch.raw_tensor_bytes"
 """The ``transform_descriptors`` entry of a tensor item stored as its raw bytes."""

@@ -387,6 +387,26 @@ class BackupStore:
         """
         return sorted(step for step, committed in self.steps(job_key).items() if committed)
 
+    def committed_nodes(self, job_key: str, step: int, timeline: int = 0) -> int:
+        """The number of nodes (rank manifests ``0 .. N-1``) of a committed step, from its ``COMMIT``.
+
+        Raises:
+          ValueError: bad job key.
+          UnusableBackup: the step has no ``COMMIT``, or it is malformed.
+          BackupError: the store failed.
+        """
+        name = _step_prefix(job_key, step, timeline) + COMMIT
+        text = self.objects.read_text(name)
+        if text is None:
+            raise UnusableBackup(f"{self.url}/{name} is missing: step {step} is not restorable")
+        try:
+            nodes = json.loads(text)["nodes"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise UnusableBackup(f"{self.url}/{name} is malformed: {exc}") from exc
+        if not isinstance(nodes, int) or nodes < 1:
+            raise UnusableBackup(f"{self.url}/{name} names {nodes!r} nodes")
+        return nodes
+
     def download_rank(
         self,
         job_key: str,

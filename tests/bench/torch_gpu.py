@@ -215,7 +215,7 @@ def setups(
 
     from mtc_torch import CheckpointManager
     from mtc_torch.manager import default_io_threads
-    from mtc_torch.reader import BoundedReader
+    from mtc_torch.reader import StepReader
 
     def ours(kind: str) -> tuple[Callable[[str, int], Any], Callable[[str, dict[str, Any]], None]]:
         """One manager for every save of the setup, as a job keeps one: its staging buffers are pinned once."""
@@ -238,7 +238,7 @@ def setups(
 
         def restore(directory: str, target: dict[str, Any]) -> None:
             step = os.path.join(directory, str(saved[-1]), "rank-0-of-1")
-            dcp.load(target, storage_reader=BoundedReader(step, threads=default_io_threads(1)), no_dist=True)
+            dcp.load(target, storage_reader=StepReader(step, threads=default_io_threads(1)), no_dist=True)
 
         return save, restore
 
@@ -393,7 +393,7 @@ def staging_checks(torch: Any, tmp: str, out: Any, device: str) -> bool:
     import torch.distributed.checkpoint as dcp
 
     from mtc_torch import CheckpointManager
-    from mtc_torch.reader import BoundedReader
+    from mtc_torch.reader import StepReader
 
     failed = []
     for pattern, limit in (("wait_for_staging=True", None), ("wait_for_staging()", None), ("wait_for_staging()", 0)):
@@ -419,7 +419,7 @@ def staging_checks(torch: Any, tmp: str, out: Any, device: str) -> bool:
                 value.mul_(-1)
             future.result()
         target = {k: torch.zeros_like(v) for k, v in state.items()}
-        reader = BoundedReader(os.path.join(directory, "1", "rank-0-of-1"), threads=4)
+        reader = StepReader(os.path.join(directory, "1", "rank-0-of-1"), threads=4)
         dcp.load(target, storage_reader=reader, no_dist=True)
         identical = all(torch.equal(target[k], before[k]) for k in state)
         shutil.rmtree(directory, ignore_errors=True)

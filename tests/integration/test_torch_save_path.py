@@ -25,7 +25,7 @@ import json, os, sys, warnings
 import torch
 import torch.distributed.checkpoint as dcp
 from mtc_torch import CheckpointManager
-from mtc_torch.reader import BoundedReader
+from mtc_torch.reader import StepReader
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 ENV = {"NODE_RANK": "0", "NNODES": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
 
@@ -56,7 +56,7 @@ def equal(a, b):
     return a == b
 
 def load(step_dir, target, threads=4):
-    dcp.load(target, storage_reader=BoundedReader(os.path.join(step_dir, "rank-0-of-1"), threads=threads), no_dist=True)
+    dcp.load(target, storage_reader=StepReader(os.path.join(step_dir, "rank-0-of-1"), threads=threads), no_dist=True)
     return target
 """
 
