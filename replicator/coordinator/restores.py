@@ -208,10 +208,11 @@ def view(
         (
             live if s.tier in _NO_NODE_TIERS or (state is not None and now - state.last_seen <= timeout) else silent
         ).append(s)
-    planned, peers = [], dict[int, int]()  # per data rank: an elastic plan lists several old nodes' sources
+    planned, peers = [], dict[int, int]()  # per old node of an elastic plan, else one count for all
     for s in live + silent:
-        peers[s.data_rank] = peers.get(s.data_rank, 0) + (s.tier in _PEER_TIERS)
-        if s.tier not in _PEER_TIERS or peers[s.data_rank] <= PEER_SOURCES_PER_VIEW:
+        part = s.data_rank if plan_.saved_nodes is not None else 0
+        peers[part] = peers.get(part, 0) + (s.tier in _PEER_TIERS)
+        if s.tier not in _PEER_TIERS or peers[part] <= PEER_SOURCES_PER_VIEW:
             planned.append(s)
     pending = False
     if (downloader := plan_.fan_out.get(rank)) is not None and rank not in incarnation.staged:
