@@ -23,6 +23,7 @@ from tests.helpers.jobs import (
     status_of,
     wait_safe_is_newest,
 )
+from tests.helpers.polling import wait_until
 
 pytestmark = pytest.mark.skipif(
     not os.path.exists(TORCH_PYTHON), reason=f"no torch virtualenv at {TORCH_PYTHON} (make torch-setup)"
@@ -105,6 +106,23 @@ def resume_reshaped(cluster, job, tmp_path, agents, step: int) -> dict[str, str]
         )
         assert sorted(s[4] for s in staged) == ["node-0-of-2", "node-1-of-2"], f"{agent.node_id}: {staged}"
         assert all(".metadata" in s[3] for s in staged)
+    # The new shape trains in a timeline of its own from the resharded step; the old shape's steps go only once a
+    # step of the new shape is safe, with the staged copies.
+    assert status_of(cluster, job)["rollbacks"] == [step]
+    job.wait(lambda: (status_of(cluster, job)["safe_step"] or 0) > step, 120, "a step of the new shape safe")
+    wait_until(
+        lambda: not any(n.startswith(".mtc-resharded-") for p in job.pods for n in os.listdir(p.target)),
+        60,
+        "the staged copies removed",
+    )
+    live = {agent.node_id for agent in agents}  # a lost node's copies stay listed until its grace period ends
+    wait_until(
+        lambda: (
+            not any(live.intersection(held.get(str(step), ())) for held in status_of(cluster, job)["held"].values())
+        ),
+        60,
+        f"the old shape's step {step} collected",
+    )
     return sources
 
 
