@@ -81,3 +81,19 @@ def test_a_job_saved_on_2_nodes_restores_on_3_resharded_in_a_timeline_of_its_own
             state.apply_report(node_report(node, mine, steps, topology={"block": "b0"}), at)
         state.tick(at + 0.5)
     assert state.safe_step(KEY) == 13
+
+
+def test_after_a_node_loss_with_no_spare_the_old_shapes_steps_are_not_safe_on_the_one_node_left():
+    state = ClusterState()
+    state.expire(0.0)
+    run(state, 2, 1, 0.0, lambda n: (held(7, n), held(7, 1 - n, True), held(10, n), held(10, 1 - n, True)))
+    assert state.safe_step(KEY) == 10
+    state.apply_report(node_report("n0", [], (held(10, 0), held(10, 1, True))), 100.0)
+    node_of_rank = run(state, 1, 2, 100.0, lambda n: (held(7, 0), held(7, 1, True), held(10, 0), held(10, 1, True)))
+    view = state.restore_view(KEY, state.job(KEY).incarnation.incarnation_id, 0, 102.0)
+    assert node_of_rank == {0: "n0"} and (view.step, view.saved_nodes) == (10, 2)
+    # n1 is lost: its own copy of rank 1 and its replica of rank 0 serve no more; n0 holds both old nodes' data.
+    assert [(s.data_rank, s.tier, s.holder) for s in view.sources] == [(0, "local", "n0"), (1, "local", "n0")]
+    state.tick(104.0)
+    # Rank 0 alone is held twice at steps 7 and 10, but they are the old shape's: GC keeps both nodes' data of both.
+    assert state.safe_step(KEY) is None
