@@ -24,7 +24,7 @@ from replicator.local_tier import pod_files
 from replicator.local_tier.frameworks import Framework
 from replicator.local_tier.frameworks.client_dir import RESHARDED_PREFIX
 from replicator.local_tier.job_meta import JobMeta
-from replicator.local_tier.step_manifest import StepManifest, check_step
+from replicator.local_tier.step_manifest import StepManifest, UnusableCopy, check_step
 from replicator.wire.messages import RestoreView, Source
 
 log = logging.getLogger(__name__)
@@ -78,14 +78,22 @@ def link_copy(step_dir: str, manifest: StepManifest, part_dir: str, what: str) -
     there: what is verified is what the job reads, whatever the pod does to its own directory after.
 
     Raises:
-      CorruptCopy, UnusableCopy: as ``check_step``; a file that cannot be linked is an UnusableCopy.
+      CorruptCopy, UnusableCopy: as ``check_step``; a file that cannot be linked is an UnusableCopy. Nothing is
+        left in ``part_dir`` then: the next source fills it.
     """
-    for path in manifest.files:
-        target = os.path.join(part_dir, path)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):  # a missing file is named by the check below
-            os.link(os.path.join(step_dir, path), target, follow_symlinks=False)
-    check_step(part_dir, manifest, what)
+    try:
+        for path in manifest.files:
+            target = os.path.join(part_dir, path)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):  # a missing file is named by the check below
+                os.link(os.path.join(step_dir, path), target, follow_symlinks=False)
+        check_step(part_dir, manifest, what)
+    except OSError as err:
+        shutil.rmtree(part_dir, ignore_errors=True)
+        raise UnusableCopy(f"{what} cannot be linked: {err}") from err
+    except UnusableCopy:
+        shutil.rmtree(part_dir, ignore_errors=True)
+        raise
 
 
 def install(framework: Framework, local_dir: str, step: int, building: str) -> None:
