@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     app = {"app": state}
     restored = manager.load(app)
     if speaker:
-        emit(event="restored", step=restored, node=node, time=time.time())
+        emit(event="restored", step=restored, node=node)
     if restored is not None:
         dump(args.dump_dir, restored, state)
 

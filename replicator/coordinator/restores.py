@@ -177,11 +177,16 @@ def check_listed(job: JobState, incarnation: Incarnation, nodes: dict[str, NodeS
 
 def sources_lost(incarnation: Incarnation, rank: int, liveness: Liveness) -> bool:
     """Whether the rank has not staged the planned step and every holder of its sources is silent
-    past the grace period (none is the backup)."""
+    past the grace period (none is the backup); in an elastic plan, every holder of one old node's copy."""
     if incarnation.plan is None or rank in incarnation.staged or incarnation.plan.step is None:
         return False
-    sources = incarnation.plan.sources.get(rank, ())
-    return bool(sources) and not any(s.tier in _NO_NODE_TIERS or liveness.holds_data(s.holder) for s in sources)
+    parts: dict[int, list[planner.PlannedSource]] = {}
+    for source in incarnation.plan.sources.get(rank, ()):
+        parts.setdefault(source.data_rank if incarnation.plan.saved_nodes is not None else 0, []).append(source)
+    return any(
+        not any(s.tier in _NO_NODE_TIERS or liveness.holds_data(s.holder) for s in sources)
+        for sources in parts.values()
+    )
 
 
 def view(
