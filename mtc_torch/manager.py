@@ -176,6 +176,7 @@ class CheckpointManager:
 
     @staticmethod
     def _load_from(reader: StepReader, state_dict: dict[str, Any]) -> None:
+        reader.read_metadata()  # a malformed step raises its own ValueError here (within dcp.load: a message)
         try:
             dcp.load(state_dict, storage_reader=reader, no_dist=True)
         except CheckpointException as failed:

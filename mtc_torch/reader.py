@@ -12,7 +12,10 @@ raw (:data:`mtc_torch.storage.RAW_TENSOR_BYTES`) is read in pieces of :data:`PIE
 - into a CPU destination directly (no copy in between);
 - into a GPU destination through one pinned piece per thread, each copied on that thread's CUDA stream (the pinned
   memory is ``threads`` × :data:`PIECE_BYTES`, whatever the checkpoint's size);
-- into a destination of another shape, dtype or layout (a resharded load) through one host copy of the stored chunk.
+- into some rows of a destination, or a destination of some rows of the stored chunk (a resharded ``Shard(0)``
+  load), the same way: those rows are one byte range of the file;
+- into a destination of another dtype or layout, or a box that is not whole rows (``Shard(1)`` resharded), through
+  one host copy of the stored chunk.
 Items stored as torch's own writer stores them (``torch.save`` bytes, as ``mtc_torch`` 0.2.0 did) go through
 ``FileSystemReader``.
 
@@ -89,6 +92,7 @@ class StepReader(FileSystemReader):
         self.threads = threads
         self.prefer = prefer
         self._tensors: dict[str, TensorStorageMetadata] = {}
+        self._merged: Metadata | None = None
 
     def rank_dirs(self) -> list[step_layout.RankDir]:
         """The step's rank directories in the order their metadata is merged: ``prefer`` first."""
@@ -96,11 +100,21 @@ class StepReader(FileSystemReader):
         return sorted(found, key=lambda d: d.relative != self.prefer)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """The step's merged metadata (:func:`mtc_torch.step_layout.merge_metadata`); ``load_id`` set as torch's
-        reader does."""
-        metadata = step_layout.merge_metadata(self.path, self.rank_dirs())
-        metadata.storage_meta = StorageMeta(load_id=self.load_id)
-        return metadata
+        """The step's merged metadata (:func:`mtc_torch.step_layout.merge_metadata`), merged once per path;
+        ``load_id`` set as torch's reader does.
+
+        Called before ``dcp.load``, it raises a malformed step's ``ValueError`` itself: within ``dcp.load`` the
+        error reaches the caller only as the message of DCP's ``AssertionError("metadata is None; ...")``.
+        """
+        if self._merged is None:
+            self._merged = step_layout.merge_metadata(self.path, self.rank_dirs())
+        self._merged.storage_meta = StorageMeta(load_id=self.load_id)
+        return self._merged
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        super().reset(checkpoint_id)
+        if checkpoint_id:
+            self._merged = None
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
@@ -164,18 +178,18 @@ class StepReader(FileSystemReader):
         for item, target in targets:
             info = self.storage_data[item.storage_index]
             dtype, sizes = self._stored(item.storage_index, info.length)
+            start = _contiguous_start(item, sizes, dtype)
             if (
-                all(o == 0 for o in item.storage_offsets)
-                and tuple(item.lengths) == tuple(sizes)
-                and tuple(target.shape) == tuple(sizes)
+                start is not None
+                and tuple(target.shape) == tuple(item.lengths)
                 and target.dtype == dtype
                 and target.is_contiguous()
                 and target.layout == torch.strided
-            ):
+            ):  # the wanted rows of the stored chunk are one byte range: read it in place, as a whole chunk is
                 flat = target.reshape(-1).view(torch.uint8)
                 pieces += [
-                    _Piece(info.relative_path, info.offset + start, flat[start : start + PIECE_BYTES])
-                    for start in range(0, info.length, PIECE_BYTES)
+                    _Piece(info.relative_path, info.offset + start + at, flat[at : at + PIECE_BYTES])
+                    for at in range(0, flat.numel(), PIECE_BYTES)
                 ]
             else:
                 resharded.append(self._resharded(item, info.relative_path, info.offset, dtype, sizes, target))
@@ -222,6 +236,16 @@ class StepReader(FileSystemReader):
             target.copy_(stored)
 
         return read
+
+
+def _contiguous_start(item: ReadItem, sizes: torch.Size, dtype: torch.dtype) -> int | None:
+    """Where the box ``item`` wants starts in its stored chunk's bytes, when the box is one byte range there
+    (whole in every dimension but the first: a load of the chunk itself, or of some of its rows, as FSDP's
+    ``Shard(0)`` at another world size asks), else None."""
+    whole = zip(item.storage_offsets[1:], item.lengths[1:], sizes[1:], strict=True)
+    if any(offset != 0 or length != size for offset, length, size in whole):
+        return None
+    return item.storage_offsets[0] * math.prod(sizes[1:]) * dtype.itemsize if sizes else 0
 
 
 class _Files:

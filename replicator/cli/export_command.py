@@ -19,10 +19,19 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from csi_driver.volume_request import DNS1123_LABEL
 from replicator.backup_tier.backends import open_backup_store
 from replicator.backup_tier.object_store import BackupError
 from replicator.backup_tier.store import BackupStore
-from replicator.cli.arguments import backup_url, non_empty, non_negative_int, positive_int, readable_file
+from replicator.cli.arguments import (
+    backup_url,
+    existing_directory,
+    non_empty,
+    non_negative_int,
+    positive_int,
+    readable_file,
+    usage_error,
+)
 from replicator.local_tier.step_manifest import StepManifest, UnusableCopy, check_step
 
 _NODE = "node-{n}-of-{total}"  # mtc_torch.step_layout.node_dir_name, which this side may not import before torch
@@ -33,7 +42,9 @@ def add(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export", help="write one committed PyTorch step as a stock DCP checkpoint or safetensors")
     p.set_defaults(run=_run)
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--step-dir", type=Path, metavar="DIR", help="a step directory (a node's, or node-*-of-N/)")
+    source.add_argument(
+        "--step-dir", type=existing_directory, metavar="DIR", help="a step directory (a node's, or node-*-of-N/)"
+    )
     source.add_argument("--backup", type=backup_url, metavar="URL", help="the backup store: gs://, s3:// or file://")
     p.add_argument(
         "--manifest",
@@ -56,8 +67,7 @@ def add(sub: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     problem = _flag_problem(args)
     if problem:
-        print(f"mtc export: {problem}", file=sys.stderr)
-        return 2
+        return usage_error("export", problem)
     try:  # by name: the agent's type check (its venv has no torch) does not follow it
         export_step = importlib.import_module("mtc_torch.export").export_step
     except ImportError as err:
@@ -78,6 +88,9 @@ def _flag_problem(args: argparse.Namespace) -> str | None:
     if args.backup:
         if not (args.namespace and args.job):
             return "--backup needs --namespace and --job"
+        for flag, value in (("--namespace", args.namespace), ("--job", args.job)):
+            if not DNS1123_LABEL.match(value):
+                return f"{flag} {value}: not a DNS-1123 label (lowercase letters, digits and '-')"
         if args.manifest or args.unverified:
             return "--manifest and --unverified go with --step-dir; a backup is verified against its own manifests"
         if args.s3_endpoint_url and not args.backup.startswith("s3://"):
@@ -96,8 +109,9 @@ def _step(args: argparse.Namespace) -> Iterator[Path]:
     """The verified step's directory: ``--step-dir`` itself, or a download into a work directory beside ``--to``
     (removed afterwards)."""
     if args.step_dir is not None:
-        _verify_dir(args.step_dir, [StepManifest.from_json(Path(m).read_text()) for m in args.manifest])
-        yield args.step_dir
+        step_dir = Path(args.step_dir)
+        _verify_dir(step_dir, [_manifest(Path(m)) for m in args.manifest])
+        yield step_dir
         return
     store = open_backup_store(args.backup, s3_endpoint_url=args.s3_endpoint_url)
     work = Path(tempfile.mkdtemp(prefix=f".{args.to.name}.download-", dir=args.to.absolute().parent))
@@ -106,6 +120,14 @@ def _step(args: argparse.Namespace) -> Iterator[Path]:
         yield work
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _manifest(path: Path) -> StepManifest:
+    """A ``StepManifest`` from its JSON file; ValueError naming the file when it is not one."""
+    try:
+        return StepManifest.from_json(path.read_text())
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"--manifest {path}: not a step manifest ({err!r})") from None
 
 
 def _verify_dir(step_dir: Path, manifests: list[StepManifest]) -> None:

@@ -193,11 +193,14 @@ def test_step_is_restorable_only_after_every_rank_uploaded(backend, tmp_path):
     with pytest.raises(BackupError, match="no COMMIT"):
         store.download_rank(JOB, 5, 0, str(tmp_path / "early"))
     assert not (tmp_path / "early").exists()
+    with pytest.raises(BackupError, match="COMMIT is missing: step 5 is not restorable"):
+        store.committed_nodes(JOB, 5)
 
     store.upload_rank(JOB, 5, 1, *dirs[1])
     assert store.commit_if_complete(JOB, 5, nodes=2)
     assert store.commit_if_complete(JOB, 5, nodes=2)  # idempotent
     assert store.complete_steps(JOB) == [(5, 0)]
+    assert store.committed_nodes(JOB, 5) == 2
     assert incomplete_steps(store) == []
     assert json.loads(store.objects.read_text(f"{JOB}/steps/5/COMMIT")) == {"step": 5, "nodes": 2, "ranks": [0, 1]}
 

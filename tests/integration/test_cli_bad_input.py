@@ -241,6 +241,37 @@ CASES = [
         "mtc restore-from: the following arguments are required: --job",
     ),
     ([*_RESTORE[:-2]], "mtc restore-from: give --step S to roll back, or --cancel to cancel a pending rollback"),
+    # export
+    (["export", "--to", "out"], "mtc export: one of the arguments --step-dir --backup is required"),
+    (["export", "--step-dir", "nowhere", "--to", "out"], "mtc export: --step-dir nowhere: no such directory"),
+    (
+        ["export", "--step-dir", "dir", "--to", "out"],
+        "mtc export: give the step's checksums with --manifest (one per node), or --unverified to export unchecked",
+    ),
+    (
+        ["export", "--step-dir", "dir", "--unverified", "--to", "dir"],
+        "mtc export: --to dir: exists; an export goes to a new directory",
+    ),
+    (
+        ["export", "--step-dir", "dir", "--unverified", "--to", "out", "--format", "zip"],
+        "mtc export: --format 'zip': not one of 'dcp', 'safetensors'",
+    ),
+    (
+        ["export", "--backup", "ftp://b", "--to", "out"],
+        "mtc export: --backup ftp://b: not gs://BUCKET[/PREFIX], s3://BUCKET[/PREFIX] or file:///ABSOLUTE/PATH",
+    ),
+    (
+        ["export", "--backup", "file:///s", "--job", "j", "--to", "out"],
+        "mtc export: --backup needs --namespace and --job",
+    ),
+    (
+        ["export", "--backup", "file:///s", "--namespace", "NS", "--job", "j", "--to", "out"],
+        "mtc export: --namespace NS: not a DNS-1123 label (lowercase letters, digits and '-')",
+    ),
+    (
+        ["export", "--step-dir", "dir", "--step", "3", "--to", "out"],
+        "mtc export: --namespace, --job and --step go with --backup",
+    ),
     # the log flags, in either position; no command
     (
         ["--log-level", "verbose", *_STATUS],
@@ -253,7 +284,7 @@ CASES = [
     ([*_STATUS, "--log-format", "xml"], "mtc status: --log-format 'xml': not one of 'text', 'json'"),
     (
         ["frobnicate"],
-        "mtc: COMMAND 'frobnicate': not one of 'node', 'publish', 'unpublish', 'gc', 'coordinator', 'status', 'restore-from'",
+        "mtc: COMMAND 'frobnicate': not one of 'node', 'publish', 'unpublish', 'gc', 'coordinator', 'status', 'restore-from', 'export'",
     ),
     ([], "mtc: the following arguments are required: COMMAND"),
 ]
@@ -308,6 +339,11 @@ PROCESS_CASES = [
         "mtc status: --job nope: not NAMESPACE/JOB",
     ),
     (["gc", "--root", "gc-root/below", "--job", "ns/j"], 2, "mtc gc: --root gc-root/below: no such directory"),
+    (  # the agent's venv has no torch (mtc_torch is type-checked against .venv-torch's)
+        ["export", "--step-dir", ".", "--unverified", "--to", "out"],
+        1,
+        "mtc export: needs torch (pip install 'mtc-checkpointing[torch]'): No module named 'torch'",
+    ),
     (
         ["publish", "--csi-endpoint", "unix:///nowhere/csi.sock", "--target", "target/mount", "--pod", "p"],
         2,

@@ -1,4 +1,5 @@
-"""A PyTorch restore into another sharding than the saved one: refused whole, never silently partial.
+"""A PyTorch restore into another sharding than the saved one: resharded from the node's step, and refused whole,
+never silently partial, when the staged step lacks what a rank asks for.
 
 Real torchrun jobs (1 node x 2 local ranks, gloo) save a step through ``mtc_torch.CheckpointManager`` and load it
 through ``manager.load`` after the fake agent's handshake (``tests/helpers/torch_agent.py``; the agent's side is
@@ -98,12 +99,15 @@ def run(local: Path, phase: str, placement: str) -> list[dict]:
     return [json.loads(Path(f"{local}.rank{rank}.json").read_text()) for rank in range(2)]
 
 
-def restore(saved: Path, tmp_path: Path, name: str, placement: str) -> list[dict]:
-    """Stages step 1 of ``saved`` into a fresh ramdisk and loads it with ``placement``."""
+def restore(saved: Path, tmp_path: Path, name: str, placement: str, drop: str | None = None) -> list[dict]:
+    """Stages step 1 of ``saved`` into a fresh ramdisk (without its rank directory ``drop``) and loads it with
+    ``placement``."""
     local = tmp_path / name
     shutil.copytree(saved / "1", local / "1")
     stage = stage_step(local, 1)
     shutil.rmtree(local / "1")
+    if drop:
+        shutil.rmtree(local / stage / drop)
     with FakeTorchAgent(local, JOB, restore_step=1, staged=stage):
         return run(local, "load", placement)
 
@@ -118,12 +122,23 @@ def saved(tmp_path_factory) -> Path:
     return local
 
 
-def test_a_load_of_a_sharded_step_into_replicated_tensors_refuses_a_partial_restore(saved, tmp_path):
+FULL_W = [[float(4 * r + c) for c in range(4)] for r in range(16)]
+
+
+def test_a_sharded_step_loads_into_replicated_tensors_from_both_ranks_directories(saved, tmp_path):
     for rank in restore(saved, tmp_path, "replicate", "replicate"):
+        assert "error" not in rank, rank
+        assert rank["step"] == 1 and rank["optimizer_loaded"]
+        assert rank["w"] == FULL_W  # Replicate: each rank's local tensor is the whole
+        assert rank["exp_avg_full"] == [[2 * v for v in row] for row in FULL_W]
+
+
+def test_a_staged_step_missing_a_rank_refuses_a_partial_restore(saved, tmp_path):
+    for rank in restore(saved, tmp_path, "missing", "replicate", drop="rank-1-of-2"):
         assert "error" in rank, rank
         assert rank["keys"] == ["optim.exp_avg", "w"]
         assert "'w' wants [offsets [0, 0] sizes [16, 4]]" in rank["error"]
-        stored = "[offsets [0, 0] sizes [8, 4]]" if rank["rank"] == 0 else "[offsets [8, 0] sizes [8, 4]]"
+        stored = "[offsets [0, 0] sizes [8, 4]]"
         assert f"the checkpoint stores {stored}: 32 of its 64 elements would not be read" in rank["error"]
         # Nothing of the state changed: the destinations hold their NaNs, the Stateful was not given a state.
         assert all(v != v for row in rank["w"] for v in row)
@@ -132,11 +147,10 @@ def test_a_load_of_a_sharded_step_into_replicated_tensors_refuses_a_partial_rest
 
 
 def test_a_same_mesh_load_restores_bit_for_bit_after_a_partial_one_was_refused(saved, tmp_path):
-    restore(saved, tmp_path, "refused", "replicate")
-    full_w = [[float(4 * r + c) for c in range(4)] for r in range(16)]
+    restore(saved, tmp_path, "refused", "replicate", drop="rank-1-of-2")
     for rank in restore(saved, tmp_path, "same", "shard"):
         assert "error" not in rank, rank
         assert rank["step"] == 1 and rank["optimizer_loaded"]
-        assert rank["w_full"] == full_w
-        assert rank["exp_avg_full"] == [[2 * v for v in row] for row in full_w]
+        assert rank["w_full"] == FULL_W
+        assert rank["exp_avg_full"] == [[2 * v for v in row] for row in FULL_W]
         assert rank["bias"] == [0.0, 1.0, 2.0]
