@@ -34,16 +34,9 @@ RANK_DIR_RE = re.compile(r"^rank-([0-9]{1,6})-of-([0-9]{1,6})$")
 NODE_DIR_RE = re.compile(r"^node-([0-9]{1,6})-of-([0-9]{1,6})$")
 
 
-def node_dir_name(node_rank: int, nodes: int) -> str:
-    """``node-<n>-of-<N>``: node ``n``'s step inside a multi-node step."""
-    if not 0 <= node_rank < nodes:
-        raise ValueError(f"node rank {node_rank} is not in range(nodes={nodes})")
-    return f"node-{node_rank}-of-{nodes}"
-
-
 @dataclasses.dataclass(frozen=True, order=True)
 class RankDir:
-    """One rank's directory inside a step: ``node`` (None outside a multi-node step), local ``rank`` of ``ranks``
+    """One rank's directory inside a step: ``node`` of ``nodes`` (None outside a multi-node step), local ``rank`` of ``ranks``
     (None for a bare rank directory), and its path relative to the step directory (``""``: the step itself)."""
 
     node: int | None

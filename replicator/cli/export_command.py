@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import importlib
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -34,7 +35,9 @@ from replicator.cli.arguments import (
 )
 from replicator.local_tier.step_manifest import StepManifest, UnusableCopy, check_step
 
-_NODE = "node-{n}-of-{total}"  # mtc_torch.step_layout.node_dir_name, which this side may not import before torch
+# mtc_torch.step_layout's names, which this side may not import before it knows torch is there.
+_NODE = "node-{n}-of-{total}"
+_NODE_RE = re.compile(r"^node-([0-9]{1,6})-of-([0-9]{1,6})$")
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -134,10 +137,10 @@ def _verify_dir(step_dir: Path, manifests: list[StepManifest]) -> None:
     """Checks a node's step against its one manifest, or each ``node-<n>-of-<N>/`` against node n's.
 
     Raises:
-      ValueError: the manifests do not match the directory's nodes.
+      ValueError: the manifests do not match the directory's nodes (one each).
       UnusableCopy: a file is missing, unexpected, of another size or fails its CRC32C (``CorruptCopy``).
     """
-    nodes = sorted(p.name for p in step_dir.iterdir() if p.name.startswith("node-")) if step_dir.is_dir() else []
+    nodes = {int(m[1]): entry.name for entry in step_dir.iterdir() if (m := _NODE_RE.match(entry.name))}
     if not nodes:
         if len(manifests) > 1:
             raise ValueError(f"{step_dir} is one node's step but {len(manifests)} manifests were given")
@@ -145,14 +148,12 @@ def _verify_dir(step_dir: Path, manifests: list[StepManifest]) -> None:
             check_step(str(step_dir), manifest, str(step_dir))
         return
     by_node = {m.rank: m for m in manifests}
-    for manifest in manifests:
-        name = _NODE.format(n=manifest.rank, total=len(nodes))
-        if name not in nodes:
-            raise ValueError(f"{step_dir} holds no {name}/ for the manifest of node {manifest.rank}")
-    if manifests and len(by_node) != len(nodes):
-        raise ValueError(f"{step_dir} holds {len(nodes)} nodes but manifests of nodes {sorted(by_node)}")
-    for rank, manifest in by_node.items():
-        check_step(str(step_dir / _NODE.format(n=rank, total=len(nodes))), manifest, f"{step_dir} node {rank}")
+    if manifests and (sorted(by_node) != sorted(nodes) or len(by_node) != len(manifests)):
+        raise ValueError(
+            f"{step_dir} holds nodes {sorted(nodes)} but the manifests are of nodes {[m.rank for m in manifests]}"
+        )
+    for rank, manifest in sorted(by_node.items()):
+        check_step(str(step_dir / nodes[rank]), manifest, f"{step_dir} node {rank}")
 
 
 def _download(store: BackupStore, job_key: str, step: int | None, work: Path) -> None:
