@@ -63,9 +63,9 @@ def emit(**event: Any) -> None:
 
 
 class Model(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, hidden: int = HIDDEN) -> None:
         super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(DIM, HIDDEN), nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, DIM)])
+        self.layers = nn.ModuleList([nn.Linear(DIM, hidden), nn.Linear(hidden, hidden), nn.Linear(hidden, DIM)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for i, layer in enumerate(self.layers):
@@ -147,6 +147,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep after each step")
     parser.add_argument("--async-save", action="store_true", help="save with async_save (blocking: staging only)")
     parser.add_argument("--dump-dir", default=None, help="write each rank's state at every save and after a restore")
+    parser.add_argument(
+        "--hidden", type=int, default=HIDDEN, help="the hidden width: the state is about 12 x hidden^2 bytes"
+    )
     return parser.parse_args(argv)
 
 
@@ -155,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = Model()
+    model = Model(args.hidden)
     # HSDP: replicate across the groups, shard within one; else FSDP over every rank.
     groups = args.data_parallelism or 1
     mesh = (

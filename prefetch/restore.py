@@ -27,7 +27,7 @@ import aiohttp
 from prometheus_client import Counter, Histogram
 
 from csi_driver.ramdisk import Ramdisk
-from prefetch import restore_states, staging
+from prefetch import resharded, restore_states, staging
 from prefetch.restore_states import Acting, Asking, Attempts, HandingOver, Reporting, Retrying, Staged, Staging, State
 from replicator.backup_tier.store import BackupError
 from replicator.local_tier import space
@@ -246,9 +246,8 @@ class Restorer:
                 return restore_states.retried(attempts, view)
             case Reporting(view, staged):
                 used = staged.source
-                await pod.client.report_staged(
-                    pod.pod_rank, view.generation, f"{used.tier}:{used.holder}" if used else None, staged.bad
-                )
+                summary = staged.summary or (f"{used.tier}:{used.holder}" if used else None)
+                await pod.client.report_staged(pod.pod_rank, view.generation, summary, staged.bad)
                 return restore_states.reported(attempts, view)
 
     async def _stage(
@@ -260,18 +259,40 @@ class Restorer:
         view: RestoreView,
         unusable: frozenset[tuple[str, str, int]],
     ) -> Staged:
-        """Stages the view's step from its first source that serves a verified copy.
+        """Stages the view's step from its first source that serves a verified copy; an elastic
+        restore's (``view.saved_nodes``) stages each old node's copy so (``resharded.stage_parts``).
 
         Args:
           unusable: (generation, holder, data rank) already proven unusable: not tried again.
         """
+        if view.saved_nodes is None:
+            return await self._stage_sources(session, disk, meta, progress, view, view.sources, unusable, None)
+
+        def stage_one(sources: tuple[Source, ...], part: str) -> Awaitable[Staged]:
+            return self._stage_sources(session, disk, meta, progress, view, sources, unusable, part)
+
+        return await resharded.stage_parts(meta.framework, disk.client_dir, meta, view, stage_one)
+
+    async def _stage_sources(
+        self,
+        session: aiohttp.ClientSession,
+        disk: Ramdisk,
+        meta: JobMeta,
+        progress: PodProgress,
+        view: RestoreView,
+        sources: tuple[Source, ...],
+        unusable: frozenset[tuple[str, str, int]],
+        part: str | None,
+    ) -> Staged:
+        """Stages one copy of the view's step from the first of ``sources`` that serves it verified:
+        as the rank's step, or into ``part`` (an old node's copy of an elastic restore)."""
         bad: list[tuple[int, int, str]] = []
         unreachable: list[str] = []
-        for source in view.sources:
+        for source in sources:
             if (view.generation, source.holder, source.data_rank) in unusable:
                 continue
             try:
-                await self._stage_from(session, disk, meta, progress, view, source)
+                await self._stage_from(session, disk, meta, progress, view, source, part)
             except _Unreachable as err:
                 unreachable.append(f"{source.holder}: {err}")
                 continue
@@ -284,7 +305,7 @@ class Restorer:
                 bad.append((_step(view), source.data_rank, source.holder))
                 continue
             log.info(
-                "%s/%s rank %d: staged step %d from %s %s (data of rank %d)",
+                "%s/%s rank %d: staged step %d from %s %s (data of rank %d%s)",
                 disk.namespace,
                 disk.job,
                 _rank(progress),
@@ -292,6 +313,7 @@ class Restorer:
                 source.tier,
                 source.holder,
                 source.data_rank,
+                f", files {sorted(source.files or ())} as {os.path.basename(part)}" if part else "",
             )
             return Staged(source, bad, unreachable)
         return Staged(None, bad, unreachable)
@@ -304,8 +326,9 @@ class Restorer:
         progress: PodProgress,
         view: RestoreView,
         source: Source,
+        part: str | None = None,
     ) -> None:
-        """Stages the view's step from ``source``.
+        """Stages the view's step from ``source``, into ``part`` when given (``_stage_sources``).
 
         Raises:
           UnusableCopy: the copy is proven unusable (``CorruptCopy``: it fails its checksums).
@@ -313,6 +336,9 @@ class Restorer:
         """
         if source.files is not None and (missing := meta.framework.missing_commit_evidence(source.files)):
             raise UnusableCopy(f"its checksums lack {missing}")
+        if part is not None and source.holder == self.node_id:
+            await asyncio.to_thread(self._link_held, disk, meta, _step(view), source, part)
+            return
         if source.holder == self.node_id and source.data_rank == _rank(progress):
             await asyncio.to_thread(
                 staging.stage_local,
@@ -329,11 +355,29 @@ class Restorer:
             await asyncio.to_thread(self._room_for, disk, _step(view), need)
         with RESTORE_IN_FLIGHT.transfer(disk.namespace, disk.job, need) as fetched:
             if source.tier == Tier.BACKUP:
-                await self._stage_from_backup(disk, meta, progress, view, source, fetched)
+                await self._stage_from_backup(disk, meta, progress, view, source, fetched, part)
             elif source.tier == Tier.DECODE:
-                await self._stage_from_parity(session, disk, meta, progress, view, source, fetched)
+                await self._stage_from_parity(session, disk, meta, progress, view, source, fetched, part)
             else:
-                await self._stage_from_peer(session, disk, meta, progress, view, source, fetched)
+                await self._stage_from_peer(session, disk, meta, progress, view, source, fetched, part)
+
+    @staticmethod
+    def _link_held(disk: Ramdisk, meta: JobMeta, step: int, source: Source, part: str) -> None:
+        """Stages into ``part`` a copy held on this node, this node's own old step or a replica,
+        by hard links (``resharded.link_copy``), checked against the owner's checksums.
+
+        Raises:
+          UnusableCopy: the copy is not held here any more, or fails its checksums (``CorruptCopy``).
+        """
+        found, manifest = None, meta.manifests().get(step)
+        if manifest is not None and manifest.rank == source.data_rank:
+            found = meta.framework.find_step_dir(disk.client_dir, step)
+        elif (manifest := meta.replicas().get((source.data_rank, step))) is not None:
+            found = meta.replica_dir(source.data_rank, step)
+        if found is None or manifest is None:
+            raise UnusableCopy(f"step {step} of rank {source.data_rank} is not held here")
+        _check_owner(manifest, source)
+        resharded.link_copy(found, manifest, part, f"the copy of rank {source.data_rank}'s step {step} held here")
 
     def _room_for(self, disk: Ramdisk, step: int, need: int) -> None:
         """Makes room for a fetched copy of ``need`` bytes, giving up unsafe copies if it must.
@@ -357,6 +401,7 @@ class Restorer:
         view: RestoreView,
         source: Source,
         fetched: Callable[[int], None],
+        part: str | None = None,
     ) -> None:
         """Pulls the view's step from a peer (or this node's own replica) into the ramdisk, verified,
         then stages it. ``fetched`` is called with each range's bytes. Raises as ``_stage_from``."""
@@ -387,7 +432,7 @@ class Restorer:
             )
             return manifest
 
-        await self._fill_and_stage(disk, meta, progress, view, fill)
+        await self._fill_and_stage(disk, meta, progress, view, fill, part)
 
     async def _stage_from_parity(
         self,
@@ -398,6 +443,7 @@ class Restorer:
         view: RestoreView,
         source: Source,
         fetched: Callable[[int], None],
+        part: str | None = None,
     ) -> None:
         """Rebuilds the view's step from the rank's parity group (``replicator.parity.decoder``) into the
         ramdisk, verified against the owner's checksums, then stages it. Raises as ``_stage_from``."""
@@ -411,7 +457,7 @@ class Restorer:
             await decoder.rebuild(reads, source.data_rank, files, recipe, incoming, fetched)
             return StepManifest(step, source.data_rank, dict(files))
 
-        await self._fill_and_stage(disk, meta, progress, view, fill)
+        await self._fill_and_stage(disk, meta, progress, view, fill, part)
 
     async def _fill_and_stage(
         self,
@@ -420,10 +466,12 @@ class Restorer:
         progress: PodProgress,
         view: RestoreView,
         fill: Callable[[str], Awaitable[StepManifest]],
+        part: str | None = None,
     ) -> None:
         """Has ``fill`` write the view's step into a fresh incoming directory (it returns the manifest the bytes
         were verified against), then stages it: this rank's copy of the step from then on, in the view's
-        timeline. Raises as ``_stage_from``."""
+        timeline; or, given ``part``, moves it there (an old node's copy, never this rank's). Raises as
+        ``_stage_from``."""
         incoming = meta.new_incoming_dir()
         try:
             manifest = await fill(incoming)
@@ -433,6 +481,9 @@ class Restorer:
         except (TimeoutError, PeerFetchError, OSError, aiohttp.ClientError) as err:
             shutil.rmtree(incoming, ignore_errors=True)
             raise _Unreachable(str(err) or repr(err)) from err
+        if part is not None:
+            os.rename(incoming, part)
+            return
         await asyncio.to_thread(staging.install_staged, meta.framework, disk.client_dir, _step(view), incoming)
         # Recorded as this rank's step: from now on this node serves it for this rank.
         meta.save_manifest(dataclasses.replace(manifest, rank=_rank(progress), timeline=len(view.forks)))
@@ -445,8 +496,10 @@ class Restorer:
         view: RestoreView,
         source: Source,
         fetched: Callable[[int], None],
+        part: str | None = None,
     ) -> None:
-        """Downloads the view's step from the backup tier into the ramdisk, verified, then stages it.
+        """Downloads the view's step from the backup tier into the ramdisk, verified, then stages it
+        (into ``part`` when given, as ``_fill_and_stage``).
         ``fetched`` is called with each range's bytes. Raises as ``_stage_from``."""
         step = _step(view)
         if self._download is None:
@@ -464,6 +517,10 @@ class Restorer:
         except CorruptCopy:
             shutil.rmtree(os.path.dirname(verified), ignore_errors=True)
             raise
+        if part is not None:
+            os.rename(verified, part)
+            shutil.rmtree(os.path.dirname(verified), ignore_errors=True)
+            return
         await asyncio.to_thread(staging.install_staged, meta.framework, disk.client_dir, step, verified)
         meta.save_manifest(dataclasses.replace(manifest, rank=_rank(progress), timeline=len(view.forks)))
 
@@ -481,15 +538,20 @@ def hand_over(
     steps newer than the agreed one (deletes them for a rollback: ``set_aside`` False) and writes
     the marker. Idempotent: replayed after a crash (``handing_over`` recorded, ``restore_done``
     not), it never clears again, since training may have saved steps since, and writes the marker
-    only if the job has not taken it."""
+    only if the job has not taken it. An elastic restore's step is the one staged under
+    ``resharded_name(step)`` (``prefetch.resharded``)."""
     if meta.learn_lineage(forks):
         drop_abandoned(disk)
     framework = meta.framework
+    elastic = step is not None and os.path.isdir(os.path.join(disk.client_dir, framework.resharded_name(step)))
     if progress.handing_over is None:
         progress.handing_over = -1 if step is None else step
         meta.save_progress(progress)
         staging.clear_for_restore(framework, disk.client_dir, step, meta, _rank(progress), set_aside)
+        resharded.drop_resharded(disk.client_dir, lambda other: elastic and other == step)
         marker_needed = True
+    elif elastic:  # the marker, or the job's link after it renamed the marker, points at the resharded directory
+        marker_needed = not resharded.linked(disk.client_dir, framework.resharded_name(step))  # type: ignore[arg-type]  # elastic: a step
     else:
         scan = framework.scan_steps(disk.client_dir)
         marker_needed = not scan.committed if step is None else step in scan.staged and step not in scan.committed
@@ -504,7 +566,7 @@ def hand_over(
     if marker_needed and step is None:
         framework.write_fresh_start_marker(disk.client_dir, disk.job, _rank(progress))
     elif marker_needed and step is not None:
-        framework.write_restore_marker(disk.client_dir, disk.job, step, _rank(progress))
+        framework.write_restore_marker(disk.client_dir, disk.job, step, _rank(progress), elastic)
     progress.restore_done = True
     meta.save_progress(progress)
     log.info(

@@ -30,11 +30,14 @@ class Staged:
       source: the source that served a verified copy, or None if none did.
       bad: the copies proven unusable, as (step, data rank, holder): reported to the coordinator.
       unreachable: what went wrong with sources that were merely unreachable (to retry), one line each.
+      summary: what the rank reports it staged from, when not ``source``'s ``tier:holder`` alone (an
+        elastic restore's copies, ``prefetch.resharded``).
     """
 
     source: Source | None
     bad: list[BadCopy]
     unreachable: list[str]
+    summary: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -71,6 +71,7 @@ class RestorePlan:
     step: int | None
     sources: Mapping[int, tuple[PlannedSource, ...]]
     fan_out: Mapping[int, PlannedSource] = dataclasses.field(default_factory=dict)
+    saved_nodes: int | None = None
 
 
 def select_pods(pods: Iterable[PodSlot], nodes: int) -> list[PodSlot] | None:
@@ -141,6 +142,7 @@ def plan_restore(
     identical: Mapping[int, frozenset[tuple[int, int]]] | None = None,
     fan_out: bool = True,
     silent: Collection[str] = frozenset(),
+    shapes: Mapping[int, int] | None = None,
 ) -> RestorePlan:
     """Picks the newest step that every rank can restore, and each rank's sources.
 
@@ -160,12 +162,16 @@ def plan_restore(
       silent: nodes silent past the node timeout. Their copies stay sources, but do not keep a group
         from fanning out: after a cluster loss every lost node is silent, not yet forgotten, for the
         grace period.
+      shapes: step -> the node count it was saved at, for the steps saved at another count than
+        ``nodes`` that the job can reshard (``coordinator.elastic.saved_shapes``): such a step
+        qualifies when every old node each rank needs has a copy reachable from the rank's node.
 
     Returns:
       The plan; ``step`` is None when nothing qualifies.
     """
     block_of = block_of or {}
     identical = identical or {}
+    shapes = shapes or {}
     by_step: dict[int, dict[int, list[StepCopy]]] = {}
     for copy in copies:
         by_step.setdefault(copy.step, {}).setdefault(copy.rank, []).append(copy)
@@ -174,6 +180,11 @@ def plan_restore(
         peers: dict[int, list[int]] = {}  # one pass over the pairs: a 10,000-rank job has 400,000 of them
         for first, other in identical.get(step, ()):
             peers.setdefault(first, []).append(other)
+        if (saved := shapes.get(step)) is not None:
+            elastic = _elastic_sources(held, saved, nodes, node_of_rank, block_of, usable_tiers)
+            if elastic is not None:
+                return RestorePlan(step, elastic, saved_nodes=saved)
+            continue
         sources = {}
         for rank in range(nodes):
             serving = [rank] + sorted(peers.get(rank, ()))
@@ -183,6 +194,54 @@ def plan_restore(
             fanned = _fan_out(sources, peers, node_of_rank, block_of, usable_tiers, silent) if fan_out else {}
             return RestorePlan(step, sources, fanned)
     return RestorePlan(None, {rank: () for rank in range(nodes)})
+
+
+def old_nodes_needed(new_rank: int, new_nodes: int, old_nodes: int) -> range:
+    """The old nodes whose copies a node of a resharded job stages: those whose share of the flat
+    global-rank order overlaps its own, widened by one old node on each side.
+
+    FSDP/HSDP shard dim 0 with ``torch.chunk``: with ``D`` rows over ``R`` ranks, rank ``i`` holds
+    ``[i * ceil(D / R), (i + 1) * ceil(D / R))``. Where ``R`` divides ``D`` at both world sizes that is the
+    even split, and the overlap alone is exact. Otherwise rows sit earlier than an even split puts them,
+    by less than ``R`` rows; the margin covers that when every sharded dim 0 holds at least
+    max(new world size x old nodes, old world size x (old nodes - 1)) rows. The coordinator never sees
+    the tensors: past that, or for a sharding across nodes other than dim 0 (tensor parallelism over
+    nodes), the job's reader refuses the load (``mtc_torch.PartialRestoreError``), never a partial one.
+    A job saved on 2 nodes stages both on every new node.
+
+    Args:
+      new_rank: the node rank in the new shape; new_nodes, old_nodes: the node counts.
+
+    Returns:
+      The old node ranks, ascending.
+    """
+    low = new_rank * old_nodes // new_nodes
+    high = -(-(new_rank + 1) * old_nodes // new_nodes)  # ceil: exclusive end of the overlap
+    return range(max(0, low - 1), min(old_nodes, high + 1))
+
+
+def _elastic_sources(
+    held: Mapping[int, list[StepCopy]],
+    saved: int,
+    nodes: int,
+    node_of_rank: Mapping[int, str],
+    block_of: Mapping[str, str],
+    usable: frozenset[Tier],
+) -> dict[int, tuple[PlannedSource, ...]] | None:
+    """Per rank of the ``nodes``-node job, the sources of every old node's copy it needs
+    (``old_nodes_needed``) of a step saved on ``saved`` nodes, old node by old node; None when one
+    has no reachable copy. Only the old node's own data serves it: a data-parallel peer's identical
+    copy would be staged under the peer's name, and the rank stages one copy per old node named."""
+    sources = {}
+    for rank in range(nodes):
+        parts: list[PlannedSource] = []
+        for old in old_nodes_needed(rank, nodes, saved):
+            ranked = _ranked_sources(held.get(old, []), node_of_rank[rank], block_of, usable)
+            if not ranked:
+                return None
+            parts += ranked
+        sources[rank] = tuple(parts)
+    return sources
 
 
 def _fan_out(

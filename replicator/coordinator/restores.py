@@ -70,6 +70,7 @@ class PlanInputs:
       identical: the job's identical pairs (``Identity.pairs``).
       fan_out: a backup-only step is read once per identical group (``planner.plan_restore``).
       silent: the nodes silent past the node timeout (``planner.plan_restore``).
+      shapes: the steps saved at another node count that the job can reshard (``elastic.saved_shapes``).
     """
 
     copies: list[planner.StepCopy]
@@ -77,6 +78,7 @@ class PlanInputs:
     identical: Mapping[int, frozenset[tuple[int, int]]]
     fan_out: bool
     silent: frozenset[str]
+    shapes: Mapping[int, int] = dataclasses.field(default_factory=dict)
 
 
 def plan(incarnation: Incarnation, inputs: PlanInputs, forced: int | None) -> planner.RestorePlan:
@@ -87,7 +89,15 @@ def plan(incarnation: Incarnation, inputs: PlanInputs, forced: int | None) -> pl
     ]
     block_of = inputs.blocks({c.holder for c in usable} | set(node_of_rank.values()))
     return planner.plan_restore(
-        len(node_of_rank), node_of_rank, usable, block_of, USABLE_TIERS, inputs.identical, inputs.fan_out, inputs.silent
+        len(node_of_rank),
+        node_of_rank,
+        usable,
+        block_of,
+        USABLE_TIERS,
+        inputs.identical,
+        inputs.fan_out,
+        inputs.silent,
+        inputs.shapes,
     )
 
 
@@ -142,7 +152,18 @@ def replan(key: JobRef, job: JobState, incarnation: Incarnation, inputs: PlanInp
     incarnation.rollback = forced is not None
     incarnation.staged.clear()
     incarnation.used_sources.clear()
-    log.info("job %s incarnation %s: restore step %s", key, incarnation.incarnation_id, incarnation.plan.step)
+    if (saved := incarnation.plan.saved_nodes) is not None:
+        log.info(
+            "job %s incarnation %s: restore step %s saved on %d nodes, resharded onto %d: %s",
+            key,
+            incarnation.incarnation_id,
+            incarnation.plan.step,
+            saved,
+            len(incarnation.node_of_rank),
+            {rank: sorted({s.data_rank for s in parts}) for rank, parts in incarnation.plan.sources.items()},
+        )
+    else:
+        log.info("job %s incarnation %s: restore step %s", key, incarnation.incarnation_id, incarnation.plan.step)
 
 
 def check_listed(job: JobState, incarnation: Incarnation, nodes: dict[str, NodeState]) -> None:
@@ -156,11 +177,16 @@ def check_listed(job: JobState, incarnation: Incarnation, nodes: dict[str, NodeS
 
 def sources_lost(incarnation: Incarnation, rank: int, liveness: Liveness) -> bool:
     """Whether the rank has not staged the planned step and every holder of its sources is silent
-    past the grace period (none is the backup)."""
+    past the grace period (none is the backup); in an elastic plan, every holder of one old node's copy."""
     if incarnation.plan is None or rank in incarnation.staged or incarnation.plan.step is None:
         return False
-    sources = incarnation.plan.sources.get(rank, ())
-    return bool(sources) and not any(s.tier in _NO_NODE_TIERS or liveness.holds_data(s.holder) for s in sources)
+    parts: dict[int, list[planner.PlannedSource]] = {}
+    for source in incarnation.plan.sources.get(rank, ()):
+        parts.setdefault(source.data_rank if incarnation.plan.saved_nodes is not None else 0, []).append(source)
+    return any(
+        not any(s.tier in _NO_NODE_TIERS or liveness.holds_data(s.holder) for s in sources)
+        for sources in parts.values()
+    )
 
 
 def view(
@@ -187,10 +213,11 @@ def view(
         (
             live if s.tier in _NO_NODE_TIERS or (state is not None and now - state.last_seen <= timeout) else silent
         ).append(s)
-    planned, peers = [], 0
+    planned, peers = [], dict[int, int]()  # per old node of an elastic plan, else one count for all
     for s in live + silent:
-        peers += s.tier in _PEER_TIERS
-        if s.tier not in _PEER_TIERS or peers <= PEER_SOURCES_PER_VIEW:
+        part = s.data_rank if plan_.saved_nodes is not None else 0
+        peers[part] = peers.get(part, 0) + (s.tier in _PEER_TIERS)
+        if s.tier not in _PEER_TIERS or peers[part] <= PEER_SOURCES_PER_VIEW:
             planned.append(s)
     pending = False
     if (downloader := plan_.fan_out.get(rank)) is not None and rank not in incarnation.staged:
@@ -212,7 +239,9 @@ def view(
         for s in planned
     )
     ready = plan_.step is None or len(incarnation.staged) == len(incarnation.node_of_rank)
-    return RestoreView(incarnation.generation, plan_.step, sources, ready, incarnation.rollback, job.forks, pending)
+    return RestoreView(
+        incarnation.generation, plan_.step, sources, ready, incarnation.rollback, job.forks, pending, plan_.saved_nodes
+    )
 
 
 def waits_on(incarnation: Incarnation | None, node_id: str) -> bool:

@@ -19,7 +19,8 @@ def safe_step(
     """The newest step complete for every rank whose every rank's data also exists elsewhere: on a
     data-parallel peer established identical, or on the wanted number of holders, a complete backup
     of the lineage counting as one. GC may delete anything older. Live copies only: a silent
-    node's copy may be gone, GC keeps more.
+    node's copy may be gone, GC keeps more. A step of the shape before an elastic restore is never
+    safe: the old shape's steps are kept whole until a step of the new shape is safe.
 
     Args:
       replicas: replicas wanted per rank; backed_up: complete backups of the lineage.
@@ -41,7 +42,13 @@ def safe_step(
             break
     data_parallel = job.identity.data_parallelism > 1
     covered, checks = job.identity.covered, 0
+    # After an elastic restore the steps up to the resharded one are the old shape's: none is safe in the
+    # new one, so GC deletes none of them before a step of the new shape is safe.
+    plan = incarnation.plan
+    resharded = plan.step if plan is not None and plan.saved_nodes is not None else None
     for step in sorted(job.claims.step_ranks, reverse=True):
+        if resharded is not None and step <= resharded:
+            break
         if encoded_safe is not None:
             checks += nodes
             if encoded_safe(step) or (step in backed_up and any(c.step == step for c in live_copies())):

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping
 
 from replicator.coordinator import (
     backups,
+    elastic,
     incarnations,
     lineage,
     parity,
@@ -523,9 +524,19 @@ class ClusterState:
         return step
 
     def _plan_inputs(self, key: JobRef) -> restores.PlanInputs:
-        """What the job's restore plan reads now (``restores.PlanInputs``)."""
-        identical, silent = self._jobs[key].identity.pairs(), frozenset(self.liveness.silent())
-        return restores.PlanInputs(self.copies(key), self.liveness.blocks, identical, self.fan_out, silent)
+        """What the job's restore plan reads now (``restores.PlanInputs``). A step saved at another node
+        count that the job can reshard (``elastic.saved_shapes``) is backed up for its own ranks."""
+        job = self._jobs[key]
+        identical, silent = job.identity.pairs(), frozenset(self.liveness.silent())
+        shapes = elastic.saved_shapes(job, job.ranks()) if elastic.reshards(job) else {}
+        if not shapes:
+            return restores.PlanInputs(self.copies(key), self.liveness.blocks, identical, self.fan_out, silent)
+        copies = self.copies(key, with_backups=False) + [
+            planner.StepCopy(step, rank, restores.BACKUP_HOLDER, backup=True)
+            for step in self.backed_up(key)
+            for rank in range(shapes.get(step, job.ranks()))
+        ]
+        return restores.PlanInputs(copies, self.liveness.blocks, identical, self.fan_out, silent, shapes)
 
     def _replan(self, key: JobRef, incarnation: Incarnation) -> None:
         job = self._jobs[key]
@@ -534,6 +545,12 @@ class ClusterState:
         if pending and (forks := restores.begin_rollback(key, job, incarnation, self._plan_inputs(key))) is not None:
             self._set_lineage(key, forks)  # a rollback starts a new timeline
         restores.replan(key, job, incarnation, self._plan_inputs(key))
+        if (plan := incarnation.plan) is not None and plan.saved_nodes is not None and job.forks[-1:] != (plan.step,):
+            # The new shape trains in a timeline of its own from the resharded step: a copy of a newer step
+            # of the old shape (a holder that comes back) is never taken for one of the new shape's.
+            assert plan.step is not None  # an elastic plan restores a step
+            self._set_lineage(key, (*job.forks, plan.step))
+            restores.replan(key, job, incarnation, self._plan_inputs(key))
         job.decided.retain = retention.retain_order(key, job)  # the planned step is protected from now on
         self._bump(key)
 

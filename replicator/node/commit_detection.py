@@ -13,6 +13,7 @@ from collections.abc import Callable
 from prometheus_client import Counter, Gauge
 
 from csi_driver.ramdisk import Ramdisk
+from prefetch import resharded
 from replicator.local_tier.job_keys import job_of
 from replicator.local_tier.job_meta import JobMeta, PodProgress
 from replicator.local_tier.log_once import report_to_job
@@ -94,6 +95,8 @@ class CommitDetector:
                 manifest.total_bytes,
             )
         if new:
+            # The job trains on past an elastic restore: it loaded the old nodes' copies staged for it.
+            await asyncio.to_thread(resharded.drop_resharded, disk.client_dir, lambda step: step >= max(new))
             self._poke()
 
     def _refuse(self, disk: Ramdisk, meta: JobMeta, refused: set[int], step: int, why: str) -> None:

@@ -511,6 +511,10 @@ class RestoreView(msgspec.Struct, frozen=True, gc=False):
       fan_out_pending: the step is held only in the backup tier and an identical rank's node is
         downloading it for this rank (read-once restore): wait for a view that lists that node,
         up to the agent's fan-out wait, before reading ``sources`` (the store) itself.
+      saved_nodes: None for a restore at the step's own node count. Otherwise an elastic restore: the job
+        saved the step on ``saved_nodes`` nodes and runs on another count; ``sources`` then list, for each
+        old node whose copy this rank needs (their ``data_rank``), its sources in order of preference, and
+        the rank stages one verified copy of each (``prefetch.resharded``).
     """
 
     generation: Text
@@ -520,6 +524,7 @@ class RestoreView(msgspec.Struct, frozen=True, gc=False):
     rollback: bool = False
     forks: Forks = ()
     fan_out_pending: bool = False
+    saved_nodes: Count | None = None
 
     @property
     def token(self) -> str:

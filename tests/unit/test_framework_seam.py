@@ -50,6 +50,9 @@ class Fake:
     def staged_name(self, step: int) -> str:
         return f".fake-{step}"
 
+    def resharded_name(self, step: int) -> str:
+        return f".fake-resharded-{step}"
+
     def step_names(self, step: int) -> tuple[str, ...]:
         return self.staged_name(step), f"step={step}"
 
@@ -78,7 +81,7 @@ class Fake:
     def clear_previous_pod(self, local_dir: str) -> None:
         self.cleared.append(local_dir)
 
-    def write_restore_marker(self, local_dir: str, job: str, step: int, rank: int) -> str:
+    def write_restore_marker(self, local_dir: str, job: str, step: int, rank: int, resharded: bool = False) -> str:
         with open(os.path.join(local_dir, f"{job}.go"), "w") as f:
             f.write(str(step))
         return os.path.join(local_dir, f"{job}.go")

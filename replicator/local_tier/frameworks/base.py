@@ -124,6 +124,11 @@ class Framework(Protocol):
         marker points at it. The job must ignore it as a step (for Orbax ``.mtc-staged-<step>``)."""
         ...
 
+    def resharded_name(self, step: int) -> str:
+        """The name under which an elastic restore stages other nodes' copies of ``step``
+        (``prefetch.resharded``); never taken for a step of this node."""
+        ...
+
     def step_names(self, step: int) -> tuple[str, ...]:
         """Every name ``step`` can have in the client dir (committed, staged, adopted marker): what
         deleting the step removes."""
@@ -182,8 +187,9 @@ class Framework(Protocol):
 
     # -- restore markers ---------------------------------------------------------------------------
 
-    def write_restore_marker(self, local_dir: str, job: str, step: int, rank: int) -> str:
-        """Tells the job to restore ``step``, staged under ``staged_name(step)``; returns the marker's path.
+    def write_restore_marker(self, local_dir: str, job: str, step: int, rank: int, resharded: bool = False) -> str:
+        """Tells the job to restore ``step``, staged under ``staged_name(step)`` (``resharded``:
+        ``resharded_name(step)``); returns the marker's path.
 
         Raises:
           FileNotFoundError: the step is not staged.

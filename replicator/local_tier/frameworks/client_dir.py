@@ -29,6 +29,8 @@ FAILED_FILE = "replicator.failed"
 RESTORE_SUFFIX = ".restore"
 # Where a restore stages a step before the marker points at it: not a step name, so the job ignores it.
 STAGED_PREFIX = ".mtc-staged-"
+# An elastic restore's staged step: old nodes' copies (``node-<n>-of-<N>/``), never a step of this node.
+RESHARDED_PREFIX = ".mtc-resharded-"
 
 _RESTORE_MARKER = re.compile(r"^.+-s(?P<step>[0-9]+)-n[0-9]+-w[0-9]+\.restore$", re.ASCII)
 MAX_REPLICATOR_YAML_BYTES = 64 << 10
@@ -238,6 +240,12 @@ class ClientDirProtocol:
                 and self._is_adopted_marker(fd, name, adopted, entries)
             ):
                 committed.add(adopted)
+            elif (
+                adopted is not None
+                and stat.S_ISLNK(status.st_mode)
+                and self._is_adopted_marker(fd, name, adopted, entries, self.resharded_name(adopted))
+            ):
+                continue  # an elastic restore the job took: other nodes' data, no step of this node
             elif adopted is not None and stat.S_ISDIR(status.st_mode):
                 if self.unfinished_mark is None or name + self.unfinished_mark not in entries:
                     uncommitted.add(adopted)
@@ -247,13 +255,16 @@ class ClientDirProtocol:
                 refused.add(adopted)
         return StepScan(sorted(committed), sorted(staged), sorted(refused - committed), sorted(uncommitted))
 
-    def _is_adopted_marker(self, fd: int, name: str, step: int, entries: dict[str, os.stat_result]) -> bool:
+    def _is_adopted_marker(
+        self, fd: int, name: str, step: int, entries: dict[str, os.stat_result], staged: str | None = None
+    ) -> bool:
+        """Whether ``name`` is a symlink to the directory ``staged`` (by default ``staged_name(step)``)."""
         try:
             target = os.readlink(name, dir_fd=fd)
         except OSError:
             return False
         found = entries.get(target)
-        return target == self.staged_name(step) and found is not None and stat.S_ISDIR(found.st_mode)
+        return target == (staged or self.staged_name(step)) and found is not None and stat.S_ISDIR(found.st_mode)
 
     def find_step_dir(self, local_dir: str, step: int) -> str | None:
         """The real directory holding ``step``: staged for a marker, or committed. Never a symlink:
@@ -267,6 +278,11 @@ class ClientDirProtocol:
     def staged_name(self, step: int) -> str:
         """``.mtc-staged-<step>``: not a step name, so the job ignores it until the marker points at it."""
         return f"{STAGED_PREFIX}{step}"
+
+    def resharded_name(self, step: int) -> str:
+        """``.mtc-resharded-<step>``: an elastic restore's staged step (``prefetch.resharded``), named apart
+        from ``staged_name`` so that nothing takes it for this node's own copy of ``step``."""
+        return f"{RESHARDED_PREFIX}{step}"
 
     def step_names(self, step: int) -> tuple[str, ...]:
         """``<step>`` (a commit), the adopted marker's name and ``.mtc-staged-<step>``."""
@@ -313,13 +329,15 @@ class ClientDirProtocol:
 
     # -- restore markers ---------------------------------------------------------------------------
 
-    def write_restore_marker(self, local_dir: str, job: str, step: int, rank: int) -> str:
-        """Points a restore marker at the staged step by a relative symlink. Returns the marker's path.
+    def write_restore_marker(self, local_dir: str, job: str, step: int, rank: int, resharded: bool = False) -> str:
+        """Points a restore marker at the staged step (``resharded``: an elastic restore's,
+        ``resharded_name``) by a relative symlink. Returns the marker's path.
 
         Raises:
           FileNotFoundError: the step is not staged (see ``staged_name``).
         """
-        name, staged = restore_marker_name(job, step, rank), self.staged_name(step)
+        name = restore_marker_name(job, step, rank)
+        staged = self.resharded_name(step) if resharded else self.staged_name(step)
         with pod_files.open_dir(local_dir) as fd:
             if not pod_files.is_dir(fd, staged):
                 raise FileNotFoundError(f"step {step} is not staged at {os.path.join(local_dir, staged)}")
