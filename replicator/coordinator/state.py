@@ -154,8 +154,10 @@ class ClusterState:
             self.liveness.forget(node_id)
         for state in changed:
             self._mark_dirty(state.job_keys())
-            for key in state.job_keys():  # a fan-out downloader went silent (or came back): its peers stop waiting
-                if key in self._jobs and restores.waits_on(self._jobs[key].incarnation, state.report.node_id):
+            for key in state.job_keys():  # a fan-out downloader or a holder a rank waits on went silent (or came back)
+                if key in self._jobs and restores.waits_on(
+                    self._jobs[key].incarnation, state.report.node_id, self.liveness
+                ):
                     self._bump(key)
 
     def forget_node(self, node_id: str) -> None:
@@ -450,11 +452,10 @@ class ClusterState:
         incarnation = self._incarnation(key, incarnation_id, rank)
         job = self._jobs[key]
         restores.check_started(incarnation, self.liveness, now)
-        if restores.sources_lost(incarnation, rank, self.liveness):
+        if restores.replan_helps(job, incarnation, rank, self.liveness, lambda: self._plan_inputs(key)):
             assert incarnation.plan is not None  # only a plan's sources are lost
-            restores.check_listed(job, incarnation, self.liveness.nodes)
             log.warning(
-                "job %s rank %d: every holder of step %d silent past the grace period; replanning",
+                "job %s rank %d: no source of step %d left but lost, given up or unusable ones; replanning",
                 key,
                 rank,
                 incarnation.plan.step,
