@@ -178,19 +178,18 @@ def check_listed(job: JobState, incarnation: Incarnation, nodes: dict[str, NodeS
         raise NotReady(f"waiting for {job.decided.lister or 'a node with a backup tier'} to list the backup tier")
 
 
-def stalled(incarnation: Incarnation, rank: int, liveness: Liveness, lost: frozenset[str]) -> bool:
+def stalled(incarnation: Incarnation, rank: int, liveness: Liveness, lost: frozenset[str] | None = None) -> bool:
     """Whether the rank has not staged the planned step and no source of it is left but copies proven unusable and
-    holders given up (silent past the grace period) or ``lost`` (``lost_holders``): a replan may find a step it can
-    restore without them (``plan``)."""
+    holders given up (silent past the grace period) or lost (``lost_holders``; ``lost`` when the caller has them):
+    a replan may find a step it can restore without them (``plan``)."""
     plan_ = incarnation.plan
     if plan_ is None or rank in incarnation.staged or plan_.step is None:
         return False
-    excluded = incarnation.excluded
-    return all(
-        (plan_.step, s.data_rank, s.holder) in excluded
-        or (s.tier not in _NO_NODE_TIERS and (s.holder in lost or not liveness.holds_data(s.holder)))
-        for s in plan_.sources.get(rank, ())
-    )
+    left = [s for s in plan_.sources.get(rank, ()) if (plan_.step, s.data_rank, s.holder) not in incarnation.excluded]
+    if any(s.tier in _NO_NODE_TIERS or liveness.is_live(s.holder) for s in left):
+        return False  # the usual answer, at the first source: the silent nodes are not walked
+    lost = lost_holders(incarnation, liveness.silent()) if lost is None else lost
+    return all(s.holder in lost or not liveness.holds_data(s.holder) for s in left)
 
 
 def replan_helps(
@@ -204,9 +203,7 @@ def replan_helps(
       NotReady: as ``check_listed``: a replan now would not see the backups.
     """
     checked = (liveness.stamp, len(incarnation.excluded))
-    if incarnation.stall_checked == checked or not stalled(
-        incarnation, rank, liveness, lost_holders(incarnation, liveness.silent())
-    ):
+    if incarnation.stall_checked == checked or not stalled(incarnation, rank, liveness):
         return False
     check_listed(job, incarnation, liveness.nodes)
     incarnation.stall_checked = checked
@@ -268,17 +265,21 @@ def view(
     return RestoreView(incarnation.generation, plan_.step, sources, ready, incarnation.rollback, job.forks, pending)
 
 
-def waits_on(incarnation: Incarnation | None, node_id: str, liveness: Liveness) -> bool:
-    """Whether a rank of the incarnation waits for ``node_id`` to download its step (fan-out), or has nothing left
-    to try but it and other silent holders (``stalled``): its view changes when that node's liveness does."""
+def waits_on(incarnation: Incarnation | None, node_id: str) -> bool:
+    """Whether a rank of the incarnation waits for ``node_id`` to download its step (fan-out): its
+    view changes when that node's liveness does."""
     if incarnation is None or incarnation.plan is None:
         return False
-    plan_, lost = incarnation.plan, lost_holders(incarnation, liveness.silent())
-    return any(s.holder == node_id and s.data_rank not in incarnation.staged for s in plan_.fan_out.values()) or any(
-        stalled(incarnation, rank, liveness, lost)
-        for rank, sources in plan_.sources.items()
-        if any(s.holder == node_id for s in sources)
-    )
+    return any(s.holder == node_id and s.data_rank not in incarnation.staged for s in incarnation.plan.fan_out.values())
+
+
+def any_stalled(incarnation: Incarnation | None, liveness: Liveness) -> bool:
+    """Whether a rank of the incarnation is ``stalled``: after nodes fell silent or were given up, its view is to
+    be asked again (a replan may help). One pass over the ranks, the silent nodes walked once."""
+    if incarnation is None or incarnation.plan is None or incarnation.plan.step is None:
+        return False
+    lost = lost_holders(incarnation, liveness.silent())
+    return any(stalled(incarnation, rank, liveness, lost) for rank in incarnation.plan.sources)
 
 
 def _expected_files(

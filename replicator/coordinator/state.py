@@ -152,13 +152,16 @@ class ClusterState:
                 sync.absorb(self._jobs, self.liveness, node_id, self.liveness.nodes[node_id], None, self._warned)
             )
             self.liveness.forget(node_id)
+        affected: set[JobRef] = set()
         for state in changed:
             self._mark_dirty(state.job_keys())
-            for key in state.job_keys():  # a fan-out downloader or a holder a rank waits on went silent (or came back)
-                if key in self._jobs and restores.waits_on(
-                    self._jobs[key].incarnation, state.report.node_id, self.liveness
-                ):
+            for key in state.job_keys():  # a fan-out downloader went silent (or came back): its peers stop waiting
+                if key in self._jobs and restores.waits_on(self._jobs[key].incarnation, state.report.node_id):
                     self._bump(key)
+                affected.add(key)
+        for key in affected:  # a rank left only lost or given-up holders asks again: a replan may serve it
+            if key in self._jobs and restores.any_stalled(self._jobs[key].incarnation, self.liveness):
+                self._bump(key)
 
     def forget_node(self, node_id: str) -> None:
         """The node is gone for good (recreated under its name with another UID, proven by the API

@@ -420,13 +420,17 @@ def test_a_failed_decode_restores_the_backup_once_the_lost_holder_falls_silent_n
     state = ClusterState(node_timeout_seconds=15.0, holder_grace_seconds=60.0)
     job, rank = lost_n3(state, backups=(1,))
     first = decode_fails(state, job, rank, LOST_AT + 2)
-    now = LOST_AT + 2
+    now, woken = LOST_AT + 2, []
     while (view := state.restore_view(KEY, job.incarnation, rank, now)).step == STEP:
         assert now - LOST_AT < state.liveness.holder_grace_seconds, "waited out the lost holder's grace period"
         now += 1.0
+        state.drain_changed()
         heard(state, job, now)
-    # Replanned once n3 fell silent: the node timeout, plus the coordinator's 1 s expiry pass and this 1 s clock.
+        woken.append(KEY in state.drain_changed())  # the rank's long poll asks again
+    # Replanned once n3 fell silent: the node timeout, plus the coordinator's 1 s expiry pass and this 1 s clock. The
+    # pass that found n3 silent woke the waiting rank's long poll, and none before it.
     assert now - LOST_AT <= state.liveness.node_timeout_seconds + 2.0, now - LOST_AT
+    assert woken[-1] and not any(woken[:-1]), woken
     assert view.generation != first.generation and view.step == 1
     assert [(s.tier, s.holder) for s in view.sources] == [(Tier.BACKUP, "backup")]
     assert {state.restore_view(KEY, job.incarnation, r, now).step for r in range(4)} == {1}
