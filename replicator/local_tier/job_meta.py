@@ -111,14 +111,6 @@ class JobMeta:
     def save_manifest(self, manifest: StepManifest) -> None:
         _write_json(os.path.join(self._manifests, f"{manifest.step}.json"), manifest.to_json())
 
-    def manifest_saved_at(self, step: int) -> float | None:
-        """When the step's manifest was written (a commit seen, or a restore's staging), wall-clock seconds; None if
-        not held."""
-        try:
-            return os.stat(os.path.join(self._manifests, f"{step}.json")).st_mtime
-        except FileNotFoundError:
-            return None
-
     def drop_manifest(self, step: int) -> None:
         try:
             os.unlink(os.path.join(self._manifests, f"{step}.json"))

@@ -9,23 +9,16 @@ from replicator.node.handshake import current_pod
 from replicator.wire.messages import RetainOrder
 
 
-def collect_garbage(
-    disk: Ramdisk, order: RetainOrder, busy_steps: BusySteps, order_asked_at: float | None = None
-) -> None:
+def collect_garbage(disk: Ramdisk, order: RetainOrder, busy_steps: BusySteps) -> None:
     """Deletes own steps, replicas and parity shards older than the newest safe step (see ``RetainOrder``), the
     steps the pod's restore set aside once a step newer than the restored one is safe, and
     copies of abandoned timelines (finishing a deletion an agent restart interrupted).
-    Steps in ``busy_steps`` (being read by a push or an upload) are kept, and so are own steps and replicas written
-    at or after ``order_asked_at`` (when the node sent the report ``order`` answered, wall-clock seconds; None: no
-    such check): the order predates them. A restore replanned to an older step stages it here while an order from
-    before the replan, keeping from a newer step, may still be on its way: carried out, it would delete the staged
-    step under the job's restore marker (what a chaos run's fresh start after such a replan points to, issue 49)."""
+    Steps in ``busy_steps`` (being read by a push or an upload) are kept."""
     drop_abandoned(disk)
     meta = JobMeta(disk.path)
     keep = set(order.protected) | busy_steps.of(job_of(disk))
-    newer = order_asked_at if order_asked_at is not None else float("inf")
     for step in meta.manifests():
-        if step < order.keep_from and step not in keep and (meta.manifest_saved_at(step) or 0.0) < newer:
+        if step < order.keep_from and step not in keep:
             meta.drop_manifest(step)  # first: a step is never reported once its deletion began
             delete_step(meta.framework, disk.client_dir, step)
             GC_DELETED.inc()
@@ -35,10 +28,8 @@ def collect_garbage(
     for rank, step in meta.replicas():
         set_aside = progress is not None and rank == progress.rank and restored is not None
         if (
-            (step < order.keep_from or (set_aside and restored is not None and order.keep_from > restored))
-            and step not in keep
-            and (meta.replica_installed_at(rank, step) or 0.0) < newer
-        ):
+            step < order.keep_from or (set_aside and restored is not None and order.keep_from > restored)
+        ) and step not in keep:
             meta.drop_replica(rank, step)
             GC_DELETED.inc()
     GC_DELETED.inc(ParityShards(disk.path).drop_older(order.keep_from, keep))

@@ -285,7 +285,7 @@ class NodeReplicator:
         self._retain_sent = sent
         for retain in reply.retain:
             if (disk := disks.get(JobRef(retain.namespace, retain.job))) is not None:
-                await asyncio.to_thread(collect_garbage, disk, retain, self._busy_steps, sent)
+                await asyncio.to_thread(collect_garbage, disk, retain, self._busy_steps)
         if self._backup:
             # Orders are repeated with every reply: one missing from three heartbeats was withdrawn.
             self._backup.order_ttl_seconds = max(timing.MIN_BACKUP_ORDER_TTL_SECONDS, 3 * reply.heartbeat_seconds)

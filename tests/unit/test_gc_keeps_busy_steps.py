@@ -1,8 +1,6 @@
-"""Garbage collection keeps the steps a push or an upload is reading, of that job only, while it reads, and the
-steps the node got after it asked for the order (a restore's staging)."""
+"""Garbage collection keeps the steps a push or an upload is reading, of that job only, while it reads."""
 
 import os
-import time
 
 from csi_driver.ramdisk import Ramdisk
 from replicator.local_tier.job_keys import BusySteps, by_job, job_of
@@ -52,20 +50,3 @@ def test_the_csi_drivers_ramdisks_are_keyed_by_jobref_on_the_node_side(tmp_path)
     keyed = by_job(disks)
     assert keyed == {JobRef("a", "x"): disks[("a", "x")], JobRef("b", "x"): disks[("b", "x")]}
     assert {str(job) for job in keyed} == {"a/x", "b/x"}
-
-
-def test_a_step_staged_after_the_node_asked_for_the_order_is_not_that_orders_to_delete(tmp_path):
-    """A restore replanned to step 2 stages it while the reply to a report sent before the replan, keeping from
-    step 3, is on its way: that order keeps step 2; the next one, asked after, decides."""
-    disk = Ramdisk("default", "run", 1 << 20, str(tmp_path / "run"))
-    meta = JobMeta(disk.path)
-    for step in (1, 2, 3):
-        commit(disk, meta, step)
-    asked = time.time()
-    manifests = os.path.join(meta.root, "manifests")
-    os.utime(os.path.join(manifests, "1.json"), (asked - 10, asked - 10))  # held before the report was sent
-    os.utime(os.path.join(manifests, "2.json"), (asked + 1, asked + 1))  # staged after
-    collect_garbage(disk, RetainOrder("default", "run", 3, ()), BusySteps(), asked)
-    assert set(meta.manifests()) == {2, 3} and os.path.isdir(os.path.join(disk.client_dir, "2"))
-    collect_garbage(disk, RetainOrder("default", "run", 3, ()), BusySteps(), asked + 2)
-    assert set(meta.manifests()) == {3}
