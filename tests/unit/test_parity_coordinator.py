@@ -463,3 +463,26 @@ def test_a_silent_node_of_the_incarnation_keeps_a_lost_holder_waited_for_and_its
     heard(state, job, LOST_AT + 20)
     view = state.restore_view(KEY, job.incarnation, rank, LOST_AT + 20)
     assert view.step == STEP and [(s.tier, s.holder) for s in view.sources] == [(Tier.DECODE, parity.DECODE_HOLDER)]
+
+
+def test_the_step_restored_in_place_of_a_safe_step_whose_copy_proved_corrupt_stays_protected_once_staged():
+    """Steps 1 and 5 are backed up; rank 3's backup of 5 is corrupt and n3 is lost. Step 5 stays safe by what the
+    coordinator believes (backed up, copies on live nodes), so once every rank staged step 1 "a newer step is safe"
+    held, and the nodes' garbage collection deleted step 1 under the restore markers (a chaos run, xor, started
+    fresh). It stays protected until a step newer than the one passed over is safe."""
+    state = ClusterState(node_timeout_seconds=15.0, holder_grace_seconds=60.0)
+    job, rank = lost_n3(state, backups=(1, STEP))
+    view = state.restore_view(KEY, job.incarnation, rank, LOST_AT + 2)
+    assert view.step == STEP
+    state.report_staged(
+        KEY, job.incarnation, view.generation, rank, None, [(STEP, rank, s.holder) for s in view.sources]
+    )
+    views = {r: state.restore_view(KEY, job.incarnation, r, LOST_AT + 3) for r in range(4)}
+    assert {v.step for v in views.values()} == {1}
+    for r, v in views.items():
+        state.report_staged(KEY, job.incarnation, v.generation, r, "backup:backup")
+    heard(state, job, LOST_AT + 4)
+    assert state.restore_view(KEY, job.incarnation, rank, LOST_AT + 4).ready
+    assert state.safe_step(KEY) == STEP  # believed: the corrupt backup and the other ranks' copies
+    retain = state.job(KEY).retain
+    assert retain is not None and retain.keep_from == STEP and 1 in retain.protected
