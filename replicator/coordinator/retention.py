@@ -76,7 +76,7 @@ def _every_rank_held(job: JobState, liveness: Liveness, step: int, nodes: int, w
 
 def retain_order(key: JobRef, job: JobState) -> RetainOrder | None:
     """Keep from the safe step, protecting the step being backed up, the step being restored (until every
-    rank staged it and a newer step is safe) and the
+    rank staged it and a step newer than it and than any step the restore passed over is safe) and the
     replication round's step (a node under pressure gives up only unsafe steps no order protects);
     None while nothing is safe or a rollback is pending (any step up to it may be needed)."""
     if job.decided.safe is None or (job.forced_step is not None and not job.forked):
