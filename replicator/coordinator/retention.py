@@ -83,7 +83,7 @@ def _every_rank_held(job: JobState, liveness: Liveness, step: int, nodes: int, w
 
 def retain_order(key: JobRef, job: JobState) -> RetainOrder | None:
     """Keep from the safe step, protecting the step being backed up, the step being restored (until every
-    rank staged it and a newer step is safe) and the
+    rank staged it and a step newer than it and than any step the restore passed over is safe) and the
     replication round's step (a node under pressure gives up only unsafe steps no order protects);
     None while nothing is safe or a rollback is pending (any step up to it may be needed)."""
     if job.decided.safe is None or (job.forced_step is not None and not job.forked):
@@ -92,8 +92,12 @@ def retain_order(key: JobRef, job: JobState) -> RetainOrder | None:
     protected = {job.backup_pending} if job.backup_pending is not None else set()
     if incarnation and incarnation.plan and incarnation.plan.step is not None:
         # Until every rank staged it and a newer step is safe: after that no rank of the incarnation
-        # restores it, and its copies would hold a ramdisk sized by the rule past what it has.
-        restored = len(incarnation.staged) == len(incarnation.node_of_rank) and job.decided.safe > incarnation.plan.step
+        # restores it, and its copies would hold a ramdisk sized by the rule past what it has. A step the restore
+        # passed over (a copy of it proven unusable) may still count as safe; it is no newer step to restore.
+        newest_passed = max((step for step, _, _ in incarnation.excluded), default=incarnation.plan.step)
+        restored = len(incarnation.staged) == len(incarnation.node_of_rank) and job.decided.safe > max(
+            incarnation.plan.step, newest_passed
+        )
         if not restored:
             protected.add(incarnation.plan.step)
     if job.decided.round is not None:
