@@ -1,15 +1,18 @@
 """The chaos suite (issue 10): one real Orbax job survives a seeded random sequence of faults.
 
-    python -m tests.chaos [--seed N] [--faults K] [--variant dp2|dp1|xor] [--only FAULT,...]
+    python -m tests.chaos [--seed N] [--faults K] [--variant dp2|dp1|xor|rs|grants] [--only FAULT,...]
 
 (Over 500 lines on purpose: one runnable tool whose faults, oracle and report read best together;
 what it shares with the tests lives in ``tests/helpers``.)
 
-A coordinator, four node agents (2 slices x 2 nodes, tmpfs, peer tier, backups to a ``file://``
-store) and ``examples/train.py`` training without end. Each fault runs one cycle: the fault, a
-failure (every training process SIGKILLed), the pods recreated, and the checks. ``dp2`` is data
-parallelism 2 (identical peers, nothing copied); ``dp1`` is data parallelism 1 with ``--replicas 2``; ``xor`` is
-data parallelism 1 with ``--redundancy xor:4`` (one parity group of the four ranks, no full copies).
+A coordinator, four node agents (2 slices x 2 nodes, tmpfs, peer tier, backups) and ``examples/train.py`` training
+without end. Each fault runs one cycle: the fault, a failure (every training process SIGKILLed), the pods recreated,
+and the checks. ``dp2`` is data parallelism 2 (identical peers, nothing copied); ``dp1`` is data parallelism 1 with
+``--replicas 2``; ``xor`` is data parallelism 1 with ``--redundancy xor:4`` (one parity group of the four ranks, no
+full copies); ``rs`` the same with ``rs:4:2`` (two Reed-Solomon shards per stripe); ``grants`` is ``dp1`` with
+``--peer-grants`` on the coordinator and the agents (every push and peer fetch on a signed grant). ``dp2``, ``dp1``
+and ``xor`` back up to a ``file://`` directory; ``rs`` and ``grants`` to fake-gcs-server (``gs://``) behind a proxy
+that can answer 503 (``tests/helpers/store_proxy.py``).
 
 What is right is decided here, from the tiers themselves, never from the coordinator: when the
 training processes are dead and the fault has done its damage, the newest possible step is the
@@ -25,9 +28,14 @@ Network faults cut one node's agent from the coordinator or from the other agent
 put one node behind a lossy, delayed, rate-limited link; each node sits on this run's own loopback /24 and its
 agent sends from its own address (``tests/helpers/network.py``), so the rules touch nothing else.
 
-"Mid-push", "mid-upload", "mid-GC" and "mid-stage" kills are approximated by timing (a random
-delay after the event that starts the work, or the coordinator's pending backup); a row says
-when the work had visibly finished before the kill.
+"Mid-push", "mid-upload", "mid-GC", "mid-stage", "mid-backup" and "mid-decode" kills are approximated by timing (a
+random delay after the event that starts the work, the coordinator's pending backup, or the restore planned); a row
+says when the work had visibly finished before the kill.
+
+RPO (issue 49): at each failure, once one bound's time has passed since the fault's damage ended, the newest
+``COMMIT``ted backup may be at most one backup interval (``BACKUP_EVERY`` steps) plus the steps of one upload
+(``_UPLOAD_SECONDS`` at the job's median step time) behind the newest step every rank committed; a row over it is
+wrong. Its ``rpo`` column is ``steps behind/bound``.
 """
 
 import argparse
@@ -267,6 +275,19 @@ class Chaos:
         time.sleep(max(0.0, self.calm_since + BACKUP_EVERY * step_seconds + _UPLOAD_SECONDS - time.monotonic()))
         newest = self.newest_saved_by_all(self.job.pods)
         self.rpo = (max(0, newest - max(self.backups(), default=0)), bound)
+
+    def backup_delays(self) -> list[float]:
+        """Seconds from each committed backup's step being trained (rank 0's last ``step`` event of it before the
+        ``COMMIT``) to its ``COMMIT``: what "one upload" is in the RPO bound, measured."""
+        trained: dict[int, list[float]] = {}
+        for pod in self.all_pods:
+            for e in by_event(pod, "step"):
+                trained.setdefault(e["step"], []).append(e["time"])
+        return [
+            at - max(before)
+            for step, at in self.backups().items()
+            if (before := [t for t in trained.get(step, []) if t <= at])
+        ]
 
     def _step_seconds(self) -> float:
         """The median seconds per step of the current pods (rank 0's ``step`` events), 0.25 before any."""
@@ -761,7 +782,7 @@ def store_outage(chaos: Chaos) -> None:
     chaos.calm_since = time.monotonic()
     chaos.wait_saves(1)
     chaos.fail()
-    chaos.restart(f"object store {chaos.store.outage} {seconds:.0f}s", chaos.newest_possible())
+    chaos.restart(chaos.store.outage(seconds), chaos.newest_possible())
 
 
 def _kill_coordinator(chaos: Chaos) -> None:
@@ -809,13 +830,13 @@ def coordinator_kill_mid_decode(chaos: Chaos) -> None:
         _kill_coordinator(chaos)
 
     row = chaos.restart(
-        f"node loss ({lost}, rank {rank}), coordinator SIGKILL {delay:.1f}s into the decode",
+        f"{lost} lost (rank {rank}), coordinator SIGKILL {delay:.1f}s into decode",
         chaos.newest_possible(),
         kill,
     )
     source = (before.get("sources") or {}).get(str(rank))
     if source:
-        row.fault += f" (staged from {source.partition(':')[0]} before)"
+        row.fault += f" (staged: {source.partition(':')[0]})"
 
 
 def node_loss_mid_backup(chaos: Chaos) -> None:
@@ -828,7 +849,7 @@ def node_loss_mid_backup(chaos: Chaos) -> None:
     chaos.job.kill_training()
     lost = chaos.agent_of(rank).node_id
     chaos.lose(rank)
-    label = f"node loss ({lost}, rank {rank}) mid-backup of {pending}{' (it had finished)' if finished else ''}"
+    label = f"{lost} lost (rank {rank}) mid-backup of {pending}{' (it had finished)' if finished else ''}"
     chaos.restart(label, chaos.newest_possible())
     chaos.wait_saves(1)
     chaos.fail()
@@ -992,12 +1013,12 @@ def draw(rng: random.Random, count: int, variant: str, allowed: list[str]) -> li
 
 
 def render(rows: list[Row]) -> str:
-    lines = [f"{'fault':<66}{'restored':>9}{'possible':>9}{'lost':>6}{'resume s':>10}{'rpo':>8}  result"]
+    lines = [f"{'fault':<72}{'restored':>9}{'possible':>9}{'lost':>6}{'resume s':>10}{'rpo':>8}  result"]
     for r in rows:
         seconds = f"{r.seconds:.1f}" if r.seconds is not None else "-"
         rpo = f"{r.rpo[0]}/{r.rpo[1]}" if r.rpo else "-"
         lines.append(
-            f"{r.fault[:65]:<66}{str(r.restored):>9}{str(r.possible):>9}{r.lost:>6}{seconds:>10}{rpo:>8}  "
+            f"{r.fault[:71]:<72}{str(r.restored):>9}{str(r.possible):>9}{r.lost:>6}{seconds:>10}{rpo:>8}  "
             f"{'right' if r.right else 'WRONG: ' + '; '.join(r.problems)}"
         )
     return "\n".join(lines)
@@ -1053,6 +1074,13 @@ def run(seed: int, faults: int, variant: str, allowed: list[str], workdir: str) 
             ):
                 print("the job is down and did not come back; stopping the sequence", flush=True)
                 break
+        delays = chaos.backup_delays()
+        if delays:
+            print(
+                f"backups: {len(delays)} committed, seconds from the step to its COMMIT: median "
+                f"{statistics.median(delays):.1f}, max {max(delays):.1f}",
+                flush=True,
+            )
         started = time.monotonic()
         chaos.check_values()
         print(f"reference run and comparison: {time.monotonic() - started:.0f} s", flush=True)

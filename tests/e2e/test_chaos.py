@@ -2,7 +2,7 @@
 2 slices, data parallelism 2) on real agents, coordinator and ``file://`` backup store survives
 six seeded faults, each restoring the newest possible step with values identical to an
 uninterrupted run; and, with data parallelism 1, a node cut from its peers. ``make chaos`` runs the
-long random sequence over every fault and both variants."""
+long random sequence over every fault and every variant."""
 
 import random
 

@@ -61,9 +61,9 @@ class FileStore:
                 os.unlink(self.root)
             os.rename(away, self.root)
 
-    @property
-    def outage(self) -> str:
-        return "gone"
+    def outage(self, seconds: float) -> str:
+        """What ``gone`` did for ``seconds``, for a row."""
+        return f"object store gone {seconds:.0f}s"
 
     def close(self) -> None:
         """Nothing runs: the directory stays with the run's work directory."""
@@ -107,9 +107,8 @@ class GcsStore:
         """Every request answers 503 (``UnavailableProxy.unavailable``) while the context lasts."""
         return self.proxy.unavailable()
 
-    @property
-    def outage(self) -> str:
-        return f"answering 503 ({self.proxy.refused} requests refused)"
+    def outage(self, seconds: float) -> str:
+        return f"object store answering 503 {seconds:.0f}s ({self.proxy.refused} requests refused)"
 
     def close(self) -> None:
         self.proxy.stop()
