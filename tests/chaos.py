@@ -114,8 +114,9 @@ _RESUME_TIMEOUT = (
 _BACKUP_TIMEOUT = 120.0
 _OUTAGE_SECONDS = {"file": 30.0, "gcs": 60.0}  # the directory gone; every request answered 503
 # The RPO bound (issue 49): the newest COMMITted backup is at most one backup interval (BACKUP_EVERY steps) plus the
-# steps trained during one upload behind the newest step every rank committed. One upload of this job (4 ranks,
-# about 1 MiB each) takes well under a second on a quiet machine; _UPLOAD_SECONDS allows for 2 busy cores.
+# steps trained during one upload behind the newest step every rank committed. One upload of this job (about 0.7 MiB
+# for the four ranks) takes about a second on a quiet machine (the run prints it); _UPLOAD_SECONDS allows for 2 busy
+# cores.
 _UPLOAD_SECONDS = 10.0
 # Partitions: past the coordinator's node timeout (4 s in LocalCluster), short of its holder grace (60 s).
 _PARTITION_SECONDS = (6.0, 30.0)
@@ -792,10 +793,11 @@ def _kill_coordinator(chaos: Chaos) -> None:
 
 
 def _backup_under_way(chaos: Chaos) -> int:
-    """Waits for the coordinator's pending backup, then a random 0-1 s into its upload; returns its step."""
-    wait_until(lambda: chaos.status().get("backup_pending") is not None, 90, "a backup under way")
+    """Waits for the coordinator's pending backup, then a random 0-0.3 s into its upload (one takes about a second
+    here); returns its step."""
+    wait_until(lambda: chaos.status().get("backup_pending") is not None, 90, "a backup under way", interval=0.05)
     pending = chaos.status()["backup_pending"]
-    time.sleep(chaos.rng.uniform(0.0, 1.0))
+    time.sleep(chaos.rng.uniform(0.0, 0.3))
     return pending
 
 
@@ -840,17 +842,19 @@ def coordinator_kill_mid_decode(chaos: Chaos) -> None:
 
 
 def node_loss_mid_backup(chaos: Chaos) -> None:
-    """A node is lost (and with it the job) while the coordinator's pending backup uploads; after the restart, a
-    preemption once one bound's time passed: the backup interrupted by the loss must not hold the next ones back."""
-    rank = chaos.rng.randrange(NODES)
+    """A node is lost (and with it the job) while the coordinator's pending backup uploads, a node whose rank has
+    not uploaded its manifest yet if any; after the restart, a preemption once one bound's time passed: the backup
+    interrupted by the loss must not hold the next ones back."""
     chaos.sample_rpo()
     pending = _backup_under_way(chaos)
-    finished = pending in chaos.backups()
+    entry = f"{pending}-t{len(chaos.forks)}" if chaos.forks else str(pending)
+    uploading = [r for r in range(NODES) if not chaos.store.exists(chaos.job.job, f"{entry}/rank-{r}.manifest.json")]
+    rank = chaos.rng.choice(uploading or range(NODES))
+    finished = " (it had finished)" if pending in chaos.backups() else "" if uploading else " (every rank uploaded)"
     chaos.job.kill_training()
     lost = chaos.agent_of(rank).node_id
     chaos.lose(rank)
-    label = f"{lost} lost (rank {rank}) mid-backup of {pending}{' (it had finished)' if finished else ''}"
-    chaos.restart(label, chaos.newest_possible())
+    chaos.restart(f"{lost} lost (rank {rank}) mid-backup of {pending}{finished}", chaos.newest_possible())
     chaos.wait_saves(1)
     chaos.fail()
     chaos.restart(f"preemption after node loss mid-backup of {pending}", chaos.newest_possible())

@@ -45,6 +45,9 @@ class FileStore:
         with open(os.path.join(self._steps(job), *path.split("/")), "rb") as f:
             return f.read()
 
+    def exists(self, job: str, path: str) -> bool:
+        return os.path.exists(os.path.join(self._steps(job), *path.split("/")))
+
     def flip(self, job: str, path: str) -> None:
         flip_byte(os.path.join(self._steps(job), *path.split("/")))
 
@@ -97,6 +100,9 @@ class GcsStore:
 
     def read(self, job: str, path: str) -> bytes:
         return self.bucket.blob(posixpath.normpath(self._steps(job) + path)).download_as_bytes()
+
+    def exists(self, job: str, path: str) -> bool:
+        return self.bucket.blob(posixpath.normpath(self._steps(job) + path)).exists()
 
     def flip(self, job: str, path: str) -> None:
         data = bytearray(self.read(job, path))
