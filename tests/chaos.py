@@ -181,6 +181,7 @@ class Chaos:
         self.forks: list[int] = []  # every rollback's step: backups are named by timeline (steps/<step>-t<n>)
         self.rows: list[Row] = []
         self.rpo: tuple[int, int] | None = None  # (steps behind, bound) at the last failure, for the next row
+        self.commits_seen: dict[str, float] = {}  # every backup entry seen committed -> its COMMIT time
         self.calm_since = 0.0  # monotonic time the last fault's damage ended (or the job resumed)
 
     # -- the job -----------------------------------------------------------------------------
@@ -261,11 +262,9 @@ class Chaos:
     def backups(self) -> dict[int, float]:
         """Steps of the current timeline with ``COMMIT`` in the store -> when it was written (read from
         the store, not the coordinator)."""
-        return {
-            int(entry.partition("-t")[0]): at
-            for entry, at in sorted(self.store.commits(self.job.job).items())
-            if self._in_lineage(entry)
-        }
+        commits = self.store.commits(self.job.job)
+        self.commits_seen |= commits
+        return {int(entry.partition("-t")[0]): at for entry, at in sorted(commits.items()) if self._in_lineage(entry)}
 
     def sample_rpo(self) -> None:
         """Takes the RPO sample for the next row: how many steps the newest COMMITted backup is behind the newest
@@ -278,16 +277,17 @@ class Chaos:
         self.rpo = (max(0, newest - max(self.backups(), default=0)), bound)
 
     def backup_delays(self) -> list[float]:
-        """Seconds from each committed backup's step being trained (rank 0's last ``step`` event of it before the
-        ``COMMIT``) to its ``COMMIT``: what "one upload" is in the RPO bound, measured."""
+        """Seconds from each backup seen committed being trained (rank 0's last ``step`` event of its step before the
+        ``COMMIT``) to its ``COMMIT``: what "one upload" is in the RPO bound, measured (retention deletes old ones:
+        those the suite saw)."""
         trained: dict[int, list[float]] = {}
         for pod in self.all_pods:
             for e in by_event(pod, "step"):
                 trained.setdefault(e["step"], []).append(e["time"])
         return [
             at - max(before)
-            for step, at in self.backups().items()
-            if (before := [t for t in trained.get(step, []) if t <= at])
+            for entry, at in self.commits_seen.items()
+            if (before := [t for t in trained.get(int(entry.partition("-t")[0]), []) if t <= at])
         ]
 
     def _step_seconds(self) -> float:

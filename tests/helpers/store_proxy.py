@@ -27,7 +27,7 @@ class UnavailableProxy:
     """Listens on a free 127.0.0.1 port (``url``) and forwards to ``127.0.0.1:upstream_port``.
 
     Attributes:
-      refused: requests answered 503 so far.
+      refused: requests answered 503 in the last ``unavailable()``.
     """
 
     def __init__(self, upstream_port: int):
@@ -59,7 +59,7 @@ class UnavailableProxy:
         """Every request answers 503 while the context lasts; the connections open as it begins are reset."""
 
         def down():
-            self._down = True
+            self._down, self.refused = True, 0
             for writer in list(self._open):
                 _reset(writer)
 
