@@ -19,7 +19,8 @@ class CoordinatorConfig:
         accelerator: node reports rebuild everything.
       node_timeout_seconds: a node silent this long is silent: no orders to it, its copies not counted
         as safe; its pods stay in their incarnation until unpublished or replaced, seconds.
-      holder_grace_seconds: a silent node's copies stay restore sources (waited for) this long, seconds.
+      holder_grace_seconds: a silent node's copies stay restore sources (waited for) this long, seconds; a node
+        outside the restoring incarnation only while no step can be restored without it (``restores.plan``).
       token_file: the cluster's shared tokens (the peer token's Secret, one per line, read again when it
         changes): every route that changes state or hands out a restore plan requires one of them. Status, health and metrics stay open. None
         runs open (``--insecure``), with a warning.

@@ -39,6 +39,8 @@ class Incarnation:
       excluded: copies a rank found corrupt or unreachable: (step, rank, holder).
       used_sources: rank -> ``tier:holder`` it staged the step from.
       rollback: the plan restores an operator's forced step (``mtc restore-from``).
+      stall_checked: (liveness stamp, unusable copies) when a stalled rank last asked whether a replan helps
+        (``restores.replan_helps``), or None.
     """
 
     incarnation_id: str
@@ -51,6 +53,7 @@ class Incarnation:
     excluded: set[tuple[int, int, str]] = dataclasses.field(default_factory=set)
     used_sources: dict[int, str] = dataclasses.field(default_factory=dict)
     rollback: bool = False
+    stall_checked: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         self.pod_of_rank0 = next(uid for uid, rank in self.rank_of_pod.items() if rank == 0)

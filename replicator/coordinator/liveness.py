@@ -1,7 +1,8 @@
 """Liveness: the nodes, their last reports and when each was last heard from.
 
 A node silent past the node timeout gets no orders and its copies do not count as safe; silent
-past the holder grace period its data is given up. The heartbeat interval (and so the timeout)
+past the holder grace period its data is given up (a restore does without it sooner where it can:
+``restores.lost_holders``). The heartbeat interval (and so the timeout)
 grows with the node count. Only an index and its clock: the jobs a liveness change affects are
 the caller's (``ClusterState``) to decide again.
 """

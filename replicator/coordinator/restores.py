@@ -9,7 +9,7 @@ import dataclasses
 import enum
 import logging
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import cast
 
 from replicator.coordinator import backups, parity, planner
@@ -80,11 +80,35 @@ class PlanInputs:
 
 
 def plan(incarnation: Incarnation, inputs: PlanInputs, forced: int | None) -> planner.RestorePlan:
-    """The restore plan over the copies of ``inputs`` not proven unusable (only ``forced``'s, if given)."""
-    excluded, node_of_rank = incarnation.excluded, incarnation.node_of_rank
+    """The restore plan over the copies of ``inputs`` not proven unusable (only ``forced``'s, if given).
+
+    The copies of lost holders (``lost_holders``) count only while no step can be restored without them: waiting
+    out their grace period for nodes that may never come back would hold up a job that another step, an older one
+    if need be, resumes at once.
+    """
+    excluded, lost = incarnation.excluded, lost_holders(incarnation, inputs.silent)
     usable = [
         c for c in inputs.copies if (c.step, c.rank, c.holder) not in excluded and (forced is None or c.step == forced)
     ]
+    if any(c.holder in lost for c in usable):
+        without = _plan_over(incarnation, inputs, [c for c in usable if c.holder not in lost])
+        if without.step is not None:
+            return without
+    return _plan_over(incarnation, inputs, usable)
+
+
+def lost_holders(incarnation: Incarnation, silent: Iterable[str]) -> frozenset[str]:
+    """The ``silent`` nodes (past the node timeout) a restore does without while it can: those outside the
+    incarnation (a lost node, its rank moved to a fresh one), unless a node of the incarnation is silent too. A
+    silent node of the incarnation blocks the restore anyway (its own rank cannot stage without it), so waiting
+    on the others then costs nothing, and its return may make their step restorable again (a decode needs its
+    copy)."""
+    silent = frozenset(silent)
+    return frozenset() if silent & incarnation.nodes else silent - incarnation.nodes
+
+
+def _plan_over(incarnation: Incarnation, inputs: PlanInputs, usable: list[planner.StepCopy]) -> planner.RestorePlan:
+    node_of_rank = incarnation.node_of_rank
     block_of = inputs.blocks({c.holder for c in usable} | set(node_of_rank.values()))
     return planner.plan_restore(
         len(node_of_rank), node_of_rank, usable, block_of, USABLE_TIERS, inputs.identical, inputs.fan_out, inputs.silent
@@ -154,13 +178,39 @@ def check_listed(job: JobState, incarnation: Incarnation, nodes: dict[str, NodeS
         raise NotReady(f"waiting for {job.decided.lister or 'a node with a backup tier'} to list the backup tier")
 
 
-def sources_lost(incarnation: Incarnation, rank: int, liveness: Liveness) -> bool:
-    """Whether the rank has not staged the planned step and every holder of its sources is silent
-    past the grace period (none is the backup)."""
-    if incarnation.plan is None or rank in incarnation.staged or incarnation.plan.step is None:
+def stalled(incarnation: Incarnation, rank: int, liveness: Liveness, lost: frozenset[str] | None = None) -> bool:
+    """Whether the rank has not staged the planned step and no source of it is left but copies proven unusable and
+    holders given up (silent past the grace period) or lost (``lost_holders``; ``lost`` when the caller has them):
+    a replan may find a step it can restore without them (``plan``)."""
+    plan_ = incarnation.plan
+    if plan_ is None or rank in incarnation.staged or plan_.step is None:
         return False
-    sources = incarnation.plan.sources.get(rank, ())
-    return bool(sources) and not any(s.tier in _NO_NODE_TIERS or liveness.holds_data(s.holder) for s in sources)
+    left = [s for s in plan_.sources.get(rank, ()) if (plan_.step, s.data_rank, s.holder) not in incarnation.excluded]
+    if any(s.tier in _NO_NODE_TIERS or liveness.is_live(s.holder) for s in left):
+        return False  # the usual answer, at the first source: the silent nodes are not walked
+    lost = lost_holders(incarnation, liveness.silent()) if lost is None else lost
+    return all(s.holder in lost or not liveness.holds_data(s.holder) for s in left)
+
+
+def replan_helps(
+    job: JobState, incarnation: Incarnation, rank: int, liveness: Liveness, inputs: Callable[[], PlanInputs]
+) -> bool:
+    """Whether a replan over ``inputs()`` would change the plan the rank waits on with nothing left to try
+    (``stalled``). Asked once per liveness change (``Liveness.stamp``) and count of unusable copies: a rank waiting
+    on a lost node that alone holds a step no other can replace asks every few seconds until its grace period ends.
+
+    Raises:
+      NotReady: as ``check_listed``: a replan now would not see the backups.
+    """
+    checked = (liveness.stamp, len(incarnation.excluded))
+    if incarnation.stall_checked == checked or not stalled(incarnation, rank, liveness):
+        return False
+    check_listed(job, incarnation, liveness.nodes)
+    incarnation.stall_checked = checked
+    current, candidate = incarnation.plan, plan(incarnation, inputs(), job.forced_step)
+    assert current is not None  # only a plan's rank is stalled
+    # The same step and no source the rank was not given (the proven-unusable ones dropped): no other can serve.
+    return candidate.step != current.step or not set(candidate.sources[rank]) <= set(current.sources[rank])
 
 
 def view(
@@ -221,6 +271,15 @@ def waits_on(incarnation: Incarnation | None, node_id: str) -> bool:
     if incarnation is None or incarnation.plan is None:
         return False
     return any(s.holder == node_id and s.data_rank not in incarnation.staged for s in incarnation.plan.fan_out.values())
+
+
+def any_stalled(incarnation: Incarnation | None, liveness: Liveness) -> bool:
+    """Whether a rank of the incarnation is ``stalled``: after nodes fell silent or were given up, its view is to
+    be asked again (a replan may help). One pass over the ranks, the silent nodes walked once."""
+    if incarnation is None or incarnation.plan is None or incarnation.plan.step is None:
+        return False
+    lost = lost_holders(incarnation, liveness.silent())
+    return any(stalled(incarnation, rank, liveness, lost) for rank in incarnation.plan.sources)
 
 
 def _expected_files(

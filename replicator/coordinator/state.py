@@ -152,11 +152,16 @@ class ClusterState:
                 sync.absorb(self._jobs, self.liveness, node_id, self.liveness.nodes[node_id], None, self._warned)
             )
             self.liveness.forget(node_id)
+        affected: set[JobRef] = set()
         for state in changed:
             self._mark_dirty(state.job_keys())
             for key in state.job_keys():  # a fan-out downloader went silent (or came back): its peers stop waiting
                 if key in self._jobs and restores.waits_on(self._jobs[key].incarnation, state.report.node_id):
                     self._bump(key)
+                affected.add(key)
+        for key in affected:  # a rank left only lost or given-up holders asks again: a replan may serve it
+            if key in self._jobs and restores.any_stalled(self._jobs[key].incarnation, self.liveness):
+                self._bump(key)
 
     def forget_node(self, node_id: str) -> None:
         """The node is gone for good (recreated under its name with another UID, proven by the API
@@ -450,11 +455,10 @@ class ClusterState:
         incarnation = self._incarnation(key, incarnation_id, rank)
         job = self._jobs[key]
         restores.check_started(incarnation, self.liveness, now)
-        if restores.sources_lost(incarnation, rank, self.liveness):
+        if restores.replan_helps(job, incarnation, rank, self.liveness, lambda: self._plan_inputs(key)):
             assert incarnation.plan is not None  # only a plan's sources are lost
-            restores.check_listed(job, incarnation, self.liveness.nodes)
             log.warning(
-                "job %s rank %d: every holder of step %d silent past the grace period; replanning",
+                "job %s rank %d: no source of step %d left but lost, given up or unusable ones; replanning",
                 key,
                 rank,
                 incarnation.plan.step,

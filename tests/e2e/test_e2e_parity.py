@@ -1,7 +1,6 @@
 """Erasure-coded RAM copies end to end (issue 41): real agents with ``--redundancy xor:N`` or ``rs:N:K``, a real
 coordinator and a real Orbax job with data parallelism 1. Lost nodes' ranks are rebuilt from their group's
-survivors and parity shards. Too many lost for a group: ``test_e2e_parity_beyond.py`` (in ``make e2e-operations``:
-it waits out the lost nodes' grace period)."""
+survivors and parity shards. Too many lost for a group: ``test_e2e_parity_beyond.py`` (in ``make e2e-operations``)."""
 
 from tests.helpers.agents import scrape
 from tests.helpers.jobs import (

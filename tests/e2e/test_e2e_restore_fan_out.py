@@ -46,7 +46,7 @@ def backed_up_and_lost(start_cluster, server, tmp_path):
     cluster = start_cluster(backup="gs://ckpt/mtc", env={"STORAGE_EMULATOR_HOST": server.url})
     # Every save from step 6 is backed up, so the newest complete step is in the store when the nodes are lost: the restore
     # plans it from the backup tier at once. (Were it held only by the lost nodes, the coordinator would plan it
-    # from them and wait out their 60 s grace first, then replan an older backup with some of them still counted.)
+    # from them until they fall silent, then replan an older backup.)
     job = run_job(
         "dp",
         list(cluster.agents),

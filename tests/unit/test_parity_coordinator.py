@@ -9,7 +9,7 @@ from replicator.coordinator import parity
 from replicator.coordinator.state import ClusterState, decide_interval
 from replicator.parity.layout import GroupLayout, cluster_ram
 from replicator.wire import redundancy
-from replicator.wire.messages import EncodeOrder, HeldShard, HeldStep, JobRef, JobSettings, Tier
+from replicator.wire.messages import BackedUp, EncodeOrder, HeldShard, HeldStep, JobRef, JobSettings, Tier
 from replicator.wire.redundancy import parse
 from tests.helpers.reports import node_report, pod_report
 
@@ -33,6 +33,7 @@ class Job:
         self.shards: dict[str, list[HeldShard]] = {}
         self.data: dict[str, int] = {}  # node -> the rank whose steps it holds
         self.steps: tuple[int, ...] = (STEP,)  # the steps every node holds
+        self.backups: tuple[int, ...] = ()  # the steps every node lists complete in its backup tier (timeline 0)
         self.start(0.0)
 
     def start(self, now: float) -> None:
@@ -61,6 +62,7 @@ class Job:
             if held
             else []
         )
+        listing = (BackedUp(*NAMES, tuple((step, 0) for step in self.backups), 1.0),) if self.backups else ()
         return node_report(
             node,
             [self.pod(node)],
@@ -68,6 +70,8 @@ class Job:
             topology={"block": node},
             redundancy=self.redundancy,
             shards=tuple(self.shards.get(node, ())),
+            has_backup=bool(self.backups),
+            backed_up=listing,
         )
 
     def round(self, now: float, nodes=None) -> dict[str, tuple[EncodeOrder, ...]]:
@@ -370,3 +374,92 @@ def test_two_lost_ranks_of_an_xor_group_get_no_decode_source():
     assert all(s.tier != Tier.DECODE for s in view.sources)
     assert view.step is None and view.sources == ()  # no backup tier: a fresh start
     assert not [c for c in state.copies(KEY) if c.decode]
+
+
+# A failed decode and a lost holder (issue 49): the chaos row "flipped byte in a parity shard, then the node of a
+# rank whose rebuild needs it lost". n3 holds rank 3's step 5 and stops reporting at ``LOST_AT``; a fresh node takes
+# its slot at once. The coordinator runs with a 15 s node timeout and a 60 s holder grace period.
+LOST_AT = 6.0  # n3's last report: ``encoded_job``'s last round reports at 5 and 6
+
+
+def lost_n3(state: ClusterState, backups: tuple[int, ...]) -> tuple[Job, int]:
+    """``encoded_job`` whose nodes list ``backups`` complete; n3 lost after ``LOST_AT``, fn3 in its slot, the job
+    restarted a second later. Returns the job and fn3's rank (n3's)."""
+    state.expire(-state.liveness.node_timeout_seconds)  # the coordinator has run a node timeout before the job
+    job = Job(state, [JobSettings((), 1, None, 100)] * 4)  # backed up every 100 steps: no new backup here
+    job.backups = backups
+    for node, orders in job.round(1.0).items():
+        job.build(node, orders)
+    job.round(5.0)
+    assert state.safe_step(KEY) == STEP and state.backed_up(KEY) == set(backups)
+    job.slot["fn3"] = job.slot.pop("n3")
+    job.start(LOST_AT + 1)
+    return job, job.rank_of["fn3"]
+
+
+def heard(state: ClusterState, job: Job, now: float) -> None:
+    """Every node of the job reports at ``now`` (n3 is gone); the coordinator's clock runs to ``now``."""
+    for node in job.slot:
+        state.apply_report(job.report(node, held=node in job.data), now)
+    state.tick(now)
+
+
+def decode_fails(state: ClusterState, job: Job, rank: int, now: float):
+    """The rank's first view: step 5 from n3 (not silent yet) or a decode. n3 does not answer and the rebuilt bytes
+    fail the owner's checksums, as the agent reports it (the unreachable one is retried). Returns the view."""
+    view = state.restore_view(KEY, job.incarnation, rank, now)
+    assert view.step == STEP and [(s.tier, s.holder) for s in view.sources] == [
+        (Tier.PEER_DISTANT, "n3"),
+        (Tier.DECODE, parity.DECODE_HOLDER),
+    ]
+    state.report_staged(KEY, job.incarnation, view.generation, rank, None, [(STEP, rank, parity.DECODE_HOLDER)], True)
+    return view
+
+
+def test_a_failed_decode_restores_the_backup_once_the_lost_holder_falls_silent_not_after_its_grace_period():
+    state = ClusterState(node_timeout_seconds=15.0, holder_grace_seconds=60.0)
+    job, rank = lost_n3(state, backups=(1,))
+    first = decode_fails(state, job, rank, LOST_AT + 2)
+    now, woken = LOST_AT + 2, []
+    while (view := state.restore_view(KEY, job.incarnation, rank, now)).step == STEP:
+        assert now - LOST_AT < state.liveness.holder_grace_seconds, "waited out the lost holder's grace period"
+        now += 1.0
+        state.drain_changed()
+        heard(state, job, now)
+        woken.append(KEY in state.drain_changed())  # the rank's long poll asks again
+    # Replanned once n3 fell silent: the node timeout, plus the coordinator's 1 s expiry pass and this 1 s clock. The
+    # pass that found n3 silent woke the waiting rank's long poll, and none before it.
+    assert now - LOST_AT <= state.liveness.node_timeout_seconds + 2.0, now - LOST_AT
+    assert woken[-1] and not any(woken[:-1]), woken
+    assert view.generation != first.generation and view.step == 1
+    assert [(s.tier, s.holder) for s in view.sources] == [(Tier.BACKUP, "backup")]
+    assert {state.restore_view(KEY, job.incarnation, r, now).step for r in range(4)} == {1}
+
+
+def test_a_lost_holder_that_alone_can_serve_is_waited_for_within_its_grace_period_and_the_plan_stays():
+    """No backup: nothing restores without n3, so its grace applies; asking again changes no plan."""
+    state = ClusterState(node_timeout_seconds=15.0, holder_grace_seconds=60.0)
+    job, rank = lost_n3(state, backups=())
+    first = decode_fails(state, job, rank, LOST_AT + 2)
+    for now in range(int(LOST_AT) + 3, int(LOST_AT + state.liveness.holder_grace_seconds)):
+        heard(state, job, float(now))
+        view = state.restore_view(KEY, job.incarnation, rank, float(now))
+        assert view.generation == first.generation and {s.holder for s in view.sources} == {"n3", "parity"}
+    heard(state, job, LOST_AT + state.liveness.holder_grace_seconds + 2)
+    assert state.restore_view(KEY, job.incarnation, rank, LOST_AT + 62).step is None  # given up: a fresh start
+
+
+def test_a_silent_node_of_the_incarnation_keeps_a_lost_holder_waited_for_and_its_return_makes_the_step_decodable():
+    """n2 (a survivor) is frozen while n3 is lost: rank 3 cannot be rebuilt without n2's copy, and the restore waits
+    for n2 anyway, so the plan keeps n3 rather than rolling back to the backup; n2 back, rank 3 decodes step 5."""
+    state = ClusterState(node_timeout_seconds=15.0, holder_grace_seconds=60.0)
+    job, rank = lost_n3(state, backups=(1,))
+    frozen = job.slot.pop("n2")
+    for now in range(int(LOST_AT) + 2, int(LOST_AT) + 20):  # both silent past the node timeout
+        heard(state, job, float(now))
+    view = state.restore_view(KEY, job.incarnation, rank, LOST_AT + 19)
+    assert view.step == STEP and [s.holder for s in view.sources] == ["n3"]
+    job.slot["n2"] = frozen
+    heard(state, job, LOST_AT + 20)
+    view = state.restore_view(KEY, job.incarnation, rank, LOST_AT + 20)
+    assert view.step == STEP and [(s.tier, s.holder) for s in view.sources] == [(Tier.DECODE, parity.DECODE_HOLDER)]
