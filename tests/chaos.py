@@ -151,8 +151,8 @@ class Row:
 class Chaos:
     """The cluster, the job, what the suite did to them, and the rows so far."""
 
-    def __init__(self, workdir: str, variant: str, rng: random.Random):
-        self.workdir, self.variant, self.rng = workdir, variant, rng
+    def __init__(self, workdir: str, variant: str, rng: random.Random, patient: bool = True):
+        self.workdir, self.variant, self.rng, self.patient = workdir, variant, rng, patient
         setup = VARIANTS[variant]
         self.store = _open_store(setup.store, workdir)
         # Nodes on this run's own /24, each agent sending from its address: network faults touch this run only.
@@ -269,10 +269,12 @@ class Chaos:
     def sample_rpo(self) -> None:
         """Takes the RPO sample for the next row: how many steps the newest COMMITted backup is behind the newest
         step every rank committed, against the bound (one backup interval plus the steps of one upload, at the
-        job's step time). Waits first until one bound's time has passed since the last fault's damage ended."""
+        job's step time). ``patient``: waits first until one bound's time has passed since the last fault's damage
+        ended; otherwise the sample is taken at once (a stricter check: a backlog may not have caught up yet)."""
         step_seconds = self._step_seconds()
         bound = BACKUP_EVERY + math.ceil(_UPLOAD_SECONDS / step_seconds)
-        time.sleep(max(0.0, self.calm_since + BACKUP_EVERY * step_seconds + _UPLOAD_SECONDS - time.monotonic()))
+        if self.patient:
+            time.sleep(max(0.0, self.calm_since + BACKUP_EVERY * step_seconds + _UPLOAD_SECONDS - time.monotonic()))
         newest = self.newest_saved_by_all(self.job.pods)
         self.rpo = (max(0, newest - max(self.backups(), default=0)), bound)
 
@@ -1049,12 +1051,13 @@ def summary(rows: list[Row], faults: int | None = None) -> str:
     )
 
 
-def run(seed: int, faults: int, variant: str, allowed: list[str], workdir: str) -> list[Row]:
-    """Runs ``faults`` faults drawn with ``seed``; returns the rows (values checked against the reference)."""
+def run(seed: int, faults: int, variant: str, allowed: list[str], workdir: str, patient: bool = True) -> list[Row]:
+    """Runs ``faults`` faults drawn with ``seed``; returns the rows (values checked against the reference).
+    ``patient``: see ``Chaos.sample_rpo``."""
     rng = random.Random(seed)
     sequence = draw(rng, faults, variant, allowed)
     print(f"chaos: seed {seed}, variant {variant}, {faults} faults: {', '.join(sequence)}", flush=True)
-    chaos = Chaos(workdir, variant, rng)
+    chaos = Chaos(workdir, variant, rng, patient)
     try:
         started = time.monotonic()
         chaos.start()
