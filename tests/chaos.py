@@ -80,7 +80,7 @@ TRAIN = [
     "--step-sleep",
     "0.2",
 ]
-_DP1 = ["--data-parallelism", "1"]
+_DP1 = ("--data-parallelism", "1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,12 +98,12 @@ class Variant:
 
 VARIANTS = {
     "dp2": Variant(1),
-    "dp1": Variant(2, tuple(_DP1)),
-    "xor": Variant(1, tuple(_DP1), ("--redundancy", "xor:4")),
+    "dp1": Variant(2, _DP1),
+    "xor": Variant(1, _DP1, ("--redundancy", "xor:4")),
     # One group of the four ranks with two Reed-Solomon shards per stripe: any two nodes of four may be lost.
-    "rs": Variant(1, tuple(_DP1), ("--redundancy", "rs:4:2"), store="gcs"),
+    "rs": Variant(1, _DP1, ("--redundancy", "rs:4:2"), store="gcs"),
     # Replicas pushed and fetched on the coordinator's signed grants only (the cluster token alone reads nothing).
-    "grants": Variant(2, tuple(_DP1), store="gcs", peer_grants=True),
+    "grants": Variant(2, _DP1, store="gcs", peer_grants=True),
 }
 ALL, REPLICATED, PARITY = tuple(VARIANTS), ("dp1", "grants"), ("xor", "rs")
 _GC_SECONDS = 20.0  # a few report rounds
