@@ -48,6 +48,10 @@ class UnavailableProxy:
         started.set()
         self._loop.run_forever()
         server.close()
+        if tasks := asyncio.all_tasks(self._loop):  # the connections still open: ended within the loop
+            for task in tasks:
+                task.cancel()
+            self._loop.run_until_complete(asyncio.wait(tasks))
         self._loop.close()
 
     def stop(self) -> None:
