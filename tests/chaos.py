@@ -340,7 +340,8 @@ class Chaos:
     def _decodable(self, valid: set[tuple[int, int, str]]) -> set[tuple[int, int, str]]:
         """(rank, step, "parity") for each rank its group can rebuild: the other members' valid own steps and the
         valid shards leave every stripe it contributes to enough shards. A shard is valid when the suite did not
-        damage it and it was built over the checksums the members' own nodes hold now (``redundancy.basis``)."""
+        damage it, it was built over the checksums the members' own nodes hold now (``redundancy.basis``), and it is
+        of the current timeline."""
         files = self.owner_files  # as the coordinator, remembered past the loss of the owner's node
         own: set[tuple[int, int]] = set()  # (rank, step) whose own copy is valid
         shards: list[ShardMeta] = []
@@ -352,7 +353,8 @@ class Chaos:
                 files[(manifest.rank, step)] = manifest.files  # a flipped byte leaves the owner's checksums
                 if (manifest.rank, step, agent.node_id) in valid:
                     own.add((manifest.rank, step))
-            shards += ParityShards(ramdisk).held()
+            held = ParityShards(ramdisk)
+            shards += [m for m in held.held() if self._shard_in_timeline(held, m)]
         usable: dict[tuple[int, tuple[int, ...], int], set[tuple[int, int]]] = {}
         for shard in shards:
             digests = [files.get((r, shard.step)) for r in shard.members]
@@ -367,6 +369,15 @@ class Chaos:
                 if parity_policy._rebuildable(members, parity, position, live, held):
                     rebuilt.add((rank, step, "parity"))
         return rebuilt
+
+    def _shard_in_timeline(self, held: ParityShards, shard: ShardMeta) -> bool:
+        """Whether ``shard`` is of the current timeline: of a step before the rollback, or written after it began (with
+        ``rs`` a stripe's shards alone rebuild its members, so an abandoned step's shards must not count)."""
+        if self.rollback is None or shard.step <= self.rollback[0]:
+            return True
+        with contextlib.suppress(FileNotFoundError):
+            return os.path.getmtime(held.path(shard.step, shard.members[0], shard.stripe)) >= self.rollback[2]
+        return False
 
     def newest_possible(self) -> int | None:
         """The newest step every rank can restore a valid copy of, or None (a fresh start is right)."""
