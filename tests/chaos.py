@@ -851,7 +851,7 @@ def coordinator_kill_mid_decode(chaos: Chaos) -> None:
     )
     source = (before.get("sources") or {}).get(str(rank))
     if source:
-        row.fault += f" (staged: {source.partition(':')[0]})"
+        row.fault += f" ({source.partition(':')[0]} done before)"
 
 
 def node_loss_mid_backup(chaos: Chaos) -> None:
