@@ -379,6 +379,20 @@ class Chaos:
             return os.path.getmtime(held.path(shard.step, shard.members[0], shard.stripe)) >= self.rollback[2]
         return False
 
+    def settled_possible(self, quiet: float = 2.0, timeout: float = 20.0) -> int | None:
+        """``newest_possible`` once the tiers stop changing (``quiet`` s without a change, at most ``timeout`` s): after
+        a failure without ``fail``'s settling, the encodes and pushes under way finish first, and the restore may use
+        them."""
+        last, since, deadline = None, time.monotonic(), time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            copies = self.copies()
+            if copies != last:
+                last, since = copies, time.monotonic()
+            elif time.monotonic() - since >= quiet:
+                break
+            time.sleep(0.5)
+        return self.newest_possible()
+
     def newest_possible(self) -> int | None:
         """The newest step every rank can restore a valid copy of, or None (a fresh start is right)."""
         copies = self.copies()
@@ -867,7 +881,7 @@ def node_loss_mid_backup(chaos: Chaos) -> None:
     chaos.job.kill_training()
     lost = chaos.agent_of(rank).node_id
     chaos.lose(rank)
-    chaos.restart(f"{lost} lost (rank {rank}) mid-backup of {pending}{finished}", chaos.newest_possible())
+    chaos.restart(f"{lost} lost (rank {rank}) mid-backup of {pending}{finished}", chaos.settled_possible())
     chaos.wait_saves(1)
     chaos.fail()
     chaos.restart(f"preemption after node loss mid-backup of {pending}", chaos.newest_possible())
