@@ -880,7 +880,7 @@ def node_loss_mid_backup(chaos: Chaos) -> None:
     finished = " (it had finished)" if pending in chaos.backups() else "" if uploading else " (every rank uploaded)"
     chaos.job.kill_training()
     lost = chaos.agent_of(rank).node_id
-    chaos.settled_possible()  # the owners' checksums, read while the node is there (the coordinator has them too)
+    chaos.copies()  # reads the owners' checksums while the node is there (the coordinator has them too)
     chaos.lose(rank)
     chaos.restart(f"{lost} lost (rank {rank}) mid-backup of {pending}{finished}", chaos.settled_possible())
     chaos.wait_saves(1)
