@@ -336,8 +336,8 @@ $(ORBAX_OLDEST_STAMP): pyproject.toml
 # A long seeded random fault sequence per variant (the seed is printed; replay with --seed).
 CHAOS_FAULTS ?= 20
 CHAOS_ARGS   ?=
-chaos: host-tools setup
-	rc=0; for v in dp2 dp1 xor; do $(BIN)/python -m tests.chaos --faults $(CHAOS_FAULTS) --variant $$v $(CHAOS_ARGS) || rc=1; done; exit $$rc
+chaos: host-tools setup tools
+	rc=0; for v in dp2 dp1 xor rs grants; do $(BIN)/python -m tests.chaos --faults $(CHAOS_FAULTS) --variant $$v $(CHAOS_ARGS) || rc=1; done; exit $$rc
 
 image:
 	@if command -v docker >/dev/null && docker info >/dev/null 2>&1; then \

@@ -1,15 +1,18 @@
 """The chaos suite (issue 10): one real Orbax job survives a seeded random sequence of faults.
 
-    python -m tests.chaos [--seed N] [--faults K] [--variant dp2|dp1|xor] [--only FAULT,...]
+    python -m tests.chaos [--seed N] [--faults K] [--variant dp2|dp1|xor|rs|grants] [--only FAULT,...]
 
 (Over 500 lines on purpose: one runnable tool whose faults, oracle and report read best together;
 what it shares with the tests lives in ``tests/helpers``.)
 
-A coordinator, four node agents (2 slices x 2 nodes, tmpfs, peer tier, backups to a ``file://``
-store) and ``examples/train.py`` training without end. Each fault runs one cycle: the fault, a
-failure (every training process SIGKILLed), the pods recreated, and the checks. ``dp2`` is data
-parallelism 2 (identical peers, nothing copied); ``dp1`` is data parallelism 1 with ``--replicas 2``; ``xor`` is
-data parallelism 1 with ``--redundancy xor:4`` (one parity group of the four ranks, no full copies).
+A coordinator, four node agents (2 slices x 2 nodes, tmpfs, peer tier, backups) and ``examples/train.py`` training
+without end. Each fault runs one cycle: the fault, a failure (every training process SIGKILLed), the pods recreated,
+and the checks. ``dp2`` is data parallelism 2 (identical peers, nothing copied); ``dp1`` is data parallelism 1 with
+``--replicas 2``; ``xor`` is data parallelism 1 with ``--redundancy xor:4`` (one parity group of the four ranks, no
+full copies); ``rs`` the same with ``rs:4:2`` (two Reed-Solomon shards per stripe); ``grants`` is ``dp1`` with
+``--peer-grants`` on the coordinator and the agents (every push and peer fetch on a signed grant). ``dp2``, ``dp1``
+and ``xor`` back up to a ``file://`` directory; ``rs`` and ``grants`` to fake-gcs-server (``gs://``) behind a proxy
+that can answer 503 (``tests/helpers/store_proxy.py``).
 
 What is right is decided here, from the tiers themselves, never from the coordinator: when the
 training processes are dead and the fault has done its damage, the newest possible step is the
@@ -25,15 +28,21 @@ Network faults cut one node's agent from the coordinator or from the other agent
 put one node behind a lossy, delayed, rate-limited link; each node sits on this run's own loopback /24 and its
 agent sends from its own address (``tests/helpers/network.py``), so the rules touch nothing else.
 
-"Mid-push", "mid-upload", "mid-GC" and "mid-stage" kills are approximated by timing (a random
-delay after the event that starts the work, or the coordinator's pending backup); a row says
-when the work had visibly finished before the kill.
+"Mid-push", "mid-upload", "mid-GC", "mid-stage", "mid-backup" and "mid-decode" kills are approximated by timing (a
+random delay after the event that starts the work, the coordinator's pending backup, or the restore planned); a row
+says when the work had visibly finished before the kill.
+
+RPO (issue 49): at each failure, once one bound's time has passed since the fault's damage ended, the newest
+``COMMIT``ted backup may be at most one backup interval (``BACKUP_EVERY`` steps) plus the steps of one upload
+(``_UPLOAD_SECONDS`` at the job's median step time) behind the newest step every rank committed; a row over it is
+wrong. Its ``rpo`` column is ``steps behind/bound``.
 """
 
 import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import random
 import shutil
@@ -52,10 +61,12 @@ from replicator.local_tier.job_meta import JobMeta
 from replicator.local_tier.parity_shards import ParityShards, ShardMeta
 from replicator.wire import redundancy
 from tests.helpers import network
+from tests.helpers.backup_stores import FileStore, GcsStore
 from tests.helpers.jobs import assert_same_state, by_event, recreate, replace_node
 from tests.helpers.polling import wait_until
 from tests.helpers.ports import free_port, listen_address
 from tests.helpers.steps import flip_byte
+from tests.helpers.tools import find_tool
 
 NODES, DP_PEER_OFFSET = 4, 2  # rank r's data-parallel peer in dp2 is r +- 2 (same worker, other slice)
 SAVE_EVERY, BACKUP_EVERY = 3, 6
@@ -69,19 +80,44 @@ TRAIN = [
     "--step-sleep",
     "0.2",
 ]
-# -> (--replicas, train.py flags, further ``mtc node`` flags)
+_DP1 = ("--data-parallelism", "1")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """A variant's cluster: ``--replicas``, train.py flags, further ``mtc node`` flags, its backup store (``file``:
+    a directory; ``gcs``: fake-gcs-server behind a proxy that can answer 503) and whether the coordinator signs
+    peer grants that the agents require (both ``--peer-grants``)."""
+
+    replicas: int
+    train: tuple[str, ...] = ()
+    agent_args: tuple[str, ...] = ()
+    store: str = "file"
+    peer_grants: bool = False
+
+
 VARIANTS = {
-    "dp2": (1, [], []),
-    "dp1": (2, ["--data-parallelism", "1"], []),
-    "xor": (1, ["--data-parallelism", "1"], ["--redundancy", "xor:4"]),
+    "dp2": Variant(1),
+    "dp1": Variant(2, _DP1),
+    "xor": Variant(1, _DP1, ("--redundancy", "xor:4")),
+    # One group of the four ranks with two Reed-Solomon shards per stripe: any two nodes of four may be lost.
+    "rs": Variant(1, _DP1, ("--redundancy", "rs:4:2"), store="gcs"),
+    # Replicas pushed and fetched on the coordinator's signed grants only (the cluster token alone reads nothing).
+    "grants": Variant(2, _DP1, store="gcs", peer_grants=True),
 }
+ALL, REPLICATED, PARITY = tuple(VARIANTS), ("dp1", "grants"), ("xor", "rs")
 _GC_SECONDS = 20.0  # a few report rounds
 _RAMDISK_FULL = 0.9
 _RESUME_TIMEOUT = (
     240.0  # seconds from recreation to the first step: beyond Orbax's 300 s marker wait is a failure anyway
 )
 _BACKUP_TIMEOUT = 120.0
-_OUTAGE_SECONDS = 30.0
+_OUTAGE_SECONDS = {"file": 30.0, "gcs": 60.0}  # the directory gone; every request answered 503
+# The RPO bound (issue 49): the newest COMMITted backup is at most one backup interval (BACKUP_EVERY steps) plus the
+# steps trained during one upload behind the newest step every rank committed. One upload of this job (about 0.7 MiB
+# for the four ranks) takes about a second on a quiet machine (the run prints it); _UPLOAD_SECONDS allows for 2 busy
+# cores.
+_UPLOAD_SECONDS = 10.0
 # Partitions: past the coordinator's node timeout (4 s in LocalCluster), short of its holder grace (60 s).
 _PARTITION_SECONDS = (6.0, 30.0)
 _LOSS_PERCENT, _DELAY_MS, _SLOW_LINK_MBIT = 1.0, 50.0, 100.0
@@ -97,6 +133,7 @@ class Row:
     possible: int | None = None
     seconds: float | None = None
     incarnation: int = 0
+    rpo: tuple[int, int] | None = None  # (steps the newest backup was behind at the failure, the bound)
     problems: list[str] = dataclasses.field(default_factory=list)
 
     @property
@@ -114,22 +151,26 @@ class Row:
 class Chaos:
     """The cluster, the job, what the suite did to them, and the rows so far."""
 
-    def __init__(self, workdir: str, variant: str, rng: random.Random):
-        self.workdir, self.variant, self.rng = workdir, variant, rng
-        replicas, train, agent_args = VARIANTS[variant]
-        self.store = os.path.join(workdir, "object-store")
+    def __init__(self, workdir: str, variant: str, rng: random.Random, patient: bool = True):
+        self.workdir, self.variant, self.rng, self.patient = workdir, variant, rng, patient
+        setup = VARIANTS[variant]
+        self.store = _open_store(setup.store, workdir)
         # Nodes on this run's own /24, each agent sending from its address: network faults touch this run only.
         self.cluster = LocalCluster(
             os.path.join(workdir, "cluster"),
             listen_address,
-            replicas=replicas,
-            backup=f"file://{self.store}",
-            agent_args=agent_args,
+            replicas=setup.replicas,
+            backup=self.store.url,
+            env=self.store.env,
+            agent_args=list(setup.agent_args),
             agent_wrapper=network.AS_HOST,
             subnet=network.run_subnet(),
+            peer_grants=setup.peer_grants,
         )
         self.network = contextlib.ExitStack()  # the loopback hosts' SNAT while the cluster runs
-        self.job = LocalJob("chaos", [], workdir, [*TRAIN, *train, "--dump-dir", ""], jax_port=free_port("0.0.0.0"))
+        self.job = LocalJob(
+            "chaos", [], workdir, [*TRAIN, *setup.train, "--dump-dir", ""], jax_port=free_port("0.0.0.0")
+        )
         self.all_pods = []  # every pod of every incarnation, for its events
         self.corrupt: set[tuple[int, int, str]] = set()  # (rank, step, holder) copies the suite damaged
         self.corrupt_shards: set[tuple[int, int]] = set()  # (step, stripe) parity shards the suite damaged
@@ -139,6 +180,9 @@ class Chaos:
         )
         self.forks: list[int] = []  # every rollback's step: backups are named by timeline (steps/<step>-t<n>)
         self.rows: list[Row] = []
+        self.rpo: tuple[int, int] | None = None  # (steps behind, bound) at the last failure, for the next row
+        self.commits_seen: dict[str, float] = {}  # every backup entry seen committed -> its COMMIT time
+        self.calm_since = 0.0  # monotonic time the last fault's damage ended (or the job resumed)
 
     # -- the job -----------------------------------------------------------------------------
 
@@ -148,6 +192,7 @@ class Chaos:
         self.job.agents = list(self.cluster.agents)
         self._start_pods()
         self.wait_saves(2)
+        self.calm_since = time.monotonic()
 
     def _dump_dir(self, incarnation: int) -> str:
         return os.path.join(self.workdir, "dumps", f"i{incarnation}")
@@ -199,11 +244,13 @@ class Chaos:
         jobs = self.cluster.coordinator.status(self.job.job)["jobs"]
         return jobs[0] if jobs else {}
 
-    def backup_dir(self, step: int) -> str:
-        """The store directory of ``step``'s backup in the current timeline (see ``backups``)."""
-        steps = os.path.join(self.store, "default", self.job.job, "steps")
-        entries = [e for e in os.listdir(steps) if e.partition("-t")[0] == str(step) and self._in_lineage(e)]
-        return os.path.join(steps, max(entries, key=lambda e: int(e.partition("-t")[2] or 0)))
+    def backup_entry(self, step: int) -> str:
+        """The store entry (``<step>[-t<t>]``, below the job's ``steps/``) of ``step``'s committed backup in the
+        current timeline (see ``backups``)."""
+        entries = [
+            e for e in self.store.commits(self.job.job) if e.partition("-t")[0] == str(step) and self._in_lineage(e)
+        ]
+        return max(entries, key=lambda e: int(e.partition("-t")[2] or 0))
 
     def _in_lineage(self, entry: str) -> bool:
         """Timeline t > 0 (after the t-th rollback) is ``<step>-t<t>``; a timeline's steps after a
@@ -215,13 +262,41 @@ class Chaos:
     def backups(self) -> dict[int, float]:
         """Steps of the current timeline with ``COMMIT`` in the store -> when it was written (read from
         the store, not the coordinator)."""
-        steps = os.path.join(self.store, "default", self.job.job, "steps")
-        found = {}
-        for entry in os.listdir(steps) if os.path.isdir(steps) else []:
-            if self._in_lineage(entry):
-                with contextlib.suppress(FileNotFoundError):
-                    found[int(entry.partition("-t")[0])] = os.path.getmtime(os.path.join(steps, entry, "COMMIT"))
-        return found
+        commits = self.store.commits(self.job.job)
+        self.commits_seen |= commits
+        return {int(entry.partition("-t")[0]): at for entry, at in sorted(commits.items()) if self._in_lineage(entry)}
+
+    def sample_rpo(self) -> None:
+        """Takes the RPO sample for the next row: how many steps the newest COMMITted backup is behind the newest
+        step every rank committed, against the bound (one backup interval plus the steps of one upload, at the
+        job's step time). ``patient``: waits first until one bound's time has passed since the last fault's damage
+        ended; otherwise the sample is taken at once (a stricter check: a backlog may not have caught up yet)."""
+        step_seconds = self._step_seconds()
+        bound = BACKUP_EVERY + math.ceil(_UPLOAD_SECONDS / step_seconds)
+        if self.patient:
+            time.sleep(max(0.0, self.calm_since + BACKUP_EVERY * step_seconds + _UPLOAD_SECONDS - time.monotonic()))
+        newest = self.newest_saved_by_all(self.job.pods)
+        self.rpo = (max(0, newest - max(self.backups(), default=0)), bound)
+
+    def backup_delays(self) -> list[float]:
+        """Seconds from each backup seen committed being trained (rank 0's last ``step`` event of its step before the
+        ``COMMIT``) to its ``COMMIT``: what "one upload" is in the RPO bound, measured (retention deletes old ones:
+        those the suite saw)."""
+        trained: dict[int, list[float]] = {}
+        for pod in self.all_pods:
+            for e in by_event(pod, "step"):
+                trained.setdefault(e["step"], []).append(e["time"])
+        return [
+            at - max(before)
+            for entry, at in self.commits_seen.items()
+            if (before := [t for t in trained.get(int(entry.partition("-t")[0]), []) if t <= at])
+        ]
+
+    def _step_seconds(self) -> float:
+        """The median seconds per step of the current pods (rank 0's ``step`` events), 0.25 before any."""
+        times = [e["time"] for p in self.job.pods for e in by_event(p, "step")]
+        gaps = [b - a for a, b in zip(times, times[1:]) if b > a]
+        return statistics.median(gaps) if gaps else 0.25
 
     # -- the oracle --------------------------------------------------------------------------
 
@@ -265,7 +340,8 @@ class Chaos:
     def _decodable(self, valid: set[tuple[int, int, str]]) -> set[tuple[int, int, str]]:
         """(rank, step, "parity") for each rank its group can rebuild: the other members' valid own steps and the
         valid shards leave every stripe it contributes to enough shards. A shard is valid when the suite did not
-        damage it and it was built over the checksums the members' own nodes hold now (``redundancy.basis``)."""
+        damage it, it was built over the checksums the members' own nodes hold now (``redundancy.basis``), and it is
+        of the current timeline."""
         files = self.owner_files  # as the coordinator, remembered past the loss of the owner's node
         own: set[tuple[int, int]] = set()  # (rank, step) whose own copy is valid
         shards: list[ShardMeta] = []
@@ -277,7 +353,8 @@ class Chaos:
                 files[(manifest.rank, step)] = manifest.files  # a flipped byte leaves the owner's checksums
                 if (manifest.rank, step, agent.node_id) in valid:
                     own.add((manifest.rank, step))
-            shards += ParityShards(ramdisk).held()
+            held = ParityShards(ramdisk)
+            shards += [m for m in held.held() if self._shard_in_timeline(held, m)]
         usable: dict[tuple[int, tuple[int, ...], int], set[tuple[int, int]]] = {}
         for shard in shards:
             digests = [files.get((r, shard.step)) for r in shard.members]
@@ -293,6 +370,29 @@ class Chaos:
                     rebuilt.add((rank, step, "parity"))
         return rebuilt
 
+    def _shard_in_timeline(self, held: ParityShards, shard: ShardMeta) -> bool:
+        """Whether ``shard`` is of the current timeline: of a step before the rollback, or written after it began (with
+        ``rs`` a stripe's shards alone rebuild its members, so an abandoned step's shards must not count)."""
+        if self.rollback is None or shard.step <= self.rollback[0]:
+            return True
+        with contextlib.suppress(FileNotFoundError):
+            return os.path.getmtime(held.path(shard.step, shard.members[0], shard.stripe)) >= self.rollback[2]
+        return False
+
+    def settled_possible(self, quiet: float = 2.0, timeout: float = 20.0) -> int | None:
+        """``newest_possible`` once the tiers stop changing (``quiet`` s without a change, at most ``timeout`` s): after
+        a failure without ``fail``'s settling, the encodes and pushes under way finish first, and the restore may use
+        them."""
+        last, since, deadline = None, time.monotonic(), time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            copies = self.copies()
+            if copies != last:
+                last, since = copies, time.monotonic()
+            elif time.monotonic() - since >= quiet:
+                break
+            time.sleep(0.5)
+        return self.newest_possible()
+
     def newest_possible(self) -> int | None:
         """The newest step every rank can restore a valid copy of, or None (a fresh start is right)."""
         copies = self.copies()
@@ -307,10 +407,13 @@ class Chaos:
 
     # -- faults' building blocks -------------------------------------------------------------
 
-    def fail(self) -> None:
+    def fail(self, rpo: bool = True) -> None:
         """Every training process is SIGKILLed; waits (bounded) until the coordinator has seen the
         last commits and their replicas or identity, and the nodes deleted what that made safe to
-        delete, so a fault right after (a node loss, a flipped byte) meets well defined tiers."""
+        delete, so a fault right after (a node loss, a flipped byte) meets well defined tiers. The RPO sample
+        (``sample_rpo``) is taken first, unless ``rpo`` is False (a fault still under way: the bound holds after it)."""
+        if rpo:
+            self.sample_rpo()
         self.job.kill_training()
         newest = self.newest_saved_by_all(self.job.pods)
         with contextlib.suppress(TimeoutError, OSError):
@@ -360,8 +463,11 @@ class Chaos:
     ) -> Row:
         """Recreates the pods, runs ``during`` (a fault in the restore), waits for the first step,
         checks the restore and (``settle``) that backups and GC go on. The row is also returned."""
-        row = Row(label, possible=possible, incarnation=self.job.incarnations + 1)
+        row = Row(label, possible=possible, incarnation=self.job.incarnations + 1, rpo=self.rpo)
         self.rows.append(row)
+        if self.rpo and self.rpo[0] > self.rpo[1]:
+            row.problems.append(f"RPO: the newest backup {self.rpo[0]} steps behind, bound {self.rpo[1]}")
+        self.rpo = None
         started, started_wall = time.monotonic(), time.time()
         self._start_pods()
         try:
@@ -373,6 +479,7 @@ class Chaos:
                 "the first step after the restart",
             )
             row.seconds = time.monotonic() - started
+            self.calm_since = time.monotonic()
             self.job.wait(lambda: all(by_event(p, "restored") for p in self.job.pods), 60, "every rank restored")
         except (TimeoutError, RuntimeError) as err:
             row.problems.append(f"no resume: {str(err).splitlines()[0][:160]}")
@@ -488,8 +595,23 @@ class Chaos:
         for agent in self.cluster.agents:
             agent.resume()
         self.cluster.stop()
+        self.store.close()
         self.network.close()
         unmount_all_below(self.workdir)  # the pods' bind mounts
+
+
+def _open_store(kind: str, workdir: str) -> FileStore | GcsStore:
+    """The run's backup store: a directory, or fake-gcs-server behind its 503 proxy (``.tools/bin``, ``make tools``).
+
+    Raises:
+      RuntimeError: fake-gcs-server is not installed.
+    """
+    if kind == "file":
+        return FileStore(os.path.join(workdir, "object-store"))
+    binary = find_tool("fake-gcs-server")
+    if binary is None:
+        raise RuntimeError("fake-gcs-server is neither on PATH nor in .tools/bin; run `make tools`")
+    return GcsStore(binary, os.path.join(workdir, "gcs-data"))
 
 
 # -- the faults: each runs one cycle on a training job and leaves it training ---------------------
@@ -506,9 +628,7 @@ def coordinator_kill_mid_restore(chaos: Chaos) -> None:
 
     def kill():
         time.sleep(delay)
-        chaos.cluster.coordinator.kill()
-        time.sleep(2)
-        chaos.cluster.coordinator.start()
+        _kill_coordinator(chaos)
 
     chaos.restart(f"coordinator SIGKILL {delay:.1f}s into restore", chaos.newest_possible(), kill)
 
@@ -516,6 +636,7 @@ def coordinator_kill_mid_restore(chaos: Chaos) -> None:
 def freeze_training(chaos: Chaos) -> None:
     seconds, agent = chaos.rng.uniform(5, 40), chaos.rng.choice(chaos.job.agents)
     chaos.freeze([agent], seconds).join()
+    chaos.calm_since = time.monotonic()
     chaos.wait_saves(2)
     chaos.fail()
     chaos.restart(f"SIGSTOP {agent.node_id} {seconds:.0f}s in training", chaos.newest_possible())
@@ -560,6 +681,7 @@ def _kill_after_save(chaos: Chaos, what: str, low: float, high: float) -> None:
     chaos.job.wait(lambda: chaos.saved(rank) - before, 60, f"rank {rank} commits")
     time.sleep(delay)
     chaos.kill_agent(agent)
+    chaos.calm_since = time.monotonic()
     chaos.wait_saves(2)
     chaos.fail()
     chaos.restart(f"SIGKILL {agent.node_id} ~{what} ({delay:.1f}s after commit)", chaos.newest_possible())
@@ -577,6 +699,7 @@ def kill_mid_upload(chaos: Chaos) -> None:
     wait_until(lambda: chaos.status().get("backup_pending") is not None, 90, "a backup under way")
     pending, agent = chaos.status()["backup_pending"], chaos.rng.choice(chaos.job.agents)
     chaos.kill_agent(agent)
+    chaos.calm_since = time.monotonic()
     finished = pending in chaos.backups()
     chaos.wait_saves(2)
     chaos.fail()
@@ -664,15 +787,13 @@ def flip_backup(chaos: Chaos) -> None:
     rank = chaos.rng.randrange(NODES)
     chaos.fail()
     step = max(chaos.backups())
-    prefix = chaos.backup_dir(step)
-    with open(os.path.join(prefix, f"rank-{rank}.manifest.json"), encoding="utf-8") as f:
-        files = json.load(f)["files"]
-    victim = max(files.values(), key=lambda e: e["size"])["object"]
-    flip_byte(os.path.join(prefix, *victim.split("/")))
-    for r in range(NODES):  # every rank whose manifest names the damaged object (deduplicated uploads)
-        with open(os.path.join(prefix, f"rank-{r}.manifest.json"), encoding="utf-8") as f:
-            if any(e["object"] == victim for e in json.load(f)["files"].values()):
-                chaos.corrupt.add((r, step, "backup"))
+    entry, job = chaos.backup_entry(step), chaos.job.job
+    manifests = [json.loads(chaos.store.read(job, f"{entry}/rank-{r}.manifest.json"))["files"] for r in range(NODES)]
+    victim = max(manifests[rank].values(), key=lambda e: e["size"])["object"]
+    chaos.store.flip(job, f"{entry}/{victim}")
+    for r, files in enumerate(manifests):  # every rank whose manifest names the damaged object (deduplicated uploads)
+        if any(e["object"] == victim for e in files.values()):
+            chaos.corrupt.add((r, step, "backup"))
     lost = [chaos.agent_of(rank), *holders_of(chaos, rank, chaos.newest_possible())]
     for agent in lost:
         chaos.lose(chaos.rank_of(agent))
@@ -680,21 +801,91 @@ def flip_backup(chaos: Chaos) -> None:
 
 
 def store_outage(chaos: Chaos) -> None:
-    """The store's directory is moved away and a file put in its place (so nothing can recreate it)
-    for ``_OUTAGE_SECONDS``; then it is back and backups must resume."""
-    away = chaos.store + ".away"
-    os.rename(chaos.store, away)
-    try:
-        with open(chaos.store, "x", encoding="utf-8"):
-            pass
-        time.sleep(_OUTAGE_SECONDS)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(chaos.store)
-        os.rename(away, chaos.store)
+    """The store is unavailable for ``_OUTAGE_SECONDS`` while the job saves (``file``: its directory moved away and a
+    file put in its place, so nothing can recreate it; ``gcs``: every request answered 503); then it is back, and
+    backups must catch up within the RPO bound."""
+    seconds = _OUTAGE_SECONDS[chaos.store.kind]
+    with chaos.store.gone():
+        time.sleep(seconds)
+    chaos.calm_since = time.monotonic()
     chaos.wait_saves(1)
     chaos.fail()
-    chaos.restart(f"object store gone {_OUTAGE_SECONDS:.0f}s", chaos.newest_possible())
+    chaos.restart(chaos.store.outage(seconds), chaos.newest_possible())
+
+
+def _kill_coordinator(chaos: Chaos) -> None:
+    chaos.cluster.coordinator.kill()
+    time.sleep(2)
+    chaos.cluster.coordinator.start()
+
+
+def _backup_under_way(chaos: Chaos) -> int:
+    """Waits for the coordinator's pending backup, then a random 0-0.3 s into its upload (one takes about a second
+    here); returns its step."""
+    wait_until(lambda: chaos.status().get("backup_pending") is not None, 90, "a backup under way", interval=0.05)
+    pending = chaos.status()["backup_pending"]
+    time.sleep(chaos.rng.uniform(0.0, 0.3))
+    return pending
+
+
+def coordinator_kill_mid_backup(chaos: Chaos) -> None:
+    """The coordinator is SIGKILLed (and restarted) while it has a backup pending and its ranks upload; the job
+    trains on, and the backups must catch up within the RPO bound before the failure."""
+    pending = _backup_under_way(chaos)
+    finished = pending in chaos.backups()
+    _kill_coordinator(chaos)
+    chaos.calm_since = time.monotonic()
+    chaos.wait_saves(2)
+    chaos.fail()
+    label = f"coordinator SIGKILL mid-backup of {pending}{' (it had finished)' if finished else ''}"
+    chaos.restart(label, chaos.newest_possible())
+
+
+def coordinator_kill_mid_decode(chaos: Chaos) -> None:
+    """A rank's node is lost (its step is rebuilt from its parity group), and the coordinator is SIGKILLed and
+    restarted a random 0-1.5 s after the restore is planned, while the fresh node decodes."""
+    rank, delay = chaos.rng.randrange(NODES), chaos.rng.uniform(0.0, 1.5)
+    chaos.fail()
+    lost = chaos.agent_of(rank).node_id
+    chaos.lose(rank)
+    before: dict = {}
+
+    def kill():
+        with contextlib.suppress(TimeoutError, OSError):
+            wait_until(lambda: (chaos.status().get("restore") or {}).get("step") is not None, 30, "a restore planned")
+        time.sleep(delay)
+        with contextlib.suppress(OSError):
+            before.update(chaos.status().get("restore") or {})
+        _kill_coordinator(chaos)
+
+    row = chaos.restart(
+        f"{lost} lost (rank {rank}), coordinator SIGKILL {delay:.1f}s into decode",
+        chaos.newest_possible(),
+        kill,
+    )
+    source = (before.get("sources") or {}).get(str(rank))
+    if source:
+        row.fault += f" ({source.partition(':')[0]} done before)"
+
+
+def node_loss_mid_backup(chaos: Chaos) -> None:
+    """A node is lost (and with it the job) while the coordinator's pending backup uploads, a node whose rank has
+    not uploaded its manifest yet if any; after the restart, a preemption once one bound's time passed: the backup
+    interrupted by the loss must not hold the next ones back."""
+    chaos.sample_rpo()
+    pending = _backup_under_way(chaos)
+    entry = f"{pending}-t{len(chaos.forks)}" if chaos.forks else str(pending)
+    uploading = [r for r in range(NODES) if not chaos.store.exists(chaos.job.job, f"{entry}/rank-{r}.manifest.json")]
+    rank = chaos.rng.choice(uploading or range(NODES))
+    finished = " (it had finished)" if pending in chaos.backups() else "" if uploading else " (every rank uploaded)"
+    chaos.job.kill_training()
+    lost = chaos.agent_of(rank).node_id
+    chaos.copies()  # reads the owners' checksums while the node is there (the coordinator has them too)
+    chaos.lose(rank)
+    chaos.restart(f"{lost} lost (rank {rank}) mid-backup of {pending}{finished}", chaos.settled_possible())
+    chaos.wait_saves(1)
+    chaos.fail()
+    chaos.restart(f"preemption after node loss mid-backup of {pending}", chaos.newest_possible())
 
 
 def _cut(chaos: Chaos, what: str, side: list[str], others: list[str]) -> None:
@@ -718,8 +909,9 @@ def _cut(chaos: Chaos, what: str, side: list[str], others: list[str]) -> None:
         time.sleep(fail_at)
         if not during_failure:
             cut.join()
+            chaos.calm_since = time.monotonic()
             chaos.wait_saves(2)
-        chaos.fail()
+        chaos.fail(rpo=not during_failure)
         label = f"{what} {seconds:.0f}s" + (f", failure {fail_at:.0f}s in" if during_failure else ", healed, failure")
         chaos.restart(label, chaos.newest_possible())
     finally:
@@ -813,25 +1005,29 @@ def rollback_no_pods(chaos: Chaos) -> None:
 
 
 FAULTS: dict[str, tuple[Callable[[Chaos], None], tuple[str, ...]]] = {
-    "preemption": (preemption, ("dp2", "dp1", "xor")),
-    "coordinator_kill_mid_restore": (coordinator_kill_mid_restore, ("dp2", "dp1", "xor")),
-    "freeze_training": (freeze_training, ("dp2", "dp1", "xor")),
-    "freeze_restore": (freeze_restore, ("dp2", "dp1", "xor")),
-    "freeze_other_holder": (freeze_other_holder, ("dp2", "dp1")),
-    "kill_mid_push": (kill_mid_push, ("dp1",)),
-    "kill_mid_stage": (kill_mid_stage, ("dp2", "dp1", "xor")),
-    "kill_mid_upload": (kill_mid_upload, ("dp2", "dp1", "xor")),
-    "kill_mid_gc": (kill_mid_gc, ("dp2", "dp1", "xor")),
-    "node_loss": (node_loss, ("dp2", "dp1", "xor")),
-    "flip_local": (flip_local, ("dp2", "dp1", "xor")),
-    "flip_replica": (flip_replica, ("dp2", "dp1")),
-    "flip_backup": (flip_backup, ("dp2", "dp1", "xor")),
-    "store_outage": (store_outage, ("dp2", "dp1", "xor")),
-    "partition_from_coordinator": (partition_from_coordinator, ("dp2", "dp1", "xor")),
-    "partition_from_peers": (partition_from_peers, ("dp2", "dp1", "xor")),
-    "lossy_slow_link": (lossy_slow_link, ("dp2", "dp1", "xor")),
-    "rollback": (rollback, ("dp2", "dp1", "xor")),
-    "rollback_no_pods": (rollback_no_pods, ("dp2", "dp1", "xor")),
+    "preemption": (preemption, ALL),
+    "coordinator_kill_mid_restore": (coordinator_kill_mid_restore, ALL),
+    "coordinator_kill_mid_backup": (coordinator_kill_mid_backup, ALL),
+    "coordinator_kill_mid_decode": (coordinator_kill_mid_decode, PARITY),
+    "freeze_training": (freeze_training, ALL),
+    "freeze_restore": (freeze_restore, ALL),
+    "freeze_other_holder": (freeze_other_holder, ("dp2", *REPLICATED)),
+    "kill_mid_push": (kill_mid_push, REPLICATED),
+    "kill_mid_stage": (kill_mid_stage, ALL),
+    "kill_mid_upload": (kill_mid_upload, ALL),
+    "kill_mid_gc": (kill_mid_gc, ALL),
+    "node_loss": (node_loss, ALL),
+    "node_loss_mid_backup": (node_loss_mid_backup, ALL),
+    "flip_local": (flip_local, ALL),
+    "flip_replica": (flip_replica, ("dp2", *REPLICATED)),
+    "flip_backup": (flip_backup, ALL),
+    "store_outage": (store_outage, ("dp2", "dp1", "xor")),  # the file store's directory gone
+    "store_503": (store_outage, ("rs", "grants")),  # the fake-gcs store's proxy answering 503
+    "partition_from_coordinator": (partition_from_coordinator, ALL),
+    "partition_from_peers": (partition_from_peers, ALL),
+    "lossy_slow_link": (lossy_slow_link, ALL),
+    "rollback": (rollback, ALL),
+    "rollback_no_pods": (rollback_no_pods, ALL),
     "flip_parity": (flip_parity, ("xor",)),
 }
 
@@ -849,35 +1045,45 @@ def draw(rng: random.Random, count: int, variant: str, allowed: list[str]) -> li
 
 
 def render(rows: list[Row]) -> str:
-    lines = [f"{'fault':<66}{'restored':>9}{'possible':>9}{'lost':>6}{'resume s':>10}  result"]
+    lines = [f"{'fault':<72}{'restored':>9}{'possible':>9}{'lost':>6}{'resume s':>10}{'rpo':>8}  result"]
     for r in rows:
         seconds = f"{r.seconds:.1f}" if r.seconds is not None else "-"
+        rpo = f"{r.rpo[0]}/{r.rpo[1]}" if r.rpo else "-"
         lines.append(
-            f"{r.fault[:65]:<66}{str(r.restored):>9}{str(r.possible):>9}{r.lost:>6}{seconds:>10}  "
+            f"{r.fault[:71]:<72}{str(r.restored):>9}{str(r.possible):>9}{r.lost:>6}{seconds:>10}{rpo:>8}  "
             f"{'right' if r.right else 'WRONG: ' + '; '.join(r.problems)}"
         )
     return "\n".join(lines)
 
 
-def summary(rows: list[Row]) -> str:
+def summary(rows: list[Row], faults: int | None = None) -> str:
+    """The run's totals; ``rpo`` columns are (steps the newest COMMITted backup was behind the newest step every
+    rank committed, at the failure) / (the bound: one backup interval plus one upload's steps)."""
     wrong = [r for r in rows if not r.right]
     rollbacks = [r for r in rows if r.possible is not None and r.restored is not None and r.restored < r.possible]
     fresh = [r for r in rows if r.possible is not None and r.restored is None]
     seconds = [r.seconds for r in rows if r.seconds is not None]
-    median = f"{statistics.median(seconds):.1f}" if seconds else "-"
+    resume = f"{statistics.median(seconds):.1f} / {max(seconds):.1f}" if seconds else "-"
+    sampled = [r.rpo for r in rows if r.rpo]
+    worst = max(sampled, default=None)
+    over = sum(lag > bound for lag, bound in sampled)
     return (
-        f"restarts: {len(rows)}, right: {len(rows) - len(wrong)}, wrong: {len(wrong)}, unnecessary rollbacks: {len(rollbacks)}, "
-        f"fresh starts with a complete step: {len(fresh)}, steps lost beyond the minimum: {sum(r.lost for r in rows)}, "
-        f"median seconds to resume: {median} (goal: 0 wrong, 0 unnecessary rollbacks)"
+        (f"faults: {faults}, " if faults is not None else "")
+        + f"restarts: {len(rows)}, right: {len(rows) - len(wrong)}, wrong: {len(wrong)}, "
+        f"unnecessary rollbacks: {len(rollbacks)}, fresh starts with a complete step: {len(fresh)}, "
+        f"steps lost beyond the minimum: {sum(r.lost for r in rows)}, "
+        f"worst RPO: {f'{worst[0]} steps behind (bound {worst[1]})' if worst else '-'}, over the bound: {over} of "
+        f"{len(sampled)}, median / max seconds to resume: {resume} (goal: 0 wrong, 0 unnecessary rollbacks)"
     )
 
 
-def run(seed: int, faults: int, variant: str, allowed: list[str], workdir: str) -> list[Row]:
-    """Runs ``faults`` faults drawn with ``seed``; returns the rows (values checked against the reference)."""
+def run(seed: int, faults: int, variant: str, allowed: list[str], workdir: str, patient: bool = True) -> list[Row]:
+    """Runs ``faults`` faults drawn with ``seed``; returns the rows (values checked against the reference).
+    ``patient``: see ``Chaos.sample_rpo``."""
     rng = random.Random(seed)
     sequence = draw(rng, faults, variant, allowed)
     print(f"chaos: seed {seed}, variant {variant}, {faults} faults: {', '.join(sequence)}", flush=True)
-    chaos = Chaos(workdir, variant, rng)
+    chaos = Chaos(workdir, variant, rng, patient)
     try:
         started = time.monotonic()
         chaos.start()
@@ -901,6 +1107,13 @@ def run(seed: int, faults: int, variant: str, allowed: list[str], workdir: str) 
             ):
                 print("the job is down and did not come back; stopping the sequence", flush=True)
                 break
+        delays = chaos.backup_delays()
+        if delays:
+            print(
+                f"backups: {len(delays)} committed, seconds from the step to its COMMIT: median "
+                f"{statistics.median(delays):.1f}, max {max(delays):.1f}",
+                flush=True,
+            )
         started = time.monotonic()
         chaos.check_values()
         print(f"reference run and comparison: {time.monotonic() - started:.0f} s", flush=True)
@@ -931,7 +1144,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"work directory kept: {workdir}")
     print(render(rows))
-    print(summary(rows))
+    print(summary(rows, args.faults))
     print(
         f"replay: python -m tests.chaos --seed {seed} --faults {args.faults} --variant {args.variant}"
         + (f" --only {args.only}" if args.only != ",".join(FAULTS) else "")

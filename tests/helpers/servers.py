@@ -99,15 +99,19 @@ class FakeGcsServer(ServerProcess):
       binary: the fake-gcs-server executable.
       data_dir: keep objects in this directory (they survive a restart), or None for memory.
       request_log: log every request the server answers to this file (``requests``), or None.
+      external_url: the URL clients reach it by (a proxy in front of it), or None for its own.
     """
 
     name = "fake-gcs-server"
     health_path = "/storage/v1/b"
 
-    def __init__(self, binary: str, data_dir: str | None = None, request_log: str | None = None):
+    def __init__(
+        self, binary: str, data_dir: str | None = None, request_log: str | None = None, external_url: str | None = None
+    ):
         self.request_log = request_log
         super().__init__(binary)
         self.data_dir = data_dir
+        self.external_url = external_url or self.url
 
     def _open_log(self):
         # Appended to by the server, so ``requests`` reads it while it runs without moving its offset.
@@ -143,7 +147,7 @@ class FakeGcsServer(ServerProcess):
             "-port",
             str(self.port),
             "-external-url",
-            self.url,
+            self.external_url,
             "-log-level",
             "info" if self.request_log else "error",
         ]
