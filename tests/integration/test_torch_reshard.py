@@ -28,12 +28,10 @@ import pytest
 from replicator.backup_tier.backends import open_backup_store
 from replicator.local_tier.step_manifest import build_manifest
 from tests.helpers.torch_agent import FakeTorchAgent, stage_step
+from tests.helpers.torch_venv import TORCH_PYTHON, needs_torch_venv
 
 REPO = Path(__file__).resolve().parents[2]
-TORCH_PYTHON = Path(os.environ.get("TORCH_VENV", REPO / ".venv-torch")) / "bin" / "python"
-pytestmark = pytest.mark.skipif(
-    not TORCH_PYTHON.exists(), reason=f"no PyTorch venv at {TORCH_PYTHON}: make torch-setup"
-)
+pytestmark = needs_torch_venv
 JOB = "reshard"
 
 # The saved values, a function of the key alone; the placements of the mesh kind; the check after a load.

@@ -21,12 +21,10 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.torch_agent import FakeTorchAgent
+from tests.helpers.torch_venv import TORCH_PYTHON, needs_torch_venv
 
 REPO = Path(__file__).resolve().parents[2]
-TORCH_PYTHON = Path(os.environ.get("TORCH_VENV", REPO / ".venv-torch")) / "bin" / "python"
-pytestmark = pytest.mark.skipif(
-    not TORCH_PYTHON.exists(), reason=f"no PyTorch venv at {TORCH_PYTHON}: make torch-setup"
-)
+pytestmark = needs_torch_venv
 JOB = "titan"
 REFUSED = [
     {"keep_latest_k": 5},
