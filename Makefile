@@ -246,12 +246,13 @@ e2e-deploy: host-tools setup tools k8s-node-tools $(COREDNS) deploy-images
 # The longest end-to-end tests, run by .ci/run after `make test` (which leaves them out to stay near 20 minutes
 # on 2 cores): an operator's procedures (a rolling upgrade and rollback across releases, a token rotation) and
 # the pressure cases (a ramdisk sized exactly by the rule, read-once restores after a cluster loss, the chaos
-# suite's fixed seed, a parity group losing more than it tolerates) and the two slowest tests of the peer and backup
-# tiers (a node lost while saving faster than it replicates; a store answering after 20 s), named by test ID.
-# About 14 min.
+# suite's fixed seed, a parity group losing more than it tolerates, a PyTorch job restored at another node count)
+# and the slowest tests of the peer and backup tiers (a node lost while saving faster than it replicates; a store
+# answering after 20 s; the backup RPO through a node loss and a cluster loss), named by test ID.
+# About 18 min.
 E2E_OPERATIONS := tests/e2e/test_e2e_upgrade.py tests/e2e/test_e2e_token_rotation.py \
                   tests/e2e/test_e2e_ramdisk_sizing.py tests/e2e/test_e2e_restore_fan_out.py tests/e2e/test_chaos.py \
-                  tests/e2e/test_e2e_parity_beyond.py \
+                  tests/e2e/test_e2e_parity_beyond.py tests/e2e/test_e2e_pytorch_elastic.py \
                   tests/e2e/test_e2e_peer_tier.py::test_node_lost_while_saving_faster_than_it_replicates_restores_a_step_within_the_bound \
                   tests/e2e/test_e2e_backup_tier.py::test_a_store_answering_after_20_s_slows_no_save_and_backups_then_complete_and_restore \
                   tests/e2e/test_e2e_backup_tier.py::test_rpo_a_node_lost_mid_backup_then_the_cluster_30_s_later_restores_within_a_backup_interval_of_safe
