@@ -85,8 +85,9 @@ def clear_for_restore(
     holder comes back): one with a manifest is *set aside*, moved (one rename on the same ramdisk)
     into the agent's area as ``meta``'s replica of ``rank``, where it stays reported and restorable
     until a step newer than ``step`` is safe (garbage collection). Only a step without a manifest
-    (never checksummed) or that is not a directory is deleted, as are staged copies nothing points at;
-    and every newer step when ``set_aside`` is False (a rollback abandons them).
+    (never checksummed) or that is not a directory is deleted. A staged copy nothing points at (a restore replanned
+    to another step) is set aside the same way when newer than ``step``, deleted when older; every newer step is
+    deleted when ``set_aside`` is False (a rollback abandons them).
 
     Returns:
       The steps taken out of the client dir (set aside or deleted).
@@ -111,10 +112,17 @@ def clear_for_restore(
             if stat.S_ISLNK(status.st_mode):
                 with contextlib.suppress(OSError):
                     linked.add(os.readlink(name, dir_fd=fd))
-        for staged in scan.staged:
-            name = framework.staged_name(staged)
-            if staged != step and name not in linked:
-                pod_files.remove(fd, name)
+        unlinked = [s for s in scan.staged if s != step and framework.staged_name(s) not in linked]
+    for staged in unlinked:
+        # A newer step staged for a restore that was replanned to an older one may be the last copy of its rank:
+        # set aside like a committed one (its manifest is the one it was verified against), never deleted.
+        manifest = manifests.get(staged) if set_aside and (step is None or staged > step) else None
+        if manifest is not None and _set_aside(framework, local_dir, staged, meta, manifest, manifest.rank):
+            log.warning("set aside staged step %d of %s: the restore was replanned to step %s", staged, local_dir, step)
+            meta.drop_manifest(staged)
+            continue
+        with pod_files.open_dir(local_dir) as fd:
+            pod_files.remove(fd, framework.staged_name(staged))
     return removed
 
 

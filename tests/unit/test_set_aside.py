@@ -127,3 +127,25 @@ async def test_a_learnt_rollback_deletes_the_abandoned_timelines_copies_and_new_
         (4, 0, True, 0),
     }
     assert [(lineage.job, lineage.forks) for lineage in report.lineages] == [("run", (5,))]
+
+
+def test_a_newer_step_staged_for_a_restore_replanned_to_an_older_one_is_set_aside_not_deleted(tmp_path):
+    """Issue 49: the node staged its own step 9 for a restore, then the coordinator replanned to step 6 (another
+    rank's holder of 9 was lost). Step 9 may be the last copy of this rank: it stays restorable, verified."""
+    disk, meta, replicator = restored_at(tmp_path, 9, [])
+    staging.clear_for_restore(ORBAX, disk.client_dir, 6, meta, RANK)
+    assert ORBAX.scan_steps(disk.client_dir).staged == [] and 9 not in meta.manifests()
+    assert set(meta.replicas()) == {(RANK, 9)}
+    report = replicator._build_report({JobRef("default", "run"): disk})
+    assert {(h.step, h.rank, h.replica) for h in report.held} == {(9, RANK, True)}
+    staging.stage_local(ORBAX, disk.client_dir, 9, None, meta, RANK)  # the holder came back: 9 restores again
+    assert ORBAX.scan_steps(disk.client_dir).staged == [9]
+
+
+def test_an_older_staged_step_nothing_points_at_is_deleted_and_a_rollback_deletes_a_newer_one(tmp_path):
+    disk, meta, _ = restored_at(tmp_path, 3, [])
+    staging.clear_for_restore(ORBAX, disk.client_dir, 6, meta, RANK)
+    assert ORBAX.scan_steps(disk.client_dir).staged == [] and meta.replicas() == {}
+    disk, meta, _ = restored_at(tmp_path / "rollback", 9, [])
+    staging.clear_for_restore(ORBAX, disk.client_dir, 6, meta, RANK, set_aside=False)
+    assert ORBAX.scan_steps(disk.client_dir).staged == [] and meta.replicas() == {}
