@@ -32,7 +32,7 @@ from prefetch.restore_states import Acting, Asking, Attempts, HandingOver, Repor
 from replicator.backup_tier.store import BackupError
 from replicator.local_tier import space
 from replicator.local_tier.in_flight import InFlight
-from replicator.local_tier.job_keys import job_of
+from replicator.local_tier.job_keys import BusySteps, job_of
 from replicator.local_tier.job_meta import JobMeta, PodProgress
 from replicator.local_tier.log_once import LogOnce, report_to_job
 from replicator.local_tier.step_manifest import CorruptCopy, StepManifest, UnusableCopy
@@ -141,6 +141,8 @@ class Restorer:
       make_room: called before a copy is fetched into a ramdisk without room for it, or None.
       fan_out_wait_seconds: how long a rank waits for an identical rank's node to download the step
         from the backup tier before it reads the store itself.
+      busy_steps: told each step a restore view names, so that garbage collection by an order from before the
+        view keeps it (``collect_garbage``); None in tests without garbage collection.
     """
 
     def __init__(
@@ -153,6 +155,7 @@ class Restorer:
         deadline_seconds: float = timing.RESTORE_DEADLINE_SECONDS,
         make_room: MakeRoom | None = None,
         fan_out_wait_seconds: float = timing.FAN_OUT_WAIT_SECONDS,
+        busy_steps: BusySteps | None = None,
     ):
         self.node_id = node_id
         self._make_room = make_room
@@ -162,6 +165,7 @@ class Restorer:
         self._log_once = log_once
         self._deadline_seconds = deadline_seconds
         self._fan_out_wait_seconds = fan_out_wait_seconds
+        self._busy_steps = busy_steps
 
     async def restore(
         self,
@@ -220,6 +224,8 @@ class Restorer:
         match state:
             case Asking(seen, wait):
                 view = await pod.client.restore_view(pod.pod_rank, seen, wait)
+                if self._busy_steps is not None and view.step is not None:
+                    self._busy_steps.restoring(job_of(disk), view.step)
                 return restore_states.viewed(attempts, view, time.monotonic(), self._fan_out_wait_seconds)
             case Staging(view, downloader_late):
                 if downloader_late:

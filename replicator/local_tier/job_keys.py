@@ -6,6 +6,7 @@ pair; the node side turns them into ``JobRef`` here, once, and keys everything b
 
 import collections
 import contextlib
+import time
 from collections.abc import Iterator, Mapping
 
 from csi_driver.ramdisk import Ramdisk
@@ -23,7 +24,8 @@ def by_job(ramdisks: Mapping[tuple[str, str], Ramdisk]) -> dict[JobRef, Ramdisk]
 
 
 class BusySteps:
-    """The steps a push or an upload is reading, per job: garbage collection keeps them.
+    """The steps a push or an upload is reading, per job, and the steps a restore was told to stage: garbage
+    collection keeps them.
 
     Shared by the node's pushes, its backup uploads and its garbage collection, all on one event
     loop (garbage collection reads it from a thread the loop awaits).
@@ -33,6 +35,8 @@ class BusySteps:
         # (job, step) -> how many readers: a push and an upload may read one step at once, and the
         # first to finish must not free it while the other still reads.
         self._steps: collections.Counter[tuple[JobRef, int]] = collections.Counter()
+        # job -> {step: when a restore view named it, monotonic seconds}
+        self._restoring: dict[JobRef, dict[int, float]] = {}
 
     @contextlib.contextmanager
     def reading(self, job: JobRef, step: int) -> Iterator[None]:
@@ -50,3 +54,16 @@ class BusySteps:
         """The steps of ``job`` being read now."""
         # A copy first (one step under the GIL): garbage collection asks from a thread while the loop adds.
         return {step for busy_job, step in tuple(self._steps) if busy_job == job}
+
+    def restoring(self, job: JobRef, step: int) -> None:
+        """Records that a restore of ``job`` was just told to stage ``step`` (the coordinator's restore view)."""
+        self._restoring.setdefault(job, {})[step] = time.monotonic()
+
+    def restored_after(self, job: JobRef, asked_at: float) -> set[int]:
+        """The steps of ``job`` a restore was told to stage at or after ``asked_at`` (monotonic seconds): a retain
+        order answering a report sent before then predates the plan (a restore replanned to an older step), so it
+        must not delete them. Forgets the older ones: orders are carried out in the order they were asked for."""
+        seen = self._restoring.get(job, {})
+        for step in [s for s, at in seen.items() if at < asked_at]:
+            del seen[step]
+        return set(seen)

@@ -9,14 +9,20 @@ from replicator.node.handshake import current_pod
 from replicator.wire.messages import RetainOrder
 
 
-def collect_garbage(disk: Ramdisk, order: RetainOrder, busy_steps: BusySteps) -> None:
+def collect_garbage(disk: Ramdisk, order: RetainOrder, busy_steps: BusySteps, asked_at: float | None = None) -> None:
     """Deletes own steps, replicas and parity shards older than the newest safe step (see ``RetainOrder``), the
     steps the pod's restore set aside once a step newer than the restored one is safe, and
     copies of abandoned timelines (finishing a deletion an agent restart interrupted).
-    Steps in ``busy_steps`` (being read by a push or an upload) are kept."""
+    Steps in ``busy_steps`` (being read by a push or an upload) are kept, and so are the steps a restore was told
+    to stage at or after ``asked_at`` (when the node sent the report ``order`` answers, monotonic seconds; None:
+    not an answer to a report): a restore replanned to an older step stages it while an order from before the
+    replan may still be on its way, and carried out it would delete the staged step under the job's marker."""
     drop_abandoned(disk)
     meta = JobMeta(disk.path)
-    keep = set(order.protected) | busy_steps.of(job_of(disk))
+    job = job_of(disk)
+    keep = set(order.protected) | busy_steps.of(job)
+    if asked_at is not None:
+        keep |= busy_steps.restored_after(job, asked_at)
     for step in meta.manifests():
         if step < order.keep_from and step not in keep:
             meta.drop_manifest(step)  # first: a step is never reported once its deletion began

@@ -120,6 +120,7 @@ class NodeReplicator:
             self._log_once,
             config.pacing.restore_deadline_seconds,
             self.make_room,
+            busy_steps=self._busy_steps,
         )
         self._encoder = Encoder(peer_token, share, self._log_once) if peer_token is not None else None
         self._commits = CommitDetector(share, self.poke)
@@ -285,7 +286,7 @@ class NodeReplicator:
         self._retain_sent = sent
         for retain in reply.retain:
             if (disk := disks.get(JobRef(retain.namespace, retain.job))) is not None:
-                await asyncio.to_thread(collect_garbage, disk, retain, self._busy_steps)
+                await asyncio.to_thread(collect_garbage, disk, retain, self._busy_steps, started)
         if self._backup:
             # Orders are repeated with every reply: one missing from three heartbeats was withdrawn.
             self._backup.order_ttl_seconds = max(timing.MIN_BACKUP_ORDER_TTL_SECONDS, 3 * reply.heartbeat_seconds)

@@ -1,6 +1,7 @@
 """Garbage collection keeps the steps a push or an upload is reading, of that job only, while it reads."""
 
 import os
+import time
 
 from csi_driver.ramdisk import Ramdisk
 from replicator.local_tier.job_keys import BusySteps, by_job, job_of
@@ -50,3 +51,19 @@ def test_the_csi_drivers_ramdisks_are_keyed_by_jobref_on_the_node_side(tmp_path)
     keyed = by_job(disks)
     assert keyed == {JobRef("a", "x"): disks[("a", "x")], JobRef("b", "x"): disks[("b", "x")]}
     assert {str(job) for job in keyed} == {"a/x", "b/x"}
+
+
+def test_a_step_a_restore_was_told_to_stage_after_the_order_was_asked_for_is_not_that_orders_to_delete(tmp_path):
+    """Issue 49: the reply to a report sent before a restore was replanned to step 2 keeps from step 3; the node
+    staged step 2 meanwhile. That order keeps step 2; the next one, asked for after the plan, decides."""
+    disk = Ramdisk("default", "run", 1 << 20, str(tmp_path / "run"))
+    meta = JobMeta(disk.path)
+    for step in (1, 2, 3):
+        commit(disk, meta, step)
+    busy, job = BusySteps(), job_of(disk)
+    asked = time.monotonic()
+    busy.restoring(job, 2)
+    collect_garbage(disk, RetainOrder("default", "run", 3, ()), busy, asked)
+    assert set(meta.manifests()) == {2, 3} and os.path.isdir(os.path.join(disk.client_dir, "2"))
+    collect_garbage(disk, RetainOrder("default", "run", 3, ()), busy, time.monotonic())
+    assert set(meta.manifests()) == {3} and busy.restored_after(job, asked) == set()  # forgotten once superseded

@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import re
+import time
 
 import aiohttp
 import promql_parser
@@ -27,12 +28,13 @@ from prefetch import restore
 from prefetch.restore import NO_SOURCE, TIMED_OUT, Restorer
 from replicator.local_tier import frameworks
 from replicator.local_tier.frameworks import orbax
+from replicator.local_tier.job_keys import BusySteps
 from replicator.local_tier.job_meta import JobMeta, PodProgress
 from replicator.local_tier.log_once import LogOnce
 from replicator.local_tier.step_manifest import build_manifest
 from replicator.peer_tier.service import add_peer_routes
 from replicator.wire.bearer import Tokens
-from replicator.wire.messages import RestoreView, Source, Tier
+from replicator.wire.messages import JobRef, RestoreView, Source, Tier
 from tests.helpers import REPO
 from tests.helpers.steps import write_tree
 
@@ -150,7 +152,8 @@ async def test_a_restore_from_a_close_peer_counts_in_the_dashboards_close_peer_s
 
         monkeypatch.setattr(restore.RESTORE_IN_FLIGHT, "transfer", observed)
         async with aiohttp.ClientSession() as session:
-            restorer = Restorer("node-a", Tokens.of(TOKEN), None, None, LogOnce(), deadline_seconds=30)
+            busy, asked = BusySteps(), time.monotonic()  # a report sent before the restore asked for its plan
+            restorer = Restorer("node-a", Tokens.of(TOKEN), None, None, LogOnce(), deadline_seconds=30, busy_steps=busy)
             await asyncio.wait_for(
                 restorer.restore(plan, session, disk, meta, PodProgress("uid", "inc", RANK), lambda: None), 60
             )
@@ -158,6 +161,7 @@ async def test_a_restore_from_a_close_peer_counts_in_the_dashboards_close_peer_s
         await runner.cleanup()
 
     assert plan.staged == ["peer_close:node-b"]
+    assert busy.restored_after(JobRef(NS, JOB), asked) == {STEP}  # an order answering that report keeps the step
     assert frameworks.get("orbax").scan_steps(disk.client_dir).staged == [STEP]  # staged from the peer, marker written
     assert selected_total(metric, matchers) - before == 1
     total = sum(len(data) for data in FILES.values())
