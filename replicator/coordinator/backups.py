@@ -75,7 +75,8 @@ def choose_lister(job: JobState, liveness: Liveness) -> str | None:
 def advance(
     key: JobRef, job: JobState, now: float, backed: set[int], newest_complete: Callable[[], int | None]
 ) -> None:
-    """Finishes the pending backup once listed complete (``backed``); starts the next one when due.
+    """Finishes the pending backup once listed complete (``backed``); starts the next one when due, in the same pass
+    (a pass later, the next backup would start a heartbeat late and the lag a cluster loss leaves would grow by it).
 
     A pending backup keeps its upload tag (``job.backup_attempt``) through later incarnations, so what was uploaded
     before a preemption counts, until an incarnation restores an older step (the job will write it again): it is
@@ -92,26 +93,10 @@ def advance(
             log.info("job %s: step %d backed up", key, pending)
             job.last_backup_time, job.last_backup_chosen_at = now, job.backup_pending_since
             job.backup_pending = None
-            return
-        newest = newest_complete()
-        stranded = stranded_rank(job, pending) if newest is not None and newest > pending else None
-        if _restored_before(job, pending):
-            # The job will write the step again, perhaps in other bytes: what was uploaded of it must never commit.
-            log.warning("job %s: the job restored a step older than %d; its backup is given up", key, pending)
-        elif stranded is not None:
-            log.warning(
-                "job %s: backup of step %d cannot complete (rank %d's node holds no copy of it); choosing anew "
-                "(newest complete step: %d)",
-                key,
-                pending,
-                stranded,
-                newest,
-            )
-        elif now - job.backup_pending_since > _GIVE_UP_SECONDS:
-            log.warning("job %s: backup of step %d did not complete; choosing anew", key, pending)
+        elif _given_up(key, job, pending, newest_complete(), now):
+            job.backup_pending = None
         else:
             return
-        job.backup_pending = None
     if job.decided.lister is None or job.incarnation is None:
         return  # no live node of the job has a backup tier: a chosen step would only be kept from GC
     newest = newest_complete()
@@ -129,6 +114,29 @@ def advance(
         job.backup_pending, job.backup_pending_since = newest, now
         job.backup_attempt = f"{job.incarnation.incarnation_id}-{secrets.token_hex(4)}"
         log.info("job %s: backing up step %d", key, newest)
+
+
+def _given_up(key: JobRef, job: JobState, pending: int, newest: int | None, now: float) -> bool:
+    """Whether the pending backup of ``pending`` is given up (and why, logged): the job restored an older step, a
+    rank's node holds no copy of it while a newer step is complete, or ``_GIVE_UP_SECONDS`` passed."""
+    stranded = stranded_rank(job, pending) if newest is not None and newest > pending else None
+    if _restored_before(job, pending):
+        # The job will write the step again, perhaps in other bytes: what was uploaded of it must never commit.
+        log.warning("job %s: the job restored a step older than %d; its backup is given up", key, pending)
+    elif stranded is not None:
+        log.warning(
+            "job %s: backup of step %d cannot complete (rank %d's node holds no copy of it); choosing anew "
+            "(newest complete step: %d)",
+            key,
+            pending,
+            stranded,
+            newest,
+        )
+    elif now - job.backup_pending_since > _GIVE_UP_SECONDS:
+        log.warning("job %s: backup of step %d did not complete; choosing anew", key, pending)
+    else:
+        return False
+    return True
 
 
 def _restored_before(job: JobState, step: int) -> bool:

@@ -245,3 +245,23 @@ def test_a_coordinator_restarted_mid_backup_orders_the_same_step_under_the_same_
     assert sorted((o.step, o.rank, o.incarnation) for o in orders) == [(5, 0, tag), (5, 1, tag)]
     labels = '{training_job="run",training_namespace="default"}'
     assert f"mtc_backup_lag_seconds{labels} 42.0" in exposition(restarted).decode()  # step 5 first safe at 1 s
+
+
+def test_the_next_backup_is_chosen_in_the_pass_that_finds_the_previous_one_complete():
+    """Issue 49: a pass later, the next backup started a heartbeat late, and the lag a cluster loss leaves grew by it
+    once per backup (interval 1 step here: step 9 is due as soon as step 5 is backed up)."""
+    state = ClusterState()
+    state.expire(0.0)
+    first, rank_of = form(state, ("a", "b"), ("uid0", "uid1"), 0.0)
+    saved_everywhere(state, first, rank_of, [5], 1.0)
+    state.tick(2.0)
+    assert state.job(KEY).backup_pending == 5
+    saved_everywhere(state, first, rank_of, [5, 9], 10.0)
+    state.tick(10.5)
+    assert state.job(KEY).backup_pending == 5  # still uploading: one backup at a time
+    lister = state.job(KEY).lister
+    state.apply_report(
+        msgspec.structs.replace(state.liveness.nodes[lister].report, backed_up=(BackedUp(*NAMES, ((5, 0),), 20.0),)),
+        20.0,
+    )
+    assert state.backed_up(KEY) == {5} and state.job(KEY).backup_pending == 9
