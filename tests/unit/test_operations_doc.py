@@ -4,9 +4,10 @@ metrics table. The flags come from the argparse builders and the metrics from th
 serve, so a flag or metric added without a line in the docs fails here. Files and imports only."""
 
 import argparse
-import importlib
-import pkgutil
+import functools
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -71,21 +72,31 @@ def test_the_common_flags_are_in_every_command():
     assert all(mentioned(flag, text) for flag in _COMMON - {"--help"})
 
 
-def exported_metrics() -> set[str]:
-    """The ``mtc_*`` names the node agent's and the coordinator's ``/metrics`` can serve: every module's
-    registered metrics (imported here as the processes import them) and the coordinator's computed gauges."""
-    for package in _PACKAGES:
-        module = importlib.import_module(package)
-        for info in pkgutil.walk_packages(module.__path__, f"{package}."):
-            if not info.name.endswith("__main__"):
-                importlib.import_module(info.name)
-    from replicator.coordinator.cluster_gauges import exposition
-    from replicator.coordinator.state import ClusterState
+# Run in a fresh interpreter, as the agent and the coordinator run: a test module may register metrics of its own
+# in this process's default registry (test_in_flight.py does), which no service exports.
+_EXPOSITION = """
+import importlib, pkgutil, sys
+for package in sys.argv[1:]:
+    for info in pkgutil.walk_packages(importlib.import_module(package).__path__, package + "."):
+        if not info.name.endswith("__main__"):
+            importlib.import_module(info.name)
+from replicator.coordinator.cluster_gauges import exposition
+from replicator.coordinator.state import ClusterState
+sys.stdout.write(exposition(ClusterState()).decode())
+"""
 
-    text = exposition(ClusterState()).decode()
+
+@functools.cache
+def exported_metrics() -> frozenset[str]:
+    """The ``mtc_*`` names the node agent's and the coordinator's ``/metrics`` can serve: every module's
+    registered metrics (all imported, as the processes import theirs) and the coordinator's computed gauges."""
+    done = subprocess.run(
+        [sys.executable, "-c", _EXPOSITION, *_PACKAGES], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
     # A counter's TYPE line names it with ``_total``; ``_created`` are prometheus_client's own companions.
-    names = set(re.findall(r"^# TYPE (mtc_\w+) \w+$", text, re.M))
-    return {n for n in names if not n.endswith("_created")}
+    names = set(re.findall(r"^# TYPE (mtc_\w+) \w+$", done.stdout, re.M))
+    return frozenset(n for n in names if not n.endswith("_created"))
 
 
 def metrics_table() -> set[str]:
