@@ -14,8 +14,11 @@ import base64
 import contextlib
 import copy
 import json
+import os
+import shutil
 import socket
 import ssl
+import subprocess
 import threading
 from pathlib import Path
 
@@ -34,6 +37,7 @@ from tests.helpers.chart import docs as _docs
 from tests.helpers.chart import flag as _flag
 from tests.helpers.chart import pod_spec as _pod_spec
 from tests.helpers.chart import run as _run
+from tests.helpers.markdown import prose_lines
 from tests.helpers.tools import require_tool
 
 MANIFESTS = REPO / "manifests"
@@ -64,6 +68,39 @@ PEER_TLS_FORMS = [
 
 def kustomize_build(directory: Path) -> list[dict]:
     return _docs(_run([require_tool("kustomize"), "build", str(directory)]))
+
+
+def _documented_set_image() -> str:
+    """The one command docs/install.md's kustomize section gives to point the base at a registry."""
+
+    page = REPO / "docs" / "install.md"
+    lines, prose = page.read_text(encoding="utf-8").splitlines(), prose_lines(page)
+    start = prose.index("## kustomize")
+    end = next(i for i in range(start + 1, len(prose)) if prose[i].startswith("## "))
+    (command,) = [line.strip() for line in lines[start:end] if "kustomize edit set image" in line]
+    return command
+
+
+def test_the_documented_set_image_command_points_the_base_at_a_registry(tmp_path):
+    # The base alone names mtc-agent:<release> with no registry (an ImagePullBackOff): the documented command,
+    # run as written in a copy of the checkout with kustomize on PATH, must point both workloads at REGISTRY.
+    command = _documented_set_image()
+    assert command.startswith("(cd manifests && ") and "REGISTRY/mtc-agent:TAG" in command
+    shutil.copytree(MANIFESTS, tmp_path / "manifests")
+    tool_dir = str(Path(require_tool("kustomize")).parent)
+    script = command.replace("REGISTRY", "registry.example/team").replace("TAG", "9.9.9-rc1")
+    env = {**os.environ, "PATH": f"{tool_dir}:{os.environ['PATH']}"}
+    done = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    images = [
+        c["image"]
+        for o in kustomize_build(tmp_path / "manifests")
+        if o["kind"] in ("DaemonSet", "Deployment")
+        for c in o["spec"]["template"]["spec"]["containers"]
+        if "mtc-agent" in c["image"]
+    ]
+    assert images == ["registry.example/team/mtc-agent:9.9.9-rc1"] * 2
+    assert (MANIFESTS / "kustomization.yaml").read_text() != (tmp_path / "manifests" / "kustomization.yaml").read_text()
 
 
 def test_helm_lint_is_clean_with_every_toggle():

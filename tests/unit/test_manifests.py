@@ -479,7 +479,7 @@ def test_coordinator_reads_job_shapes_and_node_failure_domains_from_the_api_serv
 
 
 @pytest.mark.parametrize("name", ["llama-train", "torch-train"])
-def test_example_jobset_volume_matches_its_shape_and_fits_in_memory(name):
+def test_example_jobset_volume_matches_its_shape(name):
     jobset = _one("JobSet", name)
     assert jobset["apiVersion"] == "jobset.x-k8s.io/v1alpha2"
     (replicated,) = jobset["spec"]["replicatedJobs"]
@@ -495,14 +495,11 @@ def test_example_jobset_volume_matches_its_shape_and_fits_in_memory(name):
     assert all(isinstance(v, str) for v in attributes.values()), "volumeAttributes must be strings"
     assert int(attributes["nodes"]) == slices * job_spec["parallelism"]
     assert int(attributes["slices"]) == slices
-    ramdisk = parse_quantity(attributes["size"])
+    parse_quantity(attributes["size"])  # its sizing and the memory limit: test_example_manifests.py
 
     (container,) = pod["containers"]
     mounts = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
     assert [m["mountPath"] for m in mounts] == ["/local"]
-    # tmpfs pages are charged to the writing pod: its limit must hold the ramdisk and more.
-    limit = parse_quantity(container["resources"]["limits"]["memory"])
-    assert limit > ramdisk, f"memory limit {limit} B leaves no room beyond the {ramdisk} B ramdisk"
 
 
 def test_torchrun_example_runs_each_node_at_its_jobset_index_with_the_pytorch_protocol():
