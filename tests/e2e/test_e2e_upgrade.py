@@ -69,7 +69,7 @@ def test_a_release_upgrade_and_rollback_keep_reports_replication_and_restores_wo
         text=True,
         check=True,
     ).stdout.strip()
-    assert imported == os.path.join(old, "replicator", "cli.py")  # the previous release's processes run its code
+    assert imported.startswith(os.path.join(old, "replicator", ""))  # the previous release's processes run its code
     cluster = LocalCluster(str(tmp_path / "cluster"), listen_address, coordinator_source=old)
     try:
         # The previous release everywhere: a job gets ranks, saves, and step 1 becomes safe.

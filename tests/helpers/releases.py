@@ -13,8 +13,8 @@ import pytest
 from examples.local_cluster import CoordinatorProcess, LocalCluster, NodeAgentProcess
 from tests.helpers import REPO
 
-# The release before this one, as the commit it was cut from (release 0.1.0).
-PREVIOUS_RELEASE = ("0.1.0", "3f293dc")
+# The release before this one, as the commit it was cut from (release 0.2.0: version 0.2.0 and its CHANGELOG).
+PREVIOUS_RELEASE = ("0.2.0", "b7cfb62")
 
 
 def release_tree(commit: str, dest: str) -> str:
