@@ -59,8 +59,16 @@ def test_the_chart_archive_renders_what_the_charts_directory_renders():
     from_dir = template_argv()
     from_archive = [str(archive) if a == str(REPO / "charts" / "mtc") else a for a in from_dir]
     assert from_archive != from_dir
-    rendered = docs(run(from_archive))
-    assert rendered == docs(run(from_dir)) and len(rendered) > 10
+    rendered = [generated_values_masked(d) for d in docs(run(from_archive))]
+    assert rendered == [generated_values_masked(d) for d in docs(run(from_dir))] and len(rendered) > 10
+
+
+def generated_values_masked(obj: dict) -> dict:
+    """``obj`` with the values the chart generates at each render (the cluster token, the CAs and certificates:
+    charts/mtc/templates/secrets.yaml) replaced by their keys' names."""
+    if obj.get("kind") == "Secret":
+        obj = {**obj, "data": {key: key for key in obj.get("data", {})}}
+    return obj
 
 
 def yaml_of(text: bytes) -> dict:
