@@ -90,6 +90,9 @@ TORCH_PKGS   := torch==2.15.0 numpy==2.4.6 PyYAML==6.0.4 torchtitan==0.3.0
 # The mtc-agent image (Dockerfile): docker where a daemon answers, else buildah. BASE_IMAGE is the Dockerfile's
 # BASE; `make image-base` makes one from Debian's packages alone (debootstrap), for machines without Docker Hub.
 VERSION    := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml)
+# The release's artifacts (make release).
+DIST          := dist
+IMAGE_ARCHIVE := $(DIST)/mtc-agent-$(VERSION).tar
 IMAGE      ?= mtc-agent:$(VERSION)
 BASE_IMAGE ?= python:3.11-slim
 DEBIAN_SUITE  ?= bookworm
@@ -106,7 +109,7 @@ IMAGE_ARGS  = --build-arg BASE=$(BASE_IMAGE) $(if $(BUILD_CA),--secret id=pip-ca
               $(foreach l,$(IMAGE_LABELS),--label org.opencontainers.image.$(l))
 comma := ,
 
-.PHONY: setup stubs tools host-tools k8s-tools k8s-node-tools e2e-k8s e2e-deploy deploy-images e2e-operations etcd test test-fast demo torch-setup bench e2e-maxtext e2e-torchtitan e2e-orbax-oldest chaos clean image image-base client-wheel release release-check client-compat
+.PHONY: setup stubs tools host-tools k8s-tools k8s-node-tools e2e-k8s e2e-deploy deploy-images e2e-operations etcd test test-fast demo torch-setup bench e2e-maxtext e2e-torchtitan e2e-orbax-oldest chaos clean image image-base chart-archive client-wheel release release-check client-compat
 
 setup: $(STAMP)
 
@@ -247,8 +250,8 @@ deploy-images: $(IMAGE_BASE_ARCHIVE)
 	    buildah push -q localhost/$$i:$(VERSION) oci-archive:$(DEPLOY_IMAGES)/$$i.tar:localhost/$$i:$(VERSION) || exit 1; done
 
 e2e-deploy: HOST_SUITES := local etcd node deploy
-e2e-deploy: host-tools setup tools k8s-node-tools $(COREDNS) deploy-images
-	PATH=$(TOOLS):$$PATH MTC_DEPLOY_IMAGES=$(DEPLOY_IMAGES) unshare --net -- \
+e2e-deploy: host-tools setup tools k8s-node-tools $(COREDNS) deploy-images chart-archive
+	PATH=$(TOOLS):$$PATH MTC_DEPLOY_IMAGES=$(DEPLOY_IMAGES) MTC_DEPLOY_CHART=$(CURDIR)/$(DIST)/mtc-$(VERSION).tgz unshare --net -- \
 	    $(BIN)/python -m pytest -q -p no:cacheprovider --durations=10 tests/deploy
 
 # The longest end-to-end tests, run by .ci/run after `make test` (which leaves them out to stay near 20 minutes
@@ -372,16 +375,16 @@ image:
 # from docker). `make release-check` installs each from dist/ (tests/packaging); `make client-compat` installs the
 # client's wheel beside each tested torch. The version is cut by hand (pyproject.toml, clients/torch/pyproject.toml,
 # charts/mtc/Chart.yaml: tests/unit/test_distributions.py checks they agree).
-DIST          := dist
-IMAGE_ARCHIVE := $(DIST)/mtc-agent-$(VERSION).tar
+# The chart as a release ships it; `make e2e-deploy` installs it from this archive.
+chart-archive: $(HELM)
+	rm -f $(DIST)/mtc-*.tgz && $(HELM) package charts/mtc --destination $(DIST)
 
 client-wheel: setup
 	rm -f $(DIST)/mtc_torch-*.whl && $(BIN)/python -m build -q --wheel --outdir $(DIST) clients/torch
 
 release: setup $(HELM)
-	rm -rf $(DIST) && $(MAKE) client-wheel
+	rm -rf $(DIST) && $(MAKE) client-wheel chart-archive
 	$(BIN)/python -m build -q --outdir $(DIST) .
-	$(HELM) package charts/mtc --destination $(DIST)
 	$(MAKE) image
 	@if command -v docker >/dev/null && docker info >/dev/null 2>&1; then \
 	    set -x; docker save -o $(IMAGE_ARCHIVE) $(IMAGE); \
