@@ -392,9 +392,11 @@ release: setup $(HELM)
 	ls -l $(DIST)
 
 # The wheel in a clean venv with its dependencies (mtc --version, mtc node --help), the chart from its .tgz, the
-# image archive's labels and tag (tests/packaging/test_artifacts.py). About N min with pip's cache.
+# image archive's labels and tag (tests/packaging/test_artifacts.py). 2026-11-28, 2 shared cores, buildah on the
+# local Debian base: make release 2 min 11 s (most of it the image), these tests 70 s (the clean venv's
+# pip install 63 s, with the wheels mostly in pip's cache).
 release-check: release
-	MTC_DIST=$(DIST) MTC_IMAGE=$(IMAGE) $(BIN)/python -m pytest -q -p no:cacheprovider tests/packaging/test_artifacts.py
+	PATH=$(TOOLS):$$PATH MTC_DIST=$(DIST) $(BIN)/python -m pytest -q -p no:cacheprovider tests/packaging/test_artifacts.py
 
 # The client's wheel installed into a clean venv that already holds each torch of CLIENT_TORCH (the oldest the
 # client accepts and the newest served), then the client tests against that venv (tests/packaging/test_client_compat.py).
