@@ -375,13 +375,6 @@ image:
 # from docker). `make release-check` installs each from dist/ (tests/packaging); `make client-compat` installs the
 # client's wheel beside each tested torch. The version is cut by hand (pyproject.toml, clients/torch/pyproject.toml,
 # charts/mtc/Chart.yaml: tests/unit/test_distributions.py checks they agree).
-# The chart as a release ships it; `make e2e-deploy` installs it from this archive.
-chart-archive: $(HELM)
-	rm -f $(DIST)/mtc-*.tgz && $(HELM) package charts/mtc --destination $(DIST)
-
-client-wheel: setup
-	rm -f $(DIST)/mtc_torch-*.whl && $(BIN)/python -m build -q --wheel --outdir $(DIST) clients/torch
-
 release: setup $(HELM)
 	rm -rf $(DIST) && $(MAKE) client-wheel chart-archive
 	$(BIN)/python -m build -q --outdir $(DIST) .
@@ -391,10 +384,17 @@ release: setup $(HELM)
 	else set -x; buildah push -q $(IMAGE) oci-archive:$(IMAGE_ARCHIVE):$(IMAGE); fi
 	ls -l $(DIST)
 
+# The chart as a release ships it; `make e2e-deploy` installs it from this archive.
+chart-archive: $(HELM)
+	rm -f $(DIST)/mtc-*.tgz && $(HELM) package charts/mtc --destination $(DIST)
+
+client-wheel: setup
+	rm -f $(DIST)/mtc_torch-*.whl && $(BIN)/python -m build -q --wheel --outdir $(DIST) clients/torch
+
 # The wheel in a clean venv with its dependencies (mtc --version, mtc node --help), the chart from its .tgz, the
 # image archive's labels and tag (tests/packaging/test_artifacts.py). 2026-11-28, 2 shared cores, buildah on the
 # local Debian base: make release 2 min 11 s (most of it the image), these tests 70 s (the clean venv's
-# pip install 63 s, with the wheels mostly in pip's cache).
+# pip install 63 s, its downloads from PyPI included).
 release-check: release
 	PATH=$(TOOLS):$$PATH MTC_DIST=$(DIST) $(BIN)/python -m pytest -q -p no:cacheprovider tests/packaging/test_artifacts.py
 

@@ -19,7 +19,7 @@ STUBS = [f"protos/{p}{s}" for p in ("csi", "pluginregistration") for s in ("_pb2
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory) -> CleanVenv:
-    """A clean venv with the agent's wheel and its dependencies (pip's cache helps: about 40 s, else a minute)."""
+    """A clean venv with the agent's wheel and its dependencies from PyPI (about a minute)."""
     venv = CleanVenv(tmp_path_factory.mktemp("agent") / "venv")
     venv.pip_install(str(artifact(f"mtc_checkpointing-{VERSION}-py3-none-any.whl")))
     return venv

@@ -6,6 +6,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+import yaml
 from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,8 +47,10 @@ def test_the_client_accepts_torch_from_the_gpu_figures_version_on_without_an_upp
     assert not torch.specifier.contains("2.10.0")
 
 
-def test_the_two_sides_of_the_protocol_are_released_together_on_the_same_pythons():
+def test_the_two_sides_of_the_protocol_and_the_chart_are_released_together_on_the_same_pythons():
     assert CLIENT["project"]["version"] == AGENT["project"]["version"]
+    chart = yaml.safe_load((REPO / "charts" / "mtc" / "Chart.yaml").read_text())
+    assert chart["version"] == chart["appVersion"] == AGENT["project"]["version"]
     assert CLIENT["project"]["requires-python"] == AGENT["project"]["requires-python"] == ">=3.11"
     # `mtc export` beside the agent: the extra is the client of the same release.
     assert AGENT["project"]["optional-dependencies"]["torch"] == [f"mtc-torch=={AGENT['project']['version']}"]
