@@ -400,7 +400,8 @@ release-check: release
 
 # The client's wheel installed into a clean venv that already holds each torch of CLIENT_TORCH (the oldest the
 # client accepts and the newest served), then the client tests against that venv (tests/packaging/test_client_compat.py).
-# Not in CI: each torch is a CUDA build from PyPI (about 3 GB with its nvidia packages); timings in docs/development.md.
+# Not in CI: each torch is a CUDA build from PyPI (about 3 GB with its nvidia packages, 5 GB installed): 14 min for
+# both on 2 shared cores (2026-11-28; docs/development.md).
 CLIENT_TORCH ?= 2.11.0 2.15.0
 client-compat: client-wheel
 	MTC_DIST=$(DIST) MTC_CLIENT_TORCH="$(CLIENT_TORCH)" $(BIN)/python -m pytest -q -p no:cacheprovider -rA \
