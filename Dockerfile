@@ -26,16 +26,13 @@ COPY replicator/ replicator/
 COPY protos/ protos/
 
 # A virtualenv, so that a Debian base's Python (which refuses pip installs of its own, PEP 668) serves too.
-# CSI stubs are generated at build time with the grpcio-tools that matches the pinned grpcio (see
-# pyproject.toml), then the build-only tool is removed again. The optional build secret `pip-ca` is a CA
-# bundle pip trusts, for networks whose proxy re-signs TLS (`make image BUILD_CA=FILE`); it stays out of the image.
+# The gRPC stubs are committed in protos/ (tests/unit/test_generated_stubs.py checks them against the protos).
+# The optional build secret `pip-ca` is a CA bundle pip trusts, for networks whose proxy re-signs TLS
+# (`make image BUILD_CA=FILE`); it stays out of the image.
 RUN --mount=type=secret,id=pip-ca,required=false \
     if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi \
  && python3 -m venv /opt/mtc \
- && pip install grpcio-tools==1.85.1 \
- && python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. protos/csi.proto protos/pluginregistration.proto \
  && pip install . \
- && pip uninstall -y grpcio-tools \
  && cd / && rm -rf /src \
  && python -c "import protos.csi_pb2_grpc, protos.pluginregistration_pb2_grpc, replicator.cli" \
  && command -v mtc && command -v mount && command -v umount

@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TOOLS_DIR ?= $(CURDIR)/.tools
 TOOLS  := $(TOOLS_DIR)/bin
 STAMP  := $(VENV)/.installed
-STUBS  := protos/csi_pb2.py protos/csi_pb2_grpc.py protos/pluginregistration_pb2.py protos/pluginregistration_pb2_grpc.py
+STUBS_PROTOS := protos/csi.proto protos/pluginregistration.proto
 
 CSI_SANITY     := $(TOOLS)/csi-sanity
 FAKE_GCS       := $(TOOLS)/fake-gcs-server
@@ -80,7 +80,7 @@ ORBAX_OLDEST_TESTS  := tests/e2e/test_e2e_orbax.py::test_sigkilled_job_resumes_a
 # the stock TorchTitan trainer (make e2e-torchtitan) share it. torch's Linux wheel is a CUDA build (about 3 GB
 # download, 5 GB installed), so there is one such venv, installed without pip's cache (a fresh CI disk ran out
 # with two venvs plus the cached wheels). numpy is pinned because DCP over gloo needs it and torch does not
-# declare it. The project goes in with --no-deps: the client imports only torch, numpy and PyYAML.
+# declare it. The client distribution (clients/torch: mtc_torch) and the project go in with --no-deps (editable).
 # Python 3.11 here; torch 2.15's wheels cover 3.10-3.14.
 TORCH_PYTHON ?= python3
 TORCH_VENV   := .venv-torch
@@ -90,6 +90,9 @@ TORCH_PKGS   := torch==2.15.0 numpy==2.4.6 PyYAML==6.0.4 torchtitan==0.3.0
 # The mtc-agent image (Dockerfile): docker where a daemon answers, else buildah. BASE_IMAGE is the Dockerfile's
 # BASE; `make image-base` makes one from Debian's packages alone (debootstrap), for machines without Docker Hub.
 VERSION    := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml)
+# The release's artifacts (make release).
+DIST          := dist
+IMAGE_ARCHIVE := $(DIST)/mtc-agent-$(VERSION).tar
 IMAGE      ?= mtc-agent:$(VERSION)
 BASE_IMAGE ?= python:3.11-slim
 DEBIAN_SUITE  ?= bookworm
@@ -97,12 +100,18 @@ DEBIAN_MIRROR ?= http://deb.debian.org/debian
 IMAGE_BASE    ?= localhost/mtc-base:$(DEBIAN_SUITE)
 # A CA bundle pip inside the build trusts (a proxy that re-signs TLS), passed as a build secret.
 BUILD_CA   ?=
-IMAGE_ARGS  = --build-arg BASE=$(BASE_IMAGE) $(if $(BUILD_CA),--secret id=pip-ca$(comma)src=$(BUILD_CA)) -t $(IMAGE)
+# OCI annotations (org.opencontainers.image.*): the package version, the commit built, and the project's home
+# (the chart's), so that `buildah inspect`/`docker inspect` of a pulled image says what it is.
+IMAGE_SOURCE := $(shell sed -n 's/^home: //p' charts/mtc/Chart.yaml)
+IMAGE_LABELS  = title=mtc-agent version=$(VERSION) source=$(IMAGE_SOURCE) licenses=Apache-2.0 \
+                revision=$(shell git rev-parse HEAD 2>/dev/null || echo unknown)
+IMAGE_ARGS  = --build-arg BASE=$(BASE_IMAGE) $(if $(BUILD_CA),--secret id=pip-ca$(comma)src=$(BUILD_CA)) -t $(IMAGE) \
+              $(foreach l,$(IMAGE_LABELS),--label org.opencontainers.image.$(l))
 comma := ,
 
-.PHONY: setup tools host-tools k8s-tools k8s-node-tools e2e-k8s e2e-deploy deploy-images e2e-operations etcd test test-fast demo torch-setup bench e2e-maxtext e2e-torchtitan e2e-orbax-oldest chaos clean image image-base
+.PHONY: setup stubs tools host-tools k8s-tools k8s-node-tools e2e-k8s e2e-deploy deploy-images e2e-operations etcd test test-fast demo torch-setup bench e2e-maxtext e2e-torchtitan e2e-orbax-oldest chaos clean image image-base chart-archive client-wheel release release-check client-compat
 
-setup: $(STAMP) $(STUBS)
+setup: $(STAMP)
 
 # The programs the tests run on this machine come from Debian's packages, listed with their packages in one place,
 # tests/helpers/host_tools.py, by suite (local, etcd, node). Those missing are installed (apt-get install, then after
@@ -126,17 +135,19 @@ $(STAMP): pyproject.toml
 
 torch-setup: $(TORCH_STAMP)
 
-$(TORCH_STAMP): pyproject.toml
+$(TORCH_STAMP): pyproject.toml clients/torch/pyproject.toml
 	$(TORCH_PYTHON) -m venv $(TORCH_VENV)
 	$(TORCH_VENV)/bin/pip install -q --upgrade pip
 	$(TORCH_VENV)/bin/pip install -q --no-cache-dir $(TORCH_PKGS)
-	$(TORCH_VENV)/bin/pip install -q --no-deps -e .
+	$(TORCH_VENV)/bin/pip install -q --no-deps -e . -e clients/torch
 	touch $@
 
 # One stub pair per vendored proto: csi.proto (the CSI spec) and pluginregistration.proto (the kubelet's plugin
-# registration, k8s.io/kubelet; served by csi_driver/registration.py).
-protos/%_pb2.py protos/%_pb2_grpc.py: protos/%.proto $(STAMP)
-	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. $<
+# registration, k8s.io/kubelet; served by csi_driver/registration.py). The stubs are committed, so that the wheel,
+# the sdist and `pip install git+URL` build with setuptools alone, offline; tests/unit/test_generated_stubs.py fails
+# when they differ from what the pinned grpcio-tools generates: `make stubs` after changing a .proto or the pin.
+stubs: $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. $(STUBS_PROTOS)
 
 tools: $(CSI_SANITY) $(FAKE_GCS) $(MINIO) $(HELM) $(KUSTOMIZE)
 
@@ -227,7 +238,7 @@ $(COREDNS):
 	GOBIN=$(TOOLS) $(TIMED) go install $(COREDNS_PKG)
 
 # The previous build's images are removed first: rebuilt under the same tags, they stayed behind untagged (2 GB a run).
-deploy-images: $(IMAGE_BASE_ARCHIVE) $(STUBS)
+deploy-images: $(IMAGE_BASE_ARCHIVE)
 	buildah rmi -f $(foreach i,mtc-agent livenessprobe-standin mtc-trainer,localhost/$(i):$(VERSION)) >/dev/null 2>&1 || true
 	buildah pull -q oci-archive:$(IMAGE_BASE_ARCHIVE) >/dev/null
 	$(MAKE) image BASE_IMAGE=$(IMAGE_BASE) IMAGE=localhost/mtc-agent:$(VERSION) BUILD_CA=$(DEPLOY_CA)
@@ -239,8 +250,8 @@ deploy-images: $(IMAGE_BASE_ARCHIVE) $(STUBS)
 	    buildah push -q localhost/$$i:$(VERSION) oci-archive:$(DEPLOY_IMAGES)/$$i.tar:localhost/$$i:$(VERSION) || exit 1; done
 
 e2e-deploy: HOST_SUITES := local etcd node deploy
-e2e-deploy: host-tools setup tools k8s-node-tools $(COREDNS) deploy-images
-	PATH=$(TOOLS):$$PATH MTC_DEPLOY_IMAGES=$(DEPLOY_IMAGES) unshare --net -- \
+e2e-deploy: host-tools setup tools k8s-node-tools $(COREDNS) deploy-images chart-archive
+	PATH=$(TOOLS):$$PATH MTC_DEPLOY_IMAGES=$(DEPLOY_IMAGES) MTC_DEPLOY_CHART=$(CURDIR)/$(DIST)/mtc-$(VERSION).tgz unshare --net -- \
 	    $(BIN)/python -m pytest -q -p no:cacheprovider --durations=10 tests/deploy
 
 # The longest end-to-end tests, run by .ci/run after `make test` (which leaves them out to stay near 20 minutes
@@ -275,6 +286,17 @@ e2e-operations: host-tools setup tools
 # The unit layer only (tests/unit: no processes, no mounts, no Go tools), for the edit-test loop.
 test-fast: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m unit
+
+# The unit layer on another Python minor version, in a virtualenv of its own built from scratch each run
+# (.venv-pyX.Y: the project with [dev], from PyPI or pip's cache): `make test-py3.13`, `make test-py3.12`.
+# pyproject.toml claims 3.11 on; `make test` runs 3.11 (.venv), this the others. Python X.Y is pythonX.Y on PATH,
+# else pyenv's newest X.Y.*. Not part of `make test` (about 2 min; docs/development.md).
+test-py%:
+	@py=$$(for p in python$* $(HOME)/.pyenv/versions/$*.*/bin/python$*; do \
+	    $$p -c 'import sys; assert sys.version_info[:2] == tuple(map(int, "$*".split(".")))' 2>/dev/null && echo $$p; done | tail -1); \
+	test -n "$$py" || { echo "No Python $* found (python$* on PATH or ~/.pyenv/versions/$*.*)"; exit 1; }; \
+	set -x; rm -rf .venv-py$* && $$py -m venv .venv-py$* && .venv-py$*/bin/pip install -q --upgrade pip && \
+	    .venv-py$*/bin/pip install -q -e '.[dev]' && .venv-py$*/bin/python -m pytest -q -p no:cacheprovider -m unit tests/unit
 
 # FRAMEWORK=pytorch: the PyTorch job (torchrun, mtc_torch) instead of the JAX one.
 FRAMEWORK ?= jax
@@ -324,7 +346,7 @@ e2e-torchtitan: host-tools setup $(TORCH_STAMP)
 
 # The Orbax end-to-end subset against the oldest claimed orbax-checkpoint, in its own virtualenv (the
 # agents and trainers run on its Python too).
-e2e-orbax-oldest: host-tools $(STUBS) $(ORBAX_OLDEST_STAMP)
+e2e-orbax-oldest: host-tools $(ORBAX_OLDEST_STAMP)
 	$(ORBAX_OLDEST_VENV)/bin/python -c 'import importlib.metadata as m; print("orbax-checkpoint", m.version("orbax-checkpoint"), "jax", m.version("jax"), "jaxlib", m.version("jaxlib"))'
 	PATH=$(TOOLS):$$PATH $(ORBAX_OLDEST_VENV)/bin/python -m pytest -q -p no:cacheprovider $(ORBAX_OLDEST_TESTS)
 
@@ -347,6 +369,44 @@ image:
 	    set -x; buildah bud $(IMAGE_ARGS) .; \
 	else echo "make image needs docker (with a running daemon) or buildah (apt-get install buildah)"; exit 1; fi
 
+# The release's artifacts under dist/, each of the version in pyproject.toml: the agent's wheel and sdist and the
+# client's wheel (python -m build; clients/torch has no sdist), the chart (helm package: mtc-$(VERSION).tgz) and
+# the agent's image (make image, saved as dist/mtc-agent-$(VERSION).tar: an OCI archive from buildah, docker save's
+# from docker). `make release-check` installs each from dist/ (tests/packaging); `make client-compat` installs the
+# client's wheel beside each tested torch. The version is cut by hand (pyproject.toml, clients/torch/pyproject.toml,
+# charts/mtc/Chart.yaml: tests/unit/test_distributions.py checks they agree).
+release: setup $(HELM)
+	rm -rf $(DIST) && $(MAKE) client-wheel chart-archive
+	$(BIN)/python -m build -q --outdir $(DIST) .
+	$(MAKE) image
+	@if command -v docker >/dev/null && docker info >/dev/null 2>&1; then \
+	    set -x; docker save -o $(IMAGE_ARCHIVE) $(IMAGE); \
+	else set -x; buildah push -q $(IMAGE) oci-archive:$(IMAGE_ARCHIVE):$(IMAGE); fi
+	ls -l $(DIST)
+
+# The chart as a release ships it; `make e2e-deploy` installs it from this archive.
+chart-archive: $(HELM)
+	rm -f $(DIST)/mtc-*.tgz && $(HELM) package charts/mtc --destination $(DIST)
+
+client-wheel: setup
+	rm -f $(DIST)/mtc_torch-*.whl && $(BIN)/python -m build -q --wheel --outdir $(DIST) clients/torch
+
+# The wheel in a clean venv with its dependencies (mtc --version, mtc node --help), the chart from its .tgz, the
+# image archive's labels and tag (tests/packaging/test_artifacts.py). 2026-11-28, 2 shared cores, buildah on the
+# local Debian base: make release 2 min 11 s (most of it the image), these tests 70 s (the clean venv's
+# pip install 63 s, its downloads from PyPI included).
+release-check: release
+	PATH=$(TOOLS):$$PATH MTC_DIST=$(DIST) $(BIN)/python -m pytest -q -p no:cacheprovider tests/packaging/test_artifacts.py
+
+# The client's wheel installed into a clean venv that already holds each torch of CLIENT_TORCH (the oldest the
+# client accepts and the newest served), then the client tests against that venv (tests/packaging/test_client_compat.py).
+# Not in CI: each torch is a CUDA build from PyPI (about 3 GB with its nvidia packages, 5 GB installed): 14 min for
+# both on 2 shared cores (2026-11-28; docs/development.md).
+CLIENT_TORCH ?= 2.11.0 2.15.0
+client-compat: client-wheel
+	MTC_DIST=$(DIST) MTC_CLIENT_TORCH="$(CLIENT_TORCH)" $(BIN)/python -m pytest -q -p no:cacheprovider -rA \
+	    tests/packaging/test_client_compat.py
+
 # python3-venv: the Dockerfile installs into a virtualenv; util-linux and mount: the ramdisks.
 image-base:
 	@command -v debootstrap >/dev/null && command -v buildah >/dev/null || { echo "make image-base needs debootstrap and buildah (apt-get install debootstrap buildah)"; exit 1; }
@@ -359,4 +419,4 @@ image-base:
 	rm -rf build/image-base
 
 clean:
-	rm -rf $(VENV) $(TORCH_VENV) $(MAXTEXT_VENV) $(NVRX_VENV) $(ORBAX_OLDEST_VENV) .tools $(STUBS) protos/*_pb2.pyi
+	rm -rf $(VENV) $(TORCH_VENV) $(MAXTEXT_VENV) $(NVRX_VENV) $(ORBAX_OLDEST_VENV) .venv-py* .tools dist

@@ -2,7 +2,8 @@
 ``examples/train_torch.py``, checkpointing through ``mtc_torch`` (the ``pytorch.distributed`` files).
 
 torchrun runs under the torch virtualenv (``make torch-setup``: ``.venv-torch``, or ``MTC_TORCH_PYTHON``),
-which holds torch, numpy, PyYAML and the client only: none of the node agent's dependencies.
+which holds torch, numpy, PyYAML and the client (``clients/torch``, the ``mtc-torch`` distribution a training
+image gets with ``pip install mtc-torch``): none of the node agent's dependencies.
 """
 
 import dataclasses

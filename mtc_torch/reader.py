@@ -32,6 +32,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import io
+import logging
 import math
 import os
 import queue
@@ -47,6 +48,8 @@ from torch.futures import Future
 from mtc_torch import step_layout
 from mtc_torch.coverage import check_coverage
 from mtc_torch.storage import RAW_TENSOR_BYTES
+
+log = logging.getLogger(__name__)
 
 PIECE_BYTES = 32 << 20
 """The bytes one thread reads at a time, and the size of each thread's pinned piece for GPU destinations."""
@@ -93,6 +96,7 @@ class StepReader(FileSystemReader):
         self.prefer = prefer
         self._tensors: dict[str, TensorStorageMetadata] = {}
         self._merged: Metadata | None = None
+        self._refusal_logged = False
 
     def rank_dirs(self) -> list[step_layout.RankDir]:
         """The step's rank directories in the order their metadata is merged: ``prefer`` first."""
@@ -104,10 +108,17 @@ class StepReader(FileSystemReader):
         ``load_id`` set as torch's reader does.
 
         Called before ``dcp.load``, it raises a malformed step's ``ValueError`` itself: within ``dcp.load`` the
-        error reaches the caller only as the message of DCP's ``AssertionError("metadata is None; ...")``.
+        error reaches the caller only as the message of DCP's ``AssertionError("metadata is None; ...")``, and
+        torch 2.11's leaves it out (``"metadata is None"``), so it is also logged, once per reader, at ERROR.
         """
         if self._merged is None:
-            self._merged = step_layout.merge_metadata(self.path, self.rank_dirs())
+            try:
+                self._merged = step_layout.merge_metadata(self.path, self.rank_dirs())
+            except ValueError as error:
+                if not self._refusal_logged:  # DCP asks twice: the global metadata, then the rank's
+                    log.error("%s", error)
+                    self._refusal_logged = True
+                raise
         self._merged.storage_meta = StorageMeta(load_id=self.load_id)
         return self._merged
 

@@ -7,10 +7,11 @@ import pytest
 
 pytest_plugins = ["tests.helpers.fixtures"]
 
-LAYERS = ("unit", "integration", "e2e", "k8s", "deploy")
-NAMED_ONLY = tuple(Path(__file__).resolve().parent / layer for layer in ("k8s", "deploy"))
-"""A real Kubernetes control plane (``make e2e-k8s``) and the product deployed on real kubelets by its chart
-(``make e2e-deploy``): collected only when named, as in ``pytest tests/k8s``."""
+LAYERS = ("unit", "integration", "e2e", "k8s", "deploy", "packaging")
+NAMED_ONLY = tuple(Path(__file__).resolve().parent / layer for layer in ("k8s", "deploy", "packaging"))
+"""A real Kubernetes control plane (``make e2e-k8s``), the product deployed on real kubelets by its chart
+(``make e2e-deploy``) and the release's artifacts installed in clean venvs (``make release-check``,
+``make client-compat``): collected only when named, as in ``pytest tests/k8s``."""
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:

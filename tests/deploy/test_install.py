@@ -2,11 +2,11 @@
 and registers with each node's kubelet, the coordinator runs as a Deployment under its ServiceAccount, and
 ``helm test`` passes."""
 
-from tests.helpers.kube.deployment import RELEASE_NAMESPACE
+from tests.helpers.kube.deployment import CHART_ARCHIVE, RELEASE_NAMESPACE
 
 
 def test_quick_start_runs_the_agent_in_its_container_on_every_node(deployment):
-    assert any(c.startswith("helm install") for c in deployment.installed), deployment.installed
+    assert any(c.startswith(f"helm install mtc {CHART_ARCHIVE} ") for c in deployment.installed), deployment.installed
     pods = deployment.kubectl_json("get", "pods", "-n", RELEASE_NAMESPACE, "-l", "app.kubernetes.io/component=node")
     assert sorted(p["spec"]["nodeName"] for p in pods["items"]) == sorted(n.name for n in deployment.nodes)
     for pod in pods["items"]:

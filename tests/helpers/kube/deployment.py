@@ -5,7 +5,9 @@ The README's commands are taken from the README itself (``quick_start_commands``
 working fails the suite. The two departures, both for what this machine cannot reach, are applied here and nowhere
 else: the image is built by the Makefile (``make image IMAGE=localhost/mtc-agent:VERSION``, the README's own command
 with ``localhost`` for ``REGISTRY``) and imported into each node's containerd instead of pushed; and the
-livenessprobe sidecar is a stand-in image (``tests/deploy/livenessprobe.Dockerfile``), named as such.
+livenessprobe sidecar is a stand-in image (``tests/deploy/livenessprobe.Dockerfile``), named as such. The chart is
+installed from its release archive (``helm package``: ``dist/mtc-VERSION.tgz`` of ``make release``, ``MTC_DEPLOY_CHART``)
+in place of the README's ``charts/mtc``, as a release's user installs it; the later ``helm upgrade``s use the directory.
 """
 
 import json
@@ -28,6 +30,7 @@ TRAINING_NAMESPACE = "train"
 RELEASE_NAMESPACE = "mtc-system"
 IMAGES = ("mtc-agent", "livenessprobe-standin", "mtc-trainer")
 STAND_IN_VALUES = [f"--set sidecars.livenessProbe.image={REGISTRY}/livenessprobe-standin:{VERSION}"]
+CHART_ARCHIVE = Path(os.environ.get("MTC_DEPLOY_CHART", REPO / "dist" / f"mtc-{VERSION}.tgz"))
 _COMMENT = re.compile(r"(^|\s+)#.*$")
 
 
@@ -94,7 +97,9 @@ class Deployment:
                 assert f"make image IMAGE={REGISTRY}/mtc-agent:{VERSION}" in command, command
                 continue
             if command.startswith("helm install"):
-                command = " ".join([command, *STAND_IN_VALUES])
+                assert command.startswith("helm install mtc charts/mtc "), command
+                assert CHART_ARCHIVE.is_file(), f"no chart archive {CHART_ARCHIVE}: make chart-archive"
+                command = " ".join([command.replace(" charts/mtc ", f" {CHART_ARCHIVE} ", 1), *STAND_IN_VALUES])
             if command.startswith("kubectl label namespace " + TRAINING_NAMESPACE):
                 self.sh(f"kubectl create namespace {TRAINING_NAMESPACE}")
             self.sh(command, timeout=600)
