@@ -1,4 +1,4 @@
-"""The PyTorch client of the ``pytorch.distributed`` protocol (``pip install 'mtc-checkpointing[torch]'``).
+"""The PyTorch client of the ``pytorch.distributed`` protocol (``pip install mtc-torch``).
 
 A user of ``torch.distributed.checkpoint`` replaces ``dcp.save(state, checkpoint_id=...)`` with
 ``manager.save(state, step)``::

@@ -19,7 +19,8 @@ PREVIOUS_RELEASE = ("0.2.0", "b7cfb62")
 
 def release_tree(commit: str, dest: str) -> str:
     """Extracts the tree of ``commit`` into ``dest`` with ``git archive``, plus this checkout's
-    generated gRPC stubs (``protos/*_pb2*.py``, not in git; the CSI protos are the same); returns ``dest``.
+    generated gRPC stubs (``protos/*_pb2*.py``, committed since 0.3.0, not in the git of 0.2.0 and before; the CSI
+    protos are the same); returns ``dest``.
 
     Fails the test (never skips: CI clones the whole history) when git or the commit is missing.
     """
@@ -42,7 +43,7 @@ def release_tree(commit: str, dest: str) -> str:
         pytest.fail(f"git archive {commit} failed with {archive.returncode}")
     stubs = glob.glob(os.path.join(REPO, "protos", "*_pb2*.py"))
     if not stubs:
-        pytest.fail(f"no generated stubs in {REPO}/protos: run `make setup` first")
+        pytest.fail(f"no generated stubs in {REPO}/protos: run `make stubs`")
     for stub in stubs:
         shutil.copy(stub, os.path.join(dest, "protos"))
     return dest
