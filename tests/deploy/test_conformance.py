@@ -134,7 +134,7 @@ def test_the_storage_e2e_suite_passes_every_ephemeral_pattern(deployment, suite_
     print(
         f"e2e.test External Storage: {len(cases)} cases, {statuses.count('passed')} passed, "
         f"{statuses.count('skipped')} skipped, {len(cases) - statuses.count('passed') - statuses.count('skipped')} "
-        f"failed, in {done.returncode=} (log: {log})"
+        f"failed; e2e.test exited {done.returncode} (log: {log})"
     )
     failed = [name for name, status, _ in cases if status not in ("passed", "skipped")]
     assert not failed, f"{failed}\n{done.stdout[-6000:]}"

@@ -61,7 +61,6 @@ class Deployment:
         self.nodes = nodes
         self.archives = archives
         self.lost: list[DeployNode] = []
-        self._started = list(nodes)  # every node, in the order they start: they stop in the reverse one
         self._node_count = len(nodes)  # nodes ever started: a fresh one never reuses a lost one's address
         self.env = {**os.environ, "KUBECONFIG": str(plane.kubeconfig), "HOME": str(plane.workdir)}
 
@@ -111,11 +110,7 @@ class Deployment:
         self.lost.append(node)
 
     def stop_nodes(self) -> None:
-        """Stops every node, the last started first: the first node removes the host's ``/run/containerd`` it
-        created (``KubeletNode``), where runc keeps the state of every node's containers; removed while another node
-        still ran a container (an agent pod, when the chart was not uninstalled), that node's containerd could
-        neither kill nor delete it, and its stop waited on ``ctr`` for minutes."""
-        for node in reversed(self._started):
+        for node in [*self.nodes, *self.lost]:
             node.stop()
 
     def add_node(self) -> DeployNode:
@@ -123,5 +118,4 @@ class Deployment:
         index, self._node_count = self._node_count, self._node_count + 1
         node = DeployNode(self.plane, node_address(index), pod_cidr(index), self.archives)
         self.nodes.append(node)
-        self._started.append(node)
         return node.start(timeout_seconds=300)
