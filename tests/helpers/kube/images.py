@@ -4,6 +4,7 @@ an OCI image-layout archive that ``ctr images import`` reads."""
 import hashlib
 import io
 import json
+import subprocess
 import tarfile
 from pathlib import Path
 
@@ -21,7 +22,13 @@ def _blob(archive: tarfile.TarFile, data: bytes) -> str:
     return f"sha256:{digest}"
 
 
-def _layer() -> bytes:
+def applets() -> tuple[str, ...]:
+    """Every applet the machine's busybox holds (``busybox --list``), as a full busybox image links them."""
+    listed = subprocess.run([str(BUSYBOX), "--list"], check=True, capture_output=True, text=True, timeout=30).stdout
+    return tuple(name for name in listed.split() if name != "busybox")
+
+
+def _layer(links: tuple[str, ...]) -> bytes:
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w") as layer:
         for directory in ("bin", "etc", "tmp", "proc", "sys", "dev", "var", "local"):
@@ -29,23 +36,26 @@ def _layer() -> bytes:
             info.type, info.mode = tarfile.DIRTYPE, 0o1777 if directory == "tmp" else 0o755
             layer.addfile(info)
         layer.add(str(BUSYBOX), "bin/busybox")
-        for applet in _APPLETS:
+        for applet in links:
             info = tarfile.TarInfo(f"bin/{applet}")
             info.type, info.linkname = tarfile.SYMTYPE, "busybox"
             layer.addfile(info)
     return buffer.getvalue()
 
 
-def busybox_image(archive_path: Path, reference: str, entrypoint: list[str] | None = None) -> Path:
+def busybox_image(
+    archive_path: Path, reference: str, entrypoint: list[str] | None = None, links: tuple[str, ...] = _APPLETS
+) -> Path:
     """Writes an OCI archive of a busybox image named ``reference`` (for example ``mtc.local/busybox:1``).
 
     Args:
       entrypoint: the image's entrypoint; none by default (a pod gives its ``command``).
+      links: the applets linked in ``/bin``; a few by default, ``applets()`` for all of them.
 
     Returns:
       ``archive_path``.
     """
-    layer = _layer()
+    layer = _layer(links)
     with tarfile.open(archive_path, mode="w") as archive:
         layer_digest = _blob(archive, layer)
         config = {

@@ -38,6 +38,31 @@ _SYSCTLS = (
 # Created outside the scratch directory by the kubelet or containerd's shims (1.6 puts shim sockets in
 # /run/containerd/s whatever its state directory); removed when they were not there before.
 _HOST_DIRS = ("/var/lib/kubelet", "/var/lib/cni", "/run/containerd", "/run/netns")
+
+
+class _SharedHostDirs:
+    """The nodes of this process share _HOST_DIRS: those absent when the first node starts go when the last one
+    stops. runc keeps every node's container state in /run/containerd/runc: removed by the first node to stop while
+    another still ran containers (an agent pod), that node's containerd could neither kill nor delete them, and its
+    stop waited on ``ctr`` for minutes."""
+
+    nodes = 0
+    made: tuple[str, ...] = ()
+
+    @classmethod
+    def take(cls) -> None:
+        if cls.nodes == 0:
+            cls.made = tuple(d for d in _HOST_DIRS if not os.path.exists(d))
+        cls.nodes += 1
+
+    @classmethod
+    def release(cls) -> None:
+        cls.nodes -= 1
+        if cls.nodes == 0:
+            for directory in cls.made:
+                shutil.rmtree(directory, ignore_errors=True)
+
+
 _CNI_BIN = "/usr/lib/cni"
 
 
@@ -165,9 +190,8 @@ class KubeletNode(_Started):
         self._stack.callback(restore)
         before = _kubelet_chains()
         self._stack.callback(lambda: _remove_kubelet_chains(_kubelet_chains() - before))
-        for directory in _HOST_DIRS:
-            if not os.path.exists(directory):
-                self._stack.callback(shutil.rmtree, directory, ignore_errors=True)
+        _SharedHostDirs.take()
+        self._stack.callback(_SharedHostDirs.release)
         self.cgroup_root = f"/mtc-kubelet-{self.name}"
         for hierarchy in _cgroup_hierarchies():
             path = hierarchy / self.cgroup_root.lstrip("/")
