@@ -74,7 +74,8 @@ def _run(args: argparse.Namespace) -> int:
     try:  # by name: the agent's type check (its venv has no torch) does not follow it
         export_step = importlib.import_module("mtc_torch.export").export_step
     except ImportError as err:
-        print(f"mtc export: needs torch (pip install 'mtc-checkpointing[torch]'): {err}", file=sys.stderr)
+        # The agent's wheel holds no mtc_torch (it is the mtc-torch distribution): either import may fail.
+        print(f"mtc export: needs torch and mtc-torch (pip install 'mtc-checkpointing[torch]'): {err}", file=sys.stderr)
         return 1
     try:
         with _step(args) as step_dir, _progress("export", _step_bytes(step_dir)) as advance:

@@ -339,10 +339,10 @@ PROCESS_CASES = [
         "mtc status: --job nope: not NAMESPACE/JOB",
     ),
     (["gc", "--root", "gc-root/below", "--job", "ns/j"], 2, "mtc gc: --root gc-root/below: no such directory"),
-    (  # the agent's venv has no torch (mtc_torch is type-checked against .venv-torch's)
+    (  # the agent's venv has neither torch nor mtc-torch (mtc_torch is type-checked against .venv-torch's)
         ["export", "--step-dir", ".", "--unverified", "--to", "out"],
         1,
-        "mtc export: needs torch (pip install 'mtc-checkpointing[torch]'): No module named 'torch'",
+        "mtc export: needs torch and mtc-torch (pip install 'mtc-checkpointing[torch]'): No module named 'mtc_torch'",
     ),
     (
         ["publish", "--csi-endpoint", "unix:///nowhere/csi.sock", "--target", "target/mount", "--pod", "p"],
