@@ -72,8 +72,10 @@ class BackupWorker:
         # The coordinator repeats a wanted order with every reply; one it stopped repeating for this
         # long (done, given up, or the coordinator is away) is not retried. Set from the heartbeat.
         self.order_ttl_seconds = 10.0
-        self._wanted: dict[JobRef, tuple[str, BackupOrder, float]] = {}  # job -> (ramdisk, order, asked at)
-        self._tasks: dict[JobRef, asyncio.Task] = {}  # job -> its uploads, one at a time
+        # (job, rank) -> (ramdisk, order, asked at). A node uploads its own rank and, for a rank whose node was lost
+        # mid-backup, the replica it holds (``coordinator.backups.stand_ins``): one upload at a time per rank.
+        self._wanted: dict[tuple[JobRef, int], tuple[str, BackupOrder, float]] = {}
+        self._tasks: dict[tuple[JobRef, int], asyncio.Task] = {}
         self._uploaded: set[tuple] = set()  # the coordinator hears of it only from the next listing
 
     async def refresh(self, ramdisks: Mapping[JobRef, str], force: bool = False) -> None:
@@ -98,42 +100,42 @@ class BackupWorker:
             self._on_change()
 
     def start(self, ramdisk_path: str, order: BackupOrder) -> None:
-        """Wants the upload ``order`` asks for: its job's task runs it (now, or after the backoff of a
-        failed attempt); a newer order of the same job replaces it."""
-        job = JobRef(order.namespace, order.job)
-        self._wanted[job] = (ramdisk_path, order, time.monotonic())
-        if job not in self._tasks or self._tasks[job].done():
-            self._tasks[job] = asyncio.create_task(self._back_up(job))
+        """Wants the upload ``order`` asks for: its rank's task runs it (now, or after the backoff of a
+        failed attempt); a newer order of the same job and rank replaces it."""
+        wanted = (JobRef(order.namespace, order.job), order.rank)
+        self._wanted[wanted] = (ramdisk_path, order, time.monotonic())
+        if wanted not in self._tasks or self._tasks[wanted].done():
+            self._tasks[wanted] = asyncio.create_task(self._back_up(wanted))
 
     async def stop(self) -> None:
         for task in self._tasks.values():
             task.cancel()
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
 
-    async def _back_up(self, job: JobRef) -> None:
-        """Runs the job's wanted order until it is done or no longer asked for. A failed attempt is
+    async def _back_up(self, wanted: tuple[JobRef, int]) -> None:
+        """Runs the (job, rank)'s wanted order until it is done or no longer asked for. A failed attempt is
         reported and retried after an exponential backoff; each attempt takes the newest order."""
         retrying = tenacity.AsyncRetrying(
             wait=_RETRY_WAIT,
             retry=tenacity.retry_if_exception_type((BackupError, OSError)),
-            before_sleep=lambda state: self._report_failure(job, state),
+            before_sleep=lambda state: self._report_failure(wanted, state),
         )
         async for attempt in retrying:
             with attempt:
-                ramdisk_path, order, asked = self._wanted[job]
+                ramdisk_path, order, asked = self._wanted[wanted]
                 key = (order.namespace, order.job, order.step, order.timeline, order.rank, order.incarnation)
                 if key in self._uploaded or time.monotonic() - asked > self.order_ttl_seconds:
                     return
                 await self._upload(ramdisk_path, order, key)
 
-    def _report_failure(self, job: JobRef, state: tenacity.RetryCallState) -> None:
+    def _report_failure(self, wanted: tuple[JobRef, int], state: tenacity.RetryCallState) -> None:
         BACKUP_FAILURES.inc()
-        ramdisk_path, order, _ = self._wanted[job]
+        ramdisk_path, order, _ = self._wanted[wanted]
         message = (
             f"backup of step {order.step} rank {order.rank} to the backup tier {self.store.url} failed "
             f"(retrying in {state.next_action.sleep:.0f} s): {state.outcome.exception()}"  # type: ignore[union-attr]
         )
-        log.warning("%s: %s", job, message)
+        log.warning("%s: %s", wanted[0], message)
         self._report_error(JobMeta(ramdisk_path), message)
 
     async def _upload(self, ramdisk_path: str, order: BackupOrder, key: tuple) -> None:

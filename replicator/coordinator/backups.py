@@ -73,30 +73,43 @@ def choose_lister(job: JobState, liveness: Liveness) -> str | None:
 
 
 def advance(
-    key: JobRef, job: JobState, now: float, backed: set[int], newest_complete: Callable[[], int | None]
+    key: JobRef,
+    job: JobState,
+    liveness: Liveness,
+    backed: set[int],
+    newest_complete: Callable[[], int | None],
 ) -> None:
     """Finishes the pending backup once listed complete (``backed``); starts the next one when due, in the same pass
     (a pass later, the next backup would start a heartbeat late and the lag a cluster loss leaves would grow by it).
 
     A pending backup keeps its upload tag (``job.backup_attempt``) through later incarnations, so what was uploaded
     before a preemption counts, until an incarnation restores an older step (the job will write it again): it is
-    given up then. One that no order can finish any more (a rank's node was replaced and holds no copy of the step's
-    own data) is given up at once for a newer complete step; one that stays incomplete for ``_GIVE_UP_SECONDS``
-    whatever the reason is given up too.
+    given up then. A rank whose node was replaced and holds no copy of the step's own data is uploaded by a live node
+    holding its replica (``stand_ins``), so a node lost mid-backup costs that rank's upload, not the backup; one that
+    no order can finish any more (no replica either) is given up at once for a newer complete step; one that stays
+    incomplete for ``_GIVE_UP_SECONDS`` whatever the reason is given up too.
 
     Args:
       newest_complete: called for the newest step every rank holds on nodes (not in backups).
     """
+    now = liveness.now
     if job.backup_pending is not None:
         pending = job.backup_pending
         if pending in backed:
             log.info("job %s: step %d backed up", key, pending)
             job.last_backup_time, job.last_backup_chosen_at = now, job.backup_pending_since
-            job.backup_pending = None
-        elif _given_up(key, job, pending, newest_complete(), now):
-            job.backup_pending = None
+            job.backup_pending, job.backup_stand_ins = None, {}
+            # (falls through: the next backup is chosen in this pass)
         else:
-            return
+            # Only once a newer step is complete (the fresh node restored it): before, a rank's node that holds no
+            # copy may just not have reported yet, and its replica would be uploaded twice.
+            newest = newest_complete()
+            found = stand_ins(job, pending, liveness) if newest is not None and newest > pending else {}
+            if _given_up(key, job, pending, found, newest, now):
+                job.backup_pending, job.backup_stand_ins = None, {}
+            else:
+                _note_stand_ins(key, job, pending, found or {})
+                return
     if job.decided.lister is None or job.incarnation is None:
         return  # no live node of the job has a backup tier: a chosen step would only be kept from GC
     newest = newest_complete()
@@ -110,26 +123,28 @@ def advance(
         assert settings.backup_interval_minutes is not None  # exactly one of the two is set
         chosen = job.last_backup_chosen_at
         due = chosen is None or now - chosen >= settings.backup_interval_minutes * 60
-    if due and stranded_rank(job, newest) is None:
+    if due and not stranded_ranks(job, newest):
         job.backup_pending, job.backup_pending_since = newest, now
         job.backup_attempt = f"{job.incarnation.incarnation_id}-{secrets.token_hex(4)}"
         log.info("job %s: backing up step %d", key, newest)
 
 
-def _given_up(key: JobRef, job: JobState, pending: int, newest: int | None, now: float) -> bool:
+def _given_up(
+    key: JobRef, job: JobState, pending: int, found: dict[int, str] | None, newest: int | None, now: float
+) -> bool:
     """Whether the pending backup of ``pending`` is given up (and why, logged): the job restored an older step, a
-    rank's node holds no copy of it while a newer step is complete, or ``_GIVE_UP_SECONDS`` passed."""
-    stranded = stranded_rank(job, pending) if newest is not None and newest > pending else None
+    rank's node holds no copy of it and no live node a replica (``found`` is None) while a newer step is complete, or
+    ``_GIVE_UP_SECONDS`` passed."""
     if _restored_before(job, pending):
         # The job will write the step again, perhaps in other bytes: what was uploaded of it must never commit.
         log.warning("job %s: the job restored a step older than %d; its backup is given up", key, pending)
-    elif stranded is not None:
+    elif found is None:
         log.warning(
-            "job %s: backup of step %d cannot complete (rank %d's node holds no copy of it); choosing anew "
-            "(newest complete step: %d)",
+            "job %s: backup of step %d cannot complete (rank %d's node holds no copy of it, no live node a replica); "
+            "choosing anew (newest complete step: %d)",
             key,
             pending,
-            stranded,
+            stranded_ranks(job, pending)[0],
             newest,
         )
     elif now - job.backup_pending_since > _GIVE_UP_SECONDS:
@@ -149,27 +164,56 @@ def _restored_before(job: JobState, step: int) -> bool:
     return incarnation.plan.step is None or incarnation.plan.step < step
 
 
-def stranded_rank(job: JobState, step: int) -> int | None:
-    """A rank whose node in the current incarnation holds no copy of its own data of ``step``, so that no order can
-    upload it (its node was replaced and restored another step), or None. Memoized per claim change of the step
+def stranded_ranks(job: JobState, step: int) -> tuple[int, ...]:
+    """The ranks whose node in the current incarnation holds no copy of their own data of ``step`` (the node was
+    replaced and restored another step): their own node cannot upload them. Memoized per claim change of the step
     and incarnation: a 10,000-rank job's pass walks its ranks only when either changed."""
     incarnation = job.incarnation
     if incarnation is None:
-        return None
+        return ()
     memo_key = (step, job.claims.step_stamps.get(step), incarnation.incarnation_id)
     if job.memo.stranded is not None and job.memo.stranded[0] == memo_key:
         return job.memo.stranded[1]
     # ClaimIndex.of: node -> whether its copy is a replica; False is the rank's own data.
-    found = next(
-        (
-            rank
-            for rank, node_id in incarnation.node_of_rank.items()
-            if job.claims.of(step, rank).get(node_id) is not False
-        ),
-        None,
+    found = tuple(
+        rank
+        for rank, node_id in incarnation.node_of_rank.items()
+        if job.claims.of(step, rank).get(node_id) is not False
     )
     job.memo.stranded = (memo_key, found)
     return found
+
+
+def stand_ins(job: JobState, step: int, liveness: Liveness) -> dict[int, str] | None:
+    """Who uploads each stranded rank of ``step`` (``stranded_ranks``) in its node's place: the first, by node id, of
+    the live nodes with a backup tier that hold a replica of it (a verified copy of the rank's own bytes, so the
+    backup is the one the rank wrote). {} when no rank is stranded; None when one has no such node (no order can
+    upload it: a copy only in parity shards or on a silent node is not uploaded)."""
+    found: dict[int, str] = {}
+    for rank in stranded_ranks(job, step):
+        holders = sorted(
+            node_id
+            for node_id, replica in job.claims.of(step, rank).items()
+            if replica and node_id in liveness.backup_nodes and liveness.is_live(node_id)
+        )
+        if not holders:
+            return None
+        found[rank] = holders[0]
+    return found
+
+
+def _note_stand_ins(key: JobRef, job: JobState, step: int, found: dict[int, str]) -> None:
+    """Sets the pending backup's stand-ins, logging each new one."""
+    for rank, node_id in found.items():
+        if job.backup_stand_ins.get(rank) != node_id:
+            log.warning(
+                "job %s: backup of step %d: rank %d's node holds no copy of it; %s uploads its replica",
+                key,
+                step,
+                rank,
+                node_id,
+            )
+    job.backup_stand_ins = found
 
 
 def note_safe(job: JobState, backed: set[int], now: float) -> None:
@@ -207,7 +251,8 @@ def lag(job: JobState, backed: set[int], now: float) -> tuple[int, float] | None
 
 
 def orders(key: JobRef, job: JobState, state: NodeState, shared: bool = False) -> list[BackupOrder]:
-    """Uploads of the step being backed up for the ranks whose own data this node holds.
+    """Uploads of the step being backed up for the ranks whose own data this node holds, and for the ranks it stands
+    in for (``JobState.backup_stand_ins``: it holds their replica, their own node no copy).
 
     The members of a data-parallel group found identical share the upload (``shared``: each sends
     its share of the files and references the others', ``backup_tier.shared_upload``); else one
@@ -228,12 +273,11 @@ def orders(key: JobRef, job: JobState, state: NodeState, shared: bool = False) -
         )  # a rollback's step: kept from retention until its restore is done or it is cancelled
     result = []
     for claim in state.claims:
-        if (
-            claim.job != key
-            or claim.replica
-            or claim.step != step
-            or incarnation.node_of_rank.get(claim.rank) != node_id
-        ):
+        if claim.job != key or claim.step != step:
+            continue
+        if claim.replica and job.backup_stand_ins.get(claim.rank) != node_id:
+            continue
+        if not claim.replica and incarnation.node_of_rank.get(claim.rank) != node_id:
             continue
         group = job.memo.leaders.group(job.identity, step, claim.rank)
         sharing = group if shared and len(group) > 1 else ()

@@ -164,7 +164,7 @@ class Memos:
         group_of: rank -> its group.
       placed_for: (``groups_for``, the round's step, its ``OwnerReports.step_stamps``) the round's parity orders
         were last placed for (``parity.place_orders``).
-      stranded: ((step, its claims' stamp, incarnation id), the answer) of ``backups.stranded_rank``'s last walk.
+      stranded: ((step, its claims' stamp, incarnation id), the answer) of ``backups.stranded_ranks``'s last walk.
     """
 
     held: HeldMemo = dataclasses.field(default_factory=HeldMemo)
@@ -179,7 +179,7 @@ class Memos:
     groups_for: tuple[str, str, tuple[int, ...]] | None = None
     group_of: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     placed_for: tuple[object, ...] | None = None
-    stranded: tuple[tuple[object, ...], int | None] | None = None
+    stranded: tuple[tuple[object, ...], tuple[int, ...]] | None = None
 
 
 @dataclasses.dataclass
@@ -203,6 +203,9 @@ class JobState:
         preemption count toward its ``COMMIT``. A pending step's bytes never change (a rank that holds it in other
         bytes drops it, ``sync._supersede``), and a later choice of a step has a tag of its own: ``COMMIT`` never
         joins two choices' uploads.
+      backup_stand_ins: rank -> the node that uploads the pending backup's copy of that rank in its place (the rank's
+        node was lost mid-backup and its fresh node holds no copy; the stand-in holds a replica, the same bytes):
+        ``backups.stand_ins``, chosen again in every decision pass.
       last_backup_time: unix seconds the last backup completed (``mtc_last_backup_timestamp_seconds``).
       last_backup_chosen_at: unix seconds the last completed backup was chosen: ``backup-interval-minutes`` counts
         from it, so a backup's upload time is not added to the interval (the lag stays within one interval plus one
@@ -229,6 +232,7 @@ class JobState:
     backup_pending: int | None = None
     backup_pending_since: float = 0.0
     backup_attempt: str = ""
+    backup_stand_ins: dict[int, str] = dataclasses.field(default_factory=dict)
     last_backup_time: float | None = None
     last_backup_chosen_at: float | None = None
     backup_seen: dict[int, float] = dataclasses.field(default_factory=dict)

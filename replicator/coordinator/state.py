@@ -336,7 +336,7 @@ class ClusterState:
         if listed:
             backups.note_seen(job, backed, liveness.now)
         if job.incarnation is not None and job.settings:
-            backups.advance(key, job, liveness.now, backed, lambda: self._newest_complete(job, set()))
+            backups.advance(key, job, liveness, backed, lambda: self._newest_complete(job, set()))
         backups.note_safe(job, backed, liveness.now)
         job.decided.retain = retention.retain_order(
             key, job

@@ -50,6 +50,11 @@ class JobView:
         return self._job.backup_pending
 
     @property
+    def backup_stand_ins(self) -> Mapping[int, str]:
+        """Rank -> the node uploading the pending backup's replica of it in its lost node's place (read-only)."""
+        return MappingProxyType(self._job.backup_stand_ins)
+
+    @property
     def last_backup_time(self) -> float | None:
         return self._job.last_backup_time
 

@@ -314,6 +314,7 @@ def test_rpo_a_node_lost_mid_backup_then_the_cluster_30_s_later_restores_within_
     wait_until(lambda: time.monotonic() - lost_at >= 30, 40, "30 s after the node loss")
     status = status_of(cluster, job)
     safe_before, backups = status["safe_step"], status["backups"]
+    stand_ins = _backed_up_lines(agents[:3], pending)  # read before the nodes (and their logs) go
     before = losses(job.pods)
     job.kill_training()
     for agent in list(job.agents):
@@ -337,7 +338,10 @@ def test_rpo_a_node_lost_mid_backup_then_the_cluster_30_s_later_restores_within_
     # The stated bound: one backup interval, plus the steps trained while one backup uploads and is confirmed
     # (under a second unshaped here: a step takes 0.5 s or more, so that is within one more interval).
     assert backed_up >= safe_before - 2 * _RPO_INTERVAL, (backed_up, safe_before, pending)
-    assert backed_up > pending  # the cut backup was given up for a newer one, not waited for (600 s before)
+    # The cut backup completed: another node uploaded rank 3's replica in the lost node's place (before, it was given
+    # up for a newer step, whose upload then began from nothing; and earlier still, waited for 600 s).
+    assert pending in committed, (pending, committed)
+    assert stand_ins.get(3, 0) >= 1, stand_ins
     compared_losses(before, losses(job.pods))
     for rank in range(4):
         name = f"rank{rank}-step{backed_up}.npz"

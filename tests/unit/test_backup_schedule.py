@@ -23,10 +23,12 @@ def replica(step, rank):
     return HeldStep(*NAMES, step, rank, OWN[rank], replica=True)
 
 
-def form(state, nodes, uids, now, settings=SETTINGS):
-    """The job's pods ``uids`` on ``nodes`` (index i on nodes[i]) form an incarnation; returns (its id, node -> rank)."""
+def form(state, nodes, uids, now, settings=SETTINGS, held=None):
+    """The job's pods ``uids`` on ``nodes`` (index i on nodes[i]) form an incarnation; returns (its id, node -> rank).
+    ``held``: node -> the steps it reports with its pod (default: none)."""
     for index, (node, uid) in enumerate(zip(nodes, uids, strict=True)):
-        reply = state.apply_report(report(node, f"http://{node}", [pod(index, uid)], has_backup=True), now)
+        holding = (held or {}).get(node, [])
+        reply = state.apply_report(report(node, f"http://{node}", [pod(index, uid)], holding, has_backup=True), now)
     incarnation = reply.assignments[0].incarnation
     rank_of_pod = state.job(KEY).incarnation.rank_of_pod
     rank_of = {node: rank_of_pod[uid] for node, uid in zip(nodes, uids, strict=True)}
@@ -265,3 +267,59 @@ def test_the_next_backup_is_chosen_in_the_pass_that_finds_the_previous_one_compl
         20.0,
     )
     assert state.backed_up(KEY) == {5} and state.job(KEY).backup_pending == 9
+
+
+def lost_mid_backup(state):
+    """Nodes a and b back up step 5 and save step 8; b is lost mid-backup and a fresh node c restores step 8 in its
+    place. Node a holds rank b's replicas of both. Returns (the incarnation, node -> rank, a's steps, 5's tag)."""
+    state.expire(0.0)
+    first, rank_of = form(state, ("a", "b"), ("uid0", "uid1"), 0.0)
+    saved_everywhere(state, first, rank_of, [5], 1.0)  # each holds its own step 5 and the other's replica
+    state.tick(2.0)
+    assert state.job(KEY).backup_pending == 5
+    (tag,) = {o.incarnation for o in saved_everywhere(state, first, rank_of, [5, 8], 3.0)}
+    state.tick(4.0)
+    lost_rank, kept_rank = rank_of["b"], rank_of["a"]
+    held_a = [own(5, kept_rank), own(8, kept_rank), replica(5, lost_rank), replica(8, lost_rank)]
+    state.expire(100.0)
+    second, rank_of = form(state, ("a", "c"), ("uid2", "uid3"), 100.0, held={"a": held_a})
+    assert rank_of["c"] == lost_rank
+    heartbeat(state, "a", 0, "uid2", second, kept_rank, held_a, 101.0)
+    heartbeat(state, "c", 1, "uid3", second, lost_rank, [own(8, lost_rank)], 101.0)
+    state.tick(102.0)
+    return second, rank_of, held_a, tag
+
+
+def test_a_rank_whose_node_was_lost_mid_backup_is_uploaded_from_its_replica_and_the_backup_is_kept():
+    state = ClusterState()
+    second, rank_of, held_a, tag = lost_mid_backup(state)
+    lost_rank, kept_rank = rank_of["c"], rank_of["a"]
+    # Step 5 is not given up for 8: node a uploads both ranks of it, under the tag the lost node uploaded with.
+    assert state.job(KEY).backup_pending == 5 and dict(state.job(KEY).backup_stand_ins) == {lost_rank: "a"}
+    orders = heartbeat(state, "a", 0, "uid2", second, kept_rank, held_a, 103.0).backup
+    assert sorted((o.step, o.rank, o.incarnation) for o in orders) == sorted([(5, kept_rank, tag), (5, lost_rank, tag)])
+    assert heartbeat(state, "c", 1, "uid3", second, lost_rank, [own(8, lost_rank)], 103.0).backup == ()
+
+    # Once listed complete, the next backup (step 8) is chosen in the same pass, with no stand-in left.
+    lister = state.job(KEY).lister
+    state.apply_report(
+        msgspec.structs.replace(state.liveness.nodes[lister].report, backed_up=(BackedUp(*NAMES, ((5, 0),), 104.0),)),
+        104.0,
+    )
+    state.tick(105.0)
+    assert state.job(KEY).backup_pending == 8 and dict(state.job(KEY).backup_stand_ins) == {}
+    orders = heartbeat(state, "c", 1, "uid3", second, lost_rank, [own(8, lost_rank)], 106.0).backup
+    assert [(o.step, o.rank) for o in orders] == [(8, lost_rank)]
+
+
+def test_a_stranded_rank_whose_replica_goes_too_gives_the_backup_up_at_once_for_a_newer_complete_step():
+    state = ClusterState()
+    second, rank_of, held_a, _ = lost_mid_backup(state)
+    lost_rank, kept_rank = rank_of["c"], rank_of["a"]
+    assert state.job(KEY).backup_pending == 5
+    # Node a drops its replica of rank c's step 5 (space pressure): no node can upload it any more.
+    heartbeat(
+        state, "a", 0, "uid2", second, kept_rank, [h for h in held_a if (h.step, h.rank) != (5, lost_rank)], 107.0
+    )
+    state.tick(108.0)
+    assert state.job(KEY).backup_pending == 8 and dict(state.job(KEY).backup_stand_ins) == {}
