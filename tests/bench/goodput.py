@@ -118,11 +118,14 @@ class Intervals:
       store: between the saves that reach the object store (persistent only: ``save``; emergency: its persistent
         saves; ours: the agents' backups).
       why: how they were chosen, for the output.
+      upload: the busiest node's upload of one save at the regime's store link, in fast steps: the RPO bound is
+        ``store + upload`` steps (``lag_verdict``).
     """
 
     save: int
     store: int
     why: str = ""
+    upload: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,14 +156,15 @@ def intervals_for(name: str, calibration: Calibration, regime: Regime, mtbf: flo
     measured = calibration.upload_seconds.get(name, 0.0)
     upload_s = max(measured, regime.upload_seconds(calibration.upload_bytes[name]))
     local = goodput_model.save_interval_steps(blocking, mtbf, step)
-    store = max(local, math.ceil(upload_s / (calibration.fast_step or step)))
+    upload = math.ceil(upload_s / (calibration.fast_step or step))
+    store = max(local, upload)
     why = (
         f"Young/Daly {goodput_model.young_daly_interval(blocking, mtbf):.1f} s (δ {blocking:.3f} s, a failure every "
         f"{mtbf:.0f} s) = {local} steps of {step:.3f} s; upload {calibration.upload_bytes[name] / 2**20:.0f} MiB "
         f"{'at the link' if upload_s > measured else 'as calibrated'} {upload_s:.1f} s = "
-        f"{math.ceil(upload_s / (calibration.fast_step or step))} steps of {calibration.fast_step or step:.3f} s"
+        f"{upload} steps of {calibration.fast_step or step:.3f} s"
     )
-    return Intervals(store if name == "persistent" else local, store, why)
+    return Intervals(store if name == "persistent" else local, store, why, upload)
 
 
 @dataclasses.dataclass
@@ -408,6 +412,8 @@ class Run:
     regime: str = "loopback"
     kinds: list[str] = dataclasses.field(default_factory=list)
     intervals: Intervals = Intervals(0, 0)
+    # At each failure and at the end: (the newest step logged, the newest step complete in the object store).
+    backed_up: list[tuple[int, int | None]] = dataclasses.field(default_factory=list)
 
 
 _OURS_COMMIT = re.compile(r"^[^/]+/[^/]+/steps/([0-9]+)(?:-[0-9]+)?/COMMIT$")  # <ns>/<job>/steps/<step>[-<timeline>]
@@ -435,6 +441,7 @@ def run_setup(
     setup.start()
     incarnations: list[Incarnation] = []
     kinds = [kind for kind, _ in plan]
+    stored: list[tuple[int, int | None]] = []
     for kind, gap in [*plan, ("end", final_gap)]:
         deadline = time.time() + RESTART_TIMEOUT
         while not any(e["event"] == "step" for e in setup.events()):
@@ -462,14 +469,15 @@ def run_setup(
         killed_at = time.time()
         setup.kill()
         incarnations.append(incarnation_of(setup.events(), killed_at))
+        stored.append((max(incarnations[-1].steps), backed_up()))
         print(
-            f"  {name}: {kind} at step {max(incarnations[-1].steps)} (restored {incarnations[-1].restored}); "
-            f"newest complete in the object store: {backed_up()}",
+            f"  {name}: {kind} at step {stored[-1][0]} (restored {incarnations[-1].restored}); "
+            f"newest complete in the object store: {stored[-1][1]}",
             flush=True,
         )
         if kind != "end":
             setup.restart(kind)
-    return Run(name, incarnations, time.time() - started, kinds=kinds)
+    return Run(name, incarnations, time.time() - started, kinds=kinds, backed_up=stored)
 
 
 def ideal_step(runs: list[Run], quantile: float = 0.5) -> float:
@@ -665,9 +673,22 @@ def load_runs(path: str) -> tuple[Calibration | None, list[Run]]:
             r.get("regime", "loopback"),
             r.get("kinds", ["preemption", "node loss", "preemption", "preemption"]),
             Intervals(**r["intervals"]) if "intervals" in r else Intervals(0, 0),
+            [tuple(pair) for pair in r.get("backed_up", [])],
         )
         for r in raw
     ]
+
+
+def lag_verdict(run: Run) -> tuple[list[int], int, bool] | None:
+    """What a cluster loss would have cost at each failure and at the end: ([the newest step logged minus the newest
+    step complete in the object store (the whole step with none)], the bound, held?). The bound is the RPO stated in
+    docs/tiers.md, one store interval plus one upload (``Intervals.upload``), against the newest step rather than
+    the newest safe one (stricter by the steps not yet safe). None when the run kept no record of it."""
+    if not run.backed_up or not run.intervals.upload:
+        return None
+    lags = [step - (stored or 0) for step, stored in run.backed_up]
+    bound = run.intervals.store + run.intervals.upload
+    return lags, bound, max(lags) <= bound
 
 
 def regime_of(name: str) -> Regime:
@@ -807,6 +828,7 @@ def report_regime(name: str, runs: list[Run], rates: goodput_model.Rates) -> str
         f"{'failure→step s':<26}{'blocked/save s':>15}  model @26 GB/host, MTBF 10 min: goodput (δ, R, τ s)"
     )
     results = {}
+    results_rpo: dict[str, bool] = {}
     for run in runs:
         fig = figures(run, ideal)
         stalled = stalls(run)
@@ -831,6 +853,13 @@ def report_regime(name: str, runs: list[Run], rates: goodput_model.Rates) -> str
             print(f"{'':<11}stalled: no step after step {step} for {seconds:.0f} s before the failure")
         if stalled and not stopped_training(run):
             print(f"{'':<11}(each inside a save: a save that blocked, the job still training)")
+        if (verdict := lag_verdict(run)) is not None:
+            lags, bound, held = verdict
+            print(
+                f"{'':<11}cluster loss would lose, at each failure and the end: {lags} steps (bound: store "
+                f"{run.intervals.store} + upload {run.intervals.upload} = {bound}: {'held' if held else 'MISSED'})"
+            )
+            results_rpo[run.setup] = held
     print(f"ideal step {ideal:.3f} s (median of steps without a save, this regime's setups); every: save/store steps")
     ours = results.get("ours")
     if not ours:
@@ -843,6 +872,8 @@ def report_regime(name: str, runs: list[Run], rates: goodput_model.Rates) -> str
         f"{'MET' if ours[1] >= GOAL else 'MISSED'} ({ours[1]:.3f}; modeled: "
         f"{', '.join(f'{n} {m:.3f}' for n, (_, m, _) in results.items())})"
     )
+    if "ours" in results_rpo:
+        line += f"; ours' RPO within its bound at every failure: {'MET' if results_rpo['ours'] else 'MISSED'}"
     if ours[2] is not None:  # modeled: it kept training
         ceiling = goodput_model.goodput(dataclasses.replace(ours[2], restart=0.0), MTBF_S)
         line += (

@@ -116,3 +116,15 @@ def test_restart_for_goal_is_where_the_model_meets_it():
     needed = goodput.restart_for_goal(costs)
     at = goodput.goodput_model.goodput(goodput.goodput_model.Costs(blocking=0.3, restart=needed), goodput.MTBF_S)
     assert at == pytest.approx(goodput.GOAL)
+
+
+def test_the_rpo_verdict_is_the_newest_step_minus_the_newest_backup_against_one_interval_plus_one_upload():
+    every = Intervals(10, 52, upload=40)
+    incs = [_incarnation(1, 100, 0.5), _incarnation(90, 180, 0.5, restored=89)]
+    held = Run("ours", incs, 60.0, intervals=every, backed_up=[(100, None), (180, 90)])
+    assert goodput.lag_verdict(held) == ([100, 90], 92, False)  # nothing stored at step 100: the whole step
+    held = dataclasses.replace(held, backed_up=[(100, 10), (180, 90)])
+    assert goodput.lag_verdict(held) == ([90, 90], 92, True)
+    # A run saved before the record (or an interval without an upload): no verdict.
+    assert goodput.lag_verdict(dataclasses.replace(held, backed_up=[])) is None
+    assert goodput.lag_verdict(dataclasses.replace(held, intervals=Intervals(10, 52))) is None
