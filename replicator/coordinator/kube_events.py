@@ -92,14 +92,18 @@ class _Logged:
     last_seen: float
 
 
+_SimilarKey = tuple[ObjectRef, EventType, str]  # object, type, reason
+_LoggedKey = tuple[ObjectRef, EventType, str, str]  # the same and the message (COMBINED_PREFIX once aggregated)
+
+
 class EventCorrelator:
     """client-go's spam filter, aggregator and logger (see the module docstring), with no I/O: ``correlate`` says
     what to send for each event. Not thread-safe (the coordinator's event loop owns it)."""
 
     def __init__(self) -> None:
         self._tokens: collections.OrderedDict[ObjectRef, tuple[float, float]] = collections.OrderedDict()
-        self._similar: collections.OrderedDict[tuple, tuple[float, set[str]]] = collections.OrderedDict()
-        self._logged: collections.OrderedDict[tuple, _Logged] = collections.OrderedDict()
+        self._similar: collections.OrderedDict[_SimilarKey, tuple[float, set[str]]] = collections.OrderedDict()
+        self._logged: collections.OrderedDict[_LoggedKey, _Logged] = collections.OrderedDict()
 
     def correlate(self, ref: ObjectRef, type_: EventType, reason: str, message: str, now: float) -> Send | None:
         """What to send for this event at unix time ``now``, or None when the spam filter drops it."""
@@ -134,7 +138,7 @@ class EventCorrelator:
         return allowed
 
 
-def _put(cache: collections.OrderedDict, key: Any, value: Any) -> None:
+def _put(cache: collections.OrderedDict[Any, Any], key: Any, value: Any) -> None:
     """Stores ``value`` as the newest entry, evicting the oldest past ``CACHE_ENTRIES`` (client-go's LRU)."""
     cache[key] = value
     cache.move_to_end(key)
@@ -214,4 +218,4 @@ class EventRecorder:
             reportingComponent=COMPONENT,
             reportingInstance=self._host or None,
         )
-        await self._client.create(event, namespace=namespace)
+        await self._client.create(event)  # the namespace is the event's own (metadata)
