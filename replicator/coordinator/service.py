@@ -25,12 +25,14 @@ from replicator.coordinator import process_tuning, routes
 from replicator.coordinator.config import CoordinatorConfig
 from replicator.coordinator.job_changes import JobChanges
 from replicator.coordinator.kube_config import KubeSettings, kube_config
+from replicator.coordinator.kube_events import EventRecorder
 from replicator.coordinator.kube_overlay import KubeOverlay
 from replicator.coordinator.kube_watch import ShapeWatcher, WatchSettings
 from replicator.coordinator.node_identity import NodeVerifier
 from replicator.coordinator.operator_auth import KubeOperators, OperatorAuth, Operators, TokenOperators
 from replicator.coordinator.recovery_snapshot import RecoverySnapshot
 from replicator.coordinator.report_order import ReportOrder
+from replicator.coordinator.restore_events import RestoreEvents
 from replicator.coordinator.routes import (
     CHANGES_KEY,
     CONFIG_KEY,
@@ -57,6 +59,9 @@ LOOP_LAG = Histogram(
 )
 # What restores and backups need that no report brings back, kept in the state dir (``recovery_snapshot``).
 RECOVERY_KEY = web.AppKey("recovery", RecoverySnapshot)
+# With --kube: the Events of restores on the training pods and JobSets (``restore_events``).
+EVENTS_KEY = web.AppKey("events", RestoreEvents)
+RECORDER_KEY = web.AppKey("recorder", EventRecorder)
 # Expiry and due decision passes run this often, seconds.
 TICK_SECONDS = 0.25
 # A report of a node holding 16k steps of 60 files stays well below this; anything larger is refused (413).
@@ -76,6 +81,8 @@ async def _ticker(app: web.Application) -> AsyncIterator[None]:
             try:
                 app[STATE_KEY].tick(time.time())
                 app[CHANGES_KEY].publish()
+                if EVENTS_KEY in app:
+                    app[EVENTS_KEY].publish(app[STATE_KEY], app[OVERLAY_KEY].shapes)
                 gc.collect(1)  # by the clock, not by the count (``process_tuning.GC_THRESHOLDS``)
                 if (data := app[SNAPSHOT_KEY].encode(app[STATE_KEY], time.monotonic())) is not None:
                     await asyncio.to_thread(app[SNAPSHOT_KEY].write, data)
@@ -117,11 +124,13 @@ async def _kube_watcher(app: web.Application) -> AsyncIterator[None]:
         on_deleted=(lambda gone: verifier.deleted(gone.uid)) if verifier is not None else None,
     )
     task = asyncio.create_task(watcher.run(), name="kube shapes")
+    events = asyncio.create_task(app[RECORDER_KEY].run(), name="kube events")
     log.info("reading job shapes from the API server at %s", client.config.cluster.server)
     yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    for running in (task, events):
+        running.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await running
     await client.close()
 
 
@@ -141,6 +150,8 @@ def make_app(config: CoordinatorConfig) -> web.Application:
         app[OVERLAY_KEY] = KubeOverlay()
         # One client for the watches and the identity checks; made here (no I/O), closed by the watcher.
         app[KUBE_CLIENT_KEY] = AsyncClient(kube_config(config.kube), field_manager="mtc-coordinator")
+        app[RECORDER_KEY] = EventRecorder(app[KUBE_CLIENT_KEY], host=os.environ.get("HOSTNAME", ""))
+        app[EVENTS_KEY] = RestoreEvents(app[RECORDER_KEY])
         app.cleanup_ctx.append(_kube_watcher)
         if config.node_identity is not None:
             app[VERIFIER_KEY] = NodeVerifier(app[KUBE_CLIENT_KEY], config.node_identity)
