@@ -11,7 +11,8 @@ reason                        type     when, and on what
                                        rank 0's pod)
 ``RestoreFellBack``           Warning  a rank staged from another tier than planned first (its pod), or the plan
                                        was replaced after unusable copies (JobSet, rank 0's pod)
-``RestoreDone``               Normal   every rank staged the step: seconds since the plan (JobSet, rank 0's pod)
+``RestoreDone``               Normal   every rank staged the step: seconds since the plan was seen, the tiers used
+                                       (JobSet, rank 0's pod)
 ``RolledBack``                Normal   the same for an operator's ``mtc restore-from`` step (JobSet, rank 0's pod)
 ============================  =======  ===========================================================================
 
@@ -19,6 +20,7 @@ Events go through ``kube_events.EventRecorder`` (client-go's correlation). A job
 (not a JobSet's) has no objects to name: its events are dropped.
 """
 
+import collections
 import dataclasses
 import time
 
@@ -53,13 +55,15 @@ class Happening:
     message: str
 
 
-def _tiers(incarnation: Incarnation) -> str:
-    """``local x3, peer x1``: the first planned source tier of each rank, counted."""
+def _tiers(incarnation: Incarnation, used: bool = False) -> str:
+    """``local x3, peer_close x1``: each rank's first planned source tier (``used``: the tier it staged from),
+    counted."""
     assert incarnation.plan is not None
-    counts: dict[str, int] = {}
-    for sources in incarnation.plan.sources.values():
-        if sources:
-            counts[str(sources[0].tier)] = counts.get(str(sources[0].tier), 0) + 1
+    if used:
+        tiers = [source.partition(":")[0] for source in incarnation.used_sources.values()]
+    else:
+        tiers = [str(sources[0].tier) for sources in incarnation.plan.sources.values() if sources]
+    counts = collections.Counter(tiers)
     return ", ".join(f"{tier} x{n}" for tier, n in sorted(counts.items())) or "none"
 
 
@@ -167,9 +171,11 @@ class RestoreEvents:
             seconds = now - seen.planned_at
             if incarnation.rollback:
                 message = f"rolled back to step {plan.step}: every rank restored it in {seconds:.1f} s"
+                message += f" from {_tiers(incarnation, used=True)}"
                 found.append(Happening(key, None, EventType.NORMAL, "RolledBack", message))
             else:
                 message = f"step {plan.step} restored by {len(incarnation.staged)} ranks in {seconds:.1f} s"
+                message += f" from {_tiers(incarnation, used=True)}"
                 found.append(Happening(key, None, EventType.NORMAL, "RestoreDone", message))
 
 

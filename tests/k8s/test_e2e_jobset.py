@@ -3,20 +3,22 @@ JobSet controller creates its pods, the coordinator (``--kube``) takes their sha
 nodes' racks from the API server, and a real Orbax job trains on them through a 30 s API-server outage (the
 coordinator's link to it cut), a preemption (the JobSet restarts every Job, so the coordinator must read the API
 server again) and a node loss (the Node and its ramdisk gone, a fresh Node in the same rack), resuming the newest
-step with the same values.
+step with the same values. The coordinator's Events on the JobSet tell each restore: its source tier and seconds.
 
 The pods run on stand-in nodes (``tests/helpers/kube/jobset_job.py``: a real kubelet here runs only busybox images);
 ``test_kubelet_csi.py`` covers a real kubelet calling the driver."""
 
+import re
 import time
 
 import pytest
 from lightkube import codecs
 from lightkube.models.core_v1 import NamespaceSpec
 from lightkube.models.meta_v1 import ObjectMeta
-from lightkube.resources.core_v1 import Namespace, Node
+from lightkube.resources.core_v1 import Event, Namespace, Node
 
 from examples.local_cluster import LocalCluster, unmount_all_below
+from replicator.coordinator.kube_events import COMPONENT
 from replicator.coordinator.kube_shape import DEFAULT_BLOCK_LABEL, ZONE_LABEL
 from replicator.coordinator.kube_watch import JobSet
 from tests.helpers.jobs import (
@@ -58,6 +60,21 @@ def driver_only_jobset() -> dict:
         for volume in replicated["template"]["spec"]["template"]["spec"]["volumes"]:
             volume["csi"].pop("volumeAttributes", None)
     return document
+
+
+def restore_events(client, step: int) -> list[tuple[str, str]]:
+    """(reason, message) of the coordinator's restore events of ``step`` on the JobSet, oldest first."""
+    fields = {"involvedObject.kind": "JobSet", "involvedObject.name": JOBSET, "source": COMPONENT}
+    events = sorted(
+        client.list(Event, namespace=NAMESPACE, fields=fields), key=lambda e: (e.firstTimestamp, e.metadata.name)
+    )
+    return [(e.reason, e.message) for e in events if f"step {step} " in e.message]
+
+
+def wait_restore_done(job, client, step: int) -> list[tuple[str, str]]:
+    """The restore events of ``step`` once its ``RestoreDone`` is there."""
+    job.wait(lambda: "RestoreDone" in dict(restore_events(client, step)), 30, f"RestoreDone of step {step}")
+    return restore_events(client, step)
 
 
 @pytest.fixture
@@ -131,6 +148,10 @@ def test_example_jobset_resumes_through_an_api_outage_preemption_and_node_loss(k
     assert job.attempt == 1
     job.wait(lambda: max(losses(job.pods), default=-1) >= max(before), 180, "the preempted run's steps trained again")
     assert_resumed_exactly(job, step, before, tmp_path)
+    events = wait_restore_done(job, client, step)
+    assert [reason for reason, _ in events] == ["RestoreStarted", "RestoreDone"], events  # every rank from its own
+    assert re.fullmatch(rf"restore of step {step} for 4 ranks, .+, from local x4", events[0][1]), events
+    assert re.fullmatch(rf"step {step} restored by 4 ranks in \d+\.\d s from local x4", events[1][1]), events
 
     # Node loss: node-1 and its ramdisk are gone; node-4 joins rack-0. The lost rank restores from its data-parallel peer.
     before = kill_past_newest_commit(job)
@@ -157,3 +178,8 @@ def test_example_jobset_resumes_through_an_api_outage_preemption_and_node_loss(k
     # The racks come from the Node labels: the peer is close when it shares rack-0 with node-4.
     distance = "close" if rack(peer_node) == rack("node-4") else "distant"
     assert status["restore"]["sources"][str(lost_rank)] == f"peer_{distance}:{peer_node}", status["restore"]
+    events = wait_restore_done(job, client, step)
+    assert (events[0][0], events[-1][0]) == ("RestoreStarted", "RestoreDone"), events  # a replan may fall between
+    assert re.fullmatch(
+        rf"step {step} restored by 4 ranks in \d+\.\d s from local x3, peer_{distance} x1", events[-1][1]
+    ), events

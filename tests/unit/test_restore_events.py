@@ -27,7 +27,7 @@ def test_a_restore_starts_once_and_is_done_when_every_rank_staged_with_its_secon
     assert _seen(events, state, 21.0) == []
     state.report_staged(KEY, incarnation, view.generation, rank_of["b"], "local:b", [])
     assert _seen(events, state, 23.0) == [
-        (None, EventType.NORMAL, "RestoreDone", "step 5 restored by 2 ranks in 2.5 s")
+        (None, EventType.NORMAL, "RestoreDone", "step 5 restored by 2 ranks in 2.5 s from local x2")
     ]
     assert _seen(events, state, 24.0) == []
 
@@ -70,7 +70,7 @@ def test_a_rollback_is_announced_as_such_and_ends_rolled_back():
     for rank in (0, 1):
         state.report_staged(KEY, fresh, view.generation, rank, f"local:{node_of[rank]}", [])
     assert _seen(events, state, 30.5) == [
-        (None, EventType.NORMAL, "RolledBack", "rolled back to step 2: every rank restored it in 8.0 s")
+        (None, EventType.NORMAL, "RolledBack", "rolled back to step 2: every rank restored it in 8.0 s from local x2")
     ]
 
 
