@@ -19,9 +19,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from lightkube import Client, operators
+from lightkube.generic_resource import create_global_resource
 from lightkube.resources.apps_v1 import DaemonSet
 from lightkube.resources.core_v1 import Namespace, Node, Pod
-from lightkube.resources.storage_v1 import CSINode
 from lightkube.utils.quantity import parse_quantity
 
 from replicator.backup_tier.backends import open_backup_store
@@ -29,6 +29,9 @@ from replicator.backup_tier.probe import probe_store
 
 CHECKPOINTING_LABEL = "mtc.dev/checkpointing"
 MAX_CLOCK_SKEW_SECONDS = 30.0  # peer grants are valid +-30 s around the coordinator's clock
+# Generic (read as dicts): the kubelet writes a CSINode of a node with no driver as ``"drivers": null``, which
+# lightkube's typed model refuses.
+CSINode = create_global_resource("storage.k8s.io", "v1", "CSINode", "csinodes")
 AGENT_SELECTOR: dict[str, Any] = {"app.kubernetes.io/name": "mtc", "app.kubernetes.io/component": "node"}
 
 
