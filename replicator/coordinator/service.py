@@ -24,6 +24,7 @@ from prometheus_client import Histogram
 from replicator.coordinator import process_tuning, routes
 from replicator.coordinator.config import CoordinatorConfig
 from replicator.coordinator.job_changes import JobChanges
+from replicator.coordinator.jobset_annotations import JobSetAnnotations
 from replicator.coordinator.kube_config import KubeSettings, kube_config
 from replicator.coordinator.kube_events import EventRecorder
 from replicator.coordinator.kube_overlay import KubeOverlay
@@ -62,6 +63,8 @@ RECOVERY_KEY = web.AppKey("recovery", RecoverySnapshot)
 # With --kube: the Events of restores on the training pods and JobSets (``restore_events``).
 EVENTS_KEY = web.AppKey("events", RestoreEvents)
 RECORDER_KEY = web.AppKey("recorder", EventRecorder)
+# With --kube: the safe and backed-up steps as annotations on each JobSet (``jobset_annotations``).
+ANNOTATIONS_KEY = web.AppKey("annotations", JobSetAnnotations)
 # Expiry and due decision passes run this often, seconds.
 TICK_SECONDS = 0.25
 # A report of a node holding 16k steps of 60 files stays well below this; anything larger is refused (413).
@@ -83,6 +86,7 @@ async def _ticker(app: web.Application) -> AsyncIterator[None]:
                 app[CHANGES_KEY].publish()
                 if EVENTS_KEY in app:
                     app[EVENTS_KEY].publish(app[STATE_KEY], app[OVERLAY_KEY].shapes)
+                    app[ANNOTATIONS_KEY].publish(app[STATE_KEY], app[OVERLAY_KEY].shapes)
                 gc.collect(1)  # by the clock, not by the count (``process_tuning.GC_THRESHOLDS``)
                 if (data := app[SNAPSHOT_KEY].encode(app[STATE_KEY], time.monotonic())) is not None:
                     await asyncio.to_thread(app[SNAPSHOT_KEY].write, data)
@@ -125,9 +129,10 @@ async def _kube_watcher(app: web.Application) -> AsyncIterator[None]:
     )
     task = asyncio.create_task(watcher.run(), name="kube shapes")
     events = asyncio.create_task(app[RECORDER_KEY].run(), name="kube events")
+    annotations = asyncio.create_task(app[ANNOTATIONS_KEY].run(), name="jobset annotations")
     log.info("reading job shapes from the API server at %s", client.config.cluster.server)
     yield
-    for running in (task, events):
+    for running in (task, events, annotations):
         running.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await running
@@ -152,6 +157,7 @@ def make_app(config: CoordinatorConfig) -> web.Application:
         app[KUBE_CLIENT_KEY] = AsyncClient(kube_config(config.kube), field_manager="mtc-coordinator")
         app[RECORDER_KEY] = EventRecorder(app[KUBE_CLIENT_KEY], host=os.environ.get("HOSTNAME", ""))
         app[EVENTS_KEY] = RestoreEvents(app[RECORDER_KEY])
+        app[ANNOTATIONS_KEY] = JobSetAnnotations(app[KUBE_CLIENT_KEY])
         app.cleanup_ctx.append(_kube_watcher)
         if config.node_identity is not None:
             app[VERIFIER_KEY] = NodeVerifier(app[KUBE_CLIENT_KEY], config.node_identity)

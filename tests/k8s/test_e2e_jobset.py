@@ -18,6 +18,7 @@ from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Event, Namespace, Node
 
 from examples.local_cluster import LocalCluster, unmount_all_below
+from replicator.coordinator.jobset_annotations import SAFE_STEP
 from replicator.coordinator.kube_events import COMPONENT
 from replicator.coordinator.kube_shape import DEFAULT_BLOCK_LABEL, ZONE_LABEL
 from replicator.coordinator.kube_watch import JobSet
@@ -71,6 +72,12 @@ def restore_events(client, step: int) -> list[tuple[str, str]]:
     return [(e.reason, e.message) for e in events if f"step {step} " in e.message]
 
 
+def annotated_safe_step(client) -> int | None:
+    """The JobSet's ``mtc.dev/safe-step`` annotation (``kubectl get jobset`` shows it), or None."""
+    annotations = client.get(JobSet, JOBSET, namespace=NAMESPACE).metadata.annotations or {}
+    return int(annotations[SAFE_STEP]) if SAFE_STEP in annotations else None
+
+
 def wait_restore_done(job, client, step: int) -> list[tuple[str, str]]:
     """The restore events of ``step`` once its ``RestoreDone`` is there."""
     job.wait(lambda: "RestoreDone" in dict(restore_events(client, step)), 30, f"RestoreDone of step {step}")
@@ -121,6 +128,8 @@ def test_example_jobset_resumes_through_an_api_outage_preemption_and_node_loss(k
     status = status_of(cluster, job)
     node_of_rank = {place["rank"]: place["node"] for place in status["ranks"]}
     assert node_of_rank == {index: pod.spec.nodeName for index, pod in enumerate(job.api_pods)}
+    job.wait(lambda: (annotated_safe_step(client) or -1) >= 6, 30, "the JobSet's safe-step annotation")
+    first_safe = annotated_safe_step(client)
     assert status["identical_peers"] == [[0, 2], [1, 3], [2, 0], [3, 1]]
     # The stand-in wrote each pod's IP (its node's loopback host) to the API server; no agent passes --pod-address.
     rank0_host = next(a for a in cluster.agents if a.node_id == node_of_rank[0]).listen.rpartition(":")[0]
@@ -144,6 +153,9 @@ def test_example_jobset_resumes_through_an_api_outage_preemption_and_node_loss(k
     before = kill_past_newest_commit(job)
     wait_safe_is_newest(cluster, job, 30, "identity of the last step")
     step = status_of(cluster, job)["newest_complete_step"]
+    # `kubectl get jobset` shows the safe step advancing (written at most every 5 s).
+    job.wait(lambda: annotated_safe_step(client) == step, 30, f"the JobSet's safe-step annotation at {step}")
+    assert step > first_safe
     recreate(job, tmp_path / "dump-2")
     assert job.attempt == 1
     job.wait(lambda: max(losses(job.pods), default=-1) >= max(before), 180, "the preempted run's steps trained again")

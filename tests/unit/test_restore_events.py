@@ -1,7 +1,9 @@
 """The coordinator's restore events (replicator/coordinator/restore_events.py), read off a real ``ClusterState`` as
-its restores plan, stage, fall back and roll back; and the objects each names."""
+its restores plan, stage, fall back and roll back; the objects each names; and the JobSet's annotations
+(replicator/coordinator/jobset_annotations.py) read off the same state."""
 
 from replicator.coordinator.incarnations import Incarnation
+from replicator.coordinator.jobset_annotations import BACKED_UP_STEP, RESTORING, SAFE_STEP, annotations_of
 from replicator.coordinator.kube_events import EventType, ObjectRef
 from replicator.coordinator.kube_shape import JobShape, PodPlace
 from replicator.coordinator.restore_events import JOBSET_API_VERSION, RestoreEvents, objects_of
@@ -85,3 +87,16 @@ def test_objects_are_the_jobset_and_rank_0s_pod_for_the_job_and_the_ranks_pod_fo
     assert objects_of(shape, incarnation, None) == [jobset, ObjectRef("Pod", "v1", KEY.namespace, "p1", "uid-p1")]
     assert objects_of(shape, incarnation, 1) == [ObjectRef("Pod", "v1", KEY.namespace, "p0", "uid-p0")]
     assert objects_of(shape, Incarnation("inc", {"uid-p1": 0}, {0: "elsewhere"}), 0) == []
+
+
+def test_jobset_annotations_carry_the_safe_and_backed_up_steps_and_restoring_while_ranks_stage():
+    state = ClusterState()
+    state.expire(0.0)
+    incarnation, rank_of = running_job(state, now=20.0)
+    assert annotations_of(state, KEY)[RESTORING] == "false"  # no restore planned yet
+    view = state.restore_view(KEY, incarnation, rank_of["a"], now=20.5)
+    # Step 5 held by each rank and replicated to the other node: safe; no backup tier.
+    assert annotations_of(state, KEY) == {SAFE_STEP: "5", BACKED_UP_STEP: None, RESTORING: "true"}
+    for node in ("a", "b"):
+        state.report_staged(KEY, incarnation, view.generation, rank_of[node], f"local:{node}", [])
+    assert annotations_of(state, KEY)[RESTORING] == "false"
