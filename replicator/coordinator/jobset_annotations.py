@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 
-from lightkube import ApiError, AsyncClient
+from lightkube import AsyncClient
 from lightkube.types import PatchType
 
 from replicator.coordinator.kube_shape import Shapes
@@ -29,6 +29,8 @@ SAFE_STEP = "mtc.dev/safe-step"
 BACKED_UP_STEP = "mtc.dev/backed-up-step"
 RESTORING = "mtc.dev/restoring"
 MIN_INTERVAL_SECONDS = 5.0
+# A request to an API server out of reach (a silent connection) is given up after this long: the next waits.
+REQUEST_TIMEOUT_SECONDS = 10.0
 
 Annotations = dict[str, str | None]  # None removes the annotation (a merge patch)
 
@@ -93,9 +95,12 @@ class JobSetAnnotations:
     async def _patch(self, jobset: tuple[str, str], wanted: Annotations, now: float) -> None:
         namespace, name = jobset
         self._last[jobset] = now
+        patch = {"metadata": {"annotations": wanted}}
         try:
-            patch = {"metadata": {"annotations": wanted}}
-            await self._client.patch(JobSet, name, patch, namespace=namespace, patch_type=PatchType.MERGE)
+            await asyncio.wait_for(
+                self._client.patch(JobSet, name, patch, namespace=namespace, patch_type=PatchType.MERGE),
+                REQUEST_TIMEOUT_SECONDS,
+            )
             self._written[jobset] = wanted
-        except ApiError as error:  # not written: the next tick finds it due again
-            log.warning("JobSet %s/%s: annotations not written: %s", namespace, name, error)
+        except Exception as error:  # ApiError, a timeout, the transport's: the next tick finds it due again
+            log.warning("JobSet %s/%s: annotations not written: %r", namespace, name, error)

@@ -43,6 +43,8 @@ SIMILAR_MAX = 10  # client-go's defaultAggregateMaxEvents
 COMBINED_PREFIX = "(combined from similar events): "
 CACHE_ENTRIES = 4096  # client-go's maxLruCacheEntries
 QUEUE_LENGTH = 1000  # client-go's maxQueuedEvents
+# An event not sent within this long (an API server out of reach, a silent connection) is lost: the next is tried.
+REQUEST_TIMEOUT_SECONDS = 10.0
 
 
 class EventType(enum.Enum):
@@ -181,9 +183,9 @@ class EventRecorder:
         while True:
             ref, type_, reason, send = await self._queue.get()
             try:
-                await self._send(ref, type_, reason, send)
-            except ApiError as error:
-                log.warning("event %s on %s %s/%s not sent: %s", reason, ref.kind, ref.namespace, ref.name, error)
+                await asyncio.wait_for(self._send(ref, type_, reason, send), REQUEST_TIMEOUT_SECONDS)
+            except Exception as error:  # ApiError, a timeout, or the transport's (lightkube's HTTP library's own)
+                log.warning("event %s on %s %s/%s not sent: %r", reason, ref.kind, ref.namespace, ref.name, error)
             finally:
                 self._queue.task_done()
 

@@ -71,6 +71,16 @@ TICK_SECONDS = 0.25
 MAX_BODY_BYTES = 256 << 20
 
 
+def _tell_kube(app: web.Application) -> None:
+    """Sends what the tick changed to the API server: restore events, JobSet annotations. Apart from the tick's
+    own work, so that a failure here never holds up expiry or the snapshots restores need."""
+    try:
+        app[EVENTS_KEY].publish(app[STATE_KEY], app[OVERLAY_KEY].shapes)
+        app[ANNOTATIONS_KEY].publish(app[STATE_KEY], app[OVERLAY_KEY].shapes)
+    except Exception:  # a bug in what the operator sees must not stop the coordinator
+        log.exception("restore events or JobSet annotations failed, carrying on")
+
+
 async def _ticker(app: web.Application) -> AsyncIterator[None]:
     """Expires nodes and runs due decision passes in the background, waking long polls they affect,
     and writes the settings snapshot when settings changed and the recovery snapshot when what restores need
@@ -84,9 +94,6 @@ async def _ticker(app: web.Application) -> AsyncIterator[None]:
             try:
                 app[STATE_KEY].tick(time.time())
                 app[CHANGES_KEY].publish()
-                if EVENTS_KEY in app:
-                    app[EVENTS_KEY].publish(app[STATE_KEY], app[OVERLAY_KEY].shapes)
-                    app[ANNOTATIONS_KEY].publish(app[STATE_KEY], app[OVERLAY_KEY].shapes)
                 gc.collect(1)  # by the clock, not by the count (``process_tuning.GC_THRESHOLDS``)
                 if (data := app[SNAPSHOT_KEY].encode(app[STATE_KEY], time.monotonic())) is not None:
                     await asyncio.to_thread(app[SNAPSHOT_KEY].write, data)
@@ -94,6 +101,8 @@ async def _ticker(app: web.Application) -> AsyncIterator[None]:
                     await asyncio.to_thread(app[RECOVERY_KEY].write, jobs)
             except Exception:  # a bug in one pass must not stop expiry for the cluster
                 log.exception("coordinator tick failed, carrying on")
+            if EVENTS_KEY in app:
+                _tell_kube(app)
 
     task = asyncio.create_task(tick_forever())
     yield
