@@ -7,7 +7,14 @@ import sys
 import grpc
 
 from csi_driver.identity import version
-from replicator.cli import coordinator_command, export_command, logs, node_commands, operator_commands
+from replicator.cli import (
+    coordinator_command,
+    doctor_command,
+    export_command,
+    logs,
+    node_commands,
+    operator_commands,
+)
 from replicator.cli.arguments import Parser, log_level
 
 log = logging.getLogger(__name__)
@@ -37,7 +44,7 @@ def parser() -> Parser:
     main_parser.add_argument("--version", action="version", version=f"mtc {version()}")
     _add_log_flags(main_parser, logging.INFO, "text")
     sub = main_parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (node_commands, coordinator_command, operator_commands, export_command):
+    for module in (node_commands, coordinator_command, operator_commands, export_command, doctor_command):
         module.add(sub)
     for command in sub.choices.values():  # the subcommand's value, when given, wins
         _add_log_flags(command)

@@ -63,6 +63,11 @@ class KubeOverlay:
         self._told: set[tuple[str, str]] = set()  # (pod uid, why) logged once; bounded by MAX_TOLD
         self.version = 0
 
+    @property
+    def shapes(self) -> Shapes:
+        """The watcher's last shapes."""
+        return self._shapes
+
     def update(self, shapes: Shapes) -> set[JobRef]:
         """Takes the watcher's new shapes; returns the jobs whose shape changed (their long polls are woken)."""
         changed = {

@@ -24,13 +24,16 @@ from prometheus_client import Histogram
 from replicator.coordinator import process_tuning, routes
 from replicator.coordinator.config import CoordinatorConfig
 from replicator.coordinator.job_changes import JobChanges
+from replicator.coordinator.jobset_annotations import JobSetAnnotations
 from replicator.coordinator.kube_config import KubeSettings, kube_config
+from replicator.coordinator.kube_events import EventRecorder
 from replicator.coordinator.kube_overlay import KubeOverlay
 from replicator.coordinator.kube_watch import ShapeWatcher, WatchSettings
 from replicator.coordinator.node_identity import NodeVerifier
 from replicator.coordinator.operator_auth import KubeOperators, OperatorAuth, Operators, TokenOperators
 from replicator.coordinator.recovery_snapshot import RecoverySnapshot
 from replicator.coordinator.report_order import ReportOrder
+from replicator.coordinator.restore_events import RestoreEvents
 from replicator.coordinator.routes import (
     CHANGES_KEY,
     CONFIG_KEY,
@@ -57,10 +60,25 @@ LOOP_LAG = Histogram(
 )
 # What restores and backups need that no report brings back, kept in the state dir (``recovery_snapshot``).
 RECOVERY_KEY = web.AppKey("recovery", RecoverySnapshot)
+# With --kube: the Events of restores on the training pods and JobSets (``restore_events``).
+EVENTS_KEY = web.AppKey("events", RestoreEvents)
+RECORDER_KEY = web.AppKey("recorder", EventRecorder)
+# With --kube: the safe and backed-up steps as annotations on each JobSet (``jobset_annotations``).
+ANNOTATIONS_KEY = web.AppKey("annotations", JobSetAnnotations)
 # Expiry and due decision passes run this often, seconds.
 TICK_SECONDS = 0.25
 # A report of a node holding 16k steps of 60 files stays well below this; anything larger is refused (413).
 MAX_BODY_BYTES = 256 << 20
+
+
+def _tell_kube(app: web.Application) -> None:
+    """Sends what the tick changed to the API server: restore events, JobSet annotations. Apart from the tick's
+    own work, so that a failure here never holds up expiry or the snapshots restores need."""
+    try:
+        app[EVENTS_KEY].publish(app[STATE_KEY], app[OVERLAY_KEY].shapes)
+        app[ANNOTATIONS_KEY].publish(app[STATE_KEY], app[OVERLAY_KEY].shapes)
+    except Exception:  # a bug in what the operator sees must not stop the coordinator
+        log.exception("restore events or JobSet annotations failed, carrying on")
 
 
 async def _ticker(app: web.Application) -> AsyncIterator[None]:
@@ -83,6 +101,8 @@ async def _ticker(app: web.Application) -> AsyncIterator[None]:
                     await asyncio.to_thread(app[RECOVERY_KEY].write, jobs)
             except Exception:  # a bug in one pass must not stop expiry for the cluster
                 log.exception("coordinator tick failed, carrying on")
+            if EVENTS_KEY in app:
+                _tell_kube(app)
 
     task = asyncio.create_task(tick_forever())
     yield
@@ -117,11 +137,14 @@ async def _kube_watcher(app: web.Application) -> AsyncIterator[None]:
         on_deleted=(lambda gone: verifier.deleted(gone.uid)) if verifier is not None else None,
     )
     task = asyncio.create_task(watcher.run(), name="kube shapes")
+    events = asyncio.create_task(app[RECORDER_KEY].run(), name="kube events")
+    annotations = asyncio.create_task(app[ANNOTATIONS_KEY].run(), name="jobset annotations")
     log.info("reading job shapes from the API server at %s", client.config.cluster.server)
     yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    for running in (task, events, annotations):
+        running.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await running
     await client.close()
 
 
@@ -141,6 +164,9 @@ def make_app(config: CoordinatorConfig) -> web.Application:
         app[OVERLAY_KEY] = KubeOverlay()
         # One client for the watches and the identity checks; made here (no I/O), closed by the watcher.
         app[KUBE_CLIENT_KEY] = AsyncClient(kube_config(config.kube), field_manager="mtc-coordinator")
+        app[RECORDER_KEY] = EventRecorder(app[KUBE_CLIENT_KEY], host=os.environ.get("HOSTNAME", ""))
+        app[EVENTS_KEY] = RestoreEvents(app[RECORDER_KEY])
+        app[ANNOTATIONS_KEY] = JobSetAnnotations(app[KUBE_CLIENT_KEY])
         app.cleanup_ctx.append(_kube_watcher)
         if config.node_identity is not None:
             app[VERIFIER_KEY] = NodeVerifier(app[KUBE_CLIENT_KEY], config.node_identity)

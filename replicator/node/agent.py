@@ -29,6 +29,7 @@ from replicator.local_tier.job_meta import JobMeta
 from replicator.node.config import NodeConfig
 from replicator.node.job_series import JobSeries
 from replicator.node.loop import NodeReplicator
+from replicator.node.store_check import StoreCheck
 from replicator.pacing import timing
 from replicator.pacing.cpu_share import CpuShare
 from replicator.peer_tier.grant_check import PeerGrants
@@ -88,6 +89,7 @@ class NodeAgent:
             if backup.url
             else None
         )
+        self.store, self.store_check = store, StoreCheck(store.url if store else None)
         self.share = CpuShare(config.pacing.background_cpu) if config.pacing.background_cpu else None
         # With --peer-grants: the coordinator's keys, learnt by the report loop, checked by the peer service.
         self.grants = PeerGrants(GrantKeys(), config.node_id) if config.peer.grants else None
@@ -117,7 +119,9 @@ class NodeAgent:
     def _make_http_app(self) -> web.Application:
         async def healthz(request: web.Request) -> web.Response:
             healthy = self.healthy()
-            return web.json_response({"node": self.config.node_id, "ready": healthy}, status=200 if healthy else 503)
+            # The store's state is shown, not judged: a store fault must not restart agents (store_check.py).
+            body = {"node": self.config.node_id, "ready": healthy, "backup_store": self.store_check.summary()}
+            return web.json_response(body, status=200 if healthy else 503)
 
         async def metrics(request: web.Request) -> web.Response:
             RAMDISK_BYTES.clear()
@@ -174,6 +178,11 @@ class NodeAgent:
             self.ready.set()
             log.info("node agent %s ready (HTTP on %s)", self.config.node_id, self.config.peer.listen)
             replicating = asyncio.create_task(self.replicator.run(stop)) if self.replicator else None
+            checking = (
+                asyncio.create_task(self.store_check.run(self.store.objects, self.config.node_id, stop))
+                if self.store
+                else None
+            )
             while not stop.is_set():
                 released = await asyncio.to_thread(self.manager.reap_idle, csi.retention_seconds)
                 for key in released:
@@ -182,6 +191,10 @@ class NodeAgent:
                     await asyncio.wait_for(stop.wait(), timing.REAP_INTERVAL_SECONDS)
             if replicating:
                 await replicating
+            if checking:
+                checking.cancel()  # a probe in flight is of no use once the agent stops
+                with contextlib.suppress(asyncio.CancelledError):
+                    await checking
         finally:
             self.ready.clear()
             if registration:

@@ -41,7 +41,11 @@ def test_the_coordinators_rbac_is_exactly_what_it_uses(deployment):
         for e in requests
         if e.get("objectRef")
     }
-    assert used == granted(deployment), f"granted but unused: {granted(deployment) - used}; used: {used}"
+    # A patch of an event bumps the count of one repeated within 10 minutes (kube_events.py): the deployed job's
+    # restores may not repeat one, so that verb alone may go unused.
+    repeats_only = {("", "events", "patch")}
+    unused = granted(deployment) - used
+    assert used <= granted(deployment) and unused <= repeats_only, f"granted but unused: {unused}; used: {used}"
     # The agents hold no API token (automountServiceAccountToken: false) and never call the API server.
     assert not requests_of(deployment, AGENT)
 

@@ -284,7 +284,7 @@ CASES = [
     ([*_STATUS, "--log-format", "xml"], "mtc status: --log-format 'xml': not one of 'text', 'json'"),
     (
         ["frobnicate"],
-        "mtc: COMMAND 'frobnicate': not one of 'node', 'publish', 'unpublish', 'gc', 'coordinator', 'status', 'restore-from', 'export'",
+        "mtc: COMMAND 'frobnicate': not one of 'node', 'publish', 'unpublish', 'gc', 'coordinator', 'status', 'restore-from', 'export', 'doctor'",
     ),
     ([], "mtc: the following arguments are required: COMMAND"),
 ]

@@ -3,20 +3,23 @@ JobSet controller creates its pods, the coordinator (``--kube``) takes their sha
 nodes' racks from the API server, and a real Orbax job trains on them through a 30 s API-server outage (the
 coordinator's link to it cut), a preemption (the JobSet restarts every Job, so the coordinator must read the API
 server again) and a node loss (the Node and its ramdisk gone, a fresh Node in the same rack), resuming the newest
-step with the same values.
+step with the same values. The coordinator's Events on the JobSet tell each restore: its source tier and seconds.
 
 The pods run on stand-in nodes (``tests/helpers/kube/jobset_job.py``: a real kubelet here runs only busybox images);
 ``test_kubelet_csi.py`` covers a real kubelet calling the driver."""
 
+import re
 import time
 
 import pytest
 from lightkube import codecs
 from lightkube.models.core_v1 import NamespaceSpec
 from lightkube.models.meta_v1 import ObjectMeta
-from lightkube.resources.core_v1 import Namespace, Node
+from lightkube.resources.core_v1 import Event, Namespace, Node
 
 from examples.local_cluster import LocalCluster, unmount_all_below
+from replicator.coordinator.jobset_annotations import SAFE_STEP
+from replicator.coordinator.kube_events import COMPONENT
 from replicator.coordinator.kube_shape import DEFAULT_BLOCK_LABEL, ZONE_LABEL
 from replicator.coordinator.kube_watch import JobSet
 from tests.helpers.jobs import (
@@ -58,6 +61,27 @@ def driver_only_jobset() -> dict:
         for volume in replicated["template"]["spec"]["template"]["spec"]["volumes"]:
             volume["csi"].pop("volumeAttributes", None)
     return document
+
+
+def restore_events(client, step: int) -> list[tuple[str, str]]:
+    """(reason, message) of the coordinator's restore events of ``step`` on the JobSet, oldest first."""
+    fields = {"involvedObject.kind": "JobSet", "involvedObject.name": JOBSET, "source": COMPONENT}
+    events = sorted(
+        client.list(Event, namespace=NAMESPACE, fields=fields), key=lambda e: (e.firstTimestamp, e.metadata.name)
+    )
+    return [(e.reason, e.message) for e in events if f"step {step} " in e.message]
+
+
+def annotated_safe_step(client) -> int | None:
+    """The JobSet's ``mtc.dev/safe-step`` annotation (``kubectl get jobset`` shows it), or None."""
+    annotations = client.get(JobSet, JOBSET, namespace=NAMESPACE).metadata.annotations or {}
+    return int(annotations[SAFE_STEP]) if SAFE_STEP in annotations else None
+
+
+def wait_restore_done(job, client, step: int) -> list[tuple[str, str]]:
+    """The restore events of ``step`` once its ``RestoreDone`` is there."""
+    job.wait(lambda: "RestoreDone" in dict(restore_events(client, step)), 30, f"RestoreDone of step {step}")
+    return restore_events(client, step)
 
 
 @pytest.fixture
@@ -104,6 +128,8 @@ def test_example_jobset_resumes_through_an_api_outage_preemption_and_node_loss(k
     status = status_of(cluster, job)
     node_of_rank = {place["rank"]: place["node"] for place in status["ranks"]}
     assert node_of_rank == {index: pod.spec.nodeName for index, pod in enumerate(job.api_pods)}
+    job.wait(lambda: (annotated_safe_step(client) or -1) >= 6, 30, "the JobSet's safe-step annotation")
+    first_safe = annotated_safe_step(client)
     assert status["identical_peers"] == [[0, 2], [1, 3], [2, 0], [3, 1]]
     # The stand-in wrote each pod's IP (its node's loopback host) to the API server; no agent passes --pod-address.
     rank0_host = next(a for a in cluster.agents if a.node_id == node_of_rank[0]).listen.rpartition(":")[0]
@@ -127,10 +153,17 @@ def test_example_jobset_resumes_through_an_api_outage_preemption_and_node_loss(k
     before = kill_past_newest_commit(job)
     wait_safe_is_newest(cluster, job, 30, "identity of the last step")
     step = status_of(cluster, job)["newest_complete_step"]
+    # `kubectl get jobset` shows the safe step advancing (written at most every 5 s).
+    job.wait(lambda: annotated_safe_step(client) == step, 30, f"the JobSet's safe-step annotation at {step}")
+    assert step > first_safe
     recreate(job, tmp_path / "dump-2")
     assert job.attempt == 1
     job.wait(lambda: max(losses(job.pods), default=-1) >= max(before), 180, "the preempted run's steps trained again")
     assert_resumed_exactly(job, step, before, tmp_path)
+    events = wait_restore_done(job, client, step)
+    assert [reason for reason, _ in events] == ["RestoreStarted", "RestoreDone"], events  # every rank from its own
+    assert re.fullmatch(rf"restore of step {step} for 4 ranks, .+, from local x4", events[0][1]), events
+    assert re.fullmatch(rf"step {step} restored by 4 ranks in \d+\.\d s from local x4", events[1][1]), events
 
     # Node loss: node-1 and its ramdisk are gone; node-4 joins rack-0. The lost rank restores from its data-parallel peer.
     before = kill_past_newest_commit(job)
@@ -157,3 +190,8 @@ def test_example_jobset_resumes_through_an_api_outage_preemption_and_node_loss(k
     # The racks come from the Node labels: the peer is close when it shares rack-0 with node-4.
     distance = "close" if rack(peer_node) == rack("node-4") else "distant"
     assert status["restore"]["sources"][str(lost_rank)] == f"peer_{distance}:{peer_node}", status["restore"]
+    events = wait_restore_done(job, client, step)
+    assert (events[0][0], events[-1][0]) == ("RestoreStarted", "RestoreDone"), events  # a replan may fall between
+    assert re.fullmatch(
+        rf"step {step} restored by 4 ranks in \d+\.\d s from local x3, peer_{distance} x1", events[-1][1]
+    ), events

@@ -40,7 +40,9 @@ CLUSTER_SCOPED = (
 # What the coordinator reads from the API server (replicator/coordinator/kube_watch.py), and only that.
 # (apiGroup, resource, verb): what the coordinator does with the API server, nothing more. Get on pods and nodes
 # and create on tokenreviews are per-node identity's (replicator/coordinator/node_identity.py); create on
-# tokenreviews and subjectaccessreviews operator identity's (replicator/coordinator/operator_auth.py).
+# tokenreviews and subjectaccessreviews operator identity's (replicator/coordinator/operator_auth.py); create and
+# patch on events the restore events' (replicator/coordinator/kube_events.py: a repeat bumps its count); patch on
+# jobsets the safe and backed-up steps' annotations (replicator/coordinator/jobset_annotations.py).
 COORDINATOR_VERBS = {
     *(
         (group, resource, verb)
@@ -49,8 +51,11 @@ COORDINATOR_VERBS = {
     ),
     ("jobset.x-k8s.io", "jobsets", "list"),
     ("jobset.x-k8s.io", "jobsets", "watch"),
+    ("jobset.x-k8s.io", "jobsets", "patch"),
     ("authentication.k8s.io", "tokenreviews", "create"),
     ("authorization.k8s.io", "subjectaccessreviews", "create"),
+    ("", "events", "create"),
+    ("", "events", "patch"),
 }
 # The operators' roles (manifests/operator-rbac.yaml): the verbs the coordinator asks RBAC about, and nothing else.
 OPERATOR_ROLES = {

@@ -25,6 +25,7 @@ SECTIONS = {
     "gc": (OPERATIONS, "Releasing ramdisks"),
     "restore-from": (OPERATIONS, "Roll back"),
     "export": (OPERATIONS, "Export a PyTorch step"),
+    "doctor": (OPERATIONS, "Doctor"),
     "publish": (DEVELOPMENT, "The kubelet stand-in"),
     "unpublish": (DEVELOPMENT, "The kubelet stand-in"),
 }
