@@ -19,6 +19,7 @@ import aiohttp
 from prometheus_client import Counter, Gauge, Histogram
 
 from csi_driver.ramdisk import Ramdisk, RamdiskManager
+from prefetch import stagers
 from prefetch.restore import Restorer
 from replicator.backup_tier.store import BackupStore
 from replicator.backup_tier.worker import BackupWorker
@@ -113,10 +114,9 @@ class NodeReplicator:
             else None
         )
         self._restorer = Restorer(
-            config.node_id,
-            peer_token,
-            self._peer_ssl,
-            self._backup.download if self._backup else None,
+            stagers.for_node(
+                config.node_id, peer_token, self._peer_ssl, self._backup.download if self._backup else None
+            ),
             self._log_once,
             config.pacing.restore_deadline_seconds,
             self.make_room,

@@ -15,6 +15,7 @@ import time
 import aiohttp
 
 from csi_driver.ramdisk import Ramdisk
+from prefetch import stagers
 from prefetch.restore import Restorer
 from replicator.local_tier import frameworks
 from replicator.local_tier.frameworks import orbax
@@ -71,7 +72,7 @@ async def test_a_replan_ends_the_retry_backoff_at_once(serve, tmp_path):
         RestoreView("g1", STEP, (Source(Tier.PEER_CLOSE, "node-lost", closed_port_url(), RANK, files),), ready=False)
     )
     async with aiohttp.ClientSession() as session:
-        restorer = Restorer("node-a", Tokens.of(TOKEN), None, None, LogOnce(), deadline_seconds=60)
+        restorer = Restorer(stagers.for_node("node-a", Tokens.of(TOKEN), None, None), LogOnce(), deadline_seconds=60)
         restoring = asyncio.create_task(
             restorer.restore(plan, session, disk, JobMeta(disk.path), PodProgress("uid", "inc", RANK), lambda: None)
         )
