@@ -6,16 +6,15 @@ from collections.abc import Awaitable, Callable
 from typing import ClassVar
 
 from prefetch.stagers.base import Fetched, StageContext, Unreachable, check_owner, install
-from replicator.backup_tier.store import BackupError
+from replicator.backup_tier.object_store import BackupError
+from replicator.local_tier.job_keys import job_of
 from replicator.local_tier.job_meta import JobMeta
 from replicator.local_tier.step_manifest import CorruptCopy, StepManifest, UnusableCopy
-from replicator.wire.messages import Source, Tier
+from replicator.wire.messages import JobRef, Source, Tier
 
-# (meta, namespace, job, step, data rank, timeline, called with each range's bytes as it lands) ->
+# (meta, job, step, data rank, timeline, called with each range's bytes as it lands) ->
 # (verified step dir on the ramdisk, its manifest); raises BackupError or OSError. ``BackupWorker.download``.
-BackupDownload = Callable[
-    [JobMeta, str, str, int, int, int, Callable[[int], None]], Awaitable[tuple[str, StepManifest]]
-]
+BackupDownload = Callable[[JobMeta, JobRef, int, int, int, Callable[[int], None]], Awaitable[tuple[str, StepManifest]]]
 
 
 class BackupStager:
@@ -32,10 +31,9 @@ class BackupStager:
     async def stage(self, ctx: StageContext, source: Source, fetched: Fetched) -> None:
         if self._download is None:
             raise UnusableCopy("no backup tier on this node (--backup)")
-        disk = ctx.disk
         try:
             verified, manifest = await self._download(
-                ctx.meta, disk.namespace, disk.job, ctx.step, source.data_rank, source.timeline, fetched
+                ctx.meta, job_of(ctx.disk), ctx.step, source.data_rank, source.timeline, fetched
             )
         except UnusableCopy:
             raise
