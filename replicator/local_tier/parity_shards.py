@@ -16,13 +16,14 @@ import msgspec
 
 from replicator.local_tier import pod_files
 from replicator.local_tier.job_meta import META_DIR
+from replicator.wire.messages import HeldShard, JobRef
 
 _SHARD_NAME = re.compile(r"^g(\d+)-s(\d+)$")
 _MAX_META_BYTES = 1 << 20
 
 
-class ShardMeta(msgspec.Struct, frozen=True):
-    """A parity shard's identity and checksum.
+class ShardMeta(msgspec.Struct, frozen=True, kw_only=True):
+    """A parity shard's identity and checksum, built by keyword; its JSON is the shard's ``.json`` file.
 
     Attributes:
       step: the step it protects.
@@ -44,6 +45,21 @@ class ShardMeta(msgspec.Struct, frozen=True):
     bytes: int
     crc32c: str
     basis: str
+
+    def held(self, job: JobRef) -> HeldShard:
+        """What a node's report says of the shard (``NodeReport.shards``)."""
+        return HeldShard(
+            namespace=job.namespace,
+            job=job.job,
+            step=self.step,
+            members=self.members,
+            parity=self.parity,
+            stripe=self.stripe,
+            index=self.index,
+            bytes=self.bytes,
+            crc32c=self.crc32c,
+            basis=self.basis,
+        )
 
 
 class ParityShards:

@@ -292,12 +292,7 @@ class NodeReplicator:
         shards: list[HeldShard] = []
         for job, disk in disks.items():
             meta = JobMeta(disk.path)
-            shards += [
-                HeldShard(
-                    job.namespace, job.job, s.step, s.members, s.parity, s.stripe, s.index, s.bytes, s.crc32c, s.basis
-                )
-                for s in ParityShards(disk.path).held()
-            ]
+            shards += [shard.held(job) for shard in ParityShards(disk.path).held()]
             framework = job_frameworks[job] = meta.framework
             if forks := meta.lineage():
                 lineages.append(Lineage(disk.namespace, disk.job, forks))
