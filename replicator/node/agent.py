@@ -93,15 +93,10 @@ def build_replicator(
     """The replicator loop with its collaborators (``NodeParts``).
 
     Args:
-      config: the node's settings.
       coordinator_url: the coordinator's URL (``config.coordinator.url``).
-      manager: the node's ramdisks.
-      peer_token: bearer tokens of the peer service and the coordinator (``config.peer.tokens()``), or None
-        to run without the peer tier.
       backup_store: the backup tier, or None to run without it.
       share: the CPU cap of replication and backup while jobs train, or None (restores never pace).
-      grant_keys: with ``--peer-grants``, where the coordinator's grant keys are kept as its replies bring them,
-        or None.
+      others: as ``NodeReplicator``.
     """
     busy_steps, log_once = BusySteps(), LogOnce()  # busy: being read by a push or an upload: GC keeps them
     reporting = ReportSession(

@@ -50,8 +50,7 @@ async def rebuild(
       PeerFetchError: a survivor or a shard holder could not be read (worth retrying).
       OSError: ``dest_dir`` could not be written.
     """
-    layout = GroupLayout.of_group(recipe)
-    step = reads.step
+    layout, step = GroupLayout.of_group(recipe), reads.step
     if rank not in layout.members:
         raise UnusableCopy(f"rank {rank} is not a member of group {list(layout.members)}")
     position = layout.members.index(rank)
