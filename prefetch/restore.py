@@ -6,6 +6,8 @@ serves a copy matching the owner's checksums, reports the outcome, waits (long p
 rank has staged, then ``hand_over`` writes the job's restore marker. Within the deadline an unreachable
 source is retried; only a proven mismatch gives a copy up (reported, so the plan moves on). The
 restore's states and the transitions between them are ``restore_states``; this module does their I/O.
+Each tier's copy is staged by its stager (``prefetch.stagers``: this node, a peer, a parity rebuild, the
+backup tier), the first that serves the source.
 
 Read-once restores: when the step is held only in the backup tier, a view may say an identical
 rank's node is downloading it (``fan_out_pending``); the rank then waits (long poll) for the view
@@ -75,7 +77,7 @@ def forget_job_series(namespace: str, job: str) -> None:
 
 
 # (ramdisk, bytes wanted free) -> None: gives up unsafe copies to make room (``space.make_room`` with the
-# job's latest retain order). ``NodeReplicator.make_room``.
+# job's latest retain order). ``RoomKeeper.make_room``.
 MakeRoom = Callable[[Ramdisk, int], None]
 
 

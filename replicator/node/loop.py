@@ -1,11 +1,12 @@
-"""The node agent's replicator loop, for every job ramdisk on the node: it composes the concerns below.
+"""The node agent's replicator loop, for every job ramdisk on the node: it drives the concerns below, which the
+agent builds (``agent.build_replicator``, ``NodeParts``).
 
 - Reports the node's pods and committed steps to the coordinator: at once on a change, else as a
   heartbeat at the pace the coordinator sets (``ReportSession``; ``CoordinatorClient``), and hands
   the reply's orders on: replicate (``pushes``), retain (``garbage_collection``), back up
   (``BackupWorker``).
 - Runs one worker per published job: the pod's hand-shake files (``pod_handshake``), its restore
-  (``prefetch.restore``), then commit detection (``commit_detection``).
+  (``prefetch.restore``), then commit detection (``commit_detection``) and room for the next save (``room``).
 """
 
 import asyncio
