@@ -98,7 +98,7 @@ def _shard(ramdisk, step: int, group: int, stripe: int, size: int) -> None:
         index=0,
         bytes=size,
         crc32c="00000000",
-        basis="basis",
+        basis="0" * 64,
     )
     ParityShards(ramdisk).install(written, meta)
 
