@@ -348,11 +348,11 @@ $(NVRX_STAMP):
 	$(NVRX_VENV)/bin/pip install -q $(foreach p,$(NVRX_TORCH),'$(p)') $(NVRX_VENV)/wheel/$(NVRX_WHEEL)-linux_x86_64.whl
 	touch $@
 
-# The stock MaxText trainer on CPU through a preemption and a node loss (tests/e2e_maxtext.py); not
+# The stock MaxText trainer on CPU through a preemption and a node loss (tests/drivers/e2e_maxtext.py); not
 # part of `make test`. maxtext's wheel declares its dependencies only in extras: [tpu] brings
 # jax, orbax-checkpoint and the rest (libtpu stays unused under JAX_PLATFORMS=cpu).
 e2e-maxtext: host-tools setup $(MAXTEXT_STAMP)
-	$(BIN)/python -m tests.e2e_maxtext --python $(MAXTEXT_VENV)/bin/python
+	$(BIN)/python -m tests.drivers.e2e_maxtext --python $(MAXTEXT_VENV)/bin/python
 
 $(MAXTEXT_STAMP):
 	@test -n "$(MAXTEXT_PYTHON)" || { echo "No Python >= 3.12 found (python3.12 or ~/.pyenv/versions/3.12*): MaxText 0.2.5 needs it; set MAXTEXT_PYTHON=..."; exit 1; }
@@ -362,10 +362,10 @@ $(MAXTEXT_STAMP):
 	touch $@
 
 # The stock TorchTitan trainer (its llama3 debug model) on CPU, 2 nodes x 2 processes under torchrun,
-# checkpointing through mtc_torch, through a preemption and a node loss (tests/e2e_torchtitan.py); not
+# checkpointing through mtc_torch, through a preemption and a node loss (tests/drivers/e2e_torchtitan.py); not
 # part of `make test`. It runs from the PyTorch venv above.
 e2e-torchtitan: host-tools setup $(TORCH_STAMP)
-	$(BIN)/python -m tests.e2e_torchtitan --python $(TORCH_VENV)/bin/python
+	$(BIN)/python -m tests.drivers.e2e_torchtitan --python $(TORCH_VENV)/bin/python
 
 # The Orbax end-to-end subset against the oldest claimed orbax-checkpoint, in its own virtualenv (the
 # agents and trainers run on its Python too).
@@ -383,7 +383,7 @@ $(ORBAX_OLDEST_STAMP): pyproject.toml
 CHAOS_FAULTS ?= 20
 CHAOS_ARGS   ?=
 chaos: host-tools setup tools
-	rc=0; for v in dp2 dp1 xor rs grants; do $(BIN)/python -m tests.chaos --faults $(CHAOS_FAULTS) --variant $$v $(CHAOS_ARGS) || rc=1; done; exit $$rc
+	rc=0; for v in dp2 dp1 xor rs grants; do $(BIN)/python -m tests.drivers.chaos --faults $(CHAOS_FAULTS) --variant $$v $(CHAOS_ARGS) || rc=1; done; exit $$rc
 
 image:
 	@if command -v docker >/dev/null && docker info >/dev/null 2>&1; then \

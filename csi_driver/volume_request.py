@@ -110,6 +110,28 @@ def _integer(context: dict[str, str], name: str, default: int | None, minimum: i
     return value
 
 
+def _size_bytes(raw_size: str | None, default_size_bytes: int, limits: VolumeLimits) -> int:
+    """The ``size`` attribute in bytes (``default_size_bytes`` when absent); raises InvalidVolumeRequest."""
+    try:
+        size_bytes = default_size_bytes if raw_size is None else parse_quantity(raw_size)
+    except ValueError as err:
+        raise InvalidVolumeRequest(f"volume attribute size: {err}") from None
+    if not 0 < size_bytes <= limits.max_size_bytes:
+        raise InvalidVolumeRequest(
+            f"volume attribute size={raw_size!r} must be positive and at most the node's memory ({limits.max_size_bytes} bytes)"
+        )
+    return size_bytes
+
+
+def _framework(framework: str, limits: VolumeLimits) -> str:
+    """The ``framework`` attribute, one ``limits`` serves; raises InvalidVolumeRequest."""
+    if framework not in limits.frameworks:
+        raise InvalidVolumeRequest(
+            f"volume attribute framework={framework[:64]!r} is not served here: use one of {', '.join(sorted(limits.frameworks))}"
+        )
+    return framework
+
+
 def parse_volume_context(
     context: dict[str, str], default_size_bytes: int, limits: VolumeLimits = VolumeLimits()
 ) -> VolumeSpec:
@@ -141,15 +163,7 @@ def parse_volume_context(
             "<jobset>-<replicatedJob>-<jobIndex>-<podIndex>-<suffix>"
         )
     _dns_label("job", job)
-    raw_size = context.get("size")
-    try:
-        size_bytes = default_size_bytes if raw_size is None else parse_quantity(raw_size)
-    except ValueError as err:
-        raise InvalidVolumeRequest(f"volume attribute size: {err}") from None
-    if not 0 < size_bytes <= limits.max_size_bytes:
-        raise InvalidVolumeRequest(
-            f"volume attribute size={raw_size!r} must be positive and at most the node's memory ({limits.max_size_bytes} bytes)"
-        )
+    size_bytes = _size_bytes(context.get("size"), default_size_bytes, limits)
     nodes = _integer(context, "nodes", None, minimum=1, maximum=limits.max_nodes)
     slices = _integer(context, "slices", 1, minimum=1, maximum=nodes or limits.max_nodes)
     if nodes is not None and nodes % slices:
@@ -157,11 +171,7 @@ def parse_volume_context(
     default_slice = int(jobset_name["slice"]) if jobset_name else None
     default_worker = int(jobset_name["worker"]) if jobset_name else None
     port = _integer(context, "jaxCoordinatorPort", DEFAULT_JAX_COORDINATOR_PORT, minimum=1, maximum=65535)
-    framework = context.get("framework", DEFAULT_FRAMEWORK)
-    if framework not in limits.frameworks:
-        raise InvalidVolumeRequest(
-            f"volume attribute framework={framework[:64]!r} is not served here: use one of {', '.join(sorted(limits.frameworks))}"
-        )
+    framework = _framework(context.get("framework", DEFAULT_FRAMEWORK), limits)
     return VolumeSpec(
         namespace=namespace,
         job=job,

@@ -6,6 +6,8 @@ serves a copy matching the owner's checksums, reports the outcome, waits (long p
 rank has staged, then ``hand_over`` writes the job's restore marker. Within the deadline an unreachable
 source is retried; only a proven mismatch gives a copy up (reported, so the plan moves on). The
 restore's states and the transitions between them are ``restore_states``; this module does their I/O.
+Each tier's copy is staged by its stager (``prefetch.stagers``: this node, a peer, a parity rebuild, the
+backup tier), the first that serves the source.
 
 Read-once restores: when the step is held only in the backup tier, a view may say an identical
 rank's node is downloading it (``fan_out_pending``); the rank then waits (long poll) for the view
@@ -18,10 +20,8 @@ import contextlib
 import dataclasses
 import logging
 import os
-import shutil
-import ssl
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import aiohttp
 from prometheus_client import Counter, Histogram
@@ -29,21 +29,17 @@ from prometheus_client import Counter, Histogram
 from csi_driver.ramdisk import Ramdisk
 from prefetch import resharded, restore_states, staging
 from prefetch.restore_states import Acting, Asking, Attempts, HandingOver, Reporting, Retrying, Staged, Staging, State
-from replicator.backup_tier.store import BackupError
+from prefetch.stagers.base import StageContext, Stager, Unreachable
 from replicator.local_tier import space
 from replicator.local_tier.in_flight import InFlight
 from replicator.local_tier.job_keys import BusySteps, job_of
 from replicator.local_tier.job_meta import JobMeta, PodProgress
 from replicator.local_tier.log_once import LogOnce, report_to_job
-from replicator.local_tier.step_manifest import CorruptCopy, StepManifest, UnusableCopy
+from replicator.local_tier.step_manifest import CorruptCopy, UnusableCopy
 from replicator.local_tier.steps import drop_abandoned
 from replicator.pacing import timing
-from replicator.parity import decoder
-from replicator.parity.reads import StepReads
-from replicator.peer_tier.client import PeerFetchError, fetch_manifest, fetch_step
-from replicator.wire.bearer import Tokens
 from replicator.wire.coordinator_client import CoordinatorClient, CoordinatorUnavailable
-from replicator.wire.messages import PodRank, RestoreView, Source, Tier
+from replicator.wire.messages import PodRank, Source, Tier
 from replicator.wire.metric_labels import JOB_LABELS
 
 log = logging.getLogger(__name__)
@@ -80,20 +76,9 @@ def forget_job_series(namespace: str, job: str) -> None:
     RESTORE_IN_FLIGHT.forget(namespace, job)
 
 
-# (meta, namespace, job, step, data rank, timeline, called with each range's bytes as it lands) ->
-# (verified step dir on the ramdisk, its manifest); raises BackupError or OSError. ``BackupWorker.download``.
-BackupDownload = Callable[
-    [JobMeta, str, str, int, int, int, Callable[[int], None]], Awaitable[tuple[str, StepManifest]]
-]
 # (ramdisk, bytes wanted free) -> None: gives up unsafe copies to make room (``space.make_room`` with the
-# job's latest retain order). ``NodeReplicator.make_room``.
+# job's latest retain order). ``RoomKeeper.make_room``.
 MakeRoom = Callable[[Ramdisk, int], None]
-
-
-def _step(view: RestoreView) -> int:
-    """The step a view stages: staging begins only for a view that has one."""
-    assert view.step is not None
-    return view.step
 
 
 def _rank(progress: PodProgress) -> int:
@@ -114,28 +99,11 @@ class _PodRestore:
     pod_rank: PodRank
 
 
-class _Unreachable(Exception):
-    """A source that did not serve for now (unreachable, or its tier failed): worth retrying."""
-
-
-def _check_owner(manifest: StepManifest, source: Source) -> None:
-    """Raises CorruptCopy when the checksums a copy was verified against are not those its owning
-    rank reported (carried in the plan); the bytes were checked against ``manifest``, so equal
-    manifests mean they match the owner's."""
-    if source.files is not None and manifest.files != source.files:
-        raise CorruptCopy(
-            f"crc32c mismatch: the copy on {source.holder} does not match the checksums rank {source.data_rank} reported"
-        )
-
-
 class Restorer:
     """Runs the restores of the node's pods.
 
     Args:
-      node_id: this node's name (a source held here is staged in place).
-      peer_token: bearer tokens of the peer tier (the current one is sent), or None to run without it.
-      peer_ssl: TLS context for calls to peers, or None for the default.
-      download: the backup tier's verified download, or None to run without it.
+      stagers: where a copy is staged from, asked in order (``prefetch.stagers.for_node``).
       log_once: the agent's throttled error log.
       deadline_seconds: a restore gives up (and tells the job) after this long; below Orbax's 300 s.
       make_room: called before a copy is fetched into a ramdisk without room for it, or None.
@@ -147,21 +115,15 @@ class Restorer:
 
     def __init__(
         self,
-        node_id: str,
-        peer_token: Tokens | None,
-        peer_ssl: ssl.SSLContext | None,
-        download: BackupDownload | None,
+        stagers: Sequence[Stager],
         log_once: LogOnce,
         deadline_seconds: float = timing.RESTORE_DEADLINE_SECONDS,
         make_room: MakeRoom | None = None,
         fan_out_wait_seconds: float = timing.FAN_OUT_WAIT_SECONDS,
         busy_steps: BusySteps | None = None,
     ):
-        self.node_id = node_id
+        self._stagers = tuple(stagers)
         self._make_room = make_room
-        self._peer_token = peer_token
-        self._peer_ssl = peer_ssl
-        self._download = download
         self._log_once = log_once
         self._deadline_seconds = deadline_seconds
         self._fan_out_wait_seconds = fan_out_wait_seconds
@@ -238,7 +200,7 @@ class Restorer:
                         view.step,
                         self._fan_out_wait_seconds,
                     )
-                staged = await self._stage(pod.session, disk, meta, pod.progress, view, attempts.unusable)
+                staged = await self._stage(StageContext(pod.session, disk, meta, pod.progress, view), attempts.unusable)
                 return restore_states.staged(attempts, view, staged)
             case Retrying(view, staged):
                 if staged.bad:
@@ -256,66 +218,52 @@ class Restorer:
                 await pod.client.report_staged(pod.pod_rank, view.generation, summary, staged.bad)
                 return restore_states.reported(attempts, view)
 
-    async def _stage(
-        self,
-        session: aiohttp.ClientSession,
-        disk: Ramdisk,
-        meta: JobMeta,
-        progress: PodProgress,
-        view: RestoreView,
-        unusable: frozenset[tuple[str, str, int]],
-    ) -> Staged:
+    async def _stage(self, ctx: StageContext, unusable: frozenset[tuple[str, str, int]]) -> Staged:
         """Stages the view's step from its first source that serves a verified copy; an elastic
         restore's (``view.saved_nodes``) stages each old node's copy so (``resharded.stage_parts``).
 
         Args:
           unusable: (generation, holder, data rank) already proven unusable: not tried again.
         """
+        view, meta = ctx.view, ctx.meta
         if view.saved_nodes is None:
-            return await self._stage_sources(session, disk, meta, progress, view, view.sources, unusable, None)
+            return await self._stage_sources(ctx, view.sources, unusable)
 
         def stage_one(sources: tuple[Source, ...], part: str) -> Awaitable[Staged]:
-            return self._stage_sources(session, disk, meta, progress, view, sources, unusable, part)
+            return self._stage_sources(dataclasses.replace(ctx, part=part), sources, unusable)
 
-        return await resharded.stage_parts(meta.framework, disk.client_dir, meta, view, stage_one)
+        return await resharded.stage_parts(meta.framework, ctx.disk.client_dir, meta, view, stage_one)
 
     async def _stage_sources(
-        self,
-        session: aiohttp.ClientSession,
-        disk: Ramdisk,
-        meta: JobMeta,
-        progress: PodProgress,
-        view: RestoreView,
-        sources: tuple[Source, ...],
-        unusable: frozenset[tuple[str, str, int]],
-        part: str | None,
+        self, ctx: StageContext, sources: tuple[Source, ...], unusable: frozenset[tuple[str, str, int]]
     ) -> Staged:
         """Stages one copy of the view's step from the first of ``sources`` that serves it verified:
-        as the rank's step, or into ``part`` (an old node's copy of an elastic restore)."""
+        as the rank's step, or into ``ctx.part`` (an old node's copy of an elastic restore)."""
+        disk, view, part = ctx.disk, ctx.view, ctx.part
         bad: list[tuple[int, int, str]] = []
         unreachable: list[str] = []
         for source in sources:
             if (view.generation, source.holder, source.data_rank) in unusable:
                 continue
             try:
-                await self._stage_from(session, disk, meta, progress, view, source, part)
-            except _Unreachable as err:
+                await self._stage_from(ctx, source)
+            except Unreachable as err:
                 unreachable.append(f"{source.holder}: {err}")
                 continue
             except UnusableCopy as err:
                 if isinstance(err, CorruptCopy):
                     CORRUPT_COPIES.inc()
                 message = f"step {view.step} copy on {source.holder} unusable: {err}"
-                log.error("%s/%s rank %d: %s", disk.namespace, disk.job, _rank(progress), message)
-                report_to_job(meta, message)
-                bad.append((_step(view), source.data_rank, source.holder))
+                log.error("%s/%s rank %d: %s", disk.namespace, disk.job, ctx.rank, message)
+                report_to_job(ctx.meta, message)
+                bad.append((ctx.step, source.data_rank, source.holder))
                 continue
             log.info(
                 "%s/%s rank %d: staged step %d from %s %s (data of rank %d%s)",
                 disk.namespace,
                 disk.job,
-                _rank(progress),
-                _step(view),
+                ctx.rank,
+                ctx.step,
                 source.tier,
                 source.holder,
                 source.data_rank,
@@ -324,211 +272,38 @@ class Restorer:
             return Staged(source, bad, unreachable)
         return Staged(None, bad, unreachable)
 
-    async def _stage_from(
-        self,
-        session: aiohttp.ClientSession,
-        disk: Ramdisk,
-        meta: JobMeta,
-        progress: PodProgress,
-        view: RestoreView,
-        source: Source,
-        part: str | None = None,
-    ) -> None:
-        """Stages the view's step from ``source``, into ``part`` when given (``_stage_sources``).
+    async def _stage_from(self, ctx: StageContext, source: Source) -> None:
+        """Stages the view's step from ``source`` with the first stager that serves it, into ``ctx.part``
+        when given (``_stage_sources``); a fetched copy gets room first and counts in flight.
 
         Raises:
           UnusableCopy: the copy is proven unusable (``CorruptCopy``: it fails its checksums).
-          _Unreachable: the source did not serve for now.
+          Unreachable: the source did not serve for now.
         """
-        if source.files is not None and (missing := meta.framework.missing_commit_evidence(source.files)):
+        if source.files is not None and (missing := ctx.meta.framework.missing_commit_evidence(source.files)):
             raise UnusableCopy(f"its checksums lack {missing}")
-        if part is not None and source.holder == self.node_id:
-            await asyncio.to_thread(self._link_held, disk, meta, _step(view), source, part)
-            return
-        if source.holder == self.node_id and source.data_rank == _rank(progress):
-            await asyncio.to_thread(
-                staging.stage_local,
-                meta.framework,
-                disk.client_dir,
-                _step(view),
-                meta.manifests().get(_step(view)),
-                meta,
-                _rank(progress),
-            )
+        stager = next(stager for stager in self._stagers if stager.serves(ctx, source))
+        if not stager.fetches:
+            await stager.stage(ctx, source, lambda _: None)
             return
         need = sum(size for size, _ in source.files.values()) if source.files is not None else 0
         if source.files is not None:
-            await asyncio.to_thread(self._room_for, disk, _step(view), need)
-        with RESTORE_IN_FLIGHT.transfer(disk.namespace, disk.job, need) as fetched:
-            if source.tier == Tier.BACKUP:
-                await self._stage_from_backup(disk, meta, progress, view, source, fetched, part)
-            elif source.tier == Tier.DECODE:
-                await self._stage_from_parity(session, disk, meta, progress, view, source, fetched, part)
-            else:
-                await self._stage_from_peer(session, disk, meta, progress, view, source, fetched, part)
-
-    @staticmethod
-    def _link_held(disk: Ramdisk, meta: JobMeta, step: int, source: Source, part: str) -> None:
-        """Stages into ``part`` a copy held on this node, this node's own old step or a replica,
-        by hard links (``resharded.link_copy``), checked against the owner's checksums.
-
-        Raises:
-          UnusableCopy: the copy is not held here any more, or fails its checksums (``CorruptCopy``).
-        """
-        found, manifest = None, meta.manifests().get(step)
-        if manifest is not None and manifest.rank == source.data_rank:
-            found = meta.framework.find_step_dir(disk.client_dir, step)
-        elif (manifest := meta.replicas().get((source.data_rank, step))) is not None:
-            found = meta.replica_dir(source.data_rank, step)
-        if found is None or manifest is None:
-            raise UnusableCopy(f"step {step} of rank {source.data_rank} is not held here")
-        _check_owner(manifest, source)
-        resharded.link_copy(found, manifest, part, f"the copy of rank {source.data_rank}'s step {step} held here")
+            await asyncio.to_thread(self._room_for, ctx.disk, ctx.step, need)
+        with RESTORE_IN_FLIGHT.transfer(ctx.disk.namespace, ctx.disk.job, need) as fetched:
+            await stager.stage(ctx, source, fetched)
 
     def _room_for(self, disk: Ramdisk, step: int, need: int) -> None:
         """Makes room for a fetched copy of ``need`` bytes, giving up unsafe copies if it must.
 
         Raises:
-          _Unreachable: it does not fit even so (tried again: GC or a restore elsewhere may free space).
+          Unreachable: it does not fit even so (tried again: GC or a restore elsewhere may free space).
         """
         if space.free_bytes(disk.path) < need and self._make_room is not None:
             self._make_room(disk, need)
         if (free := space.free_bytes(disk.path)) < need:
-            raise _Unreachable(
+            raise Unreachable(
                 f"step {step} ({need} bytes) does not fit, not fetched: {free} bytes free; {space.describe_use(disk)}"
             )
-
-    async def _stage_from_peer(
-        self,
-        session: aiohttp.ClientSession,
-        disk: Ramdisk,
-        meta: JobMeta,
-        progress: PodProgress,
-        view: RestoreView,
-        source: Source,
-        fetched: Callable[[int], None],
-        part: str | None = None,
-    ) -> None:
-        """Pulls the view's step from a peer (or this node's own replica) into the ramdisk, verified,
-        then stages it. ``fetched`` is called with each range's bytes. Raises as ``_stage_from``."""
-        step = _step(view)
-        if self._peer_token is None or not source.url:
-            raise UnusableCopy(f"peer tier unavailable for {source.holder}")
-        token, url = self._peer_token.current, source.url
-
-        async def fill(incoming: str) -> StepManifest:
-            # Verified against the owner's checksums from the plan; the peer's own manifest only when the plan has none.
-            manifest = (
-                StepManifest(step, source.data_rank, dict(source.files))
-                if source.files is not None
-                else await fetch_manifest(
-                    session, url, token, disk.namespace, disk.job, source.data_rank, step, source.grant
-                )
-            )
-            await fetch_step(
-                url,
-                token,
-                disk.namespace,
-                disk.job,
-                manifest,
-                incoming,
-                ssl_context=self._peer_ssl,
-                on_range=fetched,
-                grant=source.grant,
-            )
-            return manifest
-
-        await self._fill_and_stage(disk, meta, progress, view, fill, part)
-
-    async def _stage_from_parity(
-        self,
-        session: aiohttp.ClientSession,
-        disk: Ramdisk,
-        meta: JobMeta,
-        progress: PodProgress,
-        view: RestoreView,
-        source: Source,
-        fetched: Callable[[int], None],
-        part: str | None = None,
-    ) -> None:
-        """Rebuilds the view's step from the rank's parity group (``replicator.parity.decoder``) into the
-        ramdisk, verified against the owner's checksums, then stages it. Raises as ``_stage_from``."""
-        step, files, recipe = _step(view), source.files, source.recipe
-        if self._peer_token is None or recipe is None or files is None:
-            raise UnusableCopy("a decode needs the peer tier, the group's recipe and the owner's checksums")
-        token = self._peer_token.current
-
-        async def fill(incoming: str) -> StepManifest:
-            reads = StepReads(session, token, disk.namespace, disk.job, step)
-            await decoder.rebuild(reads, source.data_rank, files, recipe, incoming, fetched)
-            return StepManifest(step, source.data_rank, dict(files))
-
-        await self._fill_and_stage(disk, meta, progress, view, fill, part)
-
-    async def _fill_and_stage(
-        self,
-        disk: Ramdisk,
-        meta: JobMeta,
-        progress: PodProgress,
-        view: RestoreView,
-        fill: Callable[[str], Awaitable[StepManifest]],
-        part: str | None = None,
-    ) -> None:
-        """Has ``fill`` write the view's step into a fresh incoming directory (it returns the manifest the bytes
-        were verified against), then stages it: this rank's copy of the step from then on, in the view's
-        timeline; or, given ``part``, moves it there (an old node's copy, never this rank's). Raises as
-        ``_stage_from``."""
-        incoming = meta.new_incoming_dir()
-        try:
-            manifest = await fill(incoming)
-        except UnusableCopy:
-            shutil.rmtree(incoming, ignore_errors=True)
-            raise
-        except (TimeoutError, PeerFetchError, OSError, aiohttp.ClientError) as err:
-            shutil.rmtree(incoming, ignore_errors=True)
-            raise _Unreachable(str(err) or repr(err)) from err
-        if part is not None:
-            os.rename(incoming, part)
-            return
-        await asyncio.to_thread(staging.install_staged, meta.framework, disk.client_dir, _step(view), incoming)
-        # Recorded as this rank's step: from now on this node serves it for this rank.
-        meta.save_manifest(dataclasses.replace(manifest, rank=_rank(progress), timeline=len(view.forks)))
-
-    async def _stage_from_backup(
-        self,
-        disk: Ramdisk,
-        meta: JobMeta,
-        progress: PodProgress,
-        view: RestoreView,
-        source: Source,
-        fetched: Callable[[int], None],
-        part: str | None = None,
-    ) -> None:
-        """Downloads the view's step from the backup tier into the ramdisk, verified, then stages it
-        (into ``part`` when given, as ``_fill_and_stage``).
-        ``fetched`` is called with each range's bytes. Raises as ``_stage_from``."""
-        step = _step(view)
-        if self._download is None:
-            raise UnusableCopy("no backup tier on this node (--backup)")
-        try:
-            verified, manifest = await self._download(
-                meta, disk.namespace, disk.job, step, source.data_rank, source.timeline, fetched
-            )
-        except UnusableCopy:
-            raise
-        except (BackupError, OSError) as err:
-            raise _Unreachable(str(err) or repr(err)) from err
-        try:
-            _check_owner(manifest, source)
-        except CorruptCopy:
-            shutil.rmtree(os.path.dirname(verified), ignore_errors=True)
-            raise
-        if part is not None:
-            os.rename(verified, part)
-            shutil.rmtree(os.path.dirname(verified), ignore_errors=True)
-            return
-        await asyncio.to_thread(staging.install_staged, meta.framework, disk.client_dir, step, verified)
-        meta.save_manifest(dataclasses.replace(manifest, rank=_rank(progress), timeline=len(view.forks)))
 
 
 def hand_over(

@@ -13,9 +13,9 @@ the shared bytes instead of one leader sending all of them.
 import dataclasses
 import zlib
 
-from replicator.backup_tier.store import BackupStore, RankManifest
-from replicator.local_tier.step_manifest import StepManifest
-from replicator.pacing.cpu_share import CpuShare
+from replicator.backup_tier.layout import RankManifest
+from replicator.backup_tier.store import BackupStore
+from replicator.backup_tier.transfers import RankUpload
 
 
 def owner(members: tuple[int, ...], rel: str) -> int:
@@ -24,46 +24,36 @@ def owner(members: tuple[int, ...], rel: str) -> int:
     return members[zlib.crc32(rel.encode()) % len(members)]
 
 
-def group_dedup(
-    store: BackupStore,
-    job_key: str,
-    step: int,
-    rank: int,
-    step_dir: str,
-    manifest: StepManifest,
-    members: tuple[int, ...],
-    incarnation: str,
-    share: CpuShare | None = None,
-    timeline: int = 0,
-) -> RankManifest | None:
+def group_dedup(store: BackupStore, upload: RankUpload, members: tuple[int, ...]) -> RankManifest | None:
     """Stores this rank's share of the group's upload (once per incarnation), then returns the union
     of the group's shares, to pass to ``BackupStore.upload_rank`` as ``dedup_from``.
 
     Args:
-      rank: this rank, one of ``members``.
-      manifest: the rank's committed step's checksums (``step_dir``'s).
+      upload: this rank's step (``upload.rank``, one of ``members``), as ``BackupStore.upload_rank`` takes it;
+        its ``dedup_from``, ``on_file`` and ``group_share`` are not read.
       members: the ranks of the group, sorted.
-      other args: as ``BackupStore.upload_rank``.
 
     Returns:
-      The union of every member's share, or None while a member's share (of ``incarnation``) is not
+      The union of every member's share, or None while a member's share (of ``upload.incarnation``) is not
       stored yet: call again later.
 
     Raises:
       BackupError, OSError, ValueError: as ``BackupStore.upload_rank``.
     """
-    mine = store.rank_manifest(job_key, step, rank, timeline, group_share=True)
+    job, step, rank, timeline, incarnation = upload.job, upload.step, upload.rank, upload.timeline, upload.incarnation
+    mine = store.rank_manifest(job, step, rank, timeline, group_share=True)
     if mine is None or mine.incarnation != incarnation:
+        manifest = upload.manifest
         owned = dataclasses.replace(
             manifest, files={rel: f for rel, f in manifest.files.items() if owner(members, rel) == rank}
         )
         mine = store.upload_rank(
-            job_key, step, rank, step_dir, owned, None, incarnation, share, timeline, group_share=True
+            dataclasses.replace(upload, manifest=owned, dedup_from=None, on_file=None, group_share=True)
         )
     shares = {rank: mine}
     for member in members:
         if member != rank:
-            share_of_member = store.rank_manifest(job_key, step, member, timeline, group_share=True)
+            share_of_member = store.rank_manifest(job, step, member, timeline, group_share=True)
             if share_of_member is None or share_of_member.incarnation != incarnation:
                 return None
             shares[member] = share_of_member

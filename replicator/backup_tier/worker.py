@@ -6,6 +6,7 @@ and reported (``replicator.errors``, metrics) while the ramdisk and peer tiers c
 """
 
 import asyncio
+import dataclasses
 import logging
 import os
 import shutil
@@ -16,7 +17,10 @@ import tenacity
 from prometheus_client import Counter, Histogram
 
 from replicator.backup_tier import shared_upload
-from replicator.backup_tier.store import BackupError, BackupStore
+from replicator.backup_tier.layout import RankManifest
+from replicator.backup_tier.object_store import BackupError
+from replicator.backup_tier.store import BackupStore
+from replicator.backup_tier.transfers import RankUpload
 from replicator.local_tier.in_flight import InFlight
 from replicator.local_tier.job_keys import BusySteps
 from replicator.local_tier.job_meta import JobMeta
@@ -91,7 +95,7 @@ class BackupWorker:
                 continue
             self._listed_at[key] = now
             try:
-                steps = tuple(await asyncio.to_thread(self.store.complete_steps, str(key)))
+                steps = tuple(await asyncio.to_thread(self.store.complete_steps, key))
             except BackupError as err:
                 BACKUP_FAILURES.inc()
                 self._report_error(JobMeta(ramdisk_path), f"listing the backup tier failed, retrying: {err}")
@@ -144,95 +148,86 @@ class BackupWorker:
         Raises:
           BackupError, OSError: the store failed, or a local file could not be read.
         """
-        meta = JobMeta(ramdisk_path)
-        located = meta.locate(order.rank, order.step)
+        located = JobMeta(ramdisk_path).locate(order.rank, order.step)
         if located is None:
             return
         job = JobRef(order.namespace, order.job)
-        job_key = str(job)  # the store's name of the job
         started = time.monotonic()
+        upload = RankUpload(
+            job,
+            order.step,
+            order.rank,
+            *located,
+            incarnation=order.incarnation,
+            share=self._share,
+            timeline=order.timeline,
+        )
         with self._busy.reading(job, order.step):
-            dedup = None
-            step_dir, manifest = located
-            if await self._stored_already(job_key, order, manifest):
-                await self._commit(ramdisk_path, order, job)
-                self._uploaded.add(key)
-                return
-            if order.share_group:
-                dedup = await asyncio.to_thread(
-                    shared_upload.group_dedup,
-                    self.store,
-                    job_key,
-                    order.step,
-                    order.rank,
-                    step_dir,
-                    manifest,
-                    order.share_group,
-                    order.incarnation,
-                    self._share,
-                    order.timeline,
-                )
-                if dedup is None:
-                    return  # this rank's share is stored; the others' are not yet: the next order retries
-            elif order.dedup_from_rank is not None:
-                dedup = await asyncio.to_thread(
-                    self.store.rank_manifest, job_key, order.step, order.dedup_from_rank, order.timeline
-                )
-                if dedup is None or dedup.incarnation != order.incarnation:
-                    return  # the group's uploader has not finished; the next order retries
-            with BACKUP_IN_FLIGHT.transfer(order.namespace, order.job, manifest.total_bytes) as sent:
-                stored = await asyncio.to_thread(
-                    self.store.upload_rank,
-                    job_key,
-                    order.step,
-                    order.rank,
-                    step_dir,
-                    manifest,
-                    dedup,
-                    order.incarnation,
-                    self._share,
-                    order.timeline,
-                    sent,
-                )
-            uploaded = sum(f.size for f in stored.files.values() if f.object.startswith(f"rank-{order.rank}/"))
-            BACKUP_BYTES.inc(uploaded)
-            BACKUP_SECONDS.observe(time.monotonic() - started)
-            log.info(
-                "%s: rank %d step %d backed up to %s (%d of %d bytes uploaded, %.2f s)",
-                job_key,
-                order.rank,
-                order.step,
-                self.store.url,
-                uploaded,
-                manifest.total_bytes,
-                time.monotonic() - started,
-            )
+            if not await self._stored_already(upload):
+                ready, dedup = await self._dedup_for(upload, order)
+                if not ready:
+                    return
+                await self._store(dataclasses.replace(upload, dedup_from=dedup), started)
             await self._commit(ramdisk_path, order, job)
             self._uploaded.add(key)
 
-    async def _stored_already(self, job_key: str, order: BackupOrder, manifest: StepManifest) -> bool:
+    async def _dedup_for(self, upload: RankUpload, order: BackupOrder) -> tuple[bool, RankManifest | None]:
+        """Whether the rank's upload may go ahead now, and the stored files it deduplicates against: the union of
+        its identical group's shares (``shared_upload``), the group's uploader's manifest, or None (upload all).
+        Not ready while the group's shares or its uploader's manifest are not stored: the next order retries."""
+        if order.share_group:
+            dedup = await asyncio.to_thread(shared_upload.group_dedup, self.store, upload, order.share_group)
+            return dedup is not None, dedup  # None: this rank's share is stored, the others' are not yet
+        if order.dedup_from_rank is not None:
+            dedup = await asyncio.to_thread(
+                self.store.rank_manifest, upload.job, order.step, order.dedup_from_rank, order.timeline
+            )
+            return dedup is not None and dedup.incarnation == order.incarnation, dedup
+        return True, None
+
+    async def _store(self, upload: RankUpload, started: float) -> None:
+        """Uploads the rank's step (``BackupStore.upload_rank``), counted in flight and in the metrics; ``started``:
+        when the order's attempt began (monotonic seconds)."""
+        total = upload.manifest.total_bytes
+        with BACKUP_IN_FLIGHT.transfer(upload.job.namespace, upload.job.job, total) as sent:
+            stored = await asyncio.to_thread(self.store.upload_rank, dataclasses.replace(upload, on_file=sent))
+        uploaded = sum(f.size for f in stored.files.values() if f.object.startswith(f"rank-{upload.rank}/"))
+        BACKUP_BYTES.inc(uploaded)
+        BACKUP_SECONDS.observe(time.monotonic() - started)
+        log.info(
+            "%s: rank %d step %d backed up to %s (%d of %d bytes uploaded, %.2f s)",
+            upload.job,
+            upload.rank,
+            upload.step,
+            self.store.url,
+            uploaded,
+            total,
+            time.monotonic() - started,
+        )
+
+    async def _stored_already(self, upload: RankUpload) -> bool:
         """Whether the rank's step is stored for this backup (its tag) with these bytes: uploaded by this node before
         the agent restarted, or by the rank's node before it was replaced; only the commit may be left to do."""
-        done = await asyncio.to_thread(self.store.rank_manifest, job_key, order.step, order.rank, order.timeline)
+        done = await asyncio.to_thread(self.store.rank_manifest, upload.job, upload.step, upload.rank, upload.timeline)
         return (
-            done is not None and done.incarnation == order.incarnation and done.step_manifest().files == manifest.files
+            done is not None
+            and done.incarnation == upload.incarnation
+            and done.step_manifest().files == upload.manifest.files
         )
 
     async def _commit(self, ramdisk_path: str, order: BackupOrder, job: JobRef) -> None:
         """Commits the step once every rank is stored, then applies retention and lists the job's backups anew."""
-        job_key = str(job)
         if await asyncio.to_thread(
-            self.store.commit_if_complete, job_key, order.step, order.nodes, order.incarnation, order.timeline
+            self.store.commit_if_complete, job, order.step, order.nodes, order.incarnation, order.timeline
         ):
-            deleted = await asyncio.to_thread(self.store.retain, job_key, self._keep, order.protected, order.forks)
-            log.info("%s: backup of step %d complete; retention deleted %s", job_key, order.step, deleted or "nothing")
+            deleted = await asyncio.to_thread(self.store.retain, job, self._keep, order.protected, order.forks)
+            log.info("%s: backup of step %d complete; retention deleted %s", job, order.step, deleted or "nothing")
             await self.refresh({job: ramdisk_path}, force=True)
 
     async def download(
         self,
         meta: JobMeta,
-        namespace: str,
-        job: str,
+        job: JobRef,
         step: int,
         rank: int,
         timeline: int = 0,
@@ -252,7 +247,7 @@ class BackupWorker:
         dest = os.path.join(incoming, "step")
         try:
             manifest = await asyncio.to_thread(
-                self.store.download_rank, f"{namespace}/{job}", step, rank, dest, timeline=timeline, on_range=on_range
+                self.store.download_rank, job, step, rank, dest, timeline=timeline, on_range=on_range
             )
         except (BackupError, OSError):
             shutil.rmtree(incoming, ignore_errors=True)

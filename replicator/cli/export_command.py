@@ -34,6 +34,7 @@ from replicator.cli.arguments import (
     usage_error,
 )
 from replicator.local_tier.step_manifest import StepManifest, UnusableCopy, check_step
+from replicator.wire.messages import JobRef
 
 # mtc_torch.step_layout's names, which this side may not import before it knows torch is there.
 _NODE = "node-{n}-of-{total}"
@@ -120,7 +121,7 @@ def _step(args: argparse.Namespace) -> Iterator[Path]:
     store = open_backup_store(args.backup, s3_endpoint_url=args.s3_endpoint_url)
     work = Path(tempfile.mkdtemp(prefix=f".{args.to.name}.download-", dir=args.to.absolute().parent))
     try:
-        _download(store, f"{args.namespace}/{args.job}", args.step, work)
+        _download(store, JobRef(args.namespace, args.job), args.step, work)
         yield work
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -157,7 +158,7 @@ def _verify_dir(step_dir: Path, manifests: list[StepManifest]) -> None:
         check_step(str(step_dir / nodes[rank]), manifest, f"{step_dir} node {rank}")
 
 
-def _download(store: BackupStore, job_key: str, step: int | None, work: Path) -> None:
+def _download(store: BackupStore, job: JobRef, step: int | None, work: Path) -> None:
     """Downloads every node's files of ``step`` (None: the newest complete step) into ``work/node-<n>-of-<N>/``,
     each verified against its rank manifest.
 
@@ -165,23 +166,23 @@ def _download(store: BackupStore, job_key: str, step: int | None, work: Path) ->
       ValueError: no complete backup of the job, or none of ``step``.
       BackupError: the store failed, or a file fails its checksum (``CorruptBackup``).
     """
-    complete = store.complete_steps(job_key)
+    complete = store.complete_steps(job)
     chosen = [s for s in complete if step is None or s[0] == step]
     if not chosen:
         held = ", ".join(str(s) for s, _ in complete) or "none"
         raise ValueError(
-            f"{store.url}: no complete backup of {job_key}"
+            f"{store.url}: no complete backup of {job}"
             + (f" at step {step}" if step is not None else "")
             + f" (held: {held})"
         )
     number, timeline = chosen[-1]
-    nodes = store.committed_nodes(job_key, number, timeline)
-    manifests = [store.rank_manifest(job_key, number, n, timeline) for n in range(nodes)]
+    nodes = store.committed_nodes(job, number, timeline)
+    manifests = [store.rank_manifest(job, number, n, timeline) for n in range(nodes)]
     total = sum(m.step_manifest().total_bytes for m in manifests if m is not None)  # a missing one: download_rank says
     with _progress(f"download step {number}", total) as advance:
         for n in range(nodes):
             store.download_rank(
-                job_key, number, n, str(work / _NODE.format(n=n, total=nodes)), timeline=timeline, on_range=advance
+                job, number, n, str(work / _NODE.format(n=n, total=nodes)), timeline=timeline, on_range=advance
             )
 
 

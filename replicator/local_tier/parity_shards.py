@@ -16,34 +16,25 @@ import msgspec
 
 from replicator.local_tier import pod_files
 from replicator.local_tier.job_meta import META_DIR
+from replicator.wire.messages import HeldShard, JobRef, ParityShard
 
 _SHARD_NAME = re.compile(r"^g(\d+)-s(\d+)$")
 _MAX_META_BYTES = 1 << 20
 
 
-class ShardMeta(msgspec.Struct, frozen=True):
-    """A parity shard's identity and checksum.
+class ShardMeta(ParityShard, frozen=True, gc=False, kw_only=True):
+    """A parity shard as its ramdisk keeps it (the shard's ``.json``), built by keyword.
 
     Attributes:
-      step: the step it protects.
-      members: the group's member ranks, position order.
-      parity: parity shards per stripe.
       stream_bytes: each member's stream length when encoded, bytes, position order.
-      stripe, index: which shard.
-      bytes: its length.
-      crc32c: CRC-32C of its bytes, 8 hex digits.
-      basis: the members' checksums it was built over (``replicator.wire.redundancy.basis``).
     """
 
-    step: int
-    members: tuple[int, ...]
-    parity: int
     stream_bytes: tuple[int, ...]
-    stripe: int
-    index: int
-    bytes: int
-    crc32c: str
-    basis: str
+
+    def held(self, job: JobRef) -> HeldShard:
+        """What a node's report says of the shard (``NodeReport.shards``)."""
+        shared = {field: getattr(self, field) for field in ParityShard.__struct_fields__}
+        return HeldShard(namespace=job.namespace, job=job.job, **shared)
 
 
 class ParityShards:

@@ -23,18 +23,30 @@ from csi_driver.ramdisk import Ramdisk, RamdiskManager, make_backend
 from csi_driver.registration import RegistrationServer, RegistrationServicer
 from csi_driver.server import start_csi_server
 from csi_driver.volume_request import VolumeLimits, VolumeSpec
+from prefetch import stagers
+from prefetch.restore import Restorer
 from replicator.backup_tier.backends import open_backup_store
+from replicator.backup_tier.store import BackupStore
+from replicator.backup_tier.worker import BackupWorker
 from replicator.local_tier import frameworks
+from replicator.local_tier.job_keys import BusySteps
 from replicator.local_tier.job_meta import JobMeta
+from replicator.local_tier.log_once import LogOnce
+from replicator.node.commit_detection import CommitDetector
 from replicator.node.config import NodeConfig
 from replicator.node.job_series import JobSeries
-from replicator.node.loop import NodeReplicator
+from replicator.node.loop import NodeParts, NodeReplicator
+from replicator.node.pushes import Pusher
+from replicator.node.report_session import ReportSession
+from replicator.node.room import RoomKeeper
 from replicator.node.store_check import StoreCheck
 from replicator.pacing import timing
 from replicator.pacing.cpu_share import CpuShare
+from replicator.parity.encoder import Encoder
 from replicator.peer_tier.grant_check import PeerGrants
 from replicator.peer_tier.service import add_peer_routes
 from replicator.wire import tls
+from replicator.wire.bearer import Tokens
 from replicator.wire.grants import GrantKeys
 from replicator.wire.metric_labels import JOB_LABELS
 
@@ -70,6 +82,66 @@ def open_ramdisks(root: str, backend: str, series: JobSeries | None = None) -> R
     return RamdiskManager(root, make_backend(backend), on_new_pod=published)
 
 
+def build_replicator(
+    config: NodeConfig,
+    coordinator_url: str,
+    manager: RamdiskManager,
+    peer_token: Tokens | None = None,
+    backup_store: BackupStore | None = None,
+    share: CpuShare | None = None,
+    grant_keys: GrantKeys | None = None,
+) -> NodeReplicator:
+    """The replicator loop with its collaborators (``NodeParts``).
+
+    Args:
+      coordinator_url: the coordinator's URL (``config.coordinator.url``).
+      backup_store: the backup tier, or None to run without it.
+      share: the CPU cap of replication and backup while jobs train, or None (restores never pace).
+      others: as ``NodeReplicator``.
+    """
+    busy_steps, log_once = BusySteps(), LogOnce()  # busy: being read by a push or an upload: GC keeps them
+    reporting = ReportSession(
+        config.node_id,
+        config.peer.url,
+        config.pod_address,
+        config.topology,
+        config.peer.replicas,
+        backup_store is not None,
+        config.peer.redundancy,
+    )
+    room = RoomKeeper(busy_steps, log_once, config.peer.replicas if peer_token is not None else 0)
+
+    def error_to_job(meta: JobMeta, message: str) -> None:
+        log_once(f"job-error-{meta.root}", message, meta)
+
+    backup = (
+        BackupWorker(backup_store, config.backup.keep, busy_steps, error_to_job, reporting.poke, share)
+        if backup_store
+        else None
+    )
+    restorer = Restorer(
+        stagers.for_node(config.node_id, peer_token, config.peer.client_context(), backup.download if backup else None),
+        log_once,
+        config.pacing.restore_deadline_seconds,
+        room.make_room,
+        busy_steps=busy_steps,
+    )
+    parts = NodeParts(
+        reporting,
+        room,
+        restorer,
+        CommitDetector(share, reporting.poke),
+        busy_steps,
+        log_once,
+        backup,
+        Pusher(peer_token, share, busy_steps, log_once, config.pacing.min_push_interval_seconds)
+        if peer_token is not None
+        else None,
+        Encoder(peer_token, share, log_once) if peer_token is not None else None,
+    )
+    return NodeReplicator(config, coordinator_url, manager, parts, peer_token, grant_keys)
+
+
 class NodeAgent:
     """Owns the ramdisk manager and the servers of one node."""
 
@@ -94,8 +166,14 @@ class NodeAgent:
         # With --peer-grants: the coordinator's keys, learnt by the report loop, checked by the peer service.
         self.grants = PeerGrants(GrantKeys(), config.node_id) if config.peer.grants else None
         self.replicator = (
-            NodeReplicator(
-                config, self.manager, self.peer_token, store, self.share, self.grants.keys if self.grants else None
+            build_replicator(
+                config,
+                config.coordinator.url,
+                self.manager,
+                self.peer_token,
+                store,
+                self.share,
+                self.grants.keys if self.grants else None,
             )
             if config.coordinator.url
             else None

@@ -1,17 +1,18 @@
-"""The node agent's replicator loop, for every job ramdisk on the node: it composes the concerns below.
+"""The node agent's replicator loop, for every job ramdisk on the node: it drives the concerns below, which the
+agent builds (``agent.build_replicator``, ``NodeParts``).
 
 - Reports the node's pods and committed steps to the coordinator: at once on a change, else as a
   heartbeat at the pace the coordinator sets (``ReportSession``; ``CoordinatorClient``), and hands
   the reply's orders on: replicate (``pushes``), retain (``garbage_collection``), back up
   (``BackupWorker``).
 - Runs one worker per published job: the pod's hand-shake files (``pod_handshake``), its restore
-  (``prefetch.restore``), then commit detection (``commit_detection``).
+  (``prefetch.restore``), then commit detection (``commit_detection``) and room for the next save (``room``).
 """
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Mapping
 
@@ -20,28 +21,27 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from csi_driver.ramdisk import Ramdisk, RamdiskManager
 from prefetch.restore import Restorer
-from replicator.backup_tier.store import BackupStore
 from replicator.backup_tier.worker import BackupWorker
-from replicator.local_tier import space, steps
-from replicator.local_tier.job_keys import BusySteps, by_job, job_of
-from replicator.local_tier.job_meta import JobMeta, PodProgress
+from replicator.local_tier import steps
+from replicator.local_tier.job_keys import BusySteps, by_job
+from replicator.local_tier.job_meta import JobMeta
 from replicator.local_tier.log_once import LogOnce
 from replicator.local_tier.parity_shards import ParityShards
 from replicator.local_tier.steps import drop_abandoned
 from replicator.node import handshake
 from replicator.node.commit_detection import CommitDetector
 from replicator.node.config import NodeConfig
-from replicator.node.garbage_collection import collect_garbage, pressure_order
+from replicator.node.garbage_collection import collect_garbage
 from replicator.node.pushes import Pusher
 from replicator.node.report_session import HeldCopy, OwnStep, ReportSession
+from replicator.node.room import RoomKeeper
 from replicator.pacing import timing
-from replicator.pacing.cpu_share import CpuShare
 from replicator.parity.encoder import Encoder
 from replicator.wire import tls
 from replicator.wire.bearer import Tokens
 from replicator.wire.coordinator_client import CoordinatorClient, CoordinatorUnavailable
 from replicator.wire.grants import GrantKeys
-from replicator.wire.messages import Assignment, HeldShard, JobRef, Lineage, NodeReport, PodReport, RetainOrder
+from replicator.wire.messages import Assignment, HeldShard, JobRef, Lineage, NodeReport, PodReport
 
 log = logging.getLogger(__name__)
 
@@ -59,16 +59,51 @@ for _label in ("report", "job"):
 _ROUND = "report-round"
 
 
+@dataclasses.dataclass(frozen=True)
+class NodeParts:
+    """The replicator loop's collaborators, built by the agent (``agent.build_replicator``).
+
+    Attributes:
+      reporting: what the coordinator acknowledged, the heartbeat's pace and the wake-up of the loop.
+      room: room on the job ramdisks, by the latest retain orders.
+      restorer: the pods' restores.
+      commits: commit detection.
+      busy_steps: steps being read by a push, an upload or a restore: garbage collection keeps them.
+      log_once: the agent's throttled error log.
+      backup: the backup tier's share of this node, or None without it.
+      pusher: the replicas' pushes, or None without the peer tier.
+      encoder: the parity shards' encodes, or None without the peer tier.
+    """
+
+    reporting: ReportSession
+    room: RoomKeeper
+    restorer: Restorer
+    commits: CommitDetector
+    busy_steps: BusySteps
+    log_once: LogOnce
+    backup: BackupWorker | None = None
+    pusher: Pusher | None = None
+    encoder: Encoder | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Links:
+    """The sessions of one run: the coordinator's client and the peer session (whole steps move over it)."""
+
+    client: CoordinatorClient
+    peers: aiohttp.ClientSession
+
+
 class NodeReplicator:
     """Drives the Orbax protocol, replication and garbage collection for every ramdisk of the node.
 
     Args:
-      config: the node's settings (``coordinator.url`` set); TLS contexts and timings are taken from it.
+      config: the node's settings; TLS contexts and timings are taken from it.
+      coordinator_url: the coordinator's URL (``config.coordinator.url``: the agent makes a loop only with one).
       manager: the node's ramdisks.
+      parts: the loop's collaborators (``agent.build_replicator``).
       peer_token: bearer tokens of the peer service and the coordinator (``config.peer.tokens()``), or None
         to run without the peer tier.
-      backup_store: the backup tier, or None to run without it.
-      share: the CPU cap of replication and backup while jobs train, or None (restores never pace).
       grant_keys: with ``--peer-grants``, where the coordinator's grant keys are kept as its replies bring them
         (the peer service checks grants against them), or None.
     """
@@ -76,82 +111,43 @@ class NodeReplicator:
     def __init__(
         self,
         config: NodeConfig,
+        coordinator_url: str,
         manager: RamdiskManager,
+        parts: NodeParts,
         peer_token: Tokens | None = None,
-        backup_store: BackupStore | None = None,
-        share: CpuShare | None = None,
         grant_keys: GrantKeys | None = None,
     ):
         self.node_id = config.node_id
         self._grant_keys = grant_keys
         self._manager = manager
-        self._coordinator_url = config.coordinator.url
+        self._coordinator_url = coordinator_url
         self._peer_token = peer_token
         # Its proof of this node, read again after the kubelet rotates it (``Tokens``); None without one.
         self._node_token = Tokens(config.coordinator.node_token_file) if config.coordinator.node_token_file else None
         self._peer_ssl = config.peer.client_context()
         self._coordinator_ssl = tls.client_context(config.coordinator_ca)
         self._wedged_after_seconds = config.pacing.wedged_after_seconds
-        self._session: aiohttp.ClientSession | None = None
-        self._busy_steps = BusySteps()  # being read by a push or an upload: GC keeps them
-        self._log_once = LogOnce()
+        self._busy_steps, self._log_once, self._room = parts.busy_steps, parts.log_once, parts.room
+        self._backup, self._pusher, self._encoder = parts.backup, parts.pusher, parts.encoder
+        self._restorer, self._commits, self._reporting = parts.restorer, parts.commits, parts.reporting
         self._assignments: dict[str, Assignment] = {}
-        self._replicas = (
-            config.peer.replicas if peer_token is not None else 0
-        )  # replicas of each step this node may host
-        self._retain: dict[JobRef, RetainOrder] = {}  # the latest reply's: what ``space.make_room`` may give up
-        self._retain_sent = 0.0  # when the report that brought them was sent (wall clock)
-        self._making_room = threading.Lock()
-        self._backup = (
-            BackupWorker(backup_store, config.backup.keep, self._busy_steps, self._error_to_job, self.poke, share)
-            if backup_store
-            else None
-        )
-        self._pusher = (
-            Pusher(peer_token, share, self._busy_steps, self._log_once, config.pacing.min_push_interval_seconds)
-            if peer_token is not None
-            else None
-        )
-        self._restorer = Restorer(
-            config.node_id,
-            peer_token,
-            self._peer_ssl,
-            self._backup.download if self._backup else None,
-            self._log_once,
-            config.pacing.restore_deadline_seconds,
-            self.make_room,
-            busy_steps=self._busy_steps,
-        )
-        self._encoder = Encoder(peer_token, share, self._log_once) if peer_token is not None else None
-        self._commits = CommitDetector(share, self.poke)
         self._unsettled = handshake.UnsettledConfigs()
         self._listing: asyncio.Task | None = None
-        self._wake = asyncio.Event()
-        self._reporting = ReportSession(
-            config.node_id,
-            config.peer.url,
-            config.pod_address,
-            config.topology,
-            config.peer.replicas,
-            backup_store is not None,
-            config.peer.redundancy,
-        )
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._workers: dict[JobRef, asyncio.Task] = {}
         self._beats: dict[JobRef | str, float] = {_ROUND: time.monotonic()}  # loop -> when it last completed a pass
 
     def poke(self) -> None:
         """Asks for a report now; safe to call from any thread (the gRPC servicer's)."""
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._poke_now)
+        self._reporting.poke()
 
-    def _poke_now(self) -> None:
-        self._reporting.poked = True
-        self._wake.set()
+    def make_room(self, disk: Ramdisk, need: int, keep: int | None = None) -> None:
+        """Gives up unsafe copies on ``disk`` until ``need`` bytes are free, but of step ``keep``
+        (``RoomKeeper.make_room``)."""
+        self._room.make_room(disk, need, keep)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Reports and watches until ``stop`` is set."""
-        self._loop = asyncio.get_running_loop()
+        self._reporting.bind(asyncio.get_running_loop())
         for disk in (await asyncio.to_thread(self._manager.ramdisks)).values():
             # Nothing is receiving, staging or deleting any more: finish what a crash interrupted.
             JobMeta(disk.path).sweep_partial()
@@ -169,19 +165,20 @@ class NodeReplicator:
             aiohttp.ClientSession(connector=coordinator_connector, timeout=timeout) as session,
             aiohttp.ClientSession(connector=peer_connector, timeout=peer_timeout) as peer_session,
         ):
-            self._session = peer_session
-            client = CoordinatorClient(session, self._coordinator_url, self._peer_token, self._node_token)  # type: ignore[arg-type]  # the agent makes a loop only with a URL
+            links = _Links(
+                CoordinatorClient(session, self._coordinator_url, self._peer_token, self._node_token), peer_session
+            )
             try:
                 while not stop.is_set():
-                    self._wake.clear()
+                    self._reporting.wake.clear()
                     try:
-                        await self._round(client)
+                        await self._round(links)
                     except Exception as err:  # one bad job or one bug must not stop every job on the node
                         LOOP_ERRORS.labels("report").inc()
                         log.exception("replicator round failed, carrying on: %r", err)
                     self._beat(_ROUND)
                     with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), timing.ROUND_INTERVAL_SECONDS)
+                        await asyncio.wait_for(self._reporting.wake.wait(), timing.ROUND_INTERVAL_SECONDS)
             finally:
                 tasks = [
                     *self._workers.values(),
@@ -195,22 +192,19 @@ class NodeReplicator:
                 if self._backup:
                     await self._backup.stop()
 
-    async def _round(self, client: CoordinatorClient) -> None:
+    async def _round(self, links: _Links) -> None:
         disks = by_job(await asyncio.to_thread(self._manager.ramdisks))
         if self._backup and (self._listing is None or self._listing.done()):
             # In the background: a store outage must not hold up reports and restores. Only the
             # jobs the coordinator made this node the lister of (one node per job).
             listed = {k: d.path for k, d in disks.items() if k in self._reporting.list_backups}
             self._listing = asyncio.create_task(self._backup.refresh(listed))
-        await self._report(client, disks)
-        self._sync_workers(client, disks)
+        await self._report(links, disks)
+        self._sync_workers(links, disks)
 
     def _beat(self, loop: JobRef | str) -> None:
         """Records that ``loop`` (the report round or a job's key) is alive (see ``healthy``)."""
         self._beats[loop] = time.monotonic()
-
-    def _error_to_job(self, meta: JobMeta, message: str) -> None:
-        self._log_once(f"job-error-{meta.root}", message, meta)
 
     def _learn_grant_key(self, key: str | None) -> None:
         """Keeps the coordinator's grant key for the peer service (``--peer-grants``); says once if it has none."""
@@ -234,7 +228,7 @@ class NodeReplicator:
 
     # -- reporting -----------------------------------------------------------------------------
 
-    async def _report(self, client: CoordinatorClient, disks: Mapping[JobRef, Ramdisk]) -> None:
+    async def _report(self, links: _Links, disks: Mapping[JobRef, Ramdisk]) -> None:
         """Sends a report when something changed, when poked, or when a heartbeat is due."""
         report = await asyncio.to_thread(self._build_report, disks)
         reporting = self._reporting
@@ -242,9 +236,9 @@ class NodeReplicator:
             return
         reporting.poked = False
         started, sent = time.monotonic(), time.time()
-        call = asyncio.ensure_future(client.report(report))
+        call = asyncio.ensure_future(links.client.report(report))
         if report.waiting:  # a long poll: give it up as soon as there is something new to say
-            woken = asyncio.ensure_future(self._wake.wait())
+            woken = asyncio.ensure_future(reporting.wake.wait())
             await asyncio.wait({call, woken}, return_when=asyncio.FIRST_COMPLETED)
             woken.cancel()
             if not call.done():
@@ -262,7 +256,7 @@ class NodeReplicator:
         reporting.acknowledge(report, reply, time.monotonic())
         self._learn_grant_key(reply.grant_key)
         if reporting.poked:
-            self._wake.set()
+            reporting.wake.set()
         self._assignments = {a.pod_uid: a for a in reply.assignments}
         for lineage in reply.lineages:
             if (disk := disks.get(JobRef(lineage.namespace, lineage.job))) is not None and JobMeta(
@@ -278,12 +272,11 @@ class NodeReplicator:
                 await asyncio.to_thread(drop_abandoned, disk)
         if self._pusher is not None:
             for order in reply.replicate:
-                self._pusher.start(self._session, disks, order)  # type: ignore[arg-type]  # run set it before the first report
+                self._pusher.start(links.peers, disks, order)
         if self._encoder is not None:
             for encode in reply.encode:
-                self._encoder.start(self._session, disks, encode)  # type: ignore[arg-type]  # as above
-        self._retain = {JobRef(order.namespace, order.job): order for order in reply.retain}
-        self._retain_sent = sent
+                self._encoder.start(links.peers, disks, encode)
+        self._room.learn(reply.retain, sent)
         for retain in reply.retain:
             if (disk := disks.get(JobRef(retain.namespace, retain.job))) is not None:
                 await asyncio.to_thread(collect_garbage, disk, retain, self._busy_steps, started)
@@ -300,12 +293,7 @@ class NodeReplicator:
         shards: list[HeldShard] = []
         for job, disk in disks.items():
             meta = JobMeta(disk.path)
-            shards += [
-                HeldShard(
-                    job.namespace, job.job, s.step, s.members, s.parity, s.stripe, s.index, s.bytes, s.crc32c, s.basis
-                )
-                for s in ParityShards(disk.path).held()
-            ]
+            shards += [shard.held(job) for shard in ParityShards(disk.path).held()]
             framework = job_frameworks[job] = meta.framework
             if forks := meta.lineage():
                 lineages.append(Lineage(disk.namespace, disk.job, forks))
@@ -350,7 +338,7 @@ class NodeReplicator:
 
     # -- per-job workers -----------------------------------------------------------------------
 
-    def _sync_workers(self, client: CoordinatorClient, disks: Mapping[JobRef, Ramdisk]) -> None:
+    def _sync_workers(self, links: _Links, disks: Mapping[JobRef, Ramdisk]) -> None:
         for key in [k for k in self._workers if k not in disks or self._workers[k].done()]:
             task = self._workers.pop(key)
             if task.done() and not task.cancelled() and task.exception():
@@ -359,19 +347,19 @@ class NodeReplicator:
         for key, disk in disks.items():
             if key not in self._workers and disk.publications:
                 self._workers[key] = asyncio.create_task(
-                    self._watch(client, key), name=f"watch-{key.namespace}-{key.job}"
+                    self._watch(links, key), name=f"watch-{key.namespace}-{key.job}"
                 )
 
-    async def _watch(self, client: CoordinatorClient, key: JobRef) -> None:
+    async def _watch(self, links: _Links, key: JobRef) -> None:
         try:
-            while await self._watch_once(client, key):
+            while await self._watch_once(links, key):
                 self._beat(key)
                 await asyncio.sleep(timing.WATCH_INTERVAL_SECONDS)
         finally:
             self._beats.pop(key, None)
             self._unsettled.forget(key)
 
-    async def _watch_once(self, client: CoordinatorClient, key: JobRef) -> bool:
+    async def _watch_once(self, links: _Links, key: JobRef) -> bool:
         """One pass over a job's ramdisk; False once no pod has it published. An error is logged,
         counted and retried on the next pass: it never stops the job's protocol for good."""
         # A stat; the state file is parsed only when it changed. The CSI driver keys by (namespace, job).
@@ -389,72 +377,14 @@ class NodeReplicator:
             nodes = spec.nodes or (assignment.nodes or 1 if assignment else None)
             if progress.jax_init_written and progress.settings is None and nodes is not None:
                 await handshake.consume_replicator_yaml(
-                    client, disk, meta, progress, nodes, self._log_once, self._unsettled
+                    links.client, disk, meta, progress, nodes, self._log_once, self._unsettled
                 )
             if progress.settings is not None and not progress.restore_done:
-                await self._restorer.restore(client, self._session, disk, meta, progress, lambda: self._beat(key))  # type: ignore[arg-type]  # run set it
+                await self._restorer.restore(links.client, links.peers, disk, meta, progress, lambda: self._beat(key))
             await self._commits.detect(disk, meta, progress)
             if progress.restore_done:
-                await asyncio.to_thread(self._keep_room, key, disk, meta, progress)
+                await asyncio.to_thread(self._room.keep_room, key, disk, meta, progress)
         except Exception as err:
             LOOP_ERRORS.labels("job").inc()
             self._log_once(f"watch-{key}", f"{key}: error in the job's protocol loop, retrying: {err!r}")
         return True
-
-    def make_room(self, disk: Ramdisk, need: int, keep: int | None = None) -> None:
-        """Gives up unsafe copies on ``disk`` until ``need`` bytes are free or none is left
-        (``space.make_room``, with the job's latest retain order), but of step ``keep``; logs each one."""
-        key = job_of(disk)
-        ordered = self._retain.get(key)
-        order = pressure_order(disk, ordered)
-        busy = self._busy_steps.of(key) | ({keep} if keep is not None else set())
-        with self._making_room:  # the watch pass, the peer service and a restore may all ask at once
-            given_up = space.make_room(disk, order, busy, need, self._retain_sent if ordered is not None else None)
-        for copy in given_up:
-            space.GIVEN_UP.inc()
-            log.warning(
-                "%s/%s: gave up %s step %d (%d bytes, not safe) to free %d bytes; steps up to %d are kept (safe, or restored)",
-                key.namespace,
-                key.job,
-                copy.what,
-                copy.step,
-                copy.bytes,
-                need,
-                order.keep_from,  # type: ignore[union-attr]  # nothing is given up without an order
-            )
-
-    def _keep_room(self, key: JobRef, disk: Ramdisk, meta: JobMeta, progress: PodProgress) -> None:
-        """Keeps the job's next save's bytes free (``space``): gives up unsafe copies when they are not,
-        and tells the job, with the numbers, when its ramdisk is below the sizing rule for the saves it
-        makes, or full anyway (a save that does not fit)."""
-        need = space.next_save_bytes(meta)
-        if need and progress.settings is not None:
-            shards = space.shards_needed(progress.settings.data_parallelism, self._replicas)
-            if disk.size_bytes < shards * need:
-                self._log_once(
-                    f"sizing-{key}-{progress.incarnation}",
-                    f"ramdisk below the sizing rule: it holds {disk.size_bytes} bytes, a save of"
-                    f" this job takes about {need}, and with data parallelism {progress.settings.data_parallelism} it needs"
-                    f" {shards} of them ({shards * need} bytes); saves may fail or steps become safe later"
-                    f" (docs/operations.md#sizing)",
-                    meta,
-                )
-        if space.free_bytes(disk.path) >= need and not space.is_full(disk.path):
-            space.keep_reserve(meta)
-            return
-        self.make_room(disk, need)
-        if space.is_full(disk.path):
-            order = self._retain.get(key)
-            safe = f"the newest safe step is {order.keep_from}" if order else "no step is safe yet"
-            expected = f"a save of this job takes about {need} bytes" if need else "no save has completed on it yet"
-            message = (
-                f"ramdisk too small: {space.describe_use(disk)}; {expected}, and nothing unsafe is left to give up ({safe});"
-                f" make the volume's size larger (docs/operations.md#sizing)"
-            )
-            space.release_reserve(meta)  # the report needs pages; each pod of the job hears it once
-            try:
-                self._log_once(f"full-{key}-{progress.pod_uid}", message, meta)
-            except OSError as err:  # no page left even so: the log line has it
-                log.warning(
-                    "%s/%s: could not write replicator.errors on the full ramdisk: %s", key.namespace, key.job, err
-                )

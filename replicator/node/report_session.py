@@ -15,6 +15,7 @@ worth sending:
 No I/O: the node agent and the coordinator scale bench's simulated nodes share it.
 """
 
+import asyncio
 import random
 from collections.abc import Iterable, Mapping
 
@@ -89,8 +90,23 @@ class ReportSession:
         self._failures = 0
         self._retry_at = float("-inf")
         self.poked = True
+        self.wake = asyncio.Event()  # set to end the report loop's wait between rounds
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.heartbeat_seconds = 1.0
         self.list_backups: set[JobRef] = set()
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Names the event loop that ``poke`` wakes (the report loop's, once it runs)."""
+        self._loop = loop
+
+    def poke(self) -> None:
+        """Asks for a report now; safe to call from any thread (the gRPC servicer's). A no-op until ``bind``."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._poke_now)
+
+    def _poke_now(self) -> None:
+        self.poked = True
+        self.wake.set()
 
     def build(
         self,

@@ -12,15 +12,15 @@ import errno
 import functools
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from replicator.local_tier.incoming import pwrite_all
 from replicator.local_tier.step_manifest import CorruptCopy, UnusableCopy, crc32c_combine, crc32c_extend, safe_relpath
 from replicator.parity.codec import Codec, codec
 from replicator.parity.layout import Files, GroupLayout, stream_bytes, stream_pieces
-from replicator.parity.reads import ShardStream, StepReads, open_members
+from replicator.parity.reads import MemberStream, ShardStream, StepReads, open_members
 from replicator.peer_tier.client import run_all
-from replicator.wire.messages import ParityRecipe
+from replicator.wire.messages import ParityRecipe, ShardCopy
 
 CHUNK_BYTES = 4 << 20
 IN_FLIGHT = 4  # chunks being read and rebuilt at once: reads overlap the rebuilding, memory stays a few chunks
@@ -50,8 +50,7 @@ async def rebuild(
       PeerFetchError: a survivor or a shard holder could not be read (worth retrying).
       OSError: ``dest_dir`` could not be written.
     """
-    layout = GroupLayout(tuple(m.rank for m in recipe.members), recipe.parity, recipe.stream_bytes)
-    step = reads.step
+    layout, step = GroupLayout.of_group(recipe), reads.step
     if rank not in layout.members:
         raise UnusableCopy(f"rank {rank} is not a member of group {list(layout.members)}")
     position = layout.members.index(rank)
@@ -59,28 +58,11 @@ async def rebuild(
         raise UnusableCopy(f"the parity of rank {rank} step {step} was built over another version of it")
     live = {p: m for p, m in enumerate(recipe.members) if m.url is not None and p != position}
     shards = {(s.stripe, s.index): s for s in recipe.shards}
-    plan = {}
-    for stripe in layout.stripes_of(position):
-        data = [i for i, p in enumerate(layout.contributors(stripe)) if p in live]
-        parity = [layout.data + j for j in range(layout.parity) if (stripe, j) in shards]
-        if len(data) + len(parity) < layout.data:
-            raise UnusableCopy(
-                f"stripe {stripe} of group {list(layout.members)} has {len(data) + len(parity)} of"
-                f" the {layout.data} shards a rebuild needs"
-            )
-        plan[stripe] = (data + parity)[: layout.data]
+    plan = _plan(layout, position, set(live), set(shards))
     needed = {layout.contributors(s)[i] for s, chosen in plan.items() for i in chosen if i < layout.data}
     streams = await open_members(reads, {p: live[p] for p in needed}, dict(enumerate(layout.stream_bytes)))
     chunks = _Chunks(layout, position, files, codec(layout.data, layout.parity), _create_files(dest_dir, files))
-    readers = {
-        stripe: {
-            i: (streams[layout.contributors(stripe)[i]], segment_base(layout, stripe, i))
-            if i < layout.data
-            else (ShardStream(reads, layout.members[0], shards[(stripe, i - layout.data)]), 0)
-            for i in chosen
-        }
-        for stripe, chosen in plan.items()
-    }
+    readers = {stripe: _readers(layout, stripe, chosen, streams, reads, shards) for stripe, chosen in plan.items()}
 
     async def chunk(stripe: int, offset: int) -> None:
         size = min(chunk_bytes, layout.segment_bytes - offset)
@@ -104,6 +86,45 @@ async def rebuild(
             f"rank {rank} step {step} rebuilt from group {list(layout.members)} fails its checksums: "
             + ", ".join(bad[:5])
         )
+
+
+def _plan(layout: GroupLayout, position: int, live: set[int], shards: set[tuple[int, int]]) -> dict[int, list[int]]:
+    """stripe -> the ``n - k`` shard indices (data ``0 .. n-k-1``, then parity) its rebuild of ``position``'s
+    segment reads: live members' segments first, then live parity shards (``shards``: (stripe, parity index)).
+
+    Raises:
+      UnusableCopy: a stripe has fewer than ``n - k`` of them.
+    """
+    plan = {}
+    for stripe in layout.stripes_of(position):
+        data = [i for i, p in enumerate(layout.contributors(stripe)) if p in live]
+        parity = [layout.data + j for j in range(layout.parity) if (stripe, j) in shards]
+        if len(data) + len(parity) < layout.data:
+            raise UnusableCopy(
+                f"stripe {stripe} of group {list(layout.members)} has {len(data) + len(parity)} of"
+                f" the {layout.data} shards a rebuild needs"
+            )
+        plan[stripe] = (data + parity)[: layout.data]
+    return plan
+
+
+def _readers(
+    layout: GroupLayout,
+    stripe: int,
+    chosen: list[int],
+    streams: Mapping[int, MemberStream],
+    reads: StepReads,
+    shards: Mapping[tuple[int, int], ShardCopy],
+) -> dict[int, tuple[MemberStream | ShardStream, int]]:
+    """Shard index -> (its reader, where the stripe's shard starts in what it reads, bytes) for ``chosen``."""
+    readers: dict[int, tuple[MemberStream | ShardStream, int]] = {}
+    for i in chosen:
+        if i < layout.data:
+            position = layout.contributors(stripe)[i]
+            readers[i] = (streams[position], layout.data_offset(position, stripe))
+        else:
+            readers[i] = (ShardStream(reads, layout.members[0], shards[(stripe, i - layout.data)]), 0)
+    return readers
 
 
 class _Chunks:
@@ -146,7 +167,7 @@ class _Chunks:
                 self._shards[(stripe, i, offset)] = (crc32c_extend(0, body), len(body))
         wanted = layout.contributors(stripe).index(self._position)
         piece = memoryview(self._code.rebuild(got, [wanted])[wanted])
-        start = layout.segment_of(self._position, stripe) * layout.segment_bytes + offset
+        start = layout.data_offset(self._position, stripe) + offset
         written = 0
         for rel, at, n in stream_pieces(self._files, start, len(piece)):  # past the stream's end: padding
             chunk = piece[self._starts[rel] + at - start :][:n]
@@ -177,11 +198,6 @@ def _combined(pieces: dict, keys: dict) -> dict:
     for (key, _), (crc, n) in sorted(pieces.items(), key=lambda item: item[0]):
         crcs[key] = crc32c_combine(crcs.get(key, 0), crc, n)
     return crcs
-
-
-def segment_base(layout: GroupLayout, stripe: int, index: int) -> int:
-    """Where data shard ``index`` of ``stripe`` starts in its member's stream, bytes."""
-    return layout.segment_of(layout.contributors(stripe)[index], stripe) * layout.segment_bytes
 
 
 def _create_files(dest_dir: str, files: Files) -> dict[str, int]:

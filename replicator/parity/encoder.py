@@ -15,7 +15,6 @@ import time
 from collections.abc import Mapping
 
 import aiohttp
-import msgspec
 from prometheus_client import Counter
 
 from csi_driver.ramdisk import Ramdisk
@@ -73,13 +72,9 @@ class Encoder:
             return
         self._running[key] = asyncio.create_task(self._encode(session, job, disk, order))
 
-    @staticmethod
-    def _layout(order: EncodeOrder) -> GroupLayout:
-        return GroupLayout(tuple(m.rank for m in order.members), order.parity, order.stream_bytes)
-
     def _missing(self, disk: Ramdisk, order: EncodeOrder) -> list[tuple[int, int]]:
         """The (stripe, index) of the order's shards this node does not hold as ordered (same group, same basis)."""
-        layout, shards, built_over = self._layout(order), ParityShards(disk.path), _basis(order)
+        layout, shards, built_over = GroupLayout.of_group(order), ParityShards(disk.path), _basis(order)
         missing = []
         for stripe, index in layout.held_by(order.position):
             meta = shards.meta(order.step, layout.members[0], stripe)
@@ -93,7 +88,7 @@ class Encoder:
         return missing
 
     async def _encode(self, session: aiohttp.ClientSession, job: JobRef, disk: Ramdisk, order: EncodeOrder) -> None:
-        layout, started = self._layout(order), time.monotonic()
+        layout, started = GroupLayout.of_group(order), time.monotonic()
         try:
             missing = self._missing(disk, order)
             needed = {p for stripe, _ in missing for p in layout.contributors(stripe)}
@@ -104,23 +99,26 @@ class Encoder:
             streams = await open_members(
                 reads, {p: order.members[p] for p in needed}, dict(enumerate(layout.stream_bytes))
             )
-            code = codec(layout.data, layout.parity)
-            shards, meta_dir = ParityShards(disk.path), JobMeta(disk.path)
+            code, shards, meta_dir = codec(layout.data, layout.parity), ParityShards(disk.path), JobMeta(disk.path)
             for stripe, index in missing:
                 incoming = meta_dir.new_incoming_dir()
                 try:
-                    meta = ShardMeta(
-                        order.step,
-                        layout.members,
-                        layout.parity,
-                        layout.stream_bytes,
-                        stripe,
-                        index,
-                        0,
-                        "",
-                        _basis(order),
+                    path = os.path.join(incoming, "shard")
+                    crc = await self._build(code, layout, streams, stripe, index, path)
+                    shard = ShardMeta(
+                        step=order.step,
+                        members=layout.members,
+                        parity=layout.parity,
+                        stream_bytes=layout.stream_bytes,
+                        stripe=stripe,
+                        index=index,
+                        bytes=layout.segment_bytes,
+                        crc32c=f"{crc:08x}",
+                        basis=_basis(order),
                     )
-                    await self._build(code, layout, streams, meta, shards, incoming)
+                    await asyncio.to_thread(shards.install, path, shard)
+                    ENCODED.labels("ok").inc()
+                    ENCODED_BYTES.inc(shard.bytes)
                 finally:
                     await asyncio.to_thread(shutil.rmtree, incoming, True)
             log.info(
@@ -143,25 +141,25 @@ class Encoder:
         code: Codec,
         layout: GroupLayout,
         streams: Mapping[int, MemberStream],
-        meta: ShardMeta,
-        shards: ParityShards,
-        incoming: str,
-    ) -> None:
-        """Builds ``meta``'s shard into ``incoming``, checksummed as written, then installs it."""
-        path = os.path.join(incoming, "shard")
-        crc, length, stripe = 0, layout.segment_bytes, meta.stripe
+        stripe: int,
+        index: int,
+        path: str,
+    ) -> int:
+        """Writes parity shard ``index`` of ``stripe`` (``layout.segment_bytes`` long) to a new file at ``path``;
+        returns its CRC-32C, computed as it was written."""
+        crc, length = 0, layout.segment_bytes
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             for offset in range(0, length, self._chunk_bytes):
                 size = min(self._chunk_bytes, length - offset)
                 segments = await asyncio.gather(
                     *(
-                        streams[p].read(layout.segment_of(p, stripe) * length + offset, size)
+                        streams[p].read(layout.data_offset(p, stripe) + offset, size)
                         for p in layout.contributors(stripe)
                     )
                 )
                 encoding = asyncio.ensure_future(
-                    asyncio.to_thread(_encode_into, code, segments, meta.index, fd, offset, crc)
+                    asyncio.to_thread(_encode_into, code, segments, index, fd, offset, crc)
                 )
                 try:
                     crc = await asyncio.shield(encoding)
@@ -172,9 +170,7 @@ class Encoder:
                     await self._share.wait()
         finally:
             os.close(fd)
-        await asyncio.to_thread(shards.install, path, msgspec.structs.replace(meta, bytes=length, crc32c=f"{crc:08x}"))
-        ENCODED.labels("ok").inc()
-        ENCODED_BYTES.inc(length)
+        return crc
 
 
 def _basis(order: EncodeOrder) -> str:

@@ -16,6 +16,8 @@ group costs ``1 + k/(n-k)`` of the checkpoint, ``n/(n-1)`` for XOR (SCR's figure
 import dataclasses
 from collections.abc import Iterator, Mapping
 
+from replicator.wire.messages import EncodeOrder, ParityRecipe
+
 Files = Mapping[str, tuple[int, str]]  # path -> (size in bytes, CRC32C hex), as in a step's manifest
 
 
@@ -55,6 +57,16 @@ class GroupLayout:
         longest = max(self.stream_bytes)
         per = -(-longest // self.data)
         return -(-per // 8) * 8
+
+    @classmethod
+    def of_group(cls, group: EncodeOrder | ParityRecipe) -> "GroupLayout":
+        """The layout an encode order or a restore's recipe names."""
+        return cls(tuple(m.rank for m in group.members), group.parity, tuple(group.stream_bytes))
+
+    def data_offset(self, position: int, stripe: int) -> int:
+        """Where ``position``'s data segment of ``stripe`` starts in its stream, bytes (``position`` must
+        contribute to the stripe)."""
+        return self.segment_of(position, stripe) * self.segment_bytes
 
     def holders(self, stripe: int) -> tuple[int, ...]:
         """Positions holding the stripe's parity shards, shard index order."""

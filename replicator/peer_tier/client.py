@@ -364,13 +364,28 @@ async def fetch_step(
         for start in range(0, size, range_bytes)
     ]
     fds = await asyncio.to_thread(_create_files, dest_dir, manifest)
+    range_crcs = await _download_ranges(peer, step_path, ranges, fds, workers or os.cpu_count() or 1, on_range)
+    _verify(manifest, ranges, range_crcs, base_url)
+
+
+async def _download_ranges(
+    peer: _Peer,
+    step_path: str,
+    ranges: list[tuple[str, int, int]],
+    fds: dict[str, int],
+    workers: int,
+    on_range: Callable[[int], None] | None,
+) -> list[int]:
+    """Downloads ``ranges`` ((path, start, end) in bytes) into the open files ``fds`` on ``workers`` threads, then
+    closes them; returns each range's CRC-32C, in order. A cancel stops the threads within one read and waits for
+    them (the caller deletes the files next)."""
     stop = threading.Event()
     try:
         download = asyncio.ensure_future(
-            asyncio.to_thread(_download, peer, step_path, ranges, fds, workers or os.cpu_count() or 1, stop, on_range)
+            asyncio.to_thread(_download, peer, step_path, ranges, fds, workers, stop, on_range)
         )
         try:
-            range_crcs = await asyncio.shield(download)
+            return await asyncio.shield(download)
         except asyncio.CancelledError:
             stop.set()  # the threads stop within one read; wait for them before the caller deletes dest_dir
             await asyncio.wait([download])
@@ -379,6 +394,9 @@ async def fetch_step(
         for fd in fds.values():
             os.close(fd)
 
+
+def _verify(manifest: StepManifest, ranges: list[tuple[str, int, int]], range_crcs: list[int], base_url: str) -> None:
+    """Raises CorruptPeerCopy naming the files whose ranges' CRC-32Cs, combined, are not ``manifest``'s."""
     file_crcs = dict.fromkeys(manifest.files, 0)  # 0 is the CRC-32C of no bytes
     for (rel, start, end), crc in zip(ranges, range_crcs):  # a file's ranges are in offset order
         file_crcs[rel] = crc32c_combine(file_crcs[rel], crc, end - start)

@@ -472,11 +472,13 @@ class EncodeOrder(msgspec.Struct, frozen=True, gc=False):
     stream_bytes: Annotated[tuple[Annotated[int, msgspec.Meta(ge=0)], ...], msgspec.Meta(max_length=MAX_LIST)]
 
 
-class HeldShard(msgspec.Struct, frozen=True, gc=False):
-    """A parity shard a node holds and verified when it built it (``replicator.local_tier.parity_shards``).
+class ParityShard(msgspec.Struct, frozen=True, gc=False, kw_only=True):
+    """A parity shard of a group's step, built by keyword: the one shard type. A node's report carries it with its
+    job (``HeldShard``); the node's ramdisk keeps it with the members' stream lengths (``ShardMeta``,
+    ``replicator.local_tier.parity_shards``). Its layout is ``replicator.parity.layout.GroupLayout``'s.
 
     Attributes:
-      namespace, job, step: the step it protects.
+      step: the step it protects.
       members: the group's member ranks, position order.
       parity: parity shards per stripe.
       stripe, index: which shard.
@@ -485,8 +487,6 @@ class HeldShard(msgspec.Struct, frozen=True, gc=False):
       basis: the members' checksums it was built over (``redundancy.basis``).
     """
 
-    namespace: Name
-    job: Name
     step: Step
     members: Annotated[tuple[Rank, ...], msgspec.Meta(max_length=MAX_LIST)]
     parity: Count
@@ -495,6 +495,17 @@ class HeldShard(msgspec.Struct, frozen=True, gc=False):
     bytes: Annotated[int, msgspec.Meta(ge=0)]
     crc32c: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{8}$")]
     basis: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
+
+
+class HeldShard(ParityShard, frozen=True, gc=False, kw_only=True):
+    """A parity shard a node holds and verified when it built it, as its report says (``NodeReport.shards``).
+
+    Attributes:
+      namespace, job: the job whose step it protects.
+    """
+
+    namespace: Name
+    job: Name
 
 
 class RestoreView(msgspec.Struct, frozen=True, gc=False):

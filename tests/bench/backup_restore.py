@@ -63,7 +63,9 @@ warnings.simplefilter("ignore", FutureWarning)  # google-auth's import-time noti
 
 from replicator.backup_tier.backends import open_backup_store
 from replicator.backup_tier.store import BackupStore
+from replicator.backup_tier.transfers import RankUpload
 from replicator.local_tier.step_manifest import StepManifest, build_manifest
+from replicator.wire.messages import JobRef
 from tests.helpers.servers import FakeGcsServer, MinioServer, ServerProcess
 from tests.helpers.tools import find_tool
 
@@ -75,7 +77,7 @@ REPETITIONS = 5
 WORKERS = 8
 GOAL = 2.0
 BUCKET = "mtc-bench"
-JOB = "bench/job"
+JOB = JobRef("bench", "job")
 STEP = 100
 REGION = "us-east-1"
 
@@ -226,7 +228,7 @@ def bench(backend: str, start, mib: int) -> None:
         source = os.path.join(workdir, "source")
         make_shard(source, file_size)
         manifest = build_manifest(source, STEP, 0)
-        upload_seconds = timed(lambda: store.upload_rank(JOB, STEP, 0, source, manifest))
+        upload_seconds = timed(lambda: store.upload_rank(RankUpload(JOB, STEP, 0, source, manifest)))
         assert store.commit_if_complete(JOB, STEP, nodes=1)
         prefix = f"{JOB}/steps/{STEP}/"
         objects = {rel: prefix + f.object for rel, f in store.rank_manifest(JOB, STEP, 0).files.items()}

@@ -40,7 +40,7 @@ import warnings
 warnings.simplefilter("ignore", FutureWarning)  # google-auth's import-time notice about grpcio versions
 
 from examples.local_cluster import LocalCluster, unmount_all_below
-from replicator.backup_tier.store import RankManifest
+from replicator.backup_tier.layout import RankManifest
 from tests.helpers import network
 from tests.helpers.jobs import UNTIL_KILLED, kill_past_newest_commit, kill_started_jobs, recreate, run_job, status_of
 from tests.helpers.polling import wait_until

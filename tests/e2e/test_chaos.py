@@ -6,7 +6,7 @@ long random sequence over every fault and every variant."""
 
 import random
 
-from tests import chaos
+from tests.drivers import chaos
 
 SEED = 10
 # Faults that cost ~20 s each (a rollback two restarts); seed 10 draws six of them, a rollback among

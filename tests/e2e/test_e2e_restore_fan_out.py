@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from replicator.backup_tier.store import RankManifest
+from replicator.backup_tier.layout import RankManifest
 from tests.helpers import network
 from tests.helpers.jobs import (
     UNTIL_KILLED,

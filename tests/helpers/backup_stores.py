@@ -1,7 +1,7 @@
 """The chaos suite's backup store, read and damaged from outside the agents: a ``file://`` directory, or
 fake-gcs-server behind ``store_proxy.UnavailableProxy`` (``gs://``), whose outage answers 503.
 
-Both give the job's backup entries (``steps/<step>[-t<t>]``, ``replicator/backup_tier/store.py``'s layout) with the
+Both give the job's backup entries (``steps/<step>[-t<t>]``, ``replicator/backup_tier/layout.py``) with the
 time their ``COMMIT`` was written, read an object, and flip a byte of one. The oracle reads the emulator directly,
 never through the proxy, so an outage hides nothing from it.
 """

@@ -16,15 +16,18 @@ import pytest
 
 from replicator.backup_tier import shared_upload
 from replicator.backup_tier.backends import open_backup_store
+from replicator.backup_tier.layout import RankManifest
 from replicator.backup_tier.object_store import BackupError
 from replicator.backup_tier.s3 import PART_BYTES, S3Features, S3Objects
-from replicator.backup_tier.store import BackupStore, RankManifest
+from replicator.backup_tier.store import BackupStore
+from replicator.backup_tier.transfers import RankUpload
 from replicator.local_tier.step_manifest import StepManifest, build_manifest
+from replicator.wire.messages import JobRef
 from tests.helpers.servers import FakeGcsServer, MinioServer
 from tests.helpers.steps import read_tree, write_step
 from tests.helpers.tools import require_tool
 
-JOB = "team-a/llama"
+JOB = JobRef("team-a", "llama")
 MiB = 1 << 20
 
 
@@ -170,7 +173,7 @@ def upload_step(
     for rank in range(ranks):
         sources[rank] = (files or rank_files)(rank)
         step_dir, manifest = write_step(tmp_path / f"src-{step}-{timeline}-{rank}", step, rank, sources[rank])
-        store.upload_rank(JOB, step, rank, step_dir, manifest, timeline=timeline)
+        store.upload_rank(RankUpload(JOB, step, rank, step_dir, manifest, timeline=timeline))
     assert store.commit_if_complete(JOB, step, ranks, timeline=timeline)
     return sources
 
@@ -186,7 +189,7 @@ def test_step_is_restorable_only_after_every_rank_uploaded(backend, tmp_path):
     sources = {rank: rank_files(rank) for rank in range(2)}
     dirs = {rank: write_step(tmp_path / f"src-{rank}", 5, rank, sources[rank]) for rank in range(2)}
 
-    store.upload_rank(JOB, 5, 0, *dirs[0])
+    store.upload_rank(RankUpload(JOB, 5, 0, *dirs[0]))
     assert not store.commit_if_complete(JOB, 5, nodes=2)
     assert store.complete_steps(JOB) == []
     assert incomplete_steps(store) == [(5, 0)]
@@ -196,7 +199,7 @@ def test_step_is_restorable_only_after_every_rank_uploaded(backend, tmp_path):
     with pytest.raises(BackupError, match="COMMIT is missing: step 5 is not restorable"):
         store.committed_nodes(JOB, 5)
 
-    store.upload_rank(JOB, 5, 1, *dirs[1])
+    store.upload_rank(RankUpload(JOB, 5, 1, *dirs[1]))
     assert store.commit_if_complete(JOB, 5, nodes=2)
     assert store.commit_if_complete(JOB, 5, nodes=2)  # idempotent
     assert store.complete_steps(JOB) == [(5, 0)]
@@ -247,7 +250,7 @@ def test_upload_not_matching_manifest_stays_incomplete_and_retain_cleans_it(back
         "_CHECKPOINT_METADATA": (manifest.files["_CHECKPOINT_METADATA"][0], "00000000"),
     }
     with pytest.raises(BackupError, match="2 of 4 uploads"):
-        store.upload_rank(JOB, 3, 0, step_dir, StepManifest(3, 0, wrong))
+        store.upload_rank(RankUpload(JOB, 3, 0, step_dir, StepManifest(3, 0, wrong)))
 
     # The matching files were stored, the mismatching ones were not, and no rank manifest exists.
     assert backend.names() == [f"{JOB}/steps/3/rank-0/commit_success.txt", f"{JOB}/steps/3/rank-0/state/manifest.ocdbt"]
@@ -258,7 +261,7 @@ def test_upload_not_matching_manifest_stays_incomplete_and_retain_cleans_it(back
 
     upload_step(store, tmp_path, 7, ranks=1)
     step_dir, manifest = write_step(tmp_path / "src-9", 9, 0, files)
-    store.upload_rank(JOB, 9, 0, step_dir, manifest)  # rank 1 of step 9 still uploading
+    store.upload_rank(RankUpload(JOB, 9, 0, step_dir, manifest))  # rank 1 of step 9 still uploading
     assert store.retain(JOB, keep=2) == [(3, 0)]
     assert (store.complete_steps(JOB), incomplete_steps(store)) == ([(7, 0)], [(9, 0)])
     assert not [n for n in backend.names() if n.startswith(f"{JOB}/steps/3/")]
@@ -275,7 +278,7 @@ def test_dedup_stores_identical_files_of_data_parallel_peers_once(backend, tmp_p
         }
         for rank in range(2)
     }
-    first = store.upload_rank(JOB, 4, 0, *write_step(tmp_path / "src-0", 4, 0, sources[0]))
+    first = store.upload_rank(RankUpload(JOB, 4, 0, *write_step(tmp_path / "src-0", 4, 0, sources[0])))
     # Like real OCDBT files, both end with their own CRC32C: same path, size and CRC32C, other bytes.
     assert (
         first.files["state/manifest.ocdbt"].crc32c
@@ -283,7 +286,9 @@ def test_dedup_stores_identical_files_of_data_parallel_peers_once(backend, tmp_p
     )
     peer = store.rank_manifest(JOB, 4, 0)
     assert peer == first
-    second = store.upload_rank(JOB, 4, 1, *write_step(tmp_path / "src-1", 4, 1, sources[1]), dedup_from=peer)
+    second = store.upload_rank(
+        RankUpload(JOB, 4, 1, *write_step(tmp_path / "src-1", 4, 1, sources[1]), dedup_from=peer)
+    )
     assert store.commit_if_complete(JOB, 4, nodes=2)
 
     steps = f"{JOB}/steps/4/"
@@ -307,7 +312,7 @@ def test_dedup_stores_identical_files_of_data_parallel_peers_once(backend, tmp_p
     assert read_tree(tmp_path / "restored-1") == sources[1]
 
     with pytest.raises(ValueError, match="shared within a step"):
-        store.upload_rank(JOB, 5, 1, *write_step(tmp_path / "src-5", 5, 1, sources[1]), dedup_from=peer)
+        store.upload_rank(RankUpload(JOB, 5, 1, *write_step(tmp_path / "src-5", 5, 1, sources[1]), dedup_from=peer))
 
 
 def test_progress_counts_each_file_as_it_is_stored_and_each_range_as_it_lands(backend, tmp_path):
@@ -316,9 +321,13 @@ def test_progress_counts_each_file_as_it_is_stored_and_each_range_as_it_lands(ba
     shared = {"state/d/big": os.urandom(9 * MiB), "_CHECKPOINT_METADATA": b'{"step": 4}', "commit_success.txt": b""}
     sources = {rank: {**shared, f"state/ocdbt.process_{rank}/d/x": os.urandom(1000)} for rank in range(2)}
     stored: dict[int, list[int]] = {0: [], 1: []}
-    first = store.upload_rank(JOB, 4, 0, *write_step(tmp_path / "src-0", 4, 0, sources[0]), on_file=stored[0].append)
+    first = store.upload_rank(
+        RankUpload(JOB, 4, 0, *write_step(tmp_path / "src-0", 4, 0, sources[0]), on_file=stored[0].append)
+    )
     store.upload_rank(
-        JOB, 4, 1, *write_step(tmp_path / "src-1", 4, 1, sources[1]), dedup_from=first, on_file=stored[1].append
+        RankUpload(
+            JOB, 4, 1, *write_step(tmp_path / "src-1", 4, 1, sources[1]), dedup_from=first, on_file=stored[1].append
+        )
     )
     for rank in range(2):  # rank 1's shared files count at once, as deduplicated
         assert sorted(stored[rank]) == sorted(len(data) for data in sources[rank].values())
@@ -338,23 +347,27 @@ def test_identical_ranks_share_an_upload_each_sending_its_share_and_commit_waits
     assert set(owners.values()) == set(members)  # every member sends a part
 
     assert (
-        shared_upload.group_dedup(store, JOB, 4, 0, *steps[0], members, "inc") is None
+        shared_upload.group_dedup(store, RankUpload(JOB, 4, 0, *steps[0], incarnation="inc"), members) is None
     )  # its share only: the others' are not there
-    assert shared_upload.group_dedup(store, JOB, 4, 1, *steps[1], members, "inc") is None
-    dedup = shared_upload.group_dedup(store, JOB, 4, 2, *steps[2], members, "inc")
+    assert shared_upload.group_dedup(store, RankUpload(JOB, 4, 1, *steps[1], incarnation="inc"), members) is None
+    dedup = shared_upload.group_dedup(store, RankUpload(JOB, 4, 2, *steps[2], incarnation="inc"), members)
     # The union of the shares: every file of a member that falls to that member (a rank's own path may too).
     union = {rel: f"rank-{r}/{rel}" for r in members for rel in sources[r] if shared_upload.owner(members, rel) == r}
     assert {rel: f.object for rel, f in dedup.files.items()} == union and set(shared) <= set(union)
-    store.upload_rank(JOB, 4, 2, *steps[2], dedup_from=dedup, incarnation="inc")
+    store.upload_rank(RankUpload(JOB, 4, 2, *steps[2], dedup_from=dedup, incarnation="inc"))
     assert not store.commit_if_complete(JOB, 4, nodes=3, incarnation="inc")  # ranks 0 and 1 have no full manifest yet
     for rank in (0, 1):
         store.upload_rank(
-            JOB,
-            4,
-            rank,
-            *steps[rank],
-            dedup_from=shared_upload.group_dedup(store, JOB, 4, rank, *steps[rank], members, "inc"),
-            incarnation="inc",
+            RankUpload(
+                JOB,
+                4,
+                rank,
+                *steps[rank],
+                dedup_from=shared_upload.group_dedup(
+                    store, RankUpload(JOB, 4, rank, *steps[rank], incarnation="inc"), members
+                ),
+                incarnation="inc",
+            )
         )
     assert store.commit_if_complete(JOB, 4, nodes=3, incarnation="inc")
 
@@ -373,7 +386,9 @@ def test_identical_ranks_share_an_upload_each_sending_its_share_and_commit_waits
 def test_dedup_against_a_rank_manifest_written_before_blake3_compares_sha256(backend, tmp_path):
     store = backend.store
     shared = {"state/d/big": os.urandom(9 * MiB)}
-    first = store.upload_rank(JOB, 4, 0, *write_step(tmp_path / "src-0", 4, 0, {**shared, "own": b"rank 0"}))
+    first = store.upload_rank(
+        RankUpload(JOB, 4, 0, *write_step(tmp_path / "src-0", 4, 0, {**shared, "own": b"rank 0"}))
+    )
     assert first.files["state/d/big"].identity == "blake3:" + blake3.blake3(shared["state/d/big"]).hexdigest()
     # The rank manifest as an agent before BLAKE3 wrote it: a "sha256" key with the bare hex digest.
     old = json.loads(first.to_json())
@@ -384,7 +399,9 @@ def test_dedup_against_a_rank_manifest_written_before_blake3_compares_sha256(bac
     assert peer.files["state/d/big"].identity == "sha256:" + old["files"]["state/d/big"]["sha256"]
 
     second = store.upload_rank(
-        JOB, 4, 1, *write_step(tmp_path / "src-1", 4, 1, {**shared, "own": b"rank 1", "new": b"x"}), dedup_from=peer
+        RankUpload(
+            JOB, 4, 1, *write_step(tmp_path / "src-1", 4, 1, {**shared, "own": b"rank 1", "new": b"x"}), dedup_from=peer
+        )
     )
     assert second.files["state/d/big"].object == "rank-0/state/d/big"  # deduplicated through SHA-256
     assert second.files["own"] == dataclasses.replace(
@@ -436,7 +453,9 @@ def test_timelines_are_stored_apart_and_retention_deletes_the_abandoned_one(back
     assert store.complete_steps(JOB) == [(2, 0), (4, 1)]
     with pytest.raises(ValueError):  # objects are shared within one step of one timeline only
         step_dir, manifest = write_step(tmp_path / "src-dedup", 4, 1, new(1))
-        store.upload_rank(JOB, 4, 1, step_dir, manifest, dedup_from=store.rank_manifest(JOB, 2, 0), timeline=1)
+        store.upload_rank(
+            RankUpload(JOB, 4, 1, step_dir, manifest, dedup_from=store.rank_manifest(JOB, 2, 0), timeline=1)
+        )
 
 
 def test_manifest_naming_a_path_outside_the_step_is_refused(backend, tmp_path):
@@ -468,7 +487,7 @@ def test_open_backup_store_rejects_what_it_cannot_serve(tmp_path):
     with pytest.raises(ValueError, match="s3:// only"):
         open_backup_store("gs://bucket", s3_endpoint_url="http://127.0.0.1:1")
     with pytest.raises(ValueError, match="job key"):
-        open_backup_store(f"file://{tmp_path}").complete_steps("no-namespace")
+        open_backup_store(f"file://{tmp_path}").complete_steps(JobRef("Team_A", "llama"))
 
 
 def test_interrupted_upload_is_swept_by_retention_once_a_newer_step_commits(backend, tmp_path):
@@ -496,16 +515,16 @@ def test_commit_and_manifests_are_write_once_and_a_committed_step_is_never_overw
 
     other_dir, other = write_step(tmp_path / "other", 5, 0, rank_files(0))  # other random bytes, same step
     with pytest.raises(BackupError, match="committed with other data"):
-        store.upload_rank(JOB, 5, 0, other_dir, other)
+        store.upload_rank(RankUpload(JOB, 5, 0, other_dir, other))
     same_dir, same = write_step(tmp_path / "src-5-0", 5, 0, sources[0])  # a retried upload: accepted as is
-    assert store.upload_rank(JOB, 5, 0, same_dir, same) == store.rank_manifest(JOB, 5, 0)
+    assert store.upload_rank(RankUpload(JOB, 5, 0, same_dir, same)) == store.rank_manifest(JOB, 5, 0)
     store.download_rank(JOB, 5, 0, str(tmp_path / "restored"))
     assert read_tree(tmp_path / "restored") == sources[0]
 
     # An uncommitted manifest left by another incarnation is replaced by the new upload of the step.
-    store.upload_rank(JOB, 8, 0, *write_step(tmp_path / "old", 8, 0, {"f": b"old"}), incarnation="old")
+    store.upload_rank(RankUpload(JOB, 8, 0, *write_step(tmp_path / "old", 8, 0, {"f": b"old"}), incarnation="old"))
     assert not store.commit_if_complete(JOB, 8, nodes=1, incarnation="new")
-    store.upload_rank(JOB, 8, 0, *write_step(tmp_path / "new", 8, 0, {"f": b"new"}), incarnation="new")
+    store.upload_rank(RankUpload(JOB, 8, 0, *write_step(tmp_path / "new", 8, 0, {"f": b"new"}), incarnation="new"))
     assert store.commit_if_complete(JOB, 8, nodes=1, incarnation="new")
     store.download_rank(JOB, 8, 0, str(tmp_path / "restored-8"))
     assert read_tree(tmp_path / "restored-8") == {"f": b"new"}
@@ -523,7 +542,7 @@ def test_minio_is_probed_as_crc32c_with_conditional_writes_and_multipart_objects
     assert store.objects.features() == S3Features(crc32c=True, conditional_writes=True)
     files = {"big": os.urandom(3 * PART_BYTES + 5), "small": b"abc"}
     step_dir, manifest = write_step(tmp_path / "src", 1, 0, files)
-    store.upload_rank(JOB, 1, 0, step_dir, manifest)
+    store.upload_rank(RankUpload(JOB, 1, 0, step_dir, manifest))
     for rel, (size, crc) in manifest.files.items():
         head = client.head_object(Bucket="probe", Key=f"x/{JOB}/steps/1/rank-0/{rel}", ChecksumMode="ENABLED")
         assert (head["ContentLength"], head["ChecksumCRC32C"]) == (size, base64.b64encode(bytes.fromhex(crc)).decode())

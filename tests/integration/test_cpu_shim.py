@@ -13,7 +13,7 @@ import sys
 import pytest
 import yaml
 
-from tests.e2e_maxtext import MTC_FLAGS, TRAINER, jobset_flags
+from tests.drivers.e2e_maxtext import MTC_FLAGS, TRAINER, jobset_flags
 from tests.helpers import REPO
 
 SHIM_DIR = str(REPO / "examples" / "maxtext")

@@ -89,7 +89,17 @@ def _shard(ramdisk, step: int, group: int, stripe: int, size: int) -> None:
     written = os.path.join(JobMeta(ramdisk).new_incoming_dir(), "shard")
     with open(written, "wb") as f:
         f.write(os.urandom(size))
-    meta = ShardMeta(step, (group, group + 1), 1, (size, size), stripe, 0, size, "00000000", "basis")
+    meta = ShardMeta(
+        step=step,
+        members=(group, group + 1),
+        parity=1,
+        stream_bytes=(size, size),
+        stripe=stripe,
+        index=0,
+        bytes=size,
+        crc32c="00000000",
+        basis="0" * 64,
+    )
     ParityShards(ramdisk).install(written, meta)
 
 

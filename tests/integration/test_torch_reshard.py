@@ -26,7 +26,9 @@ from pathlib import Path
 import pytest
 
 from replicator.backup_tier.backends import open_backup_store
+from replicator.backup_tier.transfers import RankUpload
 from replicator.local_tier.step_manifest import build_manifest
+from replicator.wire.messages import JobRef
 from tests.helpers.torch_agent import FakeTorchAgent, stage_step
 from tests.helpers.torch_venv import TORCH_PYTHON, needs_torch_venv
 
@@ -283,8 +285,8 @@ def store_url(fsdp, tmp_path_factory) -> str:
     store = open_backup_store(f"file://{root}")
     for n in range(2):
         step_dir = str(fsdp / f"node{n}" / "1")
-        store.upload_rank(f"ns/{JOB}", 1, n, step_dir, build_manifest(step_dir, 1, n))
-    assert store.commit_if_complete(f"ns/{JOB}", 1, nodes=2)
+        store.upload_rank(RankUpload(JobRef("ns", JOB), 1, n, step_dir, build_manifest(step_dir, 1, n)))
+    assert store.commit_if_complete(JobRef("ns", JOB), 1, nodes=2)
     return f"file://{root}"
 
 

@@ -1,4 +1,4 @@
-"""The oracle of ``make e2e-maxtext`` (tests/e2e_maxtext.py) on made-up runs: no process, no MaxText.
+"""The oracle of ``make e2e-maxtext`` (tests/drivers/e2e_maxtext.py) on made-up runs: no process, no MaxText.
 
 Issue 21: the killed run's losses stopped at the newest committed step, the restored run's began
 after it, the comparison was empty and the harness printed "bit-identical: True". An empty
@@ -11,7 +11,7 @@ import os
 import pytest
 
 from examples.local_cluster import Pod
-from tests.e2e_maxtext import MaxTextJob
+from tests.drivers.e2e_maxtext import MaxTextJob
 from tests.helpers.trainer_oracle import HarnessError, compare_losses, judge, logged_past
 
 COMMITTED = 20

@@ -90,18 +90,19 @@ class Job:
     def build(self, node: str, orders: tuple[EncodeOrder, ...]) -> None:
         """Node ``node`` carries out its encode orders: it holds the shards of its positions' stripes."""
         for order in orders:
-            layout = GroupLayout(tuple(m.rank for m in order.members), order.parity, order.stream_bytes)
+            layout = GroupLayout.of_group(order)
             self.shards.setdefault(node, []).extend(
                 HeldShard(
-                    *NAMES,
-                    order.step,
-                    layout.members,
-                    order.parity,
-                    stripe,
-                    index,
-                    layout.segment_bytes,
-                    f"{0xC0 + stripe:08x}",
-                    redundancy.basis(tuple(m.digest or "" for m in order.members)),
+                    namespace=KEY.namespace,
+                    job=KEY.job,
+                    step=order.step,
+                    members=layout.members,
+                    parity=order.parity,
+                    stripe=stripe,
+                    index=index,
+                    bytes=layout.segment_bytes,
+                    crc32c=f"{0xC0 + stripe:08x}",
+                    basis=redundancy.basis(tuple(m.digest or "" for m in order.members)),
                 )
                 for stripe, index in layout.held_by(order.position)
             )
@@ -219,7 +220,18 @@ def forged_shards(job: Job, steps: tuple[int, ...]) -> list[HeldShard]:
     for step in steps:
         basis = redundancy.basis(tuple(redundancy.files_digest(files(rank, step)) for rank in group))
         found += [
-            HeldShard(*NAMES, step, group, parity, stripe, index, 1040, "0badc0de", basis)
+            HeldShard(
+                namespace=KEY.namespace,
+                job=KEY.job,
+                step=step,
+                members=group,
+                parity=parity,
+                stripe=stripe,
+                index=index,
+                bytes=1040,
+                crc32c="0badc0de",
+                basis=basis,
+            )
             for stripe in range(job.size)
             for index in range(parity)
         ]

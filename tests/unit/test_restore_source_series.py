@@ -24,7 +24,7 @@ from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from csi_driver.ramdisk import Ramdisk
-from prefetch import restore
+from prefetch import restore, stagers
 from prefetch.restore import NO_SOURCE, TIMED_OUT, Restorer
 from replicator.local_tier import frameworks
 from replicator.local_tier.frameworks import orbax
@@ -153,7 +153,12 @@ async def test_a_restore_from_a_close_peer_counts_in_the_dashboards_close_peer_s
         monkeypatch.setattr(restore.RESTORE_IN_FLIGHT, "transfer", observed)
         async with aiohttp.ClientSession() as session:
             busy, asked = BusySteps(), time.monotonic()  # a report sent before the restore asked for its plan
-            restorer = Restorer("node-a", Tokens.of(TOKEN), None, None, LogOnce(), deadline_seconds=30, busy_steps=busy)
+            restorer = Restorer(
+                stagers.for_node("node-a", Tokens.of(TOKEN), None, None),
+                LogOnce(),
+                deadline_seconds=30,
+                busy_steps=busy,
+            )
             await asyncio.wait_for(
                 restorer.restore(plan, session, disk, meta, PodProgress("uid", "inc", RANK), lambda: None), 60
             )

@@ -15,10 +15,10 @@ from replicator.local_tier.job_keys import BusySteps
 from replicator.local_tier.job_meta import JobMeta, PodProgress
 from replicator.local_tier.step_manifest import CorruptCopy, build_manifest
 from replicator.local_tier.steps import drop_abandoned
+from replicator.node.agent import build_replicator
 from replicator.node.commit_detection import CommitDetector
 from replicator.node.config import CoordinatorSettings, CsiSettings, NodeConfig, PeerSettings
 from replicator.node.garbage_collection import collect_garbage
-from replicator.node.loop import NodeReplicator
 from replicator.wire.messages import JobRef, RetainOrder
 from tests.helpers.steps import write_tree
 
@@ -52,7 +52,7 @@ def restored_at(tmp_path, step, newer):
         PeerSettings("127.0.0.1:1"),
         coordinator=CoordinatorSettings("http://coordinator"),
     )
-    replicator = NodeReplicator(config, None)
+    replicator = build_replicator(config, "http://coordinator", None)
     progress = PodProgress("uid", "inc", RANK, "h:1", True)
     staging.stage_local(ORBAX, disk.client_dir, step, meta.manifests()[step], meta, RANK)
     hand_over(disk, meta, progress, step, "local")

@@ -47,7 +47,7 @@ from tests.helpers.trainer_oracle import (
     preempt_then_lose_a_node,
 )
 
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHIM_DIR = os.path.join(_REPO_ROOT, "tests", "torchtitan")
 TRAINER = "torchtitan.train"
 REGISTRY = ("examples.torchtitan", "llama3_debugmodel_mtc")

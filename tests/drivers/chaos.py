@@ -1,6 +1,6 @@
 """The chaos suite (issue 10): one real Orbax job survives a seeded random sequence of faults.
 
-    python -m tests.chaos [--seed N] [--faults K] [--variant dp2|dp1|xor|rs|grants] [--only FAULT,...]
+    python -m tests.drivers.chaos [--seed N] [--faults K] [--variant dp2|dp1|xor|rs|grants] [--only FAULT,...]
 
 (Over 500 lines on purpose: one runnable tool whose faults, oracle and report read best together;
 what it shares with the tests lives in ``tests/helpers``.)
@@ -1146,7 +1146,7 @@ def main(argv: list[str] | None = None) -> int:
     print(render(rows))
     print(summary(rows, args.faults))
     print(
-        f"replay: python -m tests.chaos --seed {seed} --faults {args.faults} --variant {args.variant}"
+        f"replay: python -m tests.drivers.chaos --seed {seed} --faults {args.faults} --variant {args.variant}"
         + (f" --only {args.only}" if args.only != ",".join(FAULTS) else "")
     )
     return 0 if rows and all(r.right for r in rows) else 1  # no row: nothing was checked

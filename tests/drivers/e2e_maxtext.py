@@ -51,7 +51,7 @@ from tests.helpers.trainer_oracle import (
     preempt_then_lose_a_node,
 )
 
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _EXAMPLE_DIR = os.path.join(_REPO_ROOT, "examples", "maxtext")
 JOBSET = os.path.join(_EXAMPLE_DIR, "jobset.yaml")
 TRAINER = "maxtext.trainers.pre_train.train"
