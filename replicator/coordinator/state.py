@@ -10,39 +10,30 @@
   ``decide_interval(nodes)`` seconds (a 10,000-node job is decided about once a second, a small one
   at once), plus every ``_RECHECK_SECONDS`` for the rules that depend on time alone: the incarnation
   (``incarnations``), owner checksums and data-parallel identity (``job.OwnerReports``,
-  ``identity``), replica placement (``replicas``), the safe step and retention (``retention``),
+  ``identical_ranks``), replica placement (``replicas``), the safe step and retention (``retention``),
   the backup lister and schedule (``backups``);
 - replies are assembled from those cached decisions and the reporting node's own claims; restore
   views from the incarnation's frozen plan (``restores``); the status view by ``views``.
 
-The parts' indices (``claims``, ``identity``, ``job``) store; their policies read them. No I/O
-here; ``replicator.coordinator.routes`` serves it over HTTP.
+The parts' indices (``claims``, ``identical_ranks``, ``job``) store; their policies read them. No I/O
+here; ``replicator.coordinator.api.routes`` serves it over HTTP.
 """
 
 import logging
 from collections.abc import Iterable, Mapping
 
-from replicator.coordinator import (
-    backups,
-    elastic,
-    incarnations,
-    lineage,
-    parity,
-    planner,
-    recovery,
-    replicas,
-    restores,
-    retention,
-    rollbacks,
-    sync,
-    views,
+from replicator.coordinator import planner
+from replicator.coordinator.copies import backups, replicas, retention
+from replicator.coordinator.indices import incarnations, lineage, sync
+from replicator.coordinator.indices.incarnations import Incarnation
+from replicator.coordinator.indices.incarnations import (
+    UnknownIncarnation as UnknownIncarnation,  # re-exported: routes catch it
 )
-from replicator.coordinator.incarnations import Incarnation
-from replicator.coordinator.incarnations import UnknownIncarnation as UnknownIncarnation  # re-exported: routes catch it
-from replicator.coordinator.job import JobState
-from replicator.coordinator.liveness import Liveness
-from replicator.coordinator.restores import PEER_SOURCES_PER_VIEW, USABLE_TIERS  # noqa: F401  (re-exported)
-from replicator.coordinator.restores import NotReady as NotReady  # re-exported: routes catch it
+from replicator.coordinator.indices.job import JobState
+from replicator.coordinator.indices.liveness import Liveness
+from replicator.coordinator.planning import elastic, parity, recovery, restores, rollbacks, views
+from replicator.coordinator.planning.restores import PEER_SOURCES_PER_VIEW, USABLE_TIERS  # noqa: F401  (re-exported)
+from replicator.coordinator.planning.restores import NotReady as NotReady  # re-exported: routes catch it
 from replicator.wire.messages import (
     Assignment,
     BadCopy,
@@ -393,7 +384,7 @@ class ClusterState:
 
     def identical(self, key: JobRef) -> Mapping[int, frozenset[tuple[int, int]]]:
         """Step -> pairs of data-parallel peer ranks established to hold the same data at that step
-        (``identity``); listed when first looked up."""
+        (``identical_ranks``); listed when first looked up."""
         return self._jobs[key].identity.pairs()
 
     def job_keys(self) -> list[JobRef]:

@@ -9,9 +9,9 @@ import msgspec
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from replicator.coordinator import routes, service
-from replicator.coordinator.config import CoordinatorConfig
-from replicator.coordinator.status import render_status
+from replicator.coordinator.api import routes, service
+from replicator.coordinator.api.config import CoordinatorConfig
+from replicator.coordinator.api.status import render_status
 from replicator.wire.messages import HeldStep, JobRef, JobSettings, RestoreView, decode_json
 from replicator.wire.operator import ClusterStatus
 from tests.helpers.reports import node_report, pod_report

@@ -35,11 +35,12 @@ from lightkube.resources.authorization_v1 import SubjectAccessReview
 from lightkube.resources.core_v1 import Namespace, ServiceAccount
 from lightkube.resources.rbac_authorization_v1 import ClusterRoleBinding, RoleBinding
 
-from replicator.coordinator import operator_auth, routes, service
-from replicator.coordinator.config import CoordinatorConfig
-from replicator.coordinator.kube_config import KubeSettings
+from replicator.coordinator.api import routes, service
+from replicator.coordinator.api.config import CoordinatorConfig
+from replicator.coordinator.api.status import render_status
+from replicator.coordinator.kube.kube_config import KubeSettings
 from replicator.coordinator.state import ClusterState
-from replicator.coordinator.status import render_status
+from replicator.coordinator.trust import operator_auth
 from replicator.wire.messages import HeldStep, JobRef, JobSettings
 from replicator.wire.operator import ClusterStatus, RollbackPreview
 from tests.helpers import REPO

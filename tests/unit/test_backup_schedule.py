@@ -3,8 +3,8 @@ survives a preemption, one that a node loss stranded is replaced at once, and th
 
 import msgspec
 
-from replicator.coordinator.cluster_gauges import exposition
-from replicator.coordinator.recovery_snapshot import RecoverySnapshot
+from replicator.coordinator.api.cluster_gauges import exposition
+from replicator.coordinator.api.recovery_snapshot import RecoverySnapshot
 from replicator.coordinator.state import ClusterState
 from replicator.wire.messages import BackedUp, HeldStep, JobSettings
 from tests.helpers.coordinator import KEY, NAMES, OWN, SETTINGS, report

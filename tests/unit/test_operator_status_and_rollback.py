@@ -11,11 +11,11 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from replicator.cli import main
-from replicator.coordinator import routes, service
-from replicator.coordinator.config import CoordinatorConfig
-from replicator.coordinator.rollbacks import NotCancellable
+from replicator.coordinator.api import routes, service
+from replicator.coordinator.api.config import CoordinatorConfig
+from replicator.coordinator.api.status import render_preview, render_status
+from replicator.coordinator.planning.rollbacks import NotCancellable
 from replicator.coordinator.state import ClusterState, UnknownJob
-from replicator.coordinator.status import render_preview, render_status
 from replicator.wire.messages import BackedUp, HeldStep, decode_json
 from replicator.wire.operator import ClusterStatus, RollbackPreview
 from tests.helpers.coordinator import KEY, NAMES, OWN, held_by, pod, report, running_job

@@ -6,8 +6,8 @@ import msgspec
 import pytest
 from prometheus_client import REGISTRY
 
-from replicator.coordinator import parity
-from replicator.coordinator.recovery_snapshot import RecoverySnapshot
+from replicator.coordinator.api.recovery_snapshot import RecoverySnapshot
+from replicator.coordinator.planning import parity
 from replicator.coordinator.state import ClusterState, decide_interval
 from replicator.parity.layout import GroupLayout, cluster_ram
 from replicator.wire import redundancy

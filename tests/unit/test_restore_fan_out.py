@@ -203,7 +203,7 @@ def test_a_replan_after_the_only_lister_was_lost_waits_for_a_new_listing_instead
     the replan waits for a new listing, then plans the backup, never a fresh start."""
     import pytest
 
-    from replicator.coordinator.restores import NotReady
+    from replicator.coordinator.planning.restores import NotReady
 
     state = ClusterState(node_timeout_seconds=4.0, holder_grace_seconds=5.0)
     listing, stale = BackedUp(*NAMES, ((5, 0),), 1.0), BackedUp(*NAMES, (), 0.5)

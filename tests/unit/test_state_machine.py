@@ -4,7 +4,7 @@ assignments, orders exactly when due, no recomputation when nothing changed, ide
 import msgspec
 import pytest
 
-from replicator.coordinator.identity import Identity, LeaderMemo
+from replicator.coordinator.indices.identical_ranks import Identity, LeaderMemo
 from replicator.coordinator.state import (
     PEER_SOURCES_PER_VIEW,
     ClusterState,

@@ -12,11 +12,13 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping
 from typing import cast
 
-from replicator.coordinator import backups, parity, planner
-from replicator.coordinator.incarnations import Incarnation
-from replicator.coordinator.job import JobState
-from replicator.coordinator.liveness import Liveness, NodeState
-from replicator.coordinator.sync import WarnedOnce
+from replicator.coordinator import planner
+from replicator.coordinator.copies import backups
+from replicator.coordinator.indices.incarnations import Incarnation
+from replicator.coordinator.indices.job import JobState
+from replicator.coordinator.indices.liveness import Liveness, NodeState
+from replicator.coordinator.indices.sync import WarnedOnce
+from replicator.coordinator.planning import parity
 from replicator.wire.messages import BadCopy, Files, JobRef, RestoreView, Source, Tier
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ import time
 import msgspec
 
 from csi_driver import atomic_file
-from replicator.coordinator import recovery
+from replicator.coordinator.planning import recovery
 from replicator.coordinator.state import ClusterState
 
 log = logging.getLogger(__name__)

@@ -5,8 +5,8 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from replicator.coordinator import planner
-from replicator.coordinator.incarnations import Incarnation
-from replicator.coordinator.job import JobState
+from replicator.coordinator.indices.incarnations import Incarnation
+from replicator.coordinator.indices.job import JobState
 from replicator.wire.messages import Files, JobRef, JobSettings, RetainOrder
 from replicator.wire.operator import ExcludedCopy, JobStatus, RankPlace, RestoreStatus
 

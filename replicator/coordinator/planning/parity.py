@@ -23,9 +23,9 @@ orders, when a step is safe, and which lost ranks a restore can decode (``replic
 from collections.abc import Mapping
 
 from replicator.coordinator import planner
-from replicator.coordinator.job import JobState
-from replicator.coordinator.liveness import Liveness, NodeState
-from replicator.coordinator.parity_orders import ShardSlot
+from replicator.coordinator.indices.job import JobState
+from replicator.coordinator.indices.liveness import Liveness, NodeState
+from replicator.coordinator.indices.parity_orders import ShardSlot
 from replicator.wire import redundancy
 from replicator.wire.messages import EncodeOrder, Files, HeldShard, JobRef, MemberCopy, ParityRecipe, ShardCopy
 from replicator.wire.redundancy import REPLICAS, Redundancy, of_job

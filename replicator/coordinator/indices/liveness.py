@@ -11,7 +11,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 
-from replicator.coordinator.claims import Claim
+from replicator.coordinator.indices.claims import Claim
 from replicator.wire.messages import JobRef, NodeReport
 
 log = logging.getLogger(__name__)

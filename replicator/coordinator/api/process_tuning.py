@@ -5,7 +5,7 @@ import gc
 import logging
 import resource
 
-from replicator.coordinator.tls_read_buffer import share_tls_read_buffer
+from replicator.coordinator.api.tls_read_buffer import share_tls_read_buffer
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import yaml
 from lightkube import KubeConfig
 from lightkube.core.exceptions import ConfigError
 
-from replicator.coordinator.kube_shape import ShapeSettings
+from replicator.coordinator.kube.kube_shape import ShapeSettings
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,8 +8,9 @@ orders nothing (``retention.retain_order``), backup retention keeps the requeste
 
 import logging
 
-from replicator.coordinator import planner, retention
-from replicator.coordinator.job import JobState
+from replicator.coordinator import planner
+from replicator.coordinator.copies import retention
+from replicator.coordinator.indices.job import JobState
 from replicator.wire.messages import JobRef
 from replicator.wire.operator import AbandonedStep, RollbackPreview
 

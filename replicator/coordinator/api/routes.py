@@ -40,15 +40,12 @@ from aiohttp import web
 from lightkube import AsyncClient
 from prometheus_client import CONTENT_TYPE_LATEST, Counter
 
-from replicator.coordinator import cluster_gauges, peer_grants, report_order
-from replicator.coordinator.config import CoordinatorConfig
-from replicator.coordinator.job_changes import JobChanges
-from replicator.coordinator.kube_overlay import KubeOverlay
-from replicator.coordinator.node_identity import IdentityRefused, IdentityUnavailable, NodeVerifier
-from replicator.coordinator.operator_auth import CANCEL_ROLLBACK, READ, READER_KEY, ROLL_BACK, Operators
-from replicator.coordinator.report_order import ReportOrder, StaleReport
-from replicator.coordinator.rollbacks import NotCancellable
-from replicator.coordinator.settings_snapshot import SettingsSnapshot
+from replicator.coordinator.api import cluster_gauges
+from replicator.coordinator.api.config import CoordinatorConfig
+from replicator.coordinator.api.job_changes import JobChanges
+from replicator.coordinator.api.settings_snapshot import SettingsSnapshot
+from replicator.coordinator.kube.kube_overlay import KubeOverlay
+from replicator.coordinator.planning.rollbacks import NotCancellable
 from replicator.coordinator.state import (
     ClusterState,
     NodeIdTaken,
@@ -56,6 +53,10 @@ from replicator.coordinator.state import (
     UnknownIncarnation,
     UnknownJob,
 )
+from replicator.coordinator.trust import peer_grants, report_order
+from replicator.coordinator.trust.node_identity import IdentityRefused, IdentityUnavailable, NodeVerifier
+from replicator.coordinator.trust.operator_auth import CANCEL_ROLLBACK, READ, READER_KEY, ROLL_BACK, Operators
+from replicator.coordinator.trust.report_order import ReportOrder, StaleReport
 from replicator.wire.grants import GrantSigner
 from replicator.wire.http_errors import error_response
 from replicator.wire.messages import (

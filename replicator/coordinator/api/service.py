@@ -21,17 +21,11 @@ from aiohttp import web
 from lightkube import AsyncClient
 from prometheus_client import Histogram
 
-from replicator.coordinator import process_tuning, routes
-from replicator.coordinator.config import CoordinatorConfig
-from replicator.coordinator.job_changes import JobChanges
-from replicator.coordinator.kube_config import KubeSettings, kube_config
-from replicator.coordinator.kube_overlay import KubeOverlay
-from replicator.coordinator.kube_watch import ShapeWatcher, WatchSettings
-from replicator.coordinator.node_identity import NodeVerifier
-from replicator.coordinator.operator_auth import KubeOperators, OperatorAuth, Operators, TokenOperators
-from replicator.coordinator.recovery_snapshot import RecoverySnapshot
-from replicator.coordinator.report_order import ReportOrder
-from replicator.coordinator.routes import (
+from replicator.coordinator.api import process_tuning, routes
+from replicator.coordinator.api.config import CoordinatorConfig
+from replicator.coordinator.api.job_changes import JobChanges
+from replicator.coordinator.api.recovery_snapshot import RecoverySnapshot
+from replicator.coordinator.api.routes import (
     CHANGES_KEY,
     CONFIG_KEY,
     KUBE_CLIENT_KEY,
@@ -42,8 +36,14 @@ from replicator.coordinator.routes import (
     STATE_KEY,
     VERIFIER_KEY,
 )
-from replicator.coordinator.settings_snapshot import SettingsSnapshot
+from replicator.coordinator.api.settings_snapshot import SettingsSnapshot
+from replicator.coordinator.kube.kube_config import KubeSettings, kube_config
+from replicator.coordinator.kube.kube_overlay import KubeOverlay
+from replicator.coordinator.kube.kube_watch import ShapeWatcher, WatchSettings
 from replicator.coordinator.state import ClusterState
+from replicator.coordinator.trust.node_identity import NodeVerifier
+from replicator.coordinator.trust.operator_auth import KubeOperators, OperatorAuth, Operators, TokenOperators
+from replicator.coordinator.trust.report_order import ReportOrder
 from replicator.wire.bearer import Tokens, require_bearer
 from replicator.wire.grants import GrantSigner
 

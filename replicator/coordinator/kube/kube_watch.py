@@ -27,7 +27,7 @@ from lightkube import ALL_NS, ApiError, AsyncClient, operators
 from lightkube.generic_resource import create_namespaced_resource
 from lightkube.resources.core_v1 import Node, Pod
 
-from replicator.coordinator.kube_shape import (
+from replicator.coordinator.kube.kube_shape import (
     JOBSET_NAME,
     ShapeProblem,
     Shapes,

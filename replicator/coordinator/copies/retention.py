@@ -3,8 +3,8 @@
 from collections.abc import Callable
 
 from replicator.coordinator import planner
-from replicator.coordinator.job import JobState
-from replicator.coordinator.liveness import Liveness
+from replicator.coordinator.indices.job import JobState
+from replicator.coordinator.indices.liveness import Liveness
 from replicator.wire.messages import JobRef, RetainOrder
 
 

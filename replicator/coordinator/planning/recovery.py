@@ -22,8 +22,8 @@ from typing import Annotated
 
 import msgspec
 
-from replicator.coordinator.job import JobState, unpack_files
-from replicator.coordinator.parity_orders import ShardSlot
+from replicator.coordinator.indices.job import JobState, unpack_files
+from replicator.coordinator.indices.parity_orders import ShardSlot
 from replicator.wire.messages import JobRef, Name, Rank, Step
 
 _Seconds = Annotated[float, msgspec.Meta(ge=0)]

@@ -4,8 +4,8 @@ backups of abandoned timelines are forgotten."""
 
 import logging
 
-from replicator.coordinator.job import JobState
-from replicator.coordinator.liveness import NodeState
+from replicator.coordinator.indices.job import JobState
+from replicator.coordinator.indices.liveness import NodeState
 from replicator.wire.messages import JobRef, NodeReport, extends, in_lineage
 
 log = logging.getLogger(__name__)

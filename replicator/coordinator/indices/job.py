@@ -3,7 +3,7 @@ each in a small object of its own.
 
 - domain data (``JobState``): pods, incarnation, settings, lineage, the operator's rollback, backups;
 - indices: ``claims`` (``claims.ClaimIndex``), ``beliefs`` (``claims.Beliefs``), ``owners``
-  (``OwnerReports``), ``identity`` (``identity.Identity``), ``parity_orders`` (``parity_orders.ParityOrders``);
+  (``OwnerReports``), ``identical_ranks`` (``identical_ranks.Identity``), ``parity_orders`` (``parity_orders.ParityOrders``);
 - the decision pass's cached results: ``decided`` (``Decisions``);
 - memo caches with their stamps: ``memo`` (``Memos``).
 """
@@ -13,10 +13,10 @@ import zlib
 
 import msgspec
 
-from replicator.coordinator.claims import Beliefs, ClaimIndex, HeldMemo
-from replicator.coordinator.identity import Identity, LeaderMemo
-from replicator.coordinator.incarnations import Incarnation
-from replicator.coordinator.parity_orders import ParityOrders
+from replicator.coordinator.indices.claims import Beliefs, ClaimIndex, HeldMemo
+from replicator.coordinator.indices.identical_ranks import Identity, LeaderMemo
+from replicator.coordinator.indices.incarnations import Incarnation
+from replicator.coordinator.indices.parity_orders import ParityOrders
 from replicator.wire.messages import (
     BackedUp,
     Files,

@@ -11,7 +11,7 @@ copies do not cover. A step that is not reshardable is planned as before (its no
 
 import re
 
-from replicator.coordinator.job import JobState
+from replicator.coordinator.indices.job import JobState
 from replicator.wire.messages import Files
 
 # ``mtc_torch``'s node step: one DCP checkpoint per local rank (``frameworks.pytorch``'s commit evidence).

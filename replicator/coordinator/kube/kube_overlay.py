@@ -29,7 +29,7 @@ import logging
 
 import msgspec
 
-from replicator.coordinator.kube_shape import FailureDomains, JobShape, PodPlace, Shapes
+from replicator.coordinator.kube.kube_shape import FailureDomains, JobShape, PodPlace, Shapes
 from replicator.wire.messages import JobRef, NodeReport, PodReport
 
 log = logging.getLogger(__name__)

@@ -18,8 +18,8 @@ one save interval, whatever the save rate.
 """
 
 from replicator.coordinator import planner
-from replicator.coordinator.job import JobState
-from replicator.coordinator.liveness import Liveness, NodeState
+from replicator.coordinator.indices.job import JobState
+from replicator.coordinator.indices.liveness import Liveness, NodeState
 from replicator.wire.messages import JobRef, ReplicateOrder, Target
 
 

@@ -11,10 +11,10 @@ from collections.abc import Iterable
 import msgspec
 from prometheus_client import Counter
 
-from replicator.coordinator import lineage
-from replicator.coordinator.claims import Claim
-from replicator.coordinator.job import JobState, pack_files
-from replicator.coordinator.liveness import Liveness, NodeState
+from replicator.coordinator.indices import lineage
+from replicator.coordinator.indices.claims import Claim
+from replicator.coordinator.indices.job import JobState, pack_files
+from replicator.coordinator.indices.liveness import Liveness, NodeState
 from replicator.wire.messages import HeldStep, JobRef, NodeReport, extends, in_lineage
 
 log = logging.getLogger(__name__)

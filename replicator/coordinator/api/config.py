@@ -3,8 +3,8 @@
 import dataclasses
 import ssl
 
-from replicator.coordinator.kube_config import KubeSettings
-from replicator.coordinator.node_identity import NodeIdentitySettings
+from replicator.coordinator.kube.kube_config import KubeSettings
+from replicator.coordinator.trust.node_identity import NodeIdentitySettings
 from replicator.wire import tls
 from replicator.wire.messages import MAX_RANKS
 

@@ -5,8 +5,8 @@ import logging
 import secrets
 from collections.abc import Callable
 
-from replicator.coordinator.job import JobState
-from replicator.coordinator.liveness import Liveness, NodeState
+from replicator.coordinator.indices.job import JobState
+from replicator.coordinator.indices.liveness import Liveness, NodeState
 from replicator.wire.messages import BackedUp, BackupOrder, JobRef, in_lineage
 
 log = logging.getLogger(__name__)
