@@ -156,7 +156,7 @@ def test_a_reply_larger_than_a_write_piece_arrives_whole_with_its_length():
     async def scenario(client, state, incarnation, rank_of):
         response = await client.get(f"{JOB_PATH}/restore", params={"incarnation": incarnation, "rank": "0"})
         body = await response.read()
-        return response.status, response.headers, body, state.restore_view(KEY, incarnation, 0, time.time())
+        return response.status, response.headers, body, state.restore.view(KEY, incarnation, 0, time.time())
 
     status, headers, body, view = serve(scenario, files)
     assert len(body) > 2 * routes.WRITE_PIECE_BYTES  # written in three pieces or more

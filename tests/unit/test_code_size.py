@@ -19,7 +19,6 @@ ARGPARSE_CALLS = {"add_argument", "add_parser", "add_argument_group", "add_mutua
 # "path:qualified name" -> why it may exceed its limit. Keep it short; split rather than add.
 ALLOWED = {
     "prefetch/restore.py:Restorer": "issue 53: being split (one stager per tier)",
-    "replicator/coordinator/state.py:ClusterState": "issue 53: being split (a core and facades by caller)",
     "replicator/backup_tier/store.py:BackupStore": "issue 53: being split",
     "replicator/backup_tier/store.py:BackupStore.upload_rank": "issue 53: being split",
     "replicator/backup_tier/store.py:BackupStore.download_rank": "issue 53: being split",

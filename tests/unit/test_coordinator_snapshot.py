@@ -30,7 +30,7 @@ def test_a_job_start_encodes_one_snapshot_that_a_restarted_coordinator_loads(tmp
     snapshot = settings_snapshot.SettingsSnapshot(str(tmp_path))
     assert snapshot.encode(state, 0.0) is None  # nothing recorded: nothing to write
     for rank in range(RANKS):  # what post_settings does for each rank of a starting job
-        state.restore_settings(JobRef("default", "big"), rank, settings(rank))
+        state.restore.settings_from_snapshot(JobRef("default", "big"), rank, settings(rank))
         snapshot.due = True
         if rank == RANKS // 2:
             first = snapshot.encode(state, 0.0)  # the ticker, halfway through the burst

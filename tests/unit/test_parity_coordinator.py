@@ -6,6 +6,7 @@ import msgspec
 import pytest
 from prometheus_client import REGISTRY
 
+from replicator.coordinator import planner
 from replicator.coordinator.api.recovery_snapshot import RecoverySnapshot
 from replicator.coordinator.planning import parity
 from replicator.coordinator.state import ClusterState, decide_interval
@@ -49,7 +50,7 @@ class Job:
         self.incarnation = incarnation.incarnation_id
         self.rank_of = {node: rank for rank, node in incarnation.node_of_rank.items()}
         for rank, s in enumerate(self.settings):
-            self.state.record_settings(KEY, self.incarnation, rank, s)
+            self.state.restore.settings(KEY, self.incarnation, rank, s)
 
     def pod(self, node: str):
         rank = self.rank_of.get(node)
@@ -297,7 +298,7 @@ def test_a_restarted_coordinator_counts_the_shards_already_built_only_for_the_st
     restarted = ClusterState()
     restarted.expire(10.0)
     for rank, s in enumerate(job.settings):
-        restarted.restore_settings(KEY, rank, s)  # the settings snapshot
+        restarted.restore.settings_from_snapshot(KEY, rank, s)  # the settings snapshot
     job.state = restarted
     first = {node: restarted.apply_report(job.report(node, held=True), 10.0) for node in job.slot}
     assert all(reply.encode == () for reply in first.values())
@@ -352,7 +353,7 @@ def test_a_lost_rank_of_an_xor_group_is_planned_as_a_decode_from_its_three_survi
     lost_rank = job.rank_of["n3"]
     rank = lose(state, job, ["n3"])
     assert rank == lost_rank  # ranks follow the data: the survivors keep theirs
-    view = state.restore_view(KEY, job.incarnation, rank, 70.0)
+    view = state.restore.view(KEY, job.incarnation, rank, 70.0)
     assert view.step == STEP
     (source,) = [s for s in view.sources if s.tier == Tier.DECODE]
     assert source.data_rank == rank and source.files == files(rank)
@@ -374,7 +375,7 @@ def test_two_lost_ranks_of_an_xor_group_get_no_decode_source():
     state.expire(0.0)
     job = encoded_job(state)
     rank = lose(state, job, ["n2", "n3"])
-    view = state.restore_view(KEY, job.incarnation, rank, 70.0)
+    view = state.restore.view(KEY, job.incarnation, rank, 70.0)
     assert all(s.tier != Tier.DECODE for s in view.sources)
     assert view.step is None and view.sources == ()  # no backup tier: a fresh start
     assert not [c for c in state.copies(KEY) if c.decode]
@@ -393,7 +394,7 @@ def restart(state_dir: str | None, old: ClusterState, job: Job, now: float, seen
     restarted = ClusterState(node_timeout_seconds=15.0, holder_grace_seconds=30.0)
     restarted.expire(now)
     for rank, s in enumerate(job.settings):
-        restarted.restore_settings(KEY, rank, s)
+        restarted.restore.settings_from_snapshot(KEY, rank, s)
     RecoverySnapshot(state_dir).load(restarted)
     job.state = restarted
     return restarted
@@ -428,7 +429,7 @@ def test_a_coordinator_restarted_after_a_node_loss_plans_the_lost_ranks_as_decod
     for node in lost:
         restarted.apply_report(job.report(f"f{node}"), 31.0)
     for rank in lost_ranks:
-        view = restarted.restore_view(KEY, job.incarnation, rank, 31.0)
+        view = restarted.restore.view(KEY, job.incarnation, rank, 31.0)
         if not kept:
             assert view.step is None and view.sources == ()
             continue
@@ -484,12 +485,12 @@ def heard(state: ClusterState, job: Job, now: float) -> None:
 def decode_fails(state: ClusterState, job: Job, rank: int, now: float):
     """The rank's first view: step 5 from n3 (not silent yet) or a decode. n3 does not answer and the rebuilt bytes
     fail the owner's checksums, as the agent reports it (the unreachable one is retried). Returns the view."""
-    view = state.restore_view(KEY, job.incarnation, rank, now)
+    view = state.restore.view(KEY, job.incarnation, rank, now)
     assert view.step == STEP and [(s.tier, s.holder) for s in view.sources] == [
         (Tier.PEER_DISTANT, "n3"),
-        (Tier.DECODE, parity.DECODE_HOLDER),
+        (Tier.DECODE, planner.DECODE_HOLDER),
     ]
-    state.report_staged(KEY, job.incarnation, view.generation, rank, None, [(STEP, rank, parity.DECODE_HOLDER)], True)
+    state.restore.staged(KEY, job.incarnation, view.generation, rank, None, [(STEP, rank, planner.DECODE_HOLDER)], True)
     return view
 
 
@@ -498,7 +499,7 @@ def test_a_failed_decode_restores_the_backup_once_the_lost_holder_falls_silent_n
     job, rank = lost_n3(state, backups=(1,))
     first = decode_fails(state, job, rank, LOST_AT + 2)
     now, woken = LOST_AT + 2, []
-    while (view := state.restore_view(KEY, job.incarnation, rank, now)).step == STEP:
+    while (view := state.restore.view(KEY, job.incarnation, rank, now)).step == STEP:
         assert now - LOST_AT < state.liveness.holder_grace_seconds, "waited out the lost holder's grace period"
         now += 1.0
         state.drain_changed()
@@ -510,7 +511,7 @@ def test_a_failed_decode_restores_the_backup_once_the_lost_holder_falls_silent_n
     assert woken[-1] and not any(woken[:-1]), woken
     assert view.generation != first.generation and view.step == 1
     assert [(s.tier, s.holder) for s in view.sources] == [(Tier.BACKUP, "backup")]
-    assert {state.restore_view(KEY, job.incarnation, r, now).step for r in range(4)} == {1}
+    assert {state.restore.view(KEY, job.incarnation, r, now).step for r in range(4)} == {1}
 
 
 def test_a_lost_holder_that_alone_can_serve_is_waited_for_within_its_grace_period_and_the_plan_stays():
@@ -520,10 +521,10 @@ def test_a_lost_holder_that_alone_can_serve_is_waited_for_within_its_grace_perio
     first = decode_fails(state, job, rank, LOST_AT + 2)
     for now in range(int(LOST_AT) + 3, int(LOST_AT + state.liveness.holder_grace_seconds)):
         heard(state, job, float(now))
-        view = state.restore_view(KEY, job.incarnation, rank, float(now))
+        view = state.restore.view(KEY, job.incarnation, rank, float(now))
         assert view.generation == first.generation and {s.holder for s in view.sources} == {"n3", "parity"}
     heard(state, job, LOST_AT + state.liveness.holder_grace_seconds + 2)
-    assert state.restore_view(KEY, job.incarnation, rank, LOST_AT + 62).step is None  # given up: a fresh start
+    assert state.restore.view(KEY, job.incarnation, rank, LOST_AT + 62).step is None  # given up: a fresh start
 
 
 def test_a_silent_node_of_the_incarnation_keeps_a_lost_holder_waited_for_and_its_return_makes_the_step_decodable():
@@ -534,12 +535,12 @@ def test_a_silent_node_of_the_incarnation_keeps_a_lost_holder_waited_for_and_its
     frozen = job.slot.pop("n2")
     for now in range(int(LOST_AT) + 2, int(LOST_AT) + 20):  # both silent past the node timeout
         heard(state, job, float(now))
-    view = state.restore_view(KEY, job.incarnation, rank, LOST_AT + 19)
+    view = state.restore.view(KEY, job.incarnation, rank, LOST_AT + 19)
     assert view.step == STEP and [s.holder for s in view.sources] == ["n3"]
     job.slot["n2"] = frozen
     heard(state, job, LOST_AT + 20)
-    view = state.restore_view(KEY, job.incarnation, rank, LOST_AT + 20)
-    assert view.step == STEP and [(s.tier, s.holder) for s in view.sources] == [(Tier.DECODE, parity.DECODE_HOLDER)]
+    view = state.restore.view(KEY, job.incarnation, rank, LOST_AT + 20)
+    assert view.step == STEP and [(s.tier, s.holder) for s in view.sources] == [(Tier.DECODE, planner.DECODE_HOLDER)]
 
 
 def test_the_step_restored_in_place_of_a_safe_step_whose_copy_proved_corrupt_stays_protected_once_staged():
@@ -549,17 +550,17 @@ def test_the_step_restored_in_place_of_a_safe_step_whose_copy_proved_corrupt_sta
     fresh). It stays protected until a step newer than the one passed over is safe."""
     state = ClusterState(node_timeout_seconds=15.0, holder_grace_seconds=60.0)
     job, rank = lost_n3(state, backups=(1, STEP))
-    view = state.restore_view(KEY, job.incarnation, rank, LOST_AT + 2)
+    view = state.restore.view(KEY, job.incarnation, rank, LOST_AT + 2)
     assert view.step == STEP
-    state.report_staged(
+    state.restore.staged(
         KEY, job.incarnation, view.generation, rank, None, [(STEP, rank, s.holder) for s in view.sources]
     )
-    views = {r: state.restore_view(KEY, job.incarnation, r, LOST_AT + 3) for r in range(4)}
+    views = {r: state.restore.view(KEY, job.incarnation, r, LOST_AT + 3) for r in range(4)}
     assert {v.step for v in views.values()} == {1}
     for r, v in views.items():
-        state.report_staged(KEY, job.incarnation, v.generation, r, "backup:backup")
+        state.restore.staged(KEY, job.incarnation, v.generation, r, "backup:backup")
     heard(state, job, LOST_AT + 4)
-    assert state.restore_view(KEY, job.incarnation, rank, LOST_AT + 4).ready
+    assert state.restore.view(KEY, job.incarnation, rank, LOST_AT + 4).ready
     assert state.safe_step(KEY) == STEP  # believed: the corrupt backup and the other ranks' copies
     retain = state.job(KEY).retain
     assert retain is not None and retain.keep_from == STEP and 1 in retain.protected

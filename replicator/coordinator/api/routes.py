@@ -276,7 +276,7 @@ async def _prove_rank(request: web.Request, key: JobRef, incarnation: str, rank:
     """
     state = request.app[STATE_KEY]
     try:
-        node = state.node_of_rank(key, incarnation, rank)
+        node = state.restore.node_of_rank(key, incarnation, rank)
     except UnknownIncarnation as err:
         raise _not_found(err) from None
     if (verifier := request.app.get(VERIFIER_KEY)) is not None:
@@ -288,7 +288,7 @@ async def post_settings(request: web.Request) -> web.StreamResponse:
     body = await _body(request, SettingsRequest)
     await _prove_rank(request, _job_key(request), body.incarnation, body.rank)
     try:
-        request.app[STATE_KEY].record_settings(_job_key(request), body.incarnation, body.rank, body.settings)
+        request.app[STATE_KEY].restore.settings(_job_key(request), body.incarnation, body.rank, body.settings)
     except UnknownIncarnation as err:
         raise _not_found(err) from None
     request.app[SNAPSHOT_KEY].due = True
@@ -308,10 +308,10 @@ async def get_restore(request: web.Request) -> web.StreamResponse:
     # The view grants its sources to the rank's node: with per-node identity, it goes only to an agent there.
     node = await _prove_rank(request, key, incarnation, rank)
     with contextlib.suppress(UnknownIncarnation):  # answered below
-        state.touch_rank(key, incarnation, rank, time.time())  # when it asks: a killed agent's poll may linger
+        state.restore.touch_rank(key, incarnation, rank, time.time())  # when it asks: a killed agent's poll may linger
     while True:
         try:
-            view = state.restore_view(key, incarnation, rank, time.time())
+            view = state.restore.view(key, incarnation, rank, time.time())
         except UnknownIncarnation as err:
             raise _not_found(err) from None
         except NotReady as err:
@@ -336,7 +336,7 @@ async def post_restore(request: web.Request) -> web.StreamResponse:
     body = await _body(request, StagedReport)
     await _prove_rank(request, _job_key(request), body.incarnation, body.rank)
     try:
-        request.app[STATE_KEY].report_staged(
+        request.app[STATE_KEY].restore.staged(
             _job_key(request), body.incarnation, body.generation, body.rank, body.source, body.bad, body.retrying
         )
     except UnknownIncarnation as err:
@@ -348,7 +348,7 @@ async def post_restore(request: web.Request) -> web.StreamResponse:
 async def post_restore_from(request: web.Request) -> web.StreamResponse:
     body = await _body(request, RestoreFrom)
     try:
-        request.app[STATE_KEY].force_restore_step(_job_key(request), body.step)
+        request.app[STATE_KEY].operator.force(_job_key(request), body.step)
     except UnknownJob as err:
         raise _not_found(err) from None
     except LookupError as err:
@@ -362,7 +362,7 @@ async def get_restore_from(request: web.Request) -> web.StreamResponse:
     except (KeyError, ValueError) as err:
         raise BadRequest(f"the step query parameter must be a step number: {err}") from None
     try:
-        return await _reply(request, request.app[STATE_KEY].rollback_preview(_job_key(request), step))
+        return await _reply(request, request.app[STATE_KEY].operator.preview(_job_key(request), step))
     except UnknownJob as err:
         raise _not_found(err) from None
     except LookupError as err:
@@ -371,7 +371,7 @@ async def get_restore_from(request: web.Request) -> web.StreamResponse:
 
 async def delete_restore_from(request: web.Request) -> web.StreamResponse:
     try:
-        step = request.app[STATE_KEY].cancel_restore_step(_job_key(request))
+        step = request.app[STATE_KEY].operator.cancel(_job_key(request))
     except UnknownJob as err:
         raise _not_found(err) from None
     except NotCancellable as err:
@@ -407,7 +407,7 @@ async def get_status(request: web.Request) -> web.StreamResponse:
         named = keys[0] if keys is not None and "/" in (job or "") else None
         keys = await reader.readable(keys, state.job_keys(), named)
     try:
-        status = state.status(keys)
+        status = state.operator.status(keys)
     except UnknownJob as err:
         raise _not_found(err) from None
     return await _reply(request, reader.shown(status) if reader is not None else status)

@@ -63,6 +63,6 @@ class SettingsSnapshot:
                 for item in json.load(f):
                     key = JobRef(item["namespace"], item["job"])
                     for rank, settings in item["settings"].items():
-                        cluster.restore_settings(key, int(rank), decode(settings, JobSettings))
+                        cluster.restore.settings_from_snapshot(key, int(rank), decode(settings, JobSettings))
         except (OSError, ValueError, KeyError) as err:
             log.warning("ignoring unreadable state snapshot %s: %s", self.path, err)

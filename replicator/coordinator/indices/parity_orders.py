@@ -33,12 +33,12 @@ class ParityOrders:
     Keyed by node first: a forgotten node's orders go in one step, and a lookup is two dict reads.
     """
 
-    __slots__ = ("_steps", "ordered", "stamp")
+    __slots__ = ("_slots_at", "ordered", "stamp")
 
     def __init__(self) -> None:
         self.ordered: dict[str, dict[ShardSlot, str]] = {}
         self.stamp = 0  # bumped whenever an order is made or forgotten
-        self._steps: tuple[int, frozenset[int]] = (0, frozenset())
+        self._slots_at: dict[int, int] = {}  # step -> how many slots of it are ordered, kept as orders change
 
     def order(self, node_id: str, slots: list[ShardSlot], basis: str) -> bool:
         """The coordinator orders ``node_id`` to build ``slots`` over ``basis`` (an order of a slot over another
@@ -46,16 +46,22 @@ class ParityOrders:
         mine = self.ordered.setdefault(node_id, {})
         new = False
         for slot in slots:
-            if mine.get(slot) != basis:
+            if (was := mine.get(slot)) != basis:
+                if was is None:
+                    self._count(slot.step, 1)
                 mine[slot], new = basis, True
         self.stamp += new
         return new
 
     def steps(self) -> frozenset[int]:
-        """The steps some order is of (computed once per ``stamp``)."""
-        if self._steps[0] != self.stamp:
-            self._steps = (self.stamp, frozenset(slot.step for mine in self.ordered.values() for slot in mine))
-        return self._steps[1]
+        """The steps some order is of."""
+        return frozenset(self._slots_at)
+
+    def _count(self, step: int, by: int) -> None:
+        if left := self._slots_at.get(step, 0) + by:
+            self._slots_at[step] = left
+        else:
+            del self._slots_at[step]
 
     def basis_of(self, node_id: str, slot: ShardSlot) -> str | None:
         """The basis ``node_id`` was last ordered to build ``slot`` over, or None if it never was."""
@@ -68,7 +74,9 @@ class ParityOrders:
 
     def forget_node(self, node_id: str) -> None:
         """The node is forgotten: a node that comes back under its name is ordered anew."""
-        if self.ordered.pop(node_id, None) is not None:
+        if (mine := self.ordered.pop(node_id, None)) is not None:
+            for slot in mine:
+                self._count(slot.step, -1)
             self.stamp += 1
 
     def forget_steps(self, keep: Callable[[int], bool]) -> None:
@@ -76,6 +84,8 @@ class ParityOrders:
         for node_id in list(self.ordered):
             mine = {slot: basis for slot, basis in self.ordered[node_id].items() if keep(slot.step)}
             if len(mine) != len(self.ordered[node_id]):
+                for slot in self.ordered[node_id].keys() - mine.keys():
+                    self._count(slot.step, -1)
                 self.stamp += 1
             if mine:
                 self.ordered[node_id] = mine

@@ -30,8 +30,9 @@ from replicator.wire import redundancy
 from replicator.wire.messages import EncodeOrder, Files, HeldShard, JobRef, MemberCopy, ParityRecipe, ShardCopy
 from replicator.wire.redundancy import REPLICAS, Redundancy, of_job
 
-DECODE_HOLDER = "parity"  # the holder of a decodable copy (``planner.StepCopy``): no one node holds it
 _Group = tuple[int, ...]
+# (step, members, parity) -> {(stripe, index): (node, shard)}: the shards the live nodes hold (``held_shards``).
+HeldShards = dict[tuple[int, _Group, int], dict[tuple[int, int], tuple[str, HeldShard]]]
 
 
 def job_setting(job: JobState, liveness: Liveness) -> Redundancy:
@@ -51,17 +52,41 @@ def encoded_ranks(job: JobState) -> list[int]:
 
 
 def groups(job: JobState, liveness: Liveness, setting: Redundancy) -> list[_Group]:
-    """The incarnation's groups under ``setting``, chosen once per (incarnation, setting, encoded ranks)."""
+    """The incarnation's groups under ``setting``, chosen once per (incarnation, setting, encoded ranks) and kept in
+    ``job.memo``: the decision pass and the sync step call it; a query reads ``group_of``."""
     incarnation = job.incarnation
     if incarnation is None or not setting.encoded:
         return []
-    ranks = [r for r in encoded_ranks(job) if r in incarnation.node_of_rank]
-    stamp = (incarnation.incarnation_id, str(setting), tuple(ranks))
+    stamp, ranks = _groups_stamp(job, setting)
     if job.memo.groups_for != stamp:
-        block_of = liveness.blocks(incarnation.node_of_rank[r] for r in ranks)
-        job.memo.groups_for, job.memo.groups = stamp, deal(ranks, setting.group, block_of, incarnation.node_of_rank)
+        job.memo.groups_for, job.memo.groups = stamp, _deal_ranks(job, liveness, setting, ranks)
         job.memo.group_of = {rank: group for group in job.memo.groups for rank in group}
     return job.memo.groups
+
+
+def group_of(job: JobState, liveness: Liveness, setting: Redundancy) -> Mapping[int, _Group]:
+    """Rank -> its group under ``setting`` (as ``groups``), changing nothing: the kept deal when it is current, else
+    the deal computed again (a reply between a change and the pass that keeps it)."""
+    if job.incarnation is None or not setting.encoded:
+        return {}
+    stamp, ranks = _groups_stamp(job, setting)
+    if job.memo.groups_for == stamp:
+        return job.memo.group_of
+    return {rank: group for group in _deal_ranks(job, liveness, setting, ranks) for rank in group}
+
+
+def _groups_stamp(job: JobState, setting: Redundancy) -> tuple[tuple[str, str, tuple[int, ...]], list[int]]:
+    incarnation = job.incarnation
+    assert incarnation is not None  # the callers check
+    ranks = [r for r in encoded_ranks(job) if r in incarnation.node_of_rank]
+    return (incarnation.incarnation_id, str(setting), tuple(ranks)), ranks
+
+
+def _deal_ranks(job: JobState, liveness: Liveness, setting: Redundancy, ranks: list[int]) -> list[_Group]:
+    incarnation = job.incarnation
+    assert incarnation is not None  # the callers check
+    block_of = liveness.blocks(incarnation.node_of_rank[r] for r in ranks)
+    return deal(ranks, setting.group, block_of, incarnation.node_of_rank)
 
 
 def deal(ranks: list[int], size: int, block_of: Mapping[str, str], node_of_rank: Mapping[int, str]) -> list[_Group]:
@@ -83,14 +108,12 @@ def parity_of(setting: Redundancy, group: _Group) -> int:
     return min(setting.parity, len(group) - 1)
 
 
-def _shards(
-    key: JobRef, job: JobState, liveness: Liveness
-) -> dict[tuple[int, _Group, int], dict[tuple[int, int], tuple[str, HeldShard]]]:
+def held_shards(key: JobRef, job: JobState, liveness: Liveness) -> HeldShards:
     """(step, members, parity) -> {(stripe, index): (node, shard)} over the live nodes' reports: only shards the
     node was ordered to build (``ParityOrders.believed``), over the members' current checksums
     (``redundancy.basis``), so an unordered claim, a rewritten step's or an abandoned timeline's old shards never
     count."""
-    found: dict[tuple[int, _Group, int], dict[tuple[int, int], tuple[str, HeldShard]]] = {}
+    found: HeldShards = {}
     bases: dict[tuple[int, _Group], str | None] = {}
     for state in liveness.nodes.values():
         node_id = state.report.node_id
@@ -147,7 +170,7 @@ def safe(key: JobRef, job: JobState, liveness: Liveness, setting: Redundancy, st
     grouped = {r for g in chosen for r in g}
     if any(r not in grouped and r not in covered for r in job.incarnation.node_of_rank):
         return False
-    shards = _shards(key, job, liveness)
+    shards = held_shards(key, job, liveness)
     for group in chosen:
         parity = parity_of(setting, group)
         held = shards.get((step, group, parity), {})
@@ -199,9 +222,8 @@ def orders(key: JobRef, job: JobState, state: NodeState, liveness: Liveness) -> 
     if step is None or incarnation is None or not setting.encoded:
         return []
     node_id = state.report.node_id
-    groups(job, liveness, setting)  # chosen by the pass already; a reply between a change and its pass re-deals
     rank = incarnation.rank_of_node.get(node_id)  # one training pod per node and job
-    group = job.memo.group_of.get(rank) if rank is not None else None
+    group = group_of(job, liveness, setting).get(rank) if rank is not None else None
     if group is None:
         return []
     position, parity = group.index(rank), parity_of(setting, group)
@@ -230,14 +252,14 @@ def orders(key: JobRef, job: JobState, state: NodeState, liveness: Liveness) -> 
 def decodable(
     key: JobRef, job: JobState, liveness: Liveness, live_copies: list[planner.StepCopy]
 ) -> list[planner.StepCopy]:
-    """A decodable copy (holder ``DECODE_HOLDER``) of each member rank its group's live survivors and shards can
+    """A decodable copy (``planner.StepCopy.decodable``) of each member rank its group's live survivors and shards can
     rebuild, at each step with shards; only where the coordinator knows the owners' checksums to verify it."""
     # Live holders only: a silent node's copy stays a restore source for the grace period, but a rebuild cannot
     # count on it (three of an rs:8:2 group lost, their copies still within the grace, looked rebuildable).
-    held = {(c.step, c.rank) for c in live_copies if not c.backup and not c.decode and liveness.is_live(c.holder)}
+    held = {(c.step, c.rank) for c in live_copies if c.kind is planner.CopyKind.HELD and liveness.is_live(c.holder)}
     found = []
-    for (step, group, parity), shards in _shards(key, job, liveness).items():
-        # ``_shards`` keeps only shards whose basis matched every owner's checksums: they are all known here.
+    for (step, group, parity), shards in held_shards(key, job, liveness).items():
+        # ``held_shards`` keeps only shards whose basis matched every owner's checksums: they are all known here.
         for position, rank in enumerate(group):
             if _rebuildable(
                 group,
@@ -246,7 +268,7 @@ def decodable(
                 {p for p, r in enumerate(group) if (step, r) in held and p != position},
                 set(shards),
             ):
-                found.append(planner.StepCopy(step, rank, DECODE_HOLDER, decode=True))
+                found.append(planner.StepCopy.decodable(step, rank))
     return found
 
 
@@ -262,9 +284,12 @@ def _rebuildable(group: _Group, parity: int, position: int, live: set[int], shar
     return True
 
 
-def recipe(key: JobRef, job: JobState, liveness: Liveness, step: int, rank: int) -> ParityRecipe | None:
-    """How to rebuild ``rank``'s ``step``: the live members' copies and shards of its group, or None."""
-    for (at, group, parity), shards in _shards(key, job, liveness).items():
+def recipe(
+    key: JobRef, job: JobState, liveness: Liveness, step: int, rank: int, held: HeldShards
+) -> ParityRecipe | None:
+    """How to rebuild ``rank``'s ``step``: the live members' copies and shards of its group (``held``: ``held_shards``, read
+    once per view), or None."""
+    for (at, group, parity), shards in held.items():
         sizes = stream_bytes(job, at, group)
         if at != step or rank not in group or sizes is None:
             continue

@@ -25,7 +25,6 @@ log = logging.getLogger(__name__)
 
 # Tiers whose restore path exists in this release; the planner already knows the others.
 USABLE_TIERS = frozenset(Tier)
-BACKUP_HOLDER = "backup"
 # A rank's restore view lists at most this many peer copies (live holders first), besides its own
 # and the backup: each carries the step's checksums, and a rank of a 40-slice job has 39 identical
 # peers. A peer proven bad is excluded and the replan lists the next ones.
@@ -282,6 +281,8 @@ def view(
         else:  # wait for it while its node is live; a silent one is not waited for
             state = states.get(downloader.holder)
             pending = state is not None and now - state.last_seen <= timeout
+    # The nodes' shards, read once for every decode source of the view (none without one).
+    shards = parity.held_shards(key, job, liveness) if any(s.tier == Tier.DECODE for s in planned) else {}
     sources = tuple(
         Source(
             s.tier,
@@ -290,7 +291,11 @@ def view(
             s.data_rank,
             _expected_files(key, job, plan_.step, s, warned),  # type: ignore[arg-type]  # no sources without a step
             backups.get(plan_.step, 0) if s.tier == Tier.BACKUP else 0,  # type: ignore[arg-type]  # as above
-            recipe=parity.recipe(key, job, liveness, plan_.step, s.data_rank) if s.tier == Tier.DECODE else None,  # type: ignore[arg-type]  # as above
+            recipe=(
+                parity.recipe(key, job, liveness, plan_.step, s.data_rank, shards)  # type: ignore[arg-type]  # as above
+                if s.tier == Tier.DECODE
+                else None
+            ),
         )
         for s in planned
     )
