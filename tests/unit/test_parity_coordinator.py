@@ -189,7 +189,7 @@ def test_shards_built_over_other_bytes_of_a_step_no_longer_count():
         state.apply_report(job.report(node, held=True), 5.0)
     state.tick(5.0 + decide_interval(4))
     assert state.safe_step(KEY) == STEP
-    assert {c.rank for c in state.copies(KEY) if c.decode} == {0, 1, 2, 3}
+    assert {c.rank for c in state.copies(KEY) if c.kind is planner.CopyKind.DECODE} == {0, 1, 2, 3}
     node = next(n for n, r in job.rank_of.items() if r == 2)
     rewritten = HeldStep(*NAMES, STEP, 2, {"state/r2": (1016, "deadbeef")})
     state.apply_report(
@@ -205,7 +205,7 @@ def test_shards_built_over_other_bytes_of_a_step_no_longer_count():
     )
     state.tick(20.0 + decide_interval(4))
     assert state.safe_step(KEY) is None
-    assert not [c for c in state.copies(KEY) if c.decode]
+    assert not [c for c in state.copies(KEY) if c.kind is planner.CopyKind.DECODE]
     new_digest = redundancy.files_digest(rewritten.files)
     for n in job.slot:
         (order,) = state.reply_for(n).encode
@@ -269,16 +269,16 @@ def test_a_member_claiming_shards_it_was_not_ordered_to_build_makes_no_step_safe
     assert state.safe_step(KEY) == 3
     assert {state.reply_for(node).retain[0].keep_from for node in job.slot} == {3}
     assert job.rank_of["n0"] == 0
-    assert {(c.step, c.rank) for c in state.copies(KEY) if c.decode} == {(3, r) for r in range(4)} | {
-        (5, r) for r in decodable_by_its_own
-    }
+    assert {(c.step, c.rank) for c in state.copies(KEY) if c.kind is planner.CopyKind.DECODE} == {
+        (3, r) for r in range(4)
+    } | {(5, r) for r in decodable_by_its_own}
     assert unordered_shards() - before == 2 * slots - parity_of_job(job)  # all but its own of step 5
     for node in ("n1", "n2", "n3"):  # the honest path: the ordered members build theirs
         job.build(node, orders[node])
     job.round(9.0)
     assert state.safe_step(KEY) == 5
     assert {state.reply_for(node).retain[0].keep_from for node in job.slot} == {5}
-    decodable = {(c.step, c.rank) for c in state.copies(KEY) if c.decode}
+    decodable = {(c.step, c.rank) for c in state.copies(KEY) if c.kind is planner.CopyKind.DECODE}
     assert {step for step, _ in decodable} == {3, 5}  # never 4: its shards are n0's word alone
 
 
@@ -307,7 +307,7 @@ def test_a_restarted_coordinator_counts_the_shards_already_built_only_for_the_st
     replies = job.round(11.0)
     assert all(orders == () for orders in replies.values())  # every shard of the order is held already
     assert restarted.safe_step(KEY) == 5
-    assert {c.step for c in restarted.copies(KEY) if c.decode} == {5}
+    assert {c.step for c in restarted.copies(KEY) if c.kind is planner.CopyKind.DECODE} == {5}
     assert unordered_shards() == before  # a restart's shards are not hostile claims
 
 
@@ -322,15 +322,17 @@ def test_a_silent_members_copy_within_its_grace_is_no_survivor_for_a_rebuild():
         job.build(node, orders[node])
         state.apply_report(job.report(node, held=True), 5.0)
     state.tick(5.0 + decide_interval(8))
-    assert {c.rank for c in state.copies(KEY) if c.decode} == set(range(8))
+    assert {c.rank for c in state.copies(KEY) if c.kind is planner.CopyKind.DECODE} == set(range(8))
     silent = [n for n, r in job.rank_of.items() if r in (1, 2, 3)]
     for now in (10.0, 15.0, 22.0):  # past the node timeout, within the grace period
         for node in job.slot:
             if node not in silent:
                 state.apply_report(job.report(node, held=True), now)
         state.tick(now + decide_interval(8))
-    assert {c.holder for c in state.copies(KEY) if not c.decode} >= set(silent)  # still restore sources
-    assert not {1, 2, 3} & {c.rank for c in state.copies(KEY) if c.decode}
+    assert {c.holder for c in state.copies(KEY) if c.kind is not planner.CopyKind.DECODE} >= set(
+        silent
+    )  # still restore sources
+    assert not {1, 2, 3} & {c.rank for c in state.copies(KEY) if c.kind is planner.CopyKind.DECODE}
 
 
 def lose(state: ClusterState, job: Job, lost: list[str]) -> int:
@@ -378,7 +380,7 @@ def test_two_lost_ranks_of_an_xor_group_get_no_decode_source():
     view = state.restore.view(KEY, job.incarnation, rank, 70.0)
     assert all(s.tier != Tier.DECODE for s in view.sources)
     assert view.step is None and view.sources == ()  # no backup tier: a fresh start
-    assert not [c for c in state.copies(KEY) if c.decode]
+    assert not [c for c in state.copies(KEY) if c.kind is planner.CopyKind.DECODE]
 
 
 def restart(state_dir: str | None, old: ClusterState, job: Job, now: float, seen: dict[int, float] | None = None):
@@ -451,7 +453,7 @@ def test_checksums_kept_in_the_state_dir_lose_to_the_ranks_own_report_after_a_re
     job.written_again[rank] = {f"state/r{rank}": (1000 + 8 * rank, "0badbeef")}
     job.round(11.0)
     assert restarted.job(KEY).owner_files(STEP, rank) == job.written_again[rank]
-    assert not [c for c in restarted.copies(KEY) if c.decode]
+    assert not [c for c in restarted.copies(KEY) if c.kind is planner.CopyKind.DECODE]
 
 
 # A failed decode and a lost holder (issue 49): the chaos row "flipped byte in a parity shard, then the node of a
