@@ -28,7 +28,7 @@ import time
 
 from examples.local_cluster import LocalCluster, LocalJob, can_mount_tmpfs, scratch_dir
 from examples.torchrun_job import TorchrunJob
-from replicator.coordinator.status import render_status
+from replicator.coordinator.api.status import render_status
 
 STEPS = 75
 SAVE_EVERY = 5

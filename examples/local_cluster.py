@@ -28,7 +28,7 @@ import psutil
 
 from csi_driver import kubelet, mounts
 from protos import csi_pb2, csi_pb2_grpc
-from replicator.coordinator.status import fetch_status
+from replicator.coordinator.api.status import fetch_status
 from replicator.wire import tls
 from replicator.wire.operator import ClusterStatus
 

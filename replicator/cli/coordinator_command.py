@@ -15,11 +15,11 @@ from replicator.cli.arguments import (
     token_file,
     usage_error,
 )
-from replicator.coordinator.config import CoordinatorConfig
-from replicator.coordinator.kube_config import KubeSettings, kube_config
-from replicator.coordinator.kube_shape import DEFAULT_BLOCK_LABEL, ShapeSettings
-from replicator.coordinator.node_identity import DEFAULT_AUDIENCE, NodeIdentitySettings
-from replicator.coordinator.service import run_coordinator
+from replicator.coordinator.api.config import CoordinatorConfig
+from replicator.coordinator.api.service import run_coordinator
+from replicator.coordinator.kube.kube_config import KubeSettings, kube_config
+from replicator.coordinator.kube.kube_shape import DEFAULT_BLOCK_LABEL, ShapeSettings
+from replicator.coordinator.trust.node_identity import DEFAULT_AUDIENCE, NodeIdentitySettings
 
 
 def add(sub: argparse._SubParsersAction) -> None:

@@ -1,5 +1,5 @@
 """The operator's own credential, which ``mtc status`` and ``mtc restore-from`` send to the coordinator: a coordinator
-with operator identity (``replicator.coordinator.operator_auth``) checks it with the API server and RBAC.
+with operator identity (``replicator.coordinator.trust.operator_auth``) checks it with the API server and RBAC.
 
 It is the bearer token of the kubeconfig's user, or of its exec plugin, as lightkube loads them (in a pod, its
 service account's token first; else ``$KUBECONFIG``, else ``~/.kube/config``), or the token of ``--token-file``.

@@ -22,7 +22,7 @@ from replicator.cli.arguments import (
     token_file,
 )
 from replicator.cli.kube_credentials import Credential, operator_credential
-from replicator.coordinator.status import (
+from replicator.coordinator.api.status import (
     Coordinator,
     Refused,
     render_preview,

@@ -5,6 +5,7 @@ thousands of fake nodes.
 """
 
 import dataclasses
+import enum
 from collections.abc import Collection, Iterable, Mapping
 
 from replicator.wire.messages import TIER_PREFERENCE, Tier
@@ -29,6 +30,18 @@ class PodSlot:
     published_at: float
 
 
+class CopyKind(enum.Enum):
+    """Where a ``StepCopy`` is."""
+
+    HELD = "held"  # on its holder node's ramdisk
+    BACKUP = "backup"  # in the backup tier (object storage): holder ``BACKUP_HOLDER``
+    DECODE = "decode"  # rebuilt from its parity group (``coordinator.planning.parity``): holder ``DECODE_HOLDER``
+
+
+BACKUP_HOLDER = "backup"  # the holder of a backed-up copy: no node holds it (a source's holder on the wire)
+DECODE_HOLDER = "parity"  # the holder of a decodable copy: no one node holds it
+
+
 @dataclasses.dataclass(frozen=True)
 class StepCopy:
     """A committed, checksummed copy of one rank's data for one step, held somewhere.
@@ -36,16 +49,24 @@ class StepCopy:
     Attributes:
       step: the training step.
       rank: the node rank whose data it is.
-      holder: node id holding it (or ``"backup"`` for object storage).
-      backup: True when ``holder`` is the object-storage tier.
-      decode: True when the rank's parity group can rebuild it (``coordinator.parity``).
+      holder: node id holding it (``BACKUP_HOLDER``, ``DECODE_HOLDER`` for the other kinds).
+      kind: where it is (``CopyKind``).
     """
 
     step: int
     rank: int
     holder: str
-    backup: bool = False
-    decode: bool = False
+    kind: CopyKind = CopyKind.HELD
+
+    @classmethod
+    def backed_up(cls, step: int, rank: int) -> "StepCopy":
+        """A complete backup of ``rank``'s data at ``step``."""
+        return cls(step, rank, BACKUP_HOLDER, CopyKind.BACKUP)
+
+    @classmethod
+    def decodable(cls, step: int, rank: int) -> "StepCopy":
+        """``rank``'s data at ``step``, which its parity group's survivors and shards can rebuild."""
+        return cls(step, rank, DECODE_HOLDER, CopyKind.DECODE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,9 +291,9 @@ def _fan_out(
 
 
 def _tier(copy: StepCopy, target: str, block_of: Mapping[str, str]) -> Tier:
-    if copy.backup:
+    if copy.kind is CopyKind.BACKUP:
         return Tier.BACKUP
-    if copy.decode:
+    if copy.kind is CopyKind.DECODE:
         return Tier.DECODE
     if copy.holder == target:
         return Tier.LOCAL

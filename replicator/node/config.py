@@ -152,7 +152,7 @@ class PacingSettings:
       wedged_after_seconds: a replicator loop without a completed pass for this long makes the
         agent unhealthy (its livenessprobe restarts it), seconds.
       min_push_interval_seconds: at most one push per job and peer this often, seconds: a job saving
-        faster replicates one step per round (``coordinator/replicas.py``).
+        faster replicates one step per round (``coordinator/copies/replicas.py``).
     """
 
     background_cpu: float | None = None

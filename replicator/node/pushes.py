@@ -6,7 +6,7 @@ A push is not repeated while one is running, and per job and peer at most one st
 target's manifest: the coordinator learns of a push only from the target's next report, so a repeat
 is usually an order made before it; but the target may also have lost the copy (given up under
 pressure, or a restart), and then the round waits on this push. The coordinator orders one step per
-replication round (``coordinator/replicas.py``), so a job saving faster replicates only its rounds' steps.
+replication round (``coordinator/copies/replicas.py``), so a job saving faster replicates only its rounds' steps.
 """
 
 import asyncio

@@ -1,6 +1,6 @@
 """The node agent's HTTP client of the coordinator: reports, job settings, restore views and staging results.
 
-The wire types are ``replicator.wire.messages``; the coordinator's side is ``replicator.coordinator.routes``.
+The wire types are ``replicator.wire.messages``; the coordinator's side is ``replicator.coordinator.api.routes``.
 """
 
 import uuid

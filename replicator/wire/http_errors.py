@@ -2,7 +2,7 @@
 
 An error answers ``{"error": "<message>"}``, with ``"problems": [...]`` when there is a list of them
 (a pushed replica that fails its checksums) and ``"reason": "<word>"`` when a program tells refusals
-apart (a node identity refused: ``replicator.coordinator.node_identity.REASONS``). Clients read it back with ``error_of``.
+apart (a node identity refused: ``replicator.coordinator.trust.node_identity.REASONS``). Clients read it back with ``error_of``.
 """
 
 import json

@@ -108,7 +108,7 @@ class PodReport(msgspec.Struct, frozen=True, gc=False):
         the coordinator then gives each pod the rank of its JobSet index, never the rank whose data
         its node holds (``Framework.ranks_follow_data``).
       nodes_given: whether the volume's attributes set ``nodes``. A coordinator that reads shapes from the API
-        server ignores it: a pod waits until the API server places it on the node (``coordinator/kube_overlay.py``).
+        server ignores it: a pod waits until the API server places it on the node (``coordinator/kube/kube_overlay.py``).
       address: where the pod is reachable (its IP, else its JobSet DNS name), from the API server. Set
         by the coordinator's overlay, never by a node: it is rank 0's JAX coordinator address.
     """
@@ -543,7 +543,7 @@ class RestoreView(msgspec.Struct, frozen=True, gc=False):
         return f"{self.generation}:{int(self.ready)}{':w' if self.fan_out_pending else ''}"
 
 
-# Typed routes of the coordinator besides reports (``replicator.coordinator.routes``). The JSON field
+# Typed routes of the coordinator besides reports (``replicator.coordinator.api.routes``). The JSON field
 # names are the routes' wire format: ``mtc`` clients of older releases send and read the same.
 
 BadCopy = tuple[Step, Rank, Name]  # (step, rank, holder): a copy a rank found corrupt or gone

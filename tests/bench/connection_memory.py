@@ -22,7 +22,7 @@ import psutil
 from aiohttp import web
 
 from examples.local_cluster import self_signed_certificate
-from replicator.coordinator.tls_read_buffer import TLS_READ_BUFFER_BYTES, share_tls_read_buffer
+from replicator.coordinator.api.tls_read_buffer import TLS_READ_BUFFER_BYTES, share_tls_read_buffer
 from tests.helpers.ports import free_port
 
 REPORT = b'{"node_id": "node-00001", "held": []}' * 25  # about a heartbeat's size

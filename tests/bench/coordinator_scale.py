@@ -72,7 +72,7 @@ import psutil
 
 from examples.local_cluster import CoordinatorProcess, scratch_dir, self_signed_certificate
 from replicator.backup_tier import worker as backup_worker
-from replicator.coordinator.process_tuning import GC_THRESHOLDS
+from replicator.coordinator.api.process_tuning import GC_THRESHOLDS
 from replicator.node.report_session import HeldCopy, OwnStep, ReportSession
 from replicator.pacing import timing
 from replicator.wire.bearer import Tokens

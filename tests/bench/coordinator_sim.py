@@ -160,7 +160,7 @@ class Sim:
             settings = decode_json(
                 msgspec.json.encode(node.job.settings(node.rank)), JobSettings
             )  # as the service decodes it
-            self.state.record_settings(node.key, incarnation, node.rank, settings)
+            self.state.restore.settings(node.key, incarnation, node.rank, settings)
         return took
 
     def train(self, first_step: int) -> None:
@@ -201,7 +201,7 @@ class Sim:
         key = JobRef(NAMESPACE, max(self.jobs, key=lambda j: j.nodes).name)
         times = []
         for _ in range(REPEATS):
-            self.state._mark_dirty([key])
+            self.state.mark_dirty([key])
             started = time.process_time()
             self.state.decide(key)
             times.append(time.process_time() - started)
@@ -215,7 +215,7 @@ class Sim:
         self.state.tick(self.now)  # the settings the ranks recorded are decided
         for node in self.nodes:
             incarnation = self.state.job(node.key).incarnation.incarnation_id
-            self.state.restore_view(node.key, incarnation, node.rank, self.now)
+            self.state.restore.view(node.key, incarnation, node.rank, self.now)
         return time.process_time() - started
 
 

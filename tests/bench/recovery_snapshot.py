@@ -13,10 +13,10 @@ import secrets
 import tempfile
 import time
 
-from replicator.coordinator.job import pack_files
-from replicator.coordinator.parity_orders import ShardSlot
-from replicator.coordinator.recovery import JobRecovery, RecoveredBackup, RecoveredChecksums, RecoveredOrder
-from replicator.coordinator.recovery_snapshot import RecoverySnapshot
+from replicator.coordinator.api.recovery_snapshot import RecoverySnapshot
+from replicator.coordinator.indices.job import pack_files
+from replicator.coordinator.indices.parity_orders import ShardSlot
+from replicator.coordinator.planning.recovery import JobRecovery, RecoveredBackup, RecoveredChecksums, RecoveredOrder
 from replicator.coordinator.state import ClusterState
 
 _STEP, _GROUP = 100, 8

@@ -4,7 +4,7 @@ Each run is a fresh cluster on loopback: a coordinator and four real ``mtc node`
 127.0.0.1-4 (2 slices x 2 nodes, topology blocks b0 and b1, tmpfs ramdisks), and the real 4-process
 JAX job (``examples/train.py``) with ``--data-parallelism 1``, so no rank has a data-parallel peer
 and the coordinator orders every node to push the replication round's step (the newest step every rank
-holds, ``replicator/coordinator/replicas.py``) to another node:
+holds, ``replicator/coordinator/copies/replicas.py``) to another node:
 
 - without: agents without ``--peer-token-file``: the peer tier is off, nothing is replicated;
 - with: agents with ``--peer-token-file`` and ``--replicas 1``: every commit is pushed to a peer

@@ -56,7 +56,7 @@ import urllib.request
 from collections.abc import Callable
 
 from examples.local_cluster import LocalCluster, LocalJob, NodeAgentProcess, unmount_all_below
-from replicator.coordinator import parity as parity_policy
+from replicator.coordinator.planning import parity as parity_policy
 from replicator.local_tier.job_meta import JobMeta
 from replicator.local_tier.parity_shards import ParityShards, ShardMeta
 from replicator.wire import redundancy

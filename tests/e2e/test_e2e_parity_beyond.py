@@ -4,7 +4,7 @@ a parity shard that fails its checksum (issue 49). The backup tier serves every 
 
 import time
 
-from replicator.coordinator.config import CoordinatorConfig
+from replicator.coordinator.api.config import CoordinatorConfig
 from replicator.local_tier.parity_shards import ParityShards
 from tests.e2e.test_e2e_parity import SAVES
 from tests.helpers.jobs import (

@@ -40,7 +40,7 @@ LONG_RUN = UNTIL_KILLED
 # PUSH_DELAY_MS each way (tests/helpers/network.py) so that one push takes longer than a save interval, and a node
 # starts at most one push per peer every 2 s (--min-push-interval-seconds): replication is slower than saving. A
 # replication round takes at most two push lanes' turns plus the coordinator's latency
-# (replicator/coordinator/replicas.py), so the safe step must advance at least every ADVANCE_BOUND_SECONDS, and
+# (replicator/coordinator/copies/replicas.py), so the safe step must advance at least every ADVANCE_BOUND_SECONDS, and
 # trail the newest complete step by at most LAG_BOUND_STEPS.
 FAST_SAVES = ["--data-parallelism", "1", *LONG_RUN, "--save-interval-steps", "1", "--step-sleep", "0.3"]
 PUSH_DELAY_MS = 100

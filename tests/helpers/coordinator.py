@@ -34,7 +34,7 @@ def running_job(state: ClusterState, now=0.0, has_backup=False):
     rank_of_pod = state.job(KEY).incarnation.rank_of_pod
     rank_of = {"a": rank_of_pod["uid0"], "b": rank_of_pod["uid1"]}
     for node in ("a", "b"):
-        state.record_settings(KEY, incarnation, rank_of[node], SETTINGS)
+        state.restore.settings(KEY, incarnation, rank_of[node], SETTINGS)
     for index, node in enumerate(("a", "b")):
         state.apply_report(
             report(

@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 
 from examples.local_cluster import LocalCluster, NodeAgentProcess, unmount_all_below
-from replicator.coordinator.tls_read_buffer import share_tls_read_buffer
+from replicator.coordinator.api.tls_read_buffer import share_tls_read_buffer
 from tests.helpers.jobs import kill_started_jobs
 from tests.helpers.peer import Peer, serve_peer
 from tests.helpers.ports import listen_address

@@ -4,7 +4,7 @@
 from collections.abc import Iterable
 from typing import Any
 
-from replicator.coordinator.kube_shape import (
+from replicator.coordinator.kube.kube_shape import (
     JobShape,
     PodPlace,
     Shapes,

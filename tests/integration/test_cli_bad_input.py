@@ -396,7 +396,7 @@ def test_a_failure_after_the_flags_is_one_line_and_logs_go_out_as_json_lines(tmp
     )
     (warning,) = [json.loads(line) for line in logged]
     assert sorted(warning) == ["level", "logger", "message", "time"]
-    assert (warning["level"], warning["logger"]) == ("WARNING", "replicator.coordinator.service")
+    assert (warning["level"], warning["logger"]) == ("WARNING", "replicator.coordinator.api.service")
     assert warning["message"].startswith(f"INSECURE: no --token-file; anyone who reaches 127.0.0.1:{port} can")
     assert warning["time"].endswith("+00:00")
 

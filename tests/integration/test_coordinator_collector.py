@@ -8,8 +8,8 @@ import time
 
 from aiohttp.test_utils import TestServer
 
-from replicator.coordinator import service
-from replicator.coordinator.config import CoordinatorConfig
+from replicator.coordinator.api import service
+from replicator.coordinator.api.config import CoordinatorConfig
 
 
 def test_the_ticker_collects_the_young_generations_whatever_the_allocation_count_says():

@@ -9,9 +9,9 @@ import msgspec
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from replicator.coordinator import routes, service
-from replicator.coordinator.config import CoordinatorConfig
-from replicator.coordinator.status import render_status
+from replicator.coordinator.api import routes, service
+from replicator.coordinator.api.config import CoordinatorConfig
+from replicator.coordinator.api.status import render_status
 from replicator.wire.messages import HeldStep, JobRef, JobSettings, RestoreView, decode_json
 from replicator.wire.operator import ClusterStatus
 from tests.helpers.reports import node_report, pod_report
@@ -156,7 +156,7 @@ def test_a_reply_larger_than_a_write_piece_arrives_whole_with_its_length():
     async def scenario(client, state, incarnation, rank_of):
         response = await client.get(f"{JOB_PATH}/restore", params={"incarnation": incarnation, "rank": "0"})
         body = await response.read()
-        return response.status, response.headers, body, state.restore_view(KEY, incarnation, 0, time.time())
+        return response.status, response.headers, body, state.restore.view(KEY, incarnation, 0, time.time())
 
     status, headers, body, view = serve(scenario, files)
     assert len(body) > 2 * routes.WRITE_PIECE_BYTES  # written in three pieces or more

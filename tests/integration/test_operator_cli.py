@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from replicator.coordinator.status import Coordinator
+from replicator.coordinator.api.status import Coordinator
 from tests.helpers.kube.pki import CertificateAuthority
 from tests.helpers.polling import wait_until
 from tests.helpers.ports import listen_address

@@ -9,7 +9,7 @@ import ssl
 import tracemalloc
 
 from examples.local_cluster import self_signed_certificate
-from replicator.coordinator.tls_read_buffer import TLS_READ_BUFFER_BYTES
+from replicator.coordinator.api.tls_read_buffer import TLS_READ_BUFFER_BYTES
 
 CONNECTIONS = 40
 

@@ -18,10 +18,10 @@ from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Event, Namespace, Node
 
 from examples.local_cluster import LocalCluster, unmount_all_below
-from replicator.coordinator.jobset_annotations import SAFE_STEP
-from replicator.coordinator.kube_events import COMPONENT
-from replicator.coordinator.kube_shape import DEFAULT_BLOCK_LABEL, ZONE_LABEL
-from replicator.coordinator.kube_watch import JobSet
+from replicator.coordinator.kube.jobset_annotations import SAFE_STEP
+from replicator.coordinator.kube.kube_events import COMPONENT
+from replicator.coordinator.kube.kube_shape import DEFAULT_BLOCK_LABEL, ZONE_LABEL
+from replicator.coordinator.kube.kube_watch import JobSet
 from tests.helpers.jobs import (
     UNTIL_KILLED,
     assert_resumed_exactly,

@@ -26,10 +26,10 @@ from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Namespace, ServiceAccount
 from prometheus_client.parser import text_string_to_metric_families
 
-from replicator.coordinator import routes, service
-from replicator.coordinator.config import CoordinatorConfig
-from replicator.coordinator.kube_config import KubeSettings
-from replicator.coordinator.node_identity import NodeIdentitySettings
+from replicator.coordinator.api import routes, service
+from replicator.coordinator.api.config import CoordinatorConfig
+from replicator.coordinator.kube.kube_config import KubeSettings
+from replicator.coordinator.trust.node_identity import NodeIdentitySettings
 from replicator.wire.grants import GrantKeys, GrantRefused
 from replicator.wire.messages import (
     NODE_TOKEN_HEADER,
@@ -679,7 +679,7 @@ async def test_a_fresh_uid_claiming_a_job_with_a_shape_of_its_own_changes_nothin
     mine = pod_of(jobs, X, running.incarnation, running.rank_of[X])
     fresh = pod_report(claimed, 0, 0, "uid-the-api-server-never-made", nodes=1, suffix="zzzzz")
     rank = running.rank_of[Y] if claimed == KEY else 0
-    caplog.set_level(logging.INFO, logger="replicator.coordinator.kube_overlay")
+    caplog.set_level(logging.INFO, logger="replicator.coordinator.kube.kube_overlay")
     replies = await attack(base, tokens, jobs, running, [mine, fresh], [huge(claimed, rank)])
     assert [[a["pod_uid"] for a in reply["assignments"]] for reply in replies] == [[mine.pod_uid]] * 3
     assert await observe(base, app, tokens, jobs, running) == before
@@ -702,7 +702,7 @@ async def test_a_real_pod_of_another_node_changes_nothing_even_while_that_node_i
         as_reported(OTHER, jobs.other, running.other, 0),
     ]
     claims = [huge(KEY, running.rank_of[Y]), huge(OTHER, 0)]
-    caplog.set_level(logging.WARNING, logger="replicator.coordinator.kube_overlay")
+    caplog.set_level(logging.WARNING, logger="replicator.coordinator.kube.kube_overlay")
     await attack(base, tokens, jobs, running, [mine, *theirs], claims)
     assert await observe(base, app, tokens, jobs, running) == before
     deadline = time.monotonic() + 10

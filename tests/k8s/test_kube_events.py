@@ -1,4 +1,4 @@
-"""The coordinator's Events (replicator/coordinator/kube_events.py) against a real API server, sent with the
+"""The coordinator's Events (replicator/coordinator/kube/kube_events.py) against a real API server, sent with the
 coordinator's own identity (``manifests/coordinator-rbac.yaml``): created on a Pod, a repeat counted by a patch,
 similar ones combined and a flood cut by the spam filter, as client-go's recorder does."""
 
@@ -12,7 +12,7 @@ from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Event, Namespace, Pod
 from lightkube.resources.rbac_authorization_v1 import ClusterRole, ClusterRoleBinding
 
-from replicator.coordinator.kube_events import (
+from replicator.coordinator.kube.kube_events import (
     BURST,
     COMBINED_PREFIX,
     COMPONENT,

@@ -1,4 +1,4 @@
-"""The coordinator's view of job shapes (replicator/coordinator/kube_watch.py) against a real control plane: the
+"""The coordinator's view of job shapes (replicator/coordinator/kube/kube_watch.py) against a real control plane: the
 README's example JobSet, a JobSet with a driver beside its workers, and the API server stopped and started again.
 
 Pods are created by the real JobSet and Job controllers and bound by the real scheduler to Node objects with no
@@ -17,7 +17,7 @@ from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Namespace, Node, ServiceAccount
 from lightkube.resources.rbac_authorization_v1 import ClusterRole, ClusterRoleBinding
 
-from replicator.coordinator.kube_shape import (
+from replicator.coordinator.kube.kube_shape import (
     COMPLETION_INDEX,
     JOB_INDEX,
     JOBSET_NAME,
@@ -26,7 +26,7 @@ from replicator.coordinator.kube_shape import (
     JobShape,
     ShapeSettings,
 )
-from replicator.coordinator.kube_watch import JobSet, ShapeWatcher, WatchSettings
+from replicator.coordinator.kube.kube_watch import JobSet, ShapeWatcher, WatchSettings
 from replicator.wire.messages import JobRef
 from tests.helpers import REPO
 from tests.helpers.kube import ControlPlane, register_node

@@ -22,10 +22,11 @@ from lightkube.models.authentication_v1 import TokenReviewSpec
 from lightkube.resources.authentication_v1 import TokenReview
 from lightkube.resources.core_v1 import Node, Pod
 
-from replicator.coordinator import node_identity, routes, service
-from replicator.coordinator.config import CoordinatorConfig
-from replicator.coordinator.kube_config import KubeSettings
-from replicator.coordinator.node_identity import NodeIdentitySettings
+from replicator.coordinator.api import routes, service
+from replicator.coordinator.api.config import CoordinatorConfig
+from replicator.coordinator.kube.kube_config import KubeSettings
+from replicator.coordinator.trust import node_identity
+from replicator.coordinator.trust.node_identity import NodeIdentitySettings
 from replicator.wire.bearer import Tokens
 from replicator.wire.coordinator_client import CoordinatorClient, CoordinatorUnavailable
 from replicator.wire.messages import NODE_TOKEN_HEADER, PROTOCOL_VERSION, NodeReport

@@ -35,11 +35,12 @@ from lightkube.resources.authorization_v1 import SubjectAccessReview
 from lightkube.resources.core_v1 import Namespace, ServiceAccount
 from lightkube.resources.rbac_authorization_v1 import ClusterRoleBinding, RoleBinding
 
-from replicator.coordinator import operator_auth, routes, service
-from replicator.coordinator.config import CoordinatorConfig
-from replicator.coordinator.kube_config import KubeSettings
+from replicator.coordinator.api import routes, service
+from replicator.coordinator.api.config import CoordinatorConfig
+from replicator.coordinator.api.status import render_status
+from replicator.coordinator.kube.kube_config import KubeSettings
 from replicator.coordinator.state import ClusterState
-from replicator.coordinator.status import render_status
+from replicator.coordinator.trust import operator_auth
 from replicator.wire.messages import HeldStep, JobRef, JobSettings
 from replicator.wire.operator import ClusterStatus, RollbackPreview
 from tests.helpers import REPO
@@ -127,7 +128,7 @@ def _running(state: ClusterState, key: JobRef, node: str, now: float) -> None:
     uid = f"{key.namespace}-uid"
     reply = state.apply_report(node_report(node, [pod_report(key, 0, 0, uid, nodes=1)]), now)
     incarnation = reply.assignments[0].incarnation
-    state.record_settings(key, incarnation, 0, SETTINGS)
+    state.restore.settings(key, incarnation, 0, SETTINGS)
     held = [HeldStep(key.namespace, key.job, step, 0, FILES) for step in (5, 7)]
     state.apply_report(node_report(node, [pod_report(key, 0, 0, uid, incarnation, 0, SETTINGS, nodes=1)], held), now)
 
@@ -164,7 +165,7 @@ def rollback(namespace: str) -> str:
 def pending(state: ClusterState) -> dict[str, int | None]:
     """Each job's pending rollback, as status shows it, and that no timeline was begun."""
     assert all(state.job(key).forks == () for key in JOBS.values())
-    return {job.namespace: job.pending_rollback for job in state.status().jobs}
+    return {job.namespace: job.pending_rollback for job in state.operator.status().jobs}
 
 
 def refusals(reason: str) -> float:
@@ -209,7 +210,7 @@ async def test_a_rollback_role_bound_in_one_namespace_rolls_back_there_and_is_re
     assert await call(base, "POST", rollback(A), alice, {"step": 5}) == (200, {"ok": True, "step": 5})
     assert pending(state) == {A: 5, B: None}
     # A rollback pending in B is not alice's to cancel; hers in A is.
-    state.force_restore_step(JOBS[B], 5)
+    state.operator.force(JOBS[B], 5)
     assert (await call(base, "DELETE", rollback(B), alice))[0] == 403
     assert await call(base, "DELETE", rollback(A), alice) == (200, {"ok": True, "step": 5})
     assert pending(state) == {A: None, B: 5}

@@ -3,8 +3,8 @@ survives a preemption, one that a node loss stranded is replaced at once, and th
 
 import msgspec
 
-from replicator.coordinator.cluster_gauges import exposition
-from replicator.coordinator.recovery_snapshot import RecoverySnapshot
+from replicator.coordinator.api.cluster_gauges import exposition
+from replicator.coordinator.api.recovery_snapshot import RecoverySnapshot
 from replicator.coordinator.state import ClusterState
 from replicator.wire.messages import BackedUp, HeldStep, JobSettings
 from tests.helpers.coordinator import KEY, NAMES, OWN, SETTINGS, report
@@ -33,7 +33,7 @@ def form(state, nodes, uids, now, settings=SETTINGS, held=None):
     rank_of_pod = state.job(KEY).incarnation.rank_of_pod
     rank_of = {node: rank_of_pod[uid] for node, uid in zip(nodes, uids, strict=True)}
     for node in nodes:
-        state.record_settings(KEY, incarnation, rank_of[node], settings)
+        state.restore.settings(KEY, incarnation, rank_of[node], settings)
     return incarnation, rank_of
 
 
@@ -128,7 +128,7 @@ def test_a_backup_is_given_up_once_a_later_incarnation_restores_an_older_step_wh
     state.apply_report(
         msgspec.structs.replace(state.liveness.nodes[lister].report, backed_up=(BackedUp(*NAMES, (), 101.0),)), 101.0
     )
-    assert state.restore_view(KEY, second, lost_rank, now=101.5).step == 3
+    assert state.restore.view(KEY, second, lost_rank, now=101.5).step == 3
     state.tick(102.0)
     assert state.job(KEY).backup_pending != 5
     orders = heartbeat(state, "a", 0, "uid2", second, rank_of["a"], held_a, 103.0).backup
@@ -238,7 +238,7 @@ def test_a_coordinator_restarted_mid_backup_orders_the_same_step_under_the_same_
     restarted = ClusterState()
     restarted.expire(40.0)
     for rank in (0, 1):
-        restarted.restore_settings(KEY, rank, SETTINGS)  # the settings snapshot
+        restarted.restore.settings_from_snapshot(KEY, rank, SETTINGS)  # the settings snapshot
     RecoverySnapshot(str(tmp_path)).load(restarted)
     saved_everywhere(restarted, first, rank_of, [5, 9], 41.0)  # the pods still report the incarnation: adopted
     restarted.tick(42.0)

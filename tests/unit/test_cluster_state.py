@@ -14,7 +14,7 @@ def test_restore_sources_carry_the_owners_checksums_not_the_holders():
     state.expire(0.0)  # the coordinator started at 0 and has heard every node since
     incarnation, node_rank = running_job(state, now=20.0)
     rank = node_rank["b"]
-    view = state.restore_view(KEY, incarnation, rank, now=20.5)
+    view = state.restore.view(KEY, incarnation, rank, now=20.5)
     assert view.step == 5
     assert [(s.holder, s.files) for s in view.sources] == [("b", OWN[rank]), ("a", OWN[rank])]
 
@@ -72,11 +72,11 @@ def test_a_silent_node_keeps_its_pods_in_the_incarnation_and_gets_orders_again_w
         report("b", "http://b", [pod(1, incarnation, rank_of["b"])], held_by("b", rank_of)), 40.0
     )
     assert state.job(KEY).incarnation.incarnation_id == incarnation
-    assert state.status().silent_nodes == ("a",)
+    assert state.operator.status().silent_nodes == ("a",)
     assert all(t.node != "a" for order in reply.replicate for t in order.targets)  # no pushes to a silent node
     assert {c.holder for c in state.copies(KEY, live_only=True)} == {"b"}  # a's copies do not count as safe now
     state.apply_report(report("a", "http://a", [pod(0, incarnation, rank_of["a"])], held_by("a", rank_of)), 41.0)
-    assert state.job(KEY).incarnation.incarnation_id == incarnation and state.status().silent_nodes == ()
+    assert state.job(KEY).incarnation.incarnation_id == incarnation and state.operator.status().silent_nodes == ()
     assert {c.holder for c in state.copies(KEY, live_only=True)} == {"a", "b"} and state.safe_step(KEY) == 5
 
 
@@ -117,7 +117,7 @@ def test_beliefs_reset_with_each_incarnation_and_keep_only_the_copies_held_then(
     state.tick(22.0)
     assert copies(9) == {(moved, "c")} and copies(10**9) == set()
     assert state.job(KEY).retain.keep_from <= 5  # a's huge step deletes nothing
-    view = state.restore_view(KEY, new.incarnation_id, moved, now=22.5)
+    view = state.restore.view(KEY, new.incarnation_id, moved, now=22.5)
     assert view.step == 5 and [s.holder for s in view.sources] == ["a", "b"]  # kept copies serve the moved rank
     state.apply_report(report("a", "http://a", (), held_by("a", rank_of)[1:]), 23.0)  # a drops its own step 5...
     state.apply_report(report("a", "http://a", (), held_by("a", rank_of)), 24.0)  # ...and claims it again
@@ -130,13 +130,13 @@ def test_restore_waits_for_a_silent_holder_within_grace_then_replans_without_it(
     state.expire(0.0)
     incarnation, rank_of = running_job(state, now=0.0)
     rank = rank_of["b"]
-    view = state.restore_view(KEY, incarnation, rank, now=30.0)  # both silent since 0, within grace
+    view = state.restore.view(KEY, incarnation, rank, now=30.0)  # both silent since 0, within grace
     assert view.step == 5 and [s.holder for s in view.sources] == ["b", "a"]
     # An unreachable source is retried, never excluded: the plan stays.
-    state.report_staged(KEY, incarnation, view.generation, rank, None, [], retrying=True)
-    assert state.restore_view(KEY, incarnation, rank, now=31.0).generation == view.generation
+    state.restore.staged(KEY, incarnation, view.generation, rank, None, [], retrying=True)
+    assert state.restore.view(KEY, incarnation, rank, now=31.0).generation == view.generation
     # Past the grace period every holder of the step is given up: replanned (here to a fresh start).
-    later = state.restore_view(KEY, incarnation, rank, now=61.0)
+    later = state.restore.view(KEY, incarnation, rank, now=61.0)
     assert later.generation != view.generation and later.step is None
 
 
@@ -145,9 +145,9 @@ def test_only_a_proven_bad_copy_is_excluded_and_replans():
     state.expire(0.0)
     incarnation, rank_of = running_job(state, now=20.0)
     rank = rank_of["b"]
-    view = state.restore_view(KEY, incarnation, rank, now=20.5)
-    state.report_staged(KEY, incarnation, view.generation, rank, None, [(5, rank, "b")])
-    replanned = state.restore_view(KEY, incarnation, rank, now=21.0)
+    view = state.restore.view(KEY, incarnation, rank, now=20.5)
+    state.restore.staged(KEY, incarnation, view.generation, rank, None, [(5, rank, "b")])
+    replanned = state.restore.view(KEY, incarnation, rank, now=21.0)
     assert replanned.generation != view.generation
     assert [s.holder for s in replanned.sources] == ["a"]  # the corrupt copy on b is never planned again
 
@@ -156,8 +156,8 @@ def test_after_a_coordinator_restart_no_plan_before_every_node_could_report():
     state = ClusterState(node_timeout_seconds=15.0)
     incarnation, rank_of = running_job(state, now=100.0)  # a fresh coordinator hears the nodes at 100
     with pytest.raises(NotReady, match="started"):
-        state.restore_view(KEY, incarnation, rank_of["a"], now=105.0)
-    assert state.restore_view(KEY, incarnation, rank_of["a"], now=116.0).step == 5
+        state.restore.view(KEY, incarnation, rank_of["a"], now=105.0)
+    assert state.restore.view(KEY, incarnation, rank_of["a"], now=116.0).step == 5
 
 
 def test_restore_from_works_while_the_job_has_no_pods_and_the_next_incarnation_uses_it():
@@ -170,14 +170,14 @@ def test_restore_from_works_while_the_job_has_no_pods_and_the_next_incarnation_u
     for node in ("a", "b"):  # the pods are deleted; the nodes still hold steps 2 and 5
         state.apply_report(report(node, f"http://{node}", [], older[node]), 21.0)
     assert state.job(KEY).incarnation is None
-    state.force_restore_step(KEY, 2)
+    state.operator.force(KEY, 2)
     with pytest.raises(LookupError, match="step 3"):
-        state.force_restore_step(KEY, 3)
+        state.operator.force(KEY, 3)
     state.apply_report(report("a", "http://a", [pod(2)], older["a"]), 22.0)
     state.apply_report(report("b", "http://b", [pod(3)], older["b"]), 22.0)
     fresh = state.job(KEY).incarnation
     assert fresh is not None and fresh.incarnation_id != incarnation
-    view = state.restore_view(KEY, fresh.incarnation_id, 0, now=22.5)
+    view = state.restore.view(KEY, fresh.incarnation_id, 0, now=22.5)
     assert view.step == 2 and view.rollback  # the ranks delete the abandoned newer steps, not set them aside
 
 
@@ -192,11 +192,11 @@ def rolled_back_to_2(state, older_steps):
     }
     for node in ("a", "b"):
         state.apply_report(report(node, f"http://{node}", [], held[node]), 21.0)
-    state.force_restore_step(KEY, 2)
+    state.operator.force(KEY, 2)
     for index, node in enumerate(("a", "b")):
         state.apply_report(report(node, f"http://{node}", [pod(index + 2)], held[node]), 22.0)
     fresh = state.job(KEY).incarnation.incarnation_id
-    return rank_of, fresh, state.restore_view(KEY, fresh, 0, now=22.5)
+    return rank_of, fresh, state.restore.view(KEY, fresh, 0, now=22.5)
 
 
 def test_a_rollback_starts_a_timeline_whose_reused_step_numbers_never_mix_with_the_abandoned_ones():
@@ -207,8 +207,8 @@ def test_a_rollback_starts_a_timeline_whose_reused_step_numbers_never_mix_with_t
     assert {c.step for c in state.copies(KEY)} == {2}
     assert state.reply_for("a").lineages == (Lineage(*NAMES, (2,)),)
     for rank in (0, 1):
-        state.report_staged(KEY, fresh, view.generation, rank, f"local:{'a' if rank == rank_of['a'] else 'b'}", [])
-    assert state.restore_view(KEY, fresh, 0, now=22.6).ready and state.job(KEY).forced_step is None
+        state.restore.staged(KEY, fresh, view.generation, rank, f"local:{'a' if rank == rank_of['a'] else 'b'}", [])
+    assert state.restore.view(KEY, fresh, 0, now=22.6).ready and state.job(KEY).forced_step is None
 
     # Timeline 1 writes step 5 again, with other values; node a still holds timeline 0's replica.
     new = {rank: {"state/a": (10, f"0000000{rank + 5}")} for rank in (0, 1)}
@@ -283,13 +283,13 @@ def test_no_step_a_rollback_may_need_is_collected_while_it_is_pending_or_by_the_
     }
     for node in ("a", "b"):
         state.apply_report(report(node, f"http://{node}", [], held[node]), 21.0)
-    state.force_restore_step(KEY, 2)
+    state.operator.force(KEY, 2)
     for index, node in enumerate(("a", "b")):  # the new pods: an incarnation without a plan yet
         state.apply_report(report(node, f"http://{node}", [pod(index + 2)], held[node]), 22.0)
     state.tick(23.0)
     assert state.reply_for("a").retain == () and state.reply_for("b").retain == ()  # step 1 is the rollback's fallback
     fresh = state.job(KEY).incarnation.incarnation_id
-    assert state.restore_view(KEY, fresh, 0, now=23.5).step == 2
+    assert state.restore.view(KEY, fresh, 0, now=23.5).step == 2
     assert state.reply_for("a").retain == ()  # step 5 was safe, but it is abandoned now
 
 
@@ -297,16 +297,16 @@ def test_a_rollback_ends_when_its_last_rank_stages_and_a_restore_view_changes_no
     state = ClusterState()
     rank_of, fresh, view = rolled_back_to_2(state, (2,))
     node_of = {rank: node for node, rank in rank_of.items()}
-    state.report_staged(KEY, fresh, view.generation, 0, f"local:{node_of[0]}", [])
+    state.restore.staged(KEY, fresh, view.generation, 0, f"local:{node_of[0]}", [])
     for _ in range(2):  # asked again and again while rank 1 has not staged: the rollback goes on
-        assert not state.restore_view(KEY, fresh, 0, now=22.6).ready and state.job(KEY).forced_step == 2
-    state.report_staged(KEY, fresh, view.generation, 1, f"local:{node_of[1]}", [])
+        assert not state.restore.view(KEY, fresh, 0, now=22.6).ready and state.job(KEY).forced_step == 2
+    state.restore.staged(KEY, fresh, view.generation, 1, f"local:{node_of[1]}", [])
     assert state.job(KEY).forced_step is None  # done as the last rank staged, before any rank asks
     # The operator asks for step 2 again: the ready view of the incarnation that restored it leaves the
     # request for the next incarnation.
-    state.force_restore_step(KEY, 2)
-    assert state.restore_view(KEY, fresh, 1, now=22.7).ready
-    assert (state.job(KEY).forced_step, state.status().jobs[0].pending_rollback) == (2, 2)
+    state.operator.force(KEY, 2)
+    assert state.restore.view(KEY, fresh, 1, now=22.7).ready
+    assert (state.job(KEY).forced_step, state.operator.status().jobs[0].pending_rollback) == (2, 2)
 
 
 def test_a_rollback_to_a_step_that_proves_unrestorable_restores_the_newest_step_before_it_never_a_fresh_start():
@@ -315,8 +315,8 @@ def test_a_rollback_to_a_step_that_proves_unrestorable_restores_the_newest_step_
     node_of = {rank: node for node, rank in rank_of.items()}
     assert (view.step, view.rollback) == (2, True)
     # Rank 0's only copy of step 2 fails its checksums: the rollback step cannot be restored.
-    state.report_staged(KEY, fresh, view.generation, 0, None, [(2, 0, node_of[0])])
-    view = state.restore_view(KEY, fresh, 0, now=22.6)
+    state.restore.staged(KEY, fresh, view.generation, 0, None, [(2, 0, node_of[0])])
+    view = state.restore.view(KEY, fresh, 0, now=22.6)
     assert (view.step, view.rollback, view.forks) == (1, False, (2,))  # newer steps are set aside, not deleted
     assert state.job(KEY).forced_step is None
 
@@ -340,7 +340,7 @@ def test_a_step_set_aside_by_a_restore_counts_as_its_nodes_own_copy():
         (9, rank_of["a"], "a"),
         (9, rank_of["b"], "b"),
     }
-    view = state.restore_view(KEY, incarnation, rank_of["a"], now=20.5)
+    view = state.restore.view(KEY, incarnation, rank_of["a"], now=20.5)
     assert view.step == 9 and [(s.tier, s.holder) for s in view.sources] == [("local", "a")]
 
 
@@ -363,7 +363,7 @@ def test_a_step_written_anew_after_a_restore_to_an_older_one_supersedes_its_old_
     state.apply_report(report("a", "http://a", [pod(0, incarnation, rank_of["a"])], held_by("a", rank_of)), 2.0)
     state.tick(2.0)
     assert (5, rank, "a") not in {(c.step, c.rank, c.holder) for c in state.copies(KEY)}
-    view = state.restore_view(KEY, incarnation, rank, now=20.0)
+    view = state.restore.view(KEY, incarnation, rank, now=20.0)
     assert view.step == 5 and [(s.holder, s.files) for s in view.sources] == [("b", new)]
 
 

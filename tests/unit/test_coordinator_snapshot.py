@@ -9,12 +9,12 @@ import os
 
 import pytest
 
-from replicator.coordinator import routes, service, settings_snapshot
-from replicator.coordinator.config import CoordinatorConfig
-from replicator.coordinator.job import pack_files
-from replicator.coordinator.parity_orders import ShardSlot
-from replicator.coordinator.recovery import JobRecovery, RecoveredBackup, RecoveredChecksums, RecoveredOrder
-from replicator.coordinator.recovery_snapshot import RecoverySnapshot
+from replicator.coordinator.api import routes, service, settings_snapshot
+from replicator.coordinator.api.config import CoordinatorConfig
+from replicator.coordinator.api.recovery_snapshot import RecoverySnapshot
+from replicator.coordinator.indices.job import pack_files
+from replicator.coordinator.indices.parity_orders import ShardSlot
+from replicator.coordinator.planning.recovery import JobRecovery, RecoveredBackup, RecoveredChecksums, RecoveredOrder
 from replicator.coordinator.state import ClusterState
 from replicator.wire.messages import JobRef, JobSettings
 
@@ -30,7 +30,7 @@ def test_a_job_start_encodes_one_snapshot_that_a_restarted_coordinator_loads(tmp
     snapshot = settings_snapshot.SettingsSnapshot(str(tmp_path))
     assert snapshot.encode(state, 0.0) is None  # nothing recorded: nothing to write
     for rank in range(RANKS):  # what post_settings does for each rank of a starting job
-        state.restore_settings(JobRef("default", "big"), rank, settings(rank))
+        state.restore.settings_from_snapshot(JobRef("default", "big"), rank, settings(rank))
         snapshot.due = True
         if rank == RANKS // 2:
             first = snapshot.encode(state, 0.0)  # the ticker, halfway through the burst
@@ -121,7 +121,7 @@ def test_a_damaged_recovery_file_is_ignored_whole_with_a_warning(tmp_path, caplo
         raw = json.load(f)
     with open(path, "wb") as f:
         f.write(_damage(raw, how))
-    with caplog.at_level(logging.WARNING, logger="replicator.coordinator.recovery_snapshot"):
+    with caplog.at_level(logging.WARNING, logger="replicator.coordinator.api.recovery_snapshot"):
         state = restarted(str(tmp_path))
     assert state.recovery_records() == []
     assert KEY not in state.job_keys()

@@ -36,7 +36,7 @@ def run(state: ClusterState, nodes: int, generation: int, now: float, steps) -> 
     incarnation = state.job(KEY).incarnation
     assert incarnation is not None and len(incarnation.node_of_rank) == nodes
     for rank in incarnation.node_of_rank:
-        state.record_settings(KEY, incarnation.incarnation_id, rank, SETTINGS)
+        state.restore.settings(KEY, incarnation.incarnation_id, rank, SETTINGS)
     for at in (now, now + 1):  # a new job's own steps first: a replica counts once a decision pass ordered it
         for rank, node in incarnation.node_of_rank.items():
             mine = [pod(int(node[1:]), nodes, generation, incarnation.incarnation_id, rank)]
@@ -57,7 +57,7 @@ def test_a_job_saved_on_2_nodes_restores_on_3_resharded_in_a_timeline_of_its_own
     node_of_rank = run(state, 3, 2, 100.0, lambda n: (held(10, n), held(10, 1 - n, True)) if n < 2 else ())
     incarnation = state.job(KEY).incarnation.incarnation_id
 
-    views = {rank: state.restore_view(KEY, incarnation, rank, 102.0) for rank in node_of_rank}
+    views = {rank: state.restore.view(KEY, incarnation, rank, 102.0) for rank in node_of_rank}
     assert {v.step for v in views.values()} == {10} and {v.saved_nodes for v in views.values()} == {2}
     assert [(s.data_rank, s.tier, s.holder) for s in views[2].sources] == [
         (0, "peer_close", "n0"),
@@ -90,7 +90,7 @@ def test_after_a_node_loss_with_no_spare_the_old_shapes_steps_are_not_safe_on_th
     assert state.safe_step(KEY) == 10
     state.apply_report(node_report("n0", [], (held(10, 0), held(10, 1, True))), 100.0)
     node_of_rank = run(state, 1, 2, 100.0, lambda n: (held(7, 0), held(7, 1, True), held(10, 0), held(10, 1, True)))
-    view = state.restore_view(KEY, state.job(KEY).incarnation.incarnation_id, 0, 102.0)
+    view = state.restore.view(KEY, state.job(KEY).incarnation.incarnation_id, 0, 102.0)
     assert node_of_rank == {0: "n0"} and (view.step, view.saved_nodes) == (10, 2)
     # n1 is lost: its own copy of rank 1 and its replica of rank 0 serve no more; n0 holds both old nodes' data.
     assert [(s.data_rank, s.tier, s.holder) for s in view.sources] == [(0, "local", "n0"), (1, "local", "n0")]

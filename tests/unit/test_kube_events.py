@@ -9,7 +9,7 @@ import socket
 
 from lightkube import AsyncClient, KubeConfig
 
-from replicator.coordinator.kube_events import (
+from replicator.coordinator.kube.kube_events import (
     BURST,
     REFILL_SECONDS,
     SIMILAR_WINDOW_SECONDS,
@@ -58,7 +58,7 @@ async def test_a_recorder_without_its_api_server_loses_each_event_in_a_log_line_
     recorder = EventRecorder(client)
     task = asyncio.create_task(recorder.run())
     try:
-        with caplog.at_level(logging.WARNING, logger="replicator.coordinator.kube_events"):
+        with caplog.at_level(logging.WARNING, logger="replicator.coordinator.kube.kube_events"):
             recorder.record(POD, EventType.NORMAL, "RestoreStarted", "one")
             recorder.record(POD, EventType.NORMAL, "RestoreDone", "two")
             await asyncio.wait_for(recorder.idle(), 30)

@@ -1,4 +1,4 @@
-"""The API server's shapes laid over node reports (replicator/coordinator/kube_overlay.py), and through the cluster
+"""The API server's shapes laid over node reports (replicator/coordinator/kube/kube_overlay.py), and through the cluster
 state: a volume with no attributes gets its job's shape, ranks by JobSet index, and rank 0's pod IP as the JAX
 coordinator address; a placed pod waits for its IP; a node speaks only for the pods placed on it."""
 
@@ -6,8 +6,8 @@ import logging
 
 import msgspec
 
-from replicator.coordinator import kube_overlay
-from replicator.coordinator.kube_overlay import KubeOverlay
+from replicator.coordinator.kube import kube_overlay
+from replicator.coordinator.kube.kube_overlay import KubeOverlay
 from replicator.coordinator.state import ClusterState
 from replicator.wire.messages import JobRef, NodeReport, PodReport
 from tests.helpers.kube_objects import EXAMPLE_NODES, NS, example_pods, jobset, replicated_job, shapes_of

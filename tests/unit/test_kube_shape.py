@@ -1,4 +1,4 @@
-"""Job shapes from API-server objects (replicator/coordinator/kube_shape.py): pure, over plain dicts and lightkube
+"""Job shapes from API-server objects (replicator/coordinator/kube/kube_shape.py): pure, over plain dicts and lightkube
 models, with the bad-data cases named by pod and field."""
 
 import copy
@@ -6,7 +6,7 @@ import copy
 from lightkube import codecs
 from lightkube.generic_resource import create_namespaced_resource
 
-from replicator.coordinator.kube_shape import (
+from replicator.coordinator.kube.kube_shape import (
     FailureDomains,
     JobShape,
     ShapeSettings,

@@ -37,12 +37,12 @@ CLUSTER_SCOPED = (
     "ClusterRoleBinding",
     "CustomResourceDefinition",
 )
-# What the coordinator reads from the API server (replicator/coordinator/kube_watch.py), and only that.
+# What the coordinator reads from the API server (replicator/coordinator/kube/kube_watch.py), and only that.
 # (apiGroup, resource, verb): what the coordinator does with the API server, nothing more. Get on pods and nodes
-# and create on tokenreviews are per-node identity's (replicator/coordinator/node_identity.py); create on
-# tokenreviews and subjectaccessreviews operator identity's (replicator/coordinator/operator_auth.py); create and
-# patch on events the restore events' (replicator/coordinator/kube_events.py: a repeat bumps its count); patch on
-# jobsets the safe and backed-up steps' annotations (replicator/coordinator/jobset_annotations.py).
+# and create on tokenreviews are per-node identity's (replicator/coordinator/trust/node_identity.py); create on
+# tokenreviews and subjectaccessreviews operator identity's (replicator/coordinator/trust/operator_auth.py); create and
+# patch on events the restore events' (replicator/coordinator/kube/kube_events.py: a repeat bumps its count); patch on
+# jobsets the safe and backed-up steps' annotations (replicator/coordinator/kube/jobset_annotations.py).
 COORDINATOR_VERBS = {
     *(
         (group, resource, verb)
@@ -543,7 +543,7 @@ def test_example_jobsets_rank0_address_is_the_pods_jobset_dns_name(name):
     """The coordinator writes rank 0's address as ``<pod name without suffix>.<subdomain>``; in a JobSet
     with DNS hostnames that resolves only when the subdomain is the JobSet's name (its headless Service)."""
     from csi_driver.volume_request import VolumeLimits, parse_volume_context
-    from replicator.coordinator.incarnations import _JOBSET_SUFFIX
+    from replicator.coordinator.indices.incarnations import _JOBSET_SUFFIX
     from replicator.local_tier import frameworks
 
     jobset = _one("JobSet", name)

@@ -9,7 +9,7 @@ import pytest
 from lightkube.core.exceptions import ApiError
 from lightkube.resources.core_v1 import Node, Pod
 
-from replicator.coordinator.node_identity import (
+from replicator.coordinator.trust.node_identity import (
     IdentityRefused,
     IdentityUnavailable,
     NodeIdentitySettings,

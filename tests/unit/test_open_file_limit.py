@@ -4,7 +4,7 @@ import resource
 
 import pytest
 
-from replicator.coordinator.process_tuning import raise_open_file_limit
+from replicator.coordinator.api.process_tuning import raise_open_file_limit
 
 
 @pytest.fixture

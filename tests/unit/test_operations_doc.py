@@ -81,7 +81,7 @@ for package in sys.argv[1:]:
     for info in pkgutil.walk_packages(importlib.import_module(package).__path__, package + "."):
         if not info.name.endswith("__main__"):
             importlib.import_module(info.name)
-from replicator.coordinator.cluster_gauges import exposition
+from replicator.coordinator.api.cluster_gauges import exposition
 from replicator.coordinator.state import ClusterState
 sys.stdout.write(exposition(ClusterState()).decode())
 """

@@ -11,11 +11,11 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from replicator.cli import main
-from replicator.coordinator import routes, service
-from replicator.coordinator.config import CoordinatorConfig
-from replicator.coordinator.rollbacks import NotCancellable
+from replicator.coordinator.api import routes, service
+from replicator.coordinator.api.config import CoordinatorConfig
+from replicator.coordinator.api.status import render_preview, render_status
+from replicator.coordinator.planning.rollbacks import NotCancellable
 from replicator.coordinator.state import ClusterState, UnknownJob
-from replicator.coordinator.status import render_preview, render_status
 from replicator.wire.messages import BackedUp, HeldStep, decode_json
 from replicator.wire.operator import ClusterStatus, RollbackPreview
 from tests.helpers.coordinator import KEY, NAMES, OWN, held_by, pod, report, running_job
@@ -47,22 +47,25 @@ def test_a_cancelled_rollback_leaves_the_job_as_if_it_was_never_requested():
     retain = state.job(KEY).retain
     assert retain is not None and state.reply_for("a").retain == (retain,)
 
-    preview = state.rollback_preview(KEY, 2)
+    preview = state.operator.preview(KEY, 2)
     assert [(s.step, s.local, s.peer, s.backup) for s in preview.abandoned] == [
         (5, {rank_of["a"]: ("a",), rank_of["b"]: ("b",)}, {rank_of["b"]: ("a",), rank_of["a"]: ("b",)}, False)
     ]
     assert (preview.ranks, preview.timeline, preview.pending_rollback) == (2, 1, None)
     assert state.job(KEY).forced_step is None and state.job(KEY).retain == retain  # a preview changes nothing
 
-    state.force_restore_step(KEY, 2)
+    state.operator.force(KEY, 2)
     assert state.reply_for("a").retain == ()  # at once: nothing is deleted while it is pending
-    assert state.status().jobs[0].pending_rollback == 2
-    assert state.rollback_preview(KEY, 2).pending_rollback == 2
-    assert state.cancel_restore_step(KEY) == 2
+    assert state.operator.status().jobs[0].pending_rollback == 2
+    assert state.operator.preview(KEY, 2).pending_rollback == 2
+    assert state.operator.cancel(KEY) == 2
     assert state.reply_for("a").retain == (retain,) and state.job(KEY).forks == ()
-    assert (state.status().jobs[0].pending_rollback, state.status().jobs[0].forced_step) == (None, None)
+    assert (state.operator.status().jobs[0].pending_rollback, state.operator.status().jobs[0].forced_step) == (
+        None,
+        None,
+    )
     with pytest.raises(NotCancellable, match="no pending rollback"):
-        state.cancel_restore_step(KEY)
+        state.operator.cancel(KEY)
 
     # The next incarnation restores the newest step, on the same timeline: nothing was abandoned.
     holding(state, rank_of, (2,), 22.5, pods=False)
@@ -71,7 +74,7 @@ def test_a_cancelled_rollback_leaves_the_job_as_if_it_was_never_requested():
             report(node, f"http://{node}", [pod(index + 2)], state.liveness.nodes[node].report.held), 23.0
         )
     fresh = state.job(KEY).incarnation.incarnation_id
-    view = state.restore_view(KEY, fresh, 0, now=23.5)
+    view = state.restore.view(KEY, fresh, 0, now=23.5)
     assert (view.step, view.rollback, view.forks) == (5, False, ())
     assert {c.step for c in state.copies(KEY)} == {2, 5}
 
@@ -81,17 +84,17 @@ def test_a_rollback_whose_restore_is_planned_cannot_be_cancelled():
     state.expire(0.0)
     _, rank_of = running_job(state, now=20.0)
     holding(state, rank_of, (2,), 21.0, pods=False)
-    state.force_restore_step(KEY, 2)
+    state.operator.force(KEY, 2)
     for index, node in enumerate(("a", "b")):
         state.apply_report(
             report(node, f"http://{node}", [pod(index + 2)], state.liveness.nodes[node].report.held), 22.0
         )
-    assert state.restore_view(KEY, state.job(KEY).incarnation.incarnation_id, 0, now=22.5).step == 2
+    assert state.restore.view(KEY, state.job(KEY).incarnation.incarnation_id, 0, now=22.5).step == 2
     with pytest.raises(NotCancellable, match="step 2 cannot be cancelled: its restore is planned and timeline 1 began"):
-        state.cancel_restore_step(KEY)
+        state.operator.cancel(KEY)
     assert (state.job(KEY).forced_step, state.job(KEY).forks) == (2, (2,))
     with pytest.raises(UnknownJob):
-        state.cancel_restore_step(msgspec.structs.replace(KEY, job="nope"))
+        state.operator.cancel(msgspec.structs.replace(KEY, job="nope"))
 
 
 def test_a_pending_rollback_step_is_kept_from_backup_retention_until_cancelled():
@@ -102,11 +105,11 @@ def test_a_pending_rollback_step_is_kept_from_backup_retention_until_cancelled()
     state.tick(22.0)
     assert state.job(KEY).backup_pending == 5
     assert {o.protected for o in state.reply_for("a").backup} == {()}
-    state.force_restore_step(KEY, 2)
+    state.operator.force(KEY, 2)
     assert {o.protected for o in state.reply_for("a").backup} == {
         (2,)
     }  # retention keeps it though it is not the newest
-    state.cancel_restore_step(KEY)
+    state.operator.cancel(KEY)
     assert {o.protected for o in state.reply_for("a").backup} == {()}
 
 
@@ -270,7 +273,7 @@ def test_a_rollback_to_copies_this_incarnation_proved_unusable_is_refused():
         LookupError,
         match=r"step 2 of default/run is not complete for every rank in any tier \(copies of it were found unusable\)",
     ):
-        state.force_restore_step(KEY, 2)
+        state.operator.force(KEY, 2)
     assert state.job(KEY).forced_step is None
 
 
@@ -279,7 +282,7 @@ def test_a_rollback_with_nothing_restorable_at_or_before_its_step_is_dropped_not
     state.expire(0.0)
     incarnation, rank_of = running_job(state, now=20.0, has_backup=True)
     holding(state, rank_of, (), 21.0, incarnation, listing=(2,))
-    state.force_restore_step(KEY, 2)
+    state.operator.force(KEY, 2)
     holding(state, rank_of, (), 22.0, pods=False, listing=(5,))  # the backup of step 2 is gone before the restore
     for index, node in enumerate(("a", "b")):
         state.apply_report(
@@ -290,6 +293,6 @@ def test_a_rollback_with_nothing_restorable_at_or_before_its_step_is_dropped_not
             ),
             23.0,
         )
-    view = state.restore_view(KEY, state.job(KEY).incarnation.incarnation_id, 0, now=23.5)
+    view = state.restore.view(KEY, state.job(KEY).incarnation.incarnation_id, 0, now=23.5)
     assert (view.step, view.rollback, view.forks) == (5, False, ())  # the newest step, on the same timeline
     assert (state.job(KEY).forced_step, state.job(KEY).forks) == (None, ())

@@ -6,7 +6,7 @@ import os
 
 import msgspec
 
-from replicator.coordinator.job import pack_files, unpack_files
+from replicator.coordinator.indices.job import pack_files, unpack_files
 
 
 def orbax_like_manifest(files: int = 60) -> dict[str, tuple[int, str]]:

@@ -1,6 +1,6 @@
 """Erasure-coded RAM copies as pure functions: the rotated layout (replicator/parity/layout.py), the codes
 (replicator/parity/codec.py), a whole group encoded and rebuilt in memory as the encoder and decoder do it,
-the coordinator's groups and decodability (replicator/coordinator/parity.py), and the setting's parser
+the coordinator's groups and decodability (replicator/coordinator/planning/parity.py), and the setting's parser
 (replicator/wire/redundancy.py)."""
 
 import itertools
@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from replicator.coordinator.parity import _rebuildable, deal, parity_of
+from replicator.coordinator.planning.parity import _rebuildable, deal, parity_of
 from replicator.parity.codec import ReedSolomon, Xor, codec
 from replicator.parity.layout import GroupLayout, cluster_ram, stream_bytes, stream_pieces
 from replicator.wire.redundancy import REPLICAS, Redundancy, parse

@@ -6,8 +6,9 @@ import msgspec
 import pytest
 from prometheus_client import REGISTRY
 
-from replicator.coordinator import parity
-from replicator.coordinator.recovery_snapshot import RecoverySnapshot
+from replicator.coordinator import planner
+from replicator.coordinator.api.recovery_snapshot import RecoverySnapshot
+from replicator.coordinator.planning import parity
 from replicator.coordinator.state import ClusterState, decide_interval
 from replicator.parity.layout import GroupLayout, cluster_ram
 from replicator.wire import redundancy
@@ -49,7 +50,7 @@ class Job:
         self.incarnation = incarnation.incarnation_id
         self.rank_of = {node: rank for rank, node in incarnation.node_of_rank.items()}
         for rank, s in enumerate(self.settings):
-            self.state.record_settings(KEY, self.incarnation, rank, s)
+            self.state.restore.settings(KEY, self.incarnation, rank, s)
 
     def pod(self, node: str):
         rank = self.rank_of.get(node)
@@ -189,7 +190,7 @@ def test_shards_built_over_other_bytes_of_a_step_no_longer_count():
         state.apply_report(job.report(node, held=True), 5.0)
     state.tick(5.0 + decide_interval(4))
     assert state.safe_step(KEY) == STEP
-    assert {c.rank for c in state.copies(KEY) if c.decode} == {0, 1, 2, 3}
+    assert {c.rank for c in state.copies(KEY) if c.kind is planner.CopyKind.DECODE} == {0, 1, 2, 3}
     node = next(n for n, r in job.rank_of.items() if r == 2)
     rewritten = HeldStep(*NAMES, STEP, 2, {"state/r2": (1016, "deadbeef")})
     state.apply_report(
@@ -205,7 +206,7 @@ def test_shards_built_over_other_bytes_of_a_step_no_longer_count():
     )
     state.tick(20.0 + decide_interval(4))
     assert state.safe_step(KEY) is None
-    assert not [c for c in state.copies(KEY) if c.decode]
+    assert not [c for c in state.copies(KEY) if c.kind is planner.CopyKind.DECODE]
     new_digest = redundancy.files_digest(rewritten.files)
     for n in job.slot:
         (order,) = state.reply_for(n).encode
@@ -280,16 +281,16 @@ def test_a_member_claiming_shards_it_was_not_ordered_to_build_makes_no_step_safe
     assert state.safe_step(KEY) == 3
     assert {state.reply_for(node).retain[0].keep_from for node in job.slot} == {3}
     assert job.rank_of["n0"] == 0
-    assert {(c.step, c.rank) for c in state.copies(KEY) if c.decode} == {(3, r) for r in range(4)} | {
-        (5, r) for r in decodable_by_its_own
-    }
+    assert {(c.step, c.rank) for c in state.copies(KEY) if c.kind is planner.CopyKind.DECODE} == {
+        (3, r) for r in range(4)
+    } | {(5, r) for r in decodable_by_its_own}
     assert unordered_shards() - before == 2 * slots - parity_of_job(job)  # all but its own of step 5
     for node in ("n1", "n2", "n3"):  # the honest path: the ordered members build theirs
         job.build(node, orders[node])
     job.round(9.0)
     assert state.safe_step(KEY) == 5
     assert {state.reply_for(node).retain[0].keep_from for node in job.slot} == {5}
-    decodable = {(c.step, c.rank) for c in state.copies(KEY) if c.decode}
+    decodable = {(c.step, c.rank) for c in state.copies(KEY) if c.kind is planner.CopyKind.DECODE}
     assert {step for step, _ in decodable} == {3, 5}  # never 4: its shards are n0's word alone
 
 
@@ -309,7 +310,7 @@ def test_a_restarted_coordinator_counts_the_shards_already_built_only_for_the_st
     restarted = ClusterState()
     restarted.expire(10.0)
     for rank, s in enumerate(job.settings):
-        restarted.restore_settings(KEY, rank, s)  # the settings snapshot
+        restarted.restore.settings_from_snapshot(KEY, rank, s)  # the settings snapshot
     job.state = restarted
     first = {node: restarted.apply_report(job.report(node, held=True), 10.0) for node in job.slot}
     assert all(reply.encode == () for reply in first.values())
@@ -318,7 +319,7 @@ def test_a_restarted_coordinator_counts_the_shards_already_built_only_for_the_st
     replies = job.round(11.0)
     assert all(orders == () for orders in replies.values())  # every shard of the order is held already
     assert restarted.safe_step(KEY) == 5
-    assert {c.step for c in restarted.copies(KEY) if c.decode} == {5}
+    assert {c.step for c in restarted.copies(KEY) if c.kind is planner.CopyKind.DECODE} == {5}
     assert unordered_shards() == before  # a restart's shards are not hostile claims
 
 
@@ -333,15 +334,17 @@ def test_a_silent_members_copy_within_its_grace_is_no_survivor_for_a_rebuild():
         job.build(node, orders[node])
         state.apply_report(job.report(node, held=True), 5.0)
     state.tick(5.0 + decide_interval(8))
-    assert {c.rank for c in state.copies(KEY) if c.decode} == set(range(8))
+    assert {c.rank for c in state.copies(KEY) if c.kind is planner.CopyKind.DECODE} == set(range(8))
     silent = [n for n, r in job.rank_of.items() if r in (1, 2, 3)]
     for now in (10.0, 15.0, 22.0):  # past the node timeout, within the grace period
         for node in job.slot:
             if node not in silent:
                 state.apply_report(job.report(node, held=True), now)
         state.tick(now + decide_interval(8))
-    assert {c.holder for c in state.copies(KEY) if not c.decode} >= set(silent)  # still restore sources
-    assert not {1, 2, 3} & {c.rank for c in state.copies(KEY) if c.decode}
+    assert {c.holder for c in state.copies(KEY) if c.kind is not planner.CopyKind.DECODE} >= set(
+        silent
+    )  # still restore sources
+    assert not {1, 2, 3} & {c.rank for c in state.copies(KEY) if c.kind is planner.CopyKind.DECODE}
 
 
 def lose(state: ClusterState, job: Job, lost: list[str]) -> int:
@@ -364,7 +367,7 @@ def test_a_lost_rank_of_an_xor_group_is_planned_as_a_decode_from_its_three_survi
     lost_rank = job.rank_of["n3"]
     rank = lose(state, job, ["n3"])
     assert rank == lost_rank  # ranks follow the data: the survivors keep theirs
-    view = state.restore_view(KEY, job.incarnation, rank, 70.0)
+    view = state.restore.view(KEY, job.incarnation, rank, 70.0)
     assert view.step == STEP
     (source,) = [s for s in view.sources if s.tier == Tier.DECODE]
     assert source.data_rank == rank and source.files == files(rank)
@@ -386,10 +389,10 @@ def test_two_lost_ranks_of_an_xor_group_get_no_decode_source():
     state.expire(0.0)
     job = encoded_job(state)
     rank = lose(state, job, ["n2", "n3"])
-    view = state.restore_view(KEY, job.incarnation, rank, 70.0)
+    view = state.restore.view(KEY, job.incarnation, rank, 70.0)
     assert all(s.tier != Tier.DECODE for s in view.sources)
     assert view.step is None and view.sources == ()  # no backup tier: a fresh start
-    assert not [c for c in state.copies(KEY) if c.decode]
+    assert not [c for c in state.copies(KEY) if c.kind is planner.CopyKind.DECODE]
 
 
 def restart(state_dir: str | None, old: ClusterState, job: Job, now: float, seen: dict[int, float] | None = None):
@@ -405,7 +408,7 @@ def restart(state_dir: str | None, old: ClusterState, job: Job, now: float, seen
     restarted = ClusterState(node_timeout_seconds=15.0, holder_grace_seconds=30.0)
     restarted.expire(now)
     for rank, s in enumerate(job.settings):
-        restarted.restore_settings(KEY, rank, s)
+        restarted.restore.settings_from_snapshot(KEY, rank, s)
     RecoverySnapshot(state_dir).load(restarted)
     job.state = restarted
     return restarted
@@ -440,7 +443,7 @@ def test_a_coordinator_restarted_after_a_node_loss_plans_the_lost_ranks_as_decod
     for node in lost:
         restarted.apply_report(job.report(f"f{node}"), 31.0)
     for rank in lost_ranks:
-        view = restarted.restore_view(KEY, job.incarnation, rank, 31.0)
+        view = restarted.restore.view(KEY, job.incarnation, rank, 31.0)
         if not kept:
             assert view.step is None and view.sources == ()
             continue
@@ -462,7 +465,7 @@ def test_checksums_kept_in_the_state_dir_lose_to_the_ranks_own_report_after_a_re
     job.written_again[rank] = {f"state/r{rank}": (1000 + 8 * rank, "0badbeef")}
     job.round(11.0)
     assert restarted.job(KEY).owner_files(STEP, rank) == job.written_again[rank]
-    assert not [c for c in restarted.copies(KEY) if c.decode]
+    assert not [c for c in restarted.copies(KEY) if c.kind is planner.CopyKind.DECODE]
 
 
 # A failed decode and a lost holder (issue 49): the chaos row "flipped byte in a parity shard, then the node of a
@@ -496,12 +499,12 @@ def heard(state: ClusterState, job: Job, now: float) -> None:
 def decode_fails(state: ClusterState, job: Job, rank: int, now: float):
     """The rank's first view: step 5 from n3 (not silent yet) or a decode. n3 does not answer and the rebuilt bytes
     fail the owner's checksums, as the agent reports it (the unreachable one is retried). Returns the view."""
-    view = state.restore_view(KEY, job.incarnation, rank, now)
+    view = state.restore.view(KEY, job.incarnation, rank, now)
     assert view.step == STEP and [(s.tier, s.holder) for s in view.sources] == [
         (Tier.PEER_DISTANT, "n3"),
-        (Tier.DECODE, parity.DECODE_HOLDER),
+        (Tier.DECODE, planner.DECODE_HOLDER),
     ]
-    state.report_staged(KEY, job.incarnation, view.generation, rank, None, [(STEP, rank, parity.DECODE_HOLDER)], True)
+    state.restore.staged(KEY, job.incarnation, view.generation, rank, None, [(STEP, rank, planner.DECODE_HOLDER)], True)
     return view
 
 
@@ -510,7 +513,7 @@ def test_a_failed_decode_restores_the_backup_once_the_lost_holder_falls_silent_n
     job, rank = lost_n3(state, backups=(1,))
     first = decode_fails(state, job, rank, LOST_AT + 2)
     now, woken = LOST_AT + 2, []
-    while (view := state.restore_view(KEY, job.incarnation, rank, now)).step == STEP:
+    while (view := state.restore.view(KEY, job.incarnation, rank, now)).step == STEP:
         assert now - LOST_AT < state.liveness.holder_grace_seconds, "waited out the lost holder's grace period"
         now += 1.0
         state.drain_changed()
@@ -522,7 +525,7 @@ def test_a_failed_decode_restores_the_backup_once_the_lost_holder_falls_silent_n
     assert woken[-1] and not any(woken[:-1]), woken
     assert view.generation != first.generation and view.step == 1
     assert [(s.tier, s.holder) for s in view.sources] == [(Tier.BACKUP, "backup")]
-    assert {state.restore_view(KEY, job.incarnation, r, now).step for r in range(4)} == {1}
+    assert {state.restore.view(KEY, job.incarnation, r, now).step for r in range(4)} == {1}
 
 
 def test_a_lost_holder_that_alone_can_serve_is_waited_for_within_its_grace_period_and_the_plan_stays():
@@ -532,10 +535,10 @@ def test_a_lost_holder_that_alone_can_serve_is_waited_for_within_its_grace_perio
     first = decode_fails(state, job, rank, LOST_AT + 2)
     for now in range(int(LOST_AT) + 3, int(LOST_AT + state.liveness.holder_grace_seconds)):
         heard(state, job, float(now))
-        view = state.restore_view(KEY, job.incarnation, rank, float(now))
+        view = state.restore.view(KEY, job.incarnation, rank, float(now))
         assert view.generation == first.generation and {s.holder for s in view.sources} == {"n3", "parity"}
     heard(state, job, LOST_AT + state.liveness.holder_grace_seconds + 2)
-    assert state.restore_view(KEY, job.incarnation, rank, LOST_AT + 62).step is None  # given up: a fresh start
+    assert state.restore.view(KEY, job.incarnation, rank, LOST_AT + 62).step is None  # given up: a fresh start
 
 
 def test_a_silent_node_of_the_incarnation_keeps_a_lost_holder_waited_for_and_its_return_makes_the_step_decodable():
@@ -546,12 +549,12 @@ def test_a_silent_node_of_the_incarnation_keeps_a_lost_holder_waited_for_and_its
     frozen = job.slot.pop("n2")
     for now in range(int(LOST_AT) + 2, int(LOST_AT) + 20):  # both silent past the node timeout
         heard(state, job, float(now))
-    view = state.restore_view(KEY, job.incarnation, rank, LOST_AT + 19)
+    view = state.restore.view(KEY, job.incarnation, rank, LOST_AT + 19)
     assert view.step == STEP and [s.holder for s in view.sources] == ["n3"]
     job.slot["n2"] = frozen
     heard(state, job, LOST_AT + 20)
-    view = state.restore_view(KEY, job.incarnation, rank, LOST_AT + 20)
-    assert view.step == STEP and [(s.tier, s.holder) for s in view.sources] == [(Tier.DECODE, parity.DECODE_HOLDER)]
+    view = state.restore.view(KEY, job.incarnation, rank, LOST_AT + 20)
+    assert view.step == STEP and [(s.tier, s.holder) for s in view.sources] == [(Tier.DECODE, planner.DECODE_HOLDER)]
 
 
 def test_the_step_restored_in_place_of_a_safe_step_whose_copy_proved_corrupt_stays_protected_once_staged():
@@ -561,17 +564,17 @@ def test_the_step_restored_in_place_of_a_safe_step_whose_copy_proved_corrupt_sta
     fresh). It stays protected until a step newer than the one passed over is safe."""
     state = ClusterState(node_timeout_seconds=15.0, holder_grace_seconds=60.0)
     job, rank = lost_n3(state, backups=(1, STEP))
-    view = state.restore_view(KEY, job.incarnation, rank, LOST_AT + 2)
+    view = state.restore.view(KEY, job.incarnation, rank, LOST_AT + 2)
     assert view.step == STEP
-    state.report_staged(
+    state.restore.staged(
         KEY, job.incarnation, view.generation, rank, None, [(STEP, rank, s.holder) for s in view.sources]
     )
-    views = {r: state.restore_view(KEY, job.incarnation, r, LOST_AT + 3) for r in range(4)}
+    views = {r: state.restore.view(KEY, job.incarnation, r, LOST_AT + 3) for r in range(4)}
     assert {v.step for v in views.values()} == {1}
     for r, v in views.items():
-        state.report_staged(KEY, job.incarnation, v.generation, r, "backup:backup")
+        state.restore.staged(KEY, job.incarnation, v.generation, r, "backup:backup")
     heard(state, job, LOST_AT + 4)
-    assert state.restore_view(KEY, job.incarnation, rank, LOST_AT + 4).ready
+    assert state.restore.view(KEY, job.incarnation, rank, LOST_AT + 4).ready
     assert state.safe_step(KEY) == STEP  # believed: the corrupt backup and the other ranks' copies
     retain = state.job(KEY).retain
     assert retain is not None and retain.keep_from == STEP and 1 in retain.protected

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from replicator.coordinator.peer_grants import with_fetch_grants, with_push_grants
+from replicator.coordinator.trust.peer_grants import with_fetch_grants, with_push_grants
 from replicator.wire.grants import CLOCK_SKEW_SECONDS, GRANT_SECONDS, GrantKeys, GrantRefused, GrantSigner
 from replicator.wire.messages import JobRef, ReplicateOrder, ReportReply, RestoreView, Source, Target, Tier
 

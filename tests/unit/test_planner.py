@@ -94,7 +94,7 @@ def test_restore_skips_steps_a_rank_cannot_reach_and_falls_back_to_fresh_start()
 
 def test_restore_sources_are_ordered_local_close_distant_backup():
     copies = [
-        StepCopy(5, 0, "backup", backup=True),
+        StepCopy.backed_up(5, 0),
         StepCopy(5, 0, "far"),
         StepCopy(5, 0, "near"),
         StepCopy(5, 0, "me"),

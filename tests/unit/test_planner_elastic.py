@@ -68,7 +68,7 @@ def test_a_step_of_2_nodes_restores_on_1_node_from_its_own_copy_and_the_replica_
 
 
 def test_a_scale_up_stages_each_old_copy_from_the_fastest_tier_and_the_backup_last():
-    backups = [StepCopy(10, r, "backup", backup=True) for r in range(2)]
+    backups = [StepCopy.backed_up(10, r) for r in range(2)]
     plan = plan_restore(3, {0: "n0", 1: "n1", 2: "n2"}, copies_of(10, 2, False) + backups, ONE_BLOCK, shapes={10: 2})
     assert plan.saved_nodes == 2
     assert [(s.data_rank, s.tier) for s in plan.sources[2]] == [

@@ -7,7 +7,7 @@ import re
 import pytest
 import yaml
 
-from replicator.coordinator import incarnations
+from replicator.coordinator.indices import incarnations
 from replicator.local_tier import frameworks
 from replicator.local_tier.frameworks import pytorch
 from replicator.local_tier.frameworks.base import InvalidReplicatorConfig

@@ -17,7 +17,7 @@ IDENTICAL = {9: frozenset({(0, 2), (2, 0), (1, 3), (3, 1)})}
 
 
 def backup_only(step=9):
-    return [StepCopy(step, rank, "backup", backup=True) for rank in range(NODES)]
+    return [StepCopy.backed_up(step, rank) for rank in range(NODES)]
 
 
 def test_one_rank_per_identical_group_downloads_a_backup_only_step_and_the_others_wait_for_its_node():
@@ -88,7 +88,7 @@ def identical_at_9(state: ClusterState, listing=()):
     incarnation = state.job(KEY).incarnation
     rank_of = {int(node[1:]): rank for rank, node in incarnation.node_of_rank.items()}
     for rank in rank_of.values():
-        state.record_settings(
+        state.restore.settings(
             KEY, incarnation.incarnation_id, rank, JobSettings(((rank + 2) % NODES,), SLICES, None, 100)
         )
     for now in (1.0, 2.0):  # the second round's replies carry the orders decided after the first
@@ -135,14 +135,14 @@ def test_a_peer_waits_for_the_downloader_then_fetches_from_its_node_with_the_own
     state = ClusterState(node_timeout_seconds=15.0)
     incarnation, node_of = lost_cluster(state)
     now = 25.0
-    views = {rank: state.restore_view(KEY, incarnation, rank, now) for rank in range(NODES)}
+    views = {rank: state.restore.view(KEY, incarnation, rank, now) for rank in range(NODES)}
     assert {v.step for v in views.values()} == {9}
     assert [views[r].fan_out_pending for r in range(NODES)] == [False, False, True, True]
     assert all(s.tier == Tier.BACKUP for v in views.values() for s in v.sources)
     state.drain_changed()
-    state.report_staged(KEY, incarnation, views[0].generation, 0, "backup:backup")
+    state.restore.staged(KEY, incarnation, views[0].generation, 0, "backup:backup")
     assert KEY in state.drain_changed()  # the waiting peer's long poll wakes up
-    after = state.restore_view(KEY, incarnation, 2, now)
+    after = state.restore.view(KEY, incarnation, 2, now)
     assert not after.fan_out_pending and after.token != views[2].token
     first = after.sources[0]
     assert (first.tier, first.holder, first.url, first.data_rank) == (
@@ -153,19 +153,19 @@ def test_a_peer_waits_for_the_downloader_then_fetches_from_its_node_with_the_own
     )
     assert first.files == FILES  # what rank 0's own node reported, not whatever the downloader holds
     assert after.sources[1].tier == Tier.BACKUP  # the fallback
-    assert state.restore_view(KEY, incarnation, 3, now).fan_out_pending  # rank 1 has not staged yet
+    assert state.restore.view(KEY, incarnation, 3, now).fan_out_pending  # rank 1 has not staged yet
 
 
 def test_a_silent_downloader_is_not_waited_for():
     state = ClusterState(node_timeout_seconds=15.0)
     incarnation, node_of = lost_cluster(state)
-    assert state.restore_view(KEY, incarnation, 3, 25.0).fan_out_pending
+    assert state.restore.view(KEY, incarnation, 3, 25.0).fan_out_pending
     for rank in (0, 2, 3):  # rank 1's node (the downloader of rank 3) falls silent
         state.apply_report(report(node_of[rank], [pod(node_of[rank], incarnation, rank)]), 60.0)
     state.drain_changed()
     state.tick(60.0)
     assert KEY in state.drain_changed()  # the change reaches the waiting rank's long poll
-    view = state.restore_view(KEY, incarnation, 3, 60.0)
+    view = state.restore.view(KEY, incarnation, 3, 60.0)
     assert not view.fan_out_pending and [s.tier for s in view.sources] == [Tier.BACKUP, Tier.BACKUP]
 
 
@@ -184,14 +184,14 @@ def test_a_cluster_replaced_whole_keeps_the_identities_of_its_backups_until_a_ne
     assert not state.backed_up(KEY) and state.identical(KEY)[9]  # backups unknown, identities kept
     node_of = {rank: int(node[1:]) for rank, node in incarnation.node_of_rank.items()}
     for rank, node in node_of.items():
-        state.record_settings(
+        state.restore.settings(
             KEY, incarnation.incarnation_id, rank, JobSettings(((rank + 2) % NODES,), SLICES, None, 100)
         )
         state.apply_report(
             report(node, [pod(node, incarnation.incarnation_id, rank, published_at=3.0)], (), [listing]), 21.0
         )
     state.tick(21.0 + decide_interval(NODES))
-    views = {rank: state.restore_view(KEY, incarnation.incarnation_id, rank, 22.0) for rank in range(NODES)}
+    views = {rank: state.restore.view(KEY, incarnation.incarnation_id, rank, 22.0) for rank in range(NODES)}
     assert {v.step for v in views.values()} == {9}
     assert [views[r].fan_out_pending for r in range(NODES)] == [False, False, True, True]
 
@@ -203,7 +203,7 @@ def test_a_replan_after_the_only_lister_was_lost_waits_for_a_new_listing_instead
     the replan waits for a new listing, then plans the backup, never a fresh start."""
     import pytest
 
-    from replicator.coordinator.restores import NotReady
+    from replicator.coordinator.planning.restores import NotReady
 
     state = ClusterState(node_timeout_seconds=4.0, holder_grace_seconds=5.0)
     listing, stale = BackedUp(*NAMES, ((5, 0),), 1.0), BackedUp(*NAMES, (), 0.5)
@@ -214,7 +214,7 @@ def test_a_replan_after_the_only_lister_was_lost_waits_for_a_new_listing_instead
     first = state.job(KEY).incarnation
     rank_of = {int(node[1:]): rank for rank, node in first.node_of_rank.items()}
     for rank in rank_of.values():
-        state.record_settings(KEY, first.incarnation_id, rank, single)
+        state.restore.settings(KEY, first.incarnation_id, rank, single)
     for now in (1.0, 2.0):
         for node, rank in rank_of.items():
             held = [HeldStep(*NAMES, 9, rank, FILES)]
@@ -235,7 +235,7 @@ def test_a_replan_after_the_only_lister_was_lost_waits_for_a_new_listing_instead
     node_of = {rank: int(node[1:]) for rank, node in incarnation.node_of_rank.items()}
     lost_rank = next(rank for rank, node in node_of.items() if node == 4)
     for rank, node in node_of.items():
-        state.record_settings(KEY, incarnation.incarnation_id, rank, single)
+        state.restore.settings(KEY, incarnation.incarnation_id, rank, single)
         state.apply_report(
             report(
                 node,
@@ -246,7 +246,7 @@ def test_a_replan_after_the_only_lister_was_lost_waits_for_a_new_listing_instead
             3.6,
         )
     state.tick(3.6 + decide_interval(NODES))
-    assert state.restore_view(KEY, incarnation.incarnation_id, lost_rank, 4.1).step == 9  # its lost node's copy
+    assert state.restore.view(KEY, incarnation.incarnation_id, lost_rank, 4.1).step == 9  # its lost node's copy
     for now in (6.0, 9.0, 12.0):  # the lost nodes fall silent past the grace and are forgotten
         for rank, node in node_of.items():
             pods = [second_pod(node, incarnation.incarnation_id, rank)]
@@ -254,13 +254,13 @@ def test_a_replan_after_the_only_lister_was_lost_waits_for_a_new_listing_instead
         state.tick(now + decide_interval(NODES))
     assert not state.backed_up(KEY)  # the newest listings went with their nodes, node 0's stale one with them
     with pytest.raises(NotReady, match="list the backup tier"):
-        state.restore_view(KEY, incarnation.incarnation_id, lost_rank, 12.5)
+        state.restore.view(KEY, incarnation.incarnation_id, lost_rank, 12.5)
     for rank, node in node_of.items():  # the new lister lists
         pods = [second_pod(node, incarnation.incarnation_id, rank)]
         new = BackedUp(*NAMES, ((5, 0),), 13.0)
         state.apply_report(report(node, pods, rank_held(node, rank_of), [new] if node == 0 else []), 13.0)
     state.tick(13.0 + decide_interval(NODES))
-    view = state.restore_view(KEY, incarnation.incarnation_id, lost_rank, 13.5)
+    view = state.restore.view(KEY, incarnation.incarnation_id, lost_rank, 13.5)
     assert view.step == 5 and [s.tier for s in view.sources] == [Tier.BACKUP]
 
 

@@ -6,8 +6,8 @@ import time
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from replicator.coordinator import routes, service
-from replicator.coordinator.config import CoordinatorConfig
+from replicator.coordinator.api import routes, service
+from replicator.coordinator.api.config import CoordinatorConfig
 from tests.helpers.coordinator import KEY, running_job
 
 

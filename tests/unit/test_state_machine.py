@@ -4,7 +4,7 @@ assignments, orders exactly when due, no recomputation when nothing changed, ide
 import msgspec
 import pytest
 
-from replicator.coordinator.identity import Identity, LeaderMemo
+from replicator.coordinator.indices.identical_ranks import Identity, LeaderMemo
 from replicator.coordinator.state import (
     PEER_SOURCES_PER_VIEW,
     ClusterState,
@@ -48,7 +48,7 @@ def form_job(state: ClusterState, nodes: int, slices: int, settings: JobSettings
     assert incarnation is not None
     rank_of = {int(node[1:]): rank for rank, node in incarnation.node_of_rank.items()}
     for rank in rank_of.values():
-        state.record_settings(KEY, incarnation.incarnation_id, rank, settings)
+        state.restore.settings(KEY, incarnation.incarnation_id, rank, settings)
     return rank_of
 
 
@@ -79,7 +79,7 @@ def test_assignments_follow_the_jobset_order_and_stay_stable_across_heartbeats()
     again = heartbeat_round(state, NODES, rank_of, lambda rank: [own(10, rank)], 2.0)
     assert [r.assignments for r in first.values()] == [r.assignments for r in again.values()]
     assert all(r.assignments[0].rank == node for node, r in again.items())
-    assert state.status().nodes[:2] == ("n0", "n1") and len(state.status().nodes) == NODES
+    assert state.operator.status().nodes[:2] == ("n0", "n1") and len(state.operator.status().nodes) == NODES
 
 
 def test_unchanged_heartbeats_recompute_nothing():
@@ -167,7 +167,7 @@ def test_data_parallel_identity_is_decided_once_per_step_and_pair():
     incarnation = state.job(KEY).incarnation
     rank_of = {int(node[1:]): rank for rank, node in incarnation.node_of_rank.items()}
     for rank in rank_of.values():
-        state.record_settings(KEY, incarnation.incarnation_id, rank, settings[rank])
+        state.restore.settings(KEY, incarnation.incarnation_id, rank, settings[rank])
     for now in (1.0, 2.0, 3.0):  # the same step reported three times
         heartbeat_round(state, nodes, rank_of, lambda rank: [own(10, rank)], now, with_files=now == 1.0)
         state.tick(now + decide_interval(nodes))
@@ -190,16 +190,16 @@ def test_every_rank_restarting_at_once_costs_a_few_decision_passes_not_one_per_r
 
     state.expire(40.0)  # past the fresh-coordinator wait: each rank records its settings and asks, in turn
     for rank in range(nodes):
-        state.record_settings(KEY, incarnation, rank, settings[rank])
+        state.restore.settings(KEY, incarnation, rank, settings[rank])
         with pytest.raises(NotReady):
-            state.restore_view(KEY, incarnation, rank, 40.0)
+            state.restore.view(KEY, incarnation, rank, 40.0)
     assert state.decisions - decisions <= 2  # not one decision pass per rank
     lister = state.job(KEY).lister
     state.apply_report(
         msgspec.structs.replace(state.liveness.nodes[lister].report, backed_up=(BackedUp(*NAMES, (), 41.0),)), 41.0
     )
     state.tick(41.0 + decide_interval(nodes))
-    assert {state.restore_view(KEY, incarnation, rank, 42.0).step for rank in range(nodes)} == {10}
+    assert {state.restore.view(KEY, incarnation, rank, 42.0).step for rank in range(nodes)} == {10}
     assert state.identical(KEY)[10] == frozenset((r, (r + half) % nodes) for r in range(nodes))
 
 
@@ -265,7 +265,7 @@ def form_job_of_40_slices(state: ClusterState) -> tuple[dict[int, int], str]:
     incarnation = state.job(KEY).incarnation.incarnation_id
     for rank in range(NODES):
         peers = tuple(p for p in range(rank % per_slice, NODES, per_slice) if p != rank)
-        state.record_settings(KEY, incarnation, rank, JobSettings(peers, SLICES, None, 100))
+        state.restore.settings(KEY, incarnation, rank, JobSettings(peers, SLICES, None, 100))
     return rank_of, incarnation
 
 
@@ -275,7 +275,7 @@ def test_a_restore_of_a_40_slice_job_lists_each_rank_a_few_of_its_39_identical_p
     heartbeat_round(state, NODES, rank_of, lambda rank: [own(10, rank)], 1.0, with_files=True)
     state.tick(1.0 + decide_interval(NODES))
     assert len(state.identical(KEY)[10]) == NODES * (SLICES - 1)
-    views = [state.restore_view(KEY, incarnation, rank, 40.0) for rank in range(NODES)]
+    views = [state.restore.view(KEY, incarnation, rank, 40.0) for rank in range(NODES)]
     assert {v.step for v in views} == {10}
     assert all(
         v.sources[0].tier == "local" and v.sources[0].holder == f"n{rank}" for rank, v in zip(range(NODES), views)
@@ -359,12 +359,12 @@ def test_a_silent_node_asking_for_its_restore_is_live_again():
     state.expire(20.0)
     state.tick(20.0)
     assert not state.is_live("n0") and not state.job(KEY).undecided
-    state.touch_rank(KEY, incarnation, rank_of[0], 21.0)  # its restore long poll, the agent's only connection
+    state.restore.touch_rank(KEY, incarnation, rank_of[0], 21.0)  # its restore long poll, the agent's only connection
     assert state.is_live("n0") and state.job(KEY).undecided  # its copies count again: the job is decided again
     state.expire(22.0)
-    assert state.status().silent_nodes == ()
+    assert state.operator.status().silent_nodes == ()
     with pytest.raises(UnknownIncarnation):
-        state.touch_rank(KEY, "another", 0, 22.0)
+        state.restore.touch_rank(KEY, "another", 0, 22.0)
 
 
 def test_nodes_falling_silent_do_not_shorten_the_timeout_of_the_others():
@@ -375,11 +375,11 @@ def test_nodes_falling_silent_do_not_shorten_the_timeout_of_the_others():
     for node in range(2_000):  # the others lag (a loaded network or agents): silent at 31 s
         state.apply_report(report(node), 25.0)
     state.expire(31.0)
-    assert len(state.status().silent_nodes) == NODES - 2_000
+    assert len(state.operator.status().silent_nodes) == NODES - 2_000
     # The agents that reported at 25 s were told 10 s heartbeats: the timeout stays three of them.
     assert state.liveness.node_timeout_seconds == 30.0
     state.expire(50.0)
-    assert "n1" in state.status().nodes
+    assert "n1" in state.operator.status().nodes
 
 
 def test_the_silence_check_finds_silent_nodes_however_recently_the_others_reported():
@@ -404,7 +404,7 @@ def test_a_complete_step_is_walked_once_until_a_holder_falls_silent():
     rank_of = form_job(state, 4, 2, JobSettings((), 1, None, 100), now=0.0)
     incarnation = state.job(KEY).incarnation.incarnation_id
     for rank in range(4):  # ranks r and r + 2 are data-parallel peers
-        state.record_settings(KEY, incarnation, rank, JobSettings(((rank + 2) % 4,), 2, None, 100))
+        state.restore.settings(KEY, incarnation, rank, JobSettings(((rank + 2) % 4,), 2, None, 100))
 
     def heartbeat(nodes, now):
         for node in nodes:

@@ -1,5 +1,5 @@
 """The coordinator's TLS connections all read into one shared 16 KiB buffer, not asyncio's 256 KiB each
-(``replicator/coordinator/tls_read_buffer.py``): at 10,000 nodes the default buffers alone were 2.5 GiB of the
+(``replicator/coordinator/api/tls_read_buffer.py``): at 10,000 nodes the default buffers alone were 2.5 GiB of the
 coordinator's memory. The sharing patches a private asyncio API on the Pythons it was verified on: the first tests
 here fail when the running Python is not one of them, or when that API no longer has what the patch relies on, so
 that the memory figures it bought (docs/scale.md) never go unmeasured. Real connections through the shared buffer:
@@ -12,8 +12,8 @@ import inspect
 import ssl
 import sys
 
-from replicator.coordinator import tls_read_buffer
-from replicator.coordinator.tls_read_buffer import TLS_READ_BUFFER_BYTES, VERIFIED_PYTHONS
+from replicator.coordinator.api import tls_read_buffer
+from replicator.coordinator.api.tls_read_buffer import TLS_READ_BUFFER_BYTES, VERIFIED_PYTHONS
 
 
 def test_the_running_python_is_one_the_shared_read_buffer_was_verified_on():

@@ -25,7 +25,7 @@ from lightkube.resources.core_v1 import Pod
 from csi_driver import kubelet
 from examples.local_cluster import LocalJob
 from examples.local_cluster import Pod as TrainingPod
-from replicator.coordinator.kube_shape import COMPLETION_INDEX, JOB_INDEX, JOBSET_NAME, RESTART_ATTEMPT
+from replicator.coordinator.kube.kube_shape import COMPLETION_INDEX, JOB_INDEX, JOBSET_NAME, RESTART_ATTEMPT
 
 POD_WAIT_SECONDS = 120.0
 

@@ -29,7 +29,7 @@ from lightkube.resources.apps_v1 import DaemonSet
 from lightkube.resources.core_v1 import Namespace, Node, Pod, ServiceAccount
 from lightkube.resources.rbac_authorization_v1 import ClusterRole, ClusterRoleBinding
 
-from replicator.coordinator.node_identity import DEFAULT_AUDIENCE
+from replicator.coordinator.trust.node_identity import DEFAULT_AUDIENCE
 from tests.helpers.kube.control_plane import ControlPlane, register_node
 from tests.helpers.polling import wait_until
 

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 from lightkube import ApiError, Client, codecs
 from lightkube.resources.core_v1 import Pod
 
-from replicator.coordinator.kube_shape import COMPLETION_INDEX, DRIVER, JOBSET_NAME
-from replicator.coordinator.kube_watch import JobSet
+from replicator.coordinator.kube.kube_shape import COMPLETION_INDEX, DRIVER, JOBSET_NAME
+from replicator.coordinator.kube.kube_watch import JobSet
 from tests.helpers.kube.workloads import NO_PULL_IMAGE, jobset
 from tests.helpers.kube_objects import replicated as replicated_of
 from tests.helpers.polling import wait_until

@@ -18,7 +18,7 @@ import psutil
 from lightkube import codecs
 from lightkube.resources.core_v1 import Event, Pod
 
-from replicator.coordinator.kube_watch import JobSet  # registers the kind with lightkube's codecs
+from replicator.coordinator.kube.kube_watch import JobSet  # registers the kind with lightkube's codecs
 from tests.helpers.jobs import UNTIL_KILLED_STEPS
 from tests.helpers.kube.deploy_node import KUBELET_DIR, DeployNode
 from tests.helpers.kube.deployment import REGISTRY, RELEASE_NAMESPACE, TRAINING_NAMESPACE, VERSION, Deployment
