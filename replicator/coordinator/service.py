@@ -30,6 +30,7 @@ from replicator.coordinator.kube_events import EventRecorder
 from replicator.coordinator.kube_overlay import KubeOverlay
 from replicator.coordinator.kube_watch import ShapeWatcher, WatchSettings
 from replicator.coordinator.node_identity import NodeVerifier
+from replicator.coordinator.node_notices import NoticeEvents
 from replicator.coordinator.operator_auth import KubeOperators, OperatorAuth, Operators, TokenOperators
 from replicator.coordinator.recovery_snapshot import RecoverySnapshot
 from replicator.coordinator.report_order import ReportOrder
@@ -38,6 +39,7 @@ from replicator.coordinator.routes import (
     CHANGES_KEY,
     CONFIG_KEY,
     KUBE_CLIENT_KEY,
+    NOTICES_KEY,
     ORDER_KEY,
     OVERLAY_KEY,
     SIGNER_KEY,
@@ -166,6 +168,7 @@ def make_app(config: CoordinatorConfig) -> web.Application:
         app[KUBE_CLIENT_KEY] = AsyncClient(kube_config(config.kube), field_manager="mtc-coordinator")
         app[RECORDER_KEY] = EventRecorder(app[KUBE_CLIENT_KEY], host=os.environ.get("HOSTNAME", ""))
         app[EVENTS_KEY] = RestoreEvents(app[RECORDER_KEY])
+        app[NOTICES_KEY] = NoticeEvents(app[RECORDER_KEY])
         app[ANNOTATIONS_KEY] = JobSetAnnotations(app[KUBE_CLIENT_KEY])
         app.cleanup_ctx.append(_kube_watcher)
         if config.node_identity is not None:

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping
 import msgspec
 
 from replicator.local_tier import frameworks
+from replicator.node.notices import NodeNotices
 from replicator.pacing import timing
 from replicator.wire.messages import (
     PROTOCOL_VERSION,
@@ -67,6 +68,7 @@ class ReportSession:
     Args:
       node_id, url, pod_address, topology, replicas, has_backup: what the node says about itself
         (see ``NodeReport``).
+      notices: the node's notices, sent with each report until acknowledged (a notice pokes a report).
     """
 
     def __init__(
@@ -78,7 +80,10 @@ class ReportSession:
         replicas: int,
         has_backup: bool,
         redundancy: str = "replicas",
+        notices: NodeNotices | None = None,
     ):
+        self.notices = notices or NodeNotices()
+        self.notices.poke = self.poke
         self._identity = (node_id, url, pod_address, topology)
         self._replicas = replicas
         self._redundancy = redundancy
@@ -167,6 +172,7 @@ class ReportSession:
             lineages=tuple(lineages),
             redundancy=self._redundancy,
             shards=tuple(shards),
+            notices=self.notices.pending(),
         )
 
     def due(self, report: NodeReport, now: float) -> bool:
@@ -177,7 +183,8 @@ class ReportSession:
 
     def acknowledge(self, report: NodeReport, reply: ReportReply, now: float) -> None:
         """Records the coordinator's answer to ``report``, received at ``now`` (monotonic seconds)."""
-        self.poked = reply.want_files
+        self.notices.sent(report.notices)
+        self.poked = reply.want_files or bool(self.notices.pending())  # a notice taken while this report flew
         self._failures, self._retry_at = 0, float("-inf")
         self._acknowledged = report_shape(report)
         self.heartbeat_seconds = reply.heartbeat_seconds
