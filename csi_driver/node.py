@@ -47,6 +47,9 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
       limits: bounds on the job's ``nodes`` and the ramdisk ``size``.
       on_publish: called with (target_path, VolumeSpec) after each successful publish.
       on_unpublish: called with target_path after each successful unpublish.
+      on_refused: called with (volume_context, message) when a publish is refused for its request or the node's
+        ramdisks (INVALID_ARGUMENT, RESOURCE_EXHAUSTED...), before the error goes back to the kubelet; the node
+        agent passes its notices' (``replicator.node.notices``), so that the refusal becomes a pod event.
     """
 
     def __init__(
@@ -58,6 +61,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         limits: VolumeLimits,
         on_publish: Callable[[str, VolumeSpec], None] = lambda target, spec: None,
         on_unpublish: Callable[[str], None] = lambda target: None,
+        on_refused: Callable[[dict[str, str], str], None] = lambda context, message: None,
     ):
         self._manager = manager
         self._node_id = node_id
@@ -66,6 +70,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         self._limits = limits
         self._on_publish = on_publish
         self._on_unpublish = on_unpublish
+        self._on_refused = on_refused
 
     def NodePublishVolume(self, request, context: grpc.ServicerContext):
         if not request.HasField("volume_capability"):
@@ -83,8 +88,10 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
             spec = parse_volume_context(volume_context, self._default_size_bytes, self._limits)
             self._manager.publish(request.volume_id, request.target_path, spec, readonly=request.readonly)
         except InvalidVolumeRequest as err:
+            self._on_refused(volume_context, str(err))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except ramdisk.RamdiskError as err:
+            self._on_refused(volume_context, str(err))
             context.abort(_STATUS_OF[type(err)], str(err))
         log.info(
             "published %s/%s for pod %s at %s, volume_context %s",

@@ -33,9 +33,10 @@ from replicator.local_tier.job_keys import BusySteps
 from replicator.local_tier.job_meta import JobMeta
 from replicator.local_tier.log_once import LogOnce
 from replicator.node.commit_detection import CommitDetector
-from replicator.node.config import NodeConfig
+from replicator.node.config import CsiSettings, NodeConfig
 from replicator.node.job_series import JobSeries
 from replicator.node.loop import NodeParts, NodeReplicator
+from replicator.node.notices import NodeNotices
 from replicator.node.pushes import Pusher
 from replicator.node.report_session import ReportSession
 from replicator.node.room import RoomKeeper
@@ -90,6 +91,7 @@ def build_replicator(
     backup_store: BackupStore | None = None,
     share: CpuShare | None = None,
     grant_keys: GrantKeys | None = None,
+    notices: NodeNotices | None = None,
 ) -> NodeReplicator:
     """The replicator loop with its collaborators (``NodeParts``).
 
@@ -97,6 +99,7 @@ def build_replicator(
       coordinator_url: the coordinator's URL (``config.coordinator.url``).
       backup_store: the backup tier, or None to run without it.
       share: the CPU cap of replication and backup while jobs train, or None (restores never pace).
+      notices: the node's notices, sent with its reports (``notices``).
       others: as ``NodeReplicator``.
     """
     busy_steps, log_once = BusySteps(), LogOnce()  # busy: being read by a push or an upload: GC keeps them
@@ -108,8 +111,9 @@ def build_replicator(
         config.peer.replicas,
         backup_store is not None,
         config.peer.redundancy,
+        notices,
     )
-    room = RoomKeeper(busy_steps, log_once, config.peer.replicas if peer_token is not None else 0)
+    room = RoomKeeper(busy_steps, log_once, config.peer.replicas if peer_token is not None else 0, reporting.notices)
 
     def error_to_job(meta: JobMeta, message: str) -> None:
         log_once(f"job-error-{meta.root}", message, meta)
@@ -126,20 +130,28 @@ def build_replicator(
         room.make_room,
         busy_steps=busy_steps,
     )
+    pushes, encodes = _peer_parts(config, peer_token, share, busy_steps, log_once)
     parts = NodeParts(
-        reporting,
-        room,
-        restorer,
-        CommitDetector(share, reporting.poke),
-        busy_steps,
-        log_once,
-        backup,
-        Pusher(peer_token, share, busy_steps, log_once, config.pacing.min_push_interval_seconds)
-        if peer_token is not None
-        else None,
-        Encoder(peer_token, share, log_once) if peer_token is not None else None,
+        reporting, room, restorer, CommitDetector(share, reporting.poke), busy_steps, log_once, backup, pushes, encodes
     )
     return NodeReplicator(config, coordinator_url, manager, parts, peer_token, grant_keys)
+
+
+def _register(csi: CsiSettings) -> RegistrationServer | None:
+    """Registers the driver with the kubelet (its plugin registration dir), or None without one."""
+    if not csi.kubelet_registration_dir:
+        return None
+    return RegistrationServer(csi.kubelet_registration_dir, RegistrationServicer(csi.driver_name, csi.endpoint)).start()
+
+
+def _peer_parts(
+    config: NodeConfig, peer_token: Tokens | None, share: CpuShare | None, busy_steps: BusySteps, log_once: LogOnce
+) -> tuple[Pusher | None, Encoder | None]:
+    """The pushes of replicas and the parity encodes, both over the peer tier: None without a peer token."""
+    if peer_token is None:
+        return None, None
+    pusher = Pusher(peer_token, share, busy_steps, log_once, config.pacing.min_push_interval_seconds)
+    return pusher, Encoder(peer_token, share, log_once)
 
 
 class NodeAgent:
@@ -161,7 +173,9 @@ class NodeAgent:
             if backup.url
             else None
         )
-        self.store, self.store_check = store, StoreCheck(store.url if store else None)
+        # What the operator sees as Warning events: sent with the reports, so nowhere without a coordinator.
+        self.notices = NodeNotices()
+        self.store, self.store_check = store, StoreCheck(store.url if store else None, notices=self.notices)
         self.share = CpuShare(config.pacing.background_cpu) if config.pacing.background_cpu else None
         # With --peer-grants: the coordinator's keys, learnt by the report loop, checked by the peer service.
         self.grants = PeerGrants(GrantKeys(), config.node_id) if config.peer.grants else None
@@ -174,6 +188,7 @@ class NodeAgent:
                 store,
                 self.share,
                 self.grants.keys if self.grants else None,
+                self.notices,
             )
             if config.coordinator.url
             else None
@@ -232,19 +247,13 @@ class NodeAgent:
             VolumeLimits(csi.max_nodes, psutil.virtual_memory().total, frozenset(frameworks.REGISTRY)),
             poke,
             poke,
+            self.notices.refused,
         )
         # Recovery first: kubelet must never be served from a state file the mount table contradicts.
         survivors = await asyncio.to_thread(self.manager.recover)
         log.info("recovered %d ramdisk(s): %s", len(survivors), [f"{d.namespace}/{d.job}" for d in survivors])
         csi_server = start_csi_server(csi.endpoint, identity, node)
-        # After the CSI socket serves: registering, the kubelet calls NodeGetInfo on it.
-        registration = (
-            RegistrationServer(
-                csi.kubelet_registration_dir, RegistrationServicer(csi.driver_name, csi.endpoint)
-            ).start()
-            if csi.kubelet_registration_dir
-            else None
-        )
+        registration = _register(csi)  # after the CSI socket serves: registering, the kubelet calls NodeGetInfo on it
         runner = web.AppRunner(self._make_http_app())
         await runner.setup()
         try:

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping
 import msgspec
 
 from replicator.local_tier import frameworks
+from replicator.node.notices import NodeNotices
 from replicator.pacing import timing
 from replicator.wire.messages import (
     PROTOCOL_VERSION,
@@ -67,6 +68,7 @@ class ReportSession:
     Args:
       node_id, url, pod_address, topology, replicas, has_backup: what the node says about itself
         (see ``NodeReport``).
+      notices: the node's notices, sent with each report until acknowledged (a notice pokes a report).
     """
 
     def __init__(
@@ -78,7 +80,10 @@ class ReportSession:
         replicas: int,
         has_backup: bool,
         redundancy: str = "replicas",
+        notices: NodeNotices | None = None,
     ):
+        self.notices = notices or NodeNotices()
+        self.notices.poke = self.poke
         self._identity = (node_id, url, pod_address, topology)
         self._replicas = replicas
         self._redundancy = redundancy
@@ -132,26 +137,7 @@ class ReportSession:
             (``Framework.logical_signature``); a job not listed is ``frameworks.DEFAULT``'s.
           shards: the parity shards it holds.
         """
-        held, keys = [], set()
-        for own_step in own:
-            key, files = own_step.copy, own_step.files
-            keys.add(key)
-            if key not in self._signatures:
-                framework = (job_frameworks or {}).get(key.job) or frameworks.get(frameworks.DEFAULT)
-                self._signatures[key] = framework.logical_signature(files)
-            held.append(
-                HeldStep(
-                    key.job.namespace,
-                    key.job.job,
-                    key.step,
-                    key.rank,
-                    None if key in self._sent_files else files,
-                    signature=self._signatures[key],
-                    timeline=key.timeline,
-                )
-            )
-        self._signatures = {k: v for k, v in self._signatures.items() if k in keys}
-        self._sent_files &= keys
+        held = self._own_steps(own, job_frameworks or {})
         held.extend(
             HeldStep(r.job.namespace, r.job.job, r.step, r.rank, replica=True, timeline=r.timeline) for r in replicas
         )
@@ -167,7 +153,34 @@ class ReportSession:
             lineages=tuple(lineages),
             redundancy=self._redundancy,
             shards=tuple(shards),
+            notices=self.notices.pending(),
         )
+
+    def _own_steps(
+        self, own: Iterable[OwnStep], job_frameworks: Mapping[JobRef, frameworks.Framework]
+    ) -> list[HeldStep]:
+        """The held steps of the node's own data: checksums until sent once, signatures computed once per step."""
+        held, keys = [], set()
+        for own_step in own:
+            key, files = own_step.copy, own_step.files
+            keys.add(key)
+            if key not in self._signatures:
+                framework = job_frameworks.get(key.job) or frameworks.get(frameworks.DEFAULT)
+                self._signatures[key] = framework.logical_signature(files)
+            held.append(
+                HeldStep(
+                    key.job.namespace,
+                    key.job.job,
+                    key.step,
+                    key.rank,
+                    None if key in self._sent_files else files,
+                    signature=self._signatures[key],
+                    timeline=key.timeline,
+                )
+            )
+        self._signatures = {k: v for k, v in self._signatures.items() if k in keys}
+        self._sent_files &= keys
+        return held
 
     def due(self, report: NodeReport, now: float) -> bool:
         """Whether ``report`` should be sent at ``now`` (monotonic seconds)."""
@@ -177,7 +190,8 @@ class ReportSession:
 
     def acknowledge(self, report: NodeReport, reply: ReportReply, now: float) -> None:
         """Records the coordinator's answer to ``report``, received at ``now`` (monotonic seconds)."""
-        self.poked = reply.want_files
+        self.notices.sent(report.notices)
+        self.poked = reply.want_files or bool(self.notices.pending())  # a notice taken while this report flew
         self._failures, self._retry_at = 0, float("-inf")
         self._acknowledged = report_shape(report)
         self.heartbeat_seconds = reply.heartbeat_seconds

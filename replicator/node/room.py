@@ -10,6 +10,7 @@ from replicator.local_tier.job_keys import BusySteps, job_of
 from replicator.local_tier.job_meta import JobMeta, PodProgress
 from replicator.local_tier.log_once import LogOnce
 from replicator.node.garbage_collection import pressure_order
+from replicator.node.notices import NodeNotices
 from replicator.wire.messages import JobRef, RetainOrder
 
 log = logging.getLogger(__name__)
@@ -22,12 +23,14 @@ class RoomKeeper:
       busy_steps: steps being read by a push, an upload or a restore: never given up.
       log_once: the agent's throttled error log (the job hears of a ramdisk too small).
       replicas: replicas of each step this node may host (the sizing rule's count).
+      notices: the node's notices: a full ramdisk is a ``RamdiskNearlyFull`` event on the pod.
     """
 
-    def __init__(self, busy_steps: BusySteps, log_once: LogOnce, replicas: int):
+    def __init__(self, busy_steps: BusySteps, log_once: LogOnce, replicas: int, notices: NodeNotices | None = None):
         self._busy_steps = busy_steps
         self._log_once = log_once
         self._replicas = replicas
+        self._notices = notices or NodeNotices()
         self._orders: dict[JobRef, RetainOrder] = {}  # the latest reply's: what ``space.make_room`` may give up
         self._orders_sent = 0.0  # when the report that brought them was sent (wall clock)
         self._making_room = threading.Lock()
@@ -88,6 +91,7 @@ class RoomKeeper:
                 f" make the volume's size larger (docs/operations.md#sizing)"
             )
             space.release_reserve(meta)  # the report needs pages; each pod of the job hears it once
+            self._notices.add("RamdiskNearlyFull", message, key.namespace, progress.pod_uid)
             try:
                 self._log_once(f"full-{key}-{progress.pod_uid}", message, meta)
             except OSError as err:  # no page left even so: the log line has it

@@ -1,7 +1,8 @@
 """The backup store checked at the agent's start (``backup_tier.probe``), and again while it stays unusable.
 
 A store that cannot be written is found within seconds of the agent's start, not three backup intervals later:
-one ERROR line in the log, ``mtc_backup_store_usable`` 0, and ``backup_store`` in ``/healthz``'s body. The agent
+one ERROR line in the log, ``mtc_backup_store_usable`` 0, ``backup_store`` in ``/healthz``'s body, and a
+``BackupStoreUnusable`` Warning event on the Node (``notices``, sent by the coordinator). The agent
 keeps running and stays healthy: a store fault is the same on every node (a bucket, a credential, a network
 policy), so failing the liveness probe would restart every agent of the cluster at once, the CSI socket down in
 each restart, while the RAM tiers, which do not need the store, are the job's only protection. Backups are still
@@ -18,6 +19,7 @@ from prometheus_client import Gauge
 
 from replicator.backup_tier.object_store import ObjectStore
 from replicator.backup_tier.probe import ProbeResult, probe_store
+from replicator.node.notices import NodeNotices
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +41,12 @@ class StoreCheck:
     Attributes:
       url: the store, or None without a backup tier.
       result: the last probe's result, or None before the first one ends.
+      notices: the node's notices: a store found unusable is a ``BackupStoreUnusable`` event on the Node.
     """
 
     url: str | None
     result: ProbeResult | None = None
+    notices: NodeNotices = dataclasses.field(default_factory=NodeNotices)
 
     def summary(self) -> str:
         """``"ok"``, ``"unchecked"``, ``"off"`` (no backup tier) or ``"unusable: <error>"``."""
@@ -68,6 +72,10 @@ class StoreCheck:
                 )
                 return
             if not was_unusable:
+                self.notices.add(
+                    "BackupStoreUnusable",
+                    f"backup store {result.url} unusable: {result.error}; backups fail until it is fixed",
+                )
                 log.error(
                     "backup store %s unusable: %s; the RAM tiers keep running, backups fail until it is fixed "
                     "(probed again every %.0f s)",

@@ -20,6 +20,12 @@ MAX_HELD = 16_384
 MAX_FILES = 100_000
 MAX_RANKS = 100_000
 MAX_LIST = 1_024
+MAX_NOTICES = 16
+MAX_NOTICE_CHARS = 1_024
+"""Notices in one report, at most: a node's are rare (a refusal, a full ramdisk, a store fault)."""
+NOTICE_REASONS = ("VolumeRefused", "RamdiskNearlyFull", "BackupStoreUnusable")
+"""The Event reasons a node may ask for (CamelCase, as Kubernetes' reasons are); the coordinator drops any other
+(not refused in decoding: a newer agent's reason must not fail its whole report)."""
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=253)]
 Text = Annotated[str, msgspec.Meta(max_length=4_096)]
 Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANKS)]
@@ -229,6 +235,8 @@ class NodeReport(msgspec.Struct, frozen=True, gc=False):
       lineages: the rollbacks of its jobs the node knows of (jobs never rolled back are left out).
       redundancy: how this node's jobs keep RAM copies unless their settings say (``--redundancy``).
       shards: the parity shards the node holds.
+      notices: what the node's operator should see as Warning events (``Notice``), sent until acknowledged; an
+        older coordinator ignores the field.
     """
 
     node_id: Name
@@ -245,6 +253,25 @@ class NodeReport(msgspec.Struct, frozen=True, gc=False):
     lineages: Annotated[tuple[Lineage, ...], msgspec.Meta(max_length=MAX_PODS)] = ()
     redundancy: RedundancyText = "replicas"
     shards: Annotated[tuple["HeldShard", ...], msgspec.Meta(max_length=MAX_HELD)] = ()
+    notices: Annotated[tuple["Notice", ...], msgspec.Meta(max_length=MAX_NOTICES)] = ()
+
+
+class Notice(msgspec.Struct, frozen=True, gc=False):
+    """Something a node agent saw that its operator should see as a Warning event (the agent holds no API
+    credentials: the coordinator sends it, on the pod named if the API server places that pod on the node, else on
+    the Node when ``pod_uid`` is None).
+
+    Attributes:
+      reason: one of ``NOTICE_REASONS``.
+      message: one sentence, at most ``MAX_NOTICE_CHARS`` characters.
+      namespace, pod_uid: the pod it is about (its namespace and UID, as the CSI volume context gives them), or
+        None for the node itself.
+    """
+
+    reason: Annotated[str, msgspec.Meta(max_length=64)]
+    message: Annotated[str, msgspec.Meta(max_length=MAX_NOTICE_CHARS)]
+    namespace: Annotated[str, msgspec.Meta(max_length=63)] | None = None
+    pod_uid: Annotated[str, msgspec.Meta(max_length=64)] | None = None
 
 
 class Versioned(msgspec.Struct):

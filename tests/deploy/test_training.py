@@ -1,14 +1,18 @@
 """A real training job in its container on the deployed product: a JobSet of the trainer image on two nodes, its
 ramdisk published by the kubelet through the agent's container, trained through a preemption, an agent rollout
-(``helm upgrade``) and a node loss; each time on the newest step, with the values of before.
+(``helm upgrade``) and a node loss; each time on the newest step, with the values of before. What ``kubectl`` shows
+of it on the way: each restore's ``RestoreDone`` event (its source tiers and seconds) on the pods and the JobSet, and
+the JobSet's ``mtc.dev/safe-step`` annotation advancing.
 
 The steps are one job's life, in order: each test starts from where the one before left it."""
+
+import re
 
 import pytest
 
 from tests.helpers.jobs import assert_same_state, compared_losses
 from tests.helpers.kube.deploy_node import KUBELET_DIR
-from tests.helpers.kube.deployment import RELEASE_NAMESPACE
+from tests.helpers.kube.deployment import RELEASE_NAMESPACE, TRAINING_NAMESPACE
 from tests.helpers.kube.training_jobset import TrainingJobSet
 from tests.helpers.polling import wait_until
 
@@ -33,6 +37,34 @@ def assert_resumed(job, attempt, step, before):
     for rank in range(job.nodes):
         name = f"rank{rank}-step{step}.npz"
         assert_same_state(job.dumps / f"attempt-{attempt - 1}" / name, job.dumps / f"attempt-{attempt}" / name)
+
+
+def restore_done(job, step: int, tiers: str) -> None:
+    """Waits for the coordinator's ``RestoreDone`` event of ``step`` from ``tiers`` (a regular expression of the
+    message's tier list) on one of the job's pods and on its JobSet, each with its seconds."""
+    pattern = re.compile(rf"step {step} restored by {job.nodes} ranks in [0-9]+\.[0-9] s from {tiers}$")
+
+    def found() -> set[str]:
+        listed = job.cluster.kubectl_json(
+            "get", "events", "-n", TRAINING_NAMESPACE, "--field-selector", "reason=RestoreDone"
+        )
+        return {
+            e["involvedObject"]["kind"]
+            for e in listed["items"]
+            if pattern.match(e["message"]) and e["involvedObject"]["name"].startswith(job.name)
+        }
+
+    wait_until(
+        lambda: found() >= {"Pod", "JobSet"}, 60, f"RestoreDone of step {step} from {tiers} on a pod and the JobSet"
+    )
+
+
+def safe_step_annotation(job) -> int | None:
+    """The JobSet's ``mtc.dev/safe-step``, as ``kubectl get jobset -o jsonpath`` shows it, or None while absent."""
+    done = job.cluster.sh(
+        f"kubectl get jobset {job.name} -n {TRAINING_NAMESPACE} -o jsonpath='{{.metadata.annotations.mtc\\.dev/safe-step}}'"
+    )
+    return int(done.stdout) if done.stdout.strip() else None
 
 
 def pause_when_replicated(job, pods):
@@ -68,10 +100,13 @@ def test_preempted_pods_resume_the_newest_step(job):
     job.kill(trainers)
     job.cluster.sh("kubectl delete pods -n train -l jobset.sigs.k8s.io/jobset-name=llama --wait=false")
     assert_resumed(job, 1, step, before)
+    restore_done(job, step, f"local x{job.nodes}")
 
 
 def test_an_agent_rollout_leaves_the_job_training_on_its_ramdisk(job, deployment):
     pods = job.running(1)
+    wait_until(lambda: safe_step_annotation(job) is not None, 30, "the JobSet's mtc.dev/safe-step")
+    annotated = safe_step_annotation(job)
     agents_before = {p["metadata"]["uid"] for p in agent_pods(deployment)}
     mounts_before = {n.name: ramdisk_mounts(n) for n in deployment.nodes}
     deployment.sh(
@@ -90,9 +125,12 @@ def test_an_agent_rollout_leaves_the_job_training_on_its_ramdisk(job, deployment
     trained = max(job.losses(pods))
     wait_until(lambda: max(job.losses(pods)) > trained + 3, 120, "training on after the rollout")
     newest = job.status()["newest_complete_step"]
-    job.wait_status(
+    safe = job.wait_status(
         lambda s: s["safe_step"] is not None and s["safe_step"] > newest, "a step made safe after the rollout"
-    )
+    )["safe_step"]
+    # Patched on change at most every 5 s (jobset_annotations.py).
+    wait_until(lambda: (safe_step_annotation(job) or -1) >= safe, 30, f"mtc.dev/safe-step at {safe} or later")
+    assert safe > annotated, (annotated, safe)
 
 
 def test_a_lost_node_is_restored_from_its_peer_on_a_fresh_node(job, deployment):
@@ -109,6 +147,7 @@ def test_a_lost_node_is_restored_from_its_peer_on_a_fresh_node(job, deployment):
     status = job.status()
     assert status["restore"]["step"] == step, status["restore"]
     assert any(source.endswith(f":{survivor.name}") for source in status["restore"]["sources"].values()), status
+    restore_done(job, step, r"(local x1, )?peer_(close|distant) x[12]")
 
 
 def ramdisk_mounts(node) -> dict[str, tuple[str, str]]:

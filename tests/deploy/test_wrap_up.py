@@ -1,9 +1,12 @@
 """The rest of the chart's promises, after the job's life (``test_training.py``): the coordinator's RBAC is exactly
-what it used, the values schema refuses a wrong ``kubeletDir`` on a live release, and docs/install.md's uninstall,
+what it used, the values schema refuses a wrong ``kubeletDir`` on a live release, ``mtc doctor`` names a node whose
+driver registration is removed, and docs/install.md's uninstall,
 run word for word, leaves no mount, socket or registration behind on the nodes."""
 
 import json
+import re
 
+from tests.deploy.test_install import doctor
 from tests.helpers import REPO
 from tests.helpers.kube.deploy_node import KUBELET_DIR
 from tests.helpers.kube.deployment import RELEASE_NAMESPACE, TRAINING_NAMESPACE
@@ -59,6 +62,20 @@ def test_the_schema_refuses_a_wrong_kubelet_dir_on_a_live_release(deployment):
     assert done.returncode != 0 and "kubeletDir" in done.stderr, done.stderr
     after = deployment.kubectl_json("get", "secrets", "-n", RELEASE_NAMESPACE, "-l", "owner=helm")["items"]
     assert len(after) == len(revision), "a refused upgrade made a release revision"
+
+
+def test_mtc_doctor_names_the_node_whose_registration_is_removed(deployment):
+    broken, healthy = deployment.nodes[0], deployment.nodes[1]
+    # What the kubelet does when the plugin unregisters: the driver gone from the node's CSINode.
+    deployment.sh(
+        f'kubectl patch csinode {broken.name} --type json -p \'[{{"op": "replace", "path": "/spec/drivers", "value": []}}]\''
+    )
+    code, screen = doctor(deployment)
+    assert code == 1, screen
+    failed = rf"^FAIL  driver registered on {broken.name} +CSINode {broken.name} does not list {DRIVER}$"
+    assert re.search(failed, screen, re.MULTILINE), screen
+    assert f"--field-selector spec.nodeName={broken.name}" in screen, screen
+    assert f"ok    driver registered on {healthy.name} " in screen, screen
 
 
 def uninstall_commands() -> str:

@@ -1,6 +1,7 @@
 """The coordinator's Events (replicator/coordinator/kube/kube_events.py) against a real API server, sent with the
 coordinator's own identity (``manifests/coordinator-rbac.yaml``): created on a Pod, a repeat counted by a patch,
-similar ones combined and a flood cut by the spam filter, as client-go's recorder does."""
+similar ones combined and a flood cut by the spam filter, as client-go's recorder does; and a node's notices
+(replicator/coordinator/kube/node_notices.py) on the pod the shapes place on that node, and on the Node."""
 
 import asyncio
 import contextlib
@@ -9,7 +10,7 @@ import pytest
 from lightkube import ApiError, AsyncClient, KubeConfig
 from lightkube.models.core_v1 import Container, NamespaceSpec, PodSpec
 from lightkube.models.meta_v1 import ObjectMeta
-from lightkube.resources.core_v1 import Event, Namespace, Pod
+from lightkube.resources.core_v1 import Event, Namespace, Node, Pod
 from lightkube.resources.rbac_authorization_v1 import ClusterRole, ClusterRoleBinding
 
 from replicator.coordinator.kube.kube_events import (
@@ -21,6 +22,9 @@ from replicator.coordinator.kube.kube_events import (
     EventType,
     ObjectRef,
 )
+from replicator.coordinator.kube.kube_shape import FailureDomains, JobShape, PodPlace, Shapes
+from replicator.coordinator.kube.node_notices import NoticeEvents
+from replicator.wire.messages import JobRef, NodeReport, Notice
 from tests.helpers.kube.workloads import NO_PULL_IMAGE
 from tests.k8s.test_kube_watch import COORDINATOR_NAMESPACE, coordinator_kubeconfig, eventually
 
@@ -117,3 +121,38 @@ async def test_similar_events_are_combined_and_a_flood_is_cut_at_the_burst(kube,
     assert combined[0].count == BURST - SIMILAR_MAX
     assert combined[0].message == f"{COMBINED_PREFIX}ramdisk {90 + (BURST - 1) % 10}.{BURST - 1} % full"
     assert sum(e.count for e in events) == BURST
+
+
+async def test_node_notices_go_to_the_pod_placed_on_that_node_and_to_the_node(kube, recorder):
+    pod = await _pod(kube, "trainer-2")
+    await kube.create(Node(metadata=ObjectMeta(name="notices-node-a")))
+    try:
+        key = JobRef(NAMESPACE, "llama")
+        place = PodPlace(pod.name, pod.uid, 0, 0, None, None, "notices-node-a", None)
+        shapes = Shapes(
+            {key: JobShape(key, "llama", "js-uid", ("slice",), 1, 1, 1, (place,))},
+            (),
+            {"notices-node-a": FailureDomains(None, None, None)},
+        )
+        full = Notice("RamdiskNearlyFull", "ramdisk too small: 63.9 of 64.0 MiB used", NAMESPACE, pod.uid)
+        store = Notice("BackupStoreUnusable", "backup store gs://b/mtc unusable: upload failed: 404")
+        notices = NoticeEvents(recorder)
+        notices.take(NodeReport("notices-node-a", "https://a", None, {}, (), (), notices=(full, store)), shapes)
+        # Another node naming the pod, and a node the API server does not know: nothing.
+        notices.take(NodeReport("notices-node-b", "https://b", None, {}, (), (), notices=(full, store)), shapes)
+        await recorder.idle()
+
+        (event,) = await _events_of(kube, pod.name)
+        assert (event.type, event.reason, event.count) == ("Warning", "RamdiskNearlyFull", 1)
+        assert event.message == f"node notices-node-a: {full.message}"
+        assert (event.involvedObject.kind, event.involvedObject.uid) == ("Pod", pod.uid)
+        on_node = kube.list(Event, namespace="default", fields={"involvedObject.name": "notices-node-a"})
+        (node_event,) = [e async for e in on_node]
+        assert (node_event.type, node_event.reason) == ("Warning", "BackupStoreUnusable")
+        assert (node_event.involvedObject.kind, node_event.involvedObject.uid) == ("Node", "notices-node-a")
+        on_b = kube.list(Event, namespace="default", fields={"involvedObject.name": "notices-node-b"})
+        assert [e async for e in on_b] == []
+    finally:
+        await kube.delete(Node, "notices-node-a")
+        async for event in kube.list(Event, namespace="default", fields={"involvedObject.name": "notices-node-a"}):
+            await kube.delete(Event, event.metadata.name, namespace="default")

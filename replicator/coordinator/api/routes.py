@@ -45,6 +45,7 @@ from replicator.coordinator.api.config import CoordinatorConfig
 from replicator.coordinator.api.job_changes import JobChanges
 from replicator.coordinator.api.settings_snapshot import SettingsSnapshot
 from replicator.coordinator.kube.kube_overlay import KubeOverlay
+from replicator.coordinator.kube.node_notices import NoticeEvents
 from replicator.coordinator.planning.rollbacks import NotCancellable
 from replicator.coordinator.state import (
     ClusterState,
@@ -93,6 +94,7 @@ ORDER_KEY = web.AppKey("report_order", ReportOrder)
 KUBE_CLIENT_KEY = web.AppKey("kube_client", AsyncClient)
 VERIFIER_KEY = web.AppKey("node_verifier", NodeVerifier)
 SIGNER_KEY = web.AppKey("grant_signer", GrantSigner)
+NOTICES_KEY = web.AppKey("notices", NoticeEvents)  # with --kube: the reports' notices as events (node_notices)
 
 BadRequest = functools.partial(error_response, web.HTTPBadRequest)
 
@@ -197,6 +199,8 @@ async def post_report(request: web.Request) -> web.StreamResponse:
         log.warning("refused a report from %s: %s", request.remote, err)
         raise _conflict(err) from None
     reply = _take_report(state, overlay, report, request.remote)
+    if report.notices and overlay is not None:  # after the node's proof and its admission
+        request.app[NOTICES_KEY].take(report, overlay.shapes)
     changes.publish()
     deadline = time.monotonic() + MAX_WAIT_SECONDS
     # Long poll: held while a pod waits for its assignment. The agent cancels it (the handler is

@@ -29,6 +29,7 @@ from replicator.coordinator.api.routes import (
     CHANGES_KEY,
     CONFIG_KEY,
     KUBE_CLIENT_KEY,
+    NOTICES_KEY,
     ORDER_KEY,
     OVERLAY_KEY,
     SIGNER_KEY,
@@ -42,6 +43,7 @@ from replicator.coordinator.kube.kube_config import KubeSettings, kube_config
 from replicator.coordinator.kube.kube_events import EventRecorder
 from replicator.coordinator.kube.kube_overlay import KubeOverlay
 from replicator.coordinator.kube.kube_watch import ShapeWatcher, WatchSettings
+from replicator.coordinator.kube.node_notices import NoticeEvents
 from replicator.coordinator.kube.restore_events import RestoreEvents
 from replicator.coordinator.state import ClusterState
 from replicator.coordinator.trust.node_identity import NodeVerifier
@@ -166,6 +168,7 @@ def make_app(config: CoordinatorConfig) -> web.Application:
         app[KUBE_CLIENT_KEY] = AsyncClient(kube_config(config.kube), field_manager="mtc-coordinator")
         app[RECORDER_KEY] = EventRecorder(app[KUBE_CLIENT_KEY], host=os.environ.get("HOSTNAME", ""))
         app[EVENTS_KEY] = RestoreEvents(app[RECORDER_KEY])
+        app[NOTICES_KEY] = NoticeEvents(app[RECORDER_KEY])
         app[ANNOTATIONS_KEY] = JobSetAnnotations(app[KUBE_CLIENT_KEY])
         app.cleanup_ctx.append(_kube_watcher)
         if config.node_identity is not None:
