@@ -3,6 +3,7 @@ so that the other layers (and virtualenvs without lightkube, such as ``make e2e-
 import the Kubernetes client."""
 
 import pytest
+from lightkube import AsyncClient, KubeConfig
 
 from tests.helpers.kube import Binaries, ControlPlane
 from tests.helpers.kube.node import KubeletNode
@@ -33,3 +34,11 @@ def kubelet_node(control_plane):
     """A real node on 127.0.0.2 (containerd, runc and a kubelet) in ``control_plane``: busybox images, host network."""
     with KubeletNode(control_plane, "127.0.0.2") as node:
         yield node
+
+
+@pytest.fixture
+async def kube(control_plane):
+    """An asyncio client of the shared control plane, as the tests' field manager."""
+    client = AsyncClient(KubeConfig.from_file(control_plane.kubeconfig), field_manager="mtc-tests")
+    yield client
+    await client.close()

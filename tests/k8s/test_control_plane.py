@@ -5,8 +5,7 @@ Everything is read back through lightkube's asyncio client, the library the coor
 import asyncio
 from collections.abc import Callable
 
-import pytest
-from lightkube import AsyncClient, KubeConfig, codecs
+from lightkube import AsyncClient, codecs
 from lightkube.generic_resource import create_namespaced_resource
 from lightkube.resources.batch_v1 import Job
 from lightkube.resources.core_v1 import Pod, Service
@@ -41,13 +40,6 @@ async def watch_until(client: AsyncClient, kind, labels: dict[str, str], done: C
         raise AssertionError(
             f"{kind.__name__} {labels}: not there after {WAIT_SECONDS} s; seen: {sorted(seen)}"
         ) from None
-
-
-@pytest.fixture
-async def kube(control_plane):
-    client = AsyncClient(KubeConfig.from_file(control_plane.kubeconfig), field_manager="mtc-tests")
-    yield client
-    await client.close()
 
 
 async def test_example_jobset_gets_jobs_headless_service_and_annotated_pods_bound_without_kubelet(control_plane, kube):

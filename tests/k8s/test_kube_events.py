@@ -32,13 +32,6 @@ NAMESPACE = "events"
 
 
 @pytest.fixture
-async def kube(control_plane):
-    client = AsyncClient(KubeConfig.from_file(control_plane.kubeconfig), field_manager="mtc-tests")
-    yield client
-    await client.close()
-
-
-@pytest.fixture
 async def recorder(control_plane, kube, tmp_path):
     """An ``EventRecorder`` running with the coordinator's identity, and the ``events`` namespace; both removed
     after."""

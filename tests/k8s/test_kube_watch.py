@@ -68,13 +68,6 @@ def placement(shape: JobShape) -> list[tuple[int, int, str | None]]:
     return [(p.slice, p.worker, p.dns_name) for p in shape.pods]
 
 
-@pytest.fixture
-async def kube(control_plane):
-    client = AsyncClient(KubeConfig.from_file(control_plane.kubeconfig), field_manager="mtc-tests")
-    yield client
-    await client.close()
-
-
 @contextlib.asynccontextmanager
 async def running_watcher(kubeconfig: Path, namespace: str):
     """A ``ShapeWatcher`` on ``namespace`` with its own client and a short backoff bound, running in the test's
