@@ -41,7 +41,7 @@ from replicator.wire import tls
 from replicator.wire.bearer import Tokens
 from replicator.wire.coordinator_client import CoordinatorClient, CoordinatorUnavailable
 from replicator.wire.grants import GrantKeys
-from replicator.wire.messages import Assignment, HeldShard, JobRef, Lineage, NodeReport, PodReport
+from replicator.wire.messages import Assignment, HeldShard, JobRef, Lineage, NodeReport, PodReport, files_digest
 
 log = logging.getLogger(__name__)
 
@@ -329,7 +329,7 @@ class NodeReplicator:
             ]
             mine = {(m.rank, step) for step, m in meta.manifests().items()}
             replicas += [
-                HeldCopy(job, step, rank, m.timeline)
+                HeldCopy(job, step, rank, m.timeline, files_digest(m.files))
                 for (rank, step), m in meta.replicas().items()
                 if (rank, step) not in mine
             ]

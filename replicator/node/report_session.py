@@ -41,12 +41,13 @@ from replicator.wire.messages import (
 class HeldCopy(msgspec.Struct, frozen=True, gc=False):
     """A copy the node holds of ``rank``'s ``step`` of ``job``, written in ``timeline``: a replica,
     or the node's own data (``OwnStep``). The coordinator's view of a copy, wherever held, is
-    ``planner.StepCopy``."""
+    ``planner.StepCopy``. A replica's ``content`` is ``messages.files_digest`` of its checksums."""
 
     job: JobRef
     step: int
     rank: int
     timeline: int = 0
+    content: int | None = None
 
 
 class OwnStep(msgspec.Struct, frozen=True, gc=False):
@@ -139,7 +140,8 @@ class ReportSession:
         """
         held = self._own_steps(own, job_frameworks or {})
         held.extend(
-            HeldStep(r.job.namespace, r.job.job, r.step, r.rank, replica=True, timeline=r.timeline) for r in replicas
+            HeldStep(r.job.namespace, r.job.job, r.step, r.rank, replica=True, timeline=r.timeline, content=r.content)
+            for r in replicas
         )
         return NodeReport(
             *self._identity,

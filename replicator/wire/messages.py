@@ -10,6 +10,8 @@ so a report can neither exhaust the coordinator nor make it loop over an invente
 """
 
 import enum
+import hashlib
+from collections.abc import Mapping
 from typing import Annotated, Any, TypeVar
 
 import msgspec
@@ -40,6 +42,20 @@ RedundancyText = Annotated[str, msgspec.Meta(pattern=r"^(replicas|xor:[0-9]{1,3}
 Files = Annotated[dict[Annotated[str, msgspec.Meta(max_length=4_096)], FileEntry], msgspec.Meta(max_length=MAX_FILES)]
 
 M = TypeVar("M")
+
+ContentDigest = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+
+
+def files_digest(files: Mapping[str, tuple[int, str]]) -> int:
+    """A 63-bit digest of a step's checksums (relative path -> (size bytes, CRC32C hex)): equal for copies of the
+    same bytes, so a replica of a rank's current step is told from a replica of the bytes it held before
+    (``HeldStep.content``). BLAKE2b over the sorted paths, sizes and CRCs; not a security boundary (the copy's
+    files are checked against the owner's checksums whenever it is read)."""
+    digest = hashlib.blake2b(digest_size=8)
+    for path in sorted(files):
+        size, crc = files[path]
+        digest.update(f"{path}\0{size}\0{crc}\n".encode())
+    return int.from_bytes(digest.digest(), "big") >> 1
 
 
 def in_lineage(forks: tuple[int, ...], step: int, timeline: int) -> bool:
@@ -150,6 +166,9 @@ class HeldStep(msgspec.Struct, frozen=True, gc=False):
         (``Orbax.logical_signature``): data-parallel peers with equal signatures hold the
         same logical data.
       timeline: the job's timeline the copy was written in (see ``in_lineage``).
+      content: for a replica, ``files_digest`` of its checksums: a replica replaced by other bytes of the same
+        step (the job wrote the step again) is a new claim; None for the node's own data, and from agents
+        before 0.4.
     """
 
     namespace: Name
@@ -160,6 +179,7 @@ class HeldStep(msgspec.Struct, frozen=True, gc=False):
     replica: bool = False
     signature: Annotated[str, msgspec.Meta(max_length=128)] | None = None
     timeline: Timeline = 0
+    content: ContentDigest | None = None
 
 
 class BackedUp(msgspec.Struct, frozen=True, gc=False):

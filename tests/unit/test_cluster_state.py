@@ -4,7 +4,7 @@ import msgspec
 import pytest
 
 from replicator.coordinator.state import ClusterState, NodeIdTaken, NotReady
-from replicator.wire.messages import BackedUp, HeldStep, Lineage
+from replicator.wire.messages import BackedUp, HeldStep, Lineage, files_digest
 from tests.helpers.coordinator import KEY, NAMES, OWN, SETTINGS, held_by, pod, report, running_job
 from tests.helpers.reports import pod_report
 
@@ -365,6 +365,53 @@ def test_a_step_written_anew_after_a_restore_to_an_older_one_supersedes_its_old_
     assert (5, rank, "a") not in {(c.step, c.rank, c.holder) for c in state.copies(KEY)}
     view = state.restore.view(KEY, incarnation, rank, now=20.0)
     assert view.step == 5 and [(s.holder, s.files) for s in view.sources] == [("b", new)]
+
+
+def _rewrite_step_5(state, replica_contents, first):
+    """A two-node job whose node a holds rank b's replica of step 5 (reported with its content, as agents do); node
+    b writes its step 5 anew (other bytes) and node a reports its replica with each of ``replica_contents`` in turn
+    (``first``: each a's report before b's, else b's first). Returns whether a's replica counts as a copy after
+    each of a's reports, and the new bytes."""
+    incarnation, rank_of = running_job(state, has_backup=True)
+    rank, other = rank_of["b"], rank_of["a"]
+    new = {"_CHECKPOINT_METADATA": (3, "0000000a"), "state/b": (10, "0000000b")}
+    digests = {"old": files_digest(OWN[rank]), "new": files_digest(new)}
+    own_a = HeldStep(*NAMES, 5, other, OWN[other])
+    rewrite = [HeldStep(*NAMES, 5, rank, new), HeldStep(*NAMES, 5, other, replica=True)]
+    old_replica = HeldStep(*NAMES, 5, rank, replica=True, content=digests["old"])
+    state.apply_report(report("a", "http://a", [pod(0, incarnation, other)], [own_a, old_replica]), 0.5)
+    counted, now = [], 1.0
+    if not first:
+        state.apply_report(report("b", "http://b", [pod(1, incarnation, rank)], rewrite), now)
+    for content in replica_contents:
+        now += 1.0
+        replica = HeldStep(*NAMES, 5, rank, replica=True, content=digests[content])
+        state.apply_report(report("a", "http://a", [pod(0, incarnation, other)], [own_a, replica]), now)
+        if first:
+            state.apply_report(report("b", "http://b", [pod(1, incarnation, rank)], rewrite), now)
+        state.tick(now)
+        counted.append((5, rank, "a") in {(c.step, c.rank, c.holder) for c in state.copies(KEY)})
+    return counted, new
+
+
+def test_a_replica_of_a_step_written_anew_counts_again_once_its_node_reports_the_new_bytes():
+    state = ClusterState()
+    state.expire(0.0)
+    # Node a still holds the old bytes (not counted), then the push of the new ones lands: its replica counts.
+    # Before replicas carried their content, a's report did not change and the replica never counted again: the
+    # replication round of step 5 never ended, and nothing newer was replicated until the next incarnation.
+    counted, new = _rewrite_step_5(state, ["old", "new"], first=False)
+    assert counted == [False, True]
+    incarnation = state.job(KEY).incarnation.incarnation_id
+    view = state.restore.view(KEY, incarnation, state.job(KEY).incarnation.rank_of_node["b"], now=20.0)
+    assert [(s.holder, s.files) for s in view.sources][0] == ("b", new)
+
+
+def test_a_replica_that_reported_the_new_bytes_before_the_owner_rewrote_the_step_keeps_counting():
+    state = ClusterState()
+    state.expire(0.0)
+    counted, _ = _rewrite_step_5(state, ["new"], first=True)
+    assert counted == [True]
 
 
 def test_the_same_checksums_listed_in_another_order_are_the_same_step_not_a_rewrite():

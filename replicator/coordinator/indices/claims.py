@@ -16,13 +16,15 @@ from replicator.wire.messages import JobRef
 
 class Claim(msgspec.Struct, frozen=True, gc=False):
     """A node's claim to hold a copy: ``job``'s ``step`` of ``rank``, a replica or the node's own
-    data, written in ``timeline`` (``messages.in_lineage``)."""
+    data, written in ``timeline`` (``messages.in_lineage``); a replica's ``content`` (``HeldStep.content``)
+    makes a replica of other bytes another claim."""
 
     job: JobRef
     step: int
     rank: int
     replica: bool
     timeline: int
+    content: int | None = None
 
 
 class ClaimIndex:

@@ -15,7 +15,7 @@ from replicator.coordinator.indices import lineage
 from replicator.coordinator.indices.claims import Claim
 from replicator.coordinator.indices.job import JobState, pack_files
 from replicator.coordinator.indices.liveness import Liveness, NodeState
-from replicator.wire.messages import HeldStep, JobRef, NodeReport, extends, in_lineage
+from replicator.wire.messages import HeldStep, JobRef, NodeReport, extends, files_digest, in_lineage
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +67,11 @@ def absorb(
     if report is not None:
         _lineages(jobs, liveness, node_id, report, changes)
     held = _indexed(jobs, report.held if report else ())
-    new_claims = frozenset(Claim(JobRef(h.namespace, h.job), h.step, h.rank, h.replica, h.timeline) for h in held)
+    new_claims = frozenset(
+        Claim(JobRef(h.namespace, h.job), h.step, h.rank, h.replica, h.timeline, h.content) for h in held
+    )
     _claims(jobs, node_id, bound.claims if bound else frozenset(), held, new_claims, warned, changes)
-    _owner_reports(jobs, node_id, held, changes)
+    _owner_reports(jobs, liveness, node_id, held, changes)
     _listings(jobs, node_id, bound, report, changes)
     _shard_claims(jobs, node_id, bound, report, warned)
     if report is not None:
@@ -175,7 +177,7 @@ def _claims(
         changes.dirty.add(claim.job)
     for h in held:
         key = JobRef(h.namespace, h.job)
-        if Claim(key, h.step, h.rank, h.replica, h.timeline) in old_claims:
+        if Claim(key, h.step, h.rank, h.replica, h.timeline, h.content) in old_claims:
             continue
         job = jobs[key]
         job.claims.add(h.step, h.rank, node_id, h.replica)
@@ -193,7 +195,9 @@ def _claims(
                 )
 
 
-def _owner_reports(jobs: dict[JobRef, JobState], node_id: str, held: tuple[HeldStep, ...], changes: Changes) -> None:
+def _owner_reports(
+    jobs: dict[JobRef, JobState], liveness: Liveness, node_id: str, held: tuple[HeldStep, ...], changes: Changes
+) -> None:
     """Checksums and signatures of the node's own data: other checksums from the node the incarnation runs the
     rank on supersede the step; new ones wait (``OwnerReports.pending``) until the node is believed."""
     for h in held:
@@ -205,7 +209,9 @@ def _owner_reports(jobs: dict[JobRef, JobState], node_id: str, held: tuple[HeldS
         owner = owners.files.get((h.step, h.rank))
         packed = pack_files(h.files) if h.files is not None else None
         if packed is not None and owner is not None and packed != owner and job.beliefs.runs(node_id, h.rank):
-            _supersede(key, job, h.step, h.rank, node_id)
+            assert h.files is not None  # packed from them
+            new = Claim(key, h.step, h.rank, True, h.timeline, files_digest(h.files))
+            _supersede(key, job, node_id, new, liveness)
             changes.dirty.add(key)
         pending = owners.pending.get((h.step, h.rank, node_id))
         adds = (h.files is not None and (h.step, h.rank) not in owners.files) or (
@@ -216,12 +222,16 @@ def _owner_reports(jobs: dict[JobRef, JobState], node_id: str, held: tuple[HeldS
             changes.dirty.add(key)
 
 
-def _supersede(key: JobRef, job: JobState, step: int, rank: int, owner: str) -> None:
+def _supersede(key: JobRef, job: JobState, owner: str, new: Claim, liveness: Liveness) -> None:
     """The rank's own node reports other checksums for a step: the job wrote the step again (a
     restore to an older step had set it aside), or the node restored it from an identical
     data-parallel peer (other bytes). What the node holds is the rank's step from now on: the
     old checksums, signature and identities are forgotten, and the other nodes' copies (of the
-    old bytes) stop counting until a node reports the step anew."""
+    old bytes) stop counting until a node reports the step anew: a replica in other bytes (its
+    ``content``) is a new claim. A node whose last report holds the new bytes already (``new``, a replica claim
+    with the owner's new checksums' digest: a push of the rewritten step may reach it before its owner's report
+    reaches the coordinator) keeps counting."""
+    step, rank = new.step, new.rank
     log.warning(
         "job %s: rank %d's step %d now has other checksums (written again, or restored from a peer); "
         "copies of the old bytes no longer count",
@@ -231,7 +241,12 @@ def _supersede(key: JobRef, job: JobState, step: int, rank: int, owner: str) -> 
     )
     job.owners.drop(step, rank)
     job.identity.supersede(step, rank)
-    for node_id in [n for n in job.claims.of(step, rank) if n != owner]:
+    old_bytes = [
+        n
+        for n in job.claims.of(step, rank)
+        if n != owner and not (n in liveness.nodes and new in liveness.nodes[n].claims)
+    ]
+    for node_id in old_bytes:
         job.drop_claim(step, rank, node_id)  # still in the node's claims: indexed again only when reported anew
     job.rewritten.add(step)
     if job.backup_pending == step:
