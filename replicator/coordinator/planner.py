@@ -193,28 +193,54 @@ def plan_restore(
     block_of = block_of or {}
     identical = identical or {}
     shapes = shapes or {}
-    by_step: dict[int, dict[int, list[StepCopy]]] = {}
-    for copy in copies:
-        by_step.setdefault(copy.step, {}).setdefault(copy.rank, []).append(copy)
+    by_step = _by_step_and_rank(copies)
     for step in sorted(by_step, reverse=True):
         held = by_step[step]
-        peers: dict[int, list[int]] = {}  # one pass over the pairs: a 10,000-rank job has 400,000 of them
-        for first, other in identical.get(step, ()):
-            peers.setdefault(first, []).append(other)
+        peers = _identical_peers(identical.get(step, ()))
         if (saved := shapes.get(step)) is not None:
             elastic = _elastic_sources(held, saved, nodes, node_of_rank, block_of, usable_tiers)
             if elastic is not None:
                 return RestorePlan(step, elastic, saved_nodes=saved)
             continue
-        sources = {}
-        for rank in range(nodes):
-            serving = [rank] + sorted(peers.get(rank, ()))
-            candidates = [copy for data_rank in serving for copy in held.get(data_rank, [])]
-            sources[rank] = _ranked_sources(candidates, node_of_rank[rank], block_of, usable_tiers)
+        sources = _step_sources(held, peers, nodes, node_of_rank, block_of, usable_tiers)
         if all(sources.values()):
             fanned = _fan_out(sources, peers, node_of_rank, block_of, usable_tiers, silent) if fan_out else {}
             return RestorePlan(step, sources, fanned)
     return RestorePlan(None, {rank: () for rank in range(nodes)})
+
+
+def _by_step_and_rank(copies: Iterable[StepCopy]) -> dict[int, dict[int, list[StepCopy]]]:
+    """Step -> data rank -> its copies, in the order given."""
+    by_step: dict[int, dict[int, list[StepCopy]]] = {}
+    for copy in copies:
+        by_step.setdefault(copy.step, {}).setdefault(copy.rank, []).append(copy)
+    return by_step
+
+
+def _identical_peers(pairs: Iterable[tuple[int, int]]) -> dict[int, list[int]]:
+    """Rank -> the ranks found identical to it at a step, from the step's pairs (both orders)."""
+    peers: dict[int, list[int]] = {}  # one pass over the pairs: a 10,000-rank job has 400,000 of them
+    for first, other in pairs:
+        peers.setdefault(first, []).append(other)
+    return peers
+
+
+def _step_sources(
+    held: Mapping[int, list[StepCopy]],
+    peers: Mapping[int, list[int]],
+    nodes: int,
+    node_of_rank: Mapping[int, str],
+    block_of: Mapping[str, str],
+    usable: frozenset[Tier],
+) -> dict[int, tuple[PlannedSource, ...]]:
+    """Per rank, the reachable copies of a step held as ``held`` (data rank -> copies) that serve it: its own
+    data's and its identical peers', fastest first (``_ranked_sources``); empty for a rank none serves."""
+    sources = {}
+    for rank in range(nodes):
+        serving = [rank] + sorted(peers.get(rank, ()))
+        candidates = [copy for data_rank in serving for copy in held.get(data_rank, [])]
+        sources[rank] = _ranked_sources(candidates, node_of_rank[rank], block_of, usable)
+    return sources
 
 
 def old_nodes_needed(new_rank: int, new_nodes: int, old_nodes: int) -> range:

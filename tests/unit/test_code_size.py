@@ -17,15 +17,7 @@ MAX_FUNCTION_LINES = 60
 ARGPARSE_CALLS = {"add_argument", "add_parser", "add_argument_group", "add_mutually_exclusive_group"}
 
 # "path:qualified name" -> why it may exceed its limit. Keep it short; split rather than add.
-ALLOWED = {
-    "replicator/coordinator/api/cluster_gauges.py:ClusterGauges.collect": "issue 53: to split (one family per gauge)",
-    "replicator/coordinator/copies/retention.py:safe_step": "issue 53: to split",
-    "replicator/coordinator/kube/kube_shape.py:_groups": "issue 53: to split",
-    "replicator/coordinator/kube/kube_shape.py:_place": "issue 53: to split",
-    "replicator/coordinator/kube/kube_shape.py:compute_shapes": "issue 53: to split",
-    "replicator/coordinator/planner.py:plan_restore": "issue 53: to split",
-    "replicator/coordinator/planning/views.py:job_status": "issue 53: to split",
-}
+ALLOWED: dict[str, str] = {}
 
 
 def _is_argparse_builder(node: ast.AST) -> bool:

@@ -1,6 +1,6 @@
 """Safety and retention: the newest step GC may keep from, and the order that says so."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from replicator.coordinator import planner
 from replicator.coordinator.indices.job import JobState
@@ -34,33 +34,80 @@ def safe_step(
     incarnation = job.incarnation
     assert incarnation is not None  # decided only for a job with an incarnation
     nodes = len(incarnation.node_of_rank)
-    # Holders wanted per rank: 1 + replicas, or fewer while fewer nodes of the job are live.
+    steps = _steps_of_the_shape(job, incarnation.plan)
+    if encoded_safe is not None:
+        return _newest_encoded_safe(steps, nodes, encoded_safe, backed_up, live_copies)
+    if job.identity.data_parallelism > 1:
+        return _newest_covered(job, liveness, steps, nodes)
+    wanted = _holders_wanted(incarnation.nodes, liveness, replicas)
+    return _newest_replicated(job, liveness, steps, nodes, wanted, backed_up, live_copies)
+
+
+def _steps_of_the_shape(job: JobState, plan: planner.RestorePlan | None) -> list[int]:
+    """The steps some node claims, newest first, down to the step the incarnation resharded from (excluded).
+
+    After an elastic restore the steps up to the resharded one are the old shape's: none is safe in the
+    new one, so GC deletes none of them before a step of the new shape is safe."""
+    steps = sorted(job.claims.step_ranks, reverse=True)
+    if plan is None or plan.saved_nodes is None or plan.step is None:
+        return steps
+    resharded = plan.step
+    return [step for step in steps if step > resharded]
+
+
+def _holders_wanted(job_nodes: Iterable[str], liveness: Liveness, replicas: int) -> int:
+    """Holders wanted per rank: 1 + replicas, or fewer while fewer nodes of the job are live."""
     wanted = 0
-    for node_id in incarnation.nodes:
+    for node_id in job_nodes:
         wanted += liveness.is_live(node_id)
         if wanted > replicas:
             break
-    data_parallel = job.identity.data_parallelism > 1
+    return wanted
+
+
+def _newest_encoded_safe(
+    steps: list[int],
+    nodes: int,
+    encoded_safe: Callable[[int], bool],
+    backed_up: set[int],
+    live_copies: Callable[[], list[planner.StepCopy]],
+) -> tuple[int | None, int]:
+    """Under parity redundancy: the newest of ``steps`` that survives the setting's losses, or that is backed
+    up and has a live copy; (the step or None, ranks looked at)."""
+    checks = 0
+    for step in steps:
+        checks += nodes
+        if encoded_safe(step) or (step in backed_up and any(c.step == step for c in live_copies())):
+            return step, checks
+    return None, checks
+
+
+def _newest_covered(job: JobState, liveness: Liveness, steps: list[int], nodes: int) -> tuple[int | None, int]:
+    """Data-parallel: the newest of ``steps`` whose every rank was found identical on a peer, every rank held
+    on a live node; (the step or None, ranks looked at)."""
     covered, checks = job.identity.covered, 0
-    # After an elastic restore the steps up to the resharded one are the old shape's: none is safe in the
-    # new one, so GC deletes none of them before a step of the new shape is safe.
-    plan = incarnation.plan
-    resharded = plan.step if plan is not None and plan.saved_nodes is not None else None
-    for step in sorted(job.claims.step_ranks, reverse=True):
-        if resharded is not None and step <= resharded:
-            break
-        if encoded_safe is not None:
-            checks += nodes
-            if encoded_safe(step) or (step in backed_up and any(c.step == step for c in live_copies())):
+    for step in steps:
+        if len(covered.get(step, ())) >= nodes and covered[step].issuperset(range(nodes)):
+            held, walked = _every_rank_held(job, liveness, step, nodes, 1)
+            checks += walked
+            if held:
                 return step, checks
-            continue
-        if data_parallel:
-            if len(covered.get(step, ())) >= nodes and covered[step].issuperset(range(nodes)):
-                held, walked = _every_rank_held(job, liveness, step, nodes, 1)
-                checks += walked
-                if held:
-                    return step, checks
-            continue
+    return None, checks
+
+
+def _newest_replicated(
+    job: JobState,
+    liveness: Liveness,
+    steps: list[int],
+    nodes: int,
+    wanted: int,
+    backed_up: set[int],
+    live_copies: Callable[[], list[planner.StepCopy]],
+) -> tuple[int | None, int]:
+    """Replicas: the newest of ``steps`` whose every rank has ``wanted`` live holders, a complete backup
+    counting as one; (the step or None, ranks looked at)."""
+    checks = 0
+    for step in steps:
         # A complete backup counts as one holder: a replica in flight does not hold GC back, and
         # a corrupt backup object alone never leaves a rank with a single copy.
         need = wanted - (step in backed_up)

@@ -365,67 +365,92 @@ def _count(value: Any, minimum: int) -> int | None:
     return value
 
 
+def _jobset_problem(jobset: JobSetRecord, field: str, reason: str) -> ShapeProblem:
+    return ShapeProblem("JobSet", jobset.namespace, jobset.name, field, reason)
+
+
 def _groups(jobset: JobSetRecord, problems: list[ShapeProblem]) -> dict[JobRef, _Group]:
     """A JobSet's mounting replicatedJobs by job key; contradictions in the JobSet itself become problems and
     their key gets no group."""
-
-    def problem(field: str, reason: str) -> None:
-        problems.append(ShapeProblem("JobSet", jobset.namespace, jobset.name, field, reason))
-
     by_key: dict[str, list[tuple[int, ReplicatedJobRecord]]] = {}
     for position, rj in enumerate(jobset.replicated_jobs):
         if rj.mounts:
             by_key.setdefault(job_key(jobset.name, rj.name, rj.job), []).append((position, rj))
     groups = {}
     for key, members in by_key.items():
-        first_slice, replicas, per_slice, bad = {}, {}, set(), False
-        slices = 0
-        for position, rj in members:
-            field = f"spec.replicatedJobs[{position}]"
-            count, parallelism = _count(rj.replicas, 0), _count(rj.parallelism, 1)
-            completions = parallelism if rj.completions is None else _count(rj.completions, 1)
-            if count is None:
-                problem(f"{field}.replicas", f"{rj.replicas!r} is not a count")
-                bad = True
-            elif parallelism is None:
-                problem(f"{field}.template.spec.parallelism", f"{rj.parallelism!r} is not a positive count")
-                bad = True
-            elif not rj.indexed:
-                problem(
-                    f"{field}.template.spec.completionMode",
-                    "must be Indexed: a pod's worker index is its Job completion index",
-                )
-                bad = True
-            elif completions != parallelism:
-                problem(
-                    f"{field}.template.spec.completions",
-                    f"{rj.completions!r} differs from parallelism {parallelism}: every worker of a slice must run at once",
-                )
-                bad = True
-            else:
-                first_slice[rj.name], replicas[rj.name] = slices, count
-                slices += count
-                per_slice.add(parallelism)
-        if len(per_slice) > 1:
-            names = ", ".join(rj.name for _, rj in members)
-            problem(
+        group = _group(jobset, key, members, problems)
+        if group is not None:
+            groups[JobRef(jobset.namespace, key)] = group
+    return groups
+
+
+def _group(
+    jobset: JobSetRecord, key: str, members: list[tuple[int, ReplicatedJobRecord]], problems: list[ShapeProblem]
+) -> _Group | None:
+    """The group of the replicatedJobs sharing job ``key``, each with its position in the spec; None when any
+    of them, or the key, has a problem (each appended to ``problems``)."""
+    first_slice, replicas, per_slice, bad = {}, {}, set(), False
+    slices = 0
+    for position, rj in members:
+        counts = _member_counts(jobset, position, rj, problems)
+        if counts is None:
+            bad = True
+        else:
+            first_slice[rj.name], replicas[rj.name] = slices, counts[0]
+            slices += counts[0]
+            per_slice.add(counts[1])
+    if len(per_slice) > 1:
+        names = ", ".join(rj.name for _, rj in members)
+        problems.append(
+            _jobset_problem(
+                jobset,
                 "spec.replicatedJobs",
                 f"replicatedJobs {names} share job {key!r} with different parallelism "
                 f"{sorted(per_slice)}: a job's slices must be the same size",
             )
-            bad = True
-        if not _DNS1123_LABEL.match(key):
-            problem(
+        )
+        bad = True
+    if not _DNS1123_LABEL.match(key):
+        problems.append(
+            _jobset_problem(
+                jobset,
                 "spec.replicatedJobs",
                 f"job {key!r} is not a DNS-1123 label: the CSI driver refuses its pods; "
                 "set a shorter volume attribute job",
             )
-            bad = True
-        if not bad:
-            groups[JobRef(jobset.namespace, key)] = _Group(
-                jobset, tuple(rj for _, rj in members), first_slice, replicas, per_slice.pop() if per_slice else 1
-            )
-    return groups
+        )
+        bad = True
+    if bad:
+        return None
+    return _Group(jobset, tuple(rj for _, rj in members), first_slice, replicas, per_slice.pop() if per_slice else 1)
+
+
+def _member_counts(
+    jobset: JobSetRecord, position: int, rj: ReplicatedJobRecord, problems: list[ShapeProblem]
+) -> tuple[int, int] | None:
+    """A mounting replicatedJob's (replicas, parallelism); None when its spec has a problem (the first one
+    found appended to ``problems``)."""
+    field = f"spec.replicatedJobs[{position}]"
+    count, parallelism = _count(rj.replicas, 0), _count(rj.parallelism, 1)
+    completions = parallelism if rj.completions is None else _count(rj.completions, 1)
+    if count is None:
+        fault = (f"{field}.replicas", f"{rj.replicas!r} is not a count")
+    elif parallelism is None:
+        fault = (f"{field}.template.spec.parallelism", f"{rj.parallelism!r} is not a positive count")
+    elif not rj.indexed:
+        fault = (
+            f"{field}.template.spec.completionMode",
+            "must be Indexed: a pod's worker index is its Job completion index",
+        )
+    elif completions != parallelism:
+        fault = (
+            f"{field}.template.spec.completions",
+            f"{rj.completions!r} differs from parallelism {parallelism}: every worker of a slice must run at once",
+        )
+    else:
+        return count, parallelism
+    problems.append(_jobset_problem(jobset, *fault))
+    return None
 
 
 def _index(value: str | None, bound: int) -> int | None:
@@ -435,6 +460,10 @@ def _index(value: str | None, bound: int) -> int | None:
     return index if index < bound else None
 
 
+def _pod_problem(pod: PodRecord, field: str, reason: str) -> ShapeProblem:
+    return ShapeProblem("Pod", pod.namespace, pod.name, field, reason)
+
+
 def _place(
     pod: PodRecord,
     jobsets: Mapping[tuple[str, str], JobSetRecord],
@@ -442,54 +471,90 @@ def _place(
     nodes: Mapping[str, FailureDomains],
 ) -> tuple[JobRef, PodPlace] | ShapeProblem:
     """A pod's place in its job, or the first problem with it."""
-
-    def problem(field: str, reason: str) -> ShapeProblem:
-        return ShapeProblem("Pod", pod.namespace, pod.name, field, reason)
-
-    if pod.jobset is None:
-        return problem(f"annotation {JOBSET_NAME}", "missing: the pod mounts our volume but names no JobSet")
-    jobset = jobsets.get((pod.namespace, pod.jobset))
-    if jobset is None:
-        return problem(f"annotation {JOBSET_NAME}", f"JobSet {pod.jobset!r} is gone from namespace {pod.namespace!r}")
-    if pod.jobset_uid is not None and jobset.uid and pod.jobset_uid != jobset.uid:
-        return problem(
-            f"label {JOBSET_UID}",
-            f"{pod.jobset_uid!r} is not JobSet {jobset.name!r}'s UID {jobset.uid!r}: the pod is from an earlier JobSet of that name",
-        )
-    if pod.replicated_job is None:
-        return problem(f"annotation {REPLICATED_JOB}", "missing")
-    rj = next((r for r in jobset.replicated_jobs if r.name == pod.replicated_job), None)
-    if rj is None:
-        return problem(
-            f"annotation {REPLICATED_JOB}", f"JobSet {jobset.name!r} has no replicatedJob {pod.replicated_job!r}"
-        )
-    if not rj.mounts:
-        return problem(
-            f"annotation {REPLICATED_JOB}",
-            f"replicatedJob {rj.name!r}'s pod template mounts no volume of our driver, but the pod does",
-        )
+    jobset = _jobset_of(pod, jobsets)
+    if isinstance(jobset, ShapeProblem):
+        return jobset
+    rj = _replicated_job_of(pod, jobset)
+    if isinstance(rj, ShapeProblem):
+        return rj
     key = JobRef(pod.namespace, job_key(jobset.name, rj.name, pod.attributes.get("job") or None))
     template_key = JobRef(pod.namespace, job_key(jobset.name, rj.name, rj.job))
     if key != template_key:
-        return problem(
-            "volume attribute job", f"{key.job!r} contradicts its replicatedJob template's {template_key.job!r}"
+        return _pod_problem(
+            pod, "volume attribute job", f"{key.job!r} contradicts its replicatedJob template's {template_key.job!r}"
         )
     group = groups.get(key)
     if group is None:
-        return problem(
-            f"JobSet {jobset.name}", f"the JobSet's spec gives job {key.job!r} no shape (see the JobSet's problem)"
+        return _pod_problem(
+            pod,
+            f"JobSet {jobset.name}",
+            f"the JobSet's spec gives job {key.job!r} no shape (see the JobSet's problem)",
         )
     replicas = group.replicas[rj.name]
     job_index = _index(pod.job_index, replicas)
     if job_index is None:
-        return problem(f"annotation {JOB_INDEX}", f"{pod.job_index!r} is not an index below replicas {replicas}")
+        return _pod_problem(
+            pod, f"annotation {JOB_INDEX}", f"{pod.job_index!r} is not an index below replicas {replicas}"
+        )
     worker = _index(pod.completion_index, group.nodes_per_slice)
     if worker is None:
-        return problem(
+        return _pod_problem(
+            pod,
             f"annotation {COMPLETION_INDEX}",
             f"{pod.completion_index!r} is not an index below parallelism {group.nodes_per_slice}",
         )
     slice_index = group.first_slice[rj.name] + job_index
+    contradiction = _contradiction(pod, jobset, group, slice_index, worker)
+    if contradiction is not None:
+        return contradiction
+    domains = nodes.get(pod.node) if pod.node else None
+    dns_name = f"{pod.hostname}.{pod.subdomain}" if pod.hostname and pod.subdomain else None
+    return key, PodPlace(pod.name, pod.uid, slice_index, worker, dns_name, pod.ip, pod.node, domains)
+
+
+def _jobset_of(pod: PodRecord, jobsets: Mapping[tuple[str, str], JobSetRecord]) -> JobSetRecord | ShapeProblem:
+    """The JobSet the pod's annotation names, or the problem with that annotation or the pod's JobSet UID."""
+    if pod.jobset is None:
+        return _pod_problem(pod, f"annotation {JOBSET_NAME}", "missing: the pod mounts our volume but names no JobSet")
+    jobset = jobsets.get((pod.namespace, pod.jobset))
+    if jobset is None:
+        return _pod_problem(
+            pod, f"annotation {JOBSET_NAME}", f"JobSet {pod.jobset!r} is gone from namespace {pod.namespace!r}"
+        )
+    if pod.jobset_uid is not None and jobset.uid and pod.jobset_uid != jobset.uid:
+        return _pod_problem(
+            pod,
+            f"label {JOBSET_UID}",
+            f"{pod.jobset_uid!r} is not JobSet {jobset.name!r}'s UID {jobset.uid!r}: the pod is from an earlier JobSet of that name",
+        )
+    return jobset
+
+
+def _replicated_job_of(pod: PodRecord, jobset: JobSetRecord) -> ReplicatedJobRecord | ShapeProblem:
+    """The replicatedJob of ``jobset`` the pod's annotation names, or the problem with that annotation."""
+    if pod.replicated_job is None:
+        return _pod_problem(pod, f"annotation {REPLICATED_JOB}", "missing")
+    rj = next((r for r in jobset.replicated_jobs if r.name == pod.replicated_job), None)
+    if rj is None:
+        return _pod_problem(
+            pod,
+            f"annotation {REPLICATED_JOB}",
+            f"JobSet {jobset.name!r} has no replicatedJob {pod.replicated_job!r}",
+        )
+    if not rj.mounts:
+        return _pod_problem(
+            pod,
+            f"annotation {REPLICATED_JOB}",
+            f"replicatedJob {rj.name!r}'s pod template mounts no volume of our driver, but the pod does",
+        )
+    return rj
+
+
+def _contradiction(
+    pod: PodRecord, jobset: JobSetRecord, group: _Group, slice_index: int, worker: int
+) -> ShapeProblem | None:
+    """The first of the pod's volume attributes, then its subdomain, that contradicts what the API server's
+    objects say of its place; None when none does."""
     slices = sum(group.replicas.values())
     expected = {
         "nodes": str(slices * group.nodes_per_slice),
@@ -501,14 +566,14 @@ def _place(
     for attribute, value in expected.items():
         given = pod.attributes.get(attribute)
         if given is not None and given != value:
-            return problem(f"volume attribute {attribute}", f"{given!r} contradicts the API server's {value!r}")
+            return _pod_problem(
+                pod, f"volume attribute {attribute}", f"{given!r} contradicts the API server's {value!r}"
+            )
     if pod.subdomain is not None and pod.subdomain != jobset.subdomain:
-        return problem(
-            "spec.subdomain", f"{pod.subdomain!r} is not JobSet {jobset.name!r}'s subdomain {jobset.subdomain!r}"
+        return _pod_problem(
+            pod, "spec.subdomain", f"{pod.subdomain!r} is not JobSet {jobset.name!r}'s subdomain {jobset.subdomain!r}"
         )
-    domains = nodes.get(pod.node) if pod.node else None
-    dns_name = f"{pod.hostname}.{pod.subdomain}" if pod.hostname and pod.subdomain else None
-    return key, PodPlace(pod.name, pod.uid, slice_index, worker, dns_name, pod.ip, pod.node, domains)
+    return None
 
 
 def _attempt(pod: PodRecord) -> int:
@@ -530,50 +595,9 @@ def compute_shapes(pods: Iterable[PodRecord], nodes: Iterable[NodeRecord], jobse
     """
     problems: list[ShapeProblem] = []
     by_name = {(js.namespace, js.name): js for js in jobsets}
-    groups: dict[JobRef, _Group] = {}
-    for jobset in by_name.values():
-        for key, group in _groups(jobset, problems).items():
-            if key in groups:
-                problems.append(
-                    ShapeProblem(
-                        "JobSet",
-                        jobset.namespace,
-                        jobset.name,
-                        "volume attribute job",
-                        f"job {key.job!r} is also JobSet {groups[key].jobset.name!r}'s",
-                    )
-                )
-                continue
-            groups[key] = group
+    groups = _unique_groups(by_name.values(), problems)
     domains = {node.name: FailureDomains(node.zone, node.nodepool, node.block) for node in nodes}
-    placed: dict[JobRef, dict[tuple[int, int], tuple[PodRecord, PodPlace]]] = {key: {} for key in groups}
-    clashes: set[tuple[JobRef, tuple[int, int]]] = set()
-    for pod in pods:
-        if not pod.live:
-            continue
-        found = _place(pod, by_name, groups, domains)
-        if isinstance(found, ShapeProblem):
-            problems.append(found)
-            continue
-        key, place = found
-        at = (place.slice, place.worker)
-        other = placed[key].get(at)
-        if other is None or _attempt(pod) > _attempt(other[0]):
-            placed[key][at] = (pod, place)
-            clashes.discard((key, at))
-        elif _attempt(pod) == _attempt(other[0]):
-            clashes.add((key, at))
-    for key, at in sorted(clashes, key=lambda c: (c[0].namespace, c[0].job, c[1])):
-        pod, _ = placed[key].pop(at)
-        problems.append(
-            ShapeProblem(
-                "Pod",
-                pod.namespace,
-                pod.name,
-                f"annotations {JOB_INDEX}, {COMPLETION_INDEX}",
-                f"another live pod of job {key.job!r} is at slice {at[0]}, worker {at[1]}",
-            )
-        )
+    placed = _placed_pods(pods, by_name, groups, domains, problems)
     shapes = {}
     for key, group in groups.items():
         slices = sum(group.replicas.values())
@@ -588,3 +612,58 @@ def compute_shapes(pods: Iterable[PodRecord], nodes: Iterable[NodeRecord], jobse
             pods=tuple(place for _, (_, place) in sorted(placed[key].items())),
         )
     return Shapes(types.MappingProxyType(shapes), tuple(problems), types.MappingProxyType(domains))
+
+
+def _unique_groups(jobsets: Iterable[JobSetRecord], problems: list[ShapeProblem]) -> dict[JobRef, _Group]:
+    """Every JobSet's groups by job key; a key already another JobSet's is a problem of the later JobSet,
+    which gets no group for it."""
+    groups: dict[JobRef, _Group] = {}
+    for jobset in jobsets:
+        for key, group in _groups(jobset, problems).items():
+            if key in groups:
+                problems.append(
+                    _jobset_problem(
+                        jobset, "volume attribute job", f"job {key.job!r} is also JobSet {groups[key].jobset.name!r}'s"
+                    )
+                )
+                continue
+            groups[key] = group
+    return groups
+
+
+def _placed_pods(
+    pods: Iterable[PodRecord],
+    jobsets: Mapping[tuple[str, str], JobSetRecord],
+    groups: Mapping[JobRef, _Group],
+    domains: Mapping[str, FailureDomains],
+    problems: list[ShapeProblem],
+) -> dict[JobRef, dict[tuple[int, int], tuple[PodRecord, PodPlace]]]:
+    """Each job's live pods, by (slice, worker), as ``compute_shapes`` keeps them; a pod with a problem, and
+    the pod kept at a place another live pod of the same restart attempt also claims, go to ``problems``."""
+    placed: dict[JobRef, dict[tuple[int, int], tuple[PodRecord, PodPlace]]] = {key: {} for key in groups}
+    clashes: set[tuple[JobRef, tuple[int, int]]] = set()
+    for pod in pods:
+        if not pod.live:
+            continue
+        found = _place(pod, jobsets, groups, domains)
+        if isinstance(found, ShapeProblem):
+            problems.append(found)
+            continue
+        key, place = found
+        at = (place.slice, place.worker)
+        other = placed[key].get(at)
+        if other is None or _attempt(pod) > _attempt(other[0]):
+            placed[key][at] = (pod, place)
+            clashes.discard((key, at))
+        elif _attempt(pod) == _attempt(other[0]):
+            clashes.add((key, at))
+    for key, at in sorted(clashes, key=lambda c: (c[0].namespace, c[0].job, c[1])):
+        pod, _ = placed[key].pop(at)
+        problems.append(
+            _pod_problem(
+                pod,
+                f"annotations {JOB_INDEX}, {COMPLETION_INDEX}",
+                f"another live pod of job {key.job!r} is at slice {at[0]}, worker {at[1]}",
+            )
+        )
+    return placed

@@ -106,15 +106,6 @@ def job_status(
       now: unix seconds, for the last backup's age.
     """
     incarnation = job.incarnation
-    ranks = []
-    if incarnation:
-        for uid, rank in sorted(incarnation.rank_of_pod.items(), key=lambda item: item[1]):
-            node = incarnation.node_of_rank[rank]
-            ranks.append(RankPlace(rank, node, job.pods[uid][0].pod_name, node in silence))
-    held: dict[int, dict[int, list[str]]] = {}
-    for copy in copies:
-        held.setdefault(copy.rank, {}).setdefault(copy.step, []).append(copy.holder)
-    plan = incarnation.plan if incarnation else None
     job_nodes = incarnation.nodes if incarnation else {node for _, node in job.pods.values()}
     last_backup = max(backups, default=None)
     seen = job.backup_seen.get(last_backup) if last_backup is not None else None
@@ -123,20 +114,10 @@ def job_status(
         job=key.job,
         incarnation=incarnation.incarnation_id if incarnation else None,
         waiting_pods=0 if incarnation else len(job.pods),
-        ranks=tuple(ranks),
+        ranks=_rank_places(job, incarnation, silence),
         newest_complete_step=newest_complete,
-        restore=None
-        if plan is None or incarnation is None
-        else RestoreStatus(
-            plan.step,
-            dict(sorted(incarnation.used_sources.items())),
-            tuple(ExcludedCopy(*c) for c in sorted(incarnation.excluded)),
-            len(incarnation.staged),
-            len(incarnation.node_of_rank),
-        ),
-        held={
-            rank: {step: tuple(sorted(h)) for step, h in sorted(steps.items())} for rank, steps in sorted(held.items())
-        },
+        restore=_restore_status(incarnation),
+        held=_held(copies),
         identical_peers=tuple(sorted(identical.get(newest_complete, ()) if newest_complete is not None else ())),
         safe_step=job.decided.safe,
         backups=tuple(sorted(backups)),
@@ -150,3 +131,34 @@ def job_status(
         last_backup_step=last_backup,
         last_backup_age_seconds=None if seen is None else round(max(0.0, now - seen), 1),
     )
+
+
+def _rank_places(job: JobState, incarnation: Incarnation | None, silence: Mapping[str, float]) -> tuple[RankPlace, ...]:
+    """The incarnation's ranks in order, each with its node, its pod and whether the node is silent."""
+    ranks = []
+    if incarnation:
+        for uid, rank in sorted(incarnation.rank_of_pod.items(), key=lambda item: item[1]):
+            node = incarnation.node_of_rank[rank]
+            ranks.append(RankPlace(rank, node, job.pods[uid][0].pod_name, node in silence))
+    return tuple(ranks)
+
+
+def _restore_status(incarnation: Incarnation | None) -> RestoreStatus | None:
+    """The incarnation's restore (its step, sources used, copies excluded, ranks staged), or None before its plan."""
+    if incarnation is None or incarnation.plan is None:
+        return None
+    return RestoreStatus(
+        incarnation.plan.step,
+        dict(sorted(incarnation.used_sources.items())),
+        tuple(ExcludedCopy(*c) for c in sorted(incarnation.excluded)),
+        len(incarnation.staged),
+        len(incarnation.node_of_rank),
+    )
+
+
+def _held(copies: list[planner.StepCopy]) -> dict[int, dict[int, tuple[str, ...]]]:
+    """Rank -> step -> the holders of its copies, every level sorted."""
+    held: dict[int, dict[int, list[str]]] = {}
+    for copy in copies:
+        held.setdefault(copy.rank, {}).setdefault(copy.step, []).append(copy.holder)
+    return {rank: {step: tuple(sorted(h)) for step, h in sorted(steps.items())} for rank, steps in sorted(held.items())}
