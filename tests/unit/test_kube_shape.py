@@ -214,6 +214,18 @@ def test_two_jobsets_naming_one_job_keep_the_first_and_name_the_second():
     assert problems(shapes) == [("JobSet", "b", "volume attribute job")]
 
 
+def test_a_pod_of_the_second_jobset_naming_the_first_ones_job_is_refused_not_a_crash():
+    # A pod author choosing the volume attribute ``job`` could name another JobSet's job: before, the pod was placed
+    # with the first JobSet's group and its replicatedJob's lookup raised KeyError out of the API server's view.
+    shapes = shapes_of(
+        [pod("b", "y", 0, 0, attributes={"job": "j"}, uid="uid-2")],
+        [],
+        [jobset("a", replicated_job("x", 1, 1, job="j")), jobset("b", replicated_job("y", 1, 1, job="j"), uid="uid-2")],
+    )
+    assert shapes.jobs[JobRef(NS, "j")].jobset == "a" and shapes.jobs[JobRef(NS, "j")].pods == ()
+    assert problems(shapes) == [("JobSet", "b", "volume attribute job"), ("Pod", "b-y-0-0-abcde", "JobSet b")]
+
+
 def test_two_live_pods_at_one_place_keep_the_newer_restart_attempt_or_neither():
     spec = jobset("t", replicated_job("w", 1, 1))
     old, new = pod("t", "w", 0, 0, attempt=0), pod("t", "w", 0, 0, attempt=1, metadata__name="t-w-0-0-newer")

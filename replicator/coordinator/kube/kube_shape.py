@@ -484,7 +484,7 @@ def _place(
             pod, "volume attribute job", f"{key.job!r} contradicts its replicatedJob template's {template_key.job!r}"
         )
     group = groups.get(key)
-    if group is None:
+    if group is None or (group.jobset.name, group.jobset.uid) != (jobset.name, jobset.uid):  # another JobSet's key
         return _pod_problem(
             pod,
             f"JobSet {jobset.name}",
