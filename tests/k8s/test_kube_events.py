@@ -68,7 +68,9 @@ async def _gone(kube: AsyncClient, namespace: str) -> bool:
 async def _pod(kube: AsyncClient, name: str) -> ObjectRef:
     pod = Pod(
         metadata=ObjectMeta(name=name, namespace=NAMESPACE),
-        spec=PodSpec(containers=[Container(name="c", image=NO_PULL_IMAGE)]),
+        # No scheduler picks it: bound to a node (the kubelet tests' leave Nodes behind), its deletion would wait
+        # for a kubelet that is gone, and the namespace's with it.
+        spec=PodSpec(containers=[Container(name="c", image=NO_PULL_IMAGE)], schedulerName="mtc-tests-unscheduled"),
     )
     created = await kube.create(pod)
     return ObjectRef("Pod", "v1", NAMESPACE, name, created.metadata.uid)
