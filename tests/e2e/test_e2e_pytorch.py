@@ -162,8 +162,8 @@ def test_hsdp_job_without_copies_completes_a_backup_cut_by_a_node_loss_and_resto
     bucket = fake_gcs.client().bucket("ckpt")
     steps = f"mtc/default/{job.job}/steps"
 
-    # The store slowed to 8 Mbit/s (a node's 12 MiB take about 12 s): node 1 is lost before rank 1 is stored.
-    with network.rate_limited([network.Endpoint("127.0.0.1", fake_gcs.port)], rate_mbit=8):
+    # The store slowed to 4 Mbit/s (a node's 12.4 MiB take about 26 s): node 1 is lost before rank 1 is stored.
+    with network.rate_limited([network.Endpoint("127.0.0.1", fake_gcs.port)], rate_mbit=4):
         wait_until(lambda: (status_of(cluster, job)["backup_pending"] or 0) > first, 120, "the next backup chosen")
         pending = status_of(cluster, job)["backup_pending"]
         wait_until(lambda: status_of(cluster, job)["safe_step"] > pending, 60, f"a step newer than {pending} safe")
