@@ -82,17 +82,25 @@ class BackupStore:
             return self._committed_as(job, step, rank, upload.manifest, incarnation, timeline)
         files = upload_files(self.objects, self.workers, upload, prefix)
         stored = RankManifest(step, rank, files, incarnation, timeline)
-        name = prefix + manifest_name(rank, upload.group_share)
+        self.write_manifest(job, stored, upload.group_share)
+        return stored
+
+    def write_manifest(self, job: JobRef, stored: RankManifest, group_share: bool = False) -> None:
+        """Writes ``stored`` as its rank's manifest (``group_share``: share) of its step: call once all it names is
+        stored and the step is not committed. Replaces one an interrupted upload left (another incarnation, or bytes since changed): the step is not
+        committed (the caller checked), and a rank's manifest has one writer per incarnation.
+
+        Raises:
+          BackupError: the store failed, or another uploader wrote it meanwhile.
+        """
+        name = step_prefix(job, stored.step, stored.timeline) + manifest_name(stored.rank, group_share)
         if (
             not self.objects.create_text(name, stored.to_json())
-            and self.rank_manifest(job, step, rank, timeline, upload.group_share) != stored
+            and self.rank_manifest(job, stored.step, stored.rank, stored.timeline, group_share) != stored
         ):
-            # Left by an interrupted upload (another incarnation, or bytes since changed): the step is
-            # not committed (checked above), and a rank's manifest has one writer per incarnation.
             self.objects.delete(name)
             if not self.objects.create_text(name, stored.to_json()):
                 raise BackupError(f"{self.url}/{name}: written by another uploader meanwhile")
-        return stored
 
     def _committed_as(
         self, job: JobRef, step: int, rank: int, manifest: StepManifest, incarnation: str, timeline: int

@@ -26,7 +26,7 @@ from replicator.local_tier.job_keys import BusySteps
 from replicator.local_tier.job_meta import JobMeta
 from replicator.local_tier.step_manifest import StepManifest
 from replicator.pacing.cpu_share import CpuShare
-from replicator.wire.messages import BackedUp, BackupOrder, JobRef
+from replicator.wire.messages import BackedUp, BackupOrder, JobRef, files_digest
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,8 @@ class BackupWorker:
         # long (done, given up, or the coordinator is away) is not retried. Set from the heartbeat.
         self.order_ttl_seconds = 10.0
         # (job, rank) -> (ramdisk, order, asked at). A node uploads its own rank and, for a rank whose node was lost
-        # mid-backup, the replica it holds (``coordinator.backups.stand_ins``): one upload at a time per rank.
+        # mid-backup, the replica it holds or a reference to its own rank's upload (``coordinator.backups.stand_ins``):
+        # one upload at a time per rank.
         self._wanted: dict[tuple[JobRef, int], tuple[str, BackupOrder, float]] = {}
         self._tasks: dict[tuple[JobRef, int], asyncio.Task] = {}
         self._uploaded: set[tuple] = set()  # the coordinator hears of it only from the next listing
@@ -148,6 +149,9 @@ class BackupWorker:
         Raises:
           BackupError, OSError: the store failed, or a local file could not be read.
         """
+        if order.data_rank is not None:
+            await self._stand_in(ramdisk_path, order, order.data_rank, key)
+            return
         located = JobMeta(ramdisk_path).locate(order.rank, order.step)
         if located is None:
             return
@@ -170,6 +174,43 @@ class BackupWorker:
                 await self._store(dataclasses.replace(upload, dedup_from=dedup), started)
             await self._commit(ramdisk_path, order, job)
             self._uploaded.add(key)
+
+    async def _stand_in(self, ramdisk_path: str, order: BackupOrder, data_rank: int, key: tuple) -> None:
+        """Stores ``order.rank``'s manifest naming the objects of its data-parallel peer ``data_rank``'s upload
+        of this backup (``shared_upload.reference``), then commits. Only when this node's copy of the peer's step has
+        the rank's checksums (``order.data_digest``) and the peer's stored manifest is of that copy; until the peer's
+        upload is stored, the next order retries.
+
+        Raises:
+          BackupError: the store failed.
+        """
+        job = JobRef(order.namespace, order.job)
+        located = JobMeta(ramdisk_path).locate(data_rank, order.step)
+        if located is None or order.data_digest is None or files_digest(located[1].files) != order.data_digest:
+            log.warning(
+                "%s: not standing in for rank %d with rank %d's step %d: this node's copy is not in its checksums",
+                job,
+                order.rank,
+                data_rank,
+                order.step,
+            )
+            return
+        source = await asyncio.to_thread(self.store.rank_manifest, job, order.step, data_rank, order.timeline)
+        if source is None or source.incarnation != order.incarnation:
+            return  # the peer's upload of this backup is not stored yet
+        if source.step_manifest().files != located[1].files:
+            raise BackupError(f"rank {data_rank}'s stored manifest of step {order.step} is not this node's copy")
+        await asyncio.to_thread(shared_upload.reference, self.store, job, order.rank, source)
+        log.info(
+            "%s: rank %d step %d backed up to %s as a reference to rank %d's upload (its node was lost)",
+            job,
+            order.rank,
+            order.step,
+            self.store.url,
+            data_rank,
+        )
+        await self._commit(ramdisk_path, order, job)
+        self._uploaded.add(key)
 
     async def _dedup_for(self, upload: RankUpload, order: BackupOrder) -> tuple[bool, RankManifest | None]:
         """Whether the rank's upload may go ahead now, and the stored files it deduplicates against: the union of

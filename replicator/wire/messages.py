@@ -46,6 +46,11 @@ M = TypeVar("M")
 ContentDigest = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 
 
+# The CRC32C of any file that ends with its own CRC32C (little-endian), as OCDBT files do: equal CRC32Cs of two such
+# files say nothing of their bytes (``step_manifest.file_identity``).
+CRC32C_RESIDUE = "48674bc7"
+
+
 def files_digest(files: Mapping[str, tuple[int, str]]) -> int:
     """A 63-bit digest of a step's checksums (relative path -> (size bytes, CRC32C hex)): equal for copies of the
     same bytes, so a replica of a rank's current step is told from a replica of the bytes it held before
@@ -365,6 +370,12 @@ class BackupOrder(msgspec.Struct, frozen=True, gc=False):
       share_group: the ranks (sorted, this one among them) found identical at the step, which share
         its upload (``backup_tier.shared_upload``: each uploads its share, then references the
         others'); empty when ``dedup_from_rank`` applies.
+      data_rank: set when ``rank``'s node was lost mid-backup and this node stands in for it with its own data of
+        the step, rank ``data_rank``'s, a data-parallel peer whose checksums of the step are ``rank``'s
+        (``coordinator.copies.backups.stand_ins``): once ``data_rank``'s upload of this backup is stored, the node
+        stores ``rank``'s manifest naming its objects, uploading nothing. None: upload ``rank``'s own data or replica.
+      data_digest: with ``data_rank``, ``files_digest`` of ``rank``'s checksums of the step, as its own node reported
+        them: the node references only a copy of ``data_rank`` with exactly these checksums.
     """
 
     namespace: Name
@@ -378,6 +389,8 @@ class BackupOrder(msgspec.Struct, frozen=True, gc=False):
     timeline: Timeline = 0
     forks: Forks = ()
     share_group: Annotated[tuple[Rank, ...], msgspec.Meta(max_length=MAX_RANKS)] = ()
+    data_rank: Rank | None = None
+    data_digest: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
 
 class ReportReply(msgspec.Struct, frozen=True, gc=False):

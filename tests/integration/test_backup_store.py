@@ -559,3 +559,26 @@ def test_s3_without_credentials_is_refused_when_opened(monkeypatch, tmp_path):
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance metadata off loopback
     with pytest.raises(BackupError, match="no credentials"):
         open_backup_store("s3://bucket/x")
+
+
+def test_a_reference_stands_in_for_a_rank_with_its_peers_objects_and_never_over_a_committed_step(tmp_path):
+    """``shared_upload.reference``: a lost rank's manifest names its data-parallel peer's objects (the same bytes),
+    nothing is uploaded, the step commits under the backup's tag and restores the peer's bytes, checked."""
+    store = open_backup_store(f"file://{tmp_path / 'objects'}")
+    same = rank_files(1)
+    step_dir, manifest = write_step(tmp_path / "src-1", 5, 1, same)
+    source = store.upload_rank(RankUpload(JOB, 5, 1, step_dir, manifest, incarnation="tag"))
+
+    stood_in = shared_upload.reference(store, JOB, 0, source)
+    assert (stood_in.rank, stood_in.incarnation, stood_in.files) == (0, "tag", source.files)
+    assert {f.object.split("/")[0] for f in stood_in.files.values()} == {"rank-1"}
+    assert not (tmp_path / "objects" / JOB.namespace / JOB.job / "steps" / "5" / "rank-0").exists()  # nothing uploaded
+    assert shared_upload.reference(store, JOB, 0, source) == store.rank_manifest(JOB, 5, 0) == stood_in
+    assert store.commit_if_complete(JOB, 5, nodes=2, incarnation="tag")
+    restored = store.download_rank(JOB, 5, 0, str(tmp_path / "restored-0"))
+    assert read_tree(tmp_path / "restored-0") == same and restored == StepManifest(5, 0, manifest.files)
+
+    # Another backup's tag over the committed step: refused, the committed manifest left as it is.
+    with pytest.raises(BackupError, match="committed with other data"):
+        shared_upload.reference(store, JOB, 0, dataclasses.replace(source, incarnation="other"))
+    assert store.rank_manifest(JOB, 5, 0) == stood_in

@@ -2,11 +2,13 @@
 survives a preemption, one that a node loss stranded is replaced at once, and the backup lag it exports."""
 
 import msgspec
+import pytest
 
 from replicator.coordinator.api.cluster_gauges import exposition
 from replicator.coordinator.api.recovery_snapshot import RecoverySnapshot
+from replicator.coordinator.indices.job import StandIn
 from replicator.coordinator.state import ClusterState
-from replicator.wire.messages import BackedUp, HeldStep, JobSettings
+from replicator.wire.messages import CRC32C_RESIDUE, BackedUp, HeldStep, JobSettings, files_digest
 from tests.helpers.coordinator import KEY, NAMES, OWN, SETTINGS, report
 from tests.helpers.reports import pod_report
 
@@ -25,7 +27,7 @@ def replica(step, rank):
 
 def form(state, nodes, uids, now, settings=SETTINGS, held=None):
     """The job's pods ``uids`` on ``nodes`` (index i on nodes[i]) form an incarnation; returns (its id, node -> rank).
-    ``held``: node -> the steps it reports with its pod (default: none)."""
+    ``settings``: every rank's, or rank -> its own. ``held``: node -> the steps it reports with its pod (default: none)."""
     for index, (node, uid) in enumerate(zip(nodes, uids, strict=True)):
         holding = (held or {}).get(node, [])
         reply = state.apply_report(report(node, f"http://{node}", [pod(index, uid)], holding, has_backup=True), now)
@@ -33,7 +35,8 @@ def form(state, nodes, uids, now, settings=SETTINGS, held=None):
     rank_of_pod = state.job(KEY).incarnation.rank_of_pod
     rank_of = {node: rank_of_pod[uid] for node, uid in zip(nodes, uids, strict=True)}
     for node in nodes:
-        state.restore.settings(KEY, incarnation, rank_of[node], settings)
+        rank = rank_of[node]
+        state.restore.settings(KEY, incarnation, rank, settings[rank] if isinstance(settings, dict) else settings)
     return incarnation, rank_of
 
 
@@ -295,7 +298,7 @@ def test_a_rank_whose_node_was_lost_mid_backup_is_uploaded_from_its_replica_and_
     second, rank_of, held_a, tag = lost_mid_backup(state)
     lost_rank, kept_rank = rank_of["c"], rank_of["a"]
     # Step 5 is not given up for 8: node a uploads both ranks of it, under the tag the lost node uploaded with.
-    assert state.job(KEY).backup_pending == 5 and dict(state.job(KEY).backup_stand_ins) == {lost_rank: "a"}
+    assert state.job(KEY).backup_pending == 5 and dict(state.job(KEY).backup_stand_ins) == {lost_rank: StandIn("a")}
     orders = heartbeat(state, "a", 0, "uid2", second, kept_rank, held_a, 103.0).backup
     assert sorted((o.step, o.rank, o.incarnation) for o in orders) == sorted([(5, kept_rank, tag), (5, lost_rank, tag)])
     assert heartbeat(state, "c", 1, "uid3", second, lost_rank, [own(8, lost_rank)], 103.0).backup == ()
@@ -323,3 +326,110 @@ def test_a_stranded_rank_whose_replica_goes_too_gives_the_backup_up_at_once_for_
     )
     state.tick(108.0)
     assert state.job(KEY).backup_pending == 8 and dict(state.job(KEY).backup_stand_ins) == {}
+
+
+# Data parallelism 2 without replicas: ranks 0 and 1 are each other's peer, and both write these bytes.
+DP_SETTINGS = {0: JobSettings((1,), 2, None, 1), 1: JobSettings((0,), 2, None, 1)}
+DP_FILES = {"model/shard": (10, "0000000d")}
+
+
+def dp_own(step, rank, files=DP_FILES):
+    return HeldStep(*NAMES, step, rank, files, signature="the step's structure")
+
+
+def dp_lost_mid_backup(state, lost_files=DP_FILES, peer_files=DP_FILES):
+    """A DP2 job on nodes a and b, no replicas, backs up step 5 and saves step 8 (their steps 5: node b's
+    ``lost_files``, node a's ``peer_files``, with the same structure's signature); b is lost mid-backup and a fresh
+    node c restores step 8 in its place. Returns (the incarnation, node -> rank, a's steps, 5's tag)."""
+    state.expire(0.0)
+    first, rank_of = form(state, ("a", "b"), ("uid0", "uid1"), 0.0, settings=DP_SETTINGS)
+    kept, lost = rank_of["a"], rank_of["b"]
+    for now, steps in ((1.0, [5]), (3.0, [5, 8])):
+        for index, node, files in ((0, "a", peer_files), (1, "b", lost_files)):
+            held = [dp_own(s, rank_of[node], files if s == 5 else DP_FILES) for s in steps]
+            reply = heartbeat(state, node, index, f"uid{index}", first, rank_of[node], held, now)
+        state.tick(now + 1)
+    assert state.job(KEY).backup_pending == 5 and (lost, kept) in state.identical(KEY)[5]
+    (tag,) = {o.incarnation for o in reply.backup}
+    held_a = [dp_own(5, kept, peer_files), dp_own(8, kept)]
+    state.expire(100.0)
+    second, rank_of = form(state, ("a", "c"), ("uid2", "uid3"), 100.0, settings=DP_SETTINGS, held={"a": held_a})
+    assert rank_of["c"] == lost
+    heartbeat(state, "a", 0, "uid2", second, kept, held_a, 101.0)
+    heartbeat(state, "c", 1, "uid3", second, lost, [dp_own(8, lost)], 101.0)
+    state.tick(102.0)
+    return second, rank_of, held_a, tag
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_stranded_rank_of_a_data_parallel_job_without_replicas_is_referenced_by_its_identical_peer(shared):
+    """Issue 49: the lost rank's data-parallel peer, found identical at step 5 and holding it in the lost rank's
+    checksums, writes the lost rank's manifest naming its own upload; its own upload no longer waits for the lost
+    rank (its leader, or a member of its shared upload, at step 5)."""
+    state = ClusterState(shared_backup=shared)
+    second, rank_of, held_a, tag = dp_lost_mid_backup(state)
+    lost, kept = rank_of["c"], rank_of["a"]
+    assert state.job(KEY).backup_pending == 5 and dict(state.job(KEY).backup_stand_ins) == {lost: StandIn("a", kept)}
+    orders = heartbeat(state, "a", 0, "uid2", second, kept, held_a, 103.0).backup
+    mine, stand_in = sorted(orders, key=lambda o: o.rank != kept)
+    assert (mine.step, mine.rank, mine.incarnation, mine.data_rank) == (5, kept, tag, None)
+    assert (mine.dedup_from_rank, mine.share_group) == (None, ())  # uploads alone: the lost rank uploads nothing
+    assert (stand_in.step, stand_in.rank, stand_in.incarnation) == (5, lost, tag)
+    assert (stand_in.data_rank, stand_in.dedup_from_rank, stand_in.share_group) == (kept, kept, ())
+    assert stand_in.data_digest == files_digest(DP_FILES)  # the lost rank's checksums, as its own node reported them
+    assert heartbeat(state, "c", 1, "uid3", second, lost, [dp_own(8, lost)], 103.0).backup == ()
+
+
+@pytest.mark.parametrize(
+    "lost_files, peer_files",
+    [
+        ({"model/shard": (10, "0000000e")}, DP_FILES),  # the same structure (signature), other bytes
+        ({"model/shard": (10, CRC32C_RESIDUE)}, {"model/shard": (10, CRC32C_RESIDUE)}),  # CRC32Cs that prove nothing
+    ],
+)
+def test_a_data_parallel_peer_not_proven_to_hold_the_stranded_ranks_bytes_does_not_stand_in(lost_files, peer_files):
+    """Found identical by the index (equal signatures) is not enough: the backup of a rank must be the bytes it wrote.
+    With no other way to upload the lost rank, the backup is given up at once for the newer complete step."""
+    state = ClusterState()
+    dp_lost_mid_backup(state, lost_files, peer_files)
+    assert state.job(KEY).backup_pending == 8 and dict(state.job(KEY).backup_stand_ins) == {}
+
+
+def test_a_replica_of_the_stranded_rank_is_preferred_to_a_data_parallel_peers_copy():
+    state = ClusterState()
+    second, rank_of, held_a, _ = dp_lost_mid_backup(state)
+    lost, kept = rank_of["c"], rank_of["a"]
+    held_a = [*held_a, HeldStep(*NAMES, 5, lost, DP_FILES, replica=True)]
+    heartbeat(state, "a", 0, "uid2", second, kept, held_a, 103.0)
+    state.tick(104.0)
+    assert dict(state.job(KEY).backup_stand_ins) == {lost: StandIn("a")}
+    orders = heartbeat(state, "a", 0, "uid2", second, kept, held_a, 105.0).backup
+    assert sorted((o.rank, o.data_rank, o.data_digest) for o in orders) == sorted(
+        [(kept, None, None), (lost, None, None)]
+    )
+
+
+def test_a_coordinator_restarted_mid_backup_keeps_the_evidence_for_a_data_parallel_stand_in(tmp_path):
+    """The lost rank's node never reports its checksums and signature of step 5 again: the state dir keeps them, so a
+    restarted coordinator still lets the peer stand in (without them it gave the backup up)."""
+    state = ClusterState()
+    second, rank_of, held_a, tag = dp_lost_mid_backup(state)
+    lost, kept = rank_of["c"], rank_of["a"]
+    kept_dir = RecoverySnapshot(str(tmp_path))
+    kept_dir.write(kept_dir.collect(state, 0.0))
+
+    restarted = ClusterState()
+    restarted.expire(110.0)
+    for rank, settings in DP_SETTINGS.items():
+        restarted.restore.settings_from_snapshot(KEY, rank, settings)
+    RecoverySnapshot(str(tmp_path)).load(restarted)
+    for now in (111.0, 113.0):
+        heartbeat(restarted, "a", 0, "uid2", second, kept, held_a, now)
+        heartbeat(restarted, "c", 1, "uid3", second, lost, [dp_own(8, lost)], now)
+        restarted.tick(now + 1)
+    assert restarted.job(KEY).backup_pending == 5
+    assert dict(restarted.job(KEY).backup_stand_ins) == {lost: StandIn("a", kept)}
+    orders = heartbeat(restarted, "a", 0, "uid2", second, kept, held_a, 115.0).backup
+    assert sorted((o.rank, o.incarnation, o.data_rank, o.data_digest) for o in orders) == sorted(
+        [(kept, tag, None, None), (lost, tag, kept, files_digest(DP_FILES))]
+    )

@@ -5,9 +5,9 @@ import logging
 import secrets
 from collections.abc import Callable
 
-from replicator.coordinator.indices.job import JobState
+from replicator.coordinator.indices.job import JobState, StandIn
 from replicator.coordinator.indices.liveness import Liveness, NodeState
-from replicator.wire.messages import BackedUp, BackupOrder, JobRef, in_lineage
+from replicator.wire.messages import CRC32C_RESIDUE, BackedUp, BackupOrder, JobRef, files_digest, in_lineage
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +85,9 @@ def advance(
     A pending backup keeps its upload tag (``job.backup_attempt``) through later incarnations, so what was uploaded
     before a preemption counts, until an incarnation restores an older step (the job will write it again): it is
     given up then. A rank whose node was replaced and holds no copy of the step's own data is uploaded by a live node
-    holding its replica (``stand_ins``), so a node lost mid-backup costs that rank's upload, not the backup; one that
-    no order can finish any more (no replica either) is given up at once for a newer complete step; one that stays
+    holding its replica, or referenced by the node of a data-parallel peer holding the step in the same bytes
+    (``stand_ins``), so a node lost mid-backup costs that rank's upload, not the backup; one that no order can finish
+    any more (neither) is given up at once for a newer complete step; one that stays
     incomplete for ``_GIVE_UP_SECONDS`` whatever the reason is given up too.
 
     Args:
@@ -130,7 +131,7 @@ def advance(
 
 
 def _given_up(
-    key: JobRef, job: JobState, pending: int, found: dict[int, str] | None, newest: int | None, now: float
+    key: JobRef, job: JobState, pending: int, found: dict[int, StandIn] | None, newest: int | None, now: float
 ) -> bool:
     """Whether the pending backup of ``pending`` is given up (and why, logged): the job restored an older step, a
     rank's node holds no copy of it and no live node a replica (``found`` is None) while a newer step is complete, or
@@ -140,7 +141,8 @@ def _given_up(
         log.warning("job %s: the job restored a step older than %d; its backup is given up", key, pending)
     elif found is None:
         log.warning(
-            "job %s: backup of step %d cannot complete (rank %d's node holds no copy of it, no live node a replica); "
+            "job %s: backup of step %d cannot complete (rank %d's node holds no copy of it, no live node a replica or "
+            "a data-parallel peer's copy in its bytes); "
             "choosing anew (newest complete step: %d)",
             key,
             pending,
@@ -184,35 +186,63 @@ def stranded_ranks(job: JobState, step: int) -> tuple[int, ...]:
     return found
 
 
-def stand_ins(job: JobState, step: int, liveness: Liveness) -> dict[int, str] | None:
+def stand_ins(job: JobState, step: int, liveness: Liveness) -> dict[int, StandIn] | None:
     """Who uploads each stranded rank of ``step`` (``stranded_ranks``) in its node's place: the first, by node id, of
     the live nodes with a backup tier that hold a replica of it (a verified copy of the rank's own bytes, so the
-    backup is the one the rank wrote). {} when no rank is stranded; None when one has no such node (no order can
-    upload it: a copy only in parity shards or on a silent node is not uploaded)."""
-    found: dict[int, str] = {}
+    backup is the one the rank wrote); with none, the node of a data-parallel peer holding the step in the rank's
+    bytes (``_identical_peer``). {} when no rank is stranded; None when one has neither (no order can upload it: a
+    copy only in parity shards or on a silent node is not uploaded)."""
+    found: dict[int, StandIn] = {}
     for rank in stranded_ranks(job, step):
         holders = sorted(
             node_id
             for node_id, replica in job.claims.of(step, rank).items()
             if replica and node_id in liveness.backup_nodes and liveness.is_live(node_id)
         )
-        if not holders:
+        stand_in = StandIn(holders[0]) if holders else _identical_peer(job, step, rank, liveness)
+        if stand_in is None:
             return None
-        found[rank] = holders[0]
+        found[rank] = stand_in
     return found
 
 
-def _note_stand_ins(key: JobRef, job: JobState, step: int, found: dict[int, str]) -> None:
+def _identical_peer(job: JobState, step: int, rank: int, liveness: Liveness) -> StandIn | None:
+    """The node and rank of the first, by rank, of ``rank``'s data-parallel peers that were found identical to it at
+    ``step`` (``Identity.identical_peers``: equal signatures of the step's structure) AND whose own node reported
+    the step with exactly ``rank``'s checksums (every path, size and CRC32C), and whose node in the current
+    incarnation holds that copy, is live and has a backup tier. The structure alone does not make the bytes equal:
+    Orbax's peers write their arrays to per-process files of other bytes, and a rank's backup must hold what it wrote.
+    None when no peer qualifies, or when a file of the rank's has the CRC32C residue (it ends with its own CRC32C:
+    an equal CRC32C says nothing of its bytes)."""
+    incarnation = job.incarnation
+    mine = job.owners.checksums(step, rank)
+    if incarnation is None or not mine or any(crc == CRC32C_RESIDUE for _, crc in mine.values()):
+        return None
+    for peer in sorted(job.identity.identical_peers(step, rank)):
+        node_id = incarnation.node_of_rank.get(peer)
+        if (
+            node_id is not None
+            and job.claims.of(step, peer).get(node_id) is False
+            and node_id in liveness.backup_nodes
+            and liveness.is_live(node_id)
+            and job.owners.checksums(step, peer) == mine
+        ):
+            return StandIn(node_id, peer)
+    return None
+
+
+def _note_stand_ins(key: JobRef, job: JobState, step: int, found: dict[int, StandIn]) -> None:
     """Sets the pending backup's stand-ins, logging each new one."""
-    for rank, node_id in found.items():
-        if job.backup_stand_ins.get(rank) != node_id:
-            log.warning(
-                "job %s: backup of step %d: rank %d's node holds no copy of it; %s uploads its replica",
-                key,
-                step,
-                rank,
-                node_id,
-            )
+    for rank, stand_in in found.items():
+        if job.backup_stand_ins.get(rank) == stand_in:
+            continue
+        if stand_in.peer is None:
+            what = "uploads its replica"
+        else:
+            what = f"references rank {stand_in.peer}'s upload for it (identical, with the same checksums)"
+        log.warning(
+            "job %s: backup of step %d: rank %d's node holds no copy of it; %s %s", key, step, rank, stand_in.node, what
+        )
     job.backup_stand_ins = found
 
 
@@ -252,18 +282,42 @@ def lag(job: JobState, backed: set[int], now: float) -> tuple[int, float] | None
 
 def orders(key: JobRef, job: JobState, state: NodeState, shared: bool = False) -> list[BackupOrder]:
     """Uploads of the step being backed up for the ranks whose own data this node holds, and for the ranks it stands
-    in for (``JobState.backup_stand_ins``: it holds their replica, their own node no copy).
+    in for (``JobState.backup_stand_ins``: it holds their replica, or a data-parallel peer's own copy in their bytes,
+    while their own node holds no copy).
 
     The members of a data-parallel group found identical share the upload (``shared``: each sends
     its share of the files and references the others', ``backup_tier.shared_upload``); else one
     member (rotating with the step) uploads and the others reference its objects. Either way each
-    uploads only what differs besides.
+    uploads only what differs besides. A member a peer stands in for is left out of its group: it
+    uploads no share, and its manifest references the peer's upload once that is stored.
     """
     incarnation = job.incarnation
     step = job.backup_pending
     if incarnation is None or step is None:
         return []
     node_id = state.report.node_id
+    result = []
+    for claim in state.claims:
+        if claim.job != key or claim.step != step:
+            continue
+        if claim.replica:
+            if job.backup_stand_ins.get(claim.rank) == StandIn(node_id):
+                result.append(_order(key, job, claim.rank, shared))
+        elif incarnation.node_of_rank.get(claim.rank) == node_id:
+            result.append(_order(key, job, claim.rank, shared))
+            result += [
+                _order(key, job, rank, shared, data_rank=claim.rank)
+                for rank, stand_in in sorted(job.backup_stand_ins.items())
+                if stand_in == StandIn(node_id, claim.rank)
+            ]
+    return result
+
+
+def _order(key: JobRef, job: JobState, rank: int, shared: bool, data_rank: int | None = None) -> BackupOrder:
+    """The upload order of ``rank``'s copy of the pending backup (``orders``); ``data_rank``: a peer's own copy
+    stands in for it (``BackupOrder.data_rank``)."""
+    incarnation, step = job.incarnation, job.backup_pending
+    assert incarnation is not None and step is not None  # orders' caller checked
     protected: tuple[int, ...] = (
         (incarnation.plan.step,) if incarnation.plan and incarnation.plan.step is not None else ()
     )
@@ -271,30 +325,29 @@ def orders(key: JobRef, job: JobState, state: NodeState, shared: bool = False) -
         protected += (
             job.forced_step,
         )  # a rollback's step: kept from retention until its restore is done or it is cancelled
-    result = []
-    for claim in state.claims:
-        if claim.job != key or claim.step != step:
-            continue
-        if claim.replica and job.backup_stand_ins.get(claim.rank) != node_id:
-            continue
-        if not claim.replica and incarnation.node_of_rank.get(claim.rank) != node_id:
-            continue
-        group = job.memo.leaders.group(job.identity, step, claim.rank)
+    if data_rank is not None:
+        mine = job.owners.checksums(step, rank)
+        digest = files_digest(mine) if mine is not None else None
+        sharing: tuple[int, ...] = ()
+        leader = data_rank
+    else:
+        referenced = {r for r, stand_in in job.backup_stand_ins.items() if stand_in.peer is not None}
+        group = tuple(r for r in job.memo.leaders.group(job.identity, step, rank) if r not in referenced)
         sharing = group if shared and len(group) > 1 else ()
-        leader = claim.rank if sharing else job.memo.leaders.leader(job.identity, step, claim.rank)
-        result.append(
-            BackupOrder(
-                key.namespace,
-                key.job,
-                step,
-                claim.rank,
-                job.backup_attempt,
-                len(incarnation.node_of_rank),
-                None if leader == claim.rank else leader,
-                protected,
-                len(job.forks),
-                job.forks,
-                sharing,
-            )
-        )
-    return result
+        leader = rank if sharing else group[step % len(group)]
+        digest = None
+    return BackupOrder(
+        key.namespace,
+        key.job,
+        step,
+        rank,
+        job.backup_attempt,
+        len(incarnation.node_of_rank),
+        None if leader == rank else leader,
+        protected,
+        len(job.forks),
+        job.forks,
+        sharing,
+        data_rank,
+        digest,
+    )

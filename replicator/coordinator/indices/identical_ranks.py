@@ -169,7 +169,7 @@ class IdenticalPairs(Mapping[int, frozenset[tuple[int, int]]]):
 
 
 class LeaderMemo:
-    """The identical group of each rank at one step (who uploads its backup), kept while the
+    """The identical group of each rank at one step (who uploads its backup, ``backups.orders``), kept while the
     identities at that step hold: the signatures of newer steps, compared about once a second
     while the job trains, do not clear it."""
 
@@ -192,9 +192,3 @@ class LeaderMemo:
                 )
             )
         return group
-
-    def leader(self, identity: Identity, step: int, rank: int) -> int:
-        """The rank of ``rank``'s identical group that uploads ``step`` alone (rotating with the
-        step, to spread the load)."""
-        group = self.group(identity, step, rank)
-        return group[step % len(group)]

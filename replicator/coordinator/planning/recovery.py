@@ -11,7 +11,9 @@ Everything else is rebuilt from the agents' next reports. These are not, or not 
 - the backup in progress and the schedule (``backups``): the step chosen, its upload tag (``JobState.backup_attempt``:
   a new tag would upload every rank again and never commit what is in flight), when it was chosen, the last
   backup's time, when each backup was first seen complete and each safe step first found safe (``backups.lag``),
-  and the steps written again (never backed up).
+  and the steps written again (never backed up);
+- the evidence a data-parallel peer may stand in for a rank stranded in the backup in progress
+  (``backups.stand_ins``): that rank's checksums and signature of the step, which its lost node never reports again.
 
 A snapshot is the coordinator's own word, written by it: checksums kept still lose to the rank's own node's report
 (``OwnerReports.promote``), and a shard still counts only over the members' current checksums.
@@ -22,6 +24,7 @@ from typing import Annotated
 
 import msgspec
 
+from replicator.coordinator.copies import backups
 from replicator.coordinator.indices.job import JobState, unpack_files
 from replicator.coordinator.indices.parity_orders import ShardSlot
 from replicator.wire.messages import JobRef, Name, Rank, Step
@@ -46,7 +49,8 @@ class RecoveredOrder(msgspec.Struct, frozen=True, gc=False):
 
 
 class RecoveredBackup(msgspec.Struct, frozen=True, gc=False):
-    """The job's backup state (``JobState``'s fields of the same meaning; times in unix seconds)."""
+    """The job's backup state (``JobState``'s fields of the same meaning; times in unix seconds). ``signatures``: the
+    pending step's signatures of its stranded ranks (``backups.stranded_ranks``), whose checksums are kept too."""
 
     pending: Step | None
     pending_since: _Seconds
@@ -56,6 +60,7 @@ class RecoveredBackup(msgspec.Struct, frozen=True, gc=False):
     safe_at: dict[Step, _Seconds]
     rewritten: list[Step]
     last_chosen: _Seconds | None = None
+    signatures: dict[Rank, Annotated[str, msgspec.Meta(max_length=128)]] = {}
 
 
 class JobRecovery(msgspec.Struct, frozen=True, gc=False):
@@ -83,7 +88,13 @@ def stamp(job: JobState) -> tuple[object, ...]:
         tuple(job.backup_seen.items()),
         tuple(job.safe_at.items()),
         tuple(sorted(job.rewritten)),
+        _stranded(job),
     )
+
+
+def _stranded(job: JobState) -> tuple[int, ...]:
+    """The ranks of the backup in progress whose node holds no copy of its step (memoized by ``stranded_ranks``)."""
+    return backups.stranded_ranks(job, job.backup_pending) if job.backup_pending is not None else ()
 
 
 def steps(job: JobState) -> frozenset[int]:
@@ -95,10 +106,12 @@ def steps(job: JobState) -> frozenset[int]:
 def record(key: JobRef, job: JobState) -> JobRecovery | None:
     """What to keep of the job, or None when there is nothing."""
     ordered = job.parity_orders.steps()
+    pending = job.backup_pending
+    stranded = {(pending, rank) for rank in _stranded(job)} if pending is not None else set()
     checksums = [
         RecoveredChecksums(step, rank, packed)
         for step, rank in sorted({*job.owners.files, *job.owners.recovered})
-        if step in ordered and (packed := job.owners.known(step, rank)) is not None
+        if (step in ordered or (step, rank) in stranded) and (packed := job.owners.known(step, rank)) is not None
     ]
     orders = [
         RecoveredOrder(node, slot, basis)
@@ -114,6 +127,11 @@ def record(key: JobRef, job: JobState) -> JobRecovery | None:
         dict(job.safe_at),
         sorted(job.rewritten),
         job.last_backup_chosen_at,
+        {
+            rank: signature
+            for step, rank in sorted(stranded)
+            if (signature := job.identity.signatures.get((step, rank))) is not None
+        },
     )
     if not checksums and not orders and backup == RecoveredBackup(None, 0.0, "", None, {}, {}, []):
         return None
@@ -147,4 +165,7 @@ def apply(job: JobState, recovered: JobRecovery) -> None:
     )
     job.last_backup_time, job.last_backup_chosen_at = backup.last_time, backup.last_chosen
     job.backup_seen, job.safe_at, job.rewritten = dict(backup.seen), dict(backup.safe_at), set(backup.rewritten)
+    if backup.pending is not None:
+        for rank, signature in backup.signatures.items():
+            job.identity.add_signature(backup.pending, rank, signature)
     job.decided.dirty = True

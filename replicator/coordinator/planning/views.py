@@ -6,7 +6,7 @@ from types import MappingProxyType
 
 from replicator.coordinator import planner
 from replicator.coordinator.indices.incarnations import Incarnation
-from replicator.coordinator.indices.job import JobState
+from replicator.coordinator.indices.job import JobState, StandIn
 from replicator.wire.messages import Files, JobRef, JobSettings, RetainOrder
 from replicator.wire.operator import ExcludedCopy, JobStatus, RankPlace, RestoreStatus
 
@@ -50,8 +50,8 @@ class JobView:
         return self._job.backup_pending
 
     @property
-    def backup_stand_ins(self) -> Mapping[int, str]:
-        """Rank -> the node uploading the pending backup's replica of it in its lost node's place (read-only)."""
+    def backup_stand_ins(self) -> Mapping[int, StandIn]:
+        """Rank -> who uploads the pending backup's copy of it in its lost node's place (read-only)."""
         return MappingProxyType(self._job.backup_stand_ins)
 
     @property
