@@ -281,14 +281,16 @@ e2e-deploy: host-tools setup tools k8s-node-tools $(COREDNS) deploy-images chart
 # the pressure cases (a ramdisk sized exactly by the rule, read-once restores after a cluster loss, the chaos
 # suite's fixed seed, a parity group losing more than it tolerates, a PyTorch job restored at another node count)
 # and the slowest tests of the peer and backup tiers (a node lost while saving faster than it replicates; a store
-# answering after 20 s; the backup RPO through a node loss and a cluster loss), named by test ID.
+# answering after 20 s; the backup RPO through a node loss and a cluster loss, and an HSDP job's backup cut by a
+# node loss and committed by its data-parallel peer's reference), named by test ID.
 # About 18 min.
 E2E_OPERATIONS := tests/e2e/test_e2e_upgrade.py tests/e2e/test_e2e_token_rotation.py \
                   tests/e2e/test_e2e_ramdisk_sizing.py tests/e2e/test_e2e_restore_fan_out.py tests/e2e/test_chaos.py \
                   tests/e2e/test_e2e_parity_beyond.py tests/e2e/test_e2e_pytorch_elastic.py \
                   tests/e2e/test_e2e_peer_tier.py::test_node_lost_while_saving_faster_than_it_replicates_restores_a_step_within_the_bound \
                   tests/e2e/test_e2e_backup_tier.py::test_a_store_answering_after_20_s_slows_no_save_and_backups_then_complete_and_restore \
-                  tests/e2e/test_e2e_backup_tier.py::test_rpo_a_node_lost_mid_backup_then_the_cluster_30_s_later_restores_within_a_backup_interval_of_safe
+                  tests/e2e/test_e2e_backup_tier.py::test_rpo_a_node_lost_mid_backup_then_the_cluster_30_s_later_restores_within_a_backup_interval_of_safe \
+                  tests/e2e/test_e2e_pytorch.py::test_hsdp_job_without_copies_completes_a_backup_cut_by_a_node_loss_and_restores_it_after_a_cluster_loss
 
 # The import contracts, the linter, the format check and the type checker first (pyproject.toml: [tool.importlinter],
 # [tool.ruff], [tool.mypy]; mtc_torch is type-checked against the PyTorch venv's torch): a finding fails before any
