@@ -14,6 +14,7 @@ import json
 import os
 import ssl
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterable
 from typing import Any
@@ -26,6 +27,7 @@ from lightkube.utils.quantity import parse_quantity
 
 from replicator.backup_tier.backends import open_backup_store
 from replicator.backup_tier.probe import probe_store
+from replicator.wire.tls import ServerCheck, client_context
 
 CHECKPOINTING_LABEL = "mtc.dev/checkpointing"
 MAX_CLOCK_SKEW_SECONDS = 30.0  # peer grants are valid +-30 s around the coordinator's clock
@@ -232,6 +234,81 @@ def coordinator(url: str, ca: str | None, now: float | None = None) -> list[Verd
         )
     )
     return verdicts
+
+
+def _health(url: str, context: ssl.SSLContext | None) -> dict[str, Any]:
+    """``GET <url>/healthz``'s JSON body, whatever its status (the agent's is 503 while wedged).
+
+    Raises:
+      OSError: it does not answer, or not with a JSON object.
+    """
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/healthz", timeout=10, context=context) as response:
+            body = json.load(response)
+    except urllib.error.HTTPError as err:
+        body = json.load(err)
+    except ValueError as err:
+        raise OSError(f"/healthz answered no JSON: {err}") from None
+    if not isinstance(body, dict):
+        raise OSError("/healthz answered no JSON object")
+    return body
+
+
+def grant_keys(coordinator_url: str, ca: str | None, agent_url: str, agent_ca: str | None) -> list[Verdict]:
+    """The agent at ``agent_url`` holds the key the coordinator signs peer grants with now (both ``/healthz``).
+
+    The coordinator makes its key at its start; an agent learns it from its next answered report and keeps the
+    last two (``replicator.wire.grants``). Keys carry no expiry: "current" is "the coordinator's of now". An
+    https:// agent's certificate is checked against ``agent_ca`` alone, as its peers check it (the chart's names
+    no address).
+    """
+    try:
+        signing = _health(coordinator_url, ssl.create_default_context(cafile=ca) if ca else None).get("grant_key")
+    except OSError as err:
+        return [Verdict("grant keys", Outcome.SKIP, f"the coordinator does not answer: {getattr(err, 'reason', err)}")]
+    try:
+        context = client_context(agent_ca, ServerCheck.CA) if agent_url.startswith("https://") else None
+        body = _health(agent_url, context)
+    except OSError as err:
+        return [
+            Verdict(
+                "grant keys",
+                Outcome.FAIL,
+                f"the agent at {agent_url}: {getattr(err, 'reason', err)}",
+                "give --agent the agent's --listen address: http://127.0.0.1:8470, or https:// with --agent-ca "
+                "(its --peer-tls-ca) under peer TLS",
+            )
+        ]
+    if "grant_keys" not in body:
+        return [Verdict("grant keys", Outcome.SKIP, "the agent's /healthz names no keys (an agent before 0.3.0)")]
+    return [grant_keys_verdict(signing, body["grant_keys"])]
+
+
+def grant_keys_verdict(signing: str | None, held: list[str] | None) -> Verdict:
+    """Whether an agent holding the keys ``held`` (``key_id``s, oldest first; None without ``--peer-grants``)
+    accepts the grants signed with ``signing`` (None: the coordinator signs none)."""
+    if held is None and signing is None:
+        return Verdict("grant keys", Outcome.SKIP, "peer grants are off")
+    if held is None:
+        return Verdict("grant keys", Outcome.SKIP, "the agent serves peers without grants (its --peer-grants is off)")
+    if signing is None:
+        return Verdict(
+            "grant keys",
+            Outcome.FAIL,
+            "the agent serves peers only against grants, but the coordinator signs none: every peer refuses "
+            "this node's replicas and restores",
+            "run the coordinator with --peer-grants (chart: nodeIdentity.peerGrants), as the agents",
+        )
+    if signing in held:
+        return _ok("grant keys", f"the agent holds the coordinator's key {signing} (of {len(held)} kept)")
+    return Verdict(
+        "grant keys",
+        Outcome.FAIL,
+        f"the coordinator signs with {signing}, the agent holds {', '.join(held) or 'no key'}: it refuses the "
+        "grants the coordinator issues now",
+        "an agent learns the key from its next answered report, seconds after the coordinator's start; if this "
+        "stays, it cannot reach this coordinator (its log: 'coordinator unreachable') or reports to another one",
+    )
 
 
 def backup_store(url: str, emulator_host: str | None, s3_endpoint_url: str | None) -> list[Verdict]:

@@ -3,7 +3,8 @@
 From a laptop with a kubeconfig it checks the cluster (``doctor_checks``: CSINode registration, the agents'
 DaemonSet, namespaces, memory per node) and, given their URLs, the coordinator and the backup store. In an agent's
 container (no API credentials: the cluster's checks are skipped) ``--root`` and ``--node-token-file`` add this
-node's own: the data dir's mount propagation, its memory, the agent's limit and its token.
+node's own: the data dir's mount propagation, its memory, the agent's limit and its token; ``--agent`` with
+``--coordinator``, whether the agent holds the key the coordinator signs peer grants with now.
 """
 
 import argparse
@@ -36,6 +37,13 @@ def add(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--s3-endpoint-url", type=http_url, help="an S3-compatible endpoint for an s3:// --backup")
     p.add_argument("--root", type=non_empty, help="in an agent's container: its data dir, checked on this node")
     p.add_argument("--node-token-file", type=non_empty, help="in an agent's container: its projected token")
+    p.add_argument(
+        "--agent",
+        type=http_url,
+        help="in an agent's container: its address (http://127.0.0.1:8470): with --coordinator, check that it holds "
+        "the coordinator's current grant key",
+    )
+    p.add_argument("--agent-ca", type=ca_bundle, help="CA bundle (PEM) for an https:// --agent: its --peer-tls-ca")
     p.add_argument(
         "--min-free", type=quantity, default=1 << 30, help="memory a node must have for ramdisks (default 1Gi)"
     )
@@ -82,6 +90,8 @@ def run_checks(args: argparse.Namespace) -> list[Verdict]:
         verdicts += checks.data_dir(os.path.realpath(args.root)) + checks.local_memory(args.min_free)
     if args.node_token_file:
         verdicts += checks.node_token(args.node_token_file)
+    if args.agent:
+        verdicts += checks.grant_keys(args.coordinator, args.ca, args.agent, args.agent_ca)
     return verdicts
 
 
@@ -101,6 +111,12 @@ def render(verdicts: list[Verdict]) -> str:
 def _run(args: argparse.Namespace) -> int:
     if args.s3_endpoint_url and not (args.backup or "").startswith("s3://"):
         print(f"mtc doctor: --s3-endpoint-url {args.s3_endpoint_url}: needs an s3:// --backup", file=sys.stderr)
+        return 2
+    if args.agent and not args.coordinator:
+        print(f"mtc doctor: --agent {args.agent}: needs --coordinator (whose grant key it checks)", file=sys.stderr)
+        return 2
+    if (args.agent or "").startswith("https://") and not args.agent_ca:
+        print(f"mtc doctor: --agent {args.agent}: an https:// agent needs --agent-ca", file=sys.stderr)
         return 2
     verdicts = run_checks(args)
     print(render(verdicts))

@@ -213,7 +213,13 @@ class NodeAgent:
         async def healthz(request: web.Request) -> web.Response:
             healthy = self.healthy()
             # The store's state is shown, not judged: a store fault must not restart agents (store_check.py).
-            body = {"node": self.config.node_id, "ready": healthy, "backup_store": self.store_check.summary()}
+            body = {
+                "node": self.config.node_id,
+                "ready": healthy,
+                "backup_store": self.store_check.summary(),
+                # The coordinator keys it checks peer grants with (mtc doctor), null without --peer-grants.
+                "grant_keys": self.grants.keys.key_ids if self.grants else None,
+            }
             return web.json_response(body, status=200 if healthy else 503)
 
         async def metrics(request: web.Request) -> web.Response:

@@ -132,6 +132,12 @@ class GrantKeys:
         """Whether any key has been learnt (before the first reply, every grant is refused)."""
         return bool(self._keys)
 
+    @property
+    def key_ids(self) -> list[str]:
+        """The ids (``key_id``) of the keys kept, oldest first: what ``/healthz`` shows for ``mtc doctor``."""
+        with self._lock:
+            return list(self._keys)
+
     def learn(self, public_key: str) -> None:
         """Keeps ``public_key`` (``GrantSigner.public_key``) as the newest; the oldest beyond two is dropped.
 

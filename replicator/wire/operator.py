@@ -23,6 +23,15 @@ class Done(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     step: Step | None = None
 
 
+class Health(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
+    """The coordinator's ``GET /healthz``: ``{"ok": true}``, and with ``--peer-grants`` ``grant_key``, the id
+    (``replicator.wire.grants.key_id``) of the key it signs peer grants with, which ``mtc doctor`` looks for
+    among an agent's."""
+
+    ok: bool
+    grant_key: str | None = None
+
+
 class RankPlace(msgspec.Struct, frozen=True, gc=False):
     """A rank of a job's incarnation: its node and pod; ``silent``: the node has not reported
     within the node timeout (its rank's pod may be gone with it)."""

@@ -1,8 +1,10 @@
 """The rest of the chart's promises, after the job's life (``test_training.py``): the coordinator's RBAC is exactly
 what it used, the values schema refuses a wrong ``kubeletDir`` on a live release, ``mtc doctor`` names a node whose
-driver registration is removed, and docs/install.md's uninstall,
+driver registration is removed, agents restarted with a backup store they cannot use say so in a Warning event on
+their Node within 30 s of their start, and docs/install.md's uninstall,
 run word for word, leaves no mount, socket or registration behind on the nodes."""
 
+import datetime
 import json
 import re
 
@@ -76,6 +78,66 @@ def test_mtc_doctor_names_the_node_whose_registration_is_removed(deployment):
     assert re.search(failed, screen, re.MULTILINE), screen
     assert f"--field-selector spec.nodeName={broken.name}" in screen, screen
     assert f"ok    driver registered on {healthy.name} " in screen, screen
+
+
+# An s3:// store on a closed port of the agent's own loopback: the connection is refused at once, so the probe fails
+# for the store within a second (botocore's 3 attempts), not by its 30 s timeout. boto3 must find credentials for
+# the agent to open the store at all (without, it exits at its start): fake keys in the environment.
+BAD_STORE, BAD_ENDPOINT = "s3://no-such-bucket/mtc", "http://127.0.0.1:9"
+FAKE_KEYS = [{"name": "AWS_ACCESS_KEY_ID", "value": "mtc-deploy"}, {"name": "AWS_SECRET_ACCESS_KEY", "value": "x"}]
+STORE_EVENT_SECONDS = 30.0  # issue 52: a bad store is a Warning event within 30 s of the agent's start
+
+
+def _seconds(timestamp: str) -> float:
+    return datetime.datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp()
+
+
+def _agents_started(deployment, old: set[str]) -> dict[str, float] | None:
+    """Node name -> when the mtc-node container of its agent pod not in ``old`` (UIDs) started (Unix seconds), once
+    every node has one running; else None."""
+    pods = deployment.kubectl_json("get", "pods", "-n", RELEASE_NAMESPACE, "-l", "app.kubernetes.io/component=node")
+    started = {
+        pod["spec"]["nodeName"]: _seconds(status["state"]["running"]["startedAt"])
+        for pod in pods["items"]
+        if pod["metadata"]["uid"] not in old
+        for status in pod["status"].get("containerStatuses") or []
+        if status["name"] == "mtc-node" and "running" in status["state"]
+    }
+    return started if set(started) == {n.name for n in deployment.nodes} else None
+
+
+def _store_events(deployment) -> dict[str, dict]:
+    """Node name -> its ``BackupStoreUnusable`` event (Node events are in ``default``, as the kubelet's)."""
+    events = deployment.kubectl_json(
+        "get", "events", "-n", "default", "--field-selector", "reason=BackupStoreUnusable,involvedObject.kind=Node"
+    )
+    return {e["involvedObject"]["name"]: e for e in events["items"]}
+
+
+def test_agents_with_a_bad_backup_store_give_a_warning_event_on_their_node_within_30_s(deployment):
+    pods = deployment.kubectl_json("get", "pods", "-n", RELEASE_NAMESPACE, "-l", "app.kubernetes.io/component=node")
+    old = {p["metadata"]["uid"] for p in pods["items"]}
+    assert not _store_events(deployment), "a store event before any store was set"
+    # Both agents restart at once (maxUnavailable 2): one after the other would double the wait.
+    deployment.sh(
+        f"helm upgrade mtc charts/mtc --namespace {RELEASE_NAMESPACE} --reuse-values "
+        f"--set backup.url={BAD_STORE} --set backup.s3EndpointURL={BAD_ENDPOINT} "
+        f"--set-json 'node.env={json.dumps(FAKE_KEYS)}' --set node.updateStrategy.rollingUpdate.maxUnavailable=2"
+    )
+    wait_until(lambda: _agents_started(deployment, old), 120, "an agent restarted on every node")
+    started = _agents_started(deployment, old)
+    assert started is not None
+    wait_until(
+        lambda: set(_store_events(deployment)) == set(started),
+        STORE_EVENT_SECONDS + 10,
+        lambda: f"a BackupStoreUnusable event on each of {sorted(started)}: {sorted(_store_events(deployment))}",
+    )
+    for node, event in _store_events(deployment).items():
+        assert event["type"] == "Warning", event
+        assert event["message"].startswith(f"node {node}: backup store {BAD_STORE} unusable: "), event["message"]
+        assert "Could not connect to the endpoint URL" in event["message"], event["message"]
+        after = _seconds(event["firstTimestamp"]) - started[node]
+        assert 0 <= after <= STORE_EVENT_SECONDS, f"{node}: the event came {after:.0f} s after the agent's start"
 
 
 def uninstall_commands() -> str:

@@ -191,6 +191,7 @@ def test_dashboard_and_rules_cover_what_operators_need():
     assert alerts == {
         "MTCCoordinatorDown",
         "MTCBackupBehind",
+        "MTCBackupStoreUnusable",
         "MTCCorruptCopy",
         "MTCSlowRestore",
         "MTCRestoreWaitingForRanks",
@@ -278,9 +279,25 @@ def test_alerts_name_what_they_are_about():
     for rule in alert_rules():
         named = set(re.findall(r"\$labels\.(\w+)", rule["annotations"]["summary"]))
         if rule["alert"] not in ("MTCCoordinatorDown", "MTCUntrustedClaims"):  # the cluster's, no node or job
-            assert named & {"node", "training_job"}, f"{rule['alert']}: its summary names neither the node nor the job"
+            # A backup store's fault is the store's (one alert per store, not one per node).
+            assert named & {"node", "training_job", "store"}, (
+                f"{rule['alert']}: its summary names no node, job or store"
+            )
         assert rule["labels"]["severity"] in {"critical", "warning", "info"}
         assert rule["labels"]["namespace"] == "mtc-system"
+
+
+def test_the_store_alert_counts_the_agents_whose_probe_failed_per_store():
+    # The gauge is 0 while a store fails the agent's probe and absent without --backup (store_check.py): the
+    # alert selects the 0s only and keeps the store's label.
+    (rule,) = [r for r in alert_rules() if r["alert"] == "MTCBackupStoreUnusable"]
+    tree = promql_parser.parse(rule["expr"])
+    assert isinstance(tree, promql_parser.AggregateExpr) and str(tree.op) == "count"
+    assert tree.modifier.labels == ["store"]
+    compared = tree.expr
+    assert str(compared.op) == "==" and compared.rhs.prettify() == "0"
+    assert selectors(rule["expr"]) == [("mtc_backup_store_usable", {"store"})]
+    assert (rule["for"], rule["labels"]["severity"]) == ("2m", "warning")  # past the first recheck, 60 s on
 
 
 def test_reference_check_catches_a_missing_metric_and_label():

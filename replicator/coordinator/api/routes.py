@@ -16,7 +16,7 @@ Routes (JSON; errors are ``{"error": "..."}``):
   newer steps it abandons, per tier), changing nothing. ``DELETE`` cancels it until the restore is planned
   (409 after that, or when none is pending).
 - ``GET  /v1/status[?job=NAMESPACE/JOB]``: a ``ClusterStatus`` (``job=NAME`` takes every job of that name);
-  ``GET /healthz``, ``GET /metrics``.
+  ``GET /healthz`` (a ``Health``: with ``--peer-grants``, the id of the key grants are signed with), ``GET /metrics``.
 
 The operators' routes (``restore-from``, status) are guarded by ``operator_auth``: with operator identity, by the
 caller's own Kubernetes identity and RBAC; else the rollback and its cancel by the cluster token, the rest open.
@@ -76,7 +76,7 @@ from replicator.wire.messages import (
     decode,
     decode_json,
 )
-from replicator.wire.operator import Done, RestoreFrom
+from replicator.wire.operator import Done, Health, RestoreFrom
 
 log = logging.getLogger(__name__)
 
@@ -418,7 +418,8 @@ async def get_status(request: web.Request) -> web.StreamResponse:
 
 
 async def healthz(request: web.Request) -> web.StreamResponse:
-    return await _reply(request, Done(True))
+    signer = request.app.get(SIGNER_KEY)
+    return await _reply(request, Health(True, signer.key_id if signer is not None else None))
 
 
 async def metrics(request: web.Request) -> web.Response:
