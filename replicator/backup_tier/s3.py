@@ -226,11 +226,12 @@ class S3Objects(ObjectStore):
         )
 
     def _probe(self) -> S3Features:
-        key = f"{self._prefix}.mtc-probe-{uuid.uuid4().hex}"
+        name = f".mtc-probe-{uuid.uuid4().hex}"
+        key = self._prefix + name
         data = b"mtc probe"
         right = _b64(google_crc32c.Checksum(data).digest())
         put = dict(Bucket=self._bucket, Key=key, Body=data)
-        with self._errors(key, "probe"):
+        with self._errors(name, "probe"):  # errors name the object below self.url, as the others do
             try:
                 try:
                     self._client.put_object(**put, ChecksumCRC32C=_b64(google_crc32c.Checksum(b"other").digest()))

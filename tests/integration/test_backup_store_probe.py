@@ -52,6 +52,8 @@ def test_probe_on_minio_passes_with_the_bucket_and_fails_without(minio, monkeypa
     bad = probe_store(open_backup_store("s3://no-such-bucket/mtc", s3_endpoint_url=minio.url).objects, "node-a")
     assert not bad.usable
     assert "NoSuchBucket" in bad.error or "does not exist" in bad.error
+    # The error names the object below the store's URL once: s3://no-such-bucket/mtc/.mtc-probe-..., not mtc/mtc/.
+    assert "s3://no-such-bucket/mtc/.mtc-probe-" in bad.error and "/mtc/mtc/" not in bad.error, bad.error
 
 
 @pytest.fixture
