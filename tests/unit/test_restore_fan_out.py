@@ -1,7 +1,7 @@
 """Identical data-parallel groups in the backup tier. Read-once restores: a step held only in the
 backup tier is downloaded by one rank of each identical group, and its peers are told to wait for
 that node, then to fetch from it; a silent downloader is not waited for. Shared uploads: each rank
-of a group is ordered to upload its share. The planner as a pure function, the rest through
+of a group is ordered to upload its share; one whose files differ from its uploader's does not wait for it. The planner as a pure function, the rest through
 ``ClusterState``."""
 
 from replicator.coordinator.planner import PlannedSource, StepCopy, Tier, plan_restore
@@ -79,9 +79,9 @@ def report(node, pods=(), held=(), backed_up=()) -> NodeReport:
     return node_report(f"n{node}", pods, held, topology={"block": "b0"}, has_backup=True, backed_up=tuple(backed_up))
 
 
-def identical_at_9(state: ClusterState, listing=()):
-    """A DP=2 job whose ranks were found identical at step 9 (the backup tier lists ``listing``).
-    Returns (the incarnation, node index -> rank, the backup orders of the last report round)."""
+def identical_at_9(state: ClusterState, listing=(), files=lambda rank: FILES):
+    """A DP=2 job whose ranks were found identical at step 9 (the backup tier lists ``listing``; rank r reports
+    ``files(r)``). Returns (the incarnation, node index -> rank, the backup orders of the last report round)."""
     for node in range(NODES):
         state.apply_report(report(node, [pod(node)]), 0.0)
     state.tick(decide_interval(NODES))
@@ -94,7 +94,7 @@ def identical_at_9(state: ClusterState, listing=()):
     for now in (1.0, 2.0):  # the second round's replies carry the orders decided after the first
         orders = []
         for node, rank in rank_of.items():
-            held = [HeldStep(*NAMES, 9, rank, FILES, signature="sig-9")]
+            held = [HeldStep(*NAMES, 9, rank, files(rank), signature="sig-9")]
             orders += state.apply_report(
                 report(node, [pod(node, incarnation.incarnation_id, rank)], held, listing), now
             ).backup
@@ -118,6 +118,26 @@ def test_identical_ranks_are_ordered_to_share_the_backup_upload_or_one_of_them_u
         (2, (), None),
         (3, (), None),
     ]
+
+
+def test_identical_ranks_whose_files_differ_upload_at_once_instead_of_after_their_groups_uploader():
+    # Orbax: the same structure, each process's arrays in files of its own; only the small metadata file is equal.
+    def per_process(rank):
+        return {"_CHECKPOINT_METADATA": (10, "00000001"), f"state/ocdbt.process_{rank}/d/a": (30, f"0000000{rank + 3}")}
+
+    _, _, orders = identical_at_9(ClusterState(), files=per_process)
+    # Waiting for the uploader to deduplicate 10 of 40 bytes would put its whole upload before each rank's.
+    assert sorted((o.rank, o.share_group, o.dedup_from_rank) for o in orders) == [
+        (0, (), None),
+        (1, (), None),
+        (2, (), None),
+        (3, (), None),
+    ]
+    # Most bytes equal (the metadata file larger than the rank's own): the rank waits, to reference them.
+    _, _, orders = identical_at_9(
+        ClusterState(), files=lambda rank: {**per_process(rank), "_CHECKPOINT_METADATA": (50, "00000001")}
+    )
+    assert sorted((o.rank, o.dedup_from_rank) for o in orders) == [(0, 2), (1, 3), (2, None), (3, None)]
 
 
 def lost_cluster(state: ClusterState):

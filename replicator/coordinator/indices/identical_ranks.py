@@ -173,17 +173,19 @@ class LeaderMemo:
     identities at that step hold: the signatures of newer steps, compared about once a second
     while the job trains, do not clear it."""
 
-    __slots__ = ("groups", "stamp")
+    __slots__ = ("groups", "stamp", "waits")
 
     def __init__(self) -> None:
         self.stamp: tuple[int, int | None] | None = None  # (step, ``Identity.changed_at`` of the step)
         self.groups: dict[int, tuple[int, ...]] = {}
+        # (rank, uploader) -> whether the rank's upload waits for the uploader's (``backups.waits_for``).
+        self.waits: dict[tuple[int, int], bool] = {}
 
     def group(self, identity: Identity, step: int, rank: int) -> tuple[int, ...]:
         """``rank`` and the ranks found identical to it at ``step``, sorted: kept per (step, rank)
         until more ranks are found identical (a report must not walk 39 peers each time)."""
         if self.stamp != (stamp := (step, identity.changed_at.get(step))):
-            self.stamp, self.groups = stamp, {}
+            self.stamp, self.groups, self.waits = stamp, {}, {}
         group = self.groups.get(rank)
         if group is None:
             group = self.groups[rank] = tuple(
