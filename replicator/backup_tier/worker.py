@@ -41,6 +41,9 @@ BACKUP_IN_FLIGHT = InFlight("mtc_backup", "uploaded", "backups")
 # The lister of a job lists its backups this often (30 list calls an hour); the node that writes a
 # step's COMMIT lists at once, so the coordinator learns of new backups without waiting for it.
 _LIST_INTERVAL_SECONDS = 120.0
+# After a failed listing: a backup committed during a store outage is learnt of within this of the store's return,
+# not a whole interval later (the coordinator chooses the next backup only once it knows the last one complete).
+_LIST_RETRY_SECONDS = 10.0
 _RETRY_WAIT = tenacity.wait_exponential(min=2, max=60)  # seconds between attempts: 2, 4, 8, ... 60
 
 
@@ -73,6 +76,7 @@ class BackupWorker:
         self._on_change = on_change
         self.listing: dict[JobRef, BackedUp] = {}
         self._listed_at: dict[JobRef, float] = {}
+        self._relist: dict[JobRef, str] = {}  # job -> ramdisk: committed here, not listed since (``_commit``)
         # The coordinator repeats a wanted order with every reply; one it stopped repeating for this
         # long (done, given up, or the coordinator is away) is not retried. Set from the heartbeat.
         self.order_ttl_seconds = 10.0
@@ -84,14 +88,15 @@ class BackupWorker:
         self._uploaded: set[tuple] = set()  # the coordinator hears of it only from the next listing
 
     async def refresh(self, ramdisks: Mapping[JobRef, str], force: bool = False) -> None:
-        """Lists complete backups of each job at most every ``_LIST_INTERVAL_SECONDS`` (``force``:
-        now); keeps the last listing on failure.
+        """Lists complete backups of each job at most every ``_LIST_INTERVAL_SECONDS`` (``force``: now), and
+        ``_LIST_RETRY_SECONDS`` after a failed listing; keeps the last listing on failure. A job this node committed
+        a backup of is listed with them until a listing succeeds, lister or not (``_commit``).
 
         Args:
           ramdisks: job -> its ramdisk path on this node.
         """
         now = time.monotonic()
-        for key, ramdisk_path in ramdisks.items():
+        for key, ramdisk_path in {**self._relist, **ramdisks}.items():
             if not force and now - self._listed_at.get(key, -_LIST_INTERVAL_SECONDS) < _LIST_INTERVAL_SECONDS:
                 continue
             self._listed_at[key] = now
@@ -100,7 +105,9 @@ class BackupWorker:
             except BackupError as err:
                 BACKUP_FAILURES.inc()
                 self._report_error(JobMeta(ramdisk_path), f"listing the backup tier failed, retrying: {err}")
+                self._listed_at[key] = now - _LIST_INTERVAL_SECONDS + _LIST_RETRY_SECONDS
                 continue
+            self._relist.pop(key, None)
             self.listing[key] = BackedUp(key.namespace, key.job, steps, time.time())
             self._on_change()
 
@@ -257,12 +264,14 @@ class BackupWorker:
         )
 
     async def _commit(self, ramdisk_path: str, order: BackupOrder, job: JobRef) -> None:
-        """Commits the step once every rank is stored, then applies retention and lists the job's backups anew."""
+        """Commits the step once every rank is stored, then applies retention and lists the job's backups anew (again
+        with the loop's next listings while that fails, ``refresh``)."""
         if await asyncio.to_thread(
             self.store.commit_if_complete, job, order.step, order.nodes, order.incarnation, order.timeline
         ):
             deleted = await asyncio.to_thread(self.store.retain, job, self._keep, order.protected, order.forks)
             log.info("%s: backup of step %d complete; retention deleted %s", job, order.step, deleted or "nothing")
+            self._relist[job] = ramdisk_path  # until a listing shows it: a store outage may fail this one
             await self.refresh({job: ramdisk_path}, force=True)
 
     async def download(
