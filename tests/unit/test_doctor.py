@@ -97,12 +97,11 @@ class _Clocked(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.fixture
-def clocked_server():
-    """Factory: ``clocked_server(skew)`` -> the URL of an HTTP server whose clock is ``skew`` s ahead."""
+def serve():
+    """Factory: ``serve(handler_class)`` -> the URL of a stdlib HTTP server on loopback running it; all stopped."""
     servers = []
 
-    def start(skew: float) -> str:
-        handler = type("Handler", (_Clocked,), {"skew": skew})
+    def start(handler: type[http.server.BaseHTTPRequestHandler]) -> str:
         server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
         threading.Thread(target=server.serve_forever, daemon=True).start()
         servers.append(server)
@@ -112,6 +111,12 @@ def clocked_server():
     for server in servers:
         server.shutdown()
         server.server_close()
+
+
+@pytest.fixture
+def clocked_server(serve):
+    """Factory: ``clocked_server(skew)`` -> the URL of an HTTP server whose clock is ``skew`` s ahead."""
+    return lambda skew: serve(type("Handler", (_Clocked,), {"skew": skew}))
 
 
 def test_coordinator_answers_and_its_clock_within_30_s_passes_beyond_fails(clocked_server):
@@ -163,22 +168,15 @@ class _Healthz(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.fixture
-def healthz_server():
+def healthz_server(serve):
     """Factory: ``healthz_server(body, status=200)`` -> the URL of an HTTP server answering ``/healthz`` so."""
-    servers = []
 
     def start(body, status: int = 200) -> str:
         handler = type("Handler", (_Healthz,), {"body": staticmethod(body) if callable(body) else body})
         handler.status = status
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        servers.append(server)
-        return f"http://127.0.0.1:{server.server_address[1]}"
+        return serve(handler)
 
-    yield start
-    for server in servers:
-        server.shutdown()
-        server.server_close()
+    return start
 
 
 def _coordinator_healthz(signer: GrantSigner | None) -> bytes:
