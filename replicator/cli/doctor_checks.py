@@ -280,7 +280,9 @@ def grant_keys(coordinator_url: str, ca: str | None, agent_url: str, agent_ca: s
             )
         ]
     if "grant_keys" not in body:
-        return [Verdict("grant keys", Outcome.SKIP, "the agent's /healthz names no keys (an agent before 0.3.0)")]
+        return [
+            Verdict("grant keys", Outcome.SKIP, "the agent's /healthz names no keys (an agent older than this check)")
+        ]
     return [grant_keys_verdict(signing, body["grant_keys"])]
 
 

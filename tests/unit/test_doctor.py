@@ -253,7 +253,10 @@ def test_grant_keys_read_a_wedged_agents_503_and_skip_an_agent_that_does_not_say
     [wedged] = grant_keys(url, None, healthz_server(_agent_healthz(keys), status=503), None)
     assert wedged.outcome is Outcome.OK
     [older] = grant_keys(url, None, healthz_server(b'{"node": "node-a", "ready": true}'), None)
-    assert (older.outcome, older.detail) == (Outcome.SKIP, "the agent's /healthz names no keys (an agent before 0.3.0)")
+    assert (older.outcome, older.detail) == (
+        Outcome.SKIP,
+        "the agent's /healthz names no keys (an agent older than this check)",
+    )
     [down] = grant_keys(url, None, "http://127.0.0.1:9", None)
     assert down.outcome is Outcome.FAIL and "Connection refused" in down.detail and "--agent" in down.fix
     [no_coordinator] = grant_keys("http://127.0.0.1:9", None, "http://127.0.0.1:9", None)
