@@ -239,7 +239,7 @@ def _step_sources(
     for rank in range(nodes):
         serving = [rank] + sorted(peers.get(rank, ()))
         candidates = [copy for data_rank in serving for copy in held.get(data_rank, [])]
-        sources[rank] = _ranked_sources(candidates, node_of_rank[rank], block_of, usable)
+        sources[rank] = _ranked_sources(candidates, node_of_rank[rank], block_of, usable, rank)
     return sources
 
 
@@ -327,18 +327,21 @@ def _tier(copy: StepCopy, target: str, block_of: Mapping[str, str]) -> Tier:
     return Tier.PEER_CLOSE if same_block else Tier.PEER_DISTANT
 
 
-def _fastest_first(source: tuple[Tier, str, int]) -> tuple[int, str, int]:
-    tier, holder, rank = source
-    return TIER_PREFERENCE[tier], holder, rank
-
-
 def _ranked_sources(
-    copies: list[StepCopy], target: str, block_of: Mapping[str, str], usable: frozenset[Tier]
+    copies: list[StepCopy], target: str, block_of: Mapping[str, str], usable: frozenset[Tier], rank: int | None = None
 ) -> tuple[PlannedSource, ...]:
-    # By expected time: a peer's copy is one stream; a decode reads as many bytes from N - K nodes and rebuilds
-    # them at a few GB/s per core; the backup tier is an object store.
-    ranked = sorted({(_tier(c, target, block_of), c.holder, c.rank) for c in copies}, key=_fastest_first)
-    return tuple(PlannedSource(tier, holder, rank) for tier, holder, rank in ranked if tier in usable)
+    """``copies`` as sources of the node ``target``, by expected time: a peer's copy is one stream; a decode reads
+    as many bytes from N - K nodes and rebuilds them at a few GB/s per core; the backup tier is an object store.
+    Within a tier, ``rank``'s own data comes before an identical peer's: a peer's files may be other bytes of
+    the same arrays (Orbax's ``ocdbt.process_<i>/``), and a node holding a step in other bytes than its rank
+    wrote drops that step's pending backup (``copies.backups``), while the rank's own bytes keep it."""
+
+    def fastest_first(source: tuple[Tier, str, int]) -> tuple[int, bool, str, int]:
+        tier, holder, data_rank = source
+        return TIER_PREFERENCE[tier], data_rank != rank, holder, data_rank
+
+    ranked = sorted({(_tier(c, target, block_of), c.holder, c.rank) for c in copies}, key=fastest_first)
+    return tuple(PlannedSource(tier, holder, data_rank) for tier, holder, data_rank in ranked if tier in usable)
 
 
 def replica_targets(

@@ -119,6 +119,22 @@ def test_data_parallel_peer_copy_serves_a_rank_only_when_identical():
     assert plan.sources[0][0] == PlannedSource(Tier.LOCAL, "a", 0)
 
 
+def test_a_ranks_own_data_comes_before_an_identical_peers_in_the_same_tier():
+    # Rank 1's node was lost; "r" holds its replica, "d" rank 3's own copy (first by name). A peer's files may be
+    # other bytes (Orbax), and a step restored in other bytes drops its pending backup: the replica goes first.
+    node_of = {0: "a", 1: "fresh", 2: "c", 3: "d"}
+    copies = [StepCopy(9, r, n) for r, n in [(0, "a"), (2, "c"), (3, "d"), (1, "r")]]
+    identical = {9: frozenset({(1, 3), (3, 1), (0, 2), (2, 0)})}
+    plan = plan_restore(4, node_of, copies, block_of={"fresh": "b0", "c": "b1"}, identical=identical)
+    assert [(s.tier, s.holder, s.data_rank) for s in plan.sources[1]] == [
+        (Tier.PEER_DISTANT, "r", 1),
+        (Tier.PEER_DISTANT, "d", 3),
+    ]
+    # A faster tier still wins: a peer's copy in the rank's block before its replica elsewhere.
+    plan = plan_restore(4, node_of, copies, block_of={"fresh": "b0", "d": "b0"}, identical=identical)
+    assert [(s.tier, s.holder) for s in plan.sources[1]] == [(Tier.PEER_CLOSE, "d"), (Tier.PEER_DISTANT, "r")]
+
+
 class CountingPairs(dict):
     """step -> identical pairs, counting how often the planner looks a step's pairs up."""
 
