@@ -53,6 +53,7 @@ when every goal at every N is met.
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -60,6 +61,7 @@ import gc
 import math
 import os
 import resource
+import shutil
 import statistics
 import sys
 import time
@@ -97,6 +99,7 @@ CONNECT_PER_SECOND = 2_000  # agents come up at this pace (the listen backlog is
 SCENARIO_TIMEOUT = 300.0
 SETTLE_SECONDS = 20.0
 KILL_LEAD_SECONDS = 2.0  # the restart's kill: this long before the step after the safe step is complete
+KILL_LATE_SECONDS, KILL_TRIES = 0.5, 5  # a kill later than this aims at the next step, this many times at most
 CONNECTIONS_PER_AGENT = 2  # the report loop's and the restore's
 SPARE_FILES = 1_000  # the coordinator's and the generator's other open files
 
@@ -144,17 +147,18 @@ class RestartWatch:
     """What the agents see of a coordinator restart, from the SIGKILL (monotonic ``killed_at``).
 
     ``old_safe`` is the newest safe step a reply carried before the kill. A report counts as answered when it was
-    sent after the kill (so the new process answered it). ``deletions`` are the retain orders' deletions the agents
-    obeyed from the kill until a reply carried a safe step past ``old_safe``: (node, step, "own" or "replica",
-    needed), where ``needed`` says the step was one the job may still restore (``needed``)."""
+    sent after the kill (so the new process answered it); ``failures`` counts the reports that failed, by the
+    client's error (``CoordinatorUnavailable``'s text: the exception's class or the HTTP status). ``deletions`` are
+    the retain orders' deletions the agents obeyed from the kill until a reply carried a safe step past
+    ``old_safe``: (node, step, "own" or "replica", why the job still needed it or None: ``SimCluster.needed``)."""
 
     killed_at: float
     old_safe: int
     answered: dict[str, float] = dataclasses.field(default_factory=dict)
-    failures: int = 0
+    failures: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     advanced_at: float | None = None
     new_safe: int | None = None
-    deletions: list[tuple[str, int, str, bool]] = dataclasses.field(default_factory=list)
+    deletions: list[tuple[str, int, str, str | None]] = dataclasses.field(default_factory=list)
 
     def watching_deletions(self) -> bool:
         return self.advanced_at is None
@@ -324,10 +328,10 @@ class SimAgent:
         try:
             async with self.turn:
                 reply = await self.client.report(report)
-        except CoordinatorUnavailable:
+        except CoordinatorUnavailable as err:
             stats.errors += stats.inside(started)
             if stats.restart is not None:
-                stats.restart.failures += 1
+                stats.restart.failures[failure_kind(err)] += 1
             self.session.failed(time.monotonic())  # the agent's backoff
             return
         done = time.monotonic()
@@ -506,12 +510,15 @@ class SimCluster:
         for step, kind in [(s, "own") for s in own] + [(r.step, "replica") for r in replicas]:
             watch.deletions.append((agent.node_id, step, kind, self.needed(job, step, watch.old_safe)))
 
-    def needed(self, job: JobRef, step: int, safe: int) -> bool:
-        """Whether the job may still restore ``step``: the newest safe step or a newer one (not safe yet: a lost
-        node's rank has no other copy), the newest complete backup (the store's copy may be its only other one),
-        or a step whose upload is under way (the upload reads it)."""
-        uploading = set(self.bucket.get(job, {})) - self.complete_backups(job)
-        return step >= safe or step == max(self.complete_backups(job), default=None) or step in uploading
+    def needed(self, job: JobRef, step: int, safe: int) -> str | None:
+        """Why the job still needs the nodes' copies of ``step`` while ``safe`` is its newest safe step, or None:
+        "safe or newer" (the safe step is what a restore falls back to; a newer one is not safe yet, so a lost
+        rank's copy may be its last) or "uploading" (a backup of it ordered and not complete: its upload reads
+        the local files). The newest complete backup is not in it: the store holds it whole, and the retention
+        rule frees its local copies once a newer step is safe (``retention.safe_step``)."""
+        if step >= safe:
+            return "safe or newer"
+        return "uploading" if step in set(self.bucket.get(job, {})) - self.complete_backups(job) else None
 
     # -- phases ---------------------------------------------------------------------------------
 
@@ -746,8 +753,9 @@ def start_coordinator(workdir: str) -> tuple[CoordinatorProcess, str]:
     return coordinator.start(), token
 
 
-async def run_cluster(workdir: str, jobs: list[JobSpec], cleanup, measure) -> dict:
-    """Forms ``jobs`` against a fresh coordinator, then returns its figures and ``await measure(cluster)``'s."""
+async def run_cluster(workdir: str, jobs: list[JobSpec], cleanup, measure, log_copy: str | None) -> dict:
+    """Forms ``jobs`` against a fresh coordinator, then returns its figures and ``await measure(cluster)``'s; its
+    log is copied to ``log_copy`` (a path) at the end, unless None."""
     coordinator, token = start_coordinator(workdir)
     cleanup.callback(coordinator.stop)
     idle_rss = psutil.Process(coordinator.process.pid).memory_info().rss  # before any agent: the process's own
@@ -772,6 +780,8 @@ async def run_cluster(workdir: str, jobs: list[JobSpec], cleanup, measure) -> di
         await cluster.stop_agents()
         coordinator.stop()  # first: closing N TLS sessions to a live peer took minutes
         await cluster.close_sessions()
+        if log_copy is not None:
+            shutil.copyfile(coordinator.log_path, log_copy)
 
 
 async def window_then_replace(cluster: SimCluster, seconds: float, replace: bool) -> dict:
@@ -800,8 +810,12 @@ async def restart(cluster: SimCluster) -> dict:
     """
     stats, coordinator = cluster.stats, cluster.coordinator
     await asyncio.sleep(max(SETTLE_SECONDS, 2 * cluster.heartbeat_seconds()))
-    kill_at = await kill_time(cluster)
-    await asyncio.sleep(kill_at - time.monotonic())
+    for _ in range(KILL_TRIES):  # a lagging generator loop wakes late: then it aims at the next step
+        kill_at = await kill_time(cluster)
+        await asyncio.sleep(kill_at - time.monotonic())
+        if (late := time.monotonic() - kill_at) <= KILL_LATE_SECONDS:
+            break
+        progress(f"{cluster.name}: {late:.1f} s late for the kill: aiming at the next step")
     old_safe = max(stats.safe)
     generator, generator_cpu = psutil.Process(), sum(psutil.Process().cpu_times()[:2])
     progress(f"{cluster.name}: SIGKILL with the safe step at {old_safe}; starting it again")
@@ -829,6 +843,7 @@ async def restart(cluster: SimCluster) -> dict:
         "old_safe": old_safe,
         "new_safe": watch.new_safe,
         "failures": watch.failures,
+        "newest_backup": max(cluster.complete_backups(cluster.agents[0].key), default=None),
         "deletions": watch.deletions,
         "coordinator_cpu": 100 * sum(new.cpu_times()[:2]) / wall,
         "coordinator_rss": new.memory_info().rss,
@@ -978,14 +993,16 @@ def incarnation_rows(f: dict) -> list[tuple[str, str, str, bool | None]]:
 
 def restart_rows(nodes: int, f: dict) -> list[tuple[str, str, str, bool | None]]:
     """The coordinator restart's rows (``restart``)."""
-    needed = [d for d in f["deletions"] if d[3]]
-    kinds = {kind: sum(d[2] == kind for d in f["deletions"]) for kind in ("own", "replica")}
-    steps = sorted({d[1] for d in f["deletions"]})
+    deletions = f["deletions"]
+    needed = collections.Counter(d[3] for d in deletions if d[3])
+    kinds = {kind: sum(d[2] == kind for d in deletions) for kind in ("own", "replica")}
+    steps = collections.Counter(d[1] for d in deletions)
+    failures = ", ".join(f"{n:,} {kind}" for kind, n in f["failures"].most_common())
     return [
         (
             "restart: SIGKILL -> every node answered",
             f"{seconds(f['answered_seconds'])} ({f['answered_nodes']:,} of {nodes:,}; back up in {f['up_seconds']:.2f} s, "
-            f"{f['failures']:,} reports failed)",
+            f"reports failed: {failures or 'none'})",
             f"<= {GOAL_RESTART_SECONDS:g} s",
             f["answered_seconds"] <= GOAL_RESTART_SECONDS,
         ),
@@ -998,7 +1015,9 @@ def restart_rows(nodes: int, f: dict) -> list[tuple[str, str, str, bool | None]]
         ),
         (
             "restart: needed steps deleted meanwhile",
-            f"{len(needed)} (deletions ordered: {kinds['own']} own, {kinds['replica']} replicas, of steps {steps or 'none'})",
+            f"{sum(needed.values())} ({', '.join(f'{n} {why}' for why, n in needed.items()) or 'none needed'}; "
+            f"ordered: {kinds['own']} own copies, {kinds['replica']} replicas, by step {dict(sorted(steps.items()))}; "
+            f"newest complete backup {f['newest_backup']})",
             "0",
             not needed,
         ),
@@ -1027,7 +1046,7 @@ def print_rows(nodes: int, rows) -> None:
 SCENARIOS = ("steady", "many", "restart")  # steady includes the new incarnation and its restore
 
 
-async def bench(nodes: int, seconds: float, scenarios: tuple[str, ...]) -> list:
+async def bench(nodes: int, seconds: float, scenarios: tuple[str, ...], log_dir: str | None) -> list:
     if nodes % SLICE_NODES:
         raise SystemExit(f"--nodes must be a multiple of {SLICE_NODES}")
     steady_job = [JobSpec("steady", nodes // SLICE_NODES, SLICE_NODES)]
@@ -1043,7 +1062,8 @@ async def bench(nodes: int, seconds: float, scenarios: tuple[str, ...]) -> list:
     with scratch_dir("mtc-bench-scale-") as (workdir, cleanup):
         for scenario in scenarios:
             jobs, measure = measures[scenario]
-            results[scenario] = await run_cluster(os.path.join(workdir, scenario), jobs, cleanup, measure)
+            log_copy = os.path.join(log_dir, f"coordinator-{nodes}-{scenario}.log") if log_dir else None
+            results[scenario] = await run_cluster(os.path.join(workdir, scenario), jobs, cleanup, measure, log_copy)
     return judge(nodes, results)
 
 
@@ -1056,6 +1076,13 @@ def scenario_list(text: str) -> tuple[str, ...]:
             f"unknown scenario {', '.join(unknown) or '(none)'}: pick from {', '.join(SCENARIOS)}"
         )
     return names
+
+
+def failure_kind(err: CoordinatorUnavailable) -> str:
+    """A failed request's kind: the client's exception class (``ServerDisconnectedError``, ``TimeoutError``...)
+    or ``HTTP <status>``, from ``CoordinatorClient``'s message ``METHOD PATH: <repr or HTTP status>``."""
+    detail = str(err).partition(": ")[2]
+    return detail.partition(":")[0] if detail.startswith("HTTP") else detail.partition("(")[0]
 
 
 def load_average() -> str:
@@ -1075,7 +1102,10 @@ def main() -> int:
         default=SCENARIOS,
         help=f"comma-separated, of {', '.join(SCENARIOS)} (default: all; steady includes the new incarnation and its restore)",
     )
+    parser.add_argument("--log-dir", help="keep each scenario's coordinator log here (coordinator-N-SCENARIO.log)")
     args = parser.parse_args()
+    if args.log_dir is not None and not os.path.isdir(args.log_dir):
+        parser.error(f"--log-dir {args.log_dir}: not a directory")
     # Each process holds one end of every agent's connections: the soft limit up to the hard one
     # (inherited by the coordinator process).
     nodes = max(args.nodes or [1000])
@@ -1091,7 +1121,7 @@ def main() -> int:
     for nodes in args.nodes or [1000]:
         print(f"N = {nodes:,}: load average {load_average()} at the start", flush=True)
         try:
-            rows = asyncio.run(bench(nodes, args.seconds, args.scenarios))
+            rows = asyncio.run(bench(nodes, args.seconds, args.scenarios, args.log_dir))
         except TimeoutError as err:  # the cluster never formed: every goal at this N is missed
             rows = [("the cluster formed", str(err), f"within {SCENARIO_TIMEOUT:g} s", False)]
         results[nodes] = rows
