@@ -29,6 +29,12 @@ GC_THRESHOLDS = (10_000, 5, 14_400)
 CONNECTIONS_PER_NODE = 2
 OTHER_OPEN_FILES = 1_000
 
+# Connections waiting to be accepted. A restarted coordinator's agents all connect again within seconds: at
+# 10,000 nodes aiohttp's default of 128 dropped about 950 a second at the full queue (``coordinator_scale
+# --scenarios restart``), and a client whose SYN is dropped sends it again only 1 s later, then 3 s, 7 s: late
+# past its request timeout. The kernel caps it at ``net.core.somaxconn`` (4,096 by default since Linux 5.4).
+LISTEN_BACKLOG = 4_096
+
 
 def raise_open_file_limit() -> int:
     """Raises this process's soft limit on open files to its hard limit, as Go programs do at start.
