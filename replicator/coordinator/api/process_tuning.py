@@ -1,5 +1,5 @@
-"""The coordinator's process, tuned for thousands of keep-alive connections: its open-file limit, its
-garbage collector, and one TLS read buffer for every connection (``tls_read_buffer``)."""
+"""The coordinator's process, tuned for thousands of keep-alive connections: its open-file limit, its listen
+backlog, its garbage collector, and one TLS read buffer for every connection (``tls_read_buffer``)."""
 
 import gc
 import logging
