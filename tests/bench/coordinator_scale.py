@@ -33,7 +33,10 @@ Scenarios, for each ``--nodes`` N:
 - new incarnation: every pod of the steady job replaced at once: seconds from the last publish until
   every pod holds its assignment;
 - restore: the new incarnation's ranks ask for their restore, stage the planned step and long-poll:
-  seconds from the last rank's staged report until every rank saw ``ready``.
+  seconds from the last rank's staged report until every rank saw ``ready``;
+- restart (issue 54): a fresh steady job, settled; its coordinator SIGKILLed and started again at once on its state
+  dir (``restart``): seconds from the kill until every node had a report answered and until the safe step advanced,
+  and the deletions obeyed meanwhile, those of steps the job still needed apart (``SimCluster.needed``).
 
 Figures: coordinator CPU (psutil, its process), its resident memory (at the end of the window, its
 peak over the whole scenario, ``VmHWM``, and per node: the peak above what it held before any agent), offered and achieved report rates, report p99 latency,
@@ -47,8 +50,9 @@ generator's own pauses are not counted as the coordinator's latency.
 "Offered" is what real agents would send: a report per change when it happens, else one per
 ``heartbeat_seconds`` x U(0.8, 1.0) rounded up to the agent's 1 s round, counted on an ideal clock per agent.
 
-``python -m tests.bench.coordinator_scale --nodes 1000 [--nodes 4000 ...] [--seconds 60]`` exits 0 only
-when every goal at every N is met.
+``python -m tests.bench.coordinator_scale --nodes 1000 [--nodes 4000 ...] [--seconds 60] [--scenarios restart]
+[--log-dir DIR]`` exits 0 only when every goal at every N is met; it prints the machine's load average at the start
+and the end of each N.
 """
 
 import argparse
