@@ -1,5 +1,5 @@
-"""The coordinator's process, tuned for thousands of keep-alive connections: its open-file limit, its listen
-backlog, its garbage collector, and one TLS read buffer for every connection (``tls_read_buffer``)."""
+"""The coordinator's process, tuned for thousands of keep-alive connections: its open-file limit, its
+garbage collector, and one TLS read buffer for every connection (``tls_read_buffer``)."""
 
 import gc
 import logging
@@ -28,12 +28,6 @@ GC_THRESHOLDS = (10_000, 5, 14_400)
 # each an open file; the rest is the coordinator's own (listening socket, API watches, logs).
 CONNECTIONS_PER_NODE = 2
 OTHER_OPEN_FILES = 1_000
-
-# Connections waiting to be accepted. A restarted coordinator's agents all connect again within seconds: at
-# 10,000 nodes aiohttp's default of 128 dropped about 950 a second at the full queue (``coordinator_scale
-# --scenarios restart``), and a client whose SYN is dropped sends it again only 1 s later, then 3 s, 7 s: late
-# past its request timeout. The kernel caps it at ``net.core.somaxconn`` (4,096 by default since Linux 5.4).
-LISTEN_BACKLOG = 4_096
 
 
 def raise_open_file_limit() -> int:

@@ -228,12 +228,4 @@ def run_coordinator(config: CoordinatorConfig) -> None:
     app = make_app(config)
     process_tuning.tune_collector()
     # handler_cancellation: a long poll whose agent hung up stops at once.
-    web.run_app(
-        app,
-        host=host,
-        port=int(port),
-        ssl_context=config.server_ssl(),
-        print=None,
-        handler_cancellation=True,
-        backlog=process_tuning.LISTEN_BACKLOG,
-    )
+    web.run_app(app, host=host, port=int(port), ssl_context=config.server_ssl(), print=None, handler_cancellation=True)
