@@ -804,9 +804,10 @@ async def restart(cluster: SimCluster) -> dict:
     ``--state-dir``, as a Deployment's restart would (a real one adds what is not measured here: the pod's
     rescheduling, its image pull and container start, and a Service's endpoints turning over).
 
-    The kill comes ``KILL_LEAD_SECONDS`` before the last rank commits the step after the safe step (``kill_time``):
-    without the restart the safe step would advance that much later, so what the restart adds shows instead of
-    up to a step interval of training. Returns, in seconds from the kill (infinite: not within ``SCENARIO_TIMEOUT``):
+    The kill is aimed ``KILL_LEAD_SECONDS`` before the last rank commits the step after the safe step
+    (``kill_time``; a lagging generator that would kill after that commit aims at the next step): without the
+    restart the safe step would advance about then, so what the restart adds shows instead of up to a step
+    interval of training. Returns, in seconds from the kill (infinite: not within ``SCENARIO_TIMEOUT``):
     up_seconds (the new process answers ``/healthz``), answered_seconds (every node had a report answered),
     safe_seconds (a reply carried a safe step past the one before the kill), complete_seconds (the step after it
     was committed by every rank); and the deletions ordered meanwhile, the new process's CPU (% of a core, from the
