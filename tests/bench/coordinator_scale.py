@@ -33,7 +33,10 @@ Scenarios, for each ``--nodes`` N:
 - new incarnation: every pod of the steady job replaced at once: seconds from the last publish until
   every pod holds its assignment;
 - restore: the new incarnation's ranks ask for their restore, stage the planned step and long-poll:
-  seconds from the last rank's staged report until every rank saw ``ready``.
+  seconds from the last rank's staged report until every rank saw ``ready``;
+- restart (issue 54): a fresh steady job, settled; its coordinator SIGKILLed and started again at once on its state
+  dir (``restart``): seconds from the kill until every node had a report answered and until the safe step advanced,
+  and the deletions obeyed meanwhile, those of steps the job still needed apart (``SimCluster.needed``).
 
 Figures: coordinator CPU (psutil, its process), its resident memory (at the end of the window, its
 peak over the whole scenario, ``VmHWM``, and per node: the peak above what it held before any agent), offered and achieved report rates, report p99 latency,
@@ -47,12 +50,14 @@ generator's own pauses are not counted as the coordinator's latency.
 "Offered" is what real agents would send: a report per change when it happens, else one per
 ``heartbeat_seconds`` x U(0.8, 1.0) rounded up to the agent's 1 s round, counted on an ideal clock per agent.
 
-``python -m tests.bench.coordinator_scale --nodes 1000 [--nodes 4000 ...] [--seconds 60]`` exits 0 only
-when every goal at every N is met.
+``python -m tests.bench.coordinator_scale --nodes 1000 [--nodes 4000 ...] [--seconds 60] [--scenarios restart]
+[--log-dir DIR]`` exits 0 only when every goal at every N is met; it prints the machine's load average at the start
+and the end of each N.
 """
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -60,6 +65,7 @@ import gc
 import math
 import os
 import resource
+import shutil
 import statistics
 import sys
 import time
@@ -96,6 +102,8 @@ ROUND_SECONDS = timing.ROUND_INTERVAL_SECONDS  # the agent's report round: a due
 CONNECT_PER_SECOND = 2_000  # agents come up at this pace (the listen backlog is 128)
 SCENARIO_TIMEOUT = 300.0
 SETTLE_SECONDS = 20.0
+KILL_LEAD_SECONDS = 2.0  # the restart's kill: this long before the step after the safe step is complete
+KILL_TRIES = 5  # a kill that would come after the step is complete aims at the next step, this many times at most
 CONNECTIONS_PER_AGENT = 2  # the report loop's and the restore's
 SPARE_FILES = 1_000  # the coordinator's and the generator's other open files
 
@@ -104,6 +112,7 @@ GOAL_P99_MS = 250.0
 GOAL_LIST_CALLS = 60.0  # per job per hour
 GOAL_ASSIGN_SECONDS = 2.0
 GOAL_READY_SECONDS = 5.0
+GOAL_RESTART_SECONDS = 30.0  # from a coordinator's SIGKILL: every node answered, the safe step advanced (issue 54)
 GOAL_KB_PER_NODE = 100.0  # coordinator memory per node: its peak resident above its idle own (issue 27)
 _SILENT_LINE = ": no orders to it;"  # the coordinator's log line when a node turns silent
 
@@ -137,6 +146,28 @@ def rank_files(step: int, rank: int, per_slice: int) -> Files:
     return files
 
 
+@dataclasses.dataclass
+class RestartWatch:
+    """What the agents see of a coordinator restart, from the SIGKILL (monotonic ``killed_at``).
+
+    ``old_safe`` is the newest safe step a reply carried before the kill. A report counts as answered when it was
+    sent after the kill (so the new process answered it); ``failures`` counts the reports that failed, by the
+    client's error (``CoordinatorUnavailable``'s text: the exception's class or the HTTP status). ``deletions`` are
+    the retain orders' deletions the agents obeyed from the kill until a reply carried a safe step past
+    ``old_safe``: (node, step, "own" or "replica", why the job still needed it or None: ``SimCluster.needed``)."""
+
+    killed_at: float
+    old_safe: int
+    answered: dict[str, float] = dataclasses.field(default_factory=dict)
+    failures: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    advanced_at: float | None = None
+    new_safe: int | None = None
+    deletions: list[tuple[str, int, str, str | None]] = dataclasses.field(default_factory=list)
+
+    def watching_deletions(self) -> bool:
+        return self.advanced_at is None
+
+
 class Stats:
     """What the generator measured; report figures count only inside the open window."""
 
@@ -153,6 +184,8 @@ class Stats:
         self.assigned: dict[str, float] = {}
         self.staged: dict[str, float] = {}
         self.ready: dict[str, float] = {}
+        self.safe: dict[int, float] = {}  # the job's safe step as its retain orders say (keep_from) -> first seen
+        self.restart: RestartWatch | None = None
 
     def open(self, now: float, seconds: float) -> None:
         self.window = (now, now + seconds)
@@ -299,11 +332,15 @@ class SimAgent:
         try:
             async with self.turn:
                 reply = await self.client.report(report)
-        except CoordinatorUnavailable:
+        except CoordinatorUnavailable as err:
             stats.errors += stats.inside(started)
+            if stats.restart is not None:
+                stats.restart.failures[failure_kind(err)] += 1
             self.session.failed(time.monotonic())  # the agent's backoff
             return
         done = time.monotonic()
+        if stats.restart is not None and started >= stats.restart.killed_at:
+            stats.restart.answered.setdefault(self.node_id, done)
         if stats.inside(done):
             stats.replies += 1
             stats.designations.update((j, self.node_id) for j in reply.list_backups)
@@ -333,6 +370,9 @@ class SimAgent:
             gone = {
                 r for r in self.replicas if r.job == job and r.step < order.keep_from and r.step not in order.protected
             }
+            if job == self.key:
+                self.cluster.saw_safe(order.keep_from)
+            self.cluster.note_deletions(self, job, dropped, gone)
             for step in dropped:
                 del self.own[step]
             self.replicas -= gone
@@ -410,6 +450,7 @@ class SimCluster:
         self.failure: BaseException | None = None
         self.stopping = False
         self.connections = connections_per_agent(len(self.agents))
+        self.name = "cluster"  # its scenario's, in progress lines
 
     # -- the training clock ---------------------------------------------------------------------
 
@@ -448,6 +489,40 @@ class SimCluster:
 
     def complete_backups(self, key: JobRef) -> set[int]:
         return self.complete.get(key, set())
+
+    def complete_at(self, step: int) -> float:
+        """When the last rank commits ``step`` (the latest phase), monotonic seconds."""
+        return (
+            self.epoch + STEP_SECONDS * (len(self.agents) - 1) / len(self.agents) + step // STEP_NUMBERS * STEP_SECONDS
+        )
+
+    # -- what a restart may break ---------------------------------------------------------------
+
+    def saw_safe(self, step: int) -> None:
+        """A reply carried ``step`` as the job's safe step (its retain order's ``keep_from``)."""
+        now = time.monotonic()
+        self.stats.safe.setdefault(step, now)
+        watch = self.stats.restart
+        if watch is not None and watch.advanced_at is None and step > watch.old_safe:
+            watch.advanced_at, watch.new_safe = now, step
+
+    def note_deletions(self, agent: SimAgent, job: JobRef, own: list[int], replicas: set[HeldCopy]) -> None:
+        """Records what a retain order deletes while a restart is watched, and whether the job still needed it."""
+        watch = self.stats.restart
+        if watch is None or not watch.watching_deletions():
+            return
+        for step, kind in [(s, "own") for s in own] + [(r.step, "replica") for r in replicas]:
+            watch.deletions.append((agent.node_id, step, kind, self.needed(job, step, watch.old_safe)))
+
+    def needed(self, job: JobRef, step: int, safe: int) -> str | None:
+        """Why the job still needs the nodes' copies of ``step`` while ``safe`` is its newest safe step, or None:
+        "safe or newer" (the safe step is what a restore falls back to; a newer one is not safe yet, so a lost
+        rank's copy may be its last) or "uploading" (a backup of it ordered and not complete: its upload reads
+        the local files). The newest complete backup is not in it: the store holds it whole, and the retention
+        rule frees its local copies once a newer step is safe (``retention.safe_step``)."""
+        if step >= safe:
+            return "safe or newer"
+        return "uploading" if step in set(self.bucket.get(job, {})) - self.complete_backups(job) else None
 
     # -- phases ---------------------------------------------------------------------------------
 
@@ -682,37 +757,134 @@ def start_coordinator(workdir: str) -> tuple[CoordinatorProcess, str]:
     return coordinator.start(), token
 
 
-async def run_cluster(workdir: str, jobs: list[JobSpec], seconds: float, replace: bool, cleanup) -> dict:
+async def run_cluster(workdir: str, jobs: list[JobSpec], cleanup, measure, log_copy: str | None) -> dict:
+    """Forms ``jobs`` against a fresh coordinator, then returns its figures and ``await measure(cluster)``'s; its
+    log is copied to ``log_copy`` (a path) at the end, unless None."""
     coordinator, token = start_coordinator(workdir)
     cleanup.callback(coordinator.stop)
     idle_rss = psutil.Process(coordinator.process.pid).memory_info().rss  # before any agent: the process's own
     cluster = SimCluster(coordinator, token, jobs)
-    name = os.path.basename(workdir)
+    cluster.name = os.path.basename(workdir)
     try:
         formed = time.monotonic()
         await cluster.start()
         gc.freeze()  # the agents' state, formed: the generator's collections need not walk it again
         progress(
-            f"{name}: {len(cluster.agents)} agents in {len(jobs)} jobs trained after {time.monotonic() - formed:.0f} s; settling, then measuring"
+            f"{cluster.name}: {len(cluster.agents)} agents in {len(jobs)} jobs trained after {time.monotonic() - formed:.0f} s; settling, then measuring"
         )
         figures = {
             "formed_seconds": time.monotonic() - formed,
             "connections": cluster.connections,
-            **await steady_window(cluster, seconds),
+            "coordinator_idle_rss": idle_rss,
         }
-        progress(f"{name}: " + ", ".join(f"{k} {v:.3g}" for k, v in figures.items()))
-        if replace:
-            progress(f"{name}: replacing every pod")
-            with collector_paused():
-                figures |= await replace_every_pod(cluster)
-        figures |= {"coordinator_peak_rss": peak_rss(coordinator.process.pid), "coordinator_idle_rss": idle_rss}
-        return figures
+        return figures | await measure(cluster)
     finally:
-        progress(f"{name}: stopping")
+        progress(f"{cluster.name}: stopping")
         gc.unfreeze()  # what this cluster leaves behind is collected before the next
         await cluster.stop_agents()
         coordinator.stop()  # first: closing N TLS sessions to a live peer took minutes
         await cluster.close_sessions()
+        if log_copy is not None:
+            shutil.copyfile(coordinator.log_path, log_copy)
+
+
+async def window_then_replace(cluster: SimCluster, seconds: float, replace: bool) -> dict:
+    """The steady and many-jobs scenarios: a window of ``seconds``, then (``replace``) every pod replaced."""
+    figures = await steady_window(cluster, seconds)
+    progress(f"{cluster.name}: " + ", ".join(f"{k} {v:.3g}" for k, v in figures.items()))
+    if replace:
+        progress(f"{cluster.name}: replacing every pod")
+        with collector_paused():
+            figures |= await replace_every_pod(cluster)
+    return figures | {"coordinator_peak_rss": peak_rss(cluster.coordinator.process.pid)}
+
+
+async def restart(cluster: SimCluster) -> dict:
+    """SIGKILLs the settled coordinator and starts it again at once on the same address, certificate, token and
+    ``--state-dir``, as a Deployment's restart would (a real one adds what is not measured here: the pod's
+    rescheduling, its image pull and container start, and a Service's endpoints turning over).
+
+    The kill is aimed ``KILL_LEAD_SECONDS`` before the last rank commits the step after the safe step
+    (``kill_time``; a lagging generator that would kill after that commit aims at the next step): without the
+    restart the safe step would advance about then, so what the restart adds shows instead of up to a step
+    interval of training. Returns, in seconds from the kill (infinite: not within ``SCENARIO_TIMEOUT``):
+    up_seconds (the new process answers ``/healthz``), answered_seconds (every node had a report answered),
+    safe_seconds (a reply carried a safe step past the one before the kill), complete_seconds (the step after it
+    was committed by every rank); and the deletions ordered meanwhile, the new process's CPU (% of a core, from the
+    kill to the later of the two) and peak memory, the generator's CPU and loop lag p99.
+    """
+    stats, coordinator = cluster.stats, cluster.coordinator
+    await asyncio.sleep(max(SETTLE_SECONDS, 2 * cluster.heartbeat_seconds()))
+    for _ in range(KILL_TRIES):  # a lagging generator loop wakes late: then it aims at the next step
+        kill_at = await kill_time(cluster)
+        await asyncio.sleep(kill_at - time.monotonic())
+        if (late := time.monotonic() - kill_at) < KILL_LEAD_SECONDS:
+            break
+        progress(f"{cluster.name}: {late:.1f} s late for the kill, after the step completed: aiming at the next one")
+    old_safe = max(stats.safe)
+    generator, generator_cpu = psutil.Process(), sum(psutil.Process().cpu_times()[:2])
+    progress(f"{cluster.name}: SIGKILL with the safe step at {old_safe}; starting it again")
+    with LoopLag() as lag, collector_paused():
+        watch = stats.restart = RestartWatch(time.monotonic(), old_safe)
+        overflows = listen_overflows()
+        coordinator.kill()
+        figures = {"complete_seconds": cluster.complete_at(old_safe + STEP_NUMBERS) - watch.killed_at}
+        await asyncio.to_thread(coordinator.start, SCENARIO_TIMEOUT)
+        figures["up_seconds"] = time.monotonic() - watch.killed_at
+        progress(f"{cluster.name}: the new coordinator answers /healthz {figures['up_seconds']:.2f} s after the kill")
+        for what, count in (
+            ("nodes answered", lambda: len(watch.answered)),
+            ("safe step advanced", lambda: len(cluster.agents) * (watch.advanced_at is not None)),
+        ):
+            with contextlib.suppress(TimeoutError):
+                await cluster.until(count, what)
+        ended = time.monotonic()
+    wall = ended - watch.killed_at
+    new = psutil.Process(coordinator.process.pid)
+    answered = len(watch.answered) == len(cluster.agents)
+    return figures | {
+        "answered_seconds": max(watch.answered.values()) - watch.killed_at if answered else math.inf,
+        "answered_nodes": len(watch.answered),
+        "safe_seconds": watch.advanced_at - watch.killed_at if watch.advanced_at is not None else math.inf,
+        "old_safe": old_safe,
+        "new_safe": watch.new_safe,
+        "failures": watch.failures,
+        "listen_overflows": listen_overflows() - overflows,
+        "newest_backup": max(cluster.complete_backups(cluster.agents[0].key), default=None),
+        "deletions": watch.deletions,
+        "coordinator_cpu": 100 * sum(new.cpu_times()[:2]) / wall,
+        "coordinator_rss": new.memory_info().rss,
+        "coordinator_peak_rss": peak_rss(new.pid),
+        "generator_cpu": 100 * (sum(generator.cpu_times()[:2]) - generator_cpu) / wall,
+        "loop_lag_p99": p99(lag.samples),
+        "heartbeat_seconds": cluster.heartbeat_seconds(),
+    }
+
+
+async def kill_time(cluster: SimCluster) -> float:
+    """``KILL_LEAD_SECONDS`` before the last rank commits the step after the newest safe step a reply carried,
+    monotonic seconds; waits for the safe step to catch up with the training where that is already past.
+
+    Raises:
+      TimeoutError: no reply carried a safe step the training had not already passed within ``SCENARIO_TIMEOUT``.
+    """
+    deadline = time.monotonic() + SCENARIO_TIMEOUT
+    while time.monotonic() < deadline:
+        if cluster.stats.safe:
+            kill_at = cluster.complete_at(max(cluster.stats.safe) + STEP_NUMBERS) - KILL_LEAD_SECONDS
+            if kill_at > time.monotonic():
+                return kill_at
+        await asyncio.sleep(0.1)
+    raise TimeoutError(f"the safe step did not keep up with the training within {SCENARIO_TIMEOUT:g} s")
+
+
+def listen_overflows() -> int:
+    """Connections this machine's kernel dropped at a full accept queue so far (``TcpExt: ListenOverflows``, every
+    listening socket's: the coordinator's is the one under load here); the client's SYN is sent again 1 s later,
+    then 3 s, 7 s..."""
+    with open("/proc/net/netstat", encoding="ascii") as f:
+        tcp_ext = [line.split()[1:] for line in f if line.startswith("TcpExt:")]
+    return int(dict(zip(*tcp_ext))["ListenOverflows"])
 
 
 def peak_rss(pid: int) -> int:
@@ -725,94 +897,155 @@ def progress(message: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} {message}", file=sys.stderr, flush=True)
 
 
-def judge(nodes: int, steady: dict, many: dict) -> list[tuple[str, str, str, bool | None]]:
-    """(figure, value, goal, met or None for no goal) rows for one N."""
+def judge(nodes: int, results: dict[str, dict]) -> list[tuple[str, str, str, bool | None]]:
+    """(figure, value, goal, met or None for no goal) rows for one N, of the scenarios in ``results``."""
     rows = []
+    for scenario, name in (("steady", "steady"), ("many", "many jobs")):
+        if scenario in results:
+            rows += window_rows(nodes, name, results[scenario])
+    if "steady" in results:
+        rows += incarnation_rows(results["steady"])
+    if "restart" in results:
+        rows += restart_rows(nodes, results["restart"])
+    return rows
 
-    def per_node(f: dict) -> float:
-        """KB of the coordinator's peak resident memory per node, above what it held idle."""
-        return (max(f["coordinator_rss"], f["coordinator_peak_rss"]) - f["coordinator_idle_rss"]) / nodes / 1e3
 
-    for name, f in (("steady", steady), ("many jobs", many)):
-        generator_bound = f["achieved"] < 0.95 * f["offered"] or f["generator_cpu"] >= 90 or f["loop_lag_p99"] > 0.25
-        rows += [
-            (
-                f"{name}: coordinator CPU",
-                f"{f['coordinator_cpu']:.1f} % of a core",
-                f"<= {GOAL_CPU:g} %",
-                f["coordinator_cpu"] <= GOAL_CPU,
-            ),
-            (
-                f"{name}: coordinator memory",
-                f"{f['coordinator_rss'] / 2**20:.0f} MiB resident (peak {f['coordinator_peak_rss'] / 2**20:.0f} MiB, "
-                f"idle {f['coordinator_idle_rss'] / 2**20:.0f} MiB): {per_node(f):.0f} KB per node",
-                f"<= {GOAL_KB_PER_NODE:g} KB per node",
-                per_node(f) <= GOAL_KB_PER_NODE,
-            ),
-            (
-                f"{name}: coordinator CPU per report",
-                f"{10 * f['coordinator_cpu'] / max(f['achieved'], 1):.2f} ms (report handling plus the decision passes)",
-                "-",
-                None,
-            ),
-            (
-                f"{name}: report p99 latency",
-                f"{f['p99_ms']:.0f} ms",
-                f"<= {GOAL_P99_MS:g} ms",
-                f["p99_ms"] <= GOAL_P99_MS,
-            ),
-            (
-                f"{name}: coordinator event-loop lag p99",
-                f"<= {1000 * f['coordinator_lag_p99']:.0f} ms (its ticker; what every request waited besides its own handling)",
-                "-",
-                None,
-            ),
-            (f"{name}: nodes expired", f"{f['expired']}", "0", f["expired"] == 0),
-            (
-                f"{name}: list calls per job per hour",
-                f"{f['list_calls']:.1f} ({f['listers_per_job']:.2f} listers/job; {f['listed_in_window']} lists in the window)",
-                f"<= {GOAL_LIST_CALLS:g}",
-                f["list_calls"] <= GOAL_LIST_CALLS,
-            ),
-            (
-                f"{name}: reports offered / achieved",
-                f"{f['offered']:.0f} / {f['achieved']:.0f} per s (heartbeat {f['heartbeat_seconds']:g} s, "
-                f"{f['errors']} errors)",
-                "achieved ~ offered",
-                None,
-            ),
-            (f"{name}: bytes received", f"{f['bytes_per_second'] / 1e3:.0f} kB/s of report bodies", "-", None),
-            (
-                f"{name}: load generator",
-                f"{f['generator_cpu']:.0f} % of a core, loop lag p99 {1000 * f['loop_lag_p99']:.0f} ms, "
-                f"change->send p99 {f['lag_p99']:.2f} s, memory +{f['generator_rss_growth'] / 2**20:.0f} MiB with its collector off"
-                f"{': GENERATOR-BOUND' if generator_bound else ''}",
-                "-",
-                None,
-            ),
-            (
-                f"{name}: held steps per rank, formed in",
-                f"{f['held_per_rank']:.2f}, {f['formed_seconds']:.0f} s "
-                f"({f['connections']} connection{'s' if f['connections'] > 1 else ''} per agent)",
-                "-",
-                None,
-            ),
-        ]
-    rows += [
+def per_node_kb(nodes: int, f: dict) -> float:
+    """KB of the coordinator's peak resident memory per node, above what it held idle."""
+    return (max(f["coordinator_rss"], f["coordinator_peak_rss"]) - f["coordinator_idle_rss"]) / nodes / 1e3
+
+
+def generator_line(f: dict) -> str:
+    bound = f["achieved"] < 0.95 * f["offered"] if "achieved" in f else False
+    bound = bound or f["generator_cpu"] >= 90 or f["loop_lag_p99"] > 0.25
+    return f"{f['generator_cpu']:.0f} % of a core, loop lag p99 {1000 * f['loop_lag_p99']:.0f} ms" + (
+        ": GENERATOR-BOUND" if bound else ""
+    )
+
+
+def window_rows(nodes: int, name: str, f: dict) -> list[tuple[str, str, str, bool | None]]:
+    """The rows of a steady window (the steady job's or the many jobs')."""
+    return [
+        (
+            f"{name}: coordinator CPU",
+            f"{f['coordinator_cpu']:.1f} % of a core",
+            f"<= {GOAL_CPU:g} %",
+            f["coordinator_cpu"] <= GOAL_CPU,
+        ),
+        (
+            f"{name}: coordinator memory",
+            f"{f['coordinator_rss'] / 2**20:.0f} MiB resident (peak {f['coordinator_peak_rss'] / 2**20:.0f} MiB, "
+            f"idle {f['coordinator_idle_rss'] / 2**20:.0f} MiB): {per_node_kb(nodes, f):.0f} KB per node",
+            f"<= {GOAL_KB_PER_NODE:g} KB per node",
+            per_node_kb(nodes, f) <= GOAL_KB_PER_NODE,
+        ),
+        (
+            f"{name}: coordinator CPU per report",
+            f"{10 * f['coordinator_cpu'] / max(f['achieved'], 1):.2f} ms (report handling plus the decision passes)",
+            "-",
+            None,
+        ),
+        (
+            f"{name}: report p99 latency",
+            f"{f['p99_ms']:.0f} ms",
+            f"<= {GOAL_P99_MS:g} ms",
+            f["p99_ms"] <= GOAL_P99_MS,
+        ),
+        (
+            f"{name}: coordinator event-loop lag p99",
+            f"<= {1000 * f['coordinator_lag_p99']:.0f} ms (its ticker; what every request waited besides its own handling)",
+            "-",
+            None,
+        ),
+        (f"{name}: nodes expired", f"{f['expired']}", "0", f["expired"] == 0),
+        (
+            f"{name}: list calls per job per hour",
+            f"{f['list_calls']:.1f} ({f['listers_per_job']:.2f} listers/job; {f['listed_in_window']} lists in the window)",
+            f"<= {GOAL_LIST_CALLS:g}",
+            f["list_calls"] <= GOAL_LIST_CALLS,
+        ),
+        (
+            f"{name}: reports offered / achieved",
+            f"{f['offered']:.0f} / {f['achieved']:.0f} per s (heartbeat {f['heartbeat_seconds']:g} s, "
+            f"{f['errors']} errors)",
+            "achieved ~ offered",
+            None,
+        ),
+        (f"{name}: bytes received", f"{f['bytes_per_second'] / 1e3:.0f} kB/s of report bodies", "-", None),
+        (
+            f"{name}: load generator",
+            f"{generator_line(f)}; change->send p99 {f['lag_p99']:.2f} s, "
+            f"memory +{f['generator_rss_growth'] / 2**20:.0f} MiB with its collector off",
+            "-",
+            None,
+        ),
+        (
+            f"{name}: held steps per rank, formed in",
+            f"{f['held_per_rank']:.2f}, {f['formed_seconds']:.0f} s "
+            f"({f['connections']} connection{'s' if f['connections'] > 1 else ''} per agent)",
+            "-",
+            None,
+        ),
+    ]
+
+
+def incarnation_rows(f: dict) -> list[tuple[str, str, str, bool | None]]:
+    """The new incarnation's and its restore's rows (the steady job's pods replaced)."""
+    return [
         (
             "new incarnation: last publish -> all assigned",
-            f"{seconds(steady['assign_seconds'])} (publishes sent over {steady['publish_spread']:.2f} s)",
+            f"{seconds(f['assign_seconds'])} (publishes sent over {f['publish_spread']:.2f} s)",
             f"<= {GOAL_ASSIGN_SECONDS:g} s",
-            steady["assign_seconds"] <= GOAL_ASSIGN_SECONDS,
+            f["assign_seconds"] <= GOAL_ASSIGN_SECONDS,
         ),
         (
             "restore: last staged -> all ready",
-            seconds(steady["ready_seconds"]),
+            seconds(f["ready_seconds"]),
             f"<= {GOAL_READY_SECONDS:g} s",
-            steady["ready_seconds"] <= GOAL_READY_SECONDS,
+            f["ready_seconds"] <= GOAL_READY_SECONDS,
         ),
     ]
-    return rows
+
+
+def restart_rows(nodes: int, f: dict) -> list[tuple[str, str, str, bool | None]]:
+    """The coordinator restart's rows (``restart``)."""
+    deletions = f["deletions"]
+    needed = collections.Counter(d[3] for d in deletions if d[3])
+    kinds = {kind: sum(d[2] == kind for d in deletions) for kind in ("own", "replica")}
+    steps = collections.Counter(d[1] for d in deletions)
+    failures = ", ".join(f"{n:,} {kind}" for kind, n in f["failures"].most_common())
+    return [
+        (
+            "restart: SIGKILL -> every node answered",
+            f"{seconds(f['answered_seconds'])} ({f['answered_nodes']:,} of {nodes:,}; back up in {f['up_seconds']:.2f} s, "
+            f"reports failed: {failures or 'none'}; {f['listen_overflows']:,} connections dropped at the full accept queue)",
+            f"<= {GOAL_RESTART_SECONDS:g} s",
+            f["answered_seconds"] <= GOAL_RESTART_SECONDS,
+        ),
+        (
+            "restart: SIGKILL -> safe step advanced",
+            f"{seconds(f['safe_seconds'])} ({f['old_safe']} -> {f['new_safe']}; step {f['old_safe'] + STEP_NUMBERS} "
+            f"complete on every rank {f['complete_seconds']:.2f} s after the kill)",
+            f"<= {GOAL_RESTART_SECONDS:g} s",
+            f["safe_seconds"] <= GOAL_RESTART_SECONDS,
+        ),
+        (
+            "restart: needed steps deleted meanwhile",
+            f"{sum(needed.values())} ({', '.join(f'{n} {why}' for why, n in needed.items()) or 'none needed'}; "
+            f"ordered: {kinds['own']} own copies, {kinds['replica']} replicas, by step {dict(sorted(steps.items()))}; "
+            f"newest complete backup {f['newest_backup']})",
+            "0",
+            not needed,
+        ),
+        (
+            "restart: coordinator CPU, memory",
+            f"{f['coordinator_cpu']:.0f} % of a core; {f['coordinator_rss'] / 2**20:.0f} MiB resident "
+            f"(peak {f['coordinator_peak_rss'] / 2**20:.0f} MiB): {per_node_kb(nodes, f):.0f} KB per node",
+            "-",
+            None,
+        ),
+        ("restart: load generator", generator_line(f) + f" (heartbeat {f['heartbeat_seconds']:g} s)", "-", None),
+    ]
 
 
 def seconds(value: float) -> str:
@@ -826,25 +1059,51 @@ def print_rows(nodes: int, rows) -> None:
         print(f"  {figure:<46} {value:<70} {goal:<18} {'-' if met is None else 'met' if met else 'MISSED'}")
 
 
-async def bench(nodes: int, seconds: float) -> list:
+SCENARIOS = ("steady", "many", "restart")  # steady includes the new incarnation and its restore
+
+
+async def bench(nodes: int, seconds: float, scenarios: tuple[str, ...], log_dir: str | None) -> list:
     if nodes % SLICE_NODES:
         raise SystemExit(f"--nodes must be a multiple of {SLICE_NODES}")
-    with scratch_dir("mtc-bench-scale-") as (workdir, cleanup):
-        steady = await run_cluster(
-            os.path.join(workdir, "steady"),
-            [JobSpec("steady", nodes // SLICE_NODES, SLICE_NODES)],
-            seconds,
-            True,
-            cleanup,
-        )
-        many = await run_cluster(
-            os.path.join(workdir, "many"),
+    steady_job = [JobSpec("steady", nodes // SLICE_NODES, SLICE_NODES)]
+    measures = {
+        "steady": (steady_job, functools.partial(window_then_replace, seconds=seconds, replace=True)),
+        "many": (
             [JobSpec(f"small-{i}", 1, SMALL_JOB_NODES) for i in range(nodes // SMALL_JOB_NODES)],
-            seconds,
-            False,
-            cleanup,
+            functools.partial(window_then_replace, seconds=seconds, replace=False),
+        ),
+        "restart": (steady_job, restart),
+    }
+    results = {}
+    with scratch_dir("mtc-bench-scale-") as (workdir, cleanup):
+        for scenario in scenarios:
+            jobs, measure = measures[scenario]
+            log_copy = os.path.join(log_dir, f"coordinator-{nodes}-{scenario}.log") if log_dir else None
+            results[scenario] = await run_cluster(os.path.join(workdir, scenario), jobs, cleanup, measure, log_copy)
+    return judge(nodes, results)
+
+
+def scenario_list(text: str) -> tuple[str, ...]:
+    """``--scenarios``: names from ``SCENARIOS``, comma-separated, run in that order."""
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in SCENARIOS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown scenario {', '.join(unknown) or '(none)'}: pick from {', '.join(SCENARIOS)}"
         )
-    return judge(nodes, steady, many)
+    return names
+
+
+def failure_kind(err: CoordinatorUnavailable) -> str:
+    """A failed request's kind: the client's exception class (``ServerDisconnectedError``, ``TimeoutError``...)
+    or ``HTTP <status>``, from ``CoordinatorClient``'s message ``METHOD PATH: <repr or HTTP status>``."""
+    detail = str(err).partition(": ")[2]
+    return detail.partition(":")[0] if detail.startswith("HTTP") else detail.partition("(")[0]
+
+
+def load_average() -> str:
+    """The machine's 1, 5 and 15 minute load averages."""
+    return " / ".join(f"{load:.1f}" for load in os.getloadavg())
 
 
 def main() -> int:
@@ -853,7 +1112,16 @@ def main() -> int:
         "--nodes", type=int, action="append", help="simulated node agents (a multiple of 250); repeat for several"
     )
     parser.add_argument("--seconds", type=float, default=60.0, help="length of each steady window (issue 9: 60)")
+    parser.add_argument(
+        "--scenarios",
+        type=scenario_list,
+        default=SCENARIOS,
+        help=f"comma-separated, of {', '.join(SCENARIOS)} (default: all; steady includes the new incarnation and its restore)",
+    )
+    parser.add_argument("--log-dir", help="keep each scenario's coordinator log here (coordinator-N-SCENARIO.log)")
     args = parser.parse_args()
+    if args.log_dir is not None and not os.path.isdir(args.log_dir):
+        parser.error(f"--log-dir {args.log_dir}: not a directory")
     # Each process holds one end of every agent's connections: the soft limit up to the hard one
     # (inherited by the coordinator process).
     nodes = max(args.nodes or [1000])
@@ -867,12 +1135,14 @@ def main() -> int:
     all_met = True
     results = {}
     for nodes in args.nodes or [1000]:
+        print(f"N = {nodes:,}: load average {load_average()} at the start", flush=True)
         try:
-            rows = asyncio.run(bench(nodes, args.seconds))
-        except TimeoutError as err:  # the cluster never formed: every goal at this N is missed
-            rows = [("the cluster formed", str(err), f"within {SCENARIO_TIMEOUT:g} s", False)]
+            rows = asyncio.run(bench(nodes, args.seconds, args.scenarios, args.log_dir))
+        except TimeoutError as err:  # the cluster never formed or settled: every goal at this N is missed
+            rows = [("the cluster formed and settled", str(err), f"within {SCENARIO_TIMEOUT:g} s", False)]
         results[nodes] = rows
         print_rows(nodes, rows)
+        print(f"N = {nodes:,}: load average {load_average()} at the end", flush=True)
         all_met &= all(met is not False for *_, met in rows)
     print(
         f"\ncoordinator scale: steady windows of {args.seconds:g} s; {os.cpu_count()} CPUs shared by the coordinator and the load "
