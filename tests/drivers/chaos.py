@@ -470,14 +470,16 @@ class Chaos:
                 )
 
     def lose(self, rank: int) -> NodeAgentProcess:
-        """The node holding ``rank`` is lost with its RAM; a fresh node takes its place (with ``kube``: the lost
-        node's Node deleted, a fresh Node in its rack registered, and its agent started with its own token)."""
+        """The node holding ``rank`` is lost with its RAM; a fresh node takes its place (with ``kube``: a fresh Node
+        in its rack, its agent started with its own token, and then the lost node's Node deleted, as the cloud's
+        node controller does once the node is gone)."""
         lost = self.agent_of(rank)
         index = self.job.agents.index(lost)
         if self.kube:
-            self.kube.lose(lost.node_id)
             self.kube.join(f"node-{len(self.cluster.agents)}", _rack(index))
         self.job.agents[:] = replace_node(self.cluster, self.job, index)
+        if self.kube:
+            self.kube.lose(lost.node_id)
         return self.job.agents[index]
 
     def kill_agent(self, agent: NodeAgentProcess, down_seconds: float = 1.0) -> None:
