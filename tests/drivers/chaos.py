@@ -628,14 +628,16 @@ class Chaos:
                     break
 
     def stop(self) -> None:
-        self.job.kill_training()
-        for agent in self.cluster.agents:
-            agent.resume()
-        self.cluster.stop()
-        self.store.close()
-        self.network.close()
-        if self.kube:
-            self.kube.stop()
+        try:
+            self.job.kill_training()
+            for agent in self.cluster.agents:
+                agent.resume()
+            self.cluster.stop()
+            self.store.close()
+            self.network.close()
+        finally:
+            if self.kube:  # a control plane left running would hold its ports and CPU
+                self.kube.stop()
         unmount_all_below(self.workdir)  # the pods' bind mounts
 
 
@@ -1151,6 +1153,8 @@ def run(seed: int, faults: int, variant: str, allowed: list[str], workdir: str, 
             ):
                 print("the job is down and did not come back; stopping the sequence", flush=True)
                 break
+        if chaos.kube:
+            print(f"agents' node tokens rotated (minted again at 80% of their lifetime): {chaos.kube.rotations}")
         delays = chaos.backup_delays()
         if delays:
             print(

@@ -52,6 +52,7 @@ class KubeNodes:
       client: its admin client (the caller's thread's; the renewals use their own).
       kubeconfig: the coordinator's kubeconfig, as its own ServiceAccount bound to ``manifests/coordinator-rbac.yaml``.
       namespace: the agents' DaemonSet's namespace (the coordinator's ``--agent-namespace``).
+      rotations: tokens minted again as their lifetime ran out, so far.
     """
 
     namespace = AGENT_NAMESPACE
@@ -64,6 +65,7 @@ class KubeNodes:
         """
         self._workdir = workdir
         self._tokens: dict[str, float] = {}  # node -> when its agent's token was minted (monotonic)
+        self.rotations = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._stack = contextlib.ExitStack()
@@ -135,7 +137,7 @@ class KubeNodes:
                         self._renew_lease(client, node)
                         if time.monotonic() - minted >= ROTATE_AFTER:
                             self._mint(client, node)
-                            self._tokens[node] = time.monotonic()
+                            self._tokens[node], self.rotations = time.monotonic(), self.rotations + 1
                     except (ApiError, httpx2.HTTPError, TimeoutError) as err:
                         print(f"stand-in kubelet of {node}: {err}", flush=True)
 
