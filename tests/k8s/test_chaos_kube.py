@@ -4,8 +4,6 @@ token to a coordinator running ``--kube --node-identity --peer-grants``, through
 agent pod and token registered, the lost Node deleted) and an agent SIGKILLed mid-push and restarted with its token,
 each restoring the newest possible step with values identical to an uninterrupted run."""
 
-from pathlib import Path
-
 from tests.drivers import chaos
 
 SEED = 3
@@ -20,5 +18,5 @@ def test_kube_variant_restores_the_newest_step_through_a_node_loss_and_an_agent_
     assert all(row.right and row.restored is not None for row in rows), table
     # The fresh node (node-4) joined with a token of its own, and the coordinator required one of every report.
     assert (tmp_path / "node-tokens" / "node-4" / "token").read_text().count(".") == 2  # a JWT
-    log = Path(tmp_path / "cluster" / "coordinator" / "coordinator.log").read_text()
+    log = (tmp_path / "cluster" / "coordinator" / "coordinator.log").read_text()
     assert "per-node identity: reports need a token of ServiceAccount mtc-system/mtc" in log
