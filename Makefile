@@ -383,8 +383,9 @@ $(ORBAX_OLDEST_STAMP): pyproject.toml
 # A long seeded random fault sequence per variant (the seed is printed; replay with --seed).
 CHAOS_FAULTS ?= 20
 CHAOS_ARGS   ?=
-chaos: host-tools setup tools
-	rc=0; for v in dp2 dp1 xor rs grants; do $(BIN)/python -m tests.drivers.chaos --faults $(CHAOS_FAULTS) --variant $$v $(CHAOS_ARGS) || rc=1; done; exit $$rc
+chaos: HOST_SUITES := local etcd
+chaos: host-tools setup tools k8s-tools
+	rc=0; for v in dp2 dp1 xor rs grants kube; do $(BIN)/python -m tests.drivers.chaos --faults $(CHAOS_FAULTS) --variant $$v $(CHAOS_ARGS) || rc=1; done; exit $$rc
 
 image:
 	@if command -v docker >/dev/null && docker info >/dev/null 2>&1; then \

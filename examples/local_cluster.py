@@ -348,7 +348,12 @@ class LocalCluster:
         then the API server's Node ``node-<i>``.
       subnet: the first three bytes of the nodes' loopback addresses, e.g. ``127.0.0``.
       peer_grants: the coordinator signs peer grants and the agents serve peers only against them (both
-        ``--peer-grants``; without ``kubeconfig`` the coordinator has no per-node identity to tie them to).
+        ``--peer-grants``; without ``node_identity`` the coordinator has no per-node identity to tie them to).
+      node_identity: with ``kubeconfig``, the namespace of the agents' DaemonSet: the coordinator admits a node's
+        report only with a projected token of that DaemonSet's pod on the node (``--node-identity
+        --agent-namespace``), or None.
+      node_token: ``node name -> path`` of the agent's projected ServiceAccount token (``--node-token-file``),
+        called as each node joins (a fresh node's token is minted then), or None to send none.
       coordinator_source: the source tree the coordinator runs from (``CoordinatorProcess.source``), or
         None for this one; ``add_node`` takes the agents'.
     """
@@ -367,7 +372,11 @@ class LocalCluster:
         subnet: str = "127.0.0",
         coordinator_source: str | None = None,
         peer_grants: bool = False,
+        node_identity: str | None = None,
+        node_token: Callable[[str], str] | None = None,
     ):
+        if node_identity is not None and (kubeconfig is None or not peer_tier):
+            raise ValueError("node_identity needs kubeconfig and the peer tier's cluster token")
         self.workdir = workdir
         self._listen_address = listen_address
         self.replicas = replicas
@@ -378,6 +387,7 @@ class LocalCluster:
         self.agent_wrapper = agent_wrapper or []
         self.kubeconfig = kubeconfig
         self.subnet = subnet
+        self.node_token = node_token
         self.token_file = os.path.join(workdir, "peer-token")
         os.makedirs(workdir, exist_ok=True)
         with open(self.token_file, "w", encoding="utf-8") as f:
@@ -391,6 +401,7 @@ class LocalCluster:
                 *(["--token-file", self.token_file] if peer_tier else ["--insecure"]),
                 *(["--kube", "--kubeconfig", kubeconfig] if kubeconfig else []),
                 *(["--peer-grants"] if peer_grants else []),
+                *(["--node-identity", "--agent-namespace", node_identity] if node_identity else []),
             ],
             tls=self_signed_certificate(os.path.join(workdir, "tls")),
             source=coordinator_source,
@@ -409,10 +420,10 @@ class LocalCluster:
     ) -> NodeAgentProcess:
         """Starts node ``index`` (a fresh node when its predecessor was lost), from the source tree
         ``source`` (``NodeAgentProcess.source``) or this one, with ``token_file`` (its own copy of the
-        cluster's Secret) or the cluster's."""
-        host = f"{self.subnet}.{index + 1}"
+        cluster's Secret) or the cluster's, and with ``node_token``'s projected token if given."""
+        host, name = f"{self.subnet}.{index + 1}", f"node-{index}"
         agent = NodeAgentProcess(
-            f"node-{index}",
+            name,
             os.path.join(self.workdir, f"node-{index}"),
             self._listen_address(host),
             "tmpfs" if can_mount_tmpfs() else "dir",
@@ -430,6 +441,7 @@ class LocalCluster:
                 str(self.replicas),
                 *(["--peer-token-file", token_file or self.token_file] if self.peer_tier else []),
                 *(["--backup", self.backup] if self.backup else []),
+                *(["--node-token-file", self.node_token(name)] if self.node_token else []),
                 *self.agent_args,
             ],
             env=self.env,

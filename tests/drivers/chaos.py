@@ -1,6 +1,6 @@
 """The chaos suite (issue 10): one real Orbax job survives a seeded random sequence of faults.
 
-    python -m tests.drivers.chaos [--seed N] [--faults K] [--variant dp2|dp1|xor|rs|grants] [--only FAULT,...]
+    python -m tests.drivers.chaos [--seed N] [--faults K] [--variant dp2|dp1|xor|rs|grants|kube] [--only FAULT,...]
 
 (Over 500 lines on purpose: one runnable tool whose faults, oracle and report read best together;
 what it shares with the tests lives in ``tests/helpers``.)
@@ -10,9 +10,14 @@ without end. Each fault runs one cycle: the fault, a failure (every training pro
 and the checks. ``dp2`` is data parallelism 2 (identical peers, nothing copied); ``dp1`` is data parallelism 1 with
 ``--replicas 2``; ``xor`` is data parallelism 1 with ``--redundancy xor:4`` (one parity group of the four ranks, no
 full copies); ``rs`` the same with ``rs:4:2`` (two Reed-Solomon shards per stripe); ``grants`` is ``dp1`` with
-``--peer-grants`` on the coordinator and the agents (every push and peer fetch on a signed grant). ``dp2``, ``dp1``
-and ``xor`` back up to a ``file://`` directory; ``rs`` and ``grants`` to fake-gcs-server (``gs://``) behind a proxy
-that can answer 503 (``tests/helpers/store_proxy.py``).
+``--peer-grants`` on the coordinator and the agents (every push and peer fetch on a signed grant); ``kube`` is
+``grants`` with per-node identity, on a real control plane of its own (``tests/helpers/kube/kube_nodes.py``): the
+coordinator runs ``--kube --node-identity``, each agent reports with the projected token of the agents' DaemonSet pod
+on its Node (minted with ``TokenRequest``, rotated as the kubelet does), the job is a JobSet whose pods the JobSet
+controller makes and the scheduler binds (``JobSetJob`` runs them on the agents), and a lost node's Node is deleted
+and a fresh Node, its agent pod and token, registered. ``dp2``, ``dp1`` and ``xor`` back up to a ``file://``
+directory; ``rs``, ``grants`` and ``kube`` to fake-gcs-server (``gs://``) behind a proxy that can answer 503
+(``tests/helpers/store_proxy.py``).
 
 What is right is decided here, from the tiers themselves, never from the coordinator: when the
 training processes are dead and the fault has done its damage, the newest possible step is the
@@ -63,6 +68,8 @@ from replicator.wire import redundancy
 from tests.helpers import network
 from tests.helpers.backup_stores import FileStore, GcsStore
 from tests.helpers.jobs import assert_same_state, by_event, recreate, replace_node
+from tests.helpers.kube.jobset_job import JobSetJob
+from tests.helpers.kube.kube_nodes import JOB_NAMESPACE, KubeNodes
 from tests.helpers.polling import wait_until
 from tests.helpers.ports import free_port, listen_address
 from tests.helpers.steps import flip_byte
@@ -86,14 +93,16 @@ _DP1 = ("--data-parallelism", "1")
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """A variant's cluster: ``--replicas``, train.py flags, further ``mtc node`` flags, its backup store (``file``:
-    a directory; ``gcs``: fake-gcs-server behind a proxy that can answer 503) and whether the coordinator signs
-    peer grants that the agents require (both ``--peer-grants``)."""
+    a directory; ``gcs``: fake-gcs-server behind a proxy that can answer 503), whether the coordinator signs
+    peer grants that the agents require (both ``--peer-grants``) and whether it runs on a real control plane with
+    per-node identity (``kube``: the job a JobSet, each agent proving its Node)."""
 
     replicas: int
     train: tuple[str, ...] = ()
     agent_args: tuple[str, ...] = ()
     store: str = "file"
     peer_grants: bool = False
+    kube: bool = False
 
 
 VARIANTS = {
@@ -104,8 +113,10 @@ VARIANTS = {
     "rs": Variant(1, _DP1, ("--redundancy", "rs:4:2"), store="gcs"),
     # Replicas pushed and fetched on the coordinator's signed grants only (the cluster token alone reads nothing).
     "grants": Variant(2, _DP1, store="gcs", peer_grants=True),
+    # ``grants`` with each grant tied to a Node proven by its agent's ServiceAccount token (a real API server).
+    "kube": Variant(2, _DP1, store="gcs", peer_grants=True, kube=True),
 }
-ALL, REPLICATED, PARITY = tuple(VARIANTS), ("dp1", "grants"), ("xor", "rs")
+ALL, REPLICATED, PARITY = tuple(VARIANTS), ("dp1", "grants", "kube"), ("xor", "rs")
 _GC_SECONDS = 20.0  # a few report rounds
 _RAMDISK_FULL = 0.9
 _RESUME_TIMEOUT = (
@@ -122,6 +133,7 @@ _UPLOAD_SECONDS = 10.0
 _PARTITION_SECONDS = (6.0, 30.0)
 _LOSS_PERCENT, _DELAY_MS, _SLOW_LINK_MBIT = 1.0, 50.0, 100.0
 _HOSTS = 100  # loopback hosts whose agents send from their own address: 4 nodes and the fresh nodes of losses
+_RAMDISK_SIZE = "256Mi"  # LocalJob's
 
 
 @dataclasses.dataclass
@@ -155,6 +167,8 @@ class Chaos:
         self.workdir, self.variant, self.rng, self.patient = workdir, variant, rng, patient
         setup = VARIANTS[variant]
         self.store = _open_store(setup.store, workdir)
+        # Nodes 0-1 in rack-0, 2-3 in rack-1, as LocalCluster's blocks b0 and b1 without an API server.
+        self.kube = KubeNodes(workdir, {f"node-{i}": _rack(i) for i in range(NODES)}) if setup.kube else None
         # Nodes on this run's own /24, each agent sending from its address: network faults touch this run only.
         self.cluster = LocalCluster(
             os.path.join(workdir, "cluster"),
@@ -166,12 +180,14 @@ class Chaos:
             agent_wrapper=network.AS_HOST,
             subnet=network.run_subnet(),
             peer_grants=setup.peer_grants,
+            kubeconfig=self.kube.kubeconfig if self.kube else None,
+            node_identity=self.kube.namespace if self.kube else None,
+            node_token=self.kube.token_file if self.kube else None,
         )
         self.network = contextlib.ExitStack()  # the loopback hosts' SNAT while the cluster runs
-        self.job = LocalJob(
-            "chaos", [], workdir, [*TRAIN, *setup.train, "--dump-dir", ""], jax_port=free_port("0.0.0.0")
-        )
+        self.job = self._new_job("chaos", workdir, [*TRAIN, *setup.train, "--dump-dir", ""])
         self.all_pods = []  # every pod of every incarnation, for its events
+        self.incarnation: dict[str, int] = {}  # pod name -> its incarnation
         self.corrupt: set[tuple[int, int, str]] = set()  # (rank, step, holder) copies the suite damaged
         self.corrupt_shards: set[tuple[int, int]] = set()  # (step, stripe) parity shards the suite damaged
         self.owner_files: dict[tuple[int, int], dict] = {}  # (rank, step) -> the checksums its own node last held
@@ -185,6 +201,24 @@ class Chaos:
         self.calm_since = 0.0  # monotonic time the last fault's damage ended (or the job resumed)
 
     # -- the job -----------------------------------------------------------------------------
+
+    def _new_job(self, name: str, workdir: str, train_args: list[str]) -> LocalJob:
+        """Job ``name`` (agents set at start): with ``kube`` its JobSet is created, and its pods are the API
+        server's."""
+        port = free_port("0.0.0.0")
+        if self.kube is None:
+            return LocalJob(name, [], workdir, train_args, jax_port=port)
+        self.kube.jobset(name, port, _RAMDISK_SIZE)
+        return JobSetJob(
+            name,
+            [],
+            workdir,
+            train_args,
+            size=_RAMDISK_SIZE,
+            jax_port=port,
+            client=self.kube.client,
+            namespace=JOB_NAMESPACE,
+        )
 
     def start(self) -> None:
         self.network.enter_context(network.loopback_hosts(f"{self.cluster.subnet}.{i}" for i in range(1, _HOSTS + 1)))
@@ -201,6 +235,7 @@ class Chaos:
         """Deletes the pods (if any) and starts the next incarnation, dumping its state to its own directory."""
         recreate(self.job, self._dump_dir(self.job.incarnations + 1))
         self.all_pods += self.job.pods
+        self.incarnation |= {p.name: self.job.incarnations for p in self.job.pods}
 
     def saved(self, rank: int, pods=None) -> set[int]:
         """Steps ``rank`` committed in the current timeline (every incarnation; before a rollback, up to its step)."""
@@ -209,12 +244,8 @@ class Chaos:
             e["step"]
             for p in pods or self.all_pods
             for e in by_event(p, "saved")
-            if e["rank"] == rank and (self._incarnation_of(p) >= first or e["step"] <= step)
+            if e["rank"] == rank and (self.incarnation[p.name] >= first or e["step"] <= step)
         }
-
-    @staticmethod
-    def _incarnation_of(pod) -> int:
-        return int(pod.name.rsplit("-i", 1)[1])
 
     def newest_saved_by_all(self, pods=None) -> int:
         return max(set.intersection(*(self.saved(r, pods) for r in range(NODES))), default=0)
@@ -439,9 +470,16 @@ class Chaos:
                 )
 
     def lose(self, rank: int) -> NodeAgentProcess:
-        """The node holding ``rank`` is lost with its RAM; a fresh node takes its place."""
-        index = self.job.agents.index(self.agent_of(rank))
+        """The node holding ``rank`` is lost with its RAM; a fresh node takes its place (with ``kube``: a fresh Node
+        in its rack, its agent started with its own token, and then the lost node's Node deleted, as the cloud's
+        node controller does once the node is gone)."""
+        lost = self.agent_of(rank)
+        index = self.job.agents.index(lost)
+        if self.kube:
+            self.kube.join(f"node-{len(self.cluster.agents)}", _rack(index))
         self.job.agents[:] = replace_node(self.cluster, self.job, index)
+        if self.kube:
+            self.kube.lose(lost.node_id)
         return self.job.agents[index]
 
     def kill_agent(self, agent: NodeAgentProcess, down_seconds: float = 1.0) -> None:
@@ -556,9 +594,8 @@ class Chaos:
                 )
             return
         self.job.kill_training()
-        reference = LocalJob(
+        reference = self._new_job(
             "reference",
-            list(self.job.agents),
             os.path.join(self.workdir, "reference"),
             [
                 "--steps",
@@ -570,8 +607,8 @@ class Chaos:
                 "--dump-dir",
                 os.path.join(self.workdir, "reference-dump"),
             ],
-            jax_port=free_port("0.0.0.0"),
         )
+        reference.agents = list(self.job.agents)
         reference.create_pods()
         reference.start_training()
         reference.wait_done(timeout=600)
@@ -591,13 +628,22 @@ class Chaos:
                     break
 
     def stop(self) -> None:
-        self.job.kill_training()
-        for agent in self.cluster.agents:
-            agent.resume()
-        self.cluster.stop()
-        self.store.close()
-        self.network.close()
+        try:
+            self.job.kill_training()
+            for agent in self.cluster.agents:
+                agent.resume()
+            self.cluster.stop()
+            self.store.close()
+            self.network.close()
+        finally:
+            if self.kube:  # a control plane left running would hold its ports and CPU
+                self.kube.stop()
         unmount_all_below(self.workdir)  # the pods' bind mounts
+
+
+def _rack(index: int) -> str:
+    """The rack of node ``index`` of the job's four (a fresh node joins its predecessor's)."""
+    return f"rack-{index // 2}"
 
 
 def _open_store(kind: str, workdir: str) -> FileStore | GcsStore:
@@ -1022,7 +1068,7 @@ FAULTS: dict[str, tuple[Callable[[Chaos], None], tuple[str, ...]]] = {
     "flip_replica": (flip_replica, ("dp2", *REPLICATED)),
     "flip_backup": (flip_backup, ALL),
     "store_outage": (store_outage, ("dp2", "dp1", "xor")),  # the file store's directory gone
-    "store_503": (store_outage, ("rs", "grants")),  # the fake-gcs store's proxy answering 503
+    "store_503": (store_outage, ("rs", "grants", "kube")),  # the fake-gcs store's proxy answering 503
     "partition_from_coordinator": (partition_from_coordinator, ALL),
     "partition_from_peers": (partition_from_peers, ALL),
     "lossy_slow_link": (lossy_slow_link, ALL),
@@ -1107,6 +1153,8 @@ def run(seed: int, faults: int, variant: str, allowed: list[str], workdir: str, 
             ):
                 print("the job is down and did not come back; stopping the sequence", flush=True)
                 break
+        if chaos.kube:
+            print(f"agents' node tokens rotated (minted again at 80% of their lifetime): {chaos.kube.rotations}")
         delays = chaos.backup_delays()
         if delays:
             print(

@@ -19,7 +19,7 @@ import dataclasses
 import os
 import time
 
-from lightkube import Client
+from lightkube import ApiError, Client
 from lightkube.resources.core_v1 import Pod
 
 from csi_driver import kubelet
@@ -113,7 +113,13 @@ class JobSetJob(LocalJob):
         return self.pods
 
     def delete_pods(self) -> None:
-        """Kills the trainers, unpublishes the volumes on the nodes still up, and confirms the pods' deletion."""
+        """Kills the trainers, unpublishes the volumes on the nodes still up, and confirms the pods' deletion (a pod
+        already gone is left: the pod garbage collector deletes those of a deleted Node)."""
         super().delete_pods()
         for pod in self.api_pods:
-            self.client.delete(Pod, pod.metadata.name, namespace=self.namespace, grace_period=0)
+            try:
+                self.client.delete(Pod, pod.metadata.name, namespace=self.namespace, grace_period=0)
+            except ApiError as err:
+                if err.status.code != 404:
+                    raise
+        self.api_pods = []

@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding
-from lightkube import ALL_NS, Client
+from lightkube import ALL_NS, ApiError, Client
 from lightkube.codecs import load_all_yaml
 from lightkube.models.apps_v1 import DaemonSetSpec
 from lightkube.models.authentication_v1 import BoundObjectReference, TokenRequestSpec
@@ -110,14 +110,20 @@ def daemonset_pod(client: Client, node: str) -> Pod:
 
 @contextlib.contextmanager
 def agent_cluster(
-    control_plane: ControlPlane, namespace: str, team: str, nodes: tuple[str, ...], label: str
+    control_plane: ControlPlane,
+    namespace: str,
+    team: str,
+    nodes: tuple[str, ...],
+    label: str,
+    coordinator_seconds: int = 3600,
 ) -> Iterator[AgentCluster]:
     """The agents' ``namespace``, ServiceAccount and DaemonSet (on the nodes labelled ``label`` only), ``nodes``
     so labelled, a training pod of namespace ``team`` on the first node, and the coordinator's ServiceAccount
-    and kubeconfig; all deleted after.
+    and kubeconfig; all deleted after (a node the suite deleted meanwhile is left).
 
     Args:
       namespace, team, nodes, label: the suite's own names (cluster-wide objects are named after ``namespace``).
+      coordinator_seconds: the lifetime of the coordinator's token in its kubeconfig (nothing renews it).
     """
     client = control_plane.client()
     role_name = f"mtc-coordinator-{namespace}"
@@ -170,7 +176,9 @@ def agent_cluster(
     work = control_plane.workdir / namespace
     work.mkdir(exist_ok=True)
     coordinator_token = client.create(
-        ServiceAccount.Token(metadata=ObjectMeta(), spec=TokenRequestSpec(audiences=[], expirationSeconds=3600)),
+        ServiceAccount.Token(
+            metadata=ObjectMeta(), spec=TokenRequestSpec(audiences=[], expirationSeconds=coordinator_seconds)
+        ),
         "mtc-coordinator",
         namespace=namespace,
     ).status.token
@@ -200,7 +208,8 @@ def agent_cluster(
     finally:
         client.delete(DaemonSet, AGENT_DAEMONSET, namespace=namespace)
         for node in nodes:
-            client.delete(Node, node)
+            with contextlib.suppress(ApiError):  # lost in the suite
+                client.delete(Node, node)
         for name in (namespace, team):
             client.delete(Namespace, name)
         client.delete(ClusterRoleBinding, role_name)
