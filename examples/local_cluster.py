@@ -215,8 +215,8 @@ class NodeAgentProcess(_Stoppable):
 
 
 def self_signed_certificate(directory: str, host: str = "127.0.0.1") -> tuple[str, str]:
-    """A certificate for ``host`` (an IP) and its key, made with ``openssl`` in ``directory``; the
-    certificate is its own CA. Returns (certificate path, key path)."""
+    """A certificate for ``host`` (an IP) and its ECDSA P-256 key (as the chart makes them), made with ``openssl``
+    in ``directory``; the certificate is its own CA. Returns (certificate path, key path)."""
     cert, key = os.path.join(directory, "tls.crt"), os.path.join(directory, "tls.key")
     if not os.path.exists(cert):
         os.makedirs(directory, exist_ok=True)
@@ -226,7 +226,9 @@ def self_signed_certificate(directory: str, host: str = "127.0.0.1") -> tuple[st
                 "req",
                 "-x509",
                 "-newkey",
-                "rsa:2048",
+                "ec",
+                "-pkeyopt",
+                "ec_paramgen_curve:prime256v1",
                 "-nodes",
                 "-days",
                 "2",

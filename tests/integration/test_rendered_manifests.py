@@ -26,6 +26,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric import ec
 
 from replicator.wire.tls import ServerCheck, client_context
 from tests.helpers import REPO
@@ -312,6 +313,7 @@ def test_chart_secrets_hold_a_token_and_a_certificate_for_the_coordinator_servic
     names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
     assert "mtc-coordinator.mtc-system.svc" in names  # the host in the agents' --coordinator URL
     assert cert.issuer == ca.subject
+    _assert_p256(cert, ca)
     cert.verify_directly_issued_by(ca)
     for name, data in tls.items():
         (tmp_path / name).write_bytes(data)
@@ -325,6 +327,7 @@ def test_chart_generates_a_peer_ca_and_one_certificate_every_agent_serves(tmp_pa
     assert set(peer) == {"tls.crt", "tls.key", "ca.crt"}
     cert, ca = x509.load_pem_x509_certificate(peer["tls.crt"]), x509.load_pem_x509_certificate(peer["ca.crt"])
     cert.verify_directly_issued_by(ca)
+    _assert_p256(cert, ca)
     coordinator_ca = x509.load_pem_x509_certificate(base64.b64decode(secrets["mtc-tls"]["data"]["ca.crt"]))
     assert ca.public_key() != coordinator_ca.public_key(), "a CA of its own: no agent can pose as the coordinator"
     for name, data in peer.items():
@@ -337,6 +340,14 @@ def test_chart_generates_a_peer_ca_and_one_certificate_every_agent_serves(tmp_pa
     with pytest.raises(ssl.SSLCertVerificationError, match="IP address mismatch"):
         _tls_handshake(tmp_path, "127.0.0.1")
     assert _tls_handshake(tmp_path, "mtc-node") == "TLSv1.3"  # the name the node ServiceMonitor checks
+
+
+def _assert_p256(*certs: x509.Certificate) -> None:
+    """ECDSA P-256 keys: a handshake signs with the server's key, and at a 10,000-node coordinator restart RSA-2048's
+    signatures took a quarter of its CPU (docs/scale.md)."""
+    for cert in certs:
+        key = cert.public_key()
+        assert isinstance(key, ec.EllipticCurvePublicKey) and key.curve.name == "secp256r1", cert.subject
 
 
 def _tls_handshake(directory: Path, host: str, client: ssl.SSLContext | None = None) -> str:
