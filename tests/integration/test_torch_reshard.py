@@ -228,7 +228,7 @@ _STOCK = (
     "import sys\nsys.path.append(sys.argv.pop())\nsys.modules['mtc_torch'] = None\n"
     + _STATE
     + """
-import json, sys
+import json, os, sys
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
@@ -244,6 +244,7 @@ def rank_main(rank, world, export, init, out):
 
 def other_rank(index, world, *args):
     rank_main(index + 1, world, *args)
+    os._exit(0)  # without finalizing, as tests/integration/test_torch_mesh_change.py says why
 
 if __name__ == "__main__":
     for world in (1, 3):  # this process is rank 0 of each; the others are spawned
@@ -251,6 +252,7 @@ if __name__ == "__main__":
         rank_main(0, world, *sys.argv[1:])
         while others is not None and not others.join():
             pass
+    os._exit(0)
 """
 )
 
