@@ -115,9 +115,11 @@ def held_shards(key: JobRef, job: JobState, liveness: Liveness) -> HeldShards:
     count."""
     found: HeldShards = {}
     bases: dict[tuple[int, _Group], str | None] = {}
-    for state in liveness.nodes.values():
-        node_id = state.report.node_id
-        if not state.report.shards or not liveness.is_live(node_id):
+    # Only nodes ordered to build this job's shards can hold one that counts: the job's orders, not every node of
+    # the cluster (a restore of each of 6,250 jobs of 8 nodes scanned all 50,000 nodes: 128 s of CPU).
+    for node_id in job.parity_orders.ordered:
+        state = liveness.nodes.get(node_id)
+        if state is None or not state.report.shards or not liveness.is_live(node_id):
             continue
         for shard in state.report.shards:
             if (shard.namespace, shard.job) != (key.namespace, key.job):
