@@ -3,6 +3,7 @@ source of the restore view), into an empty directory, checked against the owner'
 
 Chunk by chunk, ``IN_FLIGHT`` chunks at a time: each chunk reads ``n - k`` of its stripe's other shards, members'
 segments first (a read, no arithmetic), parity shards for the rest, and rebuilds the member's segment in place.
+Each chunk in flight reads and rebuilds into a set of buffers reused by the chunks after it (``FreeBuffers``).
 Every parity shard read is checked against the CRC-32C it was built with, and every rebuilt file against the
 CRC-32C its owner reported (chunks' CRCs combined in order): a decode hands out nothing unverified.
 """
@@ -16,6 +17,7 @@ from collections.abc import Callable, Mapping
 
 from replicator.local_tier.incoming import pwrite_all
 from replicator.local_tier.step_manifest import CorruptCopy, UnusableCopy, crc32c_combine, crc32c_extend, safe_relpath
+from replicator.parity.buffers import FreeBuffers
 from replicator.parity.codec import Codec, codec
 from replicator.parity.layout import Files, GroupLayout, stream_bytes, stream_pieces
 from replicator.parity.reads import MemberStream, ShardStream, StepReads, open_members
@@ -64,10 +66,25 @@ async def rebuild(
     chunks = _Chunks(layout, position, files, codec(layout.data, layout.parity), _create_files(dest_dir, files))
     readers = {stripe: _readers(layout, stripe, chosen, streams, reads, shards) for stripe, chosen in plan.items()}
 
+    free = FreeBuffers(layout.data, 1, chunk_bytes)  # at most IN_FLIGHT sets in use at once
+
     async def chunk(stripe: int, offset: int) -> None:
-        size = min(chunk_bytes, layout.segment_bytes - offset)
-        bodies = await asyncio.gather(*(r.read(base + offset, size) for r, base in readers[stripe].values()))
-        written = await asyncio.to_thread(chunks.rebuild, stripe, offset, dict(zip(readers[stripe], bodies)))
+        buffers = free.take()
+        sized = buffers.sized(min(chunk_bytes, layout.segment_bytes - offset))
+        await asyncio.gather(
+            *(r.read_into(base + offset, b) for (r, base), b in zip(readers[stripe].values(), sized.reads))
+        )
+        got = dict(zip(readers[stripe], sized.reads))
+        work = asyncio.ensure_future(asyncio.to_thread(chunks.rebuild, stripe, offset, got, sized.out[0]))
+
+        def done(_: asyncio.Future) -> None:
+            # Back to the free sets once the thread is done, not when this chunk is cancelled: the thread runs on.
+            free.give_back(buffers)
+            if not work.cancelled():
+                work.exception()  # retrieved: a cancelled chunk's thread may fail on the closed rebuild
+
+        work.add_done_callback(done)
+        written = await asyncio.shield(work)
         if on_range is not None and written:
             on_range(written)
 
@@ -142,9 +159,9 @@ class _Chunks:
         self._writing, self._closed = 0, False
         self._idle = threading.Condition()
 
-    def rebuild(self, stripe: int, offset: int, got: dict[int, bytes]) -> int:
-        """Rebuilds the member's segment of ``stripe`` at ``offset`` from ``got`` (shard index -> bytes), writes
-        its bytes inside the member's stream; returns how many.
+    def rebuild(self, stripe: int, offset: int, got: dict[int, memoryview], out: memoryview) -> int:
+        """Rebuilds the member's segment of ``stripe`` at ``offset`` from ``got`` (shard index -> bytes) into
+        ``out`` (as long), writes its bytes inside the member's stream; returns how many.
 
         Raises:
           OSError: the rebuild was closed (it failed or was cancelled), or a write failed.
@@ -154,19 +171,19 @@ class _Chunks:
                 raise OSError(errno.ECANCELED, "the rebuild was closed")
             self._writing += 1
         try:
-            return self._rebuild(stripe, offset, got)
+            return self._rebuild(stripe, offset, got, out)
         finally:
             with self._idle:
                 self._writing -= 1
                 self._idle.notify_all()
 
-    def _rebuild(self, stripe: int, offset: int, got: dict[int, bytes]) -> int:
+    def _rebuild(self, stripe: int, offset: int, got: dict[int, memoryview], piece: memoryview) -> int:
         layout = self._layout
         for i, body in got.items():
             if i >= layout.data:
                 self._shards[(stripe, i, offset)] = (crc32c_extend(0, body), len(body))
         wanted = layout.contributors(stripe).index(self._position)
-        piece = memoryview(self._code.rebuild(got, [wanted])[wanted])
+        self._code.rebuild_into(got, [wanted], {wanted: piece})
         start = layout.data_offset(self._position, stripe) + offset
         written = 0
         for rel, at, n in stream_pieces(self._files, start, len(piece)):  # past the stream's end: padding

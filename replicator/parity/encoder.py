@@ -24,6 +24,7 @@ from replicator.local_tier.log_once import LogOnce
 from replicator.local_tier.parity_shards import ParityShards, ShardMeta
 from replicator.local_tier.step_manifest import crc32c_extend
 from replicator.pacing.cpu_share import CpuShare
+from replicator.parity.buffers import ChunkBuffers
 from replicator.parity.codec import Codec, codec
 from replicator.parity.layout import GroupLayout
 from replicator.parity.reads import MemberStream, StepReads, open_members
@@ -100,11 +101,12 @@ class Encoder:
                 reads, {p: order.members[p] for p in needed}, dict(enumerate(layout.stream_bytes))
             )
             code, shards, meta_dir = codec(layout.data, layout.parity), ParityShards(disk.path), JobMeta(disk.path)
+            buffers = ChunkBuffers.allocate(layout.data, layout.parity, self._chunk_bytes)  # reused chunk by chunk
             for stripe, index in missing:
                 incoming = meta_dir.new_incoming_dir()
                 try:
                     path = os.path.join(incoming, "shard")
-                    crc = await self._build(code, layout, streams, stripe, index, path)
+                    crc = await self._build(code, layout, streams, (stripe, index), path, buffers)
                     shard = ShardMeta(
                         step=order.step,
                         members=layout.members,
@@ -141,26 +143,25 @@ class Encoder:
         code: Codec,
         layout: GroupLayout,
         streams: Mapping[int, MemberStream],
-        stripe: int,
-        index: int,
+        shard: tuple[int, int],
         path: str,
+        buffers: ChunkBuffers,
     ) -> int:
-        """Writes parity shard ``index`` of ``stripe`` (``layout.segment_bytes`` long) to a new file at ``path``;
-        returns its CRC-32C, computed as it was written."""
-        crc, length = 0, layout.segment_bytes
+        """Writes parity shard (stripe, index) ``shard`` (``layout.segment_bytes`` long) to a new file at ``path``;
+        returns its CRC-32C, computed as it was written. Each chunk reads and encodes into ``buffers``, free again
+        once the chunk's thread is done: every step of the loop waits for it, a cancelled one too."""
+        (stripe, index), crc, length = shard, 0, layout.segment_bytes
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             for offset in range(0, length, self._chunk_bytes):
-                size = min(self._chunk_bytes, length - offset)
-                segments = await asyncio.gather(
+                sized = buffers.sized(min(self._chunk_bytes, length - offset))
+                await asyncio.gather(
                     *(
-                        streams[p].read(layout.data_offset(p, stripe) + offset, size)
-                        for p in layout.contributors(stripe)
+                        streams[p].read_into(layout.data_offset(p, stripe) + offset, into)
+                        for p, into in zip(layout.contributors(stripe), sized.reads)
                     )
                 )
-                encoding = asyncio.ensure_future(
-                    asyncio.to_thread(_encode_into, code, segments, index, fd, offset, crc)
-                )
+                encoding = asyncio.ensure_future(asyncio.to_thread(_encode_into, code, sized, index, fd, offset, crc))
                 try:
                     crc = await asyncio.shield(encoding)
                 except asyncio.CancelledError:  # its thread writes on: ``fd`` closes after it (a number is reused)
@@ -177,9 +178,11 @@ def _basis(order: EncodeOrder) -> str:
     return redundancy.basis(tuple(m.digest or "" for m in order.members))
 
 
-def _encode_into(code: Codec, segments: list[bytes], index: int, fd: int, offset: int, crc: int) -> int:
-    """Encodes one chunk of a stripe, writes parity shard ``index``'s piece at ``offset``; returns the CRC-32C
-    extended by it (on a worker thread: numpy, ISA-L and the CRC release the GIL)."""
-    piece = code.encode(segments)[index]
+def _encode_into(code: Codec, buffers: ChunkBuffers, index: int, fd: int, offset: int, crc: int) -> int:
+    """Encodes one chunk of a stripe (``buffers.reads``) into ``buffers.out``, writes parity shard ``index``'s
+    piece at ``offset``; returns the CRC-32C extended by it (on a worker thread: numpy, ISA-L and the CRC release
+    the GIL)."""
+    code.encode_into(buffers.reads, buffers.out)
+    piece = buffers.out[index]
     pwrite_all(fd, piece, offset)
     return crc32c_extend(crc, piece)

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import aiohttp
 
 from replicator.parity.layout import Files, stream_bytes, stream_pieces
-from replicator.peer_tier.client import UnusablePeerCopy, fetch_manifest, fetch_range, file_url, shard_url
+from replicator.peer_tier.client import UnusablePeerCopy, fetch_manifest, fetch_range_into, file_url, shard_url
 from replicator.wire.messages import MemberCopy, ShardCopy
 from replicator.wire.redundancy import files_digest
 
@@ -55,26 +55,21 @@ class MemberStream:
         }
         return cls(reads, member.grant, urls, manifest.files)
 
-    async def read(self, start: int, length: int) -> bytes:
-        """Stream bytes ``[start, start + length)``; past the stream's end, zeros (the group's padding).
+    async def read_into(self, start: int, into: memoryview) -> None:
+        """Reads stream bytes ``[start, start + len(into))`` into ``into``; past the stream's end, zeros (the
+        group's padding).
 
         Raises:
           PeerFetchError: a range could not be read.
         """
-        out = bytearray(length)
-        pieces = list(stream_pieces(self._files, start, length))
-        r = self._reads
-        bodies = await asyncio.gather(
-            *(
-                fetch_range(r.session, self._urls[rel], r.token, offset, size, self._grant)
-                for rel, offset, size in pieces
+        r, reads, at = self._reads, [], 0
+        for rel, offset, size in stream_pieces(self._files, start, len(into)):  # in stream order, back to back
+            reads.append(
+                fetch_range_into(r.session, self._urls[rel], r.token, offset, into[at : at + size], self._grant)
             )
-        )
-        at = 0
-        for (_, _, size), body in zip(pieces, bodies):
-            out[at : at + size] = body
             at += size
-        return bytes(out)
+        into[at:] = bytes(len(into) - at)  # a reused buffer holds the last chunk's bytes there
+        await asyncio.gather(*reads)
 
 
 class ShardStream:
@@ -84,9 +79,10 @@ class ShardStream:
         self._reads, self._grant = reads, shard.grant
         self._url = shard_url(shard.url, reads.namespace, reads.job, group, reads.step, shard.stripe)
 
-    async def read(self, start: int, length: int) -> bytes:
+    async def read_into(self, start: int, into: memoryview) -> None:
+        """Reads shard bytes ``[start, start + len(into))`` into ``into`` (``PeerFetchError`` when it cannot)."""
         r = self._reads
-        return await fetch_range(r.session, self._url, r.token, start, length, self._grant)
+        await fetch_range_into(r.session, self._url, r.token, start, into, self._grant)
 
 
 async def open_members(

@@ -476,26 +476,39 @@ async def push_step(
         raise PeerFetchError(f"pushing rank {manifest.rank} step {manifest.step} to {base_url}: {err!r}") from None
 
 
-async def fetch_range(
-    session: aiohttp.ClientSession, url: str, token: str, offset: int, length: int, grant: str | None = None
-) -> bytes:
-    """Bytes ``[offset, offset + length)`` of one file a peer serves (a step's file or a parity shard).
+async def fetch_range_into(
+    session: aiohttp.ClientSession, url: str, token: str, offset: int, into: memoryview, grant: str | None = None
+) -> None:
+    """Reads bytes ``[offset, offset + len(into))`` of one file a peer serves (a step's file or a parity shard)
+    into ``into``, a writable buffer the caller may reuse: the body is copied once, as it arrives.
 
     Raises:
       PeerFetchError: not reached, an error status, or fewer bytes than asked (``UnusablePeerCopy`` for 404/410).
     """
+    length = len(into)
     headers = _headers(token, grant) | {"Range": f"bytes={offset}-{offset + length - 1}"}
     try:
         async with session.get(url, headers=headers) as response:
             await _raise_for(response, f"GET {url}")
-            body = await response.read()
+            ranged = response.status == 206 or not offset  # else a server that ignored the Range sent the whole file
+            got = await _body_into(response.content, 0 if ranged else offset, into)
     except (TimeoutError, aiohttp.ClientError) as err:
         raise PeerFetchError(f"GET {url} bytes {offset}+{length}: {err!r}") from None
-    if response.status != 206 and offset:
-        body = body[offset : offset + length]  # a server that ignored the Range sent the whole file
-    if len(body) != length:
-        raise UnusablePeerCopy(f"GET {url}: {len(body)} of the {length} bytes at {offset}")
-    return body
+    if got != length and (ranged or got < length):
+        raise UnusablePeerCopy(f"GET {url}: {got} of the {length} bytes at {offset}")
+
+
+async def _body_into(content: aiohttp.StreamReader, skip: int, into: memoryview) -> int:
+    """Copies a body, less its first ``skip`` bytes, into ``into`` as it arrives; returns the bytes it had past
+    ``skip`` (those beyond ``len(into)`` counted, not kept)."""
+    got = 0
+    async for data in content.iter_any():
+        body = memoryview(data)[skip:]
+        skip = max(0, skip - len(data))
+        n = max(0, min(len(body), len(into) - got))
+        into[got : got + n] = body[:n]
+        got += len(body)
+    return got
 
 
 def file_url(base_url: str, namespace: str, job: str, rank: int, step: int, rel: str) -> str:
