@@ -224,23 +224,17 @@ def _network(what: str):
         raise PeerFetchError(f"{what}: {err!r}") from None
 
 
-def _get_range(
-    connection: http.client.HTTPConnection, peer: _Peer, path: str, fd: int, start: int, end: int, stop: threading.Event
-) -> int:
-    """GETs bytes [start, end) of the file at URL path ``path`` into the same offsets of ``fd``.
-
-    Returns:
-      The CRC-32C of the bytes received.
+def _ranged_response(
+    connection: http.client.HTTPConnection, headers: dict[str, str], what: str, path: str, start: int, end: int
+) -> http.client.HTTPResponse:
+    """Sends a GET of bytes [start, end) of URL path ``path``; returns the response once it is that range.
 
     Raises:
-      PeerFetchError: the connection failed, an error status, or a response other than exactly the
-        range asked for.
-      _Stopped: ``stop`` was set (another range failed).
-      OSError: writing to ``fd`` failed, e.g. ENOSPC.
+      PeerFetchError: the connection failed, an error status, or a response other than exactly the range asked
+        for (the connection is closed then).
     """
-    what = f"GET {peer.base_url}{path} bytes {start}-{end - 1}"
     with _network(what):
-        connection.request("GET", path, headers={**peer.headers, "Range": f"bytes={start}-{end - 1}"})
+        connection.request("GET", path, headers={**headers, "Range": f"bytes={start}-{end - 1}"})
         response = connection.getresponse()
         if response.status != 206:
             body = response.read(_MAX_ERROR_BODY_BYTES).decode(errors="replace")
@@ -253,6 +247,24 @@ def _get_range(
     if response.length != end - start:
         connection.close()
         raise PeerFetchError(f"{what}: the peer answers with {response.length} bytes")
+    return response
+
+
+def _get_range(
+    connection: http.client.HTTPConnection, peer: _Peer, path: str, fd: int, start: int, end: int, stop: threading.Event
+) -> int:
+    """GETs bytes [start, end) of the file at URL path ``path`` into the same offsets of ``fd``.
+
+    Returns:
+      The CRC-32C of the bytes received.
+
+    Raises:
+      PeerFetchError: as ``_ranged_response``, or the peer sent fewer bytes.
+      _Stopped: ``stop`` was set (another range failed).
+      OSError: writing to ``fd`` failed, e.g. ENOSPC.
+    """
+    what = f"GET {peer.base_url}{path} bytes {start}-{end - 1}"
+    response = _ranged_response(connection, peer.headers, what, path, start, end)
     buffer = memoryview(bytearray(min(_READ_BYTES, end - start)))
     crc, offset = 0, start
     while offset < end:
@@ -267,6 +279,77 @@ def _get_range(
         crc = crc32c_extend(crc, buffer[:received])
         offset += received
     return crc
+
+
+class RangeReads:
+    """Blocking ranged GETs from peers straight into the caller's buffers, for worker threads: each socket read
+    lands in place with the GIL released, as a fetch's do, where aiohttp would copy every read twice on the event
+    loop's one thread. Connections are kept alive between reads, a pool per peer, and closed by ``close``.
+
+    Args:
+      token: the peer tier's bearer token.
+      ssl_context: TLS for ``https://`` peers (the peer CA); None for the system's defaults.
+      timeout: seconds allowed to connect and for each socket read.
+    """
+
+    def __init__(
+        self, token: str, ssl_context: ssl.SSLContext | None, timeout: float = timing.PEER_READ_TIMEOUT_SECONDS
+    ):
+        self._token, self._ssl, self._timeout = token, ssl_context, timeout
+        self._idle: dict[str, queue.SimpleQueue[http.client.HTTPConnection]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def read_into(self, url: str, offset: int, into: memoryview, grant: str | None = None) -> None:
+        """Reads bytes ``[offset, offset + len(into))`` of one file a peer serves (a step's file or a parity
+        shard) into ``into`` (blocks: call it on a worker thread).
+
+        Raises:
+          PeerFetchError: not reached, an error status, or not exactly the bytes asked (``UnusablePeerCopy`` for
+            404/410), or a URL other than http(s).
+        """
+        parts = urllib.parse.urlsplit(url)
+        peer = _Peer(f"{parts.scheme}://{parts.netloc}", self._token, grant, self._ssl, self._timeout)
+        what = f"GET {url} bytes {offset}+{len(into)}"
+        connection = self._take(peer)
+        try:
+            response = _ranged_response(connection, peer.headers, what, parts.path, offset, offset + len(into))
+            at = 0
+            while at < len(into):
+                with _network(what):
+                    received = response.readinto(into[at:])
+                if not received:
+                    raise PeerFetchError(f"{what}: the peer sent {at} bytes")
+                at += received
+        except BaseException:
+            connection.close()
+            raise
+        self._give_back(peer.base_url, connection)
+
+    def _take(self, peer: _Peer) -> http.client.HTTPConnection:
+        with self._lock:
+            idle = self._idle.setdefault(peer.base_url, queue.SimpleQueue())
+        try:
+            return idle.get_nowait()
+        except queue.Empty:
+            return peer.connect()
+
+    def _give_back(self, base_url: str, connection: http.client.HTTPConnection) -> None:
+        with self._lock:
+            if not self._closed:
+                self._idle[base_url].put(connection)
+                return
+        connection.close()  # a read that ran on after ``close``
+
+    def close(self) -> None:
+        """Closes the idle connections; a read still running closes its own when it ends."""
+        with self._lock:
+            self._closed = True
+            pools, self._idle = list(self._idle.values()), {}
+        for idle in pools:
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    idle.get_nowait().close()
 
 
 def _download(
@@ -474,41 +557,6 @@ async def push_step(
             await _raise_for(response, f"commit of rank {manifest.rank} step {manifest.step} to {base_url}")
     except (TimeoutError, aiohttp.ClientError) as err:
         raise PeerFetchError(f"pushing rank {manifest.rank} step {manifest.step} to {base_url}: {err!r}") from None
-
-
-async def fetch_range_into(
-    session: aiohttp.ClientSession, url: str, token: str, offset: int, into: memoryview, grant: str | None = None
-) -> None:
-    """Reads bytes ``[offset, offset + len(into))`` of one file a peer serves (a step's file or a parity shard)
-    into ``into``, a writable buffer the caller may reuse: the body is copied once, as it arrives.
-
-    Raises:
-      PeerFetchError: not reached, an error status, or fewer bytes than asked (``UnusablePeerCopy`` for 404/410).
-    """
-    length = len(into)
-    headers = _headers(token, grant) | {"Range": f"bytes={offset}-{offset + length - 1}"}
-    try:
-        async with session.get(url, headers=headers) as response:
-            await _raise_for(response, f"GET {url}")
-            ranged = response.status == 206 or not offset  # else a server that ignored the Range sent the whole file
-            got = await _body_into(response.content, 0 if ranged else offset, into)
-    except (TimeoutError, aiohttp.ClientError) as err:
-        raise PeerFetchError(f"GET {url} bytes {offset}+{length}: {err!r}") from None
-    if got != length and (ranged or got < length):
-        raise UnusablePeerCopy(f"GET {url}: {got} of the {length} bytes at {offset}")
-
-
-async def _body_into(content: aiohttp.StreamReader, skip: int, into: memoryview) -> int:
-    """Copies a body, less its first ``skip`` bytes, into ``into`` as it arrives; returns the bytes it had past
-    ``skip`` (those beyond ``len(into)`` counted, not kept)."""
-    got = 0
-    async for data in content.iter_any():
-        body = memoryview(data)[skip:]
-        skip = max(0, skip - len(data))
-        n = max(0, min(len(body), len(into) - got))
-        into[got : got + n] = body[:n]
-        got += len(body)
-    return got
 
 
 def file_url(base_url: str, namespace: str, job: str, rank: int, step: int, rel: str) -> str:
