@@ -73,11 +73,8 @@ async def rebuild(
     free = FreeBuffers(layout.data, 1, chunk_bytes)  # a set per chunk in flight, reused by the chunks after it
 
     async def chunk(stripe: int, offset: int) -> None:
-        buffers = free.take()
-        sized = buffers.sized(min(chunk_bytes, layout.segment_bytes - offset))
-        work = asyncio.ensure_future(asyncio.to_thread(chunks.rebuild, stripe, offset, readers[stripe], sized))
-        work.add_done_callback(functools.partial(_release, free, buffers))
-        written = await asyncio.shield(work)  # a cancel leaves the thread running: ``_release`` waits for it
+        size = min(chunk_bytes, layout.segment_bytes - offset)
+        written = await free.run(functools.partial(chunks.rebuild, stripe, offset, readers[stripe], size))
         if on_range is not None and written:
             on_range(written)
 
@@ -116,13 +113,6 @@ def _plan(layout: GroupLayout, position: int, live: set[int], shards: set[tuple[
             )
         plan[stripe] = (data + parity)[: layout.data]
     return plan
-
-
-def _release(free: FreeBuffers, buffers: ChunkBuffers, work: asyncio.Future) -> None:
-    """Gives a chunk's buffers back once its thread is done, not when the chunk is cancelled: the thread runs on."""
-    free.give_back(buffers)
-    if not work.cancelled():
-        work.exception()  # retrieved: a cancelled chunk's thread fails on the closed rebuild, and no one awaits it
 
 
 def _readers(
@@ -164,10 +154,10 @@ class _Chunks:
         self._writing, self._closed = 0, False
         self._idle = threading.Condition()
 
-    def rebuild(self, stripe: int, offset: int, readers: Readers, buffers: ChunkBuffers) -> int:
-        """Reads the chunk at ``offset`` of each shard of ``readers`` into ``buffers.reads``, rebuilds the member's
-        segment of ``stripe`` there into ``buffers.out[0]``, writes its bytes inside the member's stream; returns
-        how many (blocks: call it on a worker thread).
+    def rebuild(self, stripe: int, offset: int, readers: Readers, size: int, buffers: ChunkBuffers) -> int:
+        """Reads ``size`` bytes at ``offset`` of each shard of ``readers`` into ``buffers.reads``, rebuilds the
+        member's segment of ``stripe`` there into ``buffers.out[0]``, writes its bytes inside the member's stream;
+        returns how many (blocks: call it on a worker thread).
 
         Raises:
           PeerFetchError: a shard could not be read.
@@ -178,9 +168,10 @@ class _Chunks:
                 raise OSError(errno.ECANCELED, "the rebuild was closed")
             self._writing += 1
         try:
-            for (reader, base), into in zip(readers.values(), buffers.reads):
+            sized = buffers.sized(size)
+            for (reader, base), into in zip(readers.values(), sized.reads):
                 reader.read_into(self._ranges, base + offset, into)
-            return self._rebuild(stripe, offset, dict(zip(readers, buffers.reads)), buffers.out[0])
+            return self._rebuild(stripe, offset, dict(zip(readers, sized.reads)), sized.out[0])
         finally:
             with self._idle:
                 self._writing -= 1
