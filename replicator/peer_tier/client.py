@@ -20,6 +20,7 @@ import os
 import queue
 import ssl
 import threading
+import time
 import urllib.parse
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -58,6 +59,9 @@ MiB = 1 << 20
 DEFAULT_RANGE_BYTES = 64 * MiB
 _READ_BYTES = 2 * MiB
 _MAX_ERROR_BODY_BYTES = 64 << 10
+# A kept-alive connection idle longer is closed, not reused: well inside aiohttp's 75 s keep-alive, after which the
+# peer service closes it and a request on it would fail.
+_IDLE_SECONDS = 15.0
 
 
 class PeerFetchError(Exception):
@@ -296,7 +300,7 @@ class RangeReads:
         self, token: str, ssl_context: ssl.SSLContext | None, timeout: float = timing.PEER_READ_TIMEOUT_SECONDS
     ):
         self._token, self._ssl, self._timeout = token, ssl_context, timeout
-        self._idle: dict[str, queue.SimpleQueue[http.client.HTTPConnection]] = {}
+        self._idle: dict[str, queue.SimpleQueue[tuple[http.client.HTTPConnection, float]]] = {}  # (it, idle since)
         self._lock = threading.Lock()
         self._closed = False
 
@@ -329,15 +333,18 @@ class RangeReads:
     def _take(self, peer: _Peer) -> http.client.HTTPConnection:
         with self._lock:
             idle = self._idle.setdefault(peer.base_url, queue.SimpleQueue())
-        try:
-            return idle.get_nowait()
-        except queue.Empty:
-            return peer.connect()
+        with contextlib.suppress(queue.Empty):
+            while True:
+                connection, since = idle.get_nowait()
+                if time.monotonic() - since < _IDLE_SECONDS:
+                    return connection
+                connection.close()
+        return peer.connect()
 
     def _give_back(self, base_url: str, connection: http.client.HTTPConnection) -> None:
         with self._lock:
             if not self._closed:
-                self._idle[base_url].put(connection)
+                self._idle[base_url].put((connection, time.monotonic()))
                 return
         connection.close()  # a read that ran on after ``close``
 
@@ -349,7 +356,7 @@ class RangeReads:
         for idle in pools:
             with contextlib.suppress(queue.Empty):
                 while True:
-                    idle.get_nowait().close()
+                    idle.get_nowait()[0].close()
 
 
 def _download(
