@@ -331,7 +331,7 @@ demo: setup $(if $(filter pytorch,$(FRAMEWORK)),torch-setup)
 BENCHES := ramdisk_throughput "peer_restore --cores" "peer_restore --gib 4 --repetitions 5" step_checksums \
            backup_restore "restore_fan_out --repetitions 3 --store-mbit 200" replication_overhead restore_mttr agent_idle "coordinator_scale --nodes 1000 --seconds 30" \
            "torch_vs_nvrx --python $(NVRX_VENV)/bin/python" "torch_gpu --python $(NVRX_VENV)/bin/python" elastic_restore goodput \
-           parity_codec recovery_snapshot
+           parity_codec parity_restore "parity_restore --redundancy rs:4:2" recovery_snapshot
 
 # Every bench runs, whatever the ones before it returned (coordinator_scale and agent_idle exit 1 on a missed goal;
 # the others print their misses); those that exited non-zero are listed at the end.

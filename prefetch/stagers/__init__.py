@@ -30,6 +30,6 @@ def for_node(
     return (
         LocalStager(node_id),
         BackupStager(download),
-        ParityStager(peer_token),
+        ParityStager(peer_token, peer_ssl),
         PeerStager(peer_token, peer_ssl),  # any other source: a peer, or this node's own replica over the peer tier
     )

@@ -1,5 +1,6 @@
 """A copy rebuilt from the rank's parity group (``replicator.parity.decoder``)."""
 
+import ssl
 from typing import ClassVar
 
 from prefetch.stagers.base import Fetched, StageContext, fill_and_stage
@@ -16,8 +17,8 @@ class ParityStager:
 
     fetches: ClassVar[bool] = True
 
-    def __init__(self, peer_token: Tokens | None):
-        self._peer_token = peer_token
+    def __init__(self, peer_token: Tokens | None, peer_ssl: ssl.SSLContext | None):
+        self._peer_token, self._peer_ssl = peer_token, peer_ssl
 
     def serves(self, ctx: StageContext, source: Source) -> bool:
         return source.tier == Tier.DECODE
@@ -29,7 +30,7 @@ class ParityStager:
         token, step = self._peer_token.current, ctx.step
 
         async def fill(incoming: str) -> StepManifest:
-            reads = StepReads(ctx.session, token, ctx.disk.namespace, ctx.disk.job, step)
+            reads = StepReads(ctx.session, token, ctx.disk.namespace, ctx.disk.job, step, self._peer_ssl)
             await decoder.rebuild(reads, source.data_rank, files, recipe, incoming, fetched)
             return StepManifest(step, source.data_rank, dict(files))
 

@@ -151,7 +151,7 @@ def _peer_parts(
     if peer_token is None:
         return None, None
     pusher = Pusher(peer_token, share, busy_steps, log_once, config.pacing.min_push_interval_seconds)
-    return pusher, Encoder(peer_token, share, log_once)
+    return pusher, Encoder(peer_token, share, log_once, peer_ssl=config.peer.client_context())
 
 
 class NodeAgent:

@@ -3,6 +3,9 @@ source of the restore view), into an empty directory, checked against the owner'
 
 Chunk by chunk, ``IN_FLIGHT`` chunks at a time: each chunk reads ``n - k`` of its stripe's other shards, members'
 segments first (a read, no arithmetic), parity shards for the rest, and rebuilds the member's segment in place.
+Each chunk runs on a worker thread: it reads its shards over the peer tier straight into a set of buffers
+(``RangeReads``: socket reads with the GIL released, as a fetch's), rebuilds into them, and writes; the set is
+reused by the chunks after it (``FreeBuffers``).
 Every parity shard read is checked against the CRC-32C it was built with, and every rebuilt file against the
 CRC-32C its owner reported (chunks' CRCs combined in order): a decode hands out nothing unverified.
 """
@@ -16,14 +19,17 @@ from collections.abc import Callable, Mapping
 
 from replicator.local_tier.incoming import pwrite_all
 from replicator.local_tier.step_manifest import CorruptCopy, UnusableCopy, crc32c_combine, crc32c_extend, safe_relpath
+from replicator.parity.buffers import ChunkBuffers, FreeBuffers
 from replicator.parity.codec import Codec, codec
 from replicator.parity.layout import Files, GroupLayout, stream_bytes, stream_pieces
 from replicator.parity.reads import MemberStream, ShardStream, StepReads, open_members
-from replicator.peer_tier.client import run_all
+from replicator.peer_tier.client import RangeReads, run_all
 from replicator.wire.messages import ParityRecipe, ShardCopy
 
 CHUNK_BYTES = 4 << 20
 IN_FLIGHT = 4  # chunks being read and rebuilt at once: reads overlap the rebuilding, memory stays a few chunks
+
+Readers = Mapping[int, tuple[MemberStream | ShardStream, int]]  # shard index -> (its reader, where it starts)
 
 
 async def rebuild(
@@ -61,13 +67,14 @@ async def rebuild(
     plan = _plan(layout, position, set(live), set(shards))
     needed = {layout.contributors(s)[i] for s, chosen in plan.items() for i in chosen if i < layout.data}
     streams = await open_members(reads, {p: live[p] for p in needed}, dict(enumerate(layout.stream_bytes)))
-    chunks = _Chunks(layout, position, files, codec(layout.data, layout.parity), _create_files(dest_dir, files))
+    fds = _create_files(dest_dir, files)
+    chunks = _Chunks(layout, position, files, codec(layout.data, layout.parity), fds, reads.ranges())
     readers = {stripe: _readers(layout, stripe, chosen, streams, reads, shards) for stripe, chosen in plan.items()}
+    free = FreeBuffers(layout.data, 1, chunk_bytes)  # a set per chunk in flight, reused by the chunks after it
 
     async def chunk(stripe: int, offset: int) -> None:
         size = min(chunk_bytes, layout.segment_bytes - offset)
-        bodies = await asyncio.gather(*(r.read(base + offset, size) for r, base in readers[stripe].values()))
-        written = await asyncio.to_thread(chunks.rebuild, stripe, offset, dict(zip(readers[stripe], bodies)))
+        written = await free.run(functools.partial(chunks.rebuild, stripe, offset, readers[stripe], size))
         if on_range is not None and written:
             on_range(written)
 
@@ -115,7 +122,7 @@ def _readers(
     streams: Mapping[int, MemberStream],
     reads: StepReads,
     shards: Mapping[tuple[int, int], ShardCopy],
-) -> dict[int, tuple[MemberStream | ShardStream, int]]:
+) -> Readers:
     """Shard index -> (its reader, where the stripe's shard starts in what it reads, bytes) for ``chosen``."""
     readers: dict[int, tuple[MemberStream | ShardStream, int]] = {}
     for i in chosen:
@@ -128,25 +135,32 @@ def _readers(
 
 
 class _Chunks:
-    """One rebuild's chunks: each rebuilt and written in place on a worker thread, its CRC-32Cs kept by offset and
-    combined in order at the end, so chunks may finish in any order (``crc32c_combine``, as a peer fetch does)."""
+    """One rebuild's chunks: each read, rebuilt and written in place on a worker thread, its CRC-32Cs kept by
+    offset and combined in order at the end, so chunks may finish in any order (``crc32c_combine``, as a peer
+    fetch does)."""
 
-    def __init__(self, layout: GroupLayout, position: int, files: Files, code: Codec, fds: dict[str, int]):
+    def __init__(
+        self, layout: GroupLayout, position: int, files: Files, code: Codec, fds: dict[str, int], ranges: RangeReads
+    ):
         self._layout, self._position, self._files, self._code, self._fds = layout, position, files, code, fds
+        self._ranges = ranges
         self._starts, at = {}, 0
         for rel in sorted(files):
             self._starts[rel], at = at, at + files[rel][0]
         self._pieces: dict[tuple[str, int], tuple[int, int]] = {}  # (file, offset) -> (CRC, bytes)
         self._shards: dict[tuple[int, int, int], tuple[int, int]] = {}  # (stripe, shard, offset) -> (CRC, bytes)
-        # A cancelled chunk's thread runs on: the descriptors close only once none writes (a closed number is reused).
+        # A cancelled chunk's thread runs on: descriptors and connections close once none reads or writes (a closed
+        # number is reused).
         self._writing, self._closed = 0, False
         self._idle = threading.Condition()
 
-    def rebuild(self, stripe: int, offset: int, got: dict[int, bytes]) -> int:
-        """Rebuilds the member's segment of ``stripe`` at ``offset`` from ``got`` (shard index -> bytes), writes
-        its bytes inside the member's stream; returns how many.
+    def rebuild(self, stripe: int, offset: int, readers: Readers, size: int, buffers: ChunkBuffers) -> int:
+        """Reads ``size`` bytes at ``offset`` of each shard of ``readers`` into ``buffers.reads``, rebuilds the
+        member's segment of ``stripe`` there into ``buffers.out[0]``, writes its bytes inside the member's stream;
+        returns how many (blocks: call it on a worker thread).
 
         Raises:
+          PeerFetchError: a shard could not be read.
           OSError: the rebuild was closed (it failed or was cancelled), or a write failed.
         """
         with self._idle:
@@ -154,19 +168,24 @@ class _Chunks:
                 raise OSError(errno.ECANCELED, "the rebuild was closed")
             self._writing += 1
         try:
-            return self._rebuild(stripe, offset, got)
+            sized = buffers.sized(size)
+            for (reader, base), into in zip(readers.values(), sized.reads):
+                if self._closed:  # cancelled or failed meanwhile: ``close`` waits for this thread, read no more
+                    raise OSError(errno.ECANCELED, "the rebuild was closed")
+                reader.read_into(self._ranges, base + offset, into)
+            return self._rebuild(stripe, offset, dict(zip(readers, sized.reads)), sized.out[0])
         finally:
             with self._idle:
                 self._writing -= 1
                 self._idle.notify_all()
 
-    def _rebuild(self, stripe: int, offset: int, got: dict[int, bytes]) -> int:
+    def _rebuild(self, stripe: int, offset: int, got: dict[int, memoryview], piece: memoryview) -> int:
         layout = self._layout
         for i, body in got.items():
             if i >= layout.data:
                 self._shards[(stripe, i, offset)] = (crc32c_extend(0, body), len(body))
         wanted = layout.contributors(stripe).index(self._position)
-        piece = memoryview(self._code.rebuild(got, [wanted])[wanted])
+        self._code.rebuild_into(got, [wanted], {wanted: piece})
         start = layout.data_offset(self._position, stripe) + offset
         written = 0
         for rel, at, n in stream_pieces(self._files, start, len(piece)):  # past the stream's end: padding
@@ -183,12 +202,14 @@ class _Chunks:
         return _combined({((s, i), o): v for (s, i, o), v in self._shards.items()}, {})
 
     def close(self) -> None:
-        """Closes the files once no chunk writes them (blocks: call it on a worker thread)."""
+        """Closes the files and the connections once no chunk reads or writes (blocks: call it on a worker
+        thread)."""
         with self._idle:
             self._closed = True
             self._idle.wait_for(lambda: self._writing == 0)
         for fd in self._fds.values():
             os.close(fd)
+        self._ranges.close()
 
 
 def _combined(pieces: dict, keys: dict) -> dict:

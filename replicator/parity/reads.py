@@ -2,33 +2,40 @@
 
 import asyncio
 import dataclasses
+import ssl
 from collections.abc import Mapping
 
 import aiohttp
 
 from replicator.parity.layout import Files, stream_bytes, stream_pieces
-from replicator.peer_tier.client import UnusablePeerCopy, fetch_manifest, fetch_range, file_url, shard_url
+from replicator.peer_tier.client import RangeReads, UnusablePeerCopy, fetch_manifest, file_url, shard_url
 from replicator.wire.messages import MemberCopy, ShardCopy
 from replicator.wire.redundancy import files_digest
 
 
 @dataclasses.dataclass(frozen=True)
 class StepReads:
-    """Reads of one job's step from its group's nodes: over ``session``, with the peer ``token``."""
+    """Reads of one job's step from its group's nodes: manifests over ``session``, data on worker threads
+    (``ranges``), with the peer ``token`` and, for ``https://`` peers, ``ssl_context``."""
 
     session: aiohttp.ClientSession
     token: str
     namespace: str
     job: str
     step: int
+    ssl_context: ssl.SSLContext | None = None
+
+    def ranges(self) -> RangeReads:
+        """A new pool of range reads for the data (the caller closes it once no read runs)."""
+        return RangeReads(self.token, self.ssl_context)
 
 
 class MemberStream:
     """A member's step as one stream (``replicator.parity.layout``), read from the node holding it: its files
     as that node's manifest lists them (``open``)."""
 
-    def __init__(self, reads: StepReads, grant: str | None, urls: Mapping[str, str], files: Files):
-        self._reads, self._grant, self._urls, self._files = reads, grant, urls, files
+    def __init__(self, grant: str | None, urls: Mapping[str, str], files: Files):
+        self._grant, self._urls, self._files = grant, urls, files
 
     @classmethod
     async def open(cls, reads: StepReads, member: MemberCopy, expected_bytes: int) -> "MemberStream":
@@ -53,40 +60,33 @@ class MemberStream:
             rel: file_url(member.url, reads.namespace, reads.job, member.rank, reads.step, rel)
             for rel in manifest.files
         }
-        return cls(reads, member.grant, urls, manifest.files)
+        return cls(member.grant, urls, manifest.files)
 
-    async def read(self, start: int, length: int) -> bytes:
-        """Stream bytes ``[start, start + length)``; past the stream's end, zeros (the group's padding).
+    def read_into(self, ranges: RangeReads, start: int, into: memoryview) -> None:
+        """Reads stream bytes ``[start, start + len(into))`` into ``into`` through ``ranges``; past the stream's
+        end, zeros (the group's padding). Blocks: call it on a worker thread.
 
         Raises:
           PeerFetchError: a range could not be read.
         """
-        out = bytearray(length)
-        pieces = list(stream_pieces(self._files, start, length))
-        r = self._reads
-        bodies = await asyncio.gather(
-            *(
-                fetch_range(r.session, self._urls[rel], r.token, offset, size, self._grant)
-                for rel, offset, size in pieces
-            )
-        )
         at = 0
-        for (_, _, size), body in zip(pieces, bodies):
-            out[at : at + size] = body
+        for rel, offset, size in stream_pieces(self._files, start, len(into)):  # in stream order, back to back
+            ranges.read_into(self._urls[rel], offset, into[at : at + size], self._grant)
             at += size
-        return bytes(out)
+        into[at:] = bytes(len(into) - at)  # a reused buffer holds the last chunk's bytes there
 
 
 class ShardStream:
     """A parity shard of the group whose first member is ``group``, on the node holding it."""
 
     def __init__(self, reads: StepReads, group: int, shard: ShardCopy):
-        self._reads, self._grant = reads, shard.grant
+        self._grant = shard.grant
         self._url = shard_url(shard.url, reads.namespace, reads.job, group, reads.step, shard.stripe)
 
-    async def read(self, start: int, length: int) -> bytes:
-        r = self._reads
-        return await fetch_range(r.session, self._url, r.token, start, length, self._grant)
+    def read_into(self, ranges: RangeReads, start: int, into: memoryview) -> None:
+        """Reads shard bytes ``[start, start + len(into))`` into ``into`` through ``ranges`` (blocks: call it on a
+        worker thread; ``PeerFetchError`` when it cannot)."""
+        ranges.read_into(self._url, start, into, self._grant)
 
 
 async def open_members(

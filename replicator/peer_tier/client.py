@@ -20,6 +20,7 @@ import os
 import queue
 import ssl
 import threading
+import time
 import urllib.parse
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -58,6 +59,9 @@ MiB = 1 << 20
 DEFAULT_RANGE_BYTES = 64 * MiB
 _READ_BYTES = 2 * MiB
 _MAX_ERROR_BODY_BYTES = 64 << 10
+# A kept-alive connection idle longer is closed, not reused: well inside aiohttp's 75 s keep-alive, after which the
+# peer service closes it and a request on it would fail.
+_IDLE_SECONDS = 15.0
 
 
 class PeerFetchError(Exception):
@@ -224,23 +228,17 @@ def _network(what: str):
         raise PeerFetchError(f"{what}: {err!r}") from None
 
 
-def _get_range(
-    connection: http.client.HTTPConnection, peer: _Peer, path: str, fd: int, start: int, end: int, stop: threading.Event
-) -> int:
-    """GETs bytes [start, end) of the file at URL path ``path`` into the same offsets of ``fd``.
-
-    Returns:
-      The CRC-32C of the bytes received.
+def _ranged_response(
+    connection: http.client.HTTPConnection, headers: dict[str, str], what: str, path: str, start: int, end: int
+) -> http.client.HTTPResponse:
+    """Sends a GET of bytes [start, end) of URL path ``path``; returns the response once it is that range.
 
     Raises:
-      PeerFetchError: the connection failed, an error status, or a response other than exactly the
-        range asked for.
-      _Stopped: ``stop`` was set (another range failed).
-      OSError: writing to ``fd`` failed, e.g. ENOSPC.
+      PeerFetchError: the connection failed, an error status, or a response other than exactly the range asked
+        for (the connection is closed then).
     """
-    what = f"GET {peer.base_url}{path} bytes {start}-{end - 1}"
     with _network(what):
-        connection.request("GET", path, headers={**peer.headers, "Range": f"bytes={start}-{end - 1}"})
+        connection.request("GET", path, headers={**headers, "Range": f"bytes={start}-{end - 1}"})
         response = connection.getresponse()
         if response.status != 206:
             body = response.read(_MAX_ERROR_BODY_BYTES).decode(errors="replace")
@@ -253,6 +251,24 @@ def _get_range(
     if response.length != end - start:
         connection.close()
         raise PeerFetchError(f"{what}: the peer answers with {response.length} bytes")
+    return response
+
+
+def _get_range(
+    connection: http.client.HTTPConnection, peer: _Peer, path: str, fd: int, start: int, end: int, stop: threading.Event
+) -> int:
+    """GETs bytes [start, end) of the file at URL path ``path`` into the same offsets of ``fd``.
+
+    Returns:
+      The CRC-32C of the bytes received.
+
+    Raises:
+      PeerFetchError: as ``_ranged_response``, or the peer sent fewer bytes.
+      _Stopped: ``stop`` was set (another range failed).
+      OSError: writing to ``fd`` failed, e.g. ENOSPC.
+    """
+    what = f"GET {peer.base_url}{path} bytes {start}-{end - 1}"
+    response = _ranged_response(connection, peer.headers, what, path, start, end)
     buffer = memoryview(bytearray(min(_READ_BYTES, end - start)))
     crc, offset = 0, start
     while offset < end:
@@ -267,6 +283,80 @@ def _get_range(
         crc = crc32c_extend(crc, buffer[:received])
         offset += received
     return crc
+
+
+class RangeReads:
+    """Blocking ranged GETs from peers straight into the caller's buffers, for worker threads: each socket read
+    lands in place with the GIL released, as a fetch's do, where aiohttp would copy every read twice on the event
+    loop's one thread. Connections are kept alive between reads, a pool per peer, and closed by ``close``.
+
+    Args:
+      token: the peer tier's bearer token.
+      ssl_context: TLS for ``https://`` peers (the peer CA); None for the system's defaults.
+      timeout: seconds allowed to connect and for each socket read.
+    """
+
+    def __init__(
+        self, token: str, ssl_context: ssl.SSLContext | None, timeout: float = timing.PEER_READ_TIMEOUT_SECONDS
+    ):
+        self._token, self._ssl, self._timeout = token, ssl_context, timeout
+        self._idle: dict[str, queue.SimpleQueue[tuple[http.client.HTTPConnection, float]]] = {}  # (it, idle since)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def read_into(self, url: str, offset: int, into: memoryview, grant: str | None = None) -> None:
+        """Reads bytes ``[offset, offset + len(into))`` of one file a peer serves (a step's file or a parity
+        shard) into ``into`` (blocks: call it on a worker thread).
+
+        Raises:
+          PeerFetchError: not reached, an error status, or not exactly the bytes asked (``UnusablePeerCopy`` for
+            404/410), or a URL other than http(s).
+        """
+        parts = urllib.parse.urlsplit(url)
+        peer = _Peer(f"{parts.scheme}://{parts.netloc}", self._token, grant, self._ssl, self._timeout)
+        what = f"GET {url} bytes {offset}+{len(into)}"
+        connection = self._take(peer)
+        try:
+            response = _ranged_response(connection, peer.headers, what, parts.path, offset, offset + len(into))
+            at = 0
+            while at < len(into):
+                with _network(what):
+                    received = response.readinto(into[at:])
+                if not received:
+                    raise PeerFetchError(f"{what}: the peer sent {at} bytes")
+                at += received
+        except BaseException:
+            connection.close()
+            raise
+        self._give_back(peer.base_url, connection)
+
+    def _take(self, peer: _Peer) -> http.client.HTTPConnection:
+        with self._lock:
+            idle = self._idle.setdefault(peer.base_url, queue.SimpleQueue())
+        with contextlib.suppress(queue.Empty):
+            while True:
+                connection, since = idle.get_nowait()
+                if time.monotonic() - since < _IDLE_SECONDS:
+                    return connection
+                connection.close()
+        return peer.connect()
+
+    def _give_back(self, base_url: str, connection: http.client.HTTPConnection) -> None:
+        with self._lock:
+            if not self._closed:
+                self._idle[base_url].put((connection, time.monotonic()))
+                return
+        connection.close()  # a read that ran on after ``close``
+
+    def close(self) -> None:
+        """Closes the idle connections; a read still running closes its own when it ends."""
+        with self._lock:
+            self._closed = True
+            pools, self._idle = list(self._idle.values()), {}
+        for idle in pools:
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    idle.get_nowait()[0].close()
 
 
 def _download(
@@ -474,28 +564,6 @@ async def push_step(
             await _raise_for(response, f"commit of rank {manifest.rank} step {manifest.step} to {base_url}")
     except (TimeoutError, aiohttp.ClientError) as err:
         raise PeerFetchError(f"pushing rank {manifest.rank} step {manifest.step} to {base_url}: {err!r}") from None
-
-
-async def fetch_range(
-    session: aiohttp.ClientSession, url: str, token: str, offset: int, length: int, grant: str | None = None
-) -> bytes:
-    """Bytes ``[offset, offset + length)`` of one file a peer serves (a step's file or a parity shard).
-
-    Raises:
-      PeerFetchError: not reached, an error status, or fewer bytes than asked (``UnusablePeerCopy`` for 404/410).
-    """
-    headers = _headers(token, grant) | {"Range": f"bytes={offset}-{offset + length - 1}"}
-    try:
-        async with session.get(url, headers=headers) as response:
-            await _raise_for(response, f"GET {url}")
-            body = await response.read()
-    except (TimeoutError, aiohttp.ClientError) as err:
-        raise PeerFetchError(f"GET {url} bytes {offset}+{length}: {err!r}") from None
-    if response.status != 206 and offset:
-        body = body[offset : offset + length]  # a server that ignored the Range sent the whole file
-    if len(body) != length:
-        raise UnusablePeerCopy(f"GET {url}: {len(body)} of the {length} bytes at {offset}")
-    return body
 
 
 def file_url(base_url: str, namespace: str, job: str, rank: int, step: int, rel: str) -> str:
