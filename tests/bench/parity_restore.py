@@ -22,9 +22,9 @@ Run as root (tmpfs): ``python -m tests.bench.parity_restore [--mib N] [--redunda
 
 import argparse
 import asyncio
+import functools
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -48,7 +48,7 @@ from replicator.peer_tier.client import fetch_step
 from replicator.wire import redundancy
 from replicator.wire.bearer import Tokens
 from replicator.wire.messages import EncodeOrder, JobRef, MemberCopy, ParityRecipe, ShardCopy
-from tests.bench.peer_restore import JOB, NAMESPACE, STEP, TOKEN, start_server
+from tests.bench.peer_restore import JOB, NAMESPACE, STEP, TOKEN, start_server, timed
 
 MiB = 1 << 20
 FILE_BYTES = 64 * MiB
@@ -144,25 +144,11 @@ def restores(group: Group, lost: int, survivors: list[int]) -> dict[str, Callabl
 
 def measure(paths: dict[str, Callable[[str], Awaitable[None]]], dest_root: str, repetitions: int) -> list[dict]:
     """``repetitions`` samples (seconds per path) after one untimed warm-up of each, rotating which goes first."""
-    dest = os.path.join(dest_root, "restore")
+    return timed({name: functools.partial(_run, path) for name, path in paths.items()}, dest_root, repetitions)
 
-    def once(name: str) -> float:
-        os.mkdir(dest)
-        try:
-            start = time.perf_counter()
-            asyncio.run(paths[name](dest))
-            return time.perf_counter() - start
-        finally:
-            shutil.rmtree(dest)
 
-    order = list(paths)
-    for name in order:
-        once(name)
-    samples = []
-    for rep in range(repetitions):
-        rotated = order[rep % len(order) :] + order[: rep % len(order)]
-        samples.append({name: once(name) for name in rotated})
-    return samples
+def _run(path: Callable[[str], Awaitable[None]], dest: str) -> None:
+    asyncio.run(path(dest))
 
 
 def summary(samples: list[dict], build_seconds: list[float], same_per_decode_byte: float) -> dict:

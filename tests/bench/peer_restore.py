@@ -207,6 +207,12 @@ def measure(
     receivers: dict[str, Callable[[str], None]], dest_root: str, gib: float, repetitions: int
 ) -> list[dict[str, float]]:
     """``repetitions`` samples (GiB/s per path) after one untimed warm-up of each, rotating which goes first."""
+    return [{name: gib / s for name, s in sample.items()} for sample in timed(receivers, dest_root, repetitions)]
+
+
+def timed(receivers: dict[str, Callable[[str], None]], dest_root: str, repetitions: int) -> list[dict[str, float]]:
+    """``repetitions`` samples (seconds per path, each into an empty ``dest_root/restore``) after one untimed
+    warm-up of each, rotating which goes first."""
     dest = os.path.join(dest_root, "restore")
 
     def once(name: str) -> float:
@@ -214,7 +220,7 @@ def measure(
         try:
             start = time.perf_counter()
             receivers[name](dest)
-            return gib / (time.perf_counter() - start)
+            return time.perf_counter() - start
         finally:
             shutil.rmtree(dest)
 
