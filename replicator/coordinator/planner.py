@@ -235,7 +235,8 @@ def _step_sources(
 ) -> dict[int, tuple[PlannedSource, ...]]:
     """Per rank, the reachable copies of a step held as ``held`` (data rank -> copies) that serve it: its own
     data's and its identical peers', fastest first (``_ranked_sources``); empty for a rank none serves."""
-    sources, made = {}, {}
+    sources: dict[int, tuple[PlannedSource, ...]] = {}
+    made: dict[tuple[Tier, str, int], PlannedSource] = {}  # shared by the ranks listing a source
     for rank in range(nodes):
         candidates = [copy for data_rank in (rank, *peers.get(rank, ())) for copy in held.get(data_rank, ())]
         sources[rank] = _ranked_sources(candidates, node_of_rank[rank], block_of, usable, rank, made)
