@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import msgspec
 
-from replicator.wire.messages import JobSettings, NodeReport
+from replicator.wire.messages import JobSettings
 
 _FORM = re.compile(r"^(?:replicas|xor:(?P<xn>[0-9]{1,3})|rs:(?P<rn>[0-9]{1,3}):(?P<rk>[0-9]{1,2}))$")
 MAX_GROUP = 64
@@ -61,14 +61,13 @@ def parse(text: str) -> Redundancy:
     return Redundancy(group, parity)
 
 
-def of_job(settings: list[JobSettings], reports: list[NodeReport]) -> Redundancy:
-    """The job's setting: its ``replicator.yaml``'s (the lowest rank's that has one), else its nodes' common
-    ``--redundancy``; full replicas when the nodes disagree (the setting that needs nothing of the others)."""
-    for s in settings:
-        if s.redundancy is not None:
-            return _parsed(s.redundancy)
-    chosen = {r.redundancy for r in reports}
-    return _parsed(chosen.pop()) if len(chosen) == 1 else REPLICAS
+def of_job(settings: JobSettings | None, chosen: frozenset[str]) -> Redundancy:
+    """The job's setting: ``settings``' (the ``replicator.yaml`` of the lowest rank that has one), else its nodes'
+    common ``--redundancy`` (``chosen``: the values its nodes report); full replicas when the nodes disagree (the
+    setting that needs nothing of the others)."""
+    if settings is not None and settings.redundancy is not None:
+        return _parsed(settings.redundancy)
+    return _parsed(next(iter(chosen))) if len(chosen) == 1 else REPLICAS
 
 
 def _parsed(text: str) -> Redundancy:

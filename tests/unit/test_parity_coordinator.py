@@ -161,6 +161,20 @@ def test_a_mixed_job_encodes_only_the_ranks_without_a_data_parallel_peer_into_on
     assert str(parse("xor:4")) == "xor:4" and parity.parity_of(parse("xor:4"), (4, 5)) == 1
 
 
+def test_the_jobs_setting_follows_its_nodes_redundancy_within_an_incarnation_and_is_replicas_when_they_disagree():
+    # The nodes' settings are kept between decision passes: nodes that restart with another ``--redundancy`` in
+    # the same incarnation must still change the job's.
+    state = ClusterState()
+    job = Job(state, single(4), redundancy="replicas")
+    assert not any(job.round(1.0).values())  # full replicas: no parity
+    job.redundancy = "xor:4"
+    job.round(3.0, nodes=["n0"])
+    assert not any(state.reply_for(node).encode for node in job.slot)  # n1-n3 still say replicas
+    orders = job.round(5.0)
+    assert state.job(KEY).incarnation.incarnation_id == job.incarnation
+    assert all(orders.values()) and {o.step for node in orders for o in orders[node]} == {STEP}
+
+
 def test_under_xor_a_step_is_safe_only_once_every_node_holds_its_shard():
     state = ClusterState()
     state.expire(0.0)

@@ -172,6 +172,8 @@ class Memos:
       ordered_for: ...and were added to the beliefs' ``ordered`` for.
       replicas: the replicas the incarnation's nodes are configured for, as of ``replicas_for``:
         (incarnation id, ``Liveness.replicas_epoch``).
+      redundancy: the ``--redundancy`` settings the incarnation's nodes report, as of ``redundancy_for``:
+        (incarnation id, ``Liveness.redundancy_epoch``).
       known_steps: the steps held in any tier at the last sweep (tables are swept on a change).
       round_for: the incarnation id ``Decisions.round`` was chosen in.
       groups: the parity groups (``parity.groups``), chosen for ``groups_for``: (incarnation id, setting, ranks);
@@ -187,6 +189,8 @@ class Memos:
     ordered_for: tuple[str, int] | None = None
     replicas: int = 1
     replicas_for: tuple[str, int] | None = None
+    redundancy: frozenset[str] = frozenset()
+    redundancy_for: tuple[str, int] | None = None
     known_steps: frozenset[int] = frozenset()
     round_for: str | None = None
     groups: list[tuple[int, ...]] = dataclasses.field(default_factory=list)

@@ -56,6 +56,7 @@ class Liveness:
       stamp: bumped whenever a node's ``silent`` or ``given_up`` changes, or a node is forgotten.
       backup_nodes: nodes whose last report says they have a backup tier.
       replicas_epoch: bumped when a node reports a ``replicas`` setting it did not before.
+      redundancy_epoch: bumped when a node reports a ``redundancy`` setting it did not before.
       now: the time of the newest event applied; started: the time of the first one.
     """
 
@@ -66,6 +67,7 @@ class Liveness:
         self.stamp = 0
         self.backup_nodes: set[str] = set()
         self.replicas_epoch = 0
+        self.redundancy_epoch = 0
         self.now = 0.0
         self.started = float("inf")  # before the first report nothing is known
         self._by_touch: dict[str, None] = {}  # the nodes, least recently heard from first (``expire``)
@@ -139,6 +141,8 @@ class Liveness:
         (self.backup_nodes.add if state.report.has_backup else self.backup_nodes.discard)(node_id)
         if previous is None or previous.report.replicas != state.report.replicas:
             self.replicas_epoch += 1
+        if previous is None or previous.report.redundancy != state.report.redundancy:
+            self.redundancy_epoch += 1
 
     def expire(self, now: float, in_use: Callable[[], set[str]]) -> tuple[list[str], list[NodeState]]:
         """Marks nodes silent or given up, and picks those to forget: silent past the grace period
