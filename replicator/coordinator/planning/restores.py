@@ -208,6 +208,12 @@ def stalled(incarnation: Incarnation, rank: int, liveness: Liveness, lost: froze
     plan_ = incarnation.plan
     if plan_ is None or rank in incarnation.staged or plan_.step is None:
         return False
+    if plan_.saved_nodes is None and any(  # one copy: the usual answer, at its first usable source (each view asks)
+        (plan_.step, s.data_rank, s.holder) not in incarnation.excluded
+        and (s.tier in _NO_NODE_TIERS or liveness.is_live(s.holder))
+        for s in plan_.sources.get(rank, ())
+    ):
+        return False
     # One list of sources per copy the rank stages: in an elastic plan, one per old node (its ``data_rank``).
     parts: dict[int, list[planner.PlannedSource]] = {}
     for source in plan_.sources.get(rank, ()):
