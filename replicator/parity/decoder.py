@@ -83,6 +83,14 @@ async def rebuild(
         await run_all([functools.partial(chunk, stripe, offset) for stripe in plan for offset in offsets], IN_FLIGHT)
     finally:
         await asyncio.to_thread(chunks.close)  # after the chunks a failure or a cancel left on their threads
+    _verify(chunks, layout, shards, files, f"rank {rank} step {step}")
+
+
+def _verify(
+    chunks: "_Chunks", layout: GroupLayout, shards: Mapping[tuple[int, int], ShardCopy], files: Files, what: str
+) -> None:
+    """Raises CorruptCopy unless every parity shard read matches the CRC-32C it was built with and every rebuilt
+    file the one its owner reported (``what``: the rank and step, for the message)."""
     for (stripe, i), crc in chunks.shard_crcs().items():
         shard = shards[(stripe, i - layout.data)]
         if shard.crc32c is not None and f"{crc:08x}" != shard.crc32c:
@@ -90,8 +98,7 @@ async def rebuild(
     bad = sorted(rel for rel, crc in chunks.file_crcs().items() if f"{crc:08x}" != files[rel][1])
     if bad:
         raise CorruptCopy(
-            f"rank {rank} step {step} rebuilt from group {list(layout.members)} fails its checksums: "
-            + ", ".join(bad[:5])
+            f"{what} rebuilt from group {list(layout.members)} fails its checksums: " + ", ".join(bad[:5])
         )
 
 
